@@ -1,0 +1,5 @@
+import sys
+
+from fedpers.cli import main
+
+sys.exit(main())

@@ -1,0 +1,156 @@
+"""Command line: ``fedpers run ALGO``, ``fedpers sweep FILE.toml``, ``fedpers privacy RUN_DIR``."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import math
+import sys
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedpers import config as config_lib
+
+RUNTIME_FLAGS = "runtime options (every algorithm)"
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _add_fields(parser: argparse.ArgumentParser | Any, cls: type) -> None:
+    types = config_lib.field_types(cls)
+    for f in dataclasses.fields(cls):
+        tp = types[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0] if args else tp
+        default = f.default.value if isinstance(f.default, enum.Enum) else f.default
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f"{f.metadata.get('help', '')} (default: {default})"}
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            kwargs["choices"] = [e.value for e in tp]
+        else:
+            kwargs["metavar"] = f.name.upper()
+        parser.add_argument(_flag(f), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runner import RuntimeOptions
+
+    parser = argparse.ArgumentParser(prog="fedpers", description="Federated simulator for DP personalization (billboard model).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one algorithm and write a run directory")
+    algos = run.add_subparsers(dest="algorithm", required=True)
+    for name, exp in EXPERIMENTS.items():
+        p = algos.add_parser(name, help=(exp.__doc__ or name).strip().splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
+        p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
+        p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+        _add_fields(p.add_argument_group(f"{name} options"), exp.config_type)
+        _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
+    sw = sub.add_parser("sweep", help="run a grid from a TOML file; write a table and figures")
+    sw.add_argument("file", type=Path)
+    sw.add_argument("--out", type=Path, help="output directory (default: runs/sweep-<name>-<time>)")
+    sw.add_argument("--repetitions", type=int, help="override the number of Monte-Carlo repetitions")
+    sw.add_argument("--quiet", action="store_true")
+    pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)")
+    pr.add_argument("run_dir", type=Path)
+    pr.add_argument("--accountant", choices=["pld", "rdp"], default=None, help="re-account with this accountant")
+    return parser
+
+
+def split_values(cls: type, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}, {k: v for k, v in values.items() if k not in names}
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "inf" if math.isinf(v) else f"{v:.4g}"
+    return str(v)
+
+
+def print_summary(result: dict[str, Any], out: typing.TextIO = sys.stdout) -> None:
+    """A readable summary: privacy, the main metrics, and the baselines side by side."""
+    priv = result.get("privacy", {})
+    print(f"\n{result['algorithm']} on the {result['runtime']} runtime: {result['status']} in {result['seconds']:.1f} s", file=out)
+    if priv:
+        line = f"privacy: (ε, δ) = ({_fmt(priv.get('epsilon'))}, {_fmt(priv.get('delta'))}) by {priv.get('accountant', '?')}"
+        if "target_epsilon" in priv:
+            line += f" for target ε = {_fmt(priv['target_epsilon'])}"
+        if "noise_multiplier" in priv:
+            line += f"; noise multiplier {_fmt(priv['noise_multiplier'])}"
+        print(line, file=out)
+        if "paper_epsilon_same_noise" in priv:
+            print(f"         the paper's calibration would claim ε = {_fmt(priv['paper_epsilon_same_noise'])} for the same noise", file=out)
+    skip = {"algorithm", "status", "runtime", "seconds", "privacy", "baselines", "plots", "run_dir", "epsilon", "delta", "noise_multiplier", "skipped_metrics"}
+    rows = {"private run": {k: v for k, v in result.items() if k not in skip and not k.startswith("_") and isinstance(v, (int, float))}}
+    rows.update(result.get("baselines", {}))
+    cols = sorted({c for r in rows.values() for c in r if isinstance(r.get(c), (int, float))}, key=lambda c: list(rows["private run"]).index(c) if c in rows["private run"] else 99)
+    if cols:
+        width = max(len(r) for r in rows) + 2
+        print("\n" + "".ljust(width) + "".join(c.rjust(max(len(c), 10) + 2) for c in cols), file=out)
+        for name, r in rows.items():
+            cells = "".join((_fmt(r[c]) if isinstance(r.get(c), (int, float)) else "-").rjust(max(len(c), 10) + 2) for c in cols)
+            print(name.ljust(width) + cells, file=out)
+    for k, why in result.get("skipped_metrics", {}).items():
+        print(f"skipped {k}: {why}", file=out)
+    if "run_dir" in result:
+        print(f"\nrun directory: {result['run_dir']}", file=out)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.results import dumps
+    from fedpers.runner import RuntimeOptions, execute
+
+    exp = EXPERIMENTS[args.algorithm]
+    values: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            values.update(tomllib.loads(args.config.read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"config: cannot read {args.config}: {e}") from None
+    skip = {"command", "algorithm", "config", "out", "json", "quiet"}
+    values.update({k: v for k, v in vars(args).items() if k not in skip})
+    algo_values, runtime_values = split_values(exp.config_type, values)
+    cfg = config_lib.build(exp.config_type, algo_values)
+    options = config_lib.build(RuntimeOptions, runtime_values)
+    result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
+    result.pop("_rounds", None)
+    if args.json:
+        print(dumps(result, indent=None))
+    else:
+        print_summary(result)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from fedpers.sweep import run_sweep
+
+    run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet)
+    return 0
+
+
+def cmd_privacy(args: argparse.Namespace) -> int:
+    from fedpers.privacy_report import privacy_report
+
+    print(privacy_report(args.run_dir, args.accountant))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return {"run": cmd_run, "sweep": cmd_sweep, "privacy": cmd_privacy}[args.command](args)
+    except ValueError as e:
+        print(f"fedpers: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Frozen, typed configurations: built from TOML or the command line, validated at the boundary.
+
+Each field may carry ``meta(...)``: help text and a numeric range. :func:`build` coerces
+strings (enums, ``inf``), then :func:`validate` refuses any value outside its range with a
+message that names the field and the allowed range.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import typing
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+def meta(help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None, flag: str | None = None) -> dict[str, Any]:
+    return {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "flag": flag}
+
+
+def field(default: Any, help: str, **bounds: Any) -> Any:
+    return dataclasses.field(default=default, metadata=meta(help, **bounds))
+
+
+def _range_text(m: Mapping[str, Any]) -> str:
+    lo = f"> {m['gt']}" if m.get("gt") is not None else (f">= {m['ge']}" if m.get("ge") is not None else "")
+    hi = f"< {m['lt']}" if m.get("lt") is not None else (f"<= {m['le']}" if m.get("le") is not None else "")
+    return " and ".join(p for p in (lo, hi) if p) or "any value"
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if value is None:
+        return None
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
+        tp = args[0]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value.value if isinstance(value, enum.Enum) else value)
+        except ValueError:
+            allowed = ", ".join(e.value for e in tp)
+            raise ValueError(f"{name} must be one of {allowed}; got {value!r}") from None
+    try:
+        if tp is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes"):
+                    return True
+                if value.lower() in ("0", "false", "no"):
+                    return False
+                raise ValueError
+            return bool(value)
+        if tp is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+        if tp is Path:
+            return Path(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be of type {getattr(tp, '__name__', tp)}; got {value!r}") from None
+    return value
+
+
+def validate(cfg: Any) -> None:
+    """Refuse values outside each field's declared range (NaN is refused everywhere)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        m = f.metadata
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError(f"{f.name} must be a number ({_range_text(m)}); got nan")
+        bad = (
+            (m.get("gt") is not None and not value > m["gt"])
+            or (m.get("ge") is not None and not value >= m["ge"])
+            or (m.get("lt") is not None and not value < m["lt"])
+            or (m.get("le") is not None and not value <= m["le"])
+        )
+        if bad:
+            raise ValueError(f"{f.name} must be {_range_text(m)}; got {value}")
+    check = getattr(cfg, "check", None)
+    if check is not None:
+        check()
+
+
+def build(cls: type[T], values: Mapping[str, Any]) -> T:
+    """Coerce ``values`` to ``cls``'s field types, construct, and validate. Unknown keys are refused."""
+    types = field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    cfg = cls(**{k: _coerce(k, types[k], v) for k, v in values.items()})
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain JSON/TOML-friendly dict (enums as values, paths as strings, inf as the string 'inf')."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, enum.Enum):
+            v = v.value
+        elif isinstance(v, Path):
+            v = str(v)
+        elif isinstance(v, float) and math.isinf(v):
+            v = "inf" if v > 0 else "-inf"
+        out[f.name] = v
+    return out

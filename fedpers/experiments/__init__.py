@@ -1,0 +1,7 @@
+"""Registry of runnable algorithms (``fedpers run NAME``)."""
+from fedpers.experiments.altmin import AltMinExperiment
+from fedpers.experiments.base import Evaluator, Experiment
+
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (AltMinExperiment(),)}
+
+__all__ = ["EXPERIMENTS", "Evaluator", "Experiment"]

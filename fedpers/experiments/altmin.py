@@ -1,0 +1,225 @@
+"""`fedpers run altmin`: user-level private AltMin (SPEC §1) with its baselines."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedpers import linalg, metrics
+from fedpers.config import field
+from fedpers.data import synthetic
+from fedpers.data.files import load_altmin_npz
+from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
+from fedpers.runtime.local import run_local
+
+Tensor = torch.Tensor
+LOCAL_ONLY_RIDGE = 1e-6
+
+
+@dataclass(frozen=True)
+class AltMinConfig:
+    n_users: int = field(50000, "number of users n (synthetic data)", ge=1)
+    dim: int = field(10, "feature dimension d", ge=2)
+    rank: int = field(2, "subspace rank k (< d)", ge=1)
+    samples_per_user: int = field(16, "samples per user m (a multiple of 4)", ge=4)
+    noise_std: float = field(0.1, "label noise σ_F", ge=0.0)
+    epsilon: float = field(4.0, "user-level ε over the whole run (inf: clipped, no noise)", gt=0.0)
+    delta: float = field(1e-5, "user-level δ", gt=0.0, lt=1.0)
+    rounds: int = field(2, "AltMin rounds T after the private initialisation", ge=1)
+    cohorts: Cohorts = field(Cohorts.DISJOINT, "disjoint: each user in one round (parallel composition); all: every round")
+    clip_model: float = field(0.7, "c_η: model clip η = c_η √(dk)", gt=0.0)
+    clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
+    psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
+    accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
+    seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
+    device: str = field("cpu", "torch device: cpu or cuda")
+    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    data: Path | None = field(None, "per-user data file (.npz, schema in the README) instead of synthetic data")
+    chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory)", ge=1)
+
+    def check(self) -> None:
+        if self.samples_per_user % 4:
+            raise ValueError(f"samples_per_user must be a multiple of 4; got {self.samples_per_user}")
+        if self.rank >= self.dim:
+            raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
+        if self.cohorts is Cohorts.DISJOINT and self.n_users < self.rounds:
+            raise ValueError(f"n_users must be >= rounds={self.rounds} for disjoint cohorts; got {self.n_users}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda[:i]; got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but no CUDA device is available")
+        if self.dtype not in ("float64", "float32"):
+            raise ValueError(f"dtype must be float64 or float32; got {self.dtype!r}")
+
+
+@lru_cache(maxsize=4)
+def _file(path: str, rank: int) -> dict[str, Tensor]:
+    return load_altmin_npz(path, rank)
+
+
+def resolve(cfg: AltMinConfig) -> AltMinConfig:
+    """With ``data`` set, n, m and d come from the file (and the file is checked now, before any work)."""
+    if cfg.data is None:
+        return cfg
+    arrays = _file(str(cfg.data), cfg.rank)
+    n, m, d = arrays["x"].shape
+    out = replace(cfg, n_users=int(n), samples_per_user=int(m), dim=int(d))
+    out.check()
+    return out
+
+
+def clip_bounds(cfg: AltMinConfig) -> tuple[float, float]:
+    """η = c_η √(dk), ζ = c_ζ √(k + σ_F²): data-independent (public d, k, σ_F)."""
+    return cfg.clip_model * math.sqrt(cfg.dim * cfg.rank), cfg.clip_label * math.sqrt(cfg.rank + cfg.noise_std**2)
+
+
+def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
+    cfg = resolve(cfg)
+    eta, zeta = clip_bounds(cfg) if private else (math.inf, math.inf)
+    proto = AltMinProtocol(
+        n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user, rounds=cfg.rounds,
+        eta=eta, zeta=zeta, noise_multiplier=0.0, cohorts=cfg.cohorts,
+        cohort_seed=derived_seed(cfg.seed, "cohorts"), psd=cfg.psd, dtype_name=cfg.dtype,
+    )
+    if not private:
+        return proto
+    releases = proto.releases_per_user()
+    z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases), cfg.epsilon, cfg.delta, cfg.accountant)
+    return replace(proto, noise_multiplier=z)
+
+
+def truth(cfg: AltMinConfig) -> Tensor | None:
+    if cfg.data is not None:
+        return _file(str(cfg.data), cfg.rank).get("u_star")
+    return synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank)
+
+
+def load_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
+    """Data of the given users: a slice of the file, or the synthetic users generated from (seed, id)."""
+    cfg = resolve(cfg)
+    ids = ids.to(torch.int64).cpu()
+    if cfg.data is not None:
+        arrays = _file(str(cfg.data), cfg.rank)
+        out = {k: v[ids] for k, v in arrays.items() if k != "u_star"}
+    else:
+        out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, truth(cfg), cfg.samples_per_user, cfg.noise_std)
+    dtype = getattr(torch, cfg.dtype)
+    return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
+
+
+def paper_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
+    """ε the paper's calibration (Lemmas 4.3/4.5: σ = Δ·sqrt(8 log(1/δ))/ε per release) claims for this noise.
+
+    Composing R such releases by the same RDP argument gives sqrt(8 R log(1/δ)) / (σ/Δ).
+    """
+    if noise_multiplier == 0:
+        return math.inf
+    return math.sqrt(8 * releases * math.log(1 / delta)) / (noise_multiplier / 2)
+
+
+class AltMinEvaluator(Evaluator):
+    """Exact metrics from U*, v*; baselines on the same users."""
+
+    def __init__(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> None:
+        self.cfg, self.protocol = resolve(cfg), protocol
+        self.u_star = truth(cfg)
+        self.units = load_units(self.cfg, torch.arange(self.cfg.n_users))
+        self.init_U: Tensor | None = None
+
+    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+        if round == 0:
+            self.init_U = state["U"]
+        if self.u_star is None:
+            return {}
+        U = state["U"]
+        return {"subspace_error": metrics.subspace_error(U, self.u_star), "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star)}
+
+    def of_subspace(self, U: Tensor) -> dict[str, float | None]:
+        v = self.protocol.personalize(U, self.units)
+        return self.of_models(U.to(v.dtype) @ v.unsqueeze(-1), U)
+
+    def of_models(self, theta: Tensor, U: Tensor | None = None) -> dict[str, float | None]:
+        theta = theta.squeeze(-1) if theta.dim() == 3 else theta
+        out: dict[str, float | None] = {}
+        u_star, units = self.u_star, self.units
+        if u_star is not None and U is not None:
+            out["subspace_error"] = metrics.subspace_error(U, u_star)
+            out["subspace_error_spectral"] = metrics.subspace_error_spectral(U, u_star)
+        if u_star is not None and "v_star" in units:
+            theta_star = units["v_star"].double() @ u_star.double().T
+            out["excess_risk"] = metrics.excess_risk(theta, theta_star)
+            out["test_mse"] = out["excess_risk"] + self.cfg.noise_std**2
+        if "x_test" in units:
+            out["test_mse"] = metrics.mse(theta, units["x_test"], units["y_test"])
+        return out
+
+    def local_only(self) -> dict[str, float | None]:
+        x, y = self.units["x"].double(), self.units["y"].double()
+        return self.of_models(linalg.batched_ridge_solve(x, y, LOCAL_ONLY_RIDGE))
+
+    def final(self, state: Any) -> dict[str, Any]:
+        out = self.of_subspace(state["U"])
+        skipped = [k for k in ("subspace_error", "excess_risk") if k not in out or out[k] is None]
+        nonprivate = make_protocol(self.cfg, private=False)
+        np_state, _ = run_local(nonprivate, self.units, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
+        baselines = {
+            "nonprivate_altmin": self.of_subspace(np_state["U"]),
+            "local_only": self.local_only(),
+            "private_init_only": self.of_subspace(self.init_U) if self.init_U is not None else {},
+        }
+        if self.u_star is not None:
+            baselines["oracle"] = self.of_subspace(self.u_star.to(self.units["x"].dtype))
+        out["baselines"] = baselines
+        if skipped:
+            out["skipped_metrics"] = {k: "the data has no true U*/v*" for k in skipped}
+        return out
+
+
+class AltMinExperiment(Experiment):
+    name = "altmin"
+    config_type = AltMinConfig
+
+    def protocol(self, cfg: AltMinConfig) -> AltMinProtocol:
+        return make_protocol(cfg)
+
+    def num_units(self, cfg: AltMinConfig) -> int:
+        return resolve(cfg).n_users
+
+    def units(self, cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
+        return {k: v for k, v in load_units(cfg, ids).items() if k in ("ids", "x", "y")}
+
+    def evaluator(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> AltMinEvaluator:
+        return AltMinEvaluator(cfg, protocol)
+
+    def privacy_summary(self, cfg: AltMinConfig, protocol: AltMinProtocol, ledger: Ledger) -> dict[str, Any]:
+        releases = protocol.releases_per_user()
+        return {
+            "epsilon": ledger_epsilon(ledger, cfg.delta, cfg.accountant),
+            "delta": cfg.delta,
+            "target_epsilon": cfg.epsilon,
+            "accountant": cfg.accountant.value,
+            "neighbouring": "replace-one user",
+            "noise_multiplier": protocol.noise_multiplier,
+            "releases_per_user": releases,
+            "paper_epsilon_same_noise": paper_epsilon(protocol.noise_multiplier, releases, cfg.delta),
+        }
+
+    def plot_keys(self) -> tuple[str, ...]:
+        return ("subspace_error",)
+
+    def describe(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> dict[str, Any]:
+        return {
+            "eta": protocol.eta, "zeta": protocol.zeta,
+            "eta_formula": "c_η √(dk)", "zeta_formula": "c_ζ √(k + σ_F²)",
+            "noise_multiplier": protocol.noise_multiplier,
+            "noise_std_init": protocol.noise_std(protocol.init_bound),
+            "noise_std_A": protocol.noise_std(protocol.a_bound),
+            "noise_std_b": protocol.noise_std(protocol.b_bound),
+            "psd_method": protocol.psd.value,
+        }

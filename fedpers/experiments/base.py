@@ -1,0 +1,67 @@
+"""What every algorithm provides to the runner, the CLI, the sweeps and the Flower apps.
+
+An :class:`Experiment` turns a frozen config into: the public protocol (calibrated,
+data-independent), the data of any subset of units (so a Flower node can load only its
+own), an evaluator for per-round and final metrics, and the privacy summary.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from fedpers.privacy import Ledger
+from fedpers.protocols.base import Protocol, Units
+
+Tensor = torch.Tensor
+
+
+def derived_seed(seed: int, stream: str) -> int:
+    """Independent named generator seeds from one run seed (data, cohorts, noise, ...)."""
+    key = [int(seed)] + [ord(c) for c in stream]
+    return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+class Evaluator(abc.ABC):
+    """Measures a run against the truth the simulator knows (the runtime never sees it)."""
+
+    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+        return {}
+
+    @abc.abstractmethod
+    def final(self, state: Any) -> dict[str, Any]:
+        """Final metrics (and baselines) for the final server state."""
+
+
+class Experiment(abc.ABC):
+    name: str
+    config_type: type
+    primary_metric: str = "excess_risk"
+
+    @abc.abstractmethod
+    def protocol(self, cfg: Any) -> Protocol:
+        """The public protocol for ``cfg`` with noise calibrated to its (ε, δ)."""
+
+    @abc.abstractmethod
+    def num_units(self, cfg: Any) -> int: ...
+
+    @abc.abstractmethod
+    def units(self, cfg: Any, ids: Tensor) -> Units:
+        """Data of the units with these global ids (what a client holds)."""
+
+    @abc.abstractmethod
+    def evaluator(self, cfg: Any, protocol: Protocol) -> Evaluator: ...
+
+    @abc.abstractmethod
+    def privacy_summary(self, cfg: Any, protocol: Protocol, ledger: Ledger) -> dict[str, Any]:
+        """ε from the accountant over the ledger, the noise, and the paper's own calibration."""
+
+    def plot_keys(self) -> tuple[str, ...]:
+        """Per-round metrics worth a PNG."""
+        return ()
+
+    def describe(self, cfg: Any, protocol: Protocol) -> Mapping[str, Any]:
+        """Derived constants worth writing into the run directory."""
+        return {}

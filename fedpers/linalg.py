@@ -1,0 +1,108 @@
+"""Pure, batched linear algebra used by the protocols.
+
+Every function works on a leading batch of units, on any device, and never
+draws randomness: noise belongs to :mod:`fedpers.privacy`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def require_finite(x: Tensor, name: str) -> None:
+    """Refuse NaN/inf: a NaN norm compares false against any bound and would slip past a clip."""
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{name} has {bad} non-finite value(s); all values must be finite")
+
+
+def clip_factor(norms: Tensor, bound: float) -> Tensor:
+    """min(1, bound / norm), equal to 1 where the norm is zero (no division by zero)."""
+    if math.isinf(bound):
+        return torch.ones_like(norms)
+    return torch.where(norms > bound, bound / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
+
+
+def clip_vectors(x: Tensor, bound: float, dims: int = 1) -> Tensor:
+    """Clip each vector (or matrix, ``dims`` trailing dims, Frobenius norm) to norm ``bound``."""
+    flat = x.flatten(start_dim=x.dim() - dims)
+    factor = clip_factor(torch.linalg.vector_norm(flat, dim=-1), bound)
+    return x * factor.reshape(factor.shape + (1,) * dims)
+
+
+def clip_scalar(y: Tensor, bound: float) -> Tensor:
+    """max(-c, min(c, y))."""
+    if math.isinf(bound):
+        return y
+    return y.clamp(-bound, bound)
+
+
+def sym(w: Tensor) -> Tensor:
+    """(W + Wᵀ)/2 over the last two dims; keeps ||sym(W)||_F ≤ ||W||_F."""
+    return (w + w.transpose(-1, -2)) / 2
+
+
+def project_frobenius_ball(x: Tensor, radius: float, dims: int = 2) -> Tensor:
+    """Π_R: project onto the Frobenius ball of radius R (batched over leading dims)."""
+    return clip_vectors(x, radius, dims=dims)
+
+
+def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
+    """argmin_v ||features v - targets||² + ridge ||v||², batched.
+
+    features (..., m, k), targets (..., m) -> (..., k). The ridge is only for numerical
+    safety; it is scaled by the mean diagonal of the Gram matrix so it is unit-free.
+    """
+    gram = features.transpose(-1, -2) @ features
+    k = gram.shape[-1]
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True).clamp_min(1.0)
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    gram = gram + (ridge * scale).unsqueeze(-1) * eye
+    rhs = (features.transpose(-1, -2) @ targets.unsqueeze(-1)).squeeze(-1)
+    chol, info = torch.linalg.cholesky_ex(gram)
+    if bool((info == 0).all()):
+        return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
+    return torch.linalg.lstsq(gram, rhs.unsqueeze(-1)).solution.squeeze(-1)
+
+
+def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:
+    """Σ_j (v_j v_jᵀ) ⊗ S_j as a (dk, dk) matrix without forming any per-unit Kronecker product.
+
+    v (n, k), s (n, d, d). Index (a, p) of the result is a·d + p, which matches
+    column-stacking vec(x vᵀ) = v ⊗ x.
+    """
+    n, k = v.shape
+    d = s.shape[-1]
+    vv = (v.unsqueeze(-1) * v.unsqueeze(-2)).reshape(n, k * k)
+    blocks = (vv.transpose(0, 1) @ s.reshape(n, d * d)).reshape(k, k, d, d)
+    return blocks.permute(0, 2, 1, 3).reshape(k * d, k * d)
+
+
+def vec_to_matrix(u: Tensor, d: int, k: int) -> Tensor:
+    """Inverse of column-stacking vec: (dk,) -> (d, k)."""
+    return u.reshape(k, d).transpose(0, 1)
+
+
+def orthonormal_basis(u: Tensor) -> Tensor:
+    """Q of the thin QR of u (d, k), with signs fixed so diag(R) ≥ 0 (deterministic)."""
+    q, r = torch.linalg.qr(u)
+    signs = torch.sign(torch.diagonal(r))
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    return q * signs
+
+
+def top_eigenvectors(m: Tensor, k: int) -> Tensor:
+    """Eigenvectors of the k largest eigenvalues of a symmetric matrix, as a (d, k) orthonormal basis."""
+    _, vecs = torch.linalg.eigh(sym(m))
+    return vecs[:, -k:].flip(-1)
+
+
+def psd_eigen_floor(a: Tensor, floor: float) -> tuple[Tensor, int]:
+    """Raise every eigenvalue of symmetric ``a`` to at least ``floor``; returns (matrix, how many raised)."""
+    vals, vecs = torch.linalg.eigh(sym(a))
+    raised = int((vals < floor).sum())
+    vals = vals.clamp_min(floor)
+    return (vecs * vals) @ vecs.transpose(0, 1), raised

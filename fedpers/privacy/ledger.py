@@ -1,0 +1,115 @@
+"""The privacy ledger: one immutable record per noisy release.
+
+Each record carries a dp-accounting event (``GaussianDpEvent`` and friends) plus what a
+reader needs to audit it: the per-unit bound, the noise actually added, and which units
+the release touched. Accounting is a separate step (:mod:`fedpers.privacy.accountant`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import dp_accounting
+
+ALL_UNITS = "all"
+
+
+@dataclass(frozen=True)
+class PureDpEvent(dp_accounting.DpEvent):
+    """An ε-DP mechanism with δ = 0 (the exponential mechanism); dp-accounting has no such event."""
+
+    epsilon: float
+
+
+@dataclass(frozen=True)
+class Release:
+    """One noisy release. ``units`` is ``"all"`` or the label of a disjoint group (e.g. ``"cohort:3"``)."""
+
+    round: int
+    name: str
+    mechanism: str
+    per_unit_bound: float
+    sensitivity: float
+    noise_std: float
+    units: str
+    event: dp_accounting.DpEvent
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ / per-unit bound (dp-accounting's convention); ∞ for a pure-ε mechanism."""
+        if isinstance(self.event, dp_accounting.GaussianDpEvent):
+            return self.event.noise_multiplier
+        return math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "event"}
+        out["event"] = event_to_dict(self.event)
+        return out
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Release":
+        return Release(**{**d, "event": event_from_dict(d["event"])})
+
+
+def event_to_dict(event: dp_accounting.DpEvent) -> dict[str, Any]:
+    if isinstance(event, dp_accounting.GaussianDpEvent):
+        return {"type": "gaussian", "noise_multiplier": event.noise_multiplier}
+    if isinstance(event, PureDpEvent):
+        return {"type": "pure", "epsilon": event.epsilon}
+    if isinstance(event, dp_accounting.NonPrivateDpEvent):
+        return {"type": "non_private"}
+    raise TypeError(f"cannot serialise dp event {event!r}")
+
+
+def event_from_dict(d: dict[str, Any]) -> dp_accounting.DpEvent:
+    kind = d["type"]
+    if kind == "gaussian":
+        return dp_accounting.GaussianDpEvent(float(d["noise_multiplier"]))
+    if kind == "pure":
+        return PureDpEvent(float(d["epsilon"]))
+    if kind == "non_private":
+        return dp_accounting.NonPrivateDpEvent()
+    raise ValueError(f"unknown dp event type {kind!r}; expected gaussian, pure or non_private")
+
+
+class Ledger:
+    """Append-only list of releases (a release is validated before it is appended)."""
+
+    def __init__(self, releases: list[Release] | None = None) -> None:
+        self._releases: list[Release] = list(releases or [])
+
+    def append(self, release: Release) -> None:
+        if not isinstance(release, Release):
+            raise TypeError(f"expected a Release, got {type(release).__name__}")
+        self._releases.append(release)
+
+    def __iter__(self) -> Iterator[Release]:
+        return iter(self._releases)
+
+    def __len__(self) -> int:
+        return len(self._releases)
+
+    @property
+    def releases(self) -> tuple[Release, ...]:
+        return tuple(self._releases)
+
+    def groups(self) -> list[str]:
+        """Disjoint unit groups that some release touched (not ``all``)."""
+        return sorted({r.units for r in self._releases if r.units != ALL_UNITS})
+
+    def touching(self, group: str) -> list[Release]:
+        """Releases that touch a unit of ``group``: the group's own and every ``all`` release."""
+        return [r for r in self._releases if r.units in (ALL_UNITS, group)]
+
+    def to_json(self) -> str:
+        return json.dumps([r.to_dict() for r in self._releases], indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Ledger":
+        return Ledger([Release.from_dict(d) for d in json.loads(text)])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Ledger) and self._releases == other._releases

@@ -1,0 +1,34 @@
+"""`fedpers privacy RUN_DIR`: the ledger of a run and the (ε, δ) an accountant gives for it."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from fedpers.privacy import Accountant, Ledger, ledger_epsilon
+from fedpers.results import read_run
+
+
+def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
+    run = read_run(run_dir)
+    cfg = run["config"]
+    ledger = Ledger.from_json(run["ledger_text"])
+    delta = float(cfg.get("delta", 1e-5))
+    acc = Accountant(accountant or cfg.get("accountant", "pld"))
+    lines = [f"run: {run_dir}  algorithm: {cfg.get('algorithm')}  releases: {len(ledger)}", ""]
+    lines.append(f"{'round':>5} {'name':<16} {'mechanism':<19} {'units':<10} {'bound':>10} {'sensitivity':>11} {'noise std':>10} {'z':>8}")
+    for r in ledger:
+        z = r.noise_multiplier
+        lines.append(
+            f"{r.round:>5} {r.name:<16} {r.mechanism:<19} {r.units:<10} {r.per_unit_bound:>10.4g} {r.sensitivity:>11.4g} "
+            f"{r.noise_std:>10.4g} {('-' if math.isinf(z) else f'{z:.4g}'):>8}"
+        )
+    eps = ledger_epsilon(ledger, delta, acc)
+    lines += ["", f"user-level (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc.value} accountant, replace-one neighbours"]
+    if len(ledger.groups()) > 1:
+        lines.append(f"  (parallel composition over {len(ledger.groups())} disjoint groups; worst group reported)")
+    priv = run.get("result", {}).get("privacy", {})
+    if "paper_epsilon_same_noise" in priv:
+        lines.append(f"the paper's calibration would claim ε = {float(priv['paper_epsilon_same_noise']):.4g} for the same noise")
+    if "error" in run:
+        lines.append(f"note: the run failed after {run['error'].get('rounds_completed')} round(s): {run['error'].get('error')}")
+    return "\n".join(lines)

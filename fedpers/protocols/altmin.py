@@ -1,0 +1,211 @@
+"""User-level private alternating minimisation with private initialisation.
+
+SPEC §1 (Algorithms 1–3 of the personalization paper). Round 0 releases the private
+initialisation statistic; rounds 1..T each run one AltMin step over a cohort of users:
+local least squares for v_j on Q1, clipped statistics on Q2 in Kronecker form, server
+solve for U. The final v_j solve on Q3∪Q4 is local (:meth:`AltMinProtocol.personalize`).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import dp_accounting
+import torch
+
+from fedpers import linalg
+from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+
+Tensor = torch.Tensor
+LOCAL_RIDGE = 1e-8
+
+
+class Cohorts(str, enum.Enum):
+    DISJOINT = "disjoint"
+    ALL = "all"
+
+
+class PsdMethod(str, enum.Enum):
+    """How a noisy (possibly indefinite) A is made positive definite before the solve."""
+
+    EIGEN_FLOOR = "eigen_floor"
+    RIDGE = "ridge"
+
+
+@dataclass(frozen=True)
+class AltMinProtocol(Protocol):
+    """Public parameters of one private AltMin run (everything here is data-independent)."""
+
+    n_users: int
+    dim: int
+    rank: int
+    samples_per_user: int
+    rounds: int
+    eta: float
+    zeta: float
+    noise_multiplier: float
+    cohorts: Cohorts = Cohorts.DISJOINT
+    cohort_seed: int = 0
+    psd: PsdMethod = PsdMethod.EIGEN_FLOOR
+    dtype_name: str = "float64"
+    _cohort_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    name = "altmin"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def num_rounds(self) -> int:
+        return self.rounds + 1
+
+    @property
+    def quarter(self) -> int:
+        return self.samples_per_user // 4
+
+    # ----- privacy bookkeeping -------------------------------------------------------
+    @property
+    def init_bound(self) -> float:
+        """Per-user Frobenius bound of the init statistic: (pairs) ζ², pairs = m/4."""
+        return self.quarter * self.zeta**2
+
+    @property
+    def a_bound(self) -> float:
+        return self.quarter * self.eta**2
+
+    @property
+    def b_bound(self) -> float:
+        return self.quarter * self.eta * self.zeta
+
+    def noise_std(self, bound: float) -> float:
+        """σ = z · per-unit bound (0 when there is no noise, also for an unbounded statistic)."""
+        return self.noise_multiplier * bound if self.noise_multiplier > 0 else 0.0
+
+    def releases_per_user(self) -> int:
+        """Gaussian releases that touch one user: init, plus (A, b) per round the user is in."""
+        rounds_in = 1 if self.cohorts is Cohorts.DISJOINT else self.rounds
+        return 1 + 2 * rounds_in
+
+    @staticmethod
+    def user_event(noise_multiplier: float, releases: int) -> dp_accounting.DpEvent:
+        return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(noise_multiplier)] * releases)
+
+    def group(self, round: int) -> str:
+        if round == 0 or self.cohorts is Cohorts.ALL:
+            return ALL_UNITS
+        return f"cohort:{round}"
+
+    def cohort_of(self, ids: Tensor) -> Tensor:
+        """Cohort (1..T) of each user id, from a public permutation of all n users."""
+        key = str(ids.device)
+        if key not in self._cohort_cache:
+            g = torch.Generator().manual_seed(self.cohort_seed)
+            perm = torch.randperm(self.n_users, generator=g)
+            position = torch.empty_like(perm)
+            position[perm] = torch.arange(self.n_users)
+            self._cohort_cache[key] = (position * self.rounds // self.n_users + 1).to(ids.device)
+        return self._cohort_cache[key][ids]
+
+    # ----- protocol ------------------------------------------------------------------
+    def unit_keys(self) -> tuple[str, ...]:
+        return ("x", "y")
+
+    def initial_state(self) -> dict[str, Tensor]:
+        return {}
+
+    def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
+        return {} if round == 0 else {"U": state["U"]}
+
+    def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
+        d, k = self.dim, self.rank
+        if round == 0:
+            return (StatSpec("W", (d, d), self.init_bound),)
+        return (StatSpec("A", (d * k, d * k), self.a_bound), StatSpec("b", (d * k,), self.b_bound))
+
+    def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        x, y, ids = units["x"].to(self.dtype), units["y"].to(self.dtype), units["ids"]
+        if round == 0:
+            return Message({"W": self.init_statistic(x, y)}, int(ids.shape[0]))
+        if self.cohorts is Cohorts.DISJOINT:
+            keep = self.cohort_of(ids) == round
+            x, y = x[keep], y[keep]
+        A, b = self.round_statistics(broadcast["U"].to(self.dtype), x, y)
+        return Message({"A": A, "b": b}, int(x.shape[0]))
+
+    def server_update(
+        self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
+    ) -> tuple[dict[str, Tensor], dict[str, float]]:
+        z, group = self.noise_multiplier, self.group(round)
+        if round == 0:
+            M = privatizer.symmetric_gaussian_sum(
+                summed.stats["W"], per_unit_bound=self.init_bound, noise_multiplier=z, name="init.W", round=0, units=group
+            )
+            return {"U": linalg.top_eigenvectors(M, self.rank)}, {"noise_std_W": self.noise_std(self.init_bound)}
+        A = privatizer.symmetric_gaussian_sum(
+            summed.stats["A"], per_unit_bound=self.a_bound, noise_multiplier=z, name=f"round{round}.A", round=round, units=group
+        )
+        b = privatizer.gaussian_sum(
+            summed.stats["b"], per_unit_bound=self.b_bound, noise_multiplier=z, name=f"round{round}.b", round=round, units=group
+        )
+        U, info = self.solve_subspace(A, b, noise_std_a=self.noise_std(self.a_bound))
+        return {"U": U}, info
+
+    # ----- the math ------------------------------------------------------------------
+    def init_statistic(self, x: Tensor, y: Tensor) -> Tensor:
+        """Σ_users Σ_pairs sym(x_a x_bᵀ/(|x_a||x_b|) clip(y_a) clip(y_b)) over the second half (Algorithm 3)."""
+        q = self.quarter
+        xa, xb = x[:, 2 * q :: 2], x[:, 2 * q + 1 :: 2]
+        ya, yb = linalg.clip_scalar(y[:, 2 * q :: 2], self.zeta), linalg.clip_scalar(y[:, 2 * q + 1 :: 2], self.zeta)
+        na, nb = torch.linalg.vector_norm(xa, dim=-1), torch.linalg.vector_norm(xb, dim=-1)
+        denom = na * nb
+        coef = torch.where(denom > 0, ya * yb / denom.clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(denom))
+        d = x.shape[-1]
+        w = (xa * coef.unsqueeze(-1)).reshape(-1, d).transpose(0, 1) @ xb.reshape(-1, d)
+        return linalg.sym(w)
+
+    def local_solve(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
+        """v_j = argmin_v Σ_i (y_ij − <Uᵀx_ij, v>)² for every user (tiny ridge for safety)."""
+        return linalg.batched_ridge_solve(x @ U, y, LOCAL_RIDGE)
+
+    def round_statistics(self, U: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Σ_j A_j and Σ_j b_j (Algorithm 2) in Kronecker form: A_j = (v_j v_jᵀ) ⊗ Σ_i c_ij² x_ij x_ijᵀ."""
+        q, d, k = self.quarter, self.dim, self.rank
+        if x.shape[0] == 0:
+            return torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device), torch.zeros(d * k, dtype=x.dtype, device=x.device)
+        v = self.local_solve(U, x[:, :q], y[:, :q])
+        x2, y2 = x[:, q : 2 * q], y[:, q : 2 * q]
+        scale = torch.linalg.vector_norm(x2, dim=-1) * torch.linalg.vector_norm(v, dim=-1, keepdim=True)
+        c = linalg.clip_factor(scale, self.eta)
+        xc = x2 * c.unsqueeze(-1)
+        S = xc.transpose(1, 2) @ xc
+        A = linalg.kron_vvT_sum(v, S)
+        t = (xc * linalg.clip_scalar(y2, self.zeta).unsqueeze(-1)).sum(1)
+        b = (v.transpose(0, 1) @ t).reshape(d * k)
+        return A, b
+
+    def solve_subspace(self, A: Tensor, b: Tensor, noise_std_a: float) -> tuple[Tensor, dict[str, float]]:
+        """u = argmin uᵀAu − 2uᵀb after making A positive definite; U = Q of QR(mat(u)).
+
+        The floor / ridge is 2σ_A√(dk), about the spectral norm of the symmetric noise, so
+        it is data-independent and spends no privacy.
+        """
+        dk = A.shape[0]
+        scale = float(torch.linalg.matrix_norm(A, ord=2)) if noise_std_a == 0 else 0.0
+        level = 2 * noise_std_a * math.sqrt(dk) + 1e-10 * max(scale, 1e-30)
+        if self.psd is PsdMethod.EIGEN_FLOOR:
+            A_pd, raised = linalg.psd_eigen_floor(A, level)
+        else:
+            A_pd, raised = A + level * torch.eye(dk, dtype=A.dtype, device=A.device), 0
+        u = torch.linalg.solve(A_pd, b)
+        U = linalg.orthonormal_basis(linalg.vec_to_matrix(u, self.dim, self.rank))
+        return U, {"psd_level": level, "eigenvalues_raised": float(raised)}
+
+    def personalize(self, U: Tensor, units: Units) -> Tensor:
+        """Final local solve of every user's v_j on Q3∪Q4 with the last U (billboard model: never sent)."""
+        x, y = units["x"].to(self.dtype), units["y"].to(self.dtype)
+        h = 2 * self.quarter
+        return self.local_solve(U.to(self.dtype), x[:, h:], y[:, h:])

@@ -1,0 +1,129 @@
+"""The one federated protocol of the billboard model, as data plus two functions.
+
+Round r: the server publishes ``broadcast(state, r)``; each client calls
+``client_update(r, broadcast, units)`` over the units it holds and sends a
+:class:`Message` (per-unit-clipped statistics summed over its units, and the unit count);
+the runtime verifies and sums the messages; ``server_update`` privatises the sum through
+the :class:`~fedpers.privacy.Privatizer` and returns the new state. A protocol declares a
+:class:`StatSpec` per statistic so any runtime can check messages without knowing the
+algorithm.
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from fedpers.privacy import Privatizer
+
+Tensor = torch.Tensor
+Units = Mapping[str, Tensor]
+"""A client's units: tensors with a leading unit dimension, including ``"ids"`` (global unit ids)."""
+
+
+@dataclass(frozen=True)
+class StatSpec:
+    """One summed statistic: its shape and the norm bound of one unit's contribution."""
+
+    name: str
+    shape: tuple[int, ...]
+    per_unit_bound: float = math.inf
+
+
+@dataclass
+class Message:
+    """What a client sends: statistics summed over its units, and how many units contributed."""
+
+    stats: dict[str, Tensor]
+    count: int
+
+    def __add__(self, other: "Message") -> "Message":
+        if set(self.stats) != set(other.stats):
+            raise ValueError(f"cannot add messages with statistics {sorted(self.stats)} and {sorted(other.stats)}")
+        return Message({k: self.stats[k] + other.stats[k] for k in self.stats}, self.count + other.count)
+
+
+@dataclass
+class Verdict:
+    """Outcome of checking one client message; ``reason`` is empty when it is accepted."""
+
+    accepted: bool
+    reason: str = ""
+    norms: dict[str, float] = field(default_factory=dict)
+
+
+def verify_message(message: Message, specs: tuple[StatSpec, ...], max_units: int, dtype: torch.dtype | None = None) -> Verdict:
+    """Server-side check of one client message: names, shapes, dtype, finiteness, count, norm bounds.
+
+    A message that fails is dropped whole (never clipped), so a bad client cannot shift the
+    noisy sum by more than the declared sensitivity of an honest one.
+    """
+    expected = {s.name for s in specs}
+    if set(message.stats) != expected:
+        return Verdict(False, f"statistics {sorted(message.stats)} != expected {sorted(expected)}")
+    count = message.count
+    if not isinstance(count, int) or count < 0 or count > max_units:
+        return Verdict(False, f"unit count {count!r} outside [0, {max_units}]")
+    norms: dict[str, float] = {}
+    for spec in specs:
+        value = message.stats[spec.name]
+        if not isinstance(value, torch.Tensor):
+            return Verdict(False, f"{spec.name}: not a tensor")
+        if tuple(value.shape) != tuple(spec.shape):
+            return Verdict(False, f"{spec.name}: shape {tuple(value.shape)} != {tuple(spec.shape)}")
+        if dtype is not None and value.dtype != dtype:
+            return Verdict(False, f"{spec.name}: dtype {value.dtype} != {dtype}")
+        if not bool(torch.isfinite(value).all()):
+            return Verdict(False, f"{spec.name}: non-finite values")
+        norm = float(torch.linalg.vector_norm(value.double()))
+        norms[spec.name] = norm
+        limit = count * spec.per_unit_bound * (1 + 1e-6) + 1e-9
+        if norm > limit:
+            return Verdict(False, f"{spec.name}: norm {norm:.4g} > count × per-unit bound = {limit:.4g}", norms)
+    return Verdict(True, "", norms)
+
+
+def zero_message(specs: tuple[StatSpec, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Message:
+    return Message({s.name: torch.zeros(s.shape, dtype=dtype, device=device) for s in specs}, 0)
+
+
+class Protocol(abc.ABC):
+    """An algorithm of the billboard model. Subclasses are plain data plus pure functions."""
+
+    name: str = "protocol"
+
+    @property
+    @abc.abstractmethod
+    def num_rounds(self) -> int:
+        """Number of client→server rounds."""
+
+    @abc.abstractmethod
+    def initial_state(self) -> Any:
+        """Server state before round 0 (public)."""
+
+    @abc.abstractmethod
+    def broadcast(self, state: Any, round: int) -> dict[str, Tensor]:
+        """Public tensors sent to every client in ``round``."""
+
+    @abc.abstractmethod
+    def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
+        """Statistics clients return in ``round``, with per-unit bounds."""
+
+    @abc.abstractmethod
+    def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        """Per-unit statistics, clipped per unit, summed over ``units``. Never adds noise."""
+
+    @abc.abstractmethod
+    def server_update(self, round: int, state: Any, summed: Message, privatizer: Privatizer) -> tuple[Any, dict[str, float]]:
+        """Privatise the summed message (through ``privatizer`` only) and return (new state, diagnostics)."""
+
+    def unit_keys(self) -> tuple[str, ...]:
+        """Names of the per-unit tensors ``client_update`` reads (besides ``ids``)."""
+        return ()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float64

@@ -1,0 +1,111 @@
+"""Run directories: resolved config, per-round metrics, ledger, final result, plots.
+
+Every file is written whole (temporary file, then rename); per-round lines are appended
+and flushed as rounds finish, so a run that fails keeps what it had and says why in
+``error.json``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: inf/nan as strings, numpy/torch scalars as floats."""
+    if isinstance(value, Mapping):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def dumps(value: Any, indent: int | None = 1) -> str:
+    return json.dumps(_clean(value), indent=indent, ensure_ascii=False)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def default_run_dir(algorithm: str, seed: int) -> Path:
+    return Path("runs") / f"{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}-s{seed}"
+
+
+class RunDirectory:
+    """One run's output folder. Refuses a folder that already holds a run."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if (self.path / "config.json").exists():
+            raise ValueError(f"out: {self.path} already holds a run; choose another --out")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._rounds = open(self.path / "rounds.jsonl", "w")
+
+    def write_json(self, name: str, value: Any) -> None:
+        write_atomic(self.path / name, dumps(value) + "\n")
+
+    def append_round(self, record: Mapping[str, Any]) -> None:
+        self._rounds.write(dumps(record, indent=None) + "\n")
+        self._rounds.flush()
+
+    def close(self) -> None:
+        self._rounds.close()
+
+    def plot_rounds(self, rounds: list[Mapping[str, Any]], keys: Iterable[str], title: str) -> list[str]:
+        """One PNG per key: the metric against the round."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        written = []
+        for key in keys:
+            pts = [(r["round"], r[key]) for r in rounds if isinstance(r.get(key), (int, float))]
+            if not pts:
+                continue
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            ax.plot(*zip(*pts), marker="o")
+            ax.set_xlabel("round (0 = private initialisation)")
+            ax.set_ylabel(key.replace("_", " "))
+            ax.set_yscale("log")
+            ax.set_title(title)
+            ax.grid(True, alpha=0.3)
+            fig.tight_layout()
+            name = f"{key}.png"
+            tmp = self.path / f".{name}.tmp.png"
+            fig.savefig(tmp, dpi=110)
+            plt.close(fig)
+            os.replace(tmp, self.path / name)
+            written.append(name)
+        return written
+
+
+def read_run(path: str | Path) -> dict[str, Any]:
+    """Load a finished (or failed) run directory back."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a fedpers run directory (no config.json)")
+    out: dict[str, Any] = {"config": json.loads((path / "config.json").read_text())}
+    for name in ("result.json", "error.json", "constants.json"):
+        if (path / name).is_file():
+            out[name.removesuffix(".json")] = json.loads((path / name).read_text())
+    rounds = path / "rounds.jsonl"
+    out["rounds"] = [json.loads(line) for line in rounds.read_text().splitlines() if line.strip()] if rounds.is_file() else []
+    out["ledger_text"] = (path / "ledger.json").read_text() if (path / "ledger.json").is_file() else "[]"
+    return out

@@ -1,0 +1,108 @@
+"""Runs one experiment on a runtime and writes its run directory."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedpers import config as config_lib
+from fedpers.config import field
+from fedpers.experiments.base import Experiment, derived_seed
+from fedpers.privacy import Privatizer
+from fedpers.results import RunDirectory, default_run_dir
+from fedpers.runtime.driver import RoundRecord
+
+
+class Runtime(str, enum.Enum):
+    LOCAL = "local"
+    FLOWER = "flower"
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Where the protocol runs; shared by every algorithm."""
+
+    runtime: Runtime = field(Runtime.LOCAL, "local: batched on one device; flower: Flower simulation on Ray")
+    nodes: int = field(8, "Flower SuperNodes (virtual clients), each holding a partition of the units", ge=1)
+    users_per_node: int = field(0, "units per node (0: split all units evenly over --nodes)", ge=0)
+    ray_address: str = field("", "attach the Flower simulation to this Ray cluster (default: start a local Ray)")
+    client_cpus: float = field(1.0, "CPUs per Flower client actor", gt=0.0)
+    client_gpus: float = field(0.0, "GPU share per Flower client actor", ge=0.0)
+    min_fraction: float = field(1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0)
+    round_timeout: float = field(600.0, "seconds to wait for client replies in a round", gt=0.0)
+
+
+def execute(
+    experiment: Experiment,
+    cfg: Any,
+    options: RuntimeOptions | None = None,
+    *,
+    out: str | Path | None = None,
+    progress: bool = True,
+    write: bool = True,
+) -> dict[str, Any]:
+    """Run ``cfg`` and return the result dict (also written to ``out`` unless ``write`` is false)."""
+    options = options or RuntimeOptions()
+    config_lib.validate(cfg)
+    config_lib.validate(options)
+    start = time.perf_counter()
+    protocol = experiment.protocol(cfg)
+    evaluator = experiment.evaluator(cfg, protocol)
+    run_dir = RunDirectory(out or default_run_dir(experiment.name, getattr(cfg, "seed", 0))) if write else None
+    rounds: list[dict[str, Any]] = []
+    privatizer = Privatizer(derived_seed(getattr(cfg, "seed", 0), "dp-noise"))
+    if run_dir is not None:
+        run_dir.write_json("config.json", {"algorithm": experiment.name, **config_lib.to_dict(cfg), "runtime": config_lib.to_dict(options)})
+        run_dir.write_json("constants.json", experiment.describe(cfg, protocol))
+
+    def on_round(record: RoundRecord, state: Any) -> None:
+        record.metrics.update(evaluator.round_metrics(record.round, state))
+        rounds.append(record.to_dict())
+        if run_dir is not None:
+            run_dir.append_round(rounds[-1])
+
+    try:
+        if options.runtime is Runtime.LOCAL:
+            from fedpers.runtime.local import run_local
+
+            n = experiment.num_units(cfg)
+            device = torch.device(getattr(cfg, "device", "cpu"))
+            units = experiment.units(cfg, torch.arange(n, device="cpu"))
+            chunk = getattr(cfg, "chunk_size", 4096)
+            state, _ = run_local(protocol, units, privatizer, chunk_size=chunk, on_round=on_round, progress=progress)
+            del units, device
+        else:
+            from fedpers.runtime.flower import run_flower
+
+            state, _ = run_flower(experiment, cfg, protocol, privatizer, options, on_round=on_round, progress=progress)
+        final = evaluator.final(state)
+    except BaseException as e:
+        if run_dir is not None:
+            run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])
+            run_dir.write_json("error.json", {"status": "failed", "error": f"{type(e).__name__}: {e}", "rounds_completed": len(rounds), "traceback": traceback.format_exc()})
+            run_dir.close()
+        raise
+    privacy = experiment.privacy_summary(cfg, protocol, privatizer.ledger)
+    result = {
+        "algorithm": experiment.name,
+        "status": "completed",
+        "runtime": options.runtime.value,
+        **{k: privacy[k] for k in ("epsilon", "delta", "noise_multiplier") if k in privacy},
+        **final,
+        "privacy": privacy,
+        "seconds": time.perf_counter() - start,
+    }
+    if run_dir is not None:
+        run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])
+        result["plots"] = run_dir.plot_rounds(rounds, experiment.plot_keys(), f"{experiment.name}, ε={privacy.get('target_epsilon', '?')}")
+        result["run_dir"] = str(run_dir.path)
+        run_dir.write_json("result.json", result)
+        run_dir.close()
+    result["_rounds"] = rounds
+    return result
