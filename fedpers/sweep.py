@@ -1,0 +1,238 @@
+"""`fedpers sweep FILE.toml`: a grid of runs, one table, one figure per metric.
+
+TOML keys:
+
+- ``name``, ``algorithm``; ``repetitions`` (Monte-Carlo runs per grid point, default 1)
+- ``x``: the config field on the x-axis; ``series``: the field drawn as one line per value
+- ``metrics``: result keys to tabulate and plot (``baselines.NAME.METRIC`` reaches a baseline)
+- ``[base]``: fixed config fields; ``[grid]``: lists, run as their full product
+- ``[series_values]`` (optional): label -> table of config overrides, when a line is a
+  scenario rather than one field's value (then ``series`` is just the column name)
+- ``[plot]`` (optional): ``xscale``/``yscale`` (``log`` or ``linear``), ``baselines``
+  (list of baseline names drawn dashed)
+
+An experiment with ``sweep_point(cfg, repetitions)`` computes all repetitions of a point
+at once (vectorised); otherwise each repetition is a normal run with seed ``seed + r``.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import math
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from fedpers import config as config_lib
+from fedpers.results import dumps, write_atomic
+
+META_COLUMNS = ("repetition", "seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepSpec:
+    name: str
+    algorithm: str
+    x: str
+    series: str
+    metrics: tuple[str, ...]
+    base: dict[str, Any]
+    grid: dict[str, list[Any]]
+    series_values: dict[str, dict[str, Any]]
+    repetitions: int = 1
+    plot: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def points(self) -> list[tuple[str | None, dict[str, Any]]]:
+        """(series label, config overrides) for every grid point."""
+        keys = list(self.grid)
+        combos = [dict(zip(keys, vals)) for vals in itertools.product(*(self.grid[k] for k in keys))] or [{}]
+        if not self.series_values:
+            return [(None, c) for c in combos]
+        return [(label, {**c, **over}) for label, over in self.series_values.items() for c in combos]
+
+
+def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
+    from fedpers.experiments import EXPERIMENTS
+
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"sweep: cannot read {path}: {e}") from None
+    for key in ("algorithm", "x", "series", "metrics"):
+        if key not in raw:
+            raise ValueError(f"sweep: {path.name} lacks required key {key!r}")
+    if raw["algorithm"] not in EXPERIMENTS:
+        raise ValueError(f"sweep: algorithm must be one of {sorted(EXPERIMENTS)}; got {raw['algorithm']!r}")
+    grid = {k: (v if isinstance(v, list) else [v]) for k, v in raw.get("grid", {}).items()}
+    reps = int(repetitions if repetitions is not None else raw.get("repetitions", 1))
+    if reps < 1:
+        raise ValueError(f"repetitions must be >= 1; got {reps}")
+    spec = SweepSpec(
+        name=str(raw.get("name", path.stem)), algorithm=raw["algorithm"], x=raw["x"], series=raw["series"],
+        metrics=tuple(raw["metrics"]), base=dict(raw.get("base", {})), grid=grid,
+        series_values=dict(raw.get("series_values", {})), repetitions=reps, plot=dict(raw.get("plot", {})),
+    )
+    cfg_type = EXPERIMENTS[spec.algorithm].config_type
+    for label, over in spec.points():  # validate every point before any work
+        config_lib.build(cfg_type, {**spec.base, **over})
+    return spec
+
+
+def _lookup(result: dict[str, Any], key: str) -> Any:
+    value: Any = result
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, str) and v in ("inf", "-inf", "nan"):
+        return float(v)
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def run_point(spec: SweepSpec, overrides: dict[str, Any]) -> list[dict[str, float]]:
+    """All repetitions of one grid point, as rows of metrics."""
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runner import execute
+
+    exp = EXPERIMENTS[spec.algorithm]
+    cfg = config_lib.build(exp.config_type, {**spec.base, **overrides})
+    if hasattr(exp, "sweep_point"):
+        start = time.perf_counter()
+        rows = exp.sweep_point(cfg, spec.repetitions)
+        per = (time.perf_counter() - start) / max(len(rows), 1)
+        return [{"repetition": r, "seconds": per, **row} for r, row in enumerate(rows)]
+    rows = []
+    for r in range(spec.repetitions):
+        seeded = dataclasses.replace(cfg, seed=cfg.seed + r) if hasattr(cfg, "seed") else cfg
+        result = execute(exp, seeded, write=False, progress=False)
+        row = {"repetition": r, "seconds": result["seconds"]}
+        for key in spec.metrics:
+            row[key] = _number(_lookup(result, key))
+        row["epsilon_spent"] = _number(_lookup(result, "epsilon"))
+        for b in spec.plot.get("baselines", []):
+            for m in spec.metrics:
+                if "." not in m:
+                    row[f"baselines.{b}.{m}"] = _number(_lookup(result, f"baselines.{b}.{m}"))
+        rows.append(row)
+    return rows
+
+
+def loglog_slope(x: Iterable[float], y: Iterable[float]) -> float:
+    """Least-squares slope of log y on log x over finite positive points (nan if fewer than 2)."""
+    pts = [(a, b) for a, b in zip(x, y) if a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)]
+    if len(pts) < 2:
+        return math.nan
+    lx, ly = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+def summarise(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> dict[Any, list[tuple[float, float, float]]]:
+    """series value -> [(x, mean, standard error)] sorted by x."""
+    groups: dict[tuple[Any, Any], list[float]] = {}
+    for row in rows:
+        v = _number(row.get(metric))
+        if math.isfinite(v):
+            groups.setdefault((row[spec.series], row[spec.x]), []).append(v)
+    out: dict[Any, list[tuple[float, float, float]]] = {}
+    for (s, x), vals in groups.items():
+        arr = np.asarray(vals)
+        se = float(arr.std(ddof=1) / math.sqrt(len(arr))) if len(arr) > 1 else 0.0
+        out.setdefault(s, []).append((_number(x), float(arr.mean()), se))
+    return {s: sorted(v) for s, v in out.items()}
+
+
+def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: Path) -> dict[Any, float]:
+    """Mean ± 2 standard errors vs x, a line per series value; returns the fitted log–log slopes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    slopes: dict[Any, float] = {}
+    for s, pts in summarise(rows, spec, metric).items():
+        xs, ms, ses = (np.array(c) for c in zip(*pts))
+        slopes[s] = loglog_slope(xs, ms)
+        label = f"{spec.series}={s}" + (f" (slope {slopes[s]:.2f})" if math.isfinite(slopes[s]) else "")
+        line, = ax.plot(xs, ms, marker="o", label=label)
+        ax.fill_between(xs, np.maximum(ms - 2 * ses, ms * 1e-3 if (ms > 0).all() else ms - 2 * ses), ms + 2 * ses, color=line.get_color(), alpha=0.2)
+    for b in spec.plot.get("baselines", []):
+        key = f"baselines.{b}.{metric}"
+        for s, pts in summarise(rows, spec, key).items():
+            xs, ms, _ = (np.array(c) for c in zip(*pts))
+            ax.plot(xs, ms, linestyle="--", marker=".", label=f"{b} ({spec.series}={s})")
+            break
+    ax.set_xscale(spec.plot.get("xscale", "log"))
+    ax.set_yscale(spec.plot.get("yscale", "log"))
+    ax.set_xlabel(spec.x)
+    ax.set_ylabel(metric)
+    ax.set_title(f"{spec.name}: {metric} (±2 s.e., B={spec.repetitions})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return slopes
+
+
+def write_table(rows: list[dict[str, Any]], path: Path) -> None:
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the whole grid; write table.csv, sweep.json (spec + slopes) and one PNG per metric."""
+    from fedpers.experiments import EXPERIMENTS
+
+    spec = load_spec(path, repetitions)
+    out = Path(out) if out is not None else Path("runs") / f"sweep-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (out / "table.csv").exists():
+        raise ValueError(f"out: {out} already holds a sweep; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    points = spec.points()
+    bar = tqdm(points, desc=f"sweep {spec.name}", unit="point", disable=not progress)
+    for label, overrides in bar:
+        full = {**spec.base, **overrides}
+        tag = {spec.series: label if label is not None else full.get(spec.series), spec.x: full.get(spec.x)}
+        for row in run_point(spec, overrides):
+            fixed = {**tag, **{k: v for k, v in overrides.items() if k not in tag}}
+            rows.append({**fixed, **{k: v for k, v in row.items() if k not in fixed}})
+        write_table(rows, out / "table.csv")
+    bar.close()
+    exp = EXPERIMENTS[spec.algorithm]
+    slopes: dict[str, dict[str, float]] = {}
+    figures = []
+    if hasattr(exp, "sweep_figure"):
+        figures = list(exp.sweep_figure(rows, spec, out))
+    else:
+        for metric in spec.metrics:
+            name = metric.replace(".", "_") + ".png"
+            slopes[metric] = {str(k): v for k, v in plot_metric(rows, spec, metric, out / name).items()}
+            figures.append(name)
+    summary = {"spec": dataclasses.asdict(spec), "rows": len(rows), "slopes": slopes, "figures": figures, "table": "table.csv"}
+    write_atomic(out / "sweep.json", dumps(summary) + "\n")
+    print(f"sweep {spec.name}: {len(rows)} rows -> {out / 'table.csv'}; figures: {', '.join(figures)}")
+    for metric, per in slopes.items():
+        for s, slope in per.items():
+            print(f"  log-log slope of {metric} vs {spec.x} at {spec.series}={s}: {slope:.3f}")
+    return summary
