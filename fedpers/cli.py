@@ -119,6 +119,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     algo_values, runtime_values = split_values(exp.config_type, values)
     cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
+    for line in exp.plan(cfg):
+        print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
     result.pop("_rounds", None)
     if args.json:
