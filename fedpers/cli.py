@@ -98,6 +98,13 @@ def print_summary(result: dict[str, Any], out: typing.TextIO = sys.stdout) -> No
             print(name.ljust(width) + cells, file=out)
     for k, why in result.get("skipped_metrics", {}).items():
         print(f"skipped {k}: {why}", file=out)
+    conditions = result.get("conditions", {})
+    if conditions:
+        print("\npreconditions of the privacy guarantee:", file=out)
+        for c in conditions.values():
+            print(f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}  ({_fmt(c['value'])} vs {_fmt(c['bound'])})", file=out)
+    if "dp_claimed" in result:
+        print("DP claimed: " + ("yes" if result["dp_claimed"] else "NO (" + "; ".join(result.get("refused_because", [])) + ")"), file=out)
     if "run_dir" in result:
         print(f"\nrun directory: {result['run_dir']}", file=out)
 

@@ -72,8 +72,7 @@ class DpCovarianceParams:
     @property
     def rho(self) -> float:
         """ρ = sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k: B is within (1 ± ρ)A w.p. 1 − γ."""
-        q = (self.rows**2 + math.log(1.0 / self.gamma)) / self.k
-        return math.sqrt(q) + q
+        return dp_covariance_rho(self.rows, self.k, self.gamma)
 
     @property
     def sensitivity(self) -> float:
@@ -84,6 +83,20 @@ class DpCovarianceParams:
     def utility_bound(self) -> float:
         """4(1 + ε + 2r)r: the paper's bound on ||D(A)⁻¹f(A) − D(B)⁻¹f(B)||_∞."""
         return 4 * (1 + self.epsilon + 2 * self.r) * self.r
+
+
+def dp_covariance_rho(rows: int, k: int, gamma: float) -> float:
+    q = (rows**2 + math.log(1.0 / gamma)) / k
+    return math.sqrt(q) + q
+
+
+def dp_covariance_min_k(rows: int, epsilon: float, gamma: float) -> int:
+    """The smallest k with ρ < 0.1ε (sqrt(q) + q < 0.1ε ⇔ sqrt(q) < (−1 + sqrt(1 + 0.4ε))/2)."""
+    t = (-1 + math.sqrt(1 + 0.4 * epsilon)) / 2
+    k = max(1, math.floor((rows**2 + math.log(1 / gamma)) / t**2) + 1)
+    while dp_covariance_rho(rows, k, gamma) >= 0.1 * epsilon:
+        k += 1
+    return k
 
 
 def dp_covariance_conditions(params: DpCovarianceParams, A: Tensor) -> tuple[Condition, ...]:
