@@ -73,8 +73,9 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def print_summary(result: dict[str, Any], out: typing.TextIO = sys.stdout) -> None:
+def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> None:
     """A readable summary: privacy, the main metrics, and the baselines side by side."""
+    out = out if out is not None else sys.stdout  # looked up now, so a redirected stdout is honoured
     priv = result.get("privacy", {})
     print(f"\n{result['algorithm']} on the {result['runtime']} runtime: {result['status']} in {result['seconds']:.1f} s", file=out)
     if priv:

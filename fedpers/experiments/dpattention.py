@@ -17,7 +17,6 @@ from fedpers.privacy.mechanisms import dp_covariance_min_k
 from fedpers.protocols.dpattention import AttentionFn, DpAttentionProtocol, attention_matrix, entrywise_max_norm
 
 Tensor = torch.Tensor
-DATA_FILL = 0.5  # the synthetic A has diagonal ≈ DATA_FILL·r
 
 
 @dataclass(frozen=True)
@@ -30,8 +29,9 @@ class DpAttentionConfig:
     beta: float = field(1e-6, "β: neighbouring X differ in one column, moved by at most β", gt=0.0)
     f: AttentionFn = field(AttentionFn.EXP, "entrywise function of the attention: exp or cosh")
     r: float = field(0.05, "promise ||A||_∞ = max|A_ij| ≤ r (Theorem 3.1 needs r < 0.1)", gt=0.0)
-    alpha: float = field(0.0, "α: column-norm bound, each column clipped to it (0: the synthetic columns' norm sqrt(fill·r·n/d))", ge=0.0)
-    eta: float = field(0.0, "promise XXᵀ ⪰ ηI (0: half the synthetic data's expected λ_min, fill·r(1 − sqrt(n/d))²/2)", ge=0.0)
+    alpha: float = field(0.0, "α: column-norm bound, each column clipped to it (0: the synthetic columns' norm sqrt(s·n/d))", ge=0.0)
+    eta: float = field(0.0, "promise XXᵀ ⪰ ηI (0: half the synthetic data's expected λ_min, s(1 − sqrt(n/d))²/2)", ge=0.0)
+    data_scale: float = field(0.025, "s: the synthetic columns are uniform on a sphere with E[XXᵀ] = s·I", gt=0.0)
     gamma: float = field(0.1, "γ: the utility bound holds with probability 1 − γ", gt=0.0, lt=1.0)
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
     dtype: str = field("float64", "float64 or float32 for the client statistics")
@@ -43,13 +43,13 @@ class DpAttentionConfig:
 
 
 def data_norm(cfg: DpAttentionConfig) -> float:
-    """The synthetic columns' norm: diag(A) ≈ DATA_FILL·r."""
-    return math.sqrt(DATA_FILL * cfg.r * cfg.rows / cfg.columns)
+    """The synthetic columns' norm: E[XXᵀ] = d·norm²/n·I = s·I."""
+    return math.sqrt(cfg.data_scale * cfg.rows / cfg.columns)
 
 
 def params(cfg: DpAttentionConfig) -> DpCovarianceParams:
     alpha = cfg.alpha if cfg.alpha > 0 else data_norm(cfg)
-    eta = cfg.eta if cfg.eta > 0 else DATA_FILL * cfg.r * max(0.0, 1 - math.sqrt(cfg.rows / cfg.columns)) ** 2 / 2
+    eta = cfg.eta if cfg.eta > 0 else cfg.data_scale * max(0.0, 1 - math.sqrt(cfg.rows / cfg.columns)) ** 2 / 2
     if eta <= 0:
         raise ValueError(f"eta: the default needs columns > rows (got d={cfg.columns}, n={cfg.rows}); set --eta")
     k = cfg.k if cfg.k > 0 else dp_covariance_min_k(cfg.rows, cfg.epsilon, cfg.gamma)
