@@ -87,6 +87,9 @@ def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> N
         print(line, file=out)
         if "paper_epsilon_same_noise" in priv:
             print(f"         the paper's calibration would claim ε = {_fmt(priv['paper_epsilon_same_noise'])} for the same noise", file=out)
+        others = {k: v for k, v in priv.get("epsilon_by_accountant", {}).items() if k != priv.get("accountant")}
+        if others:
+            print("         same noise, other accountants: " + ", ".join(f"ε = {_fmt(v)} by {k}" for k, v in others.items()), file=out)
     skip = {"algorithm", "status", "runtime", "seconds", "privacy", "baselines", "plots", "run_dir", "epsilon", "delta", "noise_multiplier", "skipped_metrics"}
     rows = {"private run": {k: v for k, v in result.items() if k not in skip and not k.startswith("_") and isinstance(v, (int, float))}}
     rows.update(result.get("baselines", {}))

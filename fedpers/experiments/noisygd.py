@@ -157,9 +157,9 @@ class NoisyGDExperiment(Experiment):
     def privacy_summary(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol, ledger: Ledger) -> dict[str, Any]:
         events = dp_accounting.ComposedDpEvent([r.event for r in ledger])
         rho = zcdp_rho(events)
-        eps_zcdp = ledger_epsilon(ledger, cfg.delta, Accountant.ZCDP)
+        by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
         out = {
-            "epsilon": ledger_epsilon(ledger, cfg.delta, cfg.accountant),
+            "epsilon": by_accountant[cfg.accountant.value],
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": cfg.accountant.value,
@@ -168,8 +168,9 @@ class NoisyGDExperiment(Experiment):
             "noise_std_grad": protocol.noise_std(),
             "rho": rho,
             "rho_per_step": 2.0 / protocol.noise_multiplier**2 if protocol.noise_multiplier > 0 else math.inf,
-            "epsilon_zcdp": eps_zcdp,
-            "epsilon_pld": ledger_epsilon(ledger, cfg.delta, Accountant.PLD),
+            "epsilon_zcdp": by_accountant["zcdp"],
+            "epsilon_pld": by_accountant["pld"],
+            "epsilon_by_accountant": by_accountant,
             "zcdp_conversion": "ε = ρ + 2·sqrt(ρ·log(1/δ)) (Bun & Steinke 2016, Prop. 1.3)",
             "zcdp_rho_for_target": zcdp_rho_for(cfg.epsilon, cfg.delta) if math.isfinite(cfg.epsilon) else math.inf,
         }
