@@ -21,7 +21,7 @@ from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_n
 
 Tensor = torch.Tensor
 MAX_NET_GRID = 50_000_000
-WORKING_ELEMENTS = 1 << 20
+WORKING_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
