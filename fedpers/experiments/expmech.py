@@ -15,7 +15,7 @@ import torch
 from fedpers import memory, metrics
 from fedpers.config import field
 from fedpers.experiments import altmin
-from fedpers.experiments.base import Experiment, derived_seed
+from fedpers.experiments.base import derived_seed
 from fedpers.privacy import Ledger, PureDpEvent, ledger_epsilon
 from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
 
