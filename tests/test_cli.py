@@ -49,6 +49,10 @@ def test_json_has_the_promised_fields_and_the_run_directory_is_complete(tmp_path
         (["--delta", "0"], "delta"),
         (["--n-users", "3", "--rounds", "5"], "n_users"),
         (["--n-users", "ten"], "n_users"),
+        (["--cohorts", "disjoint", "--n-users", "1", "--rounds", "2"], "n_users"),
+        (["--dtype", "float16"], "dtype"),
+        (["--min-fraction", "0"], "min_fraction"),
+        pytest.param(["--device", "cuda"], "device", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
     ],
 )
 def test_bad_input_is_refused_naming_the_field(flags, field, capsys, tmp_path):
