@@ -123,6 +123,8 @@ def execute(
     }
     if run_dir is not None:
         run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])
+        if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
+            run_dir.write_arrays("final_state.npz", state)
         result["plots"] = run_dir.plot_rounds(rounds, experiment.plot_keys(), f"{experiment.name}, ε={privacy.get('target_epsilon', '?')}")
         result["run_dir"] = str(run_dir.path)
         run_dir.write_json("result.json", result)
