@@ -30,8 +30,17 @@ POLL_FIRST, POLL_MAX = 0.005, 0.25
 """Seconds between pulls for replies, growing geometrically (Grid.send_and_receive sleeps 3 s on a SuperLink)."""
 
 
-def exchange(grid: Grid, messages: Iterable[FlowerMessage], timeout: float) -> list[FlowerMessage]:
-    """Push ``messages`` and pull replies until all arrived or ``timeout`` seconds passed."""
+class Stopped(RuntimeError):
+    """The Flower runtime under this ServerApp stopped (e.g. the simulation engine crashed)."""
+
+
+def _check(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise Stopped("the Flower simulation engine stopped; see its log above")
+
+
+def exchange(grid: Grid, messages: Iterable[FlowerMessage], timeout: float, stop: Callable[[], bool] | None = None) -> list[FlowerMessage]:
+    """Push ``messages`` and pull replies until all arrived, ``timeout`` seconds passed, or ``stop()``."""
     pending = set(grid.push_messages(list(messages)))
     deadline = time.monotonic() + timeout
     replies: list[FlowerMessage] = []
@@ -43,6 +52,7 @@ def exchange(grid: Grid, messages: Iterable[FlowerMessage], timeout: float) -> l
         left = deadline - time.monotonic()
         if not pending or left <= 0:
             break
+        _check(stop)
         time.sleep(min(pause, left))
         pause = min(pause * 1.5, POLL_MAX)
     return replies
@@ -61,7 +71,9 @@ class Federation:
         return len(self.ranges)
 
 
-def discover(grid: Grid, job: codec.Job, timeout: float, expected: int | None = None) -> tuple[dict[int, int], int]:
+def discover(
+    grid: Grid, job: codec.Job, timeout: float, expected: int | None = None, stop: Callable[[], bool] | None = None
+) -> tuple[dict[int, int], int]:
     """Ask every node for its partition-id; wait until all partitions are held or ``timeout`` passed.
 
     Returns (partition → node id, number of partitions). Two nodes claiming one partition,
@@ -76,7 +88,7 @@ def discover(grid: Grid, job: codec.Job, timeout: float, expected: int | None = 
         if new:
             asked.update(new)
             query = [FlowerMessage(RecordDict({codec.JOB: codec.job_record(job)}), n, MessageType.QUERY) for n in new]
-            for reply in exchange(grid, query, max(deadline - time.monotonic(), 0.0)):
+            for reply in exchange(grid, query, max(deadline - time.monotonic(), 0.0), stop):
                 node = reply.metadata.src_node_id
                 if reply.has_error():
                     log.warning("node %s failed discovery: %s", node, reply.error.reason)
@@ -100,14 +112,15 @@ def discover(grid: Grid, job: codec.Job, timeout: float, expected: int | None = 
                 raise RoundFailed(f"discovery: no node reported its {codec.PARTITION_ID} within {timeout:g} s")
             log.warning("discovery: %d of %d partitions have a node after %g s; the others count as dropped", len(holder), num, timeout)
             return holder, num
+        _check(stop)
         time.sleep(0.05)
 
 
 class GridGather:
     """``gather`` for :func:`~fedpers.runtime.driver.drive` over a Flower Grid."""
 
-    def __init__(self, grid: Grid, job: codec.Job, federation: Federation, timeout: float) -> None:
-        self.grid, self.job, self.federation, self.timeout = grid, job, federation, timeout
+    def __init__(self, grid: Grid, job: codec.Job, federation: Federation, timeout: float, stop: Callable[[], bool] | None = None) -> None:
+        self.grid, self.job, self.federation, self.timeout, self.stop = grid, job, federation, timeout, stop
 
     def __call__(self, round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         fed = self.federation
@@ -116,7 +129,7 @@ class GridGather:
             FlowerMessage(codec.encode_task(self.job, round, fed.ranges[p], shared), node, MessageType.TRAIN, group_id=str(round))
             for p, node in sorted(fed.nodes.items())
         ]
-        by_node = {m.metadata.src_node_id: m for m in exchange(self.grid, messages, self.timeout)}
+        by_node = {m.metadata.src_node_id: m for m in exchange(self.grid, messages, self.timeout, self.stop)}
         return [self._reply(p, by_node) for p in range(fed.num_partitions)]
 
     def _reply(self, p: int, by_node: Mapping[int, FlowerMessage]) -> ClientReply:
@@ -147,14 +160,18 @@ def run_on_grid(
     on_round: Callable[[RoundRecord, Any], None] | None = None,
     on_discovery: Callable[[Federation], None] | None = None,
     progress: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
-    """Discover the nodes on ``grid``, then run every round of ``protocol`` through them."""
+    """Discover the nodes on ``grid``, then run every round of ``protocol`` through them.
+
+    ``stop()`` true makes waiting for replies give up (the caller's engine has died).
+    """
     job = codec.Job.of(experiment.name, cfg, protocol)
     start = time.perf_counter()
-    nodes, num = discover(grid, job, options.round_timeout, expected_nodes)
+    nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
     federation = Federation(nodes, unit_ranges(experiment.num_units(cfg), num, options.users_per_node), time.perf_counter() - start)
     if on_discovery is not None:
         on_discovery(federation)
-    gather = GridGather(grid, job, federation, options.round_timeout)
+    gather = GridGather(grid, job, federation, options.round_timeout, stop)
     device = torch.device(getattr(cfg, "device", "cpu"))
     return drive(protocol, gather, privatizer, min_fraction=options.min_fraction, on_round=on_round, progress=progress, device=device)

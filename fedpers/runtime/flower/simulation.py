@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch
 from flwr.app import Context
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -52,6 +53,12 @@ def _flower_logs(level: int) -> Iterator[None]:
         logger.setLevel(before)
 
 
+def _root_cause(e: BaseException) -> BaseException:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
 def run_flower(
     experiment: Experiment,
     cfg: Any,
@@ -72,7 +79,10 @@ def run_flower(
     if grid is not None:
         return run_on_grid(grid, experiment, cfg, protocol, privatizer, options, on_round=on_round, on_discovery=on_discovery, progress=progress)
     unit_ranges(experiment.num_units(cfg), options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
+    if options.client_gpus > 0 and not options.ray_address and not torch.cuda.is_available():
+        raise ValueError(f"client_gpus={options.client_gpus} but this machine has no GPU; set --client-gpus 0 or attach a GPU cluster with --ray-address")
     outcome: dict[str, Any] = {}
+    stopped = threading.Event()
     server_app = ServerApp()
 
     @server_app.main()
@@ -80,7 +90,7 @@ def run_flower(
         try:
             outcome["result"] = run_on_grid(
                 grid, experiment, cfg, protocol, privatizer, options, expected_nodes=options.nodes,
-                on_round=on_round, on_discovery=on_discovery, progress=progress,
+                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set,
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
             outcome["error"] = e
@@ -89,10 +99,15 @@ def run_flower(
 
     if CHECKOUT not in sys.path:
         sys.path.insert(0, CHECKOUT)
-    start = time.perf_counter()
-    with _flower_logs(logging.WARNING):
-        run_simulation(server_app, client_app or make_client_app(), options.nodes, backend_config=backend_config(options))
-    outcome.setdefault("seconds", time.perf_counter() - start)
+    try:
+        with _flower_logs(logging.WARNING):
+            run_simulation(server_app, client_app or make_client_app(), options.nodes, backend_config=backend_config(options))
+    except RuntimeError as e:
+        root = _root_cause(e)
+        kind = ValueError if isinstance(root, ValueError) else RuntimeError
+        raise kind(f"the Flower simulation failed ({type(root).__name__}: {root}); client_cpus={options.client_cpus}, client_gpus={options.client_gpus}") from e
+    finally:
+        stopped.set()  # a ServerApp thread still waiting for replies gives up
     if "error" in outcome:
         raise outcome["error"]
     if "result" not in outcome:
