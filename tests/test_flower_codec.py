@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict

@@ -104,6 +104,9 @@ def run_flower(
             run_simulation(server_app, client_app or make_client_app(), options.nodes, backend_config=backend_config(options))
     except RuntimeError as e:
         root = _root_cause(e)
+        if "result" in outcome:  # the engine failed after the ServerApp finished: keep the result
+            logging.getLogger("fedpers.flower").warning("Flower simulation error after the run completed: %s", root)
+            return outcome["result"]
         kind = ValueError if isinstance(root, ValueError) else RuntimeError
         raise kind(f"the Flower simulation failed ({type(root).__name__}: {root}); client_cpus={options.client_cpus}, client_gpus={options.client_gpus}") from e
     finally:
