@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -54,6 +55,7 @@ def ray_address(tmp_path_factory):
         yield f"127.0.0.1:{port}"
     finally:
         stop_processes([proc])
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def options(ray_address: str, **kw) -> RuntimeOptions:
