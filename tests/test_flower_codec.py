@@ -101,3 +101,18 @@ def test_run_config_builds_the_job(tmp_path):
         from_run_config({"algorithm": "altmin", "min-fraction": 2.0})
     with pytest.raises(ValueError, match="unknown key"):
         from_run_config({"algorithm": "altmin", "bogus": 1})
+
+
+def test_ray_backend_starts_its_own_ray_unless_told_to_attach(monkeypatch):
+    from fedpers.runner import RuntimeOptions
+    from fedpers.runtime.flower.simulation import backend_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "client_cpus": 0.5, "client_gpus": 0.25})
+    cfg = backend_config(opts)
+    assert cfg["init_args"]["address"] == "local"
+    assert cfg["client_resources"] == {"num_cpus": 0.5, "num_gpus": 0.25}
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert backend_config(opts)["init_args"]["address"] == "10.0.0.1:6379"
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "ray_address": "127.0.0.1:1234"})
+    assert backend_config(opts)["init_args"]["address"] == "127.0.0.1:1234"

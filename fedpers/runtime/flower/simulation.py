@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -32,10 +33,10 @@ CHECKOUT = str(Path(fedpers.__file__).resolve().parents[1])
 
 
 def backend_config(options: Any) -> dict[str, Any]:
-    """Flower's Ray backend settings from the runtime options."""
-    init_args: dict[str, Any] = {"logging_level": "error", "log_to_driver": True}
-    if options.ray_address:
-        init_args["address"] = options.ray_address
+    """Flower's Ray backend settings: ``--ray-address``, else ``$RAY_ADDRESS``, else a new local Ray."""
+    # "local" starts a new Ray: without it ray.init() silently joins the last `ray start` cluster on this machine.
+    address = options.ray_address or os.environ.get("RAY_ADDRESS", "") or "local"
+    init_args: dict[str, Any] = {"logging_level": "error", "log_to_driver": True, "address": address}
     return {
         "client_resources": {"num_cpus": float(options.client_cpus), "num_gpus": float(options.client_gpus)},
         "init_args": init_args,
