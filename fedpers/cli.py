@@ -120,7 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
-    result.pop("_rounds", None)
+    result = {k: v for k, v in result.items() if not k.startswith("_")}
     if args.json:
         print(dumps(result, indent=None))
     else:
