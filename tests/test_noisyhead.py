@@ -82,7 +82,6 @@ def test_prompt_vectors_match_the_definition_and_bounds():
         Z = Z * min(1.0, G / np.linalg.norm(Z))
         np.testing.assert_allclose(nh.vec_to_gamma(z[k]).numpy(), Z, atol=1e-14)
         gamma = np.random.default_rng(k).standard_normal((3, 3))
-        assert float(torch.tensor(gamma).flatten() @ torch.zeros(9)) == 0
         assert float(nh.gamma_to_vec(torch.tensor(gamma)) @ z[k]) == pytest.approx(float((gamma * Z).sum()))
         assert yq[k] == pytest.approx(np.clip(ys[-1], -C, C))
     assert bool((z.norm(dim=-1) <= G * (1 + 1e-12)).all())
@@ -165,7 +164,7 @@ def test_sherman_morrison_replace_matches_a_direct_solve():
 
 # ----- the protocol under the runtime -------------------------------------------------------------
 @pytest.mark.parametrize("extra", [{}, {"unit": "user", "prompts_per_user": 4, "user_clip": 0.2}])
-@pytest.mark.parametrize("epsilon", ["inf", 30.0])
+@pytest.mark.parametrize("epsilon", ["inf", 5.0])
 def test_rounds_and_statistics_modes_give_the_same_gamma(extra, epsilon):
     results = {}
     for mode in ("statistics", "rounds"):
@@ -178,12 +177,12 @@ def test_rounds_and_statistics_modes_give_the_same_gamma(extra, epsilon):
 
 
 def test_user_level_clips_per_user_and_the_ledger_says_so():
-    cfg = build(prompts=240, dim=3, steps=5, epsilon=2.0, unit="user", prompts_per_user=4, user_clip=0.25)
+    cfg = build(prompts=240, dim=3, steps=5, epsilon=2.0, unit="user", prompts_per_user=4, user_clip=0.05)
     r, proto = resolve(cfg), make_protocol(cfg)
-    assert proto.grad_bound == pytest.approx(0.25 * 4 * r.G * (r.C + r.R * r.G))
+    assert proto.grad_bound == pytest.approx(0.05 * 4 * r.G * (r.C + r.R * r.G))
     units = EXP.units(cfg, torch.arange(r.units))
     _, _, wa, wb = proto.features(units)
-    assert float(wa.min()) < 1 and float(wb.min()) < 1  # ρ = 1/4: the per-user clip acts
+    assert float(wa.min()) < 1 and float(wb.min()) < 1  # ρ = 1/20: the per-user clip acts
     privatizer = Privatizer(0)
     from fedpers.runtime.local import run_local
 

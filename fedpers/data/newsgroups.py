@@ -59,9 +59,12 @@ class _BunchUnpickler(pickle.Unpickler):
         if name == "Bunch" and module.startswith("sklearn"):
             return dict
         if (module, name) == ("numpy.core.multiarray", "_reconstruct"):
-            from numpy.core import multiarray  # noqa: F401 - numpy 1.x/2.x both resolve this
+            import importlib
 
-            return super().find_class("numpy.core.multiarray", name)
+            try:  # numpy 2 renamed numpy.core to numpy._core (the old name warns)
+                return importlib.import_module("numpy._core.multiarray")._reconstruct
+            except ImportError:
+                return importlib.import_module("numpy.core.multiarray")._reconstruct
         if (module, name) in self.ALLOWED:
             if module == "__builtin__":
                 module = "builtins"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +170,9 @@ class Resolved:
         return self.N // self.P
 
 
+@lru_cache(maxsize=64)
 def resolve(cfg: NoisyHeadConfig) -> Resolved:
+    """Derived numbers of a (frozen, hashable) config; cached because calibration runs the accountant."""
     N = cfg.prompts
     root = math.isqrt(N)
     L = cfg.context or root
