@@ -310,14 +310,17 @@ def sweep_figure(rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] 
 
     if layout == "descent-privacy":
         fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-        panels = (("gd_excess_risk", "cost of descent: non-private GD vs Γ*"), ("excess_risk", "cost of privacy: NoisyHead vs Γ*"))
-        for ax, (metric, title) in zip(axes, panels):
-            for s, pts in summarise(rows, spec, metric).items():
-                _band(ax, pts, f"{spec.series}={s}")
-            _style(ax, spec, title, f"{spec.x}", "excess risk")
+        descent = summarise(rows, spec, "gd_excess_risk")
+        first = next(iter(descent.values()))  # GD does not depend on the series (ε or calibration)
+        _band(axes[0], first, "non-private GD after T steps")
+        _style(axes[0], spec, "cost of descent: (<Γ_GD − Γ*, Z>)²", spec.x, "excess risk")
         for s, pts in summarise(rows, spec, "excess_risk").items():
+            _band(axes[1], pts, f"NoisyHead, {spec.series}={s}")
             best = min(pts, key=lambda p: p[1])
             print(f"  {spec.name}: cost of privacy at {spec.series}={s} is smallest at {spec.x}={best[0]:g} ({best[1]:.3g})")
+        xs, ms, _ = zip(*first)
+        axes[1].plot(xs, ms, linestyle="--", color="grey", label="cost of descent")
+        _style(axes[1], spec, "cost of privacy: (<Γ_DP − Γ*, Z>)²", spec.x, "excess risk")
     elif layout == "robustness":
         groups = sorted({row[spec.series] for row in rows})
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.2), squeeze=False)
