@@ -73,6 +73,7 @@ class RunDirectory:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         written = []
         for key in keys:
@@ -81,6 +82,7 @@ class RunDirectory:
                 continue
             fig, ax = plt.subplots(figsize=(5, 3.5))
             ax.plot(*zip(*pts), marker="o")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("round (0 = private initialisation)")
             ax.set_ylabel(key.replace("_", " "))
             ax.set_yscale("log")

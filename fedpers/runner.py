@@ -71,12 +71,10 @@ def execute(
         if options.runtime is Runtime.LOCAL:
             from fedpers.runtime.local import run_local
 
-            n = experiment.num_units(cfg)
-            device = torch.device(getattr(cfg, "device", "cpu"))
-            units = experiment.units(cfg, torch.arange(n, device="cpu"))
+            units = experiment.units(cfg, torch.arange(experiment.num_units(cfg)))
             chunk = getattr(cfg, "chunk_size", 4096)
             state, _ = run_local(protocol, units, privatizer, chunk_size=chunk, on_round=on_round, progress=progress)
-            del units, device
+            del units
         else:
             from fedpers.runtime.flower import run_flower
 

@@ -157,6 +157,7 @@ def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
     slopes: dict[Any, float] = {}
@@ -170,11 +171,12 @@ def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: 
         key = f"baselines.{b}.{metric}"
         for s, pts in summarise(rows, spec, key).items():
             xs, ms, _ = (np.array(c) for c in zip(*pts))
-            ax.plot(xs, ms, linestyle="--", marker=".", label=f"{b} ({spec.series}={s})")
+            ax.plot(xs, ms, linestyle="--", marker=".", label=f"baseline: {b}")
             break
     ax.set_xscale(spec.plot.get("xscale", "log"))
     ax.set_yscale(spec.plot.get("yscale", "log"))
     ax.set_xlabel(spec.x)
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylabel(metric)
     ax.set_title(f"{spec.name}: {metric} (±2 s.e., B={spec.repetitions})")
     ax.grid(True, which="both", alpha=0.3)
