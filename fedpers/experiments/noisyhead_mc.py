@@ -158,14 +158,18 @@ def _chunk(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, eng
     c_u = (Q_u.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)
     a_sel = c_u / (e_u + f * r.lam * N)
     gstar = (Q_u @ a_sel.unsqueeze(-1)).squeeze(-1)
+    # The test projections are the largest tensors: float32 above D = 16 (risk to ~1e-6 relative).
     small = torch.float64 if K <= 256 else torch.float32
+    W = zte.to(small) @ Q.to(small)
+    W_u = W.clone()
+    if not bool(same.all()):
+        W_u[redo] = zte[redo].to(small) @ Q_u[redo].to(small)
     return SpectralStats(
         e=e, c=(Q.transpose(1, 2) @ bt.unsqueeze(-1)).squeeze(-1),
         v0=Q.transpose(1, 2) @ gamma0,
         vstar=(Q.transpose(1, 2) @ gstar.unsqueeze(-1)).squeeze(-1),
-        W=(zte @ Q).to(small),
-        e_u=e_u, a_sel=a_sel, a_match=c_u / (e_u + 2 * r.lam * N), q0_u=Q_u.transpose(1, 2) @ gamma0,
-        W_u=(zte @ Q_u).to(small), y_test=yte,
+        W=W, e_u=e_u, a_sel=a_sel, a_match=c_u / (e_u + 2 * r.lam * N), q0_u=Q_u.transpose(1, 2) @ gamma0,
+        W_u=W_u, y_test=yte,
     )
 
 
