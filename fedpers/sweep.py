@@ -224,9 +224,9 @@ def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int 
     exp = EXPERIMENTS[spec.algorithm]
     slopes: dict[str, dict[str, float]] = {}
     figures = []
-    if hasattr(exp, "sweep_figure"):
-        figures = list(exp.sweep_figure(rows, spec, out))
-    else:
+    if hasattr(exp, "sweep_figure"):  # a custom layout, or None for the default figures
+        figures = list(exp.sweep_figure(rows, spec, out) or [])
+    if not figures:
         for metric in spec.metrics:
             name = metric.replace(".", "_") + ".png"
             slopes[metric] = {str(k): v for k, v in plot_metric(rows, spec, metric, out / name).items()}
