@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one algorithm and write a run directory")
     algos = run.add_subparsers(dest="algorithm", required=True)
     for name, exp in EXPERIMENTS.items():
-        p = algos.add_parser(name, help=(exp.__doc__ or name).strip().splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = algos.add_parser(name, help=(exp.__doc__ or name).strip().splitlines()[0])
         p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
         p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
         p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
@@ -133,7 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for line in exp.plan(cfg):
         print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
-    result.pop("_rounds", None)
+    result = {k: v for k, v in result.items() if not k.startswith("_")}
     if args.json:
         print(dumps(result, indent=None))
     else:

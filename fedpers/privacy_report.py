@@ -23,7 +23,9 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
             f"{r.noise_std:>10.4g} {('-' if math.isinf(z) else f'{z:.4g}'):>8}"
         )
     eps = ledger_epsilon(ledger, delta, acc)
-    lines += ["", f"user-level (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc.value} accountant, replace-one neighbours"]
+    neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
+    level = "prompt-level" if "prompt" in neighbours else "user-level"
+    lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc.value} accountant, {neighbours} neighbours"]
     if len(ledger.groups()) > 1:
         lines.append(f"  (parallel composition over {len(ledger.groups())} disjoint groups; worst group reported)")
     priv = run.get("result", {}).get("privacy", {})

@@ -60,6 +60,12 @@ class RunDirectory:
     def write_json(self, name: str, value: Any) -> None:
         write_atomic(self.path / name, dumps(value) + "\n")
 
+    def write_arrays(self, name: str, arrays: Mapping[str, Any]) -> None:
+        """Tensors/arrays as one ``.npz`` (written whole, then renamed)."""
+        tmp = self.path / f".{name}.tmp.npz"
+        np.savez(tmp, **{k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in arrays.items()})
+        os.replace(tmp, self.path / name)
+
     def append_round(self, record: Mapping[str, Any]) -> None:
         self._rounds.write(dumps(record, indent=None) + "\n")
         self._rounds.flush()
@@ -73,6 +79,7 @@ class RunDirectory:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         written = []
         for key in keys:
@@ -81,6 +88,7 @@ class RunDirectory:
                 continue
             fig, ax = plt.subplots(figsize=(5, 3.5))
             ax.plot(*zip(*pts), marker="o")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("round (0 = private initialisation)")
             ax.set_ylabel(key.replace("_", " "))
             ax.set_yscale("log")

@@ -157,6 +157,7 @@ def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
     slopes: dict[Any, float] = {}
@@ -170,11 +171,12 @@ def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: 
         key = f"baselines.{b}.{metric}"
         for s, pts in summarise(rows, spec, key).items():
             xs, ms, _ = (np.array(c) for c in zip(*pts))
-            ax.plot(xs, ms, linestyle="--", marker=".", label=f"{b} ({spec.series}={s})")
+            ax.plot(xs, ms, linestyle="--", marker=".", label=f"baseline: {b}")
             break
     ax.set_xscale(spec.plot.get("xscale", "log"))
     ax.set_yscale(spec.plot.get("yscale", "log"))
     ax.set_xlabel(spec.x)
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylabel(metric)
     ax.set_title(f"{spec.name}: {metric} (±2 s.e., B={spec.repetitions})")
     ax.grid(True, which="both", alpha=0.3)
@@ -222,9 +224,9 @@ def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int 
     exp = EXPERIMENTS[spec.algorithm]
     slopes: dict[str, dict[str, float]] = {}
     figures = []
-    if hasattr(exp, "sweep_figure"):
-        figures = list(exp.sweep_figure(rows, spec, out))
-    else:
+    if hasattr(exp, "sweep_figure"):  # a custom layout, or None for the default figures
+        figures = list(exp.sweep_figure(rows, spec, out) or [])
+    if not figures:
         for metric in spec.metrics:
             name = metric.replace(".", "_") + ".png"
             slopes[metric] = {str(k): v for k, v in plot_metric(rows, spec, metric, out / name).items()}

@@ -49,6 +49,10 @@ def test_json_has_the_promised_fields_and_the_run_directory_is_complete(tmp_path
         (["--delta", "0"], "delta"),
         (["--n-users", "3", "--rounds", "5"], "n_users"),
         (["--n-users", "ten"], "n_users"),
+        (["--cohorts", "disjoint", "--n-users", "1", "--rounds", "2"], "n_users"),
+        (["--dtype", "float16"], "dtype"),
+        (["--min-fraction", "0"], "min_fraction"),
+        pytest.param(["--device", "cuda"], "device", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
     ],
 )
 def test_bad_input_is_refused_naming_the_field(flags, field, capsys, tmp_path):
@@ -105,3 +109,39 @@ def test_malformed_data_files_are_refused(arrays, message, tmp_path, capsys):
 def test_installed_console_script_runs_the_module(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedpers", "run", "altmin", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--n-users" in proc.stdout and "--runtime" in proc.stdout
+
+
+def test_config_file_is_read_and_flags_override_it(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('n_users = 500\ndim = 6\nrank = 2\nsamples_per_user = 8\nrounds = 1\nepsilon = 1.0\n')
+    r = run_json(capsys, "--config", str(cfg), "--epsilon", "3", "--out", str(tmp_path / "r"))
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert saved["n_users"] == 500 and saved["epsilon"] == 3.0 and 0.9 * 3 <= r["epsilon"] <= 3
+    cfg.write_text("n_userz = 5\n")
+    assert main(["run", "altmin", "--config", str(cfg)]) == 2
+    assert "n_userz" in capsys.readouterr().err
+
+
+def test_a_failed_run_keeps_its_rounds_and_says_why(tmp_path, monkeypatch):
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.protocols.altmin import AltMinProtocol
+    from fedpers import config as config_lib
+    from fedpers.runner import execute
+
+    original = AltMinProtocol.server_update
+
+    def failing(self, round, state, summed, privatizer):
+        if round == 2:
+            raise RuntimeError("server lost power")
+        return original(self, round, state, summed, privatizer)
+
+    monkeypatch.setattr(AltMinProtocol, "server_update", failing)
+    exp = EXPERIMENTS["altmin"]
+    cfg = config_lib.build(exp.config_type, {"n_users": 400, "dim": 6, "samples_per_user": 8, "rounds": 3})
+    with pytest.raises(RuntimeError, match="lost power"):
+        execute(exp, cfg, out=tmp_path / "r", progress=False)
+    error = json.loads((tmp_path / "r" / "error.json").read_text())
+    assert error["rounds_completed"] == 2 and "lost power" in error["error"]
+    assert len((tmp_path / "r" / "rounds.jsonl").read_text().splitlines()) == 2
+    assert not (tmp_path / "r" / "result.json").exists()
+    assert len(json.loads((tmp_path / "r" / "ledger.json").read_text())) == 3  # init + round 1 (A, b)

@@ -4,7 +4,11 @@ from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.experiments.dpattention import DpAttentionExperiment
 from fedpers.experiments.expmech import ExpMechExperiment
 from fedpers.experiments.noisygd import NoisyGDExperiment
+from fedpers.experiments.noisyhead import NoisyHeadExperiment
 
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (AltMinExperiment(), ExpMechExperiment(), NoisyGDExperiment(), DpAttentionExperiment())}
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in (AltMinExperiment(), NoisyHeadExperiment(), ExpMechExperiment(), NoisyGDExperiment(), DpAttentionExperiment())
+}
 
 __all__ = ["EXPERIMENTS", "Evaluator", "Experiment"]

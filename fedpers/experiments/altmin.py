@@ -113,6 +113,12 @@ def load_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
     return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
 
 
+@lru_cache(maxsize=1)
+def all_units(cfg: AltMinConfig) -> dict[str, Tensor]:
+    """Every user's data, shared by the local runtime and the evaluator of one run."""
+    return load_units(cfg, torch.arange(resolve(cfg).n_users))
+
+
 def paper_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
     """ε the paper's calibration (Lemmas 4.3/4.5: σ = Δ·sqrt(8 log(1/δ))/ε per release) claims for this noise.
 
@@ -129,7 +135,7 @@ class AltMinEvaluator(Evaluator):
     def __init__(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> None:
         self.cfg, self.protocol = resolve(cfg), protocol
         self.u_star = truth(cfg)
-        self.units = load_units(self.cfg, torch.arange(self.cfg.n_users))
+        self.units = all_units(cfg)
         self.init_U: Tensor | None = None
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
@@ -200,7 +206,9 @@ class AltMinExperiment(Experiment):
         return resolve(cfg).n_users
 
     def units(self, cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
-        return {k: v for k, v in load_units(cfg, ids).items() if k in ("ids", "x", "y")}
+        everyone = ids.numel() == self.num_units(cfg) and bool((ids.cpu() == torch.arange(ids.numel())).all())
+        data = all_units(cfg) if everyone else load_units(cfg, ids)
+        return {k: v for k, v in data.items() if k in ("ids", "x", "y")}
 
     def evaluator(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> AltMinEvaluator:
         return AltMinEvaluator(cfg, protocol)

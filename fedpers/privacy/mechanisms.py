@@ -170,6 +170,25 @@ class Privatizer:
             return value.clone()
         return value + std * self._normal(tuple(value.shape), value)
 
+    def gaussian_sum_batched(
+        self, values: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int, units: str = ALL_UNITS
+    ) -> Tensor:
+        """``gaussian_sum`` for B independent repetitions at once: values (B, ...) + N(0, (z·bound)² I).
+
+        For Monte-Carlo simulation: row r is the same release computed on the r-th of B
+        independent data sets, and gets its own independent noise (one draw of shape (B, ...)).
+        One :class:`Release` is recorded per call, describing what each repetition's units are
+        touched by (the data sets are disjoint, so the ledger is the guarantee of every row).
+        With B = 1 the noise equals ``gaussian_sum``'s for the same generator state.
+        """
+        if values.dim() < 1 or values.shape[0] < 1:
+            raise ValueError(f"release {name!r}: expected a leading repetition dimension, got shape {tuple(values.shape)}")
+        self._check(values, per_unit_bound, noise_multiplier, name)
+        std = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units)
+        if std == 0:
+            return values.clone()
+        return values + std * self._normal(tuple(values.shape), values)
+
     def symmetric_gaussian_sum(
         self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int, units: str = ALL_UNITS
     ) -> Tensor:

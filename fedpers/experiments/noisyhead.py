@@ -1,0 +1,467 @@
+"""`fedpers run noisyhead`: prompt-level DP pretraining of a linear attention head (SPEC §2).
+
+The config names the §6 setting (``regime``) that supplies λ, η₀ and T when they are not given,
+derives C, G, G₀, R, σ from Theorem 4.1 unless given, calibrates the noise (the paper's per-step
+(ε/T, δ/T) classical Gaussian, or the tight PLD accountant), and reports the test excess risk
+against the ridge solution Γ*, the non-private GD after the same T, test MSEs and the privacy.
+Monte-Carlo sweeps (``fedpers sweep simulations/noisyhead_*.toml``) go through
+:meth:`NoisyHeadExperiment.sweep_point`, which batches all repetitions
+(:mod:`fedpers.experiments.noisyhead_mc`).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import dp_accounting
+import torch
+
+from fedpers import linalg
+from fedpers.config import field
+from fedpers.data import prompts as prompt_data
+from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.protocols import noisyhead as nh
+from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
+
+Tensor = torch.Tensor
+STREAM_TRAIN, STREAM_TEST = 1, 2
+
+
+class Regime(str, enum.Enum):
+    """The §6 setting that supplies λ, η₀ and T when the config leaves them at 0."""
+
+    LOW_DIM = "low-dim"
+    HIGH_DIM = "high-dim"
+    EARLY_STOPPING = "early-stopping"
+    ROBUSTNESS = "robustness"
+
+
+class Unit(str, enum.Enum):
+    PROMPT = "prompt"
+    USER = "user"
+
+
+class Calibration(str, enum.Enum):
+    PAPER = "paper"
+    ACCOUNTANT = "accountant"
+
+
+class Init(str, enum.Enum):
+    ZERO = "zero"
+    GAUSSIAN = "gaussian"
+
+
+class DataSource(str, enum.Enum):
+    SYNTHETIC = "synthetic"
+    NEWSGROUPS = "newsgroups"
+
+
+class AttackNoise(str, enum.Enum):
+    """Robustness: the attacked run reuses the clean run's DP noise (shared) or draws its own."""
+
+    SHARED = "shared"
+    INDEPENDENT = "independent"
+
+
+class Engine(str, enum.Enum):
+    """Monte-Carlo engine of sweeps: direct (D²×D² matrices, D ≤ 16) or spectral (eigenbasis of A)."""
+
+    AUTO = "auto"
+    DIRECT = "direct"
+    SPECTRAL = "spectral"
+
+
+# λ, the step-size constant c in η₀ = c·λ/(λ + G²)², and the rule for T, per regime.
+REGIME_LAMBDA = {
+    Regime.LOW_DIM: ("5", lambda n, d: 5.0),
+    Regime.HIGH_DIM: ("N/D", lambda n, d: n / d),
+    Regime.EARLY_STOPPING: ("N/D", lambda n, d: n / d),
+    Regime.ROBUSTNESS: ("0.01", lambda n, d: 0.01),
+}
+REGIME_STEP = {
+    Regime.LOW_DIM: (3.17 / 5, "η₀ = 3.17/(5 + G²)² (= 0.634·λ/(λ + G²)²)"),
+    Regime.HIGH_DIM: (0.07, "η₀ = 0.07·λ/(λ + G²)² (= 0.07ND/(N + DG²)² at λ = N/D)"),
+    Regime.EARLY_STOPPING: (0.02 / 3, "η₀ = 0.02λ/(3(λ + G²)²)"),
+    Regime.ROBUSTNESS: (0.7, "η₀ = 0.7·λ/(λ + G²)² (= 0.007/(0.01 + G²)² at λ = 0.01)"),
+}
+REGIME_STEPS = {
+    Regime.LOW_DIM: "T = ⌈log(N^{5/2}) / −log(1 − λη₀)⌉",
+    Regime.HIGH_DIM: "T = 5",
+    Regime.EARLY_STOPPING: "T = ⌈log N / −log(1 − λη₀)⌉ (Proposition 4.1 with r = N)",
+    Regime.ROBUSTNESS: "T = ⌈log N⌉",
+}
+
+
+@dataclass(frozen=True)
+class NoisyHeadConfig:
+    prompts: int = field(1000, "number of training prompts N", ge=1)
+    dim: int = field(5, "token dimension D (0: ⌊√N⌋)", ge=0)
+    context: int = field(0, "context length L (0: ⌊√N⌋)", ge=0)
+    epsilon: float = field(1.0, "ε of the whole run for one privacy unit (inf: clipped and projected, no noise)", gt=0.0)
+    delta: float = field(1e-5, "δ of the whole run", gt=0.0, lt=1.0)
+    steps: int = field(0, "gradient steps T (0: the regime's rule)", ge=0)
+    regime: Regime = field(Regime.LOW_DIM, "the §6 setting that supplies λ, η₀ and T when they are 0")
+    mode: Mode = field(Mode.STATISTICS, "statistics: clients send Σ vec Z̃ vec Z̃ᵀ, Σ ỹ vec Z̃ once; rounds: T rounds of gradients")
+    unit: Unit = field(Unit.PROMPT, "privacy unit: one prompt, or one user's prompts (replace-one)")
+    prompts_per_user: int = field(1, "P, prompts per user with --unit user (N must be a multiple of P)", ge=1)
+    user_clip: float = field(1.0, "ρ: a user's statistics are clipped to ρ·P times one prompt's bounds", gt=0.0, le=1.0)
+    calibration: Calibration = field(Calibration.PAPER, "paper: per-step (ε/T, δ/T) classical Gaussian; accountant: smallest noise meeting (ε, δ)")
+    accountant: Accountant = field(Accountant.PLD, "accountant for the reported ε (pld is exact for Gaussians)")
+    label_noise: float = field(0.0, "τ, the label noise std (ν = 1 + τ²)", ge=0.0)
+    kappa: float = field(1.0, "κ of Theorem 4.1", gt=0.0, le=1.0)
+    clip_c: float = field(0.0, "label clip C (0: Theorem 4.1)", ge=0.0)
+    proj_g: float = field(0.0, "feature projection radius G (0: Theorem 4.1)", ge=0.0)
+    proj_r: float = field(0.0, "parameter projection radius R (0: Theorem 4.1)", ge=0.0)
+    ridge_lambda: float = field(0.0, "ridge λ (0: the regime's)", ge=0.0)
+    step_size: float = field(0.0, "step size η₀ (0: the regime's rule)", ge=0.0)
+    ridge_scaling: RidgeScaling = field(RidgeScaling.MATCHED, "Γ*: matched = (2λN I + ΣZZᵀ)⁻¹Σ yZ, the minimiser GD descends; paper = eq. (2.7) with λN")
+    init: Init = field(Init.ZERO, "Γ⁰: zero, or 0.1·N(0, I) projected on the R-ball (public randomness)")
+    test_prompts: int = field(500, "test prompts for the excess risk and MSE", ge=1)
+    data: DataSource = field(DataSource.SYNTHETIC, "synthetic (SPEC §2) or newsgroups (§7; needs the 'text' extra)")
+    attack_c: float = field(0.0, "robustness (§6.3): one prompt perturbed with α = c·N^p (0: no attack)", ge=0.0)
+    attack_p: float = field(2.0, "robustness: p in α = c·N^p")
+    attack_mu: float = field(1.0, "robustness: μ, x' = x + μ·1 on every token of the attacked prompt")
+    attack_noise: AttackNoise = field(AttackNoise.SHARED, "robustness: the attacked run's DP noise is the clean run's (shared) or fresh")
+    engine: Engine = field(Engine.AUTO, "sweeps: Monte-Carlo engine (auto: direct for D ≤ 16, else spectral)")
+    seed: int = field(0, "run seed (data, test data, init and DP noise use separate generators derived from it)", ge=0)
+    chunk_size: int = field(4096, "units per batch on the local runtime (bounds memory)", ge=1)
+
+    def check(self) -> None:
+        n = self.prompts
+        if self.unit is Unit.USER and n % self.prompts_per_user:
+            raise ValueError(f"prompts must be a multiple of prompts_per_user={self.prompts_per_user}; got {n}")
+        if self.unit is Unit.PROMPT and (self.prompts_per_user != 1 or self.user_clip != 1.0):
+            raise ValueError("prompts_per_user and user_clip apply only with --unit user")
+        for name in ("clip_c", "proj_g", "proj_r"):
+            if math.isinf(getattr(self, name)) and not math.isinf(self.epsilon):
+                raise ValueError(f"{name}=inf makes the sensitivity infinite; it is allowed only with epsilon=inf")
+        if self.attack_c > 0 and self.data is DataSource.NEWSGROUPS:
+            raise ValueError("the robustness attack (attack_c > 0) is defined for synthetic data only")
+        if self.data is DataSource.NEWSGROUPS and self.label_noise > 0:
+            raise ValueError("label_noise applies to synthetic data only")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Every number a run uses, with the formula that produced it."""
+
+    N: int
+    L: int
+    D: int
+    lam: float
+    eta: float
+    T: int
+    consts: nh.HeadConstants
+    C: float
+    G: float
+    R: float
+    noise_multiplier: float
+    P: int
+    rho: float
+    formulas: dict[str, str]
+
+    @property
+    def units(self) -> int:
+        return self.N // self.P
+
+
+@lru_cache(maxsize=64)
+def resolve(cfg: NoisyHeadConfig) -> Resolved:
+    """Derived numbers of a (frozen, hashable) config; cached because calibration runs the accountant."""
+    N = cfg.prompts
+    root = math.isqrt(N)
+    L = cfg.context or root
+    D = cfg.dim or root
+    formulas: dict[str, str] = {}
+    formulas["L"] = f"L = {cfg.context}" if cfg.context else "L = ⌊√N⌋"
+    formulas["D"] = f"D = {cfg.dim}" if cfg.dim else "D = ⌊√N⌋"
+    if cfg.ridge_lambda:
+        lam, formulas["lambda"] = cfg.ridge_lambda, "λ given (--ridge-lambda)"
+    else:
+        text, rule = REGIME_LAMBDA[cfg.regime]
+        lam, formulas["lambda"] = rule(N, D), f"λ = {text} ({cfg.regime.value})"
+    consts = nh.theorem41_constants(N, L, D, cfg.label_noise, cfg.kappa, lam)
+    C = cfg.clip_c or consts.C
+    G = cfg.proj_g or consts.G
+    R = cfg.proj_r or consts.R
+    for key, given in (("C", cfg.clip_c), ("G", cfg.proj_g), ("R", cfg.proj_r)):
+        formulas[key] = f"{key} given" if given else FORMULAS[key]
+    formulas["nu"], formulas["G0"] = FORMULAS["nu"], FORMULAS["G0"]
+    if cfg.step_size:
+        eta, formulas["eta"] = cfg.step_size, "η₀ given (--step-size)"
+    else:
+        c, text = REGIME_STEP[cfg.regime]
+        eta, formulas["eta"] = c * lam / (lam + G**2) ** 2, text
+    if not 0 < 2 * lam * eta < 2:
+        raise ValueError(f"step_size: need 0 < 2λη₀ < 2 for GD to contract; got λ={lam:.4g}, η₀={eta:.4g}")
+    if cfg.steps:
+        T, formulas["T"] = cfg.steps, "T given (--steps)"
+    else:
+        T, formulas["T"] = _regime_steps(cfg.regime, N, lam, eta), REGIME_STEPS[cfg.regime]
+    P = cfg.prompts_per_user if cfg.unit is Unit.USER else 1
+    rho = cfg.user_clip if cfg.unit is Unit.USER else 1.0
+    if math.isinf(cfg.epsilon):
+        z, formulas["noise_multiplier"] = 0.0, "ε = inf: no noise"
+    elif cfg.calibration is Calibration.PAPER:
+        z, formulas["noise_multiplier"] = nh.paper_noise_multiplier(T, cfg.epsilon, cfg.delta), "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))"
+    else:
+        z = calibrate_noise_multiplier(lambda z: step_event(z, T), cfg.epsilon, cfg.delta, cfg.accountant)
+        formulas["noise_multiplier"] = f"smallest z with ε({cfg.accountant.value}, T-fold Gaussian) ≤ target"
+    formulas["noise_std_step"] = "std of z_t entries = (η₀/N)·z·ρP·G(C + RG)"
+    return Resolved(N, L, D, lam, eta, T, consts, C, G, R, z, P, rho, formulas)
+
+
+def _regime_steps(regime: Regime, n: int, lam: float, eta: float) -> int:
+    if regime is Regime.HIGH_DIM:
+        return 5
+    if regime is Regime.ROBUSTNESS:
+        return max(1, math.ceil(math.log(n)))
+    rate = -math.log(1 - lam * eta) if lam * eta < 1 else math.inf
+    target = 2.5 * math.log(n) if regime is Regime.LOW_DIM else math.log(n)
+    return max(1, math.ceil(target / rate))
+
+
+def step_event(noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
+    """What one unit is touched by: T Gaussian releases with the same noise multiplier."""
+    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier), steps)
+
+
+def initial_gamma(cfg: NoisyHeadConfig, r: Resolved) -> tuple[float, ...]:
+    if cfg.init is Init.ZERO:
+        return ()
+    g = prompt_data.generator(derived_seed(cfg.seed, "init"))
+    v = 0.1 * torch.randn(r.D * r.D, generator=g, dtype=torch.float64)
+    return tuple(linalg.clip_vectors(v, r.R).tolist())
+
+
+def make_protocol(cfg: NoisyHeadConfig, r: Resolved | None = None, mode: Mode | None = None) -> NoisyHeadProtocol:
+    r = r or resolve(cfg)
+    return NoisyHeadProtocol(
+        prompts=r.N, dim=r.D, context=r.L, steps=r.T, step_size=r.eta, ridge_lambda=r.lam,
+        clip_c=r.C, proj_g=r.G, proj_r=r.R, noise_multiplier=r.noise_multiplier, mode=mode or cfg.mode,
+        prompts_per_unit=r.P, unit_clip=r.rho, gamma0=initial_gamma(cfg, r), unit_name=cfg.unit.value,
+    )
+
+
+# ----- data ------------------------------------------------------------------------------------
+def prompts(cfg: NoisyHeadConfig, ids: Tensor, test: bool = False) -> tuple[Tensor, Tensor]:
+    """Prompts (x (n, L+1, D), y (n, L+1)) with these ids; prompt k depends only on (seed, k)."""
+    r = resolve_shape(cfg)
+    stream = STREAM_TEST if test else STREAM_TRAIN
+    if cfg.data is DataSource.NEWSGROUPS:
+        from fedpers.data import newsgroups
+
+        return newsgroups.text_prompts_by_id(cfg.seed, stream, ids, r[1], r[2], test=test)
+    return prompt_data.prompts_by_id(cfg.seed, stream, ids, r[1], r[2], cfg.label_noise)
+
+
+def resolve_shape(cfg: NoisyHeadConfig) -> tuple[int, int, int]:
+    root = math.isqrt(cfg.prompts)
+    return cfg.prompts, cfg.context or root, cfg.dim or root
+
+
+def load_units(cfg: NoisyHeadConfig, ids: Tensor) -> dict[str, Tensor]:
+    """Units with these ids: unit u holds prompts uP..uP+P−1 (P = 1 at the prompt level)."""
+    P = cfg.prompts_per_user if cfg.unit is Unit.USER else 1
+    ids = ids.to("cpu", torch.int64)
+    prompt_ids = (ids.unsqueeze(-1) * P + torch.arange(P)).reshape(-1)
+    x, y = prompts(cfg, prompt_ids)
+    return group_units(x, y, P, ids)
+
+
+def group_units(x: Tensor, y: Tensor, P: int, ids: Tensor | None = None) -> dict[str, Tensor]:
+    """Prompts (n·P, L+1, D) -> units (n, P, L+1, D) with their ids (default 0..n−1)."""
+    n = x.shape[0] // P
+    ids = torch.arange(n) if ids is None else ids
+    return {"ids": ids, "x": x.reshape(n, P, *x.shape[1:]), "y": y.reshape(n, P, y.shape[-1])}
+
+
+# ----- evaluation ------------------------------------------------------------------------------
+def sherman_morrison_replace(M_i: Tensor, rhs_i: Tensor, z_new: Tensor, y_new: Tensor) -> Tensor:
+    """(M_i + z zᵀ)⁻¹(rhs_i + y z), stably, from the well-conditioned M_i; batched.
+
+    Needed for the robustness attack: ||z'||² reaches 1e18 while M_i's eigenvalues are O(N), so a
+    direct solve of the perturbed system is at the edge of float64 (condition number ~1e16).
+    """
+    chol = torch.linalg.cholesky(M_i)
+    g0 = torch.cholesky_solve(rhs_i.unsqueeze(-1), chol).squeeze(-1)
+    u = torch.cholesky_solve(z_new.unsqueeze(-1), chol).squeeze(-1)
+    s = (z_new * u).sum(-1)
+    return g0 + u * ((y_new - (z_new * g0).sum(-1)) / (1 + s)).unsqueeze(-1)
+
+
+def attack_prompt(x: Tensor, y: Tensor, mu: float, alpha: float) -> tuple[Tensor, Tensor]:
+    """(5.1): x' = x + μ·1 on all L+1 tokens, y' = y + α on the L context labels (the query label is kept)."""
+    y2 = y.clone()
+    y2[..., :-1] = y2[..., :-1] + alpha
+    return x + mu, y2
+
+
+class NoisyHeadEvaluator(Evaluator):
+    """Γ*, non-private GD and test metrics from the raw (unclipped) data of all N prompts."""
+
+    def __init__(self, cfg: NoisyHeadConfig, protocol: NoisyHeadProtocol) -> None:
+        self.cfg, self.protocol, self.r = cfg, protocol, resolve(cfg)
+        N = self.r.N
+        x, y = prompts(cfg, torch.arange(N))
+        self.z, self.yq = nh.prompt_vectors(x, y)
+        self.A, self.b = nh.gram_statistics(self.z, self.yq)
+        self.gamma_star = nh.ridge(self.A, self.b, N, self.r.lam, cfg.ridge_scaling)
+        xt, yt = prompts(cfg, torch.arange(cfg.test_prompts), test=True)
+        self.z_test, self.y_test = nh.prompt_vectors(xt, yt)
+        self._train = (x, y)
+
+    def excess(self, gamma: Tensor, ref: Tensor | None = None) -> float:
+        ref = self.gamma_star if ref is None else ref
+        return float(((self.z_test @ (gamma.double() - ref)) ** 2).mean())
+
+    def mse(self, gamma: Tensor) -> float:
+        return float(((self.y_test - self.z_test @ gamma.double()) ** 2).mean())
+
+    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+        return {"excess_risk": self.excess(state["gamma"])}
+
+    def theorem_bound(self) -> float:
+        """Right side of (4.2): G₀²((1 − η₀λ)^T R² + σ²η₀²D T² log(2T/δ)/(N²ε²)), σ = 2G(C + RG)."""
+        r, cfg = self.r, self.cfg
+        sigma = 2 * r.G * (r.C + r.R * r.G)
+        noise = 0.0 if math.isinf(cfg.epsilon) else sigma**2 * r.eta**2 * r.D * r.T**2 * math.log(2 * r.T / cfg.delta) / (r.N * cfg.epsilon) ** 2
+        return r.consts.G0**2 * ((1 - r.eta * r.lam) ** r.T * r.R**2 + noise)
+
+    def final(self, state: Any) -> dict[str, Any]:
+        gamma = state["gamma"].double()
+        r = self.r
+        gamma_gd = nh.gd(self.A, self.b, self.protocol.initial_gamma(), r.N, r.lam, r.eta, r.T)
+        out: dict[str, Any] = {
+            "excess_risk": self.excess(gamma),
+            "test_mse": self.mse(gamma),
+            "gamma_norm": float(torch.linalg.vector_norm(gamma)),
+            "theorem41_bound": self.theorem_bound(),
+            "Gamma": nh.vec_to_gamma(gamma).tolist(),
+        }
+        out["baselines"] = {
+            "ridge": {"excess_risk": 0.0, "test_mse": self.mse(self.gamma_star), "gamma_norm": float(torch.linalg.vector_norm(self.gamma_star))},
+            "nonprivate_gd": {"excess_risk": self.excess(gamma_gd), "test_mse": self.mse(gamma_gd)},
+        }
+        if self.cfg.attack_c > 0:
+            out.update(self.robustness())
+        return out
+
+    def robustness(self) -> dict[str, float]:
+        """§6.3 for this seed: rerun NoisyHead and the ridge with one prompt perturbed as in (5.1)."""
+        from fedpers.runtime.local import run_local
+
+        cfg, r = self.cfg, self.r
+        i = int(torch.randint(r.N, (1,), generator=prompt_data.generator(derived_seed(cfg.seed, "attack"))))
+        alpha = cfg.attack_c * r.N**cfg.attack_p
+        x, y = self._train
+        xb, yb = attack_prompt(x[i], y[i], cfg.attack_mu, alpha)
+        zb, _ = nh.prompt_vectors(xb, yb)
+        k = self.z.shape[-1]
+        M_i = self.A - torch.outer(self.z[i], self.z[i]) + cfg.ridge_scaling.factor * r.lam * r.N * torch.eye(k, dtype=torch.float64)
+        ridge_bad = sherman_morrison_replace(M_i, self.b - self.yq[i] * self.z[i], zb, self.yq[i])
+        x2, y2 = x.clone(), y.clone()
+        x2[i], y2[i] = xb, yb
+        units = group_units(x2, y2, r.P)
+        # The runner's DP-noise seed is the server's secret, so the clean run is redone here
+        # with the attacked run's noise (shared) or with independent noise.
+        proto = replace(self.protocol, mode=Mode.STATISTICS)
+        seed = derived_seed(cfg.seed, "robustness-noise")
+        clean, _ = run_local(proto, group_units(x, y, r.P), Privatizer(seed), progress=False)
+        if cfg.attack_noise is not AttackNoise.SHARED:
+            seed = derived_seed(cfg.seed, "robustness-noise-attacked")
+        state, _ = run_local(proto, units, Privatizer(seed), progress=False)
+        return {
+            "robust_noisyhead": self.excess(clean["gamma"], state["gamma"]),
+            "robust_ridge": self.excess(self.gamma_star, ridge_bad),
+            "attack_alpha": alpha,
+            "attacked_prompt": i,
+        }
+
+
+# ----- the experiment --------------------------------------------------------------------------
+class NoisyHeadExperiment(Experiment):
+    """NoisyHead: prompt-level DP gradient descent on a linear attention head (SPEC §2)."""
+
+    name = "noisyhead"
+    config_type = NoisyHeadConfig
+
+    def protocol(self, cfg: NoisyHeadConfig) -> NoisyHeadProtocol:
+        return make_protocol(cfg)
+
+    def num_units(self, cfg: NoisyHeadConfig) -> int:
+        return resolve(cfg).units
+
+    def units(self, cfg: NoisyHeadConfig, ids: Tensor) -> dict[str, Tensor]:
+        return load_units(cfg, ids)
+
+    def evaluator(self, cfg: NoisyHeadConfig, protocol: NoisyHeadProtocol) -> NoisyHeadEvaluator:
+        return NoisyHeadEvaluator(cfg, protocol)
+
+    def privacy_summary(self, cfg: NoisyHeadConfig, protocol: NoisyHeadProtocol, ledger: Ledger) -> dict[str, Any]:
+        r = resolve(cfg)
+        eps = ledger_epsilon(ledger, cfg.delta, cfg.accountant)
+        z = protocol.noise_multiplier
+        out = {
+            "epsilon": eps,
+            "delta": cfg.delta,
+            "target_epsilon": cfg.epsilon,
+            "accountant": cfg.accountant.value,
+            "calibration": cfg.calibration.value,
+            "neighbouring": "replace-one prompt" if r.P == 1 else f"replace-one user ({r.P} prompts, statistics clipped per user)",
+            "noise_multiplier": z,
+            "releases": len(ledger),
+            "per_unit_bound": protocol.grad_bound,
+            "sensitivity": 2 * protocol.grad_bound,
+            "noise_std_sum": protocol.noise_std_sum,
+            "noise_std_step": protocol.noise_std_step,
+            "paper_epsilon_same_noise": nh.paper_epsilon(z, r.T, cfg.delta),
+        }
+        if not math.isinf(cfg.epsilon):
+            paper_z = nh.paper_noise_multiplier(r.T, cfg.epsilon, cfg.delta)
+            tight_z = z if cfg.calibration is Calibration.ACCOUNTANT else calibrate_noise_multiplier(lambda v: step_event(v, r.T), cfg.epsilon, cfg.delta, cfg.accountant)
+            out["paper_noise_multiplier"] = paper_z
+            out["accountant_noise_multiplier"] = tight_z
+            out["paper_over_accountant_noise"] = paper_z / tight_z
+        return out
+
+    def plot_keys(self) -> tuple[str, ...]:
+        return ("excess_risk",)
+
+    def describe(self, cfg: NoisyHeadConfig, protocol: NoisyHeadProtocol) -> dict[str, Any]:
+        r = resolve(cfg)
+        values = {
+            "N": r.N, "L": r.L, "D": r.D, "lambda": r.lam, "eta": r.eta, "T": r.T,
+            "nu": r.consts.nu, "C": r.C, "G": r.G, "G0": r.consts.G0, "R": r.R,
+            "sigma": 2 * r.G * (r.C + r.R * r.G),
+            "noise_multiplier": r.noise_multiplier,
+            "per_unit_bound": protocol.grad_bound,
+            "noise_std_sum": protocol.noise_std_sum,
+            "noise_std_step": protocol.noise_std_step,
+            "step_sensitivity": protocol.step_sensitivity,
+            "prompts_per_unit": r.P,
+            "unit_clip": r.rho,
+        }
+        return {
+            **values,
+            "theorem41": {"C": r.consts.C, "G": r.consts.G, "G0": r.consts.G0, "R": r.consts.R},
+            "formulas": {**r.formulas, "sigma": FORMULAS["sigma"], "per_unit_bound": "ρP·G(C + RG)", "step_sensitivity": "(η₀/N)·2ρP·G(C + RG)"},
+            "mode": protocol.mode.value,
+            "ridge": "vec Γ* = (2λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (matches GD's objective)" if cfg.ridge_scaling is RidgeScaling.MATCHED else "vec Γ* = (λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (eq. 2.7)",
+        }
+
+    # ----- sweeps ----------------------------------------------------------------------------
+    def sweep_point(self, cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]]:
+        from fedpers.experiments import noisyhead_mc
+
+        return noisyhead_mc.sweep_point(cfg, repetitions)
+
+    def sweep_figure(self, rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] | None:
+        from fedpers.experiments import noisyhead_mc
+
+        return noisyhead_mc.sweep_figure(rows, spec, out)

@@ -1,0 +1,340 @@
+"""NoisyHead (SPEC §2): DP gradient descent on the linear attention head Γ.
+
+Clients hold prompts. Prompt k gives ``vec Z̃_k = vec Π_G((1/L) x_{k,L+1} Σ_i clip(y_{k,i}; C) x_{k,i}ᵀ)``
+and ``ỹ_k = clip(y_{k,L+1}; C)``; the server runs T steps of
+
+    Γ ← Π_R((1 − 2λη₀) Γ − (η₀/N) (Σ_k (<Γ, Z̃_k> − ỹ_k) Z̃_k + noise_t))
+
+where ``noise_t`` is the Gaussian noise the :class:`~fedpers.privacy.Privatizer` adds to the
+summed gradient, so SPEC's ``z_t`` is ``(η₀/N)·noise_t``. With ``||Γ|| ≤ R`` (the projection keeps
+it there) one prompt's gradient has norm ≤ ``G(C + RG)``: that is the per-unit bound of every
+release and ``2G(C + RG) = σ`` its replace-one sensitivity.
+
+Two server modes give the same Γ̂ for one noise seed (the same T draws, in the same order):
+
+- ``statistics`` (one round): clients send ``Σ vec Z̃ vec Z̃ᵀ`` and ``Σ ỹ vec Z̃``; the server
+  forms each step's gradient ``A vec Γ − b`` itself.
+- ``rounds`` (T rounds): the server broadcasts Γ; clients return ``Σ (<Γ, Z̃_k> − ỹ_k) Z̃_k``.
+
+User level: a unit is a user's P prompts. Its statistics ``A_u = Σ_k vec Z̃ vec Z̃ᵀ`` and
+``b_u = Σ_k ỹ_k vec Z̃`` are clipped (Frobenius) to ``ρP·G²`` and ``ρP·CG``, so the user's gradient
+``A_u vec Γ − b_u`` has norm ≤ ``ρP·G(C + RG)``. Both modes use the same clip factors (they do
+not depend on Γ), which keeps them identical. With ``P = 1, ρ = 1`` this is the prompt level and
+the clip never acts.
+
+Everything here is batched over arbitrary leading dimensions (units, or Monte-Carlo
+repetitions) and vectorises Γ by stacking columns: ``vec(x sᵀ) = s ⊗ x``.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from fedpers import linalg
+from fedpers.privacy import Privatizer
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+
+Tensor = torch.Tensor
+
+
+class Mode(str, enum.Enum):
+    STATISTICS = "statistics"
+    ROUNDS = "rounds"
+
+
+class RidgeScaling(str, enum.Enum):
+    """Γ*'s ridge: ``matched`` = 2λN (the minimiser of what GD descends), ``paper`` = λN (eq. 2.7)."""
+
+    MATCHED = "matched"
+    PAPER = "paper"
+
+    @property
+    def factor(self) -> float:
+        return 2.0 if self is RidgeScaling.MATCHED else 1.0
+
+
+# ----- Theorem 4.1 ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadConstants:
+    """Clipping / projection constants of Theorem 4.1 and the noise scale σ = 2G(C + RG)."""
+
+    nu: float
+    C: float
+    G: float
+    G0: float
+    R: float
+
+    @property
+    def sigma(self) -> float:
+        return 2 * self.G * (self.C + self.R * self.G)
+
+
+FORMULAS = {
+    "nu": "ν = 1 + τ²",
+    "C": "C = sqrt(2ν log(NL/κ))",
+    "G": "G = (C/√L)(1 + sqrt(log(N/κ))/D)",
+    "G0": "G₀ = (C/√L)(1 + sqrt(log(1/κ))/D)",
+    "R": "R = λ⁻¹ C² sqrt(N/L)(1 + sqrt(log(1/κ))/D)",
+    "sigma": "σ = 2G(C + RG)",
+}
+
+
+def theorem41_constants(n: int, context: int, dim: int, tau: float, kappa: float, lam: float) -> HeadConstants:
+    """ν, C, G, G₀, R of Theorem 4.1 (eq. 4.1) for N prompts of context L in dimension D."""
+    if not (n >= 1 and context >= 1 and dim >= 1):
+        raise ValueError(f"N, L, D must be >= 1; got N={n}, L={context}, D={dim}")
+    if not 0 < kappa <= 1:
+        raise ValueError(f"kappa must be in (0, 1]; got {kappa}")
+    if not lam > 0:
+        raise ValueError(f"ridge_lambda must be > 0 for R = C²sqrt(N/L)/λ; got {lam}")
+    nu = 1 + tau**2
+    C = math.sqrt(2 * nu * math.log(n * context / kappa))
+    G = C / math.sqrt(context) * (1 + math.sqrt(math.log(n / kappa)) / dim)
+    G0 = C / math.sqrt(context) * (1 + math.sqrt(math.log(1 / kappa)) / dim)
+    R = C**2 * math.sqrt(n / context) * (1 + math.sqrt(math.log(1 / kappa)) / dim) / lam
+    return HeadConstants(nu, C, G, G0, R)
+
+
+def paper_noise_multiplier(steps: int, epsilon: float, delta: float) -> float:
+    """z of the paper's calibration: each step (ε/T, δ/T) by the classical Gaussian formula.
+
+    Per step σ_step = Δ sqrt(2 log(1.25T/δ)) T/ε with Δ = 2 × per-unit bound, so
+    z = σ_step / bound = 2T sqrt(2 log(1.25T/δ))/ε. On Γ this is SPEC's
+    Var z_t = 2η₀²T²σ² log(1.25T/δ)/(ε²N²) with σ = Δ.
+    """
+    if math.isinf(epsilon):
+        return 0.0
+    return 2 * steps * math.sqrt(2 * math.log(1.25 * steps / delta)) / epsilon
+
+
+def paper_epsilon(noise_multiplier: float, steps: int, delta: float) -> float:
+    """The ε the paper's calibration claims for noise multiplier z (inverse of :func:`paper_noise_multiplier`)."""
+    if noise_multiplier == 0:
+        return math.inf
+    return 2 * steps * math.sqrt(2 * math.log(1.25 * steps / delta)) / noise_multiplier
+
+
+# ----- the math, batched over leading dims ------------------------------------------------
+def prompt_vectors(x: Tensor, y: Tensor, clip_c: float = math.inf, proj_g: float = math.inf) -> tuple[Tensor, Tensor]:
+    """(vec Z̃, ỹ) of prompts: x (..., L+1, D), y (..., L+1) -> (..., D²), (...).
+
+    The last token is the query. ``clip_c = proj_g = inf`` gives the raw Z and y_{L+1}.
+    """
+    L = x.shape[-2] - 1
+    if L < 1:
+        raise ValueError(f"a prompt needs at least one context token and a query; got {x.shape[-2]} tokens")
+    yc = linalg.clip_scalar(y[..., :L], clip_c)
+    s = (yc.unsqueeze(-1) * x[..., :L, :]).sum(-2) / L
+    z = (s.unsqueeze(-1) * x[..., L, :].unsqueeze(-2)).flatten(-2)
+    return linalg.clip_vectors(z, proj_g), linalg.clip_scalar(y[..., L], clip_c)
+
+
+def unit_clip_factors(z: Tensor, yq: Tensor, a_bound: float, b_bound: float) -> tuple[Tensor, Tensor]:
+    """Per-unit clip factors of A_u = Σ_k z_k z_kᵀ and b_u = Σ_k ỹ_k z_k; z (..., P, D²), yq (..., P).
+
+    ``||A_u||_F² = Σ_{k,l} <z_k, z_l>²`` comes from the P×P Gram matrix, so no D²×D² matrix per
+    unit is formed.
+    """
+    gram = z @ z.transpose(-1, -2)
+    a_norm = torch.linalg.matrix_norm(gram)
+    b_norm = torch.linalg.vector_norm((yq.unsqueeze(-1) * z).sum(-2), dim=-1)
+    return linalg.clip_factor(a_norm, a_bound), linalg.clip_factor(b_norm, b_bound)
+
+
+def gram_statistics(z: Tensor, yq: Tensor, wa: Tensor | None = None, wb: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """A = Σ_k w_a,k z_k z_kᵀ and b = Σ_k w_b,k ỹ_k z_k over the prompt dim (-2); z (..., n, D²)."""
+    za = z if wa is None else z * wa.unsqueeze(-1)
+    A = za.transpose(-1, -2) @ z
+    b = ((yq if wb is None else yq * wb).unsqueeze(-2) @ z).squeeze(-2)
+    return A, b
+
+
+def gradient_sum(gamma: Tensor, z: Tensor, yq: Tensor, wa: Tensor | None = None, wb: Tensor | None = None) -> Tensor:
+    """Σ_k (w_a,k <γ, z_k> − w_b,k ỹ_k) z_k without forming A; gamma (..., D²), z (..., n, D²)."""
+    pred = (z @ gamma.unsqueeze(-1)).squeeze(-1)
+    resid = (pred if wa is None else wa * pred) - (yq if wb is None else wb * yq)
+    return (resid.unsqueeze(-2) @ z).squeeze(-2)
+
+
+def descend(gamma: Tensor, noisy_grad_sum: Tensor, n: int, lam: float, eta: float, radius: float) -> Tensor:
+    """One step: Π_R((1 − 2λη₀)γ − (η₀/N)·(noisy gradient sum)), batched over leading dims."""
+    return linalg.clip_vectors((1 - 2 * lam * eta) * gamma - (eta / n) * noisy_grad_sum, radius)
+
+
+def ridge(A: Tensor, b: Tensor, n: int, lam: float, scaling: RidgeScaling = RidgeScaling.MATCHED) -> Tensor:
+    """vec Γ* = (cλN I + A)⁻¹ b with c = 2 (matched to GD's objective) or 1 (eq. 2.7); batched."""
+    k = A.shape[-1]
+    eye = torch.eye(k, dtype=A.dtype, device=A.device)
+    M = A + scaling.factor * lam * n * eye
+    chol, info = torch.linalg.cholesky_ex(M)
+    if bool((info == 0).all()):
+        return torch.cholesky_solve(b.unsqueeze(-1), chol).squeeze(-1)
+    return torch.linalg.solve(M, b)
+
+
+def gd(A: Tensor, b: Tensor, gamma0: Tensor, n: int, lam: float, eta: float, steps: int) -> Tensor:
+    """Non-private GD on (1/2N)Σ(<Γ, Z_k> − y_k)² + λ||Γ||² (no clipping, projection or noise)."""
+    gamma = gamma0
+    for _ in range(steps):
+        gamma = (1 - 2 * lam * eta) * gamma - (eta / n) * ((A @ gamma.unsqueeze(-1)).squeeze(-1) - b)
+    return gamma
+
+
+def vec_to_gamma(v: Tensor) -> Tensor:
+    """(..., D²) column-stacked -> (..., D, D)."""
+    d = math.isqrt(v.shape[-1])
+    return v.reshape(*v.shape[:-1], d, d).transpose(-1, -2)
+
+
+def gamma_to_vec(g: Tensor) -> Tensor:
+    return g.transpose(-1, -2).flatten(-2)
+
+
+# ----- the protocol -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class NoisyHeadProtocol(Protocol):
+    """Public parameters of one NoisyHead run (all data-independent)."""
+
+    prompts: int
+    dim: int
+    context: int
+    steps: int
+    step_size: float
+    ridge_lambda: float
+    clip_c: float
+    proj_g: float
+    proj_r: float
+    noise_multiplier: float
+    mode: Mode = Mode.STATISTICS
+    prompts_per_unit: int = 1
+    unit_clip: float = 1.0
+    gamma0: tuple[float, ...] = ()
+    unit_name: str = "prompt"
+
+    name = "noisyhead"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1; got {self.steps}")
+        if self.gamma0 and len(self.gamma0) != self.dim**2:
+            raise ValueError(f"gamma0 must have D² = {self.dim**2} entries; got {len(self.gamma0)}")
+        if not 0 < self.unit_clip <= 1:
+            raise ValueError(f"unit_clip must be in (0, 1]; got {self.unit_clip}")
+
+    @property
+    def num_rounds(self) -> int:
+        return 1 if self.mode is Mode.STATISTICS else self.steps
+
+    # ----- privacy bookkeeping -------------------------------------------------------
+    @property
+    def unit_scale(self) -> float:
+        return self.unit_clip * self.prompts_per_unit
+
+    @property
+    def grad_bound(self) -> float:
+        """Per-unit norm bound of the released gradient sum: ρP·G(C + RG)."""
+        return self.unit_scale * self.proj_g * (self.clip_c + self.proj_r * self.proj_g)
+
+    @property
+    def a_bound(self) -> float:
+        return self.unit_scale * self.proj_g**2
+
+    @property
+    def b_bound(self) -> float:
+        return self.unit_scale * self.clip_c * self.proj_g
+
+    @property
+    def noise_std_sum(self) -> float:
+        """σ of the Gaussian added to the summed gradient each step."""
+        return self.noise_multiplier * self.grad_bound if self.noise_multiplier > 0 else 0.0
+
+    @property
+    def noise_std_step(self) -> float:
+        """Std of each entry of SPEC's z_t (the noise on Γ): (η₀/N)·σ_sum."""
+        return self.step_size / self.prompts * self.noise_std_sum
+
+    @property
+    def step_sensitivity(self) -> float:
+        """Replace-one change of one step's update of Γ: (η₀/N)·2ρP·G(C + RG)."""
+        return self.step_size / self.prompts * 2 * self.grad_bound
+
+    # ----- protocol ------------------------------------------------------------------
+    def unit_keys(self) -> tuple[str, ...]:
+        return ("x", "y")
+
+    def initial_gamma(self) -> Tensor:
+        if not self.gamma0:
+            return torch.zeros(self.dim**2, dtype=self.dtype)
+        return linalg.clip_vectors(torch.tensor(self.gamma0, dtype=self.dtype), self.proj_r)
+
+    def initial_state(self) -> dict[str, Tensor]:
+        return {"gamma": self.initial_gamma()}
+
+    def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
+        return {} if self.mode is Mode.STATISTICS else {"gamma": state["gamma"]}
+
+    def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
+        k = self.dim**2
+        if self.mode is Mode.STATISTICS:
+            return (StatSpec("A", (k, k), self.a_bound), StatSpec("b", (k,), self.b_bound))
+        return (StatSpec("grad", (k,), self.grad_bound),)
+
+    def features(self, units: Units) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """vec Z̃ (U, P, D²), ỹ (U, P), and the per-unit clip factors (None at the prompt level)."""
+        x, y = units["x"].to(self.dtype), units["y"].to(self.dtype)
+        expect = (self.prompts_per_unit, self.context + 1, self.dim)
+        if x.dim() != 4 or tuple(x.shape[1:]) != expect or tuple(y.shape) != tuple(x.shape[:3]):
+            raise ValueError(f"units: x must be (units, {expect[0]}, {expect[1]}, {expect[2]}) and y (units, P, L+1); got {tuple(x.shape)}, {tuple(y.shape)}")
+        linalg.require_finite(x, "x")
+        linalg.require_finite(y, "y")
+        z, yq = prompt_vectors(x, y, self.clip_c, self.proj_g)
+        if self.prompts_per_unit == 1 and self.unit_clip == 1:
+            return z, yq, None, None  # ||z zᵀ|| = ||z||² ≤ G², |ỹ|·||z|| ≤ CG: the unit clip cannot act
+        ca, cb = unit_clip_factors(z, yq, self.a_bound, self.b_bound)
+        P = self.prompts_per_unit
+        return z, yq, ca.unsqueeze(-1).expand(-1, P), cb.unsqueeze(-1).expand(-1, P)
+
+    def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        z, yq, wa, wb = self.features(units)
+        k = self.dim**2
+        z, yq = z.reshape(-1, k), yq.reshape(-1)
+        wa = None if wa is None else wa.reshape(-1)
+        wb = None if wb is None else wb.reshape(-1)
+        count = int(units["ids"].shape[0])
+        if self.mode is Mode.STATISTICS:
+            A, b = gram_statistics(z, yq, wa, wb)
+            return Message({"A": A, "b": b}, count)
+        # A client never trusts Γ to be in the ball: its contribution's bound depends on it.
+        gamma = linalg.clip_vectors(broadcast["gamma"].to(self.dtype), self.proj_r)
+        return Message({"grad": gradient_sum(gamma, z, yq, wa, wb)}, count)
+
+    def noisy_step(self, t: int, gamma: Tensor, grad: Tensor, privatizer: Privatizer) -> tuple[Tensor, Tensor]:
+        noisy = privatizer.gaussian_sum(
+            grad, per_unit_bound=self.grad_bound, noise_multiplier=self.noise_multiplier, name=f"step{t}", round=t
+        )
+        return descend(gamma, noisy, self.prompts, self.ridge_lambda, self.step_size, self.proj_r), noisy
+
+    def server_update(
+        self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
+    ) -> tuple[dict[str, Tensor], dict[str, float]]:
+        gamma = state["gamma"]
+        projected = 0
+        if self.mode is Mode.STATISTICS:
+            A, b = summed.stats["A"], summed.stats["b"]
+            for t in range(self.steps):
+                gamma, _ = self.noisy_step(t, gamma, A @ gamma - b, privatizer)
+                projected += int(float(torch.linalg.vector_norm(gamma)) >= self.proj_r * (1 - 1e-12))
+        else:
+            gamma, _ = self.noisy_step(round, gamma, summed.stats["grad"], privatizer)
+            projected = int(float(torch.linalg.vector_norm(gamma)) >= self.proj_r * (1 - 1e-12))
+        diagnostics = {
+            "noise_std_sum": self.noise_std_sum,
+            "noise_std_step": self.noise_std_step,
+            "steps_at_radius_R": float(projected),
+            "gamma_norm": float(torch.linalg.vector_norm(gamma)),
+        }
+        return {"gamma": gamma}, diagnostics
