@@ -73,8 +73,9 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def print_summary(result: dict[str, Any], out: typing.TextIO = sys.stdout) -> None:
+def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> None:
     """A readable summary: privacy, the main metrics, and the baselines side by side."""
+    out = out if out is not None else sys.stdout  # looked up now, so a redirected stdout is honoured
     priv = result.get("privacy", {})
     print(f"\n{result['algorithm']} on the {result['runtime']} runtime: {result['status']} in {result['seconds']:.1f} s", file=out)
     if priv:
@@ -86,6 +87,9 @@ def print_summary(result: dict[str, Any], out: typing.TextIO = sys.stdout) -> No
         print(line, file=out)
         if "paper_epsilon_same_noise" in priv:
             print(f"         the paper's calibration would claim ε = {_fmt(priv['paper_epsilon_same_noise'])} for the same noise", file=out)
+        others = {k: v for k, v in priv.get("epsilon_by_accountant", {}).items() if k != priv.get("accountant")}
+        if others:
+            print("         same noise, other accountants: " + ", ".join(f"ε = {_fmt(v)} by {k}" for k, v in others.items()), file=out)
     skip = {"algorithm", "status", "runtime", "seconds", "privacy", "baselines", "plots", "run_dir", "epsilon", "delta", "noise_multiplier", "skipped_metrics"}
     rows = {"private run": {k: v for k, v in result.items() if k not in skip and not k.startswith("_") and isinstance(v, (int, float))}}
     rows.update(result.get("baselines", {}))
@@ -98,6 +102,13 @@ def print_summary(result: dict[str, Any], out: typing.TextIO = sys.stdout) -> No
             print(name.ljust(width) + cells, file=out)
     for k, why in result.get("skipped_metrics", {}).items():
         print(f"skipped {k}: {why}", file=out)
+    conditions = result.get("conditions", {})
+    if conditions:
+        print("\npreconditions of the privacy guarantee:", file=out)
+        for c in conditions.values():
+            print(f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}  ({_fmt(c['value'])} vs {_fmt(c['bound'])})", file=out)
+    if "dp_claimed" in result:
+        print("DP claimed: " + ("yes" if result["dp_claimed"] else "NO (" + "; ".join(result.get("refused_because", [])) + ")"), file=out)
     if "run_dir" in result:
         print(f"\nrun directory: {result['run_dir']}", file=out)
 
@@ -119,8 +130,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     algo_values, runtime_values = split_values(exp.config_type, values)
     cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
+    for line in exp.plan(cfg):
+        print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
-    result.pop("_rounds", None)
+    result = {k: v for k, v in result.items() if not k.startswith("_")}
     if args.json:
         print(dumps(result, indent=None))
     else:

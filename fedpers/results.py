@@ -60,6 +60,12 @@ class RunDirectory:
     def write_json(self, name: str, value: Any) -> None:
         write_atomic(self.path / name, dumps(value) + "\n")
 
+    def write_arrays(self, name: str, arrays: Mapping[str, Any]) -> None:
+        """Tensors/arrays as one ``.npz`` (written whole, then renamed)."""
+        tmp = self.path / f".{name}.tmp.npz"
+        np.savez(tmp, **{k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in arrays.items()})
+        os.replace(tmp, self.path / name)
+
     def append_round(self, record: Mapping[str, Any]) -> None:
         self._rounds.write(dumps(record, indent=None) + "\n")
         self._rounds.flush()

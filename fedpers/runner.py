@@ -38,6 +38,20 @@ class RuntimeOptions:
     round_timeout: float = field(600.0, "seconds to wait for client replies in a round", gt=0.0)
 
 
+def split_seed(cfg: Any) -> tuple[Any, int]:
+    """(config with the public seed, secret DP-noise seed), both derived from ``cfg.seed``.
+
+    Everything a client may know (its data, the public cohort permutation) derives from
+    the public seed; the noise seed is a separate one-way derivation of the run seed, so a
+    client given the public config cannot recompute the server's noise.
+    """
+    seed = getattr(cfg, "seed", 0)
+    noise_seed = derived_seed(seed, "dp-noise")
+    if not hasattr(cfg, "seed"):
+        return cfg, noise_seed
+    return dataclasses.replace(cfg, seed=derived_seed(seed, "public")), noise_seed
+
+
 def execute(
     experiment: Experiment,
     cfg: Any,
@@ -46,19 +60,28 @@ def execute(
     out: str | Path | None = None,
     progress: bool = True,
     write: bool = True,
+    grid: Any = None,
 ) -> dict[str, Any]:
-    """Run ``cfg`` and return the result dict (also written to ``out`` unless ``write`` is false)."""
+    """Run ``cfg`` and return the result dict (also written to ``out`` unless ``write`` is false).
+
+    ``grid``: a Flower Grid (inside a ServerApp started by ``flwr run``) to run on instead of
+    starting a simulation; only with the flower runtime.
+    """
     options = options or RuntimeOptions()
     config_lib.validate(cfg)
     config_lib.validate(options)
+    if grid is not None and options.runtime is not Runtime.FLOWER:
+        raise ValueError("runtime must be flower when a Flower grid is given")
     start = time.perf_counter()
+    user_cfg = cfg
+    cfg, noise_seed = split_seed(user_cfg)
     protocol = experiment.protocol(cfg)
     evaluator = experiment.evaluator(cfg, protocol)
-    run_dir = RunDirectory(out or default_run_dir(experiment.name, getattr(cfg, "seed", 0))) if write else None
+    run_dir = RunDirectory(out or default_run_dir(experiment.name, getattr(user_cfg, "seed", 0))) if write else None
     rounds: list[dict[str, Any]] = []
-    privatizer = Privatizer(derived_seed(getattr(cfg, "seed", 0), "dp-noise"))
+    privatizer = Privatizer(noise_seed)
     if run_dir is not None:
-        run_dir.write_json("config.json", {"algorithm": experiment.name, **config_lib.to_dict(cfg), "runtime": config_lib.to_dict(options)})
+        run_dir.write_json("config.json", {"algorithm": experiment.name, **config_lib.to_dict(user_cfg), "runtime": config_lib.to_dict(options)})
         run_dir.write_json("constants.json", experiment.describe(cfg, protocol))
 
     def on_round(record: RoundRecord, state: Any) -> None:
@@ -78,7 +101,7 @@ def execute(
         else:
             from fedpers.runtime.flower import run_flower
 
-            state, _ = run_flower(experiment, cfg, protocol, privatizer, options, on_round=on_round, progress=progress)
+            state, _ = run_flower(experiment, cfg, protocol, privatizer, options, on_round=on_round, progress=progress, grid=grid)
         final = evaluator.final(state)
     except BaseException as e:
         if run_dir is not None:
@@ -98,9 +121,12 @@ def execute(
     }
     if run_dir is not None:
         run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])
+        if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
+            run_dir.write_arrays("final_state.npz", state)
         result["plots"] = run_dir.plot_rounds(rounds, experiment.plot_keys(), f"{experiment.name}, ε={privacy.get('target_epsilon', '?')}")
         result["run_dir"] = str(run_dir.path)
         run_dir.write_json("result.json", result)
         run_dir.close()
     result["_rounds"] = rounds
+    result["_state"] = state
     return result

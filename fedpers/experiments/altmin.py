@@ -172,19 +172,27 @@ class AltMinEvaluator(Evaluator):
     def final(self, state: Any) -> dict[str, Any]:
         out = self.of_subspace(state["U"])
         skipped = [k for k in ("subspace_error", "excess_risk") if k not in out or out[k] is None]
+        out["baselines"] = self.baselines()
+        if skipped:
+            out["skipped_metrics"] = {k: "the data has no true U*/v*" for k in skipped}
+        return out
+
+    def baselines(self) -> dict[str, dict[str, float | None]]:
+        """Non-private AltMin, local-only, private init alone, oracle: on the same users.
+
+        Shared with other algorithms on the same data (``run expmech``) so their tables compare.
+        """
         nonprivate = make_protocol(self.cfg, private=False)
         np_state, _ = run_local(nonprivate, self.units, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
         baselines = {
             "nonprivate_altmin": self.of_subspace(np_state["U"]),
             "local_only": self.local_only(),
-            "private_init_only": self.of_subspace(self.init_U) if self.init_U is not None else {},
         }
+        if self.init_U is not None:
+            baselines["private_init_only"] = self.of_subspace(self.init_U)
         if self.u_star is not None:
             baselines["oracle"] = self.of_subspace(self.u_star.to(self.units["x"].dtype))
-        out["baselines"] = baselines
-        if skipped:
-            out["skipped_metrics"] = {k: "the data has no true U*/v*" for k in skipped}
-        return out
+        return baselines
 
 
 class AltMinExperiment(Experiment):

@@ -65,3 +65,8 @@ class Experiment(abc.ABC):
     def describe(self, cfg: Any, protocol: Protocol) -> Mapping[str, Any]:
         """Derived constants worth writing into the run directory."""
         return {}
+
+    def plan(self, cfg: Any) -> list[str]:
+        """Lines the CLI prints before the run starts (sizes, memory). Raise ``ValueError`` to
+        refuse a run that cannot fit, naming what it needs; :meth:`protocol` must refuse it too."""
+        return []

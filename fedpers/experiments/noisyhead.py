@@ -349,10 +349,10 @@ class NoisyHeadEvaluator(Evaluator):
             "nonprivate_gd": {"excess_risk": self.excess(gamma_gd), "test_mse": self.mse(gamma_gd)},
         }
         if self.cfg.attack_c > 0:
-            out.update(self.robustness(gamma))
+            out.update(self.robustness())
         return out
 
-    def robustness(self, gamma: Tensor) -> dict[str, float]:
+    def robustness(self) -> dict[str, float]:
         """§6.3 for this seed: rerun NoisyHead and the ridge with one prompt perturbed as in (5.1)."""
         from fedpers.runtime.local import run_local
 
@@ -368,10 +368,16 @@ class NoisyHeadEvaluator(Evaluator):
         x2, y2 = x.clone(), y.clone()
         x2[i], y2[i] = xb, yb
         units = group_units(x2, y2, r.P)
-        stream = "dp-noise" if cfg.attack_noise is AttackNoise.SHARED else "dp-noise-attacked"
-        state, _ = run_local(replace(self.protocol, mode=Mode.STATISTICS), units, Privatizer(derived_seed(cfg.seed, stream)), progress=False)
+        # The runner's DP-noise seed is the server's secret, so the clean run is redone here
+        # with the attacked run's noise (shared) or with independent noise.
+        proto = replace(self.protocol, mode=Mode.STATISTICS)
+        seed = derived_seed(cfg.seed, "robustness-noise")
+        clean, _ = run_local(proto, group_units(x, y, r.P), Privatizer(seed), progress=False)
+        if cfg.attack_noise is not AttackNoise.SHARED:
+            seed = derived_seed(cfg.seed, "robustness-noise-attacked")
+        state, _ = run_local(proto, units, Privatizer(seed), progress=False)
         return {
-            "robust_noisyhead": self.excess(gamma, state["gamma"]),
+            "robust_noisyhead": self.excess(clean["gamma"], state["gamma"]),
             "robust_ridge": self.excess(self.gamma_star, ridge_bad),
             "attack_alpha": alpha,
             "attacked_prompt": i,

@@ -8,6 +8,15 @@ PLD (dp-accounting) is the default and is exact for Gaussian composition up to i
 discretisation. RDP is available; dp-accounting's RDP accountant ignores
 ``REPLACE_ONE`` for Gaussian events, so we convert: replace-one with noise
 multiplier z is add/remove with z/2 (the sensitivity doubles).
+
+zCDP (Bun & Steinke 2016) is available because papers calibrate with it: a replace-one
+Gaussian with noise multiplier z is ρ = 2/z² zCDP (sensitivity 2·bound, σ = z·bound,
+ρ = Δ²/2σ²), ρ's add under composition, and ρ-zCDP gives
+ε = ρ + 2·sqrt(ρ·log(1/δ)) (their Proposition 1.3), the conversion most papers use.
+
+An :class:`~fedpers.privacy.ledger.EpsilonDeltaDpEvent` (a mechanism known only by a
+stated (ε, δ)) composes exactly in PLD; RDP and zCDP cannot represent it, so there its
+(ε, δ) is added to the rest by basic composition.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, stats
 
-from fedpers.privacy.ledger import Ledger, PureDpEvent
+from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 PLD_DISCRETISATION = 1e-4
@@ -31,6 +40,7 @@ Z_MIN = 0.05
 class Accountant(str, enum.Enum):
     PLD = "pld"
     RDP = "rdp"
+    ZCDP = "zcdp"
 
 
 class _NonPrivate(Exception):
@@ -47,13 +57,14 @@ def _pld(event: dp_accounting.DpEvent) -> pld_lib.PrivacyLossDistribution | None
             value_discretization_interval=PLD_DISCRETISATION,
             neighboring_relation=REPLACE_ONE,
         )
-    if isinstance(event, PureDpEvent):
-        if event.epsilon == 0:
+    if isinstance(event, (PureDpEvent, EpsilonDeltaDpEvent)):
+        delta = getattr(event, "delta", 0.0)
+        if event.epsilon == 0 and delta == 0:
             return None
-        if math.isinf(event.epsilon):
+        if math.isinf(event.epsilon) or delta >= 1:
             raise _NonPrivate
         return pld_lib.from_privacy_parameters(
-            DifferentialPrivacyParameters(event.epsilon, 0.0), value_discretization_interval=PLD_DISCRETISATION
+            DifferentialPrivacyParameters(event.epsilon, delta), value_discretization_interval=PLD_DISCRETISATION
         )
     if isinstance(event, dp_accounting.ComposedDpEvent):
         return _compose(_pld(e) for e in event.events)
@@ -89,9 +100,73 @@ def _rdp_event(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
     return event
 
 
+def zcdp_rho(event: dp_accounting.DpEvent) -> float:
+    """ρ (zCDP) of an event under replace-one neighbours; ∞ for a non-private one."""
+    if isinstance(event, dp_accounting.GaussianDpEvent):
+        return math.inf if event.noise_multiplier == 0 else 2.0 / event.noise_multiplier**2
+    if isinstance(event, PureDpEvent):
+        return event.epsilon**2 / 2  # ε-DP implies (ε²/2)-zCDP (Bun & Steinke 2016, Prop. 1.4)
+    if isinstance(event, dp_accounting.ZCDpEvent):
+        if event.xi:
+            raise TypeError(f"the accountant does not support approximate zCDP (xi={event.xi})")
+        return event.rho
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return sum(zcdp_rho(e) for e in event.events)
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return event.count * zcdp_rho(event.event)
+    if isinstance(event, dp_accounting.NonPrivateDpEvent):
+        return math.inf
+    if isinstance(event, dp_accounting.NoOpDpEvent):
+        return 0.0
+    raise TypeError(f"zCDP accounting does not support {type(event).__name__}")
+
+
+def zcdp_epsilon(rho: float, delta: float) -> float:
+    """ε of ρ-zCDP at δ by the standard conversion ρ + 2·sqrt(ρ·log(1/δ)) (Bun & Steinke 2016)."""
+    _check_delta(delta)
+    if math.isinf(rho):
+        return math.inf
+    return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
+
+
+def zcdp_rho_for(epsilon: float, delta: float) -> float:
+    """The largest ρ whose :func:`zcdp_epsilon` at ``delta`` is ``epsilon``."""
+    _check_delta(delta)
+    log_term = math.log(1.0 / delta)
+    return (math.sqrt(log_term + epsilon) - math.sqrt(log_term)) ** 2
+
+
+def _split_epsilon_delta(event: dp_accounting.DpEvent) -> tuple[list[dp_accounting.DpEvent], float, float]:
+    """(the other events, Σε, Σδ) of the EpsilonDeltaDpEvents inside a composition."""
+    if isinstance(event, EpsilonDeltaDpEvent):
+        return [], event.epsilon, event.delta
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        rest, eps, dlt = [], 0.0, 0.0
+        for e in event.events:
+            r, a, b = _split_epsilon_delta(e)
+            rest, eps, dlt = rest + r, eps + a, dlt + b
+        return rest, eps, dlt
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        r, a, b = _split_epsilon_delta(event.event)
+        if a == 0 and b == 0:
+            return [event], 0.0, 0.0
+        return [dp_accounting.SelfComposedDpEvent(x, event.count) for x in r], a * event.count, b * event.count
+    return [event], 0.0, 0.0
+
+
 def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant = Accountant.PLD) -> float:
     """ε at ``delta`` of one (composed) event, replace-one neighbours."""
     _check_delta(delta)
+    if accountant is not Accountant.PLD:
+        rest, eps_stated, delta_stated = _split_epsilon_delta(event)
+        if delta_stated > 0 or eps_stated > 0:
+            # Basic composition: the stated (ε, δ) parts add to the rest's ε at the δ left over.
+            if delta_stated >= delta:
+                return math.inf
+            rest_eps = event_epsilon(dp_accounting.ComposedDpEvent(rest), delta - delta_stated, accountant) if rest else 0.0
+            return rest_eps + eps_stated
+    if accountant is Accountant.ZCDP:
+        return zcdp_epsilon(zcdp_rho(event), delta)
     if accountant is Accountant.RDP:
         acc = rdp_privacy_accountant.RdpAccountant(
             neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -151,6 +226,12 @@ def calibrate_noise_multiplier(
         return event_epsilon(make_event(z), target_delta, accountant)
 
     unit = gaussian_multipliers(make_event(1.0))
+    if unit is not None and all(z > 0 for z in unit) and accountant is Accountant.ZCDP:
+        # Σ 2/(z·u)² = ρ_target in closed form; the loop only guards the floating point.
+        z = math.sqrt(sum(2.0 / u**2 for u in unit) / zcdp_rho_for(target_epsilon, target_delta))
+        while eps_at(z) > target_epsilon:
+            z *= 1.0 + 1e-9
+        return z
     if unit is not None and all(z > 0 for z in unit):
         # Gaussian composition is exact in closed form: solve there, then confirm with the accountant.
         z = gaussian_mu([u / 2 for u in unit]) / analytic_gaussian_mu(target_epsilon, target_delta)

@@ -25,6 +25,20 @@ class PureDpEvent(dp_accounting.DpEvent):
 
 
 @dataclass(frozen=True)
+class EpsilonDeltaDpEvent(dp_accounting.DpEvent):
+    """A mechanism whose only known guarantee is a stated (ε, δ)-DP bound (DPCovariance).
+
+    dp-accounting has no such event. The accountant composes it in PLD through the
+    worst-case privacy-loss distribution of an (ε, δ)-DP mechanism (tight for that
+    guarantee); RDP and zCDP have no representation of it, so there it is added by basic
+    composition (ε's and δ's add).
+    """
+
+    epsilon: float
+    delta: float
+
+
+@dataclass(frozen=True)
 class Release:
     """One noisy release. ``units`` is ``"all"`` or the label of a disjoint group (e.g. ``"cohort:3"``)."""
 
@@ -59,6 +73,8 @@ def event_to_dict(event: dp_accounting.DpEvent) -> dict[str, Any]:
         return {"type": "gaussian", "noise_multiplier": event.noise_multiplier}
     if isinstance(event, PureDpEvent):
         return {"type": "pure", "epsilon": event.epsilon}
+    if isinstance(event, EpsilonDeltaDpEvent):
+        return {"type": "epsilon_delta", "epsilon": event.epsilon, "delta": event.delta}
     if isinstance(event, dp_accounting.NonPrivateDpEvent):
         return {"type": "non_private"}
     raise TypeError(f"cannot serialise dp event {event!r}")
@@ -70,9 +86,11 @@ def event_from_dict(d: dict[str, Any]) -> dp_accounting.DpEvent:
         return dp_accounting.GaussianDpEvent(float(d["noise_multiplier"]))
     if kind == "pure":
         return PureDpEvent(float(d["epsilon"]))
+    if kind == "epsilon_delta":
+        return EpsilonDeltaDpEvent(float(d["epsilon"]), float(d["delta"]))
     if kind == "non_private":
         return dp_accounting.NonPrivateDpEvent()
-    raise ValueError(f"unknown dp event type {kind!r}; expected gaussian, pure or non_private")
+    raise ValueError(f"unknown dp event type {kind!r}; expected gaussian, pure, epsilon_delta or non_private")
 
 
 class Ledger:

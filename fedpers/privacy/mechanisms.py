@@ -15,13 +15,122 @@ against a real adversary.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import dp_accounting
+import numpy as np
 import torch
 
-from fedpers.privacy.ledger import ALL_UNITS, Ledger, PureDpEvent, Release
+from fedpers import linalg
+from fedpers.privacy.ledger import ALL_UNITS, EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
 Tensor = torch.Tensor
+
+
+# ----- DPCovariance parameters and preconditions (dp-attention-computation, SPEC §4) -----
+@dataclass(frozen=True)
+class Condition:
+    """One precondition of a mechanism's stated guarantee, with the numbers it was decided on."""
+
+    name: str
+    holds: bool
+    value: float
+    bound: float
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"holds": self.holds, "value": self.value, "bound": self.bound, "text": self.text}
+
+
+@dataclass(frozen=True)
+class DpCovarianceParams:
+    """Public parameters of DPCovariance (Theorem 3.1 of the DP-attention paper).
+
+    ``alpha``, ``eta`` and ``r`` are promises about the data domain (column norms ≤ α,
+    XXᵀ ⪰ ηI, max|A_ij| ≤ r); ``beta`` defines neighbours (one column moves by ≤ β);
+    ``gamma`` is the failure probability of the utility guarantee.
+    """
+
+    rows: int
+    columns: int
+    k: int
+    epsilon: float
+    delta: float
+    alpha: float
+    beta: float
+    eta: float
+    r: float
+    gamma: float
+
+    @property
+    def Delta(self) -> float:
+        """Δ = 0.1·min(ε/sqrt(k log(1/δ)), ε/log(1/δ)) (SPEC §4)."""
+        log_term = math.log(1.0 / self.delta)
+        return 0.1 * min(self.epsilon / math.sqrt(self.k * log_term), self.epsilon / log_term)
+
+    @property
+    def rho(self) -> float:
+        """ρ = sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k: B is within (1 ± ρ)A w.p. 1 − γ."""
+        return dp_covariance_rho(self.rows, self.k, self.gamma)
+
+    @property
+    def sensitivity(self) -> float:
+        """2αβ√n/η: bound on ||A^{1/2} Ã^{-1} A^{1/2} − I||_F for β-close neighbours (Lemma 4.11)."""
+        return 2 * self.alpha * self.beta * math.sqrt(self.rows) / self.eta if self.eta > 0 else math.inf
+
+    @property
+    def utility_bound(self) -> float:
+        """4(1 + ε + 2r)r: the paper's bound on ||D(A)⁻¹f(A) − D(B)⁻¹f(B)||_∞."""
+        return 4 * (1 + self.epsilon + 2 * self.r) * self.r
+
+
+def dp_covariance_rho(rows: int, k: int, gamma: float) -> float:
+    q = (rows**2 + math.log(1.0 / gamma)) / k
+    return math.sqrt(q) + q
+
+
+def dp_covariance_min_k(rows: int, epsilon: float, gamma: float) -> int:
+    """The smallest k with ρ < 0.1ε (sqrt(q) + q < 0.1ε ⇔ sqrt(q) < (−1 + sqrt(1 + 0.4ε))/2)."""
+    t = (-1 + math.sqrt(1 + 0.4 * epsilon)) / 2
+    k = max(1, math.floor((rows**2 + math.log(1 / gamma)) / t**2) + 1)
+    while dp_covariance_rho(rows, k, gamma) >= 0.1 * epsilon:
+        k += 1
+    return k
+
+
+def dp_covariance_conditions(params: DpCovarianceParams, A: Tensor) -> tuple[Condition, ...]:
+    """Every precondition of Theorem 3.1, decided on the public parameters and the summed A.
+
+    Column norms ≤ α is not re-checked here: clients clip every column to α (the protocol's
+    per-unit bound), which makes it hold by construction.
+    """
+    p = params
+    lam_min = float(torch.linalg.eigvalsh(A.double()).min())
+    a_inf = float(A.abs().max())
+    return (
+        Condition("epsilon_range", 0 < p.epsilon < 0.1, p.epsilon, 0.1, "ε ∈ (0, 0.1)"),
+        Condition("delta_range", 0 < p.delta < 0.1, p.delta, 0.1, "δ ∈ (0, 0.1)"),
+        Condition("r_range", 0 < p.r < 0.1, p.r, 0.1, "r ∈ (0, 0.1)"),
+        Condition("d_ge_n", p.columns >= p.rows, p.columns, p.rows, "d ≥ n"),
+        Condition("eta_lt_r", 0 < p.eta < p.r, p.eta, p.r, "0 < η < r"),
+        Condition("eta_good", lam_min >= p.eta, lam_min, p.eta, "XXᵀ ⪰ ηI (λ_min(A) ≥ η)"),
+        Condition("column_norms", p.alpha > 0, p.alpha, p.alpha, "column norms ≤ α (each column clipped to α by its client)"),
+        Condition("a_inf_le_r", a_inf <= p.r, a_inf, p.r, "||A||_∞ = max|A_ij| ≤ r"),
+        Condition("beta_bound", p.sensitivity < p.Delta, p.sensitivity, p.Delta, "2αβ√n/η < Δ = 0.1·min(ε/sqrt(k log(1/δ)), ε/log(1/δ))"),
+        Condition("rho_bound", p.rho < 0.1 * p.epsilon, p.rho, 0.1 * p.epsilon, "ρ = sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k < 0.1ε"),
+    )
+
+
+@dataclass(frozen=True)
+class CovarianceRelease:
+    B: Tensor
+    conditions: tuple[Condition, ...]
+    dp_claimed: bool
+
+    @property
+    def failed(self) -> list[str]:
+        return [f"{c.text}: {c.value:.4g} vs {c.bound:.4g}" for c in self.conditions if not c.holds]
 
 
 class Privatizer:
@@ -121,3 +230,54 @@ class Privatizer:
         u = torch.rand(scores.shape, generator=self.generator, dtype=torch.float64).clamp_min(1e-300)
         gumbel = -torch.log(-torch.log(u))
         return int(torch.argmax(logits + gumbel))
+
+    def dp_covariance(
+        self, A: Tensor, *, params: DpCovarianceParams, name: str, round: int, units: str = ALL_UNITS
+    ) -> CovarianceRelease:
+        """DPCovariance(A, k): B = (1/k) Σ_{i≤k} g_i g_iᵀ with g_i ~ N(0, A) i.i.d.
+
+        The draw IS the noise, so it lives here. The ledger records an (ε, δ) event only when
+        every precondition of Theorem 3.1 holds; otherwise it records a non-private event (the
+        accountant then reports ε = ∞) and the release says why.
+
+        Sampling: with A = SSᵀ (S from the eigendecomposition, so a singular A works),
+        Σ g gᵀ = S W Sᵀ with W ~ Wishart(k, I_n). For k ≥ n, W is drawn exactly by the
+        Bartlett decomposition in O(n²) instead of O(k n²); for k < n the k vectors are drawn.
+        """
+        n = params.rows
+        if A.dim() != 2 or tuple(A.shape) != (n, n):
+            raise ValueError(f"release {name!r}: expected an ({n}, {n}) matrix, got shape {tuple(A.shape)}")
+        if not torch.isfinite(A).all():
+            raise ValueError(f"release {name!r}: the summed statistic has non-finite values")
+        if not params.k >= 1:
+            raise ValueError(f"release {name!r}: k must be >= 1, got {params.k}")
+        asym = float((A - A.transpose(0, 1)).abs().max())
+        if asym > 100 * torch.finfo(A.dtype).eps * max(float(A.abs().max()), 1e-300):
+            raise ValueError(f"release {name!r}: A must be symmetric (max asymmetry {asym:.3g})")
+        for field_name in ("epsilon", "delta", "alpha", "beta", "eta", "r", "gamma"):
+            v = getattr(params, field_name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"release {name!r}: {field_name} must be finite and > 0, got {v}")
+        if not params.gamma < 1:
+            raise ValueError(f"release {name!r}: gamma must be < 1, got {params.gamma}")
+        conditions = dp_covariance_conditions(params, A)
+        claimed = all(c.holds for c in conditions)
+        event = EpsilonDeltaDpEvent(float(params.epsilon), float(params.delta)) if claimed else dp_accounting.NonPrivateDpEvent()
+        self.ledger.append(
+            Release(round, name, "dp_covariance", float(params.alpha**2), float(params.sensitivity), 0.0, units, event)
+        )
+        vals, vecs = torch.linalg.eigh(A.double().cpu())
+        S = vecs * vals.clamp_min(0).sqrt()
+        k = int(params.k)
+        if k >= n:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+            rng = np.random.Generator(np.random.PCG64(seed))
+            L = np.tril(rng.standard_normal((n, n)), -1)
+            L[np.diag_indices(n)] = np.sqrt(rng.chisquare(k - np.arange(n)))
+            L = torch.from_numpy(L)
+            W = L @ L.transpose(0, 1)
+        else:
+            Z = torch.randn((n, k), generator=self.generator, dtype=torch.float64)
+            W = Z @ Z.transpose(0, 1)
+        B = linalg.sym(S @ (W / k) @ S.transpose(0, 1))
+        return CovarianceRelease(B.to(device=A.device, dtype=A.dtype), conditions, claimed)

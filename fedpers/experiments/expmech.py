@@ -1,0 +1,217 @@
+"""`fedpers run expmech`: user-level ε-DP selection of U by the exponential mechanism (SPEC §1, Algorithm 4).
+
+The data, metrics and baselines are AltMin's (:mod:`fedpers.experiments.altmin`), on the
+same users for the same seed, so ``run expmech`` and ``run altmin`` compare on one problem.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedpers import memory, metrics
+from fedpers.config import field
+from fedpers.experiments import altmin
+from fedpers.experiments.base import Experiment, derived_seed
+from fedpers.privacy import Ledger, PureDpEvent, ledger_epsilon
+from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
+
+Tensor = torch.Tensor
+MAX_NET_GRID = 50_000_000
+WORKING_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class ExpMechConfig:
+    n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
+    dim: int = field(3, "feature dimension d", ge=2)
+    rank: int = field(1, "subspace rank k (< d)", ge=1)
+    samples_per_user: int = field(16, "samples per user m (a multiple of 4: first half scores, second half fits v)", ge=4)
+    noise_std: float = field(0.1, "label noise σ_F", ge=0.0)
+    epsilon: float = field(1.0, "user-level ε (pure ε-DP; inf: the best-scoring candidate)", gt=0.0)
+    candidates: CandidateKind = field(CandidateKind.NET, "net: explicit φ-net of orthonormal U (tiny d·k); random: Haar-random candidates")
+    net_width: float = field(0.2, "φ: Frobenius radius of the net (candidates=net)", gt=0.0, le=2.0)
+    num_candidates: int = field(2000, "Q: number of random candidates (candidates=random)", ge=1)
+    clip_feature: float = field(2.0, "c_f: projected-feature clip L_f = c_f √k", gt=0.0)
+    model_bound: float = field(2.0, "c_C: model norm constraint C = c_C √k", gt=0.0)
+    clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
+    memory_limit_gb: float = field(0.0, "refuse runs needing more memory than this (0: what the machine has available)", ge=0.0)
+    seed: int = field(0, "run seed (data, candidates and DP noise use separate generators derived from it)", ge=0)
+    device: str = field("cpu", "torch device: cpu or cuda")
+    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    data: Path | None = field(None, "per-user data file (.npz, the altmin schema) instead of synthetic data")
+    chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory)", ge=1)
+
+    def check(self) -> None:
+        altmin_config(self).check()
+
+
+def altmin_config(cfg: ExpMechConfig) -> altmin.AltMinConfig:
+    """The AltMin config of the same problem (same users, same seed): its data and baselines."""
+    return altmin.AltMinConfig(
+        n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user,
+        noise_std=cfg.noise_std, epsilon=cfg.epsilon, clip_label=cfg.clip_label, seed=cfg.seed,
+        device=cfg.device, dtype=cfg.dtype, data=cfg.data, chunk_size=cfg.chunk_size,
+    )
+
+
+def resolve(cfg: ExpMechConfig) -> ExpMechConfig:
+    """With ``data`` set, n, m and d come from the file."""
+    if cfg.data is None:
+        return cfg
+    a = altmin.resolve(altmin_config(cfg))
+    return replace(cfg, n_users=a.n_users, samples_per_user=a.samples_per_user, dim=a.dim)
+
+
+def clip_bounds(cfg: ExpMechConfig) -> tuple[float, float, float]:
+    """(L_f, C, ζ) = (c_f √k, c_C √k, c_ζ √(k + σ_F²)): data-independent (public k, σ_F)."""
+    _, zeta = altmin.clip_bounds(altmin_config(cfg))
+    return cfg.clip_feature * math.sqrt(cfg.rank), cfg.model_bound * math.sqrt(cfg.rank), zeta
+
+
+def candidate_count(cfg: ExpMechConfig) -> tuple[int, bool]:
+    """(number of candidates, exact?) without building a net that would not fit."""
+    if cfg.candidates is CandidateKind.RANDOM:
+        return cfg.num_candidates, True
+    return estimate_net_size(cfg.dim, cfg.rank, cfg.net_width), False
+
+
+def memory_needed(cfg: ExpMechConfig, candidates: int) -> dict[str, int]:
+    """Bytes the run holds at its peak, by part (float64 throughout)."""
+    cfg = resolve(cfg)
+    per_user = cfg.samples_per_user * (cfg.dim + 1) + cfg.rank
+    return {
+        "candidates": 3 * candidates * cfg.dim * cfg.rank * 8,  # protocol cache, server state, client copy
+        "scores": 4 * candidates * 8,
+        "users": 2 * cfg.n_users * per_user * 8,  # the runtime's units and the evaluator's
+        "working": 8 * WORKING_ELEMENTS * 8,  # one candidate block of projected features and Gram matrices
+    }
+
+
+def check_fits(cfg: ExpMechConfig) -> tuple[int, bool, dict[str, int]]:
+    """Refuse (ValueError) a run whose net cannot be enumerated or that needs more memory than allowed."""
+    count, exact = candidate_count(cfg)
+    if cfg.candidates is CandidateKind.NET:
+        per_axis, grid = net_grid_size(cfg.dim, cfg.rank, cfg.net_width)
+        if grid > MAX_NET_GRID:
+            raise ValueError(
+                f"candidates=net: a φ-net with net_width={cfg.net_width} for d={cfg.dim}, k={cfg.rank} has about "
+                f"{count:.3g} candidates from {per_axis}^{cfg.dim * cfg.rank} = {grid:.3g} grid points to enumerate "
+                f"(limit {MAX_NET_GRID:.0e}); use a larger --net-width or --candidates random --num-candidates Q"
+            )
+    need = memory_needed(cfg, count)
+    limit = int(cfg.memory_limit_gb * 2**30) if cfg.memory_limit_gb > 0 else memory.available_bytes()
+    total = sum(need.values())
+    if limit > 0 and total > limit:
+        parts = ", ".join(f"{k} {memory.human(v)}" for k, v in need.items())
+        raise ValueError(
+            f"expmech needs about {memory.human(total)} of memory for {count} candidates ({parts}) "
+            f"but {memory.human(limit)} is available; use fewer candidates (a larger --net-width or a smaller --num-candidates)"
+        )
+    return count, exact, need
+
+
+def make_protocol(cfg: ExpMechConfig) -> ExpMechProtocol:
+    cfg = resolve(cfg)
+    check_fits(cfg)
+    L_f, C, zeta = clip_bounds(cfg)
+    return ExpMechProtocol(
+        n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user,
+        epsilon=cfg.epsilon, feature_clip=L_f, model_bound=C, label_clip=zeta,
+        candidate_kind=cfg.candidates, net_width=cfg.net_width, num_candidates=cfg.num_candidates,
+        candidate_seed=derived_seed(cfg.seed, "candidates"), dtype_name=cfg.dtype, block_elements=WORKING_ELEMENTS,
+    )
+
+
+class ExpMechEvaluator(altmin.AltMinEvaluator):
+    """AltMin's metrics and baselines; the private run's users fit v with ||v|| ≤ C (Algorithm 4, step 4)."""
+
+    def __init__(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> None:
+        a = altmin.resolve(altmin_config(cfg))
+        super().__init__(a, altmin.make_protocol(a, private=False))
+        self.expmech = protocol
+
+    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+        if self.u_star is None:
+            return {}
+        U = state["U"]
+        return {"subspace_error": metrics.subspace_error(U, self.u_star), "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star)}
+
+    def of_candidate(self, U: Tensor) -> dict[str, float | None]:
+        v = self.expmech.personalize(U, self.units)
+        return self.of_models(U.to(v.dtype) @ v.unsqueeze(-1), U)
+
+    def final(self, state: Any) -> dict[str, Any]:
+        out: dict[str, Any] = self.of_candidate(state["U"])
+        out["candidates"] = int(state["candidates"].shape[0])
+        baselines = self.baselines()
+        if self.u_star is not None:
+            cands = state["candidates"].double()
+            proj = cands - self.u_star.double() @ (self.u_star.double().T @ cands)
+            nearest = int(torch.linalg.matrix_norm(proj).argmin())
+            baselines["nearest_candidate"] = self.of_candidate(state["candidates"][nearest])
+        out["baselines"] = baselines
+        return out
+
+
+class ExpMechExperiment(altmin.AltMinExperiment):
+    """User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)."""
+
+    name = "expmech"
+    config_type = ExpMechConfig
+
+    def protocol(self, cfg: ExpMechConfig) -> ExpMechProtocol:
+        return make_protocol(cfg)
+
+    def num_units(self, cfg: ExpMechConfig) -> int:
+        return resolve(cfg).n_users
+
+    def units(self, cfg: ExpMechConfig, ids: Tensor) -> dict[str, Tensor]:
+        return super().units(altmin_config(cfg), ids)
+
+    def evaluator(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> ExpMechEvaluator:
+        return ExpMechEvaluator(cfg, protocol)
+
+    def privacy_summary(self, cfg: ExpMechConfig, protocol: ExpMechProtocol, ledger: Ledger) -> dict[str, Any]:
+        pure = all(isinstance(r.event, PureDpEvent) for r in ledger)
+        eps = sum(r.event.epsilon for r in ledger) if pure else ledger_epsilon(ledger, 1e-10)
+        return {
+            "epsilon": eps,
+            "delta": 0.0,
+            "target_epsilon": cfg.epsilon,
+            "accountant": "pure ε-DP composition" if pure else "pld",
+            "neighbouring": "replace-one user",
+            "mechanism": "exponential (Gumbel-max)",
+            "sensitivity": protocol.sensitivity,
+            "sensitivity_formula": "4ξL_fC, ξ = 2(L_fC + ζ)",
+        }
+
+    def plot_keys(self) -> tuple[str, ...]:
+        return ()
+
+    def describe(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> dict[str, Any]:
+        return {
+            "candidates": protocol.candidate_count, "candidate_kind": protocol.candidate_kind.value,
+            "net_width": protocol.net_width if protocol.candidate_kind is CandidateKind.NET else None,
+            "L_f": protocol.feature_clip, "C": protocol.model_bound, "zeta": protocol.label_clip,
+            "xi": protocol.xi, "sensitivity": protocol.sensitivity,
+            "selection": "P(U) ∝ exp(−ε·score(U)/(2Δ)), Δ = 4ξL_fC",
+        }
+
+    def plan(self, cfg: ExpMechConfig) -> list[str]:
+        cfg = resolve(cfg)
+        count, exact, need = check_fits(cfg)
+        if cfg.candidates is CandidateKind.NET:
+            count = int(make_protocol(cfg).candidate_count)  # cached: the run reuses this net
+            what = f"φ-net of width {cfg.net_width} over {cfg.dim}×{cfg.rank} orthonormal matrices"
+        else:
+            what = f"Haar-random {cfg.dim}×{cfg.rank} orthonormal matrices"
+        limit = int(cfg.memory_limit_gb * 2**30) if cfg.memory_limit_gb > 0 else memory.available_bytes()
+        return [
+            f"expmech: {count} candidates ({what}); {cfg.n_users} users × {count} constrained least-squares scores",
+            f"expmech: memory needed about {memory.human(sum(need.values()))} "
+            f"({', '.join(f'{k} {memory.human(v)}' for k, v in need.items())}); available {memory.human(limit)}",
+        ]

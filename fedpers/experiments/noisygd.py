@@ -1,0 +1,193 @@
+"""`fedpers run noisygd`: last-layer NoisyGD on neural-collapse features (SPEC §3), zCDP accounting."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import dp_accounting
+import torch
+
+from fedpers.config import field
+from fedpers.data import neural_collapse as nc
+from fedpers.data.neural_collapse import Collapse
+from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon, zcdp_rho, zcdp_rho_for
+from fedpers.protocols.noisygd import Loss, NoisyGDProtocol, Remedy
+from fedpers.runtime.local import run_local
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class NoisyGDConfig:
+    classes: int = field(10, "number of classes K", ge=2)
+    feature_dim: int = field(100, "feature dimension p (>= K)", ge=2)
+    examples: int = field(10000, "training examples n (the privacy units)", ge=1)
+    epsilon: float = field(1.0, "example-level ε over the whole run (inf: clipped, no noise)", gt=0.0)
+    delta: float = field(1e-4, "example-level δ", gt=0.0, lt=1.0)
+    steps: int = field(30, "NoisyGD steps T (full batch)", ge=1)
+    lr: float = field(0.01, "step size η: W ← W − η(Σ_i clip(∇ℓ_i) + noise)", gt=0.0)
+    grad_clip: float = field(1.0, "per-example gradient clip G_c", gt=0.0)
+    loss: Loss = field(Loss.CE, "ce: cross-entropy; squared: ½||Wx − e_y||²")
+    collapse: Collapse = field(Collapse.PERFECT, "training features: perfect ETF, a fixed offset ±β, or random ±β per example")
+    beta: float = field(0.1, "β = ||v||_∞ of the offset / random perturbation (collapse offset|random)", ge=0.0)
+    imbalance: float = field(1.0, "α: class sizes ∝ α^{k/(K−1)} (1: balanced; smallest/largest class = α)", gt=0.0, le=1.0)
+    test_perturbation: float = field(0.0, "β₂: random ±β₂ per coordinate added to every test feature", ge=0.0)
+    remedy: Remedy = field(Remedy.NONE, "none; center: subtract a DP mean; pca: project on the top K−1 DP-PCA directions")
+    remedy_budget: float = field(0.2, "share of the privacy budget (of ρ, i.e. of μ²) spent on the remedy's release", gt=0.0, lt=1.0)
+    feature_bound: float = field(0.0, "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies)", ge=0.0)
+    accountant: Accountant = field(Accountant.ZCDP, "zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's); pld: tight")
+    test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
+    baselines: bool = field(True, "also run non-private GD (no clip, no noise) on the same data")
+    seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
+    device: str = field("cpu", "torch device: cpu or cuda")
+    dtype: str = field("float32", "float32 or float64 for features and W")
+    chunk_size: int = field(4096, "examples per batch on the local runtime (bounds memory)", ge=1)
+
+    def check(self) -> None:
+        if self.feature_dim < self.classes:
+            raise ValueError(f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}")
+        if self.examples < self.classes:
+            raise ValueError(f"examples must be >= classes={self.classes}; got {self.examples}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be float32 or float64; got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda[:i]; got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but no CUDA device is available")
+
+
+def feature_bound(cfg: NoisyGDConfig) -> float:
+    """R: ||M_k + v|| ≤ 1 + ||v|| = 1 + √p·β for every training feature of the data model."""
+    if cfg.feature_bound > 0:
+        return cfg.feature_bound
+    beta = 0.0 if cfg.collapse is Collapse.PERFECT else cfg.beta
+    return 1.0 + math.sqrt(cfg.feature_dim) * beta
+
+
+def budget_split(cfg: NoisyGDConfig) -> tuple[float, float]:
+    """Unit-free factors (a, b): GD steps get multiplier a·z₁, the remedy b·z₁, so that
+    T/a² + 1/b² = 1/z₁² (Gaussian μ² and zCDP ρ both add as 1/z²): z₁ is the single-release
+    multiplier the whole budget would buy; the remedy gets the share ``remedy_budget``."""
+    if cfg.remedy is Remedy.NONE:
+        return math.sqrt(cfg.steps), 0.0
+    f = cfg.remedy_budget
+    return math.sqrt(cfg.steps / (1 - f)), 1 / math.sqrt(f)
+
+
+def run_event(z1: float, cfg: NoisyGDConfig) -> dp_accounting.DpEvent:
+    a, b = budget_split(cfg)
+    events: list[dp_accounting.DpEvent] = [dp_accounting.GaussianDpEvent(a * z1)] * cfg.steps
+    if b:
+        events.append(dp_accounting.GaussianDpEvent(b * z1))
+    return dp_accounting.ComposedDpEvent(events)
+
+
+def make_protocol(cfg: NoisyGDConfig, *, private: bool = True) -> NoisyGDProtocol:
+    proto = NoisyGDProtocol(
+        classes=cfg.classes, feature_dim=cfg.feature_dim, examples=cfg.examples, steps=cfg.steps, lr=cfg.lr,
+        grad_clip=cfg.grad_clip if private else math.inf, noise_multiplier=0.0, remedy=cfg.remedy,
+        feature_bound=feature_bound(cfg) if private else math.inf, remedy_noise_multiplier=0.0, loss=cfg.loss,
+        dtype_name=cfg.dtype,
+    )
+    if not private or math.isinf(cfg.epsilon):
+        return proto
+    z1 = calibrate_noise_multiplier(lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant)
+    a, b = budget_split(cfg)
+    return replace(proto, noise_multiplier=a * z1, remedy_noise_multiplier=b * z1)
+
+
+def load_units(cfg: NoisyGDConfig, ids: Tensor, *, test: bool = False) -> dict[str, Tensor]:
+    out = nc.features(
+        derived_seed(cfg.seed, "data"), ids, classes=cfg.classes, dim=cfg.feature_dim,
+        examples=cfg.test_examples if test else cfg.examples, collapse=cfg.collapse, beta=cfg.beta,
+        imbalance=cfg.imbalance, dtype=getattr(torch, cfg.dtype), test=test,
+        test_perturbation=cfg.test_perturbation if test else 0.0,
+    )
+    return {k: v.to(cfg.device) for k, v in out.items()}
+
+
+def accuracy(protocol: NoisyGDProtocol, state: Any, test: dict[str, Tensor], classes: int) -> dict[str, float]:
+    pred, y = protocol.predict(state, test["x"]), test["y"]
+    correct = (pred == y).double()
+    per_class = [float(correct[y == k].mean()) for k in range(classes) if bool((y == k).any())]
+    return {"accuracy": float(correct.mean()), "balanced_accuracy": sum(per_class) / len(per_class)}
+
+
+class NoisyGDEvaluator(Evaluator):
+    def __init__(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol) -> None:
+        self.cfg, self.protocol = cfg, protocol
+        self.test = load_units(cfg, torch.arange(cfg.test_examples), test=True)
+
+    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+        if round < self.protocol.remedy_rounds:
+            return {}
+        return accuracy(self.protocol, state, self.test, self.cfg.classes)
+
+    def final(self, state: Any) -> dict[str, Any]:
+        out: dict[str, Any] = accuracy(self.protocol, state, self.test, self.cfg.classes)
+        if self.cfg.baselines:
+            nonprivate = make_protocol(self.cfg, private=False)
+            units = load_units(self.cfg, torch.arange(self.cfg.examples))
+            np_state, _ = run_local(nonprivate, units, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
+            out["baselines"] = {"nonprivate_gd": accuracy(nonprivate, np_state, self.test, self.cfg.classes)}
+        return out
+
+
+class NoisyGDExperiment(Experiment):
+    """Last-layer NoisyGD on neural-collapse features (zCDP accounting, converted to (ε, δ))."""
+
+    name = "noisygd"
+    config_type = NoisyGDConfig
+    primary_metric = "accuracy"
+
+    def protocol(self, cfg: NoisyGDConfig) -> NoisyGDProtocol:
+        return make_protocol(cfg)
+
+    def num_units(self, cfg: NoisyGDConfig) -> int:
+        return cfg.examples
+
+    def units(self, cfg: NoisyGDConfig, ids: Tensor) -> dict[str, Tensor]:
+        return load_units(cfg, ids)
+
+    def evaluator(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol) -> NoisyGDEvaluator:
+        return NoisyGDEvaluator(cfg, protocol)
+
+    def privacy_summary(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol, ledger: Ledger) -> dict[str, Any]:
+        events = dp_accounting.ComposedDpEvent([r.event for r in ledger])
+        rho = zcdp_rho(events)
+        by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
+        out = {
+            "epsilon": by_accountant[cfg.accountant.value],
+            "delta": cfg.delta,
+            "target_epsilon": cfg.epsilon,
+            "accountant": cfg.accountant.value,
+            "neighbouring": "replace-one example",
+            "noise_multiplier": protocol.noise_multiplier,
+            "noise_std_grad": protocol.noise_std(),
+            "rho": rho,
+            "rho_per_step": 2.0 / protocol.noise_multiplier**2 if protocol.noise_multiplier > 0 else math.inf,
+            "epsilon_zcdp": by_accountant["zcdp"],
+            "epsilon_pld": by_accountant["pld"],
+            "epsilon_by_accountant": by_accountant,
+            "zcdp_conversion": "ε = ρ + 2·sqrt(ρ·log(1/δ)) (Bun & Steinke 2016, Prop. 1.3)",
+            "zcdp_rho_for_target": zcdp_rho_for(cfg.epsilon, cfg.delta) if math.isfinite(cfg.epsilon) else math.inf,
+        }
+        if cfg.remedy is not Remedy.NONE:
+            out["remedy_noise_multiplier"] = protocol.remedy_noise_multiplier
+            out["remedy_noise_std"] = protocol.remedy_noise_std()
+        return out
+
+    def plot_keys(self) -> tuple[str, ...]:
+        return ("accuracy",)
+
+    def describe(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol) -> dict[str, Any]:
+        return {
+            "grad_clip": protocol.grad_clip, "noise_multiplier": protocol.noise_multiplier, "noise_std_grad": protocol.noise_std(),
+            "paper_noise_std_add_remove": protocol.noise_std() / 2,
+            "note": "the paper's N(0, G²/(2ρ)) is for add/remove neighbours; replace-one doubles the sensitivity, so σ = 2G/sqrt(2ρ)",
+            "remedy": protocol.remedy.value, "feature_bound": protocol.feature_bound,
+            "remedy_noise_multiplier": protocol.remedy_noise_multiplier, "remedy_noise_std": protocol.remedy_noise_std(),
+            "model_dim": protocol.model_dim,
+        }

@@ -1,0 +1,167 @@
+"""NoisyGD for last-layer fine-tuning on (near-)neural-collapse features (SPEC §3).
+
+Privacy unit: one example (replace-one). Rounds 1..T are NoisyGD steps: the server
+broadcasts W (K × q, zero at the start); every client returns the sum over its examples of
+the per-example gradient clipped to G_c; the server adds N(0, (z·G_c)²) and steps
+``W ← W − η (Σ_i clip(∇ℓ_i(W); G_c) + noise)``.
+
+A remedy is an extra round 0 of the same protocol, released through the same Privatizer:
+``center`` releases a DP mean of the features (each clipped to R) and every feature is
+centred by it; ``pca`` releases a DP second moment Σ xxᵀ (symmetric Gaussian, each x
+clipped to R) and every feature is projected on its top K−1 eigenvectors. The released
+transform is public and applies to test features too.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from fedpers import linalg
+from fedpers.privacy import Privatizer
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+
+Tensor = torch.Tensor
+
+
+class Remedy(str, enum.Enum):
+    NONE = "none"
+    CENTER = "center"
+    PCA = "pca"
+
+
+class Loss(str, enum.Enum):
+    CE = "ce"
+    SQUARED = "squared"
+
+
+# ----- the math ---------------------------------------------------------------------------
+def residuals(W: Tensor, x: Tensor, y: Tensor, loss: Loss) -> Tensor:
+    """r_i with ∇_W ℓ_i = r_i x_iᵀ: softmax(Wx) − e_y (cross-entropy) or Wx − e_y (squared, ½||·||²)."""
+    logits = x @ W.transpose(0, 1)
+    onehot = torch.nn.functional.one_hot(y, W.shape[0]).to(logits.dtype)
+    if loss is Loss.CE:
+        return torch.softmax(logits, dim=-1) - onehot
+    return logits - onehot
+
+
+def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Loss) -> tuple[Tensor, int]:
+    """Σ_i clip(r_i x_iᵀ; G) without forming per-example gradients (||r xᵀ||_F = ||r||·||x||); and how many were clipped."""
+    r = residuals(W, x, y, loss)
+    norms = torch.linalg.vector_norm(r, dim=-1) * torch.linalg.vector_norm(x, dim=-1)
+    c = linalg.clip_factor(norms, clip)
+    return (r * c.unsqueeze(-1)).transpose(0, 1) @ x, int((c < 1).sum())
+
+
+@dataclass(frozen=True)
+class NoisyGDProtocol(Protocol):
+    """Public parameters of one NoisyGD run (all data-independent; n is public under replace-one)."""
+
+    classes: int
+    feature_dim: int
+    examples: int
+    steps: int
+    lr: float
+    grad_clip: float
+    noise_multiplier: float
+    remedy: Remedy = Remedy.NONE
+    feature_bound: float = 1.0
+    remedy_noise_multiplier: float = 0.0
+    loss: Loss = Loss.CE
+    dtype_name: str = "float32"
+
+    name = "noisygd"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def remedy_rounds(self) -> int:
+        return 0 if self.remedy is Remedy.NONE else 1
+
+    @property
+    def num_rounds(self) -> int:
+        return self.remedy_rounds + self.steps
+
+    @property
+    def model_dim(self) -> int:
+        return self.classes - 1 if self.remedy is Remedy.PCA else self.feature_dim
+
+    def noise_std(self) -> float:
+        return self.noise_multiplier * self.grad_clip
+
+    def remedy_noise_std(self) -> float:
+        bound = self.feature_bound**2 if self.remedy is Remedy.PCA else self.feature_bound
+        return self.remedy_noise_multiplier * bound
+
+    # ----- feature transform (public once released) -----------------------------------------
+    def transform(self, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """The released remedy applied to features: x − μ̂ (center), x P̂ (pca), or x."""
+        if self.remedy is Remedy.CENTER:
+            return x - state["mu"].to(x.dtype)
+        if self.remedy is Remedy.PCA:
+            return x @ state["P"].to(x.dtype)
+        return x
+
+    def predict(self, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        return (self.transform(state, x.to(self.dtype)) @ state["W"].to(self.dtype).transpose(0, 1)).argmax(-1)
+
+    # ----- protocol ---------------------------------------------------------------------------
+    def unit_keys(self) -> tuple[str, ...]:
+        return ("x", "y")
+
+    def initial_state(self) -> dict[str, Tensor]:
+        return {"W": torch.zeros(self.classes, self.model_dim, dtype=self.dtype)}
+
+    def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
+        if round < self.remedy_rounds:
+            return {}
+        return {k: v for k, v in state.items() if k in ("W", "mu", "P")}
+
+    def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
+        if round < self.remedy_rounds:
+            if self.remedy is Remedy.CENTER:
+                return (StatSpec("feature_sum", (self.feature_dim,), self.feature_bound),)
+            return (StatSpec("second_moment", (self.feature_dim, self.feature_dim), self.feature_bound**2),)
+        return (StatSpec("grad", (self.classes, self.model_dim), self.grad_clip),)
+
+    def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        x, y = units["x"].to(self.dtype), units["y"].to(torch.int64)
+        n = int(x.shape[0])
+        if round < self.remedy_rounds:
+            xc = linalg.clip_vectors(x, self.feature_bound)
+            if self.remedy is Remedy.CENTER:
+                return Message({"feature_sum": xc.sum(0)}, n)
+            return Message({"second_moment": linalg.sym(xc.transpose(0, 1) @ xc)}, n)
+        grad, _ = clipped_gradient_sum(broadcast["W"].to(self.dtype), self.transform(broadcast, x), y, self.grad_clip, self.loss)
+        return Message({"grad": grad}, n)
+
+    def server_update(
+        self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
+    ) -> tuple[dict[str, Tensor], dict[str, float]]:
+        new: dict[str, Any] = dict(state)
+        if round < self.remedy_rounds:
+            if self.remedy is Remedy.CENTER:
+                total = privatizer.gaussian_sum(
+                    summed.stats["feature_sum"], per_unit_bound=self.feature_bound,
+                    noise_multiplier=self.remedy_noise_multiplier, name="remedy.mean", round=round,
+                )
+                new["mu"] = total / self.examples  # n is public under replace-one neighbours
+                return new, {"noise_std_mean": self.remedy_noise_std()}
+            S = privatizer.symmetric_gaussian_sum(
+                summed.stats["second_moment"], per_unit_bound=self.feature_bound**2,
+                noise_multiplier=self.remedy_noise_multiplier, name="remedy.pca", round=round,
+            )
+            new["P"] = linalg.top_eigenvectors(S.double(), self.classes - 1).to(self.dtype)
+            return new, {"noise_std_second_moment": self.remedy_noise_std()}
+        step = round - self.remedy_rounds + 1
+        g = privatizer.gaussian_sum(
+            summed.stats["grad"], per_unit_bound=self.grad_clip, noise_multiplier=self.noise_multiplier,
+            name=f"step{step}.grad", round=round,
+        )
+        new["W"] = state["W"] - self.lr * g
+        # Only post-processed (noisy) quantities in the diagnostics: they are written to disk.
+        return new, {"noise_std_grad": self.noise_std(), "noisy_grad_norm": float(torch.linalg.vector_norm(g.double()))}

@@ -1,0 +1,115 @@
+"""The node side of the Flower runtime: rebuild the public protocol, load this node's units,
+call ``protocol.client_update``. No algorithm code lives here.
+
+Per process, protocols are cached by job and units by (job, unit range), so a long-lived
+Ray actor or SuperNode builds each once. Nothing per-user goes into ``context.state``
+(Flower ships every node's Context with each message).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from flwr.app import Context
+from flwr.app import Message as FlowerMessage
+from flwr.clientapp import ClientApp
+
+from fedpers import config as config_lib
+from fedpers.experiments.base import Experiment
+from fedpers.protocols.base import Protocol, Units
+from fedpers.runtime.flower import codec
+
+UNIT_CACHE_BYTES = 1 << 30
+"""Most bytes of unit data one process keeps between rounds (least recently used go first)."""
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    experiment: Experiment
+    cfg: Any
+    protocol: Protocol
+    digest: str
+
+
+_jobs: dict[tuple[str, str, str], NodeJob] = {}
+_units: "OrderedDict[tuple[str, str, str, int, int], Units]" = OrderedDict()
+
+
+def node_job(job: codec.Job, data_file: str = "") -> NodeJob:
+    """Experiment, config and protocol for ``job``; ``data_file`` (node config) replaces the config's data path."""
+    key = (job.algorithm, job.config_json, data_file)
+    if key not in _jobs:
+        from fedpers.experiments import EXPERIMENTS
+
+        if job.algorithm not in EXPERIMENTS:
+            raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(EXPERIMENTS)}")
+        experiment = EXPERIMENTS[job.algorithm]
+        values = json.loads(job.config_json)
+        if data_file:
+            if "data" not in {f.name for f in fields(experiment.config_type)}:
+                raise ValueError(f"{codec.DATA_FILE}: algorithm {job.algorithm!r} reads no data files")
+            values["data"] = data_file
+        cfg = config_lib.build(experiment.config_type, values)
+        protocol = experiment.protocol(cfg)
+        _jobs[key] = NodeJob(experiment, cfg, protocol, codec.protocol_digest(protocol))
+    found = _jobs[key]
+    if found.digest != job.digest:
+        raise ValueError(
+            f"protocol mismatch: this node built protocol {found.digest} from the job, the server sent {job.digest} "
+            "(different fedpers version, or a data file that differs from the server's)"
+        )
+    return found
+
+
+def node_units(job: codec.Job, data_file: str, node: NodeJob, start: int, stop: int) -> Units:
+    """This node's units (ids ``start..stop-1``), loaded once per process and kept while they fit."""
+    key = (job.algorithm, job.config_json, data_file, start, stop)
+    if key in _units:
+        _units.move_to_end(key)
+        return _units[key]
+    units = node.experiment.units(node.cfg, torch.arange(start, stop))
+    _units[key] = units
+    while len(_units) > 1 and sum(_nbytes(u) for u in _units.values()) > UNIT_CACHE_BYTES:
+        _units.popitem(last=False)
+    return units
+
+
+def _nbytes(units: Units) -> int:
+    return sum(t.numel() * t.element_size() for t in units.values())
+
+
+def _node_config(context: Context, key: str) -> Any:
+    if key not in context.node_config:
+        raise ValueError(f"node config lacks {key!r}; start the SuperNode with --node-config \"{codec.PARTITION_ID}=I {codec.NUM_PARTITIONS}=N\"")
+    return context.node_config[key]
+
+
+def handle_query(message: FlowerMessage, context: Context) -> FlowerMessage:
+    """Discovery round: report this node's partition (its stable index)."""
+    content = codec.encode_node(int(_node_config(context, codec.PARTITION_ID)), int(_node_config(context, codec.NUM_PARTITIONS)))
+    return FlowerMessage(content, reply_to=message)
+
+
+def handle_train(message: FlowerMessage, context: Context) -> FlowerMessage:
+    """One round: the protocol's statistics summed over this node's units."""
+    start = time.perf_counter()
+    task = codec.decode_task(message.content)
+    data_file = str(context.node_config.get(codec.DATA_FILE, "") or "")
+    node = node_job(task.job, data_file)
+    units = node_units(task.job, data_file, node, task.start, task.stop)
+    device = units["ids"].device
+    broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
+    reply = node.protocol.client_update(task.round, broadcast, units)
+    return FlowerMessage(codec.encode_reply(reply, time.perf_counter() - start), reply_to=message)
+
+
+def make_client_app() -> ClientApp:
+    """The fedpers ClientApp: ``query`` for discovery, ``train`` for protocol rounds."""
+    app = ClientApp()
+    app.query()(handle_query)
+    app.train()(handle_train)
+    return app

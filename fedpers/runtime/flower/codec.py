@@ -1,0 +1,149 @@
+"""Flower message encoding: one place for every record name and key, shared by both ends.
+
+A training instruction is a Flower ``RecordDict`` with a ``ConfigRecord`` (the job:
+algorithm, public config as JSON, protocol digest, round, the node's unit range) and an
+``ArrayRecord`` (the broadcast tensors). A reply holds an ``ArrayRecord`` of summed
+statistics and a ``MetricRecord`` with the unit count. Decoding a reply never trusts it:
+anything malformed raises :class:`MalformedReply`, which the server turns into a drop.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from fedpers import config as config_lib
+from fedpers.protocols.base import Message, Protocol
+
+Tensor = torch.Tensor
+
+# Record names inside a RecordDict.
+JOB = "fedpers.job"
+BROADCAST = "fedpers.broadcast"
+STATS = "fedpers.stats"
+COUNT = "fedpers.count"
+NODE = "fedpers.node"
+
+# Keys inside the job ConfigRecord.
+ALGORITHM = "algorithm"
+CONFIG = "config"
+DIGEST = "protocol-digest"
+ROUND = "round"
+UNIT_START = "unit-start"
+UNIT_STOP = "unit-stop"
+
+# Keys inside the reply MetricRecord.
+UNITS = "units"
+SECONDS = "seconds"
+
+# Node-config keys (Flower's own partition keys, plus an optional data file per node).
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+DATA_FILE = "data-file"
+
+
+class MalformedReply(ValueError):
+    """A client reply that cannot be decoded into a protocol message."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every node needs to rebuild the public protocol: never the noise seed."""
+
+    algorithm: str
+    config_json: str
+    digest: str
+
+    @staticmethod
+    def of(algorithm: str, cfg: Any, protocol: Protocol) -> "Job":
+        return Job(algorithm, json.dumps(config_lib.to_dict(cfg), sort_keys=True), protocol_digest(protocol))
+
+
+@dataclass(frozen=True)
+class Task:
+    """One decoded training instruction."""
+
+    job: Job
+    round: int
+    start: int
+    stop: int
+    broadcast: dict[str, Tensor]
+
+
+def protocol_digest(protocol: Protocol) -> str:
+    """Fingerprint of the public protocol, so a node built from other code or data is refused."""
+    return hashlib.sha256(repr(protocol).encode()).hexdigest()[:16]
+
+
+def job_record(job: Job) -> ConfigRecord:
+    return ConfigRecord({ALGORITHM: job.algorithm, CONFIG: job.config_json, DIGEST: job.digest})
+
+
+def read_job(content: RecordDict) -> Job:
+    rec = content[JOB]
+    return Job(str(rec[ALGORITHM]), str(rec[CONFIG]), str(rec[DIGEST]))
+
+
+def broadcast_record(broadcast: Mapping[str, Tensor]) -> ArrayRecord:
+    """The round's public tensors, serialised once and shared by every node's message."""
+    return _arrays(broadcast)
+
+
+def encode_task(job: Job, round: int, units: range, broadcast: ArrayRecord) -> RecordDict:
+    rec = job_record(job)
+    rec[ROUND], rec[UNIT_START], rec[UNIT_STOP] = int(round), int(units.start), int(units.stop)
+    return RecordDict({JOB: rec, BROADCAST: broadcast})
+
+
+def decode_task(content: RecordDict) -> Task:
+    rec = content[JOB]
+    arrays = content.array_records.get(BROADCAST, ArrayRecord())
+    broadcast = {k: torch.from_numpy(np.array(a.numpy())) for k, a in arrays.items()}
+    return Task(read_job(content), int(rec[ROUND]), int(rec[UNIT_START]), int(rec[UNIT_STOP]), broadcast)
+
+
+def encode_reply(message: Message, seconds: float) -> RecordDict:
+    return RecordDict({STATS: _arrays(message.stats), COUNT: MetricRecord({UNITS: int(message.count), SECONDS: float(seconds)})})
+
+
+def decode_reply(content: RecordDict) -> Message:
+    """Protocol message from a reply; raises :class:`MalformedReply` on anything unexpected."""
+    try:
+        arrays = content.array_records[STATS]
+        count = content.metric_records[COUNT][UNITS]
+    except (KeyError, TypeError) as e:
+        raise MalformedReply(f"reply lacks {e}") from None
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise MalformedReply(f"unit count must be an integer; got {count!r}")
+    stats: dict[str, Tensor] = {}
+    for name, array in arrays.items():
+        try:
+            stats[name] = torch.from_numpy(np.array(array.numpy()))
+        except Exception as e:  # noqa: BLE001 - any undecodable array is the client's fault
+            raise MalformedReply(f"{name}: cannot decode array ({type(e).__name__}: {e})") from None
+    return Message(stats, count)
+
+
+def encode_node(partition_id: int, num_partitions: int) -> RecordDict:
+    return RecordDict({NODE: MetricRecord({PARTITION_ID: int(partition_id), NUM_PARTITIONS: int(num_partitions)})})
+
+
+def decode_node(content: RecordDict) -> tuple[int, int]:
+    """(partition-id, num-partitions) from a discovery reply."""
+    try:
+        rec = content.metric_records[NODE]
+        pid, num = rec[PARTITION_ID], rec[NUM_PARTITIONS]
+    except (KeyError, TypeError) as e:
+        raise MalformedReply(f"discovery reply lacks {e}") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (pid, num)) or not 0 <= pid < num:
+        raise MalformedReply(f"node config needs 0 <= {PARTITION_ID} < {NUM_PARTITIONS}; got {pid!r}, {num!r}")
+    return pid, num
+
+
+def _arrays(tensors: Mapping[str, Tensor]) -> ArrayRecord:
+    return ArrayRecord({k: Array(v.detach().cpu().contiguous().numpy()) for k, v in tensors.items()})

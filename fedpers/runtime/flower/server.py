@@ -1,0 +1,177 @@
+"""The server side of the Flower runtime: discovery, then ``drive`` with a Grid-backed gather.
+
+Verification, dropping and the min-fraction rule are ``drive``'s, shared with the local
+runtime. This module only moves messages: it finds which node holds which partition,
+sends each node its task, and turns replies, client errors and timeouts into
+:class:`~fedpers.runtime.driver.ClientReply` objects.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from flwr.app import Message as FlowerMessage
+from flwr.app import MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedpers.experiments.base import Experiment
+from fedpers.privacy import Privatizer
+from fedpers.protocols.base import Protocol
+from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
+from fedpers.runtime.flower import codec
+from fedpers.runtime.flower.partition import unit_ranges
+
+Tensor = torch.Tensor
+log = logging.getLogger("fedpers.flower")
+POLL_FIRST, POLL_MAX = 0.005, 0.25
+"""Seconds between pulls for replies, growing geometrically (Grid.send_and_receive sleeps 3 s on a SuperLink)."""
+
+
+class Stopped(RuntimeError):
+    """The Flower runtime under this ServerApp stopped (e.g. the simulation engine crashed)."""
+
+
+def _check(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise Stopped("the Flower simulation engine stopped; see its log above")
+
+
+def exchange(grid: Grid, messages: Iterable[FlowerMessage], timeout: float, stop: Callable[[], bool] | None = None) -> list[FlowerMessage]:
+    """Push ``messages`` and pull replies until all arrived, ``timeout`` seconds passed, or ``stop()``."""
+    pending = set(grid.push_messages(list(messages)))
+    deadline = time.monotonic() + timeout
+    replies: list[FlowerMessage] = []
+    pause = POLL_FIRST
+    while pending:
+        got = list(grid.pull_messages(pending))
+        replies.extend(got)
+        pending.difference_update(m.metadata.reply_to_message_id for m in got)
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            break
+        _check(stop)
+        time.sleep(min(pause, left))
+        pause = min(pause * 1.5, POLL_MAX)
+    return replies
+
+
+@dataclass
+class Federation:
+    """Who holds what: partition index → node id, and partition index → unit-id range."""
+
+    nodes: dict[int, int]
+    ranges: list[range]
+    discovery_seconds: float
+
+    @property
+    def num_partitions(self) -> int:
+        return len(self.ranges)
+
+
+def discover(
+    grid: Grid, job: codec.Job, timeout: float, expected: int | None = None, stop: Callable[[], bool] | None = None
+) -> tuple[dict[int, int], int]:
+    """Ask every node for its partition-id; wait until all partitions are held or ``timeout`` passed.
+
+    Returns (partition → node id, number of partitions). Two nodes claiming one partition,
+    or nodes disagreeing on the number of partitions, is a configuration error.
+    """
+    deadline = time.monotonic() + timeout
+    holder: dict[int, int] = {}
+    asked: set[int] = set()
+    num = expected
+    while True:
+        new = [n for n in grid.get_node_ids() if n not in asked]
+        if new:
+            asked.update(new)
+            query = [FlowerMessage(RecordDict({codec.JOB: codec.job_record(job)}), n, MessageType.QUERY) for n in new]
+            for reply in exchange(grid, query, max(deadline - time.monotonic(), 0.0), stop):
+                node = reply.metadata.src_node_id
+                if reply.has_error():
+                    log.warning("node %s failed discovery: %s", node, reply.error.reason)
+                    continue
+                try:
+                    pid, n_parts = codec.decode_node(reply.content)
+                except codec.MalformedReply as e:
+                    log.warning("node %s: %s", node, e)
+                    continue
+                if num is None:
+                    num = n_parts
+                if n_parts != num:
+                    raise ValueError(f"{codec.NUM_PARTITIONS}: node {node} says {n_parts}, expected {num}")
+                if pid in holder:
+                    raise ValueError(f"{codec.PARTITION_ID}: nodes {holder[pid]} and {node} both claim partition {pid}")
+                holder[pid] = node
+        if num is not None and len(holder) >= num:
+            return holder, num
+        if time.monotonic() >= deadline:
+            if num is None:
+                raise RoundFailed(f"discovery: no node reported its {codec.PARTITION_ID} within {timeout:g} s")
+            log.warning("discovery: %d of %d partitions have a node after %g s; the others count as dropped", len(holder), num, timeout)
+            return holder, num
+        _check(stop)
+        time.sleep(0.05)
+
+
+class GridGather:
+    """``gather`` for :func:`~fedpers.runtime.driver.drive` over a Flower Grid."""
+
+    def __init__(self, grid: Grid, job: codec.Job, federation: Federation, timeout: float, stop: Callable[[], bool] | None = None) -> None:
+        self.grid, self.job, self.federation, self.timeout, self.stop = grid, job, federation, timeout, stop
+
+    def __call__(self, round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
+        fed = self.federation
+        shared = codec.broadcast_record(broadcast)
+        messages = [
+            FlowerMessage(codec.encode_task(self.job, round, fed.ranges[p], shared), node, MessageType.TRAIN, group_id=str(round))
+            for p, node in sorted(fed.nodes.items())
+        ]
+        by_node = {m.metadata.src_node_id: m for m in exchange(self.grid, messages, self.timeout, self.stop)}
+        return [self._reply(p, by_node) for p in range(fed.num_partitions)]
+
+    def _reply(self, p: int, by_node: Mapping[int, FlowerMessage]) -> ClientReply:
+        label, max_units = f"partition-{p}", len(self.federation.ranges[p])
+        node = self.federation.nodes.get(p)
+        if node is None:
+            return ClientReply(label, max_units, None, "no node holds this partition (none answered discovery)")
+        reply = by_node.get(node)
+        if reply is None:
+            return ClientReply(label, max_units, None, f"no reply within {self.timeout:g} s")
+        if reply.has_error():
+            return ClientReply(label, max_units, None, f"client error: {reply.error.reason}")
+        try:
+            return ClientReply(label, max_units, codec.decode_reply(reply.content))
+        except codec.MalformedReply as e:
+            return ClientReply(label, max_units, None, f"malformed reply: {e}")
+
+
+def run_on_grid(
+    grid: Grid,
+    experiment: Experiment,
+    cfg: Any,
+    protocol: Protocol,
+    privatizer: Privatizer,
+    options: Any,
+    *,
+    expected_nodes: int | None = None,
+    on_round: Callable[[RoundRecord, Any], None] | None = None,
+    on_discovery: Callable[[Federation], None] | None = None,
+    progress: bool = True,
+    stop: Callable[[], bool] | None = None,
+) -> tuple[Any, list[RoundRecord]]:
+    """Discover the nodes on ``grid``, then run every round of ``protocol`` through them.
+
+    ``stop()`` true makes waiting for replies give up (the caller's engine has died).
+    """
+    job = codec.Job.of(experiment.name, cfg, protocol)
+    start = time.perf_counter()
+    nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
+    federation = Federation(nodes, unit_ranges(experiment.num_units(cfg), num, options.users_per_node), time.perf_counter() - start)
+    if on_discovery is not None:
+        on_discovery(federation)
+    gather = GridGather(grid, job, federation, options.round_timeout, stop)
+    device = torch.device(getattr(cfg, "device", "cpu"))
+    return drive(protocol, gather, privatizer, min_fraction=options.min_fraction, on_round=on_round, progress=progress, device=device)

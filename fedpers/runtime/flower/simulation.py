@@ -1,0 +1,119 @@
+"""``run_flower``: the protocol in Flower's simulation engine on Ray, or on a Grid already given.
+
+The ServerApp built here runs in this process (its closure holds the protocol, the
+privatizer and the callbacks); the ClientApp runs in Ray actors, which import fedpers
+from the same checkout (its root is put on ``sys.path``, which Flower's Ray backend
+passes to every worker as ``PYTHONPATH`` in the job's runtime_env).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from flwr.app import Context
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+import fedpers
+from fedpers.experiments.base import Experiment
+from fedpers.privacy import Privatizer
+from fedpers.protocols.base import Protocol
+from fedpers.runtime.driver import RoundRecord
+from fedpers.runtime.flower.client import make_client_app
+from fedpers.runtime.flower.partition import unit_ranges
+from fedpers.runtime.flower.server import Federation, run_on_grid
+
+CHECKOUT = str(Path(fedpers.__file__).resolve().parents[1])
+
+
+def backend_config(options: Any) -> dict[str, Any]:
+    """Flower's Ray backend settings: ``--ray-address``, else ``$RAY_ADDRESS``, else a new local Ray."""
+    # "local" starts a new Ray: without it ray.init() silently joins the last `ray start` cluster on this machine.
+    address = options.ray_address or os.environ.get("RAY_ADDRESS", "") or "local"
+    init_args: dict[str, Any] = {"logging_level": "error", "log_to_driver": True, "address": address}
+    return {
+        "client_resources": {"num_cpus": float(options.client_cpus), "num_gpus": float(options.client_gpus)},
+        "init_args": init_args,
+    }
+
+
+@contextlib.contextmanager
+def _flower_logs(level: int) -> Iterator[None]:
+    logger = logging.getLogger("flwr")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+def run_flower(
+    experiment: Experiment,
+    cfg: Any,
+    protocol: Protocol,
+    privatizer: Privatizer,
+    options: Any,
+    *,
+    on_round: Callable[[RoundRecord, Any], None] | None = None,
+    on_discovery: Callable[[Federation], None] | None = None,
+    progress: bool = True,
+    grid: Grid | None = None,
+    client_app: ClientApp | None = None,
+) -> tuple[Any, list[RoundRecord]]:
+    """Run ``protocol`` through Flower: on ``grid`` if given (inside a ServerApp), else in a new simulation.
+
+    ``client_app`` replaces the fedpers ClientApp (tests use it to inject faulty clients).
+    """
+    if grid is not None:
+        return run_on_grid(grid, experiment, cfg, protocol, privatizer, options, on_round=on_round, on_discovery=on_discovery, progress=progress)
+    unit_ranges(experiment.num_units(cfg), options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
+    if options.client_gpus > 0 and not options.ray_address and not torch.cuda.is_available():
+        raise ValueError(f"client_gpus={options.client_gpus} but this machine has no GPU; set --client-gpus 0 or attach a GPU cluster with --ray-address")
+    outcome: dict[str, Any] = {}
+    stopped = threading.Event()
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        try:
+            outcome["result"] = run_on_grid(
+                grid, experiment, cfg, protocol, privatizer, options, expected_nodes=options.nodes,
+                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set,
+            )
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
+            outcome["error"] = e
+
+    from flwr.simulation import run_simulation
+
+    if CHECKOUT not in sys.path:
+        sys.path.insert(0, CHECKOUT)
+    try:
+        with _flower_logs(logging.WARNING):
+            run_simulation(server_app, client_app or make_client_app(), options.nodes, backend_config=backend_config(options))
+    except RuntimeError as e:
+        root = _root_cause(e)
+        if "result" in outcome:  # the engine failed after the ServerApp finished: keep the result
+            logging.getLogger("fedpers.flower").warning("Flower simulation error after the run completed: %s", root)
+            return outcome["result"]
+        kind = ValueError if isinstance(root, ValueError) else RuntimeError
+        raise kind(f"the Flower simulation failed ({type(root).__name__}: {root}); client_cpus={options.client_cpus}, client_gpus={options.client_gpus}") from e
+    finally:
+        stopped.set()  # a ServerApp thread still waiting for replies gives up
+    if "error" in outcome:
+        raise outcome["error"]
+    if "result" not in outcome:
+        raise RuntimeError("the Flower simulation ended without running the ServerApp")
+    return outcome["result"]

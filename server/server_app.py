@@ -1,0 +1,25 @@
+"""The fedpers ServerApp for ``flwr run .`` (``[tool.flwr.app.components] serverapp``).
+
+Thin by design: it reads ``context.run_config`` (see :mod:`fedpers.runtime.flower.runconfig`)
+and runs the experiment with :func:`fedpers.runner.execute` on the Grid Flower gives it:
+discovery, the shared round loop with verification and DP aggregation, the run directory.
+"""
+from logging import INFO
+
+from flwr.app import Context
+from flwr.common import log
+from flwr.serverapp import Grid, ServerApp
+
+from fedpers.results import dumps
+from fedpers.runner import execute
+from fedpers.runtime.flower.runconfig import from_run_config
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    job = from_run_config(context.run_config)
+    result = execute(job.experiment, job.cfg, job.options, out=job.out, progress=False, grid=grid)
+    summary = {k: v for k, v in result.items() if not k.startswith("_") and k not in ("baselines", "privacy")}
+    log(INFO, "fedpers result: %s", dumps(summary, indent=None))

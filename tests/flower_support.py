@@ -1,0 +1,200 @@
+"""Test-only Flower tooling: an in-process Grid, a fault-injecting ClientApp, process helpers.
+
+Nothing here is imported by fedpers: faults are injected by wrapping the production
+ClientApp handlers, never by flags inside them.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from typing import Iterable, Mapping
+
+import torch
+from flwr.app import Context, Error, RecordDict
+from flwr.app import Message as FlowerMessage
+from flwr.clientapp import ClientApp
+
+from fedpers.runtime.flower import codec
+from fedpers.runtime.flower.client import handle_query, handle_train
+
+FAULTS = ("raise", "nan", "huge", "overclaim", "silent")
+"""raise: the ClientApp raises; nan: a NaN statistic; huge: a statistic of norm 1e30;
+overclaim: claims 10⁹ units; silent: never replies (a timeout)."""
+
+
+def faulty_client_app(faults: Mapping[int, str], from_round: int = 0) -> ClientApp:
+    """The fedpers ClientApp, with partition → fault mode applied from round ``from_round`` on."""
+    faults = dict(faults)
+    app = ClientApp()
+    app.query()(handle_query)
+
+    @app.train()
+    def train(message: FlowerMessage, context: Context) -> FlowerMessage:
+        mode = faults.get(int(context.node_config[codec.PARTITION_ID]))
+        round = int(message.content[codec.JOB][codec.ROUND])
+        if mode is None or round < from_round:
+            return handle_train(message, context)
+        if mode == "raise":
+            raise RuntimeError("injected fault")
+        if mode == "silent":
+            time.sleep(float(os.environ.get("FEDPERS_TEST_SILENT_SECONDS", "3600")))
+        reply = codec.decode_reply(handle_train(message, context).content)
+        first = sorted(reply.stats)[0]
+        if mode == "nan":
+            reply.stats[first] = reply.stats[first].clone().view(-1).index_fill(0, torch.tensor([0]), float("nan")).view_as(reply.stats[first])
+        elif mode == "huge":
+            reply.stats[first] = torch.full_like(reply.stats[first], 1e30 / reply.stats[first].numel() ** 0.5)
+        elif mode == "overclaim":
+            reply.count = 10**9
+        return FlowerMessage(codec.encode_reply(reply, 0.0), reply_to=message)
+
+    return app
+
+
+class InProcessGrid:
+    """A Flower Grid whose nodes run a ClientApp in this process (no Ray, no network).
+
+    ``silent`` partitions receive messages but never answer; ``node_config`` extras are
+    added to every node's config.
+    """
+
+    def __init__(self, app: ClientApp, partitions: int, *, silent: Iterable[int] = (), duplicate: bool = False, extra: Mapping[str, object] | None = None) -> None:
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.supercore.task_identity import TaskIdentity
+
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
+        rng = random.Random(1)
+        self.app, self.silent = app, set(silent)
+        self.contexts: dict[int, Context] = {}
+        for p in range(partitions):
+            node_id = rng.getrandbits(63)
+            pid = 0 if duplicate and p == partitions - 1 else p
+            self.contexts[node_id] = Context(run_id=1, node_id=node_id, node_config={codec.PARTITION_ID: pid, codec.NUM_PARTITIONS: partitions, **(extra or {})}, state=RecordDict(), run_config={})
+        self._replies: dict[str, FlowerMessage] = {}
+        self.sent: list[FlowerMessage] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[FlowerMessage]) -> list[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self.sent.append(msg)
+            ids.append(msg.metadata.message_id)
+            context = self.contexts[msg.metadata.dst_node_id]
+            if int(context.node_config[codec.PARTITION_ID]) in self.silent and msg.metadata.message_type == "train":
+                continue
+            try:
+                reply = self.app(msg, context)
+            except Exception as e:  # noqa: BLE001 - what Flower does with a raising ClientApp
+                reply = FlowerMessage(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=msg)
+            self._replies[msg.metadata.message_id] = reply
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[FlowerMessage]:
+        return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """All living descendants of ``pid`` (from /proc), deepest last."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM every process we started and its descendants, then SIGKILL what is left."""
+    procs = list(procs)
+    pids = []
+    for p in procs:
+        pids += [p.pid, *descendants(p.pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def write_connection(flwr_home, name: str, address: str) -> None:
+    """A ``$FLWR_HOME/config.toml`` with one insecure SuperLink connection (the 1.41 way)."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    (flwr_home / "config.toml").write_text(f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "{address}"\ninsecure = true\n')
+
+
+def wait_for_log(path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{path.name}: {text!r} not seen (exit {proc.poll()}):\n{path.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.2)
+
+
+class Processes:
+    """Processes started by a test, each logging to a file; all stopped on exit, even on failure."""
+
+    def __init__(self, workdir, env: Mapping[str, str]) -> None:
+        self.workdir, self.env, self.procs = workdir, dict(env), []
+
+    def start(self, name: str, cmd: list[str], **env: str) -> tuple[subprocess.Popen, "os.PathLike[str]"]:
+        log = self.workdir / f"{name}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=self.workdir, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc, log
+
+    def __enter__(self) -> "Processes":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_processes(self.procs)

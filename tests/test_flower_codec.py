@@ -1,0 +1,118 @@
+"""Flower message encoding, partitions and run-config parsing (no Flower run needed)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from fedpers import config as config_lib
+from fedpers.experiments import EXPERIMENTS
+from fedpers.protocols.base import Message
+from fedpers.runtime.flower import codec
+from fedpers.runtime.flower.partition import unit_ranges
+from fedpers.runtime.flower.runconfig import from_run_config, parse_pairs
+
+
+def test_reply_round_trip_keeps_values_and_dtypes():
+    msg = Message({"A": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float32)}, 7)
+    back = codec.decode_reply(codec.encode_reply(msg, 0.5))
+    assert back.count == 7 and set(back.stats) == {"A", "b"}
+    for k in msg.stats:
+        assert back.stats[k].dtype == msg.stats[k].dtype
+        torch.testing.assert_close(back.stats[k], msg.stats[k], rtol=0, atol=0)
+
+
+def test_task_round_trip():
+    job = codec.Job("altmin", '{"seed": 1}', "abc")
+    content = codec.encode_task(job, 3, range(10, 20), codec.broadcast_record({"U": torch.eye(3, 2, dtype=torch.float64)}))
+    task = codec.decode_task(content)
+    assert (task.job, task.round, task.start, task.stop) == (job, 3, 10, 20)
+    torch.testing.assert_close(task.broadcast["U"], torch.eye(3, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (RecordDict({}), "lacks"),
+        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: 2.0})}), "integer"),
+        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: [1, 2]})}), "integer"),
+        (RecordDict({codec.STATS: ConfigRecord({"A": "x"}), codec.COUNT: MetricRecord({codec.UNITS: 1})}), "lacks"),
+        (RecordDict({codec.STATS: ArrayRecord({"A": Array(dtype="float64", shape=(2,), stype="raw", data=b"12")}), codec.COUNT: MetricRecord({codec.UNITS: 1})}), "cannot decode"),
+    ],
+)
+def test_malformed_replies_are_refused(content, match):
+    with pytest.raises(codec.MalformedReply, match=match):
+        codec.decode_reply(content)
+
+
+def test_node_report_must_be_a_valid_partition():
+    assert codec.decode_node(codec.encode_node(2, 5)) == (2, 5)
+    with pytest.raises(codec.MalformedReply, match="partition-id"):
+        codec.decode_node(RecordDict({codec.NODE: MetricRecord({codec.PARTITION_ID: 5, codec.NUM_PARTITIONS: 5})}))
+
+
+def test_protocol_digest_depends_on_every_public_parameter():
+    exp = EXPERIMENTS["altmin"]
+    base = dict(n_users=40, dim=4, rank=2, samples_per_user=8, epsilon=math.inf)
+    p1 = exp.protocol(config_lib.build(exp.config_type, base))
+    p2 = exp.protocol(config_lib.build(exp.config_type, {**base, "clip_model": 0.5}))
+    assert codec.protocol_digest(p1) == codec.protocol_digest(exp.protocol(config_lib.build(exp.config_type, base)))
+    assert codec.protocol_digest(p1) != codec.protocol_digest(p2)
+
+
+def test_unit_ranges_cover_every_unit_once():
+    for n, p in [(10, 3), (10, 10), (10_000, 8), (7, 1)]:
+        ranges = unit_ranges(n, p)
+        assert [u for r in ranges for u in r] == list(range(n)) and min(len(r) for r in ranges) >= 1
+    assert unit_ranges(10, 4, users_per_node=3) == [range(0, 3), range(3, 6), range(6, 9), range(9, 10)]
+    assert unit_ranges(500, 500, users_per_node=1)[499] == range(499, 500)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [((5, 6), "nodes=6 exceeds the 5 units"), ((10, 3, 3), "needs nodes=4"), ((10, 0), "nodes must be >= 1"), ((0, 1), "num_units")],
+)
+def test_unit_ranges_refuse_bad_splits(args, match):
+    with pytest.raises(ValueError, match=match):
+        unit_ranges(*args)
+
+
+def test_run_config_pairs():
+    assert parse_pairs('n_users=2000 epsilon=8.0 cohorts=all psd="ridge" data-file=\'/x y.npz\'') == {
+        "n_users": 2000, "epsilon": 8.0, "cohorts": "all", "psd": "ridge", "data_file": "/x y.npz"
+    }
+    with pytest.raises(ValueError, match="key=value"):
+        parse_pairs("n_users 2000")
+
+
+def test_run_config_builds_the_job(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text("n_users = 300\nrank = 3\n")
+    job = from_run_config({"algorithm": "altmin", "config": "rank=2 epsilon=inf", "config-file": str(toml), "out": "", "min-fraction": 0.5, "round-timeout": 30.0, "users-per-node": 0})
+    assert (job.cfg.n_users, job.cfg.rank, job.cfg.epsilon) == (300, 2, math.inf)
+    assert job.options.runtime.value == "flower" and job.options.min_fraction == 0.5 and job.out is None
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        from_run_config({"algorithm": "nope"})
+    with pytest.raises(ValueError, match="unknown AltMinConfig field"):
+        from_run_config({"algorithm": "altmin", "config": "n_user=3"})
+    with pytest.raises(ValueError, match="min_fraction must be"):
+        from_run_config({"algorithm": "altmin", "min-fraction": 2.0})
+    with pytest.raises(ValueError, match="unknown key"):
+        from_run_config({"algorithm": "altmin", "bogus": 1})
+
+
+def test_ray_backend_starts_its_own_ray_unless_told_to_attach(monkeypatch):
+    from fedpers.runner import RuntimeOptions
+    from fedpers.runtime.flower.simulation import backend_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "client_cpus": 0.5, "client_gpus": 0.25})
+    cfg = backend_config(opts)
+    assert cfg["init_args"]["address"] == "local"
+    assert cfg["client_resources"] == {"num_cpus": 0.5, "num_gpus": 0.25}
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert backend_config(opts)["init_args"]["address"] == "10.0.0.1:6379"
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "ray_address": "127.0.0.1:1234"})
+    assert backend_config(opts)["init_args"]["address"] == "127.0.0.1:1234"

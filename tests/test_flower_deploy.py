@@ -1,0 +1,86 @@
+"""`flwr run .` from the repo root against real Flower processes on 127.0.0.1 (insecure, free ports).
+
+Deployment: one ``flower-superlink`` and three ``flower-supernode`` processes, each node
+given its partition and a data file through ``--node-config``. Simulation: a
+``flower-superlink --simulation``. Both must give the local runtime's result; every
+process is stopped even when the test fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedpers import config as config_lib
+from fedpers.data.files import save_altmin_npz
+from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments.altmin import truth
+from fedpers.runner import execute
+from tests.flower_support import Processes, free_port, wait_for_log, write_connection
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+EXP = EXPERIMENTS["altmin"]
+FIELDS = {"n_users": 150, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 11}
+
+
+def flwr_run(procs: Processes, home: Path, connection: str, run_config: str, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [shutil.which("flwr") or "flwr", "run", ".", connection, "--stream", "--run-config", run_config, *extra]
+    return subprocess.run(cmd, cwd=ROOT, env={**procs.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=480)
+
+
+def check_against_local(out: Path, cfg, done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (out / "result.json").is_file(), done.stdout[-3000:] + done.stderr[-3000:]
+    local = execute(EXP, cfg, out=out.parent / "local", progress=False)
+    U = torch.from_numpy(np.load(out / "final_state.npz")["U"])
+    torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-5)
+    assert (out / "ledger.json").read_text() == (out.parent / "local" / "ledger.json").read_text()
+    result = json.loads((out / "result.json").read_text())
+    assert result["runtime"] == "flower" and abs(result["subspace_error"] - local["subspace_error"]) < 1e-8
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1"}
+
+
+def test_deployment_superlink_three_supernodes_with_data_files(tmp_path, env):
+    users = EXP.units(config_lib.build(EXP.config_type, FIELDS), torch.arange(FIELDS["n_users"]))
+    data = tmp_path / "users.npz"
+    save_altmin_npz(data, x=users["x"], y=users["y"], u_star=truth(config_lib.build(EXP.config_type, FIELDS)))
+    cfg = config_lib.build(EXP.config_type, {"data": str(data), "rank": 2, "rounds": 1, "seed": 11})
+    port = free_port()
+    with Processes(tmp_path, env) as procs:
+        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        for i in range(3):
+            node_data = tmp_path / f"node{i}.npz"
+            shutil.copy(data, node_data)
+            node_config = f"partition-id={i} num-partitions=3 data-file='{node_data}'"
+            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--node-config", node_config], FLWR_HOME=str(tmp_path / f"node{i}-home"))
+        home = tmp_path / "cli-home"
+        write_connection(home, "deployment", f"127.0.0.1:{port}")
+        out = tmp_path / "runs" / "flower"
+        done = flwr_run(procs, home, "deployment", f"config='data=\"{data}\" rank=2 rounds=1 seed=11' out='{out}' round-timeout=300.0")
+        check_against_local(out, cfg, done)
+
+
+def test_simulation_superlink(tmp_path, env):
+    cfg = config_lib.build(EXP.config_type, FIELDS)
+    port = free_port()
+    with Processes(tmp_path, env) as procs:
+        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        home = tmp_path / "cli-home"
+        write_connection(home, "simulation", f"127.0.0.1:{port}")
+        out = tmp_path / "runs" / "flower"
+        pairs = " ".join(f"{k}={v}" for k, v in FIELDS.items())
+        done = flwr_run(procs, home, "simulation", f"config='{pairs}' out='{out}'", "--federation-config", "num-supernodes=3 client-resources-num-cpus=1")
+        check_against_local(out, cfg, done)

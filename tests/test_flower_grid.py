@@ -1,0 +1,153 @@
+"""The Flower runtime on an in-process Grid: discovery, gather, verification, faults (no Ray)."""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+
+from fedpers import config as config_lib
+from fedpers.data.files import save_altmin_npz
+from fedpers.experiments import EXPERIMENTS
+from fedpers.privacy import Privatizer
+from fedpers.results import read_run
+from fedpers.runner import Runtime, RuntimeOptions, execute, split_seed
+from fedpers.runtime.driver import RoundFailed
+from fedpers.runtime.flower import codec, make_client_app, run_flower
+from fedpers.runtime.flower.partition import unit_ranges
+from fedpers.runtime.local import run_local
+from tests.flower_support import InProcessGrid, faulty_client_app
+
+EXP = EXPERIMENTS["altmin"]
+SMALL = dict(n_users=80, dim=5, rank=2, samples_per_user=8, rounds=2, epsilon=4.0, seed=3)
+
+
+def setup(**overrides):
+    """(public config, protocol, noise seed); calibration is cached, it dominates these tests."""
+    return _setup(tuple(sorted(overrides.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(overrides):
+    cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, {**SMALL, **dict(overrides)}))
+    return cfg, EXP.protocol(cfg), noise_seed
+
+
+def options(**kw) -> RuntimeOptions:
+    return config_lib.build(RuntimeOptions, {"runtime": "flower", **kw})
+
+
+def local_run(cfg, protocol, noise_seed, keep=None):
+    units = EXP.units(cfg, torch.arange(EXP.num_units(cfg)))
+    if keep is not None:
+        units = {k: v[keep] for k, v in units.items()}
+    privatizer = Privatizer(noise_seed)
+    state, records = run_local(protocol, units, privatizer, progress=False)
+    return state, records, privatizer.ledger
+
+
+def flower_run(grid, cfg, protocol, noise_seed, **opts):
+    privatizer = Privatizer(noise_seed)
+    state, records = run_flower(EXP, cfg, protocol, privatizer, options(**opts), grid=grid, progress=False)
+    return state, records, privatizer.ledger
+
+
+def test_grid_run_equals_local_runtime():
+    cfg, protocol, seed = setup()
+    u_local, _, ledger_local = local_run(cfg, protocol, seed)
+    state, records, ledger = flower_run(InProcessGrid(make_client_app(), 5), cfg, protocol, seed)
+    torch.testing.assert_close(state["U"], u_local["U"], rtol=0, atol=1e-10)
+    assert ledger == ledger_local
+    assert [r.accepted for r in records] == [5] * protocol.num_rounds and not any(r.dropped for r in records)
+
+
+def test_faulty_clients_are_dropped_reported_and_spend_no_extra_privacy():
+    cfg, protocol, seed = setup()
+    faults = {1: "raise", 2: "nan", 3: "huge", 4: "overclaim"}
+    grid = InProcessGrid(faulty_client_app(faults), 8, silent={5})
+    state, records, ledger = flower_run(grid, cfg, protocol, seed, min_fraction=0.3, round_timeout=0.5)
+    expected = {"partition-1": "client error", "partition-2": "non-finite", "partition-3": "norm", "partition-4": "unit count", "partition-5": "no reply within"}
+    for record in records:
+        assert set(record.dropped) == set(expected)
+        for client, why in expected.items():
+            assert why in record.dropped[client], record.dropped[client]
+        assert record.accepted == 3
+    _, _, clean_ledger = local_run(cfg, protocol, seed)
+    assert ledger == clean_ledger
+    ranges = unit_ranges(EXP.num_units(cfg), 8)
+    honest = torch.cat([torch.arange(ranges[p].start, ranges[p].stop) for p in (0, 6, 7)])
+    u_honest, _, _ = local_run(cfg, protocol, seed, keep=honest)
+    torch.testing.assert_close(state["U"], u_honest["U"], rtol=0, atol=1e-10)
+
+
+def test_too_few_replies_stop_the_run_and_keep_the_rounds_so_far(tmp_path):
+    cfg = config_lib.build(EXP.config_type, SMALL)
+    grid = InProcessGrid(faulty_client_app({0: "raise", 1: "nan"}, from_round=1), 4)
+    with pytest.raises(RoundFailed, match="round 1: 2 of 4 clients"):
+        execute(EXP, cfg, options(min_fraction=0.75), out=tmp_path / "run", progress=False, grid=grid)
+    run = read_run(tmp_path / "run")
+    assert run["error"]["rounds_completed"] == 1 and "RoundFailed" in run["error"]["error"]
+    assert [r["round"] for r in run["rounds"]] == [0]
+    assert [r["name"] for r in json.loads(run["ledger_text"])] == ["init.W"]
+
+
+def test_clients_never_see_the_noise_seed():
+    user_cfg = config_lib.build(EXP.config_type, SMALL)
+    cfg, protocol, noise_seed = setup()
+    grid = InProcessGrid(make_client_app(), 3)
+    flower_run(grid, cfg, protocol, noise_seed)
+    sent = [json.loads(m.content[codec.JOB][codec.CONFIG]) for m in grid.sent]
+    assert sent and all(c["seed"] == cfg.seed != user_cfg.seed for c in sent)
+    text = " ".join(str(m.content) for m in grid.sent)
+    assert str(noise_seed) not in text and f"\"seed\": {user_cfg.seed}," not in text
+
+
+def test_missing_partition_is_dropped_each_round():
+    cfg, protocol, seed = setup()
+    grid = InProcessGrid(make_client_app(), 4)
+    del grid.contexts[list(grid.contexts)[2]]
+    _, records, _ = flower_run(grid, cfg, protocol, seed, min_fraction=0.7, round_timeout=0.3)
+    assert all("no node holds" in r.dropped["partition-2"] and r.accepted == 3 for r in records)
+
+
+def test_two_nodes_claiming_one_partition_is_refused():
+    cfg, protocol, seed = setup()
+    with pytest.raises(ValueError, match="partition-id: nodes .* both claim partition 0"):
+        flower_run(InProcessGrid(make_client_app(), 3, duplicate=True), cfg, protocol, seed)
+
+
+def test_nodes_read_their_users_from_a_data_file(tmp_path):
+    full = EXP.units(setup()[0], torch.arange(60))
+    from fedpers.experiments.altmin import truth
+
+    path = tmp_path / "users.npz"
+    save_altmin_npz(path, x=full["x"], y=full["y"], u_star=truth(setup()[0]))
+    node_copy = tmp_path / "node-copy.npz"
+    shutil.copy(path, node_copy)
+    cfg, protocol, seed = setup(data=str(path))
+    u_local, _, _ = local_run(cfg, protocol, seed)
+    grid = InProcessGrid(make_client_app(), 3, extra={codec.DATA_FILE: str(node_copy)})
+    state, _, _ = flower_run(grid, cfg, protocol, seed)
+    torch.testing.assert_close(state["U"], u_local["U"], rtol=0, atol=1e-10)
+
+
+def test_a_node_with_other_data_is_refused_as_a_protocol_mismatch(tmp_path):
+    cfg, protocol, seed = setup()
+    other = EXP.units(setup(seed=9)[0], torch.arange(40))
+    path = tmp_path / "other.npz"
+    from fedpers.experiments.altmin import truth
+
+    save_altmin_npz(path, x=other["x"], y=other["y"], u_star=truth(cfg))
+    grid = InProcessGrid(make_client_app(), 2, extra={codec.DATA_FILE: str(path)})
+    with pytest.raises(RoundFailed, match="protocol mismatch"):
+        flower_run(grid, cfg, protocol, seed)
+
+
+def test_flower_runtime_refuses_a_bad_split_before_starting():
+    cfg, protocol, seed = setup()
+    with pytest.raises(ValueError, match="users_per_node=30 with 80 units needs nodes=3"):
+        run_flower(EXP, cfg, protocol, Privatizer(seed), options(nodes=4, users_per_node=30), progress=False)
+    with pytest.raises(ValueError, match="runtime must be flower"):
+        execute(EXP, config_lib.build(EXP.config_type, SMALL), RuntimeOptions(runtime=Runtime.LOCAL), write=False, grid=object())
