@@ -24,7 +24,7 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
         )
     eps = ledger_epsilon(ledger, delta, acc)
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
-    level = "prompt-level" if "prompt" in neighbours else "user-level"
+    level = next((f"{unit}-level" for unit in ("prompt", "example", "column") if unit in neighbours), "user-level")
     lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc.value} accountant, {neighbours} neighbours"]
     if len(ledger.groups()) > 1:
         lines.append(f"  (parallel composition over {len(ledger.groups())} disjoint groups; worst group reported)")

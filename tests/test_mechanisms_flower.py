@@ -1,30 +1,54 @@
-"""Each mechanism runs under --runtime flower with the local runtime's result for one seed.
+"""Each mechanism under the Flower runtime gives the local runtime's result, ledger and state for one seed.
 
-Skipped until the Flower runtime (branch ``flower``) is merged: it provides
-``fedpers.runtime.flower.run_flower``, which ``runner.execute`` uses for Runtime.FLOWER.
+Default: Flower's ClientApp/ServerApp logic on an in-process Grid of 3 nodes, each building
+only its own units (no Ray). Slow: ``--runtime flower`` proper, Flower's simulation engine
+on a Ray head.
 """
 import pytest
+import torch
 
-pytest.importorskip("fedpers.runtime.flower")
-
-from fedpers import config  # noqa: E402
-from fedpers.experiments import EXPERIMENTS  # noqa: E402
-from fedpers.runner import Runtime, RuntimeOptions, execute  # noqa: E402
+from fedpers import config
+from fedpers.experiments import EXPERIMENTS
+from fedpers.runner import Runtime, RuntimeOptions, execute
+from fedpers.runtime.flower import make_client_app
+from tests.flower_support import InProcessGrid
+from tests.test_flower_simulation import options, ray_address  # noqa: F401 - the module's Ray head fixture
 
 CASES = {
     "expmech": ({"n_users": 600, "net_width": 0.4, "epsilon": 50.0, "seed": 1}, ["subspace_error", "excess_risk"]),
     "noisygd": ({"examples": 600, "feature_dim": 30, "steps": 3, "collapse": "offset", "remedy": "center", "dtype": "float64", "seed": 1}, ["accuracy"]),
+    "noisygd-pca": ({"examples": 600, "feature_dim": 30, "steps": 3, "collapse": "random", "remedy": "pca", "dtype": "float64", "seed": 1}, ["accuracy"]),
     "dpattention": ({"columns": 3000, "seed": 1}, ["attention_error", "dp_claimed"]),
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_flower_matches_local(name):
-    values, keys = CASES[name]
-    exp = EXPERIMENTS[name]
-    cfg = config.build(exp.config_type, values)
-    local = execute(exp, cfg, RuntimeOptions(), write=False, progress=False)
-    flower = execute(exp, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), write=False, progress=False)
+def assert_same(local: dict, flower: dict, keys: list[str], tmp_path) -> None:
+    assert flower["runtime"] == "flower"
     for key in keys:
         assert flower[key] == pytest.approx(local[key], rel=1e-6, abs=1e-9), key
-    assert flower["epsilon"] == pytest.approx(local["epsilon"])
+    assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
+    for k, v in local["_state"].items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            torch.testing.assert_close(flower["_state"][k], v, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flower_grid_matches_local(case, tmp_path):
+    values, keys = CASES[case]
+    exp = EXPERIMENTS[case.split("-")[0]]
+    cfg = config.build(exp.config_type, values)
+    local = execute(exp, cfg, out=tmp_path / "local", progress=False)
+    grid = InProcessGrid(make_client_app(), 3)
+    flower = execute(exp, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=grid)
+    assert_same(local, flower, keys, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dpattention", "expmech", "noisygd"])
+def test_flower_simulation_matches_local(case, ray_address, tmp_path):  # noqa: F811
+    values, keys = CASES[case]
+    exp = EXPERIMENTS[case]
+    cfg = config.build(exp.config_type, values)
+    local = execute(exp, cfg, out=tmp_path / "local", progress=False)
+    flower = execute(exp, cfg, options(ray_address, nodes=3), out=tmp_path / "flower", progress=False)
+    assert_same(local, flower, keys, tmp_path)

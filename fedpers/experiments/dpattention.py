@@ -123,7 +123,7 @@ class DpAttentionExperiment(Experiment):
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": "pld (the (ε, δ) stated by Theorem 3.1)",
-            "neighbouring": f"one column moved by at most β = {cfg.beta:g}",
+            "neighbouring": f"β-close column (one column moved by at most β = {cfg.beta:g})",
             "dp_claimed": claimed,
             "mechanism": "DPCovariance: B = (1/k) Σ g gᵀ, g ~ N(0, A)",
             "k": p.k, "Delta": p.Delta, "sensitivity_2_alpha_beta_sqrt_n_over_eta": p.sensitivity, "rho": p.rho,

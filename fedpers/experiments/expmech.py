@@ -15,13 +15,13 @@ import torch
 from fedpers import memory, metrics
 from fedpers.config import field
 from fedpers.experiments import altmin
-from fedpers.experiments.base import Experiment, derived_seed
+from fedpers.experiments.base import derived_seed
 from fedpers.privacy import Ledger, PureDpEvent, ledger_epsilon
 from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
 
 Tensor = torch.Tensor
 MAX_NET_GRID = 50_000_000
-WORKING_ELEMENTS = 1 << 20
+WORKING_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)

@@ -173,10 +173,10 @@ def user_scores(candidates: Tensor, x: Tensor, y: Tensor, feature_clip: float, m
     f = (x @ candidates.to(x.dtype).permute(1, 0, 2).reshape(d, q * k)).reshape(u, h, q, k)
     yc = linalg.clip_scalar(y, label_clip)
     c = (yc * yc).mean(1, keepdim=True)
-    if k == 1:  # closed form: v = clamp(b/g, −C, C)
-        f = linalg.clip_scalar(f[..., 0], feature_clip)
-        g = (f * f).mean(1)
-        b = (f * yc.unsqueeze(-1)).mean(1)
+    if k == 1:  # closed form: v = clamp(b/g, −C, C); in place, this is the hot loop of a φ-net run
+        f = f[..., 0].clamp_(-feature_clip, feature_clip)
+        b = torch.bmm(yc.unsqueeze(1), f).squeeze(1) / h
+        g = f.mul_(f).sum(1) / h
         v = torch.where(g > 0, b / torch.where(g > 0, g, torch.ones_like(g)), torch.zeros_like(g)).clamp(-model_bound, model_bound)
         return g * v * v - 2 * b * v + c
     f = linalg.clip_vectors(f, feature_clip)
@@ -203,7 +203,7 @@ class ExpMechProtocol(Protocol):
     num_candidates: int = 1000
     candidate_seed: int = 0
     dtype_name: str = "float64"
-    block_elements: int = 1 << 20
+    block_elements: int = 1 << 22
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     name = "expmech"
@@ -271,7 +271,7 @@ class ExpMechProtocol(Protocol):
         total = torch.zeros(q, dtype=self.dtype, device=x.device)
         if n == 0:
             return Message({"scores": total}, 0)
-        per_candidate = max(1, n * self.half * self.rank * max(self.rank, self.dim))
+        per_candidate = max(1, n * self.half * self.rank)  # the (users, h, block, k) projections dominate
         block = max(1, self.block_elements // per_candidate)
         for start in range(0, q, block):
             s = user_scores(cands[start : start + block].to(x.device), x, y, self.feature_clip, self.model_bound, self.label_clip)
