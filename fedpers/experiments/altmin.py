@@ -196,6 +196,8 @@ class AltMinEvaluator(Evaluator):
 
 
 class AltMinExperiment(Experiment):
+    """User-level private alternating minimisation with private initialisation (SPEC §1, Algorithms 1–3)."""
+
     name = "altmin"
     config_type = AltMinConfig
 

@@ -251,12 +251,15 @@ def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]
     """One row of metrics per repetition; every repetition computed in the same tensor operations."""
     if repetitions < 1:
         raise ValueError(f"repetitions must be >= 1; got {repetitions}")
+    from fedpers.runner import split_seed
+
+    cfg, noise_seed = split_seed(cfg)  # like a run: data from the public seed, noise from a secret one
     r = resolve(cfg)
     engine = "direct" if cfg.attack_c > 0 else engine_for(cfg, r)
     if cfg.attack_c > 0 and cfg.unit is Unit.USER:
         raise ValueError("the robustness attack is implemented at the prompt level (unit=prompt)")
     stats = statistics(cfg, repetitions, engine)
-    privatizer = Privatizer(derived_seed(cfg.seed, "dp-noise"))
+    privatizer = Privatizer(noise_seed)
     gamma0 = torch.tensor(initial_gamma(cfg, r) or [0.0] * (r.D * r.D), dtype=torch.float64)
     out: dict[str, Tensor] = {}
     if engine == "direct":
@@ -269,7 +272,7 @@ def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]
         for name, g in (("test_mse", gamma), ("ridge_test_mse", st.gstar), ("gd_test_mse", gd)):
             out[name] = _quad(st.S, g) - 2 * (st.s * g).sum(-1) + st.m
         if cfg.attack_c > 0:
-            out.update(_robustness(cfg, r, st, gamma, gamma0))
+            out.update(_robustness(cfg, r, st, gamma, gamma0, noise_seed))
     else:
         sp: SpectralStats = stats
         v = noisy_gd_spectral(sp.e, sp.c, sp.v0, r, privatizer)
@@ -293,7 +296,7 @@ def _gd_error_direct(st: DirectStats, gamma0: Tensor, r: Resolved) -> Tensor:
     return d
 
 
-def _robustness(cfg: NoisyHeadConfig, r: Resolved, st: DirectStats, gamma: Tensor, gamma0: Tensor) -> dict[str, Tensor]:
+def _robustness(cfg: NoisyHeadConfig, r: Resolved, st: DirectStats, gamma: Tensor, gamma0: Tensor, noise_seed: int) -> dict[str, Tensor]:
     """§6.3: the same repetitions with one prompt perturbed as in (5.1), for NoisyHead and the ridge."""
     alpha = cfg.attack_c * r.N**cfg.attack_p
     xb, yb = attack_prompt(st.x_att, st.y_att, cfg.attack_mu, alpha)
@@ -302,8 +305,8 @@ def _robustness(cfg: NoisyHeadConfig, r: Resolved, st: DirectStats, gamma: Tenso
     outer = lambda u: u.unsqueeze(-1) * u.unsqueeze(-2)  # noqa: E731
     At_bad = st.At - outer(st.zt_att) + outer(ztb)
     bt_bad = st.bt + st.yqt_att.unsqueeze(-1) * (ztb - st.zt_att)
-    stream = "dp-noise" if cfg.attack_noise is AttackNoise.SHARED else "dp-noise-attacked"
-    gamma_bad = noisy_gd_direct(At_bad, bt_bad, gamma0, r, Privatizer(derived_seed(cfg.seed, stream)))
+    seed = noise_seed if cfg.attack_noise is AttackNoise.SHARED else derived_seed(noise_seed, "attacked")
+    gamma_bad = noisy_gd_direct(At_bad, bt_bad, gamma0, r, Privatizer(seed))
     K = r.D * r.D
     eye = torch.eye(K, dtype=torch.float64)
     M_i = st.A - outer(st.z_att) + cfg.ridge_scaling.factor * r.lam * r.N * eye
