@@ -56,10 +56,6 @@ class AltMinProtocol(Protocol):
     name = "altmin"
 
     @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)
-
-    @property
     def num_rounds(self) -> int:
         return self.rounds + 1
 

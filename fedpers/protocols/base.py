@@ -126,4 +126,5 @@ class Protocol(abc.ABC):
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.float64
+        """Dtype of the statistics: a protocol's ``dtype_name`` field, float64 by default."""
+        return getattr(torch, getattr(self, "dtype_name", "float64"))

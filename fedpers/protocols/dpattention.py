@@ -49,10 +49,6 @@ class DpAttentionProtocol(Protocol):
     name = "dpattention"
 
     @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)
-
-    @property
     def num_rounds(self) -> int:
         return 1
 

@@ -209,10 +209,6 @@ class ExpMechProtocol(Protocol):
     name = "expmech"
 
     @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)
-
-    @property
     def num_rounds(self) -> int:
         return 1
 

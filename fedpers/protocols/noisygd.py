@@ -75,10 +75,6 @@ class NoisyGDProtocol(Protocol):
     name = "noisygd"
 
     @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)
-
-    @property
     def remedy_rounds(self) -> int:
         return 0 if self.remedy is Remedy.NONE else 1
 
