@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fedpers import linalg, metrics
-from fedpers.config import field
+from fedpers.config import check_device_and_dtype, field
 from fedpers.data import synthetic
 from fedpers.data.files import load_altmin_npz
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
@@ -50,12 +50,7 @@ class AltMinConfig:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         if self.cohorts is Cohorts.DISJOINT and self.n_users < self.rounds:
             raise ValueError(f"n_users must be >= rounds={self.rounds} for disjoint cohorts; got {self.n_users}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda[:i]; got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but no CUDA device is available")
-        if self.dtype not in ("float64", "float32"):
-            raise ValueError(f"dtype must be float64 or float32; got {self.dtype!r}")
+        check_device_and_dtype(self.device, self.dtype)
 
 
 @lru_cache(maxsize=4)

@@ -8,7 +8,7 @@ from typing import Any
 import dp_accounting
 import torch
 
-from fedpers.config import field
+from fedpers.config import check_device_and_dtype, field
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
@@ -50,12 +50,7 @@ class NoisyGDConfig:
             raise ValueError(f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}")
         if self.examples < self.classes:
             raise ValueError(f"examples must be >= classes={self.classes}; got {self.examples}")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be float32 or float64; got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be cpu or cuda[:i]; got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but no CUDA device is available")
+        check_device_and_dtype(self.device, self.dtype)
 
 
 def feature_bound(cfg: NoisyGDConfig) -> float:
