@@ -26,11 +26,53 @@ def clip_factor(norms: Tensor, bound: float) -> Tensor:
     return torch.where(norms > bound, bound / norms.clamp_min(torch.finfo(norms.dtype).tiny), torch.ones_like(norms))
 
 
+def pow2_scale(x: Tensor, dims: int = 1) -> Tensor:
+    """A power of two per leading index with max|x|/scale in [1, 2): dividing by it is exact.
+
+    1 where the block is zero or non-finite (a non-finite block stays non-finite, for the
+    per-unit rule of :func:`fedpers.protocols.base.client_message` to catch).
+    """
+    peak = x.flatten(start_dim=x.dim() - dims).abs().amax(-1) if x.numel() else x.new_zeros(x.shape[: x.dim() - dims])
+    _, exponent = torch.frexp(peak)
+    scale = torch.ldexp(torch.ones_like(peak), exponent - 1)  # ≤ peak, so representable
+    return torch.where((peak > 0) & torch.isfinite(peak), scale, torch.ones_like(peak))
+
+
+def directions(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(x/||x||, log||x||) over the last dim without overflow or underflow, for any finite x.
+
+    Zero vectors give (0, −inf). ``log||x||`` is float64 so products of norms can be formed
+    as sums of logs (see :func:`clipped_magnitude`) whatever the working dtype.
+    """
+    scale = pow2_scale(x)
+    scaled = x / scale.unsqueeze(-1)
+    norm = torch.linalg.vector_norm(scaled, dim=-1)
+    unit = scaled / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
+    return unit, norm.double().log() + scale.double().log()
+
+
+def clipped_magnitude(log_norm: Tensor, bound: float) -> Tensor:
+    """min(exp(log_norm), bound) in float64: the norm of a vector after clipping it to ``bound``,
+    given its log-norm (−inf for zero). A clip factor times a norm never overflows this way."""
+    return log_norm.clamp(max=math.log(bound)).exp() if math.isfinite(bound) else log_norm.exp()
+
+
 def clip_vectors(x: Tensor, bound: float, dims: int = 1) -> Tensor:
-    """Clip each vector (or matrix, ``dims`` trailing dims, Frobenius norm) to norm ``bound``."""
-    flat = x.flatten(start_dim=x.dim() - dims)
-    factor = clip_factor(torch.linalg.vector_norm(flat, dim=-1), bound)
-    return x * factor.reshape(factor.shape + (1,) * dims)
+    """Clip each vector (or matrix, ``dims`` trailing dims, Frobenius norm) to norm ``bound``.
+
+    Norms are taken after an exact power-of-two scaling, so a huge finite x is clipped to
+    norm ``bound`` (not to 0 or NaN by an overflowing norm); otherwise bit-for-bit
+    x·min(1, bound/||x||).
+    """
+    if math.isinf(bound):
+        return x
+    lead = x.shape[: x.dim() - dims]
+    flat = x.reshape(*lead, -1)
+    scale = pow2_scale(flat)
+    scaled = flat / scale.unsqueeze(-1)
+    norm = torch.linalg.vector_norm(scaled, dim=-1)
+    factor = torch.where(norm * scale > bound, bound / norm.clamp_min(torch.finfo(norm.dtype).tiny), scale)
+    return (scaled * factor.unsqueeze(-1)).reshape(x.shape)
 
 
 def clip_scalar(y: Tensor, bound: float) -> Tensor:
@@ -55,6 +97,8 @@ def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tens
 
     features (..., m, k), targets (..., m) -> (..., k). The ridge is only for numerical
     safety; it is scaled by the mean diagonal of the Gram matrix so it is unit-free.
+    A problem with non-finite entries gets a NaN solution (never an exception), so the
+    per-unit rule can set that unit aside.
     """
     gram = features.transpose(-1, -2) @ features
     k = gram.shape[-1]
@@ -62,6 +106,10 @@ def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tens
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
     gram = gram + (ridge * scale).unsqueeze(-1) * eye
     rhs = (features.transpose(-1, -2) @ targets.unsqueeze(-1)).squeeze(-1)
+    bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(rhs).all(-1))
+    if bool(bad.any()):
+        gram = torch.where(bad[..., None, None], eye, gram)
+        rhs = torch.where(bad[..., None], torch.full_like(rhs, math.nan), rhs)
     chol, info = torch.linalg.cholesky_ex(gram)
     if bool((info == 0).all()):
         return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)

@@ -232,7 +232,7 @@ class AltMinExperiment(Experiment):
             "eta_formula": "c_η √(dk)", "zeta_formula": "c_ζ √(k + σ_F²)",
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_init": protocol.noise_std(protocol.init_bound),
-            "noise_std_A": protocol.noise_std(protocol.a_bound),
+            "noise_std_A": protocol.noise_std(protocol.a_bound, protocol.a_sensitivity),
             "noise_std_b": protocol.noise_std(protocol.b_bound),
             "psd_method": protocol.psd.value,
         }

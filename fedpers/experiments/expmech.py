@@ -186,7 +186,8 @@ class ExpMechExperiment(altmin.AltMinExperiment):
             "neighbouring": "replace-one user",
             "mechanism": "exponential (Gumbel-max)",
             "sensitivity": protocol.sensitivity,
-            "sensitivity_formula": "4ξL_fC, ξ = 2(L_fC + ζ)",
+            "sensitivity_formula": "ζ² (each user's score lies in [0, ζ²])",
+            "paper_sensitivity": protocol.paper_sensitivity,
         }
 
     def plot_keys(self) -> tuple[str, ...]:
@@ -197,8 +198,8 @@ class ExpMechExperiment(altmin.AltMinExperiment):
             "candidates": protocol.candidate_count, "candidate_kind": protocol.candidate_kind.value,
             "net_width": protocol.net_width if protocol.candidate_kind is CandidateKind.NET else None,
             "L_f": protocol.feature_clip, "C": protocol.model_bound, "zeta": protocol.label_clip,
-            "xi": protocol.xi, "sensitivity": protocol.sensitivity,
-            "selection": "P(U) ∝ exp(−ε·score(U)/(2Δ)), Δ = 4ξL_fC",
+            "xi": protocol.xi, "sensitivity": protocol.sensitivity, "paper_sensitivity": protocol.paper_sensitivity,
+            "selection": "P(U) ∝ exp(−ε·score(U)/(2Δ)), Δ = ζ² (the paper's 4ξL_fC is looser and misses label changes)",
         }
 
     def plan(self, cfg: ExpMechConfig) -> list[str]:

@@ -40,7 +40,13 @@ class EpsilonDeltaDpEvent(dp_accounting.DpEvent):
 
 @dataclass(frozen=True)
 class Release:
-    """One noisy release. ``units`` is ``"all"`` or the label of a disjoint group (e.g. ``"cohort:3"``)."""
+    """One noisy release. ``units`` is ``"all"`` or the label of a disjoint group (e.g. ``"cohort:3"``).
+
+    ``sensitivity`` is the replace-one L2 sensitivity (2 × ``per_unit_bound`` in general,
+    √2 × for a sum of PSD per-unit matrices). ``params`` holds the public inputs the bound was
+    computed from (clip constants, the bound's formula, the cohort permutation's digest), so
+    a reader can recompute every sensitivity from the configuration alone.
+    """
 
     round: int
     name: str
@@ -50,10 +56,12 @@ class Release:
     noise_std: float
     units: str
     event: dp_accounting.DpEvent
+    params: dict[str, Any] = dataclasses.field(default_factory=dict, compare=True)
 
     @property
     def noise_multiplier(self) -> float:
-        """σ / per-unit bound (dp-accounting's convention); ∞ for a pure-ε mechanism."""
+        """2σ / sensitivity (dp-accounting's convention; σ / per-unit bound unless the bound is
+        tightened, e.g. for PSD units); ∞ for a pure-ε mechanism."""
         if isinstance(self.event, dp_accounting.GaussianDpEvent):
             return self.event.noise_multiplier
         return math.inf
@@ -65,7 +73,7 @@ class Release:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Release":
-        return Release(**{**d, "event": event_from_dict(d["event"])})
+        return Release(**{**d, "event": event_from_dict(d["event"]), "params": dict(d.get("params", {}))})
 
 
 def event_to_dict(event: dp_accounting.DpEvent) -> dict[str, Any]:

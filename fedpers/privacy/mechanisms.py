@@ -5,9 +5,16 @@ see its seed) and the ledger. Every method validates its arguments, draws the no
 and appends one :class:`~fedpers.privacy.ledger.Release` before returning the release.
 
 Conventions: ``per_unit_bound`` is the norm bound (L2, Frobenius for matrices) of one
-unit's contribution to the sum; neighbours are replace-one, so the L2 sensitivity is
-``2 * per_unit_bound``; ``noise_multiplier`` is ``noise_std / per_unit_bound``
-(dp-accounting's convention) and ``noise_std`` is σ itself.
+unit's contribution to the sum; neighbours are replace-one, so the L2 sensitivity Δ is
+``2 * per_unit_bound`` — or ``√2 * per_unit_bound`` when every unit's contribution is a PSD
+matrix (``psd_units=True``; proof at :meth:`Privatizer.symmetric_gaussian_sum`).
+``noise_multiplier`` z is dp-accounting's convention for replace-one Gaussians: the
+release is ``GaussianDpEvent(z)`` (privacy loss μ = 2/z) and ``noise_std`` σ = z·Δ/2, which
+is z·per_unit_bound in the general case.
+
+Every noise draw meets its value in :meth:`Privatizer._perturb` (Gaussian releases),
+:meth:`Privatizer._select` (exponential mechanism) or :meth:`Privatizer._sample_covariance`;
+the privacy tests override these to observe the exact pre-noise value of each release.
 
 The generators are torch's (not cryptographic): fine for simulation, not for deployment
 against a real adversary.
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import dp_accounting
 import numpy as np
@@ -154,21 +161,31 @@ class Privatizer:
         if not noise_multiplier >= 0 or math.isinf(noise_multiplier):
             raise ValueError(f"release {name!r}: noise_multiplier must be in [0, inf), got {noise_multiplier}")
 
-    def _record(self, round: int, name: str, mechanism: str, bound: float, z: float, units: str) -> float:
-        noise_std = z * bound if z > 0 else 0.0
+    def _record(
+        self, round: int, name: str, mechanism: str, bound: float, z: float, units: str,
+        sensitivity: float | None = None, params: dict[str, Any] | None = None,
+    ) -> Release:
+        sensitivity = 2.0 * float(bound) if sensitivity is None else float(sensitivity)
+        noise_std = z * sensitivity / 2 if z > 0 else 0.0
         event = dp_accounting.GaussianDpEvent(z) if z > 0 else dp_accounting.NonPrivateDpEvent()
-        self.ledger.append(Release(round, name, mechanism, float(bound), 2.0 * float(bound), float(noise_std), units, event))
-        return noise_std
+        release = Release(round, name, mechanism, float(bound), sensitivity, float(noise_std), units, event, dict(params or {}))
+        self.ledger.append(release)
+        return release
+
+    def _perturb(self, release: Release, value: Tensor, noise: Callable[[], Tensor]) -> Tensor:
+        """The one place a Gaussian release's value meets its noise: value + σ·noise()."""
+        if release.noise_std == 0:
+            return value.clone()
+        return value + release.noise_std * noise()
 
     def gaussian_sum(
-        self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int, units: str = ALL_UNITS
+        self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int,
+        units: str = ALL_UNITS, params: dict[str, Any] | None = None,
     ) -> Tensor:
         """Sum of clipped unit contributions + N(0, (z·bound)² I)."""
         self._check(value, per_unit_bound, noise_multiplier, name)
-        std = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units)
-        if std == 0:
-            return value.clone()
-        return value + std * self._normal(tuple(value.shape), value)
+        release = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units, params=params)
+        return self._perturb(release, value, lambda: self._normal(tuple(value.shape), value))
 
     def gaussian_sum_batched(
         self, values: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int, units: str = ALL_UNITS
@@ -184,30 +201,39 @@ class Privatizer:
         if values.dim() < 1 or values.shape[0] < 1:
             raise ValueError(f"release {name!r}: expected a leading repetition dimension, got shape {tuple(values.shape)}")
         self._check(values, per_unit_bound, noise_multiplier, name)
-        std = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units)
-        if std == 0:
-            return values.clone()
-        return values + std * self._normal(tuple(values.shape), values)
+        release = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units)
+        return self._perturb(release, values, lambda: self._normal(tuple(values.shape), values))
 
     def symmetric_gaussian_sum(
-        self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int, units: str = ALL_UNITS
+        self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int,
+        units: str = ALL_UNITS, psd_units: bool = False, params: dict[str, Any] | None = None,
     ) -> Tensor:
         """Symmetric matrix sum + N_sym: upper triangle (with diagonal) i.i.d. N(0, σ²), mirrored.
 
-        The upper triangle of a symmetric difference has norm ≤ its Frobenius norm, so the
-        Frobenius sensitivity bounds the Gaussian mechanism on the triangle.
+        The upper triangle of a symmetric difference D has norm ≤ ||D||_F, so the Frobenius
+        sensitivity bounds the Gaussian mechanism on the triangle. In general
+        ||A_j − A'_j||_F ≤ 2B for per-unit contributions of Frobenius norm ≤ B.
+
+        ``psd_units``: every unit's contribution is positive semi-definite. Then
+        ||A_j − A'_j||_F² = ||A_j||² + ||A'_j||² − 2 tr(A_j A'_j) ≤ 2B², because the trace of a
+        product of two PSD matrices is ≥ 0 (tr(A A') = ||A^{1/2} A'^{1/2}||_F²). So Δ = √2·B,
+        reached by A_j = B·e₁e₁ᵀ, A'_j = B·e₂e₂ᵀ (then the triangle's norm is √2·B too).
         """
         if value.dim() != 2 or value.shape[0] != value.shape[1]:
             raise ValueError(f"release {name!r}: expected a square matrix, got shape {tuple(value.shape)}")
         self._check(value, per_unit_bound, noise_multiplier, name)
-        std = self._record(round, name, "symmetric_gaussian", per_unit_bound, noise_multiplier, units)
-        if std == 0:
-            return value.clone()
-        z = torch.triu(self._normal(tuple(value.shape), value))
-        return value + std * (z + torch.triu(z, diagonal=1).transpose(0, 1))
+        sensitivity = (math.sqrt(2.0) if psd_units else 2.0) * float(per_unit_bound)
+        release = self._record(round, name, "symmetric_gaussian", per_unit_bound, noise_multiplier, units, sensitivity, params)
+
+        def noise() -> Tensor:
+            z = torch.triu(self._normal(tuple(value.shape), value))
+            return z + torch.triu(z, diagonal=1).transpose(0, 1)
+
+        return self._perturb(release, value, noise)
 
     def exponential(
-        self, scores: Tensor, *, sensitivity: float, epsilon: float, name: str, round: int, units: str = ALL_UNITS
+        self, scores: Tensor, *, sensitivity: float, epsilon: float, name: str, round: int,
+        units: str = ALL_UNITS, params: dict[str, Any] | None = None,
     ) -> int:
         """Index drawn with P(i) ∝ exp(−ε·score_i/(2Δ)) (low score is good), by Gumbel-max.
 
@@ -221,15 +247,21 @@ class Privatizer:
             raise ValueError(f"release {name!r}: epsilon must be > 0, got {epsilon}")
         if not (sensitivity > 0 and math.isfinite(sensitivity)):
             raise ValueError(f"release {name!r}: sensitivity must be finite and > 0, got {sensitivity}")
-        self.ledger.append(
-            Release(round, name, "exponential", sensitivity / 2, sensitivity, 0.0, units, PureDpEvent(float(epsilon)))
-        )
-        if math.isinf(epsilon):
-            return int(torch.argmin(scores))
-        logits = -epsilon * scores.double().cpu() / (2 * sensitivity)
-        u = torch.rand(scores.shape, generator=self.generator, dtype=torch.float64).clamp_min(1e-300)
-        gumbel = -torch.log(-torch.log(u))
-        return int(torch.argmax(logits + gumbel))
+        release = Release(round, name, "exponential", sensitivity / 2, sensitivity, 0.0, units, PureDpEvent(float(epsilon)), dict(params or {}))
+        self.ledger.append(release)
+
+        def sample() -> int:
+            if math.isinf(epsilon):
+                return int(torch.argmin(scores))
+            logits = -epsilon * scores.double().cpu() / (2 * sensitivity)
+            u = torch.rand(scores.shape, generator=self.generator, dtype=torch.float64).clamp_min(1e-300)
+            return int(torch.argmax(logits - torch.log(-torch.log(u))))
+
+        return self._select(release, scores, sample)
+
+    def _select(self, release: Release, scores: Tensor, sample: Callable[[], int]) -> int:
+        """The one place the exponential mechanism's scores meet its randomness."""
+        return sample()
 
     def dp_covariance(
         self, A: Tensor, *, params: DpCovarianceParams, name: str, round: int, units: str = ALL_UNITS
@@ -263,9 +295,21 @@ class Privatizer:
         conditions = dp_covariance_conditions(params, A)
         claimed = all(c.holds for c in conditions)
         event = EpsilonDeltaDpEvent(float(params.epsilon), float(params.delta)) if claimed else dp_accounting.NonPrivateDpEvent()
-        self.ledger.append(
-            Release(round, name, "dp_covariance", float(params.alpha**2), float(params.sensitivity), 0.0, units, event)
+        release = Release(
+            round, name, "dp_covariance", float(params.alpha**2), float(params.sensitivity), 0.0, units, event,
+            {"alpha": params.alpha, "beta": params.beta, "eta": params.eta, "rows": params.rows, "k": params.k,
+             "sensitivity_formula": "2αβ√n/η"},
         )
+        self.ledger.append(release)
+        B = self._sample_covariance(release, A, lambda: self._wishart_draw(A, params))
+        return CovarianceRelease(B.to(device=A.device, dtype=A.dtype), conditions, claimed)
+
+    def _sample_covariance(self, release: Release, A: Tensor, draw: Callable[[], Tensor]) -> Tensor:
+        """The one place DPCovariance's input meets its randomness."""
+        return draw()
+
+    def _wishart_draw(self, A: Tensor, params: DpCovarianceParams) -> Tensor:
+        n = params.rows
         vals, vecs = torch.linalg.eigh(A.double().cpu())
         S = vecs * vals.clamp_min(0).sqrt()
         k = int(params.k)
@@ -279,5 +323,4 @@ class Privatizer:
         else:
             Z = torch.randn((n, k), generator=self.generator, dtype=torch.float64)
             W = Z @ Z.transpose(0, 1)
-        B = linalg.sym(S @ (W / k) @ S.transpose(0, 1))
-        return CovarianceRelease(B.to(device=A.device, dtype=A.dtype), conditions, claimed)
+        return linalg.sym(S @ (W / k) @ S.transpose(0, 1))

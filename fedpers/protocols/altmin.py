@@ -8,6 +8,7 @@ solve for U. The final v_j solve on Q3∪Q4 is local (:meth:`AltMinProtocol.pers
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -77,9 +78,34 @@ class AltMinProtocol(Protocol):
     def b_bound(self) -> float:
         return self.quarter * self.eta * self.zeta
 
-    def noise_std(self, bound: float) -> float:
-        """σ = z · per-unit bound (0 when there is no noise, also for an unbounded statistic)."""
-        return self.noise_multiplier * bound if self.noise_multiplier > 0 else 0.0
+    @property
+    def a_sensitivity(self) -> float:
+        """√2·|Q2|η²: every A_j is PSD (see ``Privatizer.symmetric_gaussian_sum``)."""
+        return math.sqrt(2.0) * self.a_bound
+
+    def noise_std(self, bound: float, sensitivity: float | None = None) -> float:
+        """σ = z·Δ/2 with Δ = 2·bound unless given (0 without noise)."""
+        delta = 2 * bound if sensitivity is None else sensitivity
+        return self.noise_multiplier * delta / 2 if self.noise_multiplier > 0 else 0.0
+
+    def cohort_digest(self) -> str:
+        """SHA-256 of the public user permutation behind the disjoint cohorts (recorded per release)."""
+        g = torch.Generator().manual_seed(self.cohort_seed)
+        perm = torch.randperm(self.n_users, generator=g).numpy().astype("<i8")
+        return hashlib.sha256(perm.tobytes()).hexdigest()
+
+    def release_params(self, statistic: str) -> dict[str, Any]:
+        """Public inputs of a release's bound, written into the ledger."""
+        common = {"statistic": statistic, "pairs_or_Q2": self.quarter, "eta": self.eta, "zeta": self.zeta, "cohorts": self.cohorts.value}
+        if self.cohorts is Cohorts.DISJOINT and statistic != "W":
+            common["cohort_seed"] = self.cohort_seed
+            common["cohort_digest"] = self.cohort_digest()
+        formula = {
+            "W": "bound (m/4)·ζ², Δ = 2·bound",
+            "A": "bound |Q2|·η², Δ = √2·bound (PSD per user)",
+            "b": "bound |Q2|·η·ζ, Δ = 2·bound",
+        }[statistic]
+        return {**common, "formula": formula}
 
     def releases_per_user(self) -> int:
         """Gaussian releases that touch one user: init, plus (A, b) per round the user is in."""
@@ -110,6 +136,11 @@ class AltMinProtocol(Protocol):
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 
+    def units_in_round(self, round: int, units: Units) -> int:
+        if round == 0 or self.cohorts is Cohorts.ALL:
+            return int(units["ids"].shape[0])
+        return int((self.cohort_of(units["ids"]) == round).sum())
+
     def initial_state(self) -> dict[str, Tensor]:
         return {}
 
@@ -138,27 +169,32 @@ class AltMinProtocol(Protocol):
         z, group = self.noise_multiplier, self.group(round)
         if round == 0:
             M = privatizer.symmetric_gaussian_sum(
-                summed.stats["W"], per_unit_bound=self.init_bound, noise_multiplier=z, name="init.W", round=0, units=group
+                summed.stats["W"], per_unit_bound=self.init_bound, noise_multiplier=z, name="init.W", round=0, units=group,
+                params=self.release_params("W"),
             )
             return {"U": linalg.top_eigenvectors(M, self.rank)}, {"noise_std_W": self.noise_std(self.init_bound)}
         A = privatizer.symmetric_gaussian_sum(
-            summed.stats["A"], per_unit_bound=self.a_bound, noise_multiplier=z, name=f"round{round}.A", round=round, units=group
+            summed.stats["A"], per_unit_bound=self.a_bound, noise_multiplier=z, name=f"round{round}.A", round=round, units=group,
+            psd_units=True, params=self.release_params("A"),
         )
         b = privatizer.gaussian_sum(
-            summed.stats["b"], per_unit_bound=self.b_bound, noise_multiplier=z, name=f"round{round}.b", round=round, units=group
+            summed.stats["b"], per_unit_bound=self.b_bound, noise_multiplier=z, name=f"round{round}.b", round=round, units=group,
+            params=self.release_params("b"),
         )
-        U, info = self.solve_subspace(A, b, noise_std_a=self.noise_std(self.a_bound))
+        U, info = self.solve_subspace(A, b, noise_std_a=self.noise_std(self.a_bound, self.a_sensitivity))
         return {"U": U}, info
 
     # ----- the math ------------------------------------------------------------------
     def init_statistic(self, x: Tensor, y: Tensor) -> Tensor:
-        """Σ_users Σ_pairs sym(x_a x_bᵀ/(|x_a||x_b|) clip(y_a) clip(y_b)) over the second half (Algorithm 3)."""
+        """Σ_users Σ_pairs sym(x̂_a x̂_bᵀ clip(y_a) clip(y_b)) over the second half (Algorithm 3).
+
+        x̂ = x/||x|| (0 for x = 0) is formed without overflow, so each pair's term has
+        Frobenius norm ≤ ζ² for every finite input.
+        """
         q = self.quarter
-        xa, xb = x[:, 2 * q :: 2], x[:, 2 * q + 1 :: 2]
-        ya, yb = linalg.clip_scalar(y[:, 2 * q :: 2], self.zeta), linalg.clip_scalar(y[:, 2 * q + 1 :: 2], self.zeta)
-        na, nb = torch.linalg.vector_norm(xa, dim=-1), torch.linalg.vector_norm(xb, dim=-1)
-        denom = na * nb
-        coef = torch.where(denom > 0, ya * yb / denom.clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(denom))
+        xa, _ = linalg.directions(x[:, 2 * q :: 2])
+        xb, _ = linalg.directions(x[:, 2 * q + 1 :: 2])
+        coef = linalg.clip_scalar(y[:, 2 * q :: 2], self.zeta) * linalg.clip_scalar(y[:, 2 * q + 1 :: 2], self.zeta)
         d = x.shape[-1]
         w = (xa * coef.unsqueeze(-1)).reshape(-1, d).transpose(0, 1) @ xb.reshape(-1, d)
         return linalg.sym(w)
@@ -168,19 +204,27 @@ class AltMinProtocol(Protocol):
         return linalg.batched_ridge_solve(x @ U, y, LOCAL_RIDGE)
 
     def round_statistics(self, U: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """Σ_j A_j and Σ_j b_j (Algorithm 2) in Kronecker form: A_j = (v_j v_jᵀ) ⊗ Σ_i c_ij² x_ij x_ijᵀ."""
+        """Σ_j A_j and Σ_j b_j (Algorithm 2) in Kronecker form, stable for every finite input.
+
+        With w_ij = clip(v_j ⊗ x_ij; η) = m_ij (v̂_j ⊗ x̂_ij), m_ij = min(||v_j||·||x_ij||, η):
+        A_j = (v̂_j v̂_jᵀ) ⊗ Σ_i m_ij² x̂_ij x̂_ijᵀ and b_j = v̂_j ⊗ Σ_i clip(y_ij; ζ) m_ij x̂_ij.
+        ||v_j|| is folded into m_ij through logs, and v_j is solved on Q1 scaled by powers of
+        two (exact), so no intermediate overflows: ||A_j||_F ≤ |Q2|η², ||b_j|| ≤ |Q2|ηζ.
+        """
         q, d, k = self.quarter, self.dim, self.rank
         if x.shape[0] == 0:
             return torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device), torch.zeros(d * k, dtype=x.dtype, device=x.device)
-        v = self.local_solve(U, x[:, :q], y[:, :q])
-        x2, y2 = x[:, q : 2 * q], y[:, q : 2 * q]
-        scale = torch.linalg.vector_norm(x2, dim=-1) * torch.linalg.vector_norm(v, dim=-1, keepdim=True)
-        c = linalg.clip_factor(scale, self.eta)
-        xc = x2 * c.unsqueeze(-1)
-        S = xc.transpose(1, 2) @ xc
-        A = linalg.kron_vvT_sum(v, S)
-        t = (xc * linalg.clip_scalar(y2, self.zeta).unsqueeze(-1)).sum(1)
-        b = (v.transpose(0, 1) @ t).reshape(d * k)
+        x1, y1 = x[:, :q], y[:, :q]
+        sx, sy = linalg.pow2_scale(x1, 2), linalg.pow2_scale(y1, 1)
+        v = self.local_solve(U, x1 / sx[:, None, None], y1 / sy[:, None])  # v_j · sx/sy
+        v_hat, log_v = linalg.directions(v)
+        log_v = log_v + sy.double().log() - sx.double().log()
+        x_hat, log_x = linalg.directions(x[:, q : 2 * q])
+        m = linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, self.eta).to(x.dtype)
+        xc = x_hat * m.unsqueeze(-1)
+        A = linalg.kron_vvT_sum(v_hat, xc.transpose(1, 2) @ xc)
+        t = (xc * linalg.clip_scalar(y[:, q : 2 * q], self.zeta).unsqueeze(-1)).sum(1)
+        b = (v_hat.transpose(0, 1) @ t).reshape(d * k)
         return A, b
 
     def solve_subspace(self, A: Tensor, b: Tensor, noise_std_a: float) -> tuple[Tensor, dict[str, float]]:

@@ -35,15 +35,23 @@ class StatSpec:
 
 @dataclass
 class Message:
-    """What a client sends: statistics summed over its units, and how many units contributed."""
+    """What a client sends: statistics summed over its units, and how many units contributed.
+
+    ``zeroed`` counts units of ``count`` whose contribution was non-finite and so entered as
+    zero (:func:`client_message`); a diagnostic for the operator, not a private release.
+    """
 
     stats: dict[str, Tensor]
     count: int
+    zeroed: int = 0
 
     def __add__(self, other: "Message") -> "Message":
         if set(self.stats) != set(other.stats):
             raise ValueError(f"cannot add messages with statistics {sorted(self.stats)} and {sorted(other.stats)}")
-        return Message({k: self.stats[k] + other.stats[k] for k in self.stats}, self.count + other.count)
+        return Message({k: self.stats[k] + other.stats[k] for k in self.stats}, self.count + other.count, self.zeroed + other.zeroed)
+
+    def is_finite(self) -> bool:
+        return all(bool(torch.isfinite(v).all()) for v in self.stats.values())
 
 
 @dataclass
@@ -67,6 +75,8 @@ def verify_message(message: Message, specs: tuple[StatSpec, ...], max_units: int
     count = message.count
     if not isinstance(count, int) or count < 0 or count > max_units:
         return Verdict(False, f"unit count {count!r} outside [0, {max_units}]")
+    if not isinstance(message.zeroed, int) or not 0 <= message.zeroed <= count:
+        return Verdict(False, f"zeroed unit count {message.zeroed!r} outside [0, {count}]")
     norms: dict[str, float] = {}
     for spec in specs:
         value = message.stats[spec.name]
@@ -88,6 +98,34 @@ def verify_message(message: Message, specs: tuple[StatSpec, ...], max_units: int
 
 def zero_message(specs: tuple[StatSpec, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Message:
     return Message({s.name: torch.zeros(s.shape, dtype=dtype, device=device) for s in specs}, 0)
+
+
+def client_message(protocol: "Protocol", round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+    """``protocol.client_update`` under the per-unit rule: a unit whose contribution is
+    non-finite (or whose numerics fail) enters the sum as zero and is counted in ``zeroed``.
+
+    No data can make a client fail, so a neighbour can never turn a completed run into an
+    aborted one, and a bad unit never takes its node's other units with it. Protocols
+    compute their statistics in forms that stay finite and bounded for every finite input;
+    this catches what is left (data that is not finite in the working dtype, e.g. 1e39 in
+    float32). The halving search costs O(bad units × log units) extra calls and only runs
+    when a sum is non-finite.
+    """
+    try:
+        message = protocol.client_update(round, broadcast, units)
+        if message.is_finite():
+            return message
+    except torch.linalg.LinAlgError:
+        pass
+    n = int(units["ids"].shape[0])
+    if n <= 1:
+        zero = zero_message(protocol.stat_specs(round), protocol.dtype, units["ids"].device)
+        count = protocol.units_in_round(round, units)
+        return Message(zero.stats, count, count)
+    half = n // 2
+    first = {k: v[:half] for k, v in units.items()}
+    second = {k: v[half:] for k, v in units.items()}
+    return client_message(protocol, round, broadcast, first) + client_message(protocol, round, broadcast, second)
 
 
 class Protocol(abc.ABC):
@@ -123,6 +161,10 @@ class Protocol(abc.ABC):
     def unit_keys(self) -> tuple[str, ...]:
         """Names of the per-unit tensors ``client_update`` reads (besides ``ids``)."""
         return ()
+
+    def units_in_round(self, round: int, units: Units) -> int:
+        """How many of ``units`` take part in ``round`` (the ``count`` their message carries)."""
+        return int(units["ids"].shape[0])
 
     @property
     def dtype(self) -> torch.dtype:

@@ -166,20 +166,24 @@ def constrained_solution(gram: Tensor, b: Tensor, bound: float) -> Tensor:
 def user_scores(candidates: Tensor, x: Tensor, y: Tensor, feature_clip: float, model_bound: float, label_clip: float) -> Tensor:
     """Per-(user, candidate) constrained minimum mean loss, (users, Q).
 
-    x (users, h, d), y (users, h): the samples the score uses; candidates (Q, d, k).
+    x (users, h, d), y (users, h): the samples the score uses; candidates (Q, d, k). Each x is
+    scaled by an exact power of two s before the projection and the clip is applied as
+    f'·min(s, L_f/||f'||) (f = s·f'), so a huge finite x gives a clipped, finite feature.
     """
     u, h, d = x.shape
     q, _, k = candidates.shape
-    f = (x @ candidates.to(x.dtype).permute(1, 0, 2).reshape(d, q * k)).reshape(u, h, q, k)
+    scale = linalg.pow2_scale(x)
+    f = ((x / scale.unsqueeze(-1)) @ candidates.to(x.dtype).permute(1, 0, 2).reshape(d, q * k)).reshape(u, h, q, k)
     yc = linalg.clip_scalar(y, label_clip)
     c = (yc * yc).mean(1, keepdim=True)
     if k == 1:  # closed form: v = clamp(b/g, −C, C); in place, this is the hot loop of a φ-net run
-        f = f[..., 0].clamp_(-feature_clip, feature_clip)
+        f = f[..., 0].mul_(scale.unsqueeze(-1)).clamp_(-feature_clip, feature_clip)
         b = torch.bmm(yc.unsqueeze(1), f).squeeze(1) / h
         g = f.mul_(f).sum(1) / h
         v = torch.where(g > 0, b / torch.where(g > 0, g, torch.ones_like(g)), torch.zeros_like(g)).clamp(-model_bound, model_bound)
         return g * v * v - 2 * b * v + c
-    f = linalg.clip_vectors(f, feature_clip)
+    norm = torch.linalg.vector_norm(f, dim=-1, keepdim=True)
+    f = f * torch.minimum(scale[..., None, None], feature_clip / norm.clamp_min(torch.finfo(f.dtype).tiny))
     gram = torch.einsum("uhqk,uhql->uqkl", f, f) / h
     b = torch.einsum("uhqk,uh->uqk", f, yc) / h
     return constrained_least_squares_loss(gram, b, c, model_bound)
@@ -223,14 +227,27 @@ class ExpMechProtocol(Protocol):
         return 2 * (self.feature_clip * self.model_bound + self.label_clip)
 
     @property
-    def sensitivity(self) -> float:
-        """Replace-one change of any candidate's score: 4ξL_fC (SPEC §1)."""
+    def paper_sensitivity(self) -> float:
+        """4ξL_fC, the paper's (and SPEC §1's) bound; reported, not used (see :attr:`sensitivity`)."""
         return 4 * self.xi * self.feature_clip * self.model_bound
 
     @property
+    def sensitivity(self) -> float:
+        """Replace-one change of any candidate's score: ζ².
+
+        A user's score is min_{||v|| ≤ C} of a mean of (<f, v> − ỹ)², so it lies in
+        [0, mean ỹ²] ⊂ [0, ζ²] (v = 0 is feasible); replacing one user moves any candidate's
+        sum by at most ζ². Reached: a user with x = 0 and y = ±ζ (score ζ²) against one with
+        y = 0 (score 0). The paper's 4ξL_fC does not cover a change of the labels: with those
+        two users the change is ζ², above 4ξL_fC whenever ζ > 8.9·L_fC; and where 4ξL_fC is
+        valid it is ≥ ζ² (47× at the defaults).
+        """
+        return self.label_clip**2
+
+    @property
     def max_loss(self) -> float:
-        """Largest per-user score term: (L_fC + ζ)² (each term is a mean of such squares)."""
-        return (self.feature_clip * self.model_bound + self.label_clip) ** 2
+        """Largest per-user score term: ζ² (each user's score is clamped to [0, ζ²], where it lies)."""
+        return self.label_clip**2
 
     def candidates(self) -> Tensor:
         if "candidates" not in self._cache:
@@ -278,7 +295,10 @@ class ExpMechProtocol(Protocol):
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
     ) -> tuple[dict[str, Tensor], dict[str, float]]:
         scores = summed.stats["scores"]
-        index = privatizer.exponential(scores, sensitivity=self.sensitivity, epsilon=self.epsilon, name="select.U", round=round)
+        index = privatizer.exponential(
+            scores, sensitivity=self.sensitivity, epsilon=self.epsilon, name="select.U", round=round,
+            params={"statistic": "Σ_j score_j(U)", "zeta": self.label_clip, "formula": "score_j ∈ [0, ζ²], Δ = ζ²"},
+        )
         U = state["candidates"][index]
         diagnostics = {"candidates": float(scores.shape[0]), "sensitivity": self.sensitivity}
         return {"candidates": state["candidates"], "U": U, "index": torch.tensor(index)}, diagnostics

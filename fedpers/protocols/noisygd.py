@@ -14,6 +14,7 @@ transform is public and applies to test features too.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -48,11 +49,25 @@ def residuals(W: Tensor, x: Tensor, y: Tensor, loss: Loss) -> Tensor:
 
 
 def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Loss) -> tuple[Tensor, int]:
-    """Σ_i clip(r_i x_iᵀ; G) without forming per-example gradients (||r xᵀ||_F = ||r||·||x||); and how many were clipped."""
-    r = residuals(W, x, y, loss)
-    norms = torch.linalg.vector_norm(r, dim=-1) * torch.linalg.vector_norm(x, dim=-1)
-    c = linalg.clip_factor(norms, clip)
-    return (r * c.unsqueeze(-1)).transpose(0, 1) @ x, int((c < 1).sum())
+    """Σ_i clip(r_i x_iᵀ; G) without forming per-example gradients (||r xᵀ||_F = ||r||·||x||); and how many were clipped.
+
+    Each term is m_i r̂_i x̂_iᵀ with m_i = min(||r_i||·||x_i||, G) from log-norms, and x is
+    scaled per example by an exact power of two before W x, so every finite input gives a
+    finite term of norm ≤ G (an overflowing logit only saturates the softmax).
+    """
+    scale = linalg.pow2_scale(x)
+    t = (x / scale.unsqueeze(-1)) @ W.transpose(0, 1)
+    onehot = torch.nn.functional.one_hot(y, W.shape[0]).to(t.dtype)
+    if loss is Loss.CE:
+        shifted = (t - t.amax(-1, keepdim=True)) * scale.unsqueeze(-1)
+        r, log_scale = torch.softmax(shifted, dim=-1) - onehot, torch.zeros_like(scale, dtype=torch.float64)
+    else:
+        r, log_scale = t - onehot / scale.unsqueeze(-1), scale.double().log()
+    r_hat, log_r = linalg.directions(r)
+    x_hat, log_x = linalg.directions(x)
+    log_norm = log_r + log_scale + log_x
+    m = linalg.clipped_magnitude(log_norm, clip).to(x.dtype)
+    return (r_hat * m.unsqueeze(-1)).transpose(0, 1) @ x_hat, int((log_norm > math.log(clip)).sum())
 
 
 @dataclass(frozen=True)
@@ -90,8 +105,10 @@ class NoisyGDProtocol(Protocol):
         return self.noise_multiplier * self.grad_clip
 
     def remedy_noise_std(self) -> float:
-        bound = self.feature_bound**2 if self.remedy is Remedy.PCA else self.feature_bound
-        return self.remedy_noise_multiplier * bound
+        """σ = z·Δ/2: Δ = 2R for the mean, √2·R² for the PSD second moment."""
+        if self.remedy is Remedy.PCA:
+            return self.remedy_noise_multiplier * self.feature_bound**2 / math.sqrt(2.0)
+        return self.remedy_noise_multiplier * self.feature_bound
 
     # ----- feature transform (public once released) -----------------------------------------
     def transform(self, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
@@ -131,7 +148,7 @@ class NoisyGDProtocol(Protocol):
             xc = linalg.clip_vectors(x, self.feature_bound)
             if self.remedy is Remedy.CENTER:
                 return Message({"feature_sum": xc.sum(0)}, n)
-            return Message({"second_moment": linalg.sym(xc.transpose(0, 1) @ xc)}, n)
+            return Message({"second_moment": linalg.sym(xc.transpose(0, 1) @ xc)}, n)  # Σ x xᵀ: PSD per unit
         grad, _ = clipped_gradient_sum(broadcast["W"].to(self.dtype), self.transform(broadcast, x), y, self.grad_clip, self.loss)
         return Message({"grad": grad}, n)
 
@@ -144,12 +161,14 @@ class NoisyGDProtocol(Protocol):
                 total = privatizer.gaussian_sum(
                     summed.stats["feature_sum"], per_unit_bound=self.feature_bound,
                     noise_multiplier=self.remedy_noise_multiplier, name="remedy.mean", round=round,
+                    params={"statistic": "Σ x", "R": self.feature_bound, "formula": "bound R, Δ = 2·bound"},
                 )
                 new["mu"] = total / self.examples  # n is public under replace-one neighbours
                 return new, {"noise_std_mean": self.remedy_noise_std()}
             S = privatizer.symmetric_gaussian_sum(
                 summed.stats["second_moment"], per_unit_bound=self.feature_bound**2,
-                noise_multiplier=self.remedy_noise_multiplier, name="remedy.pca", round=round,
+                noise_multiplier=self.remedy_noise_multiplier, name="remedy.pca", round=round, psd_units=True,
+                params={"statistic": "Σ x xᵀ", "R": self.feature_bound, "formula": "bound R², Δ = √2·bound (PSD per example)"},
             )
             new["P"] = linalg.top_eigenvectors(S.double(), self.classes - 1).to(self.dtype)
             return new, {"noise_std_second_moment": self.remedy_noise_std()}
@@ -157,6 +176,7 @@ class NoisyGDProtocol(Protocol):
         g = privatizer.gaussian_sum(
             summed.stats["grad"], per_unit_bound=self.grad_clip, noise_multiplier=self.noise_multiplier,
             name=f"step{step}.grad", round=round,
+            params={"statistic": "Σ clip(∇ℓ_i; G_c)", "G_c": self.grad_clip, "formula": "bound G_c, Δ = 2·bound"},
         )
         new["W"] = state["W"] - self.lr * g
         # Only post-processed (noisy) quantities in the diagnostics: they are written to disk.

@@ -123,14 +123,25 @@ def prompt_vectors(x: Tensor, y: Tensor, clip_c: float = math.inf, proj_g: float
     """(vec Z̃, ỹ) of prompts: x (..., L+1, D), y (..., L+1) -> (..., D²), (...).
 
     The last token is the query. ``clip_c = proj_g = inf`` gives the raw Z and y_{L+1}.
+    With a finite G, Z̃ = min(||s||·||x_q||, G)·(ŝ ⊗ x̂_q) (||Z||_F = ||s||·||x_q|| for the
+    outer product Z = s x_qᵀ), formed from directions and log-norms so it is finite with
+    ||Z̃|| ≤ G for every finite input.
     """
     L = x.shape[-2] - 1
     if L < 1:
         raise ValueError(f"a prompt needs at least one context token and a query; got {x.shape[-2]} tokens")
     yc = linalg.clip_scalar(y[..., :L], clip_c)
-    s = (yc.unsqueeze(-1) * x[..., :L, :]).sum(-2) / L
-    z = (s.unsqueeze(-1) * x[..., L, :].unsqueeze(-2)).flatten(-2)
-    return linalg.clip_vectors(z, proj_g), linalg.clip_scalar(y[..., L], clip_c)
+    yq = linalg.clip_scalar(y[..., L], clip_c)
+    if math.isinf(proj_g):
+        s = (yc.unsqueeze(-1) * x[..., :L, :]).sum(-2) / L
+        return (s.unsqueeze(-1) * x[..., L, :].unsqueeze(-2)).flatten(-2), yq
+    context = x[..., :L, :]
+    scale = linalg.pow2_scale(context, 2)
+    s_hat, log_s = linalg.directions((yc.unsqueeze(-1) * (context / scale[..., None, None])).sum(-2) / L)
+    q_hat, log_q = linalg.directions(x[..., L, :])
+    size = linalg.clipped_magnitude(log_s + scale.double().log() + log_q, proj_g).to(x.dtype)
+    z = ((s_hat * size.unsqueeze(-1)).unsqueeze(-1) * q_hat.unsqueeze(-2)).flatten(-2)
+    return z, yq
 
 
 def unit_clip_factors(z: Tensor, yq: Tensor, a_bound: float, b_bound: float) -> tuple[Tensor, Tensor]:
@@ -289,8 +300,6 @@ class NoisyHeadProtocol(Protocol):
         expect = (self.prompts_per_unit, self.context + 1, self.dim)
         if x.dim() != 4 or tuple(x.shape[1:]) != expect or tuple(y.shape) != tuple(x.shape[:3]):
             raise ValueError(f"units: x must be (units, {expect[0]}, {expect[1]}, {expect[2]}) and y (units, P, L+1); got {tuple(x.shape)}, {tuple(y.shape)}")
-        linalg.require_finite(x, "x")
-        linalg.require_finite(y, "y")
         z, yq = prompt_vectors(x, y, self.clip_c, self.proj_g)
         if self.prompts_per_unit == 1 and self.unit_clip == 1:
             return z, yq, None, None  # ||z zᵀ|| = ||z||² ≤ G², |ỹ|·||z|| ≤ CG: the unit clip cannot act

@@ -39,6 +39,7 @@ class RoundRecord:
     accepted: int
     units: int
     dropped: dict[str, str] = field(default_factory=dict)
+    zeroed: int = 0
     diagnostics: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
@@ -49,6 +50,7 @@ class RoundRecord:
             "clients": self.clients,
             "clients_accepted": self.accepted,
             "units": self.units,
+            "units_zeroed": self.zeroed,
             "dropped": self.dropped,
             **self.diagnostics,
             **self.metrics,
@@ -87,7 +89,7 @@ def drive(
             if reply.message is None:
                 dropped[reply.client] = reply.error or "no reply"
                 continue
-            msg = Message({k: v.to(device=device) for k, v in reply.message.stats.items()}, reply.message.count)
+            msg = Message({k: v.to(device=device) for k, v in reply.message.stats.items()}, reply.message.count, reply.message.zeroed)
             verdict = verify_message(msg, specs, reply.max_units, protocol.dtype)
             if not verdict.accepted:
                 dropped[reply.client] = verdict.reason
@@ -100,7 +102,7 @@ def drive(
                 f"below min_fraction={min_fraction}; dropped: {dropped}"
             )
         state, diagnostics = protocol.server_update(r, state, total, privatizer)
-        record = RoundRecord(r, len(replies), accepted, total.count, dropped, dict(diagnostics))
+        record = RoundRecord(r, len(replies), accepted, total.count, dropped, total.zeroed, dict(diagnostics))
         record.seconds = time.perf_counter() - start
         if on_round is not None:
             on_round(record, state)

@@ -6,7 +6,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fedpers.privacy import Privatizer
-from fedpers.protocols.base import Protocol, Units
+from fedpers.protocols.base import Protocol, Units, client_message
 from fedpers.runtime.driver import ClientReply, RoundRecord, drive
 
 Tensor = torch.Tensor
@@ -38,7 +38,7 @@ def run_local(
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         message = None
         for start in range(0, n, chunk_size):
-            part = protocol.client_update(round, broadcast, slice_units(units, start, start + chunk_size))
+            part = client_message(protocol, round, broadcast, slice_units(units, start, start + chunk_size))
             message = part if message is None else message + part
         return [ClientReply("local", n, message)]
 

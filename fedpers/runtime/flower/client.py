@@ -20,7 +20,7 @@ from flwr.clientapp import ClientApp
 
 from fedpers import config as config_lib
 from fedpers.experiments.base import Experiment
-from fedpers.protocols.base import Protocol, Units
+from fedpers.protocols.base import Protocol, Units, client_message
 from fedpers.runtime.flower import codec
 
 UNIT_CACHE_BYTES = 1 << 30
@@ -103,7 +103,7 @@ def handle_train(message: FlowerMessage, context: Context) -> FlowerMessage:
     units = node_units(task.job, data_file, node, task.start, task.stop)
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
-    reply = node.protocol.client_update(task.round, broadcast, units)
+    reply = client_message(node.protocol, task.round, broadcast, units)
     return FlowerMessage(codec.encode_reply(reply, time.perf_counter() - start), reply_to=message)
 
 

@@ -40,6 +40,7 @@ UNIT_STOP = "unit-stop"
 # Keys inside the reply MetricRecord.
 UNITS = "units"
 SECONDS = "seconds"
+ZEROED = "zeroed"
 
 # Node-config keys (Flower's own partition keys, plus an optional data file per node).
 PARTITION_ID = "partition-id"
@@ -108,7 +109,8 @@ def decode_task(content: RecordDict) -> Task:
 
 
 def encode_reply(message: Message, seconds: float) -> RecordDict:
-    return RecordDict({STATS: _arrays(message.stats), COUNT: MetricRecord({UNITS: int(message.count), SECONDS: float(seconds)})})
+    counts = MetricRecord({UNITS: int(message.count), ZEROED: int(message.zeroed), SECONDS: float(seconds)})
+    return RecordDict({STATS: _arrays(message.stats), COUNT: counts})
 
 
 def decode_reply(content: RecordDict) -> Message:
@@ -118,15 +120,17 @@ def decode_reply(content: RecordDict) -> Message:
         count = content.metric_records[COUNT][UNITS]
     except (KeyError, TypeError) as e:
         raise MalformedReply(f"reply lacks {e}") from None
-    if isinstance(count, bool) or not isinstance(count, int):
-        raise MalformedReply(f"unit count must be an integer; got {count!r}")
+    zeroed = content.metric_records[COUNT].get(ZEROED, 0)
+    for name, value in ((UNITS, count), (ZEROED, zeroed)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise MalformedReply(f"{name} must be an integer; got {value!r}")
     stats: dict[str, Tensor] = {}
     for name, array in arrays.items():
         try:
             stats[name] = torch.from_numpy(np.array(array.numpy()))
         except Exception as e:  # noqa: BLE001 - any undecodable array is the client's fault
             raise MalformedReply(f"{name}: cannot decode array ({type(e).__name__}: {e})") from None
-    return Message(stats, count)
+    return Message(stats, count, zeroed)
 
 
 def encode_node(partition_id: int, num_partitions: int) -> RecordDict:

@@ -1,0 +1,182 @@
+"""No single unit can break the guarantee: worst-case neighbours through the real server path.
+
+For every algorithm, one unit is replaced by adversarial data (huge, overflowing, zero,
+aligned with U, alternating labels, in float32 and float64) and the whole run is driven
+again with the reference run's noisy outputs replayed (so every round sees the broadcast
+the server actually sent). Each release's pre-noise change must stay within the
+sensitivity its ledger entry records, only the unit's own releases may move, and the run
+must complete with the same releases (see ``tests/neighbours.py``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedpers import config
+from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments.base import derived_seed
+from fedpers.privacy import ALL_UNITS
+from fedpers.runtime.local import run_local
+from tests.neighbours import TapPrivatizer, adversaries, check_neighbour, run
+
+torch.set_num_threads(1)
+
+
+def setup(name: str, values: dict):
+    exp = EXPERIMENTS[name]
+    cfg = config.build(exp.config_type, values)
+    protocol = exp.protocol(cfg)
+    units = exp.units(cfg, torch.arange(exp.num_units(cfg)))
+    return cfg, protocol, {k: v.clone() for k, v in units.items()}
+
+
+def cohort_of_user(cfg, n: int, rounds: int, j: int) -> int:
+    """User j's cohort recomputed from the config alone (not from the protocol object)."""
+    g = torch.Generator().manual_seed(derived_seed(cfg.seed, "cohorts"))
+    perm = torch.randperm(n, generator=g)
+    position = int((perm == j).nonzero()[0, 0])
+    return position * rounds // n + 1
+
+
+def first_round_U(protocol, units) -> torch.Tensor:
+    """The first column of the U the server broadcasts in round 1."""
+    states = []
+    run_local(protocol, units, TapPrivatizer(3), chunk_size=7, progress=False, on_round=lambda rec, st: states.append(st))
+    return states[0]["U"][:, 0]
+
+
+# ----- AltMin ------------------------------------------------------------------------------
+ALTMIN = dict(n_users=40, dim=6, rank=2, samples_per_user=8, rounds=2, epsilon=2.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("cohorts", ["disjoint", "all"])
+def test_altmin_worst_case_neighbours(dtype, cohorts):
+    cfg, protocol, units = setup("altmin", {**ALTMIN, "dtype": dtype, "cohorts": cohorts})
+    aligned = first_round_U(protocol, units)
+    tol = 1e-5 if dtype == "float32" else 1e-9
+    for j in (0, 23):
+        groups = {ALL_UNITS}
+        if cohorts == "disjoint":
+            groups.add(f"cohort:{cohort_of_user(cfg, cfg.n_users, cfg.rounds, j)}")
+        x, y = units["x"][j], units["y"][j]
+        largest = 0.0
+        for label, new in adversaries(x, y, getattr(torch, dtype), aligned).items():
+            outcome = check_neighbour(protocol, units, j, new, groups, rel_tol=tol)
+            assert outcome.releases == 1 + 2 * cfg.rounds, label
+            largest = max([largest] + [c / r.sensitivity for r, c in outcome.changes])
+        assert largest > 0.25  # the adversaries did push some release a good part of its sensitivity
+
+
+def test_altmin_overflowing_unit_is_zeroed_and_counted():
+    cfg, protocol, units = setup("altmin", {**ALTMIN, "dtype": "float32", "cohorts": "all"})
+    units["x"][5] = units["x"][5].double() * 1e39  # not finite in float32
+    records = run(protocol, units, TapPrivatizer(0))[1]
+    assert [r.zeroed for r in records] == [1, 1, 1]
+    assert all(r.units == cfg.n_users for r in records)
+
+
+def test_one_bad_user_no_longer_aborts_the_run():
+    """The issue's reproduction: y × 1e20 in float32 used to raise RoundFailed (A: non-finite)."""
+    cfg, protocol, units = setup("altmin", dict(n_users=40, rounds=1, cohorts="all", dtype="float32"))
+    units["y"][3] *= 1e20
+    state, records = run(protocol, units, TapPrivatizer(0), chunk_size=4096)
+    assert torch.isfinite(state["U"]).all() and len(records) == 2
+    assert all(r.zeroed == 0 for r in records)  # clipped correctly, not dropped
+
+
+# ----- NoisyHead ------------------------------------------------------------------------------
+NOISYHEAD = dict(prompts=60, dim=3, context=6, steps=4, epsilon=2.0)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"mode": "statistics"},
+        {"mode": "rounds"},
+        {"mode": "statistics", "unit": "user", "prompts_per_user": 3, "user_clip": 0.5},
+        {"mode": "rounds", "unit": "user", "prompts_per_user": 3},
+    ],
+    ids=["prompt-statistics", "prompt-rounds", "user-statistics", "user-rounds"],
+)
+def test_noisyhead_worst_case_neighbours(values):
+    cfg, protocol, units = setup("noisyhead", {**NOISYHEAD, **values})
+    for j in (0, 11):
+        for label, new in adversaries(units["x"][j], units["y"][j], torch.float64).items():
+            outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS})
+            assert outcome.releases == protocol.steps, label
+
+
+# ----- NoisyGD ------------------------------------------------------------------------------
+NOISYGD = dict(examples=60, feature_dim=12, classes=3, steps=3, collapse="random", epsilon=2.0)
+
+
+@pytest.mark.parametrize("remedy", ["none", "center", "pca"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("loss", ["ce", "squared"])
+def test_noisygd_worst_case_neighbours(remedy, dtype, loss):
+    cfg, protocol, units = setup("noisygd", {**NOISYGD, "remedy": remedy, "dtype": dtype, "loss": loss})
+    tol = 1e-5 if dtype == "float32" else 1e-9
+    for j in (0, 31):
+        cases = adversaries(units["x"][j], None, getattr(torch, dtype))
+        cases["other label"] = {"y": (units["y"][j] + 1) % cfg.classes}
+        cases["huge x, other label"] = {**cases["huge x"], "y": (units["y"][j] + 1) % cfg.classes}
+        for label, new in cases.items():
+            outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS}, rel_tol=tol)
+            assert outcome.releases == protocol.num_rounds, label
+
+
+# ----- exponential mechanism -------------------------------------------------------------------
+def test_expmech_worst_case_neighbours():
+    cfg, protocol, units = setup("expmech", dict(n_users=30, net_width=0.6, epsilon=2.0))
+    U = protocol.candidates()[0, :, 0]
+    for j in (0, 17):
+        cases = adversaries(units["x"][j], units["y"][j], torch.float64, U.to(units["x"].dtype))
+        for label, new in cases.items():
+            outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS})
+            assert outcome.releases == 1, label
+
+
+def test_expmech_score_sensitivity_is_reached():
+    """ζ² (not the paper's 4ξL_fC) is the sensitivity: x = 0 with y = ±ζ against y = 0 reaches it."""
+    cfg, protocol, units = setup("expmech", dict(n_users=20, net_width=0.6, epsilon=2.0, clip_label=50.0))
+    zeta = protocol.label_clip
+    units["x"][4] = 0.0
+    units["y"][4] = 0.0
+    new = {"x": torch.zeros_like(units["x"][4]), "y": torch.full_like(units["y"][4], 10 * zeta)}
+    outcome = check_neighbour(protocol, units, 4, new, {ALL_UNITS})
+    (release, moved), = outcome.changes
+    assert moved == pytest.approx(zeta**2, rel=1e-9) and release.sensitivity == pytest.approx(zeta**2)
+    assert moved > protocol.paper_sensitivity  # ζ > 8.9·L_fC: the paper's 4ξL_fC would be broken
+
+
+# ----- DP attention ----------------------------------------------------------------------------
+def test_dpattention_neighbours_within_the_theorem_and_never_failing():
+    """β-neighbours (a column moved by β) keep ||A^{1/2}Ã⁻¹A^{1/2} − I||_F within the recorded 2αβ√n/η;
+    arbitrary replacements (outside the neighbour relation) still complete with the same release."""
+    cfg, protocol, units = setup("dpattention", dict(columns=3000, beta=1e-3, seed=1))
+    reference = TapPrivatizer(0)
+    run(protocol, units, reference, chunk_size=512)
+    (release, A), = reference.values
+    vals, vecs = torch.linalg.eigh(A.double())
+    assert float(vals.min()) >= protocol.params.eta  # the precondition the bound needs
+    root = (vecs * vals.sqrt()) @ vecs.T
+    j = 7
+    col = units["x"][j].double()
+    directions = [col / col.norm(), -col / col.norm(), vecs[:, 0], vecs[:, -1]]
+    for u in directions:
+        replayed = TapPrivatizer(0, replay=reference.outputs)
+        neighbour = {k: v.clone() for k, v in units.items()}
+        neighbour["x"][j] = (col + cfg.beta * u).to(neighbour["x"].dtype)
+        run(protocol, neighbour, replayed, chunk_size=512)
+        (_, A2), = replayed.values
+        gap = root @ torch.linalg.inv(A2.double()) @ root - torch.eye(A.shape[0], dtype=torch.float64)
+        assert float(torch.linalg.matrix_norm(gap)) <= release.sensitivity
+    for label, new in adversaries(units["x"][j], None, torch.float64).items():
+        fresh = TapPrivatizer(0)
+        neighbour = {k: v.clone() for k, v in units.items()}
+        neighbour["x"][j] = new["x"].to(neighbour["x"].dtype)
+        run(protocol, neighbour, fresh, chunk_size=512)
+        assert len(fresh.ledger) == 1, label
+        (_, A3), = fresh.values
+        assert float(torch.linalg.matrix_norm(A3.double() - A.double())) <= 2 * protocol.params.alpha**2 * (1 + 1e-9), label
