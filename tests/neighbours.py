@@ -22,7 +22,8 @@ Tensor = torch.Tensor
 
 
 class TapPrivatizer(Privatizer):
-    """Records (release, pre-noise value) per release; with ``replay`` returns those outputs instead of drawing."""
+    """Records (release, pre-noise value) per release; with ``replay`` returns those outputs
+    instead of drawing (a ``None`` entry, or a release past the list's end, draws afresh)."""
 
     def __init__(self, seed: int, replay: list[Any] | None = None) -> None:
         super().__init__(seed)
@@ -32,7 +33,8 @@ class TapPrivatizer(Privatizer):
 
     def _tap(self, release: Release, value: Any, produce: Callable[[], Any]) -> Any:
         self.values.append((release, value.detach().clone() if isinstance(value, Tensor) else value))
-        out = self.replay[len(self.outputs)] if self.replay is not None else produce()
+        i = len(self.outputs)
+        out = self.replay[i] if self.replay is not None and i < len(self.replay) and self.replay[i] is not None else produce()
         self.outputs.append(out)
         return out
 

@@ -180,3 +180,89 @@ def test_dpattention_neighbours_within_the_theorem_and_never_failing():
         assert len(fresh.ledger) == 1, label
         (_, A3), = fresh.values
         assert float(torch.linalg.matrix_norm(A3.double() - A.double())) <= 2 * protocol.params.alpha**2 * (1 + 1e-9), label
+
+
+# ----- bounds that are reached (so they cannot be tightened further) -------------------------------
+def reach_units(protocol, units, U: torch.Tensor, j: int, q2_direction: int, y_sign_q2: float = 1.0, y_sign_init: float = 1.0):
+    """User j's data that drives every clip: Q1 aligned with U's first column (v̂ = ±e₁), Q2 along a
+    coordinate axis with huge norm, labels far above ζ."""
+    m, d = units["x"].shape[1], units["x"].shape[2]
+    q = m // 4
+    x = torch.zeros(m, d, dtype=units["x"].dtype)
+    x[:q] = U[:, 0]
+    x[q : 2 * q, q2_direction] = 1e6
+    x[2 * q :, 0] = 1.0
+    y = torch.full((m,), 1e6, dtype=units["y"].dtype)
+    y[q : 2 * q] *= y_sign_q2
+    y[2 * q + 1 :: 2] *= y_sign_init
+    return {"x": x, "y": y}
+
+
+def test_altmin_sensitivities_are_reached_within_one_percent():
+    """A: √2·|Q2|η² (PSD units, orthogonal rank-one A_j); b: 2|Q2|ηζ; init W: 2(m/4)ζ² — each met by a worst-case pair."""
+    cfg, protocol, units = setup("altmin", {**ALTMIN, "cohorts": "all", "rounds": 1})
+    U = first_round_U(protocol, units).unsqueeze(-1)
+    j = 9
+    reach = {}
+    for label, (base, new) in {
+        "A": (dict(q2_direction=0), dict(q2_direction=1)),
+        "b": (dict(q2_direction=0), dict(q2_direction=0, y_sign_q2=-1.0)),
+        "W": (dict(q2_direction=0), dict(q2_direction=0, y_sign_init=-1.0)),
+    }.items():
+        start = {k: v.clone() for k, v in units.items()}
+        for k, v in reach_units(protocol, units, U, j, **base).items():
+            start[k][j] = v
+        outcome = check_neighbour(protocol, start, j, reach_units(protocol, units, U, j, **new), {ALL_UNITS})
+        reach.update({r.name: c / r.sensitivity for r, c in outcome.changes if r.name.endswith(label)})
+    assert protocol.a_sensitivity == pytest.approx(2**0.5 * protocol.a_bound)
+    assert reach["round1.A"] >= 0.99 and reach["round1.b"] >= 0.99 and reach["init.W"] >= 0.99, reach
+
+
+def test_pca_second_moment_sensitivity_is_reached():
+    cfg, protocol, units = setup("noisygd", {**NOISYGD, "remedy": "pca", "dtype": "float64"})
+    j = 4
+    big = torch.zeros_like(units["x"][j])
+    big[0] = 1e6
+    other = torch.zeros_like(big)
+    other[1] = 1e6
+    start = {k: v.clone() for k, v in units.items()}
+    start["x"][j] = big
+    outcome = check_neighbour(protocol, start, j, {"x": other}, {ALL_UNITS})
+    (release, moved), *_ = outcome.changes
+    assert release.name == "remedy.pca" and release.sensitivity == pytest.approx(2**0.5 * protocol.feature_bound**2)
+    assert moved >= 0.99 * release.sensitivity
+
+
+# ----- the empirical audit, through the full server path -----------------------------------------
+def test_audit_of_the_A_release_through_the_server_path():
+    """μ lower bound for round 1's A (noise z·√2·bound/2) on neighbours at exactly its sensitivity:
+    released by drive → server_update → Privatizer, 1000 runs per neighbour."""
+    from fedpers.privacy.audit import gdp_lower_bound
+
+    cfg, protocol, units = setup("altmin", {**ALTMIN, "n_users": 10, "cohorts": "all", "rounds": 1, "epsilon": 6.0})
+    U = first_round_U(protocol, units).unsqueeze(-1)
+    j = 2
+    d, d_prime = ({k: v.clone() for k, v in units.items()} for _ in range(2))
+    for data, direction in ((d, 0), (d_prime, 1)):
+        for k, v in reach_units(protocol, units, U, j, q2_direction=direction).items():
+            data[k][j] = v
+    init = TapPrivatizer(3)
+    run(protocol, d, init)
+    centres = {}
+    for name, data in (("d", d), ("d_prime", d_prime)):
+        tap = TapPrivatizer(3, replay=[init.outputs[0]])
+        run(protocol, data, tap)
+        centres[name] = tap.values[1][1]
+    seeds = iter(range(10**6))
+
+    def release(data):
+        def draw():
+            tap = TapPrivatizer(next(seeds), replay=[init.outputs[0]])
+            run(protocol, data, tap, chunk_size=64)
+            return tap.outputs[1]
+        return draw
+
+    lower = gdp_lower_bound(release(d), release(d_prime), centres["d"], centres["d_prime"], trials=1000)
+    claimed = 2.0 / protocol.noise_multiplier
+    print(f"audit: μ lower bound {lower:.3f}, claimed {claimed:.3f}")
+    assert 0.5 * claimed < lower <= claimed, (lower, claimed)

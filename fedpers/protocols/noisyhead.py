@@ -323,7 +323,11 @@ class NoisyHeadProtocol(Protocol):
 
     def noisy_step(self, t: int, gamma: Tensor, grad: Tensor, privatizer: Privatizer) -> tuple[Tensor, Tensor]:
         noisy = privatizer.gaussian_sum(
-            grad, per_unit_bound=self.grad_bound, noise_multiplier=self.noise_multiplier, name=f"step{t}", round=t
+            grad, per_unit_bound=self.grad_bound, noise_multiplier=self.noise_multiplier, name=f"step{t}", round=t,
+            params={
+                "statistic": f"Σ_{self.unit_name} gradient", "C": self.clip_c, "G": self.proj_g, "R": self.proj_r,
+                "P": self.prompts_per_unit, "rho": self.unit_clip, "formula": "bound ρP·G(C + RG), Δ = 2·bound",
+            },
         )
         return descend(gamma, noisy, self.prompts, self.ridge_lambda, self.step_size, self.proj_r), noisy
 

@@ -1,0 +1,99 @@
+"""Every release's bound and sensitivity recomputed from the configuration alone.
+
+The formulas below are written out from SPEC (and the tightenings the protocols prove),
+not taken from the protocol objects, so a wiring mistake — a statistic noised with another
+one's bound, a release attributed to the wrong group, a cohort permutation that is not the
+public one — disagrees with them.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+
+from fedpers import config
+from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments.base import derived_seed
+from fedpers.privacy import Ledger
+from fedpers.runner import execute
+
+
+def run_ledger(name: str, values: dict, tmp_path) -> tuple[object, Ledger, int]:
+    exp = EXPERIMENTS[name]
+    cfg = config.build(exp.config_type, values)
+    result = execute(exp, cfg, out=tmp_path / name, progress=False)
+    ledger = Ledger.from_json((tmp_path / name / "ledger.json").read_text())
+    return cfg, ledger, derived_seed(cfg.seed, "public")
+
+
+def check(ledger: Ledger, expected: dict[str, tuple[float, float, str]]) -> None:
+    assert [r.name for r in ledger] == list(expected)
+    zs = set()
+    for r in ledger:
+        bound, sensitivity, units = expected[r.name]
+        assert r.per_unit_bound == pytest.approx(bound, rel=1e-12), r.name
+        assert r.sensitivity == pytest.approx(sensitivity, rel=1e-12), r.name
+        assert r.units == units, r.name
+        if r.mechanism != "exponential":
+            zs.add(round(2 * r.noise_std / r.sensitivity, 9))
+            assert r.noise_multiplier == pytest.approx(2 * r.noise_std / r.sensitivity, rel=1e-9)
+    assert len(zs) <= 2  # one z per kind of release (NoisyGD's remedy has its own)
+
+
+@pytest.mark.parametrize("cohorts", ["disjoint", "all"])
+def test_altmin_ledger_from_config(cohorts, tmp_path):
+    values = dict(n_users=300, dim=6, rank=2, samples_per_user=12, rounds=3, noise_std=0.2, clip_model=0.9, clip_label=1.5, cohorts=cohorts)
+    cfg, ledger, public_seed = run_ledger("altmin", values, tmp_path)
+    d, k, q = cfg.dim, cfg.rank, cfg.samples_per_user // 4
+    eta, zeta = cfg.clip_model * math.sqrt(d * k), cfg.clip_label * math.sqrt(k + cfg.noise_std**2)
+    expected = {"init.W": (q * zeta**2, 2 * q * zeta**2, "all")}
+    for t in range(1, cfg.rounds + 1):
+        group = f"cohort:{t}" if cohorts == "disjoint" else "all"
+        expected[f"round{t}.A"] = (q * eta**2, math.sqrt(2) * q * eta**2, group)
+        expected[f"round{t}.b"] = (q * eta * zeta, 2 * q * eta * zeta, group)
+    check(ledger, expected)
+    if cohorts == "disjoint":
+        g = torch.Generator().manual_seed(derived_seed(public_seed, "cohorts"))
+        digest = hashlib.sha256(torch.randperm(cfg.n_users, generator=g).numpy().astype("<i8").tobytes()).hexdigest()
+        assert {r.params["cohort_digest"] for r in ledger if r.name != "init.W"} == {digest}
+    assert all(r.params["eta"] == pytest.approx(eta) and r.params["zeta"] == pytest.approx(zeta) for r in ledger)
+
+
+@pytest.mark.parametrize("unit", ["prompt", "user"])
+def test_noisyhead_ledger_from_config(unit, tmp_path):
+    values = dict(prompts=120, dim=3, context=8, steps=5, epsilon=1.0, unit=unit, test_prompts=20)
+    if unit == "user":
+        values.update(prompts_per_user=3, user_clip=0.5)
+    cfg, ledger, _ = run_ledger("noisyhead", values, tmp_path)
+    N, L, D, kappa, lam = cfg.prompts, cfg.context, cfg.dim, cfg.kappa, 5.0  # λ = 5: the low-dim regime
+    nu = 1 + cfg.label_noise**2
+    C = math.sqrt(2 * nu * math.log(N * L / kappa))
+    G = C / math.sqrt(L) * (1 + math.sqrt(math.log(N / kappa)) / D)
+    R = C**2 * math.sqrt(N / L) * (1 + math.sqrt(math.log(1 / kappa)) / D) / lam
+    scale = cfg.user_clip * cfg.prompts_per_user if unit == "user" else 1.0
+    bound = scale * G * (C + R * G)
+    check(ledger, {f"step{t}": (bound, 2 * bound, "all") for t in range(cfg.steps)})
+
+
+@pytest.mark.parametrize("remedy", ["none", "center", "pca"])
+def test_noisygd_ledger_from_config(remedy, tmp_path):
+    values = dict(examples=200, feature_dim=12, classes=3, steps=3, collapse="random", beta=0.1, remedy=remedy, test_examples=50)
+    cfg, ledger, _ = run_ledger("noisygd", values, tmp_path)
+    R = 1 + math.sqrt(cfg.feature_dim) * cfg.beta
+    expected = {}
+    if remedy == "center":
+        expected["remedy.mean"] = (R, 2 * R, "all")
+    if remedy == "pca":
+        expected["remedy.pca"] = (R**2, math.sqrt(2) * R**2, "all")
+    expected.update({f"step{t}.grad": (cfg.grad_clip, 2 * cfg.grad_clip, "all") for t in range(1, cfg.steps + 1)})
+    check(ledger, expected)
+
+
+def test_expmech_ledger_from_config(tmp_path):
+    cfg, ledger, _ = run_ledger("expmech", dict(n_users=200, net_width=0.6, clip_label=1.5), tmp_path)
+    zeta = cfg.clip_label * math.sqrt(cfg.rank + cfg.noise_std**2)
+    (release,) = ledger
+    assert release.name == "select.U" and release.sensitivity == pytest.approx(zeta**2) and release.units == "all"
+    assert release.event.epsilon == cfg.epsilon
