@@ -112,6 +112,7 @@ def adversaries(x: Tensor, y: Tensor | None, dtype: torch.dtype, aligned: Tensor
         "zero x": {"x": torch.zeros_like(x)},
         "overflowing x": {"x": x.double() * over},
         "huge x and y": {"x": x * huge},
+        "large x and y": {"x": x * 1e3},
     }
     if y is not None and y.is_floating_point():
         sign = torch.ones_like(y).flatten()
@@ -119,6 +120,7 @@ def adversaries(x: Tensor, y: Tensor | None, dtype: torch.dtype, aligned: Tensor
         out["huge y"] = {"y": y * huge}
         out["overflowing y"] = {"y": y.double() * over}
         out["huge x and y"]["y"] = y * huge
+        out["large x and y"]["y"] = y * 1e3  # large enough for every clip, small enough not to overflow
         out["alternating y"] = {"y": huge * sign.reshape(y.shape)}
         out["zero x, huge y"] = {"x": torch.zeros_like(x), "y": y * huge}
     if aligned is not None:

@@ -151,3 +151,23 @@ def test_flower_runtime_refuses_a_bad_split_before_starting():
         run_flower(EXP, cfg, protocol, Privatizer(seed), options(nodes=4, users_per_node=30), progress=False)
     with pytest.raises(ValueError, match="runtime must be flower"):
         execute(EXP, config_lib.build(EXP.config_type, SMALL), RuntimeOptions(runtime=Runtime.LOCAL), write=False, grid=object())
+
+
+def test_a_user_overflowing_float32_costs_its_node_nothing(tmp_path):
+    """The issue's 2.07×: one bad user used to get its whole node dropped (all its honest users
+    vanished from the sum). Now it enters as zero, on every node layout, at min-fraction 1."""
+    from fedpers.experiments.altmin import truth
+
+    full = EXP.units(setup()[0], torch.arange(60))
+    y = full["y"].clone()
+    y[17] = y[17] * 1e39  # finite in the float64 file, not finite in float32
+    path = tmp_path / "users.npz"
+    save_altmin_npz(path, x=full["x"], y=y, u_star=truth(setup()[0]))
+    cfg, protocol, seed = setup(data=str(path), dtype="float32", cohorts="all")
+    u_local, local_records, ledger_local = local_run(cfg, protocol, seed)
+    state, records, ledger = flower_run(InProcessGrid(make_client_app(), 3, extra={codec.DATA_FILE: str(path)}), cfg, protocol, seed)
+    torch.testing.assert_close(state["U"], u_local["U"], rtol=0, atol=1e-5)
+    assert ledger == ledger_local
+    for record in list(records) + list(local_records):
+        assert not record.dropped and record.units == 60
+        assert record.zeroed == (0 if record.round == 0 else 1)  # the init's label clip takes y = inf to ζ

@@ -1,0 +1,81 @@
+"""Plants each privacy wiring mistake in a scratch copy and shows which tests catch it.
+
+    python tests/mutation_check.py            # every mutation; exits 1 if one goes uncaught
+
+Not collected by pytest (it runs pytest itself, once per mutation, ~1 min each on 2 cores).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ALTMIN = "fedpers/protocols/altmin.py"
+TESTS = ["tests/test_privacy_e2e.py", "tests/test_ledger_params.py", "tests/test_altmin.py"]
+
+MUTATIONS: dict[str, tuple[str, str, str]] = {
+    "A clip removed": (
+        ALTMIN,
+        "A = linalg.kron_vvT_sum(v_hat, xc.transpose(1, 2) @ xc)",
+        "xa = x_hat * linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, math.inf).to(x.dtype).unsqueeze(-1)\n"
+        "        A = linalg.kron_vvT_sum(v_hat, xa.transpose(1, 2) @ xa)",
+    ),
+    "init label clip removed": (
+        ALTMIN,
+        "coef = linalg.clip_scalar(y[:, 2 * q :: 2], self.zeta) * linalg.clip_scalar(y[:, 2 * q + 1 :: 2], self.zeta)",
+        "coef = y[:, 2 * q :: 2] * y[:, 2 * q + 1 :: 2]",
+    ),
+    "b label clip removed": (
+        ALTMIN,
+        "t = (xc * linalg.clip_scalar(y[:, q : 2 * q], self.zeta).unsqueeze(-1)).sum(1)",
+        "t = (xc * y[:, q : 2 * q].unsqueeze(-1)).sum(1)",
+    ),
+    "A noised with b's bound": (
+        ALTMIN,
+        'summed.stats["A"], per_unit_bound=self.a_bound,',
+        'summed.stats["A"], per_unit_bound=self.b_bound,',
+    ),
+    "disjoint cohort filter removed": (
+        ALTMIN,
+        "            keep = self.cohort_of(ids) == round\n            x, y = x[keep], y[keep]\n",
+        "            keep = self.cohort_of(ids) == round\n",
+    ),
+}
+
+
+def failing_tests(tree: Path) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rf", *TESTS],
+        cwd=tree, env=env, capture_output=True, text=True,
+    ).stdout
+    return [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
+
+
+def main() -> int:
+    uncaught = []
+    for name, (path, old, new) in MUTATIONS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp) / "tree"
+            shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "*.egg-info"))
+            source = (tree / path).read_text()
+            if source.count(old) != 1:
+                raise SystemExit(f"{name}: the code to mutate is not found once in {path}")
+            (tree / path).write_text(source.replace(old, new))
+            failed = failing_tests(tree)
+        print(f"{name}: {len(failed)} failing test(s)")
+        for test in failed:
+            print(f"    {test}")
+        if not failed:
+            uncaught.append(name)
+    if uncaught:
+        print(f"NOT CAUGHT: {uncaught}")
+    return 1 if uncaught else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
