@@ -36,14 +36,17 @@ class RuntimeOptions:
     client_gpus: float = field(0.0, "GPU share per Flower client actor", ge=0.0)
     min_fraction: float = field(1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0)
     round_timeout: float = field(600.0, "seconds to wait for client replies in a round", gt=0.0)
+    secure_noise: bool = field(False, "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run")
 
 
 def split_seed(cfg: Any) -> tuple[Any, int]:
     """(config with the public seed, secret DP-noise seed), both derived from ``cfg.seed``.
 
     Everything a client may know (its data, the public cohort permutation) derives from
-    the public seed; the noise seed is a separate one-way derivation of the run seed, so a
-    client given the public config cannot recompute the server's noise.
+    the public seed; the noise seed is a separate derivation of the run seed. Whoever holds
+    the run seed (it is in ``config.json``) can recompute the noise, and a small run seed can
+    be found from the public one by trying seeds: for real users run with ``secure_noise``,
+    which uses no seed at all.
     """
     seed = getattr(cfg, "seed", 0)
     noise_seed = derived_seed(seed, "dp-noise")
@@ -79,7 +82,7 @@ def execute(
     evaluator = experiment.evaluator(cfg, protocol)
     run_dir = RunDirectory(out or default_run_dir(experiment.name, getattr(user_cfg, "seed", 0))) if write else None
     rounds: list[dict[str, Any]] = []
-    privatizer = Privatizer(noise_seed)
+    privatizer = Privatizer(noise_seed, secure=options.secure_noise)
     if run_dir is not None:
         run_dir.write_json("config.json", {"algorithm": experiment.name, **config_lib.to_dict(user_cfg), "runtime": config_lib.to_dict(options)})
         run_dir.write_json("constants.json", experiment.describe(cfg, protocol))

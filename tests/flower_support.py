@@ -22,14 +22,18 @@ from flwr.clientapp import ClientApp
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.client import handle_query, handle_train
 
-FAULTS = ("raise", "nan", "huge", "overclaim", "silent")
+FAULTS = ("raise", "nan", "huge", "overclaim", "silent", "replay", "asymmetric", "partition-count")
 """raise: the ClientApp raises; nan: a NaN statistic; huge: a statistic of norm 1e30;
-overclaim: claims 10⁹ units; silent: never replies (a timeout)."""
+overclaim: claims 10⁹ units; silent: never replies (a timeout); replay: sends its previous
+round's reply again; asymmetric: adds an antisymmetric part to a matrix statistic (norm
+within the bound); partition-count: claims its whole partition as units and inflates its
+statistics to match (a cohort holds fewer)."""
 
 
 def faulty_client_app(faults: Mapping[int, str], from_round: int = 0) -> ClientApp:
     """The fedpers ClientApp, with partition → fault mode applied from round ``from_round`` on."""
     faults = dict(faults)
+    previous: dict[int, RecordDict] = {}
     app = ClientApp()
     app.query()(handle_query)
 
@@ -43,7 +47,14 @@ def faulty_client_app(faults: Mapping[int, str], from_round: int = 0) -> ClientA
             raise RuntimeError("injected fault")
         if mode == "silent":
             time.sleep(float(os.environ.get("FEDPERS_TEST_SILENT_SECONDS", "3600")))
-        reply = codec.decode_reply(handle_train(message, context).content)
+        honest = handle_train(message, context).content
+        if mode == "replay":
+            pid = int(context.node_config[codec.PARTITION_ID])
+            stale = previous.get(pid, honest)
+            previous[pid] = honest
+            return FlowerMessage(stale, reply_to=message)
+        reply = codec.decode_reply(honest)
+        tag = honest.config_records[codec.TAG]
         first = sorted(reply.stats)[0]
         if mode == "nan":
             reply.stats[first] = reply.stats[first].clone().view(-1).index_fill(0, torch.tensor([0]), float("nan")).view_as(reply.stats[first])
@@ -51,7 +62,18 @@ def faulty_client_app(faults: Mapping[int, str], from_round: int = 0) -> ClientA
             reply.stats[first] = torch.full_like(reply.stats[first], 1e30 / reply.stats[first].numel() ** 0.5)
         elif mode == "overclaim":
             reply.count = 10**9
-        return FlowerMessage(codec.encode_reply(reply, 0.0), reply_to=message)
+        elif mode == "asymmetric":
+            name = next(k for k, v in sorted(reply.stats.items()) if v.dim() == 2)
+            S = reply.stats[name]
+            skew = torch.triu(torch.ones_like(S), diagonal=1)
+            reply.stats[name] = S + 1e-3 * float(S.abs().max()) * (skew - skew.T)
+        elif mode == "partition-count":
+            task = codec.decode_task(message.content)
+            claimed = task.stop - task.start
+            scale = claimed / max(reply.count, 1)
+            reply.stats = {k: v * scale for k, v in reply.stats.items()}
+            reply.count = claimed
+        return FlowerMessage(codec.encode_reply(reply, 0.0, tag[codec.ROUND], tag[codec.DIGEST_OF_BROADCAST]), reply_to=message)
 
     return app
 

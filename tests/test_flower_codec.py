@@ -14,14 +14,29 @@ from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.flower.runconfig import from_run_config, parse_pairs
 
+TAG = ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x"})
+
 
 def test_reply_round_trip_keeps_values_and_dtypes():
-    msg = Message({"A": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float32)}, 7)
-    back = codec.decode_reply(codec.encode_reply(msg, 0.5))
-    assert back.count == 7 and set(back.stats) == {"A", "b"}
+    msg = Message({"A": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float32)}, 7, 2)
+    back = codec.decode_reply(codec.encode_reply(msg, 0.5, 3, "d"), expect=(3, "d"))
+    assert back.count == 7 and back.zeroed == 2 and set(back.stats) == {"A", "b"}
     for k in msg.stats:
         assert back.stats[k].dtype == msg.stats[k].dtype
         torch.testing.assert_close(back.stats[k], msg.stats[k], rtol=0, atol=0)
+
+
+def test_a_reply_to_another_round_or_broadcast_is_refused():
+    broadcast = {"U": torch.eye(3, 2, dtype=torch.float64)}
+    digest = codec.broadcast_digest(2, broadcast)
+    assert digest != codec.broadcast_digest(1, broadcast)
+    assert digest != codec.broadcast_digest(2, {"U": torch.eye(3, 2, dtype=torch.float64) * 2})
+    content = codec.encode_reply(Message({"b": torch.zeros(2)}, 1), 0.0, 2, digest)
+    assert codec.decode_reply(content, expect=(2, digest)).count == 1
+    with pytest.raises(codec.MalformedReply, match="replayed or stale"):
+        codec.decode_reply(content, expect=(3, codec.broadcast_digest(3, broadcast)))
+    with pytest.raises(codec.MalformedReply, match="replayed or stale"):
+        codec.decode_reply(content, expect=(2, codec.broadcast_digest(2, {"U": torch.zeros(3, 2, dtype=torch.float64)})))
 
 
 def test_task_round_trip():
@@ -36,10 +51,11 @@ def test_task_round_trip():
     "content, match",
     [
         (RecordDict({}), "lacks"),
-        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: 2.0})}), "integer"),
-        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: [1, 2]})}), "integer"),
-        (RecordDict({codec.STATS: ConfigRecord({"A": "x"}), codec.COUNT: MetricRecord({codec.UNITS: 1})}), "lacks"),
-        (RecordDict({codec.STATS: ArrayRecord({"A": Array(dtype="float64", shape=(2,), stype="raw", data=b"12")}), codec.COUNT: MetricRecord({codec.UNITS: 1})}), "cannot decode"),
+        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: 2.0}), codec.TAG: TAG}), "integer"),
+        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: [1, 2]}), codec.TAG: TAG}), "integer"),
+        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: 1})}), "lacks"),
+        (RecordDict({codec.STATS: ConfigRecord({"A": "x"}), codec.COUNT: MetricRecord({codec.UNITS: 1}), codec.TAG: TAG}), "lacks"),
+        (RecordDict({codec.STATS: ArrayRecord({"A": Array(dtype="float64", shape=(2,), stype="raw", data=b"12")}), codec.COUNT: MetricRecord({codec.UNITS: 1}), codec.TAG: TAG}), "cannot decode"),
     ],
 )
 def test_malformed_replies_are_refused(content, match):
@@ -93,6 +109,8 @@ def test_run_config_builds_the_job(tmp_path):
     job = from_run_config({"algorithm": "altmin", "config": "rank=2 epsilon=inf", "config-file": str(toml), "out": "", "min-fraction": 0.5, "round-timeout": 30.0, "users-per-node": 0})
     assert (job.cfg.n_users, job.cfg.rank, job.cfg.epsilon) == (300, 2, math.inf)
     assert job.options.runtime.value == "flower" and job.options.min_fraction == 0.5 and job.out is None
+    assert job.options.secure_noise  # flwr run (a deployment) draws secure noise unless told otherwise
+    assert not from_run_config({"algorithm": "altmin", "secure-noise": False}).options.secure_noise
     with pytest.raises(ValueError, match="algorithm must be one of"):
         from_run_config({"algorithm": "nope"})
     with pytest.raises(ValueError, match="unknown AltMinConfig field"):

@@ -68,7 +68,7 @@ def test_deployment_superlink_three_supernodes_with_data_files(tmp_path, env):
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         out = tmp_path / "runs" / "flower"
-        done = flwr_run(procs, home, "deployment", f"config='data=\"{data}\" rank=2 rounds=1 seed=11' out='{out}' round-timeout=300.0")
+        done = flwr_run(procs, home, "deployment", f"config='data=\"{data}\" rank=2 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false")  # reproducible: compared with the local run
         check_against_local(out, cfg, done)
 
 
@@ -82,5 +82,5 @@ def test_simulation_superlink(tmp_path, env):
         write_connection(home, "simulation", f"127.0.0.1:{port}")
         out = tmp_path / "runs" / "flower"
         pairs = " ".join(f"{k}={v}" for k, v in FIELDS.items())
-        done = flwr_run(procs, home, "simulation", f"config='{pairs}' out='{out}'", "--federation-config", "num-supernodes=3 client-resources-num-cpus=1")
+        done = flwr_run(procs, home, "simulation", f"config='{pairs}' out='{out}' secure-noise=false", "--federation-config", "num-supernodes=3 client-resources-num-cpus=1")
         check_against_local(out, cfg, done)

@@ -171,3 +171,21 @@ def test_a_user_overflowing_float32_costs_its_node_nothing(tmp_path):
     for record in list(records) + list(local_records):
         assert not record.dropped and record.units == 60
         assert record.zeroed == (0 if record.round == 0 else 1)  # the init's label clip takes y = inf to ζ
+
+
+def test_replayed_asymmetric_and_partition_sized_replies_are_dropped():
+    """Malicious nodes: a replay of the previous round, an antisymmetric part added to A, and a
+    unit count of the whole partition where the round's cohort holds a third of it."""
+    cfg, protocol, seed = setup()
+    grid = InProcessGrid(faulty_client_app({1: "replay", 2: "asymmetric", 3: "partition-count"}), 6)
+    state, records, ledger = flower_run(grid, cfg, protocol, seed, min_fraction=0.3)
+    assert "replayed or stale" in records[1].dropped["partition-1"] and "replayed or stale" in records[2].dropped["partition-1"]
+    assert "partition-1" not in records[0].dropped  # nothing to replay yet: its first reply is honest
+    for record in records:
+        assert "not symmetric" in record.dropped["partition-2"]
+    for record in records[1:]:
+        assert "unit count" in record.dropped["partition-3"]
+    ranges = unit_ranges(EXP.num_units(cfg), 6)
+    cohort_sizes = [protocol.units_in_round(1, {"ids": torch.arange(r.start, r.stop)}) for r in ranges]
+    assert all(size < len(r) for size, r in zip(cohort_sizes, ranges))
+    assert records[1].units == sum(size for p, size in enumerate(cohort_sizes) if p not in (1, 2, 3))

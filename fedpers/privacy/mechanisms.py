@@ -16,8 +16,11 @@ Every noise draw meets its value in :meth:`Privatizer._perturb` (Gaussian releas
 :meth:`Privatizer._select` (exponential mechanism) or :meth:`Privatizer._sample_covariance`;
 the privacy tests override these to observe the exact pre-noise value of each release.
 
-The generators are torch's (not cryptographic): fine for simulation, not for deployment
-against a real adversary.
+With ``secure=False`` the generators are torch's (not cryptographic) and seeded: a run is
+reproducible, and its noise is public to whoever holds its seed — fine for simulation, not
+for deployment against a real adversary. ``secure=True`` draws every noise value from OS
+entropy through floating-point-safe samplers (:mod:`fedpers.privacy.secure`); the seed is
+then unused and nothing a run writes can recompute its noise.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 
 from fedpers import linalg
+from fedpers.privacy import secure as secure_module
 from fedpers.privacy.ledger import ALL_UNITS, EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
 Tensor = torch.Tensor
@@ -143,8 +147,9 @@ class CovarianceRelease:
 class Privatizer:
     """Server-side mechanisms with a private generator and the ledger they append to."""
 
-    def __init__(self, seed: int, ledger: Ledger | None = None) -> None:
-        self.generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    def __init__(self, seed: int, ledger: Ledger | None = None, *, secure: bool = False) -> None:
+        self.secure = bool(secure)
+        self.generator = torch.Generator(device="cpu").manual_seed(secure_module.os_seed() if self.secure else int(seed))
         self.ledger = ledger if ledger is not None else Ledger()
 
     def _normal(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -176,6 +181,10 @@ class Privatizer:
         """The one place a Gaussian release's value meets its noise: value + σ·noise()."""
         if release.noise_std == 0:
             return value.clone()
+        if self.secure:
+            if release.mechanism == "symmetric_gaussian":
+                return secure_module.symmetric_gaussian(value, release.noise_std)
+            return secure_module.gaussian(value, release.noise_std)
         return value + release.noise_std * noise()
 
     def gaussian_sum(
@@ -218,12 +227,16 @@ class Privatizer:
         ||A_j − A'_j||_F² = ||A_j||² + ||A'_j||² − 2 tr(A_j A'_j) ≤ 2B², because the trace of a
         product of two PSD matrices is ≥ 0 (tr(A A') = ||A^{1/2} A'^{1/2}||_F²). So Δ = √2·B,
         reached by A_j = B·e₁e₁ᵀ, A'_j = B·e₂e₂ᵀ (then the triangle's norm is √2·B too).
+
+        Only the upper triangle of ``value`` is released (mirrored): were the lower one used,
+        any asymmetry of the sum (rounding included) would come out exactly, noise-free.
         """
         if value.dim() != 2 or value.shape[0] != value.shape[1]:
             raise ValueError(f"release {name!r}: expected a square matrix, got shape {tuple(value.shape)}")
         self._check(value, per_unit_bound, noise_multiplier, name)
         sensitivity = (math.sqrt(2.0) if psd_units else 2.0) * float(per_unit_bound)
         release = self._record(round, name, "symmetric_gaussian", per_unit_bound, noise_multiplier, units, sensitivity, params)
+        value = torch.triu(value) + torch.triu(value, diagonal=1).transpose(0, 1)
 
         def noise() -> Tensor:
             z = torch.triu(self._normal(tuple(value.shape), value))
@@ -253,6 +266,8 @@ class Privatizer:
         def sample() -> int:
             if math.isinf(epsilon):
                 return int(torch.argmin(scores))
+            if self.secure:
+                return secure_module.noisy_argmin(scores, 2 * sensitivity / epsilon)
             logits = -epsilon * scores.double().cpu() / (2 * sensitivity)
             u = torch.rand(scores.shape, generator=self.generator, dtype=torch.float64).clamp_min(1e-300)
             return int(torch.argmax(logits - torch.log(-torch.log(u))))
@@ -314,7 +329,7 @@ class Privatizer:
         S = vecs * vals.clamp_min(0).sqrt()
         k = int(params.k)
         if k >= n:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+            seed = secure_module.os_seed() if self.secure else int(torch.randint(0, 2**62, (1,), generator=self.generator))
             rng = np.random.Generator(np.random.PCG64(seed))
             L = np.tril(rng.standard_normal((n, n)), -1)
             L[np.diag_indices(n)] = np.sqrt(rng.chisquare(k - np.arange(n)))

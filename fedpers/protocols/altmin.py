@@ -150,8 +150,8 @@ class AltMinProtocol(Protocol):
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         d, k = self.dim, self.rank
         if round == 0:
-            return (StatSpec("W", (d, d), self.init_bound),)
-        return (StatSpec("A", (d * k, d * k), self.a_bound), StatSpec("b", (d * k,), self.b_bound))
+            return (StatSpec("W", (d, d), self.init_bound, symmetric=True),)
+        return (StatSpec("A", (d * k, d * k), self.a_bound, symmetric=True), StatSpec("b", (d * k,), self.b_bound))
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
         x, y, ids = units["x"].to(self.dtype), units["y"].to(self.dtype), units["ids"]

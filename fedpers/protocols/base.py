@@ -26,11 +26,17 @@ Units = Mapping[str, Tensor]
 
 @dataclass(frozen=True)
 class StatSpec:
-    """One summed statistic: its shape and the norm bound of one unit's contribution."""
+    """One summed statistic: its shape, the norm bound of one unit's contribution, and
+    whether it must be a symmetric matrix (released through symmetric noise)."""
 
     name: str
     shape: tuple[int, ...]
     per_unit_bound: float = math.inf
+    symmetric: bool = False
+
+
+SYMMETRY_TOLERANCE = 1e4
+"""A symmetric statistic may differ from its transpose by this many machine epsilons × its largest entry (rounding)."""
 
 
 @dataclass
@@ -88,6 +94,11 @@ def verify_message(message: Message, specs: tuple[StatSpec, ...], max_units: int
             return Verdict(False, f"{spec.name}: dtype {value.dtype} != {dtype}")
         if not bool(torch.isfinite(value).all()):
             return Verdict(False, f"{spec.name}: non-finite values")
+        if spec.symmetric:
+            peak = float(value.abs().max()) if value.numel() else 0.0
+            asymmetry = float((value - value.transpose(0, 1)).abs().max()) if value.numel() else 0.0
+            if asymmetry > SYMMETRY_TOLERANCE * torch.finfo(value.dtype).eps * peak:
+                return Verdict(False, f"{spec.name}: not symmetric (max |S − Sᵀ| = {asymmetry:.3g})")
         norm = float(torch.linalg.vector_norm(value.double()))
         norms[spec.name] = norm
         limit = count * spec.per_unit_bound * (1 + 1e-6) + 1e-9

@@ -63,7 +63,7 @@ class DpAttentionProtocol(Protocol):
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         n = self.params.rows
-        return (StatSpec("A", (n, n), self.params.alpha**2),)  # ||x xᵀ||_F = ||x||² ≤ α²
+        return (StatSpec("A", (n, n), self.params.alpha**2, symmetric=True),)  # ||x xᵀ||_F = ||x||² ≤ α²
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
         x = linalg.clip_vectors(units["x"].to(self.dtype), self.params.alpha)  # (columns, n)

@@ -138,7 +138,7 @@ class NoisyGDProtocol(Protocol):
         if round < self.remedy_rounds:
             if self.remedy is Remedy.CENTER:
                 return (StatSpec("feature_sum", (self.feature_dim,), self.feature_bound),)
-            return (StatSpec("second_moment", (self.feature_dim, self.feature_dim), self.feature_bound**2),)
+            return (StatSpec("second_moment", (self.feature_dim, self.feature_dim), self.feature_bound**2, symmetric=True),)
         return (StatSpec("grad", (self.classes, self.model_dim), self.grad_clip),)
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:

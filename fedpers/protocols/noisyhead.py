@@ -291,7 +291,7 @@ class NoisyHeadProtocol(Protocol):
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         k = self.dim**2
         if self.mode is Mode.STATISTICS:
-            return (StatSpec("A", (k, k), self.a_bound), StatSpec("b", (k,), self.b_bound))
+            return (StatSpec("A", (k, k), self.a_bound, symmetric=True), StatSpec("b", (k,), self.b_bound))
         return (StatSpec("grad", (k,), self.grad_bound),)
 
     def features(self, units: Units) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:

@@ -104,7 +104,8 @@ def handle_train(message: FlowerMessage, context: Context) -> FlowerMessage:
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
     reply = client_message(node.protocol, task.round, broadcast, units)
-    return FlowerMessage(codec.encode_reply(reply, time.perf_counter() - start), reply_to=message)
+    digest = codec.broadcast_digest(task.round, task.broadcast)
+    return FlowerMessage(codec.encode_reply(reply, time.perf_counter() - start, task.round, digest), reply_to=message)
 
 
 def make_client_app() -> ClientApp:

@@ -27,6 +27,7 @@ JOB = "fedpers.job"
 BROADCAST = "fedpers.broadcast"
 STATS = "fedpers.stats"
 COUNT = "fedpers.count"
+TAG = "fedpers.tag"
 NODE = "fedpers.node"
 
 # Keys inside the job ConfigRecord.
@@ -37,7 +38,8 @@ ROUND = "round"
 UNIT_START = "unit-start"
 UNIT_STOP = "unit-stop"
 
-# Keys inside the reply MetricRecord.
+# Keys inside the reply MetricRecord, and the reply's tag ConfigRecord.
+DIGEST_OF_BROADCAST = "broadcast-digest"
 UNITS = "units"
 SECONDS = "seconds"
 ZEROED = "zeroed"
@@ -108,18 +110,38 @@ def decode_task(content: RecordDict) -> Task:
     return Task(read_job(content), int(rec[ROUND]), int(rec[UNIT_START]), int(rec[UNIT_STOP]), broadcast)
 
 
-def encode_reply(message: Message, seconds: float) -> RecordDict:
+def broadcast_digest(round: int, broadcast: Mapping[str, Tensor]) -> str:
+    """SHA-256 of a round's number and broadcast (names, dtypes, shapes, bytes): what a reply answers."""
+    h = hashlib.sha256(f"round={int(round)}".encode())
+    for name in sorted(broadcast):
+        a = np.ascontiguousarray(broadcast[name].detach().cpu().numpy())
+        h.update(f";{name}:{a.dtype.str}:{a.shape}:".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def encode_reply(message: Message, seconds: float, round: int, digest: str) -> RecordDict:
+    """A client's reply, tagged with the round and the digest of the broadcast it answers."""
     counts = MetricRecord({UNITS: int(message.count), ZEROED: int(message.zeroed), SECONDS: float(seconds)})
-    return RecordDict({STATS: _arrays(message.stats), COUNT: counts})
+    tag = ConfigRecord({ROUND: int(round), DIGEST_OF_BROADCAST: str(digest)})
+    return RecordDict({STATS: _arrays(message.stats), COUNT: counts, TAG: tag})
 
 
-def decode_reply(content: RecordDict) -> Message:
-    """Protocol message from a reply; raises :class:`MalformedReply` on anything unexpected."""
+def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> Message:
+    """Protocol message from a reply; raises :class:`MalformedReply` on anything unexpected.
+
+    ``expect`` = (round, broadcast digest) of the task sent: a reply tagged otherwise (a
+    replay of an earlier round, an answer to another broadcast) is refused.
+    """
     try:
         arrays = content.array_records[STATS]
         count = content.metric_records[COUNT][UNITS]
+        tag = content.config_records[TAG]
+        tagged = (tag[ROUND], tag[DIGEST_OF_BROADCAST])
     except (KeyError, TypeError) as e:
         raise MalformedReply(f"reply lacks {e}") from None
+    if expect is not None and tagged != (int(expect[0]), str(expect[1])):
+        raise MalformedReply(f"reply answers round {tagged[0]} with broadcast {str(tagged[1])[:12]}…, not this round's task: replayed or stale")
     zeroed = content.metric_records[COUNT].get(ZEROED, 0)
     for name, value in ((UNITS, count), (ZEROED, zeroed)):
         if isinstance(value, bool) or not isinstance(value, int):

@@ -22,7 +22,8 @@ OUT = "out"
 MIN_FRACTION = "min-fraction"
 ROUND_TIMEOUT = "round-timeout"
 USERS_PER_NODE = "users-per-node"
-KNOWN = (ALGORITHM, CONFIG, CONFIG_FILE, OUT, MIN_FRACTION, ROUND_TIMEOUT, USERS_PER_NODE)
+SECURE_NOISE = "secure-noise"
+KNOWN = (ALGORITHM, CONFIG, CONFIG_FILE, OUT, MIN_FRACTION, ROUND_TIMEOUT, USERS_PER_NODE, SECURE_NOISE)
 _PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
 
 
@@ -78,6 +79,7 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
             "min_fraction": run_config.get(MIN_FRACTION, 1.0),
             "round_timeout": run_config.get(ROUND_TIMEOUT, 600.0),
             "users_per_node": run_config.get(USERS_PER_NODE, 0),
+            "secure_noise": run_config.get(SECURE_NOISE, True),
         },
     )
     out = str(run_config.get(OUT, ""))

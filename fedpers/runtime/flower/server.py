@@ -119,8 +119,12 @@ def discover(
 class GridGather:
     """``gather`` for :func:`~fedpers.runtime.driver.drive` over a Flower Grid."""
 
-    def __init__(self, grid: Grid, job: codec.Job, federation: Federation, timeout: float, stop: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, grid: Grid, job: codec.Job, federation: Federation, timeout: float, stop: Callable[[], bool] | None = None,
+        protocol: Protocol | None = None,
+    ) -> None:
         self.grid, self.job, self.federation, self.timeout, self.stop = grid, job, federation, timeout, stop
+        self.protocol = protocol
 
     def __call__(self, round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         fed = self.federation
@@ -130,10 +134,18 @@ class GridGather:
             for p, node in sorted(fed.nodes.items())
         ]
         by_node = {m.metadata.src_node_id: m for m in exchange(self.grid, messages, self.timeout, self.stop)}
-        return [self._reply(p, by_node) for p in range(fed.num_partitions)]
+        expect = (round, codec.broadcast_digest(round, broadcast))
+        return [self._reply(p, by_node, round, expect) for p in range(fed.num_partitions)]
 
-    def _reply(self, p: int, by_node: Mapping[int, FlowerMessage]) -> ClientReply:
-        label, max_units = f"partition-{p}", len(self.federation.ranges[p])
+    def max_units(self, p: int, round: int) -> int:
+        """The most units partition p can have in ``round``: its users in the round's cohort."""
+        ids = self.federation.ranges[p]
+        if self.protocol is None:
+            return len(ids)
+        return self.protocol.units_in_round(round, {"ids": torch.arange(ids.start, ids.stop)})
+
+    def _reply(self, p: int, by_node: Mapping[int, FlowerMessage], round: int, expect: tuple[int, str]) -> ClientReply:
+        label, max_units = f"partition-{p}", self.max_units(p, round)
         node = self.federation.nodes.get(p)
         if node is None:
             return ClientReply(label, max_units, None, "no node holds this partition (none answered discovery)")
@@ -143,7 +155,7 @@ class GridGather:
         if reply.has_error():
             return ClientReply(label, max_units, None, f"client error: {reply.error.reason}")
         try:
-            return ClientReply(label, max_units, codec.decode_reply(reply.content))
+            return ClientReply(label, max_units, codec.decode_reply(reply.content, expect))
         except codec.MalformedReply as e:
             return ClientReply(label, max_units, None, f"malformed reply: {e}")
 
@@ -172,6 +184,6 @@ def run_on_grid(
     federation = Federation(nodes, unit_ranges(experiment.num_units(cfg), num, options.users_per_node), time.perf_counter() - start)
     if on_discovery is not None:
         on_discovery(federation)
-    gather = GridGather(grid, job, federation, options.round_timeout, stop)
+    gather = GridGather(grid, job, federation, options.round_timeout, stop, protocol)
     device = torch.device(getattr(cfg, "device", "cpu"))
     return drive(protocol, gather, privatizer, min_fraction=options.min_fraction, on_round=on_round, progress=progress, device=device)
