@@ -181,3 +181,20 @@ def test_excess_risk_slope_in_n_matches_the_privacy_term():
     slope = np.polyfit(np.log(ns), np.log(excess), 1)[0]
     print(f"fitted log-log slope of excess risk over oracle vs n: {slope:.2f}")
     assert slope < -1.5
+
+
+def test_paper_epsilon_is_theorem_42():
+    """Theorem 4.2: σ = Δ·sqrt(16 log(1/δ))/ε for the init plus one round (not sqrt(8 log(1/δ)) per release).
+
+    Hand-computed: z = 3.746 (σ/Δ = 1.873), δ = 1e-5: sqrt(16·11.5129)/1.873 = 7.2471
+    (the old per-release formula gave sqrt(24·11.5129)/1.873 = 8.876, 1.2247× too high).
+    """
+    from fedpers.experiments.altmin import paper_epsilon
+
+    assert paper_epsilon(1.873, 1, 1e-5) == pytest.approx(7.2471, abs=1e-3)
+    assert paper_epsilon(1.873, 3, 1e-5) == pytest.approx(7.2471 * math.sqrt(2), rel=1e-3)  # every round of T = 3
+    cfg = config.build(AltMinConfig, dict(n_users=200, dim=4, rank=2, samples_per_user=8, rounds=3))
+    exp = AltMinExperiment()
+    proto = exp.protocol(cfg)
+    summary = exp.privacy_summary(cfg, proto, Privatizer(0).ledger)
+    assert summary["paper_epsilon_same_noise"] == pytest.approx(math.sqrt(16 * math.log(1e5)) / (proto.noise_multiplier / 2), rel=1e-12)

@@ -114,14 +114,18 @@ def all_units(cfg: AltMinConfig) -> dict[str, Tensor]:
     return load_units(cfg, torch.arange(resolve(cfg).n_users))
 
 
-def paper_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
-    """ε the paper's calibration (Lemmas 4.3/4.5: σ = Δ·sqrt(8 log(1/δ))/ε per release) claims for this noise.
+def paper_epsilon(noise_to_sensitivity: float, rounds_in: int, delta: float) -> float:
+    """ε that Theorem 4.2 of the personalization paper claims for this noise.
 
-    Composing R such releases by the same RDP argument gives sqrt(8 R log(1/δ)) / (σ/Δ).
+    With every release's noise σ = r·Δ (Δ its replace-one sensitivity), the paper's proof
+    (Lemmas 4.3, 4.5) gives RDP α/(2r²) per Gaussian, so α/r² for a round's (A, b) and for
+    the initialisation, and Theorem 4.2 sets r = sqrt(16 log(1/δ))/ε for the init plus one
+    round: ε = sqrt(16 log(1/δ))/r. A user in ``rounds_in`` rounds (every round with
+    ``--cohorts all``) composes 1 + rounds_in such steps: ε = sqrt(8 (1 + rounds_in) log(1/δ))/r.
     """
-    if noise_multiplier == 0:
+    if noise_to_sensitivity == 0:
         return math.inf
-    return math.sqrt(8 * releases * math.log(1 / delta)) / (noise_multiplier / 2)
+    return math.sqrt(8 * (1 + rounds_in) * math.log(1 / delta)) / noise_to_sensitivity
 
 
 class AltMinEvaluator(Evaluator):
@@ -220,7 +224,8 @@ class AltMinExperiment(Experiment):
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": releases,
-            "paper_epsilon_same_noise": paper_epsilon(protocol.noise_multiplier, releases, cfg.delta),
+            # Every release's σ = z·Δ/2 (its dp-accounting event is GaussianDpEvent(z)).
+            "paper_epsilon_same_noise": paper_epsilon(protocol.noise_multiplier / 2, (releases - 1) // 2, cfg.delta),
         }
 
     def plot_keys(self) -> tuple[str, ...]:
