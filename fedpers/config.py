@@ -2,7 +2,8 @@
 
 Each field may carry ``meta(...)``: help text and a numeric range. :func:`build` coerces
 strings (enums, ``inf``), then :func:`validate` refuses any value outside its range with a
-message that names the field and the allowed range.
+message that names the field and the allowed range. Numbers must be finite unless the
+field says ``inf_ok`` (ε = inf means "no noise"), and a boolean is never a number.
 """
 from __future__ import annotations
 
@@ -15,9 +16,17 @@ from typing import Any, Mapping, TypeVar
 
 T = TypeVar("T")
 
+MAX_EPSILON = 100.0
+"""Largest finite ε a run accepts: beyond it no meaningful guarantee remains, and the PLD
+accountant's discretisation of the tiny noise it calibrates takes minutes (ε = 300: 55 s and
+1 GiB; ε = 1000: > 5 min). ``inf`` runs the clipped protocol without noise."""
 
-def meta(help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None, flag: str | None = None) -> dict[str, Any]:
-    return {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "flag": flag}
+
+def meta(
+    help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None,
+    flag: str | None = None, inf_ok: bool = False,
+) -> dict[str, Any]:
+    return {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "flag": flag, "inf_ok": inf_ok}
 
 
 def field(default: Any, help: str, **bounds: Any) -> Any:
@@ -27,7 +36,8 @@ def field(default: Any, help: str, **bounds: Any) -> Any:
 def _range_text(m: Mapping[str, Any]) -> str:
     lo = f"> {m['gt']}" if m.get("gt") is not None else (f">= {m['ge']}" if m.get("ge") is not None else "")
     hi = f"< {m['lt']}" if m.get("lt") is not None else (f"<= {m['le']}" if m.get("le") is not None else "")
-    return " and ".join(p for p in (lo, hi) if p) or "any value"
+    text = " and ".join(p for p in (lo, hi) if p) or "any finite value"
+    return text + (", or inf" if m.get("inf_ok") else "")
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -48,6 +58,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             allowed = ", ".join(e.value for e in tp)
             raise ValueError(f"{name} must be one of {allowed}; got {value!r}") from None
     try:
+        if isinstance(value, bool) and tp in (int, float):
+            raise ValueError
         if tp is bool:
             if isinstance(value, str):
                 if value.lower() in ("1", "true", "yes"):
@@ -80,6 +92,10 @@ def validate(cfg: Any) -> None:
         m = f.metadata
         if isinstance(value, float) and math.isnan(value):
             raise ValueError(f"{f.name} must be a number ({_range_text(m)}); got nan")
+        if isinstance(value, float) and math.isinf(value):
+            if m.get("inf_ok") and value > 0:
+                continue
+            raise ValueError(f"{f.name} must be finite ({_range_text(m)}); got {value}")
         bad = (
             (m.get("gt") is not None and not value > m["gt"])
             or (m.get("ge") is not None and not value >= m["ge"])

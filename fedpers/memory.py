@@ -25,3 +25,17 @@ def human(nbytes: float) -> str:
             return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
         nbytes /= 1024
     return f"{nbytes:.1f} TiB"
+
+
+def check_fits(algorithm: str, need: dict[str, int], advice: str) -> list[str]:
+    """The plan line for ``need`` (bytes per part); ValueError if the total exceeds what is available.
+
+    Called by an experiment's ``plan`` (printed before the run) and by its ``protocol`` (so the
+    Python API refuses too), before any data is generated or any noise drawn.
+    """
+    total = sum(need.values())
+    parts = ", ".join(f"{k} {human(v)}" for k, v in need.items())
+    limit = available_bytes()
+    if limit > 0 and total > limit:
+        raise ValueError(f"{algorithm} needs about {human(total)} of memory ({parts}) but {human(limit)} is available; {advice}")
+    return [f"{algorithm}: memory needed about {human(total)} ({parts}); available {human(limit)}"]

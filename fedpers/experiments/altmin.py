@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from fedpers import linalg, metrics
-from fedpers.config import check_device_and_dtype, field
+from fedpers import linalg, memory, metrics
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
 from fedpers.data.files import load_altmin_npz
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
@@ -29,7 +29,7 @@ class AltMinConfig:
     rank: int = field(2, "subspace rank k (< d)", ge=1)
     samples_per_user: int = field(16, "samples per user m (a multiple of 4)", ge=4)
     noise_std: float = field(0.1, "label noise σ_F", ge=0.0)
-    epsilon: float = field(4.0, "user-level ε over the whole run (inf: clipped, no noise)", gt=0.0)
+    epsilon: float = field(4.0, "user-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = field(1e-5, "user-level δ", gt=0.0, lt=1.0)
     rounds: int = field(2, "AltMin rounds T after the private initialisation", ge=1)
     cohorts: Cohorts = field(Cohorts.DISJOINT, "disjoint: each user in one round (parallel composition); all: every round")
@@ -74,8 +74,26 @@ def clip_bounds(cfg: AltMinConfig) -> tuple[float, float]:
     return cfg.clip_model * math.sqrt(cfg.dim * cfg.rank), cfg.clip_label * math.sqrt(cfg.rank + cfg.noise_std**2)
 
 
+def memory_needed(cfg: AltMinConfig) -> dict[str, int]:
+    """Bytes of a local run: every user's samples (float64 as generated or loaded, plus the
+    working-dtype copy), one chunk's statistics, and the baselines' per-user d×d Gram matrices."""
+    n, m, d, k = cfg.n_users, cfg.samples_per_user, cfg.dim, cfg.rank
+    item = 4 if cfg.dtype == "float32" else 8
+    data = n * m * (d + 1) * 8 + (n * m * (d + 1) * item if item != 8 else 0) + n * k * 8
+    chunk = min(cfg.chunk_size, n)
+    working = chunk * (m * d + 2 * d * d + m * k) * item * 2 + (d * k) ** 2 * 8 * 4
+    baselines = n * d * d * 8 * 2 + n * m * (k + d) * 8
+    return {"data": data, "statistics": working, "baselines": baselines}
+
+
+def check_fits(cfg: AltMinConfig) -> list[str]:
+    return memory.check_fits("altmin", memory_needed(cfg), "use fewer users (--n-users), a smaller --dim or --chunk-size")
+
+
 def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
     cfg = resolve(cfg)
+    if private:
+        check_fits(cfg)
     eta, zeta = clip_bounds(cfg) if private else (math.inf, math.inf)
     proto = AltMinProtocol(
         n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user, rounds=cfg.rounds,
@@ -230,6 +248,9 @@ class AltMinExperiment(Experiment):
 
     def plot_keys(self) -> tuple[str, ...]:
         return ("subspace_error",)
+
+    def plan(self, cfg: AltMinConfig) -> list[str]:
+        return check_fits(resolve(cfg))
 
     def describe(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> dict[str, Any]:
         return {

@@ -11,7 +11,7 @@ import torch
 from fedpers.config import field
 from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
-from fedpers import linalg
+from fedpers import linalg, memory
 from fedpers.privacy import DpCovarianceParams, Ledger, ledger_epsilon
 from fedpers.privacy.mechanisms import dp_covariance_min_k
 from fedpers.protocols.dpattention import AttentionFn, DpAttentionProtocol, attention_matrix, entrywise_max_norm
@@ -104,7 +104,14 @@ class DpAttentionExperiment(Experiment):
     primary_metric = "attention_error"
 
     def protocol(self, cfg: DpAttentionConfig) -> DpAttentionProtocol:
+        self.memory_plan(cfg)
         return DpAttentionProtocol(params=params(cfg), f=cfg.f, dtype_name=cfg.dtype)
+
+    @staticmethod
+    def memory_plan(cfg: DpAttentionConfig) -> list[str]:
+        """X (columns × rows, generated in float64, kept by the evaluator) and the n×n matrices."""
+        need = {"columns": cfg.columns * cfg.rows * 8 * 3, "matrices": cfg.rows * cfg.rows * 8 * 8}
+        return memory.check_fits("dpattention", need, "use fewer --columns or --rows")
 
     def num_units(self, cfg: DpAttentionConfig) -> int:
         return cfg.columns
@@ -139,7 +146,7 @@ class DpAttentionExperiment(Experiment):
 
     def plan(self, cfg: DpAttentionConfig) -> list[str]:
         p = params(cfg)
-        return [
+        return self.memory_plan(cfg) + [
             f"dpattention: n={p.rows}, d={p.columns}, k={p.k}; α={p.alpha:.4g}, β={p.beta:.4g}, η={p.eta:.4g}, r={p.r:g}; "
             f"Δ={p.Delta:.4g}, 2αβ√n/η={p.sensitivity:.4g}, ρ={p.rho:.4g} (needs < {0.1 * p.epsilon:.4g})"
         ]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fedpers import memory, metrics
-from fedpers.config import field
+from fedpers.config import MAX_EPSILON, field
 from fedpers.experiments import altmin
 from fedpers.experiments.base import derived_seed
 from fedpers.privacy import Ledger, PureDpEvent, ledger_epsilon
@@ -31,7 +31,7 @@ class ExpMechConfig:
     rank: int = field(1, "subspace rank k (< d)", ge=1)
     samples_per_user: int = field(16, "samples per user m (a multiple of 4: first half scores, second half fits v)", ge=4)
     noise_std: float = field(0.1, "label noise σ_F", ge=0.0)
-    epsilon: float = field(1.0, "user-level ε (pure ε-DP; inf: the best-scoring candidate)", gt=0.0)
+    epsilon: float = field(1.0, "user-level ε (pure ε-DP; inf: the best-scoring candidate)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     candidates: CandidateKind = field(CandidateKind.NET, "net: explicit φ-net of orthonormal U (tiny d·k); random: Haar-random candidates")
     net_width: float = field(0.2, "φ: Frobenius radius of the net (candidates=net)", gt=0.0, le=2.0)
     num_candidates: int = field(2000, "Q: number of random candidates (candidates=random)", ge=1)

@@ -8,7 +8,8 @@ from typing import Any
 import dp_accounting
 import torch
 
-from fedpers.config import check_device_and_dtype, field
+from fedpers import memory
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
@@ -24,7 +25,7 @@ class NoisyGDConfig:
     classes: int = field(10, "number of classes K", ge=2)
     feature_dim: int = field(100, "feature dimension p (>= K)", ge=2)
     examples: int = field(10000, "training examples n (the privacy units)", ge=1)
-    epsilon: float = field(1.0, "example-level ε over the whole run (inf: clipped, no noise)", gt=0.0)
+    epsilon: float = field(1.0, "example-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = field(1e-4, "example-level δ", gt=0.0, lt=1.0)
     steps: int = field(30, "NoisyGD steps T (full batch)", ge=1)
     lr: float = field(0.01, "step size η: W ← W − η(Σ_i clip(∇ℓ_i) + noise)", gt=0.0)
@@ -138,7 +139,18 @@ class NoisyGDExperiment(Experiment):
     primary_metric = "accuracy"
 
     def protocol(self, cfg: NoisyGDConfig) -> NoisyGDProtocol:
+        self.plan(cfg)
         return make_protocol(cfg)
+
+    def plan(self, cfg: NoisyGDConfig) -> list[str]:
+        """Features (train and test, kept by the evaluator too), one chunk's gradients, the p×p PCA moment."""
+        item = 4 if cfg.dtype == "float32" else 8
+        p, K = cfg.feature_dim, cfg.classes
+        need = {
+            "features": (cfg.examples + cfg.test_examples) * (p + 1) * item * 2,
+            "working": min(cfg.chunk_size, cfg.examples) * (p + K) * item * 4 + p * p * 8 * 3,
+        }
+        return memory.check_fits("noisygd", need, "use fewer examples or a smaller --feature-dim")
 
     def num_units(self, cfg: NoisyGDConfig) -> int:
         return cfg.examples

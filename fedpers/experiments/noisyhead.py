@@ -20,8 +20,8 @@ from typing import Any
 import dp_accounting
 import torch
 
-from fedpers import linalg
-from fedpers.config import field
+from fedpers import linalg, memory
+from fedpers.config import MAX_EPSILON, field
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
@@ -102,7 +102,7 @@ class NoisyHeadConfig:
     prompts: int = field(1000, "number of training prompts N", ge=1)
     dim: int = field(5, "token dimension D (0: ⌊√N⌋)", ge=0)
     context: int = field(0, "context length L (0: ⌊√N⌋)", ge=0)
-    epsilon: float = field(1.0, "ε of the whole run for one privacy unit (inf: clipped and projected, no noise)", gt=0.0)
+    epsilon: float = field(1.0, "ε of the whole run for one privacy unit (inf: clipped and projected, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = field(1e-5, "δ of the whole run", gt=0.0, lt=1.0)
     steps: int = field(0, "gradient steps T (0: the regime's rule)", ge=0)
     regime: Regime = field(Regime.LOW_DIM, "the §6 setting that supplies λ, η₀ and T when they are 0")
@@ -392,7 +392,18 @@ class NoisyHeadExperiment(Experiment):
     config_type = NoisyHeadConfig
 
     def protocol(self, cfg: NoisyHeadConfig) -> NoisyHeadProtocol:
+        self.plan(cfg)
         return make_protocol(cfg)
+
+    def plan(self, cfg: NoisyHeadConfig) -> list[str]:
+        """Prompts (train and test, float64) and the D²×D² statistics (sum, Γ* solve, eigenbasis)."""
+        r = resolve(cfg)
+        k = r.D * r.D
+        need = {
+            "prompts": (r.N + cfg.test_prompts) * (r.L + 1) * (r.D + 1) * 8 * 2,
+            "statistics": k * k * 8 * 4 + min(cfg.chunk_size, r.N) * k * 8 * 4,
+        }
+        return memory.check_fits("noisyhead", need, "use fewer prompts or a smaller dimension D")
 
     def num_units(self, cfg: NoisyHeadConfig) -> int:
         return resolve(cfg).units

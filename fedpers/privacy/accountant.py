@@ -28,7 +28,7 @@ import dp_accounting
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.rdp import rdp_privacy_accountant
-from scipy import optimize, stats
+from scipy import optimize, special, stats
 
 from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent
 
@@ -270,7 +270,8 @@ def analytic_gaussian_epsilon(mu: float, delta: float) -> float:
     _check_delta(delta)
 
     def delta_of(eps: float) -> float:
-        return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+        # e^ε·Φ(·) in log space: e^ε alone overflows past ε ≈ 709.
+        return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps + special.log_ndtr(-eps / mu - mu / 2))
 
     if delta_of(0.0) <= delta:
         return 0.0
