@@ -1,0 +1,103 @@
+"""Nothing spent for nothing: bad input is refused before any work, naming the field."""
+from __future__ import annotations
+
+import math
+import time
+import zipfile
+
+import numpy as np
+import pytest
+
+from fedpers import config
+from fedpers.data.files import load_altmin_npz, save_altmin_npz
+from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments.altmin import AltMinConfig, make_protocol
+from fedpers.privacy.accountant import analytic_gaussian_epsilon
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"n_users": True}, "n_users must be of type int"),
+        ({"epsilon": 300.0}, r"epsilon must be > 0.0 and <= 100.0, or inf"),
+        ({"clip_model": math.inf}, "clip_model must be finite"),
+        ({"noise_std": math.inf}, "noise_std must be finite"),
+        ({"epsilon": -math.inf}, "epsilon must be finite"),
+        ({"delta": False}, "delta must be of type float"),
+    ],
+)
+def test_bad_config_values_are_refused_naming_the_field(values, match):
+    with pytest.raises(ValueError, match=match):
+        config.build(AltMinConfig, values)
+
+
+def test_every_algorithm_refuses_an_infinite_non_epsilon_field():
+    for name, exp in EXPERIMENTS.items():
+        floats = [f for f, t in config.field_types(exp.config_type).items() if t is float and f != "epsilon"]
+        for field in floats:
+            with pytest.raises(ValueError, match=f"{field} must be finite"):
+                config.build(exp.config_type, {field: math.inf})
+
+
+def test_epsilon_inf_still_means_no_noise():
+    assert make_protocol(config.build(AltMinConfig, {"epsilon": "inf", "n_users": 100})).noise_multiplier == 0.0
+
+
+def test_analytic_gaussian_handles_large_epsilon_without_overflow():
+    assert analytic_gaussian_epsilon(60.0, 1e-5) > 700  # e^ε alone overflows past 709
+
+
+def _write(path, **arrays):
+    save_altmin_npz(path, **arrays)
+    return path
+
+
+def _users(n=6, m=4, d=3, k=2):
+    rng = np.random.default_rng(0)
+    u, _ = np.linalg.qr(rng.standard_normal((d, k)))
+    return dict(x=rng.standard_normal((n, m, d)), y=rng.standard_normal((n, m)), u_star=u)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: {**a, "x": a["x"] + 1j}, "x is complex-valued"),
+        (lambda a: {**a, "u_star": 2 * a["u_star"]}, "orthonormal"),
+        (lambda a: {**a, "x_test": np.zeros((6, 0, 3)), "y_test": np.zeros((6, 0))}, "t >= 1"),
+        (lambda a: {**a, "weights": np.zeros(3)}, "unknown array 'weights'"),
+        (lambda a: {**a, "x": a["x"].astype(object)}, "numeric"),
+    ],
+)
+def test_bad_data_files_are_refused(tmp_path, change, match):
+    path = _write(tmp_path / "d.npz", **change(_users()))
+    with pytest.raises(ValueError, match=match):
+        load_altmin_npz(path, 2)
+
+
+def test_an_unknown_huge_member_is_refused_from_the_member_list(tmp_path):
+    """A few-MB file whose unknown member inflates to 2 GB: refused without inflating it."""
+    path = tmp_path / "bomb.npz"
+    np.savez_compressed(path, **_users())
+    header = np.lib.format.header_data_from_array_1_0(np.zeros(0))
+    header["shape"] = (2**28,)
+    with zipfile.ZipFile(path, "a", compression=zipfile.ZIP_DEFLATED) as z, z.open("payload.npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        block = bytes(2**24)
+        for _ in range(2**31 // 2**24):
+            f.write(block)
+    assert path.stat().st_size < 10 * 2**20
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="unknown array 'payload'"):
+        load_altmin_npz(path, 2)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_run_that_cannot_fit_is_refused_before_any_work():
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"altmin needs about .* GiB of memory \(data .*, baselines .*\)"):
+        make_protocol(config.build(AltMinConfig, {"n_users": 2_000_000, "dim": 100}))
+    assert time.perf_counter() - start < 2.0
+    for name, values in {"noisyhead": {"prompts": 10**8}, "noisygd": {"examples": 10**8, "feature_dim": 1000}, "dpattention": {"columns": 10**10}}.items():
+        exp = EXPERIMENTS[name]
+        with pytest.raises(ValueError, match=f"{name} needs about"):
+            exp.protocol(config.build(exp.config_type, values))
