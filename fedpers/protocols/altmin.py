@@ -215,14 +215,17 @@ class AltMinProtocol(Protocol):
         if x.shape[0] == 0:
             return torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device), torch.zeros(d * k, dtype=x.dtype, device=x.device)
         x1, y1 = x[:, :q], y[:, :q]
-        sx, sy = linalg.pow2_scale(x1, 2), linalg.pow2_scale(y1, 1)
-        v = self.local_solve(U, x1 / sx[:, None, None], y1 / sy[:, None])  # v_j · sx/sy
-        v_hat, log_v = linalg.directions(v)
-        log_v = log_v + sy.double().log() - sx.double().log()
+        if linalg.in_safe_range(x1) and linalg.in_safe_range(y1):
+            v_hat, log_v = linalg.directions(self.local_solve(U, x1, y1))
+        else:
+            sx, sy = linalg.pow2_scale(x1, 2), linalg.pow2_scale(y1, 1)
+            v = self.local_solve(U, x1 / sx[:, None, None], y1 / sy[:, None])  # v_j · sx/sy
+            v_hat, log_v = linalg.directions(v)
+            log_v = log_v + sy.double().log() - sx.double().log()
         x_hat, log_x = linalg.directions(x[:, q : 2 * q])
         m = linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, self.eta).to(x.dtype)
         xc = x_hat * m.unsqueeze(-1)
-        A = linalg.kron_vvT_sum(v_hat, xc.transpose(1, 2) @ xc)
+        A = linalg.kron_gram_sum(v_hat, xc)
         t = (xc * linalg.clip_scalar(y[:, q : 2 * q], self.zeta).unsqueeze(-1)).sum(1)
         b = (v_hat.transpose(0, 1) @ t).reshape(d * k)
         return A, b
