@@ -97,10 +97,9 @@ def execute(
         if options.runtime is Runtime.LOCAL:
             from fedpers.runtime.local import run_local
 
-            units = experiment.units(cfg, torch.arange(experiment.num_units(cfg)))
             chunk = getattr(cfg, "chunk_size", 4096)
-            state, _ = run_local(protocol, units, privatizer, chunk_size=chunk, on_round=on_round, progress=progress)
-            del units
+            source = experiment.unit_source(cfg)
+            state, _ = run_local(protocol, source, privatizer, chunk_size=chunk, on_round=on_round, progress=progress)
         else:
             from fedpers.runtime.flower import run_flower
 

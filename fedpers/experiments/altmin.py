@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -16,7 +16,8 @@ from fedpers.data.files import load_altmin_npz
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
-from fedpers.runtime.local import run_local
+from fedpers.protocols.base import Units
+from fedpers.runtime.local import UnitSource, run_local
 
 Tensor = torch.Tensor
 LOCAL_ONLY_RIDGE = 1e-6
@@ -42,8 +43,10 @@ class AltMinConfig:
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     data: Path | None = field(None, "per-user data file (.npz, schema in the README) instead of synthetic data")
     chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory)", ge=1)
+    baselines: str = field("all", "baselines to run: all, none, or a comma list of nonprivate_altmin, local_only, private_init_only, oracle")
 
     def check(self) -> None:
+        baseline_names(self.baselines)
         if self.samples_per_user % 4:
             raise ValueError(f"samples_per_user must be a multiple of 4; got {self.samples_per_user}")
         if self.rank >= self.dim:
@@ -51,6 +54,23 @@ class AltMinConfig:
         if self.cohorts is Cohorts.DISJOINT and self.n_users < self.rounds:
             raise ValueError(f"n_users must be >= rounds={self.rounds} for disjoint cohorts; got {self.n_users}")
         check_device_and_dtype(self.device, self.dtype)
+
+
+BASELINES = ("nonprivate_altmin", "local_only", "private_init_only", "oracle")
+
+
+def baseline_names(text: str) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+    text = text.strip()
+    if text == "all":
+        return BASELINES
+    if text in ("none", ""):
+        return ()
+    names = tuple(n.strip() for n in text.split(","))
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise ValueError(f"baselines: unknown {unknown}; use all, none or a comma list of {', '.join(BASELINES)}")
+    return names
 
 
 @lru_cache(maxsize=4)
@@ -75,15 +95,18 @@ def clip_bounds(cfg: AltMinConfig) -> tuple[float, float]:
 
 
 def memory_needed(cfg: AltMinConfig) -> dict[str, int]:
-    """Bytes of a local run: every user's samples (float64 as generated or loaded, plus the
-    working-dtype copy), one chunk's statistics, and the baselines' per-user d×d Gram matrices."""
+    """Bytes of a local run. Users are generated (or sliced) one chunk at a time, so only a chunk's
+    samples (float64 as generated, plus the working-dtype copy), its statistics and the
+    baselines' per-user d×d Gram matrices are resident; O(n) is just the cohort permutation."""
     n, m, d, k = cfg.n_users, cfg.samples_per_user, cfg.dim, cfg.rank
     item = 4 if cfg.dtype == "float32" else 8
-    data = n * m * (d + 1) * 8 + (n * m * (d + 1) * item if item != 8 else 0) + n * k * 8
     chunk = min(cfg.chunk_size, n)
-    working = chunk * (m * d + 2 * d * d + m * k) * item * 2 + (d * k) ** 2 * 8 * 4
-    baselines = n * d * d * 8 * 2 + n * m * (k + d) * 8
-    return {"data": data, "statistics": working, "baselines": baselines}
+    data = chunk * m * (d + 1) * (8 + item) * 2 + n * 8 * 3
+    statistics = chunk * (m * d + m * k) * item * 3 + 64 * d * d * item * 2 + (d * k) ** 2 * 8 * 4
+    baselines = chunk * (d * d + m * d) * 8 * 3
+    if cfg.data is not None:
+        data += n * m * (d + 1) * 8  # a file is loaded whole (then sliced per chunk)
+    return {"data": data, "statistics": statistics, "baselines": baselines}
 
 
 def check_fits(cfg: AltMinConfig) -> list[str]:
@@ -126,10 +149,16 @@ def load_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
     return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
 
 
-@lru_cache(maxsize=1)
-def all_units(cfg: AltMinConfig) -> dict[str, Tensor]:
-    """Every user's data, shared by the local runtime and the evaluator of one run."""
-    return load_units(cfg, torch.arange(resolve(cfg).n_users))
+def unit_source(cfg: AltMinConfig, keys: tuple[str, ...] | None = None) -> UnitSource:
+    """Every user, generated (or sliced from the file) chunk by chunk: never all at once.
+    ``keys`` restricts what each chunk carries (the protocol needs ids, x, y; the evaluator more)."""
+    cfg = resolve(cfg)
+
+    def load(start: int, stop: int) -> dict[str, Tensor]:
+        units = load_units(cfg, torch.arange(start, stop))
+        return units if keys is None else {k: v for k, v in units.items() if k in keys}
+
+    return UnitSource(cfg.n_users, load, cfg.device)
 
 
 def paper_epsilon(noise_to_sensitivity: float, rounds_in: int, delta: float) -> float:
@@ -146,13 +175,17 @@ def paper_epsilon(noise_to_sensitivity: float, rounds_in: int, delta: float) -> 
     return math.sqrt(8 * (1 + rounds_in) * math.log(1 / delta)) / noise_to_sensitivity
 
 
+Fit = Callable[[Units], Tensor]
+"""Per-user models θ_j (users, d) from a chunk of users' data."""
+
+
 class AltMinEvaluator(Evaluator):
-    """Exact metrics from U*, v*; baselines on the same users."""
+    """Exact metrics from U*, v*; baselines on the same users, one streamed pass over them."""
 
     def __init__(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> None:
         self.cfg, self.protocol = resolve(cfg), protocol
         self.u_star = truth(cfg)
-        self.units = all_units(cfg)
+        self.source = unit_source(self.cfg)
         self.init_U: Tensor | None = None
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
@@ -163,53 +196,85 @@ class AltMinEvaluator(Evaluator):
         U = state["U"]
         return {"subspace_error": metrics.subspace_error(U, self.u_star), "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star)}
 
-    def of_subspace(self, U: Tensor) -> dict[str, float | None]:
-        v = self.protocol.personalize(U, self.units)
-        return self.of_models(U.to(v.dtype) @ v.unsqueeze(-1), U)
+    def subspace_fit(self, U: Tensor) -> Fit:
+        """Every user's final local solve on Q3∪Q4 with U (the billboard model's last step)."""
+        return lambda units: U.to(units["x"].dtype) @ self.protocol.personalize(U, units).unsqueeze(-1)
 
-    def of_models(self, theta: Tensor, U: Tensor | None = None) -> dict[str, float | None]:
-        theta = theta.squeeze(-1) if theta.dim() == 3 else theta
-        out: dict[str, float | None] = {}
-        u_star, units = self.u_star, self.units
-        if u_star is not None and U is not None:
-            out["subspace_error"] = metrics.subspace_error(U, u_star)
-            out["subspace_error_spectral"] = metrics.subspace_error_spectral(U, u_star)
-        if u_star is not None and "v_star" in units:
-            theta_star = units["v_star"].double() @ u_star.double().T
-            out["excess_risk"] = metrics.excess_risk(theta, theta_star)
-            out["test_mse"] = out["excess_risk"] + self.cfg.noise_std**2
-        if "x_test" in units:
-            out["test_mse"] = metrics.mse(theta, units["x_test"], units["y_test"])
+    def evaluate(self, fits: Mapping[str, tuple[Fit, Tensor | None]]) -> dict[str, dict[str, float | None]]:
+        """Metrics of several fits (name → (fit, its U or None)) in one pass over the users.
+
+        Excess risk mean_j ||θ_j − θ*_j||² and test MSE are accumulated as sums per chunk.
+        """
+        sums = {name: {"excess": 0.0, "test": 0.0} for name in fits}
+        users = test_values = 0
+        has_truth = has_test = False
+        u_star = None if self.u_star is None else self.u_star.double()
+        for units in self.source.chunks(self.cfg.chunk_size):
+            users += int(units["ids"].shape[0])
+            has_truth = u_star is not None and "v_star" in units
+            has_test = "x_test" in units
+            theta_star = units["v_star"].double() @ u_star.T if has_truth else None
+            if has_test:
+                test_values += units["y_test"].numel()
+            for name, (fit, _) in fits.items():
+                theta = fit(units).double()
+                theta = theta.squeeze(-1) if theta.dim() == 3 else theta
+                if has_truth:
+                    sums[name]["excess"] += float(((theta - theta_star) ** 2).sum())
+                if has_test:
+                    pred = (units["x_test"].double() @ theta.unsqueeze(-1)).squeeze(-1)
+                    sums[name]["test"] += float(((pred - units["y_test"].double()) ** 2).sum())
+        out: dict[str, dict[str, float | None]] = {}
+        for name, (_, U) in fits.items():
+            row: dict[str, float | None] = {}
+            if u_star is not None and U is not None:
+                row["subspace_error"] = metrics.subspace_error(U, u_star)
+                row["subspace_error_spectral"] = metrics.subspace_error_spectral(U, u_star)
+            if has_truth:
+                row["excess_risk"] = sums[name]["excess"] / max(users, 1)
+                row["test_mse"] = row["excess_risk"] + self.cfg.noise_std**2
+            if has_test:
+                row["test_mse"] = sums[name]["test"] / max(test_values, 1)
+            out[name] = row
         return out
 
-    def local_only(self) -> dict[str, float | None]:
-        x, y = self.units["x"].double(), self.units["y"].double()
-        return self.of_models(linalg.batched_ridge_solve(x, y, LOCAL_ONLY_RIDGE))
+    def of_subspace(self, U: Tensor) -> dict[str, float | None]:
+        return self.evaluate({"U": (self.subspace_fit(U), U)})["U"]
+
+    @staticmethod
+    def local_only_fit(units: Units) -> Tensor:
+        """Each user alone: ridge in d dimensions on all of its m samples."""
+        return linalg.batched_ridge_solve(units["x"].double(), units["y"].double(), LOCAL_ONLY_RIDGE)
 
     def final(self, state: Any) -> dict[str, Any]:
-        out = self.of_subspace(state["U"])
+        fits = {"private": (self.subspace_fit(state["U"]), state["U"])}
+        fits.update(self.baseline_fits())
+        results = self.evaluate(fits)
+        out: dict[str, Any] = results.pop("private")
         skipped = [k for k in ("subspace_error", "excess_risk") if k not in out or out[k] is None]
-        out["baselines"] = self.baselines()
+        out["baselines"] = results
+        out["baselines_skipped"] = sorted(set(BASELINES) - set(results))
         if skipped:
             out["skipped_metrics"] = {k: "the data has no true U*/v*" for k in skipped}
         return out
 
-    def baselines(self) -> dict[str, dict[str, float | None]]:
-        """Non-private AltMin, local-only, private init alone, oracle: on the same users.
-
-        Shared with other algorithms on the same data (``run expmech``) so their tables compare.
-        """
-        nonprivate = make_protocol(self.cfg, private=False)
-        np_state, _ = run_local(nonprivate, self.units, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
-        baselines = {
-            "nonprivate_altmin": self.of_subspace(np_state["U"]),
-            "local_only": self.local_only(),
-        }
-        if self.init_U is not None:
-            baselines["private_init_only"] = self.of_subspace(self.init_U)
-        if self.u_star is not None:
-            baselines["oracle"] = self.of_subspace(self.u_star.to(self.units["x"].dtype))
-        return baselines
+    def baseline_fits(self) -> dict[str, tuple[Fit, Tensor | None]]:
+        """The baselines ``cfg.baselines`` asks for, on the same users (non-private AltMin runs its
+        rounds here, streamed like the private run). Shared with ``run expmech`` so tables compare."""
+        wanted = baseline_names(self.cfg.baselines)
+        fits: dict[str, tuple[Fit, Tensor | None]] = {}
+        if "nonprivate_altmin" in wanted:
+            nonprivate = make_protocol(self.cfg, private=False)
+            np_state, _ = run_local(nonprivate, self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
+            fits["nonprivate_altmin"] = (self.subspace_fit(np_state["U"]), np_state["U"])
+        if "local_only" in wanted:
+            fits["local_only"] = (self.local_only_fit, None)
+        if "private_init_only" in wanted and self.init_U is not None:
+            fits["private_init_only"] = (self.subspace_fit(self.init_U), self.init_U)
+        if "oracle" in wanted and self.u_star is not None:
+            oracle = self.u_star.to(getattr(torch, self.cfg.dtype))
+            fits["oracle"] = (self.subspace_fit(oracle), oracle)
+        return fits
 
 
 class AltMinExperiment(Experiment):
@@ -225,9 +290,10 @@ class AltMinExperiment(Experiment):
         return resolve(cfg).n_users
 
     def units(self, cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
-        everyone = ids.numel() == self.num_units(cfg) and bool((ids.cpu() == torch.arange(ids.numel())).all())
-        data = all_units(cfg) if everyone else load_units(cfg, ids)
-        return {k: v for k, v in data.items() if k in ("ids", "x", "y")}
+        return {k: v for k, v in load_units(cfg, ids).items() if k in ("ids", "x", "y")}
+
+    def unit_source(self, cfg: AltMinConfig) -> UnitSource:
+        return unit_source(cfg, ("ids", "x", "y"))
 
     def evaluator(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> AltMinEvaluator:
         return AltMinEvaluator(cfg, protocol)

@@ -14,6 +14,7 @@ import torch
 
 from fedpers.privacy import Ledger
 from fedpers.protocols.base import Protocol, Units
+from fedpers.runtime.local import UnitSource
 
 Tensor = torch.Tensor
 
@@ -50,6 +51,11 @@ class Experiment(abc.ABC):
     @abc.abstractmethod
     def units(self, cfg: Any, ids: Tensor) -> Units:
         """Data of the units with these global ids (what a client holds)."""
+
+    def unit_source(self, cfg: Any) -> UnitSource:
+        """Every unit for the local runtime: here held in memory (loaded once for all rounds);
+        an experiment whose units are cheap to regenerate streams them chunk by chunk instead."""
+        return UnitSource.of(self.units(cfg, torch.arange(self.num_units(cfg))))
 
     @abc.abstractmethod
     def evaluator(self, cfg: Any, protocol: Protocol) -> Evaluator: ...

@@ -140,20 +140,23 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
         U = state["U"]
         return {"subspace_error": metrics.subspace_error(U, self.u_star), "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star)}
 
-    def of_candidate(self, U: Tensor) -> dict[str, float | None]:
-        v = self.expmech.personalize(U, self.units)
-        return self.of_models(U.to(v.dtype) @ v.unsqueeze(-1), U)
+    def candidate_fit(self, U: Tensor) -> altmin.Fit:
+        """Users fit v with ||v|| ≤ C on their second half (Algorithm 4, step 4)."""
+        return lambda units: U.to(self.expmech.dtype) @ self.expmech.personalize(U, units).unsqueeze(-1)
 
     def final(self, state: Any) -> dict[str, Any]:
-        out: dict[str, Any] = self.of_candidate(state["U"])
-        out["candidates"] = int(state["candidates"].shape[0])
-        baselines = self.baselines()
+        fits = {"private": (self.candidate_fit(state["U"]), state["U"])}
+        fits.update(self.baseline_fits())
         if self.u_star is not None:
             cands = state["candidates"].double()
             proj = cands - self.u_star.double() @ (self.u_star.double().T @ cands)
-            nearest = int(torch.linalg.matrix_norm(proj).argmin())
-            baselines["nearest_candidate"] = self.of_candidate(state["candidates"][nearest])
-        out["baselines"] = baselines
+            nearest = state["candidates"][int(torch.linalg.matrix_norm(proj).argmin())]
+            fits["nearest_candidate"] = (self.candidate_fit(nearest), nearest)
+        results = self.evaluate(fits)
+        out: dict[str, Any] = results.pop("private")
+        out["candidates"] = int(state["candidates"].shape[0])
+        out["baselines"] = results
+        out["baselines_skipped"] = sorted(set(altmin.BASELINES) - set(results))
         return out
 
 
@@ -171,6 +174,9 @@ class ExpMechExperiment(altmin.AltMinExperiment):
 
     def units(self, cfg: ExpMechConfig, ids: Tensor) -> dict[str, Tensor]:
         return super().units(altmin_config(cfg), ids)
+
+    def unit_source(self, cfg: ExpMechConfig) -> altmin.UnitSource:
+        return super().unit_source(altmin_config(cfg))
 
     def evaluator(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> ExpMechEvaluator:
         return ExpMechEvaluator(cfg, protocol)

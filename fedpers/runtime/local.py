@@ -1,7 +1,12 @@
-"""The local runtime: every unit batched on one device, in memory-bounded chunks."""
+"""The local runtime: every unit batched on one device, in memory-bounded chunks.
+
+Units come either as tensors already in memory or as a :class:`UnitSource` that produces
+any range of units on demand (synthetic users from (seed, id), rows of a file), so a run
+over a million users never holds more than one chunk of their data.
+"""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -10,6 +15,27 @@ from fedpers.protocols.base import Protocol, Units, client_message
 from fedpers.runtime.driver import ClientReply, RoundRecord, drive
 
 Tensor = torch.Tensor
+
+
+class UnitSource:
+    """Units 0..n−1 produced chunk by chunk by ``load(start, stop)``; nothing is kept between chunks."""
+
+    def __init__(self, num_units: int, load: Callable[[int, int], Units], device: torch.device | str = "cpu") -> None:
+        self.num_units, self.load, self.device = int(num_units), load, torch.device(device)
+
+    @staticmethod
+    def of(units: "Units | UnitSource") -> "UnitSource":
+        """A source over tensors already in memory (views, no copies), or the source itself."""
+        if isinstance(units, UnitSource):
+            return units
+        return UnitSource(num_units(units), lambda start, stop: slice_units(units, start, stop), units["ids"].device)
+
+    def slice(self, start: int, stop: int) -> dict[str, Tensor]:
+        return dict(self.load(start, min(stop, self.num_units)))
+
+    def chunks(self, chunk_size: int) -> Iterator[dict[str, Tensor]]:
+        for start in range(0, self.num_units, chunk_size):
+            yield self.slice(start, start + chunk_size)
 
 
 def slice_units(units: Units, start: int, stop: int) -> dict[str, Tensor]:
@@ -22,7 +48,7 @@ def num_units(units: Units) -> int:
 
 def run_local(
     protocol: Protocol,
-    units: Units,
+    units: Units | UnitSource,
     privatizer: Privatizer,
     *,
     chunk_size: int = 4096,
@@ -32,14 +58,14 @@ def run_local(
     """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    n = num_units(units)
-    device = units["ids"].device
+    source = UnitSource.of(units)
+    n = source.num_units
 
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         message = None
-        for start in range(0, n, chunk_size):
-            part = client_message(protocol, round, broadcast, slice_units(units, start, start + chunk_size))
+        for part_units in source.chunks(chunk_size):
+            part = client_message(protocol, round, broadcast, part_units)
             message = part if message is None else message + part
         return [ClientReply("local", n, message)]
 
-    return drive(protocol, gather, privatizer, on_round=on_round, progress=progress, device=device)
+    return drive(protocol, gather, privatizer, on_round=on_round, progress=progress, device=source.device)

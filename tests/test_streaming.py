@@ -1,0 +1,59 @@
+"""A million users: synthetic users are generated per chunk from (seed, id), never all at once."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fedpers import config
+from fedpers.data import synthetic
+from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment, load_units, unit_source
+
+
+def test_users_generated_in_any_order_and_chunking_equal_the_whole_population():
+    u = synthetic.subspace(0, 6, 2)
+    whole = synthetic.altmin_users(7, torch.arange(3000), u, 8, 0.1)
+    order = torch.randperm(3000, generator=torch.Generator().manual_seed(1))
+    for chunk in (1, 333, 1024, 2999):
+        for start in range(0, 3000, chunk):
+            ids = order[start : start + chunk]
+            part = synthetic.altmin_users(7, ids, u, 8, 0.1)
+            for key in ("x", "y", "v_star"):
+                assert torch.equal(part[key], whole[key][ids]), (chunk, key)
+
+
+def test_the_unit_source_streams_the_same_users_as_direct_loading():
+    cfg = config.build(AltMinConfig, dict(n_users=1000, dim=5, rank=2, samples_per_user=8))
+    source = AltMinExperiment().unit_source(cfg)
+    streamed = torch.cat([c["x"] for c in source.chunks(97)])
+    assert torch.equal(streamed, load_units(cfg, torch.arange(1000))["x"])
+    assert set(next(unit_source(cfg).chunks(10))) >= {"ids", "x", "y", "v_star"}
+
+
+PEAK = """
+import json, resource, sys
+from fedpers import config
+from fedpers.experiments import EXPERIMENTS
+from fedpers.runner import execute
+exp = EXPERIMENTS["altmin"]
+cfg = config.build(exp.config_type, dict(n_users=int(sys.argv[1]), dim=20, rank=2, samples_per_user=40, chunk_size=2048))
+result = execute(exp, cfg, write=False, progress=False)
+print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "error": result["subspace_error"]}))
+"""
+
+
+def peak_bytes(n: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", PEAK, str(n)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_peak_memory_does_not_grow_with_the_number_of_users():
+    """n and 4n users (d = 20, m = 40): materialised, the extra 3n users' samples alone are 0.5 GB."""
+    small, large = peak_bytes(25_000), peak_bytes(100_000)
+    extra_data = 75_000 * 40 * 21 * 8
+    assert large["peak"] - small["peak"] < 0.25 * extra_data, (small, large)
+    assert large["error"] < small["error"]  # more users, a better subspace: the run did its work
