@@ -24,9 +24,10 @@ accountant's discretisation of the tiny noise it calibrates takes minutes (ε = 
 
 def meta(
     help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None,
-    flag: str | None = None, inf_ok: bool = False,
+    flag: str | None = None, inf_ok: bool = False, words: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "flag": flag, "inf_ok": inf_ok}
+    """``words`` maps spellings a user may give (e.g. ``auto``) to the field's value for them."""
+    return {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "flag": flag, "inf_ok": inf_ok, "words": dict(words or {})}
 
 
 def field(default: Any, help: str, **bounds: Any) -> Any:
@@ -116,6 +117,8 @@ def build(cls: type[T], values: Mapping[str, Any]) -> T:
     unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    words = {f.name: f.metadata.get("words") or {} for f in dataclasses.fields(cls)}
+    values = {k: words[k].get(v, v) if isinstance(v, str) else v for k, v in values.items()}
     cfg = cls(**{k: _coerce(k, types[k], v) for k, v in values.items()})
     validate(cfg)
     return cfg

@@ -97,7 +97,7 @@ def execute(
         if options.runtime is Runtime.LOCAL:
             from fedpers.runtime.local import run_local
 
-            chunk = getattr(cfg, "chunk_size", 4096)
+            chunk = experiment.chunk_size(cfg)
             source = experiment.unit_source(cfg)
             state, _ = run_local(protocol, source, privatizer, chunk_size=chunk, on_round=on_round, progress=progress)
         else:

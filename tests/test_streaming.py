@@ -57,3 +57,14 @@ def test_peak_memory_does_not_grow_with_the_number_of_users():
     extra_data = 75_000 * 40 * 21 * 8
     assert large["peak"] - small["peak"] < 0.25 * extra_data, (small, large)
     assert large["error"] < small["error"]  # more users, a better subspace: the run did its work
+
+
+def test_chunk_size_auto_is_decided_from_memory_and_said():
+    cfg = config.build(AltMinConfig, dict(n_users=300_000, dim=50, rank=2, samples_per_user=40, chunk_size="auto"))
+    exp = AltMinExperiment()
+    chosen = exp.chunk_size(cfg)
+    assert cfg.chunk_size == 0 and 64 <= chosen <= 65536
+    assert exp.chunk_size(cfg) == chosen  # decided once: every pass of a run chunks alike
+    assert f"{chosen} users per chunk" in exp.plan(cfg)[0]
+    with pytest.raises(ValueError, match="chunk_size must be of type int"):
+        config.build(AltMinConfig, dict(chunk_size="big"))

@@ -42,7 +42,7 @@ class AltMinConfig:
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     data: Path | None = field(None, "per-user data file (.npz, schema in the README) instead of synthetic data")
-    chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory)", ge=1)
+    chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)", ge=0, words={"auto": 0})
     baselines: str = field("all", "baselines to run: all, none, or a comma list of nonprivate_altmin, local_only, private_init_only, oracle")
 
     def check(self) -> None:
@@ -79,14 +79,29 @@ def _file(path: str, rank: int) -> dict[str, Tensor]:
 
 
 def resolve(cfg: AltMinConfig) -> AltMinConfig:
-    """With ``data`` set, n, m and d come from the file (and the file is checked now, before any work)."""
-    if cfg.data is None:
-        return cfg
-    arrays = _file(str(cfg.data), cfg.rank)
-    n, m, d = arrays["x"].shape
-    out = replace(cfg, n_users=int(n), samples_per_user=int(m), dim=int(d))
-    out.check()
-    return out
+    """With ``data`` set, n, m and d come from the file (and the file is checked now, before any
+    work); ``chunk_size`` auto (0) becomes a number."""
+    if cfg.data is not None:
+        arrays = _file(str(cfg.data), cfg.rank)
+        n, m, d = arrays["x"].shape
+        cfg = replace(cfg, n_users=int(n), samples_per_user=int(m), dim=int(d))
+        cfg.check()
+    if cfg.chunk_size == 0:
+        cfg = replace(cfg, chunk_size=auto_chunk_size(cfg.n_users, cfg.samples_per_user, cfg.dim, cfg.dtype))
+    return cfg
+
+
+AUTO_CHUNK_MEMORY_SHARE = 0.25
+
+
+@lru_cache(maxsize=8)
+def auto_chunk_size(n: int, m: int, d: int, dtype: str) -> int:
+    """Users per chunk using about a quarter of the memory available now (decided once per
+    process, so every pass of a run chunks alike), between 64 and 65,536."""
+    item = 4 if dtype == "float32" else 8
+    per_user = m * (d + 1) * (8 + item) * 2 + (m * d + d * d) * 8 * 3
+    fit = int(memory.available_bytes() * AUTO_CHUNK_MEMORY_SHARE) // per_user
+    return max(64, min(65536, n, fit))
 
 
 def clip_bounds(cfg: AltMinConfig) -> tuple[float, float]:
@@ -110,7 +125,9 @@ def memory_needed(cfg: AltMinConfig) -> dict[str, int]:
 
 
 def check_fits(cfg: AltMinConfig) -> list[str]:
-    return memory.check_fits("altmin", memory_needed(cfg), "use fewer users (--n-users), a smaller --dim or --chunk-size")
+    cfg = resolve(cfg)
+    lines = memory.check_fits("altmin", memory_needed(cfg), "use fewer users (--n-users), a smaller --dim or --chunk-size")
+    return [f"{lines[0]}; {cfg.chunk_size} users per chunk"]
 
 
 def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
@@ -295,6 +312,9 @@ class AltMinExperiment(Experiment):
     def unit_source(self, cfg: AltMinConfig) -> UnitSource:
         return unit_source(cfg, ("ids", "x", "y"))
 
+    def chunk_size(self, cfg: AltMinConfig) -> int:
+        return resolve(cfg).chunk_size
+
     def evaluator(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> AltMinEvaluator:
         return AltMinEvaluator(cfg, protocol)
 
@@ -327,4 +347,5 @@ class AltMinExperiment(Experiment):
             "noise_std_A": protocol.noise_std(protocol.a_bound, protocol.a_sensitivity),
             "noise_std_b": protocol.noise_std(protocol.b_bound),
             "psd_method": protocol.psd.value,
+            "chunk_size": resolve(cfg).chunk_size,
         }

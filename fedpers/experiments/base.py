@@ -52,6 +52,10 @@ class Experiment(abc.ABC):
     def units(self, cfg: Any, ids: Tensor) -> Units:
         """Data of the units with these global ids (what a client holds)."""
 
+    def chunk_size(self, cfg: Any) -> int:
+        """Units per batch on the local runtime."""
+        return int(getattr(cfg, "chunk_size", 4096))
+
     def unit_source(self, cfg: Any) -> UnitSource:
         """Every unit for the local runtime: here held in memory (loaded once for all rounds);
         an experiment whose units are cheap to regenerate streams them chunk by chunk instead."""

@@ -43,7 +43,7 @@ class ExpMechConfig:
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     data: Path | None = field(None, "per-user data file (.npz, the altmin schema) instead of synthetic data")
-    chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory)", ge=1)
+    chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)", ge=0, words={"auto": 0})
 
     def check(self) -> None:
         altmin_config(self).check()
@@ -177,6 +177,9 @@ class ExpMechExperiment(altmin.AltMinExperiment):
 
     def unit_source(self, cfg: ExpMechConfig) -> altmin.UnitSource:
         return super().unit_source(altmin_config(cfg))
+
+    def chunk_size(self, cfg: ExpMechConfig) -> int:
+        return super().chunk_size(altmin_config(cfg))
 
     def evaluator(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> ExpMechEvaluator:
         return ExpMechEvaluator(cfg, protocol)
