@@ -1,8 +1,11 @@
 """One private AltMin round over a cohort of 100,000 users (d=100, k=5, m=40, float32, CPU).
 
-Times, in one run: the client statistics in Kronecker form (what fedpers uses), the same
-statistics from per-sample vectors w_ij (one big GEMM), and the naive per-sample outer
-products w_ij w_ijᵀ (on a subset, extrapolated); then the whole round (local solves,
+Times, in one run: the client statistics in Kronecker form (what fedpers uses: Gram matrices
+fused per block into one GEMM with the products v_a v_b), the previous form (every user's
+Gram matrix first, then the Kronecker GEMM), a plain torch GEMM of the tight flop count
+(2·n·(|Q2|·d² + k²·d²): X_jᵀX_j plus the Kronecker accumulation) in float32 and float64,
+the same statistics from per-sample vectors w_ij (one big GEMM), and the naive per-sample
+outer products w_ij w_ijᵀ (on a subset, extrapolated); then the whole round (local solves,
 statistics, noise, PSD floor, solve, QR). Prints ratios and the process's peak memory.
 
     python benchmarks/altmin_round.py [--users 100000] [--naive-users 200]
@@ -45,6 +48,42 @@ def naive_outer(p: AltMinProtocol, U, x, y, batch: int = 64):
     return A, (yt.unsqueeze(-1) * w).sum(0)
 
 
+def gram_then_kronecker(p: AltMinProtocol, U, x, y):
+    """The previous form: all users' X_jᵀX_j (n, d, d) first, then one (k², n)·(n, d²) GEMM."""
+    q = p.quarter
+    v_hat, log_v = linalg.directions(p.local_solve(U, x[:, :q], y[:, :q]))
+    x_hat, log_x = linalg.directions(x[:, q : 2 * q])
+    xc = x_hat * linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, p.eta).to(x.dtype).unsqueeze(-1)
+    return linalg.kron_vvT_sum(v_hat, xc.transpose(1, 2) @ xc)
+
+
+def gemm_seconds(flops: float, dtype: torch.dtype, size: int = 2048, reps: int = 3) -> float:
+    """Seconds a plain square GEMM takes for ``flops`` (best of ``reps``, scaled from one size)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    best = min(timed(torch.matmul, a, b)[1] for _ in range(reps))
+    return best * flops / (2 * size**3)
+
+
+def statistics_vs_gemm(n: int, d: int, k: int, m: int, chunk: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(fused, previous form, GEMM of the tight flop count) seconds for n users, best of 2."""
+    u = synthetic.subspace(0, d, k, dtype)
+    units = synthetic.altmin_users(0, torch.arange(n), u, m, 0.1, dtype)
+    p = AltMinProtocol(n_users=n, dim=d, rank=k, samples_per_user=m, rounds=1, eta=0.7 * (d * k) ** 0.5, zeta=2.0 * (k + 0.01) ** 0.5,
+                       noise_multiplier=3.0, cohorts=Cohorts.ALL, dtype_name=str(dtype).split(".")[-1])
+    U = linalg.orthonormal_basis(u + 0.1 * torch.randn(d, k, generator=torch.Generator().manual_seed(1), dtype=dtype))
+
+    def over_chunks(fn):
+        def go():
+            for s in range(0, n, chunk):
+                fn(p, U, units["x"][s : s + chunk], units["y"][s : s + chunk])
+        return min(timed(go)[1] for _ in range(2))
+
+    fused = over_chunks(lambda p_, U_, x, y: p_.round_statistics(U_, x, y))
+    previous = over_chunks(gram_then_kronecker)
+    flops = 2.0 * n * (p.quarter * d * d + k * k * d * d)
+    return fused, previous, gemm_seconds(flops, dtype)
+
+
 def timed(fn, *args):
     start = time.perf_counter()
     out = fn(*args)
@@ -59,9 +98,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=40)
     ap.add_argument("--naive-users", type=int, default=200)
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--gemm-users", type=int, default=20_000, help="users for the statistics-vs-GEMM comparison")
     args = ap.parse_args()
     n, d, k, m = args.users, args.dim, args.rank, args.samples
     torch.set_num_threads(torch.get_num_threads())
+    for dtype in (torch.float32, torch.float64):
+        fused, previous, gemm = statistics_vs_gemm(args.gemm_users, d, k, m, args.chunk, dtype)
+        print(f"{str(dtype)[6:]}: client statistics {fused:.3f} s (previous form {previous:.3f} s), GEMM of the tight flop count "
+              f"{gemm:.3f} s -> statistics/GEMM {fused / gemm:.2f}x (previous form {previous / gemm:.2f}x; target <= 3x)")
     u = synthetic.subspace(0, d, k, torch.float32)
     t0 = time.perf_counter()
     units = synthetic.altmin_users(0, torch.arange(n), u, m, 0.1, torch.float32)

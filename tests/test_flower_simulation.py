@@ -30,28 +30,37 @@ ROOT = Path(__file__).resolve().parents[1]
 EXP = EXPERIMENTS["altmin"]
 
 
+def start_ray(log: Path, temp: Path, *, head_port: int | None = None, join: str | None = None, cpus: int = 2) -> subprocess.Popen:
+    """``ray start --block`` on 127.0.0.1 with free ports: a head (``head_port``) or a worker joining ``join``."""
+    cmd = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address=127.0.0.1",
+        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", f"--num-cpus={cpus}",
+        "--disable-usage-stats",
+    ]
+    if join is None:
+        cmd += ["--head", f"--port={head_port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false", f"--temp-dir={temp}"]
+    else:
+        cmd += [f"--address={join}"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "Ray runtime started" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_processes([proc])
+            raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc
+
+
 @pytest.fixture(scope="module")
 def ray_address(tmp_path_factory):
     """A Ray head on 127.0.0.1 with free ports; stopped (with all its processes) at the end."""
     temp = Path("/tmp") / f"fedpers-ray-{os.getpid()}"
-    log = tmp_path_factory.mktemp("ray") / "head.log"
     port = free_port()
-    cmd = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-        f"--port={port}", f"--ray-client-server-port={free_port()}", f"--node-manager-port={free_port()}",
-        f"--object-manager-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-        f"--metrics-export-port={free_port()}", "--include-dashboard=false", "--num-cpus=2",
-        "--disable-usage-stats", f"--temp-dir={temp}",
-    ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_ray(tmp_path_factory.mktemp("ray") / "head.log", temp, head_port=port)
     try:
-        deadline = time.monotonic() + 120
-        while "Ray runtime started" not in log.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
         stop_processes([proc])
@@ -132,3 +141,27 @@ def test_faulty_ray_clients_are_dropped_and_the_run_completes(ray_address):
     assert privatizer.ledger == clean_ledger
     honest_state, _ = local_state(cfg, noise_seed, keep=honest)
     torch.testing.assert_close(state["U"], honest_state["U"], rtol=0, atol=1e-8)
+
+
+@pytest.mark.slow
+def test_a_two_process_ray_cluster_gives_the_local_result(tmp_path):
+    """`ray start --head` plus a second `ray start --address` worker process (1 CPU each): two
+    client actors of one CPU need both Ray nodes; the result equals the local runtime's."""
+    temp = Path("/tmp") / f"fedpers-ray2-{os.getpid()}"
+    port = free_port()
+    head = start_ray(tmp_path / "head.log", temp, head_port=port, cpus=1)
+    procs = [head]
+    try:
+        procs.append(start_ray(tmp_path / "worker.log", temp, join=f"127.0.0.1:{port}", cpus=1))
+        status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", f"--address=127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+        assert status.stdout.count("node_") == 2, status.stdout
+        cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, dict(n_users=400, dim=5, rank=2, samples_per_user=8, rounds=2, seed=4)))
+        protocol = EXP.protocol(cfg)
+        privatizer = Privatizer(noise_seed)
+        state, records = run_flower(EXP, cfg, protocol, privatizer, options(f"127.0.0.1:{port}", nodes=2), progress=False)
+        local, ledger = local_state(cfg, noise_seed)
+        torch.testing.assert_close(state["U"], local["U"], rtol=0, atol=1e-10)
+        assert privatizer.ledger == ledger and all(r.accepted == 2 for r in records)
+    finally:
+        stop_processes(list(reversed(procs)))
+        shutil.rmtree(temp, ignore_errors=True)
