@@ -13,6 +13,7 @@ from fedpers import linalg, memory, metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
 from fedpers.data.files import load_altmin_npz
+from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
@@ -43,7 +44,7 @@ class AltMinConfig:
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     data: Path | None = field(None, "per-user data file (.npz, schema in the README) instead of synthetic data")
     chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)", ge=0, words={"auto": 0})
-    baselines: str = field("all", "baselines to run: all, none, or a comma list of nonprivate_altmin, local_only, private_init_only, oracle")
+    baselines: str = field("all", "baselines to run: all, none, or a comma list of nonprivate_altmin, clipped_no_noise, local_only, private_init_only, oracle")
 
     def check(self) -> None:
         baseline_names(self.baselines)
@@ -56,7 +57,7 @@ class AltMinConfig:
         check_device_and_dtype(self.device, self.dtype)
 
 
-BASELINES = ("nonprivate_altmin", "local_only", "private_init_only", "oracle")
+BASELINES = ("nonprivate_altmin", "clipped_no_noise", "local_only", "private_init_only", "oracle")
 
 
 def baseline_names(text: str) -> tuple[str, ...]:
@@ -281,9 +282,13 @@ class AltMinEvaluator(Evaluator):
         wanted = baseline_names(self.cfg.baselines)
         fits: dict[str, tuple[Fit, Tensor | None]] = {}
         if "nonprivate_altmin" in wanted:
-            nonprivate = make_protocol(self.cfg, private=False)
-            np_state, _ = run_local(nonprivate, self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
-            fits["nonprivate_altmin"] = (self.subspace_fit(np_state["U"]), np_state["U"])
+            U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size)
+            U = U.to(getattr(torch, self.cfg.dtype))
+            fits["nonprivate_altmin"] = (self.subspace_fit(U), U)  # the same final local solve as every row
+        if "clipped_no_noise" in wanted:
+            clipped = replace(self.protocol, noise_multiplier=0.0)
+            c_state, _ = run_local(clipped, self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
+            fits["clipped_no_noise"] = (self.subspace_fit(c_state["U"]), c_state["U"])
         if "local_only" in wanted:
             fits["local_only"] = (self.local_only_fit, None)
         if "private_init_only" in wanted and self.init_U is not None:
