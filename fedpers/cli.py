@@ -39,26 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
     from fedpers.experiments import EXPERIMENTS
     from fedpers.runner import RuntimeOptions
 
-    parser = argparse.ArgumentParser(prog="fedpers", description="Federated simulator for DP personalization (billboard model).")
+    parser = argparse.ArgumentParser(prog="fedpers", description="Federated simulator for DP personalization (billboard model).", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one algorithm and write a run directory")
+    run = sub.add_parser("run", help="run one algorithm and write a run directory", allow_abbrev=False)
     algos = run.add_subparsers(dest="algorithm", required=True)
     for name, exp in EXPERIMENTS.items():
-        p = algos.add_parser(name, help=(exp.__doc__ or name).strip().splitlines()[0])
+        p = algos.add_parser(name, help=(exp.__doc__ or name).strip().splitlines()[0], allow_abbrev=False)
         p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
         p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
         p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
         _add_fields(p.add_argument_group(f"{name} options"), exp.config_type)
         _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
-    sw = sub.add_parser("sweep", help="run a grid from a TOML file; write a table and figures")
+    sw = sub.add_parser("sweep", help="run a grid from a TOML file; write a table and figures", allow_abbrev=False)
     sw.add_argument("file", type=Path)
     sw.add_argument("--out", type=Path, help="output directory (default: runs/sweep-<name>-<time>)")
     sw.add_argument("--repetitions", type=int, help="override the number of Monte-Carlo repetitions")
     sw.add_argument("--quiet", action="store_true")
-    pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)")
+    pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
-    pr.add_argument("--accountant", choices=["pld", "rdp"], default=None, help="re-account with this accountant")
+    pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
+    pr.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
 
@@ -149,20 +150,34 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_privacy(args: argparse.Namespace) -> int:
-    from fedpers.privacy_report import privacy_report
+    from fedpers.privacy_report import privacy_report, privacy_summary
+    from fedpers.results import dumps
 
-    print(privacy_report(args.run_dir, args.accountant))
+    print(dumps(privacy_summary(args.run_dir, args.accountant), indent=None) if args.json else privacy_report(args.run_dir, args.accountant))
     return 0
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    """SIGTERM ends a run the way Ctrl-C does: its records (ledger, error.json) are written."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import os
+    import signal
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return {"run": cmd_run, "sweep": cmd_sweep, "privacy": cmd_privacy}[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fedpers privacy RUN | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -3,9 +3,27 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from fedpers.privacy import Accountant, Ledger, ledger_epsilon
 from fedpers.results import read_run
+
+
+def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[str, Any]:
+    """The (ε, δ) of the releases a run actually made (complete or not) and its ledger."""
+    run = read_run(run_dir)
+    cfg = run["config"]
+    ledger = Ledger.from_json(run["ledger_text"])
+    delta = float(cfg.get("delta", 1e-5))
+    acc = Accountant(accountant or cfg.get("accountant", "pld"))
+    neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
+    return {
+        "run_dir": str(run_dir), "algorithm": cfg.get("algorithm"), "complete": run["complete"],
+        "releases": len(ledger), "epsilon": ledger_epsilon(ledger, delta, acc), "delta": delta, "accountant": acc.value,
+        "neighbouring": neighbours, "groups": len(ledger.groups()),
+        "paper_epsilon_same_noise": run.get("result", {}).get("privacy", {}).get("paper_epsilon_same_noise"),
+        "error": run.get("error", {}).get("error"), "ledger": [r.to_dict() for r in ledger],
+    }
 
 
 def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
@@ -14,7 +32,8 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     ledger = Ledger.from_json(run["ledger_text"])
     delta = float(cfg.get("delta", 1e-5))
     acc = Accountant(accountant or cfg.get("accountant", "pld"))
-    lines = [f"run: {run_dir}  algorithm: {cfg.get('algorithm')}  releases: {len(ledger)}", ""]
+    status = "" if run["complete"] else "  INCOMPLETE: the run did not finish; these are the releases it made"
+    lines = [f"run: {run_dir}  algorithm: {cfg.get('algorithm')}  releases: {len(ledger)}{status}", ""]
     lines.append(f"{'round':>5} {'name':<16} {'mechanism':<19} {'units':<10} {'bound':>10} {'sensitivity':>11} {'noise std':>10} {'z':>8}")
     for r in ledger:
         z = r.noise_multiplier

@@ -44,7 +44,24 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def default_run_dir(algorithm: str, seed: int) -> Path:
-    return Path("runs") / f"{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}-s{seed}"
+    """runs/<algorithm>-<time>-s<seed>, with -2, -3, … if runs started in the same second took it.
+
+    The directory is created here (an atomic mkdir), so concurrent starts never share one.
+    """
+    base = Path("runs") / f"{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}-s{seed}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 10_000):
+        path = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ValueError(f"out: no free run directory next to {base}")
+
+
+LEDGER_LOG = "ledger.jsonl"
+"""One line per noisy release, appended (and flushed to disk) the moment it is drawn."""
 
 
 class RunDirectory:
@@ -56,6 +73,13 @@ class RunDirectory:
             raise ValueError(f"out: {self.path} already holds a run; choose another --out")
         self.path.mkdir(parents=True, exist_ok=True)
         self._rounds = open(self.path / "rounds.jsonl", "w")
+        self._releases = open(self.path / LEDGER_LOG, "w")
+
+    def append_release(self, release: Any) -> None:
+        """Record one release durably before anything else happens (a killed run keeps it)."""
+        self._releases.write(dumps(release.to_dict(), indent=None) + "\n")
+        self._releases.flush()
+        os.fsync(self._releases.fileno())
 
     def write_json(self, name: str, value: Any) -> None:
         write_atomic(self.path / name, dumps(value) + "\n")
@@ -72,6 +96,7 @@ class RunDirectory:
 
     def close(self) -> None:
         self._rounds.close()
+        self._releases.close()
 
     def plot_rounds(self, rounds: list[Mapping[str, Any]], keys: Iterable[str], title: str) -> list[str]:
         """One PNG per key: the metric against the round."""
@@ -115,5 +140,11 @@ def read_run(path: str | Path) -> dict[str, Any]:
             out[name.removesuffix(".json")] = json.loads((path / name).read_text())
     rounds = path / "rounds.jsonl"
     out["rounds"] = [json.loads(line) for line in rounds.read_text().splitlines() if line.strip()] if rounds.is_file() else []
-    out["ledger_text"] = (path / "ledger.json").read_text() if (path / "ledger.json").is_file() else "[]"
+    if (path / "ledger.json").is_file():
+        out["ledger_text"] = (path / "ledger.json").read_text()
+    else:  # killed before the end: the per-release log is the record
+        log = path / LEDGER_LOG
+        lines = [line for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+        out["ledger_text"] = "[" + ",".join(lines) + "]"
+    out["complete"] = "result" in out
     return out

@@ -80,10 +80,13 @@ def execute(
     cfg, noise_seed = split_seed(user_cfg)
     protocol = experiment.protocol(cfg)
     evaluator = experiment.evaluator(cfg, protocol)
-    run_dir = RunDirectory(out or default_run_dir(experiment.name, getattr(user_cfg, "seed", 0))) if write else None
+    run_dir = None
+    if write:
+        run_dir = RunDirectory(out) if out else RunDirectory(default_run_dir(experiment.name, getattr(user_cfg, "seed", 0)))
     rounds: list[dict[str, Any]] = []
     privatizer = Privatizer(noise_seed, secure=options.secure_noise)
     if run_dir is not None:
+        privatizer.ledger.on_append = run_dir.append_release
         run_dir.write_json("config.json", {"algorithm": experiment.name, **config_lib.to_dict(user_cfg), "runtime": config_lib.to_dict(options)})
         run_dir.write_json("constants.json", experiment.describe(cfg, protocol))
 
@@ -104,6 +107,10 @@ def execute(
             from fedpers.runtime.flower import run_flower
 
             state, _ = run_flower(experiment, cfg, protocol, privatizer, options, on_round=on_round, progress=progress, grid=grid)
+        if run_dir is not None:  # the private result is kept before any evaluation can fail
+            run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])
+            if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
+                run_dir.write_arrays("final_state.npz", state)
         final = evaluator.final(state)
     except BaseException as e:
         if run_dir is not None:
@@ -122,9 +129,6 @@ def execute(
         "seconds": time.perf_counter() - start,
     }
     if run_dir is not None:
-        run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])
-        if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
-            run_dir.write_arrays("final_state.npz", state)
         result["plots"] = run_dir.plot_rounds(rounds, experiment.plot_keys(), f"{experiment.name}, ε={privacy.get('target_epsilon', '?')}")
         result["run_dir"] = str(run_dir.path)
         run_dir.write_json("result.json", result)

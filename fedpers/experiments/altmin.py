@@ -265,13 +265,24 @@ class AltMinEvaluator(Evaluator):
         return linalg.batched_ridge_solve(units["x"].double(), units["y"].double(), LOCAL_ONLY_RIDGE)
 
     def final(self, state: Any) -> dict[str, Any]:
-        fits = {"private": (self.subspace_fit(state["U"]), state["U"])}
-        fits.update(self.baseline_fits())
-        results = self.evaluate(fits)
+        private = {"private": (self.subspace_fit(state["U"]), state["U"])}
+        return self.with_baselines(private)
+
+    def with_baselines(self, private: Mapping[str, tuple[Fit, Tensor | None]], extra: Mapping[str, tuple[Fit, Tensor | None]] | None = None) -> dict[str, Any]:
+        """The private fit's metrics with the baselines' beside it, in one pass; a baseline that
+        fails (out of memory, say) leaves the private metrics and says why."""
+        error = ""
+        try:
+            results = self.evaluate({**private, **self.baseline_fits(), **(extra or {})})
+        except (RuntimeError, MemoryError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+            results = self.evaluate(private)
         out: dict[str, Any] = results.pop("private")
         skipped = [k for k in ("subspace_error", "excess_risk") if k not in out or out[k] is None]
         out["baselines"] = results
         out["baselines_skipped"] = sorted(set(BASELINES) - set(results))
+        if error:
+            out["baselines_error"] = error
         if skipped:
             out["skipped_metrics"] = {k: "the data has no true U*/v*" for k in skipped}
         return out

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import dp_accounting
 
@@ -106,11 +106,15 @@ class Ledger:
 
     def __init__(self, releases: list[Release] | None = None) -> None:
         self._releases: list[Release] = list(releases or [])
+        self.on_append: Callable[[Release], None] | None = None
+        """Called with each release as it is appended (a run directory writes it to disk)."""
 
     def append(self, release: Release) -> None:
         if not isinstance(release, Release):
             raise TypeError(f"expected a Release, got {type(release).__name__}")
         self._releases.append(release)
+        if self.on_append is not None:
+            self.on_append(release)
 
     def __iter__(self) -> Iterator[Release]:
         return iter(self._releases)

@@ -1,0 +1,71 @@
+"""Run records a researcher can trust: a killed run's releases are on disk, SIGTERM keeps records."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fedpers.privacy_report import privacy_report, privacy_summary
+from fedpers.results import LEDGER_LOG, default_run_dir
+
+CMD = [sys.executable, "-m", "fedpers", "run", "altmin", "--n-users", "40000", "--dim", "20", "--rounds", "3", "--quiet"]
+
+
+def start(out: Path) -> subprocess.Popen:
+    return subprocess.Popen(CMD + ["--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_for_releases(out: Path, count: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    log = out / LEDGER_LOG
+    while not (log.is_file() and len(log.read_text().splitlines()) >= count):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before its releases"
+        time.sleep(0.05)
+
+
+def test_a_killed_run_reports_the_releases_it_made(tmp_path):
+    out = tmp_path / "killed"
+    proc = start(out)
+    wait_for_releases(out, 3, proc)
+    proc.kill()
+    proc.wait()
+    summary = privacy_summary(out)
+    assert not summary["complete"] and summary["releases"] >= 3 and summary["epsilon"] > 0
+    assert "INCOMPLETE" in privacy_report(out).splitlines()[0]
+
+
+def test_sigterm_leaves_the_records_ctrl_c_leaves(tmp_path):
+    out = tmp_path / "terminated"
+    proc = start(out)
+    wait_for_releases(out, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    assert (out / "error.json").is_file() and (out / "ledger.json").is_file()
+    assert "KeyboardInterrupt" in (out / "error.json").read_text()
+    assert privacy_summary(out)["releases"] >= 1
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths: list[Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(default_run_dir("altmin", 0))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(paths)) == 6 and all(p.is_dir() for p in paths)
+
+
+def test_no_abbreviated_flags_and_no_broken_pipe(tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "fedpers", "run", "altmin", "--n-user", "5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unrecognized arguments: --n-user" in bad.stderr
+    out = tmp_path / "long"  # 1,500 releases: a report far longer than a pipe's buffer
+    subprocess.run([sys.executable, "-m", "fedpers", "run", "noisyhead", "--prompts", "200", "--steps", "1500", "--quiet", "--out", str(out)], check=True, capture_output=True)
+    piped = subprocess.run(f"{sys.executable} -m fedpers privacy {out} | head -1", shell=True, capture_output=True, text=True)
+    assert piped.stdout.startswith("run:") and "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
