@@ -24,7 +24,7 @@ def test_json_has_the_promised_fields_and_the_run_directory_is_complete(tmp_path
     r = run_json(capsys, *SMALL, "--out", str(out))
     for key in ("epsilon", "delta", "noise_multiplier", "subspace_error", "subspace_error_spectral", "excess_risk", "test_mse"):
         assert isinstance(r[key], float), key
-    assert set(r["baselines"]) == {"nonprivate_altmin", "local_only", "oracle", "private_init_only"}
+    assert set(r["baselines"]) == {"nonprivate_altmin", "clipped_no_noise", "local_only", "oracle", "private_init_only"} and r["baselines_skipped"] == []
     assert r["baselines"]["oracle"]["subspace_error"] < 1e-12
     assert r["test_mse"] == pytest.approx(r["excess_risk"] + 0.1**2)
     files = {p.name for p in out.iterdir()}
