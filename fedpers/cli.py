@@ -36,21 +36,21 @@ def _add_fields(parser: argparse.ArgumentParser | Any, cls: type) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fedpers.experiments import EXPERIMENTS
-    from fedpers.runner import RuntimeOptions
+    """The top-level parser. It imports no algorithm: ``fedpers run ALGO ...`` hands the rest of
+    the line to :func:`algorithm_parser`, built only for the algorithm asked for."""
+    from fedpers import __version__
+    from fedpers.experiments import ALGORITHMS
 
     parser = argparse.ArgumentParser(prog="fedpers", description="Federated simulator for DP personalization (billboard model).", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"fedpers {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one algorithm and write a run directory", allow_abbrev=False)
-    algos = run.add_subparsers(dest="algorithm", required=True)
-    for name, exp in EXPERIMENTS.items():
-        p = algos.add_parser(name, help=(exp.__doc__ or name).strip().splitlines()[0], allow_abbrev=False)
-        p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
-        p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
-        p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
-        _add_fields(p.add_argument_group(f"{name} options"), exp.config_type)
-        _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
+    run = sub.add_parser(
+        "run", help="run one algorithm and write a run directory", allow_abbrev=False,
+        description="algorithms:\n" + "\n".join(f"  {name:<12} {text}" for name, (_, _, text) in ALGORITHMS.items())
+        + "\n\n`fedpers run ALGO --help` lists ALGO's flags.", formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("algorithm", choices=list(ALGORITHMS), metavar="ALGO", help="one of: " + ", ".join(ALGORITHMS))
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the algorithm's flags (see fedpers run ALGO --help)")
     sw = sub.add_parser("sweep", help="run a grid from a TOML file; write a table and figures", allow_abbrev=False)
     sw.add_argument("file", type=Path)
     sw.add_argument("--out", type=Path, help="output directory (default: runs/sweep-<name>-<time>)")
@@ -61,6 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
     pr.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
+
+
+def algorithm_parser(name: str) -> argparse.ArgumentParser:
+    """Flags of ``fedpers run NAME``: the algorithm's config fields and the runtime options."""
+    from fedpers.experiments import ALGORITHMS, experiment
+    from fedpers.runner import RuntimeOptions
+
+    exp = experiment(name)
+    p = argparse.ArgumentParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
+    p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
+    p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_fields(p.add_argument_group(f"{name} options"), exp.config_type)
+    _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
+    return p
 
 
 def split_values(cls: type, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,11 +131,15 @@ def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> N
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedpers.experiments import EXPERIMENTS
+    from fedpers.experiments import experiment
     from fedpers.results import dumps
     from fedpers.runner import RuntimeOptions, execute
 
-    exp = EXPERIMENTS[args.algorithm]
+    algorithm = args.algorithm
+    args = algorithm_parser(algorithm).parse_args(args.args)
+    args.algorithm = algorithm
+
+    exp = experiment(args.algorithm)
     values: dict[str, Any] = {}
     if args.config is not None:
         try:
