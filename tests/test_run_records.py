@@ -71,9 +71,9 @@ def test_no_abbreviated_flags_and_no_broken_pipe(tmp_path):
     assert piped.stdout.startswith("run:") and "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
 
 
-def test_help_starts_without_importing_any_algorithm():
+def test_help_starts_without_importing_any_algorithm(tmp_path):
     code = "import sys; from fedpers.cli import build_parser; build_parser(); print(sorted(m for m in ('torch', 'flwr', 'ray', 'dp_accounting') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
     run = "import sys; from fedpers.cli import main; main(['run', 'altmin', '--n-users', '300', '--quiet', '--out', sys.argv[1]]); print('flwr' in sys.modules or 'ray' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", run, "/tmp/fedpers-import-check-" + str(os.getpid())], capture_output=True, text=True, check=True).stdout.strip().endswith("False")
+    assert subprocess.run([sys.executable, "-c", run, str(tmp_path / "run")], capture_output=True, text=True, check=True).stdout.strip().endswith("False")  # noqa: E501
