@@ -56,23 +56,71 @@ class SweepSpec:
         return [(label, {**c, **over}) for label, over in self.series_values.items() for c in combos]
 
 
+TOP_KEYS = ("name", "algorithm", "x", "series", "metrics", "base", "grid", "series_values", "repetitions", "plot")
+PLOT_KEYS = ("xscale", "yscale", "baselines", "layout")
+SCALES = ("log", "linear")
+
+
+def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
+    """Every key and value type of a sweep file, refused with the key's name before any point runs."""
+    unknown = sorted(set(raw) - set(TOP_KEYS))
+    if unknown:
+        raise ValueError(f"sweep: {file}: unknown key(s) {unknown}; allowed: {list(TOP_KEYS)}")
+    for key in ("algorithm", "x", "series", "metrics"):
+        if key not in raw:
+            raise ValueError(f"sweep: {file} lacks required key {key!r}")
+    for key in ("x", "series", "name"):
+        if key in raw and not isinstance(raw[key], str):
+            raise ValueError(f"sweep: {key} must be a string; got {raw[key]!r}")
+    metrics = raw["metrics"]
+    if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
+        raise ValueError(f"sweep: metrics must be a non-empty list of result keys, e.g. [\"excess_risk\"]; got {metrics!r}")
+    for key in ("base", "grid", "series_values", "plot"):
+        if key in raw and not isinstance(raw[key], dict):
+            raise ValueError(f"sweep: [{key}] must be a table; got {raw[key]!r}")
+    for key, values in raw.get("grid", {}).items():
+        if key not in fields:
+            raise ValueError(f"sweep: grid key {key!r} is not a config field; fields: {', '.join(sorted(fields))}")
+        if isinstance(values, list) and not values:
+            raise ValueError(f"sweep: grid.{key} is an empty list; give at least one value")
+    for key in raw.get("base", {}):
+        if key not in fields:
+            raise ValueError(f"sweep: base key {key!r} is not a config field; fields: {', '.join(sorted(fields))}")
+    for label, over in raw.get("series_values", {}).items():
+        if not isinstance(over, dict):
+            raise ValueError(f"sweep: series_values.{label} must be a table of config overrides; got {over!r}")
+    if raw["x"] not in fields:
+        raise ValueError(f"sweep: x = {raw['x']!r} is not a config field; fields: {', '.join(sorted(fields))}")
+    if not raw.get("series_values") and raw["series"] not in fields:
+        raise ValueError(f"sweep: series = {raw['series']!r} is not a config field (or give [series_values]); fields: {', '.join(sorted(fields))}")
+    reps = raw.get("repetitions", 1)
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"sweep: repetitions must be an integer >= 1; got {reps!r}")
+    plot = raw.get("plot", {})
+    unknown = sorted(set(plot) - set(PLOT_KEYS))
+    if unknown:
+        raise ValueError(f"sweep: [plot] unknown key(s) {unknown}; allowed: {list(PLOT_KEYS)}")
+    for key in ("xscale", "yscale"):
+        if key in plot and plot[key] not in SCALES:
+            raise ValueError(f"sweep: plot.{key} must be one of {list(SCALES)}; got {plot[key]!r}")
+
+
 def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
-    from fedpers.experiments import EXPERIMENTS
+    from fedpers.experiments import ALGORITHMS, EXPERIMENTS
 
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"sweep: cannot read {path}: {e}") from None
-    for key in ("algorithm", "x", "series", "metrics"):
-        if key not in raw:
-            raise ValueError(f"sweep: {path.name} lacks required key {key!r}")
-    if raw["algorithm"] not in EXPERIMENTS:
-        raise ValueError(f"sweep: algorithm must be one of {sorted(EXPERIMENTS)}; got {raw['algorithm']!r}")
+    if raw.get("algorithm") not in ALGORITHMS:
+        raise ValueError(f"sweep: algorithm must be one of {sorted(ALGORITHMS)}; got {raw.get('algorithm')!r}")
+    fields = {f.name for f in dataclasses.fields(EXPERIMENTS[raw["algorithm"]].config_type)}
+    _check_structure(raw, fields, path.name)
     grid = {k: (v if isinstance(v, list) else [v]) for k, v in raw.get("grid", {}).items()}
+    if repetitions is not None and (isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1):
+        raise ValueError(f"repetitions must be an integer >= 1; got {repetitions!r}")
     reps = int(repetitions if repetitions is not None else raw.get("repetitions", 1))
-    if reps < 1:
-        raise ValueError(f"repetitions must be >= 1; got {reps}")
     spec = SweepSpec(
         name=str(raw.get("name", path.stem)), algorithm=raw["algorithm"], x=raw["x"], series=raw["series"],
         metrics=tuple(raw["metrics"]), base=dict(raw.get("base", {})), grid=grid,
@@ -110,12 +158,14 @@ def run_point(spec: SweepSpec, overrides: dict[str, Any]) -> list[dict[str, floa
         start = time.perf_counter()
         rows = exp.sweep_point(cfg, spec.repetitions)
         per = (time.perf_counter() - start) / max(len(rows), 1)
+        _check_metrics(spec, rows[0] if rows else {})
         return [{"repetition": r, "seconds": per, **row} for r, row in enumerate(rows)]
     rows = []
     for r in range(spec.repetitions):
         seeded = dataclasses.replace(cfg, seed=cfg.seed + r) if hasattr(cfg, "seed") else cfg
         result = execute(exp, seeded, write=False, progress=False)
         row = {"repetition": r, "seconds": result["seconds"]}
+        _check_metrics(spec, result)
         for key in spec.metrics:
             row[key] = _number(_lookup(result, key))
         row["epsilon_spent"] = _number(_lookup(result, "epsilon"))
@@ -125,6 +175,27 @@ def run_point(spec: SweepSpec, overrides: dict[str, Any]) -> list[dict[str, floa
                     row[f"baselines.{b}.{m}"] = _number(_lookup(result, f"baselines.{b}.{m}"))
         rows.append(row)
     return rows
+
+
+def _check_metrics(spec: SweepSpec, result: dict[str, Any]) -> None:
+    """A metric the result does not have stops the sweep at its first point, naming what it has."""
+    missing = [key for key in spec.metrics if not _has(result, key)]
+    if missing:
+        numeric = sorted(k for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("_"))
+        baselines = sorted(result.get("baselines", {})) if isinstance(result.get("baselines"), dict) else []
+        raise ValueError(
+            f"sweep: metric(s) {missing} not in {spec.algorithm}'s result; available: {', '.join(numeric)}"
+            + (f"; baselines.NAME.METRIC with NAME in {', '.join(baselines)}" if baselines else "")
+        )
+
+
+def _has(result: dict[str, Any], key: str) -> bool:
+    value: Any = result
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
 
 
 def loglog_slope(x: Iterable[float], y: Iterable[float]) -> float:

@@ -1,0 +1,52 @@
+"""A sweep file is checked before any point runs: each bad key kind is refused by name."""
+from __future__ import annotations
+
+import pytest
+
+from fedpers.sweep import load_spec, run_sweep
+
+GOOD = """
+algorithm = "altmin"
+x = "n_users"
+series = "epsilon"
+metrics = ["subspace_error"]
+[base]
+dim = 4
+[grid]
+n_users = [200, 400]
+epsilon = [1.0]
+"""
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda t: t.replace('x = "n_users"', 'x = "n_user"'), "x = 'n_user' is not a config field"),
+        (lambda t: t.replace('series = "epsilon"', 'series = "eps"'), "series = 'eps' is not a config field"),
+        (lambda t: t.replace('metrics = ["subspace_error"]', 'metrics = "subspace_error"'), "metrics must be a non-empty list"),
+        (lambda t: "grid = 5\n" + t.split("[grid]")[0], r"\[grid\] must be a table"),
+        (lambda t: t + "[series_values]\na = 5\n", "series_values.a must be a table"),
+        (lambda t: t.replace("n_users = [200, 400]", "n_users = []"), "grid.n_users is an empty list"),
+        (lambda t: "colour = 1\n" + t, r"unknown key\(s\) \['colour'\]"),
+        (lambda t: "repetitions = 2.7\n" + t, "repetitions must be an integer >= 1"),
+        (lambda t: t + "[plot]\nxscale = \"logarithmic\"\n", "plot.xscale must be one of"),
+        (lambda t: t.replace("dim = 4", "dimm = 4"), "base key 'dimm' is not a config field"),
+        (lambda t: t.replace("epsilon = [1.0]", "epsilon = [1.0]\nrounds = [true]"), "rounds must be of type int"),
+    ],
+)
+def test_bad_sweep_files_are_refused_naming_the_key(tmp_path, change, match):
+    with pytest.raises(ValueError, match=match):
+        load_spec(write(tmp_path, change(GOOD)))
+
+
+def test_a_misspelt_metric_stops_at_the_first_point(tmp_path):
+    path = write(tmp_path, GOOD.replace('"subspace_error"', '"subspace_eror"'))
+    with pytest.raises(ValueError, match=r"metric\(s\) \['subspace_eror'\] not in altmin's result; available: .*subspace_error"):
+        run_sweep(path, out=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "table.csv").exists()
