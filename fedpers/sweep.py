@@ -132,11 +132,12 @@ def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
     return spec
 
 
-def _lookup(result: dict[str, Any], key: str) -> Any:
+def _lookup(result: dict[str, Any], key: str, default: Any = None) -> Any:
+    """``result["a"]["b"]`` for key ``a.b``; ``default`` where the path does not exist."""
     value: Any = result
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
-            return None
+            return default
         value = value[part]
     return value
 
@@ -189,13 +190,11 @@ def _check_metrics(spec: SweepSpec, result: dict[str, Any]) -> None:
         )
 
 
+_MISSING = object()
+
+
 def _has(result: dict[str, Any], key: str) -> bool:
-    value: Any = result
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return False
-        value = value[part]
-    return True
+    return _lookup(result, key, _MISSING) is not _MISSING
 
 
 def loglog_slope(x: Iterable[float], y: Iterable[float]) -> float:
