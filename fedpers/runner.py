@@ -87,6 +87,10 @@ def execute(
     privatizer = Privatizer(noise_seed, secure=options.secure_noise)
     if run_dir is not None:
         privatizer.ledger.on_append = run_dir.append_release
+        from fedpers.provenance import provenance
+
+        record = provenance()
+        run_dir.write_json("provenance.json", record)
         run_dir.write_json("config.json", {"algorithm": experiment.name, **config_lib.to_dict(user_cfg), "runtime": config_lib.to_dict(options)})
         run_dir.write_json("constants.json", experiment.describe(cfg, protocol))
 
@@ -129,6 +133,7 @@ def execute(
         "seconds": time.perf_counter() - start,
     }
     if run_dir is not None:
+        run_dir.write_json("provenance.json", {**record, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         result["plots"] = run_dir.plot_rounds(rounds, experiment.plot_keys(), f"{experiment.name}, ε={privacy.get('target_epsilon', '?')}")
         result["run_dir"] = str(run_dir.path)
         run_dir.write_json("result.json", result)

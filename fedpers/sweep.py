@@ -280,6 +280,9 @@ def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int 
     if (out / "table.csv").exists():
         raise ValueError(f"out: {out} already holds a sweep; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
+    from fedpers.provenance import provenance
+
+    write_atomic(out / "provenance.json", dumps(provenance()) + "\n")
     rows: list[dict[str, Any]] = []
     points = spec.points()
     bar = tqdm(points, desc=f"sweep {spec.name}", unit="point", disable=not progress)

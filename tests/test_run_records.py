@@ -77,3 +77,16 @@ def test_help_starts_without_importing_any_algorithm(tmp_path):
     assert out == "[]"
     run = "import sys; from fedpers.cli import main; main(['run', 'altmin', '--n-users', '300', '--quiet', '--out', sys.argv[1]]); print('flwr' in sys.modules or 'ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", run, str(tmp_path / "run")], capture_output=True, text=True, check=True).stdout.strip().endswith("False")  # noqa: E501
+
+
+def test_runs_record_what_produced_them(tmp_path):
+    import json
+
+    from fedpers.cli import main
+
+    assert main(["run", "altmin", "--n-users", "300", "--quiet", "--out", str(tmp_path / "r")]) == 0
+    record = json.loads((tmp_path / "r" / "provenance.json").read_text())
+    assert record["fedpers"] and record["python"] and record["started"] <= record["finished"]
+    assert set(record["libraries"]) >= {"torch", "flwr", "ray", "dp-accounting"} and all(record["libraries"].values())
+    assert record["git"] is None or (len(record["git"]["commit"]) == 40 and isinstance(record["git"]["dirty"], bool))
+    assert record["command"][:1] != []
