@@ -88,11 +88,18 @@ class AltMinProtocol(Protocol):
         delta = 2 * bound if sensitivity is None else sensitivity
         return self.noise_multiplier * delta / 2 if self.noise_multiplier > 0 else 0.0
 
+    def permutation(self) -> Tensor:
+        """The public permutation of all n users that the disjoint cohorts cut into T parts."""
+        if "perm" not in self._cohort_cache:
+            g = torch.Generator().manual_seed(self.cohort_seed)
+            self._cohort_cache["perm"] = torch.randperm(self.n_users, generator=g)
+        return self._cohort_cache["perm"]
+
     def cohort_digest(self) -> str:
-        """SHA-256 of the public user permutation behind the disjoint cohorts (recorded per release)."""
-        g = torch.Generator().manual_seed(self.cohort_seed)
-        perm = torch.randperm(self.n_users, generator=g).numpy().astype("<i8")
-        return hashlib.sha256(perm.tobytes()).hexdigest()
+        """SHA-256 of :meth:`permutation` (recorded per release, so a reader can check the cohorts)."""
+        if "digest" not in self._cohort_cache:
+            self._cohort_cache["digest"] = hashlib.sha256(self.permutation().numpy().astype("<i8").tobytes()).hexdigest()
+        return self._cohort_cache["digest"]
 
     def release_params(self, statistic: str) -> dict[str, Any]:
         """Public inputs of a release's bound, written into the ledger."""
@@ -125,8 +132,7 @@ class AltMinProtocol(Protocol):
         """Cohort (1..T) of each user id, from a public permutation of all n users."""
         key = str(ids.device)
         if key not in self._cohort_cache:
-            g = torch.Generator().manual_seed(self.cohort_seed)
-            perm = torch.randperm(self.n_users, generator=g)
+            perm = self.permutation()
             position = torch.empty_like(perm)
             position[perm] = torch.arange(self.n_users)
             self._cohort_cache[key] = (position * self.rounds // self.n_users + 1).to(ids.device)
