@@ -20,9 +20,9 @@ TESTS = ["tests/test_privacy_e2e.py", "tests/test_ledger_params.py", "tests/test
 MUTATIONS: dict[str, tuple[str, str, str]] = {
     "A clip removed": (
         ALTMIN,
-        "A = linalg.kron_vvT_sum(v_hat, xc.transpose(1, 2) @ xc)",
+        "A = linalg.kron_gram_sum(v_hat, xc)",
         "xa = x_hat * linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, math.inf).to(x.dtype).unsqueeze(-1)\n"
-        "        A = linalg.kron_vvT_sum(v_hat, xa.transpose(1, 2) @ xa)",
+        "        A = linalg.kron_gram_sum(v_hat, xa)",
     ),
     "init label clip removed": (
         ALTMIN,
