@@ -18,7 +18,7 @@ from tests.flower_support import InProcessGrid
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour
 
 EXP = EXPERIMENTS["fedrep"]
-SMALL = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=2, epsilon=2.0, clip=1.0)
+SMALL = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=2, epsilon=2.0, clip=1.0, baselines="none")
 
 
 def setup(values: dict):

@@ -17,9 +17,12 @@ from fedpers import metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
-from fedpers.privacy import Accountant, Ledger, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.experiments.altmin import AltMinConfig
+from fedpers.experiments.altmin import make_protocol as altmin_protocol
+from fedpers.experiments.altmin_baselines import nonprivate_altmin
+from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
-from fedpers.runtime.local import UnitSource
+from fedpers.runtime.local import UnitSource, run_local
 
 Tensor = torch.Tensor
 
@@ -44,11 +47,30 @@ class FedRepConfig:
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
+    baselines: str = field("all", "baselines on the same users: all, none, or a comma list of priv_altmin, nonprivate_altmin")
 
     def check(self) -> None:
+        baseline_names(self.baselines)
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         check_device_and_dtype(self.device, self.dtype)
+
+
+BASELINES = ("priv_altmin", "nonprivate_altmin")
+
+
+def baseline_names(text: str) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+    text = text.strip()
+    if text == "all":
+        return BASELINES
+    if text in ("none", ""):
+        return ()
+    names = tuple(n.strip() for n in text.split(","))
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise ValueError(f"baselines: unknown {unknown}; use all, none or a comma list of {', '.join(BASELINES)}")
+    return names
 
 
 def truth(cfg: FedRepConfig) -> Tensor:
@@ -123,8 +145,36 @@ class FedRepEvaluator(Evaluator):
         baselines = {"oracle": self.of(self.u_star.to(state["U"].dtype))}
         if self.init_U is not None:
             baselines["private_init_only"] = self.of(self.init_U)
+        wanted = baseline_names(self.cfg.baselines)
+        train = source(self.cfg, ("ids", "x", "y"))
+        if "priv_altmin" in wanted:
+            baselines["priv_altmin"] = self.priv_altmin(train)
+        if "nonprivate_altmin" in wanted:
+            U, rounds = nonprivate_altmin(train, self.cfg.rank, self.cfg.chunk_size)
+            baselines["nonprivate_altmin"] = {**self.of(U), "rounds": rounds}
         out["baselines"] = baselines
         return out
+
+    def priv_altmin(self, train: UnitSource) -> dict[str, Any]:
+        """Priv-AltMin (``run altmin``'s protocol, disjoint cohorts) on the same users at the same
+        (ε, δ): it splits samples into 4 quarters, so it reads the first 4·⌊m/4⌋ training samples
+        (m = 5: samples 1–4, one per quarter; the 5th is unused), then is refitted and tested
+        exactly like FedRep. Its own ledger and noise generator; ε is reported beside it."""
+        cfg = self.cfg
+        q4 = 4 * (cfg.samples_per_user // 4)
+        if q4 == 0:
+            return {"skipped": "m < 4: Priv-AltMin needs 4 sample quarters"}
+        acfg = AltMinConfig(
+            n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=q4, noise_std=cfg.noise_std, epsilon=cfg.epsilon,
+            delta=cfg.delta, rounds=cfg.rounds, accountant=cfg.accountant, seed=cfg.seed, dtype=cfg.dtype, chunk_size=cfg.chunk_size,
+            baselines="none",
+        )
+        proto = altmin_protocol(acfg)
+        quarters = UnitSource(cfg.n_users, lambda a, b: {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in train.slice(a, b).items()}, cfg.device)
+        ledger = Ledger()
+        state, _ = run_local(proto, quarters, Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger), chunk_size=cfg.chunk_size, progress=False)
+        eps = ledger_epsilon(ledger, cfg.delta, cfg.accountant) if not math.isinf(cfg.epsilon) else math.inf
+        return {**self.of(state["U"]), "epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
 
 
 class FedRepExperiment(Experiment):
