@@ -1,12 +1,14 @@
 """`fedpers run fedrep`: (private) FedRep with a private, accounted initialisation.
 
-Synthetic users as AltMin's (x ~ N(0, I_d), v*_j ~ N(0, I_k), y = ⟨U*ᵀx, v*_j⟩ + N(0, σ_F²)),
+Synthetic users as AltMin's (x ~ N(0, I_d), y = ⟨U*ᵀx, v*_j⟩ + N(0, σ_F²); v*_j uniform on the
+unit sphere by default, as in the paper, or N(0, I_k) as AltMin's),
 each with m training samples (the only ones the protocol reads), R refit samples and S test
 samples, all generated from (seed, user id). ``population_mse`` is the mean over users of the
 test MSE after refitting v_j on the R refit samples with the final U (the paper's metric).
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +29,11 @@ from fedpers.runtime.local import UnitSource, run_local
 Tensor = torch.Tensor
 
 
+class VStar(str, enum.Enum):
+    SPHERE = "sphere"
+    NORMAL = "normal"
+
+
 @dataclass(frozen=True)
 class FedRepConfig:
     n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
@@ -36,6 +43,7 @@ class FedRepConfig:
     refit_samples: int = field(5, "samples per user to refit v_j on at the end (local, never sent)", ge=1)
     test_samples: int = field(200, "test samples per user for population_mse", ge=1)
     noise_std: float = field(0.01, "label noise σ_F", ge=0.0)
+    v_star: VStar = field(VStar.SPHERE, "distribution of v*_j: sphere (uniform on the unit sphere, the paper's) or normal (N(0, I_k), AltMin's)")
     epsilon: float = field(4.0, "user-level ε over init + all rounds (inf: non-private FedRep, no clipping, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = field(1e-6, "user-level δ", gt=0.0, lt=1.0)
     rounds: int = field(5, "gradient rounds T after the private initialisation", ge=1)
@@ -77,22 +85,34 @@ def truth(cfg: FedRepConfig) -> Tensor:
     return synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank)
 
 
-def load_all(cfg: FedRepConfig, ids: Tensor) -> dict[str, Tensor]:
-    """Users' train, refit and test samples (one draw of m + R + S samples, split in that order)."""
+def load_all(cfg: FedRepConfig, ids: Tensor, test: bool = True) -> dict[str, Tensor]:
+    """Users' m train and R refit samples (one draw, split in that order) and, with ``test``,
+    their S test samples (x and label noise from a separate stream, so training passes never
+    generate them), all from (seed, user id)."""
     m, r = cfg.samples_per_user, cfg.refit_samples
-    out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids.to(torch.int64).cpu(), truth(cfg), m + r + cfg.test_samples, cfg.noise_std)
-    x, y = out["x"], out["y"]
-    split = {
-        "ids": out["ids"], "v_star": out["v_star"],
-        "x": x[:, :m], "y": y[:, :m], "x_refit": x[:, m : m + r], "y_refit": y[:, m : m + r], "x_test": x[:, m + r :], "y_test": y[:, m + r :],
-    }
+    ids = ids.to(torch.int64).cpu()
+    u = truth(cfg)
+    out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, m + r, cfg.noise_std)
+    x, y, v = out["x"], out["y"], out["v_star"]
+    if cfg.v_star is VStar.SPHERE:
+        # the same draw with v*_j rescaled to the unit sphere (label noise kept as drawn)
+        signal = ((x @ u) @ v.unsqueeze(-1)).squeeze(-1)
+        norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-300)
+        v = v / norm
+        y = y - signal + signal / norm
+    split = {"ids": ids, "v_star": v, "x": x[:, :m], "y": y[:, :m], "x_refit": x[:, m:], "y_refit": y[:, m:]}
+    if test:
+        # y = 0·x + 1·z with U = 0: the test x and a standard normal z per sample
+        noise = synthetic.altmin_users(derived_seed(cfg.seed, "test"), ids, torch.zeros_like(u), cfg.test_samples, 1.0)
+        split["x_test"] = noise["x"]
+        split["y_test"] = ((noise["x"] @ u) @ v.unsqueeze(-1)).squeeze(-1) + cfg.noise_std * noise["y"]
     dtype = getattr(torch, cfg.dtype)
-    return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in split.items()}
+    return {k: (t.to(cfg.device, dtype) if t.is_floating_point() else t.to(cfg.device)) for k, t in split.items()}
 
 
 def source(cfg: FedRepConfig, keys: tuple[str, ...] | None = None) -> UnitSource:
     def load(start: int, stop: int) -> dict[str, Tensor]:
-        units = load_all(cfg, torch.arange(start, stop))
+        units = load_all(cfg, torch.arange(start, stop), test=keys is None or "x_test" in keys)
         return units if keys is None else {k: v for k, v in units.items() if k in keys}
 
     return UnitSource(cfg.n_users, load, cfg.device)
@@ -112,18 +132,19 @@ def make_protocol(cfg: FedRepConfig) -> FedRepProtocol:
     return replace(proto, noise_multiplier=z)
 
 
-def population_mse(source: UnitSource, U: Tensor, chunk_size: int) -> dict[str, float]:
-    """Mean over users of the test MSE after refitting v_j on the refit samples with U, and the
-    excess risk mean_j ||U v_j − U* v*_j||² is left to the caller (it needs U*)."""
-    total, users = 0.0, 0
+def population_mse(source: UnitSource, Us: dict[str, Tensor], chunk_size: int) -> dict[str, float]:
+    """name → mean over users of the test MSE after refitting v_j on the refit samples with that
+    U (least squares), every U in one pass over the users."""
+    totals, users = {name: 0.0 for name in Us}, 0
     for units in source.chunks(chunk_size):
-        x, y = units["x_refit"].double(), units["y_refit"].double()
-        Ud = U.double()
-        v = torch.linalg.lstsq(x @ Ud, y.unsqueeze(-1)).solution.squeeze(-1)
-        pred = ((units["x_test"].double() @ Ud) @ v.unsqueeze(-1)).squeeze(-1)
-        total += float(((pred - units["y_test"].double()) ** 2).mean(-1).sum())
+        x, y, xt, yt = (units[k].double() for k in ("x_refit", "y_refit", "x_test", "y_test"))
+        for name, U in Us.items():
+            Ud = U.double()
+            v = torch.linalg.lstsq(x @ Ud, y.unsqueeze(-1)).solution
+            pred = ((xt @ Ud) @ v).squeeze(-1)
+            totals[name] += float(((pred - yt) ** 2).mean(-1).sum())
         users += int(units["ids"].shape[0])
-    return {"population_mse": total / max(users, 1)}
+    return {name: t / max(users, 1) for name, t in totals.items()}
 
 
 class FedRepEvaluator(Evaluator):
@@ -137,25 +158,27 @@ class FedRepEvaluator(Evaluator):
             self.init_U = state["U"]
         return {"subspace_error": metrics.subspace_error(state["U"], self.u_star)}
 
-    def of(self, U: Tensor) -> dict[str, float]:
-        return {"subspace_error": metrics.subspace_error(U, self.u_star), **population_mse(self.source, U, self.cfg.chunk_size)}
-
     def final(self, state: Any) -> dict[str, Any]:
-        out: dict[str, Any] = self.of(state["U"])
-        baselines = {"oracle": self.of(self.u_star.to(state["U"].dtype))}
+        Us = {"private": state["U"], "oracle": self.u_star.to(state["U"].dtype)}
+        extra: dict[str, dict[str, Any]] = {"oracle": {}}
         if self.init_U is not None:
-            baselines["private_init_only"] = self.of(self.init_U)
+            Us["private_init_only"], extra["private_init_only"] = self.init_U, {}
         wanted = baseline_names(self.cfg.baselines)
         train = source(self.cfg, ("ids", "x", "y"))
         if "priv_altmin" in wanted:
-            baselines["priv_altmin"] = self.priv_altmin(train)
+            U, extra["priv_altmin"] = self.priv_altmin(train)
+            if U is not None:
+                Us["priv_altmin"] = U
         if "nonprivate_altmin" in wanted:
-            U, rounds = nonprivate_altmin(train, self.cfg.rank, self.cfg.chunk_size)
-            baselines["nonprivate_altmin"] = {**self.of(U), "rounds": rounds}
-        out["baselines"] = baselines
+            Us["nonprivate_altmin"], rounds = nonprivate_altmin(train, self.cfg.rank, self.cfg.chunk_size)
+            extra["nonprivate_altmin"] = {"rounds": rounds}
+        mse = population_mse(self.source, Us, self.cfg.chunk_size)
+        rows = {name: {"subspace_error": metrics.subspace_error(U, self.u_star), "population_mse": mse[name]} for name, U in Us.items()}
+        out: dict[str, Any] = rows.pop("private")
+        out["baselines"] = {name: {**rows.get(name, {}), **info} for name, info in extra.items()}
         return out
 
-    def priv_altmin(self, train: UnitSource) -> dict[str, Any]:
+    def priv_altmin(self, train: UnitSource) -> tuple[Tensor | None, dict[str, Any]]:
         """Priv-AltMin (``run altmin``'s protocol, disjoint cohorts) on the same users at the same
         (ε, δ): it splits samples into 4 quarters, so it reads the first 4·⌊m/4⌋ training samples
         (m = 5: samples 1–4, one per quarter; the 5th is unused), then is refitted and tested
@@ -163,7 +186,7 @@ class FedRepEvaluator(Evaluator):
         cfg = self.cfg
         q4 = 4 * (cfg.samples_per_user // 4)
         if q4 == 0:
-            return {"skipped": "m < 4: Priv-AltMin needs 4 sample quarters"}
+            return None, {"skipped": "m < 4: Priv-AltMin needs 4 sample quarters"}
         acfg = AltMinConfig(
             n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=q4, noise_std=cfg.noise_std, epsilon=cfg.epsilon,
             delta=cfg.delta, rounds=cfg.rounds, accountant=cfg.accountant, seed=cfg.seed, dtype=cfg.dtype, chunk_size=cfg.chunk_size,
@@ -174,7 +197,7 @@ class FedRepEvaluator(Evaluator):
         ledger = Ledger()
         state, _ = run_local(proto, quarters, Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger), chunk_size=cfg.chunk_size, progress=False)
         eps = ledger_epsilon(ledger, cfg.delta, cfg.accountant) if not math.isinf(cfg.epsilon) else math.inf
-        return {**self.of(state["U"]), "epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
+        return state["U"], {"epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
 
 
 class FedRepExperiment(Experiment):
@@ -191,7 +214,7 @@ class FedRepExperiment(Experiment):
         return cfg.n_users
 
     def units(self, cfg: FedRepConfig, ids: Tensor) -> dict[str, Tensor]:
-        return {k: v for k, v in load_all(cfg, ids).items() if k in ("ids", "x", "y")}
+        return {k: v for k, v in load_all(cfg, ids, test=False).items() if k in ("ids", "x", "y")}
 
     def unit_source(self, cfg: FedRepConfig) -> UnitSource:
         return source(cfg, ("ids", "x", "y"))
@@ -220,5 +243,5 @@ class FedRepExperiment(Experiment):
         return {
             "clip": protocol.clip, "zeta": protocol.zeta, "noise_multiplier": protocol.noise_multiplier,
             "noise_std_G": protocol.noise_std(protocol.clip), "noise_std_init": protocol.noise_std(protocol.init_bound),
-            "v_star": "N(0, I_k) (AltMin's generator; the paper uses the unit sphere)",
+            "v_star": cfg.v_star.value,
         }
