@@ -50,6 +50,8 @@ class FedRepConfig:
     learning_rate: float = field(2.5, "server step size η on the mean clipped gradient", gt=0.0)
     clip: float = field(10.0, "C: Frobenius clip of each user's gradient of U", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip of the initialisation, ζ = c_ζ √(k + σ_F²)", gt=0.0)
+    cohorts: str = field("all", "all: every user every round; poisson: each round samples users independently with probability --sampling-rate")
+    sampling_rate: float = field(1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0)
     accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
@@ -59,6 +61,14 @@ class FedRepConfig:
 
     def check(self) -> None:
         baseline_names(self.baselines)
+        if self.cohorts not in ("all", "poisson"):
+            raise ValueError(f"cohorts must be all or poisson; got {self.cohorts!r}")
+        if self.cohorts == "poisson" and not self.sampling_rate < 1.0:
+            raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
+        if self.cohorts == "all" and self.sampling_rate != 1.0:
+            raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
+        if self.cohorts == "poisson" and self.accountant is not Accountant.PLD:
+            raise ValueError(f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}")
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         check_device_and_dtype(self.device, self.dtype)
@@ -123,12 +133,12 @@ def make_protocol(cfg: FedRepConfig) -> FedRepProtocol:
     proto = FedRepProtocol(
         n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user, rounds=cfg.rounds,
         clip=cfg.clip if private else math.inf, zeta=default_zeta(cfg.rank, cfg.noise_std, cfg.clip_label) if private else math.inf,
-        learning_rate=cfg.learning_rate, noise_multiplier=0.0, dtype_name=cfg.dtype,
+        learning_rate=cfg.learning_rate, noise_multiplier=0.0, dtype_name=cfg.dtype, sampling_rate=cfg.sampling_rate,
     )
     if not private:
         return proto
     releases = proto.releases_per_user()
-    z = calibrate_noise_multiplier(lambda z: FedRepProtocol.user_event(z, releases), cfg.epsilon, cfg.delta, cfg.accountant)
+    z = calibrate_noise_multiplier(lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
     return replace(proto, noise_multiplier=z)
 
 
@@ -234,6 +244,7 @@ class FedRepExperiment(Experiment):
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": protocol.releases_per_user(),
+            "sampling": f"poisson q={cfg.sampling_rate} (rounds 1..T; init uses every user)" if cfg.cohorts == "poisson" else "all users every round",
         }
 
     def plot_keys(self) -> tuple[str, ...]:

@@ -42,8 +42,14 @@ class FedRepProtocol(Protocol):
     learning_rate: float
     noise_multiplier: float
     dtype_name: str = "float64"
+    sampling_rate: float = 1.0
+    """q < 1: Poisson user sampling in rounds 1..T (the init uses every user)."""
 
     name = "fedrep"
+
+    @property
+    def poisson(self) -> bool:
+        return self.sampling_rate < 1.0
 
     @property
     def num_rounds(self) -> int:
@@ -66,8 +72,14 @@ class FedRepProtocol(Protocol):
         return 1 + self.rounds
 
     @staticmethod
-    def user_event(noise_multiplier: float, releases: int) -> dp_accounting.DpEvent:
-        return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(noise_multiplier)] * releases)
+    def user_event(noise_multiplier: float, releases: int, sampling_rate: float = 1.0) -> dp_accounting.DpEvent:
+        """Init (every user) + ``releases − 1`` rounds, Poisson-sampled at ``sampling_rate`` < 1."""
+        g = dp_accounting.GaussianDpEvent(noise_multiplier)
+        step = g if sampling_rate >= 1.0 else dp_accounting.PoissonSampledDpEvent(sampling_rate, g)
+        return dp_accounting.ComposedDpEvent([g] + [step] * (releases - 1))
+
+    def units_in_round(self, round: int, units: Units) -> int:
+        return int(units["ids"].shape[0])
 
     # ----- protocol ------------------------------------------------------------------
     def unit_keys(self) -> tuple[str, ...]:
@@ -77,7 +89,12 @@ class FedRepProtocol(Protocol):
         return {}
 
     def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
-        return {} if round == 0 else {"U": state["U"]}
+        if round == 0:
+            return {}
+        if self.poisson:
+            # this round's membership, 1.0 for a sampled user (see docs: who may see it)
+            return {"U": state["U"], "sampled": state["sampled"]}
+        return {"U": state["U"]}
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         d, k = self.dim, self.rank
@@ -89,8 +106,11 @@ class FedRepProtocol(Protocol):
         x, y, ids = units["x"].to(self.dtype), units["y"].to(self.dtype), units["ids"]
         if round == 0:
             return Message({"W": self.init_statistic(x, y)}, int(ids.shape[0]))
+        if self.poisson:
+            keep = broadcast["sampled"].to(ids.device)[ids] > 0
+            x, y = x[keep], y[keep]
         G = self.clipped_gradients(broadcast["U"].to(self.dtype), x, y).sum(0)
-        return Message({"G": G}, int(ids.shape[0]))
+        return Message({"G": G}, int(x.shape[0]))
 
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
@@ -101,13 +121,27 @@ class FedRepProtocol(Protocol):
                 summed.stats["W"], per_unit_bound=self.init_bound, noise_multiplier=z, name="init.W", round=0, units=ALL_UNITS,
                 params={"statistic": "W", "pairs": self.pairs, "zeta": self.zeta, "formula": "bound ⌊m/2⌋·ζ², Δ = 2·bound"},
             )
-            return {"U": linalg.top_eigenvectors(M, self.rank)}, {"noise_std_W": self.noise_std(self.init_bound)}
+            return self.with_sample({"U": linalg.top_eigenvectors(M, self.rank)}, privatizer), {"noise_std_W": self.noise_std(self.init_bound)}
+        q = self.sampling_rate
+        params = {"statistic": "G", "clip": self.clip, "formula": "bound C (Frobenius), Δ = 2C"}
+        if self.poisson:
+            params["sampling"] = f"poisson q={q}"
         G = privatizer.gaussian_sum(
             summed.stats["G"], per_unit_bound=self.clip, noise_multiplier=z, name=f"round{round}.G", round=round, units=ALL_UNITS,
-            params={"statistic": "G", "clip": self.clip, "formula": "bound C (Frobenius), Δ = 2C"},
+            params=params, sampling_probability=q if z > 0 else 1.0,
         )
-        U = state["U"].to(G.dtype) - self.learning_rate * G / self.n_users
-        return {"U": linalg.orthonormal_basis(U)}, {"noise_std_G": self.noise_std(self.clip), "grad_norm": float(torch.linalg.matrix_norm(G)) / self.n_users}
+        # divide by the expected cohort q·n (public), never by the sampled count
+        U = state["U"].to(G.dtype) - self.learning_rate * G / (q * self.n_users)
+        info = {"noise_std_G": self.noise_std(self.clip), "grad_norm": float(torch.linalg.matrix_norm(G)) / (q * self.n_users)}
+        if self.poisson:
+            info["sampled_users"] = float(summed.count)
+        return self.with_sample({"U": linalg.orthonormal_basis(U)}, privatizer), info
+
+    def with_sample(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
+        """Poisson: draw the next round's membership on the server (its private generator)."""
+        if self.poisson:
+            state["sampled"] = privatizer.poisson_sample(self.n_users, self.sampling_rate).to(torch.float64)
+        return state
 
     # ----- the math ------------------------------------------------------------------
     def init_statistic(self, x: Tensor, y: Tensor) -> Tensor:
