@@ -17,6 +17,7 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
     "noisyhead": ("fedpers.experiments.noisyhead", "NoisyHeadExperiment", "NoisyHead: DP pretraining of a linear attention head (SPEC §2)"),
     "expmech": ("fedpers.experiments.expmech", "ExpMechExperiment", "User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)"),
     "noisygd": ("fedpers.experiments.noisygd", "NoisyGDExperiment", "NoisyGD for last-layer fine-tuning under neural collapse (SPEC §3)"),
+    "fedrep": ("fedpers.experiments.fedrep", "FedRepExperiment", "Private FedRep: clipped user gradients of U, private accounted init (Snedeker et al. 2025)"),
     "dpattention": ("fedpers.experiments.dpattention", "DpAttentionExperiment", "DP attention computation by DPCovariance (SPEC §4)"),
 }
 """name → (module, class, one-line description)."""

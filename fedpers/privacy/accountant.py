@@ -57,6 +57,17 @@ def _pld(event: dp_accounting.DpEvent) -> pld_lib.PrivacyLossDistribution | None
             value_discretization_interval=PLD_DISCRETISATION,
             neighboring_relation=REPLACE_ONE,
         )
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(event.event, dp_accounting.GaussianDpEvent):
+        # dp-accounting's PLD of the Poisson-subsampled Gaussian under replace-one neighbours
+        # (the replaced user is in the sample with probability q, in both datasets alike)
+        if event.sampling_probability == 0:
+            return None
+        if event.event.noise_multiplier == 0:
+            raise _NonPrivate
+        return pld_lib.from_gaussian_mechanism(
+            standard_deviation=event.event.noise_multiplier, value_discretization_interval=PLD_DISCRETISATION,
+            sampling_prob=event.sampling_probability, neighboring_relation=REPLACE_ONE,
+        )
     if isinstance(event, (PureDpEvent, EpsilonDeltaDpEvent)):
         delta = getattr(event, "delta", 0.0)
         if event.epsilon == 0 and delta == 0:

@@ -64,6 +64,8 @@ class Release:
         tightened, e.g. for PSD units); ∞ for a pure-ε mechanism."""
         if isinstance(self.event, dp_accounting.GaussianDpEvent):
             return self.event.noise_multiplier
+        if isinstance(self.event, dp_accounting.PoissonSampledDpEvent) and isinstance(self.event.event, dp_accounting.GaussianDpEvent):
+            return self.event.event.noise_multiplier
         return math.inf
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,6 +87,8 @@ def event_to_dict(event: dp_accounting.DpEvent) -> dict[str, Any]:
         return {"type": "epsilon_delta", "epsilon": event.epsilon, "delta": event.delta}
     if isinstance(event, dp_accounting.NonPrivateDpEvent):
         return {"type": "non_private"}
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        return {"type": "poisson_sampled", "sampling_probability": event.sampling_probability, "event": event_to_dict(event.event)}
     raise TypeError(f"cannot serialise dp event {event!r}")
 
 
@@ -98,6 +102,8 @@ def event_from_dict(d: dict[str, Any]) -> dp_accounting.DpEvent:
         return EpsilonDeltaDpEvent(float(d["epsilon"]), float(d["delta"]))
     if kind == "non_private":
         return dp_accounting.NonPrivateDpEvent()
+    if kind == "poisson_sampled":
+        return dp_accounting.PoissonSampledDpEvent(float(d["sampling_probability"]), event_from_dict(d["event"]))
     raise ValueError(f"unknown dp event type {kind!r}; expected gaussian, pure, epsilon_delta or non_private")
 
 

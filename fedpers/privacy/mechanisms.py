@@ -150,6 +150,10 @@ class Privatizer:
     def __init__(self, seed: int, ledger: Ledger | None = None, *, secure: bool = False) -> None:
         self.secure = bool(secure)
         self.generator = torch.Generator(device="cpu").manual_seed(secure_module.os_seed() if self.secure else int(seed))
+        # Poisson memberships: their own stream, so they do not shift the noise draws (and vice versa)
+        self.sampling_generator = torch.Generator(device="cpu").manual_seed(
+            secure_module.os_seed() if self.secure else (int(seed) ^ 0x5DEECE66D) % 2**63
+        )
         self.ledger = ledger if ledger is not None else Ledger()
 
     def _normal(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -168,11 +172,14 @@ class Privatizer:
 
     def _record(
         self, round: int, name: str, mechanism: str, bound: float, z: float, units: str,
-        sensitivity: float | None = None, params: dict[str, Any] | None = None,
+        sensitivity: float | None = None, params: dict[str, Any] | None = None, sampling_probability: float = 1.0,
     ) -> Release:
         sensitivity = 2.0 * float(bound) if sensitivity is None else float(sensitivity)
         noise_std = z * sensitivity / 2 if z > 0 else 0.0
         event = dp_accounting.GaussianDpEvent(z) if z > 0 else dp_accounting.NonPrivateDpEvent()
+        if z > 0 and sampling_probability < 1.0:
+            # units entered independently with this probability (Poisson), from a generator they cannot predict
+            event = dp_accounting.PoissonSampledDpEvent(float(sampling_probability), event)
         release = Release(round, name, mechanism, float(bound), sensitivity, float(noise_std), units, event, dict(params or {}))
         self.ledger.append(release)
         return release
@@ -189,12 +196,23 @@ class Privatizer:
 
     def gaussian_sum(
         self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int,
-        units: str = ALL_UNITS, params: dict[str, Any] | None = None,
+        units: str = ALL_UNITS, params: dict[str, Any] | None = None, sampling_probability: float = 1.0,
     ) -> Tensor:
-        """Sum of clipped unit contributions + N(0, (z·bound)² I)."""
+        """Sum of clipped unit contributions + N(0, (z·bound)² I). ``sampling_probability`` < 1:
+        each unit was included independently with that probability (recorded as a
+        ``PoissonSampledDpEvent`` for the accountant)."""
         self._check(value, per_unit_bound, noise_multiplier, name)
-        release = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units, params=params)
+        if not 0.0 < sampling_probability <= 1.0:
+            raise ValueError(f"release {name!r}: sampling_probability must be in (0, 1], got {sampling_probability}")
+        release = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units, params=params, sampling_probability=sampling_probability)
         return self._perturb(release, value, lambda: self._normal(tuple(value.shape), value))
+
+    def poisson_sample(self, n: int, q: float) -> Tensor:
+        """Bool mask of n units, each included independently with probability q, drawn from the
+        server's private generator (OS entropy with ``secure``), so clients cannot predict it."""
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"sampling rate q must be in (0, 1], got {q}")
+        return torch.rand(n, generator=self.sampling_generator, dtype=torch.float64) < q
 
     def gaussian_sum_batched(
         self, values: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int, units: str = ALL_UNITS

@@ -1,0 +1,258 @@
+"""`fedpers run fedrep`: (private) FedRep with a private, accounted initialisation.
+
+Synthetic users as AltMin's (x ~ N(0, I_d), y = ⟨U*ᵀx, v*_j⟩ + N(0, σ_F²); v*_j uniform on the
+unit sphere by default, as in the paper, or N(0, I_k) as AltMin's),
+each with m training samples (the only ones the protocol reads), R refit samples and S test
+samples, all generated from (seed, user id). ``population_mse`` is the mean over users of the
+test MSE after refitting v_j on the R refit samples with the final U (the paper's metric).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from fedpers import metrics
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
+from fedpers.data import synthetic
+from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.experiments.altmin import AltMinConfig
+from fedpers.experiments.altmin import make_protocol as altmin_protocol
+from fedpers.experiments.altmin_baselines import nonprivate_altmin
+from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
+from fedpers.runtime.local import UnitSource, run_local
+
+Tensor = torch.Tensor
+
+
+class VStar(str, enum.Enum):
+    SPHERE = "sphere"
+    NORMAL = "normal"
+
+
+@dataclass(frozen=True)
+class FedRepConfig:
+    n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
+    dim: int = field(50, "feature dimension d", ge=2)
+    rank: int = field(2, "subspace rank k (< d)", ge=1)
+    samples_per_user: int = field(5, "training samples per user m", ge=2)
+    refit_samples: int = field(5, "samples per user to refit v_j on at the end (local, never sent)", ge=1)
+    test_samples: int = field(200, "test samples per user for population_mse", ge=1)
+    noise_std: float = field(0.01, "label noise σ_F", ge=0.0)
+    v_star: VStar = field(VStar.SPHERE, "distribution of v*_j: sphere (uniform on the unit sphere, the paper's) or normal (N(0, I_k), AltMin's)")
+    epsilon: float = field(4.0, "user-level ε over init + all rounds (inf: non-private FedRep, no clipping, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
+    delta: float = field(1e-6, "user-level δ", gt=0.0, lt=1.0)
+    rounds: int = field(5, "gradient rounds T after the private initialisation", ge=1)
+    learning_rate: float = field(2.5, "server step size η on the mean clipped gradient", gt=0.0)
+    clip: float = field(10.0, "C: Frobenius clip of each user's gradient of U", gt=0.0)
+    clip_label: float = field(2.0, "c_ζ: label clip of the initialisation, ζ = c_ζ √(k + σ_F²)", gt=0.0)
+    cohorts: str = field("all", "all: every user every round; poisson: each round samples users independently with probability --sampling-rate")
+    sampling_rate: float = field(1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0)
+    accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
+    seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
+    device: str = field("cpu", "torch device: cpu or cuda")
+    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
+    baselines: str = field("all", "baselines on the same users: all, none, or a comma list of priv_altmin, nonprivate_altmin")
+
+    def check(self) -> None:
+        baseline_names(self.baselines)
+        if self.cohorts not in ("all", "poisson"):
+            raise ValueError(f"cohorts must be all or poisson; got {self.cohorts!r}")
+        if self.cohorts == "poisson" and not self.sampling_rate < 1.0:
+            raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
+        if self.cohorts == "all" and self.sampling_rate != 1.0:
+            raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
+        if self.cohorts == "poisson" and self.accountant is not Accountant.PLD:
+            raise ValueError(f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}")
+        if self.rank >= self.dim:
+            raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
+        check_device_and_dtype(self.device, self.dtype)
+
+
+BASELINES = ("priv_altmin", "nonprivate_altmin")
+
+
+def baseline_names(text: str) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+    text = text.strip()
+    if text == "all":
+        return BASELINES
+    if text in ("none", ""):
+        return ()
+    names = tuple(n.strip() for n in text.split(","))
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise ValueError(f"baselines: unknown {unknown}; use all, none or a comma list of {', '.join(BASELINES)}")
+    return names
+
+
+def truth(cfg: FedRepConfig) -> Tensor:
+    return synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank)
+
+
+def load_all(cfg: FedRepConfig, ids: Tensor, test: bool = True) -> dict[str, Tensor]:
+    """Users' m train and R refit samples (one draw, split in that order) and, with ``test``,
+    their S test samples (x and label noise from a separate stream, so training passes never
+    generate them), all from (seed, user id)."""
+    m, r = cfg.samples_per_user, cfg.refit_samples
+    ids = ids.to(torch.int64).cpu()
+    u = truth(cfg)
+    out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, m + r, cfg.noise_std)
+    x, y, v = out["x"], out["y"], out["v_star"]
+    if cfg.v_star is VStar.SPHERE:
+        # the same draw with v*_j rescaled to the unit sphere (label noise kept as drawn)
+        signal = ((x @ u) @ v.unsqueeze(-1)).squeeze(-1)
+        norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-300)
+        v = v / norm
+        y = y - signal + signal / norm
+    split = {"ids": ids, "v_star": v, "x": x[:, :m], "y": y[:, :m], "x_refit": x[:, m:], "y_refit": y[:, m:]}
+    if test:
+        # y = 0·x + 1·z with U = 0: the test x and a standard normal z per sample
+        noise = synthetic.altmin_users(derived_seed(cfg.seed, "test"), ids, torch.zeros_like(u), cfg.test_samples, 1.0)
+        split["x_test"] = noise["x"]
+        split["y_test"] = ((noise["x"] @ u) @ v.unsqueeze(-1)).squeeze(-1) + cfg.noise_std * noise["y"]
+    dtype = getattr(torch, cfg.dtype)
+    return {k: (t.to(cfg.device, dtype) if t.is_floating_point() else t.to(cfg.device)) for k, t in split.items()}
+
+
+def source(cfg: FedRepConfig, keys: tuple[str, ...] | None = None) -> UnitSource:
+    def load(start: int, stop: int) -> dict[str, Tensor]:
+        units = load_all(cfg, torch.arange(start, stop), test=keys is None or "x_test" in keys)
+        return units if keys is None else {k: v for k, v in units.items() if k in keys}
+
+    return UnitSource(cfg.n_users, load, cfg.device)
+
+
+def make_protocol(cfg: FedRepConfig) -> FedRepProtocol:
+    private = not math.isinf(cfg.epsilon)
+    proto = FedRepProtocol(
+        n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user, rounds=cfg.rounds,
+        clip=cfg.clip if private else math.inf, zeta=default_zeta(cfg.rank, cfg.noise_std, cfg.clip_label) if private else math.inf,
+        learning_rate=cfg.learning_rate, noise_multiplier=0.0, dtype_name=cfg.dtype, sampling_rate=cfg.sampling_rate,
+    )
+    if not private:
+        return proto
+    releases = proto.releases_per_user()
+    z = calibrate_noise_multiplier(lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
+    return replace(proto, noise_multiplier=z)
+
+
+def population_mse(source: UnitSource, Us: dict[str, Tensor], chunk_size: int) -> dict[str, float]:
+    """name → mean over users of the test MSE after refitting v_j on the refit samples with that
+    U (least squares), every U in one pass over the users."""
+    totals, users = {name: 0.0 for name in Us}, 0
+    for units in source.chunks(chunk_size):
+        x, y, xt, yt = (units[k].double() for k in ("x_refit", "y_refit", "x_test", "y_test"))
+        for name, U in Us.items():
+            Ud = U.double()
+            v = torch.linalg.lstsq(x @ Ud, y.unsqueeze(-1)).solution
+            pred = ((xt @ Ud) @ v).squeeze(-1)
+            totals[name] += float(((pred - yt) ** 2).mean(-1).sum())
+        users += int(units["ids"].shape[0])
+    return {name: t / max(users, 1) for name, t in totals.items()}
+
+
+class FedRepEvaluator(Evaluator):
+    def __init__(self, cfg: FedRepConfig) -> None:
+        self.cfg, self.u_star = cfg, truth(cfg)
+        self.source = source(cfg, ("ids", "x_refit", "y_refit", "x_test", "y_test"))
+        self.init_U: Tensor | None = None
+
+    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+        if round == 0:
+            self.init_U = state["U"]
+        return {"subspace_error": metrics.subspace_error(state["U"], self.u_star)}
+
+    def final(self, state: Any) -> dict[str, Any]:
+        Us = {"private": state["U"], "oracle": self.u_star.to(state["U"].dtype)}
+        extra: dict[str, dict[str, Any]] = {"oracle": {}}
+        if self.init_U is not None:
+            Us["private_init_only"], extra["private_init_only"] = self.init_U, {}
+        wanted = baseline_names(self.cfg.baselines)
+        train = source(self.cfg, ("ids", "x", "y"))
+        if "priv_altmin" in wanted:
+            U, extra["priv_altmin"] = self.priv_altmin(train)
+            if U is not None:
+                Us["priv_altmin"] = U
+        if "nonprivate_altmin" in wanted:
+            Us["nonprivate_altmin"], rounds = nonprivate_altmin(train, self.cfg.rank, self.cfg.chunk_size)
+            extra["nonprivate_altmin"] = {"rounds": rounds}
+        mse = population_mse(self.source, Us, self.cfg.chunk_size)
+        rows = {name: {"subspace_error": metrics.subspace_error(U, self.u_star), "population_mse": mse[name]} for name, U in Us.items()}
+        out: dict[str, Any] = rows.pop("private")
+        out["baselines"] = {name: {**rows.get(name, {}), **info} for name, info in extra.items()}
+        return out
+
+    def priv_altmin(self, train: UnitSource) -> tuple[Tensor | None, dict[str, Any]]:
+        """Priv-AltMin (``run altmin``'s protocol, disjoint cohorts) on the same users at the same
+        (ε, δ): it splits samples into 4 quarters, so it reads the first 4·⌊m/4⌋ training samples
+        (m = 5: samples 1–4, one per quarter; the 5th is unused), then is refitted and tested
+        exactly like FedRep. Its own ledger and noise generator; ε is reported beside it."""
+        cfg = self.cfg
+        q4 = 4 * (cfg.samples_per_user // 4)
+        if q4 == 0:
+            return None, {"skipped": "m < 4: Priv-AltMin needs 4 sample quarters"}
+        acfg = AltMinConfig(
+            n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=q4, noise_std=cfg.noise_std, epsilon=cfg.epsilon,
+            delta=cfg.delta, rounds=cfg.rounds, accountant=cfg.accountant, seed=cfg.seed, dtype=cfg.dtype, chunk_size=cfg.chunk_size,
+            baselines="none",
+        )
+        proto = altmin_protocol(acfg)
+        quarters = UnitSource(cfg.n_users, lambda a, b: {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in train.slice(a, b).items()}, cfg.device)
+        ledger = Ledger()
+        state, _ = run_local(proto, quarters, Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger), chunk_size=cfg.chunk_size, progress=False)
+        eps = ledger_epsilon(ledger, cfg.delta, cfg.accountant) if not math.isinf(cfg.epsilon) else math.inf
+        return state["U"], {"epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
+
+
+class FedRepExperiment(Experiment):
+    """Private FedRep (Snedeker, Zhou, Bassily 2025) with a private, accounted initialisation."""
+
+    name = "fedrep"
+    config_type = FedRepConfig
+    primary_metric = "population_mse"
+
+    def protocol(self, cfg: FedRepConfig) -> FedRepProtocol:
+        return make_protocol(cfg)
+
+    def num_units(self, cfg: FedRepConfig) -> int:
+        return cfg.n_users
+
+    def units(self, cfg: FedRepConfig, ids: Tensor) -> dict[str, Tensor]:
+        return {k: v for k, v in load_all(cfg, ids, test=False).items() if k in ("ids", "x", "y")}
+
+    def unit_source(self, cfg: FedRepConfig) -> UnitSource:
+        return source(cfg, ("ids", "x", "y"))
+
+    def chunk_size(self, cfg: FedRepConfig) -> int:
+        return cfg.chunk_size
+
+    def evaluator(self, cfg: FedRepConfig, protocol: FedRepProtocol) -> FedRepEvaluator:
+        return FedRepEvaluator(cfg)
+
+    def privacy_summary(self, cfg: FedRepConfig, protocol: FedRepProtocol, ledger: Ledger) -> dict[str, Any]:
+        return {
+            "epsilon": ledger_epsilon(ledger, cfg.delta, cfg.accountant),
+            "delta": cfg.delta,
+            "target_epsilon": cfg.epsilon,
+            "accountant": cfg.accountant.value,
+            "neighbouring": "replace-one user",
+            "noise_multiplier": protocol.noise_multiplier,
+            "releases_per_user": protocol.releases_per_user(),
+            "sampling": f"poisson q={cfg.sampling_rate} (rounds 1..T; init uses every user)" if cfg.cohorts == "poisson" else "all users every round",
+        }
+
+    def plot_keys(self) -> tuple[str, ...]:
+        return ("subspace_error",)
+
+    def describe(self, cfg: FedRepConfig, protocol: FedRepProtocol) -> dict[str, Any]:
+        return {
+            "clip": protocol.clip, "zeta": protocol.zeta, "noise_multiplier": protocol.noise_multiplier,
+            "noise_std_G": protocol.noise_std(protocol.clip), "noise_std_init": protocol.noise_std(protocol.init_bound),
+            "v_star": cfg.v_star.value,
+        }

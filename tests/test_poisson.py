@@ -1,0 +1,93 @@
+"""Poisson user sampling: the inclusion rate is q, the amplified ε matches a hand computation,
+the ledger records and round-trips the sampled events, and sampled-out users never move a release."""
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import pytest
+import torch
+import numpy as np
+from scipy import optimize, stats
+
+from fedpers import config
+from fedpers.experiments import EXPERIMENTS
+from fedpers.privacy import ALL_UNITS, Privatizer, event_epsilon
+from fedpers.privacy.ledger import Release
+from fedpers.runner import execute
+from tests.neighbours import adversaries, check_neighbour
+
+EXP = EXPERIMENTS["fedrep"]
+
+
+def hand_epsilon(z: float, q: float, delta: float) -> float:
+    """ε of one Poisson-sampled Gaussian under replace-one, from the hockey-stick divergence of the
+    worst pair (1−q)N(0, z²) + qN(+1, z²) vs (1−q)N(0, z²) + qN(−1, z²) by numerical integration
+    (the replaced user is sampled with probability q in both datasets; its per-unit bound is 1),
+    on a fine grid."""
+    t = np.linspace(-40.0, 40.0, 2_000_001)
+    dt = t[1] - t[0]
+    p = (1 - q) * stats.norm.pdf(t, 0, z) + q * stats.norm.pdf(t, 1, z)
+    r = (1 - q) * stats.norm.pdf(t, 0, z) + q * stats.norm.pdf(t, -1, z)
+    return optimize.brentq(lambda e: float(np.maximum(0.0, p - math.exp(e) * r).sum() * dt) - delta, 1e-4, 10, xtol=1e-9)
+
+
+@pytest.mark.parametrize("z,q", [(2.0, 0.1), (1.0, 0.01)])
+def test_sampled_gaussian_epsilon_matches_hand_computation(z, q):
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+    got = event_epsilon(event, 1e-6)
+    assert got == pytest.approx(hand_epsilon(z, q, 1e-6), rel=2e-3)
+    assert got < 0.5 * event_epsilon(dp_accounting.GaussianDpEvent(z), 1e-6)  # amplification is real
+
+
+def test_poisson_sample_inclusion_rate():
+    p = Privatizer(5)
+    n, q = 200_000, 0.05
+    masks = torch.stack([p.poisson_sample(n, q) for _ in range(3)])
+    rate = masks.double().mean(1)
+    sd = math.sqrt(q * (1 - q) / n)
+    assert bool(((rate - q).abs() < 5 * sd).all()), rate
+    assert not bool((masks[0] == masks[1]).all())  # a fresh draw each round
+    with pytest.raises(ValueError, match="sampling rate"):
+        p.poisson_sample(10, 0.0)
+
+
+def test_fedrep_poisson_run_is_accounted_with_sampled_events():
+    cfg = config.build(EXP.config_type, dict(n_users=2000, dim=8, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=4,
+                                            epsilon=2.0, cohorts="poisson", sampling_rate=0.1, baselines="none", seed=2))
+    protocol = EXP.protocol(cfg)
+    result = execute(EXP, cfg, write=False, progress=False)
+    assert result["epsilon"] <= 2.0 and result["epsilon"] == pytest.approx(2.0, rel=1e-2)
+    event = protocol.user_event(protocol.noise_multiplier, protocol.releases_per_user(), 0.1)
+    unsampled = protocol.user_event(protocol.noise_multiplier, protocol.releases_per_user())
+    assert event_epsilon(unsampled, cfg.delta) > 1.1 * event_epsilon(event, cfg.delta)  # the unsampled init dominates at q = 0.1
+    # the sampled counts of the rounds are near q·n
+    counts = [r.units for r in result["_rounds"][1:]]
+    assert len(counts) == 4 and result["_rounds"][0].units == 2000 and len(set(counts)) > 1
+    for c in counts:
+        assert abs(c - 200) < 5 * math.sqrt(2000 * 0.1 * 0.9)
+
+
+def test_sampled_release_round_trips_through_the_ledger():
+    event = dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(3.0))
+    r = Release(1, "round1.G", "gaussian", 1.0, 2.0, 3.0, ALL_UNITS, event, {})
+    back = Release.from_dict(r.to_dict())
+    assert back.event == event and back.noise_multiplier == 3.0
+
+
+def test_fedrep_poisson_worst_case_neighbours():
+    cfg = config.build(EXP.config_type, dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=2,
+                                            epsilon=2.0, clip=1.0, cohorts="poisson", sampling_rate=0.5, baselines="none"))
+    protocol = EXP.protocol(cfg)
+    units = EXP.units(cfg, torch.arange(cfg.n_users))
+    for j in (0, 23):
+        for label, new in adversaries(units["x"][j], units["y"][j], torch.float64).items():
+            outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS})
+            assert outcome.releases == 1 + cfg.rounds, label
+
+
+def test_poisson_config_is_checked():
+    with pytest.raises(ValueError, match="sampling_rate"):
+        config.build(EXP.config_type, {"cohorts": "poisson"})
+    with pytest.raises(ValueError, match="accountant must be pld"):
+        config.build(EXP.config_type, {"cohorts": "poisson", "sampling_rate": 0.1, "accountant": "rdp"})
