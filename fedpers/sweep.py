@@ -28,6 +28,8 @@ from typing import Any, Iterable
 import numpy as np
 from tqdm.auto import tqdm
 
+from fedpers import summaries
+
 from fedpers import config as config_lib
 from fedpers.results import dumps, write_atomic
 
@@ -142,10 +144,7 @@ def _lookup(result: dict[str, Any], key: str, default: Any = None) -> Any:
     return value
 
 
-def _number(v: Any) -> float:
-    if isinstance(v, str) and v in ("inf", "-inf", "nan"):
-        return float(v)
-    return float(v) if isinstance(v, (int, float)) else math.nan
+_number = summaries.number
 
 
 def run_point(spec: SweepSpec, overrides: dict[str, Any]) -> list[dict[str, float]]:
@@ -208,17 +207,7 @@ def loglog_slope(x: Iterable[float], y: Iterable[float]) -> float:
 
 def summarise(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> dict[Any, list[tuple[float, float, float]]]:
     """series value -> [(x, mean, standard error)] sorted by x."""
-    groups: dict[tuple[Any, Any], list[float]] = {}
-    for row in rows:
-        v = _number(row.get(metric))
-        if math.isfinite(v):
-            groups.setdefault((row[spec.series], row[spec.x]), []).append(v)
-    out: dict[Any, list[tuple[float, float, float]]] = {}
-    for (s, x), vals in groups.items():
-        arr = np.asarray(vals)
-        se = float(arr.std(ddof=1) / math.sqrt(len(arr))) if len(arr) > 1 else 0.0
-        out.setdefault(s, []).append((_number(x), float(arr.mean()), se))
-    return {s: sorted(v) for s, v in out.items()}
+    return summaries.summarise(rows, spec.series, spec.x, metric)
 
 
 def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: Path) -> dict[Any, float]:
