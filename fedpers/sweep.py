@@ -310,7 +310,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int 
             figures.append(name)
     summary = {"spec": dataclasses.asdict(spec), "rows": len(rows), "points_run": ran, "points_reused": len(points) - ran, "slopes": slopes, "figures": figures, "table": "table.csv"}
     write_atomic(out / "sweep.json", dumps(summary) + "\n")
-    print(f"sweep {spec.name}: {len(rows)} rows -> {out / 'table.csv'}; figures: {', '.join(figures)}")
+    print(f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {len(points) - ran} reused) -> {out / 'table.csv'}; figures: {', '.join(figures)}")
     for metric, per in slopes.items():
         for s, slope in per.items():
             print(f"  log-log slope of {metric} vs {spec.x} at {spec.series}={s}: {slope:.3f}")
