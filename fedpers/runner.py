@@ -1,7 +1,6 @@
 """Runs one experiment on a runtime and writes its run directory."""
 from __future__ import annotations
 
-import dataclasses
 import enum
 import time
 import traceback
@@ -13,9 +12,10 @@ import torch
 
 from fedpers import config as config_lib
 from fedpers.config import field
-from fedpers.experiments.base import Experiment, derived_seed
+from fedpers.experiments.base import Experiment
 from fedpers.privacy import Privatizer
 from fedpers.results import RunDirectory, default_run_dir
+from fedpers.seeds import split_seed  # noqa: F401  (re-exported: fedpers.runner.split_seed)
 from fedpers.runtime.driver import RoundRecord
 
 
@@ -37,22 +37,6 @@ class RuntimeOptions:
     min_fraction: float = field(1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0)
     round_timeout: float = field(600.0, "seconds to wait for client replies in a round", gt=0.0)
     secure_noise: bool = field(False, "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run")
-
-
-def split_seed(cfg: Any) -> tuple[Any, int]:
-    """(config with the public seed, secret DP-noise seed), both derived from ``cfg.seed``.
-
-    Everything a client may know (its data, the public cohort permutation) derives from
-    the public seed; the noise seed is a separate derivation of the run seed. Whoever holds
-    the run seed (it is in ``config.json``) can recompute the noise, and a small run seed can
-    be found from the public one by trying seeds: for real users run with ``secure_noise``,
-    which uses no seed at all.
-    """
-    seed = getattr(cfg, "seed", 0)
-    noise_seed = derived_seed(seed, "dp-noise")
-    if not hasattr(cfg, "seed"):
-        return cfg, noise_seed
-    return dataclasses.replace(cfg, seed=derived_seed(seed, "public")), noise_seed
 
 
 def execute(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import itertools
+import json
 import math
 import time
 import tomllib
@@ -27,6 +28,8 @@ from typing import Any, Iterable
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from fedpers import summaries
 
 from fedpers import config as config_lib
 from fedpers.results import dumps, write_atomic
@@ -142,10 +145,7 @@ def _lookup(result: dict[str, Any], key: str, default: Any = None) -> Any:
     return value
 
 
-def _number(v: Any) -> float:
-    if isinstance(v, str) and v in ("inf", "-inf", "nan"):
-        return float(v)
-    return float(v) if isinstance(v, (int, float)) else math.nan
+_number = summaries.number
 
 
 def run_point(spec: SweepSpec, overrides: dict[str, Any]) -> list[dict[str, float]]:
@@ -208,17 +208,7 @@ def loglog_slope(x: Iterable[float], y: Iterable[float]) -> float:
 
 def summarise(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> dict[Any, list[tuple[float, float, float]]]:
     """series value -> [(x, mean, standard error)] sorted by x."""
-    groups: dict[tuple[Any, Any], list[float]] = {}
-    for row in rows:
-        v = _number(row.get(metric))
-        if math.isfinite(v):
-            groups.setdefault((row[spec.series], row[spec.x]), []).append(v)
-    out: dict[Any, list[tuple[float, float, float]]] = {}
-    for (s, x), vals in groups.items():
-        arr = np.asarray(vals)
-        se = float(arr.std(ddof=1) / math.sqrt(len(arr))) if len(arr) > 1 else 0.0
-        out.setdefault(s, []).append((_number(x), float(arr.mean()), se))
-    return {s: sorted(v) for s, v in out.items()}
+    return summaries.summarise(rows, spec.series, spec.x, metric)
 
 
 def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: Path) -> dict[Any, float]:
@@ -277,19 +267,33 @@ def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int 
 
     spec = load_spec(path, repetitions)
     out = Path(out) if out is not None else Path("runs") / f"sweep-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if (out / "table.csv").exists():
+    identity = json.loads(dumps(dataclasses.asdict(spec)))
+    if (out / "spec.json").exists():
+        if json.loads((out / "spec.json").read_text()) != identity:
+            raise ValueError(f"out: {out} holds a different sweep (its spec.json differs); choose another --out")
+    elif (out / "table.csv").exists():
         raise ValueError(f"out: {out} already holds a sweep; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
+    (out / "points").mkdir(exist_ok=True)
+    write_atomic(out / "spec.json", dumps(identity) + "\n")
     from fedpers.provenance import provenance
 
     write_atomic(out / "provenance.json", dumps(provenance()) + "\n")
     rows: list[dict[str, Any]] = []
     points = spec.points()
     bar = tqdm(points, desc=f"sweep {spec.name}", unit="point", disable=not progress)
-    for label, overrides in bar:
+    ran = 0
+    for index, (label, overrides) in enumerate(bar):
         full = {**spec.base, **overrides}
         tag = {spec.series: label if label is not None else full.get(spec.series), spec.x: full.get(spec.x)}
-        for row in run_point(spec, overrides):
+        record = out / "points" / f"{index:05d}.json"
+        if record.exists():  # finished before an interruption: reuse, never rerun
+            point_rows = json.loads(record.read_text())["rows"]
+        else:
+            point_rows = run_point(spec, overrides)
+            write_atomic(record, dumps({"label": label, "overrides": overrides, "rows": point_rows}) + "\n")
+            ran += 1
+        for row in point_rows:
             fixed = {**tag, **{k: v for k, v in overrides.items() if k not in tag}}
             rows.append({**fixed, **{k: v for k, v in row.items() if k not in fixed}})
         write_table(rows, out / "table.csv")
@@ -304,9 +308,9 @@ def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int 
             name = metric.replace(".", "_") + ".png"
             slopes[metric] = {str(k): v for k, v in plot_metric(rows, spec, metric, out / name).items()}
             figures.append(name)
-    summary = {"spec": dataclasses.asdict(spec), "rows": len(rows), "slopes": slopes, "figures": figures, "table": "table.csv"}
+    summary = {"spec": dataclasses.asdict(spec), "rows": len(rows), "points_run": ran, "points_reused": len(points) - ran, "slopes": slopes, "figures": figures, "table": "table.csv"}
     write_atomic(out / "sweep.json", dumps(summary) + "\n")
-    print(f"sweep {spec.name}: {len(rows)} rows -> {out / 'table.csv'}; figures: {', '.join(figures)}")
+    print(f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {len(points) - ran} reused) -> {out / 'table.csv'}; figures: {', '.join(figures)}")
     for metric, per in slopes.items():
         for s, slope in per.items():
             print(f"  log-log slope of {metric} vs {spec.x} at {spec.series}={s}: {slope:.3f}")

@@ -9,20 +9,14 @@ from __future__ import annotations
 import abc
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 
 from fedpers.privacy import Ledger
 from fedpers.protocols.base import Protocol, Units
 from fedpers.runtime.local import UnitSource
+from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
 
 Tensor = torch.Tensor
-
-
-def derived_seed(seed: int, stream: str) -> int:
-    """Independent named generator seeds from one run seed (data, cohorts, noise, ...)."""
-    key = [int(seed)] + [ord(c) for c in stream]
-    return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
 class Evaluator(abc.ABC):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from fedpers.data import prompts as prompt_data
-from fedpers.experiments.base import derived_seed
+from fedpers.seeds import derived_seed, split_seed
 from fedpers.experiments.noisyhead import (
     AttackNoise,
     DataSource,
@@ -251,8 +251,6 @@ def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]
     """One row of metrics per repetition; every repetition computed in the same tensor operations."""
     if repetitions < 1:
         raise ValueError(f"repetitions must be >= 1; got {repetitions}")
-    from fedpers.runner import split_seed
-
     cfg, noise_seed = split_seed(cfg)  # like a run: data from the public seed, noise from a secret one
     r = resolve(cfg)
     engine = "direct" if cfg.attack_c > 0 else engine_for(cfg, r)
@@ -332,7 +330,10 @@ def sweep_figure(rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedpers.sweep import summarise
+    from fedpers.summaries import summarise as _summarise
+
+    def summarise(rows, spec, metric):
+        return _summarise(rows, spec.series, spec.x, metric)
 
     if layout == "descent-privacy":
         fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))

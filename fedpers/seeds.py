@@ -1,0 +1,29 @@
+"""Named seeds: every random stream of a run derives from the run seed here (imports nothing of fedpers)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+
+def derived_seed(seed: int, stream: str) -> int:
+    """Independent named generator seeds from one run seed (data, cohorts, noise, ...)."""
+    key = [int(seed)] + [ord(c) for c in stream]
+    return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def split_seed(cfg: Any) -> tuple[Any, int]:
+    """(config with the public seed, secret DP-noise seed), both derived from ``cfg.seed``.
+
+    Everything a client may know (its data, the public cohort permutation) derives from
+    the public seed; the noise seed is a separate derivation of the run seed. Whoever holds
+    the run seed (it is in ``config.json``) can recompute the noise, and a small run seed can
+    be found from the public one by trying seeds: for real users run with ``secure_noise``,
+    which uses no seed at all.
+    """
+    seed = getattr(cfg, "seed", 0)
+    noise_seed = derived_seed(seed, "dp-noise")
+    if not hasattr(cfg, "seed"):
+        return cfg, noise_seed
+    return dataclasses.replace(cfg, seed=derived_seed(seed, "public")), noise_seed
