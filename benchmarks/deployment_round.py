@@ -1,0 +1,94 @@
+"""Deployment vs simulation vs local: one private AltMin round, measured in one run.
+
+SuperLink + 3 SuperNodes on 127.0.0.1 (insecure: loopback only), ``flwr run . deployment``;
+Flower's Ray simulation with 3 nodes; the local runtime. Same config (30,000 users, d = 50,
+k = 3, m = 40, every user in each round, reproducible noise). The per-round seconds come from
+each runtime's own round records (``rounds.jsonl`` for the deployment). Target (issue 12): a
+deployment round <= 3x the local round.
+
+    PYTHONPATH=. python benchmarks/deployment_round.py [--users 30000 --rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from fedpers import config as config_lib  # noqa: E402
+from fedpers.experiments import EXPERIMENTS  # noqa: E402
+from fedpers.privacy import Privatizer  # noqa: E402
+from fedpers.runner import RuntimeOptions, split_seed  # noqa: E402
+from fedpers.runtime.flower import run_flower  # noqa: E402
+from fedpers.runtime.local import run_local  # noqa: E402
+from flower_support import Processes, free_port, wait_for_log, write_connection  # noqa: E402
+
+EXP = EXPERIMENTS["altmin"]
+
+
+def fields(args: argparse.Namespace) -> dict:
+    return {"n_users": args.users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": args.rounds, "cohorts": "all", "seed": 0}
+
+
+def local(args: argparse.Namespace) -> list[float]:
+    cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, fields(args)))
+    units = EXP.units(cfg, torch.arange(args.users))
+    _, records = run_local(EXP.protocol(cfg), units, Privatizer(noise_seed), progress=False)
+    return [r.seconds for r in records]
+
+
+def simulation(args: argparse.Namespace) -> list[float]:
+    cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, fields(args)))
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3, "round_timeout": 3600.0})
+    _, records = run_flower(EXP, cfg, EXP.protocol(cfg), Privatizer(noise_seed), opts, progress=False)
+    return [r.seconds for r in records]
+
+
+def deployment(args: argparse.Namespace, work: Path) -> list[float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    port = free_port()
+    with Processes(work, env) as procs:
+        link, log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(work / "link-home"))
+        wait_for_log(log, "Starting Flower SuperExec", link)
+        for i in range(3):
+            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions=3"], FLWR_HOME=str(work / f"node{i}-home"))
+        write_connection(work / "cli-home", "deployment", f"127.0.0.1:{port}")
+        out = work / "run"
+        pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in fields(args).items())
+        cmd = [shutil.which("flwr") or "flwr", "run", ".", "deployment", "--stream", "--run-config", f"config='{pairs}' out='{out}' round-timeout=3600.0 secure-noise=false"]
+        done = subprocess.run(cmd, cwd=ROOT, env={**env, "FLWR_HOME": str(work / "cli-home")}, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0 or not (out / "rounds.jsonl").is_file():
+            raise SystemExit(f"deployment run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        return [json.loads(line)["seconds"] for line in (out / "rounds.jsonl").read_text().splitlines() if line.strip()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--users", type=int, default=30_000)
+    p.add_argument("--dim", type=int, default=50)
+    p.add_argument("--rank", type=int, default=3)
+    p.add_argument("--samples", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="fedpers-deploy-bench-") as tmp:
+        start = time.perf_counter()
+        times = {"deployment": deployment(args, Path(tmp)), "simulation": simulation(args), "local": local(args)}
+    print(f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, 3 nodes; seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]")
+    for name, secs in times.items():
+        print(f"{name:12s} " + "  ".join(f"{s:8.2f}" for s in secs))
+    last = {k: v[-1] for k, v in times.items()}
+    print(f"last round: deployment / local = {last['deployment'] / last['local']:.1f}x (target <= 3x); simulation / local = {last['simulation'] / last['local']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
