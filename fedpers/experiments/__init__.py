@@ -18,6 +18,7 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
     "expmech": ("fedpers.experiments.expmech", "ExpMechExperiment", "User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)"),
     "noisygd": ("fedpers.experiments.noisygd", "NoisyGDExperiment", "NoisyGD for last-layer fine-tuning under neural collapse (SPEC §3)"),
     "dpattention": ("fedpers.experiments.dpattention", "DpAttentionExperiment", "DP attention computation by DPCovariance (SPEC §4)"),
+    "dpals": ("fedpers.experiments.dpals", "DpAlsExperiment", "User-level private alternating least squares for matrix completion (Chien et al. 2021)"),
 }
 """name → (module, class, one-line description)."""
 
