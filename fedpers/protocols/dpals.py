@@ -68,14 +68,15 @@ def item_statistics(
     b_mag = linalg.clipped_magnitude(log_rn + log_vn, rhs_bound)
     g_mag = torch.where(count > 0, g_mag, torch.zeros_like(g_mag)).to(U.dtype)
     b_mag = b_mag.to(U.dtype)
-    outer = v_unit.unsqueeze(-1) * v_unit.unsqueeze(-2)  # (n, k, k), norm 1 or 0
-    per_user_g = outer * g_mag.view(-1, 1, 1)
-    G = torch.zeros(n_items, k, k, dtype=U.dtype, device=U.device)
-    b = torch.zeros(n_items, k, dtype=U.dtype, device=U.device)
+    outer = (v_unit.unsqueeze(-1) * v_unit.unsqueeze(-2)).reshape(-1, k * k)  # (n, k²), norm 1 or 0
     rows, cols = sel.nonzero(as_tuple=True)
     flat_items = items[rows, cols]
-    G.index_add_(0, flat_items, per_user_g[rows])
-    b.index_add_(0, flat_items, (r_unit[rows, cols] * b_mag[rows]).unsqueeze(-1) * v_unit[rows])
+    # per-item sums as one sparse (items × users) product: nnz·k² work, no (nnz, k, k) temporary
+    index = torch.stack([flat_items, rows])
+    w_g = torch.sparse_coo_tensor(index, g_mag[rows], (n_items, v_unit.shape[0]), check_invariants=False).coalesce()
+    w_b = torch.sparse_coo_tensor(index, r_unit[rows, cols] * b_mag[rows], (n_items, v_unit.shape[0]), check_invariants=False).coalesce()
+    G = torch.sparse.mm(w_g, outer).reshape(n_items, k, k)
+    b = torch.sparse.mm(w_b, v_unit)
     return G, b
 
 
