@@ -125,3 +125,19 @@ def test_nonprivate_als_on_movielens_small_beats_global_mean(tmp_path):
     assert out["global_mean_rmse"] > 1.0
     assert out["test_rmse"] < out["global_mean_rmse"] - 0.07
     assert out["als_rmse"] < out["global_mean_rmse"] - 0.07
+
+
+def test_psd_repair_equals_eigenvalue_floor():
+    """The Cholesky shortcut (eigh only for non-PD blocks) gives (floor₀(G) + λI)⁻¹ b for every block."""
+    from fedpers.protocols.dpals import solve_items
+
+    g = torch.Generator().manual_seed(0)
+    k = 4
+    G = torch.randn(60, k, k, generator=g, dtype=torch.float64)
+    G = G + G.transpose(1, 2)
+    G[:20] = G[:20] @ G[:20] + torch.eye(k, dtype=torch.float64)  # PD blocks take the shortcut
+    b = torch.randn(60, k, generator=g, dtype=torch.float64)
+    vals, vecs = torch.linalg.eigh(G)
+    R = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2)
+    ref = torch.linalg.solve(R + torch.eye(k, dtype=torch.float64), b.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(solve_items(G, b, 1.0), ref, rtol=1e-10, atol=1e-12)

@@ -99,8 +99,13 @@ def solve_items(G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True) -> 
     k = G.shape[-1]
     G = linalg.sym(G)
     if psd_repair:
-        vals, vecs = torch.linalg.eigh(G)
-        G = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2)
+        # eigenvalues floored at 0; only blocks that are not positive definite need the (slow, batched) eigh
+        _, info = torch.linalg.cholesky_ex(G)
+        bad = (info != 0).nonzero(as_tuple=True)[0]
+        if bad.numel():
+            vals, vecs = torch.linalg.eigh(G[bad])
+            G = G.clone()
+            G[bad] = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2)
     return torch.linalg.solve(G + ridge * torch.eye(k, dtype=G.dtype, device=G.device), b.unsqueeze(-1)).squeeze(-1)
 
 
