@@ -38,7 +38,7 @@ def dense_als_reference(U0, units, steps, ridge_user, ridge_item):
 def test_no_noise_no_clipping_matches_dense_als():
     cfg = config.build(DpAlsConfig, {
         "n_users": 150, "n_items": 40, "rank": 3, "true_rank": 3, "min_count": 2, "max_count": 15,
-        "items_per_user": 15, "steps": 3, "epsilon": math.inf, "clip_embedding": math.inf, "clip_rating": math.inf,
+        "items_per_user": 15, "steps": 3, "epsilon": math.inf, "clip_embedding": 0.0, "clip_rating": 0.0,
     })
     protocol = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
@@ -117,7 +117,7 @@ def test_nonprivate_als_on_movielens_small_beats_global_mean(tmp_path):
 
     exp = EXPERIMENTS["dpals"]
     cfg = config.build(DpAlsConfig, {
-        "dataset": "movielens-small", "epsilon": math.inf, "clip_embedding": math.inf, "clip_rating": math.inf,
+        "dataset": "movielens-small", "epsilon": math.inf, "clip_embedding": 0.0, "clip_rating": 0.0,
         "items_per_user": 100000, "center": 3.5, "rank": 8, "ridge_user": 5.0, "ridge_item": 5.0, "steps": 3,
     })
     out = execute(exp, cfg, out=tmp_path / "run", progress=False)

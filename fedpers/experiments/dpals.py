@@ -41,8 +41,8 @@ class DpAlsConfig:
     items_per_user: int = field(20, "B: items a user contributes statistics for per round", ge=1)
     ridge_user: float = field(0.1, "λ of the users' ridge solves", gt=0.0)
     ridge_item: float = field(1.0, "λ of the server's per-item solves", gt=0.0)
-    clip_embedding: float = field(3.0, "c_v: per-item clip scale of ||v|| (inf: no clipping)", gt=0.0, inf_ok=True)
-    clip_rating: float = field(3.0, "c_r: per-item clip scale of |r| (inf: no clipping)", gt=0.0, inf_ok=True)
+    clip_embedding: float = field(3.0, "c_v: per-item clip scale of ||v|| (0: no clipping)", ge=0.0)
+    clip_rating: float = field(3.0, "c_r: per-item clip scale of |r| (0: no clipping)", ge=0.0)
     epsilon: float = field(1.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = field(1e-5, "δ", gt=0.0, lt=1.0)
     ratings: Path | None = field(None, "rating file (long format: user, item, rating) instead of synthetic data")
@@ -92,7 +92,9 @@ def n_users(cfg: DpAlsConfig) -> int:
 def bounds(cfg: DpAlsConfig) -> tuple[float, float]:
     """(Γ_G, Γ_b) = (√B·c_v², √B·c_r·c_v)."""
     sb = math.sqrt(cfg.items_per_user)
-    return sb * cfg.clip_embedding**2, sb * cfg.clip_rating * cfg.clip_embedding
+    cv = cfg.clip_embedding if cfg.clip_embedding > 0 else math.inf
+    cr = cfg.clip_rating if cfg.clip_rating > 0 else math.inf
+    return sb * cv**2, sb * cr * cv
 
 
 def run_event(z: float, cfg: DpAlsConfig) -> dp_accounting.DpEvent:
