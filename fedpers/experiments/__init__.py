@@ -19,6 +19,7 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
     "noisygd": ("fedpers.experiments.noisygd", "NoisyGDExperiment", "NoisyGD for last-layer fine-tuning under neural collapse (SPEC §3)"),
     "fedrep": ("fedpers.experiments.fedrep", "FedRepExperiment", "Private FedRep: clipped user gradients of U, private accounted init (Snedeker et al. 2025)"),
     "dpattention": ("fedpers.experiments.dpattention", "DpAttentionExperiment", "DP attention computation by DPCovariance (SPEC §4)"),
+    "dpals": ("fedpers.experiments.dpals", "DpAlsExperiment", "User-level private alternating least squares for matrix completion (Chien et al. 2021)"),
 }
 """name → (module, class, one-line description)."""
 

@@ -1,0 +1,165 @@
+"""DPALS: user-level private alternating least squares for matrix completion
+(Jain–Thakkar–Thakurta 2018; Chien et al., "Private Alternating Least Squares", ICML 2021).
+
+Units are users. Each user j holds ragged ratings, padded to width L: ``items`` (L,),
+``ratings`` (L,), ``mask`` (L,) (True for a real training rating). Round t: the server
+broadcasts the item embeddings U (items × k); user j solves v_j = (U_Iᵀ U_I + λI)⁻¹ U_Iᵀ r_I
+on its own ratings, takes the first B of its rated items (the loader orders each user's
+items by a permutation derived from the public seed and the user id), and sends per item i
+the statistics G_i = v_j v_jᵀ and b_i = r_ij v_j, scatter-added into (items, k, k) and
+(items, k) — never a dense (items·k)² matrix.
+
+Per-user clipping (scale-safe): the user's whole G collection has Frobenius norm
+√n_j·||v||², clipped to Γ_G; its b collection has norm ||r||·||v||, clipped to Γ_b. Both are
+formed from unit directions v̂ = v/||v||, r̂ = r/||r|| and magnitudes min(·, Γ) computed in
+log space (:func:`fedpers.linalg.clipped_magnitude`), so no finite rating or embedding can
+overflow. Even v is solved on r̂ (v is linear in r) and rescaled through its log-norm.
+
+Server: one Gaussian release per statistic through the Privatizer. G is released as the
+upper triangles of its blocks (items, k(k+1)/2), whose norm is ≤ ||G||_F; the replace-one
+sensitivity used is the general 2·Γ (the √2·Γ PSD bound is not claimed here). Each noisy
+block is repaired to PSD (eigenvalues floored at 0), and U_i = (G_i + λI)⁻¹ b_i.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from fedpers import linalg
+from fedpers.privacy import Privatizer
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+
+Tensor = torch.Tensor
+
+
+def user_embeddings(U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
+    """(v̂, log||v||) with v_j = (U_Iᵀ U_I + λI)⁻¹ U_Iᵀ r_I over each user's masked ratings.
+
+    Solved on r̂ = r/||r|| (v is linear in r) so a huge rating cannot overflow; users with no
+    ratings or all-zero ratings get v = 0 (log-norm −inf)."""
+    m = mask.to(U.dtype)
+    r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * m)
+    F = U[items] * m.unsqueeze(-1)  # (n, L, k)
+    k = U.shape[1]
+    A = F.transpose(1, 2) @ F + ridge * torch.eye(k, dtype=U.dtype, device=U.device)
+    rhs = (F.transpose(1, 2) @ r_unit.unsqueeze(-1)).squeeze(-1)
+    w = torch.linalg.solve(A, rhs)
+    v_unit, log_wn = linalg.directions(w)
+    return v_unit, log_wn + log_rn
+
+
+def item_statistics(
+    U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float, items_per_user: int,
+    gram_bound: float, rhs_bound: float,
+) -> tuple[Tensor, Tensor]:
+    """Per-item sums (G (items, k, k), b (items, k)) of the users' clipped contributions."""
+    n_items, k = U.shape
+    v_unit, log_vn = user_embeddings(U, items, ratings, mask, ridge)
+    # the first B of each user's rated items (the loader's public per-user order)
+    sel = mask & (torch.cumsum(mask.to(torch.int64), dim=1) <= items_per_user)
+    s = sel.to(U.dtype)
+    count = s.sum(1).double()
+    log_g = 2 * log_vn
+    g_mag = linalg.clipped_magnitude(log_g + 0.5 * count.clamp_min(1).log(), gram_bound) / count.clamp_min(1).sqrt()
+    r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * s)
+    b_mag = linalg.clipped_magnitude(log_rn + log_vn, rhs_bound)
+    g_mag = torch.where(count > 0, g_mag, torch.zeros_like(g_mag)).to(U.dtype)
+    b_mag = b_mag.to(U.dtype)
+    outer = (v_unit.unsqueeze(-1) * v_unit.unsqueeze(-2)).reshape(-1, k * k)  # (n, k²), norm 1 or 0
+    rows, cols = sel.nonzero(as_tuple=True)
+    flat_items = items[rows, cols]
+    # per-item sums as one sparse (items × users) product: nnz·k² work, no (nnz, k, k) temporary
+    index = torch.stack([flat_items, rows])
+    w_g = torch.sparse_coo_tensor(index, g_mag[rows], (n_items, v_unit.shape[0]), check_invariants=False).coalesce()
+    w_b = torch.sparse_coo_tensor(index, r_unit[rows, cols] * b_mag[rows], (n_items, v_unit.shape[0]), check_invariants=False).coalesce()
+    G = torch.sparse.mm(w_g, outer).reshape(n_items, k, k)
+    b = torch.sparse.mm(w_b, v_unit)
+    return G, b
+
+
+def triu_pack(G: Tensor) -> Tensor:
+    k = G.shape[-1]
+    i, j = torch.triu_indices(k, k, device=G.device)
+    return G[..., i, j]
+
+
+def triu_unpack(t: Tensor, k: int) -> Tensor:
+    i, j = torch.triu_indices(k, k, device=t.device)
+    G = t.new_zeros(*t.shape[:-1], k, k)
+    G[..., i, j] = t
+    G[..., j, i] = t
+    return G
+
+
+def solve_items(G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True) -> Tensor:
+    """U_i = (PSD(G_i) + λI)⁻¹ b_i for every item (batched)."""
+    k = G.shape[-1]
+    G = linalg.sym(G)
+    if psd_repair:
+        # eigenvalues floored at 0; only blocks that are not positive definite need the (slow, batched) eigh
+        _, info = torch.linalg.cholesky_ex(G)
+        bad = (info != 0).nonzero(as_tuple=True)[0]
+        if bad.numel():
+            vals, vecs = torch.linalg.eigh(G[bad])
+            G = G.clone()
+            G[bad] = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2)
+    return torch.linalg.solve(G + ridge * torch.eye(k, dtype=G.dtype, device=G.device), b.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class DpAlsProtocol(Protocol):
+    """Public parameters of DPALS; ``initial_U`` is public (derived from the public seed)."""
+
+    n_items: int
+    rank: int
+    steps: int
+    items_per_user: int
+    ridge_user: float
+    ridge_item: float
+    gram_bound: float
+    rhs_bound: float
+    noise_multiplier: float
+    initial_U: Tensor
+    dtype_name: str = "float64"
+
+    name = "dpals"
+
+    @property
+    def num_rounds(self) -> int:
+        return self.steps
+
+    def unit_keys(self) -> tuple[str, ...]:
+        return ("items", "ratings", "mask")
+
+    def initial_state(self) -> dict[str, Tensor]:
+        return {"U": self.initial_U.to(self.dtype)}
+
+    def broadcast(self, state: Mapping[str, Any], round: int) -> dict[str, Tensor]:
+        return {"U": state["U"]}
+
+    def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
+        k = self.rank
+        return (StatSpec("G", (self.n_items, k, k), self.gram_bound), StatSpec("b", (self.n_items, k), self.rhs_bound))
+
+    def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        U = broadcast["U"].to(self.dtype)
+        G, b = item_statistics(
+            U, units["items"], units["ratings"], units["mask"], self.ridge_user, self.items_per_user,
+            self.gram_bound, self.rhs_bound,
+        )
+        return Message({"G": linalg.sym(G), "b": b}, int(units["ids"].shape[0]))
+
+    def server_update(self, round: int, state: Mapping[str, Any], summed: Message, privatizer: Privatizer) -> tuple[dict[str, Any], dict[str, float]]:
+        k = self.rank
+        z = self.noise_multiplier
+        params = {"items_per_user": self.items_per_user, "rank": k}
+        g_bound, b_bound = self.gram_bound, self.rhs_bound
+        if z > 0 and not (math.isfinite(self.gram_bound) and math.isfinite(self.rhs_bound)):
+            raise ValueError("noise needs finite gram_bound and rhs_bound")
+        g = privatizer.gaussian_sum(triu_pack(summed.stats["G"]), per_unit_bound=g_bound, noise_multiplier=z, name="dpals.G", round=round, params=params)
+        b = privatizer.gaussian_sum(summed.stats["b"], per_unit_bound=b_bound, noise_multiplier=z, name="dpals.b", round=round, params=params)
+        U = solve_items(triu_unpack(g, k), b, self.ridge_item, psd_repair=z > 0)
+        return {"U": U}, {"U_norm": float(torch.linalg.matrix_norm(U))}
