@@ -266,3 +266,26 @@ def test_audit_of_the_A_release_through_the_server_path():
     claimed = 2.0 / protocol.noise_multiplier
     print(f"audit: μ lower bound {lower:.3f}, claimed {claimed:.3f}")
     assert 0.5 * claimed < lower <= claimed, (lower, claimed)
+
+
+# ----- DPALS (private matrix completion) -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_dpals_worst_case_neighbours(dtype):
+    """One user's ratings replaced by huge, overflowing, alternating or absent ratings on other items."""
+    cfg, protocol, units = setup("dpals", dict(n_users=30, n_items=20, rank=3, true_rank=3, items_per_user=5, max_count=12, steps=2, epsilon=1.0, dtype=dtype))
+    huge = 1e30 if dtype == "float32" else 1e160
+    tol = 1e-5 if dtype == "float32" else 1e-9
+    for j in (0, 17):
+        ratings, items, mask = units["ratings"][j], units["items"][j], units["mask"][j]
+        sign = torch.ones_like(ratings)
+        sign[1::2] = -1
+        cases = {
+            "huge ratings": {"ratings": ratings * 0 + huge},
+            "overflowing ratings": {"ratings": ratings.double() * 0 + 1e39 if dtype == "float32" else ratings * 0 + 1e300},
+            "alternating ratings": {"ratings": huge * sign},
+            "other items": {"items": (items + 7) % cfg.n_items, "ratings": huge * sign},
+            "no ratings": {"mask": torch.zeros_like(mask)},
+        }
+        for label, new in cases.items():
+            outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS}, rel_tol=tol)
+            assert outcome.releases >= 2, label  # (c) equal counts on both neighbours is checked inside
