@@ -60,17 +60,17 @@ class AltMinConfig:
 BASELINES = ("nonprivate_altmin", "clipped_no_noise", "local_only", "private_init_only", "oracle")
 
 
-def baseline_names(text: str) -> tuple[str, ...]:
-    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+def baseline_names(text: str, allowed: tuple[str, ...] = BASELINES) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of ``allowed`` → the names (refused otherwise)."""
     text = text.strip()
     if text == "all":
-        return BASELINES
+        return allowed
     if text in ("none", ""):
         return ()
     names = tuple(n.strip() for n in text.split(","))
-    unknown = [n for n in names if n not in BASELINES]
+    unknown = [n for n in names if n not in allowed]
     if unknown:
-        raise ValueError(f"baselines: unknown {unknown}; use all, none or a comma list of {', '.join(BASELINES)}")
+        raise ValueError(f"baselines: unknown {unknown}; use all, none or a comma list of {', '.join(allowed)}")
     return names
 
 

@@ -20,6 +20,7 @@ from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
 from fedpers.experiments.altmin import AltMinConfig
+from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
@@ -78,17 +79,8 @@ BASELINES = ("priv_altmin", "nonprivate_altmin")
 
 
 def baseline_names(text: str) -> tuple[str, ...]:
-    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
-    text = text.strip()
-    if text == "all":
-        return BASELINES
-    if text in ("none", ""):
-        return ()
-    names = tuple(n.strip() for n in text.split(","))
-    unknown = [n for n in names if n not in BASELINES]
-    if unknown:
-        raise ValueError(f"baselines: unknown {unknown}; use all, none or a comma list of {', '.join(BASELINES)}")
-    return names
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` (AltMin's parser, FedRep's names)."""
+    return altmin_baseline_names(text, BASELINES)
 
 
 def truth(cfg: FedRepConfig) -> Tensor:
