@@ -151,6 +151,20 @@ def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:
     return blocks.permute(0, 2, 1, 3).reshape(k * d, k * d)
 
 
+def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf) -> Tensor:
+    """Σ_users Σ_pairs sym(x̂_a x̂_bᵀ clip(y_a) clip(y_b)) over consecutive sample pairs (a, b) = (2i, 2i+1).
+
+    x (users, 2p, d), y (users, 2p). x̂ = x/||x|| (0 for x = 0) is formed without overflow, so
+    each pair's term has Frobenius norm ≤ ζ² for every finite input (the private
+    initialisation's statistic, Algorithm 3 of the personalization paper).
+    """
+    d = x.shape[-1]
+    xa, _ = directions(x[:, 0::2])
+    xb, _ = directions(x[:, 1::2])
+    coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)
+    return sym((xa * coef.unsqueeze(-1)).reshape(-1, d).transpose(0, 1) @ xb.reshape(-1, d))
+
+
 def kron_gram_sum(v: Tensor, x: Tensor, block: int = 48) -> Tensor:
     """Σ_j (v_j v_jᵀ) ⊗ (X_jᵀ X_j) as a (dk, dk) matrix, fused per block of units.
 

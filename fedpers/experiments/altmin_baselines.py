@@ -27,11 +27,7 @@ def spectral_init(source: UnitSource, rank: int, chunk_size: int) -> Tensor:
     for units in source.chunks(chunk_size):
         x, y = units["x"].double(), units["y"].double()
         pairs = x.shape[1] // 2
-        xa, _ = linalg.directions(x[:, 0 : 2 * pairs : 2])
-        xb, _ = linalg.directions(x[:, 1 : 2 * pairs : 2])
-        coef = y[:, 0 : 2 * pairs : 2] * y[:, 1 : 2 * pairs : 2]
-        d = x.shape[-1]
-        w = linalg.sym((xa * coef.unsqueeze(-1)).reshape(-1, d).T @ xb.reshape(-1, d))
+        w = linalg.pair_statistic(x[:, : 2 * pairs], y[:, : 2 * pairs])
         total = w if total is None else total + w
     return linalg.top_eigenvectors(total, rank)
 

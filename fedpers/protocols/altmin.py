@@ -197,13 +197,8 @@ class AltMinProtocol(Protocol):
         x̂ = x/||x|| (0 for x = 0) is formed without overflow, so each pair's term has
         Frobenius norm ≤ ζ² for every finite input.
         """
-        q = self.quarter
-        xa, _ = linalg.directions(x[:, 2 * q :: 2])
-        xb, _ = linalg.directions(x[:, 2 * q + 1 :: 2])
-        coef = linalg.clip_scalar(y[:, 2 * q :: 2], self.zeta) * linalg.clip_scalar(y[:, 2 * q + 1 :: 2], self.zeta)
-        d = x.shape[-1]
-        w = (xa * coef.unsqueeze(-1)).reshape(-1, d).transpose(0, 1) @ xb.reshape(-1, d)
-        return linalg.sym(w)
+        h = 2 * self.quarter
+        return linalg.pair_statistic(x[:, h : 2 * h], y[:, h : 2 * h], self.zeta)
 
     def local_solve(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """v_j = argmin_v Σ_i (y_ij − <Uᵀx_ij, v>)² for every user (tiny ridge for safety)."""

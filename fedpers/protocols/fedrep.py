@@ -150,12 +150,8 @@ class FedRepProtocol(Protocol):
         x̂ = x/||x|| (0 for x = 0) is formed without overflow, so each pair's term has
         Frobenius norm ≤ ζ² for every finite input.
         """
-        p, d = self.pairs, x.shape[-1]
-        xa, _ = linalg.directions(x[:, 0 : 2 * p : 2])
-        xb, _ = linalg.directions(x[:, 1 : 2 * p : 2])
-        coef = linalg.clip_scalar(y[:, 0 : 2 * p : 2], self.zeta) * linalg.clip_scalar(y[:, 1 : 2 * p : 2], self.zeta)
-        w = (xa * coef.unsqueeze(-1)).reshape(-1, d).transpose(0, 1) @ xb.reshape(-1, d)
-        return linalg.sym(w)
+        p = self.pairs
+        return linalg.pair_statistic(x[:, : 2 * p], y[:, : 2 * p], self.zeta)
 
     def local_solve(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """v_j = argmin_v Σ_i (y_ij − ⟨Uᵀx_ij, v⟩)² (tiny ridge for safety), every user at once."""
