@@ -1,4 +1,4 @@
-"""Command line: ``fedpers run ALGO``, ``fedpers sweep FILE.toml``, ``fedpers privacy RUN_DIR``."""
+"""Command line: ``fedpers run ALGO``, ``fedpers resume RUN_DIR``, ``fedpers sweep FILE.toml``, ``fedpers privacy RUN_DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", type=Path, help="output directory (default: runs/sweep-<name>-<time>)")
     sw.add_argument("--repetitions", type=int, help="override the number of Monte-Carlo repetitions")
     sw.add_argument("--quiet", action="store_true")
+    rs = sub.add_parser("resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False)
+    rs.add_argument("run_dir", type=Path)
+    rs.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
+    rs.add_argument("--quiet", action="store_true", help="no progress bar")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -132,7 +136,6 @@ def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> N
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedpers.experiments import experiment
-    from fedpers.results import dumps
     from fedpers.runner import RuntimeOptions, execute
 
     algorithm = args.algorithm
@@ -154,11 +157,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     for line in exp.plan(cfg):
         print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
+    _print_result(result, args.json)
+    return 0
+
+
+def _print_result(result: dict[str, Any], as_json: bool) -> None:
+    from fedpers.results import dumps
+
     result = {k: v for k, v in result.items() if not k.startswith("_")}
-    if args.json:
+    if as_json:
         print(dumps(result, indent=None))
     else:
         print_summary(result)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from fedpers.runner import resume_run
+
+    _print_result(resume_run(args.run_dir, progress=not (args.quiet or args.json)), args.json)
     return 0
 
 
@@ -190,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"run": cmd_run, "sweep": cmd_sweep, "privacy": cmd_privacy}[args.command](args)
+        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "privacy": cmd_privacy}[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2

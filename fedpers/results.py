@@ -64,16 +64,54 @@ LEDGER_LOG = "ledger.jsonl"
 """One line per noisy release, appended (and flushed to disk) the moment it is drawn."""
 
 
-class RunDirectory:
-    """One run's output folder. Refuses a folder that already holds a run."""
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    """JSON lines of an append-only log; a last line cut short by a kill is not a record."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().split("\n"):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out
 
-    def __init__(self, path: str | Path) -> None:
+
+class RunDirectory:
+    """One run's output folder. Refuses a folder that already holds a run, unless resuming it."""
+
+    def __init__(self, path: str | Path, *, resume: bool = False) -> None:
         self.path = Path(path)
-        if (self.path / "config.json").exists():
-            raise ValueError(f"out: {self.path} already holds a run; choose another --out")
+        if resume:
+            if not (self.path / "config.json").is_file():
+                raise ValueError(f"resume: {self.path} is not a fedpers run directory (no config.json)")
+            if (self.path / "result.json").is_file():
+                raise ValueError(f"resume: {self.path} holds a completed run; nothing to resume")
+            releases = _read_lines(self.path / LEDGER_LOG)
+            write_atomic(self.path / LEDGER_LOG, "".join(dumps(r, indent=None) + "\n" for r in releases))  # drop a cut-short line
+            for stale in ("ledger.json", "error.json"):
+                self.remove(stale)
+        elif (self.path / "config.json").exists():
+            raise ValueError(f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)")
         self.path.mkdir(parents=True, exist_ok=True)
-        self._rounds = open(self.path / "rounds.jsonl", "w")
-        self._releases = open(self.path / LEDGER_LOG, "w")
+        self._rounds = open(self.path / "rounds.jsonl", "a" if resume else "w")
+        self._releases = open(self.path / LEDGER_LOG, "a" if resume else "w")
+
+    def recorded_releases(self) -> list[dict[str, Any]]:
+        return _read_lines(self.path / LEDGER_LOG)
+
+    def recorded_rounds(self) -> list[dict[str, Any]]:
+        return _read_lines(self.path / "rounds.jsonl")
+
+    def rewrite_rounds(self, rounds: list[Mapping[str, Any]]) -> None:
+        """Replace the round log (a resumed run keeps only the checkpointed rounds)."""
+        self._rounds.close()
+        write_atomic(self.path / "rounds.jsonl", "".join(dumps(r, indent=None) + "\n" for r in rounds))
+        self._rounds = open(self.path / "rounds.jsonl", "a")
+
+    def remove(self, name: str) -> None:
+        (self.path / name).unlink(missing_ok=True)
 
     def append_release(self, release: Any) -> None:
         """Record one release durably before anything else happens (a killed run keeps it)."""
@@ -138,13 +176,10 @@ def read_run(path: str | Path) -> dict[str, Any]:
     for name in ("result.json", "error.json", "constants.json"):
         if (path / name).is_file():
             out[name.removesuffix(".json")] = json.loads((path / name).read_text())
-    rounds = path / "rounds.jsonl"
-    out["rounds"] = [json.loads(line) for line in rounds.read_text().splitlines() if line.strip()] if rounds.is_file() else []
+    out["rounds"] = _read_lines(path / "rounds.jsonl")
     if (path / "ledger.json").is_file():
         out["ledger_text"] = (path / "ledger.json").read_text()
     else:  # killed before the end: the per-release log is the record
-        log = path / LEDGER_LOG
-        lines = [line for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
-        out["ledger_text"] = "[" + ",".join(lines) + "]"
+        out["ledger_text"] = json.dumps(_read_lines(path / LEDGER_LOG))
     out["complete"] = "result" in out
     return out

@@ -112,15 +112,36 @@ class Ledger:
 
     def __init__(self, releases: list[Release] | None = None) -> None:
         self._releases: list[Release] = list(releases or [])
+        self._recorded: list[dict[str, Any]] = []
+        self._encode: Callable[[Release], Any] = Release.to_dict
         self.on_append: Callable[[Release], None] | None = None
         """Called with each release as it is appended (a run directory writes it to disk)."""
+
+    def expect(self, recorded: list[dict[str, Any]], encode: Callable[[Release], Any]) -> None:
+        """A resumed run: ``recorded`` (as written to disk) are releases drawn after the last
+        checkpoint and never published. The next appends re-draw them; one whose ``encode`` equals
+        the next recorded entry is kept once (``on_append`` is not called again). On the first
+        mismatch every recorded entry is accounted as well (never dropped) before the new one."""
+        self._recorded = list(recorded)
+        self._encode = encode
 
     def append(self, release: Release) -> None:
         if not isinstance(release, Release):
             raise TypeError(f"expected a Release, got {type(release).__name__}")
+        if self._recorded:
+            if self._encode(release) == self._recorded[0]:
+                self._recorded.pop(0)
+                self._releases.append(release)
+                return
+            self.settle()
         self._releases.append(release)
         if self.on_append is not None:
             self.on_append(release)
+
+    def settle(self) -> None:
+        """Account every recorded release that a resumed run did not re-draw (never drop one)."""
+        self._releases.extend(Release.from_dict(d) for d in self._recorded)
+        self._recorded = []
 
     def __iter__(self) -> Iterator[Release]:
         return iter(self._releases)

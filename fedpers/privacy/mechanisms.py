@@ -156,6 +156,22 @@ class Privatizer:
         )
         self.ledger = ledger if ledger is not None else Ledger()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue the same random streams: the generators' states
+        (none with ``secure``: they must stay unknown) and the number of releases so far."""
+        out: dict[str, Any] = {"releases": len(self.ledger), "secure": self.secure}
+        if not self.secure:
+            out["generator"] = self.generator.get_state()
+            out["sampling_generator"] = self.sampling_generator.get_state()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if bool(state.get("secure")) != self.secure:
+            raise ValueError(f"secure_noise: the checkpoint was written with secure_noise={bool(state.get('secure'))}, this run has {self.secure}")
+        if not self.secure:
+            self.generator.set_state(state["generator"])
+            self.sampling_generator.set_state(state["sampling_generator"])
+
     def _normal(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         # Drawn on the CPU in float64 so a run reproduces across devices and dtypes.
         z = torch.randn(shape, generator=self.generator, dtype=torch.float64)

@@ -1,8 +1,9 @@
 """The round loop shared by every runtime: broadcast, gather, verify, sum, privatise.
 
 A runtime supplies only ``gather``: how a broadcast reaches the clients and how their
-messages come back. Verification, dropping, the minimum-participation rule and the call
-to ``server_update`` live here, so the local and Flower runtimes cannot drift apart.
+messages come back. Verification, dropping, the minimum-participation rule, the call
+to ``server_update`` and the per-round checkpoint live here, so the local and Flower
+runtimes cannot drift apart (and both resume the same way).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tqdm.auto import tqdm
 
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Message, Protocol, verify_message, zero_message
+from fedpers.runtime.checkpoint import Checkpoint, Checkpointer
 
 Tensor = torch.Tensor
 
@@ -57,6 +59,14 @@ class RoundRecord:
             "seconds": self.seconds,
         }
 
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "RoundRecord":
+        known = {"round", "clients", "clients_accepted", "units", "units_zeroed", "dropped", "seconds"}
+        return RoundRecord(
+            int(d["round"]), int(d["clients"]), int(d["clients_accepted"]), int(d["units"]), dict(d.get("dropped", {})),
+            int(d.get("units_zeroed", 0)), {k: v for k, v in d.items() if k not in known}, {}, float(d.get("seconds", 0.0)),
+        )
+
 
 class RoundFailed(RuntimeError):
     """Too few clients answered acceptably; the run stops and keeps what it has."""
@@ -71,13 +81,25 @@ def drive(
     on_round: Callable[[RoundRecord, Any], None] | None = None,
     progress: bool = True,
     device: torch.device | str = "cpu",
+    checkpoint: Checkpointer | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
-    """Run every round of ``protocol``; returns the final server state and one record per round."""
+    """Run every round of ``protocol``; returns the final server state and one record per round.
+
+    With ``checkpoint``, a checkpoint is saved after every round, before ``on_round`` publishes
+    anything of it; ``checkpoint.resume`` (a loaded checkpoint) continues from its round with
+    its state and the privatizer's generators (the records of earlier rounds come back without
+    their metrics: ``on_round`` recorded those).
+    """
     if not 0 < min_fraction <= 1:
         raise ValueError(f"min_fraction must be in (0, 1], got {min_fraction}")
-    state = protocol.initial_state()
-    records: list[RoundRecord] = []
-    bar = tqdm(range(protocol.num_rounds), desc=protocol.name, unit="round", disable=not progress, leave=False)
+    resume = checkpoint.resume if checkpoint is not None else None
+    if resume is not None:
+        state, first = resume.state, resume.next_round
+        privatizer.load_state_dict(resume.privatizer)
+        records = [RoundRecord.from_dict(d) for d in resume.records]
+    else:
+        state, first, records = protocol.initial_state(), 0, []
+    bar = tqdm(range(first, protocol.num_rounds), desc=protocol.name, unit="round", disable=not progress, leave=False, initial=first, total=protocol.num_rounds)
     for r in bar:
         start = time.perf_counter()
         broadcast = protocol.broadcast(state, r)
@@ -104,9 +126,11 @@ def drive(
         state, diagnostics = protocol.server_update(r, state, total, privatizer)
         record = RoundRecord(r, len(replies), accepted, total.count, dropped, total.zeroed, dict(diagnostics))
         record.seconds = time.perf_counter() - start
+        records.append(record)
+        if checkpoint is not None:
+            checkpoint.save(Checkpoint(r + 1, state, [x.to_dict() for x in records], privatizer.state_dict()))
         if on_round is not None:
             on_round(record, state)
-        records.append(record)
         if record.metrics:
             bar.set_postfix({k: f"{v:.3g}" for k, v in list(record.metrics.items())[:2]})
     bar.close()

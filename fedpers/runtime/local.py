@@ -12,6 +12,7 @@ import torch
 
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Protocol, Units, client_message
+from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundRecord, drive
 
 Tensor = torch.Tensor
@@ -54,6 +55,7 @@ def run_local(
     chunk_size: int = 4096,
     on_round: Callable[[RoundRecord, Any], None] | None = None,
     progress: bool = True,
+    checkpoint: Checkpointer | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time."""
     if chunk_size < 1:
@@ -68,4 +70,4 @@ def run_local(
             message = part if message is None else message + part
         return [ClientReply("local", n, message)]
 
-    return drive(protocol, gather, privatizer, on_round=on_round, progress=progress, device=source.device)
+    return drive(protocol, gather, privatizer, on_round=on_round, progress=progress, device=source.device, checkpoint=checkpoint)

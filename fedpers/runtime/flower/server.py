@@ -173,6 +173,7 @@ def run_on_grid(
     on_discovery: Callable[[Federation], None] | None = None,
     progress: bool = True,
     stop: Callable[[], bool] | None = None,
+    checkpoint: Any = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Discover the nodes on ``grid``, then run every round of ``protocol`` through them.
 
@@ -186,4 +187,4 @@ def run_on_grid(
         on_discovery(federation)
     gather = GridGather(grid, job, federation, options.round_timeout, stop, protocol)
     device = torch.device(getattr(cfg, "device", "cpu"))
-    return drive(protocol, gather, privatizer, min_fraction=options.min_fraction, on_round=on_round, progress=progress, device=device)
+    return drive(protocol, gather, privatizer, min_fraction=options.min_fraction, on_round=on_round, progress=progress, device=device, checkpoint=checkpoint)

@@ -72,13 +72,14 @@ def run_flower(
     progress: bool = True,
     grid: Grid | None = None,
     client_app: ClientApp | None = None,
+    checkpoint: Any = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Run ``protocol`` through Flower: on ``grid`` if given (inside a ServerApp), else in a new simulation.
 
     ``client_app`` replaces the fedpers ClientApp (tests use it to inject faulty clients).
     """
     if grid is not None:
-        return run_on_grid(grid, experiment, cfg, protocol, privatizer, options, on_round=on_round, on_discovery=on_discovery, progress=progress)
+        return run_on_grid(grid, experiment, cfg, protocol, privatizer, options, on_round=on_round, on_discovery=on_discovery, progress=progress, checkpoint=checkpoint)
     unit_ranges(experiment.num_units(cfg), options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
     if options.client_gpus > 0 and not options.ray_address and not torch.cuda.is_available():
         raise ValueError(f"client_gpus={options.client_gpus} but this machine has no GPU; set --client-gpus 0 or attach a GPU cluster with --ray-address")
@@ -91,7 +92,7 @@ def run_flower(
         try:
             outcome["result"] = run_on_grid(
                 grid, experiment, cfg, protocol, privatizer, options, expected_nodes=options.nodes,
-                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set,
+                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set, checkpoint=checkpoint,
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
             outcome["error"] = e

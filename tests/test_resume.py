@@ -1,0 +1,186 @@
+"""Kill a run with SIGKILL at several points, resume it, and get the uninterrupted run's result and ledger.
+
+The run is killed from inside its own process at a chosen event (after the n-th release is
+written, after the n-th checkpoint, after the n-th round line, after the final state is
+written, i.e. during evaluation), so each kill point is exact and the test is deterministic.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedpers.cli import main
+from fedpers.runner import resume_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from fedpers import results
+    from fedpers.cli import main
+    from fedpers.runtime import checkpoint
+
+    point, at = sys.argv[1], int(sys.argv[2])
+    seen = [0]
+
+    def wrap(owner, name):
+        inner = getattr(owner, name)
+
+        def hooked(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            seen[0] += 1
+            if seen[0] == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        setattr(owner, name, hooked)
+
+    owner, name = {
+        "release": (results.RunDirectory, "append_release"),
+        "checkpoint": (checkpoint.Checkpointer, "save"),
+        "round": (results.RunDirectory, "append_round"),
+        "final": (results.RunDirectory, "write_arrays"),
+    }[point]
+    wrap(owner, name)
+    sys.exit(main(sys.argv[3:]))
+    """
+)
+
+ALTMIN = ["run", "altmin", "--n-users", "1200", "--dim", "8", "--rank", "2", "--rounds", "3", "--epsilon", "2", "--baselines", "none", "--quiet", "--seed", "5"]
+NOISYHEAD = ["run", "noisyhead", "--prompts", "120", "--mode", "rounds", "--steps", "6", "--unit", "user", "--prompts-per-user", "2", "--quiet", "--seed", "3"]
+
+
+def _killed(tmp_path: Path, args: list[str], point: str, at: int, name: str) -> Path:
+    out = tmp_path / name
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", KILLER, point, str(at), *args, "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, f"the run was not killed at {point}:{at} (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    assert not (out / "result.json").exists()
+    return out
+
+
+def _records(run: Path) -> tuple[list[str], list[dict], dict, dict]:
+    ledger = (run / "ledger.jsonl").read_text().splitlines()
+    rounds = [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (run / "rounds.jsonl").read_text().splitlines()]
+    result = {k: v for k, v in json.loads((run / "result.json").read_text()).items() if k not in ("seconds", "run_dir", "plots")}
+    state = dict(np.load(run / "final_state.npz")) if (run / "final_state.npz").exists() else {}
+    return ledger, rounds, result, state
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    base = tmp_path_factory.mktemp("reference")
+    refs = {}
+    for name, args in (("altmin", ALTMIN), ("noisyhead", NOISYHEAD)):
+        assert main([*args, "--out", str(base / name)]) == 0
+        refs[name] = _records(base / name)
+    return refs
+
+
+@pytest.mark.parametrize(
+    "name, point, at",
+    [
+        ("altmin", "release", 1),  # inside the private initialisation, before any checkpoint
+        ("altmin", "release", 4),  # mid-round: a release drawn, its round not checkpointed
+        ("altmin", "checkpoint", 2),  # checkpoint written, its round line not yet
+        ("altmin", "round", 3),  # every round done
+        ("altmin", "final", 1),  # during evaluation
+        ("noisyhead", "release", 3),
+        ("noisyhead", "checkpoint", 4),
+        ("noisyhead", "final", 1),
+    ],
+)
+def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, reference: dict, name: str, point: str, at: int) -> None:
+    args = ALTMIN if name == "altmin" else NOISYHEAD
+    run = _killed(tmp_path, args, point, at, name)
+    before = (run / "ledger.jsonl").read_text().splitlines()
+    result = resume_run(run, progress=False)
+    assert result["status"] == "completed"
+    ledger, rounds, final, state = _records(run)
+    ref_ledger, ref_rounds, ref_final, ref_state = reference[name]
+    assert ledger == ref_ledger  # same releases, each once: nothing drawn twice, nothing lost
+    assert ledger[: len(before)] == before  # append-only across the crash
+    assert rounds == ref_rounds
+    assert final == ref_final
+    assert state.keys() == ref_state.keys() and all(np.array_equal(state[k], ref_state[k]) for k in state)  # bit for bit
+    provenance = json.loads((run / "provenance.json").read_text())
+    assert len(provenance["resumed"]) == 1 and "finished" in provenance
+    assert not (run / "error.json").exists()
+
+
+def test_resume_twice_after_two_kills(tmp_path: Path, reference: dict) -> None:
+    run = _killed(tmp_path, ALTMIN, "release", 2, "altmin")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", KILLER.replace("sys.exit(main(sys.argv[3:]))", "from fedpers.runner import resume_run; resume_run(sys.argv[3], progress=False)"), "checkpoint", "2", str(run)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    resume_run(run, progress=False)
+    ledger, rounds, final, state = _records(run)
+    assert (ledger, rounds, final) == reference["altmin"][:3]
+    assert len(json.loads((run / "provenance.json").read_text())["resumed"]) == 2
+
+
+def test_killed_run_reports_its_releases_as_incomplete(tmp_path: Path) -> None:
+    from fedpers.privacy_report import privacy_summary
+
+    run = _killed(tmp_path, ALTMIN, "checkpoint", 2, "altmin")
+    summary = privacy_summary(run)
+    assert not summary["complete"] and summary["releases"] == len((run / "ledger.jsonl").read_text().splitlines()) > 0
+    assert summary["epsilon"] > 0
+
+
+def test_resume_refusals(tmp_path: Path, reference: dict, capsys: pytest.CaptureFixture) -> None:
+    done = tmp_path / "done"
+    assert main([*ALTMIN, "--out", str(done)]) == 0
+    assert main(["resume", str(done)]) == 2
+    assert "completed run" in capsys.readouterr().err
+    assert main(["resume", str(tmp_path / "nothing")]) == 2
+    assert "not a fedpers run directory" in capsys.readouterr().err
+    run = _killed(tmp_path, ALTMIN, "checkpoint", 1, "edited")
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "seed": 6}))
+    assert main(["resume", str(run)]) == 2
+    assert "another configuration" in capsys.readouterr().err
+    (run / "config.json").write_text(json.dumps(cfg))
+    (run / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert main(["resume", str(run)]) == 2
+    assert "unreadable checkpoint" in capsys.readouterr().err
+
+
+def test_rerun_into_a_killed_run_points_to_resume(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = _killed(tmp_path, ALTMIN, "checkpoint", 1, "altmin")
+    assert main([*ALTMIN, "--out", str(run)]) == 2
+    assert f"fedpers resume {run}" in capsys.readouterr().err
+
+
+def test_secure_noise_run_resumes_without_writing_generator_state(tmp_path: Path, reference: dict) -> None:
+    import torch
+
+    run = _killed(tmp_path, [*ALTMIN, "--secure-noise", "true"], "release", 4, "secure")
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert saved["privatizer"] == {"releases": 3, "secure": True}  # nothing from which the noise could be recomputed
+    resume_run(run, progress=False)
+    ledger, rounds, final, state = _records(run)
+    assert ledger == reference["altmin"][0]  # each release once, the same public parameters
+    assert not np.array_equal(state["U"], reference["altmin"][3]["U"])  # fresh OS-entropy noise
+
+
+@pytest.mark.slow
+def test_flower_runtime_resumes_to_the_local_result(tmp_path: Path, reference: dict) -> None:
+    flower = [*ALTMIN, "--runtime", "flower", "--nodes", "3"]
+    run = _killed(tmp_path, flower, "checkpoint", 2, "flower")
+    resume_run(run, progress=False)
+    ledger, rounds, final, state = _records(run)
+    ref_ledger, _, ref_final, ref_state = reference["altmin"]
+    assert ledger == ref_ledger
+    assert all(np.allclose(state[k], ref_state[k], rtol=0, atol=1e-10) for k in ref_state)
+    assert final["subspace_error"] == pytest.approx(ref_final["subspace_error"], abs=1e-9)
