@@ -196,9 +196,10 @@ def _prepare_resume(
     return {**previous, "resumed": resumes}
 
 
-def resume_run(run_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
+def resume_run(run_dir: str | Path, *, progress: bool = True, grid: Any = None) -> dict[str, Any]:
     """Continue a killed run in ``run_dir`` from its last checkpoint: same configuration, same
-    random streams, the same final result and ledger as an uninterrupted run with its seed."""
+    random streams, the same final result and ledger as an uninterrupted run with its seed.
+    ``grid``: the Flower Grid of a deployment (``flwr run . --run-config "resume='DIR'"``)."""
     import json
 
     from fedpers.experiments import ALGORITHMS, experiment
@@ -215,4 +216,4 @@ def resume_run(run_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
     exp = experiment(name)
     options = config_lib.build(RuntimeOptions, saved.pop("runtime", {}))
     cfg = config_lib.build(exp.config_type, saved)
-    return execute(exp, cfg, options, out=path, progress=progress, resume=True)
+    return execute(exp, cfg, options, out=path, progress=progress, resume=True, grid=grid)

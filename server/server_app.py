@@ -11,7 +11,7 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedpers.results import dumps
-from fedpers.runner import execute
+from fedpers.runner import execute, resume_run
 from fedpers.runtime.flower.runconfig import from_run_config
 
 app = ServerApp()
@@ -20,6 +20,9 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     job = from_run_config(context.run_config)
-    result = execute(job.experiment, job.cfg, job.options, out=job.out, progress=False, grid=grid)
+    if job.resume is not None:
+        result = resume_run(job.resume, progress=False, grid=grid)
+    else:
+        result = execute(job.experiment, job.cfg, job.options, out=job.out, progress=False, grid=grid)
     summary = {k: v for k, v in result.items() if not k.startswith("_") and k not in ("baselines", "privacy")}
     log(INFO, "fedpers result: %s", dumps(summary, indent=None))

@@ -1,6 +1,8 @@
 """Flower message encoding, partitions and run-config parsing (no Flower run needed)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import math
 
 import pytest
@@ -119,6 +121,9 @@ def test_run_config_builds_the_job(tmp_path):
         from_run_config({"algorithm": "altmin", "min-fraction": 2.0})
     with pytest.raises(ValueError, match="unknown key"):
         from_run_config({"algorithm": "altmin", "bogus": 1})
+    assert from_run_config({"algorithm": "altmin", "resume": "runs/x"}).resume == Path("runs/x")
+    with pytest.raises(ValueError, match="its own configuration"):
+        from_run_config({"algorithm": "altmin", "resume": "runs/x", "config": "rank=2"})
 
 
 def test_ray_backend_starts_its_own_ray_unless_told_to_attach(monkeypatch):

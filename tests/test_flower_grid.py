@@ -93,6 +93,21 @@ def test_too_few_replies_stop_the_run_and_keep_the_rounds_so_far(tmp_path):
     assert [r["name"] for r in json.loads(run["ledger_text"])] == ["init.W"]
 
 
+
+def test_a_run_stopped_by_lost_nodes_resumes_when_they_are_back(tmp_path):
+    """min_fraction = 1 and two nodes failing in round 1: the run stops with its checkpoint;
+    resumed on a healthy grid it ends exactly where an uninterrupted run ends, same ledger."""
+    from fedpers.runner import resume_run
+
+    cfg = config_lib.build(EXP.config_type, SMALL)
+    with pytest.raises(RoundFailed):
+        execute(EXP, cfg, options(), out=tmp_path / "run", progress=False, grid=InProcessGrid(faulty_client_app({0: "raise", 1: "nan"}, from_round=1), 4))
+    resumed = resume_run(tmp_path / "run", progress=False, grid=InProcessGrid(make_client_app(), 4))
+    clean = execute(EXP, cfg, options(), out=tmp_path / "clean", progress=False, grid=InProcessGrid(make_client_app(), 4))
+    torch.testing.assert_close(resumed["_state"]["U"], clean["_state"]["U"], rtol=0, atol=0)
+    assert (tmp_path / "run" / "ledger.jsonl").read_text() == (tmp_path / "clean" / "ledger.jsonl").read_text()
+    assert [r["round"] for r in read_run(tmp_path / "run")["rounds"]] == list(range(cfg.rounds + 1))
+
 def test_clients_never_see_the_noise_seed():
     user_cfg = config_lib.build(EXP.config_type, SMALL)
     cfg, protocol, noise_seed = setup()

@@ -23,7 +23,8 @@ MIN_FRACTION = "min-fraction"
 ROUND_TIMEOUT = "round-timeout"
 USERS_PER_NODE = "users-per-node"
 SECURE_NOISE = "secure-noise"
-KNOWN = (ALGORITHM, CONFIG, CONFIG_FILE, OUT, MIN_FRACTION, ROUND_TIMEOUT, USERS_PER_NODE, SECURE_NOISE)
+RESUME = "resume"
+KNOWN = (ALGORITHM, CONFIG, CONFIG_FILE, OUT, MIN_FRACTION, ROUND_TIMEOUT, USERS_PER_NODE, SECURE_NOISE, RESUME)
 _PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
 
 
@@ -33,6 +34,7 @@ class ServerJob:
     cfg: Any
     options: Any
     out: Path | None
+    resume: Path | None = None
 
 
 def parse_pairs(text: str) -> dict[str, Any]:
@@ -59,6 +61,12 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
     unknown = sorted(set(run_config) - set(KNOWN))
     if unknown:
         raise ValueError(f"run config: unknown key(s) {unknown}; known: {list(KNOWN)}")
+    resume = str(run_config.get(RESUME, ""))
+    if resume:  # the run directory holds the configuration; nothing else may be given beside it
+        given = sorted(k for k in (CONFIG, CONFIG_FILE, OUT) if str(run_config.get(k, "")))
+        if given:
+            raise ValueError(f"run config: {RESUME} continues {resume!r} with its own configuration; drop {given}")
+        return ServerJob(None, None, None, None, Path(resume))
     algorithm = str(run_config.get(ALGORITHM, ""))
     if algorithm not in EXPERIMENTS:
         raise ValueError(f"run config: {ALGORITHM} must be one of {sorted(EXPERIMENTS)}; got {algorithm!r}")
