@@ -23,6 +23,7 @@ block is repaired to PSD (eigenvalues floored at 0), and U_i = (G_i + λI)⁻¹ 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -68,16 +69,24 @@ def item_statistics(
     b_mag = linalg.clipped_magnitude(log_rn + log_vn, rhs_bound)
     g_mag = torch.where(count > 0, g_mag, torch.zeros_like(g_mag)).to(U.dtype)
     b_mag = b_mag.to(U.dtype)
-    outer = (v_unit.unsqueeze(-1) * v_unit.unsqueeze(-2)).reshape(-1, k * k)  # (n, k²), norm 1 or 0
+    outer = (v_unit.unsqueeze(-1) * v_unit.unsqueeze(-2)).reshape(-1, k * k).contiguous()  # (n, k²), norm 1 or 0
     rows, cols = sel.nonzero(as_tuple=True)
     flat_items = items[rows, cols]
-    # per-item sums as one sparse (items × users) product: nnz·k² work, no (nnz, k, k) temporary
-    index = torch.stack([flat_items, rows])
-    w_g = torch.sparse_coo_tensor(index, g_mag[rows], (n_items, v_unit.shape[0]), check_invariants=False).coalesce()
-    w_b = torch.sparse_coo_tensor(index, r_unit[rows, cols] * b_mag[rows], (n_items, v_unit.shape[0]), check_invariants=False).coalesce()
-    G = torch.sparse.mm(w_g, outer).reshape(n_items, k, k)
-    b = torch.sparse.mm(w_b, v_unit)
-    return G, b
+    # per-item sums as one sparse (items × users) CSR product: nnz·k² work, no (nnz, k, k)
+    # temporary (CSR: about 10× faster than COO on CPU for power-law items)
+    order = torch.argsort(flat_items, stable=True)
+    crow = torch.zeros(n_items + 1, dtype=torch.int64, device=U.device)
+    crow[1:] = torch.cumsum(torch.bincount(flat_items, minlength=n_items), 0)
+    users, n = rows[order], v_unit.shape[0]
+    G = _csr(crow, users, g_mag[rows][order], (n_items, n)) @ outer
+    b = _csr(crow, users, (r_unit[rows, cols] * b_mag[rows])[order], (n_items, n)) @ v_unit
+    return G.reshape(n_items, k, k), b
+
+
+def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": the product used here is stable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
 
 
 def triu_pack(G: Tensor) -> Tensor:
