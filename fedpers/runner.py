@@ -185,7 +185,7 @@ def _prepare_resume(
     if ckpt is not None and len(kept) < next_round:  # killed between the checkpoint and its round line
         from fedpers.runtime.driver import RoundRecord
 
-        last = RoundRecord.from_dict(ckpt.records[next_round - 1])
+        last = RoundRecord.from_dict(ckpt.records[-1])
         last.metrics.update(evaluator.round_metrics(last.round, ckpt.state))
         kept.append(last.to_dict())
     rounds.extend(kept)

@@ -27,8 +27,9 @@ FORMAT = 1
 
 @dataclass
 class Checkpoint:
-    """The loop's state after ``next_round`` rounds (``records``: their ``RoundRecord.to_dict()``
-    without metrics; ``privatizer``: :meth:`Privatizer.state_dict`)."""
+    """The loop's state after ``next_round`` rounds (``records``: the last round's
+    ``RoundRecord.to_dict()`` without metrics, kept constant-size so a checkpoint costs the
+    same at round 1,000 as at round 1; ``privatizer``: :meth:`Privatizer.state_dict`)."""
 
     next_round: int
     state: Any

@@ -87,8 +87,8 @@ def drive(
 
     With ``checkpoint``, a checkpoint is saved after every round, before ``on_round`` publishes
     anything of it; ``checkpoint.resume`` (a loaded checkpoint) continues from its round with
-    its state and the privatizer's generators (the records of earlier rounds come back without
-    their metrics: ``on_round`` recorded those).
+    its state and the privatizer's generators; the records returned are those of the rounds
+    run in this call (``on_round`` published the earlier ones).
     """
     if not 0 < min_fraction <= 1:
         raise ValueError(f"min_fraction must be in (0, 1], got {min_fraction}")
@@ -96,9 +96,9 @@ def drive(
     if resume is not None:
         state, first = resume.state, resume.next_round
         privatizer.load_state_dict(resume.privatizer)
-        records = [RoundRecord.from_dict(d) for d in resume.records]
     else:
-        state, first, records = protocol.initial_state(), 0, []
+        state, first = protocol.initial_state(), 0
+    records: list[RoundRecord] = []
     bar = tqdm(range(first, protocol.num_rounds), desc=protocol.name, unit="round", disable=not progress, leave=False, initial=first, total=protocol.num_rounds)
     for r in bar:
         start = time.perf_counter()
@@ -128,7 +128,7 @@ def drive(
         record.seconds = time.perf_counter() - start
         records.append(record)
         if checkpoint is not None:
-            checkpoint.save(Checkpoint(r + 1, state, [x.to_dict() for x in records], privatizer.state_dict()))
+            checkpoint.save(Checkpoint(r + 1, state, [record.to_dict()], privatizer.state_dict()))
         if on_round is not None:
             on_round(record, state)
         if record.metrics:
