@@ -78,11 +78,33 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _lock(path: Path) -> Any:
+    """Hold ``path/.lock`` exclusively while a run writes there (the OS drops it when the process
+    dies), so a second ``fedpers resume`` of a run still going is refused, not interleaved."""
+    import fcntl
+
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+    handle = open(path / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        owner = handle.read().strip()
+        handle.close()
+        raise ValueError(f"{path} is in use by another running process{f' (pid {owner})' if owner else ''}; wait for it or stop it first") from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
 class RunDirectory:
     """One run's output folder. Refuses a folder that already holds a run, unless resuming it."""
 
     def __init__(self, path: str | Path, *, resume: bool = False) -> None:
         self.path = Path(path)
+        self._lock = _lock(self.path) if resume else None
         if resume:
             if not (self.path / "config.json").is_file():
                 raise ValueError(f"resume: {self.path} is not a fedpers run directory (no config.json)")
@@ -95,6 +117,7 @@ class RunDirectory:
         elif (self.path / "config.json").exists():
             raise ValueError(f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)")
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = self._lock or _lock(self.path)
         self._rounds = open(self.path / "rounds.jsonl", "a" if resume else "w")
         self._releases = open(self.path / LEDGER_LOG, "a" if resume else "w")
 
@@ -135,6 +158,9 @@ class RunDirectory:
     def close(self) -> None:
         self._rounds.close()
         self._releases.close()
+        if self._lock is not None:
+            self._lock.close()  # releases the lock
+            self._lock = None
 
     def plot_rounds(self, rounds: list[Mapping[str, Any]], keys: Iterable[str], title: str) -> list[str]:
         """One PNG per key: the metric against the round."""

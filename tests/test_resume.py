@@ -184,3 +184,16 @@ def test_flower_runtime_resumes_to_the_local_result(tmp_path: Path, reference: d
     assert ledger == ref_ledger
     assert all(np.allclose(state[k], ref_state[k], rtol=0, atol=1e-10) for k in ref_state)
     assert final["subspace_error"] == pytest.approx(ref_final["subspace_error"], abs=1e-9)
+
+
+def test_a_run_still_going_cannot_be_resumed_beside_itself(tmp_path: Path) -> None:
+    from fedpers.results import RunDirectory
+
+    run = _killed(tmp_path, ALTMIN, "checkpoint", 1, "altmin")
+    holder = RunDirectory(run, resume=True)  # as a resumed run in progress holds it
+    try:
+        with pytest.raises(ValueError, match=f"in use by another running process \\(pid {os.getpid()}\\)"):
+            resume_run(run, progress=False)
+    finally:
+        holder.close()
+    assert resume_run(run, progress=False)["status"] == "completed"
