@@ -192,7 +192,13 @@ def _prepare_resume(
     run_dir.rewrite_rounds(kept)
     checkpointer.resume = ckpt
     previous = json.loads((run_dir.path / "provenance.json").read_text()) if (run_dir.path / "provenance.json").is_file() else {}
-    resumes = list(previous.get("resumed", [])) + [{"at": record.get("started"), "from_round": next_round, "releases_kept": done, "command": record.get("command")}]
+    code = {k: record.get(k) for k in ("fedpers", "git", "libraries")}
+    if previous and code != {k: previous.get(k) for k in code}:
+        import logging
+
+        logging.getLogger("fedpers").warning(
+            "resume: the code or libraries differ from those that started %s (see provenance.json); the result may differ from an uninterrupted run", run_dir.path)
+    resumes = list(previous.get("resumed", [])) + [{"at": record.get("started"), "from_round": next_round, "releases_kept": done, "command": record.get("command"), **code}]
     return {**previous, "resumed": resumes}
 
 
