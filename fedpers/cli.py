@@ -1,4 +1,5 @@
-"""Command line: ``fedpers run ALGO``, ``fedpers resume RUN_DIR``, ``fedpers sweep FILE.toml``, ``fedpers privacy RUN_DIR``."""
+"""Command line: ``fedpers run ALGO``, ``fedpers resume RUN_DIR``, ``fedpers sweep FILE.toml``,
+``fedpers compare RUN_DIR...``, ``fedpers privacy RUN_DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("run_dir", type=Path)
     rs.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     rs.add_argument("--quiet", action="store_true", help="no progress bar")
+    cp = sub.add_parser("compare", help="runs side by side: ε spent, noise, primary metrics, time; optional figure", allow_abbrev=False)
+    cp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    cp.add_argument("--json", action="store_true", help="print one JSON object (rows and metric columns)")
+    cp.add_argument("--out", type=Path, help="also draw the metrics, one panel each, into this PNG")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -185,6 +190,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fedpers.compare import compare, figure_metrics, format_table
+    from fedpers.results import dumps
+
+    rows, metrics, primary = compare(args.run_dirs)
+    if args.out is not None:
+        if args.out.suffix.lower() != ".png":
+            raise ValueError(f"--out must name a .png file; got {args.out}")
+        from fedpers.plots import _plt, compare_figure, save
+
+        fig = compare_figure(rows, figure_metrics(rows, metrics, primary))
+        save(fig, args.out)
+        _plt().close(fig)
+    print(dumps({"rows": rows, "metrics": metrics, "figure": str(args.out) if args.out else None}, indent=None) if args.json else format_table(rows, metrics))
+    return 0
+
+
 def cmd_privacy(args: argparse.Namespace) -> int:
     from fedpers.privacy_report import privacy_report, privacy_summary
     from fedpers.results import dumps
@@ -206,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "privacy": cmd_privacy}[args.command](args)
+        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "privacy": cmd_privacy}[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2

@@ -162,35 +162,14 @@ class RunDirectory:
             self._lock.close()  # releases the lock
             self._lock = None
 
-    def plot_rounds(self, rounds: list[Mapping[str, Any]], keys: Iterable[str], title: str) -> list[str]:
-        """One PNG per key: the metric against the round."""
-        import matplotlib
+    def plot_rounds(
+        self, rounds: list[Mapping[str, Any]], keys: Iterable[str], title: str, *, round_axis: str = "round",
+        baselines: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> list[str]:
+        """One PNG per key: the metric against the round, baselines as reference lines."""
+        from fedpers.plots import plot_run
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-
-        written = []
-        for key in keys:
-            pts = [(r["round"], r[key]) for r in rounds if isinstance(r.get(key), (int, float))]
-            if not pts:
-                continue
-            fig, ax = plt.subplots(figsize=(5, 3.5))
-            ax.plot(*zip(*pts), marker="o")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel("round (0 = private initialisation)")
-            ax.set_ylabel(key.replace("_", " "))
-            ax.set_yscale("log")
-            ax.set_title(title)
-            ax.grid(True, alpha=0.3)
-            fig.tight_layout()
-            name = f"{key}.png"
-            tmp = self.path / f".{name}.tmp.png"
-            fig.savefig(tmp, dpi=110)
-            plt.close(fig)
-            os.replace(tmp, self.path / name)
-            written.append(name)
-        return written
+        return plot_run(self.path, rounds, keys, title=title, round_axis=round_axis, baselines=baselines)
 
 
 def read_run(path: str | Path) -> dict[str, Any]:

@@ -132,7 +132,12 @@ def execute(
     if run_dir is not None:
         run_dir.write_json("provenance.json", {**record, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         run_dir.remove("error.json")
-        result["plots"] = run_dir.plot_rounds(rounds, experiment.plot_keys(), f"{experiment.name}, ε={privacy.get('target_epsilon', '?')}")
+        from fedpers.plots import privacy_title
+
+        result["plots"] = run_dir.plot_rounds(
+            rounds, experiment.plot_keys(), privacy_title(experiment.name, {"delta": getattr(cfg, "delta", None), **privacy}),
+            round_axis=experiment.round_axis, baselines=final.get("baselines"),
+        )
         result["run_dir"] = str(run_dir.path)
         run_dir.write_json("result.json", result)
         run_dir.close()

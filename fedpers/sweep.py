@@ -212,14 +212,22 @@ def summarise(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> dict[
 
 
 def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: Path) -> dict[Any, float]:
-    """Mean ± 2 standard errors vs x, a line per series value; returns the fitted log–log slopes."""
-    import matplotlib
+    """Write :func:`sweep_figure` to ``path``; returns the fitted log–log slopes."""
+    from fedpers.plots import _plt
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    fig, slopes = sweep_figure(rows, spec, metric)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    _plt().close(fig)
+    tmp.replace(path)
+    return slopes
 
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+
+def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tuple[Any, dict[Any, float]]:
+    """Mean ± 2 standard errors vs x, a line per series value, ticks at the grid's x values."""
+    from fedpers.plots import _plt
+
+    fig, ax = _plt().subplots(figsize=(6, 4.2))
     slopes: dict[Any, float] = {}
     for s, pts in summarise(rows, spec, metric).items():
         xs, ms, ses = (np.array(c) for c in zip(*pts))
@@ -233,20 +241,18 @@ def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: 
             xs, ms, _ = (np.array(c) for c in zip(*pts))
             ax.plot(xs, ms, linestyle="--", marker=".", label=f"baseline: {b}")
             break
-    ax.set_xscale(spec.plot.get("xscale", "log"))
-    ax.set_yscale(spec.plot.get("yscale", "log"))
+    from fedpers.plots import grid_ticks, y_scale
+
+    xs_all = [float(r[spec.x]) for r in rows if isinstance(r.get(spec.x), (int, float))]
+    grid_ticks(ax, xs_all, spec.plot.get("xscale", "log"))
+    ax.set_yscale(spec.plot.get("yscale") or y_scale(metric, [v for line in ax.lines for v in line.get_ydata()]))
     ax.set_xlabel(spec.x)
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_ylabel(metric)
     ax.set_title(f"{spec.name}: {metric} (±2 s.e., B={spec.repetitions})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return slopes
+    return fig, slopes
 
 
 def write_table(rows: list[dict[str, Any]], path: Path) -> None:

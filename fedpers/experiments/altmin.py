@@ -312,6 +312,7 @@ class AltMinEvaluator(Evaluator):
 
 class AltMinExperiment(Experiment):
     """User-level private alternating minimisation with private initialisation (SPEC §1, Algorithms 1–3)."""
+    round_axis = "round (0 = private initialisation)"
 
     name = "altmin"
     config_type = AltMinConfig

@@ -34,6 +34,8 @@ class Experiment(abc.ABC):
     name: str
     config_type: type
     primary_metric: str = "excess_risk"
+    round_axis: str = "round"
+    """The x label of per-round plots (what a round is for this algorithm)."""
 
     @abc.abstractmethod
     def protocol(self, cfg: Any) -> Protocol:

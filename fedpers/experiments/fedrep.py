@@ -204,6 +204,7 @@ class FedRepEvaluator(Evaluator):
 
 class FedRepExperiment(Experiment):
     """Private FedRep (Snedeker, Zhou, Bassily 2025) with a private, accounted initialisation."""
+    round_axis = "round (0 = private initialisation)"
 
     name = "fedrep"
     config_type = FedRepConfig

@@ -133,6 +133,7 @@ class NoisyGDEvaluator(Evaluator):
 
 class NoisyGDExperiment(Experiment):
     """Last-layer NoisyGD on neural-collapse features (zCDP accounting, converted to (ε, δ))."""
+    round_axis = "round (the remedy's release first if --remedy is set, then gradient steps)"
 
     name = "noisygd"
     config_type = NoisyGDConfig

@@ -387,6 +387,7 @@ class NoisyHeadEvaluator(Evaluator):
 # ----- the experiment --------------------------------------------------------------------------
 class NoisyHeadExperiment(Experiment):
     """NoisyHead: prompt-level DP gradient descent on a linear attention head (SPEC §2)."""
+    round_axis = "round (--mode rounds: one gradient step each)"
 
     name = "noisyhead"
     config_type = NoisyHeadConfig

@@ -377,7 +377,9 @@ def _band(ax: Any, pts: list[tuple[float, float, float]], label: str, linestyle:
 
 
 def _style(ax: Any, spec: Any, title: str, xlabel: str, ylabel: str) -> None:
-    ax.set_xscale(spec.plot.get("xscale", "linear"))
+    from fedpers.plots import grid_ticks
+
+    grid_ticks(ax, [float(x) for line in ax.lines for x in line.get_xdata()], spec.plot.get("xscale", "linear"))
     ax.set_yscale(spec.plot.get("yscale", "log"))
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)

@@ -1,0 +1,153 @@
+"""Figures a reader can trust: per-run metric curves, sweep curves, run comparisons.
+
+Rules shared by all of them: accuracies and other [0, 1] scores on linear axes, errors on a
+log axis only when every value is positive; the ε actually spent (not the target) in the
+title; baselines as labelled reference lines; sweep ticks at the grid's own values.
+Every figure is written whole (temporary file, then rename) and returned as a
+matplotlib ``Figure`` too, so tests can inspect it.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+LINEAR_WORDS = ("accuracy", "auc", "precision", "recall", "fraction", "rate")
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def is_linear_metric(name: str) -> bool:
+    """Scores bounded in [0, 1] (accuracies, rates) read on a linear axis."""
+    return any(w in name.lower() for w in LINEAR_WORDS)
+
+
+def y_scale(name: str, values: Iterable[float]) -> str:
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if is_linear_metric(name) or not values or min(values) <= 0:
+        return "linear"
+    return "log"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "∞" if math.isinf(v) else f"{v:.3g}"
+    return str(v)
+
+
+def privacy_title(algorithm: str, privacy: Mapping[str, Any]) -> str:
+    """``altmin: ε = 3.99 spent (target 4), δ = 1e-05, pld`` from a result's privacy summary."""
+    eps = privacy.get("epsilon")
+    if eps is None:
+        return algorithm
+    text = f"{algorithm}: ε = {_fmt(float(eps))} spent"
+    target = privacy.get("target_epsilon")
+    if target is not None and _fmt(float(target)) != _fmt(float(eps)):
+        text += f" (target {_fmt(float(target))})"
+    if privacy.get("delta") is not None:
+        text += f", δ = {float(privacy['delta']):g}"
+    if privacy.get("accountant"):
+        text += f", {privacy['accountant']}"
+    return text
+
+
+def save(fig: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def run_figure(
+    rounds: Sequence[Mapping[str, Any]], key: str, *, title: str, round_axis: str = "round",
+    baselines: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Any:
+    """One metric against the round, with each baseline's value of it as a dashed reference line."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _plt()
+    pts = [(r["round"], r[key]) for r in rounds if isinstance(r.get(key), (int, float))]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    values = [v for _, v in pts if math.isfinite(v)]
+    if pts:
+        ax.plot(*zip(*pts), marker="o", label="private run")
+    refs = {n: float(m[key]) for n, m in (baselines or {}).items() if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])}
+    scale = y_scale(key, values + list(refs.values()))
+    # the view follows the private run; a baseline far outside it is named in the legend, not drawn
+    lo, hi = (min(values), max(values)) if values else (min(refs.values(), default=0.0), max(refs.values(), default=1.0))
+    span = (lo / 100, hi * 10) if scale == "log" and lo > 0 else (lo - (hi - lo + 1e-12), hi + (hi - lo + 1e-12))
+    for name, v in refs.items():
+        inside = span[0] <= v <= span[1]
+        ax.axhline(v, linestyle="--", linewidth=1, color=f"C{len(ax.lines)}",
+                   label=f"{name.replace('_', ' ')} ({_fmt(v)}{'' if inside else ', off scale'})")
+        if inside:
+            values.append(v)
+    if values:
+        lo, hi = min(values), max(values)
+        ax.set_ylim(*((lo / 1.5, hi * 1.5) if scale == "log" and lo > 0 else (lo - 0.05 * (hi - lo + 1e-12), hi + 0.05 * (hi - lo + 1e-12))))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(round_axis)
+    ax.set_ylabel(key.replace("_", " "))
+    ax.set_yscale(scale)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    if len(ax.lines) > 1:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_run(
+    path: Path, rounds: Sequence[Mapping[str, Any]], keys: Iterable[str], *, title: str, round_axis: str = "round",
+    baselines: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[str]:
+    """One PNG per key that has per-round values; returns the file names written."""
+    plt = _plt()
+    written = []
+    for key in keys:
+        if not any(isinstance(r.get(key), (int, float)) for r in rounds):
+            continue
+        fig = run_figure(rounds, key, title=title, round_axis=round_axis, baselines=baselines)
+        name = f"{key}.png"
+        save(fig, path / name)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def grid_ticks(ax: Any, xs: Sequence[float], scale: str) -> None:
+    """Major ticks exactly at the grid's x values, labelled with them; no minor labels."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    xs = sorted({float(x) for x in xs})
+    ax.set_xscale(scale)
+    ax.xaxis.set_major_locator(FixedLocator(xs))
+    ax.set_xticklabels([_fmt(int(x) if float(x).is_integer() and abs(x) < 1e15 else x) for x in xs], rotation=30 if len(xs) > 6 else 0, fontsize=8)
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def compare_figure(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> Any:
+    """One panel per metric, one bar per run (labelled by its directory name)."""
+    plt = _plt()
+    metrics = [m for m in metrics if any(isinstance(r.get(m), (int, float)) and math.isfinite(r[m]) for r in rows)]
+    fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(3.2 * max(len(metrics), 1) + 1, 3.8), squeeze=False)
+    names = [str(r["run"]) for r in rows]
+    for ax, metric in zip(axes[0], metrics):
+        values = [r.get(metric) if isinstance(r.get(metric), (int, float)) else float("nan") for r in rows]
+        ax.bar(range(len(rows)), values, color=[f"C{i % 10}" for i in range(len(rows))])
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+        ax.set_title(metric.replace("_", " "), fontsize=9)
+        ax.set_yscale(y_scale(metric, values))
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("; ".join(f"{r['run']}: ε = {_fmt(r.get('epsilon'))}" for r in rows), fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,100 @@
+"""Figures say what they show (ε spent, the algorithm's own round axis, baselines, grid ticks,
+linear accuracies) and `fedpers compare` puts runs side by side."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedpers.cli import main
+from fedpers.plots import compare_figure, privacy_title, run_figure
+from fedpers.sweep import load_spec, plot_metric, sweep_figure
+
+ALTMIN = ["run", "altmin", "--n-users", "600", "--dim", "6", "--rank", "2", "--quiet", "--baselines", "nonprivate_altmin,oracle"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("runs")
+    out = {"altmin": base / "altmin", "noisygd": base / "noisygd"}
+    assert main([*ALTMIN, "--out", str(out["altmin"])]) == 0
+    assert main(["run", "noisygd", "--quiet", "--out", str(out["noisygd"])]) == 0
+    return out
+
+
+def test_title_carries_the_epsilon_spent_not_the_target() -> None:
+    title = privacy_title("noisyhead", {"epsilon": 0.0891, "target_epsilon": 1.0, "delta": 1e-5, "accountant": "pld"})
+    assert title == "noisyhead: ε = 0.0891 spent (target 1), δ = 1e-05, pld"
+    assert privacy_title("altmin", {"epsilon": 4.0, "target_epsilon": 4.0}) == "altmin: ε = 4 spent"
+
+
+def test_run_figure_axes_baselines_and_scales() -> None:
+    rounds = [{"round": r, "subspace_error": e} for r, e in enumerate([0.5, 0.3, 0.2])]
+    fig = run_figure(rounds, "subspace_error", title="t", round_axis="round (0 = private initialisation)",
+                     baselines={"clipped_no_noise": {"subspace_error": 0.1}, "oracle": {"subspace_error": 1e-16}})
+    ax = fig.axes[0]
+    labels = [line.get_label() for line in ax.lines]
+    assert labels == ["private run", "clipped no noise (0.1)", "oracle (1e-16, off scale)"]
+    assert ax.get_yscale() == "log" and ax.get_ylim()[0] > 1e-3  # the oracle's 1e-16 does not squash the view
+    acc = run_figure([{"round": 0, "accuracy": 0.8}, {"round": 1, "accuracy": 0.9}], "accuracy", title="t", round_axis="step")
+    assert acc.axes[0].get_yscale() == "linear" and acc.axes[0].get_xlabel() == "step"
+
+
+def test_per_run_plots_fit_the_algorithm(runs: dict[str, Path]) -> None:
+    result = json.loads((runs["noisygd"] / "result.json").read_text())
+    assert result["plots"] == ["accuracy.png"]
+    from fedpers.experiments import experiment
+
+    assert "initialisation" not in experiment("noisygd").round_axis and "initialisation" not in experiment("noisyhead").round_axis
+    assert "initialisation" in experiment("altmin").round_axis
+
+
+def test_sweep_ticks_sit_at_the_grid_values(tmp_path: Path) -> None:
+    spec_file = tmp_path / "s.toml"
+    spec_file.write_text('algorithm = "altmin"\nx = "n_users"\nseries = "epsilon"\nmetrics = ["subspace_error"]\n[grid]\nn_users = [300, 1000, 3000]\nepsilon = [1.0]\n')
+    spec = load_spec(spec_file)
+    rows = [{"epsilon": 1.0, "n_users": n, "subspace_error": 1 / n} for n in (300, 1000, 3000)]
+    plot_metric(rows, spec, "subspace_error", tmp_path / "f.png")
+    fig, slopes = sweep_figure(rows, spec, "subspace_error")
+    ax = fig.axes[0]
+    assert list(ax.get_xticks()) == [300, 1000, 3000]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["300", "1000", "3000"]
+    assert list(slopes.values()) == [pytest.approx(-1.0)]
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_compare_table_json_and_figure(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["compare", str(runs["altmin"]), str(runs["noisygd"]), "--json", "--out", str(tmp_path / "c.png")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["algorithm"]: r for r in out["rows"]}
+    assert out["metrics"][:2] == ["excess_risk", "accuracy"]  # each algorithm's primary metric first
+    assert rows["altmin"]["epsilon"] == pytest.approx(json.loads((runs["altmin"] / "result.json").read_text())["epsilon"])
+    assert "accuracy" not in rows["altmin"] and rows["noisygd"]["accuracy"] >= 0.0
+    assert rows["altmin"]["status"] == "completed" and (tmp_path / "c.png").stat().st_size > 0
+    fig = compare_figure(out["rows"], ["excess_risk", "accuracy"])
+    assert [ax.get_title() for ax in fig.axes] == ["excess risk", "accuracy"] and fig.axes[1].get_yscale() == "linear"
+    assert main(["compare", str(runs["altmin"])]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:5] == ["run", "algorithm", "runtime", "status", "epsilon"] and len(table) == 2
+
+
+def test_compare_refuses_what_is_not_a_run(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["compare", str(tmp_path)]) == 2
+    assert "not a fedpers run directory" in capsys.readouterr().err
+    assert main(["compare", str(runs["altmin"]), "--out", str(tmp_path / "c.pdf")]) == 2
+    assert "--out must name a .png file" in capsys.readouterr().err
+
+
+def test_compare_shows_a_killed_run_as_incomplete_with_its_releases(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    killed = tmp_path / "killed"
+    shutil.copytree(runs["altmin"], killed)
+    for name in ("result.json", "ledger.json"):
+        (killed / name).unlink()
+    lines = (killed / "rounds.jsonl").read_text().splitlines()
+    (killed / "rounds.jsonl").write_text("\n".join(lines[:1]) + "\n")
+    assert main(["compare", str(killed), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["status"] == "incomplete (1 rounds)" and row["epsilon"] > 0 and "subspace_error" in row
