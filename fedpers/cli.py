@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("file", type=Path)
     sw.add_argument("--out", type=Path, help="output directory (default: runs/sweep-<name>-<time>)")
     sw.add_argument("--repetitions", type=int, help="override the number of Monte-Carlo repetitions")
+    sw.add_argument("--workers", type=int, default=1, help="points run concurrently on Ray (default 1: one at a time, no Ray)")
+    sw.add_argument("--ray-address", default="", help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray")
     sw.add_argument("--quiet", action="store_true")
     rs = sub.add_parser("resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False)
     rs.add_argument("run_dir", type=Path)
@@ -186,7 +188,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from fedpers.sweep import run_sweep
 
-    run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet)
+    run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
     return 0
 
 

@@ -149,36 +149,26 @@ _number = summaries.number
 
 
 def run_point(spec: SweepSpec, overrides: dict[str, Any]) -> list[dict[str, float]]:
-    """All repetitions of one grid point, as rows of metrics."""
-    from fedpers.experiments import EXPERIMENTS
-    from fedpers.runner import execute
+    """All repetitions of one grid point, as rows of metrics (run in this process, nothing written)."""
+    from fedpers.sweep_points import run_point_task
 
-    exp = EXPERIMENTS[spec.algorithm]
-    cfg = config_lib.build(exp.config_type, {**spec.base, **overrides})
-    if hasattr(exp, "sweep_point"):
-        start = time.perf_counter()
-        rows = exp.sweep_point(cfg, spec.repetitions)
-        per = (time.perf_counter() - start) / max(len(rows), 1)
-        _check_metrics(spec, rows[0] if rows else {})
-        return [{"repetition": r, "seconds": per, **row} for r, row in enumerate(rows)]
-    rows = []
-    for r in range(spec.repetitions):
-        seeded = dataclasses.replace(cfg, seed=cfg.seed + r) if hasattr(cfg, "seed") else cfg
-        result = execute(exp, seeded, write=False, progress=False)
-        row = {"repetition": r, "seconds": result["seconds"]}
-        _check_metrics(spec, result)
-        for key in spec.metrics:
-            row[key] = _number(_lookup(result, key))
-        row["epsilon_spent"] = _number(_lookup(result, "epsilon"))
-        for b in spec.plot.get("baselines", []):
-            for m in spec.metrics:
-                if "." not in m:
-                    row[f"baselines.{b}.{m}"] = _number(_lookup(result, f"baselines.{b}.{m}"))
-        rows.append(row)
-    return rows
+    return run_point_task(spec, overrides)[0]
 
 
-def _check_metrics(spec: SweepSpec, result: dict[str, Any]) -> None:
+def result_row(spec: SweepSpec, result: dict[str, Any]) -> dict[str, Any]:
+    """A run's row of the sweep table: its time, the metrics asked for, the ε spent, baselines."""
+    row = {"seconds": result["seconds"]}
+    for key in spec.metrics:
+        row[key] = _number(_lookup(result, key))
+    row["epsilon_spent"] = _number(_lookup(result, "epsilon"))
+    for b in spec.plot.get("baselines", []):
+        for m in spec.metrics:
+            if "." not in m:
+                row[f"baselines.{b}.{m}"] = _number(_lookup(result, f"baselines.{b}.{m}"))
+    return row
+
+
+def check_metrics(spec: SweepSpec, result: dict[str, Any]) -> None:
     """A metric the result does not have stops the sweep at its first point, naming what it has."""
     missing = [key for key in spec.metrics if not _has(result, key)]
     if missing:
@@ -256,6 +246,7 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
 
 
 def write_table(rows: list[dict[str, Any]], path: Path) -> None:
+    """``path`` (.csv) and the same table as Parquet beside it, each written whole then renamed."""
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
@@ -265,12 +256,40 @@ def write_table(rows: list[dict[str, Any]], path: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     tmp.replace(path)
+    write_parquet(rows, columns, path.with_suffix(".parquet"))
 
 
-def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run the whole grid; write table.csv, sweep.json (spec + slopes) and one PNG per metric."""
+def write_parquet(rows: list[dict[str, Any]], columns: list[str], path: Path) -> None:
+    """Numeric columns as float64 (None/NaN where a row lacks the value), any other as strings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrays = {}
+    for c in columns:
+        values = [row.get(c) for row in rows]
+        if all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+            arrays[c] = pa.array([math.nan if v is None else float(v) for v in values], pa.float64())
+        else:
+            arrays[c] = pa.array([None if v is None else str(v) for v in values], pa.string())
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.table(arrays), tmp)
+    tmp.replace(path)
+
+
+def run_sweep(
+    path: str | Path, out: str | Path | None = None, repetitions: int | None = None, progress: bool = True,
+    workers: int = 1, ray_address: str = "",
+) -> dict[str, Any]:
+    """Run the whole grid; write table.csv/.parquet, sweep.json (spec + slopes), a PNG per metric.
+
+    Each point's repetitions are run directories under ``points/``; a point whose record exists
+    is reused, never rerun. ``workers`` > 1 runs points concurrently on a new local Ray,
+    ``ray_address`` on a running Ray cluster (at most ``workers`` points in flight).
+    """
     from fedpers.experiments import EXPERIMENTS
+    from fedpers.sweep_points import executor, write_runs
 
+    run_points = executor(workers, ray_address)  # refuses a bad worker count before any work
     spec = load_spec(path, repetitions)
     out = Path(out) if out is not None else Path("runs") / f"sweep-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     identity = json.loads(dumps(dataclasses.asdict(spec)))
@@ -284,26 +303,40 @@ def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int 
     write_atomic(out / "spec.json", dumps(identity) + "\n")
     from fedpers.provenance import provenance
 
-    write_atomic(out / "provenance.json", dumps(provenance()) + "\n")
-    rows: list[dict[str, Any]] = []
+    record_of = provenance()
+    write_atomic(out / "provenance.json", dumps({**record_of, "workers": workers, "ray_address": ray_address}) + "\n")
     points = spec.points()
-    bar = tqdm(points, desc=f"sweep {spec.name}", unit="point", disable=not progress)
-    ran = 0
-    for index, (label, overrides) in enumerate(bar):
-        full = {**spec.base, **overrides}
-        tag = {spec.series: label if label is not None else full.get(spec.series), spec.x: full.get(spec.x)}
+    done: dict[int, list[dict[str, Any]]] = {}
+    tasks = []
+    for index, (label, overrides) in enumerate(points):
         record = out / "points" / f"{index:05d}.json"
         if record.exists():  # finished before an interruption: reuse, never rerun
-            point_rows = json.loads(record.read_text())["rows"]
+            done[index] = json.loads(record.read_text())["rows"]
         else:
-            point_rows = run_point(spec, overrides)
-            write_atomic(record, dumps({"label": label, "overrides": overrides, "rows": point_rows}) + "\n")
-            ran += 1
-        for row in point_rows:
+            tasks.append((index, overrides))
+    reused = len(done)
+
+    def table() -> list[dict[str, Any]]:
+        rows = []
+        for index in sorted(done):
+            label, overrides = points[index]
+            full = {**spec.base, **overrides}
+            tag = {spec.series: label if label is not None else full.get(spec.series), spec.x: full.get(spec.x)}
             fixed = {**tag, **{k: v for k, v in overrides.items() if k not in tag}}
-            rows.append({**fixed, **{k: v for k, v in row.items() if k not in fixed}})
-        write_table(rows, out / "table.csv")
+            rows += [{**fixed, **{k: v for k, v in row.items() if k not in fixed}} for row in done[index]]
+        return rows
+
+    bar = tqdm(total=len(points), initial=reused, desc=f"sweep {spec.name}", unit="point", disable=not progress)
+    for index, (point_rows, runs) in run_points(spec, tasks):
+        write_runs(out / "points", index, runs)
+        label, overrides = points[index]
+        write_atomic(out / "points" / f"{index:05d}.json", dumps({"label": label, "overrides": overrides, "rows": point_rows, "runs": sorted(f"{index:05d}-{n}" for n in runs)}) + "\n")
+        done[index] = point_rows
+        write_table(table(), out / "table.csv")
+        bar.update(1)
     bar.close()
+    rows = table()
+    ran = len(points) - reused
     exp = EXPERIMENTS[spec.algorithm]
     slopes: dict[str, dict[str, float]] = {}
     figures = []
@@ -314,9 +347,11 @@ def run_sweep(path: str | Path, out: str | Path | None = None, repetitions: int 
             name = metric.replace(".", "_") + ".png"
             slopes[metric] = {str(k): v for k, v in plot_metric(rows, spec, metric, out / name).items()}
             figures.append(name)
-    summary = {"spec": dataclasses.asdict(spec), "rows": len(rows), "points_run": ran, "points_reused": len(points) - ran, "slopes": slopes, "figures": figures, "table": "table.csv"}
+    if rows and not (out / "table.csv").exists():
+        write_table(rows, out / "table.csv")
+    summary = {"spec": dataclasses.asdict(spec), "rows": len(rows), "points_run": ran, "points_reused": reused, "slopes": slopes, "figures": figures, "table": "table.csv", "parquet": "table.parquet"}
     write_atomic(out / "sweep.json", dumps(summary) + "\n")
-    print(f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {len(points) - ran} reused) -> {out / 'table.csv'}; figures: {', '.join(figures)}")
+    print(f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}")
     for metric, per in slopes.items():
         for s, slope in per.items():
             print(f"  log-log slope of {metric} vs {spec.x} at {spec.series}={s}: {slope:.3f}")

@@ -10,8 +10,10 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
@@ -220,3 +222,27 @@ class Processes:
 
     def __exit__(self, *exc: object) -> None:
         stop_processes(self.procs)
+
+
+def start_ray(log: Path, temp: Path, *, head_port: int | None = None, join: str | None = None, cpus: int = 2) -> subprocess.Popen:
+    """``ray start --block`` on 127.0.0.1 with free ports: a head (``head_port``) or a worker joining ``join``."""
+    cmd = [
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address=127.0.0.1",
+        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", f"--num-cpus={cpus}",
+        "--disable-usage-stats",
+    ]
+    if join is None:
+        cmd += ["--head", f"--port={head_port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false", f"--temp-dir={temp}"]
+    else:
+        cmd += [f"--address={join}"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while "Ray runtime started" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_processes([proc])
+            raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc

@@ -24,34 +24,10 @@ from fedpers.runner import RuntimeOptions, execute, split_seed
 from fedpers.runtime.flower import run_flower
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.local import run_local
-from tests.flower_support import faulty_client_app, free_port, stop_processes
+from tests.flower_support import faulty_client_app, free_port, start_ray, stop_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 EXP = EXPERIMENTS["altmin"]
-
-
-def start_ray(log: Path, temp: Path, *, head_port: int | None = None, join: str | None = None, cpus: int = 2) -> subprocess.Popen:
-    """``ray start --block`` on 127.0.0.1 with free ports: a head (``head_port``) or a worker joining ``join``."""
-    cmd = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address=127.0.0.1",
-        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", f"--num-cpus={cpus}",
-        "--disable-usage-stats",
-    ]
-    if join is None:
-        cmd += ["--head", f"--port={head_port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false", f"--temp-dir={temp}"]
-    else:
-        cmd += [f"--address={join}"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while "Ray runtime started" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_processes([proc])
-            raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    return proc
 
 
 @pytest.fixture(scope="module")

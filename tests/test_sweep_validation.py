@@ -55,27 +55,27 @@ def test_a_misspelt_metric_stops_at_the_first_point(tmp_path):
 def test_an_interrupted_sweep_resumes_running_only_missing_points(tmp_path, monkeypatch):
     import csv
 
-    import fedpers.sweep as sweep
+    import fedpers.sweep_points as sweep
 
     path = write(tmp_path, GOOD.replace("n_users = [200, 400]", "n_users = [200, 300, 400]"))
-    real, calls = sweep.run_point, []
+    real, calls = sweep.run_point_task, []
 
-    def dies_at_third(spec, overrides):
+    def dies_at_third(spec, overrides, threads=0):
         calls.append(overrides["n_users"])
         if len(calls) == 3:
             raise KeyboardInterrupt  # the sweep is killed during its third point
         return real(spec, overrides)
 
-    monkeypatch.setattr(sweep, "run_point", dies_at_third)
+    monkeypatch.setattr(sweep, "run_point_task", dies_at_third)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(path, out=tmp_path / "out", progress=False)
-    monkeypatch.setattr(sweep, "run_point", lambda spec, o: calls.append(o["n_users"]) or real(spec, o))
+    monkeypatch.setattr(sweep, "run_point_task", lambda spec, o, threads=0: calls.append(o["n_users"]) or real(spec, o))
     summary = run_sweep(path, out=tmp_path / "out", progress=False)
     assert calls == [200, 300, 400, 400] and summary["points_run"] == 1 and summary["points_reused"] == 2
     with open(tmp_path / "out" / "table.csv") as f:
         resumed = list(csv.DictReader(f))
     assert [r["n_users"] for r in resumed] == ["200", "300", "400"]
-    monkeypatch.setattr(sweep, "run_point", real)
+    monkeypatch.setattr(sweep, "run_point_task", real)
     fresh = run_sweep(path, out=tmp_path / "fresh", progress=False)
     with open(tmp_path / "fresh" / "table.csv") as f:
         assert [r["subspace_error"] for r in csv.DictReader(f)] == [r["subspace_error"] for r in resumed]

@@ -1,0 +1,114 @@
+"""Running a sweep's points: one at a time here, or concurrently on a local Ray or a Ray cluster.
+
+A point runs every repetition as a normal run into a private temporary directory and
+returns its rows together with the bytes of each repetition's run directory (config,
+ledger, rounds, result, final state, provenance). The sweep's own process writes them under
+``points/`` — so a point is a full run directory whether it ran here or on another machine
+of a cluster, and a point counts as done only once its record is written (a killed sweep
+reruns only the points without one). The result of a point does not depend on where it ran
+(same seed, same code; a different thread count may change the last bits of a BLAS sum).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+Task = tuple[int, dict[str, Any]]
+"""(point index, config overrides)."""
+
+PointResult = tuple[list[dict[str, Any]], dict[str, dict[str, bytes]]]
+"""(rows, run directory name -> file name -> bytes)."""
+
+
+def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> PointResult:
+    """All repetitions of one grid point (``threads`` > 0: torch's intra-op threads for this worker)."""
+    import torch
+
+    from fedpers import config as config_lib
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runner import execute
+    from fedpers.sweep import check_metrics, result_row
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    exp = EXPERIMENTS[spec.algorithm]
+    cfg = config_lib.build(exp.config_type, {**spec.base, **overrides})
+    if hasattr(exp, "sweep_point"):  # vectorised Monte Carlo over repetitions: no per-repetition run
+        start = time.perf_counter()
+        rows = exp.sweep_point(cfg, spec.repetitions)
+        per = (time.perf_counter() - start) / max(len(rows), 1)
+        check_metrics(spec, rows[0] if rows else {})
+        return [{"repetition": r, "seconds": per, **row} for r, row in enumerate(rows)], {}
+    rows, runs = [], {}
+    for r in range(spec.repetitions):
+        seeded = dataclasses.replace(cfg, seed=cfg.seed + r) if hasattr(cfg, "seed") else cfg
+        with tempfile.TemporaryDirectory(prefix="fedpers-point-") as tmp:
+            result = execute(exp, seeded, out=Path(tmp) / "run", progress=False)
+            check_metrics(spec, result)
+            runs[f"r{r}"] = {p.name: p.read_bytes() for p in (Path(tmp) / "run").iterdir() if p.is_file() and not p.name.startswith(".")}
+        rows.append({"repetition": r, **result_row(spec, result)})
+    return rows, runs
+
+
+def write_runs(points_dir: Path, index: int, runs: dict[str, dict[str, bytes]]) -> None:
+    """Each repetition's run directory as ``points/NNNNN-rR/``, written whole then renamed."""
+    for name, files in runs.items():
+        final = points_dir / f"{index:05d}-{name}"
+        tmp = points_dir / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for fname, data in files.items():
+            (tmp / fname).write_bytes(data)
+        shutil.rmtree(final, ignore_errors=True)  # a leftover of a killed sweep: replaced whole
+        os.replace(tmp, final)
+
+
+def serial(spec: Any, tasks: Sequence[Task]) -> Iterator[tuple[int, PointResult]]:
+    for index, overrides in tasks:
+        yield index, run_point_task(spec, overrides)
+
+
+def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") -> Iterator[tuple[int, PointResult]]:
+    """At most ``workers`` points in flight on a new local Ray (``address`` empty) or a cluster."""
+    import ray
+
+    from fedpers.runtime.flower.simulation import CHECKOUT
+
+    local = not address
+    threads = max(1, (os.cpu_count() or 1) // workers) if local else 1
+    path = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        address="local" if local else address, num_cpus=workers if local else None, include_dashboard=False,
+        logging_level="error", log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    try:
+        remote = ray.remote(num_cpus=1, max_retries=0)(run_point_task)
+        spec_ref = ray.put(spec)
+        pending = list(tasks)
+        running: dict[Any, int] = {}
+        while pending or running:
+            while pending and len(running) < workers:
+                index, overrides = pending.pop(0)
+                running[remote.remote(spec_ref, overrides, threads)] = index
+            done, _ = ray.wait(list(running), num_returns=1)
+            index = running.pop(done[0])
+            try:
+                yield index, ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:
+                cause = e.as_instanceof_cause()
+                raise (cause if isinstance(cause, ValueError) else RuntimeError(f"sweep point {index} failed on Ray: {e}")) from None
+    finally:
+        ray.shutdown()
+
+
+def executor(workers: int, address: str) -> Callable[[Any, Sequence[Task]], Iterator[tuple[int, PointResult]]]:
+    if workers < 1:
+        raise ValueError(f"workers must be an integer >= 1; got {workers}")
+    if workers == 1 and not address:
+        return serial
+    return lambda spec, tasks: on_ray(spec, tasks, workers, address)
