@@ -47,3 +47,18 @@ def test_split_seed_reexported_and_streams_distinct() -> None:
     assert old is split_seed
     cfg, noise = split_seed(C())
     assert cfg.seed == derived_seed(7, "public") and noise == derived_seed(7, "dp-noise") and cfg.seed != noise != 7
+
+
+def test_a_local_run_imports_neither_flower_nor_ray(tmp_path) -> None:
+    """`fedpers run altmin` on the local runtime loads no flwr, ray or pyarrow (start-up stays fast)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from fedpers.cli import main; "
+        f"main(['run', 'altmin', '--n-users', '400', '--quiet', '--baselines', 'none', '--out', {str(tmp_path / 'run')!r}]); "
+        "print(sorted(m for m in ('flwr', 'ray', 'pyarrow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
