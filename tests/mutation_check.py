@@ -21,7 +21,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "A clip removed": (
         ALTMIN,
         "A = linalg.kron_gram_sum(v_hat, xc)",
-        "xa = x_hat * linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, math.inf).to(x.dtype).unsqueeze(-1)\n"
+        "xa = x2 * linalg.clipped_magnitude(log_v, math.inf).to(x.dtype)[:, None, None]  # v ⊗ x unclipped\n"
         "        A = linalg.kron_gram_sum(v_hat, xa)",
     ),
     "init label clip removed": (

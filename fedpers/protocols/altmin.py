@@ -216,16 +216,21 @@ class AltMinProtocol(Protocol):
         if x.shape[0] == 0:
             return torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device), torch.zeros(d * k, dtype=x.dtype, device=x.device)
         x1, y1 = x[:, :q], y[:, :q]
-        if linalg.in_safe_range(x1) and linalg.in_safe_range(y1):
+        if linalg.safe_norms(x1) is not None and linalg.safe_norms(y1) is not None:
             v_hat, log_v = linalg.directions(self.local_solve(U, x1, y1))
         else:
             sx, sy = linalg.pow2_scale(x1, 2), linalg.pow2_scale(y1, 1)
             v = self.local_solve(U, x1 / sx[:, None, None], y1 / sy[:, None])  # v_j · sx/sy
             v_hat, log_v = linalg.directions(v)
             log_v = log_v + sy.double().log() - sx.double().log()
-        x_hat, log_x = linalg.directions(x[:, q : 2 * q])
-        m = linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, self.eta).to(x.dtype)
-        xc = x_hat * m.unsqueeze(-1)
+        x2 = x[:, q : 2 * q]
+        norm = linalg.safe_norms(x2)
+        if norm is not None:  # one pass: xc = x · m/||x||, with m/||x|| = min(||v||, η/||x||) finite
+            m = linalg.clipped_magnitude(log_v.unsqueeze(-1) + norm.double().log(), self.eta)
+            xc = x2 * torch.where(norm > 0, m / norm.double(), torch.zeros_like(m)).to(x.dtype).unsqueeze(-1)
+        else:
+            x_hat, log_x = linalg.directions(x2)
+            xc = x_hat * linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, self.eta).to(x.dtype).unsqueeze(-1)
         A = linalg.kron_gram_sum(v_hat, xc)
         t = (xc * linalg.clip_scalar(y[:, q : 2 * q], self.zeta).unsqueeze(-1)).sum(1)
         b = (v_hat.transpose(0, 1) @ t).reshape(d * k)

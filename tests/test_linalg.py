@@ -1,0 +1,45 @@
+"""The fast paths of the scale-safe linear algebra agree with the exact ones and know their limits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedpers import linalg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_safe_norms_trusts_only_norms_computed_without_overflow_or_underflow(dtype: torch.dtype) -> None:
+    x = torch.randn(6, 5, dtype=dtype)
+    x[2] = 0.0
+    assert torch.equal(linalg.safe_norms(x), torch.linalg.vector_norm(x, dim=-1))
+    for bad in (1e30, 1e-30, 2.0**-43, float("inf")):
+        y = x.clone()
+        y[4] = bad  # a vector of huge (float32 overflow), tiny (squares underflow to 0) or below-range entries
+        assert linalg.safe_norms(y) is None  # the exact power-of-two path takes it
+    z = x.clone()
+    z[4, 0] = 1e-30  # one tiny entry beside normal ones: the norm is exact, nothing to fear
+    assert linalg.safe_norms(z) is not None
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e30])
+def test_directions_fast_and_exact_paths_agree(scale: float) -> None:
+    x = torch.randn(50, 7, dtype=torch.float64) * scale
+    unit, log_norm = linalg.directions(x.float())
+    exact = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    torch.testing.assert_close(unit.double(), exact, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(log_norm, torch.linalg.vector_norm(x, dim=-1).log(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 47, 97, 1000])
+def test_kron_gram_sum_threads_split_equals_the_reference(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    v, x = torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randn(n, 4, 6, generator=g, dtype=torch.float64)
+    reference = linalg.kron_vvT_sum(v, x.transpose(1, 2) @ x)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            torch.testing.assert_close(linalg.kron_gram_sum(v, x, block=8), reference, rtol=1e-12, atol=1e-12)
+            assert torch.get_num_threads() == t  # restored after the split
+    finally:
+        torch.set_num_threads(threads)
