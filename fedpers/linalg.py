@@ -143,20 +143,22 @@ def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tens
     A problem with non-finite entries gets a NaN solution (never an exception), so the
     per-unit rule can set that unit aside.
     """
-    gram = features.transpose(-1, -2) @ features
+    # the products in the working dtype, the k×k systems in float64 (cheap; float32 Grams of
+    # nearly collinear features lose the solve otherwise)
+    gram = (features.transpose(-1, -2) @ features).double()
     k = gram.shape[-1]
     scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True).clamp_min(1.0)
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
     gram = gram + (ridge * scale).unsqueeze(-1) * eye
-    rhs = (features.transpose(-1, -2) @ targets.unsqueeze(-1)).squeeze(-1)
+    rhs = (features.transpose(-1, -2) @ targets.unsqueeze(-1)).squeeze(-1).double()
     bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(rhs).all(-1))
     if bool(bad.any()):
         gram = torch.where(bad[..., None, None], eye, gram)
         rhs = torch.where(bad[..., None], torch.full_like(rhs, math.nan), rhs)
     chol, info = torch.linalg.cholesky_ex(gram)
     if bool((info == 0).all()):
-        return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
-    return torch.linalg.lstsq(gram, rhs.unsqueeze(-1)).solution.squeeze(-1)
+        return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1).to(features.dtype)
+    return torch.linalg.lstsq(gram, rhs.unsqueeze(-1)).solution.squeeze(-1).to(features.dtype)
 
 
 def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:

@@ -25,9 +25,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        A = linalg.kron_gram_sum(v_hat, xa)",
     ),
     "init label clip removed": (
-        ALTMIN,
-        "coef = linalg.clip_scalar(y[:, 2 * q :: 2], self.zeta) * linalg.clip_scalar(y[:, 2 * q + 1 :: 2], self.zeta)",
-        "coef = y[:, 2 * q :: 2] * y[:, 2 * q + 1 :: 2]",
+        "fedpers/linalg.py",
+        "coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)",
+        "coef = y[:, 0::2] * y[:, 1::2]",
     ),
     "b label clip removed": (
         ALTMIN,

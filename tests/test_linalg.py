@@ -43,3 +43,21 @@ def test_kron_gram_sum_threads_split_equals_the_reference(n: int) -> None:
             assert torch.get_num_threads() == t  # restored after the split
     finally:
         torch.set_num_threads(threads)
+
+
+def test_float32_sums_with_float64_solves_track_the_float64_run() -> None:
+    """--dtype float32 (what a GPU run uses) sums in float32 but solves in float64: the released
+    subspace stays within float32 rounding of the float64 run's, same seed, same noise."""
+    from fedpers import config as config_lib
+    from fedpers.experiments import experiment
+    from fedpers.runner import execute
+
+    exp = experiment("altmin")
+    results = {}
+    for dtype in ("float32", "float64"):
+        cfg = config_lib.build(exp.config_type, {"n_users": 4000, "dim": 10, "rank": 2, "epsilon": 4.0, "baselines": "none", "dtype": dtype, "device": "cpu"})
+        results[dtype] = execute(exp, cfg, write=False, progress=False)
+    U32, U64 = results["float32"]["_state"]["U"], results["float64"]["_state"]["U"]
+    assert U32.dtype == torch.float32 and U64.dtype == torch.float64
+    torch.testing.assert_close(U32.double(), U64, rtol=0, atol=1e-4)
+    assert results["float32"]["subspace_error"] == pytest.approx(results["float64"]["subspace_error"], rel=1e-3)

@@ -178,7 +178,7 @@ class AltMinProtocol(Protocol):
                 summed.stats["W"], per_unit_bound=self.init_bound, noise_multiplier=z, name="init.W", round=0, units=group,
                 params=self.release_params("W"),
             )
-            return {"U": linalg.top_eigenvectors(M, self.rank)}, {"noise_std_W": self.noise_std(self.init_bound)}
+            return {"U": linalg.top_eigenvectors(M.double(), self.rank).to(M.dtype)}, {"noise_std_W": self.noise_std(self.init_bound)}
         A = privatizer.symmetric_gaussian_sum(
             summed.stats["A"], per_unit_bound=self.a_bound, noise_multiplier=z, name=f"round{round}.A", round=round, units=group,
             psd_units=True, params=self.release_params("A"),
@@ -242,7 +242,8 @@ class AltMinProtocol(Protocol):
         The floor / ridge is 2σ_A√(dk), about the spectral norm of the symmetric noise, so
         it is data-independent and spends no privacy.
         """
-        dk = A.shape[0]
+        dk, dtype = A.shape[0], A.dtype
+        A, b = A.double(), b.double()  # summed in the working dtype, solved in float64 (dk × dk: cheap)
         scale = float(torch.linalg.matrix_norm(A, ord=2)) if noise_std_a == 0 else 0.0
         level = 2 * noise_std_a * math.sqrt(dk) + 1e-10 * max(scale, 1e-30)
         if self.psd is PsdMethod.EIGEN_FLOOR:
@@ -250,7 +251,7 @@ class AltMinProtocol(Protocol):
         else:
             A_pd, raised = A + level * torch.eye(dk, dtype=A.dtype, device=A.device), 0
         u = torch.linalg.solve(A_pd, b)
-        U = linalg.orthonormal_basis(linalg.vec_to_matrix(u, self.dim, self.rank))
+        U = linalg.orthonormal_basis(linalg.vec_to_matrix(u, self.dim, self.rank)).to(dtype)
         return U, {"psd_level": level, "eigenvalues_raised": float(raised)}
 
     def personalize(self, U: Tensor, units: Units) -> Tensor:
