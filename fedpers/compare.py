@@ -48,6 +48,10 @@ def compare(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[str
     if not paths:
         raise ValueError("compare: give at least one run directory")
     rows = [run_row(p) for p in paths]
+    names = [r["run"] for r in rows]
+    if len(set(names)) < len(names):  # same directory name under different parents: label by path
+        for row, p in zip(rows, paths):
+            row["run"] = str(p)
     primary = []
     for row in rows:
         name = row["algorithm"]

@@ -78,9 +78,9 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _lock(path: Path) -> Any:
-    """Hold ``path/.lock`` exclusively while a run writes there (the OS drops it when the process
-    dies), so a second ``fedpers resume`` of a run still going is refused, not interleaved."""
+def lock_directory(path: Path) -> Any:
+    """Hold ``path/.lock`` exclusively while a run or sweep writes there (the OS drops it when
+    the process dies), so a second one into a directory still in use is refused, not interleaved."""
     import fcntl
 
     if not path.is_dir():
@@ -104,7 +104,7 @@ class RunDirectory:
 
     def __init__(self, path: str | Path, *, resume: bool = False) -> None:
         self.path = Path(path)
-        self._lock = _lock(self.path) if resume else None
+        self._lock = lock_directory(self.path) if resume else None
         if resume:
             if not (self.path / "config.json").is_file():
                 raise ValueError(f"resume: {self.path} is not a fedpers run directory (no config.json)")
@@ -117,7 +117,7 @@ class RunDirectory:
         elif (self.path / "config.json").exists():
             raise ValueError(f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)")
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = self._lock or _lock(self.path)
+        self._lock = self._lock or lock_directory(self.path)
         self._rounds = open(self.path / "rounds.jsonl", "a" if resume else "w")
         self._releases = open(self.path / LEDGER_LOG, "a" if resume else "w")
 

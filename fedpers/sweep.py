@@ -299,44 +299,50 @@ def run_sweep(
     elif (out / "table.csv").exists():
         raise ValueError(f"out: {out} already holds a sweep; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "points").mkdir(exist_ok=True)
-    write_atomic(out / "spec.json", dumps(identity) + "\n")
-    from fedpers.provenance import provenance
+    from fedpers.results import lock_directory
 
-    record_of = provenance()
-    write_atomic(out / "provenance.json", dumps({**record_of, "workers": workers, "ray_address": ray_address}) + "\n")
-    points = spec.points()
-    done: dict[int, list[dict[str, Any]]] = {}
-    tasks = []
-    for index, (label, overrides) in enumerate(points):
-        record = out / "points" / f"{index:05d}.json"
-        if record.exists():  # finished before an interruption: reuse, never rerun
-            done[index] = json.loads(record.read_text())["rows"]
-        else:
-            tasks.append((index, overrides))
-    reused = len(done)
+    lock = lock_directory(out)  # a second sweep into the same directory is refused while this one runs
+    try:
+        (out / "points").mkdir(exist_ok=True)
+        write_atomic(out / "spec.json", dumps(identity) + "\n")
+        from fedpers.provenance import provenance
 
-    def table() -> list[dict[str, Any]]:
-        rows = []
-        for index in sorted(done):
+        record_of = provenance()
+        write_atomic(out / "provenance.json", dumps({**record_of, "workers": workers, "ray_address": ray_address}) + "\n")
+        points = spec.points()
+        done: dict[int, list[dict[str, Any]]] = {}
+        tasks = []
+        for index, (label, overrides) in enumerate(points):
+            record = out / "points" / f"{index:05d}.json"
+            if record.exists():  # finished before an interruption: reuse, never rerun
+                done[index] = json.loads(record.read_text())["rows"]
+            else:
+                tasks.append((index, overrides))
+        reused = len(done)
+
+        def table() -> list[dict[str, Any]]:
+            rows = []
+            for index in sorted(done):
+                label, overrides = points[index]
+                full = {**spec.base, **overrides}
+                tag = {spec.series: label if label is not None else full.get(spec.series), spec.x: full.get(spec.x)}
+                fixed = {**tag, **{k: v for k, v in overrides.items() if k not in tag}}
+                rows += [{**fixed, **{k: v for k, v in row.items() if k not in fixed}} for row in done[index]]
+            return rows
+
+        bar = tqdm(total=len(points), initial=reused, desc=f"sweep {spec.name}", unit="point", disable=not progress)
+        for index, (point_rows, runs) in run_points(spec, tasks):
+            write_runs(out / "points", index, runs)
             label, overrides = points[index]
-            full = {**spec.base, **overrides}
-            tag = {spec.series: label if label is not None else full.get(spec.series), spec.x: full.get(spec.x)}
-            fixed = {**tag, **{k: v for k, v in overrides.items() if k not in tag}}
-            rows += [{**fixed, **{k: v for k, v in row.items() if k not in fixed}} for row in done[index]]
-        return rows
-
-    bar = tqdm(total=len(points), initial=reused, desc=f"sweep {spec.name}", unit="point", disable=not progress)
-    for index, (point_rows, runs) in run_points(spec, tasks):
-        write_runs(out / "points", index, runs)
-        label, overrides = points[index]
-        write_atomic(out / "points" / f"{index:05d}.json", dumps({"label": label, "overrides": overrides, "rows": point_rows, "runs": sorted(f"{index:05d}-{n}" for n in runs)}) + "\n")
-        done[index] = point_rows
-        write_table(table(), out / "table.csv")
-        bar.update(1)
-    bar.close()
-    rows = table()
-    ran = len(points) - reused
+            write_atomic(out / "points" / f"{index:05d}.json", dumps({"label": label, "overrides": overrides, "rows": point_rows, "runs": sorted(f"{index:05d}-{n}" for n in runs)}) + "\n")
+            done[index] = point_rows
+            write_table(table(), out / "table.csv")
+            bar.update(1)
+        bar.close()
+        rows = table()
+        ran = len(points) - reused
+    finally:
+        lock.close()
     exp = EXPERIMENTS[spec.algorithm]
     slopes: dict[str, dict[str, float]] = {}
     figures = []

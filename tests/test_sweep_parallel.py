@@ -113,3 +113,16 @@ def test_a_sweep_on_a_two_process_ray_cluster_gives_the_serial_table(serial: Pat
     finally:
         stop_processes(list(reversed(procs)))
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_second_sweep_into_a_directory_in_use_is_refused(tmp_path: Path) -> None:
+    from fedpers.results import lock_directory
+
+    (tmp_path / "s.toml").write_text(SPEC)
+    (tmp_path / "out").mkdir()
+    holder = lock_directory(tmp_path / "out")  # as a running sweep holds it
+    try:
+        with pytest.raises(ValueError, match="in use by another running process"):
+            run_sweep(tmp_path / "s.toml", out=tmp_path / "out", progress=False)
+    finally:
+        holder.close()
