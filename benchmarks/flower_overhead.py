@@ -11,7 +11,12 @@ round trip), node data loading + protocol set-up (the first round), and the priv
 round (round 1) itself; then the ratios the issue asks for. Targets: the 8-node round within
 3× of the local round; the 8-node per-user cost ≥ 100× below one node per user.
 
-    PYTHONPATH=. python benchmarks/flower_overhead.py [--users 10000 --nodes 8 --per-user-users 500]
+Then the per-call table (``--per-call 100,500,1000``): one node per user, the cost of one
+ClientApp call in a steady round (total round time / nodes), fedpers' ClientApp (an AltMin
+round: decode, statistics, verification, encode) beside Flower's own cost for an empty
+ClientApp answering an empty message, with the same Ray settings, measured in the same run.
+
+    PYTHONPATH=. python benchmarks/flower_overhead.py [--users 10000 --nodes 8 --per-user-users 500 --per-call 100,500,1000]
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ EXP = EXPERIMENTS["altmin"]
 
 
 def make_config(users: int, args: argparse.Namespace) -> Any:
-    fields = {"n_users": users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": 1, "cohorts": "all", "epsilon": 4.0, "seed": 0}
+    fields = {"n_users": users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": 1, "cohorts": "all", "epsilon": 4.0, "seed": 0, "baselines": "none"}
     return split_seed(config_lib.build(EXP.config_type, fields))
 
 
@@ -57,6 +62,49 @@ def flower(users: int, nodes: int, per_node: int, args: argparse.Namespace) -> d
     return {"startup": found["startup"], "first": records[0].seconds, "round": records[1].seconds, "U": state["U"], "users": users, "total": total, "shutdown": total - found["startup"] - sum(r.seconds for r in records)}
 
 
+def bare_flower(nodes: int, rounds: int, args: argparse.Namespace) -> float:
+    """Seconds of the last of ``rounds`` rounds of an empty ClientApp on ``nodes`` nodes."""
+    from flwr.app import Message, MessageType, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedpers.runtime.flower.server import exchange
+    from fedpers.runtime.flower.simulation import backend_config
+
+    client = ClientApp()
+
+    @client.train()
+    def _train(message: Message, context: Any) -> Message:
+        return Message(RecordDict(), reply_to=message)
+
+    server, seconds = ServerApp(), []
+
+    @server.main()
+    def _main(grid: Any, context: Any) -> None:
+        while len(grid.get_node_ids()) < nodes:
+            time.sleep(0.05)
+        ids = list(grid.get_node_ids())
+        for _ in range(rounds):
+            start = time.perf_counter()
+            replies = exchange(grid, [Message(RecordDict(), n, MessageType.TRAIN) for n in ids], 3600.0)
+            assert len(replies) == len(ids)
+            seconds.append(time.perf_counter() - start)
+
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "client_cpus": args.client_cpus, "ray_address": args.ray_address})
+    run_simulation(server, client, nodes, backend_config=backend_config(opts))
+    return seconds[-1]
+
+
+def per_call(counts: list[int], args: argparse.Namespace) -> None:
+    print(f"\nper ClientApp call, one user per node (steady round / nodes), client_cpus={args.client_cpus}:")
+    print(f"{'nodes':>6s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}")
+    for n in counts:
+        fed = flower(n, n, 1, args)["round"] / n
+        bare = bare_flower(n, 3, args) / n
+        print(f"{n:6d}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--users", type=int, default=10_000)
@@ -67,7 +115,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--client-cpus", type=float, default=1.0)
     p.add_argument("--ray-address", default="", help="attach to this Ray cluster instead of starting one")
+    p.add_argument("--per-call", default="100,500,1000", help="node counts of the per-call table ('' to skip)")
+    p.add_argument("--only-per-call", action="store_true", help="skip the batched set-ups")
     args = p.parse_args()
+    counts = [int(c) for c in args.per_call.split(",") if c.strip()]
+    if args.only_per_call:
+        per_call(counts, args)
+        return
     print(f"torch threads {torch.get_num_threads()}, d={args.dim} k={args.rank} m={args.samples}, one private AltMin round (every user)", flush=True)
     runs = {
         f"local ({args.users} users)": local(args.users, args),
@@ -85,6 +139,8 @@ def main() -> None:
     per_user_ratio = (fl1["round"] / fl1["users"]) / (fl8["round"] / fl8["users"])
     print(f"per-user cost, one node per user / 8 nodes     = {per_user_ratio:.0f}x   (target >= 100x)")
     print(f"Ray start-up: {fl8['startup']:.1f} s ({args.nodes} nodes), {fl1['startup']:.1f} s ({args.per_user_users} nodes); shutdown {fl8['shutdown']:.1f} s / {fl1['shutdown']:.1f} s")
+    if counts:
+        per_call(counts, args)
 
 
 if __name__ == "__main__":

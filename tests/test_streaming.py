@@ -68,3 +68,29 @@ def test_chunk_size_auto_is_decided_from_memory_and_said():
     assert f"{chosen} users per chunk" in exp.plan(cfg)[0]
     with pytest.raises(ValueError, match="chunk_size must be of type int"):
         config.build(AltMinConfig, dict(chunk_size="big"))
+
+
+def test_users_asked_for_in_part_come_from_a_kept_block_with_the_same_values() -> None:
+    """A Flower node of one user slices a kept block instead of generating 1,024 users again;
+    the values equal the whole-block generation, and what is kept stays bounded."""
+    from fedpers.data import synthetic
+
+    synthetic._BLOCKS.clear()
+    u = synthetic.subspace(3, 6, 2)
+    whole = synthetic.altmin_users(3, torch.arange(0, 2 * synthetic.BLOCK), u, 8, 0.1)
+    assert not synthetic._BLOCKS  # whole blocks (the local runtime's chunks) are not kept
+    for i in (5, 7, synthetic.BLOCK + 3, 5):
+        one = synthetic.altmin_users(3, torch.tensor([i]), u, 8, 0.1)
+        for key in ("x", "y", "v_star"):
+            assert torch.equal(one[key][0], whole[key][i])
+    assert len(synthetic._BLOCKS) == 2
+    before = synthetic.BLOCK_CACHE_BYTES
+    try:
+        synthetic.BLOCK_CACHE_BYTES = synthetic.BLOCK * 8 * 6 * 8 + 1  # room for one block's x
+        synthetic._BLOCKS.clear()
+        for blk in range(3):
+            synthetic.altmin_users(3, torch.tensor([blk * synthetic.BLOCK]), u, 8, 0.1)
+        assert len(synthetic._BLOCKS) <= 1
+    finally:
+        synthetic.BLOCK_CACHE_BYTES = before
+        synthetic._BLOCKS.clear()

@@ -5,6 +5,8 @@ the rows the local runtime would, which is what makes runtimes comparable seed f
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 
@@ -23,6 +25,30 @@ def subspace(seed: int, dim: int, rank: int, dtype: torch.dtype = torch.float64)
     g = _generator(seed, _STREAM_TRUTH)
     q, r = torch.linalg.qr(torch.randn(dim, rank, generator=g, dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r))).to(dtype)
+
+
+_BLOCKS: "OrderedDict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]]" = OrderedDict()
+BLOCK_CACHE_BYTES = 256 << 20
+"""Most bytes of generated user blocks one process keeps (only blocks asked for in part)."""
+
+
+def _user_block(seed: int, blk: int, samples: int, d: int, k: int, partial: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(x, v*, noise) of the BLOCK users of block ``blk``. A block asked for in part (a Flower
+    node of a few users) is kept: the next node in this process from the same block — in a
+    Ray simulation any actor serves any node — slices it instead of generating 1,024 users again."""
+    key = (int(seed), int(blk), samples, d, k)
+    if key in _BLOCKS:
+        _BLOCKS.move_to_end(key)
+        return _BLOCKS[key]
+    g = _generator(seed, _STREAM_USERS, blk)
+    bx = torch.randn(BLOCK, samples, d, generator=g, dtype=torch.float64)
+    bv = torch.randn(BLOCK, k, generator=g, dtype=torch.float64)
+    bz = torch.randn(BLOCK, samples, generator=g, dtype=torch.float64)
+    if partial and bx.numel() * 8 <= BLOCK_CACHE_BYTES:
+        _BLOCKS[key] = (bx, bv, bz)
+        while sum(t.numel() * 8 for b in _BLOCKS.values() for t in b) > BLOCK_CACHE_BYTES:
+            _BLOCKS.popitem(last=False)
+    return bx, bv, bz
 
 
 def altmin_users(
@@ -45,11 +71,8 @@ def altmin_users(
     blocks = ids // BLOCK
     u64 = u_star.to(torch.float64)
     for blk in torch.unique(blocks).tolist():
-        g = _generator(seed, _STREAM_USERS, blk)
-        bx = torch.randn(BLOCK, samples, d, generator=g, dtype=torch.float64)
-        bv = torch.randn(BLOCK, k, generator=g, dtype=torch.float64)
-        bz = torch.randn(BLOCK, samples, generator=g, dtype=torch.float64)
         rows = (blocks == blk).nonzero().squeeze(1)
+        bx, bv, bz = _user_block(seed, blk, samples, d, k, partial=rows.numel() < BLOCK)
         local = ids[rows] - blk * BLOCK
         bx, bv, bz = bx[local], bv[local], bz[local]
         x[rows] = bx.to(dtype)
