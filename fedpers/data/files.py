@@ -27,9 +27,10 @@ ORTHONORMAL_TOLERANCE = 1e-6
 OPTIONAL = ("u_star", "v_star", "x_test", "y_test")
 
 
-def inspect_npz(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def inspect_npz(path: Path, streamed: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Each member's name, shape and dtype from the zip directory and the .npy headers: nothing
-    is inflated, so a small file with a huge or unexpected member is refused at no cost."""
+    is inflated, so a small file with a huge or unexpected member is refused at no cost.
+    ``streamed``: the file is read in row blocks, so its size is not held against memory."""
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as e:
@@ -54,63 +55,165 @@ def inspect_npz(path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
             members[name] = (tuple(shape), dtype)
     need = sum(math.prod(shape) * (dtype.itemsize + 8) for shape, dtype in members.values())
     limit = memory.available_bytes()
-    if limit > 0 and need > limit:
+    if not streamed and limit > 0 and need > limit:
         raise ValueError(f"data: loading {path.name} needs about {memory.human(need)} but {memory.human(limit)} is available")
     return members
 
 
-def load_altmin_npz(path: str | Path, rank: int) -> dict[str, Tensor]:
-    """Load and validate the schema above; every problem is reported with the array name and shape.
+class AltMinFile:
+    """A checked ``.npz`` of the schema above whose rows are read on demand.
 
-    Names, dtypes and sizes are checked from the headers before anything is inflated.
+    Members stored uncompressed (``np.savez``) are memory-mapped: checking them streams
+    through the file in row blocks, and :meth:`rows` copies out only the rows asked for, so a
+    run over the file never holds more than one chunk of it (nor does a Flower node more than
+    its own users). Compressed (``np.savez_compressed``) or Fortran-ordered members are
+    inflated once and kept.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"data: no such file {str(path)!r}")
-    inspect_npz(path)
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: np.asarray(f[k]) for k in f.files}
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
-        raise ValueError(f"data: cannot read {str(path)!r} as .npz ({e})") from None
-    missing = [k for k in REQUIRED if k not in arrays]
-    if missing:
-        raise ValueError(f"data: {path.name} lacks required array(s) {missing}; schema: x (n,m,d), y (n,m)")
-    x, y = arrays["x"], arrays["y"]
-    if x.ndim != 3:
-        raise ValueError(f"data: x must have shape (n, m, d); got {x.shape}")
-    n, m, d = x.shape
-    expected = {"y": (n, m), "u_star": (d, rank), "v_star": (n, rank)}
-    if "x_test" in arrays:
-        if arrays["x_test"].ndim != 3 or arrays["x_test"].shape[0] != n or arrays["x_test"].shape[2] != d:
-            raise ValueError(f"data: x_test must have shape ({n}, t, {d}); got {arrays['x_test'].shape}")
-        if arrays["x_test"].shape[1] < 1:
-            raise ValueError(f"data: x_test must hold t >= 1 samples per user; got shape {arrays['x_test'].shape}")
-        expected["y_test"] = arrays["x_test"].shape[:2]
-    elif "y_test" in arrays:
-        raise ValueError("data: y_test given without x_test")
-    for name, shape in expected.items():
-        if name in arrays and arrays[name].shape != tuple(shape):
-            raise ValueError(f"data: {name} must have shape {tuple(shape)}; got {arrays[name].shape}")
-    if "v_star" in arrays and "u_star" not in arrays:
-        raise ValueError("data: v_star given without u_star")
-    for name, a in arrays.items():
-        if not np.issubdtype(a.dtype, np.number):
-            raise ValueError(f"data: {name} must be numeric; got dtype {a.dtype}")
-        if not np.isfinite(a).all():
-            raise ValueError(f"data: {name} has {int((~np.isfinite(a)).sum())} NaN/inf value(s)")
-    if m % 4 != 0 or m < 4:
-        raise ValueError(f"data: samples per user m must be a positive multiple of 4; got m={m}")
-    if "u_star" in arrays:
-        u = arrays["u_star"].astype(np.float64)
-        gap = float(np.abs(u.T @ u - np.eye(u.shape[1])).max())
-        if gap > ORTHONORMAL_TOLERANCE:
-            raise ValueError(f"data: u_star must have orthonormal columns (max |UᵀU − I| = {gap:.3g} > {ORTHONORMAL_TOLERANCE:g})")
-    if "u_star" not in arrays and "x_test" not in arrays:
-        raise ValueError("data: without u_star there is nothing to measure; add x_test/y_test (held-out samples)")
-    out = {k: torch.from_numpy(np.ascontiguousarray(v)).to(torch.float64) for k, v in arrays.items()}
-    out["ids"] = torch.arange(n)
+
+    CHECK_ROWS = 4096
+
+    def __init__(self, path: str | Path, rank: int) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"data: no such file {str(path)!r}")
+        self.path, self.rank = path, rank
+        members = inspect_npz(path, streamed=_all_stored(path))
+        missing = [k for k in REQUIRED if k not in members]
+        if missing:
+            raise ValueError(f"data: {path.name} lacks required array(s) {missing}; schema: x (n,m,d), y (n,m)")
+        self.shapes = {k: shape for k, (shape, _) in members.items()}
+        self._members = members
+        self._check_shapes()
+        self._arrays: dict[str, np.ndarray] = {}
+        for name in members:
+            self._arrays[name] = self._open(name)
+            self._check_finite(name)
+        self.u_star = torch.from_numpy(_slice(self._arrays["u_star"], 0, self.shapes["u_star"][0]).astype(np.float64)) if "u_star" in members else None
+        if self.u_star is not None:
+            gap = float((self.u_star.T @ self.u_star - torch.eye(self.u_star.shape[1], dtype=torch.float64)).abs().max())
+            if gap > ORTHONORMAL_TOLERANCE:
+                raise ValueError(f"data: u_star must have orthonormal columns (max |UᵀU − I| = {gap:.3g} > {ORTHONORMAL_TOLERANCE:g})")
+
+    @property
+    def n(self) -> int:
+        return int(self.shapes["x"][0])
+
+    def _check_shapes(self) -> None:
+        shapes = self.shapes
+        if len(shapes["x"]) != 3:
+            raise ValueError(f"data: x must have shape (n, m, d); got {shapes['x']}")
+        n, m, d = shapes["x"]
+        expected = {"y": (n, m), "u_star": (d, self.rank), "v_star": (n, self.rank)}
+        if "x_test" in shapes:
+            xt = shapes["x_test"]
+            if len(xt) != 3 or xt[0] != n or xt[2] != d:
+                raise ValueError(f"data: x_test must have shape ({n}, t, {d}); got {xt}")
+            if xt[1] < 1:
+                raise ValueError(f"data: x_test must hold t >= 1 samples per user; got shape {xt}")
+            expected["y_test"] = xt[:2]
+        elif "y_test" in shapes:
+            raise ValueError("data: y_test given without x_test")
+        for name, shape in expected.items():
+            if name in shapes and tuple(shapes[name]) != tuple(shape):
+                raise ValueError(f"data: {name} must have shape {tuple(shape)}; got {shapes[name]}")
+        if "v_star" in shapes and "u_star" not in shapes:
+            raise ValueError("data: v_star given without u_star")
+        if m % 4 != 0 or m < 4:
+            raise ValueError(f"data: samples per user m must be a positive multiple of 4; got m={m}")
+        if "u_star" not in shapes and "x_test" not in shapes:
+            raise ValueError("data: without u_star there is nothing to measure; add x_test/y_test (held-out samples)")
+
+    def _open(self, name: str) -> "np.ndarray | _StoredRows":
+        from fedpers.data.npz_rows import member_memmap
+
+        try:
+            mapped = member_memmap(self.path, name)  # only for its offset, shape and dtype: never touched
+            stored = _StoredRows(self.path, int(mapped.offset), tuple(mapped.shape), mapped.dtype)
+            del mapped
+            return stored
+        except ValueError as e:  # compressed or Fortran-ordered: inflate this member once
+            if "compressed" not in str(e) and "C-ordered" not in str(e):
+                raise
+        shape, dtype = self._members[name]
+        need, limit = math.prod(shape) * (dtype.itemsize + 8), memory.available_bytes()
+        if limit > 0 and need > limit:
+            raise ValueError(f"data: {name} of {self.path.name} is compressed or Fortran-ordered and needs about {memory.human(need)} in memory "
+                             f"but {memory.human(limit)} is available; save it with np.savez (C order) to have it read in chunks")
+        try:
+            with np.load(self.path, allow_pickle=False) as f:
+                return np.asarray(f[name])
+        except Exception as e:  # noqa: BLE001 - any unreadable member is the same user error
+            raise ValueError(f"data: cannot read {name} of {str(self.path)!r} ({e})") from None
+
+    def _check_finite(self, name: str) -> None:
+        a = self._arrays[name]
+        rows = a.shape[0] if len(a.shape) else 1
+        bad = 0
+        for start in range(0, rows, self.CHECK_ROWS):
+            block = _slice(a, start, min(start + self.CHECK_ROWS, rows)) if len(a.shape) else np.asarray(a)
+            bad += int((~np.isfinite(block)).sum())
+        if bad:
+            raise ValueError(f"data: {name} has {bad} NaN/inf value(s)")
+
+    def rows(self, ids: Tensor) -> dict[str, Tensor]:
+        """float64 tensors of the given users' rows of every per-user array (and ``ids``)."""
+        index = ids.to(torch.int64).cpu().numpy()
+        if index.size and (index.min() < 0 or index.max() >= self.n):
+            raise ValueError(f"data: user ids outside 0..{self.n - 1} of {self.path.name}")
+        out = {}
+        for name, a in self._arrays.items():
+            if name == "u_star":
+                continue
+            if index.size and np.all(np.diff(index) == 1):  # a contiguous range: one read
+                block = _slice(a, int(index[0]), int(index[-1]) + 1)
+            else:
+                block = np.stack([_slice(a, int(i), int(i) + 1)[0] for i in index]) if index.size else _slice(a, 0, 0)
+            out[name] = torch.from_numpy(block).to(torch.float64)
+        out["ids"] = ids.to(torch.int64).cpu()
+        return out
+
+
+class _StoredRows:
+    """An uncompressed C-ordered ``.npy`` inside the zip, read by byte range (``pread``): the
+    rows pass through the page cache, never into this process's memory beyond the copy."""
+
+    def __init__(self, path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.path, self.offset, self.shape, self.dtype = path, offset, shape, np.dtype(dtype)
+        self.row_bytes = int(math.prod(shape[1:])) * self.dtype.itemsize
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.offset + start * self.row_bytes)
+            done = 0
+            while done < len(view):
+                got = f.readinto(view[done:])
+                if not got:
+                    raise ValueError(f"data: {self.path.name} ends early (truncated file?)")
+                done += got
+        return out
+
+
+def _slice(a: "np.ndarray | _StoredRows", start: int, stop: int) -> np.ndarray:
+    return a.read(start, stop) if isinstance(a, _StoredRows) else np.array(a[start:stop])
+
+
+def load_altmin_npz(path: str | Path, rank: int) -> dict[str, Tensor]:
+    """Every array of a checked file in memory (float64 tensors, ``ids`` added)."""
+    f = AltMinFile(path, rank)
+    out = f.rows(torch.arange(f.n))
+    if f.u_star is not None:
+        out["u_star"] = f.u_star
     return out
+
+
+def _all_stored(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def save_altmin_npz(path: str | Path, **arrays: Tensor | np.ndarray) -> None:

@@ -12,7 +12,7 @@ import torch
 from fedpers import linalg, memory, metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
-from fedpers.data.files import load_altmin_npz
+from fedpers.data.files import AltMinFile
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
@@ -75,16 +75,16 @@ def baseline_names(text: str, allowed: tuple[str, ...] = BASELINES) -> tuple[str
 
 
 @lru_cache(maxsize=4)
-def _file(path: str, rank: int) -> dict[str, Tensor]:
-    return load_altmin_npz(path, rank)
+def _file(path: str, rank: int) -> AltMinFile:
+    """The checked file, opened once per process; rows are read per chunk (or per node)."""
+    return AltMinFile(path, rank)
 
 
 def resolve(cfg: AltMinConfig) -> AltMinConfig:
     """With ``data`` set, n, m and d come from the file (and the file is checked now, before any
     work); ``chunk_size`` auto (0) becomes a number."""
     if cfg.data is not None:
-        arrays = _file(str(cfg.data), cfg.rank)
-        n, m, d = arrays["x"].shape
+        n, m, d = _file(str(cfg.data), cfg.rank).shapes["x"]
         cfg = replace(cfg, n_users=int(n), samples_per_user=int(m), dim=int(d))
         cfg.check()
     if cfg.chunk_size == 0:
@@ -150,7 +150,7 @@ def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
 
 def truth(cfg: AltMinConfig) -> Tensor | None:
     if cfg.data is not None:
-        return _file(str(cfg.data), cfg.rank).get("u_star")
+        return _file(str(cfg.data), cfg.rank).u_star
     return synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank)
 
 
@@ -159,8 +159,7 @@ def load_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
     cfg = resolve(cfg)
     ids = ids.to(torch.int64).cpu()
     if cfg.data is not None:
-        arrays = _file(str(cfg.data), cfg.rank)
-        out = {k: v[ids] for k, v in arrays.items() if k != "u_star"}
+        out = _file(str(cfg.data), cfg.rank).rows(ids)
     else:
         out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, truth(cfg), cfg.samples_per_user, cfg.noise_std)
     dtype = getattr(torch, cfg.dtype)
