@@ -139,3 +139,18 @@ def test_ray_backend_starts_its_own_ray_unless_told_to_attach(monkeypatch):
     assert backend_config(opts)["init_args"]["address"] == "10.0.0.1:6379"
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "ray_address": "127.0.0.1:1234"})
     assert backend_config(opts)["init_args"]["address"] == "127.0.0.1:1234"
+
+
+def test_symmetric_statistics_travel_as_their_upper_triangle():
+    from fedpers.protocols.base import Message
+
+    A = torch.randn(6, 6, dtype=torch.float64)
+    A = A + A.T
+    msg = Message({"A": A, "b": torch.ones(5, dtype=torch.float64)}, 3)
+    content = codec.encode_reply(msg, 0.1, 1, "d", symmetric=["A"])
+    assert content.array_records[codec.STATS]["A"].shape == (21,)  # 6·7/2 numbers instead of 36
+    back = codec.decode_reply(content, expect=(1, "d"))
+    assert torch.equal(back.stats["A"], A) and torch.equal(back.stats["b"], msg.stats["b"])
+    content.config_records[codec.TAG][codec.PACKED] = "A,b"  # b (5 numbers) is no triangle
+    with pytest.raises(codec.MalformedReply, match="packed symmetric statistic must be a 1-D upper triangle"):
+        codec.decode_reply(content)

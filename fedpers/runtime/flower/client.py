@@ -105,7 +105,8 @@ def handle_train(message: FlowerMessage, context: Context) -> FlowerMessage:
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
     reply = client_message(node.protocol, task.round, broadcast, units)
     digest = codec.broadcast_digest(task.round, task.broadcast)
-    return FlowerMessage(codec.encode_reply(reply, time.perf_counter() - start, task.round, digest), reply_to=message)
+    symmetric = [spec.name for spec in node.protocol.stat_specs(task.round) if spec.symmetric]
+    return FlowerMessage(codec.encode_reply(reply, time.perf_counter() - start, task.round, digest, symmetric), reply_to=message)
 
 
 def make_client_app() -> ClientApp:

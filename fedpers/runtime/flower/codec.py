@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -120,11 +121,38 @@ def broadcast_digest(round: int, broadcast: Mapping[str, Tensor]) -> str:
     return h.hexdigest()
 
 
-def encode_reply(message: Message, seconds: float, round: int, digest: str) -> RecordDict:
-    """A client's reply, tagged with the round and the digest of the broadcast it answers."""
+PACKED = "packed"
+"""Tag key: the comma-separated names of symmetric statistics sent as their upper triangle."""
+
+
+def encode_reply(message: Message, seconds: float, round: int, digest: str, symmetric: Iterable[str] = ()) -> RecordDict:
+    """A client's reply, tagged with the round and the digest of the broadcast it answers.
+
+    ``symmetric`` statistics travel as their packed upper triangle (half the bytes); the
+    server rebuilds them symmetric, so such a reply cannot be asymmetric at all.
+    """
     counts = MetricRecord({UNITS: int(message.count), ZEROED: int(message.zeroed), SECONDS: float(seconds)})
-    tag = ConfigRecord({ROUND: int(round), DIGEST_OF_BROADCAST: str(digest)})
-    return RecordDict({STATS: _arrays(message.stats), COUNT: counts, TAG: tag})
+    packed = sorted(n for n in symmetric if n in message.stats and message.stats[n].dim() == 2)
+    tag = ConfigRecord({ROUND: int(round), DIGEST_OF_BROADCAST: str(digest), PACKED: ",".join(packed)})
+    stats = {k: (_triu(v) if k in packed else v) for k, v in message.stats.items()}
+    return RecordDict({STATS: _arrays(stats), COUNT: counts, TAG: tag})
+
+
+def _triu(a: Tensor) -> Tensor:
+    i, j = torch.triu_indices(a.shape[0], a.shape[1])
+    return a[i, j]
+
+
+def _untriu(t: Tensor, name: str) -> Tensor:
+    size = int(t.numel())
+    n = int(round((math.sqrt(8 * size + 1) - 1) / 2))
+    if t.dim() != 1 or n * (n + 1) // 2 != size:
+        raise MalformedReply(f"{name}: a packed symmetric statistic must be a 1-D upper triangle; got shape {tuple(t.shape)}")
+    i, j = torch.triu_indices(n, n)
+    full = t.new_zeros(n, n)
+    full[i, j] = t
+    full[j, i] = t
+    return full
 
 
 def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> Message:
@@ -146,12 +174,16 @@ def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> 
     for name, value in ((UNITS, count), (ZEROED, zeroed)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise MalformedReply(f"{name} must be an integer; got {value!r}")
+    packed = str(tag.get(PACKED, "") or "")
+    packed_names = set(packed.split(",")) if packed else set()
     stats: dict[str, Tensor] = {}
     for name, array in arrays.items():
         try:
             stats[name] = torch.from_numpy(np.array(array.numpy()))
         except Exception as e:  # noqa: BLE001 - any undecodable array is the client's fault
             raise MalformedReply(f"{name}: cannot decode array ({type(e).__name__}: {e})") from None
+        if name in packed_names:
+            stats[name] = _untriu(stats[name], name)
     return Message(stats, count, zeroed)
 
 
