@@ -15,6 +15,7 @@ from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
 from fedpers.protocols.base import Units
@@ -45,9 +46,15 @@ class AltMinConfig:
     data: Path | None = field(None, "per-user data file (.npz, schema in the README) instead of synthetic data")
     chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)", ge=0, words={"auto": 0})
     baselines: str = field("all", "baselines to run: all, none, or a comma list of nonprivate_altmin, clipped_no_noise, local_only, private_init_only, oracle")
+    refit_samples: int = field(0, "R fresh samples per user to refit v_j on with the released U (local, never sent); with --test-samples: population_mse", ge=0)
+    test_samples: int = field(0, "S fresh test samples per user for population_mse (as run fedrep reports it)", ge=0)
 
     def check(self) -> None:
         baseline_names(self.baselines)
+        if (self.refit_samples > 0) != (self.test_samples > 0):
+            raise ValueError(f"refit_samples and test_samples go together (population_mse needs both); got {self.refit_samples} and {self.test_samples}")
+        if self.refit_samples and self.data is not None:
+            raise ValueError("refit_samples/test_samples draw fresh samples from the synthetic model; with --data hold samples out in x_test/y_test instead")
         if self.samples_per_user % 4:
             raise ValueError(f"samples_per_user must be a multiple of 4; got {self.samples_per_user}")
         if self.rank >= self.dim:
@@ -196,6 +203,16 @@ Fit = Callable[[Units], Tensor]
 """Per-user models θ_j (users, d) from a chunk of users' data."""
 
 
+def population_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
+    """The users' R refit and S test samples, fresh draws from their own (U*, v*_j) on streams
+    apart from the training data (which stays what it was for the seed)."""
+    u = truth(cfg)
+    v = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, cfg.samples_per_user, cfg.noise_std)["v_star"]
+    x_r, y_r = fresh_samples(derived_seed(cfg.seed, "refit"), ids, u, v, cfg.refit_samples, cfg.noise_std)
+    x_t, y_t = fresh_samples(derived_seed(cfg.seed, "population-test"), ids, u, v, cfg.test_samples, cfg.noise_std)
+    return {"ids": ids, "x_refit": x_r, "y_refit": y_r, "x_test": x_t, "y_test": y_t}
+
+
 class AltMinEvaluator(Evaluator):
     """Exact metrics from U*, v*; baselines on the same users, one streamed pass over them."""
 
@@ -204,6 +221,9 @@ class AltMinEvaluator(Evaluator):
         self.u_star = truth(cfg)
         self.source = unit_source(self.cfg)
         self.init_U: Tensor | None = None
+        self.population = None
+        if self.cfg.refit_samples:
+            self.population = UnitSource(self.cfg.n_users, lambda a, b: population_units(self.cfg, torch.arange(a, b)))
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if round == 0:
@@ -271,11 +291,18 @@ class AltMinEvaluator(Evaluator):
         """The private fit's metrics with the baselines' beside it, in one pass; a baseline that
         fails (out of memory, say) leaves the private metrics and says why."""
         error = ""
+        fits: dict[str, tuple[Fit, Tensor | None]] = dict(private)
         try:
-            results = self.evaluate({**private, **self.baseline_fits(), **(extra or {})})
+            fits = {**private, **self.baseline_fits(), **(extra or {})}
+            results = self.evaluate(fits)
         except (RuntimeError, MemoryError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
+            fits = dict(private)
             results = self.evaluate(private)
+        if self.population is not None:  # refit v_j on fresh samples with each released U, test on more
+            Us = {name: U for name, (_, U) in fits.items() if U is not None and name in results}
+            for name, mse in population_mse(self.population, Us, self.cfg.chunk_size).items():
+                results[name]["population_mse"] = mse
         out: dict[str, Any] = results.pop("private")
         skipped = [k for k in ("subspace_error", "excess_risk") if k not in out or out[k] is None]
         out["baselines"] = results

@@ -23,6 +23,7 @@ from fedpers.experiments.altmin import AltMinConfig
 from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
+from fedpers.experiments.population import population_mse
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
 from fedpers.runtime.local import UnitSource, run_local
@@ -132,21 +133,6 @@ def make_protocol(cfg: FedRepConfig) -> FedRepProtocol:
     releases = proto.releases_per_user()
     z = calibrate_noise_multiplier(lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
     return replace(proto, noise_multiplier=z)
-
-
-def population_mse(source: UnitSource, Us: dict[str, Tensor], chunk_size: int) -> dict[str, float]:
-    """name → mean over users of the test MSE after refitting v_j on the refit samples with that
-    U (least squares), every U in one pass over the users."""
-    totals, users = {name: 0.0 for name in Us}, 0
-    for units in source.chunks(chunk_size):
-        x, y, xt, yt = (units[k].double() for k in ("x_refit", "y_refit", "x_test", "y_test"))
-        for name, U in Us.items():
-            Ud = U.double()
-            v = torch.linalg.lstsq(x @ Ud, y.unsqueeze(-1)).solution
-            pred = ((xt @ Ud) @ v).squeeze(-1)
-            totals[name] += float(((pred - yt) ** 2).mean(-1).sum())
-        users += int(units["ids"].shape[0])
-    return {name: t / max(users, 1) for name, t in totals.items()}
 
 
 class FedRepEvaluator(Evaluator):
