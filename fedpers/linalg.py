@@ -197,9 +197,10 @@ def kron_gram_sum(v: Tensor, x: Tensor, block: int = 48) -> Tensor:
     then calling :func:`kron_vvT_sum` (benchmarks/altmin_round.py). Same index layout.
 
     The block products are too small for torch's own threads (with two threads on two busy
-    cores they collapse), so on the CPU each of torch's T threads takes a contiguous share of
-    the blocks as its own single-threaded stream, and the T partial sums are added in a fixed
-    order (deterministic for a given thread count): 1.3–1.8× faster on two idle cores.
+    cores they collapse), so on the CPU the users are cut into up to :data:`KRON_STREAMS`
+    contiguous shares, each a single-threaded stream on one of torch's threads, and the partial
+    sums are added in a fixed order: 1.3–1.8× faster on two idle cores, and the same bits
+    whatever the thread count.
     """
     n, q, d = x.shape
     k = v.shape[-1]
@@ -218,14 +219,16 @@ def kron_gram_sum(v: Tensor, x: Tensor, block: int = 48) -> Tensor:
     if x.device.type != "cpu":
         blocks = blocks_of(0, n)
     else:
-        parts = max(1, min(threads, n // (2 * block)))
+        # the split depends on n only (never on the thread count), so the sum is the same bits
+        # in every process: a resumed run, a Ray worker and the local runtime agree exactly
+        parts = max(1, min(KRON_STREAMS, n // (2 * block)))
         bounds = [round(n * i / parts / block) * block for i in range(parts)] + [n]
         torch.set_num_threads(1)
         try:
             if parts == 1:
                 blocks = blocks_of(0, n)
             else:
-                shares = list(_pool(parts).map(lambda i: blocks_of(bounds[i], bounds[i + 1]), range(parts)))
+                shares = list(_pool(max(1, min(parts, threads))).map(lambda i: blocks_of(bounds[i], bounds[i + 1]), range(parts)))
                 blocks = shares[0]
                 for share in shares[1:]:
                     blocks += share
@@ -237,6 +240,9 @@ def kron_gram_sum(v: Tensor, x: Tensor, block: int = 48) -> Tensor:
     full[cols, rows] = blocks.transpose(-1, -2)
     return full.permute(0, 2, 1, 3).reshape(k * d, k * d)
 
+
+KRON_STREAMS = 4
+"""Contiguous shares of the users in :func:`kron_gram_sum` (run on up to that many threads)."""
 
 _POOLS: dict[int, Any] = {}
 

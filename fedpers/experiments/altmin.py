@@ -14,7 +14,7 @@ from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
-from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
 from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
@@ -46,6 +46,7 @@ class AltMinConfig:
     data: Path | None = field(None, "per-user data file (.npz, schema in the README) instead of synthetic data")
     chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)", ge=0, words={"auto": 0})
     baselines: str = field("all", "baselines to run: all, none, or a comma list of nonprivate_altmin, clipped_no_noise, local_only, private_init_only, oracle")
+    calibration: Calibration = field(Calibration.ACCOUNTANT, "accountant: the smallest noise --accountant certifies for (ε, δ); paper: Theorem 4.2's σ/Δ = √(8(1+T_u) log(1/δ))/ε (T_u: rounds a user is in)")
     refit_samples: int = field(0, "R fresh samples per user to refit v_j on with the released U (local, never sent); with --test-samples: population_mse", ge=0)
     test_samples: int = field(0, "S fresh test samples per user for population_mse (as run fedrep reports it)", ge=0)
 
@@ -127,8 +128,6 @@ def memory_needed(cfg: AltMinConfig) -> dict[str, int]:
     data = chunk * m * (d + 1) * (8 + item) * 2 + n * 8 * 3
     statistics = chunk * (m * d + m * k) * item * 3 + 64 * d * d * item * 2 + (d * k) ** 2 * 8 * 4
     baselines = chunk * (d * d + m * d) * 8 * 3
-    if cfg.data is not None:
-        data += n * m * (d + 1) * 8  # a file is loaded whole (then sliced per chunk)
     return {"data": data, "statistics": statistics, "baselines": baselines}
 
 
@@ -151,7 +150,12 @@ def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
     if not private:
         return proto
     releases = proto.releases_per_user()
-    z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases), cfg.epsilon, cfg.delta, cfg.accountant)
+    if math.isinf(cfg.epsilon):
+        z = 0.0
+    elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
+        z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
+    else:
+        z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases), cfg.epsilon, cfg.delta, cfg.accountant)
     return replace(proto, noise_multiplier=z)
 
 
@@ -371,6 +375,7 @@ class AltMinExperiment(Experiment):
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": releases,
+            "calibration": cfg.calibration.value,
             # Every release's σ = z·Δ/2 (its dp-accounting event is GaussianDpEvent(z)).
             "paper_epsilon_same_noise": paper_epsilon(protocol.noise_multiplier / 2, (releases - 1) // 2, cfg.delta),
         }

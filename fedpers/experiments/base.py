@@ -7,6 +7,7 @@ own), an evaluator for per-round and final metrics, and the privacy summary.
 from __future__ import annotations
 
 import abc
+import enum
 from typing import Any, Mapping
 
 import torch
@@ -28,6 +29,14 @@ class Evaluator(abc.ABC):
     @abc.abstractmethod
     def final(self, state: Any) -> dict[str, Any]:
         """Final metrics (and baselines) for the final server state."""
+
+
+class Calibration(str, enum.Enum):
+    """How the noise is chosen for a target (ε, δ): the paper's own rule, or the smallest noise
+    the accountant certifies (the ledger's ε is reported either way)."""
+
+    PAPER = "paper"
+    ACCOUNTANT = "accountant"
 
 
 class Experiment(abc.ABC):

@@ -23,7 +23,7 @@ import torch
 from fedpers import linalg, memory
 from fedpers.config import MAX_EPSILON, field
 from fedpers.data import prompts as prompt_data
-from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
@@ -44,11 +44,6 @@ class Regime(str, enum.Enum):
 class Unit(str, enum.Enum):
     PROMPT = "prompt"
     USER = "user"
-
-
-class Calibration(str, enum.Enum):
-    PAPER = "paper"
-    ACCOUNTANT = "accountant"
 
 
 class Init(str, enum.Enum):
