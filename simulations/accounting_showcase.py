@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fedpers import config as config_lib
 from fedpers.experiments import experiment
+from fedpers.plots import grid_ticks
 from fedpers.runner import execute
 from fedpers.sweep import load_spec, run_sweep
 
@@ -70,10 +71,8 @@ def main() -> None:
                 p = privacy(name, HERE / file, e, calibration)
                 m, s = stats[(e, calibration)]
                 lines.append(f"| {name} | {e:g} | {calibration} | {p['noise_multiplier']:.4g} | {p['epsilon']:.3g} | {metric} | {m:.3g} ± {s:.2g} |")
-        ax.set_xscale("log")
+        grid_ticks(ax, xs, "log")
         ax.set_yscale("log")
-        ax.set_xticks(xs)
-        ax.set_xticklabels([f"{e:g}" for e in xs])
         ax.set_xlabel("target ε (δ = 1e-5)")
         ax.set_ylabel(metric.replace("_", " "))
         ax.set_title(f"{name}: the paper's noise vs the accountant's", fontsize=9)
