@@ -92,3 +92,58 @@ def test_poisson_config_is_checked():
         config.build(EXP.config_type, {"cohorts": "poisson"})
     with pytest.raises(ValueError, match="accountant must be pld"):
         config.build(EXP.config_type, {"cohorts": "poisson", "sampling_rate": 0.1, "accountant": "rdp"})
+
+
+# ----- AltMin with Poisson cohorts ----------------------------------------------------------
+ALTMIN = EXPERIMENTS["altmin"]
+
+
+def test_altmin_round_on_one_sample_is_one_sampled_gaussian_by_hand():
+    """A round's A and b are computed on one Poisson sample: the ledger composes the two
+    Gaussians (z = 2√2 each) into N(z = 2), sampled once at q = 0.1 — the hand value above.
+    Composing them as two independently sampled releases would be a different mechanism."""
+    from fedpers.privacy import Ledger, ledger_epsilon
+
+    z, q = 2.0 * math.sqrt(2.0), 0.1
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+
+    def ledger(samples):
+        return Ledger([Release(1, f"round1.{s}", "gaussian", 1.0, 2.0, z, ALL_UNITS, event, {"poisson_sample": sample})
+                       for s, sample in zip("Ab", samples)])
+
+    shared = ledger_epsilon(ledger(["round1", "round1"]), 1e-6)
+    assert shared == pytest.approx(hand_epsilon(2.0, q, 1e-6), rel=2e-3)
+    assert shared != pytest.approx(ledger_epsilon(ledger(["a", "b"]), 1e-6), rel=1e-3)
+
+
+@pytest.mark.slow
+def test_altmin_poisson_run_meets_its_target_and_samples_about_q_n():
+    cfg = config.build(ALTMIN.config_type, dict(n_users=20000, dim=6, rank=2, rounds=3, epsilon=2.0, cohorts="poisson", sampling_rate=0.2, baselines="none", seed=4))
+    result = execute(ALTMIN, cfg, write=False, progress=False)
+    assert result["epsilon"] <= 2.0 and result["epsilon"] == pytest.approx(2.0, rel=1e-2)
+    counts = [r["units"] for r in result["_rounds"][1:]]
+    assert result["_rounds"][0]["units"] == 20000 and len(set(counts)) == 3
+    for c in counts:
+        assert abs(c - 4000) < 5 * math.sqrt(20000 * 0.2 * 0.8)
+    disjoint = ALTMIN.protocol(config.build(ALTMIN.config_type, dict(n_users=20000, dim=6, rank=2, rounds=3, epsilon=2.0, baselines="none")))
+    assert ALTMIN.protocol(cfg).noise_multiplier < disjoint.noise_multiplier  # amplification buys less noise per round
+
+
+@pytest.mark.slow
+def test_altmin_poisson_worst_case_neighbours():
+    cfg = config.build(ALTMIN.config_type, dict(n_users=40, dim=6, rank=2, samples_per_user=8, rounds=2, epsilon=2.0, cohorts="poisson", sampling_rate=0.5))
+    protocol = ALTMIN.protocol(cfg)
+    units = ALTMIN.units(cfg, torch.arange(cfg.n_users))
+    for j in (0, 23):
+        for label, new in adversaries(units["x"][j], units["y"][j], torch.float64).items():
+            outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS})
+            assert outcome.releases == 1 + 2 * cfg.rounds, label
+
+
+def test_altmin_poisson_config_is_checked():
+    with pytest.raises(ValueError, match="sampling_rate must be in"):
+        config.build(ALTMIN.config_type, {"cohorts": "poisson"})
+    with pytest.raises(ValueError, match="sampling_rate needs cohorts poisson"):
+        config.build(ALTMIN.config_type, {"sampling_rate": 0.5})
+    with pytest.raises(ValueError, match="calibration paper has no rule"):
+        config.build(ALTMIN.config_type, {"cohorts": "poisson", "sampling_rate": 0.5, "calibration": "paper"})

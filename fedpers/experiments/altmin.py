@@ -35,7 +35,8 @@ class AltMinConfig:
     epsilon: float = field(4.0, "user-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = field(1e-5, "user-level δ", gt=0.0, lt=1.0)
     rounds: int = field(2, "AltMin rounds T after the private initialisation", ge=1)
-    cohorts: Cohorts = field(Cohorts.DISJOINT, "disjoint: each user in one round (parallel composition); all: every round")
+    cohorts: Cohorts = field(Cohorts.DISJOINT, "disjoint: each user in one round (parallel composition); all: every round; poisson: each round samples users independently with probability --sampling-rate (amplification)")
+    sampling_rate: float = field(1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0)
     clip_model: float = field(0.7, "c_η: model clip η = c_η √(dk)", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
     psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
@@ -62,6 +63,15 @@ class AltMinConfig:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         if self.cohorts is Cohorts.DISJOINT and self.n_users < self.rounds:
             raise ValueError(f"n_users must be >= rounds={self.rounds} for disjoint cohorts; got {self.n_users}")
+        if self.cohorts is Cohorts.POISSON:
+            if not self.sampling_rate < 1.0:
+                raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
+            if self.accountant is not Accountant.PLD:
+                raise ValueError(f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}")
+            if self.calibration is Calibration.PAPER:
+                raise ValueError("calibration paper has no rule for Poisson sampling; use calibration accountant with cohorts poisson")
+        elif self.sampling_rate != 1.0:
+            raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts {self.cohorts.value}")
         check_device_and_dtype(self.device, self.dtype)
 
 
@@ -145,7 +155,7 @@ def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
     proto = AltMinProtocol(
         n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user, rounds=cfg.rounds,
         eta=eta, zeta=zeta, noise_multiplier=0.0, cohorts=cfg.cohorts,
-        cohort_seed=derived_seed(cfg.seed, "cohorts"), psd=cfg.psd, dtype_name=cfg.dtype,
+        cohort_seed=derived_seed(cfg.seed, "cohorts"), psd=cfg.psd, dtype_name=cfg.dtype, sampling_rate=cfg.sampling_rate,
     )
     if not private:
         return proto
@@ -155,7 +165,7 @@ def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
     elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
         z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
     else:
-        z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases), cfg.epsilon, cfg.delta, cfg.accountant)
+        z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
     return replace(proto, noise_multiplier=z)
 
 

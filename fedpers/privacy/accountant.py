@@ -197,10 +197,34 @@ def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant = Accoun
     seen: dict[tuple, float] = {}
     for g in groups:
         releases = ledger.touching(g) if g is not None else list(ledger)
-        key = tuple(sorted(repr(r.event) for r in releases))
+        events = shared_sample_events(releases)
+        key = tuple(sorted(repr(e) for e in events))
         if releases and key not in seen:
-            seen[key] = event_epsilon(dp_accounting.ComposedDpEvent([r.event for r in releases]), delta, accountant)
+            seen[key] = event_epsilon(dp_accounting.ComposedDpEvent(events), delta, accountant)
     return max(seen.values(), default=0.0)
+
+
+def shared_sample_events(releases: list) -> list[dp_accounting.DpEvent]:
+    """The releases' events, with those computed on one Poisson sample (the same
+    ``params["poisson_sample"]``) merged into one sampled mechanism: their Gaussians compose to
+    the Gaussian (Σ z_i⁻²)^(−1/2), sampled once at q. Composing them as independently sampled
+    events would not describe what was released."""
+    out: list[dp_accounting.DpEvent] = []
+    shared: dict[str, list] = {}
+    for r in releases:
+        sample = r.params.get("poisson_sample") if isinstance(r.params, dict) else None
+        if sample is None or not isinstance(r.event, dp_accounting.PoissonSampledDpEvent):
+            out.append(r.event)
+        else:
+            shared.setdefault(str(sample), []).append(r.event)
+    for sample, events in shared.items():
+        rates = {e.sampling_probability for e in events}
+        inner = [e.event for e in events]
+        if len(rates) != 1 or not all(isinstance(e, dp_accounting.GaussianDpEvent) for e in inner):
+            raise ValueError(f"releases on Poisson sample {sample!r} must share one rate and be Gaussian; got {events}")
+        z = sum(e.noise_multiplier ** -2 for e in inner) ** -0.5
+        out.append(dp_accounting.PoissonSampledDpEvent(rates.pop(), dp_accounting.GaussianDpEvent(z)))
+    return out
 
 
 def gaussian_multipliers(event: dp_accounting.DpEvent) -> list[float] | None:

@@ -250,6 +250,7 @@ class Privatizer:
     def symmetric_gaussian_sum(
         self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int,
         units: str = ALL_UNITS, psd_units: bool = False, params: dict[str, Any] | None = None,
+        sampling_probability: float = 1.0,
     ) -> Tensor:
         """Symmetric matrix sum + N_sym: upper triangle (with diagonal) i.i.d. N(0, σ²), mirrored.
 
@@ -269,7 +270,9 @@ class Privatizer:
             raise ValueError(f"release {name!r}: expected a square matrix, got shape {tuple(value.shape)}")
         self._check(value, per_unit_bound, noise_multiplier, name)
         sensitivity = (math.sqrt(2.0) if psd_units else 2.0) * float(per_unit_bound)
-        release = self._record(round, name, "symmetric_gaussian", per_unit_bound, noise_multiplier, units, sensitivity, params)
+        if not 0.0 < sampling_probability <= 1.0:
+            raise ValueError(f"release {name!r}: sampling_probability must be in (0, 1], got {sampling_probability}")
+        release = self._record(round, name, "symmetric_gaussian", per_unit_bound, noise_multiplier, units, sensitivity, params, sampling_probability)
         value = torch.triu(value) + torch.triu(value, diagonal=1).transpose(0, 1)
 
         def noise() -> Tensor:

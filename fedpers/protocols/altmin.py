@@ -27,6 +27,7 @@ LOCAL_RIDGE = 1e-8
 class Cohorts(str, enum.Enum):
     DISJOINT = "disjoint"
     ALL = "all"
+    POISSON = "poisson"
 
 
 class PsdMethod(str, enum.Enum):
@@ -52,6 +53,9 @@ class AltMinProtocol(Protocol):
     cohort_seed: int = 0
     psd: PsdMethod = PsdMethod.EIGEN_FLOOR
     dtype_name: str = "float64"
+    sampling_rate: float = 1.0
+    """q with ``Cohorts.POISSON``: each round 1..T includes every user independently with
+    probability q, drawn on the server from the Privatizer's sampling generator."""
     _cohort_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     name = "altmin"
@@ -115,16 +119,23 @@ class AltMinProtocol(Protocol):
         return {**common, "formula": formula}
 
     def releases_per_user(self) -> int:
-        """Gaussian releases that touch one user: init, plus (A, b) per round the user is in."""
+        """Gaussian releases that touch one user: init, plus (A, b) per round the user may be in."""
         rounds_in = 1 if self.cohorts is Cohorts.DISJOINT else self.rounds
         return 1 + 2 * rounds_in
 
     @staticmethod
-    def user_event(noise_multiplier: float, releases: int) -> dp_accounting.DpEvent:
-        return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(noise_multiplier)] * releases)
+    def user_event(noise_multiplier: float, releases: int, sampling_rate: float = 1.0) -> dp_accounting.DpEvent:
+        """Init plus (A, b) pairs. With Poisson sampling (q < 1) a round's A and b are computed on
+        one sample, so they are one sampled mechanism: the pair of Gaussians (z each) is the
+        Gaussian z/√2, then Poisson-sampled at q (what the ledger's accountant merges them into)."""
+        g = dp_accounting.GaussianDpEvent(noise_multiplier)
+        if sampling_rate >= 1.0:
+            return dp_accounting.ComposedDpEvent([g] * releases)
+        pair = dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(2.0)))
+        return dp_accounting.ComposedDpEvent([g] + [pair] * ((releases - 1) // 2))
 
     def group(self, round: int) -> str:
-        if round == 0 or self.cohorts is Cohorts.ALL:
+        if round == 0 or self.cohorts is not Cohorts.DISJOINT:
             return ALL_UNITS
         return f"cohort:{round}"
 
@@ -143,7 +154,7 @@ class AltMinProtocol(Protocol):
         return ("x", "y")
 
     def units_in_round(self, round: int, units: Units) -> int:
-        if round == 0 or self.cohorts is Cohorts.ALL:
+        if round == 0 or self.cohorts is not Cohorts.DISJOINT:  # Poisson: at most all of them
             return int(units["ids"].shape[0])
         return int((self.cohort_of(units["ids"]) == round).sum())
 
@@ -151,7 +162,11 @@ class AltMinProtocol(Protocol):
         return {}
 
     def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
-        return {} if round == 0 else {"U": state["U"]}
+        if round == 0:
+            return {}
+        if self.cohorts is Cohorts.POISSON:  # this round's membership (see docs/fedrep.md: who may see it)
+            return {"U": state["U"], "sampled": state["sampled"]}
+        return {"U": state["U"]}
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         d, k = self.dim, self.rank
@@ -166,6 +181,9 @@ class AltMinProtocol(Protocol):
         if self.cohorts is Cohorts.DISJOINT:
             keep = self.cohort_of(ids) == round
             x, y = x[keep], y[keep]
+        elif self.cohorts is Cohorts.POISSON:
+            keep = broadcast["sampled"].to(ids.device)[ids] > 0
+            x, y = x[keep], y[keep]
         A, b = self.round_statistics(broadcast["U"].to(self.dtype), x, y)
         return Message({"A": A, "b": b}, int(x.shape[0]))
 
@@ -178,17 +196,29 @@ class AltMinProtocol(Protocol):
                 summed.stats["W"], per_unit_bound=self.init_bound, noise_multiplier=z, name="init.W", round=0, units=group,
                 params=self.release_params("W"),
             )
-            return {"U": linalg.top_eigenvectors(M.double(), self.rank).to(M.dtype)}, {"noise_std_W": self.noise_std(self.init_bound)}
+            state = {"U": linalg.top_eigenvectors(M.double(), self.rank).to(M.dtype)}
+            return self._next_sample(state, privatizer), {"noise_std_W": self.noise_std(self.init_bound)}
+        q = self.sampling_rate if self.cohorts is Cohorts.POISSON and z > 0 else 1.0
+        shared = {"poisson_sample": f"round{round}", "sampling": f"poisson q={self.sampling_rate}"} if self.cohorts is Cohorts.POISSON else {}
         A = privatizer.symmetric_gaussian_sum(
             summed.stats["A"], per_unit_bound=self.a_bound, noise_multiplier=z, name=f"round{round}.A", round=round, units=group,
-            psd_units=True, params=self.release_params("A"),
+            psd_units=True, params={**self.release_params("A"), **shared}, sampling_probability=q,
         )
         b = privatizer.gaussian_sum(
             summed.stats["b"], per_unit_bound=self.b_bound, noise_multiplier=z, name=f"round{round}.b", round=round, units=group,
-            params=self.release_params("b"),
+            params={**self.release_params("b"), **shared}, sampling_probability=q,
         )
         U, info = self.solve_subspace(A, b, noise_std_a=self.noise_std(self.a_bound, self.a_sensitivity))
-        return {"U": U}, info
+        if self.cohorts is Cohorts.POISSON:
+            info["sampled_users"] = float(summed.count)
+        return self._next_sample({"U": U}, privatizer), info
+
+    def _next_sample(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
+        """With Poisson cohorts, draw the next round's members now (the server's private
+        sampling generator; clients cannot predict it)."""
+        if self.cohorts is Cohorts.POISSON:
+            state["sampled"] = privatizer.poisson_sample(self.n_users, self.sampling_rate).to(torch.float64)
+        return state
 
     # ----- the math ------------------------------------------------------------------
     def init_statistic(self, x: Tensor, y: Tensor) -> Tensor:
