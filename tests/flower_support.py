@@ -246,3 +246,17 @@ def start_ray(log: Path, temp: Path, *, head_port: int | None = None, join: str 
             raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     return proc
+
+
+def wait_for_ray_nodes(address: str, count: int, timeout: float = 120.0) -> None:
+    """Until ``ray status`` lists ``count`` active nodes (a worker registers a moment after it
+    prints that it started; on a loaded machine that moment can be seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"], capture_output=True, text=True, timeout=120)
+        active = status.stdout.split("Pending:")[0]
+        if active.count("node_") >= count:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{count} Ray nodes not active after {timeout:g} s:\n{status.stdout}")
+        time.sleep(1.0)

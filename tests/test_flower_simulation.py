@@ -24,7 +24,7 @@ from fedpers.runner import RuntimeOptions, execute, split_seed
 from fedpers.runtime.flower import run_flower
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.local import run_local
-from tests.flower_support import faulty_client_app, free_port, start_ray, stop_processes
+from tests.flower_support import faulty_client_app, free_port, start_ray, stop_processes, wait_for_ray_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 EXP = EXPERIMENTS["altmin"]
@@ -129,8 +129,7 @@ def test_a_two_process_ray_cluster_gives_the_local_result(tmp_path):
     procs = [head]
     try:
         procs.append(start_ray(tmp_path / "worker.log", temp, join=f"127.0.0.1:{port}", cpus=1))
-        status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", f"--address=127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
-        assert status.stdout.count("node_") == 2, status.stdout
+        wait_for_ray_nodes(f"127.0.0.1:{port}", 2)
         cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, dict(n_users=400, dim=5, rank=2, samples_per_user=8, rounds=2, seed=4)))
         protocol = EXP.protocol(cfg)
         privatizer = Privatizer(noise_seed)

@@ -99,13 +99,14 @@ def test_bad_worker_count_is_refused_before_any_work(tmp_path: Path) -> None:
 def test_a_sweep_on_a_two_process_ray_cluster_gives_the_serial_table(serial: Path, tmp_path: Path) -> None:
     """`ray start --head` plus a second `ray start --address` worker process; the sweep attaches
     with --ray-address and spreads its points over both."""
-    from tests.flower_support import free_port, start_ray, stop_processes
+    from tests.flower_support import free_port, start_ray, stop_processes, wait_for_ray_nodes
 
     temp = Path("/tmp") / f"fedpers-sweep-ray-{os.getpid()}"
     port = free_port()
     procs = [start_ray(tmp_path / "head.log", temp, head_port=port, cpus=1)]
     try:
         procs.append(start_ray(tmp_path / "worker.log", temp, join=f"127.0.0.1:{port}", cpus=1))
+        wait_for_ray_nodes(f"127.0.0.1:{port}", 2)
         (tmp_path / "s.toml").write_text(SPEC)
         summary = run_sweep(tmp_path / "s.toml", out=tmp_path / "cluster", progress=False, workers=2, ray_address=f"127.0.0.1:{port}")
         assert summary["points_run"] == 4 and _close(_table(tmp_path / "cluster"), _table(serial))
