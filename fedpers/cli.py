@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     cp.add_argument("--json", action="store_true", help="print one JSON object (rows and metric columns)")
     cp.add_argument("--out", type=Path, help="also draw the metrics, one panel each, into this PNG")
+    dp = sub.add_parser("deploy", help="deployment helpers: `fedpers deploy certs DIR` (TLS and SuperNode keys)", allow_abbrev=False)
+    dsub = dp.add_subparsers(dest="deploy_command", required=True)
+    ce = dsub.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode key pairs; prints the commands", allow_abbrev=False)
+    ce.add_argument("dir", type=Path)
+    ce.add_argument("--host", action="append", default=[], help="the SuperLink's name or IP as SuperNodes reach it (repeat for more)")
+    ce.add_argument("--supernodes", type=int, default=1, help="SuperNode key pairs to create (default 1)")
+    ce.add_argument("--days", type=int, default=365, help="certificate validity in days (default 365)")
+    ce.add_argument("--force", action="store_true", help="overwrite the keys in an existing directory")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -209,6 +217,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from fedpers.deploy import make_certs
+
+    files = make_certs(args.dir, args.host, args.supernodes, days=args.days, force=args.force)
+    print(f"wrote {len(files)} files to {args.dir} (private keys mode 0600):", ", ".join(sorted(p.name for p in files.values())))
+    print(files["commands.txt"].read_text(), end="")
+    return 0
+
+
 def cmd_privacy(args: argparse.Namespace) -> int:
     from fedpers.privacy_report import privacy_report, privacy_summary
     from fedpers.results import dumps
@@ -230,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "privacy": cmd_privacy}[args.command](args)
+        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy}[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
