@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-FLEET_PORT, CONTROL_PORT = 9092, 9093
+PORT = 8000
+"""Flower 1.41's SuperLink serves SuperNodes and ``flwr`` on one HTTP(S) port (``--host``/``--port``)."""
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
@@ -104,12 +105,12 @@ def commands(out: Path, host: str, supernodes: int) -> str:
     d = out.resolve()
     lines = [
         "# 1. SuperLink (on the machine reachable as " + host + "):",
-        f"flower-superlink --ssl-ca-certfile {d}/ca.crt --ssl-certfile {d}/superlink.crt --ssl-keyfile {d}/superlink.key \\",
-        "    --enable-supernode-auth --disable-runtime-dependency-installation",
+        f"flower-superlink --host 0.0.0.0 --port {PORT} --ssl-ca-certfile {d}/ca.crt --ssl-certfile {d}/superlink.crt \\",
+        f"    --ssl-keyfile {d}/superlink.key --enable-supernode-auth --disable-runtime-dependency-installation",
         "",
         "# 2. The flwr connection (FLWR_HOME/config.toml of whoever runs `flwr`):",
         "[superlink.deployment]",
-        f'address = "{host}:{CONTROL_PORT}"',
+        f'address = "{host}:{PORT}"',
         f'root-certificates = "{d}/ca.crt"',
         "",
         "# 3. Register every SuperNode's public key (only registered SuperNodes may connect):",
@@ -117,7 +118,7 @@ def commands(out: Path, host: str, supernodes: int) -> str:
         "",
         "# 4. SuperNode i on its machine (copy ca.crt and supernode-i.key there; mode 0600):",
         *[
-            f"flower-supernode --root-certificates {d}/ca.crt --auth-supernode-private-key {d}/supernode-{i}.key --superlink {host}:{FLEET_PORT} \\\n"
+            f"flower-supernode --root-certificates {d}/ca.crt --auth-supernode-private-key {d}/supernode-{i}.key --superlink {host}:{PORT} \\\n"
             f"    --node-config \"partition-id={i} num-partitions={supernodes} data-file='/data/users.npz'\""
             for i in range(supernodes)
         ],

@@ -84,3 +84,50 @@ def test_simulation_superlink(tmp_path, env):
         pairs = " ".join(f"{k}={v}" for k, v in FIELDS.items())
         done = flwr_run(procs, home, "simulation", f"config='{pairs}' out='{out}' secure-noise=false", "--federation-config", "num-supernodes=3 client-resources-num-cpus=1")
         check_against_local(out, cfg, done)
+
+
+def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, env):
+    """The secure recipe end to end on 127.0.0.1: `fedpers deploy certs`, a TLS SuperLink with
+    SuperNode authentication, two SuperNodes registered with `flwr supernode register`; an
+    unregistered SuperNode and one without the lab's CA are refused while the run completes
+    and equals the local runtime's."""
+    import time
+
+    from fedpers.deploy import make_certs
+
+    certs = tmp_path / "certs"
+    make_certs(certs, ["127.0.0.1"], 3)
+    cfg = config_lib.build(EXP.config_type, FIELDS)
+    port = free_port()
+    with Processes(tmp_path, env) as procs:
+        link, link_log = procs.start("superlink", [
+            "flower-superlink", "--host", "127.0.0.1", "--port", str(port), "--ssl-ca-certfile", str(certs / "ca.crt"),
+            "--ssl-certfile", str(certs / "superlink.crt"), "--ssl-keyfile", str(certs / "superlink.key"),
+            "--enable-supernode-auth", "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        home = tmp_path / "cli-home"
+        home.mkdir()
+        (home / "config.toml").write_text(f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{certs / "ca.crt"}"\n')
+        flwr = shutil.which("flwr") or "flwr"
+        for i in range(2):  # supernode-2's key is never registered
+            reg = subprocess.run([flwr, "supernode", "register", str(certs / f"supernode-{i}.pub"), "deployment"], env={**env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=120)
+            assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
+
+        def supernode(name: str, key: str, partition: int, ca: bool = True):
+            cmd = ["flower-supernode", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--auth-supernode-private-key", str(certs / key),
+                   "--node-config", f"partition-id={partition} num-partitions=2"]
+            return procs.start(name, cmd + (["--root-certificates", str(certs / "ca.crt")] if ca else []), FLWR_HOME=str(tmp_path / f"{name}-home"))
+
+        supernode("node0", "supernode-0.key", 0)
+        supernode("node1", "supernode-1.key", 1)
+        intruder, intruder_log = supernode("unregistered", "supernode-2.key", 1)
+        stranger, stranger_log = supernode("no-ca", "supernode-0.key", 0, ca=False)
+        out = tmp_path / "runs" / "flower"
+        done = flwr_run(procs, home, "deployment", f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false")
+        check_against_local(out, cfg, done)
+        deadline = time.monotonic() + 60
+        while (intruder.poll() is None or stranger.poll() is None) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert intruder.poll() not in (None, 0), intruder_log.read_text()[-2000:]
+        assert "Failed to activate SuperNode" in intruder_log.read_text()
+        assert stranger.poll() not in (None, 0) or "SuperNode ID" not in stranger_log.read_text(), stranger_log.read_text()[-2000:]
