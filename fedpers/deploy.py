@@ -123,7 +123,8 @@ def commands(out: Path, host: str, supernodes: int) -> str:
             for i in range(supernodes)
         ],
         "",
-        "# 5. The job (secure noise is the default of deployment runs):",
-        "flwr run . deployment --stream --run-config \"config='data=\\\"/data/users.npz\\\" rank=2 epsilon=8.0' out='/abs/path/run'\"",
+        "# 5. The job (secure noise is the default of deployment runs); with node-partitions the partitions",
+        "#    come from the registered SuperNode ids printed in step 3, not from what the nodes claim:",
+        "flwr run . deployment --stream --run-config \"config='data=\\\"/data/users.npz\\\" rank=2 epsilon=8.0' out='/abs/path/run' node-partitions='ID0=0 ID1=1'\"",
     ]
     return "\n".join(lines) + "\n"

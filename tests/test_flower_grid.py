@@ -204,3 +204,32 @@ def test_replayed_asymmetric_and_partition_sized_replies_are_dropped():
     cohort_sizes = [protocol.units_in_round(1, {"ids": torch.arange(r.start, r.stop)}) for r in ranges]
     assert all(size < len(r) for size, r in zip(cohort_sizes, ranges))
     assert records[1].units == sum(size for p, size in enumerate(cohort_sizes) if p not in (1, 2, 3))
+
+
+def test_partitions_come_from_the_operator_map_not_from_what_nodes_claim():
+    """`node-partitions` assigns partitions to (authenticated) node ids: an uninvited node that
+    claims partition 0 — or every user, with num-partitions=1 — takes part in nothing, and the
+    result is the honest run's."""
+    cfg, protocol, seed = setup()
+    honest = InProcessGrid(make_client_app(), 3)
+    u_ref, _, ledger_ref = flower_run(honest, cfg, protocol, seed)
+    grid = InProcessGrid(make_client_app(), 4, duplicate=True)  # the 4th node claims partition 0 too
+    ids = list(grid.contexts)
+    claims = {n: int(grid.contexts[n].node_config[codec.PARTITION_ID]) for n in ids}
+    invited = [n for n in ids[:3]]
+    mapping = " ".join(f"{n}={claims[n]}" for n in invited)
+    for n in ids:  # everyone says there is one partition: a node-claimed split would give one node all users
+        grid.contexts[n].node_config[codec.NUM_PARTITIONS] = 1
+    state, records, ledger = flower_run(grid, cfg, protocol, seed, node_partitions=mapping)
+    torch.testing.assert_close(state["U"], u_ref["U"], rtol=0, atol=1e-10)
+    assert ledger == ledger_ref and all(r.clients == 3 and not r.dropped for r in records)
+    sent_to = {m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "train"}
+    assert ids[3] not in sent_to
+
+
+@pytest.mark.parametrize("text, match", [("5=0 6=0", "each held by one node"), ("5=1", "partitions must be 0..0"), ("x=0", "NODE_ID=PARTITION"), ("5=0 5=1", "listed twice")])
+def test_bad_node_partitions_are_refused(text, match):
+    from fedpers.runtime.flower.server import parse_node_partitions
+
+    with pytest.raises(ValueError, match=match):
+        parse_node_partitions(text)

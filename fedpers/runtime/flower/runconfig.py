@@ -24,7 +24,8 @@ ROUND_TIMEOUT = "round-timeout"
 USERS_PER_NODE = "users-per-node"
 SECURE_NOISE = "secure-noise"
 RESUME = "resume"
-KNOWN = (ALGORITHM, CONFIG, CONFIG_FILE, OUT, MIN_FRACTION, ROUND_TIMEOUT, USERS_PER_NODE, SECURE_NOISE, RESUME)
+NODE_PARTITIONS = "node-partitions"
+KNOWN = (ALGORITHM, CONFIG, CONFIG_FILE, OUT, MIN_FRACTION, ROUND_TIMEOUT, USERS_PER_NODE, SECURE_NOISE, RESUME, NODE_PARTITIONS)
 _PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
 
 
@@ -88,6 +89,7 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
             "round_timeout": run_config.get(ROUND_TIMEOUT, 600.0),
             "users_per_node": run_config.get(USERS_PER_NODE, 0),
             "secure_noise": run_config.get(SECURE_NOISE, True),
+            "node_partitions": str(run_config.get(NODE_PARTITIONS, "")),
         },
     )
     out = str(run_config.get(OUT, ""))

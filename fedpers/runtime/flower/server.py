@@ -71,6 +71,39 @@ class Federation:
         return len(self.ranges)
 
 
+def parse_node_partitions(text: str) -> dict[int, int]:
+    """``"NODE_ID=P NODE_ID=P ..."`` → {node id: partition}; partitions must be 0..P−1, each once."""
+    out: dict[int, int] = {}
+    for pair in text.split():
+        node, sep, part = pair.partition("=")
+        if not sep or not node.isdigit() or not part.isdigit():
+            raise ValueError(f"node-partitions: expected NODE_ID=PARTITION pairs of integers; got {pair!r}")
+        if int(node) in out:
+            raise ValueError(f"node-partitions: node {node} is listed twice")
+        out[int(node)] = int(part)
+    parts = sorted(out.values())
+    if out and parts != list(range(len(parts))):
+        raise ValueError(f"node-partitions: partitions must be 0..{len(parts) - 1}, each held by one node; got {parts}")
+    return out
+
+
+def assigned(grid: Grid, mapping: Mapping[int, int], timeout: float, stop: Callable[[], bool] | None = None) -> tuple[dict[int, int], int]:
+    """Partitions from the operator's map of authenticated node ids (``node-partitions``), not from
+    what nodes say: a node not in the map takes part in nothing, whatever it claims."""
+    deadline = time.monotonic() + timeout
+    num = len(mapping)
+    while True:
+        present = set(grid.get_node_ids())
+        holder = {p: node for node, p in mapping.items() if node in present}
+        if len(holder) == num:
+            return holder, num
+        if time.monotonic() >= deadline:
+            log.warning("discovery: %d of %d assigned nodes connected after %g s; the others count as dropped", len(holder), num, timeout)
+            return holder, num
+        _check(stop)
+        time.sleep(0.05)
+
+
 def discover(
     grid: Grid, job: codec.Job, timeout: float, expected: int | None = None, stop: Callable[[], bool] | None = None
 ) -> tuple[dict[int, int], int]:
@@ -181,7 +214,11 @@ def run_on_grid(
     """
     job = codec.Job.of(experiment.name, cfg, protocol)
     start = time.perf_counter()
-    nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
+    mapping = parse_node_partitions(getattr(options, "node_partitions", ""))
+    if mapping:
+        nodes, num = assigned(grid, mapping, options.round_timeout, stop)
+    else:
+        nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
     federation = Federation(nodes, unit_ranges(experiment.num_units(cfg), num, options.users_per_node), time.perf_counter() - start)
     if on_discovery is not None:
         on_discovery(federation)
