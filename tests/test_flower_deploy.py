@@ -131,3 +131,47 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
         assert intruder.poll() not in (None, 0), intruder_log.read_text()[-2000:]
         assert "Failed to activate SuperNode" in intruder_log.read_text()
         assert stranger.poll() not in (None, 0) or "SuperNode ID" not in stranger_log.read_text(), stranger_log.read_text()[-2000:]
+
+
+def test_a_supernode_killed_mid_run(tmp_path, env):
+    """Three SuperNodes; the third is killed (SIGKILL, with its children) once round 0 is done.
+    With min-fraction 0.6 the later rounds complete without it, and their records name it."""
+    import signal
+    import threading
+    import time
+
+    from tests.flower_support import descendants
+
+    port = free_port()
+    out = tmp_path / "runs" / "flower"
+    with Processes(tmp_path, env) as procs:
+        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        nodes = [procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+                                                "--node-config", f"partition-id={i} num-partitions=3"], FLWR_HOME=str(tmp_path / f"node{i}-home"))[0] for i in range(3)]
+        home = tmp_path / "cli-home"
+        write_connection(home, "deployment", f"127.0.0.1:{port}")
+        killed = threading.Event()
+
+        def kill_after_round_0() -> None:
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline:
+                rounds = out / "rounds.jsonl"
+                if rounds.is_file() and rounds.read_text().count("\n") >= 1:
+                    for pid in [nodes[2].pid, *descendants(nodes[2].pid)]:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    killed.set()
+                    return
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=kill_after_round_0, daemon=True)
+        watcher.start()
+        done = flwr_run(procs, home, "deployment", f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=2 cohorts=\"all\" seed=11' out='{out}' round-timeout=30.0 min-fraction=0.6 secure-noise=false")
+        assert killed.is_set() and done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+        assert [r["clients_accepted"] for r in rounds] == [3, 2, 2]
+        assert all("partition-2" in r["dropped"] for r in rounds[1:])
+        assert json.loads((out / "result.json").read_text())["status"] == "completed"
