@@ -233,3 +233,32 @@ def test_bad_node_partitions_are_refused(text, match):
 
     with pytest.raises(ValueError, match=match):
         parse_node_partitions(text)
+
+
+def test_nodes_rebuild_the_protocol_without_running_the_accountant(monkeypatch):
+    """The job carries the server's calibrations (public noise multipliers): a node builds the
+    same protocol (digest checked) without calling the accountant; a wrong one is refused."""
+    import dataclasses
+
+    from fedpers.privacy import accountant
+    from fedpers.runtime.flower import client
+
+    cfg, protocol, seed = setup()
+    grid = InProcessGrid(make_client_app(), 3)
+    calls = []
+    real = accountant._calibrate
+    client._jobs.clear()
+    monkeypatch.setattr(accountant, "_calibrate", lambda *a, **k: calls.append("node or server") or real(*a, **k))
+    sent = []
+    real_node_job = client.node_job
+    monkeypatch.setattr(client, "node_job", lambda job, data_file="": sent.append(job) or real_node_job(job, data_file))
+    state, _, _ = flower_run(grid, cfg, protocol, seed)
+    u_local, _, _ = local_run(cfg, protocol, seed)
+    torch.testing.assert_close(state["U"], u_local["U"], rtol=0, atol=1e-10)
+    assert len(calls) == 1  # the server's one recording pass; the nodes used the job's values
+    assert json.loads(sent[0].calibrations_json) and all(v == protocol.noise_multiplier for v in json.loads(sent[0].calibrations_json).values())
+    client._jobs.clear()
+    wrong = dataclasses.replace(sent[0], calibrations_json=json.dumps({k: v * 1.01 for k, v in json.loads(sent[0].calibrations_json).items()}))
+    with pytest.raises(ValueError, match="protocol mismatch"):
+        real_node_job(wrong)
+    client._jobs.clear()

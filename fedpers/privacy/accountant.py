@@ -20,9 +20,11 @@ stated (ε, δ)) composes exactly in PLD; RDP and zCDP cannot represent it, so t
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import dp_accounting
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -240,6 +242,38 @@ def gaussian_multipliers(event: dp_accounting.DpEvent) -> list[float] | None:
     return None
 
 
+_KNOWN: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("fedpers_known_calibrations", default=None)
+_RECORDING: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("fedpers_recorded_calibrations", default=None)
+
+
+def calibration_key(make_event: Callable[[float], dp_accounting.DpEvent], target_epsilon: float, target_delta: float, accountant: Accountant) -> str:
+    """What a calibration depends on: the event's shape (at z = 1 and 2), the target and the accountant."""
+    return repr((repr(make_event(1.0)), repr(make_event(2.0)), float(target_epsilon), float(target_delta), Accountant(accountant).value))
+
+
+@contextlib.contextmanager
+def recorded_calibrations() -> Iterator[dict[str, float]]:
+    """Collect (key → z) of every calibration made inside (the server, building a protocol)."""
+    found: dict[str, float] = {}
+    token = _RECORDING.set(found)
+    try:
+        yield found
+    finally:
+        _RECORDING.reset(token)
+
+
+@contextlib.contextmanager
+def known_calibrations(known: dict[str, float]) -> Iterator[None]:
+    """Inside, a calibration whose key is in ``known`` returns that z without running the
+    accountant (a Flower node rebuilding the server's public protocol: the protocol digest
+    check still refuses any mismatch)."""
+    token = _KNOWN.set(dict(known))
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
+
+
 def calibrate_noise_multiplier(
     make_event: Callable[[float], dp_accounting.DpEvent],
     target_epsilon: float,
@@ -251,6 +285,19 @@ def calibrate_noise_multiplier(
     Returns 0 for ε = ∞ (no noise). The accountant's ε at the result is ≤ the target and
     within 0.1% of it (Gaussian-only events) or within the bisection tolerance.
     """
+    known, recording = _KNOWN.get(), _RECORDING.get()
+    if known is None and recording is None:
+        return _calibrate(make_event, target_epsilon, target_delta, accountant)
+    key = calibration_key(make_event, target_epsilon, target_delta, accountant)
+    z = known[key] if known is not None and key in known else _calibrate(make_event, target_epsilon, target_delta, accountant)
+    if recording is not None:
+        recording[key] = z
+    return z
+
+
+def _calibrate(
+    make_event: Callable[[float], dp_accounting.DpEvent], target_epsilon: float, target_delta: float, accountant: Accountant,
+) -> float:
     _check_delta(target_delta)
     if not target_epsilon > 0:
         raise ValueError(f"epsilon must be > 0, got {target_epsilon}")

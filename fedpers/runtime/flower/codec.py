@@ -62,10 +62,12 @@ class Job:
     algorithm: str
     config_json: str
     digest: str
+    calibrations_json: str = "{}"
+    """The server's noise calibrations (public: key → noise multiplier), so nodes need no accountant."""
 
     @staticmethod
-    def of(algorithm: str, cfg: Any, protocol: Protocol) -> "Job":
-        return Job(algorithm, json.dumps(config_lib.to_dict(cfg), sort_keys=True), protocol_digest(protocol))
+    def of(algorithm: str, cfg: Any, protocol: Protocol, calibrations: Mapping[str, float] | None = None) -> "Job":
+        return Job(algorithm, json.dumps(config_lib.to_dict(cfg), sort_keys=True), protocol_digest(protocol), json.dumps(dict(calibrations or {}), sort_keys=True))
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,16 @@ def protocol_digest(protocol: Protocol) -> str:
     return hashlib.sha256(repr(protocol).encode()).hexdigest()[:16]
 
 
+CALIBRATIONS = "calibrations"
+
+
 def job_record(job: Job) -> ConfigRecord:
-    return ConfigRecord({ALGORITHM: job.algorithm, CONFIG: job.config_json, DIGEST: job.digest})
+    return ConfigRecord({ALGORITHM: job.algorithm, CONFIG: job.config_json, DIGEST: job.digest, CALIBRATIONS: job.calibrations_json})
 
 
 def read_job(content: RecordDict) -> Job:
     rec = content[JOB]
-    return Job(str(rec[ALGORITHM]), str(rec[CONFIG]), str(rec[DIGEST]))
+    return Job(str(rec[ALGORITHM]), str(rec[CONFIG]), str(rec[DIGEST]), str(rec.get(CALIBRATIONS, "{}") or "{}"))
 
 
 def broadcast_record(broadcast: Mapping[str, Tensor]) -> ArrayRecord:

@@ -212,7 +212,11 @@ def run_on_grid(
 
     ``stop()`` true makes waiting for replies give up (the caller's engine has died).
     """
-    job = codec.Job.of(experiment.name, cfg, protocol)
+    from fedpers.privacy.accountant import recorded_calibrations
+
+    with recorded_calibrations() as calibrations:  # nodes rebuild the protocol without an accountant
+        experiment.protocol(cfg)
+    job = codec.Job.of(experiment.name, cfg, protocol, calibrations)
     start = time.perf_counter()
     mapping = parse_node_partitions(getattr(options, "node_partitions", ""))
     if mapping:
