@@ -13,6 +13,7 @@ from fedpers import linalg, memory, metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
+from fedpers.data.long_format import LongFormatFile, is_long_format
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
 from fedpers.experiments.population import fresh_samples, population_mse
@@ -44,7 +45,13 @@ class AltMinConfig:
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
-    data: Path | None = field(None, "per-user data file (.npz, schema in the README) instead of synthetic data")
+    data: Path | None = field(None, "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README)")
+    user_column: str = field("user", "user column of a .parquet/.csv data file")
+    label_column: str = field("y", "label column of a .parquet/.csv data file")
+    feature_columns: str = field("", "comma list of feature columns of a .parquet/.csv data file (empty: every other numeric column)")
+    max_samples_per_user: int = field(64, "per-user cap on kept samples of a .parquet/.csv file (a multiple of 4; the declared bound: more are subsampled)", ge=4)
+    min_samples_per_user: int = field(4, "users of a .parquet/.csv file with fewer kept samples contribute nothing (counted in the result)", ge=1)
+    test_fraction: float = field(0.2, "per-user fraction of a .parquet/.csv file's rows held out for test_mse (seeded)", ge=0.0, lt=1.0)
     chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)", ge=0, words={"auto": 0})
     baselines: str = field("all", "baselines to run: all, none, or a comma list of nonprivate_altmin, clipped_no_noise, local_only, private_init_only, oracle")
     calibration: Calibration = field(Calibration.ACCOUNTANT, "accountant: the smallest noise --accountant certifies for (ε, δ); paper: Theorem 4.2's σ/Δ = √(8(1+T_u) log(1/δ))/ε (T_u: rounds a user is in)")
@@ -59,6 +66,17 @@ class AltMinConfig:
             raise ValueError("refit_samples/test_samples draw fresh samples from the synthetic model; with --data hold samples out in x_test/y_test instead")
         if self.samples_per_user % 4:
             raise ValueError(f"samples_per_user must be a multiple of 4; got {self.samples_per_user}")
+        if self.max_samples_per_user % 4:
+            raise ValueError(f"max_samples_per_user must be a multiple of 4; got {self.max_samples_per_user}")
+        if self.min_samples_per_user > self.max_samples_per_user:
+            raise ValueError(f"min_samples_per_user must be <= max_samples_per_user={self.max_samples_per_user}; got {self.min_samples_per_user}")
+        if self.data is not None and is_long_format(self.data) and self.test_fraction == 0:
+            raise ValueError("test_fraction must be > 0 with a .parquet/.csv data file (it has no true U*; test_mse is what is measured)")
+        if self.data is None or not is_long_format(self.data):
+            defaults = AltMinConfig.__dataclass_fields__
+            for name in LONG_FORMAT_FIELDS:
+                if getattr(self, name) != defaults[name].default:
+                    raise ValueError(f"{name} applies to .parquet/.csv data files only (got data={self.data})")
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         if self.cohorts is Cohorts.DISJOINT and self.n_users < self.rounds:
@@ -75,6 +93,7 @@ class AltMinConfig:
         check_device_and_dtype(self.device, self.dtype)
 
 
+LONG_FORMAT_FIELDS = ("user_column", "label_column", "feature_columns", "max_samples_per_user", "min_samples_per_user", "test_fraction")
 BASELINES = ("nonprivate_altmin", "clipped_no_noise", "local_only", "private_init_only", "oracle")
 
 
@@ -93,16 +112,27 @@ def baseline_names(text: str, allowed: tuple[str, ...] = BASELINES) -> tuple[str
 
 
 @lru_cache(maxsize=4)
-def _file(path: str, rank: int) -> AltMinFile:
+def _open_file(path: str, rank: int, long_format: tuple | None) -> AltMinFile | LongFormatFile:
     """The checked file, opened once per process; rows are read per chunk (or per node)."""
-    return AltMinFile(path, rank)
+    if long_format is None:
+        return AltMinFile(path, rank)
+    user, label, features, cap, minimum, test_fraction, seed = long_format
+    return LongFormatFile(path, user, label, features, cap=cap, min_samples=minimum, test_fraction=test_fraction, seed=seed)
+
+
+def _file(cfg: AltMinConfig) -> AltMinFile | LongFormatFile:
+    if not is_long_format(cfg.data):
+        return _open_file(str(cfg.data), cfg.rank, None)
+    features = tuple(c.strip() for c in cfg.feature_columns.split(",") if c.strip())
+    return _open_file(str(cfg.data), cfg.rank, (cfg.user_column, cfg.label_column, features, cfg.max_samples_per_user,
+                                                 cfg.min_samples_per_user, cfg.test_fraction, derived_seed(cfg.seed, "split")))
 
 
 def resolve(cfg: AltMinConfig) -> AltMinConfig:
     """With ``data`` set, n, m and d come from the file (and the file is checked now, before any
     work); ``chunk_size`` auto (0) becomes a number."""
     if cfg.data is not None:
-        n, m, d = _file(str(cfg.data), cfg.rank).shapes["x"]
+        n, m, d = _file(cfg).shapes["x"]
         cfg = replace(cfg, n_users=int(n), samples_per_user=int(m), dim=int(d))
         cfg.check()
     if cfg.chunk_size == 0:
@@ -171,7 +201,7 @@ def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
 
 def truth(cfg: AltMinConfig) -> Tensor | None:
     if cfg.data is not None:
-        return _file(str(cfg.data), cfg.rank).u_star
+        return _file(cfg).u_star
     return synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank)
 
 
@@ -180,7 +210,7 @@ def load_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
     cfg = resolve(cfg)
     ids = ids.to(torch.int64).cpu()
     if cfg.data is not None:
-        out = _file(str(cfg.data), cfg.rank).rows(ids)
+        out = _file(cfg).rows(ids)
     else:
         out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, truth(cfg), cfg.samples_per_user, cfg.noise_std)
     dtype = getattr(torch, cfg.dtype)
@@ -191,6 +221,8 @@ def unit_source(cfg: AltMinConfig, keys: tuple[str, ...] | None = None) -> UnitS
     """Every user, generated (or sliced from the file) chunk by chunk: never all at once.
     ``keys`` restricts what each chunk carries (the protocol needs ids, x, y; the evaluator more)."""
     cfg = resolve(cfg)
+    if cfg.data is not None and is_long_format(cfg.data):
+        _file(cfg).load_all()
 
     def load(start: int, stop: int) -> dict[str, Tensor]:
         units = load_units(cfg, torch.arange(start, stop))
@@ -266,7 +298,7 @@ class AltMinEvaluator(Evaluator):
             has_test = "x_test" in units
             theta_star = units["v_star"].double() @ u_star.T if has_truth else None
             if has_test:
-                test_values += units["y_test"].numel()
+                test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
             for name, (fit, _) in fits.items():
                 theta = fit(units).double()
                 theta = theta.squeeze(-1) if theta.dim() == 3 else theta
@@ -299,7 +331,10 @@ class AltMinEvaluator(Evaluator):
 
     def final(self, state: Any) -> dict[str, Any]:
         private = {"private": (self.subspace_fit(state["U"]), state["U"])}
-        return self.with_baselines(private)
+        out = self.with_baselines(private)
+        if self.cfg.data is not None and is_long_format(self.cfg.data):
+            out["data"] = _file(self.cfg).summary()
+        return out
 
     def with_baselines(self, private: Mapping[str, tuple[Fit, Tensor | None]], extra: Mapping[str, tuple[Fit, Tensor | None]] | None = None) -> dict[str, Any]:
         """The private fit's metrics with the baselines' beside it, in one pass; a baseline that

@@ -107,7 +107,7 @@ class AltMinProtocol(Protocol):
 
     def release_params(self, statistic: str) -> dict[str, Any]:
         """Public inputs of a release's bound, written into the ledger."""
-        common = {"statistic": statistic, "pairs_or_Q2": self.quarter, "eta": self.eta, "zeta": self.zeta, "cohorts": self.cohorts.value}
+        common = {"statistic": statistic, "samples_per_user_cap": self.samples_per_user, "pairs_or_Q2": self.quarter, "eta": self.eta, "zeta": self.zeta, "cohorts": self.cohorts.value}
         if self.cohorts is Cohorts.DISJOINT and statistic != "W":
             common["cohort_seed"] = self.cohort_seed
             common["cohort_digest"] = self.cohort_digest()

@@ -1,0 +1,228 @@
+"""Ragged per-user samples in long format (one row per sample) from Parquet or CSV, for AltMin.
+
+Schema: a user column (any type; users are numbered 0..n−1 in sorted order of their ids), a
+numeric label column, and numeric feature columns (by default every other numeric column).
+Users may have any number of rows. Each user's rows are split, from a generator keyed by
+(seed, user index) — public, so the split spends no privacy — into ⌊f·c⌋ test rows and the
+rest; of those at most ``cap`` (a multiple of 4, the declared per-user bound) are kept, chosen
+at random, in file order. The kept c' rows fill SPEC §1's four parts contiguously, part r
+taking ⌊c'/4⌋ + [r < c' mod 4] rows, each part zero-padded to cap/4: a zero sample adds nothing
+to any local solve or statistic, so a user's contribution is bounded by the cap whatever its
+count. Users with fewer than ``min_samples`` kept rows contribute nothing (they stay units, so
+the number of users and the cohorts stay public) and are counted. Bad data (unknown column,
+non-numeric, NaN/inf, missing user ids, no rows) is refused before any work, naming the column
+and the number of rows.
+
+A Flower node reads only its users' rows (a Parquet scan with a pushed-down ``isin`` filter,
+not a full copy); a local run loads the columns once, after a memory check.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedpers import memory
+
+Tensor = torch.Tensor
+SUFFIXES = (".parquet", ".pq", ".csv")
+
+
+def is_long_format(path: str | Path) -> bool:
+    return Path(path).suffix.lower() in SUFFIXES
+
+
+def quarter_sizes(count: int) -> list[int]:
+    """Rows of each of the four parts for a user with ``count`` kept rows."""
+    return [count // 4 + (r < count % 4) for r in range(4)]
+
+
+class LongFormatFile:
+    """A checked long-format file; :meth:`rows` gives padded (users, cap, d) blocks."""
+
+    def __init__(self, path: str | Path, user_column: str, label_column: str, feature_columns: tuple[str, ...], *,
+                 cap: int, min_samples: int, test_fraction: float, seed: int) -> None:
+        import pyarrow.dataset as ds
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"data: no such file {str(path)!r}")
+        if cap < 4 or cap % 4:
+            raise ValueError(f"max_samples_per_user must be a positive multiple of 4; got {cap}")
+        if not 1 <= min_samples <= cap:
+            raise ValueError(f"min_samples_per_user must be in [1, max_samples_per_user={cap}]; got {min_samples}")
+        self.path, self.cap, self.min_samples, self.test_fraction, self.seed = path, cap, min_samples, test_fraction, seed
+        fmt = "csv" if path.suffix.lower() == ".csv" else "parquet"
+        try:
+            self._dataset = ds.dataset(str(path), format=fmt)
+            schema = self._dataset.schema
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+            raise ValueError(f"data: cannot read {path.name} as {fmt} ({e})") from None
+        names = list(schema.names)
+        for flag, col in (("user_column", user_column), ("label_column", label_column), *(("feature_columns", c) for c in feature_columns)):
+            if col not in names:
+                raise ValueError(f"{flag}: no column {col!r} in {path.name} (columns: {', '.join(names)})")
+        if not feature_columns:
+            feature_columns = tuple(c for c in names if c not in (user_column, label_column) and _numeric(schema.field(c).type))
+            if not feature_columns:
+                raise ValueError(f"feature_columns: {path.name} has no numeric column besides {user_column!r} and {label_column!r}")
+        for flag, col in (("label_column", label_column), *(("feature_columns", c) for c in feature_columns)):
+            if not _numeric(schema.field(col).type):
+                raise ValueError(f"{flag}: column {col!r} is {schema.field(col).type}, not numeric")
+        if user_column in feature_columns or label_column in feature_columns:
+            raise ValueError("feature_columns: must not include the user or label column")
+        self.user_column, self.label_column, self.feature_columns = user_column, label_column, tuple(feature_columns)
+        self.users, self.counts, self.rows_total = self._index()
+        self._table: dict | None = None
+
+    # ----- shape ----------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return int(len(self.users))
+
+    @property
+    def dim(self) -> int:
+        return len(self.feature_columns)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"x": (self.n, self.cap, self.dim)}
+
+    u_star = None
+
+    def _index(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """Users (sorted unique ids) and rows per user, with the label and features checked for
+        missing / non-finite values, in one streamed pass (never the whole file in memory)."""
+        users_parts, total, bad = [], 0, {c: 0 for c in (self.label_column, *self.feature_columns)}
+        missing_users = 0
+        for batch in self._dataset.to_batches(columns=[self.user_column, self.label_column, *self.feature_columns]):
+            total += batch.num_rows
+            u = batch.column(0)
+            missing_users += u.null_count
+            users_parts.append(u.drop_null().to_numpy(zero_copy_only=False))
+            for i, col in enumerate((self.label_column, *self.feature_columns), start=1):
+                a = batch.column(i)
+                values = a.cast("float64").fill_null(0.0).to_numpy(zero_copy_only=False)
+                bad[col] += a.null_count + int((~np.isfinite(values)).sum())
+        if total == 0:
+            raise ValueError(f"data: {self.path.name} has no rows")
+        if missing_users:
+            raise ValueError(f"user_column: {missing_users} of {total} rows of {self.path.name} have no user id")
+        for col, count in bad.items():
+            if count:
+                flag = "label_column" if col == self.label_column else "feature_columns"
+                raise ValueError(f"{flag}: column {col!r} has {count} of {total} rows missing, NaN or infinite")
+        ids = np.concatenate(users_parts)
+        users, counts = np.unique(ids, return_counts=True)
+        return users, counts, total
+
+    # ----- reading ----------------------------------------------------------------------
+    def _read(self, users: np.ndarray | None) -> dict:
+        """The rows of ``users`` (all with None) as a table sorted by user index, then file order."""
+        import pyarrow.compute as pc
+
+        columns = [self.user_column, self.label_column, *self.feature_columns]
+        if users is None:
+            need = self.rows_total * (self.dim + 3) * 8 * 2
+            limit = memory.available_bytes()
+            if limit > 0 and need > limit:
+                raise ValueError(f"data: loading {self.path.name} needs about {memory.human(need)} but {memory.human(limit)} is available")
+            table = self._dataset.to_table(columns=columns)
+        else:
+            table = self._dataset.to_table(columns=columns, filter=pc.field(self.user_column).isin(list(self.users[users])))
+        index = np.searchsorted(self.users, table.column(0).to_numpy(zero_copy_only=False))
+        order = np.argsort(index, kind="stable")
+        features = np.stack([table.column(c).cast("float64").to_numpy(zero_copy_only=False) for c in self.feature_columns], axis=1)
+        label = table.column(self.label_column).cast("float64").to_numpy(zero_copy_only=False)
+        index = index[order]
+        present = np.unique(index)
+        starts = np.searchsorted(index, present)
+        return {"present": present, "starts": starts, "ends": np.append(starts[1:], len(index)),
+                "x": features[order], "y": label[order]}
+
+    def load_all(self) -> None:
+        """Read every row once (the local runtime's chunks then only slice)."""
+        if self._table is None or self._table.get("partial"):
+            self._table = self._read(None)
+
+    def _rows_for(self, ids: np.ndarray) -> dict:
+        if self._table is None or (self._table.get("partial") and not np.isin(ids, self._table["present"]).all()):
+            wanted = ids if self._table is None else np.union1d(ids, self._table["present"])
+            self._table = {**self._read(np.unique(wanted)), "partial": True}
+        return self._table
+
+    def split(self, user: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(kept training rows, test rows) of a user's ``count`` rows, as positions in file order."""
+        rng = np.random.Generator(np.random.Philox(key=[int(self.seed), int(user)]))
+        n_test = int(math.floor(self.test_fraction * count))
+        perm = rng.permutation(count)
+        test, train = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+        if len(train) > self.cap:
+            train = np.sort(train[rng.permutation(len(train))[: self.cap]])
+        if len(train) < self.min_samples:
+            return train[:0], test[:0]
+        return train, test
+
+    def _plan(self, table: dict) -> None:
+        """Per loaded user, once: the table rows of its four padded parts (−1: padding) and of
+        its test samples, so every later pass over the users is a gather."""
+        if "gather" in table:
+            return
+        q = self.cap // 4
+        gather = np.full((len(table["present"]), self.cap), -1, dtype=np.int64)
+        test_rows, test_counts = [], np.zeros(len(table["present"]), dtype=np.int64)
+        for p, user in enumerate(table["present"]):
+            start, end = int(table["starts"][p]), int(table["ends"][p])
+            train, test = self.split(int(user), end - start)
+            offset = 0
+            for r, size in enumerate(quarter_sizes(len(train))):
+                gather[p, r * q: r * q + size] = start + train[offset: offset + size]
+                offset += size
+            test_rows.append(start + test)
+            test_counts[p] = len(test)
+        table["gather"], table["test_rows"], table["test_counts"] = gather, test_rows, test_counts
+        table["x0"] = np.concatenate([table["x"], np.zeros((1, self.dim))])  # row −1: the zero sample
+        table["y0"] = np.append(table["y"], 0.0)
+
+    def rows(self, ids: Tensor) -> dict[str, Tensor]:
+        """float64 padded blocks of the given users: x (u, cap, d), y (u, cap) in the four-part
+        layout, x_test (u, t, d), y_test (u, t), test_count (u,), and ``ids``."""
+        index = ids.to(torch.int64).cpu().numpy()
+        if index.size and (index.min() < 0 or index.max() >= self.n):
+            raise ValueError(f"data: user ids outside 0..{self.n - 1} of {self.path.name}")
+        table = self._rows_for(index)
+        self._plan(table)
+        position = np.searchsorted(table["present"], index)
+        position = np.minimum(position, len(table["present"]) - 1)
+        found = table["present"][position] == index if len(table["present"]) else np.zeros(len(index), dtype=bool)
+        gather = np.where(found[:, None], table["gather"][position], -1)
+        counts = np.where(found, table["test_counts"][position], 0)
+        width = max(1, int(counts.max()) if len(counts) else 1)
+        test_gather = np.full((len(index), width), -1, dtype=np.int64)
+        for row in np.flatnonzero(counts):
+            test_gather[row, : counts[row]] = table["test_rows"][position[row]]
+        x0, y0 = table["x0"], table["y0"]
+        return {"x": torch.from_numpy(x0[gather]), "y": torch.from_numpy(y0[gather]),
+                "x_test": torch.from_numpy(x0[test_gather]), "y_test": torch.from_numpy(y0[test_gather]),
+                "test_count": torch.from_numpy(counts.astype(np.int64)), "ids": ids.to(torch.int64).cpu()}
+
+    def summary(self) -> dict[str, int | float | str]:
+        """Descriptive counts of the input file (computed by whoever holds it; not DP releases)."""
+        n_test = np.floor(self.test_fraction * self.counts).astype(np.int64)
+        train = self.counts - n_test
+        kept = np.minimum(train, self.cap)
+        return {
+            "file": self.path.name, "rows": int(self.rows_total), "users": self.n, "features": self.dim,
+            "users_below_minimum": int((kept < self.min_samples).sum()), "min_samples_per_user": self.min_samples,
+            "users_capped": int((train > self.cap).sum()), "max_samples_per_user": self.cap,
+            "samples_per_user_median": float(np.median(self.counts)), "samples_per_user_max": int(self.counts.max()),
+            "note": "descriptive counts of the input file, not differentially private releases",
+        }
+
+
+def _numeric(dtype) -> bool:
+    import pyarrow.types as pt
+
+    return pt.is_integer(dtype) or pt.is_floating(dtype) or pt.is_boolean(dtype) or pt.is_decimal(dtype)
