@@ -141,3 +141,44 @@ def test_psd_repair_equals_eigenvalue_floor():
     R = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2)
     ref = torch.linalg.solve(R + torch.eye(k, dtype=torch.float64), b.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(solve_items(G, b, 1.0), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_private_center_without_noise_is_the_mean_of_the_selected_ratings_and_head_is_the_top_counts():
+    cfg = config.build(DpAlsConfig, {"n_users": 120, "n_items": 30, "min_count": 3, "max_count": 12, "items_per_user": 12,
+                                     "epsilon": math.inf, "clip_rating": 0.0, "head_items": 7, "steps": 2})
+    p = make_protocol(cfg)
+    units = load_units(cfg, torch.arange(cfg.n_users))
+    state, _ = run_local(p, units, Privatizer(0), chunk_size=50, progress=False)
+    train = units["ratings"][units["mask"]].double()
+    assert float(state["mu"]) == pytest.approx(float(train.mean()), rel=1e-12)
+    counts = torch.bincount(units["items"][units["mask"]], minlength=cfg.n_items).double()
+    assert torch.equal(state["item_counts"], counts)
+    assert int(state["head"].sum()) == 7 and set(state["head"].nonzero().flatten().tolist()) == set(torch.topk(counts, 7).indices.tolist())
+    assert float(state["U"][state["head"] == 0].abs().max()) == 0.0  # tail items are predicted by μ̂ alone
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_round0_sums_and_counts_within_declared_sensitivity(dtype):
+    """A user rating B items with ±1e30 against a user with no ratings: the item sums move by
+    ≤ 2·√B·c_r and the counts by ≤ 2·√B; the ledger's σ for each is z·bound."""
+    cfg = config.build(DpAlsConfig, {"n_users": 60, "n_items": 20, "min_count": 5, "max_count": 10, "items_per_user": 5,
+                                     "epsilon": 2.0, "private_center": True, "dtype": dtype})
+    p = make_protocol(cfg)
+    units = load_units(cfg, torch.arange(cfg.n_users))
+    heavy = {k: v.clone() for k, v in units.items()}
+    heavy["ratings"][0] = torch.where(torch.arange(heavy["ratings"].shape[1]) % 2 == 0, 1e30, -1e30).to(heavy["ratings"].dtype) * heavy["mask"][0]
+    empty = {k: v.clone() for k, v in units.items()}
+    empty["mask"][0] = False
+    empty["ratings"][0] = 0
+    a = client_message(p, 0, {}, heavy).stats
+    b = client_message(p, 0, {}, empty).stats
+    assert float(torch.linalg.vector_norm((a["s"] - b["s"]).double())) <= 2 * p.sum_bound * (1 + 1e-5)
+    assert float(torch.linalg.vector_norm((a["s"] - b["s"]).double())) >= 0.99 * p.sum_bound
+    assert float(torch.linalg.vector_norm((a["c"] - b["c"]).double())) <= 2 * p.count_bound * (1 + 1e-6)
+    priv = Privatizer(3)
+    run_local(p, units, priv, chunk_size=30, progress=False)
+    releases = {r.name: r for r in priv.ledger}
+    z = p.noise_multiplier
+    assert releases["dpals.item_sums"].noise_std == pytest.approx(z * p.sum_bound, rel=1e-12)
+    assert releases["dpals.item_counts"].noise_std == pytest.approx(z * math.sqrt(cfg.items_per_user), rel=1e-12)
+    assert len(priv.ledger) == 2 + 2 * cfg.steps

@@ -55,6 +55,8 @@ class DpAlsConfig:
     rating_max: float = field(1e15, "largest valid rating (rows above are refused)")
     max_ratings_per_user: int = field(0, "keep at most this many of a user's ratings, in its public random order (0: all)", ge=0)
     center: float = field(0.0, "public constant subtracted from every rating before training (RMSE is unchanged by it)")
+    private_center: bool = field(False, "round 0 releases per-item rating sums and counts (2 Gaussian releases): their ratio, the private global mean, is subtracted from every rating; also reports private item means")
+    head_items: int = field(0, "H > 0: learn only the H items with the largest noisy counts from round 0 (implies --private-center); the rest are predicted by the private mean", ge=0)
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
@@ -97,8 +99,17 @@ def bounds(cfg: DpAlsConfig) -> tuple[float, float]:
     return sb * cv**2, sb * cr * cv
 
 
+def prelude(cfg: DpAlsConfig) -> bool:
+    return cfg.private_center or cfg.head_items > 0
+
+
+def releases(cfg: DpAlsConfig) -> int:
+    """Gaussian releases touching a user: (G, b) per ALS round, plus round 0's sums and counts."""
+    return 2 * cfg.steps + 2 * int(prelude(cfg))
+
+
 def run_event(z: float, cfg: DpAlsConfig) -> dp_accounting.DpEvent:
-    return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z)] * (2 * cfg.steps))
+    return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z)] * releases(cfg))
 
 
 def initial_U(cfg: DpAlsConfig) -> Tensor:
@@ -118,6 +129,8 @@ def make_protocol(cfg: DpAlsConfig) -> DpAlsProtocol:
         n_items=n_items(cfg), rank=cfg.rank, steps=cfg.steps, items_per_user=cfg.items_per_user,
         ridge_user=cfg.ridge_user, ridge_item=cfg.ridge_item, gram_bound=g, rhs_bound=b,
         noise_multiplier=z, initial_U=initial_U(cfg).to(getattr(torch, cfg.dtype)), dtype_name=cfg.dtype,
+        prelude=prelude(cfg), head_items=cfg.head_items,
+        sum_bound=math.sqrt(cfg.items_per_user) * (cfg.clip_rating if cfg.clip_rating > 0 else math.inf),
     )
 
 
@@ -131,12 +144,12 @@ def load_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
     )
 
 
-def test_rmse(U: Tensor, units: dict[str, Tensor], ridge: float) -> float:
-    """RMSE on the held-out ratings, each user solving its v on its training ratings."""
+def test_rmse(U: Tensor, units: dict[str, Tensor], ridge: float, mu: float = 0.0) -> float:
+    """RMSE on the held-out ratings, each user solving its v on its training ratings (less μ)."""
     U = U.double()
-    v_unit, log_vn = user_embeddings(U, units["items"], units["ratings"].double(), units["mask"], ridge)
+    v_unit, log_vn = user_embeddings(U, units["items"], units["ratings"].double() - mu, units["mask"], ridge)
     v = v_unit * log_vn.exp().nan_to_num(0.0).unsqueeze(-1)
-    pred = (U[units["items"]] * v.unsqueeze(1)).sum(-1)
+    pred = mu + (U[units["items"]] * v.unsqueeze(1)).sum(-1)
     t = units["test"]
     err = (pred - units["ratings"].double())[t]
     return float(err.pow(2).mean().sqrt()) if err.numel() else math.nan
@@ -176,14 +189,21 @@ class DpAlsEvaluator(Evaluator):
             rmse = test_rmse(U, u, cfg.ridge_user)
             if best is None or rmse < best[0]:
                 best = (rmse, lam, U)
+        mu = float(state["mu"]) if "mu" in state else 0.0
         out = {
-            "test_rmse": test_rmse(state["U"], u, cfg.ridge_user),
+            "test_rmse": test_rmse(state["U"], u, cfg.ridge_user, mu),
             "global_mean_rmse": float((test - mean).pow(2).mean().sqrt()),
             "als_rmse": best[0],
             "als_ridge_item": best[1],
             "train_ratings": int(u["mask"].sum()),
             "test_ratings": int(u["test"].sum()),
         }
+        if "mu" in state:  # round 0's private releases, post-processed
+            out["private_mean"] = mu + cfg.center
+            out["private_mean_rmse"] = float((test - mu).pow(2).mean().sqrt())
+            means = self.protocol.item_means(state)
+            out["private_item_means_rmse"] = float((u["ratings"].double()[u["test"]] - means[u["items"][u["test"]]]).pow(2).mean().sqrt())
+            out["head_items"] = int(state["head"].sum())
         t = table(cfg)
         if t is not None:
             out["users"], out["items"], out["users_excluded"] = t.n_users, t.n_items, t.excluded_users
@@ -227,4 +247,4 @@ class DpAlsExperiment(Experiment):
 
     def describe(self, cfg: DpAlsConfig, protocol: DpAlsProtocol) -> dict[str, Any]:
         return {"gram_bound": protocol.gram_bound, "rhs_bound": protocol.rhs_bound, "noise_multiplier": protocol.noise_multiplier,
-                "releases": 2 * cfg.steps}
+                "releases": releases(cfg), "sum_bound": protocol.sum_bound, "count_bound": protocol.count_bound}

@@ -15,6 +15,13 @@ formed from unit directions v̂ = v/||v||, r̂ = r/||r|| and magnitudes min(·, 
 log space (:func:`fedpers.linalg.clipped_magnitude`), so no finite rating or embedding can
 overflow. Even v is solved on r̂ (v is linear in r) and rescaled through its log-norm.
 
+Optional round 0 (``prelude``): each user sends, over the same first B of its rated items, its
+ratings (the vector clipped to Γ_s = √B·c_r) and its indicators (norm ≤ √B), scatter-added
+into per-item sums s and counts c, each one Gaussian release. Post-processing gives the
+private global mean μ̂ = Σs/Σc (subtracted from every rating in the ALS rounds), private item
+means (s_i + κμ̂)/(c_i⁺ + κ) (a baseline), and the head items: the H largest noisy counts;
+the others keep U_i = 0 (predicted by μ̂) and receive no statistics.
+
 Server: one Gaussian release per statistic through the Privatizer. G is released as the
 upper triangles of its blocks (items, k(k+1)/2), whose norm is ≤ ||G||_F; the replace-one
 sensitivity used is the general 2·Γ (the √2·Γ PSD bound is not claimed here). Each noisy
@@ -52,6 +59,23 @@ def user_embeddings(U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, rid
     return v_unit, log_wn + log_rn
 
 
+def selected(mask: Tensor, items_per_user: int) -> Tensor:
+    """The first B of each user's rated items (the loader's public per-user order)."""
+    return mask & (torch.cumsum(mask.to(torch.int64), dim=1) <= items_per_user)
+
+
+def item_counts(items: Tensor, ratings: Tensor, mask: Tensor, items_per_user: int, n_items: int, sum_bound: float) -> tuple[Tensor, Tensor]:
+    """Per-item sums (s, c) of the users' selected ratings (each user's vector clipped to
+    ``sum_bound``, scale-safe) and indicators (norm ≤ √B by construction)."""
+    sel = selected(mask, items_per_user)
+    r_unit, log_rn = linalg.directions(ratings * sel.to(ratings.dtype))
+    r = r_unit * linalg.clipped_magnitude(log_rn, sum_bound).to(ratings.dtype).unsqueeze(-1)
+    flat = items[sel]
+    s = torch.zeros(n_items, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, r[sel])
+    c = torch.zeros(n_items, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, torch.ones_like(r[sel]))
+    return s, c
+
+
 def item_statistics(
     U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float, items_per_user: int,
     gram_bound: float, rhs_bound: float,
@@ -59,8 +83,7 @@ def item_statistics(
     """Per-item sums (G (items, k, k), b (items, k)) of the users' clipped contributions."""
     n_items, k = U.shape
     v_unit, log_vn = user_embeddings(U, items, ratings, mask, ridge)
-    # the first B of each user's rated items (the loader's public per-user order)
-    sel = mask & (torch.cumsum(mask.to(torch.int64), dim=1) <= items_per_user)
+    sel = selected(mask, items_per_user)
     s = sel.to(U.dtype)
     count = s.sum(1).double()
     log_g = 2 * log_vn
@@ -133,35 +156,82 @@ class DpAlsProtocol(Protocol):
     noise_multiplier: float
     initial_U: Tensor
     dtype_name: str = "float64"
+    prelude: bool = False
+    """Round 0 releases per-item rating sums and counts (private centring, head items, item means)."""
+    head_items: int = 0
+    """H > 0: only the H items with the largest noisy counts are learnt (needs ``prelude``)."""
+    sum_bound: float = math.inf
+    """Γ_s of round 0's rating sums: √B·c_r."""
 
     name = "dpals"
+    ITEM_MEAN_PRIOR = 5.0
+    """κ₀: pseudo-ratings at μ̂ in the private item means, plus the counts' noise std z·√B."""
 
     @property
     def num_rounds(self) -> int:
-        return self.steps
+        return self.steps + int(self.prelude)
 
-    def unit_keys(self) -> tuple[str, ...]:
-        return ("items", "ratings", "mask")
+    @property
+    def count_bound(self) -> float:
+        return math.sqrt(self.items_per_user)
+
+    def is_prelude(self, round: int) -> bool:
+        return self.prelude and round == 0
 
     def initial_state(self) -> dict[str, Tensor]:
         return {"U": self.initial_U.to(self.dtype)}
 
     def broadcast(self, state: Mapping[str, Any], round: int) -> dict[str, Tensor]:
+        if self.is_prelude(round):
+            return {}
+        if self.prelude:
+            return {"U": state["U"], "mu": state["mu"], "head": state["head"]}
         return {"U": state["U"]}
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         k = self.rank
+        if self.is_prelude(round):
+            return (StatSpec("s", (self.n_items,), self.sum_bound), StatSpec("c", (self.n_items,), self.count_bound))
         return (StatSpec("G", (self.n_items, k, k), self.gram_bound), StatSpec("b", (self.n_items, k), self.rhs_bound))
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        ratings, mask = units["ratings"].to(self.dtype), units["mask"]
+        if self.is_prelude(round):
+            s, c = item_counts(units["items"], ratings, mask, self.items_per_user, self.n_items, self.sum_bound)
+            return Message({"s": s, "c": c}, int(units["ids"].shape[0]))
+        if self.prelude:
+            ratings = (ratings - broadcast["mu"].to(self.dtype)) * (mask | units["test"]).to(self.dtype)
+            mask = mask & (broadcast["head"].to(mask.device)[units["items"]] > 0)
         U = broadcast["U"].to(self.dtype)
-        G, b = item_statistics(
-            U, units["items"], units["ratings"], units["mask"], self.ridge_user, self.items_per_user,
-            self.gram_bound, self.rhs_bound,
-        )
+        G, b = item_statistics(U, units["items"], ratings, mask, self.ridge_user, self.items_per_user, self.gram_bound, self.rhs_bound)
         return Message({"G": linalg.sym(G), "b": b}, int(units["ids"].shape[0]))
 
+    def unit_keys(self) -> tuple[str, ...]:
+        return ("items", "ratings", "mask", "test") if self.prelude else ("items", "ratings", "mask")
+
+    def prelude_update(self, summed: Message, privatizer: Privatizer) -> dict[str, Tensor]:
+        """Round 0: noisy per-item sums and counts → μ̂, head items, U restricted to the head."""
+        z = self.noise_multiplier
+        params = {"items_per_user": self.items_per_user, "statistic": "per-item rating sums (vector clipped to √B·c_r) and counts (≤ √B)"}
+        s = privatizer.gaussian_sum(summed.stats["s"], per_unit_bound=self.sum_bound, noise_multiplier=z, name="dpals.item_sums", round=0, params=params)
+        c = privatizer.gaussian_sum(summed.stats["c"], per_unit_bound=self.count_bound, noise_multiplier=z, name="dpals.item_counts", round=0, params=params)
+        s, c = s.double(), c.double()
+        mu = s.sum() / c.sum().clamp_min(1.0)
+        head = torch.ones(self.n_items, dtype=torch.float64)
+        if 0 < self.head_items < self.n_items:
+            head = torch.zeros(self.n_items, dtype=torch.float64)
+            head[torch.topk(c, self.head_items).indices] = 1.0
+        U = self.initial_U.to(self.dtype) * head.to(self.dtype).unsqueeze(-1)
+        return {"U": U, "mu": mu.to(self.dtype), "head": head, "item_sums": s, "item_counts": c}
+
+    def item_means(self, state: Mapping[str, Tensor]) -> Tensor:
+        """Private item means (s_i + κμ̂)/(c_i⁺ + κ), κ = κ₀ + z√B (public), from round 0's releases."""
+        mu, kappa = state["mu"].double(), self.ITEM_MEAN_PRIOR + self.noise_multiplier * self.count_bound
+        return (state["item_sums"] + kappa * mu) / (state["item_counts"].clamp_min(0) + kappa)
+
     def server_update(self, round: int, state: Mapping[str, Any], summed: Message, privatizer: Privatizer) -> tuple[dict[str, Any], dict[str, float]]:
+        if self.is_prelude(round):
+            return self.prelude_update(summed, privatizer), {}
         k = self.rank
         z = self.noise_multiplier
         params = {"items_per_user": self.items_per_user, "rank": k}
@@ -171,4 +241,7 @@ class DpAlsProtocol(Protocol):
         g = privatizer.gaussian_sum(triu_pack(summed.stats["G"]), per_unit_bound=g_bound, noise_multiplier=z, name="dpals.G", round=round, params=params)
         b = privatizer.gaussian_sum(summed.stats["b"], per_unit_bound=b_bound, noise_multiplier=z, name="dpals.b", round=round, params=params)
         U = solve_items(triu_unpack(g, k), b, self.ridge_item, psd_repair=z > 0)
+        if self.prelude:
+            U = U * state["head"].to(U.dtype).unsqueeze(-1)
+            return {**state, "U": U}, {"U_norm": float(torch.linalg.matrix_norm(U))}
         return {"U": U}, {"U_norm": float(torch.linalg.matrix_norm(U))}
