@@ -130,7 +130,7 @@ def make_protocol(cfg: DpAlsConfig) -> DpAlsProtocol:
         ridge_user=cfg.ridge_user, ridge_item=cfg.ridge_item, gram_bound=g, rhs_bound=b,
         noise_multiplier=z, initial_U=initial_U(cfg).to(getattr(torch, cfg.dtype)), dtype_name=cfg.dtype,
         prelude=prelude(cfg), head_items=cfg.head_items,
-        sum_bound=math.sqrt(cfg.items_per_user) * (cfg.clip_rating if cfg.clip_rating > 0 else math.inf),
+        rating_bound=math.sqrt(cfg.items_per_user) * (cfg.clip_rating if cfg.clip_rating > 0 else math.inf),
     )
 
 

@@ -64,15 +64,22 @@ def selected(mask: Tensor, items_per_user: int) -> Tensor:
     return mask & (torch.cumsum(mask.to(torch.int64), dim=1) <= items_per_user)
 
 
-def item_counts(items: Tensor, ratings: Tensor, mask: Tensor, items_per_user: int, n_items: int, sum_bound: float) -> tuple[Tensor, Tensor]:
-    """Per-item sums (s, c) of the users' selected ratings (each user's vector clipped to
-    ``sum_bound``, scale-safe) and indicators (norm ≤ √B by construction)."""
+def item_counts(items: Tensor, ratings: Tensor, mask: Tensor, items_per_user: int, n_items: int, rating_bound: float) -> tuple[Tensor, Tensor]:
+    """Per-item sums (s, c), each with one more entry for the totals, of the users' selected
+    ratings (each user's vector clipped to ``rating_bound``, scale-safe) and indicators.
+
+    Entry ``n_items`` of a user's s is Σ_i r_i/√B (|·| ≤ its vector's norm, Cauchy–Schwarz) and of
+    its c is count/√B (≤ √count): the user's s has norm ≤ √2·bound, its c ≤ √(2B). The totals give
+    the global mean with noise √B·σ instead of √items·σ from summing the per-item entries."""
     sel = selected(mask, items_per_user)
     r_unit, log_rn = linalg.directions(ratings * sel.to(ratings.dtype))
-    r = r_unit * linalg.clipped_magnitude(log_rn, sum_bound).to(ratings.dtype).unsqueeze(-1)
+    r = r_unit * linalg.clipped_magnitude(log_rn, rating_bound).to(ratings.dtype).unsqueeze(-1)
     flat = items[sel]
-    s = torch.zeros(n_items, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, r[sel])
-    c = torch.zeros(n_items, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, torch.ones_like(r[sel]))
+    root_b = math.sqrt(items_per_user)
+    s = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, r[sel])
+    c = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, torch.ones_like(r[sel]))
+    s[n_items] = (r.sum(1) / root_b).sum()
+    c[n_items] = (sel.sum(1).to(ratings.dtype) / root_b).sum()
     return s, c
 
 
@@ -160,8 +167,8 @@ class DpAlsProtocol(Protocol):
     """Round 0 releases per-item rating sums and counts (private centring, head items, item means)."""
     head_items: int = 0
     """H > 0: only the H items with the largest noisy counts are learnt (needs ``prelude``)."""
-    sum_bound: float = math.inf
-    """Γ_s of round 0's rating sums: √B·c_r."""
+    rating_bound: float = math.inf
+    """Clip of a user's selected ratings as a vector in round 0: √B·c_r."""
 
     name = "dpals"
     ITEM_MEAN_PRIOR = 5.0
@@ -172,8 +179,14 @@ class DpAlsProtocol(Protocol):
         return self.steps + int(self.prelude)
 
     @property
+    def sum_bound(self) -> float:
+        """Γ_s = √2·√B·c_r: the user's clipped rating vector plus its total entry."""
+        return math.sqrt(2.0) * self.rating_bound
+
+    @property
     def count_bound(self) -> float:
-        return math.sqrt(self.items_per_user)
+        """Γ_c = √(2B): indicators plus the count entry."""
+        return math.sqrt(2.0 * self.items_per_user)
 
     def is_prelude(self, round: int) -> bool:
         return self.prelude and round == 0
@@ -191,13 +204,13 @@ class DpAlsProtocol(Protocol):
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         k = self.rank
         if self.is_prelude(round):
-            return (StatSpec("s", (self.n_items,), self.sum_bound), StatSpec("c", (self.n_items,), self.count_bound))
+            return (StatSpec("s", (self.n_items + 1,), self.sum_bound), StatSpec("c", (self.n_items + 1,), self.count_bound))
         return (StatSpec("G", (self.n_items, k, k), self.gram_bound), StatSpec("b", (self.n_items, k), self.rhs_bound))
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
         ratings, mask = units["ratings"].to(self.dtype), units["mask"]
         if self.is_prelude(round):
-            s, c = item_counts(units["items"], ratings, mask, self.items_per_user, self.n_items, self.sum_bound)
+            s, c = item_counts(units["items"], ratings, mask, self.items_per_user, self.n_items, self.rating_bound)
             return Message({"s": s, "c": c}, int(units["ids"].shape[0]))
         if self.prelude:
             ratings = (ratings - broadcast["mu"].to(self.dtype)) * (mask | units["test"]).to(self.dtype)
@@ -212,11 +225,12 @@ class DpAlsProtocol(Protocol):
     def prelude_update(self, summed: Message, privatizer: Privatizer) -> dict[str, Tensor]:
         """Round 0: noisy per-item sums and counts → μ̂, head items, U restricted to the head."""
         z = self.noise_multiplier
-        params = {"items_per_user": self.items_per_user, "statistic": "per-item rating sums (vector clipped to √B·c_r) and counts (≤ √B)"}
+        params = {"items_per_user": self.items_per_user, "statistic": "per-item rating sums (vector clipped to √B·c_r) and counts, each with a total entry /√B; bounds √2·√B·c_r and √(2B)"}
         s = privatizer.gaussian_sum(summed.stats["s"], per_unit_bound=self.sum_bound, noise_multiplier=z, name="dpals.item_sums", round=0, params=params)
         c = privatizer.gaussian_sum(summed.stats["c"], per_unit_bound=self.count_bound, noise_multiplier=z, name="dpals.item_counts", round=0, params=params)
         s, c = s.double(), c.double()
-        mu = s.sum() / c.sum().clamp_min(1.0)
+        mu = s[-1] / c[-1].clamp_min(1.0 / math.sqrt(self.items_per_user))
+        s, c = s[:-1], c[:-1]
         head = torch.ones(self.n_items, dtype=torch.float64)
         if 0 < self.head_items < self.n_items:
             head = torch.zeros(self.n_items, dtype=torch.float64)
@@ -225,8 +239,11 @@ class DpAlsProtocol(Protocol):
         return {"U": U, "mu": mu.to(self.dtype), "head": head, "item_sums": s, "item_counts": c}
 
     def item_means(self, state: Mapping[str, Tensor]) -> Tensor:
-        """Private item means (s_i + κμ̂)/(c_i⁺ + κ), κ = κ₀ + z√B (public), from round 0's releases."""
-        mu, kappa = state["mu"].double(), self.ITEM_MEAN_PRIOR + self.noise_multiplier * self.count_bound
+        """Private item means (s_i + κμ̂)/(c_i⁺ + κ) from round 0's releases. κ = κ₀ + 4σ_s/c_r
+        (public) caps the noise's share of an item's mean at about c_r/4 whatever its count."""
+        sigma_s = self.noise_multiplier * self.sum_bound
+        kappa = self.ITEM_MEAN_PRIOR + (4 * sigma_s * math.sqrt(self.items_per_user) / self.rating_bound if sigma_s > 0 else 0.0)
+        mu = state["mu"].double()
         return (state["item_sums"] + kappa * mu) / (state["item_counts"].clamp_min(0) + kappa)
 
     def server_update(self, round: int, state: Mapping[str, Any], summed: Message, privatizer: Privatizer) -> tuple[dict[str, Any], dict[str, float]]:
