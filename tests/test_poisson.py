@@ -15,6 +15,7 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import ALL_UNITS, Privatizer, event_epsilon
 from fedpers.privacy.ledger import Release
 from fedpers.runner import execute
+from fedpers.protocols.noisyhead import descend as nh_descend
 from tests.neighbours import adversaries, check_neighbour
 
 EXP = EXPERIMENTS["fedrep"]
@@ -147,3 +148,72 @@ def test_altmin_poisson_config_is_checked():
         config.build(ALTMIN.config_type, {"sampling_rate": 0.5})
     with pytest.raises(ValueError, match="calibration paper has no rule"):
         config.build(ALTMIN.config_type, {"cohorts": "poisson", "sampling_rate": 0.5, "calibration": "paper"})
+
+
+NOISYHEAD = EXPERIMENTS["noisyhead"]
+NH_USER = dict(prompts=4000, dim=3, context=3, unit="user", prompts_per_user=4, mode="rounds", steps=4, calibration="accountant", test_prompts=50, seed=2)
+
+
+@pytest.mark.slow
+def test_noisyhead_user_level_poisson_meets_its_target_samples_about_q_and_divides_by_qN():
+    cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "epsilon": 2.0, "sampling_rate": 0.25})
+    result = execute(NOISYHEAD, cfg, write=False, progress=False)
+    assert result["epsilon"] <= 2.0 and result["epsilon"] == pytest.approx(2.0, rel=1e-2)
+    units = 4000 // 4
+    counts = [r["units"] for r in result["_rounds"]]
+    assert len(counts) == 4 and len(set(counts)) > 1
+    for c in counts:
+        assert abs(c - 250) < 5 * math.sqrt(units * 0.25 * 0.75)
+    protocol = NOISYHEAD.protocol(cfg)
+    full = NOISYHEAD.protocol(config.build(NOISYHEAD.config_type, {**NH_USER, "epsilon": 2.0}))
+    assert protocol.noise_multiplier < full.noise_multiplier
+    # the step divides the noisy sum by the public q·N: a unit gradient moves Γ by η₀/(qN)
+    g = torch.zeros(protocol.dim**2, dtype=torch.float64)
+    g[0] = 1.0
+    moved = nh_descend(torch.zeros_like(g), g, protocol.prompts * protocol.sampling_rate, protocol.ridge_lambda, protocol.step_size, protocol.proj_r)
+    assert float(moved[0]) == pytest.approx(-protocol.step_size / (0.25 * 4000), rel=1e-9) or float(moved.norm()) == pytest.approx(protocol.proj_r)
+
+
+def test_noisyhead_one_sampled_step_is_the_hand_computed_amplified_gaussian():
+    """One step at z = 2, q = 0.1 on the user level: the ledger's ε is the sampled Gaussian's by
+    hand (0.5857 at δ = 1e-6), and the released noise std is z·bound (not divided by q)."""
+    from dataclasses import replace
+
+    from fedpers.experiments.noisyhead import step_event
+    from fedpers.privacy import ledger_epsilon
+    from fedpers.runtime.local import run_local
+
+    hand = hand_epsilon(2.0, 0.1, 1e-6)
+    assert event_epsilon(step_event(2.0, 1, 0.1), 1e-6) == pytest.approx(hand, rel=2e-3)
+    cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "prompts": 800, "steps": 1, "epsilon": math.inf, "delta": 1e-6, "sampling_rate": 0.1})
+    protocol = replace(NOISYHEAD.protocol(cfg), noise_multiplier=2.0)
+    units = NOISYHEAD.units(cfg, torch.arange(200))
+    privatizer = Privatizer(5)
+    run_local(protocol, units, privatizer, progress=False)
+    (release,) = list(privatizer.ledger)
+    assert release.noise_std == pytest.approx(2.0 * protocol.grad_bound, rel=1e-12)
+    assert ledger_epsilon(privatizer.ledger, 1e-6) == pytest.approx(hand, rel=2e-3)
+
+
+def test_noisyhead_poisson_config_is_checked():
+    with pytest.raises(ValueError, match="needs mode rounds"):
+        config.build(NOISYHEAD.config_type, {**NH_USER, "mode": "statistics", "sampling_rate": 0.5})
+    with pytest.raises(ValueError, match="calibration accountant"):
+        config.build(NOISYHEAD.config_type, {**NH_USER, "calibration": "paper", "sampling_rate": 0.5})
+    from fedpers.experiments.noisyhead_mc import sweep_point
+
+    with pytest.raises(ValueError, match="Monte-Carlo sweep engine"):
+        sweep_point(config.build(NOISYHEAD.config_type, {**NH_USER, "sampling_rate": 0.5}), 2)
+
+
+@pytest.mark.slow
+def test_noisyhead_poisson_local_equals_flower_grid(tmp_path):
+    from fedpers.runner import Runtime, RuntimeOptions
+    from fedpers.runtime.flower import make_client_app
+    from tests.flower_support import InProcessGrid
+
+    cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "prompts": 400, "epsilon": 3.0, "sampling_rate": 0.3})
+    local = execute(NOISYHEAD, cfg, out=tmp_path / "local", progress=False)
+    flower = execute(NOISYHEAD, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=InProcessGrid(make_client_app(), 3))
+    torch.testing.assert_close(flower["_state"]["gamma"], local["_state"]["gamma"], rtol=1e-6, atol=1e-9)
+    assert [r["units"] for r in flower["_rounds"]] == [r["units"] for r in local["_rounds"]]

@@ -107,6 +107,7 @@ class NoisyHeadConfig:
     user_clip: float = field(1.0, "ρ: a user's statistics are clipped to ρ·P times one prompt's bounds", gt=0.0, le=1.0)
     calibration: Calibration = field(Calibration.PAPER, "paper: per-step (ε/T, δ/T) classical Gaussian; accountant: smallest noise meeting (ε, δ)")
     accountant: Accountant = field(Accountant.PLD, "accountant for the reported ε (pld is exact for Gaussians)")
+    sampling_rate: float = field(1.0, "q < 1: each step includes every unit (prompt or user) independently with probability q (Poisson; amplification); needs --mode rounds and --calibration accountant", gt=0.0, le=1.0)
     label_noise: float = field(0.0, "τ, the label noise std (ν = 1 + τ²)", ge=0.0)
     kappa: float = field(1.0, "κ of Theorem 4.1", gt=0.0, le=1.0)
     clip_c: float = field(0.0, "label clip C (0: Theorem 4.1)", ge=0.0)
@@ -139,6 +140,13 @@ class NoisyHeadConfig:
             raise ValueError("the robustness attack (attack_c > 0) is defined for synthetic data only")
         if self.data is DataSource.NEWSGROUPS and self.label_noise > 0:
             raise ValueError("label_noise applies to synthetic data only")
+        if self.sampling_rate < 1:
+            if self.mode is not Mode.ROUNDS:
+                raise ValueError("sampling_rate < 1 needs mode rounds (each step samples its units; the statistics mode sends them once)")
+            if self.calibration is not Calibration.ACCOUNTANT or self.accountant is not Accountant.PLD:
+                raise ValueError("sampling_rate < 1 needs calibration accountant and accountant pld (the paper's per-step rule has no sampling)")
+            if self.attack_c > 0:
+                raise ValueError("the robustness attack is defined without sampling (sampling_rate = 1)")
 
 
 @dataclass(frozen=True)
@@ -205,8 +213,9 @@ def resolve(cfg: NoisyHeadConfig) -> Resolved:
     elif cfg.calibration is Calibration.PAPER:
         z, formulas["noise_multiplier"] = nh.paper_noise_multiplier(T, cfg.epsilon, cfg.delta), "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))"
     else:
-        z = calibrate_noise_multiplier(lambda z: step_event(z, T), cfg.epsilon, cfg.delta, cfg.accountant)
-        formulas["noise_multiplier"] = f"smallest z with ε({cfg.accountant.value}, T-fold Gaussian) ≤ target"
+        z = calibrate_noise_multiplier(lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
+        sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
+        formulas["noise_multiplier"] = f"smallest z with ε({cfg.accountant.value}, T-fold Gaussian{sampled}) ≤ target"
     formulas["noise_std_step"] = "std of z_t entries = (η₀/N)·z·ρP·G(C + RG)"
     return Resolved(N, L, D, lam, eta, T, consts, C, G, R, z, P, rho, formulas)
 
@@ -221,9 +230,13 @@ def _regime_steps(regime: Regime, n: int, lam: float, eta: float) -> int:
     return max(1, math.ceil(target / rate))
 
 
-def step_event(noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
-    """What one unit is touched by: T Gaussian releases with the same noise multiplier."""
-    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier), steps)
+def step_event(noise_multiplier: float, steps: int, sampling_rate: float = 1.0) -> dp_accounting.DpEvent:
+    """What one unit is touched by: T Gaussian releases with the same noise multiplier, each
+    Poisson-sampled at q when q < 1."""
+    g = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if sampling_rate < 1:
+        g = dp_accounting.PoissonSampledDpEvent(sampling_rate, g)
+    return dp_accounting.SelfComposedDpEvent(g, steps)
 
 
 def initial_gamma(cfg: NoisyHeadConfig, r: Resolved) -> tuple[float, ...]:
@@ -240,6 +253,7 @@ def make_protocol(cfg: NoisyHeadConfig, r: Resolved | None = None, mode: Mode | 
         prompts=r.N, dim=r.D, context=r.L, steps=r.T, step_size=r.eta, ridge_lambda=r.lam,
         clip_c=r.C, proj_g=r.G, proj_r=r.R, noise_multiplier=r.noise_multiplier, mode=mode or cfg.mode,
         prompts_per_unit=r.P, unit_clip=r.rho, gamma0=initial_gamma(cfg, r), unit_name=cfg.unit.value,
+        sampling_rate=cfg.sampling_rate if (mode or cfg.mode) is Mode.ROUNDS else 1.0,
     )
 
 

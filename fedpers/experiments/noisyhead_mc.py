@@ -251,6 +251,8 @@ def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]
     """One row of metrics per repetition; every repetition computed in the same tensor operations."""
     if repetitions < 1:
         raise ValueError(f"repetitions must be >= 1; got {repetitions}")
+    if cfg.sampling_rate < 1:
+        raise ValueError("sampling_rate < 1 (Poisson sampling) is not simulated by the Monte-Carlo sweep engine, which reuses one sum of all units; run the points with fedpers run (mode rounds)")
     cfg, noise_seed = split_seed(cfg)  # like a run: data from the public seed, noise from a secret one
     r = resolve(cfg)
     engine = "direct" if cfg.attack_c > 0 else engine_for(cfg, r)

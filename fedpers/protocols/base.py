@@ -153,6 +153,11 @@ class Protocol(abc.ABC):
     def initial_state(self) -> Any:
         """Server state before round 0 (public)."""
 
+    def server_start(self, state: Any, privatizer: Any) -> Any:
+        """Server-side additions to the initial state drawn from the Privatizer's private
+        generators (e.g. round 0's Poisson sample), once per fresh run. Default: none."""
+        return state
+
     @abc.abstractmethod
     def broadcast(self, state: Any, round: int) -> dict[str, Tensor]:
         """Public tensors sent to every client in ``round``."""

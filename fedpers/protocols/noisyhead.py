@@ -225,6 +225,10 @@ class NoisyHeadProtocol(Protocol):
     unit_clip: float = 1.0
     gamma0: tuple[float, ...] = ()
     unit_name: str = "prompt"
+    sampling_rate: float = 1.0
+    """q < 1 (rounds mode): each step includes every unit independently with probability q,
+    drawn on the server from the Privatizer's sampling generator; the noisy sum is divided by
+    the public q·N (not the sampled count)."""
 
     name = "noisyhead"
 
@@ -235,6 +239,18 @@ class NoisyHeadProtocol(Protocol):
             raise ValueError(f"gamma0 must have D² = {self.dim**2} entries; got {len(self.gamma0)}")
         if not 0 < self.unit_clip <= 1:
             raise ValueError(f"unit_clip must be in (0, 1]; got {self.unit_clip}")
+        if not 0 < self.sampling_rate <= 1:
+            raise ValueError(f"sampling_rate must be in (0, 1]; got {self.sampling_rate}")
+        if self.sampling_rate < 1 and self.mode is not Mode.ROUNDS:
+            raise ValueError("sampling_rate < 1 needs mode rounds (each step samples its units)")
+
+    @property
+    def poisson(self) -> bool:
+        return self.sampling_rate < 1
+
+    @property
+    def units_total(self) -> int:
+        return self.prompts // self.prompts_per_unit
 
     @property
     def num_rounds(self) -> int:
@@ -285,8 +301,20 @@ class NoisyHeadProtocol(Protocol):
     def initial_state(self) -> dict[str, Tensor]:
         return {"gamma": self.initial_gamma()}
 
+    def server_start(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
+        return self._next_sample(state, privatizer)
+
+    def _next_sample(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
+        if self.poisson:
+            state["sampled"] = privatizer.poisson_sample(self.units_total, self.sampling_rate).to(torch.float64)
+        return state
+
     def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
-        return {} if self.mode is Mode.STATISTICS else {"gamma": state["gamma"]}
+        if self.mode is Mode.STATISTICS:
+            return {}
+        if self.poisson:  # this step's membership (see docs/fedrep.md: who may see it)
+            return {"gamma": state["gamma"], "sampled": state["sampled"]}
+        return {"gamma": state["gamma"]}
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         k = self.dim**2
@@ -308,6 +336,9 @@ class NoisyHeadProtocol(Protocol):
         return z, yq, ca.unsqueeze(-1).expand(-1, P), cb.unsqueeze(-1).expand(-1, P)
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        if self.poisson:
+            keep = broadcast["sampled"].to(units["ids"].device)[units["ids"]] > 0
+            units = {k: v[keep] for k, v in units.items()}
         z, yq, wa, wb = self.features(units)
         k = self.dim**2
         z, yq = z.reshape(-1, k), yq.reshape(-1)
@@ -327,9 +358,11 @@ class NoisyHeadProtocol(Protocol):
             params={
                 "statistic": f"Σ_{self.unit_name} gradient", "C": self.clip_c, "G": self.proj_g, "R": self.proj_r,
                 "P": self.prompts_per_unit, "rho": self.unit_clip, "formula": "bound ρP·G(C + RG), Δ = 2·bound",
+                **({"sampling": f"poisson q={self.sampling_rate}", "poisson_sample": f"step{t}"} if self.poisson else {}),
             },
+            sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
         )
-        return descend(gamma, noisy, self.prompts, self.ridge_lambda, self.step_size, self.proj_r), noisy
+        return descend(gamma, noisy, self.prompts * self.sampling_rate, self.ridge_lambda, self.step_size, self.proj_r), noisy
 
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
@@ -344,6 +377,11 @@ class NoisyHeadProtocol(Protocol):
         else:
             gamma, _ = self.noisy_step(round, gamma, summed.stats["grad"], privatizer)
             projected = int(float(torch.linalg.vector_norm(gamma)) >= self.proj_r * (1 - 1e-12))
+        if self.poisson:
+            out = self._next_sample({"gamma": gamma}, privatizer)
+            return out, {"noise_std_sum": self.noise_std_sum, "noise_std_step": self.noise_std_step,
+                         "steps_at_radius_R": float(projected), "gamma_norm": float(torch.linalg.vector_norm(gamma)),
+                         "sampled_units": float(summed.count)}
         diagnostics = {
             "noise_std_sum": self.noise_std_sum,
             "noise_std_step": self.noise_std_step,

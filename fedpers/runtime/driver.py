@@ -97,7 +97,7 @@ def drive(
         state, first = resume.state, resume.next_round
         privatizer.load_state_dict(resume.privatizer)
     else:
-        state, first = protocol.initial_state(), 0
+        state, first = protocol.server_start(protocol.initial_state(), privatizer), 0
     records: list[RoundRecord] = []
     bar = tqdm(range(first, protocol.num_rounds), desc=protocol.name, unit="round", disable=not progress, leave=False, initial=first, total=protocol.num_rounds)
     for r in bar:
