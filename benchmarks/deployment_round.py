@@ -4,7 +4,9 @@ SuperLink + 3 SuperNodes on 127.0.0.1 (insecure: loopback only), ``flwr run . de
 Flower's Ray simulation with 3 nodes; the local runtime. Same config (30,000 users, d = 50,
 k = 3, m = 40, every user in each round, reproducible noise). The per-round seconds come from
 each runtime's own round records (``rounds.jsonl`` for the deployment). Target (issue 12): a
-deployment round <= 3x the local round.
+deployment round <= 3x the local round. The deployment runs twice: Flower's default (a fresh
+``flwr-clientapp`` process per message) and ``--isolation process`` SuperNodes with
+``fedpers deploy superexec`` (warm forked ClientApp processes).
 
     PYTHONPATH=. python benchmarks/deployment_round.py [--users 30000 --rounds 2]
 """
@@ -54,14 +56,23 @@ def simulation(args: argparse.Namespace) -> list[float]:
     return [r.seconds for r in records]
 
 
-def deployment(args: argparse.Namespace, work: Path) -> list[float]:
+def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached: bool = False) -> list[float]:
+    """``warm``: SuperNodes with ``--isolation process`` and ``fedpers deploy superexec`` beside each;
+    ``cached``: also ``$FEDPERS_NODE_CACHE``, so a node loads its users once, not per message."""
+    work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    if cached:
+        env["FEDPERS_NODE_CACHE"] = str(work / "node-cache")
     port = free_port()
     with Processes(work, env) as procs:
         link, log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(work / "link-home"))
         wait_for_log(log, "Starting Flower SuperExec", link)
         for i in range(3):
-            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions=3"], FLWR_HOME=str(work / f"node{i}-home"))
+            runtime = free_port()
+            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime), "--node-config", f"partition-id={i} num-partitions=3",
+                                          *(["--isolation", "process"] if warm else [])], FLWR_HOME=str(work / f"node{i}-home"))
+            if warm:
+                procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"], FLWR_HOME=str(work / f"node{i}-home"))
         write_connection(work / "cli-home", "deployment", f"127.0.0.1:{port}")
         out = work / "run"
         pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in fields(args).items())
@@ -79,15 +90,25 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=3)
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default="cold,warm,cached", help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache)")
     args = p.parse_args()
+    variants = {v.strip() for v in args.variants.split(",")}
     with tempfile.TemporaryDirectory(prefix="fedpers-deploy-bench-") as tmp:
         start = time.perf_counter()
-        times = {"deployment": deployment(args, Path(tmp)), "simulation": simulation(args), "local": local(args)}
+        times = {}
+        if "cold" in variants:
+            times["deployment"] = deployment(args, Path(tmp) / "cold")
+        if "warm" in variants:
+            times["deploy-warm"] = deployment(args, Path(tmp) / "warm", warm=True)
+        if "cached" in variants:
+            times["deploy-cached"] = deployment(args, Path(tmp) / "cached", warm=True, cached=True)
+        times["simulation"] = simulation(args)
+        times["local"] = local(args)
     print(f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, 3 nodes; seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]")
     for name, secs in times.items():
         print(f"{name:12s} " + "  ".join(f"{s:8.2f}" for s in secs))
     last = {k: v[-1] for k, v in times.items()}
-    print(f"last round: deployment / local = {last['deployment'] / last['local']:.1f}x (target <= 3x); simulation / local = {last['simulation'] / last['local']:.1f}x")
+    print("last round / local (target <= 3x): " + ", ".join(f"{k} {v / last['local']:.1f}x" for k, v in last.items() if k != "local"))
 
 
 if __name__ == "__main__":

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--supernodes", type=int, default=1, help="SuperNode key pairs to create (default 1)")
     ce.add_argument("--days", type=int, default=365, help="certificate validity in days (default 365)")
     ce.add_argument("--force", action="store_true", help="overwrite the keys in an existing directory")
+    dr = dsub.add_parser("run", help="flwr run, stream the logs, wait; exit 0 only if the run completed (flwr run --stream exits 0 either way)", allow_abbrev=False)
+    dr.add_argument("superlink", help="the flwr SuperLink connection name (e.g. deployment)")
+    dr.add_argument("--app", default=".", help="the Flower app directory (default: .)")
+    dr.add_argument("--run-config", default="", help="passed to flwr run --run-config")
+    dr.add_argument("--timeout", type=float, default=0.0, help="give up waiting after this many seconds (0: never)")
+    se = dsub.add_parser("superexec", help="flower-superexec (same flags) for a SuperNode with --isolation process, forking warm ClientApp processes", allow_abbrev=False)
+    se.add_argument("flower_args", nargs=argparse.REMAINDER, help="flower-superexec's flags, e.g. --runtime-api-address 127.0.0.1:9094 --insecure")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -218,7 +225,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from fedpers.deploy import make_certs
+    from fedpers.deploy import make_certs, run_and_wait
+
+    if args.deploy_command == "run":
+        return run_and_wait(args.app, args.superlink, args.run_config, timeout=args.timeout)[0]
+    if args.deploy_command == "superexec":  # reached only without flags (main() passes flags through)
+        from fedpers.runtime.flower.forkserver import superexec
+
+        return superexec(list(args.flower_args))
 
     files = make_certs(args.dir, args.host, args.supernodes, days=args.days, force=args.force)
     print(f"wrote {len(files)} files to {args.dir} (private keys mode 0600):", ", ".join(sorted(p.name for p in files.values())))
@@ -243,6 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import os
     import signal
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["deploy", "superexec"] and not {"-h", "--help"} & set(argv[2:]):  # flower-superexec's own flags, untouched
+        from fedpers.runtime.flower.forkserver import superexec
+
+        return superexec(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +176,47 @@ def test_a_supernode_killed_mid_run(tmp_path, env):
         assert [r["clients_accepted"] for r in rounds] == [3, 2, 2]
         assert all("partition-2" in r["dropped"] for r in rounds[1:])
         assert json.loads((out / "result.json").read_text())["status"] == "completed"
+
+
+def test_an_aborted_deployment_run_exits_non_zero_through_fedpers_deploy_run(tmp_path, env):
+    """A ServerApp that refuses its config ends the run as finished:failed; `fedpers deploy run`
+    exits 1 and says so (Flower 1.41's `flwr run --stream` exits 0 on the same run)."""
+    port = free_port()
+    with Processes(tmp_path, env) as procs:
+        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        procs.start("supernode0", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+                                   "--node-config", "partition-id=0 num-partitions=1"], FLWR_HOME=str(tmp_path / "node0-home"))
+        home = tmp_path / "cli-home"
+        write_connection(home, "deployment", f"127.0.0.1:{port}")
+        bad = f"config='n_users=150 dim=5 rank=9 samples_per_user=8 rounds=1' out='{tmp_path / 'runs' / 'bad'}' round-timeout=60.0 secure-noise=false"
+        done = subprocess.run([sys.executable, "-m", "fedpers", "deploy", "run", "deployment", "--run-config", bad, "--timeout", "300"],
+                              cwd=ROOT, env={**procs.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=480)
+        assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "finished:failed" in done.stdout
+
+
+def test_fedpers_superexec_with_process_isolation_gives_the_local_result(tmp_path, env):
+    """SuperNodes with --isolation process and `fedpers deploy superexec` beside each (warm forked
+    ClientApps): the deployment result equals the local runtime's, and `fedpers deploy run` exits 0."""
+    cfg = config_lib.build(EXP.config_type, FIELDS)
+    port = free_port()
+    with Processes(tmp_path, env) as procs:
+        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        for i in range(2):
+            runtime = free_port()
+            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime), "--isolation", "process",
+                                          "--node-config", f"partition-id={i} num-partitions=2"], FLWR_HOME=str(tmp_path / f"node{i}-home"))
+            procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"],
+                        FLWR_HOME=str(tmp_path / f"node{i}-home"))
+        home = tmp_path / "cli-home"
+        write_connection(home, "deployment", f"127.0.0.1:{port}")
+        out = tmp_path / "runs" / "flower"
+        done = subprocess.run([sys.executable, "-m", "fedpers", "deploy", "run", "deployment", "--timeout", "400", "--run-config",
+                               f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false"],
+                              cwd=ROOT, env={**procs.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=480)
+        assert "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+        check_against_local(out, cfg, done)
+        for i in range(2):  # discovery + 2 rounds: every ClientApp ran in a fork, none through flwr-clientapp
+            assert (tmp_path / f"superexec{i}.log").read_text().count("forked a warm ClientApp") >= 3

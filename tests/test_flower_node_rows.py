@@ -39,3 +39,33 @@ def test_a_node_asked_for_10_of_many_users_reads_only_their_rows(tmp_path: Path,
     assert (1000, 1010) in asked
     # nothing reads the file whole: the open-time finiteness check goes in bounded row blocks
     assert max(b - a for a, b in asked) <= files.AltMinFile.CHECK_ROWS < n
+
+
+def test_node_cache_loads_units_once_across_processes_and_notices_a_changed_file(tmp_path: Path, monkeypatch):
+    """With $FEDPERS_NODE_CACHE a new ClientApp process (here: cleared in-memory caches) reuses
+    the units an earlier one loaded; a data file rewritten since is read again."""
+    import os
+    import torch
+
+    n, m, d, k = 200, 8, 5, 2
+    rng = np.random.default_rng(1)
+    path = tmp_path / "users.npz"
+    np.savez(path, x=rng.standard_normal((n, m, d)), y=rng.standard_normal((n, m)), u_star=np.linalg.qr(rng.standard_normal((d, k)))[0])
+    monkeypatch.setenv(client.NODE_CACHE_ENV, str(tmp_path / "cache"))
+    calls = []
+    original = type(EXP).units
+    monkeypatch.setattr(type(EXP), "units", lambda self, cfg, ids: (calls.append(1), original(self, cfg, ids))[1])
+    cfg = config_lib.build(EXP.config_type, {"rank": k, "rounds": 1, "seed": 3, "data": str(path)})
+    job = codec.Job.of("altmin", cfg, EXP.protocol(cfg))
+    first = client.node_units(job, str(path), client.node_job(job, str(path)), 50, 120)
+    for _ in range(2):  # two "new processes"
+        client._units.clear()
+        again = client.node_units(job, str(path), client.node_job(job, str(path)), 50, 120)
+        for key in first:
+            assert torch.equal(first[key], again[key])
+    assert len(calls) == 1
+    np.savez(path, x=rng.standard_normal((n, m, d)), y=rng.standard_normal((n, m)), u_star=np.linalg.qr(rng.standard_normal((d, k)))[0])
+    os.utime(path, ns=(1, 1))
+    client._units.clear()
+    changed = client.node_units(job, str(path), client.node_job(job, str(path)), 50, 120)
+    assert len(calls) == 2 and not torch.equal(changed["x"], first["x"])

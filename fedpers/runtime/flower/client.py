@@ -25,6 +25,9 @@ from fedpers.runtime.flower import codec
 
 UNIT_CACHE_BYTES = 1 << 30
 """Most bytes of unit data one process keeps between rounds (least recently used go first)."""
+NODE_CACHE_ENV = "FEDPERS_NODE_CACHE"
+"""A directory (node-local, private) where a node keeps its loaded units between processes: Flower
+1.41 runs each message in a new process, so without it every round loads (or generates) them again."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,42 @@ def node_units(job: codec.Job, data_file: str, node: NodeJob, start: int, stop: 
     if key in _units:
         _units.move_to_end(key)
         return _units[key]
-    units = node.experiment.units(node.cfg, torch.arange(start, stop))
+    units = _disk_cached(key, lambda: node.experiment.units(node.cfg, torch.arange(start, stop)))
     _units[key] = units
     while len(_units) > 1 and sum(_nbytes(u) for u in _units.values()) > UNIT_CACHE_BYTES:
         _units.popitem(last=False)
+    return units
+
+
+def _disk_cached(key: tuple, load: Any) -> Units:
+    """``load()``, kept in ``$FEDPERS_NODE_CACHE`` (if set) under a digest of the job, the data
+    file (path, size, mtime) and the unit range; written atomically, read memory-mapped."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    directory = os.environ.get(NODE_CACHE_ENV, "")
+    if not directory:
+        return load()
+    data_file = key[2]
+    stamp = ""
+    if data_file and os.path.exists(data_file):
+        st = os.stat(data_file)
+        stamp = f"{os.path.abspath(data_file)}:{st.st_size}:{st.st_mtime_ns}"
+    from fedpers import __version__
+
+    name = hashlib.sha256(json.dumps([__version__, *map(str, key), stamp]).encode()).hexdigest()[:32] + ".pt"
+    path = Path(directory) / name
+    if path.is_file():
+        try:
+            return torch.load(path, mmap=True, weights_only=True)
+        except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt
+            path.unlink(missing_ok=True)
+    units = load()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(dict(units), tmp)
+    os.replace(tmp, path)
     return units
 
 
