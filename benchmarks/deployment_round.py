@@ -56,9 +56,10 @@ def simulation(args: argparse.Namespace) -> list[float]:
     return [r.seconds for r in records]
 
 
-def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached: bool = False) -> list[float]:
+def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached: bool = False, poll: bool = False) -> list[float]:
     """``warm``: SuperNodes with ``--isolation process`` and ``fedpers deploy superexec`` beside each;
-    ``cached``: also ``$FEDPERS_NODE_CACHE``, so a node loads its users once, not per message."""
+    ``cached``: also ``$FEDPERS_NODE_CACHE``, so a node loads its users once, not per message;
+    ``poll``: also ``fedpers deploy supernode`` (0.2 s message poll instead of Flower's 3 s)."""
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1"}
     if cached:
@@ -69,7 +70,8 @@ def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached:
         wait_for_log(log, "Starting Flower SuperExec", link)
         for i in range(3):
             runtime = free_port()
-            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime), "--node-config", f"partition-id={i} num-partitions=3",
+            launcher = [sys.executable, "-m", "fedpers", "deploy", "supernode"] if poll else ["flower-supernode"]
+            procs.start(f"supernode{i}", [*launcher, "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime), "--node-config", f"partition-id={i} num-partitions=3",
                                           *(["--isolation", "process"] if warm else [])], FLWR_HOME=str(work / f"node{i}-home"))
             if warm:
                 procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"], FLWR_HOME=str(work / f"node{i}-home"))
@@ -90,7 +92,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=3)
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--variants", default="cold,warm,cached", help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache)")
+    p.add_argument("--variants", default="cold,warm,cached,poll", help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache), poll (cached + fedpers deploy supernode)")
     args = p.parse_args()
     variants = {v.strip() for v in args.variants.split(",")}
     with tempfile.TemporaryDirectory(prefix="fedpers-deploy-bench-") as tmp:
@@ -102,6 +104,8 @@ def main() -> None:
             times["deploy-warm"] = deployment(args, Path(tmp) / "warm", warm=True)
         if "cached" in variants:
             times["deploy-cached"] = deployment(args, Path(tmp) / "cached", warm=True, cached=True)
+        if "poll" in variants:
+            times["deploy-poll"] = deployment(args, Path(tmp) / "poll", warm=True, cached=True, poll=True)
         times["simulation"] = simulation(args)
         times["local"] = local(args)
     print(f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, 3 nodes; seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]")

@@ -93,6 +93,7 @@ def test_nonprivate_fedrep_recovers_u_star():
     assert result["subspace_error"] < 0.1 * result["baselines"]["private_init_only"]["subspace_error"]
 
 
+@pytest.mark.slow  # > 10 s; in CI's slow run
 def test_private_fedrep_improves_on_its_initialisation():
     cfg = config.build(EXP.config_type, dict(n_users=5000, dim=20, rank=2, samples_per_user=5, test_samples=50, epsilon=8.0, rounds=20,
                                             learning_rate=1.0, seed=1))

@@ -60,6 +60,7 @@ def local_state(cfg, noise_seed, keep=None):
 SMALL = {"n_users": 240, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 2, "seed": 5}
 
 
+@pytest.mark.slow  # > 10 s; in CI's slow run
 def test_flower_runtime_equals_local_with_many_users_per_node(ray_address, tmp_path):
     """execute(--runtime flower --nodes 4): same U (float64), ledger and run directory as --runtime local."""
     cfg = config_lib.build(EXP.config_type, SMALL)
@@ -89,6 +90,7 @@ def test_cli_json_on_the_flower_runtime(ray_address, tmp_path):
     torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # > 10 s; in CI's slow run
 def test_one_user_per_node_equals_local(ray_address):
     cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, {"n_users": 10, "dim": 4, "rank": 2, "samples_per_user": 8, "rounds": 2, "seed": 2}))
     expected, ledger = local_state(cfg, noise_seed)

@@ -77,6 +77,7 @@ def test_sampled_release_round_trips_through_the_ledger():
     assert back.event == event and back.noise_multiplier == 3.0
 
 
+@pytest.mark.slow  # > 10 s; in CI's slow run
 def test_fedrep_poisson_worst_case_neighbours():
     cfg = config.build(EXP.config_type, dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=2,
                                             epsilon=2.0, clip=1.0, cohorts="poisson", sampling_rate=0.5, baselines="none"))

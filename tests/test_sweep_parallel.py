@@ -74,6 +74,7 @@ def test_points_are_run_directories_and_the_table_is_parquet_too(serial: Path) -
     assert float(rows[-1]["subspace_error"]) == result["subspace_error"]
 
 
+@pytest.mark.slow  # > 10 s; in CI's slow run
 def test_two_workers_on_ray_give_the_serial_table_and_resume_alike(serial: Path, tmp_path: Path) -> None:
     (tmp_path / "s.toml").write_text(SPEC)
     summary = run_sweep(tmp_path / "s.toml", out=tmp_path / "par", progress=False, workers=2)

@@ -1,4 +1,5 @@
-"""`fedpers deploy superexec`: Flower's SuperExec with a warm fork server for ClientApps.
+"""`fedpers deploy superexec` / `supernode`: Flower's SuperExec with a warm fork server for
+ClientApps, and Flower's SuperNode with a shorter message poll.
 
 Flower 1.41 runs every message of a deployment in a fresh ``flwr-clientapp`` process that
 imports Python, flwr, torch and fedpers again (2.5–5 s here) — most of a deployment round.
@@ -111,6 +112,55 @@ def superexec(argv: list[str]) -> int:
     loop.get_executor = lambda *a, **k: ForkServerExecutor(original(*a, **k))
     sys.argv = ["flower-superexec", *argv]
     cli.flower_superexec()
+    return 0
+
+
+SUPERNODE_POLL = 0.2
+"""Seconds between a SuperNode's pulls for messages with ``fedpers deploy supernode`` (Flower: 3 s)."""
+
+
+class _PollingTime:
+    """``time`` for Flower's SuperNode loop with every wait capped at ``poll`` seconds: its
+    only sleeps are polls (3 s when no message was pulled, 0.5 s while a reply is pending)."""
+
+    def __init__(self, poll: float) -> None:
+        import time
+
+        self._time, self._poll = time, poll
+
+    def sleep(self, seconds: float) -> None:
+        self._time.sleep(min(seconds, self._poll))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._time, name)
+
+
+def supernode(argv: list[str]) -> int:
+    """``flower-supernode ARGV`` polling the SuperLink every ``--poll`` s (default 0.2) instead of
+    Flower 1.41's hard-coded 3 s, the floor of a deployment round (each idle SuperNode then sends
+    about 1/poll pull requests a second)."""
+    import importlib
+
+    import flwr
+
+    version = getattr(flwr, "__version__", "")
+    if not version.startswith(FLOWER_SERIES):
+        raise SystemExit(f"fedpers deploy supernode is written against Flower {FLOWER_SERIES}x; this is flwr {version}: use flower-supernode")
+    poll = SUPERNODE_POLL
+    if "--poll" in argv:
+        i = argv.index("--poll")
+        try:
+            poll = float(argv[i + 1])
+        except (IndexError, ValueError):
+            raise SystemExit("--poll needs a number of seconds") from None
+        if not 0.01 <= poll <= 3.0:
+            raise SystemExit(f"--poll must be in [0.01, 3] seconds; got {poll}")
+        argv = argv[:i] + argv[i + 2:]
+    loop = importlib.import_module("flwr.supernode.start_client_internal")
+    loop.time = _PollingTime(poll)
+    cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
+    sys.argv = ["flower-supernode", *argv]
+    cli.flower_supernode()
     return 0
 
 
