@@ -197,8 +197,9 @@ def test_an_aborted_deployment_run_exits_non_zero_through_fedpers_deploy_run(tmp
 
 
 def test_fedpers_superexec_with_process_isolation_gives_the_local_result(tmp_path, env):
-    """SuperNodes with --isolation process and `fedpers deploy superexec` beside each (warm forked
-    ClientApps): the deployment result equals the local runtime's, and `fedpers deploy run` exits 0."""
+    """SuperNodes with --isolation process (one through `fedpers deploy supernode`, 0.2 s poll) and
+    `fedpers deploy superexec` beside each (warm forked ClientApps): the deployment result equals
+    the local runtime's, and `fedpers deploy run` exits 0."""
     cfg = config_lib.build(EXP.config_type, FIELDS)
     port = free_port()
     with Processes(tmp_path, env) as procs:
@@ -206,7 +207,8 @@ def test_fedpers_superexec_with_process_isolation_gives_the_local_result(tmp_pat
         wait_for_log(link_log, "Starting Flower SuperExec", link)
         for i in range(2):
             runtime = free_port()
-            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime), "--isolation", "process",
+            launcher = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--poll", "0.2"] if i == 0 else ["flower-supernode"]  # one of each
+            procs.start(f"supernode{i}", [*launcher, "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime), "--isolation", "process",
                                           "--node-config", f"partition-id={i} num-partitions=2"], FLWR_HOME=str(tmp_path / f"node{i}-home"))
             procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"],
                         FLWR_HOME=str(tmp_path / f"node{i}-home"))
