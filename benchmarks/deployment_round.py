@@ -33,7 +33,7 @@ from fedpers.privacy import Privatizer  # noqa: E402
 from fedpers.runner import RuntimeOptions, split_seed  # noqa: E402
 from fedpers.runtime.flower import run_flower  # noqa: E402
 from fedpers.runtime.local import run_local  # noqa: E402
-from flower_support import Processes, free_port, wait_for_log, write_connection  # noqa: E402
+from flower_support import Processes, start_loopback_federation, write_connection  # noqa: E402
 
 EXP = EXPERIMENTS["altmin"]
 
@@ -64,17 +64,8 @@ def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1"}
     if cached:
         env["FEDPERS_NODE_CACHE"] = str(work / "node-cache")
-    port = free_port()
     with Processes(work, env) as procs:
-        link, log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(work / "link-home"))
-        wait_for_log(log, "Starting Flower SuperExec", link)
-        for i in range(3):
-            runtime = free_port()
-            launcher = [sys.executable, "-m", "fedpers", "deploy", "supernode"] if poll else ["flower-supernode"]
-            procs.start(f"supernode{i}", [*launcher, "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime), "--node-config", f"partition-id={i} num-partitions=3",
-                                          *(["--isolation", "process"] if warm else [])], FLWR_HOME=str(work / f"node{i}-home"))
-            if warm:
-                procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"], FLWR_HOME=str(work / f"node{i}-home"))
+        port = start_loopback_federation(procs, work, 3, warm=warm, poll=0.2 if poll else 0.0)
         write_connection(work / "cli-home", "deployment", f"127.0.0.1:{port}")
         out = work / "run"
         pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in fields(args).items())

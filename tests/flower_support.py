@@ -260,3 +260,24 @@ def wait_for_ray_nodes(address: str, count: int, timeout: float = 120.0) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"{count} Ray nodes not active after {timeout:g} s:\n{status.stdout}")
         time.sleep(1.0)
+
+
+def start_loopback_federation(procs: "Processes", work: Path, nodes: int, *, warm: bool = False, poll: float = 0.0) -> int:
+    """An insecure (loopback-only) SuperLink and ``nodes`` SuperNodes with partition ids 0..nodes−1;
+    ``warm``: SuperNodes with ``--isolation process`` and ``fedpers deploy superexec`` beside each;
+    ``poll`` > 0: SuperNodes through ``fedpers deploy supernode --poll``. Returns the SuperLink port."""
+    import sys
+
+    port = free_port()
+    link, log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(work / "link-home"))
+    wait_for_log(log, "Starting Flower SuperExec", link)
+    for i in range(nodes):
+        runtime = free_port()
+        launcher = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--poll", str(poll)] if poll > 0 else ["flower-supernode"]
+        procs.start(f"supernode{i}", [*launcher, "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime),
+                                      "--node-config", f"partition-id={i} num-partitions={nodes}", *(["--isolation", "process"] if warm else [])],
+                    FLWR_HOME=str(work / f"node{i}-home"))
+        if warm:
+            procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"],
+                        FLWR_HOME=str(work / f"node{i}-home"))
+    return port

@@ -23,7 +23,7 @@ from fedpers.data.files import save_altmin_npz
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import truth
 from fedpers.runner import execute
-from tests.flower_support import Processes, free_port, wait_for_log, write_connection
+from tests.flower_support import Processes, free_port, start_loopback_federation, wait_for_log, write_connection
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,12 +181,8 @@ def test_a_supernode_killed_mid_run(tmp_path, env):
 def test_an_aborted_deployment_run_exits_non_zero_through_fedpers_deploy_run(tmp_path, env):
     """A ServerApp that refuses its config ends the run as finished:failed; `fedpers deploy run`
     exits 1 and says so (Flower 1.41's `flwr run --stream` exits 0 on the same run)."""
-    port = free_port()
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
-        wait_for_log(link_log, "Starting Flower SuperExec", link)
-        procs.start("supernode0", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-                                   "--node-config", "partition-id=0 num-partitions=1"], FLWR_HOME=str(tmp_path / "node0-home"))
+        port = start_loopback_federation(procs, tmp_path, 1)
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         bad = f"config='n_users=150 dim=5 rank=9 samples_per_user=8 rounds=1' out='{tmp_path / 'runs' / 'bad'}' round-timeout=60.0 secure-noise=false"
@@ -197,21 +193,12 @@ def test_an_aborted_deployment_run_exits_non_zero_through_fedpers_deploy_run(tmp
 
 
 def test_fedpers_superexec_with_process_isolation_gives_the_local_result(tmp_path, env):
-    """SuperNodes with --isolation process (one through `fedpers deploy supernode`, 0.2 s poll) and
+    """SuperNodes with --isolation process (through `fedpers deploy supernode`, 0.2 s poll) and
     `fedpers deploy superexec` beside each (warm forked ClientApps): the deployment result equals
     the local runtime's, and `fedpers deploy run` exits 0."""
     cfg = config_lib.build(EXP.config_type, FIELDS)
-    port = free_port()
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
-        wait_for_log(link_log, "Starting Flower SuperExec", link)
-        for i in range(2):
-            runtime = free_port()
-            launcher = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--poll", "0.2"] if i == 0 else ["flower-supernode"]  # one of each
-            procs.start(f"supernode{i}", [*launcher, "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime), "--isolation", "process",
-                                          "--node-config", f"partition-id={i} num-partitions=2"], FLWR_HOME=str(tmp_path / f"node{i}-home"))
-            procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"],
-                        FLWR_HOME=str(tmp_path / f"node{i}-home"))
+        port = start_loopback_federation(procs, tmp_path, 2, warm=True, poll=0.2)
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         out = tmp_path / "runs" / "flower"

@@ -109,6 +109,7 @@ def _peak_rss_mib(data: str, out: str) -> float:
     return float(proc.stderr.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # > 10 s with its fixture; in CI's slow run
 def test_file_data_is_read_per_chunk_so_memory_does_not_grow_with_the_file(tmp_path) -> None:
     """A run over a 4× larger file (96 MiB more of x) peaks at nearly the same memory."""
     import numpy as np

@@ -56,6 +56,7 @@ def serial(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "out"
 
 
+@pytest.mark.slow  # > 10 s with its fixture; in CI's slow run
 def test_points_are_run_directories_and_the_table_is_parquet_too(serial: Path) -> None:
     import pyarrow.parquet as pq
 
