@@ -16,10 +16,11 @@ log space (:func:`fedpers.linalg.clipped_magnitude`), so no finite rating or emb
 overflow. Even v is solved on r̂ (v is linear in r) and rescaled through its log-norm.
 
 Optional round 0 (``prelude``): each user sends, over the same first B of its rated items, its
-ratings (the vector clipped to Γ_s = √B·c_r) and its indicators (norm ≤ √B), scatter-added
-into per-item sums s and counts c, each one Gaussian release. Post-processing gives the
-private global mean μ̂ = Σs/Σc (subtracted from every rating in the ALS rounds), private item
-means (s_i + κμ̂)/(c_i⁺ + κ) (a baseline), and the head items: the H largest noisy counts;
+ratings (the vector clipped to √B·c_r) and its indicators, scatter-added into per-item sums s
+and counts c, each with a total entry (see :func:`item_counts`; bounds √2·√B·c_r and √(2B)),
+each one Gaussian release. Post-processing gives the private global mean μ̂ = s_total/c_total
+(subtracted from every rating in the ALS rounds), private item means (s_i + κμ̂)/(c_i⁺ + κ)
+(a baseline), and the head items: the H largest noisy counts;
 the others keep U_i = 0 (predicted by μ̂) and receive no statistics.
 
 Server: one Gaussian release per statistic through the Privatizer. G is released as the
@@ -172,7 +173,7 @@ class DpAlsProtocol(Protocol):
 
     name = "dpals"
     ITEM_MEAN_PRIOR = 5.0
-    """κ₀: pseudo-ratings at μ̂ in the private item means, plus the counts' noise std z·√B."""
+    """κ₀: pseudo-ratings at μ̂ in the private item means (see :meth:`item_means`)."""
 
     @property
     def num_rounds(self) -> int:
@@ -242,7 +243,7 @@ class DpAlsProtocol(Protocol):
         """Private item means (s_i + κμ̂)/(c_i⁺ + κ) from round 0's releases. κ = κ₀ + 4σ_s/c_r
         (public) caps the noise's share of an item's mean at about c_r/4 whatever its count."""
         sigma_s = self.noise_multiplier * self.sum_bound
-        kappa = self.ITEM_MEAN_PRIOR + (4 * sigma_s * math.sqrt(self.items_per_user) / self.rating_bound if sigma_s > 0 else 0.0)
+        kappa = self.ITEM_MEAN_PRIOR + (4 * sigma_s * math.sqrt(self.items_per_user) / self.rating_bound if sigma_s > 0 else 0.0)  # rating_bound = √B·c_r
         mu = state["mu"].double()
         return (state["item_sums"] + kappa * mu) / (state["item_counts"].clamp_min(0) + kappa)
 

@@ -377,15 +377,12 @@ class NoisyHeadProtocol(Protocol):
         else:
             gamma, _ = self.noisy_step(round, gamma, summed.stats["grad"], privatizer)
             projected = int(float(torch.linalg.vector_norm(gamma)) >= self.proj_r * (1 - 1e-12))
-        if self.poisson:
-            out = self._next_sample({"gamma": gamma}, privatizer)
-            return out, {"noise_std_sum": self.noise_std_sum, "noise_std_step": self.noise_std_step,
-                         "steps_at_radius_R": float(projected), "gamma_norm": float(torch.linalg.vector_norm(gamma)),
-                         "sampled_units": float(summed.count)}
         diagnostics = {
             "noise_std_sum": self.noise_std_sum,
             "noise_std_step": self.noise_std_step,
             "steps_at_radius_R": float(projected),
             "gamma_norm": float(torch.linalg.vector_norm(gamma)),
         }
-        return {"gamma": gamma}, diagnostics
+        if self.poisson:
+            diagnostics["sampled_units"] = float(summed.count)
+        return self._next_sample({"gamma": gamma}, privatizer), diagnostics

@@ -95,18 +95,22 @@ class ForkServerExecutor:
         return getattr(self.fallback, name)
 
 
+def _require_flower(command: str) -> None:
+    """Refuse a Flower other than the series whose internals these wrappers patch."""
+    import flwr
+
+    version = getattr(flwr, "__version__", "")
+    if not version.startswith(FLOWER_SERIES):
+        raise SystemExit(f"fedpers deploy {command} is written against Flower {FLOWER_SERIES}x; this is flwr {version}: use flower-{command}")
+
+
 def superexec(argv: list[str]) -> int:
     """``flower-superexec ARGV`` with :class:`ForkServerExecutor` for ClientApp tasks."""
     import importlib
 
-    import flwr
-
+    _require_flower("superexec")
     cli = importlib.import_module("flwr.supercore.cli.flower_superexec")
     loop = importlib.import_module("flwr.supercore.superexec.run_superexec")
-
-    version = getattr(flwr, "__version__", "")
-    if not version.startswith(FLOWER_SERIES):
-        raise SystemExit(f"fedpers deploy superexec is written against Flower {FLOWER_SERIES}x; this is flwr {version}: use flower-superexec")
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", POLL_INTERVAL)
     original = loop.get_executor
     loop.get_executor = lambda *a, **k: ForkServerExecutor(original(*a, **k))
@@ -141,11 +145,7 @@ def supernode(argv: list[str]) -> int:
     about 1/poll pull requests a second)."""
     import importlib
 
-    import flwr
-
-    version = getattr(flwr, "__version__", "")
-    if not version.startswith(FLOWER_SERIES):
-        raise SystemExit(f"fedpers deploy supernode is written against Flower {FLOWER_SERIES}x; this is flwr {version}: use flower-supernode")
+    _require_flower("supernode")
     poll = SUPERNODE_POLL
     if "--poll" in argv:
         i = argv.index("--poll")
