@@ -51,7 +51,7 @@ def local(args: argparse.Namespace) -> list[float]:
 
 def simulation(args: argparse.Namespace) -> list[float]:
     cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, fields(args)))
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3, "round_timeout": 3600.0})
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": args.nodes, "round_timeout": 3600.0})
     _, records = run_flower(EXP, cfg, EXP.protocol(cfg), Privatizer(noise_seed), opts, progress=False)
     return [r.seconds for r in records]
 
@@ -65,7 +65,7 @@ def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached:
     if cached:
         env["FEDPERS_NODE_CACHE"] = str(work / "node-cache")
     with Processes(work, env) as procs:
-        port = start_loopback_federation(procs, work, 3, warm=warm, poll=0.2 if poll else 0.0)
+        port = start_loopback_federation(procs, work, args.nodes, warm=warm, poll=args.poll if poll else 0.0)
         write_connection(work / "cli-home", "deployment", f"127.0.0.1:{port}")
         out = work / "run"
         pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in fields(args).items())
@@ -83,6 +83,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=3)
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=3, help="SuperNodes (and simulated nodes); the users are split evenly")
+    p.add_argument("--poll", type=float, default=0.2, help="seconds between a SuperNode's pulls in the 'poll' variant")
     p.add_argument("--variants", default="cold,warm,cached,poll", help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache), poll (cached + fedpers deploy supernode)")
     args = p.parse_args()
     variants = {v.strip() for v in args.variants.split(",")}
@@ -99,7 +101,7 @@ def main() -> None:
             times["deploy-poll"] = deployment(args, Path(tmp) / "poll", warm=True, cached=True, poll=True)
         times["simulation"] = simulation(args)
         times["local"] = local(args)
-    print(f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, 3 nodes; seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]")
+    print(f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, {args.nodes} nodes; seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]")
     for name, secs in times.items():
         print(f"{name:12s} " + "  ".join(f"{s:8.2f}" for s in secs))
     last = {k: v[-1] for k, v in times.items()}

@@ -264,8 +264,9 @@ def wait_for_ray_nodes(address: str, count: int, timeout: float = 120.0) -> None
 
 def start_loopback_federation(procs: "Processes", work: Path, nodes: int, *, warm: bool = False, poll: float = 0.0) -> int:
     """An insecure (loopback-only) SuperLink and ``nodes`` SuperNodes with partition ids 0..nodes−1;
-    ``warm``: SuperNodes with ``--isolation process`` and ``fedpers deploy superexec`` beside each;
-    ``poll`` > 0: SuperNodes through ``fedpers deploy supernode --poll``. Returns the SuperLink port."""
+    ``poll`` > 0: SuperNodes through ``fedpers deploy supernode --poll`` (whose own SuperExec is
+    ``fedpers deploy superexec``: warm ClientApps); ``warm`` without ``poll``: ``flower-supernode
+    --isolation process`` with ``fedpers deploy superexec`` beside each. Returns the SuperLink port."""
     import sys
 
     port = free_port()
@@ -274,10 +275,11 @@ def start_loopback_federation(procs: "Processes", work: Path, nodes: int, *, war
     for i in range(nodes):
         runtime = free_port()
         launcher = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--poll", str(poll)] if poll > 0 else ["flower-supernode"]
+        separate = warm and poll <= 0  # fedpers deploy supernode starts fedpers deploy superexec itself
         procs.start(f"supernode{i}", [*launcher, "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime),
-                                      "--node-config", f"partition-id={i} num-partitions={nodes}", *(["--isolation", "process"] if warm else [])],
+                                      "--node-config", f"partition-id={i} num-partitions={nodes}", *(["--isolation", "process"] if separate else [])],
                     FLWR_HOME=str(work / f"node{i}-home"))
-        if warm:
+        if separate:
             procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"],
                         FLWR_HOME=str(work / f"node{i}-home"))
     return port

@@ -193,9 +193,9 @@ def test_an_aborted_deployment_run_exits_non_zero_through_fedpers_deploy_run(tmp
 
 
 def test_fedpers_superexec_with_process_isolation_gives_the_local_result(tmp_path, env):
-    """SuperNodes with --isolation process (through `fedpers deploy supernode`, 0.2 s poll) and
-    `fedpers deploy superexec` beside each (warm forked ClientApps): the deployment result equals
-    the local runtime's, and `fedpers deploy run` exits 0."""
+    """One command per node, `fedpers deploy supernode` (0.2 s poll, Flower's default subprocess
+    isolation), starts `fedpers deploy superexec` itself (warm forked ClientApps): the deployment
+    result equals the local runtime's, and `fedpers deploy run` exits 0."""
     cfg = config_lib.build(EXP.config_type, FIELDS)
     with Processes(tmp_path, env) as procs:
         port = start_loopback_federation(procs, tmp_path, 2, warm=True, poll=0.2)
@@ -208,4 +208,4 @@ def test_fedpers_superexec_with_process_isolation_gives_the_local_result(tmp_pat
         assert "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
         check_against_local(out, cfg, done)
         for i in range(2):  # discovery + 2 rounds: every ClientApp ran in a fork, none through flwr-clientapp
-            assert (tmp_path / f"superexec{i}.log").read_text().count("forked a warm ClientApp") >= 3
+            assert (tmp_path / f"supernode{i}.log").read_text().count("forked a warm ClientApp") >= 3

@@ -46,11 +46,12 @@ def node_job(job: codec.Job, data_file: str = "") -> NodeJob:
     """Experiment, config and protocol for ``job``; ``data_file`` (node config) replaces the config's data path."""
     key = (job.algorithm, job.config_json, data_file)
     if key not in _jobs:
-        from fedpers.experiments import EXPERIMENTS
+        from fedpers.experiments import ALGORITHMS
+        from fedpers.experiments import experiment as registered
 
-        if job.algorithm not in EXPERIMENTS:
-            raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(EXPERIMENTS)}")
-        experiment = EXPERIMENTS[job.algorithm]
+        if job.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(ALGORITHMS)}")
+        experiment = registered(job.algorithm)
         values = json.loads(job.config_json)
         if data_file:
             if "data" not in {f.name for f in fields(experiment.config_type)}:

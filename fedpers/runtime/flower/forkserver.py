@@ -1,19 +1,25 @@
 """`fedpers deploy superexec` / `supernode`: Flower's SuperExec with a warm fork server for
-ClientApps, and Flower's SuperNode with a shorter message poll.
+ClientApps, and Flower's SuperNode with shorter waits.
 
 Flower 1.41 runs every message of a deployment in a fresh ``flwr-clientapp`` process that
 imports Python, flwr, torch and fedpers again (2.5–5 s here) — most of a deployment round.
-This runs Flower's own SuperExec loop (``flower-superexec``, same flags) for a SuperNode
-started with ``--isolation process``, but launches each ClientApp task by forking a process
-that has already imported all of that: the fork runs Flower's own ``run_clientapp`` with the
-task's one-time token, exactly what ``flwr-clientapp --token`` runs, and exits. The fork server
-is a separate process with no gRPC channel open (forking a process with live channels is
-unsafe); the SuperExec hands it each task's spec on a pipe. Other task types keep Flower's
-subprocess executor.
+This runs Flower's own SuperExec loop (``flower-superexec``, same flags) for a SuperNode, but
+launches each ClientApp task by forking a process that has already imported all of that
+(including the Runtime API's HTTP stack and every algorithm): the fork runs Flower's own
+``run_clientapp`` with the task's one-time token, exactly what ``flwr-clientapp --token`` runs,
+and exits. The fork server is a separate process with no gRPC channel open (forking a process
+with live channels is unsafe) and runs no torch operation (a forked OpenMP pool hangs); the
+SuperExec hands it each task's spec on a pipe. Other task types keep Flower's subprocess
+executor. In the forks, a FAB already installed is not extracted and re-hashed again, and
+missing message objects are asked for again after 10 ms rather than 1 s (:mod:`.pulls`).
 
-It also shortens the SuperExec's task poll from Flower's 1 s to 0.05 s
+``fedpers deploy supernode`` is ``flower-supernode`` polling the SuperLink every 0.2 s instead
+of 3 s, checking for a ClientApp's reply every 20 ms instead of 0.5 s, and, with Flower's
+default ``--isolation subprocess``, starting ``fedpers deploy superexec`` as its SuperExec: one
+command per node. The SuperExec's task poll is 0.05 s instead of 1 s
 (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, unless set). Tied to Flower 1.41's internals
-(``run_superexec.get_executor``, ``run_clientapp``); refused on another minor version.
+(``run_superexec.get_executor``, ``run_clientapp``, ``start_client_internal``); refused on
+another minor version.
 """
 from __future__ import annotations
 
@@ -24,18 +30,57 @@ import subprocess
 import sys
 from typing import Any
 
-FLOWER_SERIES = "1.41."
+from fedpers.runtime.flower.pulls import FLOWER_SERIES, quick_object_pulls
+
 POLL_INTERVAL = "0.05"
+
+
+def _installed_once(install: Any) -> Any:
+    """Flower's ``install_from_fab`` for a ClientApp, skipped when this FAB (by the SHA-256 of its
+    bytes, as Flower names its install directory) was installed completely before: Flower extracts
+    and re-hashes every file of the FAB into a temporary directory for each message (~0.15 s),
+    then keeps the directory it already has."""
+    import hashlib
+    from pathlib import Path
+
+    from flwr.common.config import get_flwr_home
+
+    def installed(fab_file: Any, *args: Any, **kwargs: Any) -> Path:
+        if not isinstance(fab_file, bytes) or args or kwargs.get("install_dir") is not None:
+            return install(fab_file, *args, **kwargs)
+        marker = get_flwr_home() / "apps" / f".fedpers-installed-{hashlib.sha256(fab_file).hexdigest()}"
+        if marker.is_file():
+            path = Path(marker.read_text())
+            if path.is_dir():
+                return path
+        path = install(fab_file, *args, **kwargs)
+        tmp = marker.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(str(path))
+        os.replace(tmp, marker)
+        return path
+
+    return installed
+
+
+def _warm() -> None:
+    """Import, once, everything a ClientApp execution would otherwise import in each fork:
+    torch, the Runtime API's HTTP stack (httpcore pulls in trio: ~0.75 s), every fedpers algorithm."""
+    import httpcore  # noqa: F401
+    import torch  # noqa: F401
+
+    import fedpers.runtime.flower.client  # noqa: F401 - the ClientApp's code
+    from fedpers.experiments import EXPERIMENTS  # noqa: F401 - imports every algorithm's module
 
 
 def serve() -> None:
     """The fork server: import once, then fork one child per JSON line on stdin."""
-    import torch  # noqa: F401 - imported once here so every fork has it
     from flwr.supercore.tls import validate_and_resolve_root_certificates
-    from flwr.supernode.runtime.run_clientapp import run_clientapp
+    from flwr.supernode.runtime import run_clientapp as runtime
 
-    import fedpers.runtime.flower.client  # noqa: F401 - the ClientApp's code, warm
-    import fedpers.experiments  # noqa: F401
+    _warm()
+    runtime.install_from_fab = _installed_once(runtime.install_from_fab)
+    quick_object_pulls(runtime)
+    run_clientapp = runtime.run_clientapp
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped automatically
     print("ready", flush=True)
@@ -123,9 +168,15 @@ SUPERNODE_POLL = 0.2
 """Seconds between a SuperNode's pulls for messages with ``fedpers deploy supernode`` (Flower: 3 s)."""
 
 
+LOCAL_WAIT = 0.02
+"""Seconds between a SuperNode's checks of its own state for a ClientApp's reply (Flower: 0.5 s)."""
+
+
 class _PollingTime:
-    """``time`` for Flower's SuperNode loop with every wait capped at ``poll`` seconds: its
-    only sleeps are polls (3 s when no message was pulled, 0.5 s while a reply is pending)."""
+    """``time`` for Flower's SuperNode loop with shorter waits. Its only sleeps are the 3 s
+    wait before asking the SuperLink again for a message (a network poll: capped at ``poll``)
+    and 0.5 s waits for a ClientApp's reply in the node's own state (local: capped at
+    :data:`LOCAL_WAIT`)."""
 
     def __init__(self, poll: float) -> None:
         import time
@@ -133,16 +184,31 @@ class _PollingTime:
         self._time, self._poll = time, poll
 
     def sleep(self, seconds: float) -> None:
-        self._time.sleep(min(seconds, self._poll))
+        self._time.sleep(min(seconds, self._poll if seconds >= 3 else LOCAL_WAIT))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._time, name)
 
 
+class _WarmSuperExecLauncher:
+    """``subprocess`` for Flower's SuperNode: with ``--isolation subprocess`` (Flower's default)
+    the SuperNode starts ``flower-superexec ARGS`` itself; this starts ``fedpers deploy superexec
+    ARGS`` instead, so one command per node gives warm forked ClientApps."""
+
+    def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - subprocess's name
+        if command and command[0] == "flower-superexec":
+            command = [sys.executable, "-m", "fedpers", "deploy", "superexec", *command[1:]]
+        return subprocess.Popen(command, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
 def supernode(argv: list[str]) -> int:
     """``flower-supernode ARGV`` polling the SuperLink every ``--poll`` s (default 0.2) instead of
     Flower 1.41's hard-coded 3 s, the floor of a deployment round (each idle SuperNode then sends
-    about 1/poll pull requests a second)."""
+    about 1/poll pull requests a second); with ``--isolation subprocess`` (the default) its
+    SuperExec is ``fedpers deploy superexec``."""
     import importlib
 
     _require_flower("supernode")
@@ -158,6 +224,8 @@ def supernode(argv: list[str]) -> int:
         argv = argv[:i] + argv[i + 2:]
     loop = importlib.import_module("flwr.supernode.start_client_internal")
     loop.time = _PollingTime(poll)
+    loop.subprocess = _WarmSuperExecLauncher()
+    quick_object_pulls(loop)
     cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
     sys.argv = ["flower-supernode", *argv]
     cli.flower_supernode()

@@ -26,7 +26,7 @@ from fedpers.runtime.flower.partition import unit_ranges
 
 Tensor = torch.Tensor
 log = logging.getLogger("fedpers.flower")
-POLL_FIRST, POLL_MAX = 0.005, 0.25
+POLL_FIRST, POLL_MAX = 0.005, 0.1
 """Seconds between pulls for replies, growing geometrically (Grid.send_and_receive sleeps 3 s on a SuperLink)."""
 
 
@@ -212,7 +212,12 @@ def run_on_grid(
 
     ``stop()`` true makes waiting for replies give up (the caller's engine has died).
     """
+    import sys
+
     from fedpers.privacy.accountant import recorded_calibrations
+    from fedpers.runtime.flower.pulls import quick_object_pulls
+
+    quick_object_pulls(sys.modules[type(grid).__module__])  # a deployment's HttpGrid; others pull no objects
 
     with recorded_calibrations() as calibrations:  # nodes rebuild the protocol without an accountant
         experiment.protocol(cfg)

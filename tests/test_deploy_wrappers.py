@@ -1,0 +1,115 @@
+"""The pieces `fedpers deploy superexec` / `supernode` put into Flower 1.41: shorter object-pull
+retries, a FAB installed once, capped SuperNode waits, the SuperNode's SuperExec swapped."""
+from __future__ import annotations
+
+import io
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fedpers.runtime.flower import forkserver, pulls
+
+
+def _puller(calls: list):
+    def pull(object_ids, pull_object_fn, *, max_time=7200, max_tries_per_object=500, initial_backoff=1, backoff_cap=10):
+        calls.append({"initial_backoff": initial_backoff, "backoff_cap": backoff_cap, "max_tries_per_object": max_tries_per_object, "max_time": max_time})
+        return {}
+    return pull
+
+
+def test_quick_object_pulls_shortens_retries_keeps_the_time_limit_and_caller_arguments() -> None:
+    calls: list = []
+    module = types.ModuleType("fake_flower_module")
+    module.pull_objects = _puller(calls)
+    pulls.quick_object_pulls(module)
+    pulls.quick_object_pulls(module)  # idempotent: not wrapped twice
+    module.pull_objects(["a"], lambda _: b"")
+    module.pull_objects(["a"], lambda _: b"", initial_backoff=2.0)
+    assert calls[0] == {"initial_backoff": pulls.FIRST_BACKOFF, "backoff_cap": pulls.BACKOFF_CAP, "max_tries_per_object": None, "max_time": 7200}
+    assert calls[1]["initial_backoff"] == 2.0
+    assert module.pull_objects.func.__name__ == "pull"  # one partial over Flower's function
+
+
+def test_quick_object_pulls_leaves_another_flower_series_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flwr
+
+    monkeypatch.setattr(flwr, "__version__", "1.99.0")
+    module = types.ModuleType("fake_flower_module")
+    module.pull_objects = original = _puller([])
+    pulls.quick_object_pulls(module)
+    assert module.pull_objects is original
+
+
+def test_the_real_flower_pull_functions_accept_the_arguments() -> None:
+    """The patched keywords exist on Flower's own functions (a rename in Flower fails here, not in a deployment)."""
+    import inspect
+
+    from flwr.supercore.inflatable import inflatable_utils
+
+    for name in pulls.PULLERS:
+        params = inspect.signature(getattr(inflatable_utils, name)).parameters
+        assert {"initial_backoff", "backoff_cap", "max_tries_per_object", "max_time"} <= set(params)
+
+
+def _fab(text: str) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("pyproject.toml", text)
+    return buf.getvalue()
+
+
+def test_a_fab_is_installed_once_per_content_and_again_when_its_directory_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    installs: list[bytes] = []
+
+    def install(fab_file, install_dir=None, skip_prompt=False):
+        installs.append(fab_file)
+        path = tmp_path / "apps" / f"app-{len(installs)}"
+        path.mkdir(parents=True)
+        return path
+
+    installed = forkserver._installed_once(install)
+    first = installed(_fab("a"), skip_prompt=True)
+    assert installed(_fab("a"), skip_prompt=True) == first and len(installs) == 1
+    other = installed(_fab("b"), skip_prompt=True)  # other bytes: installed, not taken for the first
+    assert other != first and len(installs) == 2
+    first.rmdir()  # an install directory removed by hand: installed again
+    assert installed(_fab("a"), skip_prompt=True) != first and len(installs) == 3
+    installed(tmp_path / "x.fab")  # a path, not bytes: always Flower's own install
+    assert len(installs) == 4
+
+
+def test_a_failed_install_leaves_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    (tmp_path / "apps").mkdir()
+
+    def install(fab_file, install_dir=None, skip_prompt=False):
+        raise RuntimeError("File hashes couldn't be verified.")
+
+    with pytest.raises(RuntimeError, match="hashes"):
+        forkserver._installed_once(install)(_fab("a"), skip_prompt=True)
+    assert list((tmp_path / "apps").iterdir()) == []
+
+
+def test_supernode_waits_are_capped_network_at_poll_local_shorter(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    clock = forkserver._PollingTime(0.2)
+    monkeypatch.setattr(clock, "_time", types.SimpleNamespace(sleep=slept.append, monotonic=lambda: 5.0))
+    clock.sleep(3)  # no message pulled: a network poll
+    clock.sleep(0.5)  # a reply pending in the node's own state
+    clock.sleep(0.01)
+    assert slept == [0.2, forkserver.LOCAL_WAIT, 0.01] and clock.monotonic() == 5.0
+
+
+def test_the_supernode_starts_fedpers_superexec_and_nothing_else_is_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[list[str]] = []
+    monkeypatch.setattr(forkserver.subprocess, "Popen", lambda cmd, *a, **k: started.append(cmd))
+    launcher = forkserver._WarmSuperExecLauncher()
+    launcher.Popen(["flower-superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"])
+    launcher.Popen(["flwr-clientapp", "--token", "t"])
+    assert started[0] == [sys.executable, "-m", "fedpers", "deploy", "superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"]
+    assert started[1] == ["flwr-clientapp", "--token", "t"]
+    assert launcher.DEVNULL is forkserver.subprocess.DEVNULL
