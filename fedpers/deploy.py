@@ -117,9 +117,11 @@ def commands(out: Path, host: str, supernodes: int) -> str:
         "# 3. Register every SuperNode's public key (only registered SuperNodes may connect):",
         *[f"flwr supernode register {d}/supernode-{i}.pub deployment" for i in range(supernodes)],
         "",
-        "# 4. SuperNode i on its machine (copy ca.crt and supernode-i.key there; mode 0600):",
+        "# 4. SuperNode i on its machine (copy ca.crt and supernode-i.key there; mode 0600); `fedpers deploy supernode`",
+        "#    is flower-supernode (same flags) with warm ClientApps and 0.2 s polls; flower-supernode works too, slower:",
         *[
-            f"flower-supernode --root-certificates {d}/ca.crt --auth-supernode-private-key {d}/supernode-{i}.key --superlink {host}:{PORT} \\\n"
+            f"FEDPERS_NODE_CACHE=$HOME/.cache/fedpers-node fedpers deploy supernode --root-certificates {d}/ca.crt \\\n"
+            f"    --auth-supernode-private-key {d}/supernode-{i}.key --superlink {host}:{PORT} \\\n"
             f"    --node-config \"partition-id={i} num-partitions={supernodes} data-file='/data/users.npz'\""
             for i in range(supernodes)
         ],

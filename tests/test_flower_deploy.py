@@ -115,7 +115,7 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
             assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
 
         def supernode(name: str, key: str, partition: int, ca: bool = True):
-            cmd = ["flower-supernode", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--auth-supernode-private-key", str(certs / key),
+            cmd = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--auth-supernode-private-key", str(certs / key),
                    "--node-config", f"partition-id={partition} num-partitions=2"]
             return procs.start(name, cmd + (["--root-certificates", str(certs / "ca.crt")] if ca else []), FLWR_HOME=str(tmp_path / f"{name}-home"))
 
@@ -126,6 +126,7 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
         out = tmp_path / "runs" / "flower"
         done = flwr_run(procs, home, "deployment", f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false")
         check_against_local(out, cfg, done)
+        assert "forked a warm ClientApp" in (tmp_path / "node0.log").read_text()  # the recipe's fast path ran
         deadline = time.monotonic() + 60
         while (intruder.poll() is None or stranger.poll() is None) and time.monotonic() < deadline:
             time.sleep(0.5)

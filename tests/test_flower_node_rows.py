@@ -69,3 +69,20 @@ def test_node_cache_loads_units_once_across_processes_and_notices_a_changed_file
     client._units.clear()
     changed = client.node_units(job, str(path), client.node_job(job, str(path)), 50, 120)
     assert len(calls) == 2 and not torch.equal(changed["x"], first["x"])
+
+
+def test_a_node_cache_that_cannot_be_written_costs_speed_not_the_round(tmp_path: Path, monkeypatch, caplog):
+    """$FEDPERS_NODE_CACHE under a plain file (no directory can be made there): the units load as
+    without a cache, a warning names the variable, nothing half-written is left."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(client.NODE_CACHE_ENV, str(blocker / "cache"))
+    cfg = config_lib.build(EXP.config_type, {"n_users": 40, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 3})
+    job = codec.Job.of("altmin", cfg, EXP.protocol(cfg))
+    client._units.clear()
+    with caplog.at_level("WARNING", logger="fedpers.flower"):
+        units = client.node_units(job, "", client.node_job(job), 10, 30)
+    client._units.clear()
+    assert units["ids"].tolist() == list(range(10, 30))
+    assert client.NODE_CACHE_ENV in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["not-a-dir"]

@@ -269,10 +269,12 @@ def test_audit_of_the_A_release_through_the_server_path():
 
 
 # ----- DPALS (private matrix completion) -----------------------------------------------------------
+@pytest.mark.parametrize("round0", [{}, {"private_center": True, "head_items": 12}], ids=["no-round0", "private-center"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_dpals_worst_case_neighbours(dtype):
-    """One user's ratings replaced by huge, overflowing, alternating or absent ratings on other items."""
-    cfg, protocol, units = setup("dpals", dict(n_users=30, n_items=20, rank=3, true_rank=3, items_per_user=5, max_count=12, steps=2, epsilon=1.0, dtype=dtype))
+def test_dpals_worst_case_neighbours(dtype, round0):
+    """One user's ratings replaced by huge, overflowing, alternating or absent ratings on other items;
+    with round 0 (private centre, head items) its item sums and counts are releases too."""
+    cfg, protocol, units = setup("dpals", dict(n_users=30, n_items=20, rank=3, true_rank=3, items_per_user=5, max_count=12, steps=2, epsilon=1.0, dtype=dtype, **round0))
     huge = 1e30 if dtype == "float32" else 1e160
     tol = 1e-5 if dtype == "float32" else 1e-9
     for j in (0, 17):
@@ -288,4 +290,4 @@ def test_dpals_worst_case_neighbours(dtype):
         }
         for label, new in cases.items():
             outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS}, rel_tol=tol)
-            assert outcome.releases >= 2, label  # (c) equal counts on both neighbours is checked inside
+            assert outcome.releases >= (4 if round0 else 2), label  # (c) equal counts on both neighbours is checked inside

@@ -110,10 +110,19 @@ def _disk_cached(key: tuple, load: Any) -> Units:
         except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt
             path.unlink(missing_ok=True)
     units = load()
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(dict(units), tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        torch.save(dict(units), tmp)
+        os.replace(tmp, path)
+    except OSError as e:  # a cache that cannot be written costs speed, never the round
+        import contextlib
+        import logging
+
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+        logging.getLogger("fedpers.flower").warning("%s=%s cannot be written (%s); this node loads its users for every message", NODE_CACHE_ENV, directory, e)
     return units
 
 
