@@ -1,14 +1,16 @@
 """Deployment vs simulation vs local: one private AltMin round, measured in one run.
 
-SuperLink + 3 SuperNodes on 127.0.0.1 (insecure: loopback only), ``flwr run . deployment``;
-Flower's Ray simulation with 3 nodes; the local runtime. Same config (30,000 users, d = 50,
-k = 3, m = 40, every user in each round, reproducible noise). The per-round seconds come from
-each runtime's own round records (``rounds.jsonl`` for the deployment). Target (issue 12): a
-deployment round <= 3x the local round. The deployment runs twice: Flower's default (a fresh
-``flwr-clientapp`` process per message) and ``--isolation process`` SuperNodes with
-``fedpers deploy superexec`` (warm forked ClientApp processes).
+SuperLink + N SuperNodes (default 3) on 127.0.0.1 (insecure: loopback only), ``flwr run .
+deployment``; Flower's Ray simulation with N nodes; the local runtime. Same config (30,000
+users, d = 50, k = 3, m = 40, every user in each round, reproducible noise). The per-round
+seconds come from each runtime's own round records (``rounds.jsonl`` for the deployment).
+Target (issue 12): a deployment round <= 3x the local round. Variants: ``cold`` (Flower's
+default: a fresh ``flwr-clientapp`` process per message), ``warm`` (``flower-supernode
+--isolation process`` + ``fedpers deploy superexec``: warm forked ClientApps), ``cached`` (+
+``$FEDPERS_NODE_CACHE``), ``poll`` (one ``fedpers deploy supernode`` per node with the node
+cache: what the README's recipe runs).
 
-    PYTHONPATH=. python benchmarks/deployment_round.py [--users 30000 --rounds 2]
+    PYTHONPATH=. python benchmarks/deployment_round.py [--users 30000 --rounds 2 --nodes 3 --variants cold,warm,cached,poll]
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def simulation(args: argparse.Namespace) -> list[float]:
 def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached: bool = False, poll: bool = False) -> list[float]:
     """``warm``: SuperNodes with ``--isolation process`` and ``fedpers deploy superexec`` beside each;
     ``cached``: also ``$FEDPERS_NODE_CACHE``, so a node loads its users once, not per message;
-    ``poll``: also ``fedpers deploy supernode`` (0.2 s message poll instead of Flower's 3 s)."""
+    ``poll``: ``fedpers deploy supernode`` alone (0.2 s polls; it starts ``fedpers deploy superexec``)."""
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1"}
     if cached:

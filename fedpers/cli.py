@@ -81,9 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--run-config", default="", help="passed to flwr run --run-config")
     dr.add_argument("--timeout", type=float, default=0.0, help="give up waiting after this many seconds (0: never)")
     se = dsub.add_parser("superexec", help="flower-superexec (same flags) for a SuperNode with --isolation process, forking warm ClientApp processes", allow_abbrev=False)
-    se.add_argument("flower_args", nargs=argparse.REMAINDER, help="flower-superexec's flags, e.g. --runtime-api-address 127.0.0.1:9094 --insecure")
-    sn = dsub.add_parser("supernode", help="flower-supernode (same flags) polling every --poll s (default 0.2) instead of 3 s", allow_abbrev=False)
-    sn.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--poll S] and flower-supernode's flags")
+    se.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--trust-app SHA256 ...] and flower-superexec's flags, e.g. --runtime-api-address 127.0.0.1:9094 --insecure")
+    sn = dsub.add_parser("supernode", help="flower-supernode (same flags) with warm ClientApps, polling every --poll s (default 0.2) instead of 3 s", allow_abbrev=False)
+    sn.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--poll S] [--trust-app SHA256 ...] and flower-supernode's flags; --trust-app: run only the apps with these FAB hashes")
+    ah = dsub.add_parser("app-hash", help="the SHA-256 of the Flower app (FAB) that `flwr run DIR` sends: what a SuperNode's --trust-app lists", allow_abbrev=False)
+    ah.add_argument("app", nargs="?", default=".", help="the Flower app directory (default: .)")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -231,6 +233,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
     if args.deploy_command == "run":
         return run_and_wait(args.app, args.superlink, args.run_config, timeout=args.timeout)[0]
+    if args.deploy_command == "app-hash":
+        from fedpers.runtime.flower.forkserver import app_hash
+
+        print(app_hash(args.app))
+        return 0
     if args.deploy_command in ("superexec", "supernode"):  # reached only without flags (main() passes flags through)
         from fedpers.runtime.flower import forkserver
 

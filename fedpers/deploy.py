@@ -118,10 +118,12 @@ def commands(out: Path, host: str, supernodes: int) -> str:
         *[f"flwr supernode register {d}/supernode-{i}.pub deployment" for i in range(supernodes)],
         "",
         "# 4. SuperNode i on its machine (copy ca.crt and supernode-i.key there; mode 0600); `fedpers deploy supernode`",
-        "#    is flower-supernode (same flags) with warm ClientApps and 0.2 s polls; flower-supernode works too, slower:",
+        "#    is flower-supernode (same flags) with warm ClientApps and 0.2 s polls; --trust-app: it runs only this",
+        "#    app (fedpers deploy app-hash DIR of the lab's checkout; recompute after every code change):",
         *[
             f"FEDPERS_NODE_CACHE=$HOME/.cache/fedpers-node fedpers deploy supernode --root-certificates {d}/ca.crt \\\n"
             f"    --auth-supernode-private-key {d}/supernode-{i}.key --superlink {host}:{PORT} \\\n"
+            f"    --trust-app \"$(fedpers deploy app-hash /path/to/fedpers)\" \\\n"
             f"    --node-config \"partition-id={i} num-partitions={supernodes} data-file='/data/users.npz'\""
             for i in range(supernodes)
         ],

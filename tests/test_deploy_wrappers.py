@@ -61,7 +61,7 @@ def _fab(text: str) -> bytes:
     return buf.getvalue()
 
 
-def test_a_fab_is_installed_once_per_content_and_again_when_its_directory_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fab_is_install_trusted_once_per_content_and_again_when_its_directory_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLWR_HOME", str(tmp_path))
     installs: list[bytes] = []
 
@@ -71,7 +71,7 @@ def test_a_fab_is_installed_once_per_content_and_again_when_its_directory_is_gon
         path.mkdir(parents=True)
         return path
 
-    installed = forkserver._installed_once(install)
+    installed = forkserver._install_trusted_once(install)
     first = installed(_fab("a"), skip_prompt=True)
     assert installed(_fab("a"), skip_prompt=True) == first and len(installs) == 1
     other = installed(_fab("b"), skip_prompt=True)  # other bytes: installed, not taken for the first
@@ -90,7 +90,7 @@ def test_a_failed_install_leaves_no_marker(tmp_path: Path, monkeypatch: pytest.M
         raise RuntimeError("File hashes couldn't be verified.")
 
     with pytest.raises(RuntimeError, match="hashes"):
-        forkserver._installed_once(install)(_fab("a"), skip_prompt=True)
+        forkserver._install_trusted_once(install)(_fab("a"), skip_prompt=True)
     assert list((tmp_path / "apps").iterdir()) == []
 
 
@@ -113,3 +113,72 @@ def test_the_supernode_starts_fedpers_superexec_and_nothing_else_is_rewritten(mo
     assert started[0] == [sys.executable, "-m", "fedpers", "deploy", "superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"]
     assert started[1] == ["flwr-clientapp", "--token", "t"]
     assert launcher.DEVNULL is forkserver.subprocess.DEVNULL
+
+
+def test_an_untrusted_app_is_refused_before_anything_is_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    trusted, other = _fab("lab app"), _fab("intruder app")
+    monkeypatch.setenv(forkserver.TRUSTED_APPS_ENV, hashlib.sha256(trusted).hexdigest().upper() + ", " + "0" * 64)
+    installs: list[bytes] = []
+
+    def install(fab_file, install_dir=None, skip_prompt=False):
+        installs.append(fab_file)
+        path = tmp_path / "apps" / f"app-{len(installs)}"
+        path.mkdir(parents=True)
+        return path
+
+    installed = forkserver._install_trusted_once(install)
+    with pytest.raises(forkserver.UntrustedApp, match=hashlib.sha256(other).hexdigest()):
+        installed(other, skip_prompt=True)
+    assert installs == []
+    installed(trusted, skip_prompt=True)
+    with pytest.raises(forkserver.UntrustedApp):  # a marker from an earlier install does not bypass the check
+        installed(other, skip_prompt=True)
+    assert installs == [trusted]
+
+
+def test_trust_flags_are_taken_out_and_malformed_digests_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(forkserver.TRUSTED_APPS_ENV, raising=False)
+    rest = forkserver._take_trusted(["--insecure", "--trust-app", "a" * 64, "--superlink", "h:1", "--trust-app", "b" * 64])
+    assert rest == ["--insecure", "--superlink", "h:1"]
+    assert forkserver.trusted_apps() == {"a" * 64, "b" * 64}
+    for bad in (["--trust-app", "abc"], ["--trust-app", "g" * 64], ["--trust-app"]):
+        monkeypatch.delenv(forkserver.TRUSTED_APPS_ENV, raising=False)
+        with pytest.raises(SystemExit, match="trust-app|SHA-256"):
+            forkserver._take_trusted(bad)
+
+
+def test_with_trusted_apps_other_task_types_never_reach_flowers_executor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.superexec.executor import LaunchResult
+
+    launched: list = []
+    fallback = types.SimpleNamespace(launch=lambda spec: launched.append(spec) or LaunchResult.accepted())
+    executor = object.__new__(forkserver.ForkServerExecutor)
+    executor.fallback, executor.trusted = fallback, frozenset({"a" * 64})
+    other = next(t for t in TaskType if t != TaskType.CLIENT_APP)
+    result = executor.launch(types.SimpleNamespace(task_type=other, task_id=1))
+    assert result.status == "failed" and launched == []
+    executor.trusted = frozenset()
+    assert executor.launch(types.SimpleNamespace(task_type=other, task_id=2)).status == "accepted" and len(launched) == 1
+
+
+def test_app_hash_is_the_hash_of_the_fab_flwr_run_sends(tmp_path: Path) -> None:
+    import hashlib
+    import shutil
+
+    from flwr.cli.build import build_fab_from_disk
+
+    root = Path(__file__).resolve().parents[1]
+    assert forkserver.app_hash(str(root)) == hashlib.sha256(build_fab_from_disk(root)).hexdigest()
+    app = tmp_path / "app"
+    shutil.copytree(root / "clients", app / "clients")
+    shutil.copy(root / "pyproject.toml", app / "pyproject.toml")
+    first = forkserver.app_hash(str(app))
+    assert forkserver.app_hash(str(app)) == first  # deterministic
+    (app / "clients" / "client_app.py").write_text((app / "clients" / "client_app.py").read_text() + "\n# changed\n")
+    assert forkserver.app_hash(str(app)) != first  # any changed file is another app
+    with pytest.raises(SystemExit, match="no pyproject.toml"):
+        forkserver.app_hash(str(tmp_path / "missing"))

@@ -114,8 +114,12 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
             reg = subprocess.run([flwr, "supernode", "register", str(certs / f"supernode-{i}.pub"), "deployment"], env={**env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=120)
             assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
 
+        from fedpers.runtime.flower.forkserver import app_hash
+
+        ours = app_hash(str(ROOT))
+
         def supernode(name: str, key: str, partition: int, ca: bool = True):
-            cmd = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--auth-supernode-private-key", str(certs / key),
+            cmd = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--trust-app", ours, "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--auth-supernode-private-key", str(certs / key),
                    "--node-config", f"partition-id={partition} num-partitions=2"]
             return procs.start(name, cmd + (["--root-certificates", str(certs / "ca.crt")] if ca else []), FLWR_HOME=str(tmp_path / f"{name}-home"))
 
@@ -210,3 +214,30 @@ def test_fedpers_superexec_with_process_isolation_gives_the_local_result(tmp_pat
         check_against_local(out, cfg, done)
         for i in range(2):  # discovery + 2 rounds: every ClientApp ran in a fork, none through flwr-clientapp
             assert (tmp_path / f"supernode{i}.log").read_text().count("forked a warm ClientApp") >= 3
+
+
+def test_a_supernode_runs_only_trusted_apps(tmp_path, env):
+    """Two `fedpers deploy supernode`s: node 0 trusts this app's FAB hash (`fedpers deploy app-hash`),
+    node 1 trusts another app only. Node 1 refuses every ClientApp of this run before any of its code
+    loads (an error reply, not a silent hang); the run completes with node 0 (min-fraction 0.5)."""
+    from fedpers.runtime.flower.forkserver import app_hash
+
+    ours = app_hash(str(ROOT))
+    port = free_port()
+    out = tmp_path / "runs" / "flower"
+    with Processes(tmp_path, env) as procs:
+        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        for i, trusted in enumerate([ours, "0" * 64]):
+            procs.start(f"supernode{i}", [sys.executable, "-m", "fedpers", "deploy", "supernode", "--trust-app", trusted, "--insecure", "--superlink", f"127.0.0.1:{port}",
+                                          "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions=2"], FLWR_HOME=str(tmp_path / f"node{i}-home"))
+        home = tmp_path / "cli-home"
+        write_connection(home, "deployment", f"127.0.0.1:{port}")
+        done = flwr_run(procs, home, "deployment", f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 cohorts=\"all\" seed=11' out='{out}' round-timeout=60.0 min-fraction=0.5 secure-noise=false")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+        assert [r["clients_accepted"] for r in rounds] == [1, 1] and all("partition-1" in r["dropped"] for r in rounds)
+        assert json.loads((out / "result.json").read_text())["status"] == "completed"
+        refused = (tmp_path / "supernode1.log").read_text()
+        assert f"FAB {ours} is not one of them" in refused and "UntrustedApp" in refused
+        assert "forked a warm ClientApp" in (tmp_path / "supernode0.log").read_text()

@@ -35,28 +35,57 @@ from fedpers.runtime.flower.pulls import FLOWER_SERIES, quick_object_pulls
 POLL_INTERVAL = "0.05"
 
 
-def _installed_once(install: Any) -> Any:
-    """Flower's ``install_from_fab`` for a ClientApp, skipped when this FAB (by the SHA-256 of its
-    bytes, as Flower names its install directory) was installed completely before: Flower extracts
-    and re-hashes every file of the FAB into a temporary directory for each message (~0.15 s),
-    then keeps the directory it already has."""
+TRUSTED_APPS_ENV = "FEDPERS_TRUSTED_APPS"
+"""Comma-separated SHA-256s of the FABs (Flower app bundles) this node may run; unset: any app."""
+
+
+class UntrustedApp(RuntimeError):
+    """A ClientApp whose FAB is not in ``$FEDPERS_TRUSTED_APPS``: refused before any of its code loads."""
+
+
+def trusted_apps() -> frozenset[str]:
+    """The FAB SHA-256s in ``$FEDPERS_TRUSTED_APPS`` (empty: no restriction)."""
+    text = os.environ.get(TRUSTED_APPS_ENV, "")
+    found = frozenset(h.strip().lower() for h in text.replace(" ", ",").split(",") if h.strip())
+    bad = sorted(h for h in found if len(h) != 64 or any(c not in "0123456789abcdef" for c in h))
+    if bad:
+        raise SystemExit(f"{TRUSTED_APPS_ENV} / --trust-app: expected SHA-256 hex digests (fedpers deploy app-hash DIR); got {bad}")
+    return found
+
+
+def _install_trusted_once(install: Any) -> Any:
+    """Flower's ``install_from_fab`` for a ClientApp: refused (:class:`UntrustedApp`, before anything
+    is extracted) when ``$FEDPERS_TRUSTED_APPS`` is set and the FAB's SHA-256 is not in it; skipped
+    when this FAB (by the SHA-256 of its bytes, as Flower names its install directory) was installed
+    completely before: Flower extracts and re-hashes every file of the FAB into a temporary
+    directory for each message (~0.15 s), then keeps the directory it already has."""
     import hashlib
     from pathlib import Path
 
     from flwr.common.config import get_flwr_home
 
+    trusted = trusted_apps()
+
     def installed(fab_file: Any, *args: Any, **kwargs: Any) -> Path:
+        if not isinstance(fab_file, bytes) and not trusted:
+            return install(fab_file, *args, **kwargs)
+        digest = hashlib.sha256(fab_file if isinstance(fab_file, bytes) else Path(fab_file).read_bytes()).hexdigest()
+        if trusted and digest not in trusted:
+            raise UntrustedApp(f"this SuperNode runs only the apps in {TRUSTED_APPS_ENV}; FAB {digest} is not one of them")
         if not isinstance(fab_file, bytes) or args or kwargs.get("install_dir") is not None:
             return install(fab_file, *args, **kwargs)
-        marker = get_flwr_home() / "apps" / f".fedpers-installed-{hashlib.sha256(fab_file).hexdigest()}"
+        marker = get_flwr_home() / "apps" / f".fedpers-installed-{digest}"
         if marker.is_file():
             path = Path(marker.read_text())
             if path.is_dir():
                 return path
         path = install(fab_file, *args, **kwargs)
         tmp = marker.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(str(path))
-        os.replace(tmp, marker)
+        try:
+            tmp.write_text(str(path))
+            os.replace(tmp, marker)
+        except OSError:  # no marker: the next message installs again, as Flower would
+            pass
         return path
 
     return installed
@@ -78,7 +107,7 @@ def serve() -> None:
     from flwr.supernode.runtime import run_clientapp as runtime
 
     _warm()
-    runtime.install_from_fab = _installed_once(runtime.install_from_fab)
+    runtime.install_from_fab = _install_trusted_once(runtime.install_from_fab)
     quick_object_pulls(runtime)
     run_clientapp = runtime.run_clientapp
 
@@ -109,21 +138,34 @@ def serve() -> None:
 
 
 class ForkServerExecutor:
-    """Flower's executor interface: ClientApp tasks go to the fork server, others to Flower's default."""
+    """Flower's executor interface: ClientApp tasks go to the fork server (restarted if it died),
+    others to Flower's default — except with ``$FEDPERS_TRUSTED_APPS`` set, where other task types
+    are refused (Flower's own processes would not check the app)."""
 
     def __init__(self, fallback: Any) -> None:
         self.fallback = fallback
-        self.server = subprocess.Popen([sys.executable, "-m", "fedpers.runtime.flower.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready = self.server.stdout.readline().strip() if self.server.stdout else ""
+        self.trusted = trusted_apps()
+        self.server = self._start()
+
+    @staticmethod
+    def _start() -> subprocess.Popen:
+        server = subprocess.Popen([sys.executable, "-m", "fedpers.runtime.flower.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = server.stdout.readline().strip() if server.stdout else ""
         if ready != "ready":
             raise RuntimeError(f"fedpers fork server did not start (said {ready!r})")
+        return server
 
     def launch(self, spec: Any) -> Any:
         from flwr.supercore.constant import TaskType
         from flwr.supercore.superexec.executor import LaunchResult
 
-        if spec.task_type != TaskType.CLIENT_APP or self.server.poll() is not None:
+        if spec.task_type != TaskType.CLIENT_APP:
+            if self.trusted:
+                return LaunchResult.failed(f"{TRUSTED_APPS_ENV} is set: this node runs only ClientApps of trusted apps, not {spec.task_type}")
             return self.fallback.launch(spec)
+        if self.server.poll() is not None:
+            print("fedpers superexec: the fork server exited; starting a new one", file=sys.stderr, flush=True)
+            self.server = self._start()
         line = {k: getattr(spec, k) for k in ("runtime_api_address", "token", "insecure", "root_certificates_path", "parent_pid", "runtime_dependency_install")}
         assert self.server.stdin is not None
         self.server.stdin.write(json.dumps(line) + "\n")
@@ -149,11 +191,44 @@ def _require_flower(command: str) -> None:
         raise SystemExit(f"fedpers deploy {command} is written against Flower {FLOWER_SERIES}x; this is flwr {version}: use flower-{command}")
 
 
+def _take_trusted(argv: list[str]) -> list[str]:
+    """Move every ``--trust-app SHA256`` of ``argv`` into ``$FEDPERS_TRUSTED_APPS`` (which the
+    SuperExec and its fork server inherit); return the other arguments."""
+    rest, hashes = [], [h for h in os.environ.get(TRUSTED_APPS_ENV, "").split(",") if h.strip()]
+    it = iter(argv)
+    for arg in it:
+        if arg == "--trust-app":
+            value = next(it, None)
+            if value is None:
+                raise SystemExit("--trust-app needs a FAB SHA-256 (fedpers deploy app-hash DIR prints it)")
+            hashes.append(value)
+        else:
+            rest.append(arg)
+    if hashes:
+        os.environ[TRUSTED_APPS_ENV] = ",".join(hashes)
+        trusted_apps()  # refuse a malformed digest now, not at the first message
+    return rest
+
+
+def app_hash(app: str = ".") -> str:
+    """The SHA-256 of the FAB ``flwr run APP`` sends (Flower builds it deterministically: sorted
+    files, fixed timestamps): what a node lists in ``--trust-app``."""
+    import hashlib
+    from pathlib import Path
+
+    from flwr.cli.build import build_fab_from_disk
+
+    if not (Path(app) / "pyproject.toml").is_file():
+        raise SystemExit(f"app-hash: {app} is not a Flower app directory (no pyproject.toml)")
+    return hashlib.sha256(build_fab_from_disk(Path(app))).hexdigest()
+
+
 def superexec(argv: list[str]) -> int:
     """``flower-superexec ARGV`` with :class:`ForkServerExecutor` for ClientApp tasks."""
     import importlib
 
     _require_flower("superexec")
+    argv = _take_trusted(argv)
     cli = importlib.import_module("flwr.supercore.cli.flower_superexec")
     loop = importlib.import_module("flwr.supercore.superexec.run_superexec")
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", POLL_INTERVAL)
@@ -212,6 +287,9 @@ def supernode(argv: list[str]) -> int:
     import importlib
 
     _require_flower("supernode")
+    argv = _take_trusted(argv)
+    if os.environ.get(TRUSTED_APPS_ENV) and "process" in argv and argv[argv.index("process") - 1] == "--isolation":
+        print("fedpers deploy supernode: with --isolation process, give --trust-app to the SuperExec started beside it", file=sys.stderr)
     poll = SUPERNODE_POLL
     if "--poll" in argv:
         i = argv.index("--poll")
