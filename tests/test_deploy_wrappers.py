@@ -61,15 +61,20 @@ def _fab(text: str) -> bytes:
     return buf.getvalue()
 
 
-def test_a_fab_is_install_trusted_once_per_content_and_again_when_its_directory_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
-    installs: list[bytes] = []
-
+def _recording_install(tmp_path: Path, installs: list):
+    """A stand-in for Flower's install_from_fab: records the call, makes a new app directory."""
     def install(fab_file, install_dir=None, skip_prompt=False):
         installs.append(fab_file)
         path = tmp_path / "apps" / f"app-{len(installs)}"
         path.mkdir(parents=True)
         return path
+    return install
+
+
+def test_a_fab_is_installed_once_per_content_and_again_when_its_directory_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    installs: list[bytes] = []
+    install = _recording_install(tmp_path, installs)
 
     installed = forkserver._install_trusted_once(install)
     first = installed(_fab("a"), skip_prompt=True)
@@ -122,12 +127,7 @@ def test_an_untrusted_app_is_refused_before_anything_is_installed(tmp_path: Path
     trusted, other = _fab("lab app"), _fab("intruder app")
     monkeypatch.setenv(forkserver.TRUSTED_APPS_ENV, hashlib.sha256(trusted).hexdigest().upper() + ", " + "0" * 64)
     installs: list[bytes] = []
-
-    def install(fab_file, install_dir=None, skip_prompt=False):
-        installs.append(fab_file)
-        path = tmp_path / "apps" / f"app-{len(installs)}"
-        path.mkdir(parents=True)
-        return path
+    install = _recording_install(tmp_path, installs)
 
     installed = forkserver._install_trusted_once(install)
     with pytest.raises(forkserver.UntrustedApp, match=hashlib.sha256(other).hexdigest()):
