@@ -8,9 +8,12 @@ Target (issue 12): a deployment round <= 3x the local round. Variants: ``cold`` 
 default: a fresh ``flwr-clientapp`` process per message), ``warm`` (``flower-supernode
 --isolation process`` + ``fedpers deploy superexec``: warm forked ClientApps), ``cached`` (+
 ``$FEDPERS_NODE_CACHE``), ``poll`` (one ``fedpers deploy supernode`` per node with the node
-cache: what the README's recipe runs).
+cache: what the README's recipe runs). The SuperNodes share this machine's cores, so each one's
+ClientApps get ``cores // nodes`` torch threads (``OMP_NUM_THREADS``; ``--node-threads``), as Ray
+gives each simulated node one CPU: three forks with two threads each on two cores take twice the
+CPU of three with one thread each.
 
-    PYTHONPATH=. python benchmarks/deployment_round.py [--users 30000 --rounds 2 --nodes 3 --variants cold,warm,cached,poll]
+    PYTHONPATH=. python benchmarks/deployment_round.py [--users 30000 --rounds 2 --nodes 3 --node-threads 0 --variants cold,warm,cached,poll]
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached:
     ``cached``: also ``$FEDPERS_NODE_CACHE``, so a node loads its users once, not per message;
     ``poll``: ``fedpers deploy supernode`` alone (0.2 s polls; it starts ``fedpers deploy superexec``)."""
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1", "OMP_NUM_THREADS": str(args.node_threads)}
     if cached:
         env["FEDPERS_NODE_CACHE"] = str(work / "node-cache")
     with Processes(work, env) as procs:
@@ -86,9 +89,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--nodes", type=int, default=3, help="SuperNodes (and simulated nodes); the users are split evenly")
+    p.add_argument("--node-threads", type=int, default=0,
+                   help="torch threads per SuperNode's ClientApps (OMP_NUM_THREADS); 0 (default): the cores split between the nodes, at least 1 — "
+                        "co-located nodes with all cores each oversubscribe them (Ray gives each simulated node one CPU)")
     p.add_argument("--poll", type=float, default=0.2, help="seconds between a SuperNode's pulls in the 'poll' variant")
     p.add_argument("--variants", default="cold,warm,cached,poll", help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache), poll (cached + fedpers deploy supernode)")
     args = p.parse_args()
+    args.node_threads = args.node_threads or max(1, (os.cpu_count() or 1) // args.nodes)
     variants = {v.strip() for v in args.variants.split(",")}
     with tempfile.TemporaryDirectory(prefix="fedpers-deploy-bench-") as tmp:
         start = time.perf_counter()
@@ -103,7 +110,7 @@ def main() -> None:
             times["deploy-poll"] = deployment(args, Path(tmp) / "poll", warm=True, cached=True, poll=True)
         times["simulation"] = simulation(args)
         times["local"] = local(args)
-    print(f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, {args.nodes} nodes; seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]")
+    print(f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, {args.nodes} nodes ({args.node_threads} torch threads each); seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]")
     for name, secs in times.items():
         print(f"{name:12s} " + "  ".join(f"{s:8.2f}" for s in secs))
     last = {k: v[-1] for k, v in times.items()}
