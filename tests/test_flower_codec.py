@@ -1,9 +1,9 @@
 """Flower message encoding, partitions and run-config parsing (no Flower run needed)."""
 from __future__ import annotations
 
-from pathlib import Path
-
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +15,6 @@ from fedpers.protocols.base import Message
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.flower.runconfig import from_run_config, parse_pairs
-
-TAG = ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x"})
-
 
 def test_reply_round_trip_keeps_values_and_dtypes():
     msg = Message({"A": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float32)}, 7, 2)
@@ -41,6 +38,28 @@ def test_a_reply_to_another_round_or_broadcast_is_refused():
         codec.decode_reply(content, expect=(2, codec.broadcast_digest(2, {"U": torch.zeros(3, 2, dtype=torch.float64)})))
 
 
+def test_messages_are_three_flower_objects_and_large_tensors_one_chunked_array(monkeypatch):
+    """Flower 1.41 moves each object with a call of its own on every hop: a task and a reply
+    are a Message, its RecordDict and one ConfigRecord; above INLINE_BYTES, one Array more."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    def objects(content: RecordDict) -> int:
+        return 1 + len(get_all_nested_objects(content))  # the Message itself, its RecordDict, the records …
+
+    job = codec.Job("altmin", "{}", "abc")
+    broadcast = {"U": torch.randn(50, 3, dtype=torch.float64), "round": torch.tensor(2)}
+    reply = Message({"A": torch.randn(150, 150, dtype=torch.float64), "b": torch.randn(150, dtype=torch.float64)}, 4)
+    assert objects(codec.encode_task(job, 1, range(0, 5), codec.broadcast_record(broadcast))) == 3
+    assert objects(codec.encode_reply(reply, 0.1, 1, "d", symmetric=["A"])) == 3
+    monkeypatch.setattr(codec, "INLINE_BYTES", 1000)
+    content = codec.encode_reply(reply, 0.1, 1, "d", symmetric=["A"])
+    assert objects(content) == 6  # + ArrayRecord, Array, its one chunk
+    back = codec.decode_reply(content, expect=(1, "d"))
+    assert torch.equal(back.stats["A"], reply.stats["A"].triu() + reply.stats["A"].triu(1).T) and torch.equal(back.stats["b"], reply.stats["b"])
+    task = codec.decode_task(codec.encode_task(job, 1, range(0, 5), codec.broadcast_record(broadcast)))
+    assert all(torch.equal(task.broadcast[k], v) for k, v in broadcast.items())
+
+
 def test_task_round_trip():
     job = codec.Job("altmin", '{"seed": 1}', "abc")
     content = codec.encode_task(job, 3, range(10, 20), codec.broadcast_record({"U": torch.eye(3, 2, dtype=torch.float64)}))
@@ -49,15 +68,34 @@ def test_task_round_trip():
     torch.testing.assert_close(task.broadcast["U"], torch.eye(3, 2, dtype=torch.float64))
 
 
+def _tag(**extra) -> ConfigRecord:
+    return ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: "[]", codec.BLOB: b"", **extra})
+
+
+F8 = lambda *shape: json.dumps([["A", "<f8", list(shape)]])  # noqa: E731
+
+
 @pytest.mark.parametrize(
     "content, match",
     [
         (RecordDict({}), "lacks"),
-        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: 2.0}), codec.TAG: TAG}), "integer"),
-        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: [1, 2]}), codec.TAG: TAG}), "integer"),
-        (RecordDict({codec.STATS: ArrayRecord({}), codec.COUNT: MetricRecord({codec.UNITS: 1})}), "lacks"),
-        (RecordDict({codec.STATS: ConfigRecord({"A": "x"}), codec.COUNT: MetricRecord({codec.UNITS: 1}), codec.TAG: TAG}), "lacks"),
-        (RecordDict({codec.STATS: ArrayRecord({"A": Array(dtype="float64", shape=(2,), stype="raw", data=b"12")}), codec.COUNT: MetricRecord({codec.UNITS: 1}), codec.TAG: TAG}), "cannot decode"),
+        (RecordDict({codec.TAG: _tag(**{codec.UNITS: 2.0})}), "integer"),
+        (RecordDict({codec.TAG: _tag(**{codec.UNITS: [1, 2]})}), "integer"),
+        (RecordDict({codec.TAG: _tag(**{codec.ZEROED: True})}), "integer"),
+        (RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.LAYOUT: "[]", codec.BLOB: b""})}), "lacks"),
+        (RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1})}), "lacks its tensors"),
+        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: "not json"})}), "lacks its tensors"),
+        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: F8(2), codec.BLOB: b"12"})}), "needs 16 bytes"),
+        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: F8(1), codec.BLOB: bytes(9)})}), "1 bytes beyond"),
+        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: F8(-1)})}), "bad tensor layout"),
+        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: json.dumps([["A", "|O", [1]]]), codec.BLOB: bytes(8)})}), "bad tensor layout"),
+        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: json.dumps([["A", "<f8", [1]], ["A", "<f8", [1]]]), codec.BLOB: bytes(16)})}), "bad tensor layout"),
+        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: json.dumps({"A": 1})})}), "must be a list"),
+        (RecordDict({codec.TAG: _tag(**{codec.BLOB: "text"})}), "must be bytes"),
+        (RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: F8(2)}),
+                     codec.TENSORS: ArrayRecord({codec.BLOB: Array(torch.zeros(2, dtype=torch.float64).numpy())})}), "1-D uint8"),
+        (RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: F8(2)}),
+                     codec.TENSORS: ArrayRecord({codec.BLOB: Array(dtype="uint8", shape=(16,), stype="numpy.ndarray", data=b"12")})}), "cannot decode"),
     ],
 )
 def test_malformed_replies_are_refused(content, match):
@@ -148,7 +186,7 @@ def test_symmetric_statistics_travel_as_their_upper_triangle():
     A = A + A.T
     msg = Message({"A": A, "b": torch.ones(5, dtype=torch.float64)}, 3)
     content = codec.encode_reply(msg, 0.1, 1, "d", symmetric=["A"])
-    assert content.array_records[codec.STATS]["A"].shape == (21,)  # 6·7/2 numbers instead of 36
+    assert json.loads(content.config_records[codec.TAG][codec.LAYOUT])[0] == ["A", "<f8", [21]]  # 6·7/2 numbers instead of 36
     back = codec.decode_reply(content, expect=(1, "d"))
     assert torch.equal(back.stats["A"], A) and torch.equal(back.stats["b"], msg.stats["b"])
     content.config_records[codec.TAG][codec.PACKED] = "A,b"  # b (5 numbers) is no triangle
