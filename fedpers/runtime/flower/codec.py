@@ -110,19 +110,18 @@ def read_job(content: RecordDict) -> Job:
 
 @dataclass(frozen=True)
 class Packed:
-    """Tensors as one byte string: ``layout`` (JSON of [name, dtype, shape]) and either
-    ``inline`` bytes or, above :data:`INLINE_BYTES`, an ``ArrayRecord`` of one uint8 Array."""
+    """Tensors as one byte string: ``layout`` (JSON of [name, dtype, shape]) and a ``payload``
+    of inline bytes or, above :data:`INLINE_BYTES`, an ``ArrayRecord`` of one uint8 Array."""
 
     layout: str
-    inline: bytes | None
-    arrays: ArrayRecord | None
+    payload: bytes | ArrayRecord
 
     def into(self, rec: ConfigRecord, content: dict[str, Any]) -> None:
         rec[LAYOUT] = self.layout
-        if self.arrays is None:
-            rec[BLOB] = self.inline if self.inline is not None else b""
+        if isinstance(self.payload, bytes):
+            rec[BLOB] = self.payload
         else:
-            content[TENSORS] = self.arrays
+            content[TENSORS] = self.payload
 
 
 def pack(tensors: Mapping[str, Tensor]) -> Packed:
@@ -133,9 +132,7 @@ def pack(tensors: Mapping[str, Tensor]) -> Packed:
         parts.append(a.reshape(-1).view(np.uint8))
     blob = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
     text = json.dumps(layout)
-    if blob.nbytes <= INLINE_BYTES:
-        return Packed(text, blob.tobytes(), None)
-    return Packed(text, None, ArrayRecord({BLOB: Array(blob)}))
+    return Packed(text, blob.tobytes() if blob.nbytes <= INLINE_BYTES else ArrayRecord({BLOB: Array(blob)}))
 
 
 def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tensor]:
@@ -155,9 +152,9 @@ def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tenso
                 raise MalformedReply(f"{what}: cannot decode its tensors ({type(e).__name__}: {e})") from None
             if data.dtype != np.uint8 or data.ndim != 1:
                 raise MalformedReply(f"{what}: packed tensors must be a 1-D uint8 array; got {data.dtype} {data.shape}")
+    except MalformedReply:
+        raise
     except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, MalformedReply):
-            raise
         raise MalformedReply(f"{what} lacks its tensors ({type(e).__name__}: {e})") from None
     if not isinstance(layout, list):
         raise MalformedReply(f"{what}: the tensor layout must be a list")
