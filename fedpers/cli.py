@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     cp.add_argument("--json", action="store_true", help="print one JSON object (rows and metric columns)")
     cp.add_argument("--out", type=Path, help="also draw the metrics, one panel each, into this PNG")
-    dp = sub.add_parser("deploy", help="deployment helpers: `fedpers deploy certs DIR` (TLS and SuperNode keys)", allow_abbrev=False)
+    dp = sub.add_parser("deploy", help="deployment: certs, supernode, superexec, run, app-hash (see docs/flower.md)", allow_abbrev=False)
     dsub = dp.add_subparsers(dest="deploy_command", required=True)
     ce = dsub.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode key pairs; prints the commands", allow_abbrev=False)
     ce.add_argument("dir", type=Path)
