@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     sn.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--poll S] [--trust-app SHA256 ...] and flower-supernode's flags; --trust-app: run only the apps with these FAB hashes")
     ah = dsub.add_parser("app-hash", help="the SHA-256 of the Flower app (FAB) that `flwr run DIR` sends: what a SuperNode's --trust-app lists", allow_abbrev=False)
     ah.add_argument("app", nargs="?", default=".", help="the Flower app directory (default: .)")
+    au = sub.add_parser("audit", help="empirical lower bound on ε from canary users, beside the proven ε", allow_abbrev=False,
+                        description=AUDIT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    au.add_argument("algorithm", choices=list(ALGORITHMS), metavar="ALGO", help="one of: " + ", ".join(ALGORITHMS))
+    au.add_argument("args", nargs=argparse.REMAINDER, help="--canaries K [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -257,6 +261,44 @@ def cmd_privacy(args: argparse.Namespace) -> int:
     return 0
 
 
+AUDIT_DESCRIPTION = (
+    "K canary users (each holding one of two neighbouring data sets, by a fair coin) run through the real\n"
+    "server path; each is scored from the broadcasts and noisy releases only; the guesses give lower\n"
+    "bounds on ε at the run's δ (docs/audit.md). `fedpers audit ALGO --canaries K [--runs R]` + ALGO's flags."
+)
+
+
+def _audit_flags() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedpers audit ALGO", add_help=False, allow_abbrev=False)
+    p.add_argument("--canaries", type=int, required=True, help="canary users per run (at most one per orthogonal direction)")
+    p.add_argument("--runs", type=int, default=1, help="independent runs, K canaries each (default 1)")
+    p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds (default 0.95)")
+    p.add_argument("--audit-seed", type=int, default=0, help="seed of the coins, canaries and noise of the audit runs (default 0)")
+    return p
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from fedpers.audit import audit, format_audit
+    from fedpers.experiments import experiment
+    from fedpers.results import dumps
+
+    own, rest = _audit_flags().parse_known_args(args.args)
+    algo_args = algorithm_parser(args.algorithm).parse_args(rest)
+    exp = experiment(args.algorithm)
+    values: dict[str, Any] = {}
+    if algo_args.config is not None:
+        try:
+            values.update(tomllib.loads(algo_args.config.read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"config: cannot read {algo_args.config}: {e}") from None
+    values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
+    algo_values, _ = split_values(exp.config_type, values)
+    cfg = config_lib.build(exp.config_type, algo_values)
+    result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
+    print(dumps(result, indent=None) if algo_args.json else format_audit(result))
+    return 0
+
+
 def _terminate(signum: int, frame: Any) -> None:
     """SIGTERM ends a run the way Ctrl-C does: its records (ledger, error.json) are written."""
     raise KeyboardInterrupt(f"signal {signum}")
@@ -275,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy}[args.command](args)
+        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy, "audit": cmd_audit}[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
