@@ -41,7 +41,11 @@ from fedpers.runtime.local import UnitSource
 
 Tensor = torch.Tensor
 BIG = 1e6
-"""How far past its clip bound a canary's data lies (every clip then binds)."""
+"""How far past the model clip a canary's features lie (the clip binds for any v_j not ~0)."""
+LABEL_OVERSHOOT = 1.5
+"""A canary's labels are this many times the label clip ζ: the clip binds, and were it missing,
+the canaries' sum would still pass the server's norm check (√K·1.5²·bound ≤ K·bound for K ≥ 6)
+so the missing clip shows in the audit instead of aborting the run."""
 
 
 # ----- what the server publishes ----------------------------------------------------------
@@ -120,10 +124,10 @@ def _altmin_protocol(cfg: Any, k: int) -> Protocol:
 
 def _altmin_canaries(protocol: Protocol, generator: torch.Generator) -> Canaries:
     """Canary i lives on coordinate e_i of R^d. Q1: fixed Gaussian samples (so v_i is generic);
-    Q2: x = BIG·e_i and y = ±BIG, so every w_ij sits at the model clip η along v̂_i ⊗ e_i and
+    Q2: x = BIG·e_i and y = ±1.5ζ, so every w_ij sits at the model clip η along v̂_i ⊗ e_i and
     every label at ±ζ: b_i = ±|Q2|ηζ (v̂_i ⊗ e_i), the "+"/"−" versions differ by 2·bound (its
     full replace-one sensitivity), while A_i (PSD, sign-blind) is the same in both; second half:
-    x = e_i and the pair's labels (+BIG, ±BIG), so W_i = ±(m/4)ζ² e_i e_iᵀ, again 2·bound apart."""
+    x = e_i and the pair's labels (+1.5ζ, ±1.5ζ), so W_i = ±(m/4)ζ² e_i e_iᵀ, again 2·bound apart."""
     p = protocol
     d, m, q, k = p.dim, p.samples_per_user, p.quarter, p.n_users
     dtype = p.dtype
@@ -134,10 +138,11 @@ def _altmin_canaries(protocol: Protocol, generator: torch.Generator) -> Canaries
     eye = torch.eye(d, dtype=torch.float64)[:k]
     x[:, q : 2 * q] = BIG * eye[:, None, :]
     x[:, 2 * q :] = eye[:, None, :]
-    y[:, q:] = BIG
+    label = LABEL_OVERSHOOT * p.zeta
+    y[:, q:] = label
     y_minus = y.clone()
-    y_minus[:, q : 2 * q] = -BIG
-    y_minus[:, 2 * q + 1 :: 2] = -BIG  # the second of each init pair
+    y_minus[:, q : 2 * q] = -label
+    y_minus[:, 2 * q + 1 :: 2] = -label  # the second of each init pair
     ids = torch.arange(k)
     return Canaries({"ids": ids, "x": x.to(dtype), "y": y.to(dtype)}, {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
                     "coordinate e_i per canary; b and W at ± their clip bound (2·bound apart), A equal in both versions")
