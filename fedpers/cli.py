@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--workers", type=int, default=1, help="points run concurrently on Ray (default 1: one at a time, no Ray)")
     sw.add_argument("--ray-address", default="", help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray")
     sw.add_argument("--quiet", action="store_true")
+    _add_select_flags(sw)
     rs = sub.add_parser("resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False)
     rs.add_argument("run_dir", type=Path)
     rs.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
@@ -211,6 +212,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from fedpers.sweep import run_sweep
 
+    if args.select is not None or args.private:
+        return cmd_select(args)
     run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
     return 0
 
@@ -258,6 +261,43 @@ def cmd_privacy(args: argparse.Namespace) -> int:
     from fedpers.results import dumps
 
     print(dumps(privacy_summary(args.run_dir, args.accountant), indent=None) if args.json else privacy_report(args.run_dir, args.accountant))
+    return 0
+
+
+def _add_select_flags(sw: argparse.ArgumentParser) -> None:
+    g = sw.add_argument_group("selection (docs/audit.md)")
+    g.add_argument("--select", metavar="METRIC", help="choose the best grid point by METRIC (non-private unless --private)")
+    g.add_argument("--goal", choices=["min", "max"], default="min", help="minimise or maximise METRIC (default min)")
+    g.add_argument("--private", action="store_true", help="private selection (Papernot-Steinke): METRIC is a private validation score; reports the ε of tuning + final run")
+    g.add_argument("--tuning-mean", type=float, help="mean number of trials with --private (default 2 x grid points)")
+    g.add_argument("--tuning-shape", type=float, default=1.0, help="η of the truncated negative binomial number of trials (1: geometric; 0: logarithmic)")
+    g.add_argument("--validation-users", type=int, default=2000, help="held-out users of the private score (default 2000)")
+    g.add_argument("--tuning-seed", type=int, default=0, help="seed of the trials' draws and noise (default 0)")
+
+
+def cmd_select(args: argparse.Namespace) -> int:
+    """``sweep --select``: the sweep then a non-private choice, or (``--private``) a private search in place of the sweep."""
+    import time
+
+    from fedpers.sweep import load_spec, run_sweep
+    from fedpers.tuning import Goal, format_selection, private_select, select_nonprivate
+
+    if args.select is None:
+        raise ValueError("select: --private needs --select METRIC")
+    spec = load_spec(args.file, args.repetitions)
+    out = args.out or Path("runs") / f"{'tune' if args.private else 'sweep'}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    goal = Goal(args.goal)
+    if args.private:
+        result = private_select(spec, args.select, goal, mean=args.tuning_mean, shape=args.tuning_shape,
+                                validation_users=args.validation_users, seed=args.tuning_seed, out=out, progress=not args.quiet)
+    else:
+        run_sweep(args.file, out=out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
+        result = select_nonprivate(out, args.select, goal)
+    from fedpers.results import dumps, write_atomic
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(out) / "selection.json", dumps(result) + "\n")
+    print(format_selection(result, args.select))
     return 0
 
 
