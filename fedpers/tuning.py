@@ -166,6 +166,16 @@ def rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
     return float(acc.get_epsilon(delta))
 
 
+def repeat_and_select(generator: torch.Generator, candidates: int, mean: float, shape: float, goal: Goal,
+                      trial: Callable[[int, int], dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """K ~ TNB(shape, mean) trials, each ``trial(t, j)`` on a candidate j drawn uniformly; the one
+    with the best ``"score"`` (ties: the earliest). Every draw comes from ``generator`` (the server's)."""
+    k = selection.repetitions(generator, mean, shape)
+    trials = [trial(t, int(torch.randint(candidates, (), generator=generator))) for t in range(k)]
+    best = (min if goal is Goal.MIN else max)(trials, key=lambda r: r["score"])
+    return trials, best
+
+
 # ----- the private search ---------------------------------------------------------------------------
 def private_select(spec: Any, metric: str, goal: Goal, *, mean: float | None = None, shape: float = DEFAULT_SHAPE,
                    validation_users: int = 2000, seed: int = 0, out: Path, progress: bool = False) -> dict[str, Any]:
@@ -194,23 +204,23 @@ def private_select(spec: Any, metric: str, goal: Goal, *, mean: float | None = N
         raise ValueError(f"tuning mean must be > 1, got {mean}")
     protocols = [exp.protocol(c) for c in configs]  # calibrated and checked before any release
     tuner = Privatizer(derived_seed(seed, "tuning"))
-    k = selection.repetitions(tuner.generator, mean, shape)
-    trials = []
-    for t in range(k):
-        j = int(torch.randint(len(points), (), generator=tuner.generator))
+
+    def trial(t: int, j: int) -> dict[str, Any]:
         cfg, protocol = configs[j], protocols[j]
         privatizer = Privatizer(derived_seed(seed, f"tuning-trial-{t}"))
         state, _ = run_local(protocol, exp.unit_source(cfg), privatizer, chunk_size=exp.chunk_size(cfg), progress=progress)
         value = private_score(exp, cfg, protocol, state, privatizer, score, validation_users, protocol.num_rounds)
-        trials.append({"trial": t, "point": j, "overrides": points[j][1], metric: value, "_event": worst_event(privatizer.ledger, delta)})
-    best = (min if goal is Goal.MIN else max)(trials, key=lambda r: r[metric])
+        return {"trial": t, "point": j, "overrides": points[j][1], "score": value, "_event": worst_event(privatizer.ledger, delta)}
+
+    trials, best = repeat_and_select(tuner.generator, len(points), mean, shape, goal, trial)
+    k = len(trials)
     chosen = configs[best["point"]]
     final = execute(exp, chosen, out=Path(out) / "final", progress=progress)
     final_event = worst_event(_ledger_of(final), delta)
     event = tuning_event([r.pop("_event") for r in trials], final_event, mean, shape)
     total = rdp_epsilon(event, delta)
     return {
-        "selected": points[best["point"]][1], metric: best[metric], "goal": goal.value, "private": True,
+        "selected": points[best["point"]][1], metric: best["score"], "metric": metric, "goal": goal.value, "private": True,
         "method": f"Papernot & Steinke 2022: K ~ truncated negative binomial (η = {shape}, mean {mean:g}), uniform candidates, best released",
         "repetitions": k, "trials": trials, "delta": delta,
         "epsilon_total": total,
