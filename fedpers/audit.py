@@ -110,8 +110,9 @@ class CanaryDesign:
 
     protocol: Callable[[Any, int], Protocol]
     capacity: Callable[[Protocol], int]
-    canaries: Callable[[Protocol, torch.Generator], Canaries]
+    canaries: Callable[[Protocol, torch.Generator, int], Canaries]
     releases: str
+    neighbouring: str
 
 
 def _altmin_protocol(cfg: Any, k: int) -> Protocol:
@@ -122,14 +123,14 @@ def _altmin_protocol(cfg: Any, k: int) -> Protocol:
     return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
 
 
-def _altmin_canaries(protocol: Protocol, generator: torch.Generator) -> Canaries:
+def _altmin_canaries(protocol: Protocol, generator: torch.Generator, count: int) -> Canaries:
     """Canary i lives on coordinate e_i of R^d. Q1: fixed Gaussian samples (so v_i is generic);
     Q2: x = BIG·e_i and y = ±1.5ζ, so every w_ij sits at the model clip η along v̂_i ⊗ e_i and
     every label at ±ζ: b_i = ±|Q2|ηζ (v̂_i ⊗ e_i), the "+"/"−" versions differ by 2·bound (its
     full replace-one sensitivity), while A_i (PSD, sign-blind) is the same in both; second half:
     x = e_i and the pair's labels (+1.5ζ, ±1.5ζ), so W_i = ±(m/4)ζ² e_i e_iᵀ, again 2·bound apart."""
     p = protocol
-    d, m, q, k = p.dim, p.samples_per_user, p.quarter, p.n_users
+    d, m, q, k = p.dim, p.samples_per_user, p.quarter, count
     dtype = p.dtype
     x = torch.zeros(k, m, d, dtype=torch.float64)
     y = torch.zeros(k, m, dtype=torch.float64)
@@ -148,8 +149,43 @@ def _altmin_canaries(protocol: Protocol, generator: torch.Generator) -> Canaries
                     "coordinate e_i per canary; b and W at ± their clip bound (2·bound apart), A equal in both versions")
 
 
+def _noisyhead_protocol(cfg: Any, k: int) -> Protocol:
+    """The configured protocol (its N, C, G, R and noise) in rounds mode: each step's gradient is a
+    release the auditor sees, and statistics mode releases the same Γ̂ for the same noise."""
+    from fedpers.experiments.noisyhead import Mode, make_protocol
+
+    if cfg.unit.value != "prompt" or cfg.sampling_rate != 1.0:
+        raise ValueError("unit/sampling_rate: the noisyhead audit has prompt-level, unsampled canaries; use --unit prompt without --sampling-rate")
+    return make_protocol(cfg, mode=Mode.ROUNDS)
+
+
+def _noisyhead_canaries(protocol: Protocol, generator: torch.Generator, k: int) -> Canaries:
+    """Canary i on the coordinate (a, b) = divmod(i, D) of Γ: context tokens e_b with labels 1.5C,
+    query e_a, so Z̃_i = G·e_a e_bᵀ (projection binds); the query label is ±1.5C (ỹ = ±C). Each
+    step's gradient (<Γ, Z̃> − ỹ) Z̃ then differs by 2CG between the versions, of the bound's
+    2G(C + RG): the <Γ, Z̃> part is the same in both (the data cannot know Γ in advance)."""
+    p = protocol
+    D, L = p.dim, p.context
+    x = torch.zeros(k, 1, L + 1, D, dtype=torch.float64)
+    y = torch.full((k, 1, L + 1), LABEL_OVERSHOOT * p.clip_c, dtype=torch.float64)
+    idx = torch.arange(k)
+    a, b = idx // D, idx % D
+    eye = torch.eye(D, dtype=torch.float64)
+    x[:, 0, :L] = eye[b][:, None, :]
+    x[:, 0, L] = eye[a]
+    y_minus = y.clone()
+    y_minus[:, 0, L] = -LABEL_OVERSHOOT * p.clip_c
+    dtype = p.dtype
+    return Canaries({"ids": idx, "x": x.to(dtype), "y": y.to(dtype)}, {"ids": idx, "x": x.to(dtype), "y": y_minus.to(dtype)},
+                    "coordinate (a, b) of Γ per canary; Z̃ at its projection radius G, query label ±C")
+
+
 DESIGNS: dict[str, CanaryDesign] = {
-    "altmin": CanaryDesign(_altmin_protocol, lambda p: p.dim, _altmin_canaries, "init W, and every round's A and b"),
+    "altmin": CanaryDesign(_altmin_protocol, lambda p: p.dim, _altmin_canaries, "init W, and every round's A and b",
+                           "replace-one user (a canary's two versions are the same user with different data)"),
+    "noisyhead": CanaryDesign(_noisyhead_protocol, lambda p: p.dim**2, _noisyhead_canaries,
+                              "every step's noisy gradient (rounds mode; statistics mode releases the same Γ̂ law)",
+                              "replace-one prompt (a canary's two versions are the same prompt with a different query label)"),
 }
 
 
@@ -254,7 +290,7 @@ def _audit_runs(exp: Experiment, cfg: Any, design: CanaryDesign, protocol: Proto
     scores, seps, truth = [], [], []
     ledger = Ledger()
     for run in range(runs):
-        cans = design.canaries(protocol, data)
+        cans = design.canaries(protocol, data, canaries)
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
         published, ledger = run_published(protocol, cans.units(included), privatizer)
@@ -272,7 +308,7 @@ def _audit_runs(exp: Experiment, cfg: Any, design: CanaryDesign, protocol: Proto
     mu_ind = audit_math.independent_gdp_lower_bound(standard, included, confidence)
     return {
         "algorithm": exp.name,
-        "neighbouring": "replace-one user (each canary's two versions are the same user with different data)",
+        "neighbouring": design.neighbouring,
         "releases_tested": design.releases,
         "canary_design": cans.design,
         "canaries_per_run": canaries,

@@ -69,7 +69,7 @@ def test_scorer_receives_only_published_outputs():
     cfg = altmin_cfg(epsilon=4.0)
     design = audit_lib.DESIGNS["altmin"]
     protocol = design.protocol(cfg, 10)
-    cans = design.canaries(protocol, torch.Generator().manual_seed(0))
+    cans = design.canaries(protocol, torch.Generator().manual_seed(0), 10)
     included = torch.arange(10) % 2 == 0
     units = cans.units(included)
     published, ledger = audit_lib.run_published(protocol, units, audit_lib.PublishingPrivatizer(3))
@@ -161,3 +161,18 @@ def test_planted_bug_raises_the_lower_bound_above_proven(bug, request):
     result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=0)
     assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (bug, _bounds(result), result["proven_epsilon"])
     print(bug, _bounds(result), result["proven_epsilon"])
+
+
+def test_canaries_reach_the_separation_their_design_promises():
+    """AltMin canaries differ by the full replace-one sensitivity in W and b and not in A:
+    μ_canary = μ_proven·sqrt(2/3) (disjoint cohorts: 2 of 3 releases). NoisyHead canaries differ
+    only in the label part of the gradient: μ_canary = μ_proven·C/(C + RG)."""
+    result = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0), 4, runs=1)
+    assert result["canary_mu"] == pytest.approx(result["proven_mu"] * (2 / 3) ** 0.5, rel=1e-6)
+    nh = experiment("noisyhead")
+    cfg = config_lib.build(nh.config_type, {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3})
+    result = audit_lib.audit(nh, cfg, 9, runs=1)
+    p = audit_lib.DESIGNS["noisyhead"].protocol(cfg, 9)
+    assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
+    assert "prompt" in result["neighbouring"]
+    assert max(_bounds(result)) <= result["proven_epsilon"]
