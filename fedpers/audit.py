@@ -25,8 +25,9 @@ user with different data). See docs/audit.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import dp_accounting
 import torch
@@ -109,8 +110,8 @@ class CanaryDesign:
     canaries with mutually orthogonal contributions, and the canaries themselves."""
 
     protocol: Callable[[Any, int], Protocol]
-    capacity: Callable[[Protocol], int]
-    canaries: Callable[[Protocol, torch.Generator, int], Canaries]
+    capacity: Callable[[Any], int]
+    canaries: Callable[[Any, torch.Generator, int], Canaries]
     releases: str
     neighbouring: str
 
@@ -123,7 +124,7 @@ def _altmin_protocol(cfg: Any, k: int) -> Protocol:
     return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
 
 
-def _altmin_canaries(protocol: Protocol, generator: torch.Generator, count: int) -> Canaries:
+def _altmin_canaries(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
     """Canary i lives on coordinate e_i of R^d. Q1: fixed Gaussian samples (so v_i is generic);
     Q2: x = BIG·e_i and y = ±1.5ζ, so every w_ij sits at the model clip η along v̂_i ⊗ e_i and
     every label at ±ζ: b_i = ±|Q2|ηζ (v̂_i ⊗ e_i), the "+"/"−" versions differ by 2·bound (its
@@ -159,7 +160,7 @@ def _noisyhead_protocol(cfg: Any, k: int) -> Protocol:
     return make_protocol(cfg, mode=Mode.ROUNDS)
 
 
-def _noisyhead_canaries(protocol: Protocol, generator: torch.Generator, k: int) -> Canaries:
+def _noisyhead_canaries(protocol: Any, generator: torch.Generator, k: int) -> Canaries:
     """Canary i on the coordinate (a, b) = divmod(i, D) of Γ: context tokens e_b with labels 1.5C,
     query e_a, so Z̃_i = G·e_a e_bᵀ (projection binds); the query label is ±1.5C (ỹ = ±C). Each
     step's gradient (<Γ, Z̃> − ỹ) Z̃ then differs by 2CG between the versions, of the bound's
@@ -247,7 +248,7 @@ def score_canaries(protocol: Protocol, published: Published, canaries: Canaries)
 
 def proven_mu(ledger: Ledger) -> float | None:
     """μ (GDP) the ledger proves for the worst-placed user, when every release is an unsampled Gaussian."""
-    groups = ledger.groups() or [None]
+    groups: list[str | None] = [*ledger.groups()] or [None]
     worst = 0.0
     for g in groups:
         releases = ledger.touching(g) if g is not None else list(ledger)
@@ -329,18 +330,16 @@ def _audit_runs(exp: Experiment, cfg: Any, design: CanaryDesign, protocol: Proto
 def format_audit(result: Mapping[str, Any]) -> str:
     """A short report: proven ε beside each empirical lower bound, and what was tested."""
     mu = result["proven_mu"]
+    one, gdp, ind = result["one_run"], result["one_run_gdp"], result["independent_gdp"]
+    proven = f"  proven ε = {result['proven_epsilon']:.4g}" + (f" (μ-GDP, μ = {mu:.4g})" if mu is not None else "")
     lines = [
-        f"audit of {result['algorithm']}: {result['runs']} run(s) × {result['canaries_per_run']} canaries, "
-        f"confidence {result['confidence']}, δ = {result['delta']:.3g}",
+        f"audit of {result['algorithm']}: {result['runs']} run(s) × {result['canaries_per_run']} canaries, confidence {result['confidence']}, δ = {result['delta']:.3g}",
         f"  neighbours: {result['neighbouring']}",
         f"  releases tested: {result['releases_tested']}",
         f"  canaries: {result['canary_design']} (separation μ = {result['canary_mu']:.3f})",
-        f"  proven ε = {result['proven_epsilon']:.4g}" + (f" (μ-GDP, μ = {mu:.4g})" if mu is not None else ""),
-        f"  empirical ε lower bound, any mechanism (Steinke et al. 2023): {result['epsilon_lower']:.4g}"
-        f"  [{result['one_run']['correct']}/{result['one_run']['guesses']} guesses right]",
-        f"  μ-GDP claim rejected up to μ = {result['one_run_gdp']['mu_lower']:.4g} (one run, Mahloujifar et al. 2024): "
-        f"ε ≥ {result['one_run_gdp']['epsilon_lower']:.4g}",
-        f"  μ lower bound, canaries as independent trials (Clopper–Pearson): {result['independent_gdp']['mu_lower']:.4g}: "
-        f"ε ≥ {result['independent_gdp']['epsilon_lower']:.4g}",
+        proven,
+        f"  empirical ε lower bound, any mechanism (Steinke et al. 2023): {result['epsilon_lower']:.4g}  [{one['correct']}/{one['guesses']} guesses right]",
+        f"  μ-GDP claim rejected up to μ = {gdp['mu_lower']:.4g} (one run, Mahloujifar et al. 2024): ε ≥ {gdp['epsilon_lower']:.4g}",
+        f"  μ lower bound, canaries as independent trials (Clopper–Pearson): {ind['mu_lower']:.4g}: ε ≥ {ind['epsilon_lower']:.4g}",
     ]
     return "\n".join(lines)

@@ -25,9 +25,10 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import dp_accounting
 import torch
@@ -36,8 +37,13 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from fedpers import config as config_lib
 from fedpers.experiments.base import Experiment, derived_seed
-from fedpers.privacy import ALL_UNITS, Ledger, Privatizer, event_epsilon, ledger_epsilon
-from fedpers.privacy import selection
+from fedpers.privacy import (
+    ALL_UNITS,
+    Ledger,
+    Privatizer,
+    event_epsilon,
+    selection,
+)
 
 Tensor = torch.Tensor
 DEFAULT_SHAPE = 1.0
@@ -123,7 +129,7 @@ def private_score(exp: Experiment, cfg: Any, protocol: Any, state: Any, privatiz
 # ----- accounting ------------------------------------------------------------------------------
 def worst_event(ledger: Ledger, delta: float) -> dp_accounting.DpEvent:
     """The composed event of the ledger's worst-placed unit group (the one ``ledger_epsilon`` reports)."""
-    groups = ledger.groups() or [None]
+    groups: list[str | None] = [*ledger.groups()] or [None]
     events = [dp_accounting.ComposedDpEvent([r.event for r in (ledger.touching(g) if g is not None else list(ledger))]) for g in groups]
     return max(events, key=lambda e: event_epsilon(e, delta))
 
@@ -192,7 +198,7 @@ def private_select(spec: Any, metric: str, goal: Goal, *, mean: float | None = N
         raise ValueError(f"validation_users must be >= 1, got {validation_users}")
     score = scores[metric]
     points = spec.points()
-    configs = [config_lib.build(exp.config_type, {**spec.base, **over}) for _, over in points]
+    configs: list[Any] = [config_lib.build(exp.config_type, {**spec.base, **over}) for _, over in points]
     deltas = {float(c.delta) for c in configs}
     if len(deltas) != 1:
         raise ValueError(f"select --private: every grid point must share one delta (the search's δ); got {sorted(deltas)}")

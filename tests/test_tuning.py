@@ -55,8 +55,8 @@ def test_private_select_reports_the_composition_of_its_own_ledgers(tmp_path: Pat
     )
     spec = load_spec(spec_file)
     result = tuning.private_select(spec, "validation_mse", tuning.Goal.MIN, mean=3.0, validation_users=50, seed=2, out=tmp_path / "t")
-    from fedpers.experiments import experiment
     from fedpers import config as config_lib
+    from fedpers.experiments import experiment
 
     exp = experiment("altmin")
     z = exp.protocol(config_lib.build(exp.config_type, {**spec.base, "clip_model": 0.5})).noise_multiplier

@@ -12,7 +12,7 @@ one-sided Clopper–Pearson intervals. Any (ε, δ)/μ-GDP mechanism must satisf
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -102,7 +102,7 @@ def audit_guesses(scores: Tensor, included: Tensor, fractions: tuple[float, ...]
     m = scores.numel()
     out = []
     for frac in fractions:
-        r = max(2, int(round(frac * m)) // 2 * 2) if m >= 2 else m
+        r = max(2, round(frac * m) // 2 * 2) if m >= 2 else m
         low, high = order[: r // 2], order[m - r // 2 :]
         correct = int((~truth[low]).sum()) + int(truth[high].sum())
         out.append((r, correct))
@@ -170,7 +170,7 @@ def one_run_gdp_lower_bound(
         hi = 1.0
         while one_run_rejects_gdp(m, r, v, hi, significance) and hi < 64:
             hi *= 2
-        mu = float(optimize.brentq(lambda x: 0.5 - one_run_rejects_gdp(m, r, v, x, significance), 1e-9, hi, xtol=1e-4))
+        mu = float(optimize.brentq(lambda x, r=r, v=v: 0.5 - one_run_rejects_gdp(m, r, v, x, significance), 1e-9, hi, xtol=1e-4))
         if mu > best["mu_lower"]:
             best = {"mu_lower": mu, "guesses": r, "correct": v}
     eps = analytic_gaussian_epsilon(best["mu_lower"], delta) if best["mu_lower"] > 0 else 0.0
