@@ -105,3 +105,13 @@ def test_nonprivate_select_says_it_is_not_accounted(tmp_path: Path):
     out = tuning.select_nonprivate(tmp_path, "excess_risk", tuning.Goal.MIN)
     assert out["selected"] == {"clip_model": 1.0} and not out["private"] and "NOT accounted" in out["note"]
     assert tuning.select_nonprivate(tmp_path, "excess_risk", tuning.Goal.MAX)["selected"] == {"clip_model": 0.5}
+
+
+def test_cli_private_needs_a_metric(tmp_path: Path, capsys):
+    from fedpers.cli import main
+
+    spec_file = tmp_path / "grid.toml"
+    spec_file.write_text('algorithm = "altmin"\nx = "clip_model"\nseries = "rank"\nmetrics = ["excess_risk"]\n[grid]\nclip_model = [0.5]\n')
+    assert main(["sweep", str(spec_file), "--private", "--out", str(tmp_path / "o")]) == 2
+    assert "--private needs --select METRIC" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything ran or was written
