@@ -322,6 +322,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from fedpers.experiments import experiment
     from fedpers.results import dumps
 
+    if {"-h", "--help"} & set(args.args):
+        print(_audit_flags().format_help())
+        algorithm_parser(args.algorithm).print_help()
+        return 0
     own, rest = _audit_flags().parse_known_args(args.args)
     algo_args = algorithm_parser(args.algorithm).parse_args(rest)
     exp = experiment(args.algorithm)
