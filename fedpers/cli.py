@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--workers", type=int, default=1, help="points run concurrently on Ray (default 1: one at a time, no Ray)")
     sw.add_argument("--ray-address", default="", help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray")
     sw.add_argument("--quiet", action="store_true")
+    _add_select_flags(sw)
     rs = sub.add_parser("resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False)
     rs.add_argument("run_dir", type=Path)
     rs.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     sn.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--poll S] [--trust-app SHA256 ...] and flower-supernode's flags; --trust-app: run only the apps with these FAB hashes")
     ah = dsub.add_parser("app-hash", help="the SHA-256 of the Flower app (FAB) that `flwr run DIR` sends: what a SuperNode's --trust-app lists", allow_abbrev=False)
     ah.add_argument("app", nargs="?", default=".", help="the Flower app directory (default: .)")
+    au = sub.add_parser("audit", help="empirical lower bound on ε from canary users, beside the proven ε", allow_abbrev=False,
+                        description=AUDIT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    au.add_argument("algorithm", choices=list(ALGORITHMS), metavar="ALGO", help="one of: " + ", ".join(ALGORITHMS))
+    au.add_argument("args", nargs=argparse.REMAINDER, help="--canaries K [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -207,6 +212,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from fedpers.sweep import run_sweep
 
+    if args.select is not None or args.private:
+        return cmd_select(args)
     run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
     return 0
 
@@ -257,6 +264,85 @@ def cmd_privacy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_select_flags(sw: argparse.ArgumentParser) -> None:
+    g = sw.add_argument_group("selection (docs/audit.md)")
+    g.add_argument("--select", metavar="METRIC", help="choose the best grid point by METRIC (non-private unless --private)")
+    g.add_argument("--goal", choices=["min", "max"], default="min", help="minimise or maximise METRIC (default min)")
+    g.add_argument("--private", action="store_true", help="private selection (Papernot-Steinke): METRIC is a private validation score; reports the ε of tuning + final run")
+    g.add_argument("--tuning-mean", type=float, help="mean number of trials with --private (default 2 x grid points)")
+    g.add_argument("--tuning-shape", type=float, default=1.0, help="η of the truncated negative binomial number of trials (1: geometric; 0: logarithmic)")
+    g.add_argument("--validation-users", type=int, default=2000, help="held-out users of the private score (default 2000)")
+    g.add_argument("--tuning-seed", type=int, default=0, help="seed of the trials' draws and noise (default 0)")
+
+
+def cmd_select(args: argparse.Namespace) -> int:
+    """``sweep --select``: the sweep then a non-private choice, or (``--private``) a private search in place of the sweep."""
+    import time
+
+    from fedpers.sweep import load_spec, run_sweep
+    from fedpers.tuning import Goal, format_selection, private_select, select_nonprivate
+
+    if args.select is None:
+        raise ValueError("select: --private needs --select METRIC")
+    spec = load_spec(args.file, args.repetitions)
+    out = args.out or Path("runs") / f"{'tune' if args.private else 'sweep'}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    goal = Goal(args.goal)
+    if args.private:
+        result = private_select(spec, args.select, goal, mean=args.tuning_mean, shape=args.tuning_shape,
+                                validation_users=args.validation_users, seed=args.tuning_seed, out=out, progress=not args.quiet)
+    else:
+        run_sweep(args.file, out=out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
+        result = select_nonprivate(out, args.select, goal)
+    from fedpers.results import dumps, write_atomic
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(out) / "selection.json", dumps(result) + "\n")
+    print(format_selection(result, args.select))
+    return 0
+
+
+AUDIT_DESCRIPTION = (
+    "K canary users (each holding one of two neighbouring data sets, by a fair coin) run through the real\n"
+    "server path; each is scored from the broadcasts and noisy releases only; the guesses give lower\n"
+    "bounds on ε at the run's δ (docs/audit.md). `fedpers audit ALGO --canaries K [--runs R]` + ALGO's flags."
+)
+
+
+def _audit_flags() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedpers audit ALGO", add_help=False, allow_abbrev=False)
+    p.add_argument("--canaries", type=int, required=True, help="canary users per run (at most one per orthogonal direction)")
+    p.add_argument("--runs", type=int, default=1, help="independent runs, K canaries each (default 1)")
+    p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds (default 0.95)")
+    p.add_argument("--audit-seed", type=int, default=0, help="seed of the coins, canaries and noise of the audit runs (default 0)")
+    return p
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from fedpers.audit import audit, format_audit
+    from fedpers.experiments import experiment
+    from fedpers.results import dumps
+
+    if {"-h", "--help"} & set(args.args):
+        print(_audit_flags().format_help())
+        algorithm_parser(args.algorithm).print_help()
+        return 0
+    own, rest = _audit_flags().parse_known_args(args.args)
+    algo_args = algorithm_parser(args.algorithm).parse_args(rest)
+    exp = experiment(args.algorithm)
+    values: dict[str, Any] = {}
+    if algo_args.config is not None:
+        try:
+            values.update(tomllib.loads(algo_args.config.read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"config: cannot read {algo_args.config}: {e}") from None
+    values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
+    algo_values, _ = split_values(exp.config_type, values)
+    cfg = config_lib.build(exp.config_type, algo_values)
+    result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
+    print(dumps(result, indent=None) if algo_args.json else format_audit(result))
+    return 0
+
+
 def _terminate(signum: int, frame: Any) -> None:
     """SIGTERM ends a run the way Ctrl-C does: its records (ledger, error.json) are written."""
     raise KeyboardInterrupt(f"signal {signum}")
@@ -275,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy}[args.command](args)
+        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy, "audit": cmd_audit}[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
