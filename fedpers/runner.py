@@ -13,7 +13,7 @@ import torch
 from fedpers import config as config_lib
 from fedpers.config import field
 from fedpers.experiments.base import Experiment
-from fedpers.privacy import Privatizer
+from fedpers.privacy import Calibrations, Privatizer
 from fedpers.results import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.seeds import split_seed  # noqa: F401  (re-exported: fedpers.runner.split_seed)
 from fedpers.runtime.driver import RoundRecord
@@ -67,7 +67,8 @@ def execute(
     start = time.perf_counter()
     user_cfg = cfg
     cfg, noise_seed = split_seed(user_cfg)
-    protocol = experiment.protocol(cfg)
+    calibrations = Calibrations()
+    protocol = experiment.protocol(cfg, calibrations)
     evaluator = experiment.evaluator(cfg, protocol)
     run_dir = None
     if write:
@@ -106,7 +107,7 @@ def execute(
         else:
             from fedpers.runtime.flower import run_flower
 
-            state, _ = run_flower(experiment, cfg, protocol, privatizer, options, on_round=on_round, progress=progress, grid=grid, checkpoint=checkpointer)
+            state, _ = run_flower(experiment, cfg, protocol, privatizer, options, on_round=on_round, progress=progress, grid=grid, checkpoint=checkpointer, calibrations=calibrations.table)
         privatizer.ledger.settle()
         if run_dir is not None:  # the private result is kept before any evaluation can fail
             run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])

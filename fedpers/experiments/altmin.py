@@ -17,7 +17,7 @@ from fedpers.data.long_format import LongFormatFile, is_long_format
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
 from fedpers.experiments.population import fresh_samples, population_mse
-from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
 from fedpers.protocols.base import Units
 from fedpers.runtime.local import UnitSource, run_local
@@ -177,7 +177,7 @@ def check_fits(cfg: AltMinConfig) -> list[str]:
     return [f"{lines[0]}; {cfg.chunk_size} users per chunk"]
 
 
-def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
+def make_protocol(cfg: AltMinConfig, *, private: bool = True, calibrations: Calibrations | None = None) -> AltMinProtocol:
     cfg = resolve(cfg)
     if private:
         check_fits(cfg)
@@ -195,7 +195,7 @@ def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
     elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
         z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
     else:
-        z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
+        z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
     return replace(proto, noise_multiplier=z)
 
 
@@ -392,8 +392,8 @@ class AltMinExperiment(Experiment):
     name = "altmin"
     config_type = AltMinConfig
 
-    def protocol(self, cfg: AltMinConfig) -> AltMinProtocol:
-        return make_protocol(cfg)
+    def protocol(self, cfg: AltMinConfig, calibrations: Calibrations | None = None) -> AltMinProtocol:
+        return make_protocol(cfg, calibrations=calibrations)
 
     def num_units(self, cfg: AltMinConfig) -> int:
         return resolve(cfg).n_users

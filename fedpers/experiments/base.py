@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fedpers.privacy import Ledger
+from fedpers.privacy import Calibrations, Ledger
 from fedpers.protocols.base import Protocol, Units
 from fedpers.runtime.local import UnitSource
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
@@ -47,8 +47,10 @@ class Experiment(abc.ABC):
     """The x label of per-round plots (what a round is for this algorithm)."""
 
     @abc.abstractmethod
-    def protocol(self, cfg: Any) -> Protocol:
-        """The public protocol for ``cfg`` with noise calibrated to its (ε, δ)."""
+    def protocol(self, cfg: Any, calibrations: Calibrations | None = None) -> Protocol:
+        """The public protocol for ``cfg`` with noise calibrated to its (ε, δ); ``calibrations``
+        holds (and records) the noise multipliers solved for (a Flower server sends its table so
+        nodes rebuild the protocol without the accountant)."""
 
     @abc.abstractmethod
     def num_units(self, cfg: Any) -> int: ...

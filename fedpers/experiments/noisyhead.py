@@ -24,7 +24,7 @@ from fedpers import linalg, memory
 from fedpers.config import MAX_EPSILON, field
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
-from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
 
@@ -174,7 +174,7 @@ class Resolved:
 
 
 @lru_cache(maxsize=64)
-def resolve(cfg: NoisyHeadConfig) -> Resolved:
+def resolve(cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> Resolved:
     """Derived numbers of a (frozen, hashable) config; cached because calibration runs the accountant."""
     N = cfg.prompts
     root = math.isqrt(N)
@@ -213,7 +213,7 @@ def resolve(cfg: NoisyHeadConfig) -> Resolved:
     elif cfg.calibration is Calibration.PAPER:
         z, formulas["noise_multiplier"] = nh.paper_noise_multiplier(T, cfg.epsilon, cfg.delta), "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))"
     else:
-        z = calibrate_noise_multiplier(lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
+        z = calibrate_noise_multiplier(lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
         sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
         formulas["noise_multiplier"] = f"smallest z with ε({cfg.accountant.value}, T-fold Gaussian{sampled}) ≤ target"
     formulas["noise_std_step"] = "std of z_t entries = (η₀/N)·z·ρP·G(C + RG)"
@@ -247,8 +247,8 @@ def initial_gamma(cfg: NoisyHeadConfig, r: Resolved) -> tuple[float, ...]:
     return tuple(linalg.clip_vectors(v, r.R).tolist())
 
 
-def make_protocol(cfg: NoisyHeadConfig, r: Resolved | None = None, mode: Mode | None = None) -> NoisyHeadProtocol:
-    r = r or resolve(cfg)
+def make_protocol(cfg: NoisyHeadConfig, r: Resolved | None = None, mode: Mode | None = None, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
+    r = r or resolve(cfg, calibrations)
     return NoisyHeadProtocol(
         prompts=r.N, dim=r.D, context=r.L, steps=r.T, step_size=r.eta, ridge_lambda=r.lam,
         clip_c=r.C, proj_g=r.G, proj_r=r.R, noise_multiplier=r.noise_multiplier, mode=mode or cfg.mode,
@@ -401,9 +401,9 @@ class NoisyHeadExperiment(Experiment):
     name = "noisyhead"
     config_type = NoisyHeadConfig
 
-    def protocol(self, cfg: NoisyHeadConfig) -> NoisyHeadProtocol:
+    def protocol(self, cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
         self.plan(cfg)
-        return make_protocol(cfg)
+        return make_protocol(cfg, calibrations=calibrations)
 
     def plan(self, cfg: NoisyHeadConfig) -> list[str]:
         """Prompts (train and test, float64) and the D²×D² statistics (sum, Γ* solve, eigenbasis)."""
