@@ -34,9 +34,6 @@ from fedpers import summaries
 from fedpers import config as config_lib
 from fedpers.results import dumps, write_atomic
 
-META_COLUMNS = ("repetition", "seconds")
-
-
 @dataclasses.dataclass(frozen=True)
 class SweepSpec:
     name: str
@@ -146,13 +143,6 @@ def _lookup(result: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 _number = summaries.number
-
-
-def run_point(spec: SweepSpec, overrides: dict[str, Any]) -> list[dict[str, float]]:
-    """All repetitions of one grid point, as rows of metrics (run in this process, nothing written)."""
-    from fedpers.sweep_points import run_point_task
-
-    return run_point_task(spec, overrides)[0]
 
 
 def result_row(spec: SweepSpec, result: dict[str, Any]) -> dict[str, Any]:

@@ -321,9 +321,6 @@ class AltMinEvaluator(Evaluator):
             out[name] = row
         return out
 
-    def of_subspace(self, U: Tensor) -> dict[str, float | None]:
-        return self.evaluate({"U": (self.subspace_fit(U), U)})["U"]
-
     @staticmethod
     def local_only_fit(units: Units) -> Tensor:
         """Each user alone: ridge in d dimensions on all of its m samples."""
