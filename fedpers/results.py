@@ -6,9 +6,11 @@ and flushed as rounds finish, so a run that fails keeps what it had and says why
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -188,3 +190,93 @@ def read_run(path: str | Path) -> dict[str, Any]:
         out["ledger_text"] = json.dumps(_read_lines(path / LEDGER_LOG))
     out["complete"] = "result" in out
     return out
+
+
+def write_table(rows: list[dict[str, Any]], path: Path) -> None:
+    """``path`` (.csv) and the same table as Parquet beside it, each written whole then renamed."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+    write_parquet(rows, columns, path.with_suffix(".parquet"))
+
+
+def write_parquet(rows: list[dict[str, Any]], columns: list[str], path: Path) -> None:
+    """Numeric columns as float64 (None/NaN where a row lacks the value), any other as strings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrays = {}
+    for c in columns:
+        values = [row.get(c) for row in rows]
+        if all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+            arrays[c] = pa.array([math.nan if v is None else float(v) for v in values], pa.float64())
+        else:
+            arrays[c] = pa.array([None if v is None else str(v) for v in values], pa.string())
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.table(arrays), tmp)
+    tmp.replace(path)
+
+
+
+class SweepDirectory:
+    """A sweep's output directory, held under an exclusive lock while open: ``spec.json`` (the
+    sweep's identity: another sweep is refused), ``provenance.json``, and per finished point
+    ``points/NNNNN.json`` (its rows) with each repetition's run directory ``points/NNNNN-rR/``.
+
+    A point counts as done once its record is written, so a killed sweep reruns only the points
+    without one. A directory this sweep created is removed again if the sweep fails before its
+    first point is recorded: a failed start leaves nothing behind.
+    """
+
+    def __init__(self, path: Path, identity: dict[str, Any], launch: dict[str, Any]) -> None:
+        self.path = path
+        if (path / "spec.json").exists():
+            if json.loads((path / "spec.json").read_text()) != identity:
+                raise ValueError(f"out: {path} holds a different sweep (its spec.json differs); choose another --out")
+        elif (path / "table.csv").exists():
+            raise ValueError(f"out: {path} already holds a sweep; choose another --out")
+        self._created = not path.exists()
+        self._lock = lock_directory(path)  # a second sweep into the same directory is refused while this one runs
+        self._recorded = 0
+        (path / "points").mkdir(exist_ok=True)
+        write_atomic(path / "spec.json", dumps(identity) + "\n")
+        from fedpers.provenance import provenance
+
+        write_atomic(path / "provenance.json", dumps({**provenance(), **launch}) + "\n")
+
+    def __enter__(self) -> "SweepDirectory":
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        self._lock.close()
+        if error is not None and self._created and not self._recorded:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def done(self) -> dict[int, list[dict[str, Any]]]:
+        """Point index → its rows, for every point recorded (by this sweep or before an interruption)."""
+        out = {}
+        for record in sorted((self.path / "points").glob("[0-9][0-9][0-9][0-9][0-9].json")):
+            out[int(record.stem)] = json.loads(record.read_text())["rows"]
+        return out
+
+    def record_point(self, index: int, label: Any, overrides: dict[str, Any], rows: list[dict[str, Any]], runs: dict[str, dict[str, bytes]]) -> None:
+        """Each repetition's run directory (written whole then renamed), then the point's record."""
+        points = self.path / "points"
+        for name, files in runs.items():
+            final = points / f"{index:05d}-{name}"
+            tmp = points / f".{final.name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for fname, data in files.items():
+                (tmp / fname).write_bytes(data)
+            shutil.rmtree(final, ignore_errors=True)  # a leftover of a killed sweep: replaced whole
+            os.replace(tmp, final)
+        record = {"label": label, "overrides": overrides, "rows": rows, "runs": sorted(f"{index:05d}-{n}" for n in runs)}
+        write_atomic(points / f"{index:05d}.json", dumps(record) + "\n")
+        self._recorded += 1

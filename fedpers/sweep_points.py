@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+if TYPE_CHECKING:
+    from fedpers.results import SweepDirectory
+    from fedpers.sweep_spec import SweepSpec
 
 Task = tuple[int, dict[str, Any]]
 """(point index, config overrides)."""
 
 PointResult = tuple[list[dict[str, Any]], dict[str, dict[str, bytes]]]
 """(rows, run directory name -> file name -> bytes)."""
+
+Executor = Callable[[Any, Sequence[Task]], Iterator[tuple[int, PointResult]]]
+"""Runs tasks of a sweep spec, yielding each point's result as it finishes."""
 
 
 def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> PointResult:
@@ -32,7 +38,7 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
     from fedpers import config as config_lib
     from fedpers.experiments import EXPERIMENTS
     from fedpers.runner import execute
-    from fedpers.sweep import check_metrics, result_row
+    from fedpers.sweep_spec import check_metrics, result_row
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -55,17 +61,26 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
     return rows, runs
 
 
-def write_runs(points_dir: Path, index: int, runs: dict[str, dict[str, bytes]]) -> None:
-    """Each repetition's run directory as ``points/NNNNN-rR/``, written whole then renamed."""
-    for name, files in runs.items():
-        final = points_dir / f"{index:05d}-{name}"
-        tmp = points_dir / f".{final.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for fname, data in files.items():
-            (tmp / fname).write_bytes(data)
-        shutil.rmtree(final, ignore_errors=True)  # a leftover of a killed sweep: replaced whole
-        os.replace(tmp, final)
+def run_points(spec: SweepSpec, sweep_dir: SweepDirectory, run: Executor, progress: bool = True) -> tuple[int, int]:
+    """Run every point ``sweep_dir`` has no record of, recording each (and the table so far) as
+    it finishes; returns (points run, points reused)."""
+    from tqdm.auto import tqdm
+
+    from fedpers.results import write_table
+
+    points = spec.points()
+    done = sweep_dir.done()
+    reused = len(done)
+    tasks = [(index, overrides) for index, (_, overrides) in enumerate(points) if index not in done]
+    bar = tqdm(total=len(points), initial=reused, desc=f"sweep {spec.name}", unit="point", disable=not progress)
+    for index, (point_rows, runs) in run(spec, tasks):
+        label, overrides = points[index]
+        sweep_dir.record_point(index, label, overrides, point_rows, runs)
+        done[index] = point_rows
+        write_table(spec.table(done), sweep_dir.path / "table.csv")
+        bar.update(1)
+    bar.close()
+    return len(tasks), reused
 
 
 def serial(spec: Any, tasks: Sequence[Task]) -> Iterator[tuple[int, PointResult]]:
@@ -106,7 +121,7 @@ def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") ->
         ray.shutdown()
 
 
-def executor(workers: int, address: str) -> Callable[[Any, Sequence[Task]], Iterator[tuple[int, PointResult]]]:
+def executor(workers: int, address: str) -> Executor:
     if workers < 1:
         raise ValueError(f"workers must be an integer >= 1; got {workers}")
     if workers == 1 and not address:

@@ -387,6 +387,8 @@ class AltMinExperiment(Experiment):
     round_axis = "round (0 = private initialisation)"
 
     name = "altmin"
+    result_keys = ("subspace_error", "subspace_error_spectral", "excess_risk", "test_mse", "population_mse")
+    baseline_names = BASELINES
     config_type = AltMinConfig
 
     def protocol(self, cfg: AltMinConfig, calibrations: Calibrations | None = None) -> AltMinProtocol:

@@ -45,6 +45,12 @@ class Experiment(abc.ABC):
     primary_metric: str = "excess_risk"
     round_axis: str = "round"
     """The x label of per-round plots (what a round is for this algorithm)."""
+    result_keys: tuple[str, ...] = ()
+    """Every metric ``Evaluator.final`` may return at the top level of the result (which ones
+    a run has can depend on its config and data): a sweep checks its metrics against these
+    before any point runs."""
+    baseline_names: tuple[str, ...] = ()
+    """Every baseline ``final`` may report under ``baselines`` (each with ``result_keys``)."""
 
     @abc.abstractmethod
     def protocol(self, cfg: Any, calibrations: Calibrations | None = None) -> Protocol:

@@ -218,6 +218,11 @@ class DpAlsExperiment(Experiment):
     """DPALS on synthetic ragged rating data."""
 
     name = "dpals"
+    result_keys = (
+        "test_rmse", "global_mean_rmse", "als_rmse", "als_ridge_item", "train_ratings", "test_ratings", "private_mean",
+        "private_mean_rmse", "private_item_means_rmse", "head_items", "users", "items", "users_excluded",
+        "subspace_distance", "als_subspace_distance",
+    )
     config_type = DpAlsConfig
     primary_metric = "test_rmse"
 

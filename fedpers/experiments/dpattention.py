@@ -100,6 +100,7 @@ class DpAttentionExperiment(Experiment):
     """DP attention: DPCovariance release of XXᵀ and the attention D(B)⁻¹f(B)."""
 
     name = "dpattention"
+    result_keys = ("attention_error", "utility_bound", "bound_holds", "relative_error", "rho", "within_1_pm_rho", "k", "dp_claimed", "columns_clipped")
     config_type = DpAttentionConfig
     primary_metric = "attention_error"
 

@@ -160,6 +160,8 @@ class ExpMechExperiment(altmin.AltMinExperiment):
     """User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)."""
 
     name = "expmech"
+    result_keys = (*altmin.AltMinExperiment.result_keys, "candidates")
+    baseline_names = (*altmin.BASELINES, "nearest_candidate")
     config_type = ExpMechConfig
 
     def protocol(self, cfg: ExpMechConfig, calibrations: Calibrations | None = None) -> ExpMechProtocol:

@@ -193,6 +193,8 @@ class FedRepExperiment(Experiment):
     round_axis = "round (0 = private initialisation)"
 
     name = "fedrep"
+    result_keys = ("subspace_error", "population_mse")
+    baseline_names = ("oracle", "private_init_only", *BASELINES)
     config_type = FedRepConfig
     primary_metric = "population_mse"
 

@@ -136,6 +136,8 @@ class NoisyGDExperiment(Experiment):
     round_axis = "round (the remedy's release first if --remedy is set, then gradient steps)"
 
     name = "noisygd"
+    result_keys = ("accuracy", "balanced_accuracy")
+    baseline_names = ("nonprivate_gd",)
     config_type = NoisyGDConfig
     primary_metric = "accuracy"
 

@@ -399,6 +399,13 @@ class NoisyHeadExperiment(Experiment):
     round_axis = "round (--mode rounds: one gradient step each)"
 
     name = "noisyhead"
+    result_keys = (
+        "excess_risk", "test_mse", "gamma_norm", "theorem41_bound", "robust_noisyhead", "robust_ridge",
+        # a sweep's vectorised points (noisyhead_mc.sweep_point) also give these
+        "gd_excess_risk", "ridge_test_mse", "gd_test_mse", "robust_ridge_naive_solve", "epsilon_spent", "paper_epsilon",
+        "ridge_lambda", "step_size", "steps",
+    )
+    baseline_names = ("ridge", "nonprivate_gd")
     config_type = NoisyHeadConfig
 
     def protocol(self, cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
