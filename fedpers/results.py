@@ -62,6 +62,15 @@ def default_run_dir(algorithm: str, seed: int) -> Path:
     raise ValueError(f"out: no free run directory next to {base}")
 
 
+def _write_npz(path: Path, arrays: Mapping[str, Any]) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp.npz")
+    np.savez(tmp, **{k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in arrays.items()})
+    os.replace(tmp, path)
+
+
+EVALUATOR_STATE = "evaluator_state.npz"
+"""What the evaluator kept across rounds (:meth:`RunDirectory.keep_evaluator_state`)."""
+
 LEDGER_LOG = "ledger.jsonl"
 """One line per noisy release, appended (and flushed to disk) the moment it is drawn."""
 
@@ -147,11 +156,63 @@ class RunDirectory:
     def write_json(self, name: str, value: Any) -> None:
         write_atomic(self.path / name, dumps(value) + "\n")
 
+    def start(self, saved: Mapping[str, Any], constants: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+        """A new run: its config (as given), the derived constants and where it ran."""
+        self.write_json("config.json", saved)
+        self.write_json("constants.json", constants)
+        self.write_json("provenance.json", record)
+
+    def keep_evaluator_state(self, arrays: Mapping[str, Any]) -> None:
+        """What the evaluator keeps across rounds (published values only, e.g. round 0's U),
+        rewritten when it changes, so a resumed run's result has the same baselines."""
+        if arrays and {k: id(v) for k, v in arrays.items()} != getattr(self, "_evaluator_ids", None):
+            _write_npz(self.path / EVALUATOR_STATE, arrays)
+            self._evaluator_ids = {k: id(v) for k, v in arrays.items()}
+
+    def evaluator_state(self, device: str = "cpu") -> dict[str, Any]:
+        import torch
+
+        path = self.path / EVALUATOR_STATE
+        if not path.is_file():
+            return {}
+        with np.load(path) as kept:
+            return {k: torch.from_numpy(kept[k]).to(device) for k in kept.files}
+
+    def keep_private_result(self, ledger: Any, state: Any) -> None:
+        """The ledger and the final state, written before any evaluation can fail."""
+        import torch
+
+        self.write_json("ledger.json", [r.to_dict() for r in ledger])
+        if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
+            self.write_arrays("final_state.npz", state)
+
+    def fail(self, ledger: Any, error: BaseException, rounds_completed: int) -> None:
+        """A run that failed keeps every release it made and says why (error.json)."""
+        import traceback
+
+        ledger.settle()
+        self.write_json("ledger.json", [r.to_dict() for r in ledger])
+        self.write_json("error.json", {"status": "failed", "error": f"{type(error).__name__}: {error}", "rounds_completed": rounds_completed, "traceback": traceback.format_exc()})
+        self.close()
+
+    def finish(self, result: dict[str, Any], rounds: list[dict[str, Any]], experiment: Any, cfg: Any) -> None:
+        """The completed run: per-round plots, result.json, and provenance's finishing time."""
+        from fedpers.plots import privacy_title
+
+        provenance = json.loads((self.path / "provenance.json").read_text())
+        self.write_json("provenance.json", {**provenance, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        self.remove("error.json")
+        result["plots"] = self.plot_rounds(
+            rounds, experiment.plot_keys(), privacy_title(experiment.name, {"delta": getattr(cfg, "delta", None), **result["privacy"]}),
+            round_axis=experiment.round_axis, baselines=result.get("baselines"),
+        )
+        result["run_dir"] = str(self.path)
+        self.write_json("result.json", result)
+        self.close()
+
     def write_arrays(self, name: str, arrays: Mapping[str, Any]) -> None:
         """Tensors/arrays as one ``.npz`` (written whole, then renamed)."""
-        tmp = self.path / f".{name}.tmp.npz"
-        np.savez(tmp, **{k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in arrays.items()})
-        os.replace(tmp, self.path / name)
+        _write_npz(self.path / name, arrays)
 
     def append_round(self, record: Mapping[str, Any]) -> None:
         self._rounds.write(dumps(record, indent=None) + "\n")

@@ -271,6 +271,12 @@ class AltMinEvaluator(Evaluator):
         if self.cfg.refit_samples:
             self.population = UnitSource(self.cfg.n_users, lambda a, b: population_units(self.cfg, torch.arange(a, b)))
 
+    def state_dict(self) -> dict[str, Tensor]:
+        return {} if self.init_U is None else {"init_U": self.init_U}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        self.init_U = state.get("init_U", self.init_U)
+
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if round == 0:
             self.init_U = state["U"]

@@ -26,6 +26,14 @@ class Evaluator(abc.ABC):
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         return {}
 
+    def state_dict(self) -> dict[str, Tensor]:
+        """What the evaluator kept from earlier rounds (e.g. round 0's private U for a baseline);
+        a run directory keeps it so a resumed run evaluates as the uninterrupted one."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Restore :meth:`state_dict` (a resumed run)."""
+
     @abc.abstractmethod
     def final(self, state: Any) -> dict[str, Any]:
         """Final metrics (and baselines) for the final server state."""

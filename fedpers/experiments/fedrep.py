@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -140,6 +140,12 @@ class FedRepEvaluator(Evaluator):
         self.cfg, self.u_star = cfg, truth(cfg)
         self.source = source(cfg, ("ids", "x_refit", "y_refit", "x_test", "y_test"))
         self.init_U: Tensor | None = None
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {} if self.init_U is None else {"init_U": self.init_U}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        self.init_U = state.get("init_U", self.init_U)
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if round == 0:
