@@ -4,6 +4,7 @@ Every file is written whole (temporary file, then rename); per-round lines are a
 and flushed as rounds finish, so a run that fails keeps what it had and says why in
 ``error.json``.
 """
+
 from __future__ import annotations
 
 import csv
@@ -12,8 +13,9 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +66,8 @@ def default_run_dir(algorithm: str, seed: int) -> Path:
 
 def _write_npz(path: Path, arrays: Mapping[str, Any]) -> None:
     tmp = path.with_name(f".{path.stem}.tmp.npz")
-    np.savez(tmp, **{k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in arrays.items()})
+    arrays = {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in arrays.items()}
+    np.savez(tmp, **arrays)
     os.replace(tmp, path)
 
 
@@ -103,7 +106,9 @@ def lock_directory(path: Path) -> Any:
         handle.seek(0)
         owner = handle.read().strip()
         handle.close()
-        raise ValueError(f"{path} is in use by another running process{f' (pid {owner})' if owner else ''}; wait for it or stop it first") from None
+        raise ValueError(
+            f"{path} is in use by another running process{f' (pid {owner})' if owner else ''}; wait for it or stop it first"
+        ) from None
     handle.truncate(0)
     handle.write(str(os.getpid()))
     handle.flush()
@@ -122,11 +127,15 @@ class RunDirectory:
             if (self.path / "result.json").is_file():
                 raise ValueError(f"resume: {self.path} holds a completed run; nothing to resume")
             releases = _read_lines(self.path / LEDGER_LOG)
-            write_atomic(self.path / LEDGER_LOG, "".join(dumps(r, indent=None) + "\n" for r in releases))  # drop a cut-short line
+            write_atomic(
+                self.path / LEDGER_LOG, "".join(dumps(r, indent=None) + "\n" for r in releases)
+            )  # drop a cut-short line
             for stale in ("ledger.json", "error.json"):
                 self.remove(stale)
         elif (self.path / "config.json").exists():
-            raise ValueError(f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)")
+            raise ValueError(
+                f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)"
+            )
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = self._lock or lock_directory(self.path)
         self._rounds = open(self.path / "rounds.jsonl", "a" if resume else "w")
@@ -138,7 +147,7 @@ class RunDirectory:
     def recorded_rounds(self) -> list[dict[str, Any]]:
         return _read_lines(self.path / "rounds.jsonl")
 
-    def rewrite_rounds(self, rounds: list[Mapping[str, Any]]) -> None:
+    def rewrite_rounds(self, rounds: Sequence[Mapping[str, Any]]) -> None:
         """Replace the round log (a resumed run keeps only the checkpointed rounds)."""
         self._rounds.close()
         write_atomic(self.path / "rounds.jsonl", "".join(dumps(r, indent=None) + "\n" for r in rounds))
@@ -192,7 +201,15 @@ class RunDirectory:
 
         ledger.settle()
         self.write_json("ledger.json", [r.to_dict() for r in ledger])
-        self.write_json("error.json", {"status": "failed", "error": f"{type(error).__name__}: {error}", "rounds_completed": rounds_completed, "traceback": traceback.format_exc()})
+        self.write_json(
+            "error.json",
+            {
+                "status": "failed",
+                "error": f"{type(error).__name__}: {error}",
+                "rounds_completed": rounds_completed,
+                "traceback": traceback.format_exc(),
+            },
+        )
         self.close()
 
     def finish(self, result: dict[str, Any], rounds: list[dict[str, Any]], experiment: Any, cfg: Any) -> None:
@@ -203,8 +220,11 @@ class RunDirectory:
         self.write_json("provenance.json", {**provenance, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         self.remove("error.json")
         result["plots"] = self.plot_rounds(
-            rounds, experiment.plot_keys(), privacy_title(experiment.name, {"delta": getattr(cfg, "delta", None), **result["privacy"]}),
-            round_axis=experiment.round_axis, baselines=result.get("baselines"),
+            rounds,
+            experiment.plot_keys(),
+            privacy_title(experiment.name, {"delta": getattr(cfg, "delta", None), **result["privacy"]}),
+            round_axis=experiment.round_axis,
+            baselines=result.get("baselines"),
         )
         result["run_dir"] = str(self.path)
         self.write_json("result.json", result)
@@ -226,7 +246,12 @@ class RunDirectory:
             self._lock = None
 
     def plot_rounds(
-        self, rounds: list[Mapping[str, Any]], keys: Iterable[str], title: str, *, round_axis: str = "round",
+        self,
+        rounds: Sequence[Mapping[str, Any]],
+        keys: Iterable[str],
+        title: str,
+        *,
+        round_axis: str = "round",
         baselines: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> list[str]:
         """One PNG per key: the metric against the round, baselines as reference lines."""
@@ -284,7 +309,6 @@ def write_parquet(rows: list[dict[str, Any]], columns: list[str], path: Path) ->
     tmp.replace(path)
 
 
-
 class SweepDirectory:
     """A sweep's output directory, held under an exclusive lock while open: ``spec.json`` (the
     sweep's identity: another sweep is refused), ``provenance.json``, and per finished point
@@ -311,7 +335,7 @@ class SweepDirectory:
 
         write_atomic(path / "provenance.json", dumps({**provenance(), **launch}) + "\n")
 
-    def __enter__(self) -> "SweepDirectory":
+    def __enter__(self) -> SweepDirectory:
         return self
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
@@ -326,7 +350,14 @@ class SweepDirectory:
             out[int(record.stem)] = json.loads(record.read_text())["rows"]
         return out
 
-    def record_point(self, index: int, label: Any, overrides: dict[str, Any], rows: list[dict[str, Any]], runs: dict[str, dict[str, bytes]]) -> None:
+    def record_point(
+        self,
+        index: int,
+        label: Any,
+        overrides: dict[str, Any],
+        rows: list[dict[str, Any]],
+        runs: dict[str, dict[str, bytes]],
+    ) -> None:
         """Each repetition's run directory (written whole then renamed), then the point's record."""
         points = self.path / "points"
         for name, files in runs.items():
@@ -338,6 +369,11 @@ class SweepDirectory:
                 (tmp / fname).write_bytes(data)
             shutil.rmtree(final, ignore_errors=True)  # a leftover of a killed sweep: replaced whole
             os.replace(tmp, final)
-        record = {"label": label, "overrides": overrides, "rows": rows, "runs": sorted(f"{index:05d}-{n}" for n in runs)}
+        record = {
+            "label": label,
+            "overrides": overrides,
+            "rows": rows,
+            "runs": sorted(f"{index:05d}-{n}" for n in runs),
+        }
         write_atomic(points / f"{index:05d}.json", dumps(record) + "\n")
         self._recorded += 1

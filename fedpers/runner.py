@@ -1,4 +1,5 @@
 """Runs one experiment on a runtime and writes its run directory."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,8 @@ from fedpers.config import field
 from fedpers.experiments.base import Experiment
 from fedpers.privacy import Calibrations, Privatizer
 from fedpers.results import LEDGER_LOG, RunDirectory, default_run_dir
-from fedpers.seeds import split_seed  # noqa: F401  (re-exported: fedpers.runner.split_seed)
 from fedpers.runtime.driver import RoundRecord
+from fedpers.seeds import split_seed
 
 
 class Runtime(str, enum.Enum):
@@ -32,10 +33,19 @@ class RuntimeOptions:
     ray_address: str = field("", "attach the Flower simulation to this Ray cluster (default: start a local Ray)")
     client_cpus: float = field(1.0, "CPUs per Flower client actor", gt=0.0)
     client_gpus: float = field(0.0, "GPU share per Flower client actor", ge=0.0)
-    min_fraction: float = field(1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0)
+    min_fraction: float = field(
+        1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0
+    )
     round_timeout: float = field(600.0, "seconds to wait for client replies in a round", gt=0.0)
-    node_partitions: str = field("", "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode register`); nodes not listed take part in nothing, whatever they claim")
-    secure_noise: bool = field(False, "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run")
+    node_partitions: str = field(
+        "",
+        "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode register`); "
+        "nodes not listed take part in nothing, whatever they claim",
+    )
+    secure_noise: bool = field(
+        False,
+        "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run",
+    )
 
 
 @dataclass
@@ -59,7 +69,11 @@ class Plan:
     @property
     def saved(self) -> dict[str, Any]:
         """What config.json holds: the algorithm, the config as given and the runtime options."""
-        return {"algorithm": self.experiment.name, **config_lib.to_dict(self.given), "runtime": config_lib.to_dict(self.options)}
+        return {
+            "algorithm": self.experiment.name,
+            **config_lib.to_dict(self.given),
+            "runtime": config_lib.to_dict(self.options),
+        }
 
 
 def execute(
@@ -103,7 +117,9 @@ def execute(
     return result
 
 
-def resolve(experiment: Experiment, cfg: Any, options: RuntimeOptions | None = None, *, flower_grid: bool = False) -> Plan:
+def resolve(
+    experiment: Experiment, cfg: Any, options: RuntimeOptions | None = None, *, flower_grid: bool = False
+) -> Plan:
     """Validate, split the noise seed off, calibrate and build the protocol and its evaluator."""
     options = options or RuntimeOptions()
     config_lib.validate(cfg)
@@ -136,7 +152,9 @@ def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tupl
     return run_dir, checkpointer
 
 
-def drive(plan: Plan, run_dir: RunDirectory | None, checkpointer: Any, *, grid: Any = None, progress: bool = True) -> Any:
+def drive(
+    plan: Plan, run_dir: RunDirectory | None, checkpointer: Any, *, grid: Any = None, progress: bool = True
+) -> Any:
     """Every round of the protocol on the runtime the options name; returns the final state.
 
     Each round's metrics go to the round log as it finishes (with what the evaluator keeps for
@@ -154,15 +172,28 @@ def drive(plan: Plan, run_dir: RunDirectory | None, checkpointer: Any, *, grid: 
         from fedpers.runtime.local import run_local
 
         state, _ = run_local(
-            plan.protocol, experiment.unit_source(cfg), plan.privatizer, chunk_size=experiment.chunk_size(cfg),
-            on_round=on_round, progress=progress, checkpoint=checkpointer,
+            plan.protocol,
+            experiment.unit_source(cfg),
+            plan.privatizer,
+            chunk_size=experiment.chunk_size(cfg),
+            on_round=on_round,
+            progress=progress,
+            checkpoint=checkpointer,
         )
     else:
         from fedpers.runtime.flower import run_flower
 
         state, _ = run_flower(
-            experiment, cfg, plan.protocol, plan.privatizer, options, on_round=on_round, progress=progress, grid=grid,
-            checkpoint=checkpointer, calibrations=plan.calibrations.table,
+            experiment,
+            cfg,
+            plan.protocol,
+            plan.privatizer,
+            options,
+            on_round=on_round,
+            progress=progress,
+            grid=grid,
+            checkpoint=checkpointer,
+            calibrations=plan.calibrations.table,
         )
     plan.privatizer.ledger.settle()
     if run_dir is not None:
@@ -212,14 +243,24 @@ def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Any, recor
     saved = plan.saved
     stored = json.loads((run_dir.path / "config.json").read_text())
     if stored != json.loads(dumps(saved)):
-        raise ValueError(f"resume: {run_dir.path}/config.json differs from the configuration given; a run resumes only with its own")
-    ckpt = checkpoint_lib.load(run_dir.path / CHECKPOINT, getattr(plan.cfg, "device", "cpu")) if (run_dir.path / CHECKPOINT).exists() else None
+        raise ValueError(
+            f"resume: {run_dir.path}/config.json differs from the configuration given; a run resumes only with its own"
+        )
+    ckpt = (
+        checkpoint_lib.load(run_dir.path / CHECKPOINT, getattr(plan.cfg, "device", "cpu"))
+        if (run_dir.path / CHECKPOINT).exists()
+        else None
+    )
     if ckpt is not None and ckpt.run != checkpointer.run:
-        raise ValueError(f"resume: {run_dir.path}/{CHECKPOINT} was written by a run with another configuration than config.json; it cannot continue this one")
+        raise ValueError(
+            f"resume: {run_dir.path}/{CHECKPOINT} was written by a run with another configuration than config.json; it cannot continue this one"
+        )
     lines = run_dir.recorded_releases()
     done = int(ckpt.privatizer.get("releases", 0)) if ckpt is not None else 0
     if done > len(lines):
-        raise ValueError(f"resume: the checkpoint counts {done} releases but {LEDGER_LOG} holds {len(lines)}; the run directory is damaged")
+        raise ValueError(
+            f"resume: the checkpoint counts {done} releases but {LEDGER_LOG} holds {len(lines)}; the run directory is damaged"
+        )
     plan.privatizer.ledger = Ledger([Release.from_dict(d) for d in lines[:done]])
     plan.privatizer.ledger.expect(lines[done:], lambda r: json.loads(dumps(r.to_dict(), indent=None)))
     next_round = ckpt.next_round if ckpt is not None else 0
@@ -235,18 +276,35 @@ def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Any, recor
     run_dir.write_json("provenance.json", resumed_provenance(run_dir, record, next_round, done))
 
 
-def resumed_provenance(run_dir: RunDirectory, record: dict[str, Any], next_round: int, releases_kept: int) -> dict[str, Any]:
+def resumed_provenance(
+    run_dir: RunDirectory, record: dict[str, Any], next_round: int, releases_kept: int
+) -> dict[str, Any]:
     """The first start's provenance with this resume added (warning if the code differs)."""
     import json
 
-    previous = json.loads((run_dir.path / "provenance.json").read_text()) if (run_dir.path / "provenance.json").is_file() else {}
+    previous = (
+        json.loads((run_dir.path / "provenance.json").read_text())
+        if (run_dir.path / "provenance.json").is_file()
+        else {}
+    )
     code = {k: record.get(k) for k in ("fedpers", "git", "libraries")}
     if previous and code != {k: previous.get(k) for k in code}:
         import logging
 
         logging.getLogger("fedpers").warning(
-            "resume: the code or libraries differ from those that started %s (see provenance.json); the result may differ from an uninterrupted run", run_dir.path)
-    resumes = list(previous.get("resumed", [])) + [{"at": record.get("started"), "from_round": next_round, "releases_kept": releases_kept, "command": record.get("command"), **code}]
+            "resume: the code or libraries differ from those that started %s (see provenance.json); the result may differ from an uninterrupted run",
+            run_dir.path,
+        )
+    resumes = [
+        *previous.get("resumed", []),
+        {
+            "at": record.get("started"),
+            "from_round": next_round,
+            "releases_kept": releases_kept,
+            "command": record.get("command"),
+            **code,
+        },
+    ]
     return {**previous, "resumed": resumes}
 
 
@@ -269,5 +327,5 @@ def resume_run(run_dir: str | Path, *, progress: bool = True, grid: Any = None) 
         raise ValueError(f"resume: {path}/config.json names algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
     exp = experiment(name)
     options = config_lib.build(RuntimeOptions, saved.pop("runtime", {}))
-    cfg = config_lib.build(exp.config_type, saved)
+    cfg: Any = config_lib.build(exp.config_type, saved)
     return execute(exp, cfg, options, out=path, progress=progress, resume=True, grid=grid)

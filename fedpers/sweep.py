@@ -14,13 +14,15 @@ TOML keys:
 An experiment with ``sweep_point(cfg, repetitions)`` computes all repetitions of a point
 at once (vectorised); otherwise each repetition is a normal run with seed ``seed + r``.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +30,8 @@ from fedpers import summaries
 from fedpers.results import dumps, write_atomic
 from fedpers.sweep_spec import SweepSpec, check_metrics, load_spec, result_row
 
-__all__ = ["SweepSpec", "check_metrics", "load_spec", "result_row", "run_sweep", "plot_metric", "sweep_figure"]
+__all__ = ["SweepSpec", "check_metrics", "load_spec", "plot_metric", "result_row", "run_sweep", "sweep_figure"]
+
 
 def loglog_slope(x: Iterable[float], y: Iterable[float]) -> float:
     """Least-squares slope of log y on log x over finite positive points (nan if fewer than 2)."""
@@ -66,11 +69,17 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
         xs, ms, ses = (np.array(c) for c in zip(*pts))
         slopes[s] = loglog_slope(xs, ms)
         label = f"{spec.series}={s}" + (f" (slope {slopes[s]:.2f})" if math.isfinite(slopes[s]) else "")
-        line, = ax.plot(xs, ms, marker="o", label=label)
-        ax.fill_between(xs, np.maximum(ms - 2 * ses, ms * 1e-3 if (ms > 0).all() else ms - 2 * ses), ms + 2 * ses, color=line.get_color(), alpha=0.2)
+        (line,) = ax.plot(xs, ms, marker="o", label=label)
+        ax.fill_between(
+            xs,
+            np.maximum(ms - 2 * ses, ms * 1e-3 if (ms > 0).all() else ms - 2 * ses),
+            ms + 2 * ses,
+            color=line.get_color(),
+            alpha=0.2,
+        )
     for b in spec.plot.get("baselines", []):
         key = f"baselines.{b}.{metric}"
-        for s, pts in summarise(rows, spec, key).items():
+        for _, pts in summarise(rows, spec, key).items():
             xs, ms, _ = (np.array(c) for c in zip(*pts))
             ax.plot(xs, ms, linestyle="--", marker=".", label=f"baseline: {b}")
             break
@@ -89,8 +98,12 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
 
 
 def run_sweep(
-    path: str | Path, out: str | Path | None = None, repetitions: int | None = None, progress: bool = True,
-    workers: int = 1, ray_address: str = "",
+    path: str | Path,
+    out: str | Path | None = None,
+    repetitions: int | None = None,
+    progress: bool = True,
+    workers: int = 1,
+    ray_address: str = "",
 ) -> dict[str, Any]:
     """Run the whole grid; write table.csv/.parquet, sweep.json (spec + slopes), a PNG per metric.
 
@@ -131,16 +144,33 @@ def draw(spec: SweepSpec, rows: list[dict[str, Any]], out: Path) -> tuple[list[s
 
 
 def summarise_sweep(
-    spec: SweepSpec, rows: list[dict[str, Any]], out: Path, ran: int, reused: int, figures: list[str], slopes: dict[str, dict[str, float]],
+    spec: SweepSpec,
+    rows: list[dict[str, Any]],
+    out: Path,
+    ran: int,
+    reused: int,
+    figures: list[str],
+    slopes: dict[str, dict[str, float]],
 ) -> dict[str, Any]:
     """sweep.json, and the lines a user reads."""
     from fedpers.results import write_table
 
     if rows and not (out / "table.csv").exists():
         write_table(rows, out / "table.csv")
-    summary = {"spec": dataclasses.asdict(spec), "rows": len(rows), "points_run": ran, "points_reused": reused, "slopes": slopes, "figures": figures, "table": "table.csv", "parquet": "table.parquet"}
+    summary = {
+        "spec": dataclasses.asdict(spec),
+        "rows": len(rows),
+        "points_run": ran,
+        "points_reused": reused,
+        "slopes": slopes,
+        "figures": figures,
+        "table": "table.csv",
+        "parquet": "table.parquet",
+    }
     write_atomic(out / "sweep.json", dumps(summary) + "\n")
-    print(f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}")
+    print(
+        f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}"
+    )
     for metric, per in slopes.items():
         for s, slope in per.items():
             print(f"  log-log slope of {metric} vs {spec.x} at {spec.series}={s}: {slope:.3f}")

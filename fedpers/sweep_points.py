@@ -8,14 +8,17 @@ of a cluster, and a point counts as done only once its record is written (a kill
 reruns only the points without one). The result of a point does not depend on where it ran
 (same seed, same code; a different thread count may change the last bits of a BLAS sum).
 """
+
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fedpers.results import SweepDirectory
@@ -56,7 +59,11 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
         with tempfile.TemporaryDirectory(prefix="fedpers-point-") as tmp:
             result = execute(exp, seeded, out=Path(tmp) / "run", progress=False)
             check_metrics(spec, result)
-            runs[f"r{r}"] = {p.name: p.read_bytes() for p in (Path(tmp) / "run").iterdir() if p.is_file() and not p.name.startswith(".")}
+            runs[f"r{r}"] = {
+                p.name: p.read_bytes()
+                for p in (Path(tmp) / "run").iterdir()
+                if p.is_file() and not p.name.startswith(".")
+            }
         rows.append({"repetition": r, **result_row(spec, result)})
     return rows, runs
 
@@ -98,8 +105,12 @@ def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") ->
     threads = max(1, (os.cpu_count() or 1) // workers) if local else 1
     path = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
-        address="local" if local else address, num_cpus=workers if local else None, include_dashboard=False,
-        logging_level="error", log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}},
+        address="local" if local else address,
+        num_cpus=workers if local else None,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
     try:
         remote = ray.remote(num_cpus=1, max_retries=0)(run_point_task)
@@ -116,7 +127,9 @@ def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") ->
                 yield index, ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
                 cause = e.as_instanceof_cause()
-                raise (cause if isinstance(cause, ValueError) else RuntimeError(f"sweep point {index} failed on Ray: {e}")) from None
+                raise (
+                    cause if isinstance(cause, ValueError) else RuntimeError(f"sweep point {index} failed on Ray: {e}")
+                ) from None
     finally:
         ray.shutdown()
 

@@ -3,6 +3,7 @@ the metrics against the algorithm's declared result keys); the row a run gives i
 
 See :mod:`fedpers.sweep` for the file's keys.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from typing import Any
 
 from fedpers import config as config_lib
 from fedpers import summaries
+
 
 @dataclasses.dataclass(frozen=True)
 class SweepSpec:
@@ -74,7 +76,9 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
             raise ValueError(f"sweep: {key} must be a string; got {raw[key]!r}")
     metrics = raw["metrics"]
     if not isinstance(metrics, list) or not metrics or not all(isinstance(m, str) and m for m in metrics):
-        raise ValueError(f"sweep: metrics must be a non-empty list of result keys, e.g. [\"excess_risk\"]; got {metrics!r}")
+        raise ValueError(
+            f'sweep: metrics must be a non-empty list of result keys, e.g. ["excess_risk"]; got {metrics!r}'
+        )
     for key in ("base", "grid", "series_values", "plot"):
         if key in raw and not isinstance(raw[key], dict):
             raise ValueError(f"sweep: [{key}] must be a table; got {raw[key]!r}")
@@ -92,7 +96,9 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
     if raw["x"] not in fields:
         raise ValueError(f"sweep: x = {raw['x']!r} is not a config field; fields: {', '.join(sorted(fields))}")
     if not raw.get("series_values") and raw["series"] not in fields:
-        raise ValueError(f"sweep: series = {raw['series']!r} is not a config field (or give [series_values]); fields: {', '.join(sorted(fields))}")
+        raise ValueError(
+            f"sweep: series = {raw['series']!r} is not a config field (or give [series_values]); fields: {', '.join(sorted(fields))}"
+        )
     reps = raw.get("repetitions", 1)
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"sweep: repetitions must be an integer >= 1; got {reps!r}")
@@ -118,16 +124,25 @@ def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
     fields = {f.name for f in dataclasses.fields(EXPERIMENTS[raw["algorithm"]].config_type)}
     _check_structure(raw, fields, path.name)
     grid = {k: (v if isinstance(v, list) else [v]) for k, v in raw.get("grid", {}).items()}
-    if repetitions is not None and (isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1):
+    if repetitions is not None and (
+        isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1
+    ):
         raise ValueError(f"repetitions must be an integer >= 1; got {repetitions!r}")
     reps = int(repetitions if repetitions is not None else raw.get("repetitions", 1))
     spec = SweepSpec(
-        name=str(raw.get("name", path.stem)), algorithm=raw["algorithm"], x=raw["x"], series=raw["series"],
-        metrics=tuple(raw["metrics"]), base=dict(raw.get("base", {})), grid=grid,
-        series_values=dict(raw.get("series_values", {})), repetitions=reps, plot=dict(raw.get("plot", {})),
+        name=str(raw.get("name", path.stem)),
+        algorithm=raw["algorithm"],
+        x=raw["x"],
+        series=raw["series"],
+        metrics=tuple(raw["metrics"]),
+        base=dict(raw.get("base", {})),
+        grid=grid,
+        series_values=dict(raw.get("series_values", {})),
+        repetitions=reps,
+        plot=dict(raw.get("plot", {})),
     )
     exp = EXPERIMENTS[spec.algorithm]
-    for label, over in spec.points():  # validate every point before any work
+    for _, over in spec.points():  # validate every point before any work
         config_lib.build(exp.config_type, {**spec.base, **over})
     check_declared_metrics(spec, exp.result_keys, exp.baseline_names)
     return spec
@@ -141,6 +156,7 @@ def check_declared_metrics(spec: SweepSpec, result_keys: tuple[str, ...], baseli
     """Each metric must be one the algorithm declares (``Experiment.result_keys``), a run key
     (ε, δ, noise, seconds), ``privacy.KEY``, or ``baselines.NAME.METRIC`` with a declared
     baseline and metric; refused naming what is available, before any point runs."""
+
     def known(metric: str) -> bool:
         parts = metric.split(".")
         if len(parts) == 1:
@@ -188,7 +204,11 @@ def check_metrics(spec: SweepSpec, result: dict[str, Any]) -> None:
     data, e.g. no true U* in a data file) stops the sweep at that point, naming what it has."""
     missing = [key for key in spec.metrics if not _has(result, key)]
     if missing:
-        numeric = sorted(k for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("_"))
+        numeric = sorted(
+            k
+            for k, v in result.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("_")
+        )
         baselines = sorted(result.get("baselines", {})) if isinstance(result.get("baselines"), dict) else []
         raise ValueError(
             f"sweep: metric(s) {missing} not in {spec.algorithm}'s result; available: {', '.join(numeric)}"
@@ -201,5 +221,3 @@ _MISSING = object()
 
 def _has(result: dict[str, Any], key: str) -> bool:
     return _lookup(result, key, _MISSING) is not _MISSING
-
-

@@ -33,6 +33,8 @@ class Evaluator(abc.ABC):
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         """Restore :meth:`state_dict` (a resumed run)."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state between rounds; got {sorted(state)}")
 
     @abc.abstractmethod
     def final(self, state: Any) -> dict[str, Any]:

@@ -26,11 +26,13 @@ RDP and zCDP cannot represent an ``EpsilonDeltaDpEvent``; there its (ε, δ) is 
 rest by basic composition. An event an accountant cannot account is refused with
 :class:`UnsupportedEvent` (a ValueError naming the accountant, the event and what to use).
 """
+
 from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
@@ -69,7 +71,9 @@ def _kind(event: dp_accounting.DpEvent) -> str:
 POISSON_REFUSAL = "it has no amplification-by-sampling bound for replace-one neighbours; use --accountant pld"
 
 
-def _map_leaves(event: dp_accounting.DpEvent, leaf: Callable[[dp_accounting.DpEvent], dp_accounting.DpEvent]) -> dp_accounting.DpEvent:
+def _map_leaves(
+    event: dp_accounting.DpEvent, leaf: Callable[[dp_accounting.DpEvent], dp_accounting.DpEvent]
+) -> dp_accounting.DpEvent:
     """``event`` with every mechanism (not a composition) replaced by ``leaf(mechanism)``."""
     if isinstance(event, dp_accounting.ComposedDpEvent):
         return dp_accounting.ComposedDpEvent([_map_leaves(e, leaf) for e in event.events])
@@ -107,12 +111,16 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
             return None
         if delta == 0:
             one = pld_lib.from_randomized_response(
-                noise_parameter=2.0 / (1.0 + math.exp(event.epsilon)), num_buckets=2,
-                value_discretization_interval=PLD_DISCRETISATION, neighboring_relation=REPLACE_ONE,
+                noise_parameter=2.0 / (1.0 + math.exp(event.epsilon)),
+                num_buckets=2,
+                value_discretization_interval=PLD_DISCRETISATION,
+                neighboring_relation=REPLACE_ONE,
             )
         else:
-            one = pld_lib.from_privacy_parameters(DifferentialPrivacyParameters(event.epsilon, delta), value_discretization_interval=PLD_DISCRETISATION)
-        self._pld = self._pld.compose(one.self_compose(count) if count > 1 else one)
+            one = pld_lib.from_privacy_parameters(
+                DifferentialPrivacyParameters(event.epsilon, delta), value_discretization_interval=PLD_DISCRETISATION
+            )
+        self._pld: pld_lib.PrivacyLossDistribution = self._pld.compose(one.self_compose(count) if count > 1 else one)
         return None
 
 
@@ -124,10 +132,16 @@ def _rdp_leaf(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
         # ε-DP implies (ε²/2)-zCDP (Bun & Steinke 2016, Prop. 1.4).
         return dp_accounting.ZCDpEvent(event.epsilon**2 / 2)
     if isinstance(event, dp_accounting.PoissonSampledDpEvent):
-        raise UnsupportedEvent(Accountant.RDP, event, "dp-accounting's RDP accountant samples add/remove neighbours only; use --accountant pld")
+        raise UnsupportedEvent(
+            Accountant.RDP,
+            event,
+            "dp-accounting's RDP accountant samples add/remove neighbours only; use --accountant pld",
+        )
     if isinstance(event, (dp_accounting.ZCDpEvent, dp_accounting.NonPrivateDpEvent, dp_accounting.NoOpDpEvent)):
         return event
-    raise UnsupportedEvent(Accountant.RDP, event, "no replace-one RDP bound is implemented for it; use --accountant pld")
+    raise UnsupportedEvent(
+        Accountant.RDP, event, "no replace-one RDP bound is implemented for it; use --accountant pld"
+    )
 
 
 def zcdp_rho(event: dp_accounting.DpEvent) -> float:
@@ -138,7 +152,9 @@ def zcdp_rho(event: dp_accounting.DpEvent) -> float:
         return event.epsilon**2 / 2  # ε-DP implies (ε²/2)-zCDP (Bun & Steinke 2016, Prop. 1.4)
     if isinstance(event, dp_accounting.ZCDpEvent):
         if event.xi:
-            raise UnsupportedEvent(Accountant.ZCDP, event, f"approximate zCDP (xi = {event.xi}) does not compose into ρ alone")
+            raise UnsupportedEvent(
+                Accountant.ZCDP, event, f"approximate zCDP (xi = {event.xi}) does not compose into ρ alone"
+            )
         return event.rho
     if isinstance(event, dp_accounting.ComposedDpEvent):
         return sum(zcdp_rho(e) for e in event.events)
@@ -200,12 +216,16 @@ def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accoun
             # Basic composition: the stated (ε, δ) parts add to the rest's ε at the δ left over.
             if delta_stated >= delta:
                 return math.inf
-            rest_eps = event_epsilon(dp_accounting.ComposedDpEvent(rest), delta - delta_stated, accountant) if rest else 0.0
+            rest_eps = (
+                event_epsilon(dp_accounting.ComposedDpEvent(rest), delta - delta_stated, accountant) if rest else 0.0
+            )
             return rest_eps + eps_stated
     if accountant is Accountant.ZCDP:
         return zcdp_epsilon(zcdp_rho(event), delta)
     if accountant is Accountant.RDP:
-        rdp = rdp_privacy_accountant.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        rdp = rdp_privacy_accountant.RdpAccountant(
+            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+        )
         rdp.compose(_map_leaves(event, _rdp_leaf))
         return float(rdp.get_epsilon(delta))
     pld = _PLDAccountant()
@@ -224,7 +244,7 @@ def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant = Accoun
 
     Raises :class:`UnsupportedEvent` (a ValueError) for a release ``accountant`` cannot account.
     """
-    groups = ledger.groups() or [None]
+    groups: list[str | None] = [*ledger.groups()] or [None]
     seen: dict[tuple[str, ...], float] = {}
     for g in groups:
         releases = ledger.touching(g) if g is not None else list(ledger)
@@ -253,7 +273,7 @@ def shared_sample_events(releases: Sequence[Release]) -> list[dp_accounting.DpEv
         inner = [e.event for e in events]
         if len(rates) != 1 or not all(isinstance(e, dp_accounting.GaussianDpEvent) for e in inner):
             raise ValueError(f"releases on Poisson sample {sample!r} must share one rate and be Gaussian; got {events}")
-        z = sum(e.noise_multiplier ** -2 for e in inner) ** -0.5
+        z = sum(e.noise_multiplier**-2 for e in inner) ** -0.5
         out.append(dp_accounting.PoissonSampledDpEvent(rates.pop(), dp_accounting.GaussianDpEvent(z)))
     return out
 
@@ -264,7 +284,9 @@ def gaussian_multipliers(event: dp_accounting.DpEvent) -> list[float] | None:
         return [event.noise_multiplier]
     if isinstance(event, dp_accounting.ComposedDpEvent):
         parts = [gaussian_multipliers(e) for e in event.events]
-        return None if any(p is None for p in parts) else [z for p in parts for z in p]
+        if any(p is None for p in parts):
+            return None
+        return [z for p in parts if p is not None for z in p]
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
         inner = gaussian_multipliers(event.event)
         return None if inner is None else inner * event.count
@@ -282,7 +304,10 @@ class Calibrations:
         self.table: dict[str, float] = dict(known or {})
 
     def __call__(
-        self, make_event: Callable[[float], dp_accounting.DpEvent], target_epsilon: float, target_delta: float,
+        self,
+        make_event: Callable[[float], dp_accounting.DpEvent],
+        target_epsilon: float,
+        target_delta: float,
         accountant: Accountant = Accountant.PLD,
     ) -> float:
         key = calibration_key(make_event, target_epsilon, target_delta, accountant)
@@ -291,9 +316,22 @@ class Calibrations:
         return self.table[key]
 
 
-def calibration_key(make_event: Callable[[float], dp_accounting.DpEvent], target_epsilon: float, target_delta: float, accountant: Accountant) -> str:
+def calibration_key(
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    target_epsilon: float,
+    target_delta: float,
+    accountant: Accountant,
+) -> str:
     """What a calibration depends on: the event's shape (at z = 1 and 2), the target and the accountant."""
-    return repr((repr(make_event(1.0)), repr(make_event(2.0)), float(target_epsilon), float(target_delta), Accountant(accountant).value))
+    return repr(
+        (
+            repr(make_event(1.0)),
+            repr(make_event(2.0)),
+            float(target_epsilon),
+            float(target_delta),
+            Accountant(accountant).value,
+        )
+    )
 
 
 def calibrate_noise_multiplier(
@@ -315,7 +353,10 @@ def calibrate_noise_multiplier(
 
 
 def _calibrate(
-    make_event: Callable[[float], dp_accounting.DpEvent], target_epsilon: float, target_delta: float, accountant: Accountant,
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    target_epsilon: float,
+    target_delta: float,
+    accountant: Accountant,
 ) -> float:
     _check_delta(target_delta)
     if not target_epsilon > 0:
