@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -173,9 +172,26 @@ class Resolved:
         return self.N // self.P
 
 
-@lru_cache(maxsize=64)
+_RESOLVED: dict[NoisyHeadConfig, tuple[Resolved, Calibrations]] = {}
+
+
 def resolve(cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> Resolved:
-    """Derived numbers of a (frozen, hashable) config; cached because calibration runs the accountant."""
+    """Derived numbers of a (frozen, hashable) config; cached per config because calibration runs
+    the accountant. ``calibrations`` serves a config's first resolution (a Flower node: the
+    server's noise multiplier) and is told the noise multiplier on every later one."""
+    if cfg not in _RESOLVED:
+        used = calibrations if calibrations is not None else Calibrations()
+        _RESOLVED[cfg] = (_resolve(cfg, used), used)
+        while len(_RESOLVED) > 64:
+            _RESOLVED.pop(next(iter(_RESOLVED)))
+    r, used = _RESOLVED[cfg]
+    if calibrations is not None and calibrations is not used:
+        for key, z in used.table.items():
+            calibrations.table.setdefault(key, z)
+    return r
+
+
+def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
     N = cfg.prompts
     root = math.isqrt(N)
     L = cfg.context or root
