@@ -109,9 +109,10 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
         if math.isinf(event.epsilon) or delta >= 1:
             self._contains_non_dp_event = True
             return None
-        if delta == 0:
+        keep_odds = 2.0 * math.exp(-event.epsilon) / (1.0 + math.exp(-event.epsilon))  # 2/(1+e^ε), no overflow
+        if delta == 0 and keep_odds > 0:
             one = pld_lib.from_randomized_response(
-                noise_parameter=2.0 / (1.0 + math.exp(event.epsilon)),
+                noise_parameter=keep_odds,
                 num_buckets=2,
                 value_discretization_interval=PLD_DISCRETISATION,
                 neighboring_relation=REPLACE_ONE,
