@@ -104,12 +104,11 @@ def execute(
     run_dir, checkpointer = open_run_directory(plan, out, resume) if write else (None, None)
     try:
         state = drive(plan, run_dir, checkpointer, grid=grid, progress=progress)
-        final = plan.evaluator.final(state)
+        result = result_of(plan, plan.evaluator.final(state), time.perf_counter() - start)
     except BaseException as e:
         if run_dir is not None:
             run_dir.fail(plan.privatizer.ledger, e, len(plan.rounds))
         raise
-    result = result_of(plan, final, time.perf_counter() - start)
     if run_dir is not None:
         run_dir.finish(result, plan.rounds, plan.experiment, plan.cfg)
     result["_rounds"] = plan.rounds
