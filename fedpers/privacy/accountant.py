@@ -109,7 +109,7 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
         if math.isinf(event.epsilon) or delta >= 1:
             self._contains_non_dp_event = True
             return None
-        keep_odds = 2.0 * math.exp(-event.epsilon) / (1.0 + math.exp(-event.epsilon))  # 2/(1+e^ε), no overflow
+        keep_odds = 2.0 / (1.0 + math.exp(event.epsilon)) if event.epsilon < 700 else 0.0  # e^ε overflows past ~709
         if delta == 0 and keep_odds > 0:
             one = pld_lib.from_randomized_response(
                 noise_parameter=keep_odds,
