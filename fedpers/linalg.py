@@ -14,13 +14,6 @@ import torch
 Tensor = torch.Tensor
 
 
-def require_finite(x: Tensor, name: str) -> None:
-    """Refuse NaN/inf: a NaN norm compares false against any bound and would slip past a clip."""
-    if not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"{name} has {bad} non-finite value(s); all values must be finite")
-
-
 def clip_factor(norms: Tensor, bound: float) -> Tensor:
     """min(1, bound / norm), equal to 1 where the norm is zero (no division by zero)."""
     if math.isinf(bound):
@@ -128,11 +121,6 @@ def clip_scalar(y: Tensor, bound: float) -> Tensor:
 def sym(w: Tensor) -> Tensor:
     """(W + Wᵀ)/2 over the last two dims; keeps ||sym(W)||_F ≤ ||W||_F."""
     return (w + w.transpose(-1, -2)) / 2
-
-
-def project_frobenius_ball(x: Tensor, radius: float, dims: int = 2) -> Tensor:
-    """Π_R: project onto the Frobenius ball of radius R (batched over leading dims)."""
-    return clip_vectors(x, radius, dims=dims)
 
 
 def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:

@@ -1,4 +1,5 @@
 """`fedpers privacy RUN_DIR`: the ledger of a run and the (ε, δ) an accountant gives for it."""
+
 from __future__ import annotations
 
 import math
@@ -18,11 +19,18 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
     acc = Accountant(accountant or cfg.get("accountant", "pld"))
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
     return {
-        "run_dir": str(run_dir), "algorithm": cfg.get("algorithm"), "complete": run["complete"],
-        "releases": len(ledger), "epsilon": ledger_epsilon(ledger, delta, acc), "delta": delta, "accountant": acc.value,
-        "neighbouring": neighbours, "groups": len(ledger.groups()),
+        "run_dir": str(run_dir),
+        "algorithm": cfg.get("algorithm"),
+        "complete": run["complete"],
+        "releases": len(ledger),
+        "epsilon": ledger_epsilon(ledger, delta, acc),
+        "delta": delta,
+        "accountant": acc.value,
+        "neighbouring": neighbours,
+        "groups": len(ledger.groups()),
         "paper_epsilon_same_noise": run.get("result", {}).get("privacy", {}).get("paper_epsilon_same_noise"),
-        "error": run.get("error", {}).get("error"), "ledger": [r.to_dict() for r in ledger],
+        "error": run.get("error", {}).get("error"),
+        "ledger": [r.to_dict() for r in ledger],
     }
 
 
@@ -34,7 +42,9 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     acc = Accountant(accountant or cfg.get("accountant", "pld"))
     status = "" if run["complete"] else "  INCOMPLETE: the run did not finish; these are the releases it made"
     lines = [f"run: {run_dir}  algorithm: {cfg.get('algorithm')}  releases: {len(ledger)}{status}", ""]
-    lines.append(f"{'round':>5} {'name':<16} {'mechanism':<19} {'units':<10} {'bound':>10} {'sensitivity':>11} {'noise std':>10} {'z':>8}")
+    lines.append(
+        f"{'round':>5} {'name':<16} {'mechanism':<19} {'units':<10} {'bound':>10} {'sensitivity':>11} {'noise std':>10} {'z':>8}"
+    )
     for r in ledger:
         z = r.noise_multiplier
         lines.append(
@@ -49,7 +59,11 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
         lines.append(f"  (parallel composition over {len(ledger.groups())} disjoint groups; worst group reported)")
     priv = run.get("result", {}).get("privacy", {})
     if "paper_epsilon_same_noise" in priv:
-        lines.append(f"the paper's calibration would claim ε = {float(priv['paper_epsilon_same_noise']):.4g} for the same noise")
+        lines.append(
+            f"the paper's calibration would claim ε = {float(priv['paper_epsilon_same_noise']):.4g} for the same noise"
+        )
     if "error" in run:
-        lines.append(f"note: the run failed after {run['error'].get('rounds_completed')} round(s): {run['error'].get('error')}")
+        lines.append(
+            f"note: the run failed after {run['error'].get('rounds_completed')} round(s): {run['error'].get('error')}"
+        )
     return "\n".join(lines)

@@ -4,14 +4,18 @@ Every file is written whole (temporary file, then rename); per-round lines are a
 and flushed as rounds finish, so a run that fails keeps what it had and says why in
 ``error.json``.
 """
+
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
+import shutil
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +64,16 @@ def default_run_dir(algorithm: str, seed: int) -> Path:
     raise ValueError(f"out: no free run directory next to {base}")
 
 
+def _write_npz(path: Path, arrays: Mapping[str, Any]) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp.npz")
+    arrays = {k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in arrays.items()}
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+EVALUATOR_STATE = "evaluator_state.npz"
+"""What the evaluator kept across rounds (:meth:`RunDirectory.keep_evaluator_state`)."""
+
 LEDGER_LOG = "ledger.jsonl"
 """One line per noisy release, appended (and flushed to disk) the moment it is drawn."""
 
@@ -92,7 +106,9 @@ def lock_directory(path: Path) -> Any:
         handle.seek(0)
         owner = handle.read().strip()
         handle.close()
-        raise ValueError(f"{path} is in use by another running process{f' (pid {owner})' if owner else ''}; wait for it or stop it first") from None
+        raise ValueError(
+            f"{path} is in use by another running process{f' (pid {owner})' if owner else ''}; wait for it or stop it first"
+        ) from None
     handle.truncate(0)
     handle.write(str(os.getpid()))
     handle.flush()
@@ -111,11 +127,15 @@ class RunDirectory:
             if (self.path / "result.json").is_file():
                 raise ValueError(f"resume: {self.path} holds a completed run; nothing to resume")
             releases = _read_lines(self.path / LEDGER_LOG)
-            write_atomic(self.path / LEDGER_LOG, "".join(dumps(r, indent=None) + "\n" for r in releases))  # drop a cut-short line
+            write_atomic(
+                self.path / LEDGER_LOG, "".join(dumps(r, indent=None) + "\n" for r in releases)
+            )  # drop a cut-short line
             for stale in ("ledger.json", "error.json"):
                 self.remove(stale)
         elif (self.path / "config.json").exists():
-            raise ValueError(f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)")
+            raise ValueError(
+                f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)"
+            )
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = self._lock or lock_directory(self.path)
         self._rounds = open(self.path / "rounds.jsonl", "a" if resume else "w")
@@ -127,7 +147,7 @@ class RunDirectory:
     def recorded_rounds(self) -> list[dict[str, Any]]:
         return _read_lines(self.path / "rounds.jsonl")
 
-    def rewrite_rounds(self, rounds: list[Mapping[str, Any]]) -> None:
+    def rewrite_rounds(self, rounds: Sequence[Mapping[str, Any]]) -> None:
         """Replace the round log (a resumed run keeps only the checkpointed rounds)."""
         self._rounds.close()
         write_atomic(self.path / "rounds.jsonl", "".join(dumps(r, indent=None) + "\n" for r in rounds))
@@ -145,11 +165,74 @@ class RunDirectory:
     def write_json(self, name: str, value: Any) -> None:
         write_atomic(self.path / name, dumps(value) + "\n")
 
+    def start(self, saved: Mapping[str, Any], constants: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+        """A new run: its config (as given), the derived constants and where it ran."""
+        self.write_json("config.json", saved)
+        self.write_json("constants.json", constants)
+        self.write_json("provenance.json", record)
+
+    def keep_evaluator_state(self, arrays: Mapping[str, Any]) -> None:
+        """What the evaluator keeps across rounds (published values only, e.g. round 0's U),
+        rewritten when it changes, so a resumed run's result has the same baselines."""
+        if arrays and {k: id(v) for k, v in arrays.items()} != getattr(self, "_evaluator_ids", None):
+            _write_npz(self.path / EVALUATOR_STATE, arrays)
+            self._evaluator_ids = {k: id(v) for k, v in arrays.items()}
+
+    def evaluator_state(self, device: str = "cpu") -> dict[str, Any]:
+        import torch
+
+        path = self.path / EVALUATOR_STATE
+        if not path.is_file():
+            return {}
+        with np.load(path) as kept:
+            return {k: torch.from_numpy(kept[k]).to(device) for k in kept.files}
+
+    def keep_private_result(self, ledger: Any, state: Any) -> None:
+        """The ledger and the final state, written before any evaluation can fail."""
+        import torch
+
+        self.write_json("ledger.json", [r.to_dict() for r in ledger])
+        if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
+            self.write_arrays("final_state.npz", state)
+
+    def fail(self, ledger: Any, error: BaseException, rounds_completed: int) -> None:
+        """A run that failed keeps every release it made and says why (error.json)."""
+        import traceback
+
+        ledger.settle()
+        self.write_json("ledger.json", [r.to_dict() for r in ledger])
+        self.write_json(
+            "error.json",
+            {
+                "status": "failed",
+                "error": f"{type(error).__name__}: {error}",
+                "rounds_completed": rounds_completed,
+                "traceback": traceback.format_exc(),
+            },
+        )
+        self.close()
+
+    def finish(self, result: dict[str, Any], rounds: list[dict[str, Any]], experiment: Any, cfg: Any) -> None:
+        """The completed run: per-round plots, result.json, and provenance's finishing time."""
+        from fedpers.plots import privacy_title
+
+        provenance = json.loads((self.path / "provenance.json").read_text())
+        self.write_json("provenance.json", {**provenance, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        self.remove("error.json")
+        result["plots"] = self.plot_rounds(
+            rounds,
+            experiment.plot_keys(),
+            privacy_title(experiment.name, {"delta": getattr(cfg, "delta", None), **result["privacy"]}),
+            round_axis=experiment.round_axis,
+            baselines=result.get("baselines"),
+        )
+        result["run_dir"] = str(self.path)
+        self.write_json("result.json", result)
+        self.close()
+
     def write_arrays(self, name: str, arrays: Mapping[str, Any]) -> None:
         """Tensors/arrays as one ``.npz`` (written whole, then renamed)."""
-        tmp = self.path / f".{name}.tmp.npz"
-        np.savez(tmp, **{k: (v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)) for k, v in arrays.items()})
-        os.replace(tmp, self.path / name)
+        _write_npz(self.path / name, arrays)
 
     def append_round(self, record: Mapping[str, Any]) -> None:
         self._rounds.write(dumps(record, indent=None) + "\n")
@@ -163,7 +246,12 @@ class RunDirectory:
             self._lock = None
 
     def plot_rounds(
-        self, rounds: list[Mapping[str, Any]], keys: Iterable[str], title: str, *, round_axis: str = "round",
+        self,
+        rounds: Sequence[Mapping[str, Any]],
+        keys: Iterable[str],
+        title: str,
+        *,
+        round_axis: str = "round",
         baselines: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> list[str]:
         """One PNG per key: the metric against the round, baselines as reference lines."""
@@ -188,3 +276,104 @@ def read_run(path: str | Path) -> dict[str, Any]:
         out["ledger_text"] = json.dumps(_read_lines(path / LEDGER_LOG))
     out["complete"] = "result" in out
     return out
+
+
+def write_table(rows: list[dict[str, Any]], path: Path) -> None:
+    """``path`` (.csv) and the same table as Parquet beside it, each written whole then renamed."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+    write_parquet(rows, columns, path.with_suffix(".parquet"))
+
+
+def write_parquet(rows: list[dict[str, Any]], columns: list[str], path: Path) -> None:
+    """Numeric columns as float64 (None/NaN where a row lacks the value), any other as strings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrays = {}
+    for c in columns:
+        values = [row.get(c) for row in rows]
+        if all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+            arrays[c] = pa.array([math.nan if v is None else float(v) for v in values], pa.float64())
+        else:
+            arrays[c] = pa.array([None if v is None else str(v) for v in values], pa.string())
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.table(arrays), tmp)
+    tmp.replace(path)
+
+
+class SweepDirectory:
+    """A sweep's output directory, held under an exclusive lock while open: ``spec.json`` (the
+    sweep's identity: another sweep is refused), ``provenance.json``, and per finished point
+    ``points/NNNNN.json`` (its rows) with each repetition's run directory ``points/NNNNN-rR/``.
+
+    A point counts as done once its record is written, so a killed sweep reruns only the points
+    without one. A directory this sweep created is removed again if the sweep fails before its
+    first point is recorded: a failed start leaves nothing behind.
+    """
+
+    def __init__(self, path: Path, identity: dict[str, Any], launch: dict[str, Any]) -> None:
+        self.path = path
+        if (path / "spec.json").exists():
+            if json.loads((path / "spec.json").read_text()) != identity:
+                raise ValueError(f"out: {path} holds a different sweep (its spec.json differs); choose another --out")
+        elif (path / "table.csv").exists():
+            raise ValueError(f"out: {path} already holds a sweep; choose another --out")
+        self._created = not path.exists()
+        self._lock = lock_directory(path)  # a second sweep into the same directory is refused while this one runs
+        self._recorded = 0
+        (path / "points").mkdir(exist_ok=True)
+        write_atomic(path / "spec.json", dumps(identity) + "\n")
+        from fedpers.provenance import provenance
+
+        write_atomic(path / "provenance.json", dumps({**provenance(), **launch}) + "\n")
+
+    def __enter__(self) -> SweepDirectory:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        self._lock.close()
+        if error is not None and self._created and not self._recorded:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def done(self) -> dict[int, list[dict[str, Any]]]:
+        """Point index → its rows, for every point recorded (by this sweep or before an interruption)."""
+        out = {}
+        for record in sorted((self.path / "points").glob("[0-9][0-9][0-9][0-9][0-9].json")):
+            out[int(record.stem)] = json.loads(record.read_text())["rows"]
+        return out
+
+    def record_point(
+        self,
+        index: int,
+        label: Any,
+        overrides: dict[str, Any],
+        rows: list[dict[str, Any]],
+        runs: dict[str, dict[str, bytes]],
+    ) -> None:
+        """Each repetition's run directory (written whole then renamed), then the point's record."""
+        points = self.path / "points"
+        for name, files in runs.items():
+            final = points / f"{index:05d}-{name}"
+            tmp = points / f".{final.name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for fname, data in files.items():
+                (tmp / fname).write_bytes(data)
+            shutil.rmtree(final, ignore_errors=True)  # a leftover of a killed sweep: replaced whole
+            os.replace(tmp, final)
+        record = {
+            "label": label,
+            "overrides": overrides,
+            "rows": rows,
+            "runs": sorted(f"{index:05d}-{n}" for n in runs),
+        }
+        write_atomic(points / f"{index:05d}.json", dumps(record) + "\n")
+        self._recorded += 1

@@ -1,22 +1,21 @@
 """Runs one experiment on a runtime and writes its run directory."""
+
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fedpers import config as config_lib
 from fedpers.config import field
 from fedpers.experiments.base import Experiment
-from fedpers.privacy import Privatizer
+from fedpers.privacy import Calibrations, Privatizer
 from fedpers.results import LEDGER_LOG, RunDirectory, default_run_dir
-from fedpers.seeds import split_seed  # noqa: F401  (re-exported: fedpers.runner.split_seed)
 from fedpers.runtime.driver import RoundRecord
+from fedpers.seeds import split_seed
 
 
 class Runtime(str, enum.Enum):
@@ -34,10 +33,47 @@ class RuntimeOptions:
     ray_address: str = field("", "attach the Flower simulation to this Ray cluster (default: start a local Ray)")
     client_cpus: float = field(1.0, "CPUs per Flower client actor", gt=0.0)
     client_gpus: float = field(0.0, "GPU share per Flower client actor", ge=0.0)
-    min_fraction: float = field(1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0)
+    min_fraction: float = field(
+        1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0
+    )
     round_timeout: float = field(600.0, "seconds to wait for client replies in a round", gt=0.0)
-    node_partitions: str = field("", "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode register`); nodes not listed take part in nothing, whatever they claim")
-    secure_noise: bool = field(False, "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run")
+    node_partitions: str = field(
+        "",
+        "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode register`); "
+        "nodes not listed take part in nothing, whatever they claim",
+    )
+    secure_noise: bool = field(
+        False,
+        "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run",
+    )
+
+
+@dataclass
+class Plan:
+    """A run resolved once (validated, seeds split, protocol calibrated): every later step reads
+    its config from here, none goes back up for it."""
+
+    experiment: Experiment
+    given: Any
+    """The config as given (its seed names the run; saved in config.json)."""
+    cfg: Any
+    """The config the protocol runs with (its noise seed split off, :func:`split_seed`)."""
+    options: RuntimeOptions
+    protocol: Any
+    calibrations: Calibrations
+    evaluator: Any
+    privatizer: Privatizer
+    rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Round records so far (a resumed run starts with the checkpointed ones)."""
+
+    @property
+    def saved(self) -> dict[str, Any]:
+        """What config.json holds: the algorithm, the config as given and the runtime options."""
+        return {
+            "algorithm": self.experiment.name,
+            **config_lib.to_dict(self.given),
+            "runtime": config_lib.to_dict(self.options),
+        }
 
 
 def execute(
@@ -53,98 +89,129 @@ def execute(
 ) -> dict[str, Any]:
     """Run ``cfg`` and return the result dict (also written to ``out`` unless ``write`` is false).
 
-    ``grid``: a Flower Grid (inside a ServerApp started by ``flwr run``) to run on instead of
-    starting a simulation; only with the flower runtime. ``resume``: continue the killed run
-    in ``out`` from its last checkpoint (see :func:`resume_run`).
+    The steps: :func:`resolve` the run, open (or resume) its run directory
+    (:meth:`RunDirectory.start <fedpers.results.RunDirectory.start>` / :func:`resume_directory`),
+    :func:`drive` the protocol on the runtime, evaluate (the experiment's Evaluator), and record
+    (:meth:`RunDirectory.finish <fedpers.results.RunDirectory.finish>`). ``grid``: a Flower Grid
+    (inside a ServerApp started by ``flwr run``) to run on instead of starting a simulation; only
+    with the flower runtime. ``resume``: continue the killed run in ``out`` from its last
+    checkpoint (see :func:`resume_run`).
     """
+    start = time.perf_counter()
+    if resume and not (write and out):
+        raise ValueError("resume needs the run directory (out) to continue")
+    plan = resolve(experiment, cfg, options, flower_grid=grid is not None)
+    run_dir, checkpointer = open_run_directory(plan, out, resume) if write else (None, None)
+    try:
+        state = drive(plan, run_dir, checkpointer, grid=grid, progress=progress)
+        result = result_of(plan, plan.evaluator.final(state), time.perf_counter() - start)
+    except BaseException as e:
+        if run_dir is not None:
+            run_dir.fail(plan.privatizer.ledger, e, len(plan.rounds))
+        raise
+    if run_dir is not None:
+        run_dir.finish(result, plan.rounds, plan.experiment, plan.cfg)
+    result["_rounds"] = plan.rounds
+    result["_state"] = state
+    return result
+
+
+def resolve(
+    experiment: Experiment, cfg: Any, options: RuntimeOptions | None = None, *, flower_grid: bool = False
+) -> Plan:
+    """Validate, split the noise seed off, calibrate and build the protocol and its evaluator."""
     options = options or RuntimeOptions()
     config_lib.validate(cfg)
     config_lib.validate(options)
-    if grid is not None and options.runtime is not Runtime.FLOWER:
+    if flower_grid and options.runtime is not Runtime.FLOWER:
         raise ValueError("runtime must be flower when a Flower grid is given")
-    if resume and not (write and out):
-        raise ValueError("resume needs the run directory (out) to continue")
-    start = time.perf_counter()
-    user_cfg = cfg
-    cfg, noise_seed = split_seed(user_cfg)
-    protocol = experiment.protocol(cfg)
-    evaluator = experiment.evaluator(cfg, protocol)
-    run_dir = None
-    if write:
-        run_dir = RunDirectory(out, resume=resume) if out else RunDirectory(default_run_dir(experiment.name, getattr(user_cfg, "seed", 0)))
-    rounds: list[dict[str, Any]] = []
+    run_cfg, noise_seed = split_seed(cfg)
+    calibrations = Calibrations()
+    protocol = experiment.protocol(run_cfg, calibrations)
+    evaluator = experiment.evaluator(run_cfg, protocol)
     privatizer = Privatizer(noise_seed, secure=options.secure_noise)
-    checkpointer = None
-    if run_dir is not None:
-        from fedpers.provenance import provenance
-        from fedpers.runtime.checkpoint import Checkpointer
+    return Plan(experiment, cfg, run_cfg, options, protocol, calibrations, evaluator, privatizer)
 
-        saved = {"algorithm": experiment.name, **config_lib.to_dict(user_cfg), "runtime": config_lib.to_dict(options)}
-        checkpointer = Checkpointer(run_dir.path / CHECKPOINT, _digest(saved))
-        record = provenance()
-        if resume:
-            record = _prepare_resume(run_dir, saved, experiment, evaluator, privatizer, checkpointer, rounds, getattr(cfg, "device", "cpu"), record)
-        else:
-            run_dir.write_json("config.json", saved)
-            run_dir.write_json("constants.json", experiment.describe(cfg, protocol))
-        run_dir.write_json("provenance.json", record)
-        privatizer.ledger.on_append = run_dir.append_release
+
+def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tuple[RunDirectory, Any]:
+    """The run directory (``out``, or a new one under ``runs/``) started, or resumed from its
+    checkpoint; every release is written there the moment it is drawn."""
+    from fedpers.provenance import provenance
+    from fedpers.runtime.checkpoint import Checkpointer
+
+    path = out if out else default_run_dir(plan.experiment.name, getattr(plan.given, "seed", 0))
+    run_dir = RunDirectory(path, resume=resume)
+    saved = plan.saved
+    checkpointer = Checkpointer(run_dir.path / CHECKPOINT, _digest(saved))
+    if resume:
+        resume_directory(plan, run_dir, checkpointer, provenance())
+    else:
+        run_dir.start(saved, plan.experiment.describe(plan.cfg, plan.protocol), provenance())
+    plan.privatizer.ledger.on_append = run_dir.append_release
+    return run_dir, checkpointer
+
+
+def drive(
+    plan: Plan, run_dir: RunDirectory | None, checkpointer: Any, *, grid: Any = None, progress: bool = True
+) -> Any:
+    """Every round of the protocol on the runtime the options name; returns the final state.
+
+    Each round's metrics go to the round log as it finishes (with what the evaluator keeps for
+    later, so a resumed run evaluates alike); the private result is kept before any evaluation."""
 
     def on_round(record: RoundRecord, state: Any) -> None:
-        record.metrics.update(evaluator.round_metrics(record.round, state))
-        rounds.append(record.to_dict())
+        record.metrics.update(plan.evaluator.round_metrics(record.round, state))
+        plan.rounds.append(record.to_dict())
         if run_dir is not None:
-            run_dir.append_round(rounds[-1])
+            run_dir.append_round(plan.rounds[-1])
+            run_dir.keep_evaluator_state(plan.evaluator.state_dict())
 
-    try:
-        if options.runtime is Runtime.LOCAL:
-            from fedpers.runtime.local import run_local
+    experiment, cfg, options = plan.experiment, plan.cfg, plan.options
+    if options.runtime is Runtime.LOCAL:
+        from fedpers.runtime.local import run_local
 
-            chunk = experiment.chunk_size(cfg)
-            source = experiment.unit_source(cfg)
-            state, _ = run_local(protocol, source, privatizer, chunk_size=chunk, on_round=on_round, progress=progress, checkpoint=checkpointer)
-        else:
-            from fedpers.runtime.flower import run_flower
+        state, _ = run_local(
+            plan.protocol,
+            experiment.unit_source(cfg),
+            plan.privatizer,
+            chunk_size=experiment.chunk_size(cfg),
+            on_round=on_round,
+            progress=progress,
+            checkpoint=checkpointer,
+        )
+    else:
+        from fedpers.runtime.flower import run_flower
 
-            state, _ = run_flower(experiment, cfg, protocol, privatizer, options, on_round=on_round, progress=progress, grid=grid, checkpoint=checkpointer)
-        privatizer.ledger.settle()
-        if run_dir is not None:  # the private result is kept before any evaluation can fail
-            run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])
-            if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
-                run_dir.write_arrays("final_state.npz", state)
-        final = evaluator.final(state)
-    except BaseException as e:
-        privatizer.ledger.settle()
-        if run_dir is not None:
-            run_dir.write_json("ledger.json", [r.to_dict() for r in privatizer.ledger])
-            run_dir.write_json("error.json", {"status": "failed", "error": f"{type(e).__name__}: {e}", "rounds_completed": len(rounds), "traceback": traceback.format_exc()})
-            run_dir.close()
-        raise
-    privacy = experiment.privacy_summary(cfg, protocol, privatizer.ledger)
-    result = {
-        "algorithm": experiment.name,
+        state, _ = run_flower(
+            experiment,
+            cfg,
+            plan.protocol,
+            plan.privatizer,
+            options,
+            on_round=on_round,
+            progress=progress,
+            grid=grid,
+            checkpoint=checkpointer,
+            calibrations=plan.calibrations.table,
+        )
+    plan.privatizer.ledger.settle()
+    if run_dir is not None:
+        run_dir.keep_private_result(plan.privatizer.ledger, state)
+    return state
+
+
+def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The result dict: the algorithm's metrics with the (ε, δ) the accountant gives its ledger."""
+    privacy = plan.experiment.privacy_summary(plan.cfg, plan.protocol, plan.privatizer.ledger)
+    return {
+        "algorithm": plan.experiment.name,
         "status": "completed",
-        "runtime": options.runtime.value,
+        "runtime": plan.options.runtime.value,
         **{k: privacy[k] for k in ("epsilon", "delta", "noise_multiplier") if k in privacy},
         **final,
         "privacy": privacy,
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
     }
-    if run_dir is not None:
-        run_dir.write_json("provenance.json", {**record, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        run_dir.remove("error.json")
-        from fedpers.plots import privacy_title
-
-        result["plots"] = run_dir.plot_rounds(
-            rounds, experiment.plot_keys(), privacy_title(experiment.name, {"delta": getattr(cfg, "delta", None), **privacy}),
-            round_axis=experiment.round_axis, baselines=final.get("baselines"),
-        )
-        result["run_dir"] = str(run_dir.path)
-        run_dir.write_json("result.json", result)
-        run_dir.close()
-    result["_rounds"] = rounds
-    result["_state"] = state
-    return result
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -158,11 +225,9 @@ def _digest(saved: dict[str, Any]) -> str:
     return hashlib.sha256(dumps(saved, indent=None).encode()).hexdigest()
 
 
-def _prepare_resume(
-    run_dir: RunDirectory, saved: dict[str, Any], experiment: Experiment, evaluator: Any, privatizer: Privatizer,
-    checkpointer: Any, rounds: list[dict[str, Any]], device: str, record: dict[str, Any],
-) -> dict[str, Any]:
-    """Load the checkpoint, the releases on disk and the round lines a resumed run continues from.
+def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Any, record: dict[str, Any]) -> None:
+    """Load the checkpoint, the releases on disk, the round lines and the evaluator's memory a
+    resumed run continues from.
 
     Releases after the checkpoint were drawn but never published (the checkpoint precedes any
     publication): the resumed run re-draws them from the restored generators and the ledger
@@ -174,37 +239,71 @@ def _prepare_resume(
     from fedpers.results import dumps
     from fedpers.runtime import checkpoint as checkpoint_lib
 
+    saved = plan.saved
     stored = json.loads((run_dir.path / "config.json").read_text())
     if stored != json.loads(dumps(saved)):
-        raise ValueError(f"resume: {run_dir.path}/config.json differs from the configuration given; a run resumes only with its own")
-    ckpt = checkpoint_lib.load(run_dir.path / CHECKPOINT, device) if (run_dir.path / CHECKPOINT).exists() else None
+        raise ValueError(
+            f"resume: {run_dir.path}/config.json differs from the configuration given; a run resumes only with its own"
+        )
+    ckpt = (
+        checkpoint_lib.load(run_dir.path / CHECKPOINT, getattr(plan.cfg, "device", "cpu"))
+        if (run_dir.path / CHECKPOINT).exists()
+        else None
+    )
     if ckpt is not None and ckpt.run != checkpointer.run:
-        raise ValueError(f"resume: {run_dir.path}/{CHECKPOINT} was written by a run with another configuration than config.json; it cannot continue this one")
+        raise ValueError(
+            f"resume: {run_dir.path}/{CHECKPOINT} was written by a run with another configuration than config.json; it cannot continue this one"
+        )
     lines = run_dir.recorded_releases()
     done = int(ckpt.privatizer.get("releases", 0)) if ckpt is not None else 0
     if done > len(lines):
-        raise ValueError(f"resume: the checkpoint counts {done} releases but {LEDGER_LOG} holds {len(lines)}; the run directory is damaged")
-    privatizer.ledger = Ledger([Release.from_dict(d) for d in lines[:done]])
-    privatizer.ledger.expect(lines[done:], lambda r: json.loads(dumps(r.to_dict(), indent=None)))
+        raise ValueError(
+            f"resume: the checkpoint counts {done} releases but {LEDGER_LOG} holds {len(lines)}; the run directory is damaged"
+        )
+    plan.privatizer.ledger = Ledger([Release.from_dict(d) for d in lines[:done]])
+    plan.privatizer.ledger.expect(lines[done:], lambda r: json.loads(dumps(r.to_dict(), indent=None)))
     next_round = ckpt.next_round if ckpt is not None else 0
+    plan.evaluator.load_state_dict(run_dir.evaluator_state(getattr(plan.cfg, "device", "cpu")))
     kept = [r for r in run_dir.recorded_rounds() if int(r.get("round", -1)) < next_round]
     if ckpt is not None and len(kept) < next_round:  # killed between the checkpoint and its round line
-        from fedpers.runtime.driver import RoundRecord
-
         last = RoundRecord.from_dict(ckpt.records[-1])
-        last.metrics.update(evaluator.round_metrics(last.round, ckpt.state))
+        last.metrics.update(plan.evaluator.round_metrics(last.round, ckpt.state))
         kept.append(last.to_dict())
-    rounds.extend(kept)
+    plan.rounds.extend(kept)
     run_dir.rewrite_rounds(kept)
     checkpointer.resume = ckpt
-    previous = json.loads((run_dir.path / "provenance.json").read_text()) if (run_dir.path / "provenance.json").is_file() else {}
+    run_dir.write_json("provenance.json", resumed_provenance(run_dir, record, next_round, done))
+
+
+def resumed_provenance(
+    run_dir: RunDirectory, record: dict[str, Any], next_round: int, releases_kept: int
+) -> dict[str, Any]:
+    """The first start's provenance with this resume added (warning if the code differs)."""
+    import json
+
+    previous = (
+        json.loads((run_dir.path / "provenance.json").read_text())
+        if (run_dir.path / "provenance.json").is_file()
+        else {}
+    )
     code = {k: record.get(k) for k in ("fedpers", "git", "libraries")}
     if previous and code != {k: previous.get(k) for k in code}:
         import logging
 
         logging.getLogger("fedpers").warning(
-            "resume: the code or libraries differ from those that started %s (see provenance.json); the result may differ from an uninterrupted run", run_dir.path)
-    resumes = list(previous.get("resumed", [])) + [{"at": record.get("started"), "from_round": next_round, "releases_kept": done, "command": record.get("command"), **code}]
+            "resume: the code or libraries differ from those that started %s (see provenance.json); the result may differ from an uninterrupted run",
+            run_dir.path,
+        )
+    resumes = [
+        *previous.get("resumed", []),
+        {
+            "at": record.get("started"),
+            "from_round": next_round,
+            "releases_kept": releases_kept,
+            "command": record.get("command"),
+            **code,
+        },
+    ]
     return {**previous, "resumed": resumes}
 
 
@@ -227,5 +326,5 @@ def resume_run(run_dir: str | Path, *, progress: bool = True, grid: Any = None) 
         raise ValueError(f"resume: {path}/config.json names algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
     exp = experiment(name)
     options = config_lib.build(RuntimeOptions, saved.pop("runtime", {}))
-    cfg = config_lib.build(exp.config_type, saved)
+    cfg: Any = config_lib.build(exp.config_type, saved)
     return execute(exp, cfg, options, out=path, progress=progress, resume=True, grid=grid)

@@ -8,21 +8,30 @@ of a cluster, and a point counts as done only once its record is written (a kill
 reruns only the points without one). The result of a point does not depend on where it ran
 (same seed, same code; a different thread count may change the last bits of a BLAS sum).
 """
+
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedpers.results import SweepDirectory
+    from fedpers.sweep_spec import SweepSpec
 
 Task = tuple[int, dict[str, Any]]
 """(point index, config overrides)."""
 
 PointResult = tuple[list[dict[str, Any]], dict[str, dict[str, bytes]]]
 """(rows, run directory name -> file name -> bytes)."""
+
+Executor = Callable[[Any, Sequence[Task]], Iterator[tuple[int, PointResult]]]
+"""Runs tasks of a sweep spec, yielding each point's result as it finishes."""
 
 
 def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> PointResult:
@@ -32,7 +41,7 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
     from fedpers import config as config_lib
     from fedpers.experiments import EXPERIMENTS
     from fedpers.runner import execute
-    from fedpers.sweep import check_metrics, result_row
+    from fedpers.sweep_spec import check_metrics, result_row
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -50,22 +59,35 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
         with tempfile.TemporaryDirectory(prefix="fedpers-point-") as tmp:
             result = execute(exp, seeded, out=Path(tmp) / "run", progress=False)
             check_metrics(spec, result)
-            runs[f"r{r}"] = {p.name: p.read_bytes() for p in (Path(tmp) / "run").iterdir() if p.is_file() and not p.name.startswith(".")}
+            runs[f"r{r}"] = {
+                p.name: p.read_bytes()
+                for p in (Path(tmp) / "run").iterdir()
+                if p.is_file() and not p.name.startswith(".")
+            }
         rows.append({"repetition": r, **result_row(spec, result)})
     return rows, runs
 
 
-def write_runs(points_dir: Path, index: int, runs: dict[str, dict[str, bytes]]) -> None:
-    """Each repetition's run directory as ``points/NNNNN-rR/``, written whole then renamed."""
-    for name, files in runs.items():
-        final = points_dir / f"{index:05d}-{name}"
-        tmp = points_dir / f".{final.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for fname, data in files.items():
-            (tmp / fname).write_bytes(data)
-        shutil.rmtree(final, ignore_errors=True)  # a leftover of a killed sweep: replaced whole
-        os.replace(tmp, final)
+def run_points(spec: SweepSpec, sweep_dir: SweepDirectory, run: Executor, progress: bool = True) -> tuple[int, int]:
+    """Run every point ``sweep_dir`` has no record of, recording each (and the table so far) as
+    it finishes; returns (points run, points reused)."""
+    from tqdm.auto import tqdm
+
+    from fedpers.results import write_table
+
+    points = spec.points()
+    done = sweep_dir.done()
+    reused = len(done)
+    tasks = [(index, overrides) for index, (_, overrides) in enumerate(points) if index not in done]
+    bar = tqdm(total=len(points), initial=reused, desc=f"sweep {spec.name}", unit="point", disable=not progress)
+    for index, (point_rows, runs) in run(spec, tasks):
+        label, overrides = points[index]
+        sweep_dir.record_point(index, label, overrides, point_rows, runs)
+        done[index] = point_rows
+        write_table(spec.table(done), sweep_dir.path / "table.csv")
+        bar.update(1)
+    bar.close()
+    return len(tasks), reused
 
 
 def serial(spec: Any, tasks: Sequence[Task]) -> Iterator[tuple[int, PointResult]]:
@@ -83,8 +105,12 @@ def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") ->
     threads = max(1, (os.cpu_count() or 1) // workers) if local else 1
     path = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
-        address="local" if local else address, num_cpus=workers if local else None, include_dashboard=False,
-        logging_level="error", log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}},
+        address="local" if local else address,
+        num_cpus=workers if local else None,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
     try:
         remote = ray.remote(num_cpus=1, max_retries=0)(run_point_task)
@@ -101,12 +127,14 @@ def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") ->
                 yield index, ray.get(done[0])
             except ray.exceptions.RayTaskError as e:
                 cause = e.as_instanceof_cause()
-                raise (cause if isinstance(cause, ValueError) else RuntimeError(f"sweep point {index} failed on Ray: {e}")) from None
+                raise (
+                    cause if isinstance(cause, ValueError) else RuntimeError(f"sweep point {index} failed on Ray: {e}")
+                ) from None
     finally:
         ray.shutdown()
 
 
-def executor(workers: int, address: str) -> Callable[[Any, Sequence[Task]], Iterator[tuple[int, PointResult]]]:
+def executor(workers: int, address: str) -> Executor:
     if workers < 1:
         raise ValueError(f"workers must be an integer >= 1; got {workers}")
     if workers == 1 and not address:

@@ -117,6 +117,22 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, reference: dict, n
     assert not (run / "error.json").exists()
 
 
+@pytest.mark.parametrize("name, args", [
+    ("altmin", [a if a != "none" else "private_init_only,oracle,local_only" for a in ALTMIN]),
+    ("fedrep", ["run", "fedrep", "--n-users", "600", "--dim", "6", "--rank", "2", "--rounds", "3", "--epsilon", "2", "--baselines", "none", "--quiet", "--seed", "4"]),
+])
+def test_resume_gives_the_uninterrupted_result_baselines_included(tmp_path: Path, name: str, args: list[str]) -> None:
+    """Round 0's private U (the private_init_only baseline) is kept in the run directory, so a
+    run killed after round 0 and resumed reports every baseline the uninterrupted one does."""
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    run = _killed(tmp_path, args, "checkpoint", 2, name)
+    resume_run(run, progress=False)
+    _, _, whole, _ = _records(tmp_path / "whole")
+    _, _, resumed, _ = _records(run)
+    assert "private_init_only" in whole["baselines"] and not whole.get("baselines_skipped", []).count("private_init_only")
+    assert resumed == whole  # identical apart from timing fields (seconds, run_dir, plots)
+
+
 def test_resume_twice_after_two_kills(tmp_path: Path, reference: dict) -> None:
     run = _killed(tmp_path, ALTMIN, "release", 2, "altmin")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -45,11 +45,44 @@ def test_bad_sweep_files_are_refused_naming_the_key(tmp_path, change, match):
         load_spec(write(tmp_path, change(GOOD)))
 
 
-def test_a_misspelt_metric_stops_at_the_first_point(tmp_path):
-    path = write(tmp_path, GOOD.replace('"subspace_error"', '"subspace_eror"'))
-    with pytest.raises(ValueError, match=r"metric\(s\) \['subspace_eror'\] not in altmin's result; available: .*subspace_error"):
-        run_sweep(path, out=tmp_path / "out", progress=False)
-    assert not (tmp_path / "out" / "table.csv").exists()
+def test_a_misspelt_metric_is_refused_before_any_point_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Metrics are checked against the algorithm's declared result keys before any point runs;
+    the refused sweep leaves no directory, so the corrected file runs into the same --out."""
+    import fedpers.sweep_points as points
+
+    real, calls = points.run_point_task, []
+    monkeypatch.setattr(points, "run_point_task", lambda spec, o, threads=0: calls.append(o) or real(spec, o))
+    for wrong, match in (('"subspace_eror"', r"metric\(s\) \['subspace_eror'\] not in altmin's result; available: .*subspace_error"),
+                         ('"baselines.oracl.subspace_error"', r"baselines.NAME.METRIC with NAME in nonprivate_altmin, .*oracle")):
+        with pytest.raises(ValueError, match=match):
+            run_sweep(write(tmp_path, GOOD.replace('"subspace_error"', wrong)), out=tmp_path / "out", progress=False)
+        assert calls == [] and not (tmp_path / "out").exists()
+    summary = run_sweep(write(tmp_path, GOOD.replace('"subspace_error"', '"subspace_error", "baselines.oracle.subspace_error", "privacy.epsilon"')), out=tmp_path / "out", progress=False)
+    assert summary["points_run"] == 2 and len(calls) == 2
+
+
+def test_a_sweep_failing_at_its_first_point_leaves_nothing_behind(tmp_path, monkeypatch):
+    import fedpers.sweep_points as points
+
+    def fails(spec, overrides, threads=0):
+        raise ValueError("sweep: metric(s) ['excess_risk'] not in this point's result")
+
+    monkeypatch.setattr(points, "run_point_task", fails)
+    with pytest.raises(ValueError, match="not in this point's result"):
+        run_sweep(write(tmp_path, GOOD), out=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError):
+        run_sweep(write(tmp_path, GOOD), out=tmp_path / "kept", progress=False)
+    assert (tmp_path / "kept" / "notes.txt").read_text() == "mine"  # a directory it did not create is never removed
+
+
+def test_every_algorithm_declares_its_result_keys():
+    from fedpers.experiments import EXPERIMENTS
+
+    for name, exp in EXPERIMENTS.items():
+        assert exp.primary_metric in exp.result_keys, name
 
 
 def test_an_interrupted_sweep_resumes_running_only_missing_points(tmp_path, monkeypatch):

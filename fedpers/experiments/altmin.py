@@ -17,7 +17,7 @@ from fedpers.data.long_format import LongFormatFile, is_long_format
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
 from fedpers.experiments.population import fresh_samples, population_mse
-from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
 from fedpers.protocols.base import Units
 from fedpers.runtime.local import UnitSource, run_local
@@ -177,7 +177,7 @@ def check_fits(cfg: AltMinConfig) -> list[str]:
     return [f"{lines[0]}; {cfg.chunk_size} users per chunk"]
 
 
-def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
+def make_protocol(cfg: AltMinConfig, *, private: bool = True, calibrations: Calibrations | None = None) -> AltMinProtocol:
     cfg = resolve(cfg)
     if private:
         check_fits(cfg)
@@ -195,7 +195,7 @@ def make_protocol(cfg: AltMinConfig, *, private: bool = True) -> AltMinProtocol:
     elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
         z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
     else:
-        z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
+        z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
     return replace(proto, noise_multiplier=z)
 
 
@@ -271,6 +271,12 @@ class AltMinEvaluator(Evaluator):
         if self.cfg.refit_samples:
             self.population = UnitSource(self.cfg.n_users, lambda a, b: population_units(self.cfg, torch.arange(a, b)))
 
+    def state_dict(self) -> dict[str, Tensor]:
+        return {} if self.init_U is None else {"init_U": self.init_U}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        self.init_U = state.get("init_U", self.init_U)
+
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if round == 0:
             self.init_U = state["U"]
@@ -320,9 +326,6 @@ class AltMinEvaluator(Evaluator):
                 row["test_mse"] = sums[name]["test"] / max(test_values, 1)
             out[name] = row
         return out
-
-    def of_subspace(self, U: Tensor) -> dict[str, float | None]:
-        return self.evaluate({"U": (self.subspace_fit(U), U)})["U"]
 
     @staticmethod
     def local_only_fit(units: Units) -> Tensor:
@@ -390,10 +393,12 @@ class AltMinExperiment(Experiment):
     round_axis = "round (0 = private initialisation)"
 
     name = "altmin"
+    result_keys = ("subspace_error", "subspace_error_spectral", "excess_risk", "test_mse", "population_mse")
+    baseline_names = BASELINES
     config_type = AltMinConfig
 
-    def protocol(self, cfg: AltMinConfig) -> AltMinProtocol:
-        return make_protocol(cfg)
+    def protocol(self, cfg: AltMinConfig, calibrations: Calibrations | None = None) -> AltMinProtocol:
+        return make_protocol(cfg, calibrations=calibrations)
 
     def num_units(self, cfg: AltMinConfig) -> int:
         return resolve(cfg).n_users

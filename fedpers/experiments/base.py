@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fedpers.privacy import Ledger
+from fedpers.privacy import Calibrations, Ledger
 from fedpers.protocols.base import Protocol, Units
 from fedpers.runtime.local import UnitSource
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
@@ -25,6 +25,16 @@ class Evaluator(abc.ABC):
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         return {}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """What the evaluator kept from earlier rounds (e.g. round 0's private U for a baseline);
+        a run directory keeps it so a resumed run evaluates as the uninterrupted one."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Restore :meth:`state_dict` (a resumed run)."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state between rounds; got {sorted(state)}")
 
     @abc.abstractmethod
     def final(self, state: Any) -> dict[str, Any]:
@@ -45,10 +55,18 @@ class Experiment(abc.ABC):
     primary_metric: str = "excess_risk"
     round_axis: str = "round"
     """The x label of per-round plots (what a round is for this algorithm)."""
+    result_keys: tuple[str, ...] = ()
+    """Every metric ``Evaluator.final`` may return at the top level of the result (which ones
+    a run has can depend on its config and data): a sweep checks its metrics against these
+    before any point runs."""
+    baseline_names: tuple[str, ...] = ()
+    """Every baseline ``final`` may report under ``baselines`` (each with ``result_keys``)."""
 
     @abc.abstractmethod
-    def protocol(self, cfg: Any) -> Protocol:
-        """The public protocol for ``cfg`` with noise calibrated to its (ε, δ)."""
+    def protocol(self, cfg: Any, calibrations: Calibrations | None = None) -> Protocol:
+        """The public protocol for ``cfg`` with noise calibrated to its (ε, δ); ``calibrations``
+        holds (and records) the noise multipliers solved for (a Flower server sends its table so
+        nodes rebuild the protocol without the accountant)."""
 
     @abc.abstractmethod
     def num_units(self, cfg: Any) -> int: ...

@@ -20,7 +20,7 @@ from fedpers import linalg
 from fedpers.config import MAX_EPSILON, field
 from fedpers.data import rating_files, ratings as data
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
-from fedpers.privacy import Ledger, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy import Calibrations, Ledger, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.dpals import DpAlsProtocol, item_statistics, solve_items, user_embeddings
 
 Tensor = torch.Tensor
@@ -118,13 +118,13 @@ def initial_U(cfg: DpAlsConfig) -> Tensor:
     return torch.randn(n_items(cfg), cfg.rank, generator=g, dtype=torch.float64) / math.sqrt(cfg.rank)
 
 
-def make_protocol(cfg: DpAlsConfig) -> DpAlsProtocol:
+def make_protocol(cfg: DpAlsConfig, calibrations: Calibrations | None = None) -> DpAlsProtocol:
     g, b = bounds(cfg)
     z = 0.0
     if math.isfinite(cfg.epsilon):
         if not (math.isfinite(g) and math.isfinite(b)):
             raise ValueError("clip_embedding and clip_rating must be finite for a finite epsilon")
-        z = calibrate_noise_multiplier(lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta)
+        z = calibrate_noise_multiplier(lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta, calibrations=calibrations)
     return DpAlsProtocol(
         n_items=n_items(cfg), rank=cfg.rank, steps=cfg.steps, items_per_user=cfg.items_per_user,
         ridge_user=cfg.ridge_user, ridge_item=cfg.ridge_item, gram_bound=g, rhs_bound=b,
@@ -218,11 +218,16 @@ class DpAlsExperiment(Experiment):
     """DPALS on synthetic ragged rating data."""
 
     name = "dpals"
+    result_keys = (
+        "test_rmse", "global_mean_rmse", "als_rmse", "als_ridge_item", "train_ratings", "test_ratings", "private_mean",
+        "private_mean_rmse", "private_item_means_rmse", "head_items", "users", "items", "users_excluded",
+        "subspace_distance", "als_subspace_distance",
+    )
     config_type = DpAlsConfig
     primary_metric = "test_rmse"
 
-    def protocol(self, cfg: DpAlsConfig) -> DpAlsProtocol:
-        return make_protocol(cfg)
+    def protocol(self, cfg: DpAlsConfig, calibrations: Calibrations | None = None) -> DpAlsProtocol:
+        return make_protocol(cfg, calibrations)
 
     def num_units(self, cfg: DpAlsConfig) -> int:
         return n_users(cfg)

@@ -12,7 +12,7 @@ from fedpers.config import field
 from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
 from fedpers import linalg, memory
-from fedpers.privacy import DpCovarianceParams, Ledger, ledger_epsilon
+from fedpers.privacy import Calibrations, DpCovarianceParams, Ledger, ledger_epsilon
 from fedpers.privacy.mechanisms import dp_covariance_min_k
 from fedpers.protocols.dpattention import AttentionFn, DpAttentionProtocol, attention_matrix, entrywise_max_norm
 
@@ -100,10 +100,11 @@ class DpAttentionExperiment(Experiment):
     """DP attention: DPCovariance release of XXᵀ and the attention D(B)⁻¹f(B)."""
 
     name = "dpattention"
+    result_keys = ("attention_error", "utility_bound", "bound_holds", "relative_error", "rho", "within_1_pm_rho", "k", "dp_claimed", "columns_clipped")
     config_type = DpAttentionConfig
     primary_metric = "attention_error"
 
-    def protocol(self, cfg: DpAttentionConfig) -> DpAttentionProtocol:
+    def protocol(self, cfg: DpAttentionConfig, calibrations: Calibrations | None = None) -> DpAttentionProtocol:
         self.memory_plan(cfg)
         return DpAttentionProtocol(params=params(cfg), f=cfg.f, dtype_name=cfg.dtype)
 

@@ -16,7 +16,7 @@ from fedpers import memory, metrics
 from fedpers.config import MAX_EPSILON, field
 from fedpers.experiments import altmin
 from fedpers.experiments.base import derived_seed
-from fedpers.privacy import Ledger, PureDpEvent, ledger_epsilon
+from fedpers.privacy import Calibrations, Ledger, PureDpEvent, ledger_epsilon
 from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
 
 Tensor = torch.Tensor
@@ -160,9 +160,11 @@ class ExpMechExperiment(altmin.AltMinExperiment):
     """User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)."""
 
     name = "expmech"
+    result_keys = (*altmin.AltMinExperiment.result_keys, "candidates")
+    baseline_names = (*altmin.BASELINES, "nearest_candidate")
     config_type = ExpMechConfig
 
-    def protocol(self, cfg: ExpMechConfig) -> ExpMechProtocol:
+    def protocol(self, cfg: ExpMechConfig, calibrations: Calibrations | None = None) -> ExpMechProtocol:
         return make_protocol(cfg)
 
     def num_units(self, cfg: ExpMechConfig) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -24,7 +24,7 @@ from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.population import population_mse
-from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
 from fedpers.runtime.local import UnitSource, run_local
 
@@ -121,7 +121,7 @@ def source(cfg: FedRepConfig, keys: tuple[str, ...] | None = None) -> UnitSource
     return UnitSource(cfg.n_users, load, cfg.device)
 
 
-def make_protocol(cfg: FedRepConfig) -> FedRepProtocol:
+def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -> FedRepProtocol:
     private = not math.isinf(cfg.epsilon)
     proto = FedRepProtocol(
         n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user, rounds=cfg.rounds,
@@ -131,7 +131,7 @@ def make_protocol(cfg: FedRepConfig) -> FedRepProtocol:
     if not private:
         return proto
     releases = proto.releases_per_user()
-    z = calibrate_noise_multiplier(lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
+    z = calibrate_noise_multiplier(lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
     return replace(proto, noise_multiplier=z)
 
 
@@ -140,6 +140,12 @@ class FedRepEvaluator(Evaluator):
         self.cfg, self.u_star = cfg, truth(cfg)
         self.source = source(cfg, ("ids", "x_refit", "y_refit", "x_test", "y_test"))
         self.init_U: Tensor | None = None
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {} if self.init_U is None else {"init_U": self.init_U}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        self.init_U = state.get("init_U", self.init_U)
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if round == 0:
@@ -193,11 +199,13 @@ class FedRepExperiment(Experiment):
     round_axis = "round (0 = private initialisation)"
 
     name = "fedrep"
+    result_keys = ("subspace_error", "population_mse")
+    baseline_names = ("oracle", "private_init_only", *BASELINES)
     config_type = FedRepConfig
     primary_metric = "population_mse"
 
-    def protocol(self, cfg: FedRepConfig) -> FedRepProtocol:
-        return make_protocol(cfg)
+    def protocol(self, cfg: FedRepConfig, calibrations: Calibrations | None = None) -> FedRepProtocol:
+        return make_protocol(cfg, calibrations)
 
     def num_units(self, cfg: FedRepConfig) -> int:
         return cfg.n_users

@@ -13,7 +13,7 @@ from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
-from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon, zcdp_rho, zcdp_rho_for
+from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon, zcdp_rho, zcdp_rho_for
 from fedpers.protocols.noisygd import Loss, NoisyGDProtocol, Remedy
 from fedpers.runtime.local import run_local
 
@@ -80,7 +80,7 @@ def run_event(z1: float, cfg: NoisyGDConfig) -> dp_accounting.DpEvent:
     return dp_accounting.ComposedDpEvent(events)
 
 
-def make_protocol(cfg: NoisyGDConfig, *, private: bool = True) -> NoisyGDProtocol:
+def make_protocol(cfg: NoisyGDConfig, *, private: bool = True, calibrations: Calibrations | None = None) -> NoisyGDProtocol:
     proto = NoisyGDProtocol(
         classes=cfg.classes, feature_dim=cfg.feature_dim, examples=cfg.examples, steps=cfg.steps, lr=cfg.lr,
         grad_clip=cfg.grad_clip if private else math.inf, noise_multiplier=0.0, remedy=cfg.remedy,
@@ -89,7 +89,7 @@ def make_protocol(cfg: NoisyGDConfig, *, private: bool = True) -> NoisyGDProtoco
     )
     if not private or math.isinf(cfg.epsilon):
         return proto
-    z1 = calibrate_noise_multiplier(lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant)
+    z1 = calibrate_noise_multiplier(lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
     a, b = budget_split(cfg)
     return replace(proto, noise_multiplier=a * z1, remedy_noise_multiplier=b * z1)
 
@@ -136,12 +136,14 @@ class NoisyGDExperiment(Experiment):
     round_axis = "round (the remedy's release first if --remedy is set, then gradient steps)"
 
     name = "noisygd"
+    result_keys = ("accuracy", "balanced_accuracy")
+    baseline_names = ("nonprivate_gd",)
     config_type = NoisyGDConfig
     primary_metric = "accuracy"
 
-    def protocol(self, cfg: NoisyGDConfig) -> NoisyGDProtocol:
+    def protocol(self, cfg: NoisyGDConfig, calibrations: Calibrations | None = None) -> NoisyGDProtocol:
         self.plan(cfg)
-        return make_protocol(cfg)
+        return make_protocol(cfg, calibrations=calibrations)
 
     def plan(self, cfg: NoisyGDConfig) -> list[str]:
         """Features (train and test, kept by the evaluator too), one chunk's gradients, the p×p PCA moment."""

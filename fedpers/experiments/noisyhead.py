@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from fedpers import linalg, memory
 from fedpers.config import MAX_EPSILON, field
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
-from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
 
@@ -173,9 +172,26 @@ class Resolved:
         return self.N // self.P
 
 
-@lru_cache(maxsize=64)
-def resolve(cfg: NoisyHeadConfig) -> Resolved:
-    """Derived numbers of a (frozen, hashable) config; cached because calibration runs the accountant."""
+_RESOLVED: dict[NoisyHeadConfig, tuple[Resolved, Calibrations]] = {}
+
+
+def resolve(cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> Resolved:
+    """Derived numbers of a (frozen, hashable) config; cached per config because calibration runs
+    the accountant. ``calibrations`` serves a config's first resolution (a Flower node: the
+    server's noise multiplier) and is told the noise multiplier on every later one."""
+    if cfg not in _RESOLVED:
+        used = calibrations if calibrations is not None else Calibrations()
+        _RESOLVED[cfg] = (_resolve(cfg, used), used)
+        while len(_RESOLVED) > 64:
+            _RESOLVED.pop(next(iter(_RESOLVED)))
+    r, used = _RESOLVED[cfg]
+    if calibrations is not None and calibrations is not used:
+        for key, z in used.table.items():
+            calibrations.table.setdefault(key, z)
+    return r
+
+
+def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
     N = cfg.prompts
     root = math.isqrt(N)
     L = cfg.context or root
@@ -213,7 +229,7 @@ def resolve(cfg: NoisyHeadConfig) -> Resolved:
     elif cfg.calibration is Calibration.PAPER:
         z, formulas["noise_multiplier"] = nh.paper_noise_multiplier(T, cfg.epsilon, cfg.delta), "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))"
     else:
-        z = calibrate_noise_multiplier(lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant)
+        z = calibrate_noise_multiplier(lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
         sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
         formulas["noise_multiplier"] = f"smallest z with ε({cfg.accountant.value}, T-fold Gaussian{sampled}) ≤ target"
     formulas["noise_std_step"] = "std of z_t entries = (η₀/N)·z·ρP·G(C + RG)"
@@ -247,8 +263,8 @@ def initial_gamma(cfg: NoisyHeadConfig, r: Resolved) -> tuple[float, ...]:
     return tuple(linalg.clip_vectors(v, r.R).tolist())
 
 
-def make_protocol(cfg: NoisyHeadConfig, r: Resolved | None = None, mode: Mode | None = None) -> NoisyHeadProtocol:
-    r = r or resolve(cfg)
+def make_protocol(cfg: NoisyHeadConfig, r: Resolved | None = None, mode: Mode | None = None, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
+    r = r or resolve(cfg, calibrations)
     return NoisyHeadProtocol(
         prompts=r.N, dim=r.D, context=r.L, steps=r.T, step_size=r.eta, ridge_lambda=r.lam,
         clip_c=r.C, proj_g=r.G, proj_r=r.R, noise_multiplier=r.noise_multiplier, mode=mode or cfg.mode,
@@ -399,11 +415,18 @@ class NoisyHeadExperiment(Experiment):
     round_axis = "round (--mode rounds: one gradient step each)"
 
     name = "noisyhead"
+    result_keys = (
+        "excess_risk", "test_mse", "gamma_norm", "theorem41_bound", "robust_noisyhead", "robust_ridge",
+        # a sweep's vectorised points (noisyhead_mc.sweep_point) also give these
+        "gd_excess_risk", "ridge_test_mse", "gd_test_mse", "robust_ridge_naive_solve", "epsilon_spent", "paper_epsilon",
+        "ridge_lambda", "step_size", "steps",
+    )
+    baseline_names = ("ridge", "nonprivate_gd")
     config_type = NoisyHeadConfig
 
-    def protocol(self, cfg: NoisyHeadConfig) -> NoisyHeadProtocol:
+    def protocol(self, cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
         self.plan(cfg)
-        return make_protocol(cfg)
+        return make_protocol(cfg, calibrations=calibrations)
 
     def plan(self, cfg: NoisyHeadConfig) -> list[str]:
         """Prompts (train and test, float64) and the D²×D² statistics (sum, Γ* solve, eigenbasis)."""

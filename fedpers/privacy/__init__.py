@@ -1,6 +1,8 @@
 """Privacy: mechanisms (the only noise in fedpers), the ledger, and the accountant."""
 from fedpers.privacy.accountant import (
     Accountant,
+    Calibrations,
+    UnsupportedEvent,
     analytic_gaussian_epsilon,
     calibrate_noise_multiplier,
     event_epsilon,
@@ -15,6 +17,7 @@ from fedpers.privacy.mechanisms import Condition, CovarianceRelease, DpCovarianc
 __all__ = [
     "ALL_UNITS",
     "Accountant",
+    "Calibrations",
     "Condition",
     "CovarianceRelease",
     "DpCovarianceParams",
@@ -23,6 +26,7 @@ __all__ = [
     "Privatizer",
     "PureDpEvent",
     "Release",
+    "UnsupportedEvent",
     "analytic_gaussian_epsilon",
     "calibrate_noise_multiplier",
     "dp_covariance_conditions",

@@ -4,35 +4,44 @@ User-level guarantee for replace-one neighbours: a unit is touched by the ``all`
 releases and by the releases of its own disjoint group (parallel composition across
 groups), so ε is the worst case over groups of the composition of what touches it.
 
-PLD (dp-accounting) is the default and is exact for Gaussian composition up to its
-discretisation. RDP is available; dp-accounting's RDP accountant ignores
-``REPLACE_ONE`` for Gaussian events, so we convert: replace-one with noise
-multiplier z is add/remove with z/2 (the sensitivity doubles).
+Each accountant is dp-accounting's wherever it computes the same thing:
 
-zCDP (Bun & Steinke 2016) is available because papers calibrate with it: a replace-one
-Gaussian with noise multiplier z is ρ = 2/z² zCDP (sensitivity 2·bound, σ = z·bound,
-ρ = Δ²/2σ²), ρ's add under composition, and ρ-zCDP gives
-ε = ρ + 2·sqrt(ρ·log(1/δ)) (their Proposition 1.3), the conversion most papers use.
+- **pld** (default): dp-accounting's ``PLDAccountant`` under replace-one neighbours, exact for
+  Gaussian composition (Poisson-sampled included) up to its discretisation. A
+  :class:`~fedpers.privacy.ledger.PureDpEvent` (ε-DP) and an
+  :class:`~fedpers.privacy.ledger.EpsilonDeltaDpEvent` (a mechanism known only by a stated
+  (ε, δ)) have no library event: :class:`_PLDAccountant` adds them, from the library's PLD
+  constructors.
+- **rdp**: dp-accounting's ``RdpAccountant``. Its Gaussian ignores ``REPLACE_ONE``, so we
+  convert: replace-one with noise multiplier z is add/remove with z/2 (the sensitivity
+  doubles). Its Poisson sampling is add/remove only: a Poisson-sampled release is refused.
+- **zcdp** (Bun & Steinke 2016), because papers calibrate with it: a replace-one Gaussian with
+  noise multiplier z is ρ = 2/z² zCDP (sensitivity 2·bound, σ = z·bound, ρ = Δ²/2σ²), ρ's add
+  under composition, and ρ-zCDP gives ε = ρ + 2·sqrt(ρ·log(1/δ)) (their Proposition 1.3).
+  dp-accounting has no zCDP accountant (its RDP accountant takes ``ZCDpEvent`` but converts
+  with RDP's tighter bound, not the papers'), so this one is hand-written. zCDP has no
+  amplification by Poisson sampling: a Poisson-sampled release is refused.
 
-An :class:`~fedpers.privacy.ledger.EpsilonDeltaDpEvent` (a mechanism known only by a
-stated (ε, δ)) composes exactly in PLD; RDP and zCDP cannot represent it, so there its
-(ε, δ) is added to the rest by basic composition.
+RDP and zCDP cannot represent an ``EpsilonDeltaDpEvent``; there its (ε, δ) is added to the
+rest by basic composition. An event an accountant cannot account is refused with
+:class:`UnsupportedEvent` (a ValueError naming the accountant, the event and what to use).
 """
+
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import enum
 import math
-from typing import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
-from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent
+from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 PLD_DISCRETISATION = 1e-4
@@ -45,72 +54,95 @@ class Accountant(str, enum.Enum):
     ZCDP = "zcdp"
 
 
-class _NonPrivate(Exception):
-    pass
+class UnsupportedEvent(ValueError):
+    """An accountant cannot account this kind of event (refused, never approximated)."""
+
+    def __init__(self, accountant: Accountant, event: dp_accounting.DpEvent, why: str) -> None:
+        self.accountant, self.event = Accountant(accountant), event
+        super().__init__(f"the {self.accountant.value} accountant cannot account {_kind(event)}: {why}")
 
 
-def _pld(event: dp_accounting.DpEvent) -> pld_lib.PrivacyLossDistribution | None:
-    """PLD of one event under replace-one neighbours; None for an event that spends nothing."""
-    if isinstance(event, dp_accounting.GaussianDpEvent):
-        if event.noise_multiplier == 0:
-            raise _NonPrivate
-        return pld_lib.from_gaussian_mechanism(
-            standard_deviation=event.noise_multiplier,
-            value_discretization_interval=PLD_DISCRETISATION,
-            neighboring_relation=REPLACE_ONE,
-        )
-    if isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(event.event, dp_accounting.GaussianDpEvent):
-        # dp-accounting's PLD of the Poisson-subsampled Gaussian under replace-one neighbours
-        # (the replaced user is in the sample with probability q, in both datasets alike)
-        if event.sampling_probability == 0:
-            return None
-        if event.event.noise_multiplier == 0:
-            raise _NonPrivate
-        return pld_lib.from_gaussian_mechanism(
-            standard_deviation=event.event.noise_multiplier, value_discretization_interval=PLD_DISCRETISATION,
-            sampling_prob=event.sampling_probability, neighboring_relation=REPLACE_ONE,
-        )
-    if isinstance(event, (PureDpEvent, EpsilonDeltaDpEvent)):
-        delta = getattr(event, "delta", 0.0)
-        if event.epsilon == 0 and delta == 0:
+def _kind(event: dp_accounting.DpEvent) -> str:
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        return f"a Poisson-sampled {type(event.event).__name__} (q = {event.sampling_probability:g})"
+    return f"a {type(event).__name__}"
+
+
+POISSON_REFUSAL = "it has no amplification-by-sampling bound for replace-one neighbours; use --accountant pld"
+
+
+def _map_leaves(
+    event: dp_accounting.DpEvent, leaf: Callable[[dp_accounting.DpEvent], dp_accounting.DpEvent]
+) -> dp_accounting.DpEvent:
+    """``event`` with every mechanism (not a composition) replaced by ``leaf(mechanism)``."""
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return dp_accounting.ComposedDpEvent([_map_leaves(e, leaf) for e in event.events])
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return dp_accounting.SelfComposedDpEvent(_map_leaves(event.event, leaf), event.count)
+    return leaf(event)
+
+
+class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
+    """dp-accounting's PLD accountant plus the two events the library has none for.
+
+    - :class:`PureDpEvent`: ε-DP is exactly the randomized response on two buckets keeping the
+      input with e^ε : 1 odds (the worst ε-DP pair); its PLD is the library's
+      ``from_randomized_response``. The library's own ``RandomizedResponseDpEvent`` is not used:
+      dp-accounting 0.6.0's PLD accountant drops the count of a ``SelfComposedDpEvent`` around it
+      (k draws would be accounted as one).
+    - :class:`EpsilonDeltaDpEvent`: the worst-case PLD of an (ε, δ)-DP mechanism (tight for that
+      guarantee), the library's ``from_privacy_parameters``.
+
+    This extends the library's own dispatch (``_maybe_compose``) and state; tests pin it to the
+    library (tests/test_accountant_library.py).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(REPLACE_ONE, value_discretization_interval=PLD_DISCRETISATION)
+
+    def _maybe_compose(self, event: dp_accounting.DpEvent, count: int, do_compose: bool) -> Any:
+        if not isinstance(event, (PureDpEvent, EpsilonDeltaDpEvent)):
+            return super()._maybe_compose(event, count, do_compose)
+        delta = event.delta if isinstance(event, EpsilonDeltaDpEvent) else 0.0
+        if not do_compose or (event.epsilon == 0 and delta == 0):
             return None
         if math.isinf(event.epsilon) or delta >= 1:
-            raise _NonPrivate
-        return pld_lib.from_privacy_parameters(
-            DifferentialPrivacyParameters(event.epsilon, delta), value_discretization_interval=PLD_DISCRETISATION
-        )
-    if isinstance(event, dp_accounting.ComposedDpEvent):
-        return _compose(_pld(e) for e in event.events)
-    if isinstance(event, dp_accounting.SelfComposedDpEvent):
-        one = _pld(event.event)
-        return None if one is None else one.self_compose(event.count)
-    if isinstance(event, dp_accounting.NonPrivateDpEvent):
-        raise _NonPrivate
-    if isinstance(event, dp_accounting.NoOpDpEvent):
+            self._contains_non_dp_event = True
+            return None
+        keep_odds = 2.0 / (1.0 + math.exp(event.epsilon)) if event.epsilon < 700 else 0.0  # e^ε overflows past ~709
+        if delta == 0 and keep_odds > 0:
+            one = pld_lib.from_randomized_response(
+                noise_parameter=keep_odds,
+                num_buckets=2,
+                value_discretization_interval=PLD_DISCRETISATION,
+                neighboring_relation=REPLACE_ONE,
+            )
+        else:
+            one = pld_lib.from_privacy_parameters(
+                DifferentialPrivacyParameters(event.epsilon, delta), value_discretization_interval=PLD_DISCRETISATION
+            )
+        self._pld: pld_lib.PrivacyLossDistribution = self._pld.compose(one.self_compose(count) if count > 1 else one)
         return None
-    raise TypeError(f"the accountant does not support {type(event).__name__}")
 
 
-def _compose(plds: Iterable[pld_lib.PrivacyLossDistribution | None]) -> pld_lib.PrivacyLossDistribution | None:
-    total = None
-    for p in plds:
-        if p is not None:
-            total = p if total is None else total.compose(p)
-    return total
-
-
-def _rdp_event(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
-    """Replace-one event -> the add/remove event with the same privacy loss (for the RDP accountant)."""
+def _rdp_leaf(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """Replace-one mechanism -> the add/remove event with the same privacy loss (for dp-accounting's RDP accountant)."""
     if isinstance(event, dp_accounting.GaussianDpEvent):
         return dp_accounting.GaussianDpEvent(event.noise_multiplier / 2)
     if isinstance(event, PureDpEvent):
-        # ε-DP implies (ε²/2)-zCDP (Bun & Steinke 2016).
+        # ε-DP implies (ε²/2)-zCDP (Bun & Steinke 2016, Prop. 1.4).
         return dp_accounting.ZCDpEvent(event.epsilon**2 / 2)
-    if isinstance(event, dp_accounting.ComposedDpEvent):
-        return dp_accounting.ComposedDpEvent([_rdp_event(e) for e in event.events])
-    if isinstance(event, dp_accounting.SelfComposedDpEvent):
-        return dp_accounting.SelfComposedDpEvent(_rdp_event(event.event), event.count)
-    return event
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        raise UnsupportedEvent(
+            Accountant.RDP,
+            event,
+            "dp-accounting's RDP accountant samples add/remove neighbours only; use --accountant pld",
+        )
+    if isinstance(event, (dp_accounting.ZCDpEvent, dp_accounting.NonPrivateDpEvent, dp_accounting.NoOpDpEvent)):
+        return event
+    raise UnsupportedEvent(
+        Accountant.RDP, event, "no replace-one RDP bound is implemented for it; use --accountant pld"
+    )
 
 
 def zcdp_rho(event: dp_accounting.DpEvent) -> float:
@@ -121,7 +153,9 @@ def zcdp_rho(event: dp_accounting.DpEvent) -> float:
         return event.epsilon**2 / 2  # ε-DP implies (ε²/2)-zCDP (Bun & Steinke 2016, Prop. 1.4)
     if isinstance(event, dp_accounting.ZCDpEvent):
         if event.xi:
-            raise TypeError(f"the accountant does not support approximate zCDP (xi={event.xi})")
+            raise UnsupportedEvent(
+                Accountant.ZCDP, event, f"approximate zCDP (xi = {event.xi}) does not compose into ρ alone"
+            )
         return event.rho
     if isinstance(event, dp_accounting.ComposedDpEvent):
         return sum(zcdp_rho(e) for e in event.events)
@@ -131,7 +165,9 @@ def zcdp_rho(event: dp_accounting.DpEvent) -> float:
         return math.inf
     if isinstance(event, dp_accounting.NoOpDpEvent):
         return 0.0
-    raise TypeError(f"zCDP accounting does not support {type(event).__name__}")
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        raise UnsupportedEvent(Accountant.ZCDP, event, POISSON_REFUSAL)
+    raise UnsupportedEvent(Accountant.ZCDP, event, "it has no zCDP bound; use --accountant pld")
 
 
 def zcdp_epsilon(rho: float, delta: float) -> float:
@@ -154,7 +190,8 @@ def _split_epsilon_delta(event: dp_accounting.DpEvent) -> tuple[list[dp_accounti
     if isinstance(event, EpsilonDeltaDpEvent):
         return [], event.epsilon, event.delta
     if isinstance(event, dp_accounting.ComposedDpEvent):
-        rest, eps, dlt = [], 0.0, 0.0
+        rest: list[dp_accounting.DpEvent] = []
+        eps, dlt = 0.0, 0.0
         for e in event.events:
             r, a, b = _split_epsilon_delta(e)
             rest, eps, dlt = rest + r, eps + a, dlt + b
@@ -168,35 +205,48 @@ def _split_epsilon_delta(event: dp_accounting.DpEvent) -> tuple[list[dp_accounti
 
 
 def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant = Accountant.PLD) -> float:
-    """ε at ``delta`` of one (composed) event, replace-one neighbours."""
+    """ε at ``delta`` of one (composed) event, replace-one neighbours.
+
+    Raises :class:`UnsupportedEvent` (a ValueError) for an event ``accountant`` cannot account.
+    """
     _check_delta(delta)
+    accountant = Accountant(accountant)
     if accountant is not Accountant.PLD:
         rest, eps_stated, delta_stated = _split_epsilon_delta(event)
         if delta_stated > 0 or eps_stated > 0:
             # Basic composition: the stated (ε, δ) parts add to the rest's ε at the δ left over.
             if delta_stated >= delta:
                 return math.inf
-            rest_eps = event_epsilon(dp_accounting.ComposedDpEvent(rest), delta - delta_stated, accountant) if rest else 0.0
+            rest_eps = (
+                event_epsilon(dp_accounting.ComposedDpEvent(rest), delta - delta_stated, accountant) if rest else 0.0
+            )
             return rest_eps + eps_stated
     if accountant is Accountant.ZCDP:
         return zcdp_epsilon(zcdp_rho(event), delta)
     if accountant is Accountant.RDP:
-        acc = rdp_privacy_accountant.RdpAccountant(
+        rdp = rdp_privacy_accountant.RdpAccountant(
             neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
         )
-        acc.compose(_rdp_event(event))
-        return float(acc.get_epsilon(delta))
-    try:
-        total = _pld(event)
-    except _NonPrivate:
-        return math.inf
-    return 0.0 if total is None else float(total.get_epsilon_for_delta(delta))
+        rdp.compose(_map_leaves(event, _rdp_leaf))
+        return float(rdp.get_epsilon(delta))
+    pld = _PLDAccountant()
+
+    def pld_leaf(leaf: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+        if not pld.supports(leaf):
+            raise UnsupportedEvent(Accountant.PLD, leaf, "dp-accounting has no replace-one PLD for it")
+        return leaf
+
+    pld.compose(_map_leaves(event, pld_leaf))
+    return float(pld.get_epsilon(delta))
 
 
 def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant = Accountant.PLD) -> float:
-    """Worst-case ε over disjoint groups, for the releases each group's units are touched by."""
-    groups = ledger.groups() or [None]
-    seen: dict[tuple, float] = {}
+    """Worst-case ε over disjoint groups, for the releases each group's units are touched by.
+
+    Raises :class:`UnsupportedEvent` (a ValueError) for a release ``accountant`` cannot account.
+    """
+    groups: list[str | None] = [*ledger.groups()] or [None]
+    seen: dict[tuple[str, ...], float] = {}
     for g in groups:
         releases = ledger.touching(g) if g is not None else list(ledger)
         events = shared_sample_events(releases)
@@ -206,13 +256,13 @@ def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant = Accoun
     return max(seen.values(), default=0.0)
 
 
-def shared_sample_events(releases: list) -> list[dp_accounting.DpEvent]:
+def shared_sample_events(releases: Sequence[Release]) -> list[dp_accounting.DpEvent]:
     """The releases' events, with those computed on one Poisson sample (the same
     ``params["poisson_sample"]``) merged into one sampled mechanism: their Gaussians compose to
     the Gaussian (Σ z_i⁻²)^(−1/2), sampled once at q. Composing them as independently sampled
     events would not describe what was released."""
     out: list[dp_accounting.DpEvent] = []
-    shared: dict[str, list] = {}
+    shared: dict[str, list[dp_accounting.PoissonSampledDpEvent]] = {}
     for r in releases:
         sample = r.params.get("poisson_sample") if isinstance(r.params, dict) else None
         if sample is None or not isinstance(r.event, dp_accounting.PoissonSampledDpEvent):
@@ -224,7 +274,7 @@ def shared_sample_events(releases: list) -> list[dp_accounting.DpEvent]:
         inner = [e.event for e in events]
         if len(rates) != 1 or not all(isinstance(e, dp_accounting.GaussianDpEvent) for e in inner):
             raise ValueError(f"releases on Poisson sample {sample!r} must share one rate and be Gaussian; got {events}")
-        z = sum(e.noise_multiplier ** -2 for e in inner) ** -0.5
+        z = sum(e.noise_multiplier**-2 for e in inner) ** -0.5
         out.append(dp_accounting.PoissonSampledDpEvent(rates.pop(), dp_accounting.GaussianDpEvent(z)))
     return out
 
@@ -235,43 +285,54 @@ def gaussian_multipliers(event: dp_accounting.DpEvent) -> list[float] | None:
         return [event.noise_multiplier]
     if isinstance(event, dp_accounting.ComposedDpEvent):
         parts = [gaussian_multipliers(e) for e in event.events]
-        return None if any(p is None for p in parts) else [z for p in parts for z in p]
+        if any(p is None for p in parts):
+            return None
+        return [z for p in parts if p is not None for z in p]
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
         inner = gaussian_multipliers(event.event)
         return None if inner is None else inner * event.count
     return None
 
 
-_KNOWN: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("fedpers_known_calibrations", default=None)
-_RECORDING: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("fedpers_recorded_calibrations", default=None)
+class Calibrations:
+    """The noise multipliers a protocol was calibrated with, keyed by what each depends on
+    (:func:`calibration_key`). Passed to ``Experiment.protocol``: the server's table, sent
+    with a Flower job, lets a node rebuild the same public protocol without running the
+    accountant (the protocol digest check still refuses any mismatch); a key not in the table
+    is solved and added."""
+
+    def __init__(self, known: Mapping[str, float] | None = None) -> None:
+        self.table: dict[str, float] = dict(known or {})
+
+    def __call__(
+        self,
+        make_event: Callable[[float], dp_accounting.DpEvent],
+        target_epsilon: float,
+        target_delta: float,
+        accountant: Accountant = Accountant.PLD,
+    ) -> float:
+        key = calibration_key(make_event, target_epsilon, target_delta, accountant)
+        if key not in self.table:
+            self.table[key] = _calibrate(make_event, target_epsilon, target_delta, Accountant(accountant))
+        return self.table[key]
 
 
-def calibration_key(make_event: Callable[[float], dp_accounting.DpEvent], target_epsilon: float, target_delta: float, accountant: Accountant) -> str:
+def calibration_key(
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    target_epsilon: float,
+    target_delta: float,
+    accountant: Accountant,
+) -> str:
     """What a calibration depends on: the event's shape (at z = 1 and 2), the target and the accountant."""
-    return repr((repr(make_event(1.0)), repr(make_event(2.0)), float(target_epsilon), float(target_delta), Accountant(accountant).value))
-
-
-@contextlib.contextmanager
-def recorded_calibrations() -> Iterator[dict[str, float]]:
-    """Collect (key → z) of every calibration made inside (the server, building a protocol)."""
-    found: dict[str, float] = {}
-    token = _RECORDING.set(found)
-    try:
-        yield found
-    finally:
-        _RECORDING.reset(token)
-
-
-@contextlib.contextmanager
-def known_calibrations(known: dict[str, float]) -> Iterator[None]:
-    """Inside, a calibration whose key is in ``known`` returns that z without running the
-    accountant (a Flower node rebuilding the server's public protocol: the protocol digest
-    check still refuses any mismatch)."""
-    token = _KNOWN.set(dict(known))
-    try:
-        yield
-    finally:
-        _KNOWN.reset(token)
+    return repr(
+        (
+            repr(make_event(1.0)),
+            repr(make_event(2.0)),
+            float(target_epsilon),
+            float(target_delta),
+            Accountant(accountant).value,
+        )
+    )
 
 
 def calibrate_noise_multiplier(
@@ -279,24 +340,24 @@ def calibrate_noise_multiplier(
     target_epsilon: float,
     target_delta: float,
     accountant: Accountant = Accountant.PLD,
+    calibrations: Calibrations | None = None,
 ) -> float:
     """Smallest noise multiplier z whose event meets (ε, δ); ``make_event(z)`` is what one unit is touched by.
 
     Returns 0 for ε = ∞ (no noise). The accountant's ε at the result is ≤ the target and
     within 0.1% of it (Gaussian-only events) or within the bisection tolerance.
+    ``calibrations``: look the result up there (and record it), see :class:`Calibrations`.
     """
-    known, recording = _KNOWN.get(), _RECORDING.get()
-    if known is None and recording is None:
-        return _calibrate(make_event, target_epsilon, target_delta, accountant)
-    key = calibration_key(make_event, target_epsilon, target_delta, accountant)
-    z = known[key] if known is not None and key in known else _calibrate(make_event, target_epsilon, target_delta, accountant)
-    if recording is not None:
-        recording[key] = z
-    return z
+    if calibrations is not None:
+        return calibrations(make_event, target_epsilon, target_delta, accountant)
+    return _calibrate(make_event, target_epsilon, target_delta, Accountant(accountant))
 
 
 def _calibrate(
-    make_event: Callable[[float], dp_accounting.DpEvent], target_epsilon: float, target_delta: float, accountant: Accountant,
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    target_epsilon: float,
+    target_delta: float,
+    accountant: Accountant,
 ) -> float:
     _check_delta(target_delta)
     if not target_epsilon > 0:
@@ -369,11 +430,6 @@ def analytic_gaussian_mu(epsilon: float, delta: float) -> float:
     while analytic_gaussian_epsilon(hi, delta) < epsilon:
         hi *= 2
     return optimize.brentq(lambda m: analytic_gaussian_epsilon(m, delta) - epsilon, 1e-9, hi, xtol=1e-12)
-
-
-def classical_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) -> float:
-    """Δ sqrt(2 ln(1.25/δ))/ε: valid only for ε < 1; reported only as a paper's calibration."""
-    return sensitivity * math.sqrt(2 * math.log(1.25 / delta)) / epsilon
 
 
 def _check_delta(delta: float) -> None:

@@ -6,25 +6,29 @@ the release touched. Accounting is a separate step (:mod:`fedpers.privacy.accoun
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import attr
 import dp_accounting
 
 ALL_UNITS = "all"
 
 
-@dataclass(frozen=True)
+@attr.s(frozen=True, slots=True, auto_attribs=True)
 class PureDpEvent(dp_accounting.DpEvent):
-    """An ε-DP mechanism with δ = 0 (the exponential mechanism); dp-accounting has no such event."""
+    """An ε-DP mechanism with δ = 0 (the exponential mechanism); dp-accounting has no such event.
+
+    An attrs class like dp-accounting's own events, so it serialises with their round trip."""
 
     epsilon: float
 
 
-@dataclass(frozen=True)
+@attr.s(frozen=True, slots=True, auto_attribs=True)
 class EpsilonDeltaDpEvent(dp_accounting.DpEvent):
     """A mechanism whose only known guarantee is a stated (ε, δ)-DP bound (DPCovariance).
 
@@ -78,21 +82,49 @@ class Release:
         return Release(**{**d, "event": event_from_dict(d["event"]), "params": dict(d.get("params", {}))})
 
 
+EVENT_MODULES = frozenset({"dp_accounting.dp_event", __name__})
+"""Modules a serialised event may name: reading a ledger never imports anything else."""
+
+
 def event_to_dict(event: dp_accounting.DpEvent) -> dict[str, Any]:
-    if isinstance(event, dp_accounting.GaussianDpEvent):
-        return {"type": "gaussian", "noise_multiplier": event.noise_multiplier}
-    if isinstance(event, PureDpEvent):
-        return {"type": "pure", "epsilon": event.epsilon}
-    if isinstance(event, EpsilonDeltaDpEvent):
-        return {"type": "epsilon_delta", "epsilon": event.epsilon, "delta": event.delta}
-    if isinstance(event, dp_accounting.NonPrivateDpEvent):
-        return {"type": "non_private"}
-    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
-        return {"type": "poisson_sampled", "sampling_probability": event.sampling_probability, "event": event_to_dict(event.event)}
-    raise TypeError(f"cannot serialise dp event {event!r}")
+    """JSON form of a dp-accounting event by the library's own round trip
+    (``DpEvent.to_named_tuple``): ``{"module_name", "class_name", <fields>}``, nested for
+    compositions and sampling."""
+    return _plain(event.to_named_tuple())
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return {k: _plain(getattr(value, k)) for k in value._fields}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def event_from_dict(d: dict[str, Any]) -> dp_accounting.DpEvent:
+    """Inverse of :func:`event_to_dict` (``DpEvent.from_named_tuple``); also reads the ledgers
+    written before fedpers used the library's form (``{"type": "gaussian", ...}``)."""
+    if "type" in d:
+        return _legacy_event(d)
+    event = dp_accounting.DpEvent.from_named_tuple(_named(d))
+    if not isinstance(event, dp_accounting.DpEvent):
+        raise ValueError(f"not a dp event: {d!r}")
+    return event
+
+
+def _named(value: Any) -> Any:
+    if isinstance(value, dict):
+        module, name = value.get("module_name"), value.get("class_name")
+        if module not in EVENT_MODULES or not isinstance(name, str) or not name.endswith("DpEvent"):
+            raise ValueError(f"unknown dp event {module}.{name}; expected a dp_accounting or fedpers DpEvent")
+        fields = {k: _named(v) for k, v in value.items()}
+        return collections.namedtuple(f"_{name}Tuple", list(fields))(**fields)
+    if isinstance(value, list):
+        return [_named(v) for v in value]
+    return value
+
+
+def _legacy_event(d: dict[str, Any]) -> dp_accounting.DpEvent:
     kind = d["type"]
     if kind == "gaussian":
         return dp_accounting.GaussianDpEvent(float(d["noise_multiplier"]))
@@ -103,8 +135,8 @@ def event_from_dict(d: dict[str, Any]) -> dp_accounting.DpEvent:
     if kind == "non_private":
         return dp_accounting.NonPrivateDpEvent()
     if kind == "poisson_sampled":
-        return dp_accounting.PoissonSampledDpEvent(float(d["sampling_probability"]), event_from_dict(d["event"]))
-    raise ValueError(f"unknown dp event type {kind!r}; expected gaussian, pure, epsilon_delta or non_private")
+        return dp_accounting.PoissonSampledDpEvent(float(d["sampling_probability"]), _legacy_event(d["event"]))
+    raise ValueError(f"unknown dp event type {kind!r}; expected gaussian, pure, epsilon_delta, non_private or poisson_sampled")
 
 
 class Ledger:

@@ -39,15 +39,6 @@ class Loss(str, enum.Enum):
 
 
 # ----- the math ---------------------------------------------------------------------------
-def residuals(W: Tensor, x: Tensor, y: Tensor, loss: Loss) -> Tensor:
-    """r_i with ∇_W ℓ_i = r_i x_iᵀ: softmax(Wx) − e_y (cross-entropy) or Wx − e_y (squared, ½||·||²)."""
-    logits = x @ W.transpose(0, 1)
-    onehot = torch.nn.functional.one_hot(y, W.shape[0]).to(logits.dtype)
-    if loss is Loss.CE:
-        return torch.softmax(logits, dim=-1) - onehot
-    return logits - onehot
-
-
 def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Loss) -> tuple[Tensor, int]:
     """Σ_i clip(r_i x_iᵀ; G) without forming per-example gradients (||r xᵀ||_F = ||r||·||x||); and how many were clipped.
 

@@ -58,10 +58,9 @@ def node_job(job: codec.Job, data_file: str = "") -> NodeJob:
                 raise ValueError(f"{codec.DATA_FILE}: algorithm {job.algorithm!r} reads no data files")
             values["data"] = data_file
         cfg = config_lib.build(experiment.config_type, values)
-        from fedpers.privacy.accountant import known_calibrations
+        from fedpers.privacy.accountant import Calibrations
 
-        with known_calibrations(json.loads(job.calibrations_json)):  # the server's z: no accountant here
-            protocol = experiment.protocol(cfg)
+        protocol = experiment.protocol(cfg, Calibrations(json.loads(job.calibrations_json)))  # the server's z: no accountant here
         _jobs[key] = NodeJob(experiment, cfg, protocol, codec.protocol_digest(protocol))
     found = _jobs[key]
     if found.digest != job.digest:

@@ -207,20 +207,27 @@ def run_on_grid(
     progress: bool = True,
     stop: Callable[[], bool] | None = None,
     checkpoint: Any = None,
+    calibrations: Mapping[str, float] | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Discover the nodes on ``grid``, then run every round of ``protocol`` through them.
+
+    ``calibrations``: the noise multipliers ``protocol`` was built with (``Calibrations.table``),
+    sent to the nodes so they rebuild it without the accountant; if not given, the protocol is
+    rebuilt here once to record them.
 
     ``stop()`` true makes waiting for replies give up (the caller's engine has died).
     """
     import sys
 
-    from fedpers.privacy.accountant import recorded_calibrations
+    from fedpers.privacy.accountant import Calibrations
     from fedpers.runtime.flower.pulls import quick_object_pulls
 
     quick_object_pulls(sys.modules[type(grid).__module__])  # a deployment's HttpGrid; others pull no objects
 
-    with recorded_calibrations() as calibrations:  # nodes rebuild the protocol without an accountant
-        experiment.protocol(cfg)
+    if calibrations is None:
+        recorded = Calibrations()
+        experiment.protocol(cfg, recorded)
+        calibrations = recorded.table
     job = codec.Job.of(experiment.name, cfg, protocol, calibrations)
     start = time.perf_counter()
     mapping = parse_node_partitions(getattr(options, "node_partitions", ""))

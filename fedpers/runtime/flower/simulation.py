@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from flwr.app import Context
@@ -73,13 +73,16 @@ def run_flower(
     grid: Grid | None = None,
     client_app: ClientApp | None = None,
     checkpoint: Any = None,
+    calibrations: Mapping[str, float] | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Run ``protocol`` through Flower: on ``grid`` if given (inside a ServerApp), else in a new simulation.
+
+    ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`run_on_grid`).
 
     ``client_app`` replaces the fedpers ClientApp (tests use it to inject faulty clients).
     """
     if grid is not None:
-        return run_on_grid(grid, experiment, cfg, protocol, privatizer, options, on_round=on_round, on_discovery=on_discovery, progress=progress, checkpoint=checkpoint)
+        return run_on_grid(grid, experiment, cfg, protocol, privatizer, options, on_round=on_round, on_discovery=on_discovery, progress=progress, checkpoint=checkpoint, calibrations=calibrations)
     unit_ranges(experiment.num_units(cfg), options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
     if options.client_gpus > 0 and not options.ray_address and not torch.cuda.is_available():
         raise ValueError(f"client_gpus={options.client_gpus} but this machine has no GPU; set --client-gpus 0 or attach a GPU cluster with --ray-address")
@@ -92,7 +95,7 @@ def run_flower(
         try:
             outcome["result"] = run_on_grid(
                 grid, experiment, cfg, protocol, privatizer, options, expected_nodes=options.nodes,
-                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set, checkpoint=checkpoint,
+                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set, checkpoint=checkpoint, calibrations=calibrations,
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
             outcome["error"] = e
