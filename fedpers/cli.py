@@ -234,12 +234,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if args.deploy_command == "run":
         return run_and_wait(args.app, args.superlink, args.run_config, timeout=args.timeout)[0]
     if args.deploy_command == "app-hash":
-        from fedpers.runtime.flower.forkserver import app_hash
+        from fedpers.deploy.forkserver import app_hash
 
         print(app_hash(args.app))
         return 0
     if args.deploy_command in ("superexec", "supernode"):  # reached only without flags (main() passes flags through)
-        from fedpers.runtime.flower import forkserver
+        from fedpers.deploy import forkserver
 
         return getattr(forkserver, args.deploy_command)(list(args.flower_args))
 
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
-        from fedpers.runtime.flower import forkserver
+        from fedpers.deploy import forkserver
 
         return (forkserver.superexec if argv[1] == "superexec" else forkserver.supernode)(argv[2:])
     parser = build_parser()

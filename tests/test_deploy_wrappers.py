@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpers.runtime.flower import forkserver, pulls
+from fedpers.deploy import forkserver, pulls
 
 
 def _puller(calls: list):

@@ -30,7 +30,7 @@ import subprocess
 import sys
 from typing import Any
 
-from fedpers.runtime.flower.pulls import FLOWER_SERIES, quick_object_pulls
+from fedpers.deploy.pulls import FLOWER_SERIES, quick_object_pulls
 
 POLL_INTERVAL = "0.05"
 
@@ -97,7 +97,7 @@ def _warm() -> None:
     import httpcore  # noqa: F401
     import torch  # noqa: F401
 
-    import fedpers.runtime.flower.client  # noqa: F401 - the ClientApp's code
+    import fedpers.app  # noqa: F401 - the ClientApp's code (clients/client_app.py)
     from fedpers.experiments import EXPERIMENTS  # noqa: F401 - imports every algorithm's module
 
 
@@ -149,7 +149,7 @@ class ForkServerExecutor:
 
     @staticmethod
     def _start() -> subprocess.Popen:
-        server = subprocess.Popen([sys.executable, "-m", "fedpers.runtime.flower.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen([sys.executable, "-m", "fedpers.deploy.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = server.stdout.readline().strip() if server.stdout else ""
         if ready != "ready":
             raise RuntimeError(f"fedpers fork server did not start (said {ready!r})")
