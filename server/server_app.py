@@ -20,12 +20,10 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     job = from_run_config(context.run_config)
-    if type(grid).__name__ == "HttpGrid":  # a deployment (never a simulation): shorter waits for reply objects
-        import sys
+    if type(grid).__name__ == "HttpGrid":  # a deployment, never a simulation: shorter waits for reply objects
+        from fedpers.deploy.pulls import quick_grid_pulls
 
-        from fedpers.deploy.pulls import quick_object_pulls
-
-        quick_object_pulls(sys.modules[type(grid).__module__])
+        quick_grid_pulls(grid)
     if job.resume is not None:
         result = resume_run(job.resume, progress=False, grid=grid)
     else:

@@ -173,3 +173,23 @@ def test_a_local_run_imports_neither_flower_nor_ray(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_flower_run_and_the_apps_import_no_deploy_code() -> None:
+    """A Flower run on a Grid (what a simulation's ServerApp does) and the ServerApp/ClientApp modules leave
+    fedpers.deploy (Flower's private internals) unimported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); import torch; "
+        "from fedpers import config; from fedpers.app import make_client_app, run_flower; from fedpers.experiments import experiment; "
+        "from fedpers.privacy import Privatizer; from fedpers.runtime.options import RuntimeOptions; from flower_support import InProcessGrid; "
+        "import server.server_app, clients.client_app; "
+        "e = experiment('altmin'); cfg = config.build(e.config_type, {'n_users': 200, 'rounds': 1}); "
+        "run_flower(e, cfg, e.protocol(cfg), Privatizer(0), RuntimeOptions(runtime='flower'), grid=InProcessGrid(make_client_app(), 2), progress=False); "
+        "print(sorted(m for m in sys.modules if m.startswith('fedpers.deploy')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
