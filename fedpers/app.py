@@ -147,14 +147,18 @@ def make_client_app() -> "ClientApp":
     return runtime_client_app(build_node)
 
 
-def flower_job(experiment: "Experiment", cfg: Any, protocol: "Protocol") -> "Job":
+def flower_job(experiment: "Experiment", cfg: Any, protocol: "Protocol", calibrations: Mapping[str, float] | None = None) -> "Job":
     """What the nodes rebuild ``protocol`` from: algorithm name, config, protocol digest, and the
-    noise calibrations the server's accountant chose (nodes rebuild the protocol without one)."""
-    from fedpers.privacy.accountant import recorded_calibrations
+    noise calibrations the server's accountant chose (nodes rebuild the protocol without one):
+    ``calibrations`` if given, else recorded by building the protocol once more."""
     from fedpers.runtime.flower.codec import Job
 
-    with recorded_calibrations() as calibrations:
-        experiment.protocol(cfg)
+    if calibrations is None:
+        from fedpers.privacy.accountant import recorded_calibrations
+
+        with recorded_calibrations() as recorded:
+            experiment.protocol(cfg)
+        calibrations = recorded
     return Job.of(experiment.name, cfg, protocol, calibrations)
 
 
@@ -166,14 +170,16 @@ def run_flower(
     options: RuntimeOptions,
     *,
     client_app: "ClientApp | None" = None,
+    calibrations: Mapping[str, float] | None = None,
     **kwargs: Any,
 ) -> "tuple[Any, list[RoundRecord]]":
     """``experiment``'s run on the Flower runtime (:func:`fedpers.runtime.flower.run_flower`: on
-    ``grid=`` if given, else a simulation whose nodes run ``client_app`` or :func:`make_client_app`)."""
+    ``grid=`` if given, else a simulation whose nodes run ``client_app`` or :func:`make_client_app`);
+    ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`flower_job`)."""
     from fedpers.runtime.flower.simulation import run_flower as run
 
     if kwargs.get("grid") is None and client_app is None:
         client_app = make_client_app()
-    job = flower_job(experiment, cfg, protocol)
+    job = flower_job(experiment, cfg, protocol, calibrations)
     device = getattr(cfg, "device", "cpu")
     return run(job, experiment.num_units(cfg), protocol, privatizer, options, device=device, client_app=client_app, **kwargs)
