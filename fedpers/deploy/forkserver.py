@@ -93,7 +93,8 @@ def _warm() -> None:
     import httpcore  # noqa: F401
     import torch  # noqa: F401
 
-    import fedpers.app  # noqa: F401 - the ClientApp's code (clients/client_app.py)
+    import fedpers.app  # noqa: F401 - the ClientApp's code (clients/client_app.py) ...
+    import fedpers.runtime.flower.client  # noqa: F401 - ... and the runtime it builds the ClientApp from
     from fedpers.experiments import EXPERIMENTS  # noqa: F401 - imports every algorithm's module
 
 
