@@ -30,7 +30,7 @@ from fedpers import config as config_lib
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Privatizer
 from fedpers.runner import RuntimeOptions, split_seed
-from fedpers.runtime.flower import run_flower
+from fedpers.app import run_flower
 from fedpers.runtime.local import run_local
 
 EXP = EXPERIMENTS["altmin"]

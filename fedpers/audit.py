@@ -38,7 +38,7 @@ from fedpers.privacy import accountant as accountant_lib
 from fedpers.privacy import audit as audit_math
 from fedpers.protocols.base import Protocol, client_message
 from fedpers.runtime.driver import ClientReply, drive
-from fedpers.runtime.local import UnitSource
+from fedpers.data.units import UnitSource
 
 Tensor = torch.Tensor
 BIG = 1e6

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     cp.add_argument("--json", action="store_true", help="print one JSON object (rows and metric columns)")
     cp.add_argument("--out", type=Path, help="also draw the metrics, one panel each, into this PNG")
-    dp = sub.add_parser("deploy", help="deployment: certs, supernode, superexec, run, app-hash (see docs/flower.md)", allow_abbrev=False)
+    dp = sub.add_parser("deploy", help="deployment across machines: certs, run, app-hash; supernode/superexec (faster Flower wrappers, Flower 1.41-1.42)", allow_abbrev=False)
     dsub = dp.add_subparsers(dest="deploy_command", required=True)
     ce = dsub.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode key pairs; prints the commands", allow_abbrev=False)
     ce.add_argument("dir", type=Path)
@@ -241,14 +241,14 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if args.deploy_command == "run":
         return run_and_wait(args.app, args.superlink, args.run_config, timeout=args.timeout)[0]
     if args.deploy_command == "app-hash":
-        from fedpers.runtime.flower.forkserver import app_hash
+        from fedpers.deploy.forkserver import app_hash
 
         print(app_hash(args.app))
         return 0
     if args.deploy_command in ("superexec", "supernode"):  # reached only without flags (main() passes flags through)
-        from fedpers.runtime.flower import forkserver
+        from fedpers.deploy import forkserver, supernode
 
-        return getattr(forkserver, args.deploy_command)(list(args.flower_args))
+        return (forkserver.superexec if args.deploy_command == "superexec" else supernode.supernode)(list(args.flower_args))
 
     files = make_certs(args.dir, args.host, args.supernodes, days=args.days, force=args.force)
     print(f"wrote {len(files)} files to {args.dir} (private keys mode 0600):", ", ".join(sorted(p.name for p in files.values())))
@@ -354,9 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
-        from fedpers.runtime.flower import forkserver
+        from fedpers.deploy import forkserver, supernode
 
-        return (forkserver.superexec if argv[1] == "superexec" else forkserver.supernode)(argv[2:])
+        return (forkserver.superexec if argv[1] == "superexec" else supernode.supernode)(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)

@@ -3,49 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedpers import config as config_lib
-from fedpers.config import field
 from fedpers.experiments.base import Experiment
 from fedpers.privacy import Calibrations, Privatizer
 from fedpers.results import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.driver import RoundRecord
+from fedpers.runtime.options import Runtime, RuntimeOptions  # noqa: F401  (re-exported: fedpers.runner.RuntimeOptions)
 from fedpers.seeds import split_seed
-
-
-class Runtime(str, enum.Enum):
-    LOCAL = "local"
-    FLOWER = "flower"
-
-
-@dataclass(frozen=True)
-class RuntimeOptions:
-    """Where the protocol runs; shared by every algorithm."""
-
-    runtime: Runtime = field(Runtime.LOCAL, "local: batched on one device; flower: Flower simulation on Ray")
-    nodes: int = field(8, "Flower SuperNodes (virtual clients), each holding a partition of the units", ge=1)
-    users_per_node: int = field(0, "units per node (0: split all units evenly over --nodes)", ge=0)
-    ray_address: str = field("", "attach the Flower simulation to this Ray cluster (default: start a local Ray)")
-    client_cpus: float = field(1.0, "CPUs per Flower client actor", gt=0.0)
-    client_gpus: float = field(0.0, "GPU share per Flower client actor", ge=0.0)
-    min_fraction: float = field(
-        1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0
-    )
-    round_timeout: float = field(600.0, "seconds to wait for client replies in a round", gt=0.0)
-    node_partitions: str = field(
-        "",
-        "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode register`); "
-        "nodes not listed take part in nothing, whatever they claim",
-    )
-    secure_noise: bool = field(
-        False,
-        "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run",
-    )
 
 
 @dataclass
@@ -180,7 +149,7 @@ def drive(
             checkpoint=checkpointer,
         )
     else:
-        from fedpers.runtime.flower import run_flower
+        from fedpers.app import run_flower
 
         state, _ = run_flower(
             experiment,

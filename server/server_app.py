@@ -1,6 +1,6 @@
 """The fedpers ServerApp for ``flwr run .`` (``[tool.flwr.app.components] serverapp``).
 
-Thin by design: it reads ``context.run_config`` (see :mod:`fedpers.runtime.flower.runconfig`)
+Thin by design: it reads ``context.run_config`` (see :func:`fedpers.app.from_run_config`)
 and runs the experiment with :func:`fedpers.runner.execute` on the Grid Flower gives it:
 discovery, the shared round loop with verification and DP aggregation, the run directory.
 """
@@ -10,9 +10,9 @@ from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
+from fedpers.app import from_run_config
 from fedpers.results import dumps
 from fedpers.runner import execute, resume_run
-from fedpers.runtime.flower.runconfig import from_run_config
 
 app = ServerApp()
 
@@ -20,6 +20,10 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     job = from_run_config(context.run_config)
+    if type(grid).__name__ == "HttpGrid":  # a deployment, never a simulation: shorter waits for reply objects
+        from fedpers.deploy.pulls import quick_grid_pulls
+
+        quick_grid_pulls(grid)
     if job.resume is not None:
         result = resume_run(job.resume, progress=False, grid=grid)
     else:

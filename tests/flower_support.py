@@ -22,6 +22,7 @@ from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
 from fedpers.runtime.flower import codec
+from fedpers.app import build_node
 from fedpers.runtime.flower.client import handle_query, handle_train
 
 FAULTS = ("raise", "nan", "huge", "overclaim", "silent", "replay", "asymmetric", "partition-count")
@@ -44,12 +45,12 @@ def faulty_client_app(faults: Mapping[int, str], from_round: int = 0) -> ClientA
         mode = faults.get(int(context.node_config[codec.PARTITION_ID]))
         round = int(message.content[codec.JOB][codec.ROUND])
         if mode is None or round < from_round:
-            return handle_train(message, context)
+            return handle_train(message, context, build_node)
         if mode == "raise":
             raise RuntimeError("injected fault")
         if mode == "silent":
             time.sleep(float(os.environ.get("FEDPERS_TEST_SILENT_SECONDS", "3600")))
-        honest = handle_train(message, context).content
+        honest = handle_train(message, context, build_node).content
         if mode == "replay":
             pid = int(context.node_config[codec.PARTITION_ID])
             stale = previous.get(pid, honest)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpers.runtime.flower import forkserver, pulls
+from fedpers.deploy import forkserver, pulls, supernode
 
 
 def _puller(calls: list):
@@ -101,23 +101,23 @@ def test_a_failed_install_leaves_no_marker(tmp_path: Path, monkeypatch: pytest.M
 
 def test_supernode_waits_are_capped_network_at_poll_local_shorter(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
-    clock = forkserver._PollingTime(0.2)
+    clock = supernode._PollingTime(0.2)
     monkeypatch.setattr(clock, "_time", types.SimpleNamespace(sleep=slept.append, monotonic=lambda: 5.0))
     clock.sleep(3)  # no message pulled: a network poll
     clock.sleep(0.5)  # a reply pending in the node's own state
     clock.sleep(0.01)
-    assert slept == [0.2, forkserver.LOCAL_WAIT, 0.01] and clock.monotonic() == 5.0
+    assert slept == [0.2, supernode.LOCAL_WAIT, 0.01] and clock.monotonic() == 5.0
 
 
 def test_the_supernode_starts_fedpers_superexec_and_nothing_else_is_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[list[str]] = []
-    monkeypatch.setattr(forkserver.subprocess, "Popen", lambda cmd, *a, **k: started.append(cmd))
-    launcher = forkserver._WarmSuperExecLauncher()
+    monkeypatch.setattr(supernode.subprocess, "Popen", lambda cmd, *a, **k: started.append(cmd))
+    launcher = supernode._WarmSuperExecLauncher()
     launcher.Popen(["flower-superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"])
     launcher.Popen(["flwr-clientapp", "--token", "t"])
     assert started[0] == [sys.executable, "-m", "fedpers", "deploy", "superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"]
     assert started[1] == ["flwr-clientapp", "--token", "t"]
-    assert launcher.DEVNULL is forkserver.subprocess.DEVNULL
+    assert launcher.DEVNULL is supernode.subprocess.DEVNULL
 
 
 def test_an_untrusted_app_is_refused_before_anything_is_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,13 +141,13 @@ def test_an_untrusted_app_is_refused_before_anything_is_installed(tmp_path: Path
 
 def test_trust_flags_are_taken_out_and_malformed_digests_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(forkserver.TRUSTED_APPS_ENV, raising=False)
-    rest = forkserver._take_trusted(["--insecure", "--trust-app", "a" * 64, "--superlink", "h:1", "--trust-app", "b" * 64])
+    rest = forkserver.take_trusted(["--insecure", "--trust-app", "a" * 64, "--superlink", "h:1", "--trust-app", "b" * 64])
     assert rest == ["--insecure", "--superlink", "h:1"]
     assert forkserver.trusted_apps() == {"a" * 64, "b" * 64}
     for bad in (["--trust-app", "abc"], ["--trust-app", "g" * 64], ["--trust-app"]):
         monkeypatch.delenv(forkserver.TRUSTED_APPS_ENV, raising=False)
         with pytest.raises(SystemExit, match="trust-app|SHA-256"):
-            forkserver._take_trusted(bad)
+            forkserver.take_trusted(bad)
 
 
 def test_with_trusted_apps_other_task_types_never_reach_flowers_executor(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,3 +182,37 @@ def test_app_hash_is_the_hash_of_the_fab_flwr_run_sends(tmp_path: Path) -> None:
     assert forkserver.app_hash(str(app)) != first  # any changed file is another app
     with pytest.raises(SystemExit, match="no pyproject.toml"):
         forkserver.app_hash(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(("version", "ok"), [("1.41.0", True), ("1.42.0", True), ("1.42.3", True), ("1.43.0", False), ("1.40.1", False), ("2.41.0", False), ("", False)])
+def test_the_gate_knows_the_checked_series(version: str, ok: bool) -> None:
+    from fedpers.deploy import flower
+
+    assert flower.supported(version) is ok
+
+
+@pytest.mark.parametrize("command", ["superexec", "supernode"])
+def test_an_unchecked_flower_series_is_refused_with_what_to_do(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before anything of Flower is patched: the message names the version, Flower's own command and the pip range."""
+    import flwr
+
+    from fedpers.cli import main
+
+    monkeypatch.setattr(flwr, "__version__", "1.43.0")
+    monkeypatch.setattr(sys, "argv", sys.argv[:])
+    with pytest.raises(SystemExit) as refused:
+        main(["deploy", command, "--insecure"])
+    text = str(refused.value)
+    assert "flwr 1.43.0" in text and f"flower-{command}" in text and "pip install 'flwr[simulation]>=1.41,<1.43'" in text
+
+
+def test_a_deployed_serverapp_on_an_unchecked_series_keeps_flowers_pulls(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import flwr
+
+    monkeypatch.setattr(flwr, "__version__", "1.43.0")
+    module = types.ModuleType("fake_grid_module")
+    module.pull_objects = original = _puller([])
+    grid_type = type("HttpGrid", (), {"__module__": "fake_grid_module"})
+    monkeypatch.setitem(sys.modules, "fake_grid_module", module)
+    assert pulls.quick_grid_pulls(grid_type()) is False
+    assert module.pull_objects is original and "1.43.0" in caplog.text

@@ -12,7 +12,7 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import ALL_UNITS, event_epsilon
 from fedpers.protocols.fedrep import FedRepProtocol
 from fedpers.runner import Runtime, RuntimeOptions, execute
-from fedpers.runtime.flower import make_client_app
+from fedpers.app import make_client_app
 from fedpers.runtime.local import run_local
 from tests.flower_support import InProcessGrid
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour

@@ -114,7 +114,7 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
             reg = subprocess.run([flwr, "supernode", "register", str(certs / f"supernode-{i}.pub"), "deployment"], env={**env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=120)
             assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
 
-        from fedpers.runtime.flower.forkserver import app_hash
+        from fedpers.deploy.forkserver import app_hash
 
         ours = app_hash(str(ROOT))
 
@@ -220,7 +220,7 @@ def test_a_supernode_runs_only_trusted_apps(tmp_path, env):
     """Two `fedpers deploy supernode`s: node 0 trusts this app's FAB hash (`fedpers deploy app-hash`),
     node 1 trusts another app only. Node 1 refuses every ClientApp of this run before any of its code
     loads (an error reply, not a silent hang); the run completes with node 0 (min-fraction 0.5)."""
-    from fedpers.runtime.flower.forkserver import app_hash
+    from fedpers.deploy.forkserver import app_hash
 
     ours = app_hash(str(ROOT))
     port = free_port()

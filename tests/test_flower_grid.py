@@ -15,7 +15,8 @@ from fedpers.privacy import Privatizer
 from fedpers.results import read_run
 from fedpers.runner import Runtime, RuntimeOptions, execute, split_seed
 from fedpers.runtime.driver import RoundFailed
-from fedpers.runtime.flower import codec, make_client_app, run_flower
+from fedpers.app import build_node, make_client_app, run_flower
+from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.local import run_local
 from tests.flower_support import InProcessGrid, faulty_client_app
@@ -251,7 +252,7 @@ def test_nodes_rebuild_the_protocol_without_running_the_accountant(monkeypatch):
     monkeypatch.setattr(accountant, "_calibrate", lambda *a, **k: calls.append("node or server") or real(*a, **k))
     sent = []
     real_node_job = client.node_job
-    monkeypatch.setattr(client, "node_job", lambda job, data_file="": sent.append(job) or real_node_job(job, data_file))
+    monkeypatch.setattr(client, "node_job", lambda job, data_file, build: sent.append(job) or real_node_job(job, data_file, build))
     state, _, _ = flower_run(grid, cfg, protocol, seed)
     u_local, _, _ = local_run(cfg, protocol, seed)
     torch.testing.assert_close(state["U"], u_local["U"], rtol=0, atol=1e-10)
@@ -260,5 +261,5 @@ def test_nodes_rebuild_the_protocol_without_running_the_accountant(monkeypatch):
     client._jobs.clear()
     wrong = dataclasses.replace(sent[0], calibrations_json=json.dumps({k: v * 1.01 for k, v in json.loads(sent[0].calibrations_json).items()}))
     with pytest.raises(ValueError, match="protocol mismatch"):
-        real_node_job(wrong)
+        real_node_job(wrong, "", build_node)
     client._jobs.clear()

@@ -9,6 +9,7 @@ import pytest
 from fedpers import config as config_lib
 from fedpers.data import files
 from fedpers.experiments import EXPERIMENTS
+from fedpers.app import build_node
 from fedpers.runtime.flower import client, codec
 
 EXP = EXPERIMENTS["altmin"]
@@ -33,7 +34,7 @@ def test_a_node_asked_for_10_of_many_users_reads_only_their_rows(tmp_path: Path,
     monkeypatch.setattr(files._StoredRows, "read", lambda self, a, b: (asked.append((a, b)), read(self, a, b))[1])
     cfg = config_lib.build(EXP.config_type, {"rank": k, "rounds": 2, "cohorts": "all", "seed": 3, "epsilon": 2.0, "data": str(path)})
     job = codec.Job.of("altmin", cfg, EXP.protocol(cfg))
-    node = client.node_job(job, str(path))
+    node = client.node_job(job, str(path), build_node)
     units = client.node_units(job, str(path), node, 1000, 1010)
     assert units["x"][:, 0, 0].tolist() == list(range(1000, 1010))
     assert (1000, 1010) in asked
@@ -57,17 +58,17 @@ def test_node_cache_loads_units_once_across_processes_and_notices_a_changed_file
     monkeypatch.setattr(type(EXP), "units", lambda self, cfg, ids: (calls.append(1), original(self, cfg, ids))[1])
     cfg = config_lib.build(EXP.config_type, {"rank": k, "rounds": 1, "seed": 3, "data": str(path)})
     job = codec.Job.of("altmin", cfg, EXP.protocol(cfg))
-    first = client.node_units(job, str(path), client.node_job(job, str(path)), 50, 120)
+    first = client.node_units(job, str(path), client.node_job(job, str(path), build_node), 50, 120)
     for _ in range(2):  # two "new processes"
         client._units.clear()
-        again = client.node_units(job, str(path), client.node_job(job, str(path)), 50, 120)
+        again = client.node_units(job, str(path), client.node_job(job, str(path), build_node), 50, 120)
         for key in first:
             assert torch.equal(first[key], again[key])
     assert len(calls) == 1
     np.savez(path, x=rng.standard_normal((n, m, d)), y=rng.standard_normal((n, m)), u_star=np.linalg.qr(rng.standard_normal((d, k)))[0])
     os.utime(path, ns=(1, 1))
     client._units.clear()
-    changed = client.node_units(job, str(path), client.node_job(job, str(path)), 50, 120)
+    changed = client.node_units(job, str(path), client.node_job(job, str(path), build_node), 50, 120)
     assert len(calls) == 2 and not torch.equal(changed["x"], first["x"])
 
 
@@ -81,7 +82,7 @@ def test_a_node_cache_that_cannot_be_written_costs_speed_not_the_round(tmp_path:
     job = codec.Job.of("altmin", cfg, EXP.protocol(cfg))
     client._units.clear()
     with caplog.at_level("WARNING", logger="fedpers.flower"):
-        units = client.node_units(job, "", client.node_job(job), 10, 30)
+        units = client.node_units(job, "", client.node_job(job, "", build_node), 10, 30)
     client._units.clear()
     assert units["ids"].tolist() == list(range(10, 30))
     assert client.NODE_CACHE_ENV in caplog.text

@@ -1,4 +1,8 @@
-"""The import graph points down: experiments never reach up into runner/sweep/cli; seeds and summaries are leaves."""
+"""The import graph of fedpers/ points down the layers of docs/architecture (DESIGN) and has no circles.
+
+The layer order is written once, in ``LAYERS``; every import (module level, inside functions, or
+under ``TYPE_CHECKING``) counts. Same-layer imports are allowed; a circle between any modules is not.
+"""
 from __future__ import annotations
 
 import ast
@@ -7,31 +11,137 @@ from pathlib import Path
 import fedpers
 
 ROOT = Path(fedpers.__file__).parent
-UPPER = {"fedpers.runner", "fedpers.sweep", "fedpers.cli", "fedpers.runtime.flower"}
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # top: commands a user types
+    ("fedpers.__main__", "fedpers.cli", "fedpers.sweep", "fedpers.sweep_points", "fedpers.sweep_spec", "fedpers.compare",
+     "fedpers.privacy_report", "fedpers.audit", "fedpers.tuning"),
+    ("fedpers.deploy",),  # optional: the only code touching Flower's private internals; nothing below imports it
+    ("fedpers.runner", "fedpers.app"),  # resolve a config (or a Flower run config) into a run on a runtime
+    ("fedpers.experiments",),  # one module per algorithm
+    ("fedpers.runtime",),  # drive a protocol (local, flower): never look up experiments
+    ("fedpers.protocols",),
+    ("fedpers.privacy",),  # the one place noise is added
+    ("fedpers.linalg",),
+    # bottom: loaders, run records, pure helpers
+    ("fedpers", "fedpers.data", "fedpers.results", "fedpers.metrics", "fedpers.config", "fedpers.plots",
+     "fedpers.seeds", "fedpers.summaries", "fedpers.memory", "fedpers.provenance"),
+)
+"""Top to bottom; a module may import its own layer and the layers below it."""
+
+KNOWN_CYCLES: set[frozenset[str]] = set()
+"""Circles still to break (each must still exist: a stale entry fails the test)."""
 
 
-def _imports(path: Path) -> set[str]:
-    """Every fedpers module a file imports, at top level or inside functions."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return {n for n in names if n == "fedpers" or n.startswith("fedpers.")}
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_experiments_do_not_import_runner_sweep_or_flower() -> None:
-    bad = {
-        str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if any(m == u or m.startswith(u + ".") for u in UPPER))
-        for p in (ROOT / "experiments").glob("*.py")
-    }
-    assert {k: v for k, v in bad.items() if v} == {}
+def graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module → the fedpers modules it imports (``from pkg import mod`` counts as ``pkg.mod``)."""
+    paths = {module_name(p, root): p for p in root.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                for alias in node.names:
+                    child = f"{base}.{alias.name}"
+                    found.add(child if child in paths else base)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        edges[name] = {m for m in found if m in paths and m != name}
+    return edges
+
+
+def layer(module: str) -> int:
+    """Index of the layer holding ``module`` (the longest matching prefix wins)."""
+    best, index = -1, -1
+    for i, names in enumerate(LAYERS):
+        for prefix in names:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, index = len(prefix), i
+    if index < 0:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
+    return index
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if layer(b) < layer(a))
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_every_import_points_down_the_layers() -> None:
+    bad = upward(graph())
+    assert not bad, "imports that point up the layers:\n  " + "\n  ".join(bad)
+
+
+def test_no_circles_of_imports() -> None:
+    found = {frozenset(c) for c in cycles(graph())}
+    new = [" <-> ".join(sorted(c)) for c in found - KNOWN_CYCLES]
+    assert not new, "circles of imports:\n  " + "\n  ".join(sorted(new))
+    gone = [" <-> ".join(sorted(c)) for c in KNOWN_CYCLES - found]
+    assert not gone, f"known circles that are gone (delete them from KNOWN_CYCLES): {gone}"
+
+
+def test_the_checks_catch_an_upward_import_and_a_circle(tmp_path: Path) -> None:
+    """A planted upward import (runtime → experiments) and a planted circle both fail the checks."""
+    pkg = tmp_path / "fedpers"
+    for rel in ("__init__.py", "runtime/__init__.py", "runtime/local.py", "experiments/__init__.py", "experiments/a.py", "experiments/b.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("")
+    (pkg / "runtime/local.py").write_text("def f():\n    from fedpers.experiments import a\n")
+    (pkg / "experiments/a.py").write_text("from fedpers.experiments import b\n")
+    (pkg / "experiments/b.py").write_text("from . import a\n")
+    edges = graph(pkg)
+    assert upward(edges) == ["fedpers.runtime.local -> fedpers.experiments.a"]
+    assert cycles(edges) == [["fedpers.experiments.a", "fedpers.experiments.b"]]
 
 
 def test_seeds_and_summaries_are_leaves() -> None:
-    for leaf in ("seeds.py", "summaries.py"):
-        assert _imports(ROOT / leaf) == set(), leaf
+    edges = graph()
+    for leaf in ("fedpers.seeds", "fedpers.summaries"):
+        assert edges[leaf] == set(), leaf
 
 
 def test_split_seed_reexported_and_streams_distinct() -> None:
@@ -58,6 +168,26 @@ def test_a_local_run_imports_neither_flower_nor_ray(tmp_path) -> None:
         "import sys; from fedpers.cli import main; "
         f"main(['run', 'altmin', '--n-users', '400', '--quiet', '--baselines', 'none', '--out', {str(tmp_path / 'run')!r}]); "
         "print(sorted(m for m in ('flwr', 'ray', 'pyarrow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_flower_run_and_the_apps_import_no_deploy_code() -> None:
+    """A Flower run on a Grid (what a simulation's ServerApp does) and the ServerApp/ClientApp modules leave
+    fedpers.deploy (Flower's private internals) unimported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); import torch; "
+        "from fedpers import config; from fedpers.app import make_client_app, run_flower; from fedpers.experiments import experiment; "
+        "from fedpers.privacy import Privatizer; from fedpers.runtime.options import RuntimeOptions; from flower_support import InProcessGrid; "
+        "import server.server_app, clients.client_app; "
+        "e = experiment('altmin'); cfg = config.build(e.config_type, {'n_users': 200, 'rounds': 1}); "
+        "run_flower(e, cfg, e.protocol(cfg), Privatizer(0), RuntimeOptions(runtime='flower'), grid=InProcessGrid(make_client_app(), 2), progress=False); "
+        "print(sorted(m for m in sys.modules if m.startswith('fedpers.deploy')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
     assert out.returncode == 0, out.stderr[-2000:]

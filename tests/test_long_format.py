@@ -16,7 +16,7 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import make_protocol
 from fedpers.experiments.base import derived_seed
 from fedpers.runner import Runtime, RuntimeOptions, execute
-from fedpers.runtime.flower import make_client_app
+from fedpers.app import make_client_app
 from tests.flower_support import InProcessGrid
 
 EXP = EXPERIMENTS["altmin"]

@@ -10,7 +10,7 @@ import torch
 from fedpers import config
 from fedpers.experiments import EXPERIMENTS
 from fedpers.runner import Runtime, RuntimeOptions, execute
-from fedpers.runtime.flower import make_client_app
+from fedpers.app import make_client_app
 from tests.flower_support import InProcessGrid
 from tests.test_flower_simulation import options, ray_address  # noqa: F401 - the module's Ray head fixture
 

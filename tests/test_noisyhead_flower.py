@@ -10,7 +10,8 @@ from fedpers.privacy import Privatizer
 from fedpers.runner import RuntimeOptions, split_seed
 from fedpers.runtime.local import run_local
 
-flower = pytest.importorskip("fedpers.runtime.flower")
+pytest.importorskip("flwr")
+from fedpers import app as flower  # noqa: E402  (run_flower, make_client_app)
 from tests.flower_support import InProcessGrid, faulty_client_app  # noqa: E402
 
 EXP = EXPERIMENTS["noisyhead"]

@@ -210,7 +210,7 @@ def test_noisyhead_poisson_config_is_checked():
 @pytest.mark.slow
 def test_noisyhead_poisson_local_equals_flower_grid(tmp_path):
     from fedpers.runner import Runtime, RuntimeOptions
-    from fedpers.runtime.flower import make_client_app
+    from fedpers.app import make_client_app
     from tests.flower_support import InProcessGrid
 
     cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "prompts": 400, "epsilon": 3.0, "sampling_rate": 0.3})

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 ALGORITHMS: dict[str, tuple[str, str, str]] = {
     "altmin": ("fedpers.experiments.altmin", "AltMinExperiment", "User-level private alternating minimisation with private initialisation (SPEC §1)"),
-    "noisyhead": ("fedpers.experiments.noisyhead", "NoisyHeadExperiment", "NoisyHead: DP pretraining of a linear attention head (SPEC §2)"),
+    "noisyhead": ("fedpers.experiments.noisyhead_mc", "NoisyHeadMonteCarloExperiment", "NoisyHead: DP pretraining of a linear attention head (SPEC §2)"),
     "expmech": ("fedpers.experiments.expmech", "ExpMechExperiment", "User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)"),
     "noisygd": ("fedpers.experiments.noisygd", "NoisyGDExperiment", "NoisyGD for last-layer fine-tuning under neural collapse (SPEC §3)"),
     "fedrep": ("fedpers.experiments.fedrep", "FedRepExperiment", "Private FedRep: clipped user gradients of U, private accounted init (Snedeker et al. 2025)"),

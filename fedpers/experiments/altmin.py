@@ -20,7 +20,8 @@ from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
 from fedpers.protocols.base import Units
-from fedpers.runtime.local import UnitSource, run_local
+from fedpers.data.units import UnitSource
+from fedpers.runtime.local import run_local
 
 Tensor = torch.Tensor
 LOCAL_ONLY_RIDGE = 1e-6

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fedpers import linalg
-from fedpers.runtime.local import UnitSource
+from fedpers.data.units import UnitSource
 
 Tensor = torch.Tensor
 RIDGE = 1e-3

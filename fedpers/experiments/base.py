@@ -14,7 +14,7 @@ import torch
 
 from fedpers.privacy import Calibrations, Ledger
 from fedpers.protocols.base import Protocol, Units
-from fedpers.runtime.local import UnitSource
+from fedpers.data.units import UnitSource
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
 
 Tensor = torch.Tensor

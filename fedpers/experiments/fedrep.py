@@ -26,7 +26,8 @@ from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.population import population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
-from fedpers.runtime.local import UnitSource, run_local
+from fedpers.data.units import UnitSource
+from fedpers.runtime.local import run_local
 
 Tensor = torch.Tensor
 

@@ -5,7 +5,8 @@ derives C, G, G₀, R, σ from Theorem 4.1 unless given, calibrates the noise (t
 (ε/T, δ/T) classical Gaussian, or the tight PLD accountant), and reports the test excess risk
 against the ridge solution Γ*, the non-private GD after the same T, test MSEs and the privacy.
 Monte-Carlo sweeps (``fedpers sweep simulations/noisyhead_*.toml``) go through
-:meth:`NoisyHeadExperiment.sweep_point`, which batches all repetitions
+:meth:`~fedpers.experiments.noisyhead_mc.NoisyHeadMonteCarloExperiment.sweep_point` (the registered
+experiment), which batches all repetitions
 (:mod:`fedpers.experiments.noisyhead_mc`).
 """
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import dp_accounting
@@ -498,14 +498,3 @@ class NoisyHeadExperiment(Experiment):
             "mode": protocol.mode.value,
             "ridge": "vec Γ* = (2λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (matches GD's objective)" if cfg.ridge_scaling is RidgeScaling.MATCHED else "vec Γ* = (λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (eq. 2.7)",
         }
-
-    # ----- sweeps ----------------------------------------------------------------------------
-    def sweep_point(self, cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]]:
-        from fedpers.experiments import noisyhead_mc
-
-        return noisyhead_mc.sweep_point(cfg, repetitions)
-
-    def sweep_figure(self, rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] | None:
-        from fedpers.experiments import noisyhead_mc
-
-        return noisyhead_mc.sweep_figure(rows, spec, out)

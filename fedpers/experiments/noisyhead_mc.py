@@ -36,6 +36,7 @@ from fedpers.experiments.noisyhead import (
     DataSource,
     Engine,
     NoisyHeadConfig,
+    NoisyHeadExperiment,
     Resolved,
     Unit,
     attack_prompt,
@@ -388,3 +389,15 @@ def _style(ax: Any, spec: Any, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+
+
+class NoisyHeadMonteCarloExperiment(NoisyHeadExperiment):
+    """NoisyHead (the registered ``noisyhead``) with the sweep hooks of this module: ``fedpers sweep``
+    batches every repetition of a point (:func:`sweep_point`) and draws :func:`sweep_figure`.
+    The hooks live here, above :mod:`fedpers.experiments.noisyhead`, so neither module imports the other back."""
+
+    def sweep_point(self, cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]]:
+        return sweep_point(cfg, repetitions)
+
+    def sweep_figure(self, rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] | None:
+        return sweep_figure(rows, spec, out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fedpers.data import synthetic
-from fedpers.runtime.local import UnitSource
+from fedpers.data.units import UnitSource
 
 Tensor = torch.Tensor
 KEYS = ("x_refit", "y_refit", "x_test", "y_test")

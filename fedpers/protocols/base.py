@@ -17,11 +17,10 @@ from typing import Any, Mapping
 
 import torch
 
+from fedpers.data.units import Units  # noqa: F401  (re-exported: a protocol's client_update takes them)
 from fedpers.privacy import Privatizer
 
 Tensor = torch.Tensor
-Units = Mapping[str, Tensor]
-"""A client's units: tensors with a leading unit dimension, including ``"ids"`` (global unit ids)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 - :mod:`codec`: record names and keys shared by both ends; encode/decode.
 - :mod:`partition`: partition index → contiguous unit-id range.
-- :mod:`client`: the node side (rebuild protocol, load units, ``client_update``).
+- :mod:`client`: the node side (an injected builder rebuilds the protocol and loads units; ``client_update``).
 - :mod:`server`: discovery and a Grid-backed ``gather`` for the shared ``drive`` loop.
 - :mod:`simulation`: ``run_flower`` (Flower simulation engine on Ray, or a given Grid).
 """

@@ -1,25 +1,25 @@
 """The node side of the Flower runtime: rebuild the public protocol, load this node's units,
 call ``protocol.client_update``. No algorithm code lives here.
 
-Per process, protocols are cached by job and units by (job, unit range), so a long-lived
-Ray actor or SuperNode builds each once. Nothing per-user goes into ``context.state``
-(Flower ships every node's Context with each message).
+The runtime never looks an algorithm up: :func:`make_client_app` receives a
+:data:`NodeBuilder` (the app layer's :func:`fedpers.app.build_node`) that turns a job and the
+node's data file into the protocol and a unit loader. Per process, nodes are cached by job and
+units by (job, unit range), so a long-lived Ray actor or SuperNode builds each once. Nothing
+per-user goes into ``context.state`` (Flower ships every node's Context with each message).
 """
 from __future__ import annotations
 
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from flwr.app import Context
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
-from fedpers import config as config_lib
-from fedpers.experiments.base import Experiment
 from fedpers.protocols.base import Protocol, Units, client_message
 from fedpers.runtime.flower import codec
 
@@ -31,37 +31,38 @@ NODE_CACHE_ENV = "FEDPERS_NODE_CACHE"
 
 
 @dataclass(frozen=True)
-class NodeJob:
-    experiment: Experiment
-    cfg: Any
+class Node:
+    """What a node needs for a job: the public protocol, and its units by global id."""
+
     protocol: Protocol
+    units: Callable[[torch.Tensor], Units]
+
+
+NodeBuilder = Callable[[codec.Job, str], Node]
+"""(job, data file from the node config, "" if none) → :class:`Node`; raises ValueError for a job
+this node cannot build (unknown algorithm, a data file the algorithm does not read)."""
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    node: Node
     digest: str
+
+    @property
+    def protocol(self) -> Protocol:
+        return self.node.protocol
 
 
 _jobs: dict[tuple[str, str, str], NodeJob] = {}
 _units: "OrderedDict[tuple[str, str, str, int, int], Units]" = OrderedDict()
 
 
-def node_job(job: codec.Job, data_file: str = "") -> NodeJob:
-    """Experiment, config and protocol for ``job``; ``data_file`` (node config) replaces the config's data path."""
+def node_job(job: codec.Job, data_file: str, build: NodeBuilder) -> NodeJob:
+    """The node ``build`` makes for ``job`` (once per process), checked against the server's protocol digest."""
     key = (job.algorithm, job.config_json, data_file)
     if key not in _jobs:
-        from fedpers.experiments import ALGORITHMS
-        from fedpers.experiments import experiment as registered
-
-        if job.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(ALGORITHMS)}")
-        experiment = registered(job.algorithm)
-        values = json.loads(job.config_json)
-        if data_file:
-            if "data" not in {f.name for f in fields(experiment.config_type)}:
-                raise ValueError(f"{codec.DATA_FILE}: algorithm {job.algorithm!r} reads no data files")
-            values["data"] = data_file
-        cfg = config_lib.build(experiment.config_type, values)
-        from fedpers.privacy.accountant import Calibrations
-
-        protocol = experiment.protocol(cfg, Calibrations(json.loads(job.calibrations_json)))  # the server's z: no accountant here
-        _jobs[key] = NodeJob(experiment, cfg, protocol, codec.protocol_digest(protocol))
+        node = build(job, data_file)
+        _jobs[key] = NodeJob(node, codec.protocol_digest(node.protocol))
     found = _jobs[key]
     if found.digest != job.digest:
         raise ValueError(
@@ -77,7 +78,7 @@ def node_units(job: codec.Job, data_file: str, node: NodeJob, start: int, stop: 
     if key in _units:
         _units.move_to_end(key)
         return _units[key]
-    units = _disk_cached(key, lambda: node.experiment.units(node.cfg, torch.arange(start, stop)))
+    units = _disk_cached(key, lambda: node.node.units(torch.arange(start, stop)))
     _units[key] = units
     while len(_units) > 1 and sum(_nbytes(u) for u in _units.values()) > UNIT_CACHE_BYTES:
         _units.popitem(last=False)
@@ -141,12 +142,12 @@ def handle_query(message: FlowerMessage, context: Context) -> FlowerMessage:
     return FlowerMessage(content, reply_to=message)
 
 
-def handle_train(message: FlowerMessage, context: Context) -> FlowerMessage:
+def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -> FlowerMessage:
     """One round: the protocol's statistics summed over this node's units."""
     start = time.perf_counter()
     task = codec.decode_task(message.content)
     data_file = str(context.node_config.get(codec.DATA_FILE, "") or "")
-    node = node_job(task.job, data_file)
+    node = node_job(task.job, data_file, build)
     units = node_units(task.job, data_file, node, task.start, task.stop)
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
@@ -156,9 +157,13 @@ def handle_train(message: FlowerMessage, context: Context) -> FlowerMessage:
     return FlowerMessage(codec.encode_reply(reply, time.perf_counter() - start, task.round, digest, symmetric), reply_to=message)
 
 
-def make_client_app() -> ClientApp:
-    """The fedpers ClientApp: ``query`` for discovery, ``train`` for protocol rounds."""
+def make_client_app(build: NodeBuilder) -> ClientApp:
+    """The fedpers ClientApp: ``query`` for discovery, ``train`` for protocol rounds of the nodes ``build`` makes."""
     app = ClientApp()
     app.query()(handle_query)
-    app.train()(handle_train)
+
+    @app.train()
+    def train(message: FlowerMessage, context: Context) -> FlowerMessage:
+        return handle_train(message, context, build)
+
     return app

@@ -17,7 +17,6 @@ from flwr.app import Message as FlowerMessage
 from flwr.app import MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedpers.experiments.base import Experiment
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Protocol
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
@@ -195,49 +194,33 @@ class GridGather:
 
 def run_on_grid(
     grid: Grid,
-    experiment: Experiment,
-    cfg: Any,
+    job: codec.Job,
+    num_units: int,
     protocol: Protocol,
     privatizer: Privatizer,
     options: Any,
     *,
+    device: torch.device | str = "cpu",
     expected_nodes: int | None = None,
     on_round: Callable[[RoundRecord, Any], None] | None = None,
     on_discovery: Callable[[Federation], None] | None = None,
     progress: bool = True,
     stop: Callable[[], bool] | None = None,
     checkpoint: Any = None,
-    calibrations: Mapping[str, float] | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
-    """Discover the nodes on ``grid``, then run every round of ``protocol`` through them.
-
-    ``calibrations``: the noise multipliers ``protocol`` was built with (``Calibrations.table``),
-    sent to the nodes so they rebuild it without the accountant; if not given, the protocol is
-    rebuilt here once to record them.
+    """Discover the nodes on ``grid``, then run every round of ``protocol`` (``job`` is what the
+    nodes rebuild it from) over ``num_units`` units through them.
 
     ``stop()`` true makes waiting for replies give up (the caller's engine has died).
     """
-    import sys
-
-    from fedpers.privacy.accountant import Calibrations
-    from fedpers.runtime.flower.pulls import quick_object_pulls
-
-    quick_object_pulls(sys.modules[type(grid).__module__])  # a deployment's HttpGrid; others pull no objects
-
-    if calibrations is None:
-        recorded = Calibrations()
-        experiment.protocol(cfg, recorded)
-        calibrations = recorded.table
-    job = codec.Job.of(experiment.name, cfg, protocol, calibrations)
     start = time.perf_counter()
     mapping = parse_node_partitions(getattr(options, "node_partitions", ""))
     if mapping:
         nodes, num = assigned(grid, mapping, options.round_timeout, stop)
     else:
         nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
-    federation = Federation(nodes, unit_ranges(experiment.num_units(cfg), num, options.users_per_node), time.perf_counter() - start)
+    federation = Federation(nodes, unit_ranges(num_units, num, options.users_per_node), time.perf_counter() - start)
     if on_discovery is not None:
         on_discovery(federation)
     gather = GridGather(grid, job, federation, options.round_timeout, stop, protocol)
-    device = torch.device(getattr(cfg, "device", "cpu"))
     return drive(protocol, gather, privatizer, min_fraction=options.min_fraction, on_round=on_round, progress=progress, device=device, checkpoint=checkpoint)

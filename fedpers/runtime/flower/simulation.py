@@ -1,7 +1,8 @@
 """``run_flower``: the protocol in Flower's simulation engine on Ray, or on a Grid already given.
 
 The ServerApp built here runs in this process (its closure holds the protocol, the
-privatizer and the callbacks); the ClientApp runs in Ray actors, which import fedpers
+privatizer and the callbacks); the ClientApp (given by the caller: it carries the node
+builder, see :mod:`fedpers.runtime.flower.client`) runs in Ray actors, which import fedpers
 from the same checkout (its root is put on ``sys.path``, which Flower's Ray backend
 passes to every worker as ``PYTHONPATH`` in the job's runtime_env).
 """
@@ -13,7 +14,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 from flwr.app import Context
@@ -21,11 +22,10 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 import fedpers
-from fedpers.experiments.base import Experiment
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Protocol
 from fedpers.runtime.driver import RoundRecord
-from fedpers.runtime.flower.client import make_client_app
+from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.flower.server import Federation, run_on_grid
 
@@ -61,29 +61,29 @@ def _root_cause(e: BaseException) -> BaseException:
 
 
 def run_flower(
-    experiment: Experiment,
-    cfg: Any,
+    job: codec.Job,
+    num_units: int,
     protocol: Protocol,
     privatizer: Privatizer,
     options: Any,
     *,
+    device: torch.device | str = "cpu",
     on_round: Callable[[RoundRecord, Any], None] | None = None,
     on_discovery: Callable[[Federation], None] | None = None,
     progress: bool = True,
     grid: Grid | None = None,
     client_app: ClientApp | None = None,
     checkpoint: Any = None,
-    calibrations: Mapping[str, float] | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
-    """Run ``protocol`` through Flower: on ``grid`` if given (inside a ServerApp), else in a new simulation.
-
-    ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`run_on_grid`).
-
-    ``client_app`` replaces the fedpers ClientApp (tests use it to inject faulty clients).
+    """Run ``protocol`` (``job``: what the nodes rebuild it from) over ``num_units`` units through
+    Flower: on ``grid`` if given (inside a ServerApp), else in a new simulation whose nodes run
+    ``client_app`` (:func:`fedpers.app.make_client_app`; tests inject faulty clients).
     """
     if grid is not None:
-        return run_on_grid(grid, experiment, cfg, protocol, privatizer, options, on_round=on_round, on_discovery=on_discovery, progress=progress, checkpoint=checkpoint, calibrations=calibrations)
-    unit_ranges(experiment.num_units(cfg), options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
+        return run_on_grid(grid, job, num_units, protocol, privatizer, options, device=device, on_round=on_round, on_discovery=on_discovery, progress=progress, checkpoint=checkpoint)
+    if client_app is None:
+        raise ValueError("client_app: a simulation needs the ClientApp its nodes run (fedpers.app.make_client_app())")
+    unit_ranges(num_units, options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
     if options.client_gpus > 0 and not options.ray_address and not torch.cuda.is_available():
         raise ValueError(f"client_gpus={options.client_gpus} but this machine has no GPU; set --client-gpus 0 or attach a GPU cluster with --ray-address")
     outcome: dict[str, Any] = {}
@@ -94,8 +94,8 @@ def run_flower(
     def _main(grid: Grid, context: Context) -> None:
         try:
             outcome["result"] = run_on_grid(
-                grid, experiment, cfg, protocol, privatizer, options, expected_nodes=options.nodes,
-                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set, checkpoint=checkpoint, calibrations=calibrations,
+                grid, job, num_units, protocol, privatizer, options, device=device, expected_nodes=options.nodes,
+                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set, checkpoint=checkpoint,
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
             outcome["error"] = e
@@ -106,7 +106,7 @@ def run_flower(
         sys.path.insert(0, CHECKOUT)
     try:
         with _flower_logs(logging.WARNING):
-            run_simulation(server_app, client_app or make_client_app(), options.nodes, backend_config=backend_config(options))
+            run_simulation(server_app, client_app, options.nodes, backend_config=backend_config(options))
     except RuntimeError as e:
         root = _root_cause(e)
         if "result" in outcome:  # the engine failed after the ServerApp finished: keep the result

@@ -1,25 +1,20 @@
-"""`fedpers deploy superexec` / `supernode`: Flower's SuperExec with a warm fork server for
-ClientApps, and Flower's SuperNode with shorter waits.
+"""`fedpers deploy superexec`: Flower's SuperExec with a warm fork server for ClientApps (Flower internals: gated).
 
-Flower 1.41 runs every message of a deployment in a fresh ``flwr-clientapp`` process that
-imports Python, flwr, torch and fedpers again (2.5–5 s here) — most of a deployment round.
-This runs Flower's own SuperExec loop (``flower-superexec``, same flags) for a SuperNode, but
-launches each ClientApp task by forking a process that has already imported all of that
-(including the Runtime API's HTTP stack and every algorithm): the fork runs Flower's own
-``run_clientapp`` with the task's one-time token, exactly what ``flwr-clientapp --token`` runs,
-and exits. The fork server is a separate process with no gRPC channel open (forking a process
-with live channels is unsafe) and runs no torch operation (a forked OpenMP pool hangs); the
-SuperExec hands it each task's spec on a pipe. Other task types keep Flower's subprocess
-executor. In the forks, a FAB already installed is not extracted and re-hashed again, and
-missing message objects are asked for again after 10 ms rather than 1 s (:mod:`.pulls`).
-
-``fedpers deploy supernode`` is ``flower-supernode`` polling the SuperLink every 0.2 s instead
-of 3 s, checking for a ClientApp's reply every 20 ms instead of 0.5 s, and, with Flower's
-default ``--isolation subprocess``, starting ``fedpers deploy superexec`` as its SuperExec: one
-command per node. The SuperExec's task poll is 0.05 s instead of 1 s
-(``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, unless set). Tied to Flower 1.41's internals
-(``run_superexec.get_executor``, ``run_clientapp``, ``start_client_internal``); refused on
-another minor version.
+Flower 1.41 and 1.42 run every message of a deployment in a fresh ``flwr-clientapp`` process
+that imports Python, flwr, torch and fedpers again (2.5–5 s here) — most of a deployment round;
+their only warm executor pools are Kubernetes'. This runs Flower's own SuperExec loop
+(``flower-superexec``, same flags) for a SuperNode, but launches each ClientApp task by forking
+a process that has already imported all of that (including the Runtime API's HTTP stack and
+every algorithm): the fork runs Flower's own ``run_clientapp`` with the task's one-time token,
+exactly what ``flwr-clientapp --token`` runs, and exits. The fork server is a separate process
+with no gRPC channel open (forking a process with live channels is unsafe) and runs no torch
+operation (a forked OpenMP pool hangs); the SuperExec hands it each task's spec on a pipe. Other
+task types keep Flower's subprocess executor. In the forks, a FAB already installed is not
+extracted and re-hashed again, and missing message objects are asked for again after 10 ms
+rather than 1 s (:mod:`.pulls`). The SuperExec's task poll is 0.05 s instead of 1 s through
+Flower's public ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` (unless set). Tied to the internals
+listed in :mod:`.flower` (``run_superexec.get_executor``, ``run_clientapp``); refused on a
+Flower series not checked there.
 """
 from __future__ import annotations
 
@@ -30,7 +25,8 @@ import subprocess
 import sys
 from typing import Any
 
-from fedpers.runtime.flower.pulls import FLOWER_SERIES, quick_object_pulls
+from fedpers.deploy.flower import require_flower
+from fedpers.deploy.pulls import quick_object_pulls
 
 POLL_INTERVAL = "0.05"
 
@@ -97,7 +93,8 @@ def _warm() -> None:
     import httpcore  # noqa: F401
     import torch  # noqa: F401
 
-    import fedpers.runtime.flower.client  # noqa: F401 - the ClientApp's code
+    import fedpers.app  # noqa: F401 - the ClientApp's code (clients/client_app.py) ...
+    import fedpers.runtime.flower.client  # noqa: F401 - ... and the runtime it builds the ClientApp from
     from fedpers.experiments import EXPERIMENTS  # noqa: F401 - imports every algorithm's module
 
 
@@ -149,7 +146,7 @@ class ForkServerExecutor:
 
     @staticmethod
     def _start() -> subprocess.Popen:
-        server = subprocess.Popen([sys.executable, "-m", "fedpers.runtime.flower.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen([sys.executable, "-m", "fedpers.deploy.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = server.stdout.readline().strip() if server.stdout else ""
         if ready != "ready":
             raise RuntimeError(f"fedpers fork server did not start (said {ready!r})")
@@ -182,16 +179,7 @@ class ForkServerExecutor:
         return getattr(self.fallback, name)
 
 
-def _require_flower(command: str) -> None:
-    """Refuse a Flower other than the series whose internals these wrappers patch."""
-    import flwr
-
-    version = getattr(flwr, "__version__", "")
-    if not version.startswith(FLOWER_SERIES):
-        raise SystemExit(f"fedpers deploy {command} is written against Flower {FLOWER_SERIES}x; this is flwr {version}: use flower-{command}")
-
-
-def _take_trusted(argv: list[str]) -> list[str]:
+def take_trusted(argv: list[str]) -> list[str]:
     """Move every ``--trust-app SHA256`` of ``argv`` into ``$FEDPERS_TRUSTED_APPS`` (which the
     SuperExec and its fork server inherit); return the other arguments."""
     rest, hashes = [], [h for h in os.environ.get(TRUSTED_APPS_ENV, "").split(",") if h.strip()]
@@ -227,8 +215,8 @@ def superexec(argv: list[str]) -> int:
     """``flower-superexec ARGV`` with :class:`ForkServerExecutor` for ClientApp tasks."""
     import importlib
 
-    _require_flower("superexec")
-    argv = _take_trusted(argv)
+    require_flower("superexec")
+    argv = take_trusted(argv)
     cli = importlib.import_module("flwr.supercore.cli.flower_superexec")
     loop = importlib.import_module("flwr.supercore.superexec.run_superexec")
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", POLL_INTERVAL)
@@ -236,77 +224,6 @@ def superexec(argv: list[str]) -> int:
     loop.get_executor = lambda *a, **k: ForkServerExecutor(original(*a, **k))
     sys.argv = ["flower-superexec", *argv]
     cli.flower_superexec()
-    return 0
-
-
-SUPERNODE_POLL = 0.2
-"""Seconds between a SuperNode's pulls for messages with ``fedpers deploy supernode`` (Flower: 3 s)."""
-
-
-LOCAL_WAIT = 0.02
-"""Seconds between a SuperNode's checks of its own state for a ClientApp's reply (Flower: 0.5 s)."""
-
-
-class _PollingTime:
-    """``time`` for Flower's SuperNode loop with shorter waits. Its only sleeps are the 3 s
-    wait before asking the SuperLink again for a message (a network poll: capped at ``poll``)
-    and 0.5 s waits for a ClientApp's reply in the node's own state (local: capped at
-    :data:`LOCAL_WAIT`)."""
-
-    def __init__(self, poll: float) -> None:
-        import time
-
-        self._time, self._poll = time, poll
-
-    def sleep(self, seconds: float) -> None:
-        self._time.sleep(min(seconds, self._poll if seconds >= 3 else LOCAL_WAIT))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._time, name)
-
-
-class _WarmSuperExecLauncher:
-    """``subprocess`` for Flower's SuperNode: with ``--isolation subprocess`` (Flower's default)
-    the SuperNode starts ``flower-superexec ARGS`` itself; this starts ``fedpers deploy superexec
-    ARGS`` instead, so one command per node gives warm forked ClientApps."""
-
-    def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - subprocess's name
-        if command and command[0] == "flower-superexec":
-            command = [sys.executable, "-m", "fedpers", "deploy", "superexec", *command[1:]]
-        return subprocess.Popen(command, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)
-
-
-def supernode(argv: list[str]) -> int:
-    """``flower-supernode ARGV`` polling the SuperLink every ``--poll`` s (default 0.2) instead of
-    Flower 1.41's hard-coded 3 s, the floor of a deployment round (each idle SuperNode then sends
-    about 1/poll pull requests a second); with ``--isolation subprocess`` (the default) its
-    SuperExec is ``fedpers deploy superexec``."""
-    import importlib
-
-    _require_flower("supernode")
-    argv = _take_trusted(argv)
-    if os.environ.get(TRUSTED_APPS_ENV) and "process" in argv and argv[argv.index("process") - 1] == "--isolation":
-        print("fedpers deploy supernode: with --isolation process, give --trust-app to the SuperExec started beside it", file=sys.stderr)
-    poll = SUPERNODE_POLL
-    if "--poll" in argv:
-        i = argv.index("--poll")
-        try:
-            poll = float(argv[i + 1])
-        except (IndexError, ValueError):
-            raise SystemExit("--poll needs a number of seconds") from None
-        if not 0.01 <= poll <= 3.0:
-            raise SystemExit(f"--poll must be in [0.01, 3] seconds; got {poll}")
-        argv = argv[:i] + argv[i + 2:]
-    loop = importlib.import_module("flwr.supernode.start_client_internal")
-    loop.time = _PollingTime(poll)
-    loop.subprocess = _WarmSuperExecLauncher()
-    quick_object_pulls(loop)
-    cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
-    sys.argv = ["flower-supernode", *argv]
-    cli.flower_supernode()
     return 0
 
 

@@ -1,0 +1,184 @@
+"""The app layer between the Flower apps and the library: run config and experiment registry in, runtime calls out.
+
+The Flower runtime (:mod:`fedpers.runtime.flower`) never looks an algorithm up; this module
+does it for it:
+
+- :func:`from_run_config`: what ``flwr run .`` hands the fedpers ServerApp
+  (``context.run_config``) → experiment, config, options. Flower only accepts run-config keys
+  declared in ``[tool.flwr.app.config]`` of ``pyproject.toml``, so the algorithm's own fields
+  travel generically in one string (``config='n_users=2000 rounds=2 cohorts="all"'``) or a TOML
+  file (``config-file``), exactly like ``fedpers run ALGO --config FILE`` and its flags.
+- :func:`build_node`: the node builder injected into the ClientApp (job → protocol + units);
+  :func:`make_client_app` is the ClientApp with it (``clients/client_app.py``).
+- :func:`flower_job` and :func:`run_flower`: an experiment's run on the Flower runtime (what
+  :func:`fedpers.runner.execute` calls).
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from fedpers import config as config_lib
+from fedpers.runtime.options import Runtime, RuntimeOptions
+
+if TYPE_CHECKING:
+    from flwr.clientapp import ClientApp
+
+    from fedpers.experiments.base import Experiment
+    from fedpers.privacy import Privatizer
+    from fedpers.protocols.base import Protocol
+    from fedpers.runtime.driver import RoundRecord
+    from fedpers.runtime.flower.client import Node
+    from fedpers.runtime.flower.codec import Job
+
+ALGORITHM = "algorithm"
+CONFIG = "config"
+CONFIG_FILE = "config-file"
+OUT = "out"
+MIN_FRACTION = "min-fraction"
+ROUND_TIMEOUT = "round-timeout"
+USERS_PER_NODE = "users-per-node"
+SECURE_NOISE = "secure-noise"
+RESUME = "resume"
+NODE_PARTITIONS = "node-partitions"
+KNOWN = (ALGORITHM, CONFIG, CONFIG_FILE, OUT, MIN_FRACTION, ROUND_TIMEOUT, USERS_PER_NODE, SECURE_NOISE, RESUME, NODE_PARTITIONS)
+_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+
+
+@dataclass(frozen=True)
+class ServerJob:
+    experiment: Any
+    cfg: Any
+    options: Any
+    out: Path | None
+    resume: Path | None = None
+
+
+def parse_pairs(text: str) -> dict[str, Any]:
+    """``"a=1 b-c=2.5 d=\\"x\\" e=all"`` → ``{"a": 1, "b_c": 2.5, "d": "x", "e": "all"}`` (TOML values; bare words are strings)."""
+    text = text.strip()
+    out: dict[str, Any] = {}
+    matched = "".join(m.group(0) for m in _PAIR.finditer(text))
+    if matched.replace(" ", "") != text.replace(" ", ""):
+        raise ValueError(f"{CONFIG} must be space-separated key=value pairs; got {text!r}")
+    for key, raw in _PAIR.findall(text):
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip("'\"")
+        out[key.replace("-", "_")] = value
+    return out
+
+
+def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
+    """Build the job from a Flower run config; every problem is a ValueError naming the key."""
+    from fedpers.experiments import EXPERIMENTS
+
+    unknown = sorted(set(run_config) - set(KNOWN))
+    if unknown:
+        raise ValueError(f"run config: unknown key(s) {unknown}; known: {list(KNOWN)}")
+    resume = str(run_config.get(RESUME, ""))
+    if resume:  # the run directory holds the configuration; nothing else may be given beside it
+        given = sorted(k for k in (CONFIG, CONFIG_FILE, OUT) if str(run_config.get(k, "")))
+        if given:
+            raise ValueError(f"run config: {RESUME} continues {resume!r} with its own configuration; drop {given}")
+        return ServerJob(None, None, None, None, Path(resume))
+    algorithm = str(run_config.get(ALGORITHM, ""))
+    if algorithm not in EXPERIMENTS:
+        raise ValueError(f"run config: {ALGORITHM} must be one of {sorted(EXPERIMENTS)}; got {algorithm!r}")
+    experiment = EXPERIMENTS[algorithm]
+    values: dict[str, Any] = {}
+    config_file = str(run_config.get(CONFIG_FILE, ""))
+    if config_file:
+        try:
+            values.update({k.replace("-", "_"): v for k, v in tomllib.loads(Path(config_file).read_text()).items()})
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"run config: {CONFIG_FILE}: cannot read {config_file!r}: {e}") from None
+    values.update(parse_pairs(str(run_config.get(CONFIG, ""))))
+    cfg = config_lib.build(experiment.config_type, values)
+    options = config_lib.build(
+        RuntimeOptions,
+        {
+            "runtime": Runtime.FLOWER,
+            "min_fraction": run_config.get(MIN_FRACTION, 1.0),
+            "round_timeout": run_config.get(ROUND_TIMEOUT, 600.0),
+            "users_per_node": run_config.get(USERS_PER_NODE, 0),
+            "secure_noise": run_config.get(SECURE_NOISE, True),
+            "node_partitions": str(run_config.get(NODE_PARTITIONS, "")),
+        },
+    )
+    out = str(run_config.get(OUT, ""))
+    return ServerJob(experiment, cfg, options, Path(out) if out else None)
+
+
+def build_node(job: "Job", data_file: str = "") -> "Node":
+    """The node for ``job``: the registered algorithm's config and protocol (noise from the
+    server's calibrations: a node runs no accountant), and a loader of its units by global id.
+    ``data_file`` (node config) replaces the config's data path."""
+    import json
+    from dataclasses import fields
+
+    from fedpers.experiments import ALGORITHMS, experiment as registered
+    from fedpers.privacy.accountant import Calibrations
+    from fedpers.runtime.flower.client import Node
+    from fedpers.runtime.flower.codec import DATA_FILE
+
+    if job.algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(ALGORITHMS)}")
+    experiment = registered(job.algorithm)
+    values = json.loads(job.config_json)
+    if data_file:
+        if "data" not in {f.name for f in fields(experiment.config_type)}:
+            raise ValueError(f"{DATA_FILE}: algorithm {job.algorithm!r} reads no data files")
+        values["data"] = data_file
+    cfg = config_lib.build(experiment.config_type, values)
+    protocol = experiment.protocol(cfg, Calibrations(json.loads(job.calibrations_json)))  # the server's z: no accountant here
+    return Node(protocol, lambda ids: experiment.units(cfg, ids))
+
+
+def make_client_app() -> "ClientApp":
+    """The fedpers ClientApp: the Flower runtime's node side with :func:`build_node` injected."""
+    from fedpers.runtime.flower.client import make_client_app as runtime_client_app
+
+    return runtime_client_app(build_node)
+
+
+def flower_job(experiment: "Experiment", cfg: Any, protocol: "Protocol", calibrations: Mapping[str, float] | None = None) -> "Job":
+    """What the nodes rebuild ``protocol`` from: algorithm name, config, protocol digest, and the
+    noise calibrations the server's accountant chose (nodes rebuild the protocol without one):
+    ``calibrations`` if given, else recorded by building the protocol once more."""
+    from fedpers.runtime.flower.codec import Job
+
+    if calibrations is None:
+        from fedpers.privacy.accountant import Calibrations
+
+        recorded = Calibrations()
+        experiment.protocol(cfg, recorded)
+        calibrations = recorded.table
+    return Job.of(experiment.name, cfg, protocol, calibrations)
+
+
+def run_flower(
+    experiment: "Experiment",
+    cfg: Any,
+    protocol: "Protocol",
+    privatizer: "Privatizer",
+    options: RuntimeOptions,
+    *,
+    client_app: "ClientApp | None" = None,
+    calibrations: Mapping[str, float] | None = None,
+    **kwargs: Any,
+) -> "tuple[Any, list[RoundRecord]]":
+    """``experiment``'s run on the Flower runtime (:func:`fedpers.runtime.flower.run_flower`: on
+    ``grid=`` if given, else a simulation whose nodes run ``client_app`` or :func:`make_client_app`);
+    ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`flower_job`)."""
+    from fedpers.runtime.flower.simulation import run_flower as run
+
+    if kwargs.get("grid") is None and client_app is None:
+        client_app = make_client_app()
+    job = flower_job(experiment, cfg, protocol, calibrations)
+    device = getattr(cfg, "device", "cpu")
+    return run(job, experiment.num_units(cfg), protocol, privatizer, options, device=device, client_app=client_app, **kwargs)
