@@ -176,3 +176,29 @@ def test_canaries_reach_the_separation_their_design_promises():
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
     assert "prompt" in result["neighbouring"]
     assert max(_bounds(result)) <= result["proven_epsilon"]
+
+
+# ----- FedRep ---------------------------------------------------------------------------------
+FEDREP = experiment("fedrep")
+
+
+def test_fedrep_canaries_reach_their_promised_separation():
+    """FedRep canaries: the init W at sqrt((p − j)² + j)/p of the full sensitivity, and each round's G
+    at C ("+") against 0 ("−"): μ_canary² = μ_release²·(f² + T/4), μ_proven² = μ_release²·(1 + T).
+    Odd and even m lay the pairs out differently; both are checked."""
+    for m in (5, 8):
+        cfg = config_lib.build(FEDREP.config_type, {"dim": 12, "rounds": 2, "samples_per_user": m, "epsilon": 4.0})
+        p = audit_lib.DESIGNS["fedrep"].protocol(cfg, 4)
+        f = audit_lib.fedrep_init_fraction(p)
+        result = audit_lib.audit(FEDREP, cfg, 4, runs=1)
+        assert result["canary_mu"] == pytest.approx(result["proven_mu"] * ((f**2 + 2 / 4) / 3) ** 0.5, rel=1e-6), m
+    with pytest.raises(ValueError, match="samples_per_user"):
+        audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"dim": 12, "samples_per_user": 4, "rank": 2}), 2)
+
+
+@pytest.mark.slow
+def test_honest_fedrep_lower_bounds_stay_below_proven():
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 30, "rounds": 2, "epsilon": 8.0})
+    result = audit_lib.audit(FEDREP, cfg, 10, runs=30, seed=0)
+    assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
+    assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
