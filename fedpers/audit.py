@@ -239,6 +239,35 @@ def _fedrep_canaries(protocol: Any, generator: torch.Generator, count: int) -> C
                     f"k + 1 coordinates per canary; init W at {fedrep_init_fraction(p):.3f} of its sensitivity, G at the clip C in \"+\", 0 in \"−\"")
 
 
+def _noisygd_protocol(cfg: Any, k: int) -> Protocol:
+    from fedpers.experiments.noisygd import Remedy, make_protocol
+
+    if cfg.remedy is Remedy.PCA:
+        raise ValueError("remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center")
+    return make_protocol(replace(cfg, examples=k, chunk_size=max(k, 1)))
+
+
+def _noisygd_canaries(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
+    """Canary example i: feature ±s·e_i ("+"/"−"), label i mod K, s = 1.5·G_c/sqrt(1 − 1/K) so the
+    gradient clip binds at W = 0 (||r|| = sqrt(1 − 1/K) for cross-entropy, 1 for squared loss).
+    At step 1 (W = 0) the residual r is the same in both versions, so the clipped gradients are
+    ±G_c r̂ e_iᵀ: 2G_c apart, the full replace-one sensitivity. Later steps: r(±W x) differs a
+    little as W moves (lr·noise small: near-full). The centring remedy's feature sum sees ±R e_i
+    (clip R binds): full sensitivity too."""
+    p = protocol
+    if count > p.feature_dim:
+        raise ValueError(f"canaries must be <= feature_dim={p.feature_dim}; got {count}")
+    scale = LABEL_OVERSHOOT * p.grad_clip / math.sqrt(1.0 - 1.0 / p.classes)
+    if p.remedy.value == "center":
+        scale = max(scale, LABEL_OVERSHOOT * p.feature_bound)
+    x = scale * torch.eye(p.feature_dim, dtype=torch.float64)[:count]
+    ids = torch.arange(count)
+    y = ids % p.classes
+    dtype = p.dtype
+    return Canaries({"ids": ids, "x": x.to(dtype), "y": y}, {"ids": ids, "x": (-x).to(dtype), "y": y},
+                    "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)")
+
+
 DESIGNS: dict[str, CanaryDesign] = {
     "altmin": CanaryDesign(_altmin_protocol, lambda p: p.dim, _altmin_canaries, "init W, and every round's A and b",
                            "replace-one user (a canary's two versions are the same user with different data)"),
@@ -247,6 +276,9 @@ DESIGNS: dict[str, CanaryDesign] = {
                               "replace-one prompt (a canary's two versions are the same prompt with a different query label)"),
     "fedrep": CanaryDesign(_fedrep_protocol, lambda p: p.dim // (p.rank + 1), _fedrep_canaries, "init W, and every round's G",
                            "replace-one user (a canary's two versions are the same user with different labels)"),
+    "noisygd": CanaryDesign(_noisygd_protocol, lambda p: p.feature_dim, _noisygd_canaries,
+                            "every step's noisy clipped-gradient sum (and the centring remedy's feature sum)",
+                            "replace-one example (a canary's two versions are the same example with its feature negated)"),
 }
 
 

@@ -21,6 +21,7 @@ from fedpers.privacy import Privatizer
 from fedpers.privacy import audit as audit_math
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
+from fedpers.protocols.noisygd import Remedy
 
 ALTMIN = experiment("altmin")
 
@@ -200,5 +201,31 @@ def test_fedrep_canaries_reach_their_promised_separation():
 def test_honest_fedrep_lower_bounds_stay_below_proven():
     cfg = config_lib.build(FEDREP.config_type, {"dim": 30, "rounds": 2, "epsilon": 8.0})
     result = audit_lib.audit(FEDREP, cfg, 10, runs=30, seed=0)
+    assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
+    assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
+
+
+# ----- NoisyGD --------------------------------------------------------------------------------
+NOISYGD = experiment("noisygd")
+
+
+def test_noisygd_canaries_reach_their_promised_separation():
+    """At W = 0 a canary's two clipped gradients are ±G_c r̂ e_iᵀ: with one step μ_canary = μ_proven
+    (the full sensitivity). Over 30 steps W moves little (lr·noise): at least 0.8 of it."""
+    cfg = config_lib.build(NOISYGD.config_type, {"feature_dim": 12, "steps": 1, "accountant": "pld"})
+    result = audit_lib.audit(NOISYGD, cfg, 12, runs=1)
+    assert result["canary_mu"] == pytest.approx(result["proven_mu"], rel=1e-5)
+    result = audit_lib.audit(NOISYGD, dataclasses.replace(cfg, steps=30), 12, runs=1)
+    assert 0.8 * result["proven_mu"] < result["canary_mu"] <= result["proven_mu"] * (1 + 1e-5)
+    assert "example" in result["neighbouring"]
+    with pytest.raises(ValueError, match="remedy"):
+        audit_lib.audit(NOISYGD, dataclasses.replace(cfg, remedy=Remedy.PCA), 4)
+
+
+@pytest.mark.slow
+def test_honest_noisygd_lower_bounds_stay_below_proven():
+    cfg = config_lib.build(NOISYGD.config_type, {"feature_dim": 20, "steps": 5, "epsilon": 8.0, "accountant": "pld"})
+    result = audit_lib.audit(NOISYGD, cfg, 20, runs=25, seed=0)
+    print(_bounds(result), result["proven_epsilon"], result["canary_mu"], result["proven_mu"])
     assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
     assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
