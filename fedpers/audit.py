@@ -268,6 +268,33 @@ def _noisygd_canaries(protocol: Any, generator: torch.Generator, count: int) -> 
                     "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)")
 
 
+def _dpals_protocol(cfg: Any, k: int) -> Protocol:
+    from fedpers.experiments.dpals import make_protocol, prelude
+
+    if cfg.ratings is not None or cfg.dataset:
+        raise ValueError("ratings/dataset: the audit's population is its canaries (synthetic items); drop --ratings/--dataset")
+    if prelude(cfg):
+        raise ValueError("private_center/head_items: the dpals audit has no canary design for round 0's sums and counts yet; drop them")
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+
+
+def _dpals_canaries(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
+    """Canary i rates one item: item 2i ("+") or item 2i + 1 ("−"), rating BIG. With one rating
+    v̂ = ±Û_item, so G_item = Γ_G v̂v̂ᵀ and b_item = Γ_b Û_item (both clips bind; the sign of the
+    rating cancels in r·v): the versions' contributions sit on different items, √2·Γ apart, the
+    most two one-rating users can be (G is PSD, b ∝ r²·U_item, so no rating flips them).
+    G is released as block upper triangles: a block's share (1 + Σ v̂⁴)/2 of Γ_G² shows."""
+    p = protocol
+    if 2 * count > p.n_items:
+        raise ValueError(f"canaries must be <= n_items/2 = {p.n_items // 2}; got {count}")
+    ids = torch.arange(count)
+    ratings = torch.full((count, 1), BIG, dtype=torch.float64).to(p.dtype)
+    mask = torch.ones(count, 1, dtype=torch.bool)
+    plus = {"ids": ids, "items": (2 * ids)[:, None], "ratings": ratings, "mask": mask}
+    minus = {"ids": ids, "items": (2 * ids + 1)[:, None], "ratings": ratings, "mask": mask}
+    return Canaries(plus, minus, "one rating per canary user, on item 2i (\"+\") or 2i + 1 (\"−\"): G and b at their clips, √2·Γ apart")
+
+
 DESIGNS: dict[str, CanaryDesign] = {
     "altmin": CanaryDesign(_altmin_protocol, lambda p: p.dim, _altmin_canaries, "init W, and every round's A and b",
                            "replace-one user (a canary's two versions are the same user with different data)"),
@@ -279,6 +306,8 @@ DESIGNS: dict[str, CanaryDesign] = {
     "noisygd": CanaryDesign(_noisygd_protocol, lambda p: p.feature_dim, _noisygd_canaries,
                             "every step's noisy clipped-gradient sum (and the centring remedy's feature sum)",
                             "replace-one example (a canary's two versions are the same example with its feature negated)"),
+    "dpals": CanaryDesign(_dpals_protocol, lambda p: p.n_items // 2, _dpals_canaries, "every round's G (block upper triangles) and b",
+                          "replace-one user (a canary's two versions are the same user rating a different item)"),
 }
 
 
@@ -295,6 +324,15 @@ def run_published(protocol: Protocol, units: Mapping[str, Tensor], privatizer: P
 
     drive(protocol, gather, privatizer, progress=False)
     return Published(tuple(broadcasts), tuple(privatizer.published)), privatizer.ledger
+
+
+def _as_released(protocol: Protocol, name: str, stat: Tensor) -> Tensor:
+    """A client's statistic in the form the server releases it (DPALS releases G's block upper triangles)."""
+    if protocol.name == "dpals" and name == "G":
+        from fedpers.protocols.dpals import triu_pack
+
+        return triu_pack(stat)
+    return stat
 
 
 def _released_part(release: Release, value: Tensor) -> Tensor:
@@ -329,8 +367,8 @@ def score_canaries(protocol: Protocol, published: Published, canaries: Canaries)
         for spec, (release, value) in zip(specs, released):
             if release.noise_std <= 0:
                 raise ValueError(f"release {release.name!r} has no noise: nothing to audit (epsilon must be finite)")
-            plus = torch.stack([_released_part(release, c[spec.name].double()) for c in contrib["+"]])
-            minus = torch.stack([_released_part(release, c[spec.name].double()) for c in contrib["-"]])
+            plus = torch.stack([_released_part(release, _as_released(protocol, spec.name, c[spec.name]).double()) for c in contrib["+"]])
+            minus = torch.stack([_released_part(release, _as_released(protocol, spec.name, c[spec.name]).double()) for c in contrib["-"]])
             centred = _released_part(release, value.double()) - ((plus + minus) / 2).sum(0)
             diff = plus - minus
             llr += (diff @ centred) / release.noise_std**2

@@ -229,3 +229,34 @@ def test_honest_noisygd_lower_bounds_stay_below_proven():
     print(_bounds(result), result["proven_epsilon"], result["canary_mu"], result["proven_mu"])
     assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
     assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
+
+
+# ----- DPALS ----------------------------------------------------------------------------------
+DPALS = experiment("dpals")
+
+
+def test_dpals_canaries_reach_their_promised_separation():
+    """A DPALS canary's two versions rate different items, each at both clips: b differs by √2·Γ_b;
+    G by Γ_G·sqrt(t(Û_a) + t(Û_b)), t(u) = (1 + Σu⁴)/2 being a unit block's share in its released
+    upper triangle. With one round U is the public initial_U, so the separation is known exactly;
+    over more rounds it stays between sqrt(3/8) (t ≥ 1/2) and 1/√2 (t ≤ 1) of the proven μ."""
+    cfg = config_lib.build(DPALS.config_type, {"steps": 1, "n_items": 40})
+    p = audit_lib.DESIGNS["dpals"].protocol(cfg, 20)
+    result = audit_lib.audit(DPALS, cfg, 20, runs=1)
+    u = p.initial_U.double() / p.initial_U.double().norm(dim=1, keepdim=True)
+    t = (1 + (u**4).sum(1)) / 2
+    expected = ((2 + t[0::2] + t[1::2]) / p.noise_multiplier**2).sqrt().mean()
+    assert result["canary_mu"] == pytest.approx(float(expected), rel=1e-9)
+    result = audit_lib.audit(DPALS, dataclasses.replace(cfg, steps=3), 20, runs=1)
+    assert (3 / 8) ** 0.5 * result["proven_mu"] - 1e-9 <= result["canary_mu"] <= result["proven_mu"] / 2**0.5 + 1e-9
+    with pytest.raises(ValueError, match="private_center"):
+        audit_lib.audit(DPALS, dataclasses.replace(cfg, private_center=True), 4)
+
+
+@pytest.mark.slow
+def test_honest_dpals_lower_bounds_stay_below_proven():
+    cfg = config_lib.build(DPALS.config_type, {"steps": 2, "n_items": 100, "epsilon": 8.0})
+    result = audit_lib.audit(DPALS, cfg, 50, runs=10, seed=0)
+    print(_bounds(result), result["proven_epsilon"], result["canary_mu"], result["proven_mu"])
+    assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
+    assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
