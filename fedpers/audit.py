@@ -181,12 +181,133 @@ def _noisyhead_canaries(protocol: Any, generator: torch.Generator, k: int) -> Ca
                     "coordinate (a, b) of Γ per canary; Z̃ at its projection radius G, query label ±C")
 
 
+FEDREP_LABEL = 1e3
+"""FedRep canaries' labels are this many times ζ: G_j grows as the labels squared, so the clip C binds in
+every round whatever U is (at 1.5ζ it did not always). The init's label clip is then checked by the server's
+norm check (a missing clip aborts the run) rather than by the audit."""
+
+
+def _fedrep_protocol(cfg: Any, k: int) -> Protocol:
+    from fedpers.experiments.fedrep import make_protocol
+
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+
+
+def _fedrep_layout(p: Any) -> tuple[int, int]:
+    """(j, width): j init pairs on their own extra coordinates, width = k + 1 coordinates per canary."""
+    odd = p.samples_per_user % 2
+    j = p.rank - odd
+    if p.pairs - j < 1:
+        raise ValueError(f"samples_per_user: the fedrep audit needs m >= {2 * p.rank + 1} for rank {p.rank} (k + 1 feature directions per canary); got {p.samples_per_user}")
+    return j, p.rank + 1
+
+
+def fedrep_init_fraction(p: Any) -> float:
+    """||W⁺ − W⁻||/(2·bound) of a FedRep canary: sqrt((p − j)² + j)/p (p pairs, j of them off e_c0)."""
+    j, _ = _fedrep_layout(p)
+    return math.sqrt((p.pairs - j) ** 2 + j) / p.pairs
+
+
+def _fedrep_canaries(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
+    """Canary i owns the k + 1 coordinates c_0..c_k of block i of R^d (fewer would make every G_j = 0:
+    the least-squares residual is orthogonal to U, so g_j needs k + 1 feature directions). Pairs: the
+    first p − j on e_c0, then one pair on each of e_c1..e_cj (j = k, or k − 1 when m is odd and the last,
+    unpaired sample sits on e_ck). "+": every label Lζ; "−": each pair's labels (Lζ, −Lζ), the
+    unpaired one 0. Init: W = ±ζ²(Σ_pairs e e ᵀ), a fraction sqrt((p − j)² + j)/p of the 2·bound
+    sensitivity. Rounds: "−" has Σ_c-group labels 0, so v_j = 0 and G_j = 0; "+" has G_j at the clip C
+    (C of the 2C sensitivity): the sign-symmetric worst case needs U, which fixed data cannot know."""
+    p = protocol
+    j, width = _fedrep_layout(p)
+    m, d = p.samples_per_user, p.dim
+    coord = torch.zeros(m, dtype=torch.long)
+    for pair in range(p.pairs):
+        coord[2 * pair : 2 * pair + 2] = max(0, pair - (p.pairs - j) + 1)
+    if m % 2:
+        coord[-1] = p.rank
+    eye = torch.eye(d, dtype=torch.float64)
+    base = torch.arange(count)[:, None] * width
+    x = eye[base + coord[None, :]]  # (count, m, d)
+    label = FEDREP_LABEL * p.zeta
+    y = torch.full((count, m), label, dtype=torch.float64)
+    y_minus = y.clone()
+    y_minus[:, 1 : 2 * p.pairs : 2] = -label
+    if m % 2:
+        y_minus[:, -1] = 0.0
+    ids = torch.arange(count)
+    dtype = p.dtype
+    return Canaries({"ids": ids, "x": x.to(dtype), "y": y.to(dtype)}, {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
+                    f"k + 1 coordinates per canary; init W at {fedrep_init_fraction(p):.3f} of its sensitivity, G at the clip C in \"+\", 0 in \"−\"")
+
+
+def _noisygd_protocol(cfg: Any, k: int) -> Protocol:
+    from fedpers.experiments.noisygd import Remedy, make_protocol
+
+    if cfg.remedy is Remedy.PCA:
+        raise ValueError("remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center")
+    return make_protocol(replace(cfg, examples=k, chunk_size=max(k, 1)))
+
+
+def _noisygd_canaries(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
+    """Canary example i: feature ±s·e_i ("+"/"−"), label i mod K, s = 1.5·G_c/sqrt(1 − 1/K) so the
+    gradient clip binds at W = 0 (||r|| = sqrt(1 − 1/K) for cross-entropy, 1 for squared loss).
+    At step 1 (W = 0) the residual r is the same in both versions, so the clipped gradients are
+    ±G_c r̂ e_iᵀ: 2G_c apart, the full replace-one sensitivity. Later steps: r(±W x) differs a
+    little as W moves (lr·noise small: near-full). The centring remedy's feature sum sees ±R e_i
+    (clip R binds): full sensitivity too."""
+    p = protocol
+    if count > p.feature_dim:
+        raise ValueError(f"canaries must be <= feature_dim={p.feature_dim}; got {count}")
+    scale = LABEL_OVERSHOOT * p.grad_clip / math.sqrt(1.0 - 1.0 / p.classes)
+    if p.remedy.value == "center":
+        scale = max(scale, LABEL_OVERSHOOT * p.feature_bound)
+    x = scale * torch.eye(p.feature_dim, dtype=torch.float64)[:count]
+    ids = torch.arange(count)
+    y = ids % p.classes
+    dtype = p.dtype
+    return Canaries({"ids": ids, "x": x.to(dtype), "y": y}, {"ids": ids, "x": (-x).to(dtype), "y": y},
+                    "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)")
+
+
+def _dpals_protocol(cfg: Any, k: int) -> Protocol:
+    from fedpers.experiments.dpals import make_protocol, prelude
+
+    if cfg.ratings is not None or cfg.dataset:
+        raise ValueError("ratings/dataset: the audit's population is its canaries (synthetic items); drop --ratings/--dataset")
+    if prelude(cfg):
+        raise ValueError("private_center/head_items: the dpals audit has no canary design for round 0's sums and counts yet; drop them")
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+
+
+def _dpals_canaries(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
+    """Canary i rates one item: item 2i ("+") or item 2i + 1 ("−"), rating BIG. With one rating
+    v̂ = ±Û_item, so G_item = Γ_G v̂v̂ᵀ and b_item = Γ_b Û_item (both clips bind; the sign of the
+    rating cancels in r·v): the versions' contributions sit on different items, √2·Γ apart, the
+    most two one-rating users can be (G is PSD, b ∝ r²·U_item, so no rating flips them).
+    G is released as block upper triangles: a block's share (1 + Σ v̂⁴)/2 of Γ_G² shows."""
+    p = protocol
+    if 2 * count > p.n_items:
+        raise ValueError(f"canaries must be <= n_items/2 = {p.n_items // 2}; got {count}")
+    ids = torch.arange(count)
+    ratings = torch.full((count, 1), BIG, dtype=torch.float64).to(p.dtype)
+    mask = torch.ones(count, 1, dtype=torch.bool)
+    plus = {"ids": ids, "items": (2 * ids)[:, None], "ratings": ratings, "mask": mask}
+    minus = {"ids": ids, "items": (2 * ids + 1)[:, None], "ratings": ratings, "mask": mask}
+    return Canaries(plus, minus, "one rating per canary user, on item 2i (\"+\") or 2i + 1 (\"−\"): G and b at their clips, √2·Γ apart")
+
+
 DESIGNS: dict[str, CanaryDesign] = {
     "altmin": CanaryDesign(_altmin_protocol, lambda p: p.dim, _altmin_canaries, "init W, and every round's A and b",
                            "replace-one user (a canary's two versions are the same user with different data)"),
     "noisyhead": CanaryDesign(_noisyhead_protocol, lambda p: p.dim**2, _noisyhead_canaries,
                               "every step's noisy gradient (rounds mode; statistics mode releases the same Γ̂ law)",
                               "replace-one prompt (a canary's two versions are the same prompt with a different query label)"),
+    "fedrep": CanaryDesign(_fedrep_protocol, lambda p: p.dim // (p.rank + 1), _fedrep_canaries, "init W, and every round's G",
+                           "replace-one user (a canary's two versions are the same user with different labels)"),
+    "noisygd": CanaryDesign(_noisygd_protocol, lambda p: p.feature_dim, _noisygd_canaries,
+                            "every step's noisy clipped-gradient sum (and the centring remedy's feature sum)",
+                            "replace-one example (a canary's two versions are the same example with its feature negated)"),
+    "dpals": CanaryDesign(_dpals_protocol, lambda p: p.n_items // 2, _dpals_canaries, "every round's G (block upper triangles) and b",
+                          "replace-one user (a canary's two versions are the same user rating a different item)"),
 }
 
 
@@ -203,6 +324,15 @@ def run_published(protocol: Protocol, units: Mapping[str, Tensor], privatizer: P
 
     drive(protocol, gather, privatizer, progress=False)
     return Published(tuple(broadcasts), tuple(privatizer.published)), privatizer.ledger
+
+
+def _as_released(protocol: Protocol, name: str, stat: Tensor) -> Tensor:
+    """A client's statistic in the form the server releases it (DPALS releases G's block upper triangles)."""
+    if protocol.name == "dpals" and name == "G":
+        from fedpers.protocols.dpals import triu_pack
+
+        return triu_pack(stat)
+    return stat
 
 
 def _released_part(release: Release, value: Tensor) -> Tensor:
@@ -237,8 +367,8 @@ def score_canaries(protocol: Protocol, published: Published, canaries: Canaries)
         for spec, (release, value) in zip(specs, released):
             if release.noise_std <= 0:
                 raise ValueError(f"release {release.name!r} has no noise: nothing to audit (epsilon must be finite)")
-            plus = torch.stack([_released_part(release, c[spec.name].double()) for c in contrib["+"]])
-            minus = torch.stack([_released_part(release, c[spec.name].double()) for c in contrib["-"]])
+            plus = torch.stack([_released_part(release, _as_released(protocol, spec.name, c[spec.name]).double()) for c in contrib["+"]])
+            minus = torch.stack([_released_part(release, _as_released(protocol, spec.name, c[spec.name]).double()) for c in contrib["-"]])
             centred = _released_part(release, value.double()) - ((plus + minus) / 2).sum(0)
             diff = plus - minus
             llr += (diff @ centred) / release.noise_std**2

@@ -21,6 +21,7 @@ from fedpers.privacy import Privatizer
 from fedpers.privacy import audit as audit_math
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
+from fedpers.protocols.noisygd import Remedy
 
 ALTMIN = experiment("altmin")
 
@@ -176,3 +177,86 @@ def test_canaries_reach_the_separation_their_design_promises():
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
     assert "prompt" in result["neighbouring"]
     assert max(_bounds(result)) <= result["proven_epsilon"]
+
+
+# ----- FedRep ---------------------------------------------------------------------------------
+FEDREP = experiment("fedrep")
+
+
+def test_fedrep_canaries_reach_their_promised_separation():
+    """FedRep canaries: the init W at sqrt((p − j)² + j)/p of the full sensitivity, and each round's G
+    at C ("+") against 0 ("−"): μ_canary² = μ_release²·(f² + T/4), μ_proven² = μ_release²·(1 + T).
+    Odd and even m lay the pairs out differently; both are checked."""
+    for m in (5, 8):
+        cfg = config_lib.build(FEDREP.config_type, {"dim": 12, "rounds": 2, "samples_per_user": m, "epsilon": 4.0})
+        p = audit_lib.DESIGNS["fedrep"].protocol(cfg, 4)
+        f = audit_lib.fedrep_init_fraction(p)
+        result = audit_lib.audit(FEDREP, cfg, 4, runs=1)
+        assert result["canary_mu"] == pytest.approx(result["proven_mu"] * ((f**2 + 2 / 4) / 3) ** 0.5, rel=1e-6), m
+    with pytest.raises(ValueError, match="samples_per_user"):
+        audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"dim": 12, "samples_per_user": 4, "rank": 2}), 2)
+
+
+@pytest.mark.slow
+def test_honest_fedrep_lower_bounds_stay_below_proven():
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 30, "rounds": 2, "epsilon": 8.0})
+    result = audit_lib.audit(FEDREP, cfg, 10, runs=30, seed=0)
+    assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
+    assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
+
+
+# ----- NoisyGD --------------------------------------------------------------------------------
+NOISYGD = experiment("noisygd")
+
+
+def test_noisygd_canaries_reach_their_promised_separation():
+    """At W = 0 a canary's two clipped gradients are ±G_c r̂ e_iᵀ: with one step μ_canary = μ_proven
+    (the full sensitivity). Over 30 steps W moves little (lr·noise): at least 0.8 of it."""
+    cfg = config_lib.build(NOISYGD.config_type, {"feature_dim": 12, "steps": 1, "accountant": "pld"})
+    result = audit_lib.audit(NOISYGD, cfg, 12, runs=1)
+    assert result["canary_mu"] == pytest.approx(result["proven_mu"], rel=1e-5)
+    result = audit_lib.audit(NOISYGD, dataclasses.replace(cfg, steps=30), 12, runs=1)
+    assert 0.8 * result["proven_mu"] < result["canary_mu"] <= result["proven_mu"] * (1 + 1e-5)
+    assert "example" in result["neighbouring"]
+    with pytest.raises(ValueError, match="remedy"):
+        audit_lib.audit(NOISYGD, dataclasses.replace(cfg, remedy=Remedy.PCA), 4)
+
+
+@pytest.mark.slow
+def test_honest_noisygd_lower_bounds_stay_below_proven():
+    cfg = config_lib.build(NOISYGD.config_type, {"feature_dim": 20, "steps": 5, "epsilon": 8.0, "accountant": "pld"})
+    result = audit_lib.audit(NOISYGD, cfg, 20, runs=25, seed=0)
+    print(_bounds(result), result["proven_epsilon"], result["canary_mu"], result["proven_mu"])
+    assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
+    assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
+
+
+# ----- DPALS ----------------------------------------------------------------------------------
+DPALS = experiment("dpals")
+
+
+def test_dpals_canaries_reach_their_promised_separation():
+    """A DPALS canary's two versions rate different items, each at both clips: b differs by √2·Γ_b;
+    G by Γ_G·sqrt(t(Û_a) + t(Û_b)), t(u) = (1 + Σu⁴)/2 being a unit block's share in its released
+    upper triangle. With one round U is the public initial_U, so the separation is known exactly;
+    over more rounds it stays between sqrt(3/8) (t ≥ 1/2) and 1/√2 (t ≤ 1) of the proven μ."""
+    cfg = config_lib.build(DPALS.config_type, {"steps": 1, "n_items": 40})
+    p = audit_lib.DESIGNS["dpals"].protocol(cfg, 20)
+    result = audit_lib.audit(DPALS, cfg, 20, runs=1)
+    u = p.initial_U.double() / p.initial_U.double().norm(dim=1, keepdim=True)
+    t = (1 + (u**4).sum(1)) / 2
+    expected = ((2 + t[0::2] + t[1::2]) / p.noise_multiplier**2).sqrt().mean()
+    assert result["canary_mu"] == pytest.approx(float(expected), rel=1e-9)
+    result = audit_lib.audit(DPALS, dataclasses.replace(cfg, steps=3), 20, runs=1)
+    assert (3 / 8) ** 0.5 * result["proven_mu"] - 1e-9 <= result["canary_mu"] <= result["proven_mu"] / 2**0.5 + 1e-9
+    with pytest.raises(ValueError, match="private_center"):
+        audit_lib.audit(DPALS, dataclasses.replace(cfg, private_center=True), 4)
+
+
+@pytest.mark.slow
+def test_honest_dpals_lower_bounds_stay_below_proven():
+    cfg = config_lib.build(DPALS.config_type, {"steps": 2, "n_items": 100, "epsilon": 8.0})
+    result = audit_lib.audit(DPALS, cfg, 50, runs=10, seed=0)
+    print(_bounds(result), result["proven_epsilon"], result["canary_mu"], result["proven_mu"])
+    assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
+    assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
