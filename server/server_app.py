@@ -20,6 +20,14 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     job = from_run_config(context.run_config)
+    # --- issue 23: the lab's policy ($FEDPERS_POLICY) before any work; the run is charged to the federation's ledger ---
+    from fedpers.policy import active_policy, admit_run
+
+    policy = active_policy()
+    if policy is not None:
+        charge = admit_run(policy, job, str(context.run_id))
+        log(INFO, "fedpers policy: run admitted, charged epsilon=%g delta=%g to users %s of federation %s", charge.epsilon, charge.delta, list(charge.units), policy.federation)
+    # --- end issue 23 ---
     if job.resume is not None:
         result = resume_run(job.resume, progress=False, grid=grid)
     else:
