@@ -159,6 +159,10 @@ class ForkServerExecutor:
         from flwr.supercore.constant import TaskType
         from flwr.supercore.superexec.executor import LaunchResult
 
+        if spec.task_type == TaskType.SERVER_APP and self.trusted:  # issue 23: the SuperLink side of --trust-app
+            from fedpers.appguard import launch_serverapp
+
+            return launch_serverapp(self.fallback, spec, self.trusted)
         if spec.task_type != TaskType.CLIENT_APP:
             if self.trusted:
                 return LaunchResult.failed(f"{TRUSTED_APPS_ENV} is set: this node runs only ClientApps of trusted apps, not {spec.task_type}")

@@ -1,0 +1,75 @@
+"""The SuperLink side of ``--trust-app``: a SuperExec that starts only the ServerApps the lab listed.
+
+Flower runs a submitted app's ServerApp on the SuperLink's machine whatever the nodes think of its
+ClientApp. With ``flower-superlink --isolation process`` the lab starts the SuperExec itself
+(``fedpers deploy superexec --trust-app SHA256 ...``, with the SuperExec shared secret); for a
+ServerApp task this refuses a FAB whose hash (as the SuperLink reports it) is not listed, and
+otherwise starts ``flwr-serverapp`` through :func:`main`, which checks the SHA-256 of the FAB's
+bytes again before Flower extracts or imports anything from it — the node side's check
+(:mod:`fedpers.runtime.flower.forkserver`), mirrored.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+
+class _GuardedLauncher:
+    """``subprocess`` for Flower's subprocess executor: ``flwr-serverapp ARGS`` becomes
+    ``python -m fedpers.appguard ARGS``; everything else is untouched."""
+
+    def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - subprocess's name
+        import subprocess
+
+        if command and command[0] == "flwr-serverapp":
+            command = [sys.executable, "-m", "fedpers.appguard", *command[1:]]
+        return subprocess.Popen(command, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        import subprocess
+
+        return getattr(subprocess, name)
+
+
+def launch_serverapp(fallback: Any, spec: Any, trusted: frozenset[str]) -> Any:
+    """Flower's launch of a ServerApp task, refused for an unlisted FAB, else through :func:`main`."""
+    from flwr.supercore.superexec.executor.types import LaunchResult
+
+    if spec.fab_hash and spec.fab_hash.lower() not in trusted:
+        print(f"fedpers superexec: refused ServerApp of FAB {spec.fab_hash} (not in --trust-app)", file=sys.stderr, flush=True)
+        return LaunchResult.failed(f"this SuperExec runs only the ServerApps of trusted apps; FAB {spec.fab_hash} is not one of them")
+    module = importlib.import_module("flwr.supercore.superexec.executor.subprocess_executor")
+    original = module.subprocess
+    module.subprocess = _GuardedLauncher()
+    try:
+        return fallback.launch(spec)
+    finally:
+        module.subprocess = original
+
+
+def main(argv: list[str]) -> None:
+    """``flwr-serverapp ARGV`` whose FAB installation first checks the FAB's SHA-256."""
+    import hashlib
+
+    from fedpers.runtime.flower.forkserver import TRUSTED_APPS_ENV, UntrustedApp, trusted_apps
+
+    trusted = trusted_apps()
+    runtime = importlib.import_module("flwr.superlink.runtime.run_serverapp")
+    install = runtime.install_from_fab
+
+    def checked(fab: Any, *args: Any, **kwargs: Any) -> Any:
+        digest = hashlib.sha256(fab if isinstance(fab, bytes) else open(fab, "rb").read()).hexdigest()
+        if not trusted or digest not in trusted:
+            print(f"fedpers: refused ServerApp of FAB {digest}: not in {TRUSTED_APPS_ENV}", file=sys.stderr, flush=True)
+            raise UntrustedApp(f"this SuperExec runs only the ServerApps in {TRUSTED_APPS_ENV}; FAB {digest} is not one of them")
+        return install(fab, *args, **kwargs)
+
+    runtime.install_from_fab = checked
+    cli = importlib.import_module("flwr.superlink.cli")
+    sys.argv = ["flwr-serverapp", *argv]
+    cli.flwr_serverapp()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
