@@ -158,11 +158,49 @@ def test_with_trusted_apps_other_task_types_never_reach_flowers_executor(monkeyp
     fallback = types.SimpleNamespace(launch=lambda spec: launched.append(spec) or LaunchResult.accepted())
     executor = object.__new__(forkserver.ForkServerExecutor)
     executor.fallback, executor.trusted = fallback, frozenset({"a" * 64})
-    other = next(t for t in TaskType if t != TaskType.CLIENT_APP)
+    other = next(t for t in TaskType if t not in (TaskType.CLIENT_APP, TaskType.SERVER_APP))  # ServerApps: the next test
     result = executor.launch(types.SimpleNamespace(task_type=other, task_id=1))
     assert result.status == "failed" and launched == []
     executor.trusted = frozenset()
     assert executor.launch(types.SimpleNamespace(task_type=other, task_id=2)).status == "accepted" and len(launched) == 1
+
+
+def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_guard() -> None:
+    """Issue 23: with --trust-app, a ServerApp task of an unlisted FAB is refused before any process
+    starts; a listed one is launched by Flower's executor with flwr-serverapp replaced by
+    `python -m fedpers.appguard` (which checks the FAB's bytes again)."""
+    import sys
+
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.superexec.executor import LaunchResult
+    from flwr.supercore.superexec.executor import subprocess_executor as flower
+
+    commands: list = []
+
+    def launch(spec):
+        commands.append(flower.subprocess)
+        return LaunchResult.accepted()
+
+    executor = object.__new__(forkserver.ForkServerExecutor)
+    executor.fallback, executor.trusted = types.SimpleNamespace(launch=launch), frozenset({"a" * 64})
+    refused = executor.launch(types.SimpleNamespace(task_type=TaskType.SERVER_APP, task_id=1, fab_hash="b" * 64))
+    assert refused.status == "failed" and "b" * 64 in refused.message and commands == []
+    assert executor.launch(types.SimpleNamespace(task_type=TaskType.SERVER_APP, task_id=2, fab_hash="a" * 64)).status == "accepted"
+    from fedpers.appguard import _GuardedLauncher
+
+    assert isinstance(commands[0], _GuardedLauncher) and flower.subprocess.__name__ == "subprocess"  # restored after the launch
+    started: list = []
+    guard = _GuardedLauncher()
+    import subprocess
+
+    real = subprocess.Popen
+    subprocess.Popen = lambda cmd, *a, **k: started.append(cmd)
+    try:
+        guard.Popen(["flwr-serverapp", "--token", "t"])
+        guard.Popen(["flwr-clientapp", "--token", "t"])
+    finally:
+        subprocess.Popen = real
+    assert started == [[sys.executable, "-m", "fedpers.appguard", "--token", "t"], ["flwr-clientapp", "--token", "t"]]
 
 
 def test_app_hash_is_the_hash_of_the_fab_flwr_run_sends(tmp_path: Path) -> None:
