@@ -39,6 +39,7 @@ def launch_serverapp(fallback: Any, spec: Any, trusted: frozenset[str]) -> Any:
     if spec.fab_hash and spec.fab_hash.lower() not in trusted:
         print(f"fedpers superexec: refused ServerApp of FAB {spec.fab_hash} (not in --trust-app)", file=sys.stderr, flush=True)
         return LaunchResult.failed(f"this SuperExec runs only the ServerApps of trusted apps; FAB {spec.fab_hash} is not one of them")
+    print(f"fedpers superexec: ServerApp task {spec.task_id} of FAB {spec.fab_hash or '(hash checked in the process)'} started through fedpers.appguard", file=sys.stderr, flush=True)
     module = importlib.import_module("flwr.supercore.superexec.executor.subprocess_executor")
     original = module.subprocess
     module.subprocess = _GuardedLauncher()
@@ -63,6 +64,7 @@ def main(argv: list[str]) -> None:
         if not trusted or digest not in trusted:
             print(f"fedpers: refused ServerApp of FAB {digest}: not in {TRUSTED_APPS_ENV}", file=sys.stderr, flush=True)
             raise UntrustedApp(f"this SuperExec runs only the ServerApps in {TRUSTED_APPS_ENV}; FAB {digest} is not one of them")
+        print(f"fedpers: ServerApp of trusted FAB {digest}", file=sys.stderr, flush=True)
         return install(fab, *args, **kwargs)
 
     runtime.install_from_fab = checked
