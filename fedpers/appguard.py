@@ -2,11 +2,11 @@
 
 Flower runs a submitted app's ServerApp on the SuperLink's machine whatever the nodes think of its
 ClientApp. With ``flower-superlink --isolation process`` the lab starts the SuperExec itself
-(``fedpers deploy superexec --trust-app SHA256 ...``, with the SuperExec shared secret); for a
-ServerApp task this refuses a FAB whose hash (as the SuperLink reports it) is not listed, and
-otherwise starts ``flwr-serverapp`` through :func:`main`, which checks the SHA-256 of the FAB's
-bytes again before Flower extracts or imports anything from it — the node side's check
-(:mod:`fedpers.runtime.flower.forkserver`), mirrored.
+(``fedpers deploy superexec --trust-app SHA256 ...``, with the SuperExec shared secret); every
+ServerApp task starts ``flwr-serverapp`` through :func:`main`, which checks the SHA-256 of the
+FAB's bytes before Flower extracts or imports anything from it and otherwise fails the task (the
+run ends ``finished:failed`` at once; a refused launch would leave it pending until Flower's task
+expiry) — the node side's check (:mod:`fedpers.runtime.flower.forkserver`), mirrored.
 """
 from __future__ import annotations
 
@@ -33,12 +33,11 @@ class _GuardedLauncher:
 
 
 def launch_serverapp(fallback: Any, spec: Any, trusted: frozenset[str]) -> Any:
-    """Flower's launch of a ServerApp task, refused for an unlisted FAB, else through :func:`main`."""
-    from flwr.supercore.superexec.executor.types import LaunchResult
-
+    """Flower's launch of a ServerApp task, always through :func:`main` (which refuses an unlisted FAB)."""
     if spec.fab_hash and spec.fab_hash.lower() not in trusted:
-        print(f"fedpers superexec: refused ServerApp of FAB {spec.fab_hash} (not in --trust-app)", file=sys.stderr, flush=True)
-        return LaunchResult.failed(f"this SuperExec runs only the ServerApps of trusted apps; FAB {spec.fab_hash} is not one of them")
+        # Refusing the launch here would leave the run pending until Flower's task expiry; the guard
+        # process below refuses it before the FAB is extracted and the run ends finished:failed.
+        print(f"fedpers superexec: ServerApp of FAB {spec.fab_hash} is not in --trust-app: the guard refuses it", file=sys.stderr, flush=True)
     print(f"fedpers superexec: ServerApp task {spec.task_id} of FAB {spec.fab_hash or '(hash checked in the process)'} started through fedpers.appguard", file=sys.stderr, flush=True)
     module = importlib.import_module("flwr.supercore.superexec.executor.subprocess_executor")
     original = module.subprocess

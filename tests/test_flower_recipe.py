@@ -212,7 +212,7 @@ def test_foreign_app_serverapp_never_executes(recipe):
     time.sleep(3)
     assert not marker.exists()
     print("FOREIGN", done.stdout[-3000:], (recipe.work / "superexec.log").read_text()[-3000:])
-    assert "refused ServerApp" in (recipe.work / "superexec.log").read_text() + done.stdout
+    assert "refused ServerApp" in (recipe.work / "superexec.log").read_text() + done.stdout and "finished:failed" in done.stdout
 
 
 def test_rogue_superexec_without_the_secret_gets_no_run(recipe):
