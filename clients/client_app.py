@@ -6,8 +6,8 @@ protocol from the job, load this node's units (its ``partition-id`` range; a
 ``protocol.client_update``.
 """
 # --- issue 23: refuse to run unless the fedpers imported here is this app's own (loaded by path, not through fedpers) ---
-import importlib.util as _util  # noqa: E402
-from pathlib import Path as _Path  # noqa: E402
+import importlib.util as _util
+from pathlib import Path as _Path
 
 _spec = _util.spec_from_file_location("_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "integrity.py")
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]

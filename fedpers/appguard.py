@@ -19,7 +19,7 @@ class _GuardedLauncher:
     """``subprocess`` for Flower's subprocess executor: ``flwr-serverapp ARGS`` becomes
     ``python -m fedpers.appguard ARGS``; everything else is untouched."""
 
-    def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - subprocess's name
+    def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> Any:
         import subprocess
 
         if command and command[0] == "flwr-serverapp":
@@ -41,32 +41,38 @@ def launch_serverapp(fallback: Any, spec: Any, trusted: frozenset[str]) -> Any:
     print(f"fedpers superexec: ServerApp task {spec.task_id} of FAB {spec.fab_hash or '(hash checked in the process)'} started through fedpers.appguard", file=sys.stderr, flush=True)
     module = importlib.import_module("flwr.supercore.superexec.executor.subprocess_executor")
     original = module.subprocess
-    module.subprocess = _GuardedLauncher()
+    setattr(module, "subprocess", _GuardedLauncher())  # noqa: B010 - a module global, patched for this launch only
     try:
         return fallback.launch(spec)
     finally:
-        module.subprocess = original
+        setattr(module, "subprocess", original)  # noqa: B010
 
 
 def main(argv: list[str]) -> None:
     """``flwr-serverapp ARGV`` whose FAB installation first checks the FAB's SHA-256."""
     import hashlib
 
-    from fedpers.runtime.flower.forkserver import TRUSTED_APPS_ENV, UntrustedApp, trusted_apps
+    from fedpers.runtime.flower.forkserver import (
+        TRUSTED_APPS_ENV,
+        UntrustedApp,
+        trusted_apps,
+    )
 
     trusted = trusted_apps()
     runtime = importlib.import_module("flwr.superlink.runtime.run_serverapp")
     install = runtime.install_from_fab
 
     def checked(fab: Any, *args: Any, **kwargs: Any) -> Any:
-        digest = hashlib.sha256(fab if isinstance(fab, bytes) else open(fab, "rb").read()).hexdigest()
+        from pathlib import Path
+
+        digest = hashlib.sha256(fab if isinstance(fab, bytes) else Path(fab).read_bytes()).hexdigest()
         if not trusted or digest not in trusted:
             print(f"fedpers: refused ServerApp of FAB {digest}: not in {TRUSTED_APPS_ENV}", file=sys.stderr, flush=True)
             raise UntrustedApp(f"this SuperExec runs only the ServerApps in {TRUSTED_APPS_ENV}; FAB {digest} is not one of them")
         print(f"fedpers: ServerApp of trusted FAB {digest}", file=sys.stderr, flush=True)
         return install(fab, *args, **kwargs)
 
-    runtime.install_from_fab = checked
+    setattr(runtime, "install_from_fab", checked)  # noqa: B010 - the module global run_serverapp calls
     cli = importlib.import_module("flwr.superlink.cli")
     sys.argv = ["flwr-serverapp", *argv]
     cli.flwr_serverapp()

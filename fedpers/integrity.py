@@ -34,7 +34,7 @@ def imported_root(package: str = "fedpers") -> Path | None:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
-    return Path(list(spec.submodule_search_locations)[0]).resolve()
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def require_fab_code(app_dir: str | Path, package: str = "fedpers") -> None:

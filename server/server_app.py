@@ -5,8 +5,8 @@ and runs the experiment with :func:`fedpers.runner.execute` on the Grid Flower g
 discovery, the shared round loop with verification and DP aggregation, the run directory.
 """
 # --- issue 23: refuse to run unless the fedpers imported here is this app's own (loaded by path, not through fedpers) ---
-import importlib.util as _util  # noqa: E402
-from pathlib import Path as _Path  # noqa: E402
+import importlib.util as _util
+from pathlib import Path as _Path
 
 _spec = _util.spec_from_file_location("_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "integrity.py")
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]

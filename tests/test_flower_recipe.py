@@ -73,7 +73,7 @@ class Recipe:
         made = subprocess.run([sys.executable, "-m", "fedpers", "deploy", "certs", str(self.certs), "--host", "127.0.0.1", "--supernodes", "3",
                                "--port", str(self.port), "--link-port", str(self.link_port), "--node-port", str(self.node_port), "--listen", "127.0.0.1",
                                "--data-file", str(self.data), "--app", str(ROOT), "--policy", str(work / "policy.toml")],
-                              cwd=ROOT, env=procs.env, capture_output=True, text=True, timeout=300)
+                              cwd=ROOT, env=procs.env, check=False, capture_output=True, text=True, timeout=300)
         assert made.returncode == 0, made.stdout + made.stderr
         self.steps = steps((self.certs / "commands.txt").read_text())
         self.link = self.certs / "superlink"
@@ -89,7 +89,7 @@ class Recipe:
                 _wait_port(self.link_port if name == "superlink" else self.port, proc, log)
         for command in superlink[3:-1]:  # flwr supernode register, one per node
             env, argv = _argv(command)
-            done = subprocess.run(argv, cwd=ROOT, env={**self.procs.env, **env}, capture_output=True, text=True, timeout=120)
+            done = subprocess.run(argv, cwd=ROOT, env={**self.procs.env, **env}, check=False, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0 and "registered successfully" in done.stdout, done.stdout + done.stderr
             self.node_ids.append(int(re.search(r"(\d{6,})", done.stdout).group(1)))
         for machine, command in self.steps:
@@ -106,7 +106,7 @@ class Recipe:
         i = argv.index("--run-config")
         parts = " ".join(f"{node}={p}" for p, node in enumerate(self.node_ids))
         argv[i + 1] = f"{run_config} node-partitions='{parts}'"
-        return subprocess.run([*argv, "--timeout", str(timeout)], cwd=ROOT, env={**self.procs.env, **self.job_env}, capture_output=True, text=True, timeout=timeout + 120)
+        return subprocess.run([*argv, "--timeout", str(timeout)], cwd=ROOT, env={**self.procs.env, **self.job_env}, check=False, capture_output=True, text=True, timeout=timeout + 120)
 
     def attacker_home(self) -> Path:
         """What an intruder holds: the public ca.crt and the network address."""
@@ -131,7 +131,7 @@ def recipe(tmp_path_factory):
 
 
 def run_config(out: Path, **extra: str) -> str:
-    fields = {**FIELDS, "data": f'"{{data}}"', "cohorts": '"all"'}
+    fields = {**FIELDS, "data": '"{data}"', "cohorts": '"all"'}
     fields.pop("n_users")
     fields.update(extra)
     pairs = " ".join(f"{k}={v}" for k, v in fields.items())
@@ -181,13 +181,13 @@ def test_control_api_is_not_on_the_network_address(recipe):
         "supernode ls": [flwr, "supernode", "ls", "lab"],
     }
     for name, argv in attempts.items():
-        done = subprocess.run(argv, cwd=home, env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(argv, cwd=home, env=env, check=False, capture_output=True, text=True, timeout=120)
         text = done.stdout + done.stderr
         assert done.returncode != 0 or "404" in text or "rror" in text, f"{name}: {text[-2000:]}"
         assert "registered successfully" not in text and "unregistered successfully" not in text.lower()
     listening = {line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:] if line.split()[3] == "0A"}
     assert f"0100007F:{recipe.link_port:04X}" in listening and f"00000000:{recipe.link_port:04X}" not in listening
-    lab = subprocess.run([flwr, "supernode", "ls", "deployment", "--format", "json"], env={**recipe.procs.env, **recipe.job_env}, capture_output=True, text=True, timeout=120)
+    lab = subprocess.run([flwr, "supernode", "ls", "deployment", "--format", "json"], env={**recipe.procs.env, **recipe.job_env}, check=False, capture_output=True, text=True, timeout=120)
     for node in recipe.node_ids:  # the lab's nodes are all still registered
         assert str(node) in lab.stdout, lab.stdout + lab.stderr
 
@@ -207,7 +207,7 @@ def test_foreign_app_serverapp_never_executes(recipe):
         f"server = ServerApp()\nclient = ClientApp()\n\n@server.main()\ndef main(grid, context):\n    Path({str(marker)!r}).write_text(open({str(recipe.link / 'superlink.key')!r}).read())\n")
     argv = list(recipe.job_argv)
     argv[argv.index("--run-config"):argv.index("--run-config") + 2] = []
-    done = subprocess.run([*argv, "--app", str(app), "--timeout", "120"], cwd=ROOT, env={**recipe.procs.env, **recipe.job_env}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*argv, "--app", str(app), "--timeout", "120"], cwd=ROOT, env={**recipe.procs.env, **recipe.job_env}, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "finished:completed" not in done.stdout, done.stdout[-3000:]
     time.sleep(3)
     assert not marker.exists()

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from fedpers.policy import BudgetLedger, Policy, PolicyRefused, check_partitions, check_run, check_task, load_policy
+from fedpers.policy import (
+    BudgetLedger,
+    Policy,
+    PolicyRefused,
+    check_partitions,
+    check_run,
+    check_task,
+    load_policy,
+)
 from fedpers.securefs import UnsafeDirectory, private_dir, write_private
 
 POLICY = 'federation = "lab"\nmax-epsilon = 8.0\nmax-delta = 1e-4\nrequire-secure-noise = true\nmin-units = 50\nalgorithms = ["altmin"]\n'
