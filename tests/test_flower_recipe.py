@@ -253,11 +253,12 @@ def test_algorithm_outside_the_policy_is_refused(recipe):
 
 
 def test_nodes_refuse_a_task_below_min_units_even_if_the_serverapp_allows_it(recipe):
-    """The SuperLink's policy loosened to min-units=1 (a careless or compromised curator); 120 users
-    over 3 nodes is 40 each: every node refuses, naming the rule, and the run does not complete."""
+    """The SuperLink's policy loosened to min-units=1 (a careless or compromised curator); 150 users
+    on 3 nodes in 2 disjoint cohorts: each node's range holds 50 users but a round's message would
+    cover about 25: every node refuses before computing, naming the rule; the run does not complete."""
     recipe.set_policy("superlink", POLICY.replace("min-units = 50", "min-units = 1"))
     try:
-        done = recipe.run(honest(recipe, recipe.work / "runs" / "small", epsilon="0.5").replace("config='", "config='n_users=120 ", 1).replace(" data=", " data=", 1), timeout=200)
+        done = recipe.run(honest(recipe, recipe.work / "runs" / "small", epsilon="0.5", cohorts='"disjoint"', rounds="2"), timeout=200)
     finally:
         recipe.set_policy("superlink", POLICY)
     assert done.returncode != 0 and "finished:completed" not in done.stdout, done.stdout[-3000:]
