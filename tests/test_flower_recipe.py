@@ -235,7 +235,6 @@ def test_rogue_superexec_without_the_secret_gets_no_run(recipe):
 @pytest.mark.parametrize(("extra", "rule"), [
     ({"epsilon": "inf"}, "max-epsilon"),
     ({"__run": "secure-noise=false"}, "require-secure-noise"),
-    ({"epsilon": "4.0"}, "max-epsilon"),  # 4 + 4 + 2 spent would be 10 > 8: the budget ledger refuses
 ])
 def test_run_configs_outside_the_policy_are_refused_by_the_serverapp(recipe, extra, rule):
     before = (recipe.link / "lab-budget.json").read_text()
@@ -244,6 +243,25 @@ def test_run_configs_outside_the_policy_are_refused_by_the_serverapp(recipe, ext
     done = recipe.run(honest(recipe, recipe.work / "runs" / f"refused-{rule}", **extra) + tail, timeout=200)
     assert done.returncode != 0 and f"rule '{rule}'" in done.stdout, done.stdout[-3000:]
     assert (recipe.link / "lab-budget.json").read_text() == before  # nothing charged
+
+
+def test_a_run_beyond_the_federations_budget_is_refused_before_any_release(recipe):
+    """Users 0..149 have spent (after the earlier tests) 6 of the lab's 8; a run of epsilon=4 is
+    refused by the budget ledger before discovery, and nothing is charged. (Run alone, the test
+    first spends the budget with a run of its own.)"""
+    from fedpers.policy import BudgetLedger
+
+    ledger = BudgetLedger(recipe.link / "lab-budget.json", "lab")
+    spent = ledger.spent((0, 150))[0]
+    if spent + 4.0 <= 8.0:
+        first = recipe.run(honest(recipe, recipe.work / "runs" / "spend", epsilon=str(8.0 - spent - 2.0)))
+        assert "finished:completed" in first.stdout, first.stdout[-3000:]
+    before = (recipe.link / "lab-budget.json").read_text()
+    out = recipe.work / "runs" / "over-budget"
+    done = recipe.run(honest(recipe, out, epsilon="4.0"), timeout=200)
+    assert done.returncode != 0 and "rule 'max-epsilon'" in done.stdout and "have spent epsilon=6" in done.stdout, done.stdout[-3000:]
+    assert (recipe.link / "lab-budget.json").read_text() == before  # nothing charged
+    assert not (out / "rounds.jsonl").exists()  # no round, no release
 
 
 def test_algorithm_outside_the_policy_is_refused(recipe):
