@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--supernodes", type=int, default=1, help="SuperNode key pairs to create (default 1)")
     ce.add_argument("--days", type=int, default=365, help="certificate validity in days (default 365)")
     ce.add_argument("--force", action="store_true", help="overwrite the keys in an existing directory")
+    ce.add_argument("--port", type=int, default=9092, help="the network port SuperNodes connect to: fleet-proxy, the Fleet API only (default 9092)")
+    ce.add_argument("--link-port", type=int, default=9093, help="the SuperLink's own port, on 127.0.0.1 (default 9093)")
+    ce.add_argument("--node-port", type=int, default=9094, help="SuperNode I's local port is this + I (default 9094)")
+    ce.add_argument("--listen", default="0.0.0.0", help="the address fleet-proxy listens on (default 0.0.0.0)")
+    ce.add_argument("--data-file", default="/data/users.npz", help="each SuperNode's data file (default /data/users.npz)")
+    ce.add_argument("--app", default="", help="the lab's checkout: its FAB hash goes into --trust-app (default: a $(fedpers deploy app-hash ...) placeholder)")
+    ce.add_argument("--policy", type=Path, help="the lab's privacy policy TOML to copy to every machine (default: a template with max-epsilon 8, min-units 50)")
     dr = dsub.add_parser("run", help="flwr run, stream the logs, wait; exit 0 only if the run completed (flwr run --stream exits 0 either way)", allow_abbrev=False)
     dr.add_argument("superlink", help="the flwr SuperLink connection name (e.g. deployment)")
     dr.add_argument("--app", default=".", help="the Flower app directory (default: .)")
@@ -85,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--trust-app SHA256 ...] and flower-superexec's flags, e.g. --runtime-api-address 127.0.0.1:9094 --insecure")
     sn = dsub.add_parser("supernode", help="flower-supernode (same flags) with warm ClientApps, polling every --poll s (default 0.2) instead of 3 s", allow_abbrev=False)
     sn.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--poll S] [--trust-app SHA256 ...] and flower-supernode's flags; --trust-app: run only the apps with these FAB hashes")
+    fp = dsub.add_parser("fleet-proxy", help="the SuperLink's network face: its Fleet API only (TLS), the loopback SuperLink behind it", allow_abbrev=False)
+    fp.add_argument("proxy_args", nargs=argparse.REMAINDER, help="--listen HOST:PORT --superlink 127.0.0.1:PORT --ssl-certfile --ssl-keyfile --ssl-ca-certfile")
     ah = dsub.add_parser("app-hash", help="the SHA-256 of the Flower app (FAB) that `flwr run DIR` sends: what a SuperNode's --trust-app lists", allow_abbrev=False)
     ah.add_argument("app", nargs="?", default=".", help="the Flower app directory (default: .)")
     au = sub.add_parser("audit", help="empirical lower bound on ε from canary users, beside the proven ε", allow_abbrev=False,
@@ -245,13 +254,28 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
         print(app_hash(args.app))
         return 0
+    if args.deploy_command == "fleet-proxy":
+        from fedpers.fleetproxy import main as proxy
+
+        return proxy(list(args.proxy_args))
     if args.deploy_command in ("superexec", "supernode"):  # reached only without flags (main() passes flags through)
         from fedpers.deploy import forkserver, supernode
 
         return (forkserver.superexec if args.deploy_command == "superexec" else supernode.supernode)(list(args.flower_args))
 
-    files = make_certs(args.dir, args.host, args.supernodes, days=args.days, force=args.force)
-    print(f"wrote {len(files)} files to {args.dir} (private keys mode 0600):", ", ".join(sorted(p.name for p in files.values())))
+    from fedpers.policy import load_policy
+
+    if args.policy is not None:
+        load_policy(args.policy)  # a malformed policy is refused before anything is written
+    app_hash = ""
+    if args.app:
+        from fedpers.deploy.forkserver import app_hash as fab_hash
+
+        app_hash = fab_hash(args.app)
+    files = make_certs(args.dir, args.host, args.supernodes, days=args.days, force=args.force, port=args.port, link_port=args.link_port,
+                       node_port=args.node_port, listen=args.listen, data_file=args.data_file, app_hash=app_hash,
+                       policy=args.policy.read_text() if args.policy is not None else None)
+    print(f"wrote {len(files)} files to {args.dir} (directories 0700, files 0600), one directory per machine:", ", ".join(sorted(files)))
     print(files["commands.txt"].read_text(), end="")
     return 0
 
@@ -353,6 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import signal
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["deploy", "fleet-proxy"]:  # its own flags (argparse.REMAINDER would take none before a flag)
+        from fedpers.fleetproxy import main as proxy
+
+        return proxy(argv[2:])
     if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
         from fedpers.deploy import forkserver, supernode
 

@@ -158,11 +158,48 @@ def test_with_trusted_apps_other_task_types_never_reach_flowers_executor(monkeyp
     fallback = types.SimpleNamespace(launch=lambda spec: launched.append(spec) or LaunchResult.accepted())
     executor = object.__new__(forkserver.ForkServerExecutor)
     executor.fallback, executor.trusted = fallback, frozenset({"a" * 64})
-    other = next(t for t in TaskType if t != TaskType.CLIENT_APP)
+    other = next(t for t in TaskType if t not in (TaskType.CLIENT_APP, TaskType.SERVER_APP))  # ServerApps: the next test
     result = executor.launch(types.SimpleNamespace(task_type=other, task_id=1))
     assert result.status == "failed" and launched == []
     executor.trusted = frozenset()
     assert executor.launch(types.SimpleNamespace(task_type=other, task_id=2)).status == "accepted" and len(launched) == 1
+
+
+def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_guard() -> None:
+    """Issue 23: with --trust-app, every ServerApp task is launched by Flower's executor with
+    flwr-serverapp replaced by `python -m fedpers.appguard` (which refuses an unlisted FAB on its bytes)."""
+    import sys
+
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.superexec.executor import LaunchResult
+    from flwr.supercore.superexec.executor import subprocess_executor as flower
+
+    commands: list = []
+
+    def launch(spec):
+        commands.append(flower.subprocess)
+        return LaunchResult.accepted()
+
+    executor = object.__new__(forkserver.ForkServerExecutor)
+    executor.fallback, executor.trusted = types.SimpleNamespace(launch=launch), frozenset({"a" * 64})
+    for i, digest in enumerate(["b" * 64, "a" * 64, None]):  # unlisted, listed, unknown: all through the guard, never Flower's own
+        assert executor.launch(types.SimpleNamespace(task_type=TaskType.SERVER_APP, task_id=i + 1, fab_hash=digest)).status == "accepted"
+    from fedpers.appguard import _GuardedLauncher
+
+    assert len(commands) == 3 and all(isinstance(c, _GuardedLauncher) for c in commands)
+    assert flower.subprocess.__name__ == "subprocess"  # restored after each launch
+    started: list = []
+    guard = _GuardedLauncher()
+    import subprocess
+
+    real = subprocess.Popen
+    subprocess.Popen = lambda cmd, *a, **k: started.append(cmd)
+    try:
+        guard.Popen(["flwr-serverapp", "--token", "t"])
+        guard.Popen(["flwr-clientapp", "--token", "t"])
+    finally:
+        subprocess.Popen = real
+    assert started == [[sys.executable, "-m", "fedpers.appguard", "--token", "t"], ["flwr-clientapp", "--token", "t"]]
 
 
 def test_app_hash_is_the_hash_of_the_fab_flwr_run_sends(tmp_path: Path) -> None:

@@ -102,16 +102,16 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
     port = free_port()
     with Processes(tmp_path, env) as procs:
         link, link_log = procs.start("superlink", [
-            "flower-superlink", "--host", "127.0.0.1", "--port", str(port), "--ssl-ca-certfile", str(certs / "ca.crt"),
-            "--ssl-certfile", str(certs / "superlink.crt"), "--ssl-keyfile", str(certs / "superlink.key"),
+            "flower-superlink", "--host", "127.0.0.1", "--port", str(port), "--ssl-ca-certfile", str(certs / "superlink" / "ca.crt"),
+            "--ssl-certfile", str(certs / "superlink" / "superlink.crt"), "--ssl-keyfile", str(certs / "superlink" / "superlink.key"),
             "--enable-supernode-auth", "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
         wait_for_log(link_log, "Starting Flower SuperExec", link)
         home = tmp_path / "cli-home"
         home.mkdir()
-        (home / "config.toml").write_text(f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{certs / "ca.crt"}"\n')
+        (home / "config.toml").write_text(f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{certs / "superlink" / "ca.crt"}"\n')
         flwr = shutil.which("flwr") or "flwr"
         for i in range(2):  # supernode-2's key is never registered
-            reg = subprocess.run([flwr, "supernode", "register", str(certs / f"supernode-{i}.pub"), "deployment"], env={**env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=120)
+            reg = subprocess.run([flwr, "supernode", "register", str(certs / "superlink" / f"supernode-{i}.pub"), "deployment"], env={**env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=120)
             assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
 
         from fedpers.deploy.forkserver import app_hash
@@ -119,9 +119,9 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
         ours = app_hash(str(ROOT))
 
         def supernode(name: str, key: str, partition: int, ca: bool = True):
-            cmd = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--trust-app", ours, "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--auth-supernode-private-key", str(certs / key),
+            cmd = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--trust-app", ours, "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--auth-supernode-private-key", str(certs / key.removesuffix(".key") / key),
                    "--node-config", f"partition-id={partition} num-partitions=2"]
-            return procs.start(name, cmd + (["--root-certificates", str(certs / "ca.crt")] if ca else []), FLWR_HOME=str(tmp_path / f"{name}-home"))
+            return procs.start(name, cmd + (["--root-certificates", str(certs / "supernode-0" / "ca.crt")] if ca else []), FLWR_HOME=str(tmp_path / f"{name}-home"))
 
         supernode("node0", "supernode-0.key", 0)
         supernode("node1", "supernode-1.key", 1)

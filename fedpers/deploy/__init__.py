@@ -3,7 +3,8 @@ or a Flower simulation imports this package: tests/test_import_layers.py).
 
 Public Flower only, on every supported Flower series:
 
-- :mod:`.certs`: ``fedpers deploy certs DIR``: CA, SuperLink certificate, SuperNode keys, the commands;
+- :mod:`.certs`: ``fedpers deploy certs DIR``: one directory per machine (CA, SuperLink certificate, SuperNode
+  keys, the SuperExec secret, the lab policy) and the commands (:mod:`fedpers.recipe`);
 - :mod:`.run`: ``fedpers deploy run``: ``flwr run`` that exits non-zero unless the run completed;
 
 Flower's private internals, gated by :mod:`.flower` to the Flower series they were checked on
@@ -16,7 +17,7 @@ Flower's private internals, gated by :mod:`.flower` to the Flower series they we
 - :mod:`.pulls`: shorter retries for message objects that have not arrived yet (in those processes,
   and in a deployed ServerApp: ``server/server_app.py``).
 """
-from fedpers.deploy.certs import commands, make_certs
+from fedpers.deploy.certs import make_certs
 from fedpers.deploy.run import run_and_wait
 
-__all__ = ["commands", "make_certs", "run_and_wait"]
+__all__ = ["make_certs", "run_and_wait"]

@@ -31,22 +31,7 @@ from fedpers.deploy.pulls import quick_object_pulls
 POLL_INTERVAL = "0.05"
 
 
-TRUSTED_APPS_ENV = "FEDPERS_TRUSTED_APPS"
-"""Comma-separated SHA-256s of the FABs (Flower app bundles) this node may run; unset: any app."""
-
-
-class UntrustedApp(RuntimeError):
-    """A ClientApp whose FAB is not in ``$FEDPERS_TRUSTED_APPS``: refused before any of its code loads."""
-
-
-def trusted_apps() -> frozenset[str]:
-    """The FAB SHA-256s in ``$FEDPERS_TRUSTED_APPS`` (empty: no restriction)."""
-    text = os.environ.get(TRUSTED_APPS_ENV, "")
-    found = frozenset(h.strip().lower() for h in text.replace(" ", ",").split(",") if h.strip())
-    bad = sorted(h for h in found if len(h) != 64 or any(c not in "0123456789abcdef" for c in h))
-    if bad:
-        raise SystemExit(f"{TRUSTED_APPS_ENV} / --trust-app: expected SHA-256 hex digests (fedpers deploy app-hash DIR); got {bad}")
-    return found
+from fedpers.deploy.trust import TRUSTED_APPS_ENV, UntrustedApp, trusted_apps  # noqa: E402,F401  (re-exported)
 
 
 def _install_trusted_once(install: Any) -> Any:
@@ -156,6 +141,10 @@ class ForkServerExecutor:
         from flwr.supercore.constant import TaskType
         from flwr.supercore.superexec.executor import LaunchResult
 
+        if spec.task_type == TaskType.SERVER_APP and self.trusted:  # issue 23: the SuperLink side of --trust-app
+            from fedpers.appguard import launch_serverapp
+
+            return launch_serverapp(self.fallback, spec, self.trusted)
         if spec.task_type != TaskType.CLIENT_APP:
             if self.trusted:
                 return LaunchResult.failed(f"{TRUSTED_APPS_ENV} is set: this node runs only ClientApps of trusted apps, not {spec.task_type}")

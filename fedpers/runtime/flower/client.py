@@ -104,6 +104,19 @@ def _disk_cached(key: tuple, load: Any) -> Units:
 
     name = hashlib.sha256(json.dumps([__version__, *map(str, key), stamp]).encode()).hexdigest()[:32] + ".pt"
     path = Path(directory) / name
+    # --- issue 23: raw user data at rest: created 0700; a directory others can reach fails the task ---
+    from fedpers.securefs import UnsafeDirectory, private_dir
+
+    try:
+        private_dir(path.parent)
+    except UnsafeDirectory:
+        raise
+    except OSError as e:  # cannot be made: costs speed, never the round
+        import logging
+
+        logging.getLogger("fedpers.flower").warning("%s=%s cannot be written (%s); this node loads its users for every message", NODE_CACHE_ENV, directory, e)
+        return load()
+    # --- end issue 23 ---
     if path.is_file():
         try:
             return torch.load(path, mmap=True, weights_only=True)
@@ -112,8 +125,9 @@ def _disk_cached(key: tuple, load: Any) -> Units:
     units = load()
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        torch.save(dict(units), tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # issue 23: 0600, never 0644
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(units), f)
         os.replace(tmp, path)
     except OSError as e:  # a cache that cannot be written costs speed, never the round
         import contextlib
@@ -147,8 +161,17 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
     start = time.perf_counter()
     task = codec.decode_task(message.content)
     data_file = str(context.node_config.get(codec.DATA_FILE, "") or "")
+    # --- issue 23: the lab's policy ($FEDPERS_POLICY), checked on every task before any computation ---
+    from fedpers.policy import active_policy, check_task
+
+    policy = active_policy()
+    if policy is not None:  # the range asked for, before any user is loaded
+        check_task(policy, task.job.algorithm, json.loads(task.job.config_json), task.stop - task.start)
     node = node_job(task.job, data_file, build)
     units = node_units(task.job, data_file, node, task.start, task.stop)
+    if policy is not None:  # the users this round's message would be computed over (a cohort may be fewer)
+        check_task(policy, task.job.algorithm, json.loads(task.job.config_json), node.protocol.units_in_round(task.round, units))
+    # --- end issue 23 ---
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
     reply = client_message(node.protocol, task.round, broadcast, units)

@@ -220,6 +220,10 @@ def run_on_grid(
     else:
         nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
     federation = Federation(nodes, unit_ranges(num_units, num, options.users_per_node), time.perf_counter() - start)
+    from fedpers.policy import active_policy, check_partitions
+
+    if (policy := active_policy()) is not None:
+        check_partitions(policy, {p: len(r) for p, r in enumerate(federation.ranges)})  # issue 23: no partition below min-units
     if on_discovery is not None:
         on_discovery(federation)
     gather = GridGather(grid, job, federation, options.round_timeout, stop, protocol)

@@ -1,0 +1,252 @@
+"""The lab's privacy policy for a Flower deployment, enforced by the ServerApp and by every node.
+
+A deployment's run-config comes from whoever submits the run; the policy comes from the lab, as a
+TOML file on each machine (``$FEDPERS_POLICY``), so what a release may cost is the lab's decision,
+not the submitter's::
+
+    federation = "lab-2026"           # names the budget ledger below
+    max-epsilon = 8.0                 # per user, summed over every run of this federation
+    max-delta = 1e-5                  # per user, summed over every run of this federation
+    require-secure-noise = true       # the ServerApp refuses secure-noise=false (seeded noise)
+    min-units = 50                    # no node computes a message over fewer users
+    algorithms = ["altmin", "dpals"]  # what may run
+    ledger = "budget.json"            # the federation's budget ledger (relative to this file;
+                                      # default: FEDERATION-budget.json beside it)
+
+Runs compose by basic composition (ε and δ add up): a user's spent budget is the sum of the
+(target) ε, δ of every run that included them, unit ids naming the same users across the runs of
+one federation. :class:`BudgetLedger` charges a run before its first release and refuses one that
+would take any user above the policy; a charged run is never refunded (its releases may have
+happened). See docs/flower.md (Security) for who enforces which rule.
+
+Every refusal is a :class:`PolicyRefused` naming the rule.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+POLICY_ENV = "FEDPERS_POLICY"
+"""Path of the lab's policy TOML on this machine (SuperExec and SuperNode inherit it); unset: no policy."""
+
+_KEYS = ("federation", "max-epsilon", "max-delta", "require-secure-noise", "min-units", "algorithms", "ledger")
+
+
+class PolicyRefused(ValueError):
+    """A run or a task outside the lab's policy; ``rule`` is the policy key it breaks."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(f"lab policy, rule {rule!r}: {message}")
+        self.rule = rule
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The lab's limits (see the module docstring for the file format)."""
+
+    federation: str
+    max_epsilon: float
+    max_delta: float
+    require_secure_noise: bool = True
+    min_units: int = 1
+    algorithms: tuple[str, ...] = ()
+    ledger: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.federation or not self.federation.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"policy federation must be a non-empty name of letters, digits, - and _; got {self.federation!r}")
+        if not (self.max_epsilon > 0 and math.isfinite(self.max_epsilon)):
+            raise ValueError(f"policy max-epsilon must be finite and > 0; got {self.max_epsilon}")
+        if not 0 < self.max_delta < 1:
+            raise ValueError(f"policy max-delta must be in (0, 1); got {self.max_delta}")
+        if self.min_units < 1:
+            raise ValueError(f"policy min-units must be an integer >= 1; got {self.min_units}")
+        if not self.algorithms:
+            raise ValueError("policy algorithms must list at least one algorithm")
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read a policy TOML; a malformed file is a ValueError naming the key (the run is refused)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{POLICY_ENV}: cannot read the policy {path}: {e}") from None
+    unknown = sorted(set(raw) - set(_KEYS))
+    missing = sorted({"federation", "max-epsilon", "max-delta", "algorithms"} - set(raw))
+    if unknown or missing:
+        raise ValueError(f"policy {path}: unknown keys {unknown}, missing keys {missing}; keys: {list(_KEYS)}")
+    algorithms = raw["algorithms"]
+    if not isinstance(algorithms, list) or not all(isinstance(a, str) for a in algorithms):
+        raise ValueError(f"policy algorithms must be a list of names; got {algorithms!r}")
+    for key, kind in (("max-epsilon", (int, float)), ("max-delta", (int, float)), ("min-units", int), ("require-secure-noise", bool), ("federation", str), ("ledger", str)):
+        if key in raw and (not isinstance(raw[key], kind) or (kind is int and isinstance(raw[key], bool))):
+            raise ValueError(f"policy {key} has the wrong type: {raw[key]!r}")
+    ledger = raw.get("ledger")
+    return Policy(
+        federation=raw["federation"], max_epsilon=float(raw["max-epsilon"]), max_delta=float(raw["max-delta"]),
+        require_secure_noise=raw.get("require-secure-noise", True), min_units=raw.get("min-units", 1),
+        algorithms=tuple(algorithms), ledger=(path.parent / (ledger or f"{raw['federation']}-budget.json")).resolve(),
+    )
+
+
+def active_policy() -> Policy | None:
+    """The policy named by ``$FEDPERS_POLICY`` (None when unset)."""
+    path = os.environ.get(POLICY_ENV, "")
+    return load_policy(path) if path else None
+
+
+def _privacy(config: Mapping[str, Any] | Any) -> tuple[float, float]:
+    """(ε, δ) a config targets; an algorithm without them is non-private (ε = ∞)."""
+    get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
+    epsilon, delta = get("epsilon", math.inf), get("delta", 1.0)
+    return float(epsilon), float(delta)
+
+
+def check_run(policy: Policy, algorithm: str, config: Mapping[str, Any] | Any, *, secure_noise: bool) -> tuple[float, float]:
+    """The ServerApp's check, before any work: the run's algorithm, its ε and δ alone, its noise.
+
+    Returns the run's (ε, δ) for :meth:`BudgetLedger.charge` (which checks the cumulative budget)."""
+    if algorithm not in policy.algorithms:
+        raise PolicyRefused("algorithms", f"{algorithm!r} is not allowed; allowed: {list(policy.algorithms)}")
+    epsilon, delta = _privacy(config)
+    if not epsilon <= policy.max_epsilon:
+        raise PolicyRefused("max-epsilon", f"the run asks for epsilon={epsilon}, the lab allows at most {policy.max_epsilon} per user over all runs")
+    if not delta <= policy.max_delta:
+        raise PolicyRefused("max-delta", f"the run asks for delta={delta}, the lab allows at most {policy.max_delta} per user over all runs")
+    if policy.require_secure_noise and not secure_noise:
+        raise PolicyRefused("require-secure-noise", "secure-noise=false (noise reproducible from a seed) is not allowed")
+    return epsilon, delta
+
+
+def check_task(policy: Policy, algorithm: str, config: Mapping[str, Any], units: int) -> None:
+    """A node's check of every task, before it computes: the algorithm, the run's ε and δ, and
+    the number of units (users) the message would be computed over."""
+    if algorithm not in policy.algorithms:
+        raise PolicyRefused("algorithms", f"{algorithm!r} is not allowed on this node; allowed: {list(policy.algorithms)}")
+    epsilon, delta = _privacy(config)
+    if not epsilon <= policy.max_epsilon:
+        raise PolicyRefused("max-epsilon", f"the task's run has epsilon={epsilon}, the lab allows at most {policy.max_epsilon}")
+    if not delta <= policy.max_delta:
+        raise PolicyRefused("max-delta", f"the task's run has delta={delta}, the lab allows at most {policy.max_delta}")
+    if units < policy.min_units:
+        raise PolicyRefused("min-units", f"the task asks for a message over {units} users, the lab's minimum is {policy.min_units}")
+
+
+def check_partitions(policy: Policy, sizes: Mapping[int, int]) -> None:
+    """The ServerApp's check of the split (partition → number of units) before the first round."""
+    small = {p: n for p, n in sorted(sizes.items()) if n < policy.min_units}
+    if small:
+        raise PolicyRefused("min-units", f"partitions {small} hold fewer users than the lab's minimum {policy.min_units}")
+
+
+@dataclass(frozen=True)
+class Charge:
+    """One run's entry in a federation's budget ledger."""
+
+    run: str
+    epsilon: float
+    delta: float
+    units: tuple[int, int]
+    time: float
+
+
+class BudgetLedger:
+    """The per-user budget a federation has spent, one JSON file the ServerApp's user alone may write.
+
+    ``charge`` is atomic (an exclusive lock, a complete new file or none): two runs started at once
+    cannot both take the last of a user's budget."""
+
+    def __init__(self, path: str | Path, federation: str) -> None:
+        self.path, self.federation = Path(path), federation
+
+    def charges(self) -> list[Charge]:
+        if not self.path.exists():
+            return []
+        try:
+            raw = json.loads(self.path.read_text())
+            if raw.get("federation") != self.federation:
+                raise ValueError(f"it belongs to federation {raw.get('federation')!r}, not {self.federation!r}")
+            return [Charge(c["run"], float(c["epsilon"]), float(c["delta"]), (int(c["units"][0]), int(c["units"][1])), float(c["time"])) for c in raw["charges"]]
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"budget ledger {self.path}: unreadable ({e}); no run can be charged until it is repaired") from None
+
+    def spent(self, units: tuple[int, int]) -> tuple[float, float]:
+        """The most (ε, δ) any user with id in ``[units[0], units[1])`` has spent (ε and δ each maximised)."""
+        return _max_over(self.charges(), units)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        import fcntl
+
+        from fedpers.securefs import private_dir
+
+        private_dir(self.path.parent)
+        fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def charge(self, policy: Policy, run: str, units: tuple[int, int], epsilon: float, delta: float) -> Charge:
+        """Record ``run``'s (ε, δ) for users ``units``; refused (nothing written) if any of them would
+        exceed the policy. A run already charged (a resumed run) is not charged again."""
+        if units[0] < 0 or units[1] <= units[0]:
+            raise ValueError(f"units must be a non-empty range of ids; got {units}")
+        with self._locked():
+            charges = self.charges()
+            for c in charges:
+                if c.run == run:
+                    return c
+            eps, dl = _max_over(charges, units)
+            if not eps + epsilon <= policy.max_epsilon * (1 + 1e-12):
+                raise PolicyRefused("max-epsilon", f"federation {self.federation!r}: users in {list(units)} have spent epsilon={eps:g}; "
+                                    f"this run's {epsilon:g} would exceed the lab's {policy.max_epsilon:g}")
+            if not dl + delta <= policy.max_delta * (1 + 1e-12):
+                raise PolicyRefused("max-delta", f"federation {self.federation!r}: users in {list(units)} have spent delta={dl:g}; "
+                                    f"this run's {delta:g} would exceed the lab's {policy.max_delta:g}")
+            new = Charge(run, epsilon, delta, units, time.time())
+            from fedpers.securefs import write_private
+
+            body = {"federation": self.federation, "composition": "basic (epsilon and delta add up)",
+                    "charges": [c.__dict__ | {"units": list(c.units)} for c in [*charges, new]]}
+            write_private(self.path, (json.dumps(body, indent=1) + "\n").encode())
+            return new
+
+
+def _max_over(charges: list[Charge], units: tuple[int, int]) -> tuple[float, float]:
+    lo, hi = units
+    points = sorted({lo, *(c.units[0] for c in charges if lo < c.units[0] < hi)})
+    best_e = best_d = 0.0
+    for p in points:  # the spent budget is constant between these breakpoints
+        covering = [c for c in charges if c.units[0] <= p < c.units[1]]
+        best_e = max(best_e, sum(c.epsilon for c in covering))
+        best_d = max(best_d, sum(c.delta for c in covering))
+    return best_e, best_d
+
+
+def admit_run(policy: Policy, job: Any, run_id: str) -> Charge:
+    """The ServerApp's gate, before any work: ``job`` (a run-config's ServerJob) within the policy,
+    then charged to the federation's ledger (refused if a user would exceed the budget). A resumed
+    run is admitted only if the ledger already holds its charge (keyed by its run directory)."""
+    if policy.ledger is None:
+        raise ValueError("policy has no ledger path: load it with load_policy")
+    ledger = BudgetLedger(policy.ledger, policy.federation)
+    if job.resume is not None:
+        key = str(Path(job.resume).resolve())
+        for c in ledger.charges():
+            if c.run.split("|")[0] == key:
+                return c
+        raise PolicyRefused("max-epsilon", f"resume {key}: the federation's ledger holds no charge for this run, so its budget is unknown")
+    epsilon, delta = check_run(policy, job.experiment.name, job.cfg, secure_noise=bool(job.options.secure_noise))
+    key = f"{Path(job.out).resolve() if job.out is not None else ''}|flwr-run-{run_id}"  # a reused out directory is charged again
+    return ledger.charge(policy, key, (0, int(job.experiment.num_units(job.cfg))), epsilon, delta)
