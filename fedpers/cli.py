@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="fedpers", description="Federated simulator for DP personalization (billboard model).", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"fedpers {__version__}")
+    parser.add_argument("--verbose", action="store_true", help="show third-party deprecation notices and Flower/Ray warnings (hidden by default; accepted anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run", help="run one algorithm and write a run directory", allow_abbrev=False,
@@ -156,8 +157,16 @@ def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> N
             print(f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}  ({_fmt(c['value'])} vs {_fmt(c['bound'])})", file=out)
     if "dp_claimed" in result:
         print("DP claimed: " + ("yes" if result["dp_claimed"] else "NO (" + "; ".join(result.get("refused_because", [])) + ")"), file=out)
+    print_warnings(result, out)
     if "run_dir" in result:
         print(f"\nrun directory: {result['run_dir']}", file=out)
+
+
+def print_warnings(result: dict[str, Any], out: typing.TextIO | None = None) -> None:
+    """The result's warnings (a private result no better than a trivial baseline), loudly."""
+    out = out if out is not None else sys.stdout
+    for w in result.get("warnings", []):
+        print(f"\n!! WARNING: {w['text'] if isinstance(w, dict) else w}", file=out)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -192,6 +201,7 @@ def _print_result(result: dict[str, Any], as_json: bool) -> None:
 
     result = {k: v for k, v in result.items() if not k.startswith("_")}
     if as_json:
+        print_warnings(result, sys.stderr)  # stdout stays one JSON object; the warnings are in it too
         print(dumps(result, indent=None))
     else:
         print_summary(result)
@@ -257,6 +267,41 @@ def cmd_privacy(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DropNotices:
+    """A logging filter: Flower's "DEPRECATED FEATURE" notices and its actor-shutdown chatter,
+    which a user of ``fedpers`` cannot act on (fedpers, not the user, calls Flower)."""
+
+    PHRASES = ("DEPRECATED", "Manually terminating")
+
+    def filter(self, record: Any) -> bool:
+        text = str(record.msg)
+        return not any(p in text for p in self.PHRASES)
+
+
+NOISY_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
+def quiet_third_party(verbose: bool) -> None:
+    """Hide warnings about libraries' own future changes (Ray's FutureWarning, Flower's
+    DEPRECATED lines, numpy/torch deprecations) unless ``--verbose``; fedpers' own warnings and
+    every warning of another kind still show. Ray workers inherit the filter through
+    ``PYTHONWARNINGS``."""
+    import logging
+    import os
+    import warnings
+
+    if verbose:
+        return
+    for category in NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", category=category)
+        warnings.filterwarnings("default", category=category, module=r"fedpers(\.|$)")
+    os.environ.setdefault("PYTHONWARNINGS", ",".join(f"ignore::{c.__name__}" for c in NOISY_WARNINGS))
+    # Flower's ClientApp actors run in Ray workers, where a filter set here does not reach:
+    # Flower reads its console level from FLWR_LOG_LEVEL at import. Errors still show.
+    os.environ.setdefault("FLWR_LOG_LEVEL", "ERROR")
+    logging.getLogger("flwr").addFilter(_DropNotices())
+
+
 def _terminate(signum: int, frame: Any) -> None:
     """SIGTERM ends a run the way Ctrl-C does: its records (ledger, error.json) are written."""
     raise KeyboardInterrupt(f"signal {signum}")
@@ -267,6 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import signal
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in argv[: argv.index("--") if "--" in argv else len(argv)]
+    if verbose:
+        argv.remove("--verbose")
     if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
         from fedpers.runtime.flower import forkserver
 
@@ -274,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    if args.command != "deploy":  # `deploy run` streams Flower's own log: left as Flower prints it
+        quiet_third_party(verbose)
     try:
         return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy}[args.command](args)
     except ValueError as e:

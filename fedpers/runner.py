@@ -130,6 +130,9 @@ def execute(
         "privacy": privacy,
         "seconds": time.perf_counter() - start,
     }
+    warnings = experiment.result_warnings(cfg, result)  # a private result no better than a trivial one says so
+    if warnings:
+        result["warnings"] = warnings
     if run_dir is not None:
         run_dir.write_json("provenance.json", {**record, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         run_dir.remove("error.json")

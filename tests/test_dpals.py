@@ -43,7 +43,7 @@ def test_no_noise_no_clipping_matches_dense_als():
     protocol = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
     state, _ = run_local(protocol, units, Privatizer(0), chunk_size=37, progress=False)
-    ref = dense_als_reference(protocol.initial_U, units, cfg.steps, cfg.ridge_user, cfg.ridge_item)
+    ref = dense_als_reference(protocol.initial_U, units, cfg.steps, cfg.ridge_user, protocol.ridge_item)
     torch.testing.assert_close(state["U"], ref, rtol=1e-6, atol=1e-6)
 
 

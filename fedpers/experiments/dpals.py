@@ -40,7 +40,7 @@ class DpAlsConfig:
     steps: int = field(5, "T: ALS rounds", ge=1)
     items_per_user: int = field(20, "B: items a user contributes statistics for per round", ge=1)
     ridge_user: float = field(0.1, "λ of the users' ridge solves", gt=0.0)
-    ridge_item: float = field(1.0, "λ of the server's per-item solves", gt=0.0)
+    ridge_item: float = field(0.0, "λ of the server's per-item solves (auto or 0: max(1, σ_G), the noise std of each entry of G, so noise alone cannot blow up U_i)", ge=0.0, words={"auto": 0.0})
     clip_embedding: float = field(3.0, "c_v: per-item clip scale of ||v|| (0: no clipping)", ge=0.0)
     clip_rating: float = field(3.0, "c_r: per-item clip scale of |r| (0: no clipping)", ge=0.0)
     epsilon: float = field(1.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
@@ -127,11 +127,21 @@ def make_protocol(cfg: DpAlsConfig) -> DpAlsProtocol:
         z = calibrate_noise_multiplier(lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta)
     return DpAlsProtocol(
         n_items=n_items(cfg), rank=cfg.rank, steps=cfg.steps, items_per_user=cfg.items_per_user,
-        ridge_user=cfg.ridge_user, ridge_item=cfg.ridge_item, gram_bound=g, rhs_bound=b,
+        ridge_user=cfg.ridge_user, ridge_item=item_ridge(cfg, z), gram_bound=g, rhs_bound=b,
         noise_multiplier=z, initial_U=initial_U(cfg).to(getattr(torch, cfg.dtype)), dtype_name=cfg.dtype,
         prelude=prelude(cfg), head_items=cfg.head_items,
         rating_bound=math.sqrt(cfg.items_per_user) * (cfg.clip_rating if cfg.clip_rating > 0 else math.inf),
     )
+
+
+def item_ridge(cfg: DpAlsConfig, z: float) -> float:
+    """λ of the per-item solves: the configured one, or (auto) max(1, σ_G) with σ_G = 2·Γ_G·z the
+    std of the noise on each entry of G_i: a ridge below it lets noise alone make U_i huge
+    (measured: ε = 1, 20,000 users, λ = 1 gave test RMSE 8.0 against 0.99 for the global mean).
+    Public: derived from the calibrated multiplier and the declared bound only."""
+    if cfg.ridge_item > 0:
+        return cfg.ridge_item
+    return max(1.0, 2 * bounds(cfg)[0] * z) if z > 0 else 1.0
 
 
 def load_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:

@@ -23,7 +23,7 @@ import torch
 from fedpers import linalg, memory
 from fedpers.config import MAX_EPSILON, field
 from fedpers.data import prompts as prompt_data
-from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
+from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Accountant, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
@@ -356,6 +356,7 @@ class NoisyHeadEvaluator(Evaluator):
         out["baselines"] = {
             "ridge": {"excess_risk": 0.0, "test_mse": self.mse(self.gamma_star), "gamma_norm": float(torch.linalg.vector_norm(self.gamma_star))},
             "nonprivate_gd": {"excess_risk": self.excess(gamma_gd), "test_mse": self.mse(gamma_gd)},
+            "zero_head": {"excess_risk": self.excess(torch.zeros_like(gamma)), "test_mse": self.mse(torch.zeros_like(gamma))},
         }
         if self.cfg.attack_c > 0:
             out.update(self.robustness())
@@ -400,6 +401,12 @@ class NoisyHeadExperiment(Experiment):
 
     name = "noisyhead"
     config_type = NoisyHeadConfig
+
+    def trivial_baselines(self, cfg: NoisyHeadConfig) -> list[Trivial]:
+        why = "the gradient noise swamps the signal: too few prompts N for this ε (raise --prompts or --epsilon"
+        if cfg.calibration is Calibration.PAPER:
+            why += "; --calibration accountant adds the smallest noise that meets (ε, δ), the paper's per-step rule adds far more"
+        return [Trivial("excess_risk", "zero_head", why=why + ")")]
 
     def protocol(self, cfg: NoisyHeadConfig) -> NoisyHeadProtocol:
         self.plan(cfg)
