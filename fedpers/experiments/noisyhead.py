@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import dp_accounting
 import torch
@@ -407,6 +407,17 @@ class NoisyHeadExperiment(Experiment):
         if cfg.calibration is Calibration.PAPER:
             why += "; --calibration accountant adds the smallest noise that meets (ε, δ), the paper's per-step rule adds far more"
         return [Trivial("excess_risk", "zero_head", why=why + ")")]
+
+    def result_warnings(self, cfg: NoisyHeadConfig, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+        warnings = super().result_warnings(cfg, result)
+        base = result.get("baselines", {})
+        ridge, zero = base.get("ridge", {}).get("test_mse"), base.get("zero_head", {}).get("test_mse")
+        if warnings and isinstance(ridge, float) and isinstance(zero, float) and ridge > 0.99 * zero:
+            for w in warnings:  # the target itself is no better than predicting 0: say so, it is the real reason
+                w["text"] += (f"; note that the ridge target Γ* itself predicts no better than the zero head (test MSE "
+                              f"{ridge:.4g} against {zero:.4g}): this regime's λ shrinks it to about 0, so lower --ridge-lambda "
+                              "for a task with something to learn")
+        return warnings
 
     def protocol(self, cfg: NoisyHeadConfig) -> NoisyHeadProtocol:
         self.plan(cfg)
