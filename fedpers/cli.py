@@ -60,10 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--workers", type=int, default=1, help="points run concurrently on Ray (default 1: one at a time, no Ray)")
     sw.add_argument("--ray-address", default="", help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray")
     sw.add_argument("--quiet", action="store_true")
+    _add_tracking(sw)
     rs = sub.add_parser("resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False)
     rs.add_argument("run_dir", type=Path)
     rs.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     rs.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_tracking(rs)
     cp = sub.add_parser("compare", help="runs side by side: ε spent, noise, primary metrics, time; optional figure", allow_abbrev=False)
     cp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     cp.add_argument("--json", action="store_true", help="print one JSON object (rows and metric columns)")
@@ -105,9 +107,28 @@ def algorithm_parser(name: str) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_tracking(p)
     _add_fields(p.add_argument_group(f"{name} options"), exp.config_type)
     _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
     return p
+
+
+def _add_tracking(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--track", choices=["tensorboard", "mlflow"], help="also log the run (config, per-round metrics, ε after each release, final metrics, baselines, figures) to TensorBoard or MLflow (pip install 'fedpers[track]')")
+    p.add_argument("--track-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else MLflow's default sqlite:///mlflow.db); TensorBoard: the log directory (default: RUN_DIR/tensorboard)")
+
+
+def _track(kind: str | None, uri: str | None, *, run_dir: str | None = None, sweep_dir: str | None = None) -> None:
+    if not kind:
+        return
+    from fedpers import tracking
+
+    if sweep_dir is not None:
+        where = tracking.track_sweep(sweep_dir, kind, uri=uri) if kind == "mlflow" else tracking.track_sweep(sweep_dir, kind)
+        print(f"tracked {len(where['points'])} sweep points in {kind}", file=sys.stderr)
+    elif run_dir is not None:
+        where = tracking.track_run(run_dir, kind, uri=uri if kind == "mlflow" else None, logdir=uri if kind == "tensorboard" else None)
+        print(f"tracked in {kind}: " + ", ".join(f"{k} {v}" for k, v in where.items() if k != "tracker"), file=sys.stderr)
 
 
 def split_values(cls: type, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -184,15 +205,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             values.update(tomllib.loads(args.config.read_text()))
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"config: cannot read {args.config}: {e}") from None
-    skip = {"command", "algorithm", "config", "out", "json", "quiet"}
+    skip = {"command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri"}
     values.update({k: v for k, v in vars(args).items() if k not in skip})
     algo_values, runtime_values = split_values(exp.config_type, values)
     cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
+    if args.track:
+        from fedpers.tracking import check
+
+        check(args.track)  # a missing extra is refused before any work
     for line in exp.plan(cfg):
         print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
     _print_result(result, args.json)
+    _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
     return 0
 
 
@@ -210,14 +236,25 @@ def _print_result(result: dict[str, Any], as_json: bool) -> None:
 def cmd_resume(args: argparse.Namespace) -> int:
     from fedpers.runner import resume_run
 
-    _print_result(resume_run(args.run_dir, progress=not (args.quiet or args.json)), args.json)
+    if args.track:
+        from fedpers.tracking import check
+
+        check(args.track)
+    result = resume_run(args.run_dir, progress=not (args.quiet or args.json))
+    _print_result(result, args.json)
+    _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
     return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from fedpers.sweep import run_sweep
 
-    run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
+    if args.track:
+        from fedpers.tracking import check
+
+        check(args.track)
+    summary = run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
+    _track(args.track, args.track_uri, sweep_dir=summary.get("out"))
     return 0
 
 

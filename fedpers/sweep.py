@@ -357,6 +357,7 @@ def run_sweep(
         write_table(rows, out / "table.csv")
     summary = {"spec": dataclasses.asdict(spec), "rows": len(rows), "points_run": ran, "points_reused": reused, "slopes": slopes, "figures": figures, "table": "table.csv", "parquet": "table.parquet"}
     write_atomic(out / "sweep.json", dumps(summary) + "\n")
+    summary["out"] = str(out)  # where it went (not part of sweep.json: the directory may move)
     print(f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}")
     for metric, per in slopes.items():
         for s, slope in per.items():
