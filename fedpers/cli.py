@@ -1,5 +1,5 @@
 """Command line: ``fedpers run ALGO``, ``fedpers resume RUN_DIR``, ``fedpers sweep FILE.toml``,
-``fedpers compare RUN_DIR...``, ``fedpers privacy RUN_DIR``."""
+``fedpers compare RUN_DIR...``, ``fedpers privacy RUN_DIR``, ``fedpers report RUN_DIR|SWEEP_DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     sn.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--poll S] [--trust-app SHA256 ...] and flower-supernode's flags; --trust-app: run only the apps with these FAB hashes")
     ah = dsub.add_parser("app-hash", help="the SHA-256 of the Flower app (FAB) that `flwr run DIR` sends: what a SuperNode's --trust-app lists", allow_abbrev=False)
     ah.add_argument("app", nargs="?", default=".", help="the Flower app directory (default: .)")
+    rp = sub.add_parser("report", help="one self-contained HTML page of a run or a sweep (privacy, ledger, metrics and baselines, figures, provenance)", allow_abbrev=False)
+    rp.add_argument("dir", type=Path, metavar="RUN_DIR|SWEEP_DIR")
+    rp.add_argument("--out", type=Path, help="the HTML file to write (default: DIR/report.html)")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -296,6 +299,13 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedpers.report import write_report
+
+    print(write_report(args.dir, args.out))
+    return 0
+
+
 def cmd_privacy(args: argparse.Namespace) -> int:
     from fedpers.privacy_report import privacy_report, privacy_summary
     from fedpers.results import dumps
@@ -362,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "deploy":  # `deploy run` streams Flower's own log: left as Flower prints it
         quiet_third_party(verbose)
     try:
-        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy}[args.command](args)
+        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy, "report": cmd_report}[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
