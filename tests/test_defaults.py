@@ -85,3 +85,18 @@ def test_dpals_full_defaults_beat_the_global_mean():
     exp = experiment("dpals")
     result = execute(exp, config_lib.build(exp.config_type, {}), write=False, progress=False)
     assert result["test_rmse"] < 0.9 * result["global_mean_rmse"] and "warnings" not in result
+
+
+def test_a_long_run_prints_its_estimate_from_the_first_chunk(monkeypatch, capsys):
+    """Time before cost: with the threshold at 0 s any multi-chunk run states its estimate, once."""
+    from fedpers.runtime import local
+
+    monkeypatch.setattr(local, "ESTIMATE_AFTER_S", 0.0)
+    exp = experiment("altmin")
+    cfg = config_lib.build(exp.config_type, {"n_users": 800, "dim": 4, "chunk_size": 100, "baselines": "none"})
+    execute(exp, cfg, write=False, progress=True)
+    err = capsys.readouterr().err
+    assert err.count("of client work") == 1
+    assert "3 round(s) × 8 chunk(s) of 100 units" in err
+    execute(exp, cfg, write=False, progress=False)  # --quiet: nothing
+    assert "of client work" not in capsys.readouterr().err
