@@ -246,9 +246,14 @@ class DpAlsExperiment(Experiment):
     primary_metric = "test_rmse"
 
     def trivial_baselines(self, cfg: DpAlsConfig) -> list[Trivial]:
-        why = ("too few users for this ε: the noise on the per-item statistics swamps them (user-level DPALS needs "
-               "10⁴–10⁶ users; raise --epsilon, use fewer --steps or --items-per-user, or learn only the popular items "
-               "with --head-items H); with uncentred ratings set --center to their public midpoint")
+        if math.isinf(cfg.epsilon):
+            why = ("with no noise the loss comes from the clipping and the few ALS rounds: raise --clip-rating or "
+                   "--clip-embedding, run more --steps, or tune --ridge-user / --ridge-item; with uncentred ratings set "
+                   "--center to their public midpoint")
+        else:
+            why = ("too few users for this ε: the noise on the per-item statistics swamps them (user-level DPALS needs "
+                   "10⁴–10⁶ users; raise --epsilon, use fewer --steps or --items-per-user, or learn only the popular items "
+                   "with --head-items H); with uncentred ratings set --center to their public midpoint")
         return [Trivial("test_rmse", "global_mean_rmse", why=why)]
 
     def protocol(self, cfg: DpAlsConfig) -> DpAlsProtocol:
