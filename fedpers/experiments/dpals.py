@@ -37,7 +37,7 @@ class DpAlsConfig:
     popularity: float = field(0.8, "a: item popularity ∝ (i+1)^(−a)", ge=0.0)
     noise_std: float = field(0.1, "rating noise of the synthetic data", ge=0.0)
     test_fraction: float = field(0.2, "per-user fraction of ratings held out for the test RMSE (seeded)", ge=0.0, lt=1.0)
-    steps: int = field(3, "T: ALS rounds", ge=1)
+    steps: int = field(5, "T: ALS rounds", ge=1)
     items_per_user: int = field(20, "B: items a user contributes statistics for per round", ge=1)
     ridge_user: float = field(0.1, "λ of the users' ridge solves", gt=0.0)
     ridge_item: float = field(0.0, "λ of the server's per-item solves (auto or 0: max(1, σ_G), the noise std of each entry of G, so noise alone cannot blow up U_i)", ge=0.0, words={"auto": 0.0})
