@@ -14,7 +14,8 @@ import html
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 STYLE = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
@@ -153,9 +154,9 @@ def sweep_report(sweep_dir: str | Path) -> str:
     if not isinstance(summary, Mapping):
         raise ValueError(f"report: {out} holds no finished sweep (no sweep.json)")
     spec = summary.get("spec", {})
-    sections = [f"<p>algorithm <b>{_e(spec.get('algorithm'))}</b> · x = {_e(spec.get('x'))} · series = {_e(spec.get('series'))} · "
-                f"{_e(summary.get('rows'))} rows ({_e(summary.get('points_run'))} points run, {_e(summary.get('points_reused'))} reused) · "
-                f"{_e(spec.get('repetitions', 1))} repetition(s) per point</p>"]
+    sections = [(f"<p>algorithm <b>{_e(spec.get('algorithm'))}</b> · x = {_e(spec.get('x'))} · series = {_e(spec.get('series'))} · "
+                 f"{_e(summary.get('rows'))} rows ({_e(summary.get('points_run'))} points run, {_e(summary.get('points_reused'))} reused) · "
+                 f"{_e(spec.get('repetitions', 1))} repetition(s) per point</p>")]
     sections.append("<h2>Specification</h2>" + table(["field", "value"], sorted(flatten(spec).items())))
     if (out / "table.csv").is_file():
         with open(out / "table.csv", newline="") as f:

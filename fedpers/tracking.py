@@ -23,7 +23,8 @@ import enum
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from fedpers.results import read_run
 

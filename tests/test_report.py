@@ -85,7 +85,7 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
 
     page = write_report(run_dir, tmp_path / "r.html")
     dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120).stdout
+                         capture_output=True, text=True, timeout=120, check=False).stdout
     result = json.loads((run_dir / "result.json").read_text())
     assert f"{result['epsilon']:.4g}" in _text(dom)
     assert len(re.findall(r"<img ", dom)) == len(result["plots"])

@@ -1,6 +1,7 @@
 """--track tensorboard|mlflow: the logs read back with each library's own reader."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -39,7 +40,7 @@ def test_tensorboard_logs_read_back(run_dir, tmp_path):
     eps = acc.Scalars("privacy/epsilon_spent")
     assert len(eps) == len(json.loads(run["ledger_text"]))  # one point per release
     assert [e.step for e in eps] == list(range(1, len(eps) + 1))
-    assert all(a.value <= b.value + 1e-6 for a, b in zip(eps, eps[1:]))  # ε only grows
+    assert all(a.value <= b.value + 1e-6 for a, b in itertools.pairwise(eps))  # ε only grows
     assert eps[-1].value == pytest.approx(result["epsilon"], rel=1e-3)  # the last is the run's ε
     rounds = acc.Scalars("round/subspace_error")
     assert [r.step for r in rounds] == [r["round"] for r in run["rounds"]]
