@@ -13,8 +13,8 @@ import csv
 import html
 import json
 import math
-from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 STYLE = """

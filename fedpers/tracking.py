@@ -22,8 +22,8 @@ from __future__ import annotations
 import enum
 import json
 import math
-from pathlib import Path
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from fedpers.results import read_run
