@@ -1,5 +1,5 @@
 """Command line: ``fedpers run ALGO``, ``fedpers resume RUN_DIR``, ``fedpers sweep FILE.toml``,
-``fedpers compare RUN_DIR...``, ``fedpers privacy RUN_DIR``."""
+``fedpers compare RUN_DIR...``, ``fedpers privacy RUN_DIR``, ``fedpers report RUN_DIR|SWEEP_DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="fedpers", description="Federated simulator for DP personalization (billboard model).", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"fedpers {__version__}")
+    parser.add_argument("--verbose", action="store_true", help="show third-party deprecation notices and Flower/Ray warnings (hidden by default; accepted anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run", help="run one algorithm and write a run directory", allow_abbrev=False,
@@ -60,10 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--ray-address", default="", help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray")
     sw.add_argument("--quiet", action="store_true")
     _add_select_flags(sw)
+    _add_tracking(sw)
     rs = sub.add_parser("resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False)
     rs.add_argument("run_dir", type=Path)
     rs.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     rs.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_tracking(rs)
     cp = sub.add_parser("compare", help="runs side by side: ε spent, noise, primary metrics, time; optional figure", allow_abbrev=False)
     cp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     cp.add_argument("--json", action="store_true", help="print one JSON object (rows and metric columns)")
@@ -100,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description=AUDIT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     au.add_argument("algorithm", choices=list(ALGORITHMS), metavar="ALGO", help="one of: " + ", ".join(ALGORITHMS))
     au.add_argument("args", nargs=argparse.REMAINDER, help="--canaries K [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags")
+    rp = sub.add_parser("report", help="one self-contained HTML page of a run or a sweep (privacy, ledger, metrics and baselines, figures, provenance)", allow_abbrev=False)
+    rp.add_argument("dir", type=Path, metavar="RUN_DIR|SWEEP_DIR")
+    rp.add_argument("--out", type=Path, help="the HTML file to write (default: DIR/report.html)")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
@@ -118,9 +124,28 @@ def algorithm_parser(name: str) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_tracking(p)
     _add_fields(p.add_argument_group(f"{name} options"), exp.config_type)
     _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
     return p
+
+
+def _add_tracking(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--track", choices=["tensorboard", "mlflow"], help="also log the run (config, per-round metrics, ε after each release, final metrics, baselines, figures) to TensorBoard or MLflow (pip install 'fedpers[track]')")
+    p.add_argument("--track-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else MLflow's default sqlite:///mlflow.db); TensorBoard: the log directory (default: RUN_DIR/tensorboard)")
+
+
+def _track(kind: str | None, uri: str | None, *, run_dir: str | None = None, sweep_dir: str | None = None) -> None:
+    if not kind:
+        return
+    from fedpers import tracking
+
+    if sweep_dir is not None:
+        where = tracking.track_sweep(sweep_dir, kind, uri=uri) if kind == "mlflow" else tracking.track_sweep(sweep_dir, kind)
+        print(f"tracked {len(where['points'])} sweep points in {kind}", file=sys.stderr)
+    elif run_dir is not None:
+        where = tracking.track_run(run_dir, kind, uri=uri if kind == "mlflow" else None, logdir=uri if kind == "tensorboard" else None)
+        print(f"tracked in {kind}: " + ", ".join(f"{k} {v}" for k, v in where.items() if k != "tracker"), file=sys.stderr)
 
 
 def split_values(cls: type, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -170,8 +195,16 @@ def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> N
             print(f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}  ({_fmt(c['value'])} vs {_fmt(c['bound'])})", file=out)
     if "dp_claimed" in result:
         print("DP claimed: " + ("yes" if result["dp_claimed"] else "NO (" + "; ".join(result.get("refused_because", [])) + ")"), file=out)
+    print_warnings(result, out)
     if "run_dir" in result:
         print(f"\nrun directory: {result['run_dir']}", file=out)
+
+
+def print_warnings(result: dict[str, Any], out: typing.TextIO | None = None) -> None:
+    """The result's warnings (a private result no better than a trivial baseline), loudly."""
+    out = out if out is not None else sys.stdout
+    for w in result.get("warnings", []):
+        print(f"\n!! WARNING: {w['text'] if isinstance(w, dict) else w}", file=out)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -189,15 +222,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             values.update(tomllib.loads(args.config.read_text()))
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"config: cannot read {args.config}: {e}") from None
-    skip = {"command", "algorithm", "config", "out", "json", "quiet"}
+    skip = {"command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri"}
     values.update({k: v for k, v in vars(args).items() if k not in skip})
     algo_values, runtime_values = split_values(exp.config_type, values)
     cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
+    if args.track:
+        from fedpers.tracking import check
+
+        check(args.track)  # a missing extra is refused before any work
     for line in exp.plan(cfg):
         print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
     _print_result(result, args.json)
+    _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
     return 0
 
 
@@ -206,6 +244,7 @@ def _print_result(result: dict[str, Any], as_json: bool) -> None:
 
     result = {k: v for k, v in result.items() if not k.startswith("_")}
     if as_json:
+        print_warnings(result, sys.stderr)  # stdout stays one JSON object; the warnings are in it too
         print(dumps(result, indent=None))
     else:
         print_summary(result)
@@ -214,7 +253,13 @@ def _print_result(result: dict[str, Any], as_json: bool) -> None:
 def cmd_resume(args: argparse.Namespace) -> int:
     from fedpers.runner import resume_run
 
-    _print_result(resume_run(args.run_dir, progress=not (args.quiet or args.json)), args.json)
+    if args.track:
+        from fedpers.tracking import check
+
+        check(args.track)
+    result = resume_run(args.run_dir, progress=not (args.quiet or args.json))
+    _print_result(result, args.json)
+    _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
     return 0
 
 
@@ -223,7 +268,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     if args.select is not None or args.private:
         return cmd_select(args)
-    run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
+    if args.track:
+        from fedpers.tracking import check
+
+        check(args.track)
+    summary = run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
+    _track(args.track, args.track_uri, sweep_dir=summary.get("out"))
     return 0
 
 
@@ -277,6 +327,13 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                        policy=args.policy.read_text() if args.policy is not None else None)
     print(f"wrote {len(files)} files to {args.dir} (directories 0700, files 0600), one directory per machine:", ", ".join(sorted(files)))
     print(files["commands.txt"].read_text(), end="")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedpers.report import write_report
+
+    print(write_report(args.dir, args.out))
     return 0
 
 
@@ -365,6 +422,39 @@ def cmd_audit(args: argparse.Namespace) -> int:
     result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
     print(dumps(result, indent=None) if algo_args.json else format_audit(result))
     return 0
+class _DropNotices:
+    """A logging filter: Flower's "DEPRECATED FEATURE" notices and its actor-shutdown chatter,
+    which a user of ``fedpers`` cannot act on (fedpers, not the user, calls Flower)."""
+
+    PHRASES = ("DEPRECATED", "Manually terminating")
+
+    def filter(self, record: Any) -> bool:
+        text = str(record.msg)
+        return not any(p in text for p in self.PHRASES)
+
+
+NOISY_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
+def quiet_third_party(verbose: bool) -> None:
+    """Hide warnings about libraries' own future changes (Ray's FutureWarning, Flower's
+    DEPRECATED lines, numpy/torch deprecations) unless ``--verbose``; fedpers' own warnings and
+    every warning of another kind still show. Ray workers inherit the filter through
+    ``PYTHONWARNINGS``."""
+    import logging
+    import os
+    import warnings
+
+    if verbose:
+        return
+    for category in NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", category=category)
+        warnings.filterwarnings("default", category=category, module=r"fedpers(\.|$)")
+    os.environ.setdefault("PYTHONWARNINGS", ",".join(f"ignore::{c.__name__}" for c in NOISY_WARNINGS))
+    # Flower's ClientApp actors run in Ray workers, where a filter set here does not reach:
+    # Flower reads its console level from FLWR_LOG_LEVEL at import. Errors still show.
+    os.environ.setdefault("FLWR_LOG_LEVEL", "ERROR")
+    logging.getLogger("flwr").addFilter(_DropNotices())
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -379,6 +469,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["deploy", "fleet-proxy"]:  # its own flags (argparse.REMAINDER would take none before a flag)
         from fedpers.fleetproxy import main as proxy
+    verbose = "--verbose" in argv[: argv.index("--") if "--" in argv else len(argv)]
+    if verbose:
+        argv.remove("--verbose")
+    if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
+        from fedpers.runtime.flower import forkserver
 
         return proxy(argv[2:])
     if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
@@ -388,8 +483,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    if args.command != "deploy":  # `deploy run` streams Flower's own log: left as Flower prints it
+        quiet_third_party(verbose)
     try:
         return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy, "audit": cmd_audit}[args.command](args)
+        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy, "report": cmd_report}[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """`fedpers compare RUN_DIR...`: runs side by side — privacy spent, noise, primary metrics, time.
 
-Runs of different algorithms compare too (the metric columns are the union; a blank where a
-run has no such metric). A killed run is shown with the releases it made and its last
+Runs of different algorithms compare too: the table shows one block per algorithm with the
+metrics its runs share; ``--json`` keeps the union of the metric columns. A killed run is shown with the releases it made and its last
 round's metrics, marked incomplete.
 """
 from __future__ import annotations
@@ -71,6 +71,21 @@ def figure_metrics(rows: list[dict[str, Any]], metrics: list[str], primary: list
 
 
 def format_table(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    """The runs as a table. Runs of several algorithms are shown as one block per algorithm,
+    each with only the metrics its runs have (a union over algorithms is mostly blanks: 31
+    columns for altmin beside dpals); within a block a metric no run has is left out."""
+    algorithms = list(dict.fromkeys(str(r.get("algorithm")) for r in rows))
+    if len(algorithms) > 1:
+        blocks = []
+        for name in algorithms:
+            block = [r for r in rows if str(r.get("algorithm")) == name]
+            blocks.append(f"{name} ({len(block)} run{'s' if len(block) > 1 else ''}):\n" + _block(block, metrics))
+        return "\n\n".join(blocks)
+    return _block(rows, metrics)
+
+
+def _block(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    metrics = [m for m in metrics if any(r.get(m) is not None for r in rows)]
     columns = list(FIXED) + metrics
     cells = [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]

@@ -74,6 +74,8 @@ def run_figure(
 
     plt = _plt()
     pts = [(r["round"], r[key]) for r in rounds if isinstance(r.get(key), (int, float))]
+    if len(pts) == 1:  # one release (e.g. NoisyHead's statistics mode): a curve of one point says nothing
+        return value_figure(key, float(pts[0][1]), baselines or {}, title=title)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     values = [v for _, v in pts if math.isfinite(v)]
     if pts:
@@ -82,7 +84,8 @@ def run_figure(
     scale = y_scale(key, values + list(refs.values()))
     # the view follows the private run; a baseline far outside it is named in the legend, not drawn
     lo, hi = (min(values), max(values)) if values else (min(refs.values(), default=0.0), max(refs.values(), default=1.0))
-    span = (lo / 100, hi * 10) if scale == "log" and lo > 0 else (lo - (hi - lo + 1e-12), hi + (hi - lo + 1e-12))
+    pad = _pad(lo, hi) * 20
+    span = (lo / 100, hi * 10) if scale == "log" and lo > 0 else (lo - pad, hi + pad)
     for name, v in refs.items():
         inside = span[0] <= v <= span[1]
         ax.axhline(v, linestyle="--", linewidth=1, color=f"C{len(ax.lines)}",
@@ -91,15 +94,63 @@ def run_figure(
             values.append(v)
     if values:
         lo, hi = min(values), max(values)
-        ax.set_ylim(*((lo / 1.5, hi * 1.5) if scale == "log" and lo > 0 else (lo - 0.05 * (hi - lo + 1e-12), hi + 0.05 * (hi - lo + 1e-12))))
+        ax.set_ylim(*((lo / 1.5, hi * 1.5) if scale == "log" and lo > 0 else linear_limits(lo, hi)))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(round_axis)
     ax.set_ylabel(key.replace("_", " "))
     ax.set_yscale(scale)
+    plain_numbers(ax.yaxis)
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     if len(ax.lines) > 1:
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _pad(lo: float, hi: float) -> float:
+    """5% of the span, or of the magnitude when the values (nearly) coincide, so a flat curve is
+    drawn in a readable window instead of one 1e-12 wide."""
+    return 0.05 * max(hi - lo, 0.05 * max(abs(lo), abs(hi)), 1e-12)
+
+
+def linear_limits(lo: float, hi: float) -> tuple[float, float]:
+    pad = _pad(lo, hi)
+    return lo - pad, hi + pad
+
+
+def plain_numbers(axis: Any) -> None:
+    """Tick labels as plain numbers: never an offset such as "1e−13+4.148723236e−1"."""
+    from matplotlib.ticker import ScalarFormatter
+
+    formatter = axis.get_major_formatter()
+    if isinstance(formatter, ScalarFormatter):
+        formatter.set_useOffset(False)
+
+
+def value_figure(key: str, value: float, baselines: Mapping[str, Mapping[str, Any]], *, title: str) -> Any:
+    """A run's one value of ``key`` beside every baseline's, as horizontal bars (log scale when
+    all are positive and span more than a decade), each labelled with its value."""
+    plt = _plt()
+    rows = [("private run", value)] + [(n.replace("_", " "), float(m[key])) for n, m in baselines.items()
+                                       if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    fig, ax = plt.subplots(figsize=(5.5, 1.2 + 0.45 * len(rows)))
+    names, values = [r[0] for r in rows], [r[1] for r in rows]
+    positive = [v for v in values if v > 0]
+    log = len(positive) == len(values) and max(values) / min(values) > 10
+    ax.barh(range(len(rows)), values, color=[f"C{i % 10}" for i in range(len(rows))])
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    if log:
+        ax.set_xscale("log")
+    else:
+        plain_numbers(ax.xaxis)
+    for i, v in enumerate(values):
+        ax.annotate(_fmt(v), (v, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+    ax.set_xlabel(key.replace("_", " ") + (" (log scale)" if log else ""))
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
 

@@ -172,7 +172,7 @@ def drive(
 def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> dict[str, Any]:
     """The result dict: the algorithm's metrics with the (ε, δ) the accountant gives its ledger."""
     privacy = plan.experiment.privacy_summary(plan.cfg, plan.protocol, plan.privatizer.ledger)
-    return {
+    result = {
         "algorithm": plan.experiment.name,
         "status": "completed",
         "runtime": plan.options.runtime.value,
@@ -181,6 +181,10 @@ def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> dict[str, An
         "privacy": privacy,
         "seconds": seconds,
     }
+    warnings = plan.experiment.result_warnings(plan.cfg, result)  # a private result no better than a trivial one says so
+    if warnings:
+        result["warnings"] = warnings
+    return result
 
 
 CHECKPOINT = "checkpoint.pt"

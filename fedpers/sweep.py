@@ -168,9 +168,8 @@ def summarise_sweep(
         "parquet": "table.parquet",
     }
     write_atomic(out / "sweep.json", dumps(summary) + "\n")
-    print(
-        f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}"
-    )
+    summary["out"] = str(out)  # where it went (not part of sweep.json: the directory may move)
+    print(f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}")
     for metric, per in slopes.items():
         for s, slope in per.items():
             print(f"  log-log slope of {metric} vs {spec.x} at {spec.series}={s}: {slope:.3f}")

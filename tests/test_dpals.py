@@ -36,19 +36,19 @@ def dense_als_reference(U0, units, steps, ridge_user, ridge_item):
 
 
 def test_no_noise_no_clipping_matches_dense_als():
-    cfg = config.build(DpAlsConfig, {
+    cfg = config.build(DpAlsConfig, {"private_center": False,
         "n_users": 150, "n_items": 40, "rank": 3, "true_rank": 3, "min_count": 2, "max_count": 15,
         "items_per_user": 15, "steps": 3, "epsilon": math.inf, "clip_embedding": 0.0, "clip_rating": 0.0,
     })
     protocol = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
     state, _ = run_local(protocol, units, Privatizer(0), chunk_size=37, progress=False)
-    ref = dense_als_reference(protocol.initial_U, units, cfg.steps, cfg.ridge_user, cfg.ridge_item)
+    ref = dense_als_reference(protocol.initial_U, units, cfg.steps, cfg.ridge_user, protocol.ridge_item)
     torch.testing.assert_close(state["U"], ref, rtol=1e-6, atol=1e-6)
 
 
 def test_items_per_user_limits_contributions():
-    cfg = config.build(DpAlsConfig, {"n_users": 50, "n_items": 30, "min_count": 10, "max_count": 20, "items_per_user": 4, "epsilon": math.inf})
+    cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 50, "n_items": 30, "min_count": 10, "max_count": 20, "items_per_user": 4, "epsilon": math.inf})
     p = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
     G, _ = item_statistics(p.initial_U, units["items"], units["ratings"], units["mask"], 0.1, 4, math.inf, math.inf)
@@ -76,7 +76,7 @@ def adversaries(dtype, L, n_items, B):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_worst_case_neighbours_within_declared_sensitivity(dtype):
-    cfg = config.build(DpAlsConfig, {"n_users": 30, "n_items": 20, "rank": 3, "true_rank": 3, "items_per_user": 5, "max_count": 12, "epsilon": 1.0, "dtype": "float64"})
+    cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 30, "n_items": 20, "rank": 3, "true_rank": 3, "items_per_user": 5, "max_count": 12, "epsilon": 1.0, "dtype": "float64"})
     p = make_protocol(cfg)
     base = load_units(cfg, torch.arange(cfg.n_users))
     U = p.initial_U.to(dtype) * 3
@@ -116,7 +116,7 @@ def test_nonprivate_als_on_movielens_small_beats_global_mean(tmp_path):
     from fedpers.runner import execute
 
     exp = EXPERIMENTS["dpals"]
-    cfg = config.build(DpAlsConfig, {
+    cfg = config.build(DpAlsConfig, {"private_center": False,
         "dataset": "movielens-small", "epsilon": math.inf, "clip_embedding": 0.0, "clip_rating": 0.0,
         "items_per_user": 100000, "center": 3.5, "rank": 8, "ridge_user": 5.0, "ridge_item": 5.0, "steps": 3,
     })
@@ -144,7 +144,7 @@ def test_psd_repair_equals_eigenvalue_floor():
 
 
 def test_private_center_without_noise_is_the_mean_of_the_selected_ratings_and_head_is_the_top_counts():
-    cfg = config.build(DpAlsConfig, {"n_users": 120, "n_items": 30, "min_count": 3, "max_count": 12, "items_per_user": 12,
+    cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 120, "n_items": 30, "min_count": 3, "max_count": 12, "items_per_user": 12,
                                      "epsilon": math.inf, "clip_rating": 0.0, "head_items": 7, "steps": 2})
     p = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
@@ -161,7 +161,7 @@ def test_private_center_without_noise_is_the_mean_of_the_selected_ratings_and_he
 def test_round0_sums_and_counts_within_declared_sensitivity(dtype):
     """A user rating B items with ±1e30 against a user with no ratings: the item sums move by
     ≤ 2·√2·√B·c_r and the counts by ≤ 2·√(2B); the ledger's σ for each is z·bound."""
-    cfg = config.build(DpAlsConfig, {"n_users": 60, "n_items": 20, "min_count": 5, "max_count": 10, "items_per_user": 5,
+    cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 60, "n_items": 20, "min_count": 5, "max_count": 10, "items_per_user": 5,
                                      "epsilon": 2.0, "private_center": True, "dtype": dtype})
     p = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))

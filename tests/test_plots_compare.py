@@ -98,3 +98,35 @@ def test_compare_shows_a_killed_run_as_incomplete_with_its_releases(runs: dict[s
     assert main(["compare", str(killed), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
     assert row["status"] == "incomplete (1 rounds)" and row["epsilon"] > 0 and "subspace_error" in row
+
+
+def test_compare_across_algorithms_is_one_block_each_with_its_own_metrics(runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    assert main(["compare", str(runs["altmin"]), str(runs["noisygd"])]) == 0
+    text = capsys.readouterr().out
+    altmin, noisygd = text.split("\n\n")
+    assert altmin.startswith("altmin (1 run):") and noisygd.startswith("noisygd (1 run):")
+    assert "excess_risk" in altmin and "accuracy" not in altmin
+    assert "accuracy" in noisygd and "excess_risk" not in noisygd
+    for block in (altmin, noisygd):  # no column is blank for every run of its block
+        header, row = block.splitlines()[1:3]
+        assert len(header.split()) == len(row.split()) and "-" not in row.split()[4:]
+
+
+def test_a_flat_or_single_value_figure_has_plain_readable_ticks() -> None:
+    """NoisyHead's statistics mode has one round: a bar against the baselines, not one point on
+    an axis labelled "1e−13+4.148723236e−1"; a flat curve keeps plain tick labels too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = run_figure([{"round": 0, "excess_risk": 0.41487232356745884}], "excess_risk", title="t",
+                     baselines={"ridge": {"excess_risk": 0.0}, "zero_head": {"excess_risk": 8.9e-7}})
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["private run", "ridge", "zero head"]
+    assert [round(p.get_width(), 6) for p in ax.patches] == [0.414872, 0.0, 0.000001]
+    fig.canvas.draw()
+    assert ax.xaxis.get_major_formatter().get_offset() == ""
+    flat = run_figure([{"round": r, "excess_risk": 0.4148723236} for r in range(3)], "excess_risk", title="t",
+                      baselines={"ridge": {"excess_risk": 0.0}})
+    flat.canvas.draw()
+    lo, hi = flat.axes[0].get_ylim()
+    assert hi - lo > 1e-3 and flat.axes[0].yaxis.get_major_formatter().get_offset() == ""

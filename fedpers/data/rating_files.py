@@ -15,7 +15,6 @@ keeps only the first ``cap`` (in that order; 0: no cap).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -15,7 +15,7 @@ from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile, is_long_format
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
-from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
+from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
@@ -392,6 +392,12 @@ class AltMinEvaluator(Evaluator):
 class AltMinExperiment(Experiment):
     """User-level private alternating minimisation with private initialisation (SPEC §1, Algorithms 1–3)."""
     round_axis = "round (0 = private initialisation)"
+
+    def trivial_baselines(self, cfg: AltMinConfig) -> list[Trivial]:
+        few = ("too few users for this ε: the noise on the round statistics swamps them (the privacy term falls as "
+               "1/(ε²n²); raise --n-users or --epsilon, or try a smaller --clip-model c_η)")
+        return [Trivial("excess_risk", "local_only", why=few + "; each user alone does better with --samples-per-user this large"),
+                Trivial("excess_risk", "private_init_only", why="the private rounds made the initialisation worse: " + few)]
 
     name = "altmin"
     result_keys = ("subspace_error", "subspace_error_spectral", "excess_risk", "test_mse", "population_mse")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -47,6 +49,45 @@ class Calibration(str, enum.Enum):
 
     PAPER = "paper"
     ACCOUNTANT = "accountant"
+
+
+@dataclass(frozen=True)
+class Trivial:
+    """A baseline a private run must beat to be worth reporting: the run's ``metric`` against the
+    same metric of ``baseline`` (a name in ``result["baselines"]``, or a top-level result key
+    holding the baseline's value, such as ``global_mean_rmse``)."""
+
+    metric: str
+    baseline: str
+    higher_is_better: bool = False
+    why: str = ""
+    """What usually causes a loss to this baseline, and the flags that change it."""
+
+
+def trivial_value(result: Mapping[str, Any], t: Trivial) -> float | None:
+    """The baseline's value of ``t.metric`` in ``result`` (None: not measured in this run)."""
+    row = result.get("baselines", {}).get(t.baseline)
+    value = row.get(t.metric) if isinstance(row, Mapping) else result.get(t.baseline)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+
+
+def check_trivial(trivial: list[Trivial], result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One warning per trivial baseline the private result does not beat (ties lose: a private
+    run that only matches a trivial predictor has bought nothing with its privacy budget)."""
+    warnings = []
+    for t in trivial:
+        base, value = trivial_value(result, t), result.get(t.metric)
+        if base is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        value = float(value)
+        beats = value > base if t.higher_is_better else value < base
+        if not beats:
+            warnings.append({
+                "metric": t.metric, "private": value, "baseline": t.baseline, "baseline_value": base,
+                "text": f"the private {t.metric} ({value:.4g}) is {'no better than' if value == base else 'worse than'} "
+                        f"the trivial baseline {t.baseline} ({base:.4g})" + (f": {t.why}" if t.why else ""),
+            })
+    return warnings
 
 
 class Experiment(abc.ABC):
@@ -98,6 +139,15 @@ class Experiment(abc.ABC):
     def describe(self, cfg: Any, protocol: Protocol) -> Mapping[str, Any]:
         """Derived constants worth writing into the run directory."""
         return {}
+
+    def trivial_baselines(self, cfg: Any) -> list[Trivial]:
+        """The trivial predictors this run must beat (global mean, local-only, private init,
+        chance...), each with what to change when it does not; see :func:`check_trivial`."""
+        return []
+
+    def result_warnings(self, cfg: Any, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Warnings written into ``result.json`` (``warnings``) and printed loudly by the CLI."""
+        return check_trivial(self.trivial_baselines(cfg), result)
 
     def plan(self, cfg: Any) -> list[str]:
         """Lines the CLI prints before the run starts (sizes, memory). Raise ``ValueError`` to

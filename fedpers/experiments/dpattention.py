@@ -10,7 +10,7 @@ import torch
 
 from fedpers.config import field
 from fedpers.data import attention as data
-from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers import linalg, memory
 from fedpers.privacy import Calibrations, DpCovarianceParams, Ledger, ledger_epsilon
 from fedpers.privacy.mechanisms import dp_covariance_min_k
@@ -93,6 +93,8 @@ class DpAttentionEvaluator(Evaluator):
             "refused_because": list(state["refused_because"]),
             "conditions": state["conditions"],
             "columns_clipped": self.columns_clipped,
+            "baselines": {"uniform_attention": {"attention_error": entrywise_max_norm(
+                attention_matrix(A, self.protocol.f) - torch.full_like(A, 1.0 / p.rows))}},
         }
 
 
@@ -100,9 +102,15 @@ class DpAttentionExperiment(Experiment):
     """DP attention: DPCovariance release of XXᵀ and the attention D(B)⁻¹f(B)."""
 
     name = "dpattention"
+    baseline_names = ("uniform_attention",)
     result_keys = ("attention_error", "utility_bound", "bound_holds", "relative_error", "rho", "within_1_pm_rho", "k", "dp_claimed", "columns_clipped")
     config_type = DpAttentionConfig
     primary_metric = "attention_error"
+
+    def trivial_baselines(self, cfg: DpAttentionConfig) -> list[Trivial]:
+        why = ("the DPCovariance noise exceeds the attention's own spread: too few samples k for this ε, or "
+               "too little signal in XXᵀ (raise --k or --epsilon; check the preconditions above)")
+        return [Trivial("attention_error", "uniform_attention", why=why)]
 
     def protocol(self, cfg: DpAttentionConfig, calibrations: Calibrations | None = None) -> DpAttentionProtocol:
         self.memory_plan(cfg)

@@ -15,7 +15,7 @@ import torch
 from fedpers import memory, metrics
 from fedpers.config import MAX_EPSILON, field
 from fedpers.experiments import altmin
-from fedpers.experiments.base import derived_seed
+from fedpers.experiments.base import Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, PureDpEvent, ledger_epsilon
 from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
 
@@ -163,6 +163,12 @@ class ExpMechExperiment(altmin.AltMinExperiment):
     result_keys = (*altmin.AltMinExperiment.result_keys, "candidates")
     baseline_names = (*altmin.BASELINES, "nearest_candidate")
     config_type = ExpMechConfig
+
+    def trivial_baselines(self, cfg: ExpMechConfig) -> list[Trivial]:
+        why = ("the selected U is too far from the truth: either the candidate set is too coarse (compare nearest_candidate; "
+               "use a smaller --net-width or more --num-candidates) or there are too few users for this ε to single out "
+               "a good candidate (raise --n-users or --epsilon)")
+        return [Trivial("excess_risk", "local_only", why=why)]
 
     def protocol(self, cfg: ExpMechConfig, calibrations: Calibrations | None = None) -> ExpMechProtocol:
         return make_protocol(cfg)

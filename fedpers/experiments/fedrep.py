@@ -18,7 +18,7 @@ import torch
 from fedpers import metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
-from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.altmin import AltMinConfig
 from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
@@ -198,6 +198,11 @@ class FedRepEvaluator(Evaluator):
 class FedRepExperiment(Experiment):
     """Private FedRep (Snedeker, Zhou, Bassily 2025) with a private, accounted initialisation."""
     round_axis = "round (0 = private initialisation)"
+
+    def trivial_baselines(self, cfg: FedRepConfig) -> list[Trivial]:
+        why = ("the private gradient rounds made the initialisation worse: too few users for this ε and --rounds "
+               "(raise --n-users or --epsilon, use fewer --rounds, or a --clip nearer the gradients' norms)")
+        return [Trivial("population_mse", "private_init_only", why=why), Trivial("subspace_error", "private_init_only", why=why)]
 
     name = "fedrep"
     result_keys = ("subspace_error", "population_mse")

@@ -12,7 +12,7 @@ from fedpers import memory
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
-from fedpers.experiments.base import Evaluator, Experiment, derived_seed
+from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon, zcdp_rho, zcdp_rho_for
 from fedpers.protocols.noisygd import Loss, NoisyGDProtocol, Remedy
 from fedpers.runtime.local import run_local
@@ -123,11 +123,13 @@ class NoisyGDEvaluator(Evaluator):
 
     def final(self, state: Any) -> dict[str, Any]:
         out: dict[str, Any] = accuracy(self.protocol, state, self.test, self.cfg.classes)
+        majority = float(torch.bincount(self.test["y"].long().cpu(), minlength=self.cfg.classes).max()) / max(int(self.test["y"].numel()), 1)
+        out["baselines"] = {"chance": {"accuracy": majority, "balanced_accuracy": 1.0 / self.cfg.classes}}  # always the most frequent class
         if self.cfg.baselines:
             nonprivate = make_protocol(self.cfg, private=False)
             units = load_units(self.cfg, torch.arange(self.cfg.examples))
             np_state, _ = run_local(nonprivate, units, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
-            out["baselines"] = {"nonprivate_gd": accuracy(nonprivate, np_state, self.test, self.cfg.classes)}
+            out["baselines"]["nonprivate_gd"] = accuracy(nonprivate, np_state, self.test, self.cfg.classes)
         return out
 
 
@@ -137,8 +139,13 @@ class NoisyGDExperiment(Experiment):
 
     name = "noisygd"
     result_keys = ("accuracy", "balanced_accuracy")
-    baseline_names = ("nonprivate_gd",)
+    baseline_names = ("nonprivate_gd", "chance")
     config_type = NoisyGDConfig
+
+    def trivial_baselines(self, cfg: NoisyGDConfig) -> list[Trivial]:
+        why = ("the noise swamps the clipped gradients: too few examples for this ε at this feature dimension "
+               "(raise --examples or --epsilon, lower --feature-dim, or try --remedy center|pca)")
+        return [Trivial("accuracy", "chance", higher_is_better=True, why=why), Trivial("balanced_accuracy", "chance", higher_is_better=True, why=why)]
     primary_metric = "accuracy"
 
     def protocol(self, cfg: NoisyGDConfig, calibrations: Calibrations | None = None) -> NoisyGDProtocol:

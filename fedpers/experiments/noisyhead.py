@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Mapping
 
 import dp_accounting
 import torch
@@ -22,7 +22,7 @@ import torch
 from fedpers import linalg, memory
 from fedpers.config import MAX_EPSILON, field
 from fedpers.data import prompts as prompt_data
-from fedpers.experiments.base import Calibration, Evaluator, Experiment, derived_seed
+from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
@@ -372,6 +372,7 @@ class NoisyHeadEvaluator(Evaluator):
         out["baselines"] = {
             "ridge": {"excess_risk": 0.0, "test_mse": self.mse(self.gamma_star), "gamma_norm": float(torch.linalg.vector_norm(self.gamma_star))},
             "nonprivate_gd": {"excess_risk": self.excess(gamma_gd), "test_mse": self.mse(gamma_gd)},
+            "zero_head": {"excess_risk": self.excess(torch.zeros_like(gamma)), "test_mse": self.mse(torch.zeros_like(gamma))},
         }
         if self.cfg.attack_c > 0:
             out.update(self.robustness())
@@ -421,8 +422,25 @@ class NoisyHeadExperiment(Experiment):
         "gd_excess_risk", "ridge_test_mse", "gd_test_mse", "robust_ridge_naive_solve", "epsilon_spent", "paper_epsilon",
         "ridge_lambda", "step_size", "steps",
     )
-    baseline_names = ("ridge", "nonprivate_gd")
+    baseline_names = ("ridge", "nonprivate_gd", "zero_head")
     config_type = NoisyHeadConfig
+
+    def trivial_baselines(self, cfg: NoisyHeadConfig) -> list[Trivial]:
+        why = "the gradient noise swamps the signal: too few prompts N for this ε (raise --prompts or --epsilon"
+        if cfg.calibration is Calibration.PAPER:
+            why += "; --calibration accountant adds the smallest noise that meets (ε, δ), the paper's per-step rule adds far more"
+        return [Trivial("excess_risk", "zero_head", why=why + ")")]
+
+    def result_warnings(self, cfg: NoisyHeadConfig, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+        warnings = super().result_warnings(cfg, result)
+        base = result.get("baselines", {})
+        ridge, zero = base.get("ridge", {}).get("test_mse"), base.get("zero_head", {}).get("test_mse")
+        if warnings and isinstance(ridge, float) and isinstance(zero, float) and ridge > 0.99 * zero:
+            for w in warnings:  # the target itself is no better than predicting 0: say so, it is the real reason
+                w["text"] += (f"; note that the ridge target Γ* itself predicts no better than the zero head (test MSE "
+                              f"{ridge:.4g} against {zero:.4g}): this regime's λ shrinks it to about 0, so lower --ridge-lambda "
+                              "for a task with something to learn")
+        return warnings
 
     def protocol(self, cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
         self.plan(cfg)

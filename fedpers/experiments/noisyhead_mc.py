@@ -21,7 +21,6 @@ the attack strength reuses them (common random numbers across that axis).
 """
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path

@@ -286,7 +286,12 @@ class ExpMechProtocol(Protocol):
             return Message({"scores": total}, 0)
         per_candidate = max(1, n * self.half * self.rank)  # the (users, h, block, k) projections dominate
         block = max(1, self.block_elements // per_candidate)
-        for start in range(0, q, block):
+        starts = range(0, q, block)
+        if len(starts) >= 8:  # a long scoring pass shows progress (and tqdm's time left) per candidate block; off when not a terminal
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc=f"scoring {q} candidates ({n} users)", unit="block", leave=False, disable=None, mininterval=1.0)
+        for start in starts:
             s = user_scores(cands[start : start + block].to(x.device), x, y, self.feature_clip, self.model_bound, self.label_clip)
             total[start : start + block] = s.clamp(0.0, self.max_loss).sum(0)
         return Message({"scores": total}, int(n))

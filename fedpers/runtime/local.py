@@ -6,6 +6,8 @@ so a run over a million users never holds more than one chunk of their data.
 """
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -17,6 +19,25 @@ from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundRecord, drive
 
 Tensor = torch.Tensor
+
+
+ESTIMATE_AFTER_S = 10.0
+"""Runs whose first-chunk calibration predicts more than this print their estimate first."""
+
+
+def _estimate(protocol: Protocol, first_chunk_s: float, chunks: int, chunk_size: int, n: int) -> None:
+    """Time before cost: the client work of the whole run from its first chunk (server steps
+    and evaluation come on top), printed when it is long enough to matter."""
+    total = first_chunk_s * chunks * protocol.num_rounds
+    if total > ESTIMATE_AFTER_S:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"{protocol.name}: about {_duration(total)} of client work ({protocol.num_rounds} round(s) × {chunks} chunk(s) of "
+                   f"{min(chunk_size, n)} units; the first chunk took {first_chunk_s:.2f} s)", file=sys.stderr)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else (f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h")
 
 
 def run_local(
@@ -35,11 +56,23 @@ def run_local(
     source = UnitSource.of(units)
     n = source.num_units
 
+    chunks = max(1, -(-n // chunk_size))
+    estimated = [False]
+
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         message = None
-        for part_units in source.chunks(chunk_size):
+        parts: Any = source.chunks(chunk_size)
+        if progress and chunks >= 4 and estimated[0]:  # a long round shows its chunks (with tqdm's time left)
+            from tqdm.auto import tqdm
+
+            parts = tqdm(parts, total=chunks, desc=f"round {round}", unit="chunk", leave=False, mininterval=1.0)
+        for i, part_units in enumerate(parts):
+            start = time.perf_counter()
             part = client_message(protocol, round, broadcast, part_units)
             message = part if message is None else message + part
+            if progress and i == 0 and not estimated[0]:
+                estimated[0] = True
+                _estimate(protocol, time.perf_counter() - start, chunks, chunk_size, n)
         return [ClientReply("local", n, message)]
 
     return drive(protocol, gather, privatizer, on_round=on_round, progress=progress, device=source.device, checkpoint=checkpoint)

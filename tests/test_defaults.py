@@ -1,0 +1,102 @@
+"""Every algorithm's defaults, at reduced size, beat their trivial baselines or say so loudly
+(result["warnings"], one per baseline not beaten, naming it and the flags to change)."""
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+
+from fedpers import config as config_lib
+from fedpers.cli import main, print_summary
+from fedpers.experiments import ALGORITHMS, experiment
+from fedpers.experiments.base import Trivial, check_trivial, trivial_value
+from fedpers.runner import execute
+
+REDUCED = {
+    "altmin": {"n_users": 2000, "dim": 5},
+    "noisyhead": {"prompts": 300, "test_prompts": 100},
+    "expmech": {"n_users": 2000},
+    "noisygd": {"examples": 1000, "feature_dim": 20, "steps": 5, "test_examples": 200},
+    "fedrep": {"n_users": 1000, "dim": 10, "test_samples": 20, "rounds": 2, "baselines": "none"},
+    "dpattention": {"columns": 2000},
+    "dpals": {"n_users": 1000, "n_items": 40},
+}
+
+
+def test_every_algorithm_has_a_reduced_default_and_a_trivial_baseline():
+    assert set(REDUCED) == set(ALGORITHMS)
+    for name in ALGORITHMS:
+        exp = experiment(name)
+        assert exp.trivial_baselines(config_lib.build(exp.config_type, {})), name
+
+
+@pytest.mark.parametrize("name", sorted(REDUCED))
+def test_defaults_beat_or_warn(name):
+    exp = experiment(name)
+    cfg = config_lib.build(exp.config_type, REDUCED[name])
+    result = execute(exp, cfg, write=False, progress=False)
+    trivial = exp.trivial_baselines(cfg)
+    measured = [t for t in trivial if trivial_value(result, t) is not None and isinstance(result.get(t.metric), (int, float))]
+    assert measured, f"{name}: no trivial baseline was measured"
+    warned = {(w["metric"], w["baseline"]) for w in result.get("warnings", [])}
+    for t in measured:
+        value, base = float(result[t.metric]), trivial_value(result, t)
+        beats = value > base if t.higher_is_better else value < base
+        assert beats != ((t.metric, t.baseline) in warned), (name, t, value, base, result.get("warnings"))
+    for w in result.get("warnings", []):
+        assert w["baseline"] in w["text"] and "--" in w["text"]  # names the baseline and a flag to change
+
+
+def test_check_trivial_warns_on_worse_and_ties_only():
+    t = [Trivial("rmse", "global_mean_rmse", why="raise --epsilon"), Trivial("acc", "chance", higher_is_better=True)]
+    good = {"rmse": 0.5, "global_mean_rmse": 1.0, "acc": 0.9, "baselines": {"chance": {"acc": 0.1}}}
+    assert check_trivial(t, good) == []
+    bad = {"rmse": 2.0, "global_mean_rmse": 1.0, "acc": 0.1, "baselines": {"chance": {"acc": 0.1}}}
+    w = check_trivial(t, bad)
+    assert [(x["metric"], x["baseline"]) for x in w] == [("rmse", "global_mean_rmse"), ("acc", "chance")]
+    assert "worse than" in w[0]["text"] and "--epsilon" in w[0]["text"] and "no better than" in w[1]["text"]
+    assert check_trivial(t, {"rmse": math.nan}) == []  # a baseline not measured is not a verdict
+
+
+def test_summary_prints_the_warning_loudly():
+    out = io.StringIO()
+    print_summary({"algorithm": "dpals", "runtime": "local", "status": "completed", "seconds": 1.0, "test_rmse": 5.9,
+                   "warnings": [{"text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean_rmse (0.98): raise --epsilon"}]}, out)
+    assert "!! WARNING: the private test_rmse (5.9) is worse" in out.getvalue()
+
+
+def test_dpals_reduced_default_warns_in_result_json(tmp_path, capsys):
+    """Few users at ε = 1: DPALS loses to the global mean, and result.json and the output say so."""
+    rc = main(["run", "dpals", "--n-users", "300", "--n-items", "30", "--out", str(tmp_path / "r"), "--quiet"])
+    assert rc == 0
+    result = json.loads((tmp_path / "r" / "result.json").read_text())
+    if result["test_rmse"] >= result["global_mean_rmse"]:
+        assert result["warnings"][0]["baseline"] == "global_mean_rmse"
+        assert "!! WARNING" in capsys.readouterr().out
+    else:
+        assert "warnings" not in result
+
+
+@pytest.mark.slow
+def test_dpals_full_defaults_beat_the_global_mean():
+    """The default synthetic run (20,000 users, ε = 1) beats the global mean (measured 0.68 against 0.99)."""
+    exp = experiment("dpals")
+    result = execute(exp, config_lib.build(exp.config_type, {}), write=False, progress=False)
+    assert result["test_rmse"] < 0.9 * result["global_mean_rmse"] and "warnings" not in result
+
+
+def test_a_long_run_prints_its_estimate_from_the_first_chunk(monkeypatch, capsys):
+    """Time before cost: with the threshold at 0 s any multi-chunk run states its estimate, once."""
+    from fedpers.runtime import local
+
+    monkeypatch.setattr(local, "ESTIMATE_AFTER_S", 0.0)
+    exp = experiment("altmin")
+    cfg = config_lib.build(exp.config_type, {"n_users": 800, "dim": 4, "chunk_size": 100, "baselines": "none"})
+    execute(exp, cfg, write=False, progress=True)
+    err = capsys.readouterr().err
+    assert err.count("of client work") == 1
+    assert "3 round(s) × 8 chunk(s) of 100 units" in err
+    execute(exp, cfg, write=False, progress=False)  # --quiet: nothing
+    assert "of client work" not in capsys.readouterr().err
