@@ -467,13 +467,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import signal
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["deploy", "fleet-proxy"]:  # its own flags (argparse.REMAINDER would take none before a flag)
-        from fedpers.fleetproxy import main as proxy
     verbose = "--verbose" in argv[: argv.index("--") if "--" in argv else len(argv)]
     if verbose:
         argv.remove("--verbose")
-    if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
-        from fedpers.runtime.flower import forkserver
+    if argv[:2] == ["deploy", "fleet-proxy"]:  # its own flags (argparse.REMAINDER would take none before a flag)
+        from fedpers.fleetproxy import main as proxy
 
         return proxy(argv[2:])
     if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
@@ -486,8 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "deploy":  # `deploy run` streams Flower's own log: left as Flower prints it
         quiet_third_party(verbose)
     try:
-        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy, "audit": cmd_audit}[args.command](args)
-        return {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy, "privacy": cmd_privacy, "report": cmd_report}[args.command](args)
+        commands = {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy,
+                    "privacy": cmd_privacy, "audit": cmd_audit, "report": cmd_report}
+        return commands[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2

@@ -240,7 +240,7 @@ def test_dpals_canaries_reach_their_promised_separation():
     G by Γ_G·sqrt(t(Û_a) + t(Û_b)), t(u) = (1 + Σu⁴)/2 being a unit block's share in its released
     upper triangle. With one round U is the public initial_U, so the separation is known exactly;
     over more rounds it stays between sqrt(3/8) (t ≥ 1/2) and 1/√2 (t ≤ 1) of the proven μ."""
-    cfg = config_lib.build(DPALS.config_type, {"steps": 1, "n_items": 40})
+    cfg = config_lib.build(DPALS.config_type, {"steps": 1, "n_items": 40, "private_center": False})
     p = audit_lib.DESIGNS["dpals"].protocol(cfg, 20)
     result = audit_lib.audit(DPALS, cfg, 20, runs=1)
     u = p.initial_U.double() / p.initial_U.double().norm(dim=1, keepdim=True)
@@ -255,7 +255,7 @@ def test_dpals_canaries_reach_their_promised_separation():
 
 @pytest.mark.slow
 def test_honest_dpals_lower_bounds_stay_below_proven():
-    cfg = config_lib.build(DPALS.config_type, {"steps": 2, "n_items": 100, "epsilon": 8.0})
+    cfg = config_lib.build(DPALS.config_type, {"steps": 2, "n_items": 100, "epsilon": 8.0, "private_center": False})
     result = audit_lib.audit(DPALS, cfg, 50, runs=10, seed=0)
     print(_bounds(result), result["proven_epsilon"], result["canary_mu"], result["proven_mu"])
     assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)

@@ -15,7 +15,7 @@ ROOT = Path(fedpers.__file__).parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     # top: commands a user types
     ("fedpers.__main__", "fedpers.cli", "fedpers.sweep", "fedpers.sweep_points", "fedpers.sweep_spec", "fedpers.compare",
-     "fedpers.privacy_report", "fedpers.audit", "fedpers.tuning"),
+     "fedpers.privacy_report", "fedpers.audit", "fedpers.tuning", "fedpers.report", "fedpers.tracking"),
     ("fedpers.deploy", "fedpers.appguard", "fedpers.fleetproxy", "fedpers.recipe"),  # optional: the only code touching Flower's private internals; nothing below imports it
     ("fedpers.runner", "fedpers.app"),  # resolve a config (or a Flower run config) into a run on a runtime
     ("fedpers.experiments",),  # one module per algorithm
