@@ -1,6 +1,5 @@
 """Rating loaders on small files written here in each format; a public item universe; per-user
 problems dropped and counted (never refusing the file); malformed files refused before any work."""
-import math
 
 import pytest
 import torch

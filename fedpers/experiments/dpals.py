@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.config import MAX_EPSILON, field
-from fedpers.data import rating_files, ratings as data
+from fedpers.data import rating_files, ratings as data, summary
 from fedpers.experiments.base import Evaluator, Experiment, derived_seed
 from fedpers.privacy import Ledger, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.dpals import DpAlsProtocol, item_statistics, solve_items, user_embeddings
@@ -99,15 +99,6 @@ def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
 @functools.lru_cache(maxsize=4)
 def _universe(items_file: str, item_ids: str) -> tuple:
     return rating_files.item_universe(items_file or None, item_ids)
-
-
-def summary_lines(summary: dict[str, Any]) -> list[str]:
-    """The data summary as the lines a run prints before any work."""
-    dropped = summary.get("rows_dropped") or {}
-    lines = ["data (operator-side counts, not a DP release): " + ", ".join(
-        f"{k.replace('_', ' ')} {v}" for k, v in summary.items() if k not in ("rows_dropped", "note") and not isinstance(v, dict))]
-    lines += [f"  rows dropped: {n} ({reason})" for reason, n in dropped.items()]
-    return lines
 
 
 def data_summary(cfg: DpAlsConfig) -> dict[str, Any]:
@@ -286,7 +277,7 @@ class DpAlsExperiment(Experiment):
         }
 
     def plan(self, cfg: DpAlsConfig) -> list[str]:
-        return summary_lines(data_summary(cfg))
+        return summary.lines(data_summary(cfg))
 
     def describe(self, cfg: DpAlsConfig, protocol: DpAlsProtocol) -> dict[str, Any]:
         return {"gram_bound": protocol.gram_bound, "rhs_bound": protocol.rhs_bound, "noise_multiplier": protocol.noise_multiplier,
