@@ -42,16 +42,19 @@ def check(ledger: Ledger, expected: dict[str, tuple[float, float, str]]) -> None
     assert len(zs) <= 2  # one z per kind of release (NoisyGD's remedy has its own)
 
 
-@pytest.mark.parametrize("cohorts", ["disjoint", "all"])
+@pytest.mark.parametrize("cohorts", ["disjoint", "all", "poisson"])
 def test_altmin_ledger_from_config(cohorts, tmp_path):
     values = dict(n_users=300, dim=6, rank=2, samples_per_user=12, rounds=3, noise_std=0.2, clip_model=0.9, clip_label=1.5, cohorts=cohorts)
+    if cohorts == "poisson":
+        values["sampling_rate"] = 0.3
     cfg, ledger, public_seed = run_ledger("altmin", values, tmp_path)
     d, k, q = cfg.dim, cfg.rank, cfg.samples_per_user // 4
     eta, zeta = cfg.clip_model * math.sqrt(d * k), cfg.clip_label * math.sqrt(k + cfg.noise_std**2)
     expected = {"init.W": (q * zeta**2, 2 * q * zeta**2, "all")}
     for t in range(1, cfg.rounds + 1):
         group = f"cohort:{t}" if cohorts == "disjoint" else "all"
-        expected[f"round{t}.A"] = (q * eta**2, math.sqrt(2) * q * eta**2, group)
+        # A_j is PSD: Δ = √2·bound, except Poisson-sampled (a unit is a full bound from absent: 2·bound)
+        expected[f"round{t}.A"] = (q * eta**2, (2 if cohorts == "poisson" else math.sqrt(2)) * q * eta**2, group)
         expected[f"round{t}.b"] = (q * eta * zeta, 2 * q * eta * zeta, group)
     check(ledger, expected)
     if cohorts == "disjoint":
