@@ -53,3 +53,18 @@ def epsilon_of(delta: float, q: float, a, a2, h: float = 0.01) -> float:
     while delta_of(hi, lp, lq, area) > delta:
         hi *= 2
     return float(optimize.brentq(lambda e: delta_of(e, lp, lq, area) - delta, 0.0, hi, xtol=1e-6))
+
+
+def pair_pld(q: float, a, a2, h: float = 0.01, interval: float = 1e-4):
+    """dp-accounting PLD of this pair's privacy loss (tabulated on the grid, rounded up, so
+    pessimistic); for composing a whole run's worst case. Assumes a symmetric pair (|a| = |a2|)."""
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+    lp, lq, area = log_densities(q, a, a2, h)
+    loss = (lp - lq).ravel()
+    mass = np.exp(lp).ravel() * area
+    index = np.ceil(loss / interval).astype(np.int64)
+    keys, inverse = np.unique(index, return_inverse=True)
+    table = np.bincount(inverse, weights=mass)
+    pmf = {int(k): float(v) for k, v in zip(keys, table) if v > 0}
+    return pld_lib.PrivacyLossDistribution.create_from_rounded_probability(pmf, max(0.0, 1.0 - float(table.sum())), interval)
