@@ -66,5 +66,5 @@ def pair_pld(q: float, a, a2, h: float = 0.01, interval: float = 1e-4):
     index = np.ceil(loss / interval).astype(np.int64)
     keys, inverse = np.unique(index, return_inverse=True)
     table = np.bincount(inverse, weights=mass)
-    pmf = {int(k): float(v) for k, v in zip(keys, table) if v > 0}
+    pmf = {int(k): float(v) for k, v in zip(keys, table, strict=True) if v > 0}
     return pld_lib.PrivacyLossDistribution.create_from_rounded_probability(pmf, max(0.0, 1.0 - float(table.sum())), interval)
