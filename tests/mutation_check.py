@@ -138,7 +138,7 @@ def failing_tests(tree: Path, first: tuple[str, ...] = ()) -> list[str]:
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-rf", *files],
         cwd=tree, env=env, capture_output=True, text=True, check=False,
     ).stdout
-    return [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
+    return [line[len("FAILED "):].split(" - ")[0] for line in out.splitlines() if line.startswith("FAILED ")]
 
 
 def main(only: list[str]) -> int:
