@@ -1,8 +1,14 @@
 """Plants each privacy wiring mistake in a scratch copy and shows which tests catch it.
 
     python tests/mutation_check.py            # every mutation; exits 1 if one goes uncaught
+    python tests/mutation_check.py NAME ...   # only these (substring match)
 
-Not collected by pytest (it runs pytest itself, once per mutation, ~1 min each on 2 cores).
+Not collected by pytest (it runs pytest itself, once per mutation). Each run stops at the first
+failing test (``-x``), the files most likely to catch the mutation first, so a caught mutation
+costs seconds to a few minutes; every file run is part of the default suite. One mistake is
+planted per class of issue 21: the public item universe, per-user failures, the sampled PSD
+bound, a statistic's bound applied to another kind, a release the calibration forgets, a refusal
+after a release, resume bookkeeping, the sampling rate and the estimator's divisor.
 """
 from __future__ import annotations
 
@@ -11,13 +17,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ALTMIN = "fedpers/protocols/altmin.py"
-TESTS = ["tests/test_privacy_e2e.py", "tests/test_ledger_params.py", "tests/test_altmin.py"]
+TESTS = ["tests/test_privacy_e2e.py", "tests/test_ledger_params.py", "tests/test_altmin.py", "tests/test_privacy_bookkeeping.py",
+         "tests/test_psd_sampled.py", "tests/test_rating_files.py", "tests/test_long_format.py", "tests/test_npz_rows.py"]
+MECHANISMS = "fedpers/privacy/mechanisms.py"
+RATINGS = "fedpers/data/rating_files.py"
 
-MUTATIONS: dict[str, tuple[str, str, str]] = {
+MUTATIONS: dict[str, tuple[str, ...]] = {
     "A clip removed": (
         ALTMIN,
         "A = linalg.kron_gram_sum(v_hat, xc)",
@@ -44,21 +54,98 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            keep = self.cohort_of(ids) == round\n            x, y = x[keep], y[keep]\n",
         "            keep = self.cohort_of(ids) == round\n",
     ),
+    # ----- issue 21 ------------------------------------------------------------------------
+    "item universe read off the data": (
+        RATINGS,
+        "    frame, users, summary = clean(frame, universe, rating_min, rating_max)",
+        "    universe = tuple(sorted(set(frame['item'].dropna().tolist())))\n    frame, users, summary = clean(frame, universe, rating_min, rating_max)",
+        "tests/test_rating_files.py",
+    ),
+    "one user's bad rating refuses the file": (
+        RATINGS,
+        "        if count:\n            dropped[reason]",
+        "        if count and reason != 'missing user id':\n            raise ValueError(f'{reason}: {count} rows')\n        if count:\n            dropped[reason]",
+        "tests/test_rating_files.py",
+    ),
+    "one user's NaN feature refuses a long-format file": (
+        "fedpers/data/long_format.py",
+        "            reasons[f\"{kind} {col!r} missing, NaN or infinite\"] = bad",
+        "            reasons[f\"{kind} {col!r} missing, NaN or infinite\"] = bad\n            if bad.any():\n                raise ValueError(f'{col}: NaN')",
+        "tests/test_long_format.py",
+    ),
+    "string feature column silently left out": (
+        "fedpers/data/long_format.py",
+        "            feature_columns = tuple(c for c in names if c not in (user_column, label_column))",
+        "            feature_columns = tuple(c for c in names if c not in (user_column, label_column) and _numeric(schema.field(c).type))",
+        "tests/test_long_format.py",
+    ),
+    "PSD √2 tightening kept under Poisson sampling": (
+        MECHANISMS,
+        "        tighten = psd_units and sampling_probability >= 1.0",
+        "        tighten = psd_units",
+        "tests/test_psd_sampled.py",
+    ),
+    "PSD bound claimed for a non-PSD statistic": (
+        MECHANISMS,
+        "        if psd_units:\n            check_psd_sum(value, name)",
+        "        pass",
+        "tests/test_psd_sampled.py",
+    ),
+    "DPALS total entry left out of the sums' bound": (
+        "fedpers/protocols/dpals.py",
+        "        return math.sqrt(2.0) * self.rating_bound",
+        "        return self.rating_bound",
+        "tests/test_privacy_e2e.py",
+    ),
+    "calibration forgets DPALS's round 0": (
+        "fedpers/experiments/dpals.py",
+        "    return 2 * cfg.steps + 2 * int(prelude(cfg))",
+        "    return 2 * cfg.steps",
+        "tests/test_privacy_bookkeeping.py",
+    ),
+    "config refused after round 0 has released": (
+        "fedpers/experiments/dpals.py",
+        "        if not (math.isfinite(g) and math.isfinite(b)):\n            raise ValueError(\"clip_embedding and clip_rating must be finite for a finite epsilon\")",
+        "        pass",
+        "tests/test_privacy_bookkeeping.py",
+    ),
+    "resume drops a recorded release that is not re-drawn": (
+        "fedpers/privacy/ledger.py",
+        "            self.settle()\n        self._releases.append(release)",
+        "            self._recorded = []\n        self._releases.append(release)",
+        "tests/test_privacy_bookkeeping.py",
+    ),
+    "sampler draws at another rate than the ledger records": (
+        MECHANISMS,
+        "        return torch.rand(n, generator=self.sampling_generator, dtype=torch.float64) < q",
+        "        return torch.rand(n, generator=self.sampling_generator, dtype=torch.float64) < min(1.0, 1.5 * q)",
+        "tests/test_privacy_bookkeeping.py",
+    ),
+    "FedRep divides by the realised cohort size": (
+        "fedpers/protocols/fedrep.py",
+        "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / (q * self.n_users)",
+        "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / max(summed.count, 1)",
+        "tests/test_privacy_bookkeeping.py",
+    ),
 }
 
 
-def failing_tests(tree: Path) -> list[str]:
+def failing_tests(tree: Path, first: tuple[str, ...] = ()) -> list[str]:
+    """The first failing test of the default-suite files (``first`` before the rest), or []."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    files = [*first, *(t for t in TESTS if t not in first)]
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "-rf", *TESTS],
-        cwd=tree, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-rf", *files],
+        cwd=tree, env=env, capture_output=True, text=True, check=False,
     ).stdout
-    return [line.split(" ")[1] for line in out.splitlines() if line.startswith("FAILED ")]
+    return [line[len("FAILED "):].split(" - ")[0] for line in out.splitlines() if line.startswith("FAILED ")]
 
 
-def main() -> int:
+def main(only: list[str]) -> int:
     uncaught = []
-    for name, (path, old, new) in MUTATIONS.items():
+    for name, (path, old, new, *first) in MUTATIONS.items():
+        if only and not any(o in name for o in only):
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             tree = Path(tmp) / "tree"
             shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", "runs", "__pycache__", "*.egg-info"))
@@ -66,10 +153,9 @@ def main() -> int:
             if source.count(old) != 1:
                 raise SystemExit(f"{name}: the code to mutate is not found once in {path}")
             (tree / path).write_text(source.replace(old, new))
-            failed = failing_tests(tree)
-        print(f"{name}: {len(failed)} failing test(s)")
-        for test in failed:
-            print(f"    {test}")
+            start = time.perf_counter()
+            failed = failing_tests(tree, tuple(first))
+        print(f"| {name} | {path} | {'caught by ' + failed[0] if failed else 'NOT CAUGHT'} | {time.perf_counter() - start:.0f} s |", flush=True)
         if not failed:
             uncaught.append(name)
     if uncaught:
@@ -78,4 +164,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

@@ -42,16 +42,19 @@ def check(ledger: Ledger, expected: dict[str, tuple[float, float, str]]) -> None
     assert len(zs) <= 2  # one z per kind of release (NoisyGD's remedy has its own)
 
 
-@pytest.mark.parametrize("cohorts", ["disjoint", "all"])
+@pytest.mark.parametrize("cohorts", ["disjoint", "all", "poisson"])
 def test_altmin_ledger_from_config(cohorts, tmp_path):
     values = dict(n_users=300, dim=6, rank=2, samples_per_user=12, rounds=3, noise_std=0.2, clip_model=0.9, clip_label=1.5, cohorts=cohorts)
+    if cohorts == "poisson":
+        values["sampling_rate"] = 0.3
     cfg, ledger, public_seed = run_ledger("altmin", values, tmp_path)
     d, k, q = cfg.dim, cfg.rank, cfg.samples_per_user // 4
     eta, zeta = cfg.clip_model * math.sqrt(d * k), cfg.clip_label * math.sqrt(k + cfg.noise_std**2)
     expected = {"init.W": (q * zeta**2, 2 * q * zeta**2, "all")}
     for t in range(1, cfg.rounds + 1):
         group = f"cohort:{t}" if cohorts == "disjoint" else "all"
-        expected[f"round{t}.A"] = (q * eta**2, math.sqrt(2) * q * eta**2, group)
+        # A_j is PSD: Δ = √2·bound, except Poisson-sampled (a unit is a full bound from absent: 2·bound)
+        expected[f"round{t}.A"] = (q * eta**2, (2 if cohorts == "poisson" else math.sqrt(2)) * q * eta**2, group)
         expected[f"round{t}.b"] = (q * eta * zeta, 2 * q * eta * zeta, group)
     check(ledger, expected)
     if cohorts == "disjoint":
@@ -97,3 +100,38 @@ def test_expmech_ledger_from_config(tmp_path):
     (release,) = ledger
     assert release.name == "select.U" and release.sensitivity == pytest.approx(zeta**2) and release.units == "all"
     assert release.event.epsilon == cfg.epsilon
+
+
+@pytest.mark.parametrize("round0", [{}, {"private_center": True}, {"head_items": 8}], ids=["plain", "private-centre", "head-items"])
+def test_dpals_ledger_from_config(round0, tmp_path):
+    values = dict(n_users=60, n_items=20, rank=2, true_rank=2, max_count=10, steps=2, epsilon=2.0, items_per_user=6,
+                  clip_embedding=1.5, clip_rating=2.5, **round0)
+    cfg, ledger, _ = run_ledger("dpals", values, tmp_path)
+    B, cv, cr = cfg.items_per_user, cfg.clip_embedding, cfg.clip_rating
+    expected = {}
+    if round0:  # rating vector (√B·c_r) plus its total entry; B indicators plus the count entry
+        expected["dpals.item_sums"] = (math.sqrt(2) * math.sqrt(B) * cr, 2 * math.sqrt(2) * math.sqrt(B) * cr, "all")
+        expected["dpals.item_counts"] = (math.sqrt(2 * B), 2 * math.sqrt(2 * B), "all")
+    gram, rhs = math.sqrt(B) * cv**2, math.sqrt(B) * cr * cv
+    names = [r.name for r in ledger]
+    assert names == list(expected) + ["dpals.G", "dpals.b"] * cfg.steps
+    for r in ledger:
+        bound, sensitivity, units = expected.get(r.name) or ((gram, 2 * gram, "all") if r.name == "dpals.G" else (rhs, 2 * rhs, "all"))
+        assert (r.per_unit_bound, r.sensitivity, r.units) == (pytest.approx(bound, rel=1e-12), pytest.approx(sensitivity, rel=1e-12), units), r.name
+    assert len({round(r.noise_multiplier, 9) for r in ledger}) == 1
+
+
+@pytest.mark.parametrize("cohorts", ["all", "poisson"])
+def test_fedrep_ledger_from_config(cohorts, tmp_path):
+    values = dict(n_users=400, dim=6, rank=2, samples_per_user=5, refit_samples=2, test_samples=4, rounds=3, epsilon=2.0,
+                  clip=4.0, clip_label=1.5, noise_std=0.1, baselines="none", cohorts=cohorts)
+    if cohorts == "poisson":
+        values["sampling_rate"] = 0.3
+    cfg, ledger, _ = run_ledger("fedrep", values, tmp_path)
+    zeta = cfg.clip_label * math.sqrt(cfg.rank + cfg.noise_std**2)
+    init = (cfg.samples_per_user // 2) * zeta**2
+    expected = {"init.W": (init, 2 * init, "all")}
+    expected.update({f"round{t}.G": (cfg.clip, 2 * cfg.clip, "all") for t in range(1, cfg.rounds + 1)})
+    check(ledger, expected)
+    sampled = [getattr(r.event, "sampling_probability", None) for r in ledger]
+    assert sampled == [None] + ([0.3] * cfg.rounds if cohorts == "poisson" else [None] * cfg.rounds)

@@ -181,17 +181,57 @@ def test_bad_long_format_data_is_refused_naming_the_column(tmp_path):
     assert "test_fraction" in msg
 
 
-def test_non_finite_rows_are_counted_in_the_refusal(tmp_path):
+def test_a_users_non_finite_rows_are_dropped_and_counted_not_refused(tmp_path):
+    """Issue 21, break 2: one user's NaN/inf row used to refuse the whole file (its neighbour ran)."""
     rng = np.random.default_rng(7)
     users, x, y = ragged(rng, 10, 8, 8)
+    clean = LongFormatFile(write(tmp_path / "c.csv", users, x, y), "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
     x[[3, 17, 40], 2] = [np.nan, np.inf, -np.inf]
-    path = write(tmp_path / "d.csv", users, x, y)
-    with pytest.raises(ValueError, match=r"feature_columns: column 'f2' has 3 of 80 rows missing, NaN or infinite"):
-        LongFormatFile(path, "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
     y[5] = math.nan
-    path = write(tmp_path / "e.parquet", users, np.nan_to_num(x), y)
-    with pytest.raises(ValueError, match=r"label_column: column 'y' has 1 of 80 rows"):
-        LongFormatFile(path, "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
+    for name in ("d.csv", "d.parquet"):
+        f = LongFormatFile(write(tmp_path / name, users, x, y), "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
+        s = f.summary()
+        assert s["rows_dropped"] == {"feature 'f2' missing, NaN or infinite": 3, "label 'y' missing, NaN or infinite": 1}
+        assert (s["rows"], s["rows_kept"], s["users"]) == (80, 76, 10)
+        assert "not a differentially private release" in s["note"]
+        rows = f.rows(torch.arange(f.n))
+        assert torch.isfinite(rows["x"]).all() and torch.isfinite(rows["y"]).all()
+        assert rows["x"].shape == clean.rows(torch.arange(clean.n))["x"].shape
+        bad_users = np.searchsorted(f.users, users[[3, 5, 17, 40]])
+        good = np.setdiff1d(np.arange(10), bad_users)
+        assert torch.equal(rows["x"][good], clean.rows(torch.arange(clean.n))["x"][good])
+
+
+def test_rows_without_a_user_id_are_dropped_and_counted(tmp_path):
+    rng = np.random.default_rng(9)
+    users, x, y = ragged(rng, 6, 8, 8)
+    table = pa.table({"user": pa.array([None if i == 4 else int(u) for i, u in enumerate(users)]), "y": y,
+                      **{f"f{i}": x[:, i] for i in range(D)}})
+    pq.write_table(table, tmp_path / "d.parquet")
+    f = LongFormatFile(tmp_path / "d.parquet", "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
+    assert f.summary()["rows_dropped"] == {"missing user id": 1} and f.n == 6
+
+
+@pytest.mark.parametrize("features, column", [((), "f3"), (("f0", "f3"), "f3"), ((), "y")])
+def test_a_string_cell_is_refused_naming_column_row_and_value(tmp_path, features, column):
+    """Issue 26: a string cell in f3 used to drop f3 silently with the default feature columns
+    (d = 4 instead of 5, exit 0). Now it is refused — default or named column, or the label —
+    naming the column, the row and the value. Mixed numbers and strings read as strings."""
+    rng = np.random.default_rng(3)
+    users, x, y = ragged(rng, 6, 8, 8, d=5)
+    path = write(tmp_path / "d.csv", users, x, y)
+    lines = path.read_text().splitlines()
+    header = lines[0].split(",")
+    col = header.index(f'"{column}"') if f'"{column}"' in header else header.index(column)
+    cells = lines[7].split(",")
+    cells[col] = "oops"
+    lines[7] = ",".join(cells)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as e:
+        LongFormatFile(path, "user", "y", features, cap=8, min_samples=4, test_fraction=0.2, seed=0)
+    msg = str(e.value)
+    assert f"'{column}'" in msg and "row 7 holds 'oops'" in msg and "not numeric" in msg
+    assert ("label_column" if column == "y" else "feature_columns") in msg
 
 
 def test_long_format_flags_refused_without_a_long_format_file():

@@ -58,3 +58,30 @@ def test_ten_rows_cost_far_less_memory_than_the_file(tmp_path):
         assert done.returncode == 0, done.stderr
         peak[mode] = int(done.stdout.split()[-1]) * 1024
     assert peak["full"] - peak["rows"] > 250e6, peak
+
+
+def test_a_users_non_finite_sample_is_zeroed_and_counted_not_refused(tmp_path):
+    """Issue 21, break 2: one user's NaN/inf used to refuse the whole .npz (its neighbour ran)."""
+    import torch
+
+    from fedpers.data.files import AltMinFile
+
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((6, 8, 3)), rng.standard_normal((6, 8))
+    xt, yt = rng.standard_normal((6, 2, 3)), rng.standard_normal((6, 2))
+    clean = tmp_path / "c.npz"
+    np.savez(clean, x=x, y=y, x_test=xt, y_test=yt)
+    x[2, 5, 1], y[4, 0], xt[1, 1, 0] = np.nan, np.inf, -np.inf
+    bad = tmp_path / "b.npz"
+    np.savez(bad, x=x, y=y, x_test=xt, y_test=yt)
+    f, g = AltMinFile(bad, 2), AltMinFile(clean, 2)
+    assert f.summary()["samples_zeroed"] == {"x": 1, "x_test": 1, "y": 1}
+    rows, ref = f.rows(torch.arange(6)), g.rows(torch.arange(6))
+    assert all(torch.isfinite(rows[k]).all() for k in ("x", "y", "x_test", "y_test"))
+    assert float(rows["x"][2, 5].abs().sum() + rows["y"][2, 5].abs()) == 0.0 and float(rows["y"][4, 0]) == 0.0
+    keep = torch.ones(6, 8, dtype=torch.bool)
+    keep[2, 5] = keep[4, 0] = False
+    assert torch.equal(rows["x"][keep], ref["x"][keep]) and rows["x"].shape == ref["x"].shape
+    np.savez(bad, x=x, y=y, x_test=xt, y_test=yt, u_star=np.full((3, 2), np.nan))
+    with pytest.raises(ValueError, match="u_star has 6 NaN/inf"):
+        AltMinFile(bad, 2)

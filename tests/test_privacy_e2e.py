@@ -291,3 +291,48 @@ def test_dpals_worst_case_neighbours(dtype, round0):
         for label, new in cases.items():
             outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS}, rel_tol=tol)
             assert outcome.releases >= (4 if round0["private_center"] else 2), label  # (c) equal counts on both neighbours is checked inside
+
+
+def test_dpals_one_sign_ratings_push_the_total_entries_to_their_bound():
+    """Round 0's per-item sums carry a total entry: a user rating B items at +c_r replaced by one
+    rating them at −c_r moves the sums by exactly their sensitivity 2·√2·√B·c_r (not only
+    alternating signs, which cancel in the total). Counts: B items vs B other items reach
+    Γ_c = half of 2Γ_c (replace-one moves indicators, the count entry stays)."""
+    B = 5
+    cfg, protocol, units = setup("dpals", dict(n_users=30, n_items=20, rank=3, true_rank=3, items_per_user=B, max_count=12, steps=1,
+                                               epsilon=1.0, private_center=True))
+    j = 4
+    units["items"][j] = 0
+    units["items"][j, :B] = torch.arange(B)
+    units["mask"][j] = False
+    units["mask"][j, :B] = True
+    units["test"][j] = False
+    units["ratings"][j] = 0.0
+    units["ratings"][j, :B] = 1e6
+    reach = {}
+    for label, new in {"opposite sign, same items": {"ratings": -units["ratings"][j]},
+                       "same sign, other items": {"items": units["items"][j] + B * (units["mask"][j]).long()}}.items():
+        outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS})
+        for release, moved in outcome.changes:
+            reach[(label, release.name)] = moved / release.sensitivity
+    assert reach[("opposite sign, same items", "dpals.item_sums")] == pytest.approx(1.0, rel=1e-9)
+    assert reach[("same sign, other items", "dpals.item_counts")] == pytest.approx(0.5, rel=1e-9)
+    assert reach[("same sign, other items", "dpals.item_sums")] == pytest.approx(0.5, rel=1e-9)
+
+
+@pytest.mark.parametrize("cohorts", ["all", "poisson"])
+def test_fedrep_worst_case_neighbours(cohorts):
+    """FedRep's init and gradient releases under every adversary, all users or Poisson-sampled
+    (FedRep has no disjoint cohorts; AltMin's are covered above)."""
+    values = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=2, epsilon=2.0, clip=1.0,
+                  baselines="none", cohorts=cohorts)
+    if cohorts == "poisson":
+        values["sampling_rate"] = 0.6
+    cfg, protocol, units = setup("fedrep", values)
+    largest = 0.0
+    for j in (0, 23):
+        for label, new in adversaries(units["x"][j], units["y"][j], torch.float64).items():
+            outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS})
+            assert outcome.releases == 1 + cfg.rounds, label
+            largest = max([largest] + [c / r.sensitivity for r, c in outcome.changes if r.name != "init.W"])
+    assert largest > 0.45  # a gradient of norm ≥ C against another: most of 2C

@@ -1,5 +1,5 @@
-"""Rating loaders on small files written here in each format, and bad data refused before any work."""
-import math
+"""Rating loaders on small files written here in each format; a public item universe; per-user
+problems dropped and counted (never refusing the file); malformed files refused before any work."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ ROWS = [(10, 5, 4.0), (10, 7, 3.5), (3, 5, 1.0), (3, 9, 5.0), (3, 7, 2.0), (42, 
 def load(path, **kw):
     rating_files.load_table.cache_clear()
     args = dict(fmt="auto", user_column="user", item_column="item", rating_column="rating", rating_min=0.0, rating_max=5.0,
-                seed=1, test_fraction=0.0, cap=0)
+                seed=1, test_fraction=0.0, cap=0, universe=(5, 7, 9))
     args.update(kw)
     return rating_files.load_table(str(path), **args)
 
@@ -61,24 +61,95 @@ def test_parquet(tmp_path):
     assert as_set(load(p)) == set(ROWS)
 
 
-@pytest.mark.parametrize("rows, match", [
-    (ROWS + [(10, 5, 2.0)], "1 of 7 rows repeat a \\(user, item\\) pair"),
-    (ROWS + [(11, 5, float("nan"))], "rating column: 1 of 7 rows are NaN"),
-    (ROWS + [(11, 5, 9.0), (12, 5, -1.0)], "rating column: 2 of 8 rows outside"),
+@pytest.mark.parametrize("extra, reason", [
+    ([(10, 5, 2.0)], "repeat of a (user, item) pair (first kept)"),
+    ([(10, 9, float("nan"))], "rating missing, NaN, infinite or not a number"),
+    ([(10, 9, 9.0)], "rating outside [rating_min, rating_max] = [0, 5]"),
+    ([(10, 9, -1.0)], "rating outside [rating_min, rating_max] = [0, 5]"),
+    ([(10, 11, 3.0)], "item outside the public item universe"),
 ])
-def test_bad_data_refused(tmp_path, rows, match):
+def test_one_users_bad_row_is_dropped_and_counted(tmp_path, extra, reason):
+    """The issue's break 2: a bad row in one user's ratings used to refuse the file (rc 2) while
+    its neighbour ran. Now the row is dropped, counted, and the table keeps its shape."""
     p = tmp_path / "r.csv"
+    p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in ROWS + extra))
+    t = load(p)
+    assert as_set(t) == set(ROWS)
+    assert (t.n_users, t.n_items) == (3, 3)
+    assert t.summary["rows_dropped"] == {reason: 1}
+    assert t.summary["rows"] == len(ROWS) + 1 and t.summary["rows_kept"] == len(ROWS)
+    assert "not a differentially private release" in t.summary["note"]
+
+
+def test_a_user_whose_every_row_is_bad_stays_a_unit(tmp_path):
+    p = tmp_path / "r.csv"
+    rows = [r for r in ROWS if r[0] != 42] + [(42, 9, 77.0)]
     p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows))
+    t = load(p)
+    assert t.n_users == 3 and int(t.mask[2].sum()) == 0 and t.summary["users_without_ratings"] == 1
+
+
+@pytest.mark.parametrize("text, match", [
+    ("user,item,rating\n", "has no rows"),
+    ("user,item,rating\n1,5,4.0\n2,5,four\n", "rating_column: column 'rating' must be numeric but row 2 holds 'four'"),
+    ("who,item,rating\n1,5,4.0\n", "user_column: no column 'user'"),
+])
+def test_malformed_file_refused(tmp_path, text, match):
+    p = tmp_path / "r.csv"
+    p.write_text(text)
     with pytest.raises(ValueError, match=match):
         load(p)
+
+
+def test_item_universe_is_declared_never_read_off_the_data(tmp_path):
+    """The issue's break 1: replacing user 0's ratings with ones on a new item changed
+    n_items (U (20, 4) -> (21, 4)). With a declared universe the shapes are the same on D and D′."""
+    rows = [(u, 100 + (u * 7 + k) % 20, 1.0 + (u + k) % 5) for u in range(30) for k in range(6)]
+    d = tmp_path / "D.csv"
+    d.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows))
+    d2 = tmp_path / "D2.csv"
+    d2.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows if u != 0) + "0,500,3.0\n0,101,4.0\n")
+    items = tmp_path / "items.txt"
+    items.write_text("".join(f"{i}\n" for i in range(100, 120)))
+    assert rating_files.item_universe(items, "") == rating_files.item_universe(None, "100:119") == tuple(range(100, 120))
+    tables = [load(p, universe=tuple(range(100, 120))) for p in (d, d2)]
+    assert [t.n_items for t in tables] == [20, 20]
+    assert tables[1].summary["rows_dropped"] == {"item outside the public item universe": 1}
+    assert [t.items.shape[0] for t in tables] == [30, 30]
+    with pytest.raises(ValueError, match="--items FILE .* or --item-ids LO:HI"):
+        load(d, universe=None)
+    with pytest.raises(ValueError, match="item_ids must be LO:HI"):
+        rating_files.item_universe(None, "a:b")
+
+
+def test_dpals_release_shapes_identical_on_neighbours(tmp_path):
+    """U, G and b of a whole DPALS run have the same shapes on D and on D′ (user 0 rates a new item)."""
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runtime.local import run_local
+    from tests.neighbours import TapPrivatizer
+
+    rows = [(u, 100 + (u * 7 + k) % 20, 1.0 + (u + k) % 5) for u in range(30) for k in range(6)]
+    shapes = []
+    for name, mine in (("D", rows), ("D2", [r for r in rows if r[0] != 0] + [(0, 500, 3.0), (0, 101, 4.0)])):
+        p = tmp_path / f"{name}.csv"
+        p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in mine))
+        rating_files.load_table.cache_clear()
+        exp = EXPERIMENTS["dpals"]
+        cfg = config.build(DpAlsConfig, {"ratings": str(p), "item_ids": "100:119", "steps": 2, "epsilon": 1.0})
+        protocol = exp.protocol(cfg)
+        tap = TapPrivatizer(0)
+        state = run_local(protocol, exp.units(cfg, torch.arange(exp.num_units(cfg))), tap, chunk_size=7, progress=False)[0]
+        shapes.append((tuple(state["U"].shape), [(r.name, tuple(v.shape)) for r, v in tap.values]))
+    assert shapes[0] == shapes[1]
+    assert shapes[0][0] == (20, 4)
 
 
 def test_cap_and_split_are_seeded(tmp_path):
     p = tmp_path / "r.csv"
     rows = [(u, i, float((u + i) % 5)) for u in range(4) for i in range(30)]
     p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows))
-    a = load(p, cap=10, test_fraction=0.3)
-    b = load(p, cap=10, test_fraction=0.3)
+    a = load(p, cap=10, test_fraction=0.3, universe=tuple(range(30)))
+    b = load(p, cap=10, test_fraction=0.3, universe=tuple(range(30)))
     assert a.items.shape == (4, 10)
     assert torch.equal(a.items, b.items) and torch.equal(a.test, b.test)
     assert int(a.test.sum()) > 0 and not bool((a.test & a.mask).any())
@@ -88,8 +159,10 @@ def test_dpals_config_reads_file(tmp_path):
     p = tmp_path / "ratings.csv"
     p.write_text("userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},1\n" for u, i, r in ROWS))
     rating_files.load_table.cache_clear()
-    cfg = config.build(DpAlsConfig, {"ratings": str(p), "center": 3.0, "rating_max": 5.0, "rating_min": 0.0})
-    assert (n_users(cfg), n_items(cfg)) == (3, 3)
+    with pytest.raises(ValueError, match="items: a ratings file needs a declared public item universe"):
+        config.build(DpAlsConfig, {"ratings": str(p), "center": 3.0, "rating_max": 5.0, "rating_min": 0.0})
+    cfg = config.build(DpAlsConfig, {"ratings": str(p), "item_ids": "5:9", "center": 3.0, "rating_max": 5.0, "rating_min": 0.0})
+    assert (n_users(cfg), n_items(cfg)) == (3, 5)
     u = load_units(cfg, torch.arange(3))
     assert set(u) >= {"ids", "items", "ratings", "mask", "test"}
     assert float(u["ratings"][2][u["mask"][2] | u["test"][2]].sum()) == pytest.approx(0.5 - 3.0)

@@ -8,6 +8,12 @@ Arrays (n users, m samples each, d features):
 - ``v_star``  float (n, k)      optional true personal vectors (with ``u_star``: excess risk)
 - ``x_test``  float (n, t, d)   optional held-out samples per user (test MSE)
 - ``y_test``  float (n, t)      required with ``x_test``
+
+A malformed file (unreadable, unknown or missing array, wrong shape or dtype, non-finite
+``u_star``/``v_star``) is refused before any work. A NaN/inf in one user's samples never
+refuses the file (that failure would reveal the user): the sample (its x row and its y) is
+zeroed — a zero sample adds nothing to any solve or statistic — and counted per array in
+:meth:`AltMinFile.summary` (see docs/data.md).
 """
 from __future__ import annotations
 
@@ -20,11 +26,14 @@ import torch
 from numpy.lib import format as npy_format
 
 from fedpers import memory
+from fedpers.data import summary
 
 Tensor = torch.Tensor
 REQUIRED = ("x", "y")
 ORTHONORMAL_TOLERANCE = 1e-6
 OPTIONAL = ("u_star", "v_star", "x_test", "y_test")
+SAMPLES = ("x", "y", "x_test", "y_test")
+"""Per-user sample arrays: a non-finite sample is zeroed and counted, never refusing the file."""
 
 
 def inspect_npz(path: Path, streamed: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -85,6 +94,7 @@ class AltMinFile:
         self._members = members
         self._check_shapes()
         self._arrays: dict[str, np.ndarray] = {}
+        self.samples_zeroed: dict[str, int] = {}
         for name in members:
             self._arrays[name] = self._open(name)
             self._check_finite(name)
@@ -146,14 +156,26 @@ class AltMinFile:
             raise ValueError(f"data: cannot read {name} of {str(self.path)!r} ({e})") from None
 
     def _check_finite(self, name: str) -> None:
+        """Non-finite ``u_star``/``v_star`` (the file's declared truth) refuse the file; in a
+        user's samples (x, y, x_test, y_test) they are counted, and :meth:`rows` zeroes them."""
         a = self._arrays[name]
         rows = a.shape[0] if len(a.shape) else 1
         bad = 0
         for start in range(0, rows, self.CHECK_ROWS):
             block = _slice(a, start, min(start + self.CHECK_ROWS, rows)) if len(a.shape) else np.asarray(a)
-            bad += int((~np.isfinite(block)).sum())
-        if bad:
+            finite = np.isfinite(block)
+            bad += int((~finite.reshape(*finite.shape[:2], -1).all(-1)).sum()) if name in SAMPLES else int((~finite).sum())
+        if bad and name not in SAMPLES:
             raise ValueError(f"data: {name} has {bad} NaN/inf value(s)")
+        if bad:
+            self.samples_zeroed[name] = bad
+
+    def summary(self) -> dict[str, int | str | dict[str, int]]:
+        """Descriptive counts of the input file (computed by whoever holds it; not DP releases)."""
+        n, m, d = self.shapes["x"]
+        return {"file": self.path.name, "users": n, "samples_per_user": m, "features": d,
+                "samples_zeroed": dict(sorted(self.samples_zeroed.items())),
+                "note": summary.NOTE}
 
     def rows(self, ids: Tensor) -> dict[str, Tensor]:
         """float64 tensors of the given users' rows of every per-user array (and ``ids``)."""
@@ -169,6 +191,11 @@ class AltMinFile:
             else:
                 block = np.stack([_slice(a, int(i), int(i) + 1)[0] for i in index]) if index.size else _slice(a, 0, 0)
             out[name] = torch.from_numpy(block).to(torch.float64)
+        for x, y in (("x", "y"), ("x_test", "y_test")):
+            if x in out and (self.samples_zeroed.get(x) or self.samples_zeroed.get(y)):
+                bad = ~(torch.isfinite(out[x]).all(-1) & torch.isfinite(out[y]))  # one user's bad sample: zeroed
+                out[x][bad] = 0.0
+                out[y][bad] = 0.0
         out["ids"] = ids.to(torch.int64).cpu()
         return out
 

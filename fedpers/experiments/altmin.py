@@ -12,6 +12,7 @@ import torch
 from fedpers import linalg, memory, metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
+from fedpers.data import summary as data_summary
 from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile, is_long_format
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
@@ -336,7 +337,7 @@ class AltMinEvaluator(Evaluator):
     def final(self, state: Any) -> dict[str, Any]:
         private = {"private": (self.subspace_fit(state["U"]), state["U"])}
         out = self.with_baselines(private)
-        if self.cfg.data is not None and is_long_format(self.cfg.data):
+        if self.cfg.data is not None:
             out["data"] = _file(self.cfg).summary()
         return out
 
@@ -441,7 +442,8 @@ class AltMinExperiment(Experiment):
         return ("subspace_error",)
 
     def plan(self, cfg: AltMinConfig) -> list[str]:
-        return check_fits(resolve(cfg))
+        data = data_summary.lines(_file(cfg).summary()) if cfg.data is not None else []
+        return [*data, *check_fits(resolve(cfg))]
 
     def describe(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> dict[str, Any]:
         return {

@@ -8,6 +8,7 @@ multiplier z, calibrated by the accountant to (ε, δ).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.config import MAX_EPSILON, field
-from fedpers.data import rating_files, ratings as data
+from fedpers.data import rating_files, ratings as data, summary
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.dpals import DpAlsProtocol, item_statistics, solve_items, user_embeddings
@@ -51,8 +52,10 @@ class DpAlsConfig:
     user_column: str = field("user", "user column of a csv/parquet rating file")
     item_column: str = field("item", "item column of a csv/parquet rating file")
     rating_column: str = field("rating", "rating column of a csv/parquet rating file")
-    rating_min: float = field(-1e15, "smallest valid rating (rows below are refused)")
-    rating_max: float = field(1e15, "largest valid rating (rows above are refused)")
+    items: Path | None = field(None, "public item universe of a rating file: a file of item ids, one per line (never read off the ratings)")
+    item_ids: str = field("", "public item universe of a rating file as an id range LO:HI (inclusive)")
+    rating_min: float = field(-1e15, "smallest valid rating (rows below are dropped and counted)")
+    rating_max: float = field(1e15, "largest valid rating (rows above are dropped and counted)")
     max_ratings_per_user: int = field(0, "keep at most this many of a user's ratings, in its public random order (0: all)", ge=0)
     center: float = field(0.0, "public constant subtracted from every rating before training (RMSE is unchanged by it); 0 with a bundled --dataset: the midpoint of its published rating scale")
     private_center: bool = field(True, "round 0 releases per-item rating sums and counts (2 Gaussian releases): their ratio, the private global mean, is subtracted from every rating; also reports private item means")
@@ -66,6 +69,16 @@ class DpAlsConfig:
             raise ValueError(f"dtype must be float32 or float64; got {self.dtype!r}")
         if self.min_count > self.max_count:
             raise ValueError(f"min_count must be <= max_count ({self.max_count}); got {self.min_count}")
+        declared = self.items is not None or bool(self.item_ids)
+        if self.ratings is not None and not declared:
+            raise ValueError("items: a ratings file needs a declared public item universe: --items FILE (one id per line) "
+                             "or --item-ids LO:HI (the universe is never read off the data; see docs/data.md)")
+        if declared and self.ratings is None and not self.dataset:
+            raise ValueError("items / item_ids: a public item universe applies only to --ratings or --dataset")
+        if self.items is not None and self.item_ids:
+            raise ValueError("items / item_ids: give one public item universe, not both")
+        if not self.rating_min <= self.rating_max:
+            raise ValueError(f"rating_min must be <= rating_max ({self.rating_max:g}); got {self.rating_min:g}")
 
 
 def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
@@ -75,9 +88,11 @@ def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
     if cfg.ratings is not None and cfg.dataset:
         raise ValueError("give either ratings (a file) or dataset, not both")
     source = f"dataset:{cfg.dataset}" if cfg.dataset else str(cfg.ratings)
+    declared = cfg.items is not None or bool(cfg.item_ids)
+    universe = _universe(str(cfg.items) if cfg.items is not None else "", cfg.item_ids) if declared else None
     return rating_files.load_table(
         source, cfg.format, cfg.user_column, cfg.item_column, cfg.rating_column, cfg.rating_min, cfg.rating_max,
-        derived_seed(cfg.seed, "data"), cfg.test_fraction, cfg.max_ratings_per_user,
+        derived_seed(cfg.seed, "data"), cfg.test_fraction, cfg.max_ratings_per_user, universe,
     )
 
 
@@ -93,6 +108,21 @@ def center(cfg: DpAlsConfig) -> float:
         lo, hi = DATASET_SCALES[cfg.dataset]
         return (lo + hi) / 2
     return cfg.center
+
+
+@functools.lru_cache(maxsize=4)
+def _universe(items_file: str, item_ids: str) -> tuple:
+    return rating_files.item_universe(items_file or None, item_ids)
+
+
+def data_summary(cfg: DpAlsConfig) -> dict[str, Any]:
+    """What the run trains on, as the operator sees it (not a DP release)."""
+    t = table(cfg)
+    if t is None:
+        return {"source": "synthetic", "users": cfg.n_users, "items": cfg.n_items, "note": rating_files.NOTE}
+    source = f"dataset {cfg.dataset} (its published catalogue as item universe)" if cfg.dataset and cfg.items is None and not cfg.item_ids \
+        else (f"dataset {cfg.dataset}" if cfg.dataset else str(cfg.ratings))
+    return {"source": source, **t.summary}
 
 
 def n_items(cfg: DpAlsConfig) -> int:
@@ -231,6 +261,7 @@ class DpAlsEvaluator(Evaluator):
         t = table(cfg)
         if t is not None:
             out["users"], out["items"], out["users_excluded"] = t.n_users, t.n_items, t.excluded_users
+        out["data"] = data_summary(cfg)
         if self.synthetic and cfg.rank >= cfg.true_rank:
             U_star = data.true_items(derived_seed(cfg.seed, "data"), cfg.n_items, cfg.true_rank)
             out["subspace_distance"] = subspace_distance(state["U"][:, :cfg.true_rank] if cfg.rank == cfg.true_rank else state["U"], U_star) if cfg.rank == cfg.true_rank else math.nan
@@ -284,6 +315,9 @@ class DpAlsExperiment(Experiment):
             "gram_bound": protocol.gram_bound, "rhs_bound": protocol.rhs_bound,
             "sensitivity": "2·Γ per statistic (replace-one; the √2 PSD bound is not claimed)",
         }
+
+    def plan(self, cfg: DpAlsConfig) -> list[str]:
+        return summary.lines(data_summary(cfg))
 
     def describe(self, cfg: DpAlsConfig, protocol: DpAlsProtocol) -> dict[str, Any]:
         return {"gram_bound": protocol.gram_bound, "rhs_bound": protocol.rhs_bound, "noise_multiplier": protocol.noise_multiplier,

@@ -144,6 +144,24 @@ class CovarianceRelease:
         return [f"{c.text}: {c.value:.4g} vs {c.bound:.4g}" for c in self.conditions if not c.holds]
 
 
+def psd_sensitivity(per_unit_bound: float, sampling_probability: float = 1.0) -> float:
+    """Δ of a sum of PSD unit contributions of norm ≤ bound: √2·bound, or 2·bound when
+    Poisson-sampled (proof at :meth:`Privatizer.symmetric_gaussian_sum`)."""
+    return (math.sqrt(2.0) if sampling_probability >= 1.0 else 2.0) * float(per_unit_bound)
+
+
+def check_psd_sum(value: Tensor, name: str) -> None:
+    """Refuse a value declared a sum of PSD contributions that is not PSD (beyond rounding)."""
+    v = value.detach().to("cpu", torch.float64)
+    v = (v + v.transpose(0, 1)) / 2
+    trace = float(torch.diagonal(v).sum())
+    slack = math.sqrt(torch.finfo(value.dtype).eps) * max(trace, 0.0) + 1e-300
+    if trace < -slack or int(torch.linalg.cholesky_ex(v + slack * torch.eye(v.shape[0], dtype=v.dtype)).info) != 0:
+        lam = float(torch.linalg.eigvalsh(v).min())
+        raise ValueError(f"release {name!r}: psd_units declared but the summed statistic is not positive semi-definite "
+                         f"(λ_min = {lam:.4g}, trace {trace:.4g}); the √2 PSD bound applies only to sums of PSD contributions")
+
+
 class Privatizer:
     """Server-side mechanisms with a private generator and the ledger they append to."""
 
@@ -263,15 +281,36 @@ class Privatizer:
         product of two PSD matrices is ≥ 0 (tr(A A') = ||A^{1/2} A'^{1/2}||_F²). So Δ = √2·B,
         reached by A_j = B·e₁e₁ᵀ, A'_j = B·e₂e₂ᵀ (then the triangle's norm is √2·B too).
 
+        Poisson sampling (``sampling_probability`` q < 1): the tightening is NOT applied (Δ = 2B,
+        σ = z·B). Why: the accountant's sampled replace-one event ``PoissonSampled(q, Gaussian(z))``
+        (dp-accounting's REPLACE adjacency) is the pair (1−q)N(0, z²) + qN(∓1, z²): it models each
+        unit as at most Δ/2 = σ/z from the sum without it — the unit is absent from the sample
+        with probability 1 − q, so its distance *from absent* matters, not only ||A_j − A'_j||.
+        A PSD unit is ||A_j|| = B from absent, not Δ/2 = B/√2: with the tightened σ = z·B/√2 the
+        reachable pair A_j ⟂ A'_j at full norm puts each unit √2·σ/z from absent and the true
+        ε exceeds the accounted one (1.7× for the A release at z = 2, q = 0.1;
+        ``tests/test_psd_sampled.py`` computes it directly). Untightened, σ = z·B puts every unit
+        within B = σ/z of absent, which is exactly what the event assumes (its antipodal pair is the
+        worst pair in that ball), so the event is sound for every pair of PSD — or any — units.
+
+        ``psd_units`` is refused when the summed value is not PSD (λ_min below −√eps·tr, far below
+        any rounding of a sum of PSD matrices): a statistic that is not a sum of PSD
+        contributions must not get the √2 bound. The check is made before anything is recorded.
+
         Only the upper triangle of ``value`` is released (mirrored): were the lower one used,
         any asymmetry of the sum (rounding included) would come out exactly, noise-free.
         """
         if value.dim() != 2 or value.shape[0] != value.shape[1]:
             raise ValueError(f"release {name!r}: expected a square matrix, got shape {tuple(value.shape)}")
         self._check(value, per_unit_bound, noise_multiplier, name)
-        sensitivity = (math.sqrt(2.0) if psd_units else 2.0) * float(per_unit_bound)
         if not 0.0 < sampling_probability <= 1.0:
             raise ValueError(f"release {name!r}: sampling_probability must be in (0, 1], got {sampling_probability}")
+        if psd_units:
+            check_psd_sum(value, name)
+        tighten = psd_units and sampling_probability >= 1.0
+        sensitivity = (math.sqrt(2.0) if tighten else 2.0) * float(per_unit_bound)
+        if psd_units and not tighten:
+            params = {**(params or {}), "psd_tightening": "not applied: Poisson-sampled, a unit is a full bound from absent (Δ = 2·bound)"}
         release = self._record(round, name, "symmetric_gaussian", per_unit_bound, noise_multiplier, units, sensitivity, params, sampling_probability)
         value = torch.triu(value) + torch.triu(value, diagonal=1).transpose(0, 1)
 

@@ -18,6 +18,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.mechanisms import psd_sensitivity
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
@@ -84,8 +85,9 @@ class AltMinProtocol(Protocol):
 
     @property
     def a_sensitivity(self) -> float:
-        """√2·|Q2|η²: every A_j is PSD (see ``Privatizer.symmetric_gaussian_sum``)."""
-        return math.sqrt(2.0) * self.a_bound
+        """√2·|Q2|η²: every A_j is PSD; 2·|Q2|η² when Poisson-sampled (see ``Privatizer.symmetric_gaussian_sum``)."""
+        sampled = self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0
+        return psd_sensitivity(self.a_bound, self.sampling_rate if sampled else 1.0)
 
     def noise_std(self, bound: float, sensitivity: float | None = None) -> float:
         """σ = z·Δ/2 with Δ = 2·bound unless given (0 without noise)."""
@@ -113,7 +115,8 @@ class AltMinProtocol(Protocol):
             common["cohort_digest"] = self.cohort_digest()
         formula = {
             "W": "bound (m/4)·ζ², Δ = 2·bound",
-            "A": "bound |Q2|·η², Δ = √2·bound (PSD per user)",
+            "A": "bound |Q2|·η², Δ = 2·bound (Poisson-sampled: no PSD tightening)" if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0
+            else "bound |Q2|·η², Δ = √2·bound (PSD per user)",
             "b": "bound |Q2|·η·ζ, Δ = 2·bound",
         }[statistic]
         return {**common, "formula": formula}
