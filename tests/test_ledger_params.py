@@ -102,14 +102,14 @@ def test_expmech_ledger_from_config(tmp_path):
     assert release.event.epsilon == cfg.epsilon
 
 
-@pytest.mark.parametrize("round0", [{}, {"private_center": True}, {"head_items": 8}], ids=["plain", "private-centre", "head-items"])
+@pytest.mark.parametrize("round0", [{"private_center": False}, {"private_center": True}, {"head_items": 8}], ids=["plain", "private-centre", "head-items"])
 def test_dpals_ledger_from_config(round0, tmp_path):
     values = dict(n_users=60, n_items=20, rank=2, true_rank=2, max_count=10, steps=2, epsilon=2.0, items_per_user=6,
                   clip_embedding=1.5, clip_rating=2.5, **round0)
     cfg, ledger, _ = run_ledger("dpals", values, tmp_path)
     B, cv, cr = cfg.items_per_user, cfg.clip_embedding, cfg.clip_rating
     expected = {}
-    if round0:  # rating vector (√B·c_r) plus its total entry; B indicators plus the count entry
+    if round0.get("private_center", True):  # rating vector (√B·c_r) plus its total entry; B indicators plus the count entry
         expected["dpals.item_sums"] = (math.sqrt(2) * math.sqrt(B) * cr, 2 * math.sqrt(2) * math.sqrt(B) * cr, "all")
         expected["dpals.item_counts"] = (math.sqrt(2 * B), 2 * math.sqrt(2 * B), "all")
     gram, rhs = math.sqrt(B) * cv**2, math.sqrt(B) * cr * cv
