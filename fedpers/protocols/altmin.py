@@ -153,6 +153,21 @@ class AltMinProtocol(Protocol):
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 
+    def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
+        """Round 0 reads every user's second half (Q3, Q4); round r ≥ 1 its cohort's first half
+        (Q1, Q2): a disjoint cohort from the public permutation, a Poisson one from ``sampled``."""
+        h = 2 * self.quarter
+        if round == 0:
+            return None, (h, 2 * h)
+        if self.cohorts is Cohorts.DISJOINT:
+            key = f"ids{round}"
+            if key not in self._cohort_cache:
+                self._cohort_cache[key] = (self.cohort_of(torch.arange(self.n_users)) == round).nonzero().squeeze(1)
+            return self._cohort_cache[key], (0, h)
+        if self.cohorts is Cohorts.POISSON:
+            return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), (0, h)
+        return None, (0, h)
+
     def units_in_round(self, round: int, units: Units) -> int:
         if round == 0 or self.cohorts is not Cohorts.DISJOINT:  # Poisson: at most all of them
             return int(units["ids"].shape[0])
