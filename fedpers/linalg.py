@@ -136,6 +136,14 @@ def project_frobenius_ball(x: Tensor, radius: float, dims: int = 2) -> Tensor:
 
 
 def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
+    """argmin_v ||features v - targets||² + ridge ||v||², batched (see :func:`_ridge_solve`);
+    many small problems, so single-threaded per share of the batch (:func:`small_batched`)."""
+    if features.dim() < 3 or features.shape[0] < 512:
+        return _ridge_solve(features, targets, ridge)
+    return small_batched(lambda f, t: _ridge_solve(f, t, ridge), features, targets, min_share=256)
+
+
+def _ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
     """argmin_v ||features v - targets||² + ridge ||v||², batched.
 
     features (..., m, k), targets (..., m) -> (..., k). The ridge is only for numerical
@@ -156,9 +164,11 @@ def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tens
         gram = torch.where(bad[..., None, None], eye, gram)
         rhs = torch.where(bad[..., None], torch.full_like(rhs, math.nan), rhs)
     chol, info = torch.linalg.cholesky_ex(gram)
-    if bool((info == 0).all()):
-        return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1).to(features.dtype)
-    return torch.linalg.lstsq(gram, rhs.unsqueeze(-1)).solution.squeeze(-1).to(features.dtype)
+    out = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
+    failed = (info != 0).nonzero(as_tuple=True)
+    if failed[0].numel():  # per problem, so the answer never depends on its batch-mates
+        out[failed] = torch.linalg.lstsq(gram[failed], rhs[failed].unsqueeze(-1)).solution.squeeze(-1)
+    return out.to(features.dtype)
 
 
 def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:
