@@ -113,9 +113,9 @@ def main() -> None:
     sizes = (args.users, args.users // 4)
     for _ in range(args.repeats):
         for n in sizes:
-            for name, fn in ((f"run{n}", lambda: whole_run(n, args)),
-                             (f"gemm{n}", lambda: gemm_time(run_flops(n, *shape), dtype, args.device)),
-                             (f"draw{n}", lambda: draw_time(run_normals(n, *shape), dtype, args.device))):
+            for name, fn in ((f"run{n}", lambda n=n: whole_run(n, args)),
+                             (f"gemm{n}", lambda n=n: gemm_time(run_flops(n, *shape), dtype, args.device)),
+                             (f"draw{n}", lambda n=n: draw_time(run_normals(n, *shape), dtype, args.device))):
                 out = fn()
                 if isinstance(out, tuple):
                     out, passes[n] = out

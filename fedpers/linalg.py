@@ -228,9 +228,8 @@ def _block_norms(x: Tensor) -> Tensor | None:
     if not float(sq.amax()) <= 2.0**80:  # also false for NaN/inf
         return None
     low = sq < 2.0**-80
-    if bool(low.any()):
-        if bool((sq[low] > 0).any()) or float(x[low].abs().amax()) > 0:
-            return None
+    if bool(low.any()) and (bool((sq[low] > 0).any()) or float(x[low].abs().amax()) > 0):
+        return None
     return sq.sqrt()
 
 
@@ -262,7 +261,7 @@ def kron_statistics(
     torch's threads, and the partial sums are added in a fixed order: the same bits whatever
     the thread count.
     """
-    n, q, d = x.shape
+    n, _, d = x.shape
     k = v.shape[-1]
     rows, cols = torch.triu_indices(k, k, device=v.device)
     vv = v[:, rows] * v[:, cols]

@@ -6,9 +6,13 @@ import torch
 
 from fedpers import config
 from fedpers.data import synthetic
-from fedpers.experiments.altmin import AltMinConfig, load_units, make_protocol, unit_source
+from fedpers.experiments.altmin import (
+    AltMinConfig,
+    load_units,
+    make_protocol,
+    unit_source,
+)
 from fedpers.privacy import Privatizer
-from fedpers.protocols.altmin import Cohorts
 from fedpers.runtime.local import UnitSource, run_local
 
 

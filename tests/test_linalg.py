@@ -49,8 +49,14 @@ def test_float32_sums_with_float64_solves_track_the_float64_run() -> None:
     """--dtype float32 (what a GPU run uses) sums in float32 but solves in float64: on the same
     users (a float32 run draws its own, docs/benchmarks.md) the released subspace stays within
     float32 rounding of the float64 run's, same noise."""
-    from fedpers import config as config_lib, metrics
-    from fedpers.experiments.altmin import AltMinConfig, load_units, make_protocol, truth
+    from fedpers import config as config_lib
+    from fedpers import metrics
+    from fedpers.experiments.altmin import (
+        AltMinConfig,
+        load_units,
+        make_protocol,
+        truth,
+    )
     from fedpers.privacy import Privatizer
     from fedpers.runtime.local import run_local
 

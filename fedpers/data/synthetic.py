@@ -151,7 +151,7 @@ def altmin_users(
     ``device`` from (seed, block), with no host data.
     """
     device = torch.device(device)
-    halves = tuple(sorted(set(int(h) for h in halves)))
+    halves = tuple(sorted({int(h) for h in halves}))
     if not set(halves) <= set(HALVES):
         raise ValueError(f"halves must be a subset of {HALVES}; got {halves}")
     ids = ids.to(device, torch.int64)
