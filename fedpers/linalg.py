@@ -124,6 +124,14 @@ def sym(w: Tensor) -> Tensor:
 
 
 def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
+    """argmin_v ||features v - targets||² + ridge ||v||², batched (see :func:`_ridge_solve`);
+    many small problems, so single-threaded per share of the batch (:func:`small_batched`)."""
+    if features.dim() < 3 or features.shape[0] < 512:
+        return _ridge_solve(features, targets, ridge)
+    return small_batched(lambda f, t: _ridge_solve(f, t, ridge), features, targets, min_share=256)
+
+
+def _ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
     """argmin_v ||features v - targets||² + ridge ||v||², batched.
 
     features (..., m, k), targets (..., m) -> (..., k). The ridge is only for numerical
@@ -144,9 +152,11 @@ def batched_ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tens
         gram = torch.where(bad[..., None, None], eye, gram)
         rhs = torch.where(bad[..., None], torch.full_like(rhs, math.nan), rhs)
     chol, info = torch.linalg.cholesky_ex(gram)
-    if bool((info == 0).all()):
-        return torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1).to(features.dtype)
-    return torch.linalg.lstsq(gram, rhs.unsqueeze(-1)).solution.squeeze(-1).to(features.dtype)
+    out = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
+    failed = (info != 0).nonzero(as_tuple=True)
+    if failed[0].numel():  # per problem, so the answer never depends on its batch-mates
+        out[failed] = torch.linalg.lstsq(gram[failed], rhs[failed].unsqueeze(-1)).solution.squeeze(-1)
+    return out.to(features.dtype)
 
 
 def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:
@@ -162,75 +172,179 @@ def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:
     return blocks.permute(0, 2, 1, 3).reshape(k * d, k * d)
 
 
-def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf) -> Tensor:
+def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf, block: int = 64) -> Tensor:
     """Σ_users Σ_pairs sym(x̂_a x̂_bᵀ clip(y_a) clip(y_b)) over consecutive sample pairs (a, b) = (2i, 2i+1).
 
     x (users, 2p, d), y (users, 2p). x̂ = x/||x|| (0 for x = 0) is formed without overflow, so
     each pair's term has Frobenius norm ≤ ζ² for every finite input (the private
     initialisation's statistic, Algorithm 3 of the personalization paper).
+
+    One pass over x, per block of users in cache: the squared norms, then one GEMM
+    Σ (w_i x_a,i) x_b,iᵀ with w_i = clip(y_a) clip(y_b)/(||x_a|| ||x_b||), so no unit vector is
+    ever written out. A block whose norms are not :func:`safe_norms`-safe takes the exact
+    :func:`directions` path.
     """
     d = x.shape[-1]
-    xa, _ = directions(x[:, 0::2])
-    xb, _ = directions(x[:, 1::2])
     coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)
-    return sym((xa * coef.unsqueeze(-1)).reshape(-1, d).transpose(0, 1) @ xb.reshape(-1, d))
+
+    def blocks_of(lo: int, hi: int) -> tuple[Tensor]:
+        acc = torch.zeros(d, d, dtype=x.dtype, device=x.device)
+        for start in range(lo, hi, block):
+            stop = min(start + block, hi)
+            xa, xb, c = x[start:stop, 0::2], x[start:stop, 1::2], coef[start:stop]
+            na, nb = _block_norms(xa), _block_norms(xb)
+            if na is not None and nb is not None:
+                w = torch.where((na > 0) & (nb > 0), c / (na * nb).clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(c))
+            else:
+                xa, _ = directions(xa)
+                xb, _ = directions(xb)
+                w = c
+            acc.addmm_((xa * w.unsqueeze(-1)).reshape(-1, d).transpose(0, 1), xb.reshape(-1, d))
+        return (acc,)
+
+    (total,) = _stream_sum(x.shape[0], block, blocks_of, x.device)
+    return sym(total)
+
+
+def _block_norms(x: Tensor) -> Tensor | None:
+    """Norms over the last dim from the squared norms (one in-cache pass), or None where
+    :func:`safe_norms` would not trust them: some norm above 2⁴⁰ (or non-finite), below 2⁻⁴⁰
+    without being exactly 0, or 0 on a vector that is not zero (its squares underflowed)."""
+    if x.numel() == 0:
+        return x.new_zeros(x.shape[:-1])
+    sq = torch.einsum("...i,...i->...", x, x)
+    if not float(sq.amax()) <= 2.0**80:  # also false for NaN/inf
+        return None
+    low = sq < 2.0**-80
+    if bool(low.any()) and (bool((sq[low] > 0).any()) or float(x[low].abs().amax()) > 0):
+        return None
+    return sq.sqrt()
 
 
 def kron_gram_sum(v: Tensor, x: Tensor, block: int = 48) -> Tensor:
-    """Σ_j (v_j v_jᵀ) ⊗ (X_jᵀ X_j) as a (dk, dk) matrix, fused per block of units.
+    """Σ_j (v_j v_jᵀ) ⊗ (X_jᵀ X_j) as a (dk, dk) matrix, fused per block of units (see
+    :func:`kron_statistics`, which this is without clipping or labels)."""
+    return kron_statistics(v, x, block=block)[0]
 
-    v (n, k), x (n, q, d). Each block's X_jᵀX_j (block, d, d) is consumed right away by one
-    GEMM with the k(k+1)/2 products v_a v_b (a ≤ b; the rest by symmetry), so the n·d² Gram
-    matrices never go through main memory at once: about 2× faster than forming them all and
-    then calling :func:`kron_vvT_sum` (benchmarks/altmin_round.py). Same index layout.
 
-    The block products are too small for torch's own threads (with two threads on two busy
-    cores they collapse), so on the CPU the users are cut into up to :data:`KRON_STREAMS`
-    contiguous shares, each a single-threaded stream on one of torch's threads, and the partial
-    sums are added in a fixed order: 1.3–1.8× faster on two idle cores, and the same bits
-    whatever the thread count.
+def kron_statistics(
+    v: Tensor, x: Tensor, log_v: Tensor | None = None, eta: float = math.inf, label: Tensor | None = None, block: int = 48,
+) -> tuple[Tensor, Tensor | None]:
+    """(Σ_j (v_j v_jᵀ) ⊗ (Σ_i x̃_ij x̃_ijᵀ), Σ_j v_j ⊗ Σ_i label_ij x̃_ij) as ((dk, dk), (dk,) or None).
+
+    v (n, k), x (n, q, d), label (n, q). With ``log_v`` (n,) given, x̃_ij = x_ij·min(||v_j||, η/||x_ij||)
+    (0 for x_ij = 0): w_ij = clip(||v_j|| x̂_j ⊗ x_ij; η) = v̂_j ⊗ x̃_ij, the clipped AltMin
+    contribution (``v`` then holds the directions v̂_j); without it x̃ = x. Index (a, p) of the
+    result is a·d + p, which matches column-stacking vec(x vᵀ) = v ⊗ x.
+
+    Each block's scaling, X̃_jᵀX̃_j (block, d, d) and label sums happen in cache and are
+    consumed right away by one GEMM with the k(k+1)/2 products v_a v_b (a ≤ b; the rest by
+    symmetry), so x is read once and the n·d² Gram matrices never go through main memory:
+    about 2× faster than forming them all (benchmarks/altmin_round.py). The norms for the
+    clip are the in-cache squared norms when :func:`_block_norms` trusts them, else the exact
+    :func:`directions` of the block.
+
+    The block products are too small for torch's own threads, so on the CPU the users are cut
+    into up to :data:`KRON_STREAMS` contiguous shares, each a single-threaded stream on one of
+    torch's threads, and the partial sums are added in a fixed order: the same bits whatever
+    the thread count.
     """
-    n, q, d = x.shape
+    n, _, d = x.shape
     k = v.shape[-1]
     rows, cols = torch.triu_indices(k, k, device=v.device)
     vv = v[:, rows] * v[:, cols]
+    v_norm = None if log_v is None else log_v.double().exp()  # inf beyond float64: then min(·) takes η/||x||
 
-    def blocks_of(lo: int, hi: int) -> Tensor:
+    def scaled(start: int, stop: int) -> Tensor:
+        xb = x[start:stop]
+        if v_norm is None:
+            return xb
+        norm = _block_norms(xb)
+        vn = v_norm[start:stop].unsqueeze(-1)
+        if norm is not None:
+            nd = norm.double()
+            factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
+            return xb * factor.to(x.dtype).unsqueeze(-1)
+        x_hat, log_x = directions(xb)
+        return x_hat * clipped_magnitude(log_v[start:stop].unsqueeze(-1) + log_x, eta).to(x.dtype).unsqueeze(-1)
+
+    def blocks_of(lo: int, hi: int) -> tuple[Tensor, ...]:
         acc = torch.zeros(rows.shape[0], d * d, dtype=x.dtype, device=x.device)
+        bacc = torch.zeros(k, d, dtype=x.dtype, device=x.device)
         for start in range(lo, hi, block):
             stop = min(start + block, hi)
-            xb = x[start:stop]
+            xb = scaled(start, stop)
             acc.addmm_(vv[start:stop].transpose(0, 1), torch.bmm(xb.transpose(1, 2), xb).reshape(-1, d * d))
-        return acc
+            if label is not None:
+                t = torch.bmm(label[start:stop].unsqueeze(1), xb).squeeze(1)
+                bacc.addmm_(v[start:stop].transpose(0, 1), t)
+        return (acc, bacc)
 
-    threads = torch.get_num_threads()
-    if x.device.type != "cpu":
-        blocks = blocks_of(0, n)
-    else:
-        # the split depends on n only (never on the thread count), so the sum is the same bits
-        # in every process: a resumed run, a Ray worker and the local runtime agree exactly
-        parts = max(1, min(KRON_STREAMS, n // (2 * block)))
-        bounds = [round(n * i / parts / block) * block for i in range(parts)] + [n]
-        torch.set_num_threads(1)
-        try:
-            if parts == 1:
-                blocks = blocks_of(0, n)
-            else:
-                shares = list(_pool(max(1, min(parts, threads))).map(lambda i: blocks_of(bounds[i], bounds[i + 1]), range(parts)))
-                blocks = shares[0]
-                for share in shares[1:]:
-                    blocks += share
-        finally:
-            torch.set_num_threads(threads)
+    blocks, bsum = _stream_sum(n, block, blocks_of, x.device)
     full = torch.empty(k, k, d, d, dtype=x.dtype, device=x.device)
     blocks = blocks.reshape(-1, d, d)
     full[rows, cols] = blocks
     full[cols, rows] = blocks.transpose(-1, -2)
-    return full.permute(0, 2, 1, 3).reshape(k * d, k * d)
+    return full.permute(0, 2, 1, 3).reshape(k * d, k * d), (bsum.reshape(k * d) if label is not None else None)
+
+
+def _stream_sum(n: int, block: int, blocks_of, device: torch.device) -> tuple[Tensor, ...]:  # type: ignore[no-untyped-def]
+    """Σ of ``blocks_of(lo, hi)`` (a tuple of partial sums) over up to :data:`KRON_STREAMS`
+    contiguous shares of n units, each single-threaded on the pool, added in a fixed order.
+
+    The split depends on n only (never on the thread count), so the sum is the same bits in
+    every process: a resumed run, a Ray worker and the local runtime agree exactly. Off the
+    CPU the whole range is one call (the device is parallel by itself).
+    """
+    if torch.device(device).type != "cpu":
+        return blocks_of(0, n)
+    threads = torch.get_num_threads()
+    parts = max(1, min(KRON_STREAMS, n // (2 * block)))
+    bounds = [round(n * i / parts / block) * block for i in range(parts)] + [n]
+    torch.set_num_threads(1)
+    try:
+        if parts == 1:
+            return blocks_of(0, n)
+        shares = list(_pool(max(1, min(parts, threads))).map(lambda i: blocks_of(bounds[i], bounds[i + 1]), range(parts)))
+    finally:
+        torch.set_num_threads(threads)
+    total = list(shares[0])
+    for share in shares[1:]:
+        for i, t in enumerate(share):
+            total[i] += t
+    return tuple(total)
+
+
+def small_batched(fn, *batched: Tensor, min_share: int = 64):  # type: ignore[no-untyped-def]
+    """``fn(*batched)`` for a batched LAPACK call on many small matrices (eigh, Cholesky, solve),
+    run as up to :data:`KRON_STREAMS` contiguous shares of the leading dim, each on one pool
+    thread with torch single-threaded, results concatenated along dim 0.
+
+    MKL's threaded path for a batch of tiny matrices collapses on busy cores (measured on the
+    2-core machine under load: ``eigh`` of 2,700 32×32 blocks 101 s threaded against 1.4 s on
+    one thread), and every matrix is independent, so this is the same bits as one
+    single-threaded call whatever the thread count. Off the CPU, one call.
+    """
+    n = int(batched[0].shape[0])
+    if batched[0].device.type != "cpu":
+        return fn(*batched)
+    threads = torch.get_num_threads()
+    parts = max(1, min(KRON_STREAMS, threads, n // min_share))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    torch.set_num_threads(1)
+    try:
+        if parts == 1:
+            return fn(*batched)
+        shares = list(_pool(parts).map(lambda i: fn(*(t[bounds[i] : bounds[i + 1]] for t in batched)), range(parts)))
+    finally:
+        torch.set_num_threads(threads)
+    if isinstance(shares[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*shares))
+    return torch.cat(shares)
 
 
 KRON_STREAMS = 4
-"""Contiguous shares of the users in :func:`kron_gram_sum` (run on up to that many threads)."""
+"""Contiguous shares of the users in :func:`kron_statistics` (run on up to that many threads)."""
 
 _POOLS: dict[int, Any] = {}
 

@@ -30,9 +30,8 @@ RATINGS = "fedpers/data/rating_files.py"
 MUTATIONS: dict[str, tuple[str, ...]] = {
     "A clip removed": (
         ALTMIN,
-        "A = linalg.kron_gram_sum(v_hat, xc)",
-        "xa = x2 * linalg.clipped_magnitude(log_v, math.inf).to(x.dtype)[:, None, None]  # v ⊗ x unclipped\n"
-        "        A = linalg.kron_gram_sum(v_hat, xa)",
+        "A, b = linalg.kron_statistics(v_hat, x2, log_v, self.eta, label=",
+        "A, b = linalg.kron_statistics(v_hat, x2, log_v, math.inf, label=",
     ),
     "init label clip removed": (
         "fedpers/linalg.py",
@@ -41,8 +40,8 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "b label clip removed": (
         ALTMIN,
-        "t = (xc * linalg.clip_scalar(y[:, q : 2 * q], self.zeta).unsqueeze(-1)).sum(1)",
-        "t = (xc * y[:, q : 2 * q].unsqueeze(-1)).sum(1)",
+        "label=linalg.clip_scalar(y[:, q : 2 * q], self.zeta))",
+        "label=y[:, q : 2 * q])",
     ),
     "A noised with b's bound": (
         ALTMIN,

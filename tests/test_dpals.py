@@ -143,6 +143,33 @@ def test_psd_repair_equals_eigenvalue_floor():
     torch.testing.assert_close(solve_items(G, b, 1.0), ref, rtol=1e-10, atol=1e-12)
 
 
+def test_psd_floor_leaves_positive_definite_blocks_and_repairs_the_others_on_any_thread_count():
+    """Many blocks (split into single-threaded shares): PD blocks come back bit for bit, the
+    others PSD and equal to the full eigenvalue floor; the same bits with one thread or several."""
+    from fedpers import linalg
+    from fedpers.protocols.dpals import psd_floor
+
+    g = torch.Generator().manual_seed(1)
+    k = 6
+    G = torch.randn(700, k, k, generator=g, dtype=torch.float64)
+    G = G + G.transpose(1, 2)
+    pd = torch.arange(700) % 3 == 0
+    G[pd] = G[pd] @ G[pd] + 0.1 * torch.eye(k, dtype=torch.float64)
+    out, repaired = psd_floor(G)
+    assert torch.equal(out[pd], linalg.sym(G[pd]))
+    vals, vecs = torch.linalg.eigh(linalg.sym(G[~pd]))
+    assert repaired == int((vals.amin(-1) < 0).sum()) > 400
+    torch.testing.assert_close(out[~pd], (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2), rtol=1e-10, atol=1e-12)
+    assert float(torch.linalg.eigvalsh(out).amin()) > -1e-10
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single, _ = psd_floor(G)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, out)
+
+
 def test_private_center_without_noise_is_the_mean_of_the_selected_ratings_and_head_is_the_top_counts():
     cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 120, "n_items": 30, "min_count": 3, "max_count": 12, "items_per_user": 12,
                                      "epsilon": math.inf, "clip_rating": 0.0, "head_items": 7, "steps": 2})

@@ -2,22 +2,61 @@
 
 User j's data depends only on (seed, j): a node holding users [a, b) generates exactly
 the rows the local runtime would, which is what makes runtimes comparable seed for seed.
+
+Two schemes, both keyed by (seed, block of :data:`BLOCK` users), so the users are the same
+for any chunking, order or subset of ids asked for (docs/benchmarks.md, "Synthetic users"):
+
+* float64 (the default, and every run before the float32 scheme existed): one CPU generator
+  per block draws the block's x (all m samples), v* and label noise in float64, in that order.
+  A float64 run keeps these users bit for bit; asking for half the samples saves the y
+  product and the copies, not the draw (a Mersenne-Twister stream cannot skip ahead).
+* float32 (and any device): one generator per (block, part), parts being v*, the first half
+  of the samples (x and label noise) and the second half, drawing in float32 on the device
+  the tensors live on. A round that uses only one half draws only that half. These are other
+  draws from the same distribution than the float64 users of the seed (a float32 run and a
+  float64 run of one seed share the truth U* and the cohorts, not the users); a CPU and a
+  CUDA float32 run differ too (torch's CUDA generator is Philox, the CPU's Mersenne Twister).
+
+Blocks are independent, so on the CPU they are drawn on a thread pool sized to torch's
+threads, each block single-threaded: the same bits as drawing them one after another.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import threading
+from collections import Counter, OrderedDict
+from typing import Iterable
 
 import numpy as np
 import torch
 
 Tensor = torch.Tensor
 BLOCK = 1024
-_STREAM_TRUTH, _STREAM_USERS = 1, 2
+_STREAM_TRUTH, _STREAM_USERS, _STREAM_PARTS = 1, 2, 3
+HALVES = (0, 1)
+"""Sample halves: 0 is samples [0, m//2) (AltMin's Q1, Q2), 1 is [m//2, m) (Q3, Q4)."""
+
+DRAWN: Counter = Counter()
+"""User-halves generated in this process, by dtype name ("float64", "float32"), for counting
+passes over the users (:func:`passes`); :func:`reset_counts` clears it."""
+_COUNT_LOCK = threading.Lock()
 
 
-def _generator(seed: int, *key: int) -> torch.Generator:
+def reset_counts() -> None:
+    DRAWN.clear()
+
+
+def passes(n_users: int) -> float:
+    """Passes over all ``n_users`` users' samples generated since :func:`reset_counts` (a half counts ½)."""
+    return sum(DRAWN.values()) / (2 * max(n_users, 1))
+
+
+def _seed(seed: int, *key: int) -> int:
     state = np.random.SeedSequence([int(seed), *map(int, key)]).generate_state(2, dtype=np.uint64)
-    return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
+    return int(state[0] >> np.uint64(1))
+
+
+def _generator(seed: int, *key: int, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(_seed(seed, *key))
 
 
 def subspace(seed: int, dim: int, rank: int, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -28,27 +67,68 @@ def subspace(seed: int, dim: int, rank: int, dtype: torch.dtype = torch.float64)
 
 
 _BLOCKS: "OrderedDict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]]" = OrderedDict()
+_BLOCKS_LOCK = threading.Lock()
 BLOCK_CACHE_BYTES = 256 << 20
 """Most bytes of generated user blocks one process keeps (only blocks asked for in part)."""
 
 
 def _user_block(seed: int, blk: int, samples: int, d: int, k: int, partial: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(x, v*, noise) of the BLOCK users of block ``blk``. A block asked for in part (a Flower
-    node of a few users) is kept: the next node in this process from the same block — in a
-    Ray simulation any actor serves any node — slices it instead of generating 1,024 users again."""
+    """(x, v*, noise) of the BLOCK users of block ``blk`` (float64 scheme). A block asked for in
+    part (a Flower node of a few users) is kept: the next node in this process from the same
+    block — in a Ray simulation any actor serves any node — slices it instead of generating
+    1,024 users again."""
     key = (int(seed), int(blk), samples, d, k)
-    if key in _BLOCKS:
-        _BLOCKS.move_to_end(key)
-        return _BLOCKS[key]
+    with _BLOCKS_LOCK:
+        if key in _BLOCKS:
+            _BLOCKS.move_to_end(key)
+            return _BLOCKS[key]
     g = _generator(seed, _STREAM_USERS, blk)
     bx = torch.randn(BLOCK, samples, d, generator=g, dtype=torch.float64)
     bv = torch.randn(BLOCK, k, generator=g, dtype=torch.float64)
     bz = torch.randn(BLOCK, samples, generator=g, dtype=torch.float64)
+    with _COUNT_LOCK:
+        DRAWN["float64"] += 2 * BLOCK
     if partial and bx.numel() * 8 <= BLOCK_CACHE_BYTES:
-        _BLOCKS[key] = (bx, bv, bz)
-        while sum(t.numel() * 8 for b in _BLOCKS.values() for t in b) > BLOCK_CACHE_BYTES:
-            _BLOCKS.popitem(last=False)
+        with _BLOCKS_LOCK:
+            _BLOCKS[key] = (bx, bv, bz)
+            while sum(t.numel() * 8 for b in _BLOCKS.values() for t in b) > BLOCK_CACHE_BYTES:
+                _BLOCKS.popitem(last=False)
     return bx, bv, bz
+
+
+def half_range(samples: int, half: int) -> tuple[int, int]:
+    """Sample index range [a, b) of ``half`` (0 or 1) of ``samples``."""
+    h = samples // 2
+    return (0, h) if half == 0 else (h, samples)
+
+
+def _parts_block(
+    seed: int, blk: int, local: Tensor, u: Tensor, samples: int, noise_std: float, halves: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
+    """float32/device scheme: v* and the asked-for halves' (x, y) of users ``local`` of block ``blk``,
+    drawn on ``device`` in ``dtype`` from one generator per (block, part)."""
+    d, k = u.shape
+    whole = local.numel() == BLOCK and bool((local == torch.arange(BLOCK, device=local.device)).all())
+    v = torch.randn(BLOCK, k, generator=_generator(seed, _STREAM_PARTS, blk, 0, device=device), dtype=dtype, device=device)[local]
+    out: dict[int, tuple[Tensor, Tensor]] = {}
+    for half in halves:
+        a, b = half_range(samples, half)
+        g = _generator(seed, _STREAM_PARTS, blk, 1 + half, device=device)
+        bx = torch.randn(BLOCK, b - a, d, generator=g, dtype=dtype, device=device)
+        bz = torch.randn(BLOCK, b - a, generator=g, dtype=dtype, device=device)
+        if not whole:
+            bx, bz = bx[local], bz[local]
+        y = torch.baddbmm(noise_std * bz.unsqueeze(-1), bx @ u, v.unsqueeze(-1)).squeeze(-1)
+        out[half] = (bx, y)
+    with _COUNT_LOCK:
+        DRAWN[str(dtype).removeprefix("torch.")] += BLOCK * len(halves)
+    return v, out
+
+
+def uses_parts_scheme(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """True when users are drawn per (block, part) in ``dtype`` on the device (float32, or any
+    non-CPU device); False for the float64 CPU scheme that keeps every earlier run's users."""
+    return dtype != torch.float64 or torch.device(device).type != "cpu"
 
 
 def altmin_users(
@@ -58,24 +138,74 @@ def altmin_users(
     samples: int,
     noise_std: float,
     dtype: torch.dtype = torch.float64,
+    *,
+    halves: Iterable[int] = HALVES,
+    device: torch.device | str = "cpu",
+    workers: int | None = None,
 ) -> dict[str, Tensor]:
-    """x_ij ~ N(0, I_d), v*_j ~ N(0, I_k), y_ij = <U*ᵀx_ij, v*_j> + N(0, σ_F²) for the given user ids."""
-    ids = ids.to("cpu", torch.int64)
+    """x_ij ~ N(0, I_d), v*_j ~ N(0, I_k), y_ij = <U*ᵀx_ij, v*_j> + N(0, σ_F²) for the given user ids.
+
+    ``halves`` says which sample halves (:func:`half_range`) are needed; the others are left
+    zero (and, in the float32 scheme, not drawn). ``workers`` threads draw blocks at once (default:
+    torch's thread count; 1 draws them in order: same bits). Off the CPU the users are drawn on
+    ``device`` from (seed, block), with no host data.
+    """
+    device = torch.device(device)
+    halves = tuple(sorted({int(h) for h in halves}))
+    if not set(halves) <= set(HALVES):
+        raise ValueError(f"halves must be a subset of {HALVES}; got {halves}")
+    ids = ids.to(device, torch.int64)
     d, k = u_star.shape
     n = int(ids.shape[0])
-    x = torch.empty(n, samples, d, dtype=dtype)
-    y = torch.empty(n, samples, dtype=dtype)
-    v = torch.empty(n, k, dtype=dtype)
+    x = torch.zeros(n, samples, d, dtype=dtype, device=device)
+    y = torch.zeros(n, samples, dtype=dtype, device=device)
+    v = torch.empty(n, k, dtype=dtype, device=device)
     if n == 0:
         return {"ids": ids, "x": x, "y": y, "v_star": v}
     blocks = ids // BLOCK
-    u64 = u_star.to(torch.float64)
-    for blk in torch.unique(blocks).tolist():
-        rows = (blocks == blk).nonzero().squeeze(1)
-        bx, bv, bz = _user_block(seed, blk, samples, d, k, partial=rows.numel() < BLOCK)
+    order = torch.argsort(blocks, stable=True)
+    uniq, counts = torch.unique_consecutive(blocks[order], return_counts=True)
+    groups = list(zip(uniq.tolist(), torch.split(order, counts.tolist())))
+    parts = uses_parts_scheme(dtype, device)
+    u = u_star.to(device, dtype if parts else torch.float64)
+
+    def one(group: tuple[int, Tensor]) -> None:
+        blk, rows = group
         local = ids[rows] - blk * BLOCK
+        if parts:
+            bv, drawn = _parts_block(seed, blk, local, u, samples, noise_std, halves, dtype, device)
+            v[rows] = bv
+            for half, (hx, hy) in drawn.items():
+                a, b = half_range(samples, half)
+                x[rows, a:b] = hx
+                y[rows, a:b] = hy
+            return
+        bx, bv, bz = _user_block(seed, blk, samples, d, k, partial=rows.numel() < BLOCK)
         bx, bv, bz = bx[local], bv[local], bz[local]
-        x[rows] = bx.to(dtype)
         v[rows] = bv.to(dtype)
-        y[rows] = ((bx @ u64) @ bv.unsqueeze(-1)).squeeze(-1).add(noise_std * bz).to(dtype)
+        for half in halves:
+            a, b = half_range(samples, half)
+            hx = bx[:, a:b]
+            x[rows, a:b] = hx.to(dtype)
+            y[rows, a:b] = ((hx @ u) @ bv.unsqueeze(-1)).squeeze(-1).add(noise_std * bz[:, a:b]).to(dtype)
+
+    _map_blocks(one, groups, device, workers)
     return {"ids": ids, "x": x, "y": y, "v_star": v}
+
+
+def _map_blocks(fn, groups: list, device: torch.device, workers: int | None) -> None:  # type: ignore[no-untyped-def]
+    """Run ``fn`` on every block group: on the CPU on a pool of single-threaded workers (blocks
+    write disjoint rows, so the order does not matter), elsewhere in order (the device queues)."""
+    threads = torch.get_num_threads()
+    workers = threads if workers is None else workers
+    if device.type != "cpu" or workers <= 1 or len(groups) == 1:
+        for group in groups:
+            fn(group)
+        return
+    from fedpers.linalg import _pool
+
+    torch.set_num_threads(1)
+    try:
+        list(_pool(min(workers, len(groups))).map(fn, groups))
+    finally:
+        torch.set_num_threads(threads)

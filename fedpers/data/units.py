@@ -38,6 +38,12 @@ class UnitSource:
         for start in range(0, self.num_units, chunk_size):
             yield self.slice(start, start + chunk_size)
 
+    def needed_chunks(self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None) -> Iterator[dict[str, Tensor]]:
+        """Chunks holding at least the units ``ids`` (None: all) with samples [a, b) (see
+        ``Protocol.units_needed``); this one loads everything (the protocol filters), a source
+        that makes units on demand overrides it to make only those."""
+        return self.chunks(chunk_size)
+
 
 def slice_units(units: Units, start: int, stop: int) -> dict[str, Tensor]:
     """Units ``start..stop-1`` of tensors in memory (views)."""

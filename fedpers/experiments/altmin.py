@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -207,30 +207,74 @@ def truth(cfg: AltMinConfig) -> Tensor | None:
     return synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank)
 
 
-def load_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
-    """Data of the given users: a slice of the file, or the synthetic users generated from (seed, id)."""
+def load_units(cfg: AltMinConfig, ids: Tensor, samples: tuple[int, int] | None = None) -> dict[str, Tensor]:
+    """Data of the given users: a slice of the file, or the synthetic users generated from (seed, id).
+
+    Synthetic users are drawn in the working dtype on the run's device (docs/benchmarks.md,
+    "Synthetic users": float64 on the CPU keeps every earlier run's users); with ``samples``
+    [a, b) only the sample halves that range touches are made (the rest of x, y is zero).
+    """
     cfg = resolve(cfg)
-    ids = ids.to(torch.int64).cpu()
-    if cfg.data is not None:
-        out = _file(cfg).rows(ids)
-    else:
-        out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, truth(cfg), cfg.samples_per_user, cfg.noise_std)
     dtype = getattr(torch, cfg.dtype)
+    if cfg.data is not None:
+        out = _file(cfg).rows(ids.to(torch.int64).cpu())
+    else:
+        halves = synthetic.HALVES if samples is None else tuple(
+            h for h in synthetic.HALVES if _overlaps(synthetic.half_range(cfg.samples_per_user, h), samples))
+        out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids.to(torch.int64), truth(cfg), cfg.samples_per_user, cfg.noise_std,
+                                     dtype, halves=halves, device=cfg.device)
     return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
 
 
-def unit_source(cfg: AltMinConfig, keys: tuple[str, ...] | None = None) -> UnitSource:
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+class AltMinSource(UnitSource):
+    """Synthetic users made on demand: a round's chunks hold only the users and sample halves
+    it reads (``Protocol.units_needed``), cut at generation-block boundaries so no block is
+    drawn twice in a pass."""
+
+    def __init__(self, cfg: AltMinConfig, keys: tuple[str, ...] | None, samples: tuple[int, int] | None = None) -> None:
+        self.cfg, self.keys, self.samples = cfg, keys, samples
+        super().__init__(cfg.n_users, lambda a, b: self.take(torch.arange(a, b), self.samples), cfg.device)
+
+    def take(self, ids: Tensor, samples: tuple[int, int] | None) -> dict[str, Tensor]:
+        units = load_units(self.cfg, ids, samples)
+        return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys}
+
+    def needed_chunks(self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None) -> Iterator[dict[str, Tensor]]:
+        if ids is None:
+            for start in range(0, self.num_units, chunk_size):
+                yield self.take(torch.arange(start, min(start + chunk_size, self.num_units)), samples)
+            return
+        ids = ids.to(torch.int64).cpu().sort().values
+        # chunk ends on block boundaries: ~chunk_size users each, a block never split
+        ends = torch.searchsorted(ids, torch.arange(0, self.num_units + synthetic.BLOCK, synthetic.BLOCK), right=False)
+        start = 0
+        while start < ids.numel():
+            stop = int(ends[torch.searchsorted(ends, torch.tensor(start + chunk_size), right=True) - 1])
+            if stop <= start:  # one block holds more than chunk_size of the ids
+                stop = int(ends[torch.searchsorted(ends, torch.tensor(start), right=True)])
+            yield self.take(ids[start:stop], samples)
+            start = stop
+
+
+def unit_source(cfg: AltMinConfig, keys: tuple[str, ...] | None = None, samples: tuple[int, int] | None = None) -> UnitSource:
     """Every user, generated (or sliced from the file) chunk by chunk: never all at once.
-    ``keys`` restricts what each chunk carries (the protocol needs ids, x, y; the evaluator more)."""
+    ``keys`` restricts what each chunk carries (the protocol needs ids, x, y; the evaluator more);
+    ``samples`` [a, b) the sample range a pass needs (synthetic users: only those halves are made)."""
     cfg = resolve(cfg)
-    if cfg.data is not None and is_long_format(cfg.data):
-        _file(cfg).load_all()
+    if cfg.data is not None:
+        if is_long_format(cfg.data):
+            _file(cfg).load_all()
 
-    def load(start: int, stop: int) -> dict[str, Tensor]:
-        units = load_units(cfg, torch.arange(start, stop))
-        return units if keys is None else {k: v for k, v in units.items() if k in keys}
+        def load(start: int, stop: int) -> dict[str, Tensor]:
+            units = load_units(cfg, torch.arange(start, stop))
+            return units if keys is None else {k: v for k, v in units.items() if k in keys}
 
-    return UnitSource(cfg.n_users, load, cfg.device)
+        return UnitSource(cfg.n_users, load, cfg.device)
+    return AltMinSource(cfg, keys, samples)
 
 
 def paper_epsilon(noise_to_sensitivity: float, rounds_in: int, delta: float) -> float:
@@ -255,7 +299,8 @@ def population_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
     """The users' R refit and S test samples, fresh draws from their own (U*, v*_j) on streams
     apart from the training data (which stays what it was for the seed)."""
     u = truth(cfg)
-    v = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, cfg.samples_per_user, cfg.noise_std)["v_star"]
+    v = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, cfg.samples_per_user, cfg.noise_std, getattr(torch, cfg.dtype),
+                               halves=(), device=cfg.device)["v_star"].cpu().double()
     x_r, y_r = fresh_samples(derived_seed(cfg.seed, "refit"), ids, u, v, cfg.refit_samples, cfg.noise_std)
     x_t, y_t = fresh_samples(derived_seed(cfg.seed, "population-test"), ids, u, v, cfg.test_samples, cfg.noise_std)
     return {"ids": ids, "x_refit": x_r, "y_refit": y_r, "x_test": x_t, "y_test": y_t}
@@ -268,6 +313,10 @@ class AltMinEvaluator(Evaluator):
         self.cfg, self.protocol = resolve(cfg), protocol
         self.u_star = truth(cfg)
         self.source = unit_source(self.cfg)
+        # the evaluation reads the second half (the final local solve on Q3 ∪ Q4) unless
+        # local_only is asked for (its ridge uses all m samples)
+        h = self.cfg.samples_per_user // 2
+        self.eval_source = self.source if "local_only" in baseline_names(self.cfg.baselines) else unit_source(self.cfg, samples=(h, 2 * h))
         self.init_U: Tensor | None = None
         self.population = None
         if self.cfg.refit_samples:
@@ -300,7 +349,7 @@ class AltMinEvaluator(Evaluator):
         users = test_values = 0
         has_truth = has_test = False
         u_star = None if self.u_star is None else self.u_star.double()
-        for units in self.source.chunks(self.cfg.chunk_size):
+        for units in self.eval_source.chunks(self.cfg.chunk_size):
             users += int(units["ids"].shape[0])
             has_truth = u_star is not None and "v_star" in units
             has_test = "x_test" in units

@@ -156,6 +156,21 @@ class AltMinProtocol(Protocol):
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 
+    def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
+        """Round 0 reads every user's second half (Q3, Q4); round r ≥ 1 its cohort's first half
+        (Q1, Q2): a disjoint cohort from the public permutation, a Poisson one from ``sampled``."""
+        h = 2 * self.quarter
+        if round == 0:
+            return None, (h, 2 * h)
+        if self.cohorts is Cohorts.DISJOINT:
+            key = f"ids{round}"
+            if key not in self._cohort_cache:
+                self._cohort_cache[key] = (self.cohort_of(torch.arange(self.n_users)) == round).nonzero().squeeze(1)
+            return self._cohort_cache[key], (0, h)
+        if self.cohorts is Cohorts.POISSON:
+            return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), (0, h)
+        return None, (0, h)
+
     def units_in_round(self, round: int, units: Units) -> int:
         if round == 0 or self.cohorts is not Cohorts.DISJOINT:  # Poisson: at most all of them
             return int(units["ids"].shape[0])
@@ -257,16 +272,8 @@ class AltMinProtocol(Protocol):
             v_hat, log_v = linalg.directions(v)
             log_v = log_v + sy.double().log() - sx.double().log()
         x2 = x[:, q : 2 * q]
-        norm = linalg.safe_norms(x2)
-        if norm is not None:  # one pass: xc = x · m/||x||, with m/||x|| = min(||v||, η/||x||) finite
-            m = linalg.clipped_magnitude(log_v.unsqueeze(-1) + norm.double().log(), self.eta)
-            xc = x2 * torch.where(norm > 0, m / norm.double(), torch.zeros_like(m)).to(x.dtype).unsqueeze(-1)
-        else:
-            x_hat, log_x = linalg.directions(x2)
-            xc = x_hat * linalg.clipped_magnitude(log_v.unsqueeze(-1) + log_x, self.eta).to(x.dtype).unsqueeze(-1)
-        A = linalg.kron_gram_sum(v_hat, xc)
-        t = (xc * linalg.clip_scalar(y[:, q : 2 * q], self.zeta).unsqueeze(-1)).sum(1)
-        b = (v_hat.transpose(0, 1) @ t).reshape(d * k)
+        # one in-cache pass over Q2: norms, clip factors min(||v||, η/||x||), A and b together
+        A, b = linalg.kron_statistics(v_hat, x2, log_v, self.eta, label=linalg.clip_scalar(y[:, q : 2 * q], self.zeta))
         return A, b
 
     def solve_subspace(self, A: Tensor, b: Tensor, noise_std_a: float) -> tuple[Tensor, dict[str, float]]:

@@ -177,6 +177,12 @@ class Protocol(abc.ABC):
         """Names of the per-unit tensors ``client_update`` reads (besides ``ids``)."""
         return ()
 
+    def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
+        """(ids, samples) ``client_update`` reads in ``round``: the units that take part (None: all)
+        and the range [a, b) of their samples (None: all), so a source that makes its units on
+        demand can make only those. Default: everything."""
+        return None, None
+
     def units_in_round(self, round: int, units: Units) -> int:
         """How many of ``units`` take part in ``round`` (the ``count`` their message carries)."""
         return int(units["ids"].shape[0])

@@ -24,7 +24,6 @@ Tensor = torch.Tensor
 ESTIMATE_AFTER_S = 10.0
 """Runs whose first-chunk calibration predicts more than this print their estimate first."""
 
-
 def _estimate(protocol: Protocol, first_chunk_s: float, chunks: int, chunk_size: int, n: int) -> None:
     """Time before cost: the client work of the whole run from its first chunk (server steps
     and evaluation come on top), printed when it is long enough to matter."""
@@ -61,7 +60,7 @@ def run_local(
 
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         message = None
-        parts: Any = source.chunks(chunk_size)
+        parts: Any = source.needed_chunks(chunk_size, *protocol.units_needed(round, broadcast))
         if progress and chunks >= 4 and estimated[0]:  # a long round shows its chunks (with tqdm's time left)
             from tqdm.auto import tqdm
 

@@ -1,0 +1,154 @@
+"""Synthetic users generated only where needed, on a pool, in the working dtype (docs/benchmarks.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedpers import config
+from fedpers.data import synthetic
+from fedpers.experiments.altmin import (
+    AltMinConfig,
+    load_units,
+    make_protocol,
+    unit_source,
+)
+from fedpers.privacy import Privatizer
+from fedpers.runtime.local import UnitSource, run_local
+
+
+def _full_source(cfg: AltMinConfig) -> UnitSource:
+    """Every user and both halves in every pass: what a run did before cohort-only generation."""
+    return UnitSource(cfg.n_users, lambda a, b: {k: v for k, v in load_units(cfg, torch.arange(a, b)).items() if k in ("ids", "x", "y")})
+
+
+def _stats(proto, source: UnitSource, chunk: int) -> tuple[dict, list]:
+    stats: list = []
+    original = proto.server_update
+
+    def record(round, state, summed, privatizer):  # the summed statistics each round releases
+        stats.append({k: v.clone() for k, v in summed.stats.items()} | {"count": summed.count})
+        return original(round, state, summed, privatizer)
+
+    object.__setattr__(proto, "server_update", record)
+    state, _ = run_local(proto, source, Privatizer(5), chunk_size=chunk, progress=False)
+    return state, stats
+
+
+@pytest.mark.parametrize("cohorts", ["disjoint", "poisson", "all"])
+def test_cohort_only_generation_gives_the_statistics_and_result_of_full_generation(cohorts):
+    extra = {"sampling_rate": 0.4} if cohorts == "poisson" else {}
+    cfg = config.build(AltMinConfig, dict(n_users=2600, dim=6, rank=2, samples_per_user=8, rounds=3, cohorts=cohorts, epsilon=8.0, **extra))
+    synthetic._BLOCKS.clear()
+    synthetic.reset_counts()
+    full_state, full = _stats(make_protocol(cfg), _full_source(cfg), 1000)
+    full_drawn = synthetic.passes(cfg.n_users)
+    for chunk in (1000, 333):
+        synthetic._BLOCKS.clear()
+        synthetic.reset_counts()
+        state, needed = _stats(make_protocol(cfg), unit_source(cfg, ("ids", "x", "y")), chunk)
+        for a, b in zip(full, needed):
+            assert a["count"] == b["count"]
+            for key in a:
+                if key != "count":
+                    torch.testing.assert_close(a[key], b[key], rtol=1e-10, atol=1e-9)  # summation order only
+        torch.testing.assert_close(state["U"], full_state["U"], rtol=1e-9, atol=1e-9)
+        drawn = synthetic.passes(cfg.n_users)
+        # float64 blocks are drawn whole, each at most once per pass (init, rounds)
+        assert drawn <= 1 + cfg.rounds * 3072 / 2600 and drawn <= full_drawn
+
+
+def test_a_round_makes_only_the_half_it_reads():
+    cfg = config.build(AltMinConfig, dict(n_users=3000, dim=6, rank=2, samples_per_user=8, rounds=2, dtype="float32"))
+    proto = make_protocol(cfg)
+    source = unit_source(cfg, ("ids", "x", "y"))
+    ids, samples = proto.units_needed(1, {})
+    assert samples == (0, 4) and set(proto.cohort_of(ids).tolist()) == {1}
+    synthetic.reset_counts()
+    got = torch.cat([c["ids"] for c in source.needed_chunks(700, ids, samples)])
+    assert torch.equal(got, ids.sort().values)
+    # float32 draws per (block, half): one half of the blocks holding the cohort, nothing else
+    assert synthetic.DRAWN["float32"] == 3 * synthetic.BLOCK
+    chunk = next(source.needed_chunks(5000, ids, samples))
+    whole = load_units(cfg, chunk["ids"])
+    assert torch.equal(chunk["x"][:, :4], whole["x"][:, :4]) and torch.equal(chunk["y"][:, :4], whole["y"][:, :4])
+    assert not chunk["x"][:, 4:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_pool_generation_equals_single_thread_bit_for_bit(dtype):
+    u = synthetic.subspace(0, 12, 3)
+    ids = torch.randperm(6000, generator=torch.Generator().manual_seed(2))[:4500]
+    threads = torch.get_num_threads()
+    pooled = synthetic.altmin_users(3, ids, u, 8, 0.1, dtype, workers=4)
+    single = synthetic.altmin_users(3, ids, u, 8, 0.1, dtype, workers=1)
+    torch.set_num_threads(1)
+    try:
+        one_thread = synthetic.altmin_users(3, ids, u, 8, 0.1, dtype)
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("x", "y", "v_star"):
+        assert torch.equal(pooled[key], single[key]) and torch.equal(pooled[key], one_thread[key]), key
+    assert pooled["x"].dtype == dtype
+
+
+def test_float32_users_are_the_same_for_any_chunking_order_and_halves():
+    u = synthetic.subspace(0, 7, 2)
+    whole = synthetic.altmin_users(9, torch.arange(3000), u, 12, 0.1, torch.float32)
+    order = torch.randperm(3000, generator=torch.Generator().manual_seed(1))
+    for chunk in (1, 333, 1024, 2999):
+        for start in range(0, 3000, chunk):
+            ids = order[start : start + chunk]
+            part = synthetic.altmin_users(9, ids, u, 12, 0.1, torch.float32, halves=(1,) if chunk == 333 else (0, 1))
+            lo = 6 if chunk == 333 else 0
+            assert torch.equal(part["x"][:, lo:], whole["x"][ids, lo:]), chunk
+            assert torch.equal(part["y"][:, lo:], whole["y"][ids, lo:]), chunk
+            assert torch.equal(part["v_star"], whole["v_star"][ids]), chunk
+    # the model holds: y = <U*ᵀx, v*> + σ z in float32, z ~ N(0, 1)
+    resid = whole["y"] - ((whole["x"] @ u.float()) @ whole["v_star"].unsqueeze(-1)).squeeze(-1)
+    assert abs(float(resid.std()) / 0.1 - 1) < 0.05
+    assert abs(float(whole["x"].std()) - 1) < 0.01
+
+
+def test_float64_users_are_unchanged_by_halves():
+    u = synthetic.subspace(0, 7, 2)
+    ids = torch.tensor([3, 2000, 1, 1024, 5000])
+    whole = synthetic.altmin_users(9, ids, u, 12, 0.1)
+    second = synthetic.altmin_users(9, ids, u, 12, 0.1, halves=(1,))
+    assert torch.equal(second["x"][:, 6:], whole["x"][:, 6:]) and torch.equal(second["y"][:, 6:], whole["y"][:, 6:])
+    assert torch.equal(second["v_star"], whole["v_star"]) and not second["x"][:, :6].any()
+    with pytest.raises(ValueError, match="halves"):
+        synthetic.altmin_users(9, ids, u, 12, 0.1, halves=(2,))
+
+
+def test_a_run_counts_its_passes_over_the_users():
+    """init (second half of all) + each round its cohort's first half + evaluation (second half)."""
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runner import execute
+
+    exp = EXPERIMENTS["altmin"]
+    cfg = config.build(exp.config_type, dict(n_users=8192, dim=6, rank=2, samples_per_user=8, rounds=4, baselines="none", dtype="float32"))
+    synthetic.reset_counts()
+    execute(exp, cfg, write=False, progress=False)
+    # float32 draws halves: init ½ + 4 rounds of whole blocks' first half ½ each + evaluation ½
+    assert synthetic.passes(cfg.n_users) == pytest.approx(0.5 + 4 * 0.5 + 0.5)
+
+
+def test_the_device_scheme_never_touches_the_host_generator(monkeypatch):
+    """float32 (the scheme a CUDA run uses on its own device) draws every user from generators on
+    the tensors' device keyed by (seed, block, part): no float64 host block is ever made."""
+    def host(*args, **kwargs):
+        raise AssertionError("host-side generation on the device path")
+
+    devices = []
+    real = synthetic._generator
+
+    def spy(seed, *key, device="cpu"):
+        devices.append(torch.device(device))
+        return real(seed, *key, device=device)
+
+    monkeypatch.setattr(synthetic, "_user_block", host)
+    monkeypatch.setattr(synthetic, "_generator", spy)
+    u = synthetic.subspace(0, 8, 2)
+    out = synthetic.altmin_users(4, torch.arange(2500), u, 8, 0.1, torch.float32, device="cpu")
+    assert out["x"].dtype == torch.float32 and devices and all(d.type == "cpu" for d in devices)
+    assert synthetic.uses_parts_scheme(torch.float64, "cuda") and not synthetic.uses_parts_scheme(torch.float64, "cpu")
