@@ -6,11 +6,14 @@ rebuilds the protocol from the job, loads this node's units (its ``partition-id`
 ``data-file`` in the node config replaces the config's data path) and calls
 ``protocol.client_update``.
 """
+
 # --- issue 23: refuse to run unless the fedpers imported here is this app's own (loaded by path, not through fedpers) ---
 import importlib.util as _util
 from pathlib import Path as _Path
 
-_spec = _util.spec_from_file_location("_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "integrity.py")
+_spec = _util.spec_from_file_location(
+    "_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "integrity.py"
+)
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_integrity)  # type: ignore[union-attr]
 _integrity.require_fab_code(_Path(__file__).resolve().parents[1])

@@ -13,13 +13,15 @@ does it for it:
 - :func:`flower_job` and :func:`run_flower`: an experiment's run on the Flower runtime (what
   :func:`fedpers.runner.execute` calls).
 """
+
 from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from fedpers import config as config_lib
 from fedpers.runtime.options import Runtime, RuntimeOptions
@@ -44,7 +46,18 @@ USERS_PER_NODE = "users-per-node"
 SECURE_NOISE = "secure-noise"
 RESUME = "resume"
 NODE_PARTITIONS = "node-partitions"
-KNOWN = (ALGORITHM, CONFIG, CONFIG_FILE, OUT, MIN_FRACTION, ROUND_TIMEOUT, USERS_PER_NODE, SECURE_NOISE, RESUME, NODE_PARTITIONS)
+KNOWN = (
+    ALGORITHM,
+    CONFIG,
+    CONFIG_FILE,
+    OUT,
+    MIN_FRACTION,
+    ROUND_TIMEOUT,
+    USERS_PER_NODE,
+    SECURE_NOISE,
+    RESUME,
+    NODE_PARTITIONS,
+)
 _PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
 
 
@@ -114,14 +127,15 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
     return ServerJob(experiment, cfg, options, Path(out) if out else None)
 
 
-def build_node(job: "Job", data_file: str = "") -> "Node":
+def build_node(job: Job, data_file: str = "") -> Node:
     """The node for ``job``: the registered algorithm's config and protocol (noise from the
     server's calibrations: a node runs no accountant), and a loader of its units by global id.
     ``data_file`` (node config) replaces the config's data path."""
     import json
     from dataclasses import fields
 
-    from fedpers.experiments import ALGORITHMS, experiment as registered
+    from fedpers.experiments import ALGORITHMS
+    from fedpers.experiments import experiment as registered
     from fedpers.privacy.accountant import Calibrations
     from fedpers.runtime.flower.client import Node
     from fedpers.runtime.flower.codec import DATA_FILE
@@ -135,18 +149,22 @@ def build_node(job: "Job", data_file: str = "") -> "Node":
             raise ValueError(f"{DATA_FILE}: algorithm {job.algorithm!r} reads no data files")
         values["data"] = data_file
     cfg = config_lib.build(experiment.config_type, values)
-    protocol = experiment.protocol(cfg, Calibrations(json.loads(job.calibrations_json)))  # the server's z: no accountant here
+    protocol = experiment.protocol(
+        cfg, Calibrations(json.loads(job.calibrations_json))
+    )  # the server's z: no accountant here
     return Node(protocol, lambda ids: experiment.units(cfg, ids))
 
 
-def make_client_app() -> "ClientApp":
+def make_client_app() -> ClientApp:
     """The fedpers ClientApp: the Flower runtime's node side with :func:`build_node` injected."""
     from fedpers.runtime.flower.client import make_client_app as runtime_client_app
 
     return runtime_client_app(build_node)
 
 
-def flower_job(experiment: "Experiment", cfg: Any, protocol: "Protocol", calibrations: Mapping[str, float] | None = None) -> "Job":
+def flower_job(
+    experiment: Experiment, cfg: Any, protocol: Protocol, calibrations: Mapping[str, float] | None = None
+) -> Job:
     """What the nodes rebuild ``protocol`` from: algorithm name, config, protocol digest, and the
     noise calibrations the server's accountant chose (nodes rebuild the protocol without one):
     ``calibrations`` if given, else recorded by building the protocol once more."""
@@ -162,16 +180,16 @@ def flower_job(experiment: "Experiment", cfg: Any, protocol: "Protocol", calibra
 
 
 def run_flower(
-    experiment: "Experiment",
+    experiment: Experiment,
     cfg: Any,
-    protocol: "Protocol",
-    privatizer: "Privatizer",
+    protocol: Protocol,
+    privatizer: Privatizer,
     options: RuntimeOptions,
     *,
-    client_app: "ClientApp | None" = None,
+    client_app: ClientApp | None = None,
     calibrations: Mapping[str, float] | None = None,
     **kwargs: Any,
-) -> "tuple[Any, list[RoundRecord]]":
+) -> tuple[Any, list[RoundRecord]]:
     """``experiment``'s run on the Flower runtime (:func:`fedpers.runtime.flower.run_flower`: on
     ``grid=`` if given, else a simulation whose nodes run ``client_app`` or :func:`make_client_app`);
     ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`flower_job`)."""
@@ -181,4 +199,6 @@ def run_flower(
         client_app = make_client_app()
     job = flower_job(experiment, cfg, protocol, calibrations)
     device = getattr(cfg, "device", "cpu")
-    return run(job, experiment.num_units(cfg), protocol, privatizer, options, device=device, client_app=client_app, **kwargs)
+    return run(
+        job, experiment.num_units(cfg), protocol, privatizer, options, device=device, client_app=client_app, **kwargs
+    )

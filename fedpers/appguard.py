@@ -8,6 +8,7 @@ FAB's bytes before Flower extracts or imports anything from it and otherwise fai
 run ends ``finished:failed`` at once; a refused launch would leave it pending until Flower's task
 expiry) — the node side's check (:mod:`fedpers.runtime.flower.forkserver`), mirrored.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -37,8 +38,16 @@ def launch_serverapp(fallback: Any, spec: Any, trusted: frozenset[str]) -> Any:
     if spec.fab_hash and spec.fab_hash.lower() not in trusted:
         # Refusing the launch here would leave the run pending until Flower's task expiry; the guard
         # process below refuses it before the FAB is extracted and the run ends finished:failed.
-        print(f"fedpers superexec: ServerApp of FAB {spec.fab_hash} is not in --trust-app: the guard refuses it", file=sys.stderr, flush=True)
-    print(f"fedpers superexec: ServerApp task {spec.task_id} of FAB {spec.fab_hash or '(hash checked in the process)'} started through fedpers.appguard", file=sys.stderr, flush=True)
+        print(
+            f"fedpers superexec: ServerApp of FAB {spec.fab_hash} is not in --trust-app: the guard refuses it",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        f"fedpers superexec: ServerApp task {spec.task_id} of FAB {spec.fab_hash or '(hash checked in the process)'} started through fedpers.appguard",
+        file=sys.stderr,
+        flush=True,
+    )
     module = importlib.import_module("flwr.supercore.superexec.executor.subprocess_executor")
     original = module.subprocess
     setattr(module, "subprocess", _GuardedLauncher())  # noqa: B010 - a module global, patched for this launch only
@@ -68,7 +77,9 @@ def main(argv: list[str]) -> None:
         digest = hashlib.sha256(fab if isinstance(fab, bytes) else Path(fab).read_bytes()).hexdigest()
         if not trusted or digest not in trusted:
             print(f"fedpers: refused ServerApp of FAB {digest}: not in {TRUSTED_APPS_ENV}", file=sys.stderr, flush=True)
-            raise UntrustedApp(f"this SuperExec runs only the ServerApps in {TRUSTED_APPS_ENV}; FAB {digest} is not one of them")
+            raise UntrustedApp(
+                f"this SuperExec runs only the ServerApps in {TRUSTED_APPS_ENV}; FAB {digest} is not one of them"
+            )
         print(f"fedpers: ServerApp of trusted FAB {digest}", file=sys.stderr, flush=True)
         return install(fab, *args, **kwargs)
 

@@ -22,6 +22,7 @@ clip bound, each canary along its own coordinate so the scores do not interfere.
 tests the replace-one user relation the accountant proves (the two versions are the same
 user with different data). See docs/audit.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,13 +33,13 @@ from typing import Any
 import dp_accounting
 import torch
 
+from fedpers.data.units import UnitSource
 from fedpers.experiments.base import Experiment, derived_seed
 from fedpers.privacy import Ledger, Privatizer, Release, ledger_epsilon
 from fedpers.privacy import accountant as accountant_lib
 from fedpers.privacy import audit as audit_math
 from fedpers.protocols.base import Protocol, client_message
 from fedpers.runtime.driver import ClientReply, drive
-from fedpers.data.units import UnitSource
 
 Tensor = torch.Tensor
 BIG = 1e6
@@ -146,8 +147,11 @@ def _altmin_canaries(protocol: Any, generator: torch.Generator, count: int) -> C
     y_minus[:, q : 2 * q] = -label
     y_minus[:, 2 * q + 1 :: 2] = -label  # the second of each init pair
     ids = torch.arange(k)
-    return Canaries({"ids": ids, "x": x.to(dtype), "y": y.to(dtype)}, {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
-                    "coordinate e_i per canary; b and W at ± their clip bound (2·bound apart), A equal in both versions")
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y.to(dtype)},
+        {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
+        "coordinate e_i per canary; b and W at ± their clip bound (2·bound apart), A equal in both versions",
+    )
 
 
 def _noisyhead_protocol(cfg: Any, k: int) -> Protocol:
@@ -156,7 +160,9 @@ def _noisyhead_protocol(cfg: Any, k: int) -> Protocol:
     from fedpers.experiments.noisyhead import Mode, make_protocol
 
     if cfg.unit.value != "prompt" or cfg.sampling_rate != 1.0:
-        raise ValueError("unit/sampling_rate: the noisyhead audit has prompt-level, unsampled canaries; use --unit prompt without --sampling-rate")
+        raise ValueError(
+            "unit/sampling_rate: the noisyhead audit has prompt-level, unsampled canaries; use --unit prompt without --sampling-rate"
+        )
     return make_protocol(cfg, mode=Mode.ROUNDS)
 
 
@@ -177,8 +183,11 @@ def _noisyhead_canaries(protocol: Any, generator: torch.Generator, k: int) -> Ca
     y_minus = y.clone()
     y_minus[:, 0, L] = -LABEL_OVERSHOOT * p.clip_c
     dtype = p.dtype
-    return Canaries({"ids": idx, "x": x.to(dtype), "y": y.to(dtype)}, {"ids": idx, "x": x.to(dtype), "y": y_minus.to(dtype)},
-                    "coordinate (a, b) of Γ per canary; Z̃ at its projection radius G, query label ±C")
+    return Canaries(
+        {"ids": idx, "x": x.to(dtype), "y": y.to(dtype)},
+        {"ids": idx, "x": x.to(dtype), "y": y_minus.to(dtype)},
+        "coordinate (a, b) of Γ per canary; Z̃ at its projection radius G, query label ±C",
+    )
 
 
 FEDREP_LABEL = 1e3
@@ -198,7 +207,9 @@ def _fedrep_layout(p: Any) -> tuple[int, int]:
     odd = p.samples_per_user % 2
     j = p.rank - odd
     if p.pairs - j < 1:
-        raise ValueError(f"samples_per_user: the fedrep audit needs m >= {2 * p.rank + 1} for rank {p.rank} (k + 1 feature directions per canary); got {p.samples_per_user}")
+        raise ValueError(
+            f"samples_per_user: the fedrep audit needs m >= {2 * p.rank + 1} for rank {p.rank} (k + 1 feature directions per canary); got {p.samples_per_user}"
+        )
     return j, p.rank + 1
 
 
@@ -235,15 +246,20 @@ def _fedrep_canaries(protocol: Any, generator: torch.Generator, count: int) -> C
         y_minus[:, -1] = 0.0
     ids = torch.arange(count)
     dtype = p.dtype
-    return Canaries({"ids": ids, "x": x.to(dtype), "y": y.to(dtype)}, {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
-                    f"k + 1 coordinates per canary; init W at {fedrep_init_fraction(p):.3f} of its sensitivity, G at the clip C in \"+\", 0 in \"−\"")
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y.to(dtype)},
+        {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
+        f'k + 1 coordinates per canary; init W at {fedrep_init_fraction(p):.3f} of its sensitivity, G at the clip C in "+", 0 in "−"',
+    )
 
 
 def _noisygd_protocol(cfg: Any, k: int) -> Protocol:
     from fedpers.experiments.noisygd import Remedy, make_protocol
 
     if cfg.remedy is Remedy.PCA:
-        raise ValueError("remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center")
+        raise ValueError(
+            "remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center"
+        )
     return make_protocol(replace(cfg, examples=k, chunk_size=max(k, 1)))
 
 
@@ -264,17 +280,24 @@ def _noisygd_canaries(protocol: Any, generator: torch.Generator, count: int) -> 
     ids = torch.arange(count)
     y = ids % p.classes
     dtype = p.dtype
-    return Canaries({"ids": ids, "x": x.to(dtype), "y": y}, {"ids": ids, "x": (-x).to(dtype), "y": y},
-                    "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)")
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y},
+        {"ids": ids, "x": (-x).to(dtype), "y": y},
+        "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)",
+    )
 
 
 def _dpals_protocol(cfg: Any, k: int) -> Protocol:
     from fedpers.experiments.dpals import make_protocol, prelude
 
     if cfg.ratings is not None or cfg.dataset:
-        raise ValueError("ratings/dataset: the audit's population is its canaries (synthetic items); drop --ratings/--dataset")
+        raise ValueError(
+            "ratings/dataset: the audit's population is its canaries (synthetic items); drop --ratings/--dataset"
+        )
     if prelude(cfg):
-        raise ValueError("private_center/head_items: the dpals audit has no canary design for round 0's sums and counts yet; drop them")
+        raise ValueError(
+            "private_center/head_items: the dpals audit has no canary design for round 0's sums and counts yet; drop them"
+        )
     return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
 
 
@@ -292,27 +315,54 @@ def _dpals_canaries(protocol: Any, generator: torch.Generator, count: int) -> Ca
     mask = torch.ones(count, 1, dtype=torch.bool)
     plus = {"ids": ids, "items": (2 * ids)[:, None], "ratings": ratings, "mask": mask}
     minus = {"ids": ids, "items": (2 * ids + 1)[:, None], "ratings": ratings, "mask": mask}
-    return Canaries(plus, minus, "one rating per canary user, on item 2i (\"+\") or 2i + 1 (\"−\"): G and b at their clips, √2·Γ apart")
+    return Canaries(
+        plus, minus, 'one rating per canary user, on item 2i ("+") or 2i + 1 ("−"): G and b at their clips, √2·Γ apart'
+    )
 
 
 DESIGNS: dict[str, CanaryDesign] = {
-    "altmin": CanaryDesign(_altmin_protocol, lambda p: p.dim, _altmin_canaries, "init W, and every round's A and b",
-                           "replace-one user (a canary's two versions are the same user with different data)"),
-    "noisyhead": CanaryDesign(_noisyhead_protocol, lambda p: p.dim**2, _noisyhead_canaries,
-                              "every step's noisy gradient (rounds mode; statistics mode releases the same Γ̂ law)",
-                              "replace-one prompt (a canary's two versions are the same prompt with a different query label)"),
-    "fedrep": CanaryDesign(_fedrep_protocol, lambda p: p.dim // (p.rank + 1), _fedrep_canaries, "init W, and every round's G",
-                           "replace-one user (a canary's two versions are the same user with different labels)"),
-    "noisygd": CanaryDesign(_noisygd_protocol, lambda p: p.feature_dim, _noisygd_canaries,
-                            "every step's noisy clipped-gradient sum (and the centring remedy's feature sum)",
-                            "replace-one example (a canary's two versions are the same example with its feature negated)"),
-    "dpals": CanaryDesign(_dpals_protocol, lambda p: p.n_items // 2, _dpals_canaries, "every round's G (block upper triangles) and b",
-                          "replace-one user (a canary's two versions are the same user rating a different item)"),
+    "altmin": CanaryDesign(
+        _altmin_protocol,
+        lambda p: p.dim,
+        _altmin_canaries,
+        "init W, and every round's A and b",
+        "replace-one user (a canary's two versions are the same user with different data)",
+    ),
+    "noisyhead": CanaryDesign(
+        _noisyhead_protocol,
+        lambda p: p.dim**2,
+        _noisyhead_canaries,
+        "every step's noisy gradient (rounds mode; statistics mode releases the same Γ̂ law)",
+        "replace-one prompt (a canary's two versions are the same prompt with a different query label)",
+    ),
+    "fedrep": CanaryDesign(
+        _fedrep_protocol,
+        lambda p: p.dim // (p.rank + 1),
+        _fedrep_canaries,
+        "init W, and every round's G",
+        "replace-one user (a canary's two versions are the same user with different labels)",
+    ),
+    "noisygd": CanaryDesign(
+        _noisygd_protocol,
+        lambda p: p.feature_dim,
+        _noisygd_canaries,
+        "every step's noisy clipped-gradient sum (and the centring remedy's feature sum)",
+        "replace-one example (a canary's two versions are the same example with its feature negated)",
+    ),
+    "dpals": CanaryDesign(
+        _dpals_protocol,
+        lambda p: p.n_items // 2,
+        _dpals_canaries,
+        "every round's G (block upper triangles) and b",
+        "replace-one user (a canary's two versions are the same user rating a different item)",
+    ),
 }
 
 
 # ----- one run, and the scorer --------------------------------------------------------------
-def run_published(protocol: Protocol, units: Mapping[str, Tensor], privatizer: PublishingPrivatizer) -> tuple[Published, Ledger]:
+def run_published(
+    protocol: Protocol, units: Mapping[str, Tensor], privatizer: PublishingPrivatizer
+) -> tuple[Published, Ledger]:
     """Run ``protocol`` on ``units`` through the shared server loop; return only what it published."""
     source = UnitSource.of(units)
     broadcasts: list[dict[str, Tensor]] = []
@@ -363,12 +413,24 @@ def score_canaries(protocol: Protocol, published: Published, canaries: Canaries)
         if len(specs) != len(released):
             raise ValueError(f"round {r}: {len(released)} releases for {len(specs)} statistics")
         broadcast = published.broadcasts[r]
-        contrib = {v: [client_message(protocol, r, broadcast, canaries.one(i, v)).stats for i in range(k)] for v in "+-"}
+        contrib = {
+            v: [client_message(protocol, r, broadcast, canaries.one(i, v)).stats for i in range(k)] for v in "+-"
+        }
         for spec, (release, value) in zip(specs, released):
             if release.noise_std <= 0:
                 raise ValueError(f"release {release.name!r} has no noise: nothing to audit (epsilon must be finite)")
-            plus = torch.stack([_released_part(release, _as_released(protocol, spec.name, c[spec.name]).double()) for c in contrib["+"]])
-            minus = torch.stack([_released_part(release, _as_released(protocol, spec.name, c[spec.name]).double()) for c in contrib["-"]])
+            plus = torch.stack(
+                [
+                    _released_part(release, _as_released(protocol, spec.name, c[spec.name]).double())
+                    for c in contrib["+"]
+                ]
+            )
+            minus = torch.stack(
+                [
+                    _released_part(release, _as_released(protocol, spec.name, c[spec.name]).double())
+                    for c in contrib["-"]
+                ]
+            )
             centred = _released_part(release, value.double()) - ((plus + minus) / 2).sum(0)
             diff = plus - minus
             llr += (diff @ centred) / release.noise_std**2
@@ -389,8 +451,15 @@ def proven_mu(ledger: Ledger) -> float | None:
     return worst
 
 
-def audit(exp: Experiment, cfg: Any, canaries: int, runs: int = 1, confidence: float = 0.95, seed: int = 0,
-          privatizer_factory: Callable[[int], PublishingPrivatizer] = PublishingPrivatizer) -> dict[str, Any]:
+def audit(
+    exp: Experiment,
+    cfg: Any,
+    canaries: int,
+    runs: int = 1,
+    confidence: float = 0.95,
+    seed: int = 0,
+    privatizer_factory: Callable[[int], PublishingPrivatizer] = PublishingPrivatizer,
+) -> dict[str, Any]:
     """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε."""
     if exp.name not in DESIGNS:
         raise ValueError(f"algorithm: the audit has canaries for {', '.join(DESIGNS)}; got {exp.name}")
@@ -404,7 +473,9 @@ def audit(exp: Experiment, cfg: Any, canaries: int, runs: int = 1, confidence: f
     protocol = design.protocol(cfg, canaries)
     capacity = design.capacity(protocol)
     if not 2 <= canaries <= capacity:
-        raise ValueError(f"canaries must be in [2, {capacity}] for {exp.name} with these flags (one orthogonal direction each); got {canaries}")
+        raise ValueError(
+            f"canaries must be in [2, {capacity}] for {exp.name} with these flags (one orthogonal direction each); got {canaries}"
+        )
     delta = float(cfg.delta)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # K tiny users: one thread is several times faster than a contended pool
@@ -414,8 +485,18 @@ def audit(exp: Experiment, cfg: Any, canaries: int, runs: int = 1, confidence: f
         torch.set_num_threads(threads)
 
 
-def _audit_runs(exp: Experiment, cfg: Any, design: CanaryDesign, protocol: Protocol, canaries: int, runs: int,
-                confidence: float, seed: int, delta: float, privatizer_factory: Callable[[int], PublishingPrivatizer]) -> dict[str, Any]:
+def _audit_runs(
+    exp: Experiment,
+    cfg: Any,
+    design: CanaryDesign,
+    protocol: Protocol,
+    canaries: int,
+    runs: int,
+    confidence: float,
+    seed: int,
+    delta: float,
+    privatizer_factory: Callable[[int], PublishingPrivatizer],
+) -> dict[str, Any]:
     coins = torch.Generator().manual_seed(derived_seed(seed, "audit-coins"))
     data = torch.Generator().manual_seed(derived_seed(seed, "audit-canaries"))
     scores, seps, truth = [], [], []
@@ -452,7 +533,10 @@ def _audit_runs(exp: Experiment, cfg: Any, design: CanaryDesign, protocol: Proto
         "epsilon_lower": snj["epsilon_lower"],
         "one_run": snj,
         "one_run_gdp": gdp_one,
-        "independent_gdp": {"mu_lower": mu_ind, "epsilon_lower": accountant_lib.analytic_gaussian_epsilon(mu_ind, delta) if mu_ind > 0 else 0.0},
+        "independent_gdp": {
+            "mu_lower": mu_ind,
+            "epsilon_lower": accountant_lib.analytic_gaussian_epsilon(mu_ind, delta) if mu_ind > 0 else 0.0,
+        },
         "noise_multiplier": float(getattr(protocol, "noise_multiplier", float("nan"))),
     }
 
@@ -463,7 +547,8 @@ def format_audit(result: Mapping[str, Any]) -> str:
     one, gdp, ind = result["one_run"], result["one_run_gdp"], result["independent_gdp"]
     proven = f"  proven ε = {result['proven_epsilon']:.4g}" + (f" (μ-GDP, μ = {mu:.4g})" if mu is not None else "")
     lines = [
-        f"audit of {result['algorithm']}: {result['runs']} run(s) × {result['canaries_per_run']} canaries, confidence {result['confidence']}, δ = {result['delta']:.3g}",
+        f"audit of {result['algorithm']}: {result['runs']} run(s) × {result['canaries_per_run']} canaries, "
+        f"confidence {result['confidence']}, δ = {result['delta']:.3g}",
         f"  neighbours: {result['neighbouring']}",
         f"  releases tested: {result['releases_tested']}",
         f"  canaries: {result['canary_design']} (separation μ = {result['canary_mu']:.3f})",

@@ -1,5 +1,6 @@
 """Command line: ``fedpers run ALGO``, ``fedpers resume RUN_DIR``, ``fedpers sweep FILE.toml``,
 ``fedpers compare RUN_DIR...``, ``fedpers privacy RUN_DIR``, ``fedpers report RUN_DIR|SWEEP_DIR``."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,9 @@ import math
 import sys
 import tomllib
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from fedpers import config as config_lib
 
@@ -28,7 +30,11 @@ def _add_fields(parser: argparse.ArgumentParser | Any, cls: type) -> None:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         tp = args[0] if args else tp
         default = f.default.value if isinstance(f.default, enum.Enum) else f.default
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": f"{f.metadata.get('help', '')} (default: {default})"}
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": f"{f.metadata.get('help', '')} (default: {default})",
+        }
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             kwargs["choices"] = [e.value for e in tp]
         else:
@@ -42,14 +48,24 @@ def build_parser() -> argparse.ArgumentParser:
     from fedpers import __version__
     from fedpers.experiments import ALGORITHMS
 
-    parser = argparse.ArgumentParser(prog="fedpers", description="Federated simulator for DP personalization (billboard model).", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="fedpers", description="Federated simulator for DP personalization (billboard model).", allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"fedpers {__version__}")
-    parser.add_argument("--verbose", action="store_true", help="show third-party deprecation notices and Flower/Ray warnings (hidden by default; accepted anywhere on the line)")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show third-party deprecation notices and Flower/Ray warnings (hidden by default; accepted anywhere on the line)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
-        "run", help="run one algorithm and write a run directory", allow_abbrev=False,
-        description="algorithms:\n" + "\n".join(f"  {name:<12} {text}" for name, (_, _, text) in ALGORITHMS.items())
-        + "\n\n`fedpers run ALGO --help` lists ALGO's flags.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run",
+        help="run one algorithm and write a run directory",
+        allow_abbrev=False,
+        description="algorithms:\n"
+        + "\n".join(f"  {name:<12} {text}" for name, (_, _, text) in ALGORITHMS.items())
+        + "\n\n`fedpers run ALGO --help` lists ALGO's flags.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("algorithm", choices=list(ALGORITHMS), metavar="ALGO", help="one of: " + ", ".join(ALGORITHMS))
     run.add_argument("args", nargs=argparse.REMAINDER, help="the algorithm's flags (see fedpers run ALGO --help)")
@@ -57,58 +73,143 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("file", type=Path)
     sw.add_argument("--out", type=Path, help="output directory (default: runs/sweep-<name>-<time>)")
     sw.add_argument("--repetitions", type=int, help="override the number of Monte-Carlo repetitions")
-    sw.add_argument("--workers", type=int, default=1, help="points run concurrently on Ray (default 1: one at a time, no Ray)")
-    sw.add_argument("--ray-address", default="", help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray")
+    sw.add_argument(
+        "--workers", type=int, default=1, help="points run concurrently on Ray (default 1: one at a time, no Ray)"
+    )
+    sw.add_argument(
+        "--ray-address",
+        default="",
+        help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray",
+    )
     sw.add_argument("--quiet", action="store_true")
     _add_select_flags(sw)
     _add_tracking(sw)
-    rs = sub.add_parser("resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False)
+    rs = sub.add_parser(
+        "resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False
+    )
     rs.add_argument("run_dir", type=Path)
     rs.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     rs.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_tracking(rs)
-    cp = sub.add_parser("compare", help="runs side by side: ε spent, noise, primary metrics, time; optional figure", allow_abbrev=False)
+    cp = sub.add_parser(
+        "compare", help="runs side by side: ε spent, noise, primary metrics, time; optional figure", allow_abbrev=False
+    )
     cp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     cp.add_argument("--json", action="store_true", help="print one JSON object (rows and metric columns)")
     cp.add_argument("--out", type=Path, help="also draw the metrics, one panel each, into this PNG")
-    dp = sub.add_parser("deploy", help="deployment across machines: certs, run, app-hash; supernode/superexec (faster Flower wrappers, Flower 1.41-1.42)", allow_abbrev=False)
+    dp = sub.add_parser(
+        "deploy",
+        help="deployment across machines: certs, run, app-hash; supernode/superexec (faster Flower wrappers, Flower 1.41-1.42)",
+        allow_abbrev=False,
+    )
     dsub = dp.add_subparsers(dest="deploy_command", required=True)
-    ce = dsub.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode key pairs; prints the commands", allow_abbrev=False)
+    ce = dsub.add_parser(
+        "certs",
+        help="a CA, the SuperLink's TLS certificate and SuperNode key pairs; prints the commands",
+        allow_abbrev=False,
+    )
     ce.add_argument("dir", type=Path)
-    ce.add_argument("--host", action="append", default=[], help="the SuperLink's name or IP as SuperNodes reach it (repeat for more)")
+    ce.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="the SuperLink's name or IP as SuperNodes reach it (repeat for more)",
+    )
     ce.add_argument("--supernodes", type=int, default=1, help="SuperNode key pairs to create (default 1)")
     ce.add_argument("--days", type=int, default=365, help="certificate validity in days (default 365)")
     ce.add_argument("--force", action="store_true", help="overwrite the keys in an existing directory")
-    ce.add_argument("--port", type=int, default=9092, help="the network port SuperNodes connect to: fleet-proxy, the Fleet API only (default 9092)")
+    ce.add_argument(
+        "--port",
+        type=int,
+        default=9092,
+        help="the network port SuperNodes connect to: fleet-proxy, the Fleet API only (default 9092)",
+    )
     ce.add_argument("--link-port", type=int, default=9093, help="the SuperLink's own port, on 127.0.0.1 (default 9093)")
     ce.add_argument("--node-port", type=int, default=9094, help="SuperNode I's local port is this + I (default 9094)")
     ce.add_argument("--listen", default="0.0.0.0", help="the address fleet-proxy listens on (default 0.0.0.0)")
-    ce.add_argument("--data-file", default="/data/users.npz", help="each SuperNode's data file (default /data/users.npz)")
-    ce.add_argument("--app", default="", help="the lab's checkout: its FAB hash goes into --trust-app (default: a $(fedpers deploy app-hash ...) placeholder)")
-    ce.add_argument("--policy", type=Path, help="the lab's privacy policy TOML to copy to every machine (default: a template with max-epsilon 8, min-units 50)")
-    dr = dsub.add_parser("run", help="flwr run, stream the logs, wait; exit 0 only if the run completed (flwr run --stream exits 0 either way)", allow_abbrev=False)
+    ce.add_argument(
+        "--data-file", default="/data/users.npz", help="each SuperNode's data file (default /data/users.npz)"
+    )
+    ce.add_argument(
+        "--app",
+        default="",
+        help="the lab's checkout: its FAB hash goes into --trust-app (default: a $(fedpers deploy app-hash ...) placeholder)",
+    )
+    ce.add_argument(
+        "--policy",
+        type=Path,
+        help="the lab's privacy policy TOML to copy to every machine (default: a template with max-epsilon 8, min-units 50)",
+    )
+    dr = dsub.add_parser(
+        "run",
+        help="flwr run, stream the logs, wait; exit 0 only if the run completed (flwr run --stream exits 0 either way)",
+        allow_abbrev=False,
+    )
     dr.add_argument("superlink", help="the flwr SuperLink connection name (e.g. deployment)")
     dr.add_argument("--app", default=".", help="the Flower app directory (default: .)")
     dr.add_argument("--run-config", default="", help="passed to flwr run --run-config")
     dr.add_argument("--timeout", type=float, default=0.0, help="give up waiting after this many seconds (0: never)")
-    se = dsub.add_parser("superexec", help="flower-superexec (same flags) for a SuperNode with --isolation process, forking warm ClientApp processes", allow_abbrev=False)
-    se.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--trust-app SHA256 ...] and flower-superexec's flags, e.g. --runtime-api-address 127.0.0.1:9094 --insecure")
-    sn = dsub.add_parser("supernode", help="flower-supernode (same flags) with warm ClientApps, polling every --poll s (default 0.2) instead of 3 s", allow_abbrev=False)
-    sn.add_argument("flower_args", nargs=argparse.REMAINDER, help="[--poll S] [--trust-app SHA256 ...] and flower-supernode's flags; --trust-app: run only the apps with these FAB hashes")
-    fp = dsub.add_parser("fleet-proxy", help="the SuperLink's network face: its Fleet API only (TLS), the loopback SuperLink behind it", allow_abbrev=False)
-    fp.add_argument("proxy_args", nargs=argparse.REMAINDER, help="--listen HOST:PORT --superlink 127.0.0.1:PORT --ssl-certfile --ssl-keyfile --ssl-ca-certfile")
-    ah = dsub.add_parser("app-hash", help="the SHA-256 of the Flower app (FAB) that `flwr run DIR` sends: what a SuperNode's --trust-app lists", allow_abbrev=False)
+    se = dsub.add_parser(
+        "superexec",
+        help="flower-superexec (same flags) for a SuperNode with --isolation process, forking warm ClientApp processes",
+        allow_abbrev=False,
+    )
+    se.add_argument(
+        "flower_args",
+        nargs=argparse.REMAINDER,
+        help="[--trust-app SHA256 ...] and flower-superexec's flags, e.g. --runtime-api-address 127.0.0.1:9094 --insecure",
+    )
+    sn = dsub.add_parser(
+        "supernode",
+        help="flower-supernode (same flags) with warm ClientApps, polling every --poll s (default 0.2) instead of 3 s",
+        allow_abbrev=False,
+    )
+    sn.add_argument(
+        "flower_args",
+        nargs=argparse.REMAINDER,
+        help="[--poll S] [--trust-app SHA256 ...] and flower-supernode's flags; --trust-app: run only the apps with these FAB hashes",
+    )
+    fp = dsub.add_parser(
+        "fleet-proxy",
+        help="the SuperLink's network face: its Fleet API only (TLS), the loopback SuperLink behind it",
+        allow_abbrev=False,
+    )
+    fp.add_argument(
+        "proxy_args",
+        nargs=argparse.REMAINDER,
+        help="--listen HOST:PORT --superlink 127.0.0.1:PORT --ssl-certfile --ssl-keyfile --ssl-ca-certfile",
+    )
+    ah = dsub.add_parser(
+        "app-hash",
+        help="the SHA-256 of the Flower app (FAB) that `flwr run DIR` sends: what a SuperNode's --trust-app lists",
+        allow_abbrev=False,
+    )
     ah.add_argument("app", nargs="?", default=".", help="the Flower app directory (default: .)")
-    au = sub.add_parser("audit", help="empirical lower bound on ε from canary users, beside the proven ε", allow_abbrev=False,
-                        description=AUDIT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    au = sub.add_parser(
+        "audit",
+        help="empirical lower bound on ε from canary users, beside the proven ε",
+        allow_abbrev=False,
+        description=AUDIT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     au.add_argument("algorithm", choices=list(ALGORITHMS), metavar="ALGO", help="one of: " + ", ".join(ALGORITHMS))
-    au.add_argument("args", nargs=argparse.REMAINDER, help="--canaries K [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags")
-    rp = sub.add_parser("report", help="one self-contained HTML page of a run or a sweep (privacy, ledger, metrics and baselines, figures, provenance)", allow_abbrev=False)
+    au.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="--canaries K [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags",
+    )
+    rp = sub.add_parser(
+        "report",
+        help="one self-contained HTML page of a run or a sweep (privacy, ledger, metrics and baselines, figures, provenance)",
+        allow_abbrev=False,
+    )
     rp.add_argument("dir", type=Path, metavar="RUN_DIR|SWEEP_DIR")
     rp.add_argument("--out", type=Path, help="the HTML file to write (default: DIR/report.html)")
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
-    pr.add_argument("--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant")
+    pr.add_argument(
+        "--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant"
+    )
     pr.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
 
@@ -131,8 +232,18 @@ def algorithm_parser(name: str) -> argparse.ArgumentParser:
 
 
 def _add_tracking(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--track", choices=["tensorboard", "mlflow"], help="also log the run (config, per-round metrics, ε after each release, final metrics, baselines, figures) to TensorBoard or MLflow (pip install 'fedpers[track]')")
-    p.add_argument("--track-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else MLflow's default sqlite:///mlflow.db); TensorBoard: the log directory (default: RUN_DIR/tensorboard)")
+    p.add_argument(
+        "--track",
+        choices=["tensorboard", "mlflow"],
+        help="also log the run (config, per-round metrics, ε after each release, final metrics, baselines, "
+        "figures) to TensorBoard or MLflow (pip install 'fedpers[track]')",
+    )
+    p.add_argument(
+        "--track-uri",
+        default=None,
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else MLflow's default sqlite:///mlflow.db); "
+        "TensorBoard: the log directory (default: RUN_DIR/tensorboard)",
+    )
 
 
 def _track(kind: str | None, uri: str | None, *, run_dir: str | None = None, sweep_dir: str | None = None) -> None:
@@ -141,11 +252,19 @@ def _track(kind: str | None, uri: str | None, *, run_dir: str | None = None, swe
     from fedpers import tracking
 
     if sweep_dir is not None:
-        where = tracking.track_sweep(sweep_dir, kind, uri=uri) if kind == "mlflow" else tracking.track_sweep(sweep_dir, kind)
+        where = (
+            tracking.track_sweep(sweep_dir, kind, uri=uri)
+            if kind == "mlflow"
+            else tracking.track_sweep(sweep_dir, kind)
+        )
         print(f"tracked {len(where['points'])} sweep points in {kind}", file=sys.stderr)
     elif run_dir is not None:
-        where = tracking.track_run(run_dir, kind, uri=uri if kind == "mlflow" else None, logdir=uri if kind == "tensorboard" else None)
-        print(f"tracked in {kind}: " + ", ".join(f"{k} {v}" for k, v in where.items() if k != "tracker"), file=sys.stderr)
+        where = tracking.track_run(
+            run_dir, kind, uri=uri if kind == "mlflow" else None, logdir=uri if kind == "tensorboard" else None
+        )
+        print(
+            f"tracked in {kind}: " + ", ".join(f"{k} {v}" for k, v in where.items() if k != "tracker"), file=sys.stderr
+        )
 
 
 def split_values(cls: type, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -163,7 +282,10 @@ def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> N
     """A readable summary: privacy, the main metrics, and the baselines side by side."""
     out = out if out is not None else sys.stdout  # looked up now, so a redirected stdout is honoured
     priv = result.get("privacy", {})
-    print(f"\n{result['algorithm']} on the {result['runtime']} runtime: {result['status']} in {result['seconds']:.1f} s", file=out)
+    print(
+        f"\n{result['algorithm']} on the {result['runtime']} runtime: {result['status']} in {result['seconds']:.1f} s",
+        file=out,
+    )
     if priv:
         line = f"privacy: (ε, δ) = ({_fmt(priv.get('epsilon'))}, {_fmt(priv.get('delta'))}) by {priv.get('accountant', '?')}"
         if "target_epsilon" in priv:
@@ -172,19 +294,48 @@ def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> N
             line += f"; noise multiplier {_fmt(priv['noise_multiplier'])}"
         print(line, file=out)
         if "paper_epsilon_same_noise" in priv:
-            print(f"         the paper's calibration would claim ε = {_fmt(priv['paper_epsilon_same_noise'])} for the same noise", file=out)
+            print(
+                f"         the paper's calibration would claim ε = {_fmt(priv['paper_epsilon_same_noise'])} for the same noise",
+                file=out,
+            )
         others = {k: v for k, v in priv.get("epsilon_by_accountant", {}).items() if k != priv.get("accountant")}
         if others:
-            print("         same noise, other accountants: " + ", ".join(f"ε = {_fmt(v)} by {k}" for k, v in others.items()), file=out)
-    skip = {"algorithm", "status", "runtime", "seconds", "privacy", "baselines", "plots", "run_dir", "epsilon", "delta", "noise_multiplier", "skipped_metrics"}
-    rows = {"private run": {k: v for k, v in result.items() if k not in skip and not k.startswith("_") and isinstance(v, (int, float))}}
+            print(
+                "         same noise, other accountants: "
+                + ", ".join(f"ε = {_fmt(v)} by {k}" for k, v in others.items()),
+                file=out,
+            )
+    skip = {
+        "algorithm",
+        "status",
+        "runtime",
+        "seconds",
+        "privacy",
+        "baselines",
+        "plots",
+        "run_dir",
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "skipped_metrics",
+    }
+    rows = {
+        "private run": {
+            k: v for k, v in result.items() if k not in skip and not k.startswith("_") and isinstance(v, (int, float))
+        }
+    }
     rows.update(result.get("baselines", {}))
-    cols = sorted({c for r in rows.values() for c in r if isinstance(r.get(c), (int, float))}, key=lambda c: list(rows["private run"]).index(c) if c in rows["private run"] else 99)
+    cols = sorted(
+        {c for r in rows.values() for c in r if isinstance(r.get(c), (int, float))},
+        key=lambda c: list(rows["private run"]).index(c) if c in rows["private run"] else 99,
+    )
     if cols:
         width = max(len(r) for r in rows) + 2
         print("\n" + "".ljust(width) + "".join(c.rjust(max(len(c), 10) + 2) for c in cols), file=out)
         for name, r in rows.items():
-            cells = "".join((_fmt(r[c]) if isinstance(r.get(c), (int, float)) else "-").rjust(max(len(c), 10) + 2) for c in cols)
+            cells = "".join(
+                (_fmt(r[c]) if isinstance(r.get(c), (int, float)) else "-").rjust(max(len(c), 10) + 2) for c in cols
+            )
             print(name.ljust(width) + cells, file=out)
     for k, why in result.get("skipped_metrics", {}).items():
         print(f"skipped {k}: {why}", file=out)
@@ -192,9 +343,16 @@ def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> N
     if conditions:
         print("\npreconditions of the privacy guarantee:", file=out)
         for c in conditions.values():
-            print(f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}  ({_fmt(c['value'])} vs {_fmt(c['bound'])})", file=out)
+            print(
+                f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}  ({_fmt(c['value'])} vs {_fmt(c['bound'])})",
+                file=out,
+            )
     if "dp_claimed" in result:
-        print("DP claimed: " + ("yes" if result["dp_claimed"] else "NO (" + "; ".join(result.get("refused_because", [])) + ")"), file=out)
+        print(
+            "DP claimed: "
+            + ("yes" if result["dp_claimed"] else "NO (" + "; ".join(result.get("refused_because", [])) + ")"),
+            file=out,
+        )
     print_warnings(result, out)
     if "run_dir" in result:
         print(f"\nrun directory: {result['run_dir']}", file=out)
@@ -272,7 +430,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from fedpers.tracking import check
 
         check(args.track)
-    summary = run_sweep(args.file, out=args.out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
+    summary = run_sweep(
+        args.file,
+        out=args.out,
+        repetitions=args.repetitions,
+        progress=not args.quiet,
+        workers=args.workers,
+        ray_address=args.ray_address,
+    )
     _track(args.track, args.track_uri, sweep_dir=summary.get("out"))
     return 0
 
@@ -290,7 +455,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         fig = compare_figure(rows, figure_metrics(rows, metrics, primary))
         save(fig, args.out)
         _plt().close(fig)
-    print(dumps({"rows": rows, "metrics": metrics, "figure": str(args.out) if args.out else None}, indent=None) if args.json else format_table(rows, metrics))
+    print(
+        dumps({"rows": rows, "metrics": metrics, "figure": str(args.out) if args.out else None}, indent=None)
+        if args.json
+        else format_table(rows, metrics)
+    )
     return 0
 
 
@@ -311,7 +480,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if args.deploy_command in ("superexec", "supernode"):  # reached only without flags (main() passes flags through)
         from fedpers.deploy import forkserver, supernode
 
-        return (forkserver.superexec if args.deploy_command == "superexec" else supernode.supernode)(list(args.flower_args))
+        return (forkserver.superexec if args.deploy_command == "superexec" else supernode.supernode)(
+            list(args.flower_args)
+        )
 
     from fedpers.policy import load_policy
 
@@ -322,10 +493,24 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         from fedpers.deploy.forkserver import app_hash as fab_hash
 
         app_hash = fab_hash(args.app)
-    files = make_certs(args.dir, args.host, args.supernodes, days=args.days, force=args.force, port=args.port, link_port=args.link_port,
-                       node_port=args.node_port, listen=args.listen, data_file=args.data_file, app_hash=app_hash,
-                       policy=args.policy.read_text() if args.policy is not None else None)
-    print(f"wrote {len(files)} files to {args.dir} (directories 0700, files 0600), one directory per machine:", ", ".join(sorted(files)))
+    files = make_certs(
+        args.dir,
+        args.host,
+        args.supernodes,
+        days=args.days,
+        force=args.force,
+        port=args.port,
+        link_port=args.link_port,
+        node_port=args.node_port,
+        listen=args.listen,
+        data_file=args.data_file,
+        app_hash=app_hash,
+        policy=args.policy.read_text() if args.policy is not None else None,
+    )
+    print(
+        f"wrote {len(files)} files to {args.dir} (directories 0700, files 0600), one directory per machine:",
+        ", ".join(sorted(files)),
+    )
     print(files["commands.txt"].read_text(), end="")
     return 0
 
@@ -341,18 +526,35 @@ def cmd_privacy(args: argparse.Namespace) -> int:
     from fedpers.privacy_report import privacy_report, privacy_summary
     from fedpers.results import dumps
 
-    print(dumps(privacy_summary(args.run_dir, args.accountant), indent=None) if args.json else privacy_report(args.run_dir, args.accountant))
+    print(
+        dumps(privacy_summary(args.run_dir, args.accountant), indent=None)
+        if args.json
+        else privacy_report(args.run_dir, args.accountant)
+    )
     return 0
 
 
 def _add_select_flags(sw: argparse.ArgumentParser) -> None:
     g = sw.add_argument_group("selection (docs/audit.md)")
-    g.add_argument("--select", metavar="METRIC", help="choose the best grid point by METRIC (non-private unless --private)")
+    g.add_argument(
+        "--select", metavar="METRIC", help="choose the best grid point by METRIC (non-private unless --private)"
+    )
     g.add_argument("--goal", choices=["min", "max"], default="min", help="minimise or maximise METRIC (default min)")
-    g.add_argument("--private", action="store_true", help="private selection (Papernot-Steinke): METRIC is a private validation score; reports the ε of tuning + final run")
+    g.add_argument(
+        "--private",
+        action="store_true",
+        help="private selection (Papernot-Steinke): METRIC is a private validation score; reports the ε of tuning + final run",
+    )
     g.add_argument("--tuning-mean", type=float, help="mean number of trials with --private (default 2 x grid points)")
-    g.add_argument("--tuning-shape", type=float, default=1.0, help="η of the truncated negative binomial number of trials (1: geometric; 0: logarithmic)")
-    g.add_argument("--validation-users", type=int, default=2000, help="held-out users of the private score (default 2000)")
+    g.add_argument(
+        "--tuning-shape",
+        type=float,
+        default=1.0,
+        help="η of the truncated negative binomial number of trials (1: geometric; 0: logarithmic)",
+    )
+    g.add_argument(
+        "--validation-users", type=int, default=2000, help="held-out users of the private score (default 2000)"
+    )
     g.add_argument("--tuning-seed", type=int, default=0, help="seed of the trials' draws and noise (default 0)")
 
 
@@ -366,13 +568,31 @@ def cmd_select(args: argparse.Namespace) -> int:
     if args.select is None:
         raise ValueError("select: --private needs --select METRIC")
     spec = load_spec(args.file, args.repetitions)
-    out = args.out or Path("runs") / f"{'tune' if args.private else 'sweep'}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = (
+        args.out or Path("runs") / f"{'tune' if args.private else 'sweep'}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
     goal = Goal(args.goal)
     if args.private:
-        result = private_select(spec, args.select, goal, mean=args.tuning_mean, shape=args.tuning_shape,
-                                validation_users=args.validation_users, seed=args.tuning_seed, out=out, progress=not args.quiet)
+        result = private_select(
+            spec,
+            args.select,
+            goal,
+            mean=args.tuning_mean,
+            shape=args.tuning_shape,
+            validation_users=args.validation_users,
+            seed=args.tuning_seed,
+            out=out,
+            progress=not args.quiet,
+        )
     else:
-        run_sweep(args.file, out=out, repetitions=args.repetitions, progress=not args.quiet, workers=args.workers, ray_address=args.ray_address)
+        run_sweep(
+            args.file,
+            out=out,
+            repetitions=args.repetitions,
+            progress=not args.quiet,
+            workers=args.workers,
+            ray_address=args.ray_address,
+        )
         result = select_nonprivate(out, args.select, goal)
     from fedpers.results import dumps, write_atomic
 
@@ -391,10 +611,14 @@ AUDIT_DESCRIPTION = (
 
 def _audit_flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedpers audit ALGO", add_help=False, allow_abbrev=False)
-    p.add_argument("--canaries", type=int, required=True, help="canary users per run (at most one per orthogonal direction)")
+    p.add_argument(
+        "--canaries", type=int, required=True, help="canary users per run (at most one per orthogonal direction)"
+    )
     p.add_argument("--runs", type=int, default=1, help="independent runs, K canaries each (default 1)")
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds (default 0.95)")
-    p.add_argument("--audit-seed", type=int, default=0, help="seed of the coins, canaries and noise of the audit runs (default 0)")
+    p.add_argument(
+        "--audit-seed", type=int, default=0, help="seed of the coins, canaries and noise of the audit runs (default 0)"
+    )
     return p
 
 
@@ -422,6 +646,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
     print(dumps(result, indent=None) if algo_args.json else format_audit(result))
     return 0
+
+
 class _DropNotices:
     """A logging filter: Flower's "DEPRECATED FEATURE" notices and its actor-shutdown chatter,
     which a user of ``fedpers`` cannot act on (fedpers, not the user, calls Flower)."""
@@ -474,7 +700,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fedpers.fleetproxy import main as proxy
 
         return proxy(argv[2:])
-    if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
+    if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(
+        argv[2:]
+    ):  # Flower's own flags, untouched
         from fedpers.deploy import forkserver, supernode
 
         return (forkserver.superexec if argv[1] == "superexec" else supernode.supernode)(argv[2:])
@@ -484,8 +712,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "deploy":  # `deploy run` streams Flower's own log: left as Flower prints it
         quiet_third_party(verbose)
     try:
-        commands = {"run": cmd_run, "resume": cmd_resume, "sweep": cmd_sweep, "compare": cmd_compare, "deploy": cmd_deploy,
-                    "privacy": cmd_privacy, "audit": cmd_audit, "report": cmd_report}
+        commands = {
+            "run": cmd_run,
+            "resume": cmd_resume,
+            "sweep": cmd_sweep,
+            "compare": cmd_compare,
+            "deploy": cmd_deploy,
+            "privacy": cmd_privacy,
+            "audit": cmd_audit,
+            "report": cmd_report,
+        }
         return commands[args.command](args)
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)

@@ -4,14 +4,26 @@ Runs of different algorithms compare too: the table shows one block per algorith
 metrics its runs share; ``--json`` keeps the union of the metric columns. A killed run is shown with the releases it made and its last
 round's metrics, marked incomplete.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 FIXED = ("run", "algorithm", "runtime", "status", "epsilon", "delta", "noise_multiplier", "seconds")
-NOT_METRICS = {"seconds", "epsilon", "delta", "noise_multiplier", "round", "clients", "clients_accepted", "units", "units_zeroed"}
+NOT_METRICS = {
+    "seconds",
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "round",
+    "clients",
+    "clients_accepted",
+    "units",
+    "units_zeroed",
+}
 
 
 def run_row(path: str | Path) -> dict[str, Any]:
@@ -23,10 +35,12 @@ def run_row(path: str | Path) -> dict[str, Any]:
     result = run.get("result", {})
     priv = privacy_summary(path)
     row: dict[str, Any] = {
-        "run": Path(path).name or str(path), "algorithm": run["config"].get("algorithm"),
+        "run": Path(path).name or str(path),
+        "algorithm": run["config"].get("algorithm"),
         "runtime": result.get("runtime", run["config"].get("runtime", {}).get("runtime", "?")),
         "status": "completed" if run["complete"] else f"incomplete ({len(run['rounds'])} rounds)",
-        "epsilon": priv["epsilon"], "delta": priv["delta"],
+        "epsilon": priv["epsilon"],
+        "delta": priv["delta"],
         "noise_multiplier": result.get("noise_multiplier", result.get("privacy", {}).get("noise_multiplier")),
         "seconds": result.get("seconds"),
     }

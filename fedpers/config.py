@@ -5,14 +5,16 @@ strings (enums, ``inf``), then :func:`validate` refuses any value outside its ra
 message that names the field and the allowed range. Numbers must be finite unless the
 field says ``inf_ok`` (ε = inf means "no noise"), and a boolean is never a number.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import enum
 import math
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -23,11 +25,27 @@ accountant's discretisation of the tiny noise it calibrates takes minutes (ε = 
 
 
 def meta(
-    help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None,
-    flag: str | None = None, inf_ok: bool = False, words: Mapping[str, Any] | None = None,
+    help: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    flag: str | None = None,
+    inf_ok: bool = False,
+    words: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``words`` maps spellings a user may give (e.g. ``auto``) to the field's value for them."""
-    return {"help": help, "gt": gt, "ge": ge, "lt": lt, "le": le, "flag": flag, "inf_ok": inf_ok, "words": dict(words or {})}
+    return {
+        "help": help,
+        "gt": gt,
+        "ge": ge,
+        "lt": lt,
+        "le": le,
+        "flag": flag,
+        "inf_ok": inf_ok,
+        "words": dict(words or {}),
+    }
 
 
 def field(default: Any, help: str, **bounds: Any) -> Any:

@@ -12,6 +12,7 @@ Flower's own (signed requests, checked by the SuperLink), untouched by the proxy
 
 Built on uvicorn and httpx (both Flower dependencies).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,18 @@ from typing import Any
 
 FLEET_PREFIX = "/v1/fleet/"
 """The only paths forwarded: Flower 1.41's Fleet API router (``flwr/superlink/routers/fleet``)."""
-_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection", "host", "content-length"}
+_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-connection",
+    "host",
+    "content-length",
+}
 MAX_BODY = 512 * 1024 * 1024
 """Largest request body forwarded (a SuperNode's reply object; Flower chunks large arrays)."""
 
@@ -33,7 +45,13 @@ def make_app(upstream: str, ca_file: str | None, *, timeout: float = 120.0) -> A
     state: dict[str, Any] = {}
 
     async def reply(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", str(len(body)).encode()), *(headers or [])]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-length", str(len(body)).encode()), *(headers or [])],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
@@ -51,7 +69,9 @@ def make_app(upstream: str, ca_file: str | None, *, timeout: float = 120.0) -> A
             return
         path = scope["path"]
         if scope["method"] != "POST" or not path.startswith(FLEET_PREFIX) or ".." in path:
-            await reply(send, 404, b"not found: this address serves only the Fleet API\n", [(b"content-type", b"text/plain")])
+            await reply(
+                send, 404, b"not found: this address serves only the Fleet API\n", [(b"content-type", b"text/plain")]
+            )
             return
         chunks, size = [], 0
         while True:
@@ -66,7 +86,9 @@ def make_app(upstream: str, ca_file: str | None, *, timeout: float = 120.0) -> A
         headers = [(k, v) for k, v in scope["headers"] if k.decode().lower() not in _HOP]
         query = scope.get("query_string", b"").decode()
         try:
-            response = await state["client"].post(path + (f"?{query}" if query else ""), content=b"".join(chunks), headers=headers)
+            response = await state["client"].post(
+                path + (f"?{query}" if query else ""), content=b"".join(chunks), headers=headers
+            )
         except httpx.HTTPError as e:
             await reply(send, 502, f"SuperLink unreachable: {type(e).__name__}\n".encode())
             return
@@ -82,17 +104,33 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="fedpers deploy fleet-proxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--listen", required=True, help="HOST:PORT SuperNodes connect to (the network address)")
-    parser.add_argument("--superlink", required=True, help="the SuperLink's loopback HOST:PORT (flower-superlink --host 127.0.0.1 --port)")
+    parser.add_argument(
+        "--superlink",
+        required=True,
+        help="the SuperLink's loopback HOST:PORT (flower-superlink --host 127.0.0.1 --port)",
+    )
     parser.add_argument("--ssl-certfile", required=True, help="the SuperLink's TLS certificate (superlink.crt)")
     parser.add_argument("--ssl-keyfile", required=True, help="its private key (superlink.key)")
-    parser.add_argument("--ssl-ca-certfile", required=True, help="the lab's CA certificate (ca.crt): checks the loopback SuperLink")
+    parser.add_argument(
+        "--ssl-ca-certfile", required=True, help="the lab's CA certificate (ca.crt): checks the loopback SuperLink"
+    )
     args = parser.parse_args(argv)
     host, _, port = args.listen.rpartition(":")
     up_host, _, up_port = args.superlink.rpartition(":")
     if not host or not port.isdigit() or not up_port.isdigit():
         raise SystemExit(f"--listen and --superlink must be HOST:PORT; got {args.listen!r}, {args.superlink!r}")
     if up_host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
-        raise SystemExit(f"--superlink must be a loopback address (the SuperLink's Control API stays off the network); got {up_host!r}")
+        raise SystemExit(
+            f"--superlink must be a loopback address (the SuperLink's Control API stays off the network); got {up_host!r}"
+        )
     app = make_app(f"https://{up_host}:{up_port}", args.ssl_ca_certfile)
-    uvicorn.run(app, host=host.strip("[]"), port=int(port), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, log_level="warning", lifespan="on")
+    uvicorn.run(
+        app,
+        host=host.strip("[]"),
+        port=int(port),
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        log_level="warning",
+        lifespan="on",
+    )
     return 0

@@ -8,6 +8,7 @@ not through the ``fedpers`` package, whose ``__init__`` may be the modified one 
 start unless every ``.py`` file of the importable fedpers equals the FAB's. Standard library only.
 Compiled ``.pyc`` files are not compared (see docs/flower.md, Security).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,11 @@ class ModifiedCode(RuntimeError):
 
 def package_files(root: Path) -> dict[str, str]:
     """{relative path: SHA-256} of every ``.py`` file under ``root`` (``__pycache__`` excluded)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*.py")) if "__pycache__" not in p.parts}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
 
 
 def imported_root(package: str = "fedpers") -> Path | None:
@@ -47,5 +51,7 @@ def require_fab_code(app_dir: str | Path, package: str = "fedpers") -> None:
     want, have = package_files(fab), package_files(used)
     if want != have:
         differ = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-        raise ModifiedCode(f"this process imports {package} from {used}, which differs from the trusted app's "
-                           f"({len(differ)} files: {differ[:5]}); refusing to run it under the app's hash")
+        raise ModifiedCode(
+            f"this process imports {package} from {used}, which differs from the trusted app's "
+            f"({len(differ)} files: {differ[:5]}); refusing to run it under the app's hash"
+        )

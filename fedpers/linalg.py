@@ -3,11 +3,10 @@
 Every function works on a leading batch of units, on any device, and never
 draws randomness: noise belongs to :mod:`fedpers.privacy`.
 """
+
 from __future__ import annotations
 
 import math
-
-from typing import Any
 
 import torch
 
@@ -194,7 +193,9 @@ def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf, block: in
             xa, xb, c = x[start:stop, 0::2], x[start:stop, 1::2], coef[start:stop]
             na, nb = _block_norms(xa), _block_norms(xb)
             if na is not None and nb is not None:
-                w = torch.where((na > 0) & (nb > 0), c / (na * nb).clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(c))
+                w = torch.where(
+                    (na > 0) & (nb > 0), c / (na * nb).clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(c)
+                )
             else:
                 xa, _ = directions(xa)
                 xb, _ = directions(xb)
@@ -228,7 +229,12 @@ def kron_gram_sum(v: Tensor, x: Tensor, block: int = 48) -> Tensor:
 
 
 def kron_statistics(
-    v: Tensor, x: Tensor, log_v: Tensor | None = None, eta: float = math.inf, label: Tensor | None = None, block: int = 48,
+    v: Tensor,
+    x: Tensor,
+    log_v: Tensor | None = None,
+    eta: float = math.inf,
+    label: Tensor | None = None,
+    block: int = 48,
 ) -> tuple[Tensor, Tensor | None]:
     """(Σ_j (v_j v_jᵀ) ⊗ (Σ_i x̃_ij x̃_ijᵀ), Σ_j v_j ⊗ Σ_i label_ij x̃_ij) as ((dk, dk), (dk,) or None).
 
@@ -305,7 +311,9 @@ def _stream_sum(n: int, block: int, blocks_of, device: torch.device) -> tuple[Te
     try:
         if parts == 1:
             return blocks_of(0, n)
-        shares = list(_pool(max(1, min(parts, threads))).map(lambda i: blocks_of(bounds[i], bounds[i + 1]), range(parts)))
+        shares = list(
+            _pool(max(1, min(parts, threads))).map(lambda i: blocks_of(bounds[i], bounds[i + 1]), range(parts))
+        )
     finally:
         torch.set_num_threads(threads)
     total = list(shares[0])
@@ -346,16 +354,7 @@ def small_batched(fn, *batched: Tensor, min_share: int = 64):  # type: ignore[no
 KRON_STREAMS = 4
 """Contiguous shares of the users in :func:`kron_statistics` (run on up to that many threads)."""
 
-_POOLS: dict[int, Any] = {}
-
-
-def _pool(workers: int) -> Any:
-    """A thread pool per size, kept for the process (torch ops release the GIL)."""
-    if workers not in _POOLS:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="fedpers-kron")
-    return _POOLS[workers]
+from fedpers.pools import pool as _pool  # noqa: E402  (one pool per size, shared with data generation)
 
 
 def vec_to_matrix(u: Tensor, d: int, k: int) -> Tensor:

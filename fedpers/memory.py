@@ -1,4 +1,5 @@
 """How much memory this process may use, for refusing runs that cannot fit before they start."""
+
 from __future__ import annotations
 
 import os
@@ -37,5 +38,7 @@ def check_fits(algorithm: str, need: dict[str, int], advice: str) -> list[str]:
     parts = ", ".join(f"{k} {human(v)}" for k, v in need.items())
     limit = available_bytes()
     if limit > 0 and total > limit:
-        raise ValueError(f"{algorithm} needs about {human(total)} of memory ({parts}) but {human(limit)} is available; {advice}")
+        raise ValueError(
+            f"{algorithm} needs about {human(total)} of memory ({parts}) but {human(limit)} is available; {advice}"
+        )
     return [f"{algorithm}: memory needed about {human(total)} ({parts}); available {human(limit)}"]

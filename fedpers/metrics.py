@@ -1,4 +1,5 @@
 """Metrics that are exact for Gaussian x (no test sampling): subspace errors and excess risk."""
+
 from __future__ import annotations
 
 import torch

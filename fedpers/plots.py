@@ -6,12 +6,14 @@ title; baselines as labelled reference lines; sweep ticks at the grid's own valu
 Every figure is written whole (temporary file, then rename) and returned as a
 matplotlib ``Figure`` too, so tests can inspect it.
 """
+
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 LINEAR_WORDS = ("accuracy", "auc", "precision", "recall", "fraction", "rate")
 
@@ -66,7 +68,11 @@ def save(fig: Any, path: Path) -> None:
 
 
 def run_figure(
-    rounds: Sequence[Mapping[str, Any]], key: str, *, title: str, round_axis: str = "round",
+    rounds: Sequence[Mapping[str, Any]],
+    key: str,
+    *,
+    title: str,
+    round_axis: str = "round",
     baselines: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Any:
     """One metric against the round, with each baseline's value of it as a dashed reference line."""
@@ -80,16 +86,27 @@ def run_figure(
     values = [v for _, v in pts if math.isfinite(v)]
     if pts:
         ax.plot(*zip(*pts), marker="o", label="private run")
-    refs = {n: float(m[key]) for n, m in (baselines or {}).items() if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])}
+    refs = {
+        n: float(m[key])
+        for n, m in (baselines or {}).items()
+        if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])
+    }
     scale = y_scale(key, values + list(refs.values()))
     # the view follows the private run; a baseline far outside it is named in the legend, not drawn
-    lo, hi = (min(values), max(values)) if values else (min(refs.values(), default=0.0), max(refs.values(), default=1.0))
+    lo, hi = (
+        (min(values), max(values)) if values else (min(refs.values(), default=0.0), max(refs.values(), default=1.0))
+    )
     pad = _pad(lo, hi) * 20
     span = (lo / 100, hi * 10) if scale == "log" and lo > 0 else (lo - pad, hi + pad)
     for name, v in refs.items():
         inside = span[0] <= v <= span[1]
-        ax.axhline(v, linestyle="--", linewidth=1, color=f"C{len(ax.lines)}",
-                   label=f"{name.replace('_', ' ')} ({_fmt(v)}{'' if inside else ', off scale'})")
+        ax.axhline(
+            v,
+            linestyle="--",
+            linewidth=1,
+            color=f"C{len(ax.lines)}",
+            label=f"{name.replace('_', ' ')} ({_fmt(v)}{'' if inside else ', off scale'})",
+        )
         if inside:
             values.append(v)
     if values:
@@ -132,8 +149,11 @@ def value_figure(key: str, value: float, baselines: Mapping[str, Mapping[str, An
     """A run's one value of ``key`` beside every baseline's, as horizontal bars (log scale when
     all are positive and span more than a decade), each labelled with its value."""
     plt = _plt()
-    rows = [("private run", value)] + [(n.replace("_", " "), float(m[key])) for n, m in baselines.items()
-                                       if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    rows = [("private run", value)] + [
+        (n.replace("_", " "), float(m[key]))
+        for n, m in baselines.items()
+        if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])
+    ]
     fig, ax = plt.subplots(figsize=(5.5, 1.2 + 0.45 * len(rows)))
     names, values = [r[0] for r in rows], [r[1] for r in rows]
     positive = [v for v in values if v > 0]
@@ -156,7 +176,12 @@ def value_figure(key: str, value: float, baselines: Mapping[str, Mapping[str, An
 
 
 def plot_run(
-    path: Path, rounds: Sequence[Mapping[str, Any]], keys: Iterable[str], *, title: str, round_axis: str = "round",
+    path: Path,
+    rounds: Sequence[Mapping[str, Any]],
+    keys: Iterable[str],
+    *,
+    title: str,
+    round_axis: str = "round",
     baselines: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[str]:
     """One PNG per key that has per-round values; returns the file names written."""
@@ -180,7 +205,11 @@ def grid_ticks(ax: Any, xs: Sequence[float], scale: str) -> None:
     xs = sorted({float(x) for x in xs})
     ax.set_xscale(scale)
     ax.xaxis.set_major_locator(FixedLocator(xs))
-    ax.set_xticklabels([_fmt(int(x) if float(x).is_integer() and abs(x) < 1e15 else x) for x in xs], rotation=30 if len(xs) > 6 else 0, fontsize=8)
+    ax.set_xticklabels(
+        [_fmt(int(x) if float(x).is_integer() and abs(x) < 1e15 else x) for x in xs],
+        rotation=30 if len(xs) > 6 else 0,
+        fontsize=8,
+    )
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_minor_formatter(NullFormatter())
 

@@ -21,6 +21,7 @@ happened). See docs/flower.md (Security) for who enforces which rule.
 
 Every refusal is a :class:`PolicyRefused` naming the rule.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,7 +63,9 @@ class Policy:
 
     def __post_init__(self) -> None:
         if not self.federation or not self.federation.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"policy federation must be a non-empty name of letters, digits, - and _; got {self.federation!r}")
+            raise ValueError(
+                f"policy federation must be a non-empty name of letters, digits, - and _; got {self.federation!r}"
+            )
         if not (self.max_epsilon > 0 and math.isfinite(self.max_epsilon)):
             raise ValueError(f"policy max-epsilon must be finite and > 0; got {self.max_epsilon}")
         if not 0 < self.max_delta < 1:
@@ -87,14 +90,25 @@ def load_policy(path: str | Path) -> Policy:
     algorithms = raw["algorithms"]
     if not isinstance(algorithms, list) or not all(isinstance(a, str) for a in algorithms):
         raise ValueError(f"policy algorithms must be a list of names; got {algorithms!r}")
-    for key, kind in (("max-epsilon", (int, float)), ("max-delta", (int, float)), ("min-units", int), ("require-secure-noise", bool), ("federation", str), ("ledger", str)):
+    for key, kind in (
+        ("max-epsilon", (int, float)),
+        ("max-delta", (int, float)),
+        ("min-units", int),
+        ("require-secure-noise", bool),
+        ("federation", str),
+        ("ledger", str),
+    ):
         if key in raw and (not isinstance(raw[key], kind) or (kind is int and isinstance(raw[key], bool))):
             raise ValueError(f"policy {key} has the wrong type: {raw[key]!r}")
     ledger = raw.get("ledger")
     return Policy(
-        federation=raw["federation"], max_epsilon=float(raw["max-epsilon"]), max_delta=float(raw["max-delta"]),
-        require_secure_noise=raw.get("require-secure-noise", True), min_units=raw.get("min-units", 1),
-        algorithms=tuple(algorithms), ledger=(path.parent / (ledger or f"{raw['federation']}-budget.json")).resolve(),
+        federation=raw["federation"],
+        max_epsilon=float(raw["max-epsilon"]),
+        max_delta=float(raw["max-delta"]),
+        require_secure_noise=raw.get("require-secure-noise", True),
+        min_units=raw.get("min-units", 1),
+        algorithms=tuple(algorithms),
+        ledger=(path.parent / (ledger or f"{raw['federation']}-budget.json")).resolve(),
     )
 
 
@@ -111,7 +125,9 @@ def _privacy(config: Mapping[str, Any] | Any) -> tuple[float, float]:
     return float(epsilon), float(delta)
 
 
-def check_run(policy: Policy, algorithm: str, config: Mapping[str, Any] | Any, *, secure_noise: bool) -> tuple[float, float]:
+def check_run(
+    policy: Policy, algorithm: str, config: Mapping[str, Any] | Any, *, secure_noise: bool
+) -> tuple[float, float]:
     """The ServerApp's check, before any work: the run's algorithm, its ε and δ alone, its noise.
 
     Returns the run's (ε, δ) for :meth:`BudgetLedger.charge` (which checks the cumulative budget)."""
@@ -119,11 +135,19 @@ def check_run(policy: Policy, algorithm: str, config: Mapping[str, Any] | Any, *
         raise PolicyRefused("algorithms", f"{algorithm!r} is not allowed; allowed: {list(policy.algorithms)}")
     epsilon, delta = _privacy(config)
     if not epsilon <= policy.max_epsilon:
-        raise PolicyRefused("max-epsilon", f"the run asks for epsilon={epsilon}, the lab allows at most {policy.max_epsilon} per user over all runs")
+        raise PolicyRefused(
+            "max-epsilon",
+            f"the run asks for epsilon={epsilon}, the lab allows at most {policy.max_epsilon} per user over all runs",
+        )
     if not delta <= policy.max_delta:
-        raise PolicyRefused("max-delta", f"the run asks for delta={delta}, the lab allows at most {policy.max_delta} per user over all runs")
+        raise PolicyRefused(
+            "max-delta",
+            f"the run asks for delta={delta}, the lab allows at most {policy.max_delta} per user over all runs",
+        )
     if policy.require_secure_noise and not secure_noise:
-        raise PolicyRefused("require-secure-noise", "secure-noise=false (noise reproducible from a seed) is not allowed")
+        raise PolicyRefused(
+            "require-secure-noise", "secure-noise=false (noise reproducible from a seed) is not allowed"
+        )
     return epsilon, delta
 
 
@@ -131,21 +155,29 @@ def check_task(policy: Policy, algorithm: str, config: Mapping[str, Any], units:
     """A node's check of every task, before it computes: the algorithm, the run's ε and δ, and
     the number of units (users) the message would be computed over."""
     if algorithm not in policy.algorithms:
-        raise PolicyRefused("algorithms", f"{algorithm!r} is not allowed on this node; allowed: {list(policy.algorithms)}")
+        raise PolicyRefused(
+            "algorithms", f"{algorithm!r} is not allowed on this node; allowed: {list(policy.algorithms)}"
+        )
     epsilon, delta = _privacy(config)
     if not epsilon <= policy.max_epsilon:
-        raise PolicyRefused("max-epsilon", f"the task's run has epsilon={epsilon}, the lab allows at most {policy.max_epsilon}")
+        raise PolicyRefused(
+            "max-epsilon", f"the task's run has epsilon={epsilon}, the lab allows at most {policy.max_epsilon}"
+        )
     if not delta <= policy.max_delta:
         raise PolicyRefused("max-delta", f"the task's run has delta={delta}, the lab allows at most {policy.max_delta}")
     if units < policy.min_units:
-        raise PolicyRefused("min-units", f"the task asks for a message over {units} users, the lab's minimum is {policy.min_units}")
+        raise PolicyRefused(
+            "min-units", f"the task asks for a message over {units} users, the lab's minimum is {policy.min_units}"
+        )
 
 
 def check_partitions(policy: Policy, sizes: Mapping[int, int]) -> None:
     """The ServerApp's check of the split (partition → number of units) before the first round."""
     small = {p: n for p, n in sorted(sizes.items()) if n < policy.min_units}
     if small:
-        raise PolicyRefused("min-units", f"partitions {small} hold fewer users than the lab's minimum {policy.min_units}")
+        raise PolicyRefused(
+            "min-units", f"partitions {small} hold fewer users than the lab's minimum {policy.min_units}"
+        )
 
 
 @dataclass(frozen=True)
@@ -175,9 +207,20 @@ class BudgetLedger:
             raw = json.loads(self.path.read_text())
             if raw.get("federation") != self.federation:
                 raise ValueError(f"it belongs to federation {raw.get('federation')!r}, not {self.federation!r}")
-            return [Charge(c["run"], float(c["epsilon"]), float(c["delta"]), (int(c["units"][0]), int(c["units"][1])), float(c["time"])) for c in raw["charges"]]
+            return [
+                Charge(
+                    c["run"],
+                    float(c["epsilon"]),
+                    float(c["delta"]),
+                    (int(c["units"][0]), int(c["units"][1])),
+                    float(c["time"]),
+                )
+                for c in raw["charges"]
+            ]
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise ValueError(f"budget ledger {self.path}: unreadable ({e}); no run can be charged until it is repaired") from None
+            raise ValueError(
+                f"budget ledger {self.path}: unreadable ({e}); no run can be charged until it is repaired"
+            ) from None
 
     def spent(self, units: tuple[int, int]) -> tuple[float, float]:
         """The most (ε, δ) any user with id in ``[units[0], units[1])`` has spent (ε and δ each maximised)."""
@@ -209,16 +252,25 @@ class BudgetLedger:
                     return c
             eps, dl = _max_over(charges, units)
             if not eps + epsilon <= policy.max_epsilon * (1 + 1e-12):
-                raise PolicyRefused("max-epsilon", f"federation {self.federation!r}: users in {list(units)} have spent epsilon={eps:g}; "
-                                    f"this run's {epsilon:g} would exceed the lab's {policy.max_epsilon:g}")
+                raise PolicyRefused(
+                    "max-epsilon",
+                    f"federation {self.federation!r}: users in {list(units)} have spent epsilon={eps:g}; "
+                    f"this run's {epsilon:g} would exceed the lab's {policy.max_epsilon:g}",
+                )
             if not dl + delta <= policy.max_delta * (1 + 1e-12):
-                raise PolicyRefused("max-delta", f"federation {self.federation!r}: users in {list(units)} have spent delta={dl:g}; "
-                                    f"this run's {delta:g} would exceed the lab's {policy.max_delta:g}")
+                raise PolicyRefused(
+                    "max-delta",
+                    f"federation {self.federation!r}: users in {list(units)} have spent delta={dl:g}; "
+                    f"this run's {delta:g} would exceed the lab's {policy.max_delta:g}",
+                )
             new = Charge(run, epsilon, delta, units, time.time())
             from fedpers.securefs import write_private
 
-            body = {"federation": self.federation, "composition": "basic (epsilon and delta add up)",
-                    "charges": [c.__dict__ | {"units": list(c.units)} for c in [*charges, new]]}
+            body = {
+                "federation": self.federation,
+                "composition": "basic (epsilon and delta add up)",
+                "charges": [c.__dict__ | {"units": list(c.units)} for c in [*charges, new]],
+            }
             write_private(self.path, (json.dumps(body, indent=1) + "\n").encode())
             return new
 
@@ -246,7 +298,10 @@ def admit_run(policy: Policy, job: Any, run_id: str) -> Charge:
         for c in ledger.charges():
             if c.run.split("|")[0] == key:
                 return c
-        raise PolicyRefused("max-epsilon", f"resume {key}: the federation's ledger holds no charge for this run, so its budget is unknown")
+        raise PolicyRefused(
+            "max-epsilon",
+            f"resume {key}: the federation's ledger holds no charge for this run, so its budget is unknown",
+        )
     epsilon, delta = check_run(policy, job.experiment.name, job.cfg, secure_noise=bool(job.options.secure_noise))
     key = f"{Path(job.out).resolve() if job.out is not None else ''}|flwr-run-{run_id}"  # a reused out directory is charged again
     return ledger.charge(policy, key, (0, int(job.experiment.num_units(job.cfg))), epsilon, delta)

@@ -1,4 +1,5 @@
 """What produced a result: code version (and git commit when run from a checkout), command, library versions, times."""
+
 from __future__ import annotations
 
 import platform
@@ -23,10 +24,17 @@ def git_state(path: Path | None = None) -> dict[str, Any] | None:
     """{commit, dirty} of the checkout holding fedpers, or None when it is not one (an installed wheel)."""
     root = path or Path(__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
         if commit.returncode != 0:
             return None
-        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5)
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}

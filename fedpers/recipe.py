@@ -16,6 +16,7 @@ Flower 1.41 serves its Fleet, Control and Runtime APIs on one address, so the Su
 on 127.0.0.1 only and ``fedpers deploy fleet-proxy`` puts its Fleet API alone on the network
 (:mod:`fedpers.fleetproxy`). See docs/flower.md (Security) for what each layer stops.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -53,7 +54,9 @@ class Layout:
 
     def __post_init__(self) -> None:
         if not self.hosts:
-            raise ValueError("host: give at least one --host (the SuperLink's name or IP address as the SuperNodes reach it)")
+            raise ValueError(
+                "host: give at least one --host (the SuperLink's name or IP address as the SuperNodes reach it)"
+            )
         if self.supernodes < 1:
             raise ValueError(f"supernodes must be an integer >= 1; got {self.supernodes}")
         for name, port in (("port", self.port), ("link_port", self.link_port), ("node_port", self.node_port)):
@@ -61,7 +64,9 @@ class Layout:
                 raise ValueError(f"{name} must be in 1..65535 (node_port + supernodes too); got {port}")
         ports = {self.port, self.link_port, *range(self.node_port, self.node_port + self.supernodes)}
         if len(ports) != 2 + self.supernodes:
-            raise ValueError(f"port={self.port}, link_port={self.link_port} and node ports {self.node_port}..{self.node_port + self.supernodes - 1} must all differ")
+            raise ValueError(
+                f"port={self.port}, link_port={self.link_port} and node ports {self.node_port}..{self.node_port + self.supernodes - 1} must all differ"
+            )
 
     @property
     def root(self) -> Path:
@@ -85,15 +90,27 @@ algorithms = [{algorithms}]
 """
 
 
-def policy_text(federation: str = "lab", max_epsilon: float = 8.0, max_delta: float = 1e-4, min_units: int = 50,
-                algorithms: Sequence[str] = ("altmin",), secure_noise: bool = True) -> str:
+def policy_text(
+    federation: str = "lab",
+    max_epsilon: float = 8.0,
+    max_delta: float = 1e-4,
+    min_units: int = 50,
+    algorithms: Sequence[str] = ("altmin",),
+    secure_noise: bool = True,
+) -> str:
     """A policy TOML (validated by loading it back)."""
     import tempfile
 
     from fedpers.policy import load_policy
 
-    text = DEFAULT_POLICY.format(federation=federation, max_epsilon=repr(float(max_epsilon)), max_delta=repr(float(max_delta)), min_units=int(min_units),
-                                 algorithms=", ".join(f'"{a}"' for a in algorithms), secure="true" if secure_noise else "false")
+    text = DEFAULT_POLICY.format(
+        federation=federation,
+        max_epsilon=repr(float(max_epsilon)),
+        max_delta=repr(float(max_delta)),
+        min_units=int(min_units),
+        algorithms=", ".join(f'"{a}"' for a in algorithms),
+        secure="true" if secure_noise else "false",
+    )
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "policy.toml").write_text(text)
         load_policy(Path(d) / "policy.toml")
@@ -104,7 +121,9 @@ def _san(hosts: Sequence[str]) -> list:
     from cryptography import x509
 
     names: list = []
-    for h in dict.fromkeys([*hosts, "127.0.0.1"]):  # 127.0.0.1: the loopback SuperLink and its proxy use one certificate
+    for h in dict.fromkeys(
+        [*hosts, "127.0.0.1"]
+    ):  # 127.0.0.1: the loopback SuperLink and its proxy use one certificate
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
@@ -124,17 +143,27 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     if not 1 <= days <= 3650:
         raise ValueError(f"days must be in 1..3650; got {days}")
     if out.exists() and any(out.iterdir()) and not force:
-        raise ValueError(f"{out} exists and is not empty; choose another directory or pass --force to overwrite its keys")
+        raise ValueError(
+            f"{out} exists and is not empty; choose another directory or pass --force to overwrite its keys"
+        )
     policy = policy if policy is not None else policy_text()
     now = datetime.datetime.now(datetime.UTC)
     pem = serialization.Encoding.PEM
-    private_pem = {"encoding": pem, "format": serialization.PrivateFormat.PKCS8, "encryption_algorithm": serialization.NoEncryption()}
+    private_pem = {
+        "encoding": pem,
+        "format": serialization.PrivateFormat.PKCS8,
+        "encryption_algorithm": serialization.NoEncryption(),
+    }
 
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedpers deployment CA")])
     ca = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
@@ -142,9 +171,13 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     )
     link_key = ec.generate_private_key(ec.SECP384R1())
     link = (
-        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, layout.hosts[0])])).issuer_name(ca_name)
-        .public_key(link_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, layout.hosts[0])]))
+        .issuer_name(ca_name)
+        .public_key(link_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(_san(layout.hosts)), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -169,20 +202,28 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     put(layout.link / "flwr", "config.toml", connection_toml(layout).encode(), "superlink/flwr/config.toml")
     for i in range(layout.supernodes):
         key = ec.generate_private_key(ec.SECP384R1())
-        put(layout.node(i), f"supernode-{i}.key", key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+        put(
+            layout.node(i),
+            f"supernode-{i}.key",
+            key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()),
+        )
         put(layout.node(i), "ca.crt", ca.public_bytes(pem))
         put(layout.node(i), "policy.toml", policy.encode())
         pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n"
         put(layout.link, f"supernode-{i}.pub", pub)
-    write_private(root / "commands.txt", commands(layout).encode())  # the root holds only the per-machine directories and this
+    write_private(
+        root / "commands.txt", commands(layout).encode()
+    )  # the root holds only the per-machine directories and this
     files["commands.txt"] = root / "commands.txt"
     return files
 
 
 def connection_toml(layout: Layout) -> str:
     """``flwr``'s connection on the SuperLink machine: the loopback address, the lab's CA."""
-    return (f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{layout.link_port}"\n'
-            f'root-certificates = "{layout.link}/ca.crt"\n')
+    return (
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{layout.link_port}"\n'
+        f'root-certificates = "{layout.link}/ca.crt"\n'
+    )
 
 
 STEP = "## "
@@ -231,7 +272,8 @@ def commands(layout: Layout) -> str:
     data = layout.data_file.replace('"', "")
     lines += [
         f"{STEP}{5 + n}. superlink: the job; node-partitions maps every registered node id (step 4) to its partition",
-        f"{flwr_home} fedpers deploy run {CONNECTION} --run-config \"config='data=\\\"{data}\\\" rank=2 epsilon=4.0' out='/abs/path/run' node-partitions='{ids}'\"",
+        f'{flwr_home} fedpers deploy run {CONNECTION} --run-config "config=\'data=\\"{data}\\" rank=2 '
+        f"epsilon=4.0' out='/abs/path/run' node-partitions='{ids}'\"",
     ]
     return "\n".join(lines) + "\n"
 
@@ -243,8 +285,12 @@ def steps(text: str) -> list[tuple[str, str]]:
     for line in [*text.splitlines(), STEP + "0. end: "]:
         if line.startswith(STEP):
             joined = "\n".join(body).replace("\\\n", " ")
-            out += [(machine, c.strip()) for c in joined.splitlines() if c.strip() and not c.startswith("#")] if machine else []
-            machine, body = line[len(STEP):].split(": ", 1)[0].split(". ", 1)[1], []
+            out += (
+                [(machine, c.strip()) for c in joined.splitlines() if c.strip() and not c.startswith("#")]
+                if machine
+                else []
+            )
+            machine, body = line[len(STEP) :].split(": ", 1)[0].split(". ", 1)[1], []
         elif not line.startswith("#"):
             body.append(line)
     return out

@@ -6,6 +6,7 @@ to a trivial one), the data summary when the run recorded one, the configuration
 figures inline (base64 PNG, so the page travels alone) and the provenance. A sweep's page:
 its specification, its table, its figures and provenance. Nothing is fetched at view time.
 """
+
 from __future__ import annotations
 
 import base64
@@ -44,22 +45,33 @@ def _fmt(v: Any) -> str:
 def table(header: Sequence[str], rows: Iterable[Sequence[Any]], left: int = 1) -> str:
     """An HTML table; the first ``left`` columns are text (left-aligned)."""
     head = "".join(f'<th class="{"l" if i < left else ""}">{_e(h)}</th>' for i, h in enumerate(header))
-    body = "".join("<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{_e(_fmt(c))}</td>' for i, c in enumerate(r)) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{_e(_fmt(c))}</td>' for i, c in enumerate(r)) + "</tr>"
+        for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def image(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<figure><img alt="{_e(path.name)}" data-figure="{_e(path.name)}" src="data:image/png;base64,{data}"><figcaption>{_e(path.name)}</figcaption></figure>'
+    name = _e(path.name)
+    return (
+        f'<figure><img alt="{name}" data-figure="{name}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{name}</figcaption></figure>"
+    )
 
 
 def _page(title: str, sections: list[str]) -> str:
-    return (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_e(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{_e(title)}</h1>" + "".join(sections) + "</body></html>\n")
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+        f"<style>{STYLE}</style></head><body><h1>{_e(title)}</h1>" + "".join(sections) + "</body></html>\n"
+    )
 
 
 def _numbers(d: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("_")}
+    return {
+        k: v for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("_")
+    }
 
 
 def _positive(v: Any) -> bool:
@@ -81,24 +93,46 @@ def run_report(run_dir: str | Path) -> str:
     cfg = run["config"]
     priv = privacy_summary(path)
     pr = result.get("privacy", {})
-    status = result.get("status", "completed") if run["complete"] else f"INCOMPLETE ({len(run['rounds'])} rounds recorded)"
-    sections = [f"<p>algorithm <b>{_e(cfg.get('algorithm'))}</b> · status <b>{_e(status)}</b> · runtime {_e(result.get('runtime', cfg.get('runtime', {}).get('runtime', '?')))}"
-                + (f" · {result['seconds']:.1f} s" if isinstance(result.get("seconds"), (int, float)) else "") + "</p>"]
+    status = (
+        result.get("status", "completed") if run["complete"] else f"INCOMPLETE ({len(run['rounds'])} rounds recorded)"
+    )
+    sections = [
+        f"<p>algorithm <b>{_e(cfg.get('algorithm'))}</b> · status <b>{_e(status)}</b> · runtime "
+        f"{_e(result.get('runtime', cfg.get('runtime', {}).get('runtime', '?')))}"
+        + (f" · {result['seconds']:.1f} s" if isinstance(result.get("seconds"), (int, float)) else "")
+        + "</p>"
+    ]
     eps, delta = priv["epsilon"], priv["delta"]
-    lines = [f'<p class="eps" id="epsilon">(ε, δ) = ({_e(_fmt(float(eps)))}, {_e(_fmt(float(delta)))})</p>',
-             f"<p>by the {_e(priv['accountant'])} accountant over {priv['releases']} release(s), neighbouring: {_e(priv['neighbouring'])}"
-             + (f"; target ε = {_e(_fmt(pr['target_epsilon']))}" if "target_epsilon" in pr else "")
-             + (f"; noise multiplier {_e(_fmt(pr['noise_multiplier']))}" if "noise_multiplier" in pr else "") + ".</p>"]
+    lines = [
+        f'<p class="eps" id="epsilon">(ε, δ) = ({_e(_fmt(float(eps)))}, {_e(_fmt(float(delta)))})</p>',
+        f"<p>by the {_e(priv['accountant'])} accountant over {priv['releases']} release(s), neighbouring: {_e(priv['neighbouring'])}"
+        + (f"; target ε = {_e(_fmt(pr['target_epsilon']))}" if "target_epsilon" in pr else "")
+        + (f"; noise multiplier {_e(_fmt(pr['noise_multiplier']))}" if "noise_multiplier" in pr else "")
+        + ".</p>",
+    ]
     if pr.get("paper_epsilon_same_noise") is not None:
-        lines.append(f"<p>The paper's calibration would claim ε = {_e(_fmt(pr['paper_epsilon_same_noise']))} for the same noise.</p>")
+        lines.append(
+            f"<p>The paper's calibration would claim ε = {_e(_fmt(pr['paper_epsilon_same_noise']))} for the same noise.</p>"
+        )
     others = {k: v for k, v in pr.get("epsilon_by_accountant", {}).items() if k != priv["accountant"]}
     if others:
-        lines.append("<p>Same noise, other accountants: " + ", ".join(f"ε = {_e(_fmt(v))} by {_e(k)}" for k, v in others.items()) + ".</p>")
+        lines.append(
+            "<p>Same noise, other accountants: "
+            + ", ".join(f"ε = {_e(_fmt(v))} by {_e(k)}" for k, v in others.items())
+            + ".</p>"
+        )
     ledger = priv["ledger"]
     cols = ["round", "name", "mechanism", "units", "per_unit_bound", "sensitivity", "noise_std"]
-    rows = ([r.get(c) for c in cols] + [r["noise_std"] / r["sensitivity"] if _positive(r.get("sensitivity")) and isinstance(r.get("noise_std"), (int, float)) else None]
-            for r in ledger)
-    lines.append("<h3>Ledger</h3>" + table(cols + ["noise_std / sensitivity"], rows, left=4))
+    rows = (
+        [r.get(c) for c in cols]
+        + [
+            r["noise_std"] / r["sensitivity"]
+            if _positive(r.get("sensitivity")) and isinstance(r.get("noise_std"), (int, float))
+            else None
+        ]
+        for r in ledger
+    )
+    lines.append("<h3>Ledger</h3>" + table([*cols, "noise_std / sensitivity"], rows, left=4))
     sections.append("<h2>Privacy</h2>" + "".join(lines))
 
     metrics = _numbers(result)
@@ -107,8 +141,10 @@ def run_report(run_dir: str | Path) -> str:
     baselines = {n: _numbers(m) for n, m in result.get("baselines", {}).items() if isinstance(m, Mapping)}
     keys = list(metrics) + [k for m in baselines.values() for k in m if k not in metrics]
     keys = list(dict.fromkeys(keys))
-    rows = [["private run"] + [metrics.get(k) for k in keys]] + [[n] + [m.get(k) for k in keys] for n, m in baselines.items()]
-    block = table([""] + keys, rows)
+    rows = [["private run"] + [metrics.get(k) for k in keys]] + [
+        [n] + [m.get(k) for k in keys] for n, m in baselines.items()
+    ]
+    block = table(["", *keys], rows)
     for w in result.get("warnings", []):
         block = f'<div class="warn">WARNING: {_e(w["text"] if isinstance(w, Mapping) else w)}</div>' + block
     if result.get("baselines_skipped"):
@@ -121,8 +157,13 @@ def run_report(run_dir: str | Path) -> str:
         sections.append("<h2>Data summary</h2>" + table(["field", "value"], result["data"].items()))
     conditions = result.get("conditions")
     if isinstance(conditions, Mapping) and conditions:
-        sections.append("<h2>Preconditions of the guarantee</h2>" + table(
-            ["condition", "holds", "value", "bound"], ([c.get("text"), c.get("holds"), c.get("value"), c.get("bound")] for c in conditions.values())))
+        sections.append(
+            "<h2>Preconditions of the guarantee</h2>"
+            + table(
+                ["condition", "holds", "value", "bound"],
+                ([c.get("text"), c.get("holds"), c.get("value"), c.get("bound")] for c in conditions.values()),
+            )
+        )
     figures = [path / p for p in result.get("plots", []) if (path / p).is_file()]
     if figures:
         sections.append("<h2>Figures</h2>" + "".join(image(f) for f in figures))
@@ -154,18 +195,29 @@ def sweep_report(sweep_dir: str | Path) -> str:
     if not isinstance(summary, Mapping):
         raise ValueError(f"report: {out} holds no finished sweep (no sweep.json)")
     spec = summary.get("spec", {})
-    sections = [(f"<p>algorithm <b>{_e(spec.get('algorithm'))}</b> · x = {_e(spec.get('x'))} · series = {_e(spec.get('series'))} · "
-                 f"{_e(summary.get('rows'))} rows ({_e(summary.get('points_run'))} points run, {_e(summary.get('points_reused'))} reused) · "
-                 f"{_e(spec.get('repetitions', 1))} repetition(s) per point</p>")]
+    sections = [
+        (
+            f"<p>algorithm <b>{_e(spec.get('algorithm'))}</b> · x = {_e(spec.get('x'))} · series = {_e(spec.get('series'))} · "
+            f"{_e(summary.get('rows'))} rows ({_e(summary.get('points_run'))} points run, {_e(summary.get('points_reused'))} reused) · "
+            f"{_e(spec.get('repetitions', 1))} repetition(s) per point</p>"
+        )
+    ]
     sections.append("<h2>Specification</h2>" + table(["field", "value"], sorted(flatten(spec).items())))
     if (out / "table.csv").is_file():
         with open(out / "table.csv", newline="") as f:
             rows = list(csv.reader(f))
         if rows:
-            sections.append("<h2>Table</h2>" + table(rows[0], ([_number_or_text(c) for c in r] for r in rows[1:]), left=0))
+            sections.append(
+                "<h2>Table</h2>" + table(rows[0], ([_number_or_text(c) for c in r] for r in rows[1:]), left=0)
+            )
     slopes = summary.get("slopes") or {}
     if slopes:
-        sections.append("<h2>Log-log slopes</h2>" + table(["metric", "series", "slope"], ((m, s, v) for m, per in slopes.items() for s, v in per.items()), left=2))
+        sections.append(
+            "<h2>Log-log slopes</h2>"
+            + table(
+                ["metric", "series", "slope"], ((m, s, v) for m, per in slopes.items() for s, v in per.items()), left=2
+            )
+        )
     figures = [out / f for f in summary.get("figures", []) if (out / f).is_file()]
     if figures:
         sections.append("<h2>Figures</h2>" + "".join(image(f) for f in figures))

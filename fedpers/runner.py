@@ -13,7 +13,7 @@ from fedpers.experiments.base import Experiment
 from fedpers.privacy import Calibrations, Privatizer
 from fedpers.results import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.driver import RoundRecord
-from fedpers.runtime.options import Runtime, RuntimeOptions  # noqa: F401  (re-exported: fedpers.runner.RuntimeOptions)
+from fedpers.runtime.options import Runtime, RuntimeOptions
 from fedpers.seeds import split_seed
 
 
@@ -181,7 +181,9 @@ def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> dict[str, An
         "privacy": privacy,
         "seconds": seconds,
     }
-    warnings = plan.experiment.result_warnings(plan.cfg, result)  # a private result no better than a trivial one says so
+    warnings = plan.experiment.result_warnings(
+        plan.cfg, result
+    )  # a private result no better than a trivial one says so
     if warnings:
         result["warnings"] = warnings
     return result

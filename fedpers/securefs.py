@@ -3,6 +3,7 @@
 Used for what a node or the SuperLink keeps on disk that other local users must not read: a
 node's cache of raw user data, the budget ledger, keys written by ``fedpers deploy certs``.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ def private_dir(path: str | Path) -> Path:
     if st.st_uid != os.getuid():
         raise UnsafeDirectory(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
     if st.st_mode & 0o077:
-        raise UnsafeDirectory(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can reach it; "
-                              f"use a new directory (it is created with 0700) or chmod 700 it after checking what it holds")
+        raise UnsafeDirectory(
+            f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can reach it; "
+            f"use a new directory (it is created with 0700) or chmod 700 it after checking what it holds"
+        )
     return path
 
 

@@ -1,4 +1,5 @@
 """Named seeds: every random stream of a run derives from the run seed here (imports nothing of fedpers)."""
+
 from __future__ import annotations
 
 import dataclasses

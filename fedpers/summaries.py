@@ -1,4 +1,5 @@
 """Summaries of result rows (mean and standard error per series and x); beside ``results.py``, below ``experiments/``."""
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,9 @@ def number(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
 
-def summarise(rows: list[dict[str, Any]], series: str, x: str, metric: str) -> dict[Any, list[tuple[float, float, float]]]:
+def summarise(
+    rows: list[dict[str, Any]], series: str, x: str, metric: str
+) -> dict[Any, list[tuple[float, float, float]]]:
     """series value -> [(x, mean, standard error)] sorted by x, over the rows' finite ``metric`` values."""
     groups: dict[tuple[Any, Any], list[float]] = {}
     for row in rows:

@@ -169,7 +169,9 @@ def summarise_sweep(
     }
     write_atomic(out / "sweep.json", dumps(summary) + "\n")
     summary["out"] = str(out)  # where it went (not part of sweep.json: the directory may move)
-    print(f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}")
+    print(
+        f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}"
+    )
     for metric, per in slopes.items():
         for s, slope in per.items():
             print(f"  log-log slope of {metric} vs {spec.x} at {spec.series}={s}: {slope:.3f}")

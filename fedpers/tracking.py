@@ -17,6 +17,7 @@ after the sweep with a ``sweep`` tag on each run. The trackers are optional extr
 (``pip install 'fedpers[track]'``): TensorBoard's writer is torch's ``SummaryWriter``, MLflow
 its own client; nothing here writes their formats by hand.
 """
+
 from __future__ import annotations
 
 import enum
@@ -81,8 +82,10 @@ def final_metrics(result: Mapping[str, Any]) -> dict[str, float]:
 
 
 def round_series(rounds: Iterable[Mapping[str, Any]]) -> list[tuple[int, dict[str, float]]]:
-    return [(int(r.get("round", i)), {f"round/{k}": float(v) for k, v in r.items() if _number(v) and k != "round"})
-            for i, r in enumerate(rounds)]
+    return [
+        (int(r.get("round", i)), {f"round/{k}": float(v) for k, v in r.items() if _number(v) and k != "round"})
+        for i, r in enumerate(rounds)
+    ]
 
 
 def _need(kind: Tracker) -> None:
@@ -112,8 +115,14 @@ def _images(run_dir: Path, names: Iterable[str]) -> list[Path]:
 
 
 # ----- TensorBoard ---------------------------------------------------------------------------
-def _tensorboard_run(logdir: Path, config: Mapping[str, Any], rounds: list[tuple[int, dict[str, float]]],
-                     epsilons: list[float], final: Mapping[str, float], images: list[Path]) -> None:
+def _tensorboard_run(
+    logdir: Path,
+    config: Mapping[str, Any],
+    rounds: list[tuple[int, dict[str, float]]],
+    epsilons: list[float],
+    final: Mapping[str, float],
+    images: list[Path],
+) -> None:
     import matplotlib.image as mpimg
     from torch.utils.tensorboard import SummaryWriter
 
@@ -135,9 +144,17 @@ def _tensorboard_run(logdir: Path, config: Mapping[str, Any], rounds: list[tuple
 
 
 # ----- MLflow --------------------------------------------------------------------------------
-def _mlflow_run(uri: str | None, experiment: str, name: str, config: Mapping[str, Any], tags: Mapping[str, str],
-                rounds: list[tuple[int, dict[str, float]]], epsilons: list[float], final: Mapping[str, float],
-                artifacts: list[Path]) -> str:
+def _mlflow_run(
+    uri: str | None,
+    experiment: str,
+    name: str,
+    config: Mapping[str, Any],
+    tags: Mapping[str, str],
+    rounds: list[tuple[int, dict[str, float]]],
+    epsilons: list[float],
+    final: Mapping[str, float],
+    artifacts: list[Path],
+) -> str:
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=uri)
@@ -148,7 +165,9 @@ def _mlflow_run(uri: str | None, experiment: str, name: str, config: Mapping[str
     try:
         params = [mlflow.entities.Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
         metrics = [mlflow.entities.Metric(_key(k), v, 0, step) for step, m in rounds for k, v in m.items()]
-        metrics += [mlflow.entities.Metric("privacy/epsilon_spent", eps, 0, i) for i, eps in enumerate(epsilons, start=1)]
+        metrics += [
+            mlflow.entities.Metric("privacy/epsilon_spent", eps, 0, i) for i, eps in enumerate(epsilons, start=1)
+        ]
         metrics += [mlflow.entities.Metric(_key(k), v, 0, 0) for k, v in final.items()]
         for start in range(0, max(len(params), 1), 100):  # MLflow's batch limits
             client.log_batch(run_id, params=params[start : start + 100])
@@ -169,8 +188,15 @@ def _key(k: str) -> str:
 
 
 # ----- entry points --------------------------------------------------------------------------
-def track_run(run_dir: str | Path, kind: str | Tracker, *, uri: str | None = None, experiment: str | None = None,
-              tags: Mapping[str, str] | None = None, logdir: str | Path | None = None) -> dict[str, Any]:
+def track_run(
+    run_dir: str | Path,
+    kind: str | Tracker,
+    *,
+    uri: str | None = None,
+    experiment: str | None = None,
+    tags: Mapping[str, str] | None = None,
+    logdir: str | Path | None = None,
+) -> dict[str, Any]:
     """Log one run directory. TensorBoard writes to ``logdir`` (default RUN_DIR/tensorboard);
     MLflow to ``uri`` (default: MLflow's own, i.e. $MLFLOW_TRACKING_URI, else MLflow's default sqlite:///mlflow.db), in the
     experiment ``experiment`` (default: ``fedpers-ALGORITHM``). Returns where it went."""
@@ -211,11 +237,18 @@ def track_sweep(sweep_dir: str | Path, kind: str | Tracker, *, uri: str | None =
         point = json.loads(point_file.read_text())
         label = point.get("label")
         overrides = point.get("overrides", {})
-        name = f"{point_file.stem}" + (f" {label}" if label else "") + "".join(f" {k}={v}" for k, v in overrides.items())
+        name = (
+            f"{point_file.stem}" + (f" {label}" if label else "") + "".join(f" {k}={v}" for k, v in overrides.items())
+        )
         config = {"algorithm": spec.get("algorithm"), **spec.get("base", {}), **overrides, "sweep": sweep}
         rows = point.get("rows", [])
-        series = [(int(r.get("repetition", i)), {f"point/{k}": float(v) for k, v in r.items() if _number(v) and k != "repetition"})
-                  for i, r in enumerate(rows)]
+        series = [
+            (
+                int(r.get("repetition", i)),
+                {f"point/{k}": float(v) for k, v in r.items() if _number(v) and k != "repetition"},
+            )
+            for i, r in enumerate(rows)
+        ]
         means: dict[str, float] = {}
         for _, m in series:
             for k, v in m.items():
@@ -225,13 +258,26 @@ def track_sweep(sweep_dir: str | Path, kind: str | Tracker, *, uri: str | None =
         if tracker is Tracker.TENSORBOARD:
             _tensorboard_run(out / "tensorboard" / point_file.stem, config, series, [], final, [])
         else:
-            tags = {"sweep": sweep, "algorithm": str(spec.get("algorithm")), "sweep_dir": str(out.resolve()),
-                    "label": str(label or "")}
+            tags = {
+                "sweep": sweep,
+                "algorithm": str(spec.get("algorithm")),
+                "sweep_dir": str(out.resolve()),
+                "label": str(label or ""),
+            }
             _mlflow_run(uri, f"fedpers-sweep-{sweep}", name, config, tags, series, [], final, [])
         tracked.append(name)
     if tracker is Tracker.TENSORBOARD and figures:
         _tensorboard_run(out / "tensorboard" / "figures", {"sweep": sweep}, [], [], {}, figures)
     elif figures:
-        _mlflow_run(uri, f"fedpers-sweep-{sweep}", "figures", {"sweep": sweep}, {"sweep": sweep}, [], [], {},
-                    figures + [out / "sweep.json"])
+        _mlflow_run(
+            uri,
+            f"fedpers-sweep-{sweep}",
+            "figures",
+            {"sweep": sweep},
+            {"sweep": sweep},
+            [],
+            [],
+            {},
+            [*figures, out / "sweep.json"],
+        )
     return {"tracker": tracker.value, "points": tracked}

@@ -20,6 +20,7 @@ rule as η = 1, and dp-accounting implements them (so the accounting is the libr
 ``fedpers sweep FILE --select METRIC`` without ``--private`` picks the best grid point by the
 sweep table's (non-private) metric and says that the choice is not accounted.
 """
+
 from __future__ import annotations
 
 import enum
@@ -64,14 +65,20 @@ def select_nonprivate(sweep_dir: Path, metric: str, goal: Goal) -> dict[str, Any
     points = []
     for record in sorted((Path(sweep_dir) / "points").glob("[0-9]*.json")):
         data = json.loads(record.read_text())
-        values = [r[metric] for r in data["rows"] if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
+        values = [
+            r[metric] for r in data["rows"] if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])
+        ]
         if values:
             points.append((sum(values) / len(values), data["overrides"]))
     if not points:
         raise ValueError(f"select: no grid point reported a finite {metric!r}; list it under the sweep's metrics")
     best = (min if goal is Goal.MIN else max)(points, key=lambda p: p[0])
-    return {"selected": best[1], metric: best[0], "private": False,
-            "note": "chosen by the non-private sweep metric: the choice is NOT accounted (its ε is not reported)"}
+    return {
+        "selected": best[1],
+        metric: best[0],
+        "private": False,
+        "note": "chosen by the non-private sweep metric: the choice is NOT accounted (its ε is not reported)",
+    }
 
 
 # ----- private scores --------------------------------------------------------------------------
@@ -104,13 +111,27 @@ def _altmin_units(cfg: Any, ids: Tensor) -> dict[str, Tensor]:
 
 
 SCORES: dict[str, dict[str, PrivateScore]] = {
-    "altmin": {"validation_mse": PrivateScore(
-        "validation_mse", lambda cfg: VALIDATION_CLIP * (cfg.rank + cfg.noise_std**2), _altmin_validation_mse, _altmin_units)},
+    "altmin": {
+        "validation_mse": PrivateScore(
+            "validation_mse",
+            lambda cfg: VALIDATION_CLIP * (cfg.rank + cfg.noise_std**2),
+            _altmin_validation_mse,
+            _altmin_units,
+        )
+    },
 }
 
 
-def private_score(exp: Experiment, cfg: Any, protocol: Any, state: Any, privatizer: Privatizer, score: PrivateScore,
-                  validation_users: int, round: int) -> float:
+def private_score(
+    exp: Experiment,
+    cfg: Any,
+    protocol: Any,
+    state: Any,
+    privatizer: Privatizer,
+    score: PrivateScore,
+    validation_users: int,
+    round: int,
+) -> float:
     """The mean clipped validation statistic of ``validation_users`` held-out users (ids n, n+1, …),
     released as a Gaussian sum: each user adds clip(s_j; [0, c]) − c/2, so the per-user bound is
     c/2 (Δ = c), with the candidate's own noise multiplier."""
@@ -119,9 +140,18 @@ def private_score(exp: Experiment, cfg: Any, protocol: Any, state: Any, privatiz
     per_user = score.per_user(cfg, protocol, state, score.units(cfg, ids)).clamp(0.0, c)
     per_user = torch.where(torch.isfinite(per_user), per_user, torch.full_like(per_user, c))
     noisy = privatizer.gaussian_sum(
-        (per_user - c / 2).sum().reshape(1), per_unit_bound=c / 2, noise_multiplier=protocol.noise_multiplier,
-        name=f"tuning.{score.metric}", round=round, units=ALL_UNITS,
-        params={"statistic": score.metric, "clip": c, "validation_users": validation_users, "formula": "clip(s_j; [0, c]) − c/2, bound c/2"},
+        (per_user - c / 2).sum().reshape(1),
+        per_unit_bound=c / 2,
+        noise_multiplier=protocol.noise_multiplier,
+        name=f"tuning.{score.metric}",
+        round=round,
+        units=ALL_UNITS,
+        params={
+            "statistic": score.metric,
+            "clip": c,
+            "validation_users": validation_users,
+            "formula": "clip(s_j; [0, c]) − c/2, bound c/2",
+        },
     )
     return float(noisy[0]) / validation_users + c / 2
 
@@ -130,7 +160,10 @@ def private_score(exp: Experiment, cfg: Any, protocol: Any, state: Any, privatiz
 def worst_event(ledger: Ledger, delta: float) -> dp_accounting.DpEvent:
     """The composed event of the ledger's worst-placed unit group (the one ``ledger_epsilon`` reports)."""
     groups: list[str | None] = [*ledger.groups()] or [None]
-    events = [dp_accounting.ComposedDpEvent([r.event for r in (ledger.touching(g) if g is not None else list(ledger))]) for g in groups]
+    events = [
+        dp_accounting.ComposedDpEvent([r.event for r in (ledger.touching(g) if g is not None else list(ledger))])
+        for g in groups
+    ]
     return max(events, key=lambda e: event_epsilon(e, delta))
 
 
@@ -147,10 +180,14 @@ def add_remove_event(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
         return RepeatAndSelectDpEvent(add_remove_event(event.event), event.mean, event.shape)
     if isinstance(event, dp_accounting.NoOpDpEvent):
         return event
-    raise ValueError(f"select --private: trials must be unsampled Gaussian releases (RDP, replace-one); got {type(event).__name__}")
+    raise ValueError(
+        f"select --private: trials must be unsampled Gaussian releases (RDP, replace-one); got {type(event).__name__}"
+    )
 
 
-def tuning_event(trial_events: list[dp_accounting.DpEvent], final_event: dp_accounting.DpEvent | None, mean: float, shape: float) -> dp_accounting.DpEvent:
+def tuning_event(
+    trial_events: list[dp_accounting.DpEvent], final_event: dp_accounting.DpEvent | None, mean: float, shape: float
+) -> dp_accounting.DpEvent:
     """RepeatAndSelect over the trial mechanism, composed with the final run.
 
     A trial draws a candidate uniformly; its RDP is at most the largest candidate's (Rényi
@@ -172,8 +209,14 @@ def rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
     return float(acc.get_epsilon(delta))
 
 
-def repeat_and_select(generator: torch.Generator, candidates: int, mean: float, shape: float, goal: Goal,
-                      trial: Callable[[int, int], dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def repeat_and_select(
+    generator: torch.Generator,
+    candidates: int,
+    mean: float,
+    shape: float,
+    goal: Goal,
+    trial: Callable[[int, int], dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """K ~ TNB(shape, mean) trials, each ``trial(t, j)`` on a candidate j drawn uniformly; the one
     with the best ``"score"`` (ties: the earliest). Every draw comes from ``generator`` (the server's)."""
     k = selection.repetitions(generator, mean, shape)
@@ -183,8 +226,18 @@ def repeat_and_select(generator: torch.Generator, candidates: int, mean: float, 
 
 
 # ----- the private search ---------------------------------------------------------------------------
-def private_select(spec: Any, metric: str, goal: Goal, *, mean: float | None = None, shape: float = DEFAULT_SHAPE,
-                   validation_users: int = 2000, seed: int = 0, out: Path, progress: bool = False) -> dict[str, Any]:
+def private_select(
+    spec: Any,
+    metric: str,
+    goal: Goal,
+    *,
+    mean: float | None = None,
+    shape: float = DEFAULT_SHAPE,
+    validation_users: int = 2000,
+    seed: int = 0,
+    out: Path,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Papernot–Steinke private selection over ``spec``'s grid points, then a final run of the choice."""
     from fedpers.experiments import experiment
     from fedpers.runner import execute
@@ -193,7 +246,9 @@ def private_select(spec: Any, metric: str, goal: Goal, *, mean: float | None = N
     exp = experiment(spec.algorithm)
     scores = SCORES.get(spec.algorithm, {})
     if metric not in scores:
-        raise ValueError(f"select: with --private, METRIC must be a private score of {spec.algorithm}: {', '.join(scores) or 'none yet'}; got {metric!r}")
+        raise ValueError(
+            f"select: with --private, METRIC must be a private score of {spec.algorithm}: {', '.join(scores) or 'none yet'}; got {metric!r}"
+        )
     if validation_users < 1:
         raise ValueError(f"validation_users must be >= 1, got {validation_users}")
     score = scores[metric]
@@ -201,10 +256,14 @@ def private_select(spec: Any, metric: str, goal: Goal, *, mean: float | None = N
     configs: list[Any] = [config_lib.build(exp.config_type, {**spec.base, **over}) for _, over in points]
     deltas = {float(c.delta) for c in configs}
     if len(deltas) != 1:
-        raise ValueError(f"select --private: every grid point must share one delta (the search's δ); got {sorted(deltas)}")
+        raise ValueError(
+            f"select --private: every grid point must share one delta (the search's δ); got {sorted(deltas)}"
+        )
     delta = deltas.pop()
     if any(math.isinf(c.epsilon) for c in configs):
-        raise ValueError("select --private: every grid point needs a finite epsilon (a noiseless trial has no guarantee)")
+        raise ValueError(
+            "select --private: every grid point needs a finite epsilon (a noiseless trial has no guarantee)"
+        )
     mean = float(mean if mean is not None else max(2.0, 2.0 * len(points)))
     if not mean > 1:
         raise ValueError(f"tuning mean must be > 1, got {mean}")
@@ -214,9 +273,17 @@ def private_select(spec: Any, metric: str, goal: Goal, *, mean: float | None = N
     def trial(t: int, j: int) -> dict[str, Any]:
         cfg, protocol = configs[j], protocols[j]
         privatizer = Privatizer(derived_seed(seed, f"tuning-trial-{t}"))
-        state, _ = run_local(protocol, exp.unit_source(cfg), privatizer, chunk_size=exp.chunk_size(cfg), progress=progress)
+        state, _ = run_local(
+            protocol, exp.unit_source(cfg), privatizer, chunk_size=exp.chunk_size(cfg), progress=progress
+        )
         value = private_score(exp, cfg, protocol, state, privatizer, score, validation_users, protocol.num_rounds)
-        return {"trial": t, "point": j, "overrides": points[j][1], "score": value, "_event": worst_event(privatizer.ledger, delta)}
+        return {
+            "trial": t,
+            "point": j,
+            "overrides": points[j][1],
+            "score": value,
+            "_event": worst_event(privatizer.ledger, delta),
+        }
 
     trials, best = repeat_and_select(tuner.generator, len(points), mean, shape, goal, trial)
     k = len(trials)
@@ -226,9 +293,15 @@ def private_select(spec: Any, metric: str, goal: Goal, *, mean: float | None = N
     event = tuning_event([r.pop("_event") for r in trials], final_event, mean, shape)
     total = rdp_epsilon(event, delta)
     return {
-        "selected": points[best["point"]][1], metric: best["score"], "metric": metric, "goal": goal.value, "private": True,
+        "selected": points[best["point"]][1],
+        metric: best["score"],
+        "metric": metric,
+        "goal": goal.value,
+        "private": True,
         "method": f"Papernot & Steinke 2022: K ~ truncated negative binomial (η = {shape}, mean {mean:g}), uniform candidates, best released",
-        "repetitions": k, "trials": trials, "delta": delta,
+        "repetitions": k,
+        "trials": trials,
+        "delta": delta,
         "epsilon_total": total,
         "epsilon_naive": float(final["epsilon"]),
         "accounting": "RDP (dp-accounting RepeatAndSelectDpEvent) of the search composed with the final run, replace-one",
@@ -247,10 +320,12 @@ def _ledger_of(result: dict[str, Any]) -> Ledger:
 def format_selection(result: dict[str, Any], metric: str) -> str:
     if not result["private"]:
         return f"selected {result['selected']} ({metric} = {result[metric]:.4g}); {result['note']}"
-    return "\n".join([
-        f"selected {result['selected']} (noisy {metric} = {result[metric]:.4g}) after {result['repetitions']} trials",
-        f"  {result['method']}",
-        f"  ε of tuning + final run = {result['epsilon_total']:.4g} at δ = {result['delta']:.3g} ({result['accounting']})",
-        f"  ε a naive report would claim (the final run alone) = {result['epsilon_naive']:.4g}",
-        *( [f"  final run: {result['final_run']}"] if result.get("final_run") else []),
-    ])
+    return "\n".join(
+        [
+            f"selected {result['selected']} (noisy {metric} = {result[metric]:.4g}) after {result['repetitions']} trials",
+            f"  {result['method']}",
+            f"  ε of tuning + final run = {result['epsilon_total']:.4g} at δ = {result['delta']:.3g} ({result['accounting']})",
+            f"  ε a naive report would claim (the final run alone) = {result['epsilon_naive']:.4g}",
+            *([f"  final run: {result['final_run']}"] if result.get("final_run") else []),
+        ]
+    )

@@ -4,11 +4,14 @@ Thin by design: it reads ``context.run_config`` (see :func:`fedpers.app.from_run
 and runs the experiment with :func:`fedpers.runner.execute` on the Grid Flower gives it:
 discovery, the shared round loop with verification and DP aggregation, the run directory.
 """
+
 # --- issue 23: refuse to run unless the fedpers imported here is this app's own (loaded by path, not through fedpers) ---
 import importlib.util as _util
 from pathlib import Path as _Path
 
-_spec = _util.spec_from_file_location("_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "integrity.py")
+_spec = _util.spec_from_file_location(
+    "_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "integrity.py"
+)
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_integrity)  # type: ignore[union-attr]
 _integrity.require_fab_code(_Path(__file__).resolve().parents[1])
@@ -35,7 +38,14 @@ def main(grid: Grid, context: Context) -> None:
     policy = active_policy()
     if policy is not None:
         charge = admit_run(policy, job, str(context.run_id))
-        log(INFO, "fedpers policy: run admitted, charged epsilon=%g delta=%g to users %s of federation %s", charge.epsilon, charge.delta, list(charge.units), policy.federation)
+        log(
+            INFO,
+            "fedpers policy: run admitted, charged epsilon=%g delta=%g to users %s of federation %s",
+            charge.epsilon,
+            charge.delta,
+            list(charge.units),
+            policy.federation,
+        )
     # --- end issue 23 ---
     if type(grid).__name__ == "HttpGrid":  # a deployment, never a simulation: shorter waits for reply objects
         from fedpers.deploy.pulls import quick_grid_pulls

@@ -161,7 +161,7 @@ def test_chunking_does_not_change_the_result_and_seeds_reproduce():
 
 def test_private_error_falls_with_n():
     errs = [run(n_users=n, epsilon=2.0, rounds=2)["subspace_error"] for n in (8000, 32000)]
-    # Privacy-dominated regime: the subspace error should fall roughly as 1/n (SPEC §1).
+    # Privacy-dominated regime: the subspace error should fall roughly as 1/n (docs/algorithms.md §1).
     assert errs[1] < 0.5 * errs[0]
 
 

@@ -1,4 +1,4 @@
-"""DP attention (SPEC §4): DPCovariance's law, the preconditions, the refusal to claim DP, the utility bound."""
+"""DP attention (docs/algorithms.md §4): DPCovariance's law, the preconditions, the refusal to claim DP, the utility bound."""
 import json
 import math
 

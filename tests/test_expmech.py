@@ -1,4 +1,4 @@
-"""Exponential mechanism (SPEC §1, Algorithm 4): sampling law, score sensitivity, net, memory refusal, baselines."""
+"""Exponential mechanism (docs/algorithms.md §1, Algorithm 4): sampling law, score sensitivity, net, memory refusal, baselines."""
 import math
 
 import pytest

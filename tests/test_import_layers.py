@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fedpers.linalg",),
     # bottom: loaders, run records, pure helpers
     ("fedpers", "fedpers.data", "fedpers.results", "fedpers.metrics", "fedpers.config", "fedpers.plots",
-     "fedpers.seeds", "fedpers.summaries", "fedpers.memory", "fedpers.provenance"),
+     "fedpers.seeds", "fedpers.summaries", "fedpers.memory", "fedpers.provenance", "fedpers.pools"),
 )
 """Top to bottom; a module may import its own layer and the layers below it."""
 

@@ -1,6 +1,6 @@
 """Every release's bound and sensitivity recomputed from the configuration alone.
 
-The formulas below are written out from SPEC (and the tightenings the protocols prove),
+The formulas below are written out from docs/algorithms.md (and the tightenings the protocols prove),
 not taken from the protocol objects, so a wiring mistake — a statistic noised with another
 one's bound, a release attributed to the wrong group, a cohort permutation that is not the
 public one — disagrees with them.

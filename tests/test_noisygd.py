@@ -1,4 +1,4 @@
-"""NoisyGD under neural collapse (SPEC §3): gradients, zCDP calibration, remedies as releases, the dimension claims."""
+"""NoisyGD under neural collapse (docs/algorithms.md §3): gradients, zCDP calibration, remedies as releases, the dimension claims."""
 import math
 
 import dp_accounting

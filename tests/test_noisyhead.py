@@ -1,4 +1,4 @@
-"""NoisyHead (SPEC §2): math, sensitivity, privacy calibration, protocol modes, user level, sweeps, CLI."""
+"""NoisyHead (docs/algorithms.md §2): math, sensitivity, privacy calibration, protocol modes, user level, sweeps, CLI."""
 from __future__ import annotations
 
 import json

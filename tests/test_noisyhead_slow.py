@@ -79,7 +79,7 @@ def test_section_6_2_cost_of_privacy_is_u_shaped_and_descent_is_monotone(tmp_pat
 
 
 def test_section_6_3_ridge_is_damaged_noisyhead_is_not(tmp_path):
-    """On SPEC's grid (p ∈ [2, 2.1]) the ridge's damage is ≥ 10× NoisyHead's and saturated (flat in p);
+    """On docs/algorithms.md's grid (p ∈ [2, 2.1]) the ridge's damage is ≥ 10× NoisyHead's and saturated (flat in p);
     where Theorem 5.1's condition holds (α small) it grows with p."""
     rows, _ = quick_sweep(tmp_path, "noisyhead_robustness", 10, {"attack_c": [2.0], "attack_p": [2.0, 2.1]})
     ridge = means(rows, ("attack_p",), "robust_ridge")

@@ -11,7 +11,7 @@ from fedpers.privacy.ledger import Release
 
 
 def test_replace_one_gaussian_pinned_values():
-    # SPEC §5: z = 1, one release, δ = 1e-5: ε ≈ 4.38 add/remove, ≈ 10.0 replace-one.
+    # docs/algorithms.md §5: z = 1, one release, δ = 1e-5: ε ≈ 4.38 add/remove, ≈ 10.0 replace-one.
     eps = event_epsilon(dp_accounting.GaussianDpEvent(1.0), 1e-5)
     assert eps == pytest.approx(10.0, abs=0.01)
     add_remove = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)

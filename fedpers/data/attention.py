@@ -1,9 +1,10 @@
-"""Synthetic data for DP attention (SPEC §4): the d columns of X ∈ R^{n×d}, generated per column id.
+"""Synthetic data for DP attention (docs/algorithms.md §4): the d columns of X ∈ R^{n×d}, generated per column id.
 
 Each column is uniform on the sphere of radius ``norm`` in R^n, so E[XXᵀ] = (d·norm²/n) I:
 with ``norm = sqrt(fill·r·n/d)`` the diagonal of A = XXᵀ is about fill·r (so ||A||_∞ ≤ r
 for fill < 1 and large d) and λ_min(A) ≈ fill·r·(1 − sqrt(n/d))² (Marchenko–Pastur).
 """
+
 from __future__ import annotations
 
 import torch

@@ -15,6 +15,7 @@ refuses the file (that failure would reveal the user): the sample (its x row and
 zeroed — a zero sample adds nothing to any solve or statistic — and counted per array in
 :meth:`AltMinFile.summary` (see docs/data.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,7 +56,7 @@ def inspect_npz(path: Path, streamed: bool = False) -> dict[str, tuple[tuple[int
                     version = npy_format.read_magic(f)
                     header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
                     shape, _, dtype = header(f)
-            except Exception as e:  # noqa: BLE001 - any unreadable header is the same user error
+            except Exception as e:
                 raise ValueError(f"data: {name} in {path.name} is not a readable .npy array ({e})") from None
             if dtype.kind == "c":
                 raise ValueError(f"data: {name} is complex-valued ({dtype}); only real numbers are allowed")
@@ -65,7 +66,9 @@ def inspect_npz(path: Path, streamed: bool = False) -> dict[str, tuple[tuple[int
     need = sum(math.prod(shape) * (dtype.itemsize + 8) for shape, dtype in members.values())
     limit = memory.available_bytes()
     if not streamed and limit > 0 and need > limit:
-        raise ValueError(f"data: loading {path.name} needs about {memory.human(need)} but {memory.human(limit)} is available")
+        raise ValueError(
+            f"data: loading {path.name} needs about {memory.human(need)} but {memory.human(limit)} is available"
+        )
     return members
 
 
@@ -98,11 +101,19 @@ class AltMinFile:
         for name in members:
             self._arrays[name] = self._open(name)
             self._check_finite(name)
-        self.u_star = torch.from_numpy(_slice(self._arrays["u_star"], 0, self.shapes["u_star"][0]).astype(np.float64)) if "u_star" in members else None
+        self.u_star = (
+            torch.from_numpy(_slice(self._arrays["u_star"], 0, self.shapes["u_star"][0]).astype(np.float64))
+            if "u_star" in members
+            else None
+        )
         if self.u_star is not None:
-            gap = float((self.u_star.T @ self.u_star - torch.eye(self.u_star.shape[1], dtype=torch.float64)).abs().max())
+            gap = float(
+                (self.u_star.T @ self.u_star - torch.eye(self.u_star.shape[1], dtype=torch.float64)).abs().max()
+            )
             if gap > ORTHONORMAL_TOLERANCE:
-                raise ValueError(f"data: u_star must have orthonormal columns (max |UᵀU − I| = {gap:.3g} > {ORTHONORMAL_TOLERANCE:g})")
+                raise ValueError(
+                    f"data: u_star must have orthonormal columns (max |UᵀU − I| = {gap:.3g} > {ORTHONORMAL_TOLERANCE:g})"
+                )
 
     @property
     def n(self) -> int:
@@ -133,7 +144,7 @@ class AltMinFile:
         if "u_star" not in shapes and "x_test" not in shapes:
             raise ValueError("data: without u_star there is nothing to measure; add x_test/y_test (held-out samples)")
 
-    def _open(self, name: str) -> "np.ndarray | _StoredRows":
+    def _open(self, name: str) -> np.ndarray | _StoredRows:
         from fedpers.data.npz_rows import member_memmap
 
         try:
@@ -147,12 +158,14 @@ class AltMinFile:
         shape, dtype = self._members[name]
         need, limit = math.prod(shape) * (dtype.itemsize + 8), memory.available_bytes()
         if limit > 0 and need > limit:
-            raise ValueError(f"data: {name} of {self.path.name} is compressed or Fortran-ordered and needs about {memory.human(need)} in memory "
-                             f"but {memory.human(limit)} is available; save it with np.savez (C order) to have it read in chunks")
+            raise ValueError(
+                f"data: {name} of {self.path.name} is compressed or Fortran-ordered and needs about {memory.human(need)} in memory "
+                f"but {memory.human(limit)} is available; save it with np.savez (C order) to have it read in chunks"
+            )
         try:
             with np.load(self.path, allow_pickle=False) as f:
                 return np.asarray(f[name])
-        except Exception as e:  # noqa: BLE001 - any unreadable member is the same user error
+        except Exception as e:
             raise ValueError(f"data: cannot read {name} of {str(self.path)!r} ({e})") from None
 
     def _check_finite(self, name: str) -> None:
@@ -164,7 +177,9 @@ class AltMinFile:
         for start in range(0, rows, self.CHECK_ROWS):
             block = _slice(a, start, min(start + self.CHECK_ROWS, rows)) if len(a.shape) else np.asarray(a)
             finite = np.isfinite(block)
-            bad += int((~finite.reshape(*finite.shape[:2], -1).all(-1)).sum()) if name in SAMPLES else int((~finite).sum())
+            bad += (
+                int((~finite.reshape(*finite.shape[:2], -1).all(-1)).sum()) if name in SAMPLES else int((~finite).sum())
+            )
         if bad and name not in SAMPLES:
             raise ValueError(f"data: {name} has {bad} NaN/inf value(s)")
         if bad:
@@ -173,9 +188,14 @@ class AltMinFile:
     def summary(self) -> dict[str, int | str | dict[str, int]]:
         """Descriptive counts of the input file (computed by whoever holds it; not DP releases)."""
         n, m, d = self.shapes["x"]
-        return {"file": self.path.name, "users": n, "samples_per_user": m, "features": d,
-                "samples_zeroed": dict(sorted(self.samples_zeroed.items())),
-                "note": summary.NOTE}
+        return {
+            "file": self.path.name,
+            "users": n,
+            "samples_per_user": m,
+            "features": d,
+            "samples_zeroed": dict(sorted(self.samples_zeroed.items())),
+            "note": summary.NOTE,
+        }
 
     def rows(self, ids: Tensor) -> dict[str, Tensor]:
         """float64 tensors of the given users' rows of every per-user array (and ``ids``)."""
@@ -222,7 +242,7 @@ class _StoredRows:
         return out
 
 
-def _slice(a: "np.ndarray | _StoredRows", start: int, stop: int) -> np.ndarray:
+def _slice(a: np.ndarray | _StoredRows, start: int, stop: int) -> np.ndarray:
     return a.read(start, stop) if isinstance(a, _StoredRows) else np.array(a[start:stop])
 
 

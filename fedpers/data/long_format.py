@@ -5,7 +5,7 @@ numeric label column, and numeric feature columns (by default every other numeri
 Users may have any number of rows. Each user's rows are split, from a generator keyed by
 (seed, user index) — public, so the split spends no privacy — into ⌊f·c⌋ test rows and the
 rest; of those at most ``cap`` (a multiple of 4, the declared per-user bound) are kept, chosen
-at random, in file order. The kept c' rows fill SPEC §1's four parts contiguously, part r
+at random, in file order. The kept c' rows fill docs/algorithms.md §1's four parts contiguously, part r
 taking ⌊c'/4⌋ + [r < c' mod 4] rows, each part zero-padded to cap/4: a zero sample adds nothing
 to any local solve or statistic, so a user's contribution is bounded by the cap whatever its
 count. Users with fewer than ``min_samples`` kept rows contribute nothing (they stay units, so
@@ -21,6 +21,7 @@ dropped and counted per reason in :meth:`LongFormatFile.summary` (see docs/data.
 A Flower node reads only its users' rows (a Parquet scan with a pushed-down ``isin`` filter,
 not a full copy); a local run loads the columns once, after a memory check.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,8 +49,18 @@ def quarter_sizes(count: int) -> list[int]:
 class LongFormatFile:
     """A checked long-format file; :meth:`rows` gives padded (users, cap, d) blocks."""
 
-    def __init__(self, path: str | Path, user_column: str, label_column: str, feature_columns: tuple[str, ...], *,
-                 cap: int, min_samples: int, test_fraction: float, seed: int) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        user_column: str,
+        label_column: str,
+        feature_columns: tuple[str, ...],
+        *,
+        cap: int,
+        min_samples: int,
+        test_fraction: float,
+        seed: int,
+    ) -> None:
         import pyarrow.dataset as ds
 
         path = Path(path)
@@ -59,26 +70,44 @@ class LongFormatFile:
             raise ValueError(f"max_samples_per_user must be a positive multiple of 4; got {cap}")
         if not 1 <= min_samples <= cap:
             raise ValueError(f"min_samples_per_user must be in [1, max_samples_per_user={cap}]; got {min_samples}")
-        self.path, self.cap, self.min_samples, self.test_fraction, self.seed = path, cap, min_samples, test_fraction, seed
+        self.path, self.cap, self.min_samples, self.test_fraction, self.seed = (
+            path,
+            cap,
+            min_samples,
+            test_fraction,
+            seed,
+        )
         fmt = "csv" if path.suffix.lower() == ".csv" else "parquet"
         try:
             self._dataset = ds.dataset(str(path), format=fmt)
             schema = self._dataset.schema
-        except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        except Exception as e:
             raise ValueError(f"data: cannot read {path.name} as {fmt} ({e})") from None
         names = list(schema.names)
-        for flag, col in (("user_column", user_column), ("label_column", label_column), *(("feature_columns", c) for c in feature_columns)):
+        for flag, col in (
+            ("user_column", user_column),
+            ("label_column", label_column),
+            *(("feature_columns", c) for c in feature_columns),
+        ):
             if col not in names:
                 raise ValueError(f"{flag}: no column {col!r} in {path.name} (columns: {', '.join(names)})")
         named = bool(feature_columns)
         if not feature_columns:
             feature_columns = tuple(c for c in names if c not in (user_column, label_column))
             if not feature_columns:
-                raise ValueError(f"feature_columns: {path.name} has no column besides {user_column!r} and {label_column!r}")
+                raise ValueError(
+                    f"feature_columns: {path.name} has no column besides {user_column!r} and {label_column!r}"
+                )
         for flag, col in (("label_column", label_column), *(("feature_columns", c) for c in feature_columns)):
             if not _numeric(schema.field(col).type):
-                hint = "" if named or flag == "label_column" else " (every column besides the user and label is a feature by default: name the ones to use with --feature-columns)"
-                raise ValueError(f"{flag}: column {col!r} is {schema.field(col).type}, not numeric: {self._first_non_number(col)}{hint}")
+                hint = (
+                    ""
+                    if named or flag == "label_column"
+                    else " (every column besides the user and label is a feature by default: name the ones to use with --feature-columns)"
+                )
+                raise ValueError(
+                    f"{flag}: column {col!r} is {schema.field(col).type}, not numeric: {self._first_non_number(col)}{hint}"
+                )
         if user_column in feature_columns or label_column in feature_columns:
             raise ValueError("feature_columns: must not include the user or label column")
         self.user_column, self.label_column, self.feature_columns = user_column, label_column, tuple(feature_columns)
@@ -88,7 +117,7 @@ class LongFormatFile:
     # ----- shape ----------------------------------------------------------------------
     @property
     def n(self) -> int:
-        return int(len(self.users))
+        return len(self.users)
 
     @property
     def dim(self) -> int:
@@ -150,7 +179,11 @@ class LongFormatFile:
         if len(users) == 0:
             raise ValueError(f"user_column: no row of {self.path.name} has a user id")
         kept = np.concatenate(kept_parts)
-        counts = np.bincount(np.searchsorted(users, kept), minlength=len(users)) if len(kept) else np.zeros(len(users), dtype=np.int64)
+        counts = (
+            np.bincount(np.searchsorted(users, kept), minlength=len(users))
+            if len(kept)
+            else np.zeros(len(users), dtype=np.int64)
+        )
         return users, counts, total
 
     # ----- reading ----------------------------------------------------------------------
@@ -163,22 +196,33 @@ class LongFormatFile:
             need = self.rows_total * (self.dim + 3) * 8 * 2
             limit = memory.available_bytes()
             if limit > 0 and need > limit:
-                raise ValueError(f"data: loading {self.path.name} needs about {memory.human(need)} but {memory.human(limit)} is available")
+                raise ValueError(
+                    f"data: loading {self.path.name} needs about {memory.human(need)} but {memory.human(limit)} is available"
+                )
             table = self._dataset.to_table(columns=columns)
         else:
-            table = self._dataset.to_table(columns=columns, filter=pc.field(self.user_column).isin(list(self.users[users])))
+            table = self._dataset.to_table(
+                columns=columns, filter=pc.field(self.user_column).isin(list(self.users[users]))
+            )
         import pyarrow as pa
 
         table = table.filter(pa.array(self._valid(table)[0]))  # the rows _index counted
         index = np.searchsorted(self.users, table.column(0).to_numpy(zero_copy_only=False))
         order = np.argsort(index, kind="stable")
-        features = np.stack([table.column(c).cast("float64").to_numpy(zero_copy_only=False) for c in self.feature_columns], axis=1)
+        features = np.stack(
+            [table.column(c).cast("float64").to_numpy(zero_copy_only=False) for c in self.feature_columns], axis=1
+        )
         label = table.column(self.label_column).cast("float64").to_numpy(zero_copy_only=False)
         index = index[order]
         present = np.unique(index)
         starts = np.searchsorted(index, present)
-        return {"present": present, "starts": starts, "ends": np.append(starts[1:], len(index)),
-                "x": features[order], "y": label[order]}
+        return {
+            "present": present,
+            "starts": starts,
+            "ends": np.append(starts[1:], len(index)),
+            "x": features[order],
+            "y": label[order],
+        }
 
     def load_all(self) -> None:
         """Read every row once (the local runtime's chunks then only slice)."""
@@ -194,7 +238,7 @@ class LongFormatFile:
     def split(self, user: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(kept training rows, test rows) of a user's ``count`` rows, as positions in file order."""
         rng = np.random.Generator(np.random.Philox(key=[int(self.seed), int(user)]))
-        n_test = int(math.floor(self.test_fraction * count))
+        n_test = math.floor(self.test_fraction * count)
         perm = rng.permutation(count)
         test, train = np.sort(perm[:n_test]), np.sort(perm[n_test:])
         if len(train) > self.cap:
@@ -216,7 +260,7 @@ class LongFormatFile:
             train, test = self.split(int(user), end - start)
             offset = 0
             for r, size in enumerate(quarter_sizes(len(train))):
-                gather[p, r * q: r * q + size] = start + train[offset: offset + size]
+                gather[p, r * q : r * q + size] = start + train[offset : offset + size]
                 offset += size
             test_rows.append(start + test)
             test_counts[p] = len(test)
@@ -242,9 +286,14 @@ class LongFormatFile:
         for row in np.flatnonzero(counts):
             test_gather[row, : counts[row]] = table["test_rows"][position[row]]
         x0, y0 = table["x0"], table["y0"]
-        return {"x": torch.from_numpy(x0[gather]), "y": torch.from_numpy(y0[gather]),
-                "x_test": torch.from_numpy(x0[test_gather]), "y_test": torch.from_numpy(y0[test_gather]),
-                "test_count": torch.from_numpy(counts.astype(np.int64)), "ids": ids.to(torch.int64).cpu()}
+        return {
+            "x": torch.from_numpy(x0[gather]),
+            "y": torch.from_numpy(y0[gather]),
+            "x_test": torch.from_numpy(x0[test_gather]),
+            "y_test": torch.from_numpy(y0[test_gather]),
+            "test_count": torch.from_numpy(counts.astype(np.int64)),
+            "ids": ids.to(torch.int64).cpu(),
+        }
 
     def summary(self) -> dict[str, int | float | str]:
         """Descriptive counts of the input file (computed by whoever holds it; not DP releases)."""
@@ -252,12 +301,19 @@ class LongFormatFile:
         train = self.counts - n_test
         kept = np.minimum(train, self.cap)
         return {
-            "file": self.path.name, "rows": int(self.rows_total), "rows_kept": int(self.counts.sum()),
-            "rows_dropped": dict(sorted(self.rows_dropped.items())), "users": self.n, "features": self.dim,
+            "file": self.path.name,
+            "rows": int(self.rows_total),
+            "rows_kept": int(self.counts.sum()),
+            "rows_dropped": dict(sorted(self.rows_dropped.items())),
+            "users": self.n,
+            "features": self.dim,
             "feature_columns": list(self.feature_columns),
-            "users_below_minimum": int((kept < self.min_samples).sum()), "min_samples_per_user": self.min_samples,
-            "users_capped": int((train > self.cap).sum()), "max_samples_per_user": self.cap,
-            "samples_per_user_median": float(np.median(self.counts)), "samples_per_user_max": int(self.counts.max()),
+            "users_below_minimum": int((kept < self.min_samples).sum()),
+            "min_samples_per_user": self.min_samples,
+            "users_capped": int((train > self.cap).sum()),
+            "max_samples_per_user": self.cap,
+            "samples_per_user_median": float(np.median(self.counts)),
+            "samples_per_user_max": int(self.counts.max()),
             "note": summary.NOTE,
         }
 

@@ -1,4 +1,4 @@
-"""Synthetic neural-collapse features (SPEC §3), generated per example id so any node can build its own slice.
+"""Synthetic neural-collapse features (docs/algorithms.md §3), generated per example id so any node can build its own slice.
 
 Class k's feature under perfect collapse is the ETF column
 ``M_k``, ``M = sqrt(K/(K−1)) P (I_K − 11ᵀ/K)`` with ``PᵀP = I_K`` (so ``||M_k|| = 1``).
@@ -7,6 +7,7 @@ signs drawn once), or a random ``±β`` per coordinate per example. Class sizes 
 ``π_k ∝ α^{k/(K−1)}`` (α = 1 balanced; α is the smallest/largest class ratio); examples are
 laid out class by class, so example ``i``'s label is a function of ``i`` alone.
 """
+
 from __future__ import annotations
 
 import enum

@@ -22,6 +22,7 @@ privacy unit is still one prompt, so the guarantee protects a prompt, not a post
 protected only as a group of the prompts that contain it). The feature map (vocabulary, IDF
 weights, length mean and sd) is fitted on the training posts and treated as public.
 """
+
 from __future__ import annotations
 
 import io
@@ -31,6 +32,7 @@ import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -49,13 +51,19 @@ MISSING = (
 class _BunchUnpickler(pickle.Unpickler):
     """Loads only what the file holds (a Bunch of lists, strings and numpy arrays); refuses anything else."""
 
-    ALLOWED = {
-        ("copy_reg", "_reconstructor"), ("copyreg", "_reconstructor"), ("__builtin__", "dict"), ("builtins", "dict"),
-        ("__builtin__", "object"), ("builtins", "object"), ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"), ("numpy", "dtype"),
+    ALLOWED: ClassVar[set[tuple[str, str]]] = {
+        ("copy_reg", "_reconstructor"),
+        ("copyreg", "_reconstructor"),
+        ("__builtin__", "dict"),
+        ("builtins", "dict"),
+        ("__builtin__", "object"),
+        ("builtins", "object"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
     }
 
-    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle protocol
+    def find_class(self, module: str, name: str):
         if name == "Bunch" and module.startswith("sklearn"):
             return dict
         if (module, name) == ("numpy.core.multiarray", "_reconstruct"):
@@ -117,7 +125,7 @@ def text_tokens(dim: int, seed: int) -> TextTokens:
     bodies, _ = load_posts()
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 7]))
     perm = rng.permutation(len(bodies))
-    n_train = int(round(TRAIN_FRACTION * len(bodies)))
+    n_train = round(TRAIN_FRACTION * len(bodies))
     train, test = np.sort(perm[:n_train]), np.sort(perm[n_train:])
     vec = TfidfVectorizer(stop_words="english")
     vec.fit([bodies[i] for i in train])
@@ -132,7 +140,9 @@ def text_tokens(dim: int, seed: int) -> TextTokens:
     mean, sd = float(lengths[train].mean()), float(lengths[train].std())
     y = (lengths - mean) / sd
     train, test = train[keep[train]], test[keep[test]]
-    return TextTokens(torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(train), torch.from_numpy(test), mean, sd)
+    return TextTokens(
+        torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(train), torch.from_numpy(test), mean, sd
+    )
 
 
 def _assemble(tokens: TextTokens, pool: Tensor, picks: Tensor) -> tuple[Tensor, Tensor]:
@@ -146,7 +156,9 @@ def _pick(g: torch.Generator, shape: tuple[int, ...], pool_size: int, context: i
     return torch.rand(*shape, pool_size, generator=g, dtype=dtype).argsort(-1)[..., : context + 1]
 
 
-def text_prompts_by_id(seed: int, stream: int, ids: Tensor, context: int, dim: int, test: bool = False) -> tuple[Tensor, Tensor]:
+def text_prompts_by_id(
+    seed: int, stream: int, ids: Tensor, context: int, dim: int, test: bool = False
+) -> tuple[Tensor, Tensor]:
     """Prompts with the given ids (train or test pool); prompt k depends only on (seed, stream, k)."""
     tokens = text_tokens(dim, seed)
     pool = tokens.test if test else tokens.train
@@ -160,7 +172,9 @@ def text_prompts_by_id(seed: int, stream: int, ids: Tensor, context: int, dim: i
     return _assemble(tokens, pool, picks)
 
 
-def text_prompt_batch(g: torch.Generator, seed: int, reps: int, n: int, context: int, dim: int, test: bool = False) -> tuple[Tensor, Tensor]:
+def text_prompt_batch(
+    g: torch.Generator, seed: int, reps: int, n: int, context: int, dim: int, test: bool = False
+) -> tuple[Tensor, Tensor]:
     """(reps, n) prompts from one generator (Monte-Carlo sweeps); the post split is fixed by ``seed``."""
     tokens = text_tokens(dim, seed)
     pool = tokens.test if test else tokens.train

@@ -5,6 +5,7 @@ users only needs its own rows. ``np.savez`` stores members uncompressed, so each
 a ``.npy`` at a fixed offset inside the zip: we read its header and memory-map just that
 member, then copy out the requested rows (pages of other rows are never touched).
 """
+
 from __future__ import annotations
 
 import zipfile
@@ -31,7 +32,9 @@ def member_memmap(path: str | Path, name: str) -> np.memmap:
     except (OSError, zipfile.BadZipFile) as e:
         raise ValueError(f"data: cannot read {str(path)!r} as .npz ({e})") from None
     if info.compress_type != zipfile.ZIP_STORED:
-        raise ValueError(f"data: {name} in {path.name} is compressed; save with np.savez (not savez_compressed) to read rows")
+        raise ValueError(
+            f"data: {name} in {path.name} is compressed; save with np.savez (not savez_compressed) to read rows"
+        )
     with open(path, "rb") as f:
         f.seek(info.header_offset)
         local = f.read(_LOCAL_HEADER)

@@ -1,4 +1,4 @@
-"""Synthetic in-context regression prompts of SPEC §2.
+"""Synthetic in-context regression prompts of docs/algorithms.md §2.
 
 Prompt k: tokens ``x_{k,i} ~ Uniform(S^{D−1})``, ``w_k ~ N(0, I_D)``, ``y_{k,i} = w_kᵀx_{k,i} + τ ε_{k,i}``,
 i = 1..L+1 (the last token is the query). Tensors: x (n, L+1, D), y (n, L+1).
@@ -11,6 +11,7 @@ Two generators:
   (drawn in float32, returned in float64: the draws' precision is statistically irrelevant
   and float32 normals are ~3× faster on a CPU).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,9 @@ def generator(seed: int, *key: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state[0] >> np.uint64(1)))
 
 
-def _draw(g: torch.Generator, shape: tuple[int, ...], context: int, dim: int, tau: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _draw(
+    g: torch.Generator, shape: tuple[int, ...], context: int, dim: int, tau: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     x = torch.randn(*shape, context + 1, dim, generator=g, dtype=dtype).double()
     x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     w = torch.randn(*shape, dim, generator=g, dtype=dtype).double()

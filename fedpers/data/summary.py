@@ -5,6 +5,7 @@ name, users capped or left without data, rows dropped per reason — so data is 
 silently. They are computed from the raw data: not a differentially private release, and
 labelled so wherever they appear.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,11 @@ NOTE = "descriptive counts of the input file held by the operator, not a differe
 def lines(summary: dict[str, Any]) -> list[str]:
     """The summary as the lines a run prints before any work."""
     skip = ("note", "rows_dropped", "samples_zeroed")
-    head = ", ".join(f"{k.replace('_', ' ')} {', '.join(map(str, v)) if isinstance(v, list) else v}"
-                     for k, v in summary.items() if k not in skip and not isinstance(v, dict))
+    head = ", ".join(
+        f"{k.replace('_', ' ')} {', '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in summary.items()
+        if k not in skip and not isinstance(v, dict)
+    )
     out = [f"data (operator-side counts, not a DP release): {head}"]
     for key, what in (("rows_dropped", "rows dropped"), ("samples_zeroed", "samples zeroed")):
         out += [f"  {what}: {n} ({reason})" for reason, n in (summary.get(key) or {}).items()]

@@ -1,4 +1,4 @@
-"""Synthetic data of SPEC §1, generated in fixed blocks of users so any node can make its own slice.
+"""Synthetic data of docs/algorithms.md §1, generated in fixed blocks of users so any node can make its own slice.
 
 User j's data depends only on (seed, j): a node holding users [a, b) generates exactly
 the rows the local runtime would, which is what makes runtimes comparable seed for seed.
@@ -20,11 +20,12 @@ for any chunking, order or subset of ids asked for (docs/benchmarks.md, "Synthet
 Blocks are independent, so on the CPU they are drawn on a thread pool sized to torch's
 threads, each block single-threaded: the same bits as drawing them one after another.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ def subspace(seed: int, dim: int, rank: int, dtype: torch.dtype = torch.float64)
     return (q * torch.sign(torch.diagonal(r))).to(dtype)
 
 
-_BLOCKS: "OrderedDict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]]" = OrderedDict()
+_BLOCKS: OrderedDict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] = OrderedDict()
 _BLOCKS_LOCK = threading.Lock()
 BLOCK_CACHE_BYTES = 256 << 20
 """Most bytes of generated user blocks one process keeps (only blocks asked for in part)."""
@@ -103,13 +104,23 @@ def half_range(samples: int, half: int) -> tuple[int, int]:
 
 
 def _parts_block(
-    seed: int, blk: int, local: Tensor, u: Tensor, samples: int, noise_std: float, halves: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    seed: int,
+    blk: int,
+    local: Tensor,
+    u: Tensor,
+    samples: int,
+    noise_std: float,
+    halves: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
     """float32/device scheme: v* and the asked-for halves' (x, y) of users ``local`` of block ``blk``,
     drawn on ``device`` in ``dtype`` from one generator per (block, part)."""
     d, k = u.shape
     whole = local.numel() == BLOCK and bool((local == torch.arange(BLOCK, device=local.device)).all())
-    v = torch.randn(BLOCK, k, generator=_generator(seed, _STREAM_PARTS, blk, 0, device=device), dtype=dtype, device=device)[local]
+    v = torch.randn(
+        BLOCK, k, generator=_generator(seed, _STREAM_PARTS, blk, 0, device=device), dtype=dtype, device=device
+    )[local]
     out: dict[int, tuple[Tensor, Tensor]] = {}
     for half in halves:
         a, b = half_range(samples, half)
@@ -202,7 +213,7 @@ def _map_blocks(fn, groups: list, device: torch.device, workers: int | None) -> 
         for group in groups:
             fn(group)
         return
-    from fedpers.linalg import _pool
+    from fedpers.pools import pool as _pool
 
     torch.set_num_threads(1)
     try:

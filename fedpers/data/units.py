@@ -5,9 +5,10 @@ unit ids). A :class:`UnitSource` produces units ``start..stop-1`` on demand (syn
 from (seed, id), rows of a file), so a run over a million users never holds more than one
 chunk of their data. The runtimes consume sources; the experiments and data loaders build them.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -23,7 +24,7 @@ class UnitSource:
         self.num_units, self.load, self.device = int(num_units), load, torch.device(device)
 
     @staticmethod
-    def of(units: "Units | UnitSource") -> "UnitSource":
+    def of(units: Units | UnitSource) -> UnitSource:
         """A source over tensors already in memory (views, no copies), or the source itself."""
         if isinstance(units, UnitSource):
             return units
@@ -38,7 +39,9 @@ class UnitSource:
         for start in range(0, self.num_units, chunk_size):
             yield self.slice(start, start + chunk_size)
 
-    def needed_chunks(self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None) -> Iterator[dict[str, Tensor]]:
+    def needed_chunks(
+        self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None
+    ) -> Iterator[dict[str, Tensor]]:
         """Chunks holding at least the units ``ids`` (None: all) with samples [a, b) (see
         ``Protocol.units_needed``); this one loads everything (the protocol filters), a source
         that makes units on demand overrides it to make only those."""

@@ -17,6 +17,7 @@ Flower's private internals, gated by :mod:`.flower` to the Flower series they we
 - :mod:`.pulls`: shorter retries for message objects that have not arrived yet (in those processes,
   and in a deployed ServerApp: ``server/server_app.py``).
 """
+
 from fedpers.deploy.certs import make_certs
 from fedpers.deploy.run import run_and_wait
 

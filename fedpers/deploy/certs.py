@@ -2,6 +2,7 @@
 
 Public Flower only: ``cryptography`` writes the files, and the commands are Flower's own CLIs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 
-def make_certs(out: str | Path, hosts: Sequence[str], supernodes: int, *, days: int = 365, force: bool = False, **layout: Any) -> dict[str, Path]:
+def make_certs(
+    out: str | Path, hosts: Sequence[str], supernodes: int, *, days: int = 365, force: bool = False, **layout: Any
+) -> dict[str, Path]:
     """The lab's keys, secrets, policy and ``commands.txt``, one directory per machine.
 
     ``layout``: port, link_port, node_port, data_file, app_hash, listen

@@ -8,6 +8,7 @@ sources of each series below (1.42.0 changed none of them) and are exercised by
 ``tests/test_deploy_wrappers.py`` and ``tests/test_flower_deploy.py``. A new series is added here
 only after reading its sources and running those tests against it.
 """
+
 from __future__ import annotations
 
 SUPPORTED_SERIES = ("1.41", "1.42")

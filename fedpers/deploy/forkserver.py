@@ -16,6 +16,7 @@ Flower's public ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` (unless set). Tied to the 
 listed in :mod:`.flower` (``run_superexec.get_executor``, ``run_clientapp``); refused on a
 Flower series not checked there.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ from fedpers.deploy.pulls import quick_object_pulls
 POLL_INTERVAL = "0.05"
 
 
-from fedpers.deploy.trust import TRUSTED_APPS_ENV, UntrustedApp, trusted_apps  # noqa: E402,F401  (re-exported)
+from fedpers.deploy.trust import TRUSTED_APPS_ENV, UntrustedApp, trusted_apps  # noqa: E402  (re-exported)
 
 
 def _install_trusted_once(install: Any) -> Any:
@@ -52,7 +53,9 @@ def _install_trusted_once(install: Any) -> Any:
             return install(fab_file, *args, **kwargs)
         digest = hashlib.sha256(fab_file if isinstance(fab_file, bytes) else Path(fab_file).read_bytes()).hexdigest()
         if trusted and digest not in trusted:
-            raise UntrustedApp(f"this SuperNode runs only the apps in {TRUSTED_APPS_ENV}; FAB {digest} is not one of them")
+            raise UntrustedApp(
+                f"this SuperNode runs only the apps in {TRUSTED_APPS_ENV}; FAB {digest} is not one of them"
+            )
         if not isinstance(fab_file, bytes) or args or kwargs.get("install_dir") is not None:
             return install(fab_file, *args, **kwargs)
         marker = get_flwr_home() / "apps" / f".fedpers-installed-{digest}"
@@ -78,7 +81,7 @@ def _warm() -> None:
     import httpcore  # noqa: F401
     import torch  # noqa: F401
 
-    import fedpers.app  # noqa: F401 - the ClientApp's code (clients/client_app.py) ...
+    import fedpers.app
     import fedpers.runtime.flower.client  # noqa: F401 - ... and the runtime it builds the ClientApp from
     from fedpers.experiments import EXPERIMENTS  # noqa: F401 - imports every algorithm's module
 
@@ -102,13 +105,18 @@ def serve() -> None:
             try:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 run_clientapp(
-                    runtime_api_address=spec["runtime_api_address"], token=spec["token"], insecure=spec["insecure"],
-                    certificates=validate_and_resolve_root_certificates(spec["root_certificates_path"], spec["insecure"]),
-                    parent_pid=spec["parent_pid"], runtime_dependency_install=spec["runtime_dependency_install"],
+                    runtime_api_address=spec["runtime_api_address"],
+                    token=spec["token"],
+                    insecure=spec["insecure"],
+                    certificates=validate_and_resolve_root_certificates(
+                        spec["root_certificates_path"], spec["insecure"]
+                    ),
+                    parent_pid=spec["parent_pid"],
+                    runtime_dependency_install=spec["runtime_dependency_install"],
                 )
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 0
-            except BaseException:  # noqa: BLE001 - a child must never return into the server loop
+            except BaseException:
                 import traceback
 
                 traceback.print_exc()
@@ -131,7 +139,12 @@ class ForkServerExecutor:
 
     @staticmethod
     def _start() -> subprocess.Popen:
-        server = subprocess.Popen([sys.executable, "-m", "fedpers.deploy.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "fedpers.deploy.forkserver"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         ready = server.stdout.readline().strip() if server.stdout else ""
         if ready != "ready":
             raise RuntimeError(f"fedpers fork server did not start (said {ready!r})")
@@ -147,12 +160,24 @@ class ForkServerExecutor:
             return launch_serverapp(self.fallback, spec, self.trusted)
         if spec.task_type != TaskType.CLIENT_APP:
             if self.trusted:
-                return LaunchResult.failed(f"{TRUSTED_APPS_ENV} is set: this node runs only ClientApps of trusted apps, not {spec.task_type}")
+                return LaunchResult.failed(
+                    f"{TRUSTED_APPS_ENV} is set: this node runs only ClientApps of trusted apps, not {spec.task_type}"
+                )
             return self.fallback.launch(spec)
         if self.server.poll() is not None:
             print("fedpers superexec: the fork server exited; starting a new one", file=sys.stderr, flush=True)
             self.server = self._start()
-        line = {k: getattr(spec, k) for k in ("runtime_api_address", "token", "insecure", "root_certificates_path", "parent_pid", "runtime_dependency_install")}
+        line = {
+            k: getattr(spec, k)
+            for k in (
+                "runtime_api_address",
+                "token",
+                "insecure",
+                "root_certificates_path",
+                "parent_pid",
+                "runtime_dependency_install",
+            )
+        }
         assert self.server.stdin is not None
         self.server.stdin.write(json.dumps(line) + "\n")
         self.server.stdin.flush()

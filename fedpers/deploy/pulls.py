@@ -8,6 +8,7 @@ its message each lose about a second to it. :func:`quick_object_pulls` makes tho
 at 10 ms and grow to 0.1 s, with the same overall time limit (``PULL_MAX_TIME``); nothing else
 about a pull changes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,9 @@ def quick_object_pulls(module: ModuleType) -> bool:
         pull = getattr(module, name, None)
         if pull is None or getattr(pull, "fedpers_quick", False):
             continue
-        quick = functools.partial(pull, initial_backoff=FIRST_BACKOFF, backoff_cap=BACKOFF_CAP, max_tries_per_object=None)
+        quick = functools.partial(
+            pull, initial_backoff=FIRST_BACKOFF, backoff_cap=BACKOFF_CAP, max_tries_per_object=None
+        )
         quick.fedpers_quick = True  # type: ignore[attr-defined]
         setattr(module, name, quick)
     return True
@@ -49,6 +52,7 @@ def quick_grid_pulls(grid: object) -> bool:
 
     logging.getLogger("fedpers.flower").warning(
         "flwr %s is not one of the series %s whose object pulls fedpers shortens: the ServerApp waits for replies with Flower's defaults",
-        flower_version(), SUPPORTED_SERIES,
+        flower_version(),
+        SUPPORTED_SERIES,
     )
     return False

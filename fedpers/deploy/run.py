@@ -2,16 +2,25 @@
 
 Public Flower CLI only (no internals): works on every Flower series fedpers installs beside.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 FLWR_COMPLETED = "finished:completed"
 
 
-def run_and_wait(app: str, superlink: str, run_config: str = "", extra: Sequence[str] = (), *, poll: float = 1.0,
-                 timeout: float = 0.0, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+def run_and_wait(
+    app: str,
+    superlink: str,
+    run_config: str = "",
+    extra: Sequence[str] = (),
+    *,
+    poll: float = 1.0,
+    timeout: float = 0.0,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str, str]:
     """Start the app on the SuperLink, stream its logs, wait until it finishes, and return
     (exit code, run id, final status): 0 only for ``finished:completed``.
 
@@ -24,10 +33,19 @@ def run_and_wait(app: str, superlink: str, run_config: str = "", extra: Sequence
     import time
 
     flwr = shutil.which("flwr") or "flwr"
-    cmd = [flwr, "run", app, superlink, "--format", "json", *(["--run-config", run_config] if run_config else []), *extra]
+    cmd = [
+        flwr,
+        "run",
+        app,
+        superlink,
+        "--format",
+        "json",
+        *(["--run-config", run_config] if run_config else []),
+        *extra,
+    ]
     started = subprocess.run(cmd, capture_output=True, text=True, env=env)
     try:
-        info = json.loads(started.stdout[started.stdout.index("{"):])
+        info = json.loads(started.stdout[started.stdout.index("{") :])
     except ValueError:
         info = {}
     if not info.get("success") or not info.get("run-id"):
@@ -39,9 +57,11 @@ def run_and_wait(app: str, superlink: str, run_config: str = "", extra: Sequence
     deadline = time.monotonic() + timeout if timeout > 0 else math.inf
     status = "unknown"
     while time.monotonic() < deadline:
-        listed = subprocess.run([flwr, "ls", superlink, "--run-id", run_id, "--format", "json"], capture_output=True, text=True, env=env)
+        listed = subprocess.run(
+            [flwr, "ls", superlink, "--run-id", run_id, "--format", "json"], capture_output=True, text=True, env=env
+        )
         try:
-            runs = json.loads(listed.stdout[listed.stdout.index("{"):]).get("runs", [])
+            runs = json.loads(listed.stdout[listed.stdout.index("{") :]).get("runs", [])
             status = str(runs[0]["status"]) if runs else status
             details = str(runs[0].get("status-details", "")) if runs else ""
         except (ValueError, KeyError, IndexError):

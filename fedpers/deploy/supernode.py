@@ -7,6 +7,7 @@ polling every 0.2 s (``--poll``) and checking every 20 ms and, with Flower's def
 per node. With Flower's public ``--isolation process`` the SuperExec is started beside it by the
 operator instead. Refused on a Flower series not checked in :mod:`.flower`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -50,7 +51,7 @@ class _WarmSuperExecLauncher:
     the SuperNode starts ``flower-superexec ARGS`` itself; this starts ``fedpers deploy superexec
     ARGS`` instead, so one command per node gives warm forked ClientApps."""
 
-    def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 - subprocess's name
+    def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> subprocess.Popen:
         if command and command[0] == "flower-superexec":
             command = [sys.executable, "-m", "fedpers", "deploy", "superexec", *command[1:]]
         return subprocess.Popen(command, *args, **kwargs)
@@ -67,7 +68,10 @@ def supernode(argv: list[str]) -> int:
     require_flower("supernode")
     argv = take_trusted(argv)
     if os.environ.get(TRUSTED_APPS_ENV) and "process" in argv and argv[argv.index("process") - 1] == "--isolation":
-        print("fedpers deploy supernode: with --isolation process, give --trust-app to the SuperExec started beside it", file=sys.stderr)
+        print(
+            "fedpers deploy supernode: with --isolation process, give --trust-app to the SuperExec started beside it",
+            file=sys.stderr,
+        )
     poll = SUPERNODE_POLL
     if "--poll" in argv:
         i = argv.index("--poll")
@@ -77,7 +81,7 @@ def supernode(argv: list[str]) -> int:
             raise SystemExit("--poll needs a number of seconds") from None
         if not 0.01 <= poll <= 3.0:
             raise SystemExit(f"--poll must be in [0.01, 3] seconds; got {poll}")
-        argv = argv[:i] + argv[i + 2:]
+        argv = argv[:i] + argv[i + 2 :]
     loop = importlib.import_module("flwr.supernode.start_client_internal")
     loop.time = _PollingTime(poll)
     loop.subprocess = _WarmSuperExecLauncher()

@@ -1,5 +1,6 @@
 """Which Flower app bundles (FABs) a lab trusts: ``$FEDPERS_TRUSTED_APPS`` (``--trust-app``), read by both
 sides of a deployment (the SuperNode's fork server and the SuperLink's ServerApp guard)."""
+
 from __future__ import annotations
 
 import os
@@ -18,5 +19,7 @@ def trusted_apps() -> frozenset[str]:
     found = frozenset(h.strip().lower() for h in text.replace(" ", ",").split(",") if h.strip())
     bad = sorted(h for h in found if len(h) != 64 or any(c not in "0123456789abcdef" for c in h))
     if bad:
-        raise SystemExit(f"{TRUSTED_APPS_ENV} / --trust-app: expected SHA-256 hex digests (fedpers deploy app-hash DIR); got {bad}")
+        raise SystemExit(
+            f"{TRUSTED_APPS_ENV} / --trust-app: expected SHA-256 hex digests (fedpers deploy app-hash DIR); got {bad}"
+        )
     return found

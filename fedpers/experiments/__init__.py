@@ -4,6 +4,7 @@
 ``fedpers --help`` starts in a fraction of a second); ``EXPERIMENTS`` and
 :func:`experiment` import what is asked for.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -13,20 +14,48 @@ if TYPE_CHECKING:
     from fedpers.experiments.base import Evaluator, Experiment
 
 ALGORITHMS: dict[str, tuple[str, str, str]] = {
-    "altmin": ("fedpers.experiments.altmin", "AltMinExperiment", "User-level private alternating minimisation with private initialisation (SPEC §1)"),
-    "noisyhead": ("fedpers.experiments.noisyhead_mc", "NoisyHeadMonteCarloExperiment", "NoisyHead: DP pretraining of a linear attention head (SPEC §2)"),
-    "expmech": ("fedpers.experiments.expmech", "ExpMechExperiment", "User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)"),
-    "noisygd": ("fedpers.experiments.noisygd", "NoisyGDExperiment", "NoisyGD for last-layer fine-tuning under neural collapse (SPEC §3)"),
-    "fedrep": ("fedpers.experiments.fedrep", "FedRepExperiment", "Private FedRep: clipped user gradients of U, private accounted init (Snedeker et al. 2025)"),
-    "dpattention": ("fedpers.experiments.dpattention", "DpAttentionExperiment", "DP attention computation by DPCovariance (SPEC §4)"),
-    "dpals": ("fedpers.experiments.dpals", "DpAlsExperiment", "User-level private alternating least squares for matrix completion (Chien et al. 2021)"),
+    "altmin": (
+        "fedpers.experiments.altmin",
+        "AltMinExperiment",
+        "User-level private alternating minimisation with private initialisation (docs/algorithms.md §1)",
+    ),
+    "noisyhead": (
+        "fedpers.experiments.noisyhead_mc",
+        "NoisyHeadMonteCarloExperiment",
+        "NoisyHead: DP pretraining of a linear attention head (docs/algorithms.md §2)",
+    ),
+    "expmech": (
+        "fedpers.experiments.expmech",
+        "ExpMechExperiment",
+        "User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)",
+    ),
+    "noisygd": (
+        "fedpers.experiments.noisygd",
+        "NoisyGDExperiment",
+        "NoisyGD for last-layer fine-tuning under neural collapse (docs/algorithms.md §3)",
+    ),
+    "fedrep": (
+        "fedpers.experiments.fedrep",
+        "FedRepExperiment",
+        "Private FedRep: clipped user gradients of U, private accounted init (Snedeker et al. 2025)",
+    ),
+    "dpattention": (
+        "fedpers.experiments.dpattention",
+        "DpAttentionExperiment",
+        "DP attention computation by DPCovariance (docs/algorithms.md §4)",
+    ),
+    "dpals": (
+        "fedpers.experiments.dpals",
+        "DpAlsExperiment",
+        "User-level private alternating least squares for matrix completion (Chien et al. 2021)",
+    ),
 }
 """name → (module, class, one-line description)."""
 
-_loaded: dict[str, "Experiment"] = {}
+_loaded: dict[str, Experiment] = {}
 
 
-def experiment(name: str) -> "Experiment":
+def experiment(name: str) -> Experiment:
     """The registered experiment ``name`` (its module is imported on first use)."""
     if name not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {name!r}")

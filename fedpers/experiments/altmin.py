@@ -1,27 +1,29 @@
-"""`fedpers run altmin`: user-level private AltMin (SPEC §1) with its baselines."""
+"""`fedpers run altmin`: user-level private AltMin (docs/algorithms.md §1) with its baselines."""
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from fedpers import linalg, memory, metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
-from fedpers.data import synthetic
 from fedpers.data import summary as data_summary
+from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile, is_long_format
+from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
 from fedpers.protocols.base import Units
-from fedpers.data.units import UnitSource
 from fedpers.runtime.local import run_local
 
 Tensor = torch.Tensor
@@ -35,11 +37,19 @@ class AltMinConfig:
     rank: int = field(2, "subspace rank k (< d)", ge=1)
     samples_per_user: int = field(16, "samples per user m (a multiple of 4)", ge=4)
     noise_std: float = field(0.1, "label noise σ_F", ge=0.0)
-    epsilon: float = field(4.0, "user-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
+    epsilon: float = field(
+        4.0, "user-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True
+    )
     delta: float = field(1e-5, "user-level δ", gt=0.0, lt=1.0)
     rounds: int = field(2, "AltMin rounds T after the private initialisation", ge=1)
-    cohorts: Cohorts = field(Cohorts.DISJOINT, "disjoint: each user in one round (parallel composition); all: every round; poisson: each round samples users independently with probability --sampling-rate (amplification)")
-    sampling_rate: float = field(1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0)
+    cohorts: Cohorts = field(
+        Cohorts.DISJOINT,
+        "disjoint: each user in one round (parallel composition); all: every round; poisson: each round "
+        "samples users independently with probability --sampling-rate (amplification)",
+    )
+    sampling_rate: float = field(
+        1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
+    )
     clip_model: float = field(0.7, "c_η: model clip η = c_η √(dk)", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
     psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
@@ -47,33 +57,69 @@ class AltMinConfig:
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
-    data: Path | None = field(None, "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README)")
+    data: Path | None = field(
+        None,
+        "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README)",
+    )
     user_column: str = field("user", "user column of a .parquet/.csv data file")
     label_column: str = field("y", "label column of a .parquet/.csv data file")
-    feature_columns: str = field("", "comma list of feature columns of a .parquet/.csv data file (empty: every other numeric column)")
-    max_samples_per_user: int = field(64, "per-user cap on kept samples of a .parquet/.csv file (a multiple of 4; the declared bound: more are subsampled)", ge=4)
-    min_samples_per_user: int = field(4, "users of a .parquet/.csv file with fewer kept samples contribute nothing (counted in the result)", ge=1)
-    test_fraction: float = field(0.2, "per-user fraction of a .parquet/.csv file's rows held out for test_mse (seeded)", ge=0.0, lt=1.0)
-    chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)", ge=0, words={"auto": 0})
-    baselines: str = field("all", "baselines to run: all, none, or a comma list of nonprivate_altmin, clipped_no_noise, local_only, private_init_only, oracle")
-    calibration: Calibration = field(Calibration.ACCOUNTANT, "accountant: the smallest noise --accountant certifies for (ε, δ); paper: Theorem 4.2's σ/Δ = √(8(1+T_u) log(1/δ))/ε (T_u: rounds a user is in)")
-    refit_samples: int = field(0, "R fresh samples per user to refit v_j on with the released U (local, never sent); with --test-samples: population_mse", ge=0)
+    feature_columns: str = field(
+        "", "comma list of feature columns of a .parquet/.csv data file (empty: every other numeric column)"
+    )
+    max_samples_per_user: int = field(
+        64,
+        "per-user cap on kept samples of a .parquet/.csv file (a multiple of 4; the declared bound: more are subsampled)",
+        ge=4,
+    )
+    min_samples_per_user: int = field(
+        4, "users of a .parquet/.csv file with fewer kept samples contribute nothing (counted in the result)", ge=1
+    )
+    test_fraction: float = field(
+        0.2, "per-user fraction of a .parquet/.csv file's rows held out for test_mse (seeded)", ge=0.0, lt=1.0
+    )
+    chunk_size: int = field(
+        4096,
+        "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)",
+        ge=0,
+        words={"auto": 0},
+    )
+    baselines: str = field(
+        "all",
+        "baselines to run: all, none, or a comma list of nonprivate_altmin, clipped_no_noise, local_only, private_init_only, oracle",
+    )
+    calibration: Calibration = field(
+        Calibration.ACCOUNTANT,
+        "accountant: the smallest noise --accountant certifies for (ε, δ); paper: Theorem 4.2's σ/Δ = √(8(1+T_u) log(1/δ))/ε (T_u: rounds a user is in)",
+    )
+    refit_samples: int = field(
+        0,
+        "R fresh samples per user to refit v_j on with the released U (local, never sent); with --test-samples: population_mse",
+        ge=0,
+    )
     test_samples: int = field(0, "S fresh test samples per user for population_mse (as run fedrep reports it)", ge=0)
 
     def check(self) -> None:
         baseline_names(self.baselines)
         if (self.refit_samples > 0) != (self.test_samples > 0):
-            raise ValueError(f"refit_samples and test_samples go together (population_mse needs both); got {self.refit_samples} and {self.test_samples}")
+            raise ValueError(
+                f"refit_samples and test_samples go together (population_mse needs both); got {self.refit_samples} and {self.test_samples}"
+            )
         if self.refit_samples and self.data is not None:
-            raise ValueError("refit_samples/test_samples draw fresh samples from the synthetic model; with --data hold samples out in x_test/y_test instead")
+            raise ValueError(
+                "refit_samples/test_samples draw fresh samples from the synthetic model; with --data hold samples out in x_test/y_test instead"
+            )
         if self.samples_per_user % 4:
             raise ValueError(f"samples_per_user must be a multiple of 4; got {self.samples_per_user}")
         if self.max_samples_per_user % 4:
             raise ValueError(f"max_samples_per_user must be a multiple of 4; got {self.max_samples_per_user}")
         if self.min_samples_per_user > self.max_samples_per_user:
-            raise ValueError(f"min_samples_per_user must be <= max_samples_per_user={self.max_samples_per_user}; got {self.min_samples_per_user}")
+            raise ValueError(
+                f"min_samples_per_user must be <= max_samples_per_user={self.max_samples_per_user}; got {self.min_samples_per_user}"
+            )
         if self.data is not None and is_long_format(self.data) and self.test_fraction == 0:
-            raise ValueError("test_fraction must be > 0 with a .parquet/.csv data file (it has no true U*; test_mse is what is measured)")
+            raise ValueError(
+                "test_fraction must be > 0 with a .parquet/.csv data file (it has no true U*; test_mse is what is measured)"
+            )
         if self.data is None or not is_long_format(self.data):
             defaults = AltMinConfig.__dataclass_fields__
             for name in LONG_FORMAT_FIELDS:
@@ -87,15 +133,28 @@ class AltMinConfig:
             if not self.sampling_rate < 1.0:
                 raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
             if self.accountant is not Accountant.PLD:
-                raise ValueError(f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}")
+                raise ValueError(
+                    f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}"
+                )
             if self.calibration is Calibration.PAPER:
-                raise ValueError("calibration paper has no rule for Poisson sampling; use calibration accountant with cohorts poisson")
+                raise ValueError(
+                    "calibration paper has no rule for Poisson sampling; use calibration accountant with cohorts poisson"
+                )
         elif self.sampling_rate != 1.0:
-            raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts {self.cohorts.value}")
+            raise ValueError(
+                f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts {self.cohorts.value}"
+            )
         check_device_and_dtype(self.device, self.dtype)
 
 
-LONG_FORMAT_FIELDS = ("user_column", "label_column", "feature_columns", "max_samples_per_user", "min_samples_per_user", "test_fraction")
+LONG_FORMAT_FIELDS = (
+    "user_column",
+    "label_column",
+    "feature_columns",
+    "max_samples_per_user",
+    "min_samples_per_user",
+    "test_fraction",
+)
 BASELINES = ("nonprivate_altmin", "clipped_no_noise", "local_only", "private_init_only", "oracle")
 
 
@@ -119,15 +178,28 @@ def _open_file(path: str, rank: int, long_format: tuple | None) -> AltMinFile | 
     if long_format is None:
         return AltMinFile(path, rank)
     user, label, features, cap, minimum, test_fraction, seed = long_format
-    return LongFormatFile(path, user, label, features, cap=cap, min_samples=minimum, test_fraction=test_fraction, seed=seed)
+    return LongFormatFile(
+        path, user, label, features, cap=cap, min_samples=minimum, test_fraction=test_fraction, seed=seed
+    )
 
 
 def _file(cfg: AltMinConfig) -> AltMinFile | LongFormatFile:
     if not is_long_format(cfg.data):
         return _open_file(str(cfg.data), cfg.rank, None)
     features = tuple(c.strip() for c in cfg.feature_columns.split(",") if c.strip())
-    return _open_file(str(cfg.data), cfg.rank, (cfg.user_column, cfg.label_column, features, cfg.max_samples_per_user,
-                                                 cfg.min_samples_per_user, cfg.test_fraction, derived_seed(cfg.seed, "split")))
+    return _open_file(
+        str(cfg.data),
+        cfg.rank,
+        (
+            cfg.user_column,
+            cfg.label_column,
+            features,
+            cfg.max_samples_per_user,
+            cfg.min_samples_per_user,
+            cfg.test_fraction,
+            derived_seed(cfg.seed, "split"),
+        ),
+    )
 
 
 def resolve(cfg: AltMinConfig) -> AltMinConfig:
@@ -175,19 +247,33 @@ def memory_needed(cfg: AltMinConfig) -> dict[str, int]:
 
 def check_fits(cfg: AltMinConfig) -> list[str]:
     cfg = resolve(cfg)
-    lines = memory.check_fits("altmin", memory_needed(cfg), "use fewer users (--n-users), a smaller --dim or --chunk-size")
+    lines = memory.check_fits(
+        "altmin", memory_needed(cfg), "use fewer users (--n-users), a smaller --dim or --chunk-size"
+    )
     return [f"{lines[0]}; {cfg.chunk_size} users per chunk"]
 
 
-def make_protocol(cfg: AltMinConfig, *, private: bool = True, calibrations: Calibrations | None = None) -> AltMinProtocol:
+def make_protocol(
+    cfg: AltMinConfig, *, private: bool = True, calibrations: Calibrations | None = None
+) -> AltMinProtocol:
     cfg = resolve(cfg)
     if private:
         check_fits(cfg)
     eta, zeta = clip_bounds(cfg) if private else (math.inf, math.inf)
     proto = AltMinProtocol(
-        n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user, rounds=cfg.rounds,
-        eta=eta, zeta=zeta, noise_multiplier=0.0, cohorts=cfg.cohorts,
-        cohort_seed=derived_seed(cfg.seed, "cohorts"), psd=cfg.psd, dtype_name=cfg.dtype, sampling_rate=cfg.sampling_rate,
+        n_users=cfg.n_users,
+        dim=cfg.dim,
+        rank=cfg.rank,
+        samples_per_user=cfg.samples_per_user,
+        rounds=cfg.rounds,
+        eta=eta,
+        zeta=zeta,
+        noise_multiplier=0.0,
+        cohorts=cfg.cohorts,
+        cohort_seed=derived_seed(cfg.seed, "cohorts"),
+        psd=cfg.psd,
+        dtype_name=cfg.dtype,
+        sampling_rate=cfg.sampling_rate,
     )
     if not private:
         return proto
@@ -197,7 +283,13 @@ def make_protocol(cfg: AltMinConfig, *, private: bool = True, calibrations: Cali
     elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
         z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
     else:
-        z = calibrate_noise_multiplier(lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
+        z = calibrate_noise_multiplier(
+            lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate),
+            cfg.epsilon,
+            cfg.delta,
+            cfg.accountant,
+            calibrations,
+        )
     return replace(proto, noise_multiplier=z)
 
 
@@ -219,10 +311,21 @@ def load_units(cfg: AltMinConfig, ids: Tensor, samples: tuple[int, int] | None =
     if cfg.data is not None:
         out = _file(cfg).rows(ids.to(torch.int64).cpu())
     else:
-        halves = synthetic.HALVES if samples is None else tuple(
-            h for h in synthetic.HALVES if _overlaps(synthetic.half_range(cfg.samples_per_user, h), samples))
-        out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids.to(torch.int64), truth(cfg), cfg.samples_per_user, cfg.noise_std,
-                                     dtype, halves=halves, device=cfg.device)
+        halves = (
+            synthetic.HALVES
+            if samples is None
+            else tuple(h for h in synthetic.HALVES if _overlaps(synthetic.half_range(cfg.samples_per_user, h), samples))
+        )
+        out = synthetic.altmin_users(
+            derived_seed(cfg.seed, "data"),
+            ids.to(torch.int64),
+            truth(cfg),
+            cfg.samples_per_user,
+            cfg.noise_std,
+            dtype,
+            halves=halves,
+            device=cfg.device,
+        )
     return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
 
 
@@ -243,7 +346,9 @@ class AltMinSource(UnitSource):
         units = load_units(self.cfg, ids, samples)
         return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys}
 
-    def needed_chunks(self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None) -> Iterator[dict[str, Tensor]]:
+    def needed_chunks(
+        self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None
+    ) -> Iterator[dict[str, Tensor]]:
         if ids is None:
             for start in range(0, self.num_units, chunk_size):
                 yield self.take(torch.arange(start, min(start + chunk_size, self.num_units)), samples)
@@ -260,7 +365,9 @@ class AltMinSource(UnitSource):
             start = stop
 
 
-def unit_source(cfg: AltMinConfig, keys: tuple[str, ...] | None = None, samples: tuple[int, int] | None = None) -> UnitSource:
+def unit_source(
+    cfg: AltMinConfig, keys: tuple[str, ...] | None = None, samples: tuple[int, int] | None = None
+) -> UnitSource:
     """Every user, generated (or sliced from the file) chunk by chunk: never all at once.
     ``keys`` restricts what each chunk carries (the protocol needs ids, x, y; the evaluator more);
     ``samples`` [a, b) the sample range a pass needs (synthetic users: only those halves are made)."""
@@ -299,8 +406,20 @@ def population_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
     """The users' R refit and S test samples, fresh draws from their own (U*, v*_j) on streams
     apart from the training data (which stays what it was for the seed)."""
     u = truth(cfg)
-    v = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, cfg.samples_per_user, cfg.noise_std, getattr(torch, cfg.dtype),
-                               halves=(), device=cfg.device)["v_star"].cpu().double()
+    v = (
+        synthetic.altmin_users(
+            derived_seed(cfg.seed, "data"),
+            ids,
+            u,
+            cfg.samples_per_user,
+            cfg.noise_std,
+            getattr(torch, cfg.dtype),
+            halves=(),
+            device=cfg.device,
+        )["v_star"]
+        .cpu()
+        .double()
+    )
     x_r, y_r = fresh_samples(derived_seed(cfg.seed, "refit"), ids, u, v, cfg.refit_samples, cfg.noise_std)
     x_t, y_t = fresh_samples(derived_seed(cfg.seed, "population-test"), ids, u, v, cfg.test_samples, cfg.noise_std)
     return {"ids": ids, "x_refit": x_r, "y_refit": y_r, "x_test": x_t, "y_test": y_t}
@@ -316,7 +435,11 @@ class AltMinEvaluator(Evaluator):
         # the evaluation reads the second half (the final local solve on Q3 ∪ Q4) unless
         # local_only is asked for (its ridge uses all m samples)
         h = self.cfg.samples_per_user // 2
-        self.eval_source = self.source if "local_only" in baseline_names(self.cfg.baselines) else unit_source(self.cfg, samples=(h, 2 * h))
+        self.eval_source = (
+            self.source
+            if "local_only" in baseline_names(self.cfg.baselines)
+            else unit_source(self.cfg, samples=(h, 2 * h))
+        )
         self.init_U: Tensor | None = None
         self.population = None
         if self.cfg.refit_samples:
@@ -334,7 +457,10 @@ class AltMinEvaluator(Evaluator):
         if self.u_star is None:
             return {}
         U = state["U"]
-        return {"subspace_error": metrics.subspace_error(U, self.u_star), "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star)}
+        return {
+            "subspace_error": metrics.subspace_error(U, self.u_star),
+            "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star),
+        }
 
     def subspace_fit(self, U: Tensor) -> Fit:
         """Every user's final local solve on Q3∪Q4 with U (the billboard model's last step)."""
@@ -390,7 +516,11 @@ class AltMinEvaluator(Evaluator):
             out["data"] = _file(self.cfg).summary()
         return out
 
-    def with_baselines(self, private: Mapping[str, tuple[Fit, Tensor | None]], extra: Mapping[str, tuple[Fit, Tensor | None]] | None = None) -> dict[str, Any]:
+    def with_baselines(
+        self,
+        private: Mapping[str, tuple[Fit, Tensor | None]],
+        extra: Mapping[str, tuple[Fit, Tensor | None]] | None = None,
+    ) -> dict[str, Any]:
         """The private fit's metrics with the baselines' beside it, in one pass; a baseline that
         fails (out of memory, say) leaves the private metrics and says why."""
         error = ""
@@ -440,14 +570,23 @@ class AltMinEvaluator(Evaluator):
 
 
 class AltMinExperiment(Experiment):
-    """User-level private alternating minimisation with private initialisation (SPEC §1, Algorithms 1–3)."""
+    """User-level private alternating minimisation with private initialisation (docs/algorithms.md §1, Algorithms 1–3)."""
+
     round_axis = "round (0 = private initialisation)"
 
     def trivial_baselines(self, cfg: AltMinConfig) -> list[Trivial]:
-        few = ("too few users for this ε: the noise on the round statistics swamps them (the privacy term falls as "
-               "1/(ε²n²); raise --n-users or --epsilon, or try a smaller --clip-model c_η)")
-        return [Trivial("excess_risk", "local_only", why=few + "; each user alone does better with --samples-per-user this large"),
-                Trivial("excess_risk", "private_init_only", why="the private rounds made the initialisation worse: " + few)]
+        few = (
+            "too few users for this ε: the noise on the round statistics swamps them (the privacy term falls as "
+            "1/(ε²n²); raise --n-users or --epsilon, or try a smaller --clip-model c_η)"
+        )
+        return [
+            Trivial(
+                "excess_risk",
+                "local_only",
+                why=few + "; each user alone does better with --samples-per-user this large",
+            ),
+            Trivial("excess_risk", "private_init_only", why="the private rounds made the initialisation worse: " + few),
+        ]
 
     name = "altmin"
     result_keys = ("subspace_error", "subspace_error_spectral", "excess_risk", "test_mse", "population_mse")
@@ -496,8 +635,10 @@ class AltMinExperiment(Experiment):
 
     def describe(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> dict[str, Any]:
         return {
-            "eta": protocol.eta, "zeta": protocol.zeta,
-            "eta_formula": "c_η √(dk)", "zeta_formula": "c_ζ √(k + σ_F²)",
+            "eta": protocol.eta,
+            "zeta": protocol.zeta,
+            "eta_formula": "c_η √(dk)",
+            "zeta_formula": "c_ζ √(k + σ_F²)",
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_init": protocol.noise_std(protocol.init_bound),
             "noise_std_A": protocol.noise_std(protocol.a_bound, protocol.a_sensitivity),

@@ -7,6 +7,7 @@ near-singular least squares, and a few such users dominated the old baseline's s
 initialised by the same spectral statistic without clipping or noise, and it alternates
 until U stops moving. It streams users chunk by chunk like the private run.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,7 +41,7 @@ def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int) -> tuple[T
     """(U, rounds run): alternate v_j = ridge LS on all samples and the exact U step until convergence."""
     U = spectral_init(source, rank, chunk_size)
     d = U.shape[0]
-    for rounds in range(1, MAX_ROUNDS + 1):
+    for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007  (returned: the rounds run)
         A = torch.zeros(d * rank, d * rank, dtype=torch.float64)
         b = torch.zeros(d * rank, dtype=torch.float64)
         for units in source.chunks(chunk_size):

@@ -4,19 +4,21 @@ An :class:`Experiment` turns a frozen config into: the public protocol (calibrat
 data-independent), the data of any subset of units (so a Flower node can load only its
 own), an evaluator for per-round and final metrics, and the privacy summary.
 """
+
 from __future__ import annotations
 
 import abc
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
+from fedpers.data.units import UnitSource
 from fedpers.privacy import Calibrations, Ledger
 from fedpers.protocols.base import Protocol, Units
-from fedpers.data.units import UnitSource
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
 
 Tensor = torch.Tensor
@@ -68,7 +70,11 @@ def trivial_value(result: Mapping[str, Any], t: Trivial) -> float | None:
     """The baseline's value of ``t.metric`` in ``result`` (None: not measured in this run)."""
     row = result.get("baselines", {}).get(t.baseline)
     value = row.get(t.metric) if isinstance(row, Mapping) else result.get(t.baseline)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else None
+    )
 
 
 def check_trivial(trivial: list[Trivial], result: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -82,11 +88,16 @@ def check_trivial(trivial: list[Trivial], result: Mapping[str, Any]) -> list[dic
         value = float(value)
         beats = value > base if t.higher_is_better else value < base
         if not beats:
-            warnings.append({
-                "metric": t.metric, "private": value, "baseline": t.baseline, "baseline_value": base,
-                "text": f"the private {t.metric} ({value:.4g}) is {'no better than' if value == base else 'worse than'} "
-                        f"the trivial baseline {t.baseline} ({base:.4g})" + (f": {t.why}" if t.why else ""),
-            })
+            warnings.append(
+                {
+                    "metric": t.metric,
+                    "private": value,
+                    "baseline": t.baseline,
+                    "baseline_value": base,
+                    "text": f"the private {t.metric} ({value:.4g}) is {'no better than' if value == base else 'worse than'} "
+                    f"the trivial baseline {t.baseline} ({base:.4g})" + (f": {t.why}" if t.why else ""),
+                }
+            )
     return warnings
 
 

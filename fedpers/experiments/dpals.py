@@ -6,6 +6,7 @@ Per-user clip scales: each of a user's (at most B) item contributions is scaled 
 once, scale-safe, see :mod:`fedpers.protocols.dpals`). Noise: 2·T Gaussian releases with one
 multiplier z, calibrated by the accountant to (ε, δ).
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,8 @@ import torch
 
 from fedpers import linalg
 from fedpers.config import MAX_EPSILON, field
-from fedpers.data import rating_files, ratings as data, summary
+from fedpers.data import rating_files, summary
+from fedpers.data import ratings as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.dpals import DpAlsProtocol, item_statistics, solve_items, user_embeddings
@@ -37,11 +39,18 @@ class DpAlsConfig:
     max_count: int = field(60, "most ratings of a synthetic user (padding width)", ge=1)
     popularity: float = field(0.8, "a: item popularity ∝ (i+1)^(−a)", ge=0.0)
     noise_std: float = field(0.1, "rating noise of the synthetic data", ge=0.0)
-    test_fraction: float = field(0.2, "per-user fraction of ratings held out for the test RMSE (seeded)", ge=0.0, lt=1.0)
+    test_fraction: float = field(
+        0.2, "per-user fraction of ratings held out for the test RMSE (seeded)", ge=0.0, lt=1.0
+    )
     steps: int = field(5, "T: ALS rounds", ge=1)
     items_per_user: int = field(20, "B: items a user contributes statistics for per round", ge=1)
     ridge_user: float = field(0.1, "λ of the users' ridge solves", gt=0.0)
-    ridge_item: float = field(0.0, "λ of the server's per-item solves (auto or 0: max(1, σ_G), the noise std of each entry of G, so noise alone cannot blow up U_i)", ge=0.0, words={"auto": 0.0})
+    ridge_item: float = field(
+        0.0,
+        "λ of the server's per-item solves (auto or 0: max(1, σ_G), the noise std of each entry of G, so noise alone cannot blow up U_i)",
+        ge=0.0,
+        words={"auto": 0.0},
+    )
     clip_embedding: float = field(1.0, "c_v: per-item clip scale of ||v|| (0: no clipping)", ge=0.0)
     clip_rating: float = field(2.0, "c_r: per-item clip scale of |r| (0: no clipping)", ge=0.0)
     epsilon: float = field(1.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
@@ -52,14 +61,30 @@ class DpAlsConfig:
     user_column: str = field("user", "user column of a csv/parquet rating file")
     item_column: str = field("item", "item column of a csv/parquet rating file")
     rating_column: str = field("rating", "rating column of a csv/parquet rating file")
-    items: Path | None = field(None, "public item universe of a rating file: a file of item ids, one per line (never read off the ratings)")
+    items: Path | None = field(
+        None, "public item universe of a rating file: a file of item ids, one per line (never read off the ratings)"
+    )
     item_ids: str = field("", "public item universe of a rating file as an id range LO:HI (inclusive)")
     rating_min: float = field(-1e15, "smallest valid rating (rows below are dropped and counted)")
     rating_max: float = field(1e15, "largest valid rating (rows above are dropped and counted)")
-    max_ratings_per_user: int = field(0, "keep at most this many of a user's ratings, in its public random order (0: all)", ge=0)
-    center: float = field(0.0, "public constant subtracted from every rating before training (RMSE is unchanged by it); 0 with a bundled --dataset: the midpoint of its published rating scale")
-    private_center: bool = field(True, "round 0 releases per-item rating sums and counts (2 Gaussian releases): their ratio, the private global mean, is subtracted from every rating; also reports private item means")
-    head_items: int = field(0, "H > 0: learn only the H items with the largest noisy counts from round 0 (implies --private-center); the rest are predicted by the private mean", ge=0)
+    max_ratings_per_user: int = field(
+        0, "keep at most this many of a user's ratings, in its public random order (0: all)", ge=0
+    )
+    center: float = field(
+        0.0,
+        "public constant subtracted from every rating before training (RMSE is unchanged by it); 0 with a "
+        "bundled --dataset: the midpoint of its published rating scale",
+    )
+    private_center: bool = field(
+        True,
+        "round 0 releases per-item rating sums and counts (2 Gaussian releases): their ratio, the private "
+        "global mean, is subtracted from every rating; also reports private item means",
+    )
+    head_items: int = field(
+        0,
+        "H > 0: learn only the H items with the largest noisy counts from round 0 (implies --private-center); the rest are predicted by the private mean",
+        ge=0,
+    )
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
@@ -71,8 +96,10 @@ class DpAlsConfig:
             raise ValueError(f"min_count must be <= max_count ({self.max_count}); got {self.min_count}")
         declared = self.items is not None or bool(self.item_ids)
         if self.ratings is not None and not declared:
-            raise ValueError("items: a ratings file needs a declared public item universe: --items FILE (one id per line) "
-                             "or --item-ids LO:HI (the universe is never read off the data; see docs/data.md)")
+            raise ValueError(
+                "items: a ratings file needs a declared public item universe: --items FILE (one id per line) "
+                "or --item-ids LO:HI (the universe is never read off the data; see docs/data.md)"
+            )
         if declared and self.ratings is None and not self.dataset:
             raise ValueError("items / item_ids: a public item universe applies only to --ratings or --dataset")
         if self.items is not None and self.item_ids:
@@ -91,8 +118,17 @@ def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
     declared = cfg.items is not None or bool(cfg.item_ids)
     universe = _universe(str(cfg.items) if cfg.items is not None else "", cfg.item_ids) if declared else None
     return rating_files.load_table(
-        source, cfg.format, cfg.user_column, cfg.item_column, cfg.rating_column, cfg.rating_min, cfg.rating_max,
-        derived_seed(cfg.seed, "data"), cfg.test_fraction, cfg.max_ratings_per_user, universe,
+        source,
+        cfg.format,
+        cfg.user_column,
+        cfg.item_column,
+        cfg.rating_column,
+        cfg.rating_min,
+        cfg.rating_max,
+        derived_seed(cfg.seed, "data"),
+        cfg.test_fraction,
+        cfg.max_ratings_per_user,
+        universe,
     )
 
 
@@ -120,8 +156,11 @@ def data_summary(cfg: DpAlsConfig) -> dict[str, Any]:
     t = table(cfg)
     if t is None:
         return {"source": "synthetic", "users": cfg.n_users, "items": cfg.n_items, "note": rating_files.NOTE}
-    source = f"dataset {cfg.dataset} (its published catalogue as item universe)" if cfg.dataset and cfg.items is None and not cfg.item_ids \
+    source = (
+        f"dataset {cfg.dataset} (its published catalogue as item universe)"
+        if cfg.dataset and cfg.items is None and not cfg.item_ids
         else (f"dataset {cfg.dataset}" if cfg.dataset else str(cfg.ratings))
+    )
     return {"source": source, **t.summary}
 
 
@@ -170,10 +209,19 @@ def make_protocol(cfg: DpAlsConfig, calibrations: Calibrations | None = None) ->
             raise ValueError("clip_embedding and clip_rating must be finite for a finite epsilon")
         z = calibrate_noise_multiplier(lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta, calibrations=calibrations)
     return DpAlsProtocol(
-        n_items=n_items(cfg), rank=cfg.rank, steps=cfg.steps, items_per_user=cfg.items_per_user,
-        ridge_user=cfg.ridge_user, ridge_item=item_ridge(cfg, z), gram_bound=g, rhs_bound=b,
-        noise_multiplier=z, initial_U=initial_U(cfg).to(getattr(torch, cfg.dtype)), dtype_name=cfg.dtype,
-        prelude=prelude(cfg), head_items=cfg.head_items,
+        n_items=n_items(cfg),
+        rank=cfg.rank,
+        steps=cfg.steps,
+        items_per_user=cfg.items_per_user,
+        ridge_user=cfg.ridge_user,
+        ridge_item=item_ridge(cfg, z),
+        gram_bound=g,
+        rhs_bound=b,
+        noise_multiplier=z,
+        initial_U=initial_U(cfg).to(getattr(torch, cfg.dtype)),
+        dtype_name=cfg.dtype,
+        prelude=prelude(cfg),
+        head_items=cfg.head_items,
         rating_bound=math.sqrt(cfg.items_per_user) * (cfg.clip_rating if cfg.clip_rating > 0 else math.inf),
     )
 
@@ -193,8 +241,16 @@ def load_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
     if t is not None:
         return t.units(ids, getattr(torch, cfg.dtype), center(cfg))
     return data.synthetic_users(
-        derived_seed(cfg.seed, "data"), ids, cfg.n_items, cfg.true_rank, cfg.min_count, cfg.max_count,
-        cfg.popularity, cfg.noise_std, cfg.test_fraction, getattr(torch, cfg.dtype),
+        derived_seed(cfg.seed, "data"),
+        ids,
+        cfg.n_items,
+        cfg.true_rank,
+        cfg.min_count,
+        cfg.max_count,
+        cfg.popularity,
+        cfg.noise_std,
+        cfg.test_fraction,
+        getattr(torch, cfg.dtype),
     )
 
 
@@ -213,8 +269,16 @@ def plain_als(U0: Tensor, units: dict[str, Tensor], steps: int, ridge_user: floa
     """Non-private ALS of the same rank: every rating, no clipping, no noise."""
     U = U0.double()
     for _ in range(steps):
-        G, b = item_statistics(U, units["items"], units["ratings"].double(), units["mask"], ridge_user,
-                               units["items"].shape[1], math.inf, math.inf)
+        G, b = item_statistics(
+            U,
+            units["items"],
+            units["ratings"].double(),
+            units["mask"],
+            ridge_user,
+            units["items"].shape[1],
+            math.inf,
+            math.inf,
+        )
         U = solve_items(G, b, ridge_item, psd_repair=False)
     return U
 
@@ -256,7 +320,9 @@ class DpAlsEvaluator(Evaluator):
             out["private_mean"] = mu + center(cfg)
             out["private_mean_rmse"] = float((test - mu).pow(2).mean().sqrt())
             means = self.protocol.item_means(state)
-            out["private_item_means_rmse"] = float((u["ratings"].double()[u["test"]] - means[u["items"][u["test"]]]).pow(2).mean().sqrt())
+            out["private_item_means_rmse"] = float(
+                (u["ratings"].double()[u["test"]] - means[u["items"][u["test"]]]).pow(2).mean().sqrt()
+            )
             out["head_items"] = int(state["head"].sum())
         t = table(cfg)
         if t is not None:
@@ -264,7 +330,11 @@ class DpAlsEvaluator(Evaluator):
         out["data"] = data_summary(cfg)
         if self.synthetic and cfg.rank >= cfg.true_rank:
             U_star = data.true_items(derived_seed(cfg.seed, "data"), cfg.n_items, cfg.true_rank)
-            out["subspace_distance"] = subspace_distance(state["U"][:, :cfg.true_rank] if cfg.rank == cfg.true_rank else state["U"], U_star) if cfg.rank == cfg.true_rank else math.nan
+            out["subspace_distance"] = (
+                subspace_distance(state["U"][:, : cfg.true_rank] if cfg.rank == cfg.true_rank else state["U"], U_star)
+                if cfg.rank == cfg.true_rank
+                else math.nan
+            )
             out["als_subspace_distance"] = subspace_distance(best[2], U_star) if cfg.rank == cfg.true_rank else math.nan
         return out
 
@@ -274,22 +344,38 @@ class DpAlsExperiment(Experiment):
 
     name = "dpals"
     result_keys = (
-        "test_rmse", "global_mean_rmse", "als_rmse", "als_ridge_item", "train_ratings", "test_ratings", "private_mean",
-        "private_mean_rmse", "private_item_means_rmse", "head_items", "users", "items", "users_excluded",
-        "subspace_distance", "als_subspace_distance",
+        "test_rmse",
+        "global_mean_rmse",
+        "als_rmse",
+        "als_ridge_item",
+        "train_ratings",
+        "test_ratings",
+        "private_mean",
+        "private_mean_rmse",
+        "private_item_means_rmse",
+        "head_items",
+        "users",
+        "items",
+        "users_excluded",
+        "subspace_distance",
+        "als_subspace_distance",
     )
     config_type = DpAlsConfig
     primary_metric = "test_rmse"
 
     def trivial_baselines(self, cfg: DpAlsConfig) -> list[Trivial]:
         if math.isinf(cfg.epsilon):
-            why = ("with no noise the loss comes from the clipping and the few ALS rounds: raise --clip-rating or "
-                   "--clip-embedding, run more --steps, or tune --ridge-user / --ridge-item; with uncentred ratings set "
-                   "--center to their public midpoint")
+            why = (
+                "with no noise the loss comes from the clipping and the few ALS rounds: raise --clip-rating or "
+                "--clip-embedding, run more --steps, or tune --ridge-user / --ridge-item; with uncentred ratings set "
+                "--center to their public midpoint"
+            )
         else:
-            why = ("too few users for this ε: the noise on the per-item statistics swamps them (user-level DPALS needs "
-                   "10⁴–10⁶ users; raise --epsilon, use fewer --steps or --items-per-user, or learn only the popular items "
-                   "with --head-items H); with uncentred ratings set --center to their public midpoint")
+            why = (
+                "too few users for this ε: the noise on the per-item statistics swamps them (user-level DPALS needs "
+                "10⁴–10⁶ users; raise --epsilon, use fewer --steps or --items-per-user, or learn only the popular items "
+                "with --head-items H); with uncentred ratings set --center to their public midpoint"
+            )
         return [Trivial("test_rmse", "global_mean_rmse", why=why)]
 
     def protocol(self, cfg: DpAlsConfig, calibrations: Calibrations | None = None) -> DpAlsProtocol:
@@ -312,7 +398,8 @@ class DpAlsExperiment(Experiment):
             "accountant": "pld",
             "neighbouring": "replace one user (all of its ratings)",
             "noise_multiplier": protocol.noise_multiplier,
-            "gram_bound": protocol.gram_bound, "rhs_bound": protocol.rhs_bound,
+            "gram_bound": protocol.gram_bound,
+            "rhs_bound": protocol.rhs_bound,
             "sensitivity": "2·Γ per statistic (replace-one; the √2 PSD bound is not claimed)",
         }
 
@@ -320,5 +407,11 @@ class DpAlsExperiment(Experiment):
         return summary.lines(data_summary(cfg))
 
     def describe(self, cfg: DpAlsConfig, protocol: DpAlsProtocol) -> dict[str, Any]:
-        return {"gram_bound": protocol.gram_bound, "rhs_bound": protocol.rhs_bound, "noise_multiplier": protocol.noise_multiplier,
-                "releases": releases(cfg), "sum_bound": protocol.sum_bound, "count_bound": protocol.count_bound}
+        return {
+            "gram_bound": protocol.gram_bound,
+            "rhs_bound": protocol.rhs_bound,
+            "noise_multiplier": protocol.noise_multiplier,
+            "releases": releases(cfg),
+            "sum_bound": protocol.sum_bound,
+            "count_bound": protocol.count_bound,
+        }

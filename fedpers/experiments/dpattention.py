@@ -1,4 +1,5 @@
-"""`fedpers run dpattention`: DP attention by DPCovariance (SPEC §4), with every precondition checked."""
+"""`fedpers run dpattention`: DP attention by DPCovariance (docs/algorithms.md §4), with every precondition checked."""
+
 from __future__ import annotations
 
 import math
@@ -8,10 +9,10 @@ from typing import Any
 import dp_accounting
 import torch
 
+from fedpers import linalg, memory
 from fedpers.config import field
 from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
-from fedpers import linalg, memory
 from fedpers.privacy import Calibrations, DpCovarianceParams, Ledger, ledger_epsilon
 from fedpers.privacy.mechanisms import dp_covariance_min_k
 from fedpers.protocols.dpattention import AttentionFn, DpAttentionProtocol, attention_matrix, entrywise_max_norm
@@ -29,8 +30,12 @@ class DpAttentionConfig:
     beta: float = field(1e-6, "β: neighbouring X differ in one column, moved by at most β", gt=0.0)
     f: AttentionFn = field(AttentionFn.EXP, "entrywise function of the attention: exp or cosh")
     r: float = field(0.05, "promise ||A||_∞ = max|A_ij| ≤ r (Theorem 3.1 needs r < 0.1)", gt=0.0)
-    alpha: float = field(0.0, "α: column-norm bound, each column clipped to it (0: the synthetic columns' norm sqrt(s·n/d))", ge=0.0)
-    eta: float = field(0.0, "promise XXᵀ ⪰ ηI (0: half the synthetic data's expected λ_min, s(1 − sqrt(n/d))²/2)", ge=0.0)
+    alpha: float = field(
+        0.0, "α: column-norm bound, each column clipped to it (0: the synthetic columns' norm sqrt(s·n/d))", ge=0.0
+    )
+    eta: float = field(
+        0.0, "promise XXᵀ ⪰ ηI (0: half the synthetic data's expected λ_min, s(1 − sqrt(n/d))²/2)", ge=0.0
+    )
     data_scale: float = field(0.025, "s: the synthetic columns are uniform on a sphere with E[XXᵀ] = s·I", gt=0.0)
     gamma: float = field(0.1, "γ: the utility bound holds with probability 1 − γ", gt=0.0, lt=1.0)
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
@@ -54,8 +59,16 @@ def params(cfg: DpAttentionConfig) -> DpCovarianceParams:
         raise ValueError(f"eta: the default needs columns > rows (got d={cfg.columns}, n={cfg.rows}); set --eta")
     k = cfg.k if cfg.k > 0 else dp_covariance_min_k(cfg.rows, cfg.epsilon, cfg.gamma)
     return DpCovarianceParams(
-        rows=cfg.rows, columns=cfg.columns, k=k, epsilon=cfg.epsilon, delta=cfg.delta,
-        alpha=alpha, beta=cfg.beta, eta=eta, r=cfg.r, gamma=cfg.gamma,
+        rows=cfg.rows,
+        columns=cfg.columns,
+        k=k,
+        epsilon=cfg.epsilon,
+        delta=cfg.delta,
+        alpha=alpha,
+        beta=cfg.beta,
+        eta=eta,
+        r=cfg.r,
+        gamma=cfg.gamma,
     )
 
 
@@ -93,8 +106,13 @@ class DpAttentionEvaluator(Evaluator):
             "refused_because": list(state["refused_because"]),
             "conditions": state["conditions"],
             "columns_clipped": self.columns_clipped,
-            "baselines": {"uniform_attention": {"attention_error": entrywise_max_norm(
-                attention_matrix(A, self.protocol.f) - torch.full_like(A, 1.0 / p.rows))}},
+            "baselines": {
+                "uniform_attention": {
+                    "attention_error": entrywise_max_norm(
+                        attention_matrix(A, self.protocol.f) - torch.full_like(A, 1.0 / p.rows)
+                    )
+                }
+            },
         }
 
 
@@ -103,13 +121,25 @@ class DpAttentionExperiment(Experiment):
 
     name = "dpattention"
     baseline_names = ("uniform_attention",)
-    result_keys = ("attention_error", "utility_bound", "bound_holds", "relative_error", "rho", "within_1_pm_rho", "k", "dp_claimed", "columns_clipped")
+    result_keys = (
+        "attention_error",
+        "utility_bound",
+        "bound_holds",
+        "relative_error",
+        "rho",
+        "within_1_pm_rho",
+        "k",
+        "dp_claimed",
+        "columns_clipped",
+    )
     config_type = DpAttentionConfig
     primary_metric = "attention_error"
 
     def trivial_baselines(self, cfg: DpAttentionConfig) -> list[Trivial]:
-        why = ("the DPCovariance noise exceeds the attention's own spread: too few samples k for this ε, or "
-               "too little signal in XXᵀ (raise --k or --epsilon; check the preconditions above)")
+        why = (
+            "the DPCovariance noise exceeds the attention's own spread: too few samples k for this ε, or "
+            "too little signal in XXᵀ (raise --k or --epsilon; check the preconditions above)"
+        )
         return [Trivial("attention_error", "uniform_attention", why=why)]
 
     def protocol(self, cfg: DpAttentionConfig, calibrations: Calibrations | None = None) -> DpAttentionProtocol:
@@ -142,20 +172,36 @@ class DpAttentionExperiment(Experiment):
             "neighbouring": f"β-close column (one column moved by at most β = {cfg.beta:g})",
             "dp_claimed": claimed,
             "mechanism": "DPCovariance: B = (1/k) Σ g gᵀ, g ~ N(0, A)",
-            "k": p.k, "Delta": p.Delta, "sensitivity_2_alpha_beta_sqrt_n_over_eta": p.sensitivity, "rho": p.rho,
+            "k": p.k,
+            "Delta": p.Delta,
+            "sensitivity_2_alpha_beta_sqrt_n_over_eta": p.sensitivity,
+            "rho": p.rho,
         }
 
     def describe(self, cfg: DpAttentionConfig, protocol: DpAttentionProtocol) -> dict[str, Any]:
         p = protocol.params
         return {
-            "n": p.rows, "d": p.columns, "k": p.k, "alpha": p.alpha, "beta": p.beta, "eta": p.eta, "r": p.r, "gamma": p.gamma,
-            "Delta": p.Delta, "sensitivity": p.sensitivity, "rho": p.rho, "utility_bound": p.utility_bound,
-            "f": protocol.f.value, "data_column_norm": data_norm(cfg),
+            "n": p.rows,
+            "d": p.columns,
+            "k": p.k,
+            "alpha": p.alpha,
+            "beta": p.beta,
+            "eta": p.eta,
+            "r": p.r,
+            "gamma": p.gamma,
+            "Delta": p.Delta,
+            "sensitivity": p.sensitivity,
+            "rho": p.rho,
+            "utility_bound": p.utility_bound,
+            "f": protocol.f.value,
+            "data_column_norm": data_norm(cfg),
         }
 
     def plan(self, cfg: DpAttentionConfig) -> list[str]:
         p = params(cfg)
-        return self.memory_plan(cfg) + [
-            f"dpattention: n={p.rows}, d={p.columns}, k={p.k}; α={p.alpha:.4g}, β={p.beta:.4g}, η={p.eta:.4g}, r={p.r:g}; "
-            f"Δ={p.Delta:.4g}, 2αβ√n/η={p.sensitivity:.4g}, ρ={p.rho:.4g} (needs < {0.1 * p.epsilon:.4g})"
+        return [
+            *self.memory_plan(cfg),
+            f"dpattention: n={p.rows}, d={p.columns}, k={p.k}; α={p.alpha:.4g}, "
+            f"β={p.beta:.4g}, η={p.eta:.4g}, r={p.r:g}; "
+            f"Δ={p.Delta:.4g}, 2αβ√n/η={p.sensitivity:.4g}, ρ={p.rho:.4g} (needs < {0.1 * p.epsilon:.4g})",
         ]

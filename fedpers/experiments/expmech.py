@@ -1,8 +1,9 @@
-"""`fedpers run expmech`: user-level ε-DP selection of U by the exponential mechanism (SPEC §1, Algorithm 4).
+"""`fedpers run expmech`: user-level ε-DP selection of U by the exponential mechanism (docs/algorithms.md §1, Algorithm 4).
 
 The data, metrics and baselines are AltMin's (:mod:`fedpers.experiments.altmin`), on the
 same users for the same seed, so ``run expmech`` and ``run altmin`` compare on one problem.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,21 +30,34 @@ class ExpMechConfig:
     n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
     dim: int = field(3, "feature dimension d", ge=2)
     rank: int = field(1, "subspace rank k (< d)", ge=1)
-    samples_per_user: int = field(16, "samples per user m (a multiple of 4: first half scores, second half fits v)", ge=4)
+    samples_per_user: int = field(
+        16, "samples per user m (a multiple of 4: first half scores, second half fits v)", ge=4
+    )
     noise_std: float = field(0.1, "label noise σ_F", ge=0.0)
-    epsilon: float = field(1.0, "user-level ε (pure ε-DP; inf: the best-scoring candidate)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
-    candidates: CandidateKind = field(CandidateKind.NET, "net: explicit φ-net of orthonormal U (tiny d·k); random: Haar-random candidates")
+    epsilon: float = field(
+        1.0, "user-level ε (pure ε-DP; inf: the best-scoring candidate)", gt=0.0, le=MAX_EPSILON, inf_ok=True
+    )
+    candidates: CandidateKind = field(
+        CandidateKind.NET, "net: explicit φ-net of orthonormal U (tiny d·k); random: Haar-random candidates"
+    )
     net_width: float = field(0.2, "φ: Frobenius radius of the net (candidates=net)", gt=0.0, le=2.0)
     num_candidates: int = field(2000, "Q: number of random candidates (candidates=random)", ge=1)
     clip_feature: float = field(2.0, "c_f: projected-feature clip L_f = c_f √k", gt=0.0)
     model_bound: float = field(2.0, "c_C: model norm constraint C = c_C √k", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
-    memory_limit_gb: float = field(0.0, "refuse runs needing more memory than this (0: what the machine has available)", ge=0.0)
+    memory_limit_gb: float = field(
+        0.0, "refuse runs needing more memory than this (0: what the machine has available)", ge=0.0
+    )
     seed: int = field(0, "run seed (data, candidates and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     data: Path | None = field(None, "per-user data file (.npz, the altmin schema) instead of synthetic data")
-    chunk_size: int = field(4096, "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)", ge=0, words={"auto": 0})
+    chunk_size: int = field(
+        4096,
+        "users per batch on the local runtime (bounds memory; auto or 0: from the memory available)",
+        ge=0,
+        words={"auto": 0},
+    )
 
     def check(self) -> None:
         altmin_config(self).check()
@@ -52,9 +66,18 @@ class ExpMechConfig:
 def altmin_config(cfg: ExpMechConfig) -> altmin.AltMinConfig:
     """The AltMin config of the same problem (same users, same seed): its data and baselines."""
     return altmin.AltMinConfig(
-        n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user,
-        noise_std=cfg.noise_std, epsilon=cfg.epsilon, clip_label=cfg.clip_label, seed=cfg.seed,
-        device=cfg.device, dtype=cfg.dtype, data=cfg.data, chunk_size=cfg.chunk_size,
+        n_users=cfg.n_users,
+        dim=cfg.dim,
+        rank=cfg.rank,
+        samples_per_user=cfg.samples_per_user,
+        noise_std=cfg.noise_std,
+        epsilon=cfg.epsilon,
+        clip_label=cfg.clip_label,
+        seed=cfg.seed,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        data=cfg.data,
+        chunk_size=cfg.chunk_size,
     )
 
 
@@ -119,10 +142,20 @@ def make_protocol(cfg: ExpMechConfig) -> ExpMechProtocol:
     check_fits(cfg)
     L_f, C, zeta = clip_bounds(cfg)
     return ExpMechProtocol(
-        n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user,
-        epsilon=cfg.epsilon, feature_clip=L_f, model_bound=C, label_clip=zeta,
-        candidate_kind=cfg.candidates, net_width=cfg.net_width, num_candidates=cfg.num_candidates,
-        candidate_seed=derived_seed(cfg.seed, "candidates"), dtype_name=cfg.dtype, block_elements=WORKING_ELEMENTS,
+        n_users=cfg.n_users,
+        dim=cfg.dim,
+        rank=cfg.rank,
+        samples_per_user=cfg.samples_per_user,
+        epsilon=cfg.epsilon,
+        feature_clip=L_f,
+        model_bound=C,
+        label_clip=zeta,
+        candidate_kind=cfg.candidates,
+        net_width=cfg.net_width,
+        num_candidates=cfg.num_candidates,
+        candidate_seed=derived_seed(cfg.seed, "candidates"),
+        dtype_name=cfg.dtype,
+        block_elements=WORKING_ELEMENTS,
     )
 
 
@@ -138,7 +171,10 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
         if self.u_star is None:
             return {}
         U = state["U"]
-        return {"subspace_error": metrics.subspace_error(U, self.u_star), "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star)}
+        return {
+            "subspace_error": metrics.subspace_error(U, self.u_star),
+            "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star),
+        }
 
     def candidate_fit(self, U: Tensor) -> altmin.Fit:
         """Users fit v with ||v|| ≤ C on their second half (Algorithm 4, step 4)."""
@@ -165,9 +201,11 @@ class ExpMechExperiment(altmin.AltMinExperiment):
     config_type = ExpMechConfig
 
     def trivial_baselines(self, cfg: ExpMechConfig) -> list[Trivial]:
-        why = ("the selected U is too far from the truth: either the candidate set is too coarse (compare nearest_candidate; "
-               "use a smaller --net-width or more --num-candidates) or there are too few users for this ε to single out "
-               "a good candidate (raise --n-users or --epsilon)")
+        why = (
+            "the selected U is too far from the truth: either the candidate set is too coarse (compare nearest_candidate; "
+            "use a smaller --net-width or more --num-candidates) or there are too few users for this ε to single out "
+            "a good candidate (raise --n-users or --epsilon)"
+        )
         return [Trivial("excess_risk", "local_only", why=why)]
 
     def protocol(self, cfg: ExpMechConfig, calibrations: Calibrations | None = None) -> ExpMechProtocol:
@@ -208,16 +246,21 @@ class ExpMechExperiment(altmin.AltMinExperiment):
 
     def describe(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> dict[str, Any]:
         return {
-            "candidates": protocol.candidate_count, "candidate_kind": protocol.candidate_kind.value,
+            "candidates": protocol.candidate_count,
+            "candidate_kind": protocol.candidate_kind.value,
             "net_width": protocol.net_width if protocol.candidate_kind is CandidateKind.NET else None,
-            "L_f": protocol.feature_clip, "C": protocol.model_bound, "zeta": protocol.label_clip,
-            "xi": protocol.xi, "sensitivity": protocol.sensitivity, "paper_sensitivity": protocol.paper_sensitivity,
+            "L_f": protocol.feature_clip,
+            "C": protocol.model_bound,
+            "zeta": protocol.label_clip,
+            "xi": protocol.xi,
+            "sensitivity": protocol.sensitivity,
+            "paper_sensitivity": protocol.paper_sensitivity,
             "selection": "P(U) ∝ exp(−ε·score(U)/(2Δ)), Δ = ζ² (the paper's 4ξL_fC is looser and misses label changes)",
         }
 
     def plan(self, cfg: ExpMechConfig) -> list[str]:
         cfg = resolve(cfg)
-        count, exact, need = check_fits(cfg)
+        count, _exact, need = check_fits(cfg)
         if cfg.candidates is CandidateKind.NET:
             count = int(make_protocol(cfg).candidate_count)  # cached: the run reuses this net
             what = f"φ-net of width {cfg.net_width} over {cfg.dim}×{cfg.rank} orthonormal matrices"

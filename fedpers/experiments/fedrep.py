@@ -6,27 +6,29 @@ each with m training samples (the only ones the protocol reads), R refit samples
 samples, all generated from (seed, user id). ``population_mse`` is the mean over users of the
 test MSE after refitting v_j on the R refit samples with the final U (the paper's metric).
 """
+
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from fedpers import metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import synthetic
-from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
+from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin import AltMinConfig
 from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
+from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.population import population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
-from fedpers.data.units import UnitSource
 from fedpers.runtime.local import run_local
 
 Tensor = torch.Tensor
@@ -46,21 +48,37 @@ class FedRepConfig:
     refit_samples: int = field(5, "samples per user to refit v_j on at the end (local, never sent)", ge=1)
     test_samples: int = field(200, "test samples per user for population_mse", ge=1)
     noise_std: float = field(0.01, "label noise σ_F", ge=0.0)
-    v_star: VStar = field(VStar.SPHERE, "distribution of v*_j: sphere (uniform on the unit sphere, the paper's) or normal (N(0, I_k), AltMin's)")
-    epsilon: float = field(4.0, "user-level ε over init + all rounds (inf: non-private FedRep, no clipping, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
+    v_star: VStar = field(
+        VStar.SPHERE,
+        "distribution of v*_j: sphere (uniform on the unit sphere, the paper's) or normal (N(0, I_k), AltMin's)",
+    )
+    epsilon: float = field(
+        4.0,
+        "user-level ε over init + all rounds (inf: non-private FedRep, no clipping, no noise)",
+        gt=0.0,
+        le=MAX_EPSILON,
+        inf_ok=True,
+    )
     delta: float = field(1e-6, "user-level δ", gt=0.0, lt=1.0)
     rounds: int = field(5, "gradient rounds T after the private initialisation", ge=1)
     learning_rate: float = field(2.5, "server step size η on the mean clipped gradient", gt=0.0)
     clip: float = field(10.0, "C: Frobenius clip of each user's gradient of U", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip of the initialisation, ζ = c_ζ √(k + σ_F²)", gt=0.0)
-    cohorts: str = field("all", "all: every user every round; poisson: each round samples users independently with probability --sampling-rate")
-    sampling_rate: float = field(1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0)
+    cohorts: str = field(
+        "all",
+        "all: every user every round; poisson: each round samples users independently with probability --sampling-rate",
+    )
+    sampling_rate: float = field(
+        1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
+    )
     accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
-    baselines: str = field("all", "baselines on the same users: all, none, or a comma list of priv_altmin, nonprivate_altmin")
+    baselines: str = field(
+        "all", "baselines on the same users: all, none, or a comma list of priv_altmin, nonprivate_altmin"
+    )
 
     def check(self) -> None:
         baseline_names(self.baselines)
@@ -71,7 +89,9 @@ class FedRepConfig:
         if self.cohorts == "all" and self.sampling_rate != 1.0:
             raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
         if self.cohorts == "poisson" and self.accountant is not Accountant.PLD:
-            raise ValueError(f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}")
+            raise ValueError(
+                f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}"
+            )
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         check_device_and_dtype(self.device, self.dtype)
@@ -125,14 +145,28 @@ def source(cfg: FedRepConfig, keys: tuple[str, ...] | None = None) -> UnitSource
 def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -> FedRepProtocol:
     private = not math.isinf(cfg.epsilon)
     proto = FedRepProtocol(
-        n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=cfg.samples_per_user, rounds=cfg.rounds,
-        clip=cfg.clip if private else math.inf, zeta=default_zeta(cfg.rank, cfg.noise_std, cfg.clip_label) if private else math.inf,
-        learning_rate=cfg.learning_rate, noise_multiplier=0.0, dtype_name=cfg.dtype, sampling_rate=cfg.sampling_rate,
+        n_users=cfg.n_users,
+        dim=cfg.dim,
+        rank=cfg.rank,
+        samples_per_user=cfg.samples_per_user,
+        rounds=cfg.rounds,
+        clip=cfg.clip if private else math.inf,
+        zeta=default_zeta(cfg.rank, cfg.noise_std, cfg.clip_label) if private else math.inf,
+        learning_rate=cfg.learning_rate,
+        noise_multiplier=0.0,
+        dtype_name=cfg.dtype,
+        sampling_rate=cfg.sampling_rate,
     )
     if not private:
         return proto
     releases = proto.releases_per_user()
-    z = calibrate_noise_multiplier(lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
+    z = calibrate_noise_multiplier(
+        lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate),
+        cfg.epsilon,
+        cfg.delta,
+        cfg.accountant,
+        calibrations,
+    )
     return replace(proto, noise_multiplier=z)
 
 
@@ -168,7 +202,10 @@ class FedRepEvaluator(Evaluator):
             Us["nonprivate_altmin"], rounds = nonprivate_altmin(train, self.cfg.rank, self.cfg.chunk_size)
             extra["nonprivate_altmin"] = {"rounds": rounds}
         mse = population_mse(self.source, Us, self.cfg.chunk_size)
-        rows = {name: {"subspace_error": metrics.subspace_error(U, self.u_star), "population_mse": mse[name]} for name, U in Us.items()}
+        rows = {
+            name: {"subspace_error": metrics.subspace_error(U, self.u_star), "population_mse": mse[name]}
+            for name, U in Us.items()
+        }
         out: dict[str, Any] = rows.pop("private")
         out["baselines"] = {name: {**rows.get(name, {}), **info} for name, info in extra.items()}
         return out
@@ -183,26 +220,52 @@ class FedRepEvaluator(Evaluator):
         if q4 == 0:
             return None, {"skipped": "m < 4: Priv-AltMin needs 4 sample quarters"}
         acfg = AltMinConfig(
-            n_users=cfg.n_users, dim=cfg.dim, rank=cfg.rank, samples_per_user=q4, noise_std=cfg.noise_std, epsilon=cfg.epsilon,
-            delta=cfg.delta, rounds=cfg.rounds, accountant=cfg.accountant, seed=cfg.seed, dtype=cfg.dtype, chunk_size=cfg.chunk_size,
+            n_users=cfg.n_users,
+            dim=cfg.dim,
+            rank=cfg.rank,
+            samples_per_user=q4,
+            noise_std=cfg.noise_std,
+            epsilon=cfg.epsilon,
+            delta=cfg.delta,
+            rounds=cfg.rounds,
+            accountant=cfg.accountant,
+            seed=cfg.seed,
+            dtype=cfg.dtype,
+            chunk_size=cfg.chunk_size,
             baselines="none",
         )
         proto = altmin_protocol(acfg)
-        quarters = UnitSource(cfg.n_users, lambda a, b: {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in train.slice(a, b).items()}, cfg.device)
+        quarters = UnitSource(
+            cfg.n_users,
+            lambda a, b: {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in train.slice(a, b).items()},
+            cfg.device,
+        )
         ledger = Ledger()
-        state, _ = run_local(proto, quarters, Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger), chunk_size=cfg.chunk_size, progress=False)
+        state, _ = run_local(
+            proto,
+            quarters,
+            Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger),
+            chunk_size=cfg.chunk_size,
+            progress=False,
+        )
         eps = ledger_epsilon(ledger, cfg.delta, cfg.accountant) if not math.isinf(cfg.epsilon) else math.inf
         return state["U"], {"epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
 
 
 class FedRepExperiment(Experiment):
     """Private FedRep (Snedeker, Zhou, Bassily 2025) with a private, accounted initialisation."""
+
     round_axis = "round (0 = private initialisation)"
 
     def trivial_baselines(self, cfg: FedRepConfig) -> list[Trivial]:
-        why = ("the private gradient rounds made the initialisation worse: too few users for this ε and --rounds "
-               "(raise --n-users or --epsilon, use fewer --rounds, or a --clip nearer the gradients' norms)")
-        return [Trivial("population_mse", "private_init_only", why=why), Trivial("subspace_error", "private_init_only", why=why)]
+        why = (
+            "the private gradient rounds made the initialisation worse: too few users for this ε and --rounds "
+            "(raise --n-users or --epsilon, use fewer --rounds, or a --clip nearer the gradients' norms)"
+        )
+        return [
+            Trivial("population_mse", "private_init_only", why=why),
+            Trivial("subspace_error", "private_init_only", why=why),
+        ]
 
     name = "fedrep"
     result_keys = ("subspace_error", "population_mse")
@@ -237,7 +300,9 @@ class FedRepExperiment(Experiment):
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": protocol.releases_per_user(),
-            "sampling": f"poisson q={cfg.sampling_rate} (rounds 1..T; init uses every user)" if cfg.cohorts == "poisson" else "all users every round",
+            "sampling": f"poisson q={cfg.sampling_rate} (rounds 1..T; init uses every user)"
+            if cfg.cohorts == "poisson"
+            else "all users every round",
         }
 
     def plot_keys(self) -> tuple[str, ...]:
@@ -245,7 +310,10 @@ class FedRepExperiment(Experiment):
 
     def describe(self, cfg: FedRepConfig, protocol: FedRepProtocol) -> dict[str, Any]:
         return {
-            "clip": protocol.clip, "zeta": protocol.zeta, "noise_multiplier": protocol.noise_multiplier,
-            "noise_std_G": protocol.noise_std(protocol.clip), "noise_std_init": protocol.noise_std(protocol.init_bound),
+            "clip": protocol.clip,
+            "zeta": protocol.zeta,
+            "noise_multiplier": protocol.noise_multiplier,
+            "noise_std_G": protocol.noise_std(protocol.clip),
+            "noise_std_init": protocol.noise_std(protocol.init_bound),
             "v_star": cfg.v_star.value,
         }

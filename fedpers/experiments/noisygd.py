@@ -1,4 +1,5 @@
-"""`fedpers run noisygd`: last-layer NoisyGD on neural-collapse features (SPEC §3), zCDP accounting."""
+"""`fedpers run noisygd`: last-layer NoisyGD on neural-collapse features (docs/algorithms.md §3), zCDP accounting."""
+
 from __future__ import annotations
 
 import math
@@ -13,7 +14,16 @@ from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
-from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon, zcdp_rho, zcdp_rho_for
+from fedpers.privacy import (
+    Accountant,
+    Calibrations,
+    Ledger,
+    Privatizer,
+    calibrate_noise_multiplier,
+    ledger_epsilon,
+    zcdp_rho,
+    zcdp_rho_for,
+)
 from fedpers.protocols.noisygd import Loss, NoisyGDProtocol, Remedy
 from fedpers.runtime.local import run_local
 
@@ -25,20 +35,34 @@ class NoisyGDConfig:
     classes: int = field(10, "number of classes K", ge=2)
     feature_dim: int = field(100, "feature dimension p (>= K)", ge=2)
     examples: int = field(10000, "training examples n (the privacy units)", ge=1)
-    epsilon: float = field(1.0, "example-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
+    epsilon: float = field(
+        1.0, "example-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True
+    )
     delta: float = field(1e-4, "example-level δ", gt=0.0, lt=1.0)
     steps: int = field(30, "NoisyGD steps T (full batch)", ge=1)
     lr: float = field(0.01, "step size η: W ← W − η(Σ_i clip(∇ℓ_i) + noise)", gt=0.0)
     grad_clip: float = field(1.0, "per-example gradient clip G_c", gt=0.0)
     loss: Loss = field(Loss.CE, "ce: cross-entropy; squared: ½||Wx − e_y||²")
-    collapse: Collapse = field(Collapse.PERFECT, "training features: perfect ETF, a fixed offset ±β, or random ±β per example")
+    collapse: Collapse = field(
+        Collapse.PERFECT, "training features: perfect ETF, a fixed offset ±β, or random ±β per example"
+    )
     beta: float = field(0.1, "β = ||v||_∞ of the offset / random perturbation (collapse offset|random)", ge=0.0)
-    imbalance: float = field(1.0, "α: class sizes ∝ α^{k/(K−1)} (1: balanced; smallest/largest class = α)", gt=0.0, le=1.0)
+    imbalance: float = field(
+        1.0, "α: class sizes ∝ α^{k/(K−1)} (1: balanced; smallest/largest class = α)", gt=0.0, le=1.0
+    )
     test_perturbation: float = field(0.0, "β₂: random ±β₂ per coordinate added to every test feature", ge=0.0)
-    remedy: Remedy = field(Remedy.NONE, "none; center: subtract a DP mean; pca: project on the top K−1 DP-PCA directions")
-    remedy_budget: float = field(0.2, "share of the privacy budget (of ρ, i.e. of μ²) spent on the remedy's release", gt=0.0, lt=1.0)
-    feature_bound: float = field(0.0, "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies)", ge=0.0)
-    accountant: Accountant = field(Accountant.ZCDP, "zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's); pld: tight")
+    remedy: Remedy = field(
+        Remedy.NONE, "none; center: subtract a DP mean; pca: project on the top K−1 DP-PCA directions"
+    )
+    remedy_budget: float = field(
+        0.2, "share of the privacy budget (of ρ, i.e. of μ²) spent on the remedy's release", gt=0.0, lt=1.0
+    )
+    feature_bound: float = field(
+        0.0, "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies)", ge=0.0
+    )
+    accountant: Accountant = field(
+        Accountant.ZCDP, "zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's); pld: tight"
+    )
     test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
     baselines: bool = field(True, "also run non-private GD (no clip, no noise) on the same data")
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
@@ -48,7 +72,9 @@ class NoisyGDConfig:
 
     def check(self) -> None:
         if self.feature_dim < self.classes:
-            raise ValueError(f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}")
+            raise ValueError(
+                f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}"
+            )
         if self.examples < self.classes:
             raise ValueError(f"examples must be >= classes={self.classes}; got {self.examples}")
         check_device_and_dtype(self.device, self.dtype)
@@ -80,11 +106,21 @@ def run_event(z1: float, cfg: NoisyGDConfig) -> dp_accounting.DpEvent:
     return dp_accounting.ComposedDpEvent(events)
 
 
-def make_protocol(cfg: NoisyGDConfig, *, private: bool = True, calibrations: Calibrations | None = None) -> NoisyGDProtocol:
+def make_protocol(
+    cfg: NoisyGDConfig, *, private: bool = True, calibrations: Calibrations | None = None
+) -> NoisyGDProtocol:
     proto = NoisyGDProtocol(
-        classes=cfg.classes, feature_dim=cfg.feature_dim, examples=cfg.examples, steps=cfg.steps, lr=cfg.lr,
-        grad_clip=cfg.grad_clip if private else math.inf, noise_multiplier=0.0, remedy=cfg.remedy,
-        feature_bound=feature_bound(cfg) if private else math.inf, remedy_noise_multiplier=0.0, loss=cfg.loss,
+        classes=cfg.classes,
+        feature_dim=cfg.feature_dim,
+        examples=cfg.examples,
+        steps=cfg.steps,
+        lr=cfg.lr,
+        grad_clip=cfg.grad_clip if private else math.inf,
+        noise_multiplier=0.0,
+        remedy=cfg.remedy,
+        feature_bound=feature_bound(cfg) if private else math.inf,
+        remedy_noise_multiplier=0.0,
+        loss=cfg.loss,
         dtype_name=cfg.dtype,
     )
     if not private or math.isinf(cfg.epsilon):
@@ -96,9 +132,16 @@ def make_protocol(cfg: NoisyGDConfig, *, private: bool = True, calibrations: Cal
 
 def load_units(cfg: NoisyGDConfig, ids: Tensor, *, test: bool = False) -> dict[str, Tensor]:
     out = nc.features(
-        derived_seed(cfg.seed, "data"), ids, classes=cfg.classes, dim=cfg.feature_dim,
-        examples=cfg.test_examples if test else cfg.examples, collapse=cfg.collapse, beta=cfg.beta,
-        imbalance=cfg.imbalance, dtype=getattr(torch, cfg.dtype), test=test,
+        derived_seed(cfg.seed, "data"),
+        ids,
+        classes=cfg.classes,
+        dim=cfg.feature_dim,
+        examples=cfg.test_examples if test else cfg.examples,
+        collapse=cfg.collapse,
+        beta=cfg.beta,
+        imbalance=cfg.imbalance,
+        dtype=getattr(torch, cfg.dtype),
+        test=test,
         test_perturbation=cfg.test_perturbation if test else 0.0,
     )
     return {k: v.to(cfg.device) for k, v in out.items()}
@@ -123,8 +166,12 @@ class NoisyGDEvaluator(Evaluator):
 
     def final(self, state: Any) -> dict[str, Any]:
         out: dict[str, Any] = accuracy(self.protocol, state, self.test, self.cfg.classes)
-        majority = float(torch.bincount(self.test["y"].long().cpu(), minlength=self.cfg.classes).max()) / max(int(self.test["y"].numel()), 1)
-        out["baselines"] = {"chance": {"accuracy": majority, "balanced_accuracy": 1.0 / self.cfg.classes}}  # always the most frequent class
+        majority = float(torch.bincount(self.test["y"].long().cpu(), minlength=self.cfg.classes).max()) / max(
+            int(self.test["y"].numel()), 1
+        )
+        out["baselines"] = {
+            "chance": {"accuracy": majority, "balanced_accuracy": 1.0 / self.cfg.classes}
+        }  # always the most frequent class
         if self.cfg.baselines:
             nonprivate = make_protocol(self.cfg, private=False)
             units = load_units(self.cfg, torch.arange(self.cfg.examples))
@@ -135,6 +182,7 @@ class NoisyGDEvaluator(Evaluator):
 
 class NoisyGDExperiment(Experiment):
     """Last-layer NoisyGD on neural-collapse features (zCDP accounting, converted to (ε, δ))."""
+
     round_axis = "round (the remedy's release first if --remedy is set, then gradient steps)"
 
     name = "noisygd"
@@ -143,9 +191,15 @@ class NoisyGDExperiment(Experiment):
     config_type = NoisyGDConfig
 
     def trivial_baselines(self, cfg: NoisyGDConfig) -> list[Trivial]:
-        why = ("the noise swamps the clipped gradients: too few examples for this ε at this feature dimension "
-               "(raise --examples or --epsilon, lower --feature-dim, or try --remedy center|pca)")
-        return [Trivial("accuracy", "chance", higher_is_better=True, why=why), Trivial("balanced_accuracy", "chance", higher_is_better=True, why=why)]
+        why = (
+            "the noise swamps the clipped gradients: too few examples for this ε at this feature dimension "
+            "(raise --examples or --epsilon, lower --feature-dim, or try --remedy center|pca)"
+        )
+        return [
+            Trivial("accuracy", "chance", higher_is_better=True, why=why),
+            Trivial("balanced_accuracy", "chance", higher_is_better=True, why=why),
+        ]
+
     primary_metric = "accuracy"
 
     def protocol(self, cfg: NoisyGDConfig, calibrations: Calibrations | None = None) -> NoisyGDProtocol:
@@ -201,10 +255,14 @@ class NoisyGDExperiment(Experiment):
 
     def describe(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol) -> dict[str, Any]:
         return {
-            "grad_clip": protocol.grad_clip, "noise_multiplier": protocol.noise_multiplier, "noise_std_grad": protocol.noise_std(),
+            "grad_clip": protocol.grad_clip,
+            "noise_multiplier": protocol.noise_multiplier,
+            "noise_std_grad": protocol.noise_std(),
             "paper_noise_std_add_remove": protocol.noise_std() / 2,
             "note": "the paper's N(0, G²/(2ρ)) is for add/remove neighbours; replace-one doubles the sensitivity, so σ = 2G/sqrt(2ρ)",
-            "remedy": protocol.remedy.value, "feature_bound": protocol.feature_bound,
-            "remedy_noise_multiplier": protocol.remedy_noise_multiplier, "remedy_noise_std": protocol.remedy_noise_std(),
+            "remedy": protocol.remedy.value,
+            "feature_bound": protocol.feature_bound,
+            "remedy_noise_multiplier": protocol.remedy_noise_multiplier,
+            "remedy_noise_std": protocol.remedy_noise_std(),
             "model_dim": protocol.model_dim,
         }

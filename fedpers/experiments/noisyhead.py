@@ -1,4 +1,4 @@
-"""`fedpers run noisyhead`: prompt-level DP pretraining of a linear attention head (SPEC §2).
+"""`fedpers run noisyhead`: prompt-level DP pretraining of a linear attention head (docs/algorithms.md §2).
 
 The config names the §6 setting (``regime``) that supplies λ, η₀ and T when they are not given,
 derives C, G, G₀, R, σ from Theorem 4.1 unless given, calibrates the noise (the paper's per-step
@@ -9,12 +9,14 @@ Monte-Carlo sweeps (``fedpers sweep simulations/noisyhead_*.toml``) go through
 experiment), which batches all repetitions
 (:mod:`fedpers.experiments.noisyhead_mc`).
 """
+
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 import dp_accounting
 import torch
@@ -96,17 +98,33 @@ class NoisyHeadConfig:
     prompts: int = field(1000, "number of training prompts N", ge=1)
     dim: int = field(5, "token dimension D (0: ⌊√N⌋)", ge=0)
     context: int = field(0, "context length L (0: ⌊√N⌋)", ge=0)
-    epsilon: float = field(1.0, "ε of the whole run for one privacy unit (inf: clipped and projected, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
+    epsilon: float = field(
+        1.0,
+        "ε of the whole run for one privacy unit (inf: clipped and projected, no noise)",
+        gt=0.0,
+        le=MAX_EPSILON,
+        inf_ok=True,
+    )
     delta: float = field(1e-5, "δ of the whole run", gt=0.0, lt=1.0)
     steps: int = field(0, "gradient steps T (0: the regime's rule)", ge=0)
     regime: Regime = field(Regime.LOW_DIM, "the §6 setting that supplies λ, η₀ and T when they are 0")
-    mode: Mode = field(Mode.STATISTICS, "statistics: clients send Σ vec Z̃ vec Z̃ᵀ, Σ ỹ vec Z̃ once; rounds: T rounds of gradients")
+    mode: Mode = field(
+        Mode.STATISTICS, "statistics: clients send Σ vec Z̃ vec Z̃ᵀ, Σ ỹ vec Z̃ once; rounds: T rounds of gradients"
+    )
     unit: Unit = field(Unit.PROMPT, "privacy unit: one prompt, or one user's prompts (replace-one)")
     prompts_per_user: int = field(1, "P, prompts per user with --unit user (N must be a multiple of P)", ge=1)
     user_clip: float = field(1.0, "ρ: a user's statistics are clipped to ρ·P times one prompt's bounds", gt=0.0, le=1.0)
-    calibration: Calibration = field(Calibration.PAPER, "paper: per-step (ε/T, δ/T) classical Gaussian; accountant: smallest noise meeting (ε, δ)")
+    calibration: Calibration = field(
+        Calibration.PAPER, "paper: per-step (ε/T, δ/T) classical Gaussian; accountant: smallest noise meeting (ε, δ)"
+    )
     accountant: Accountant = field(Accountant.PLD, "accountant for the reported ε (pld is exact for Gaussians)")
-    sampling_rate: float = field(1.0, "q < 1: each step includes every unit (prompt or user) independently with probability q (Poisson; amplification); needs --mode rounds and --calibration accountant", gt=0.0, le=1.0)
+    sampling_rate: float = field(
+        1.0,
+        "q < 1: each step includes every unit (prompt or user) independently with probability q (Poisson; "
+        "amplification); needs --mode rounds and --calibration accountant",
+        gt=0.0,
+        le=1.0,
+    )
     label_noise: float = field(0.0, "τ, the label noise std (ν = 1 + τ²)", ge=0.0)
     kappa: float = field(1.0, "κ of Theorem 4.1", gt=0.0, le=1.0)
     clip_c: float = field(0.0, "label clip C (0: Theorem 4.1)", ge=0.0)
@@ -114,14 +132,20 @@ class NoisyHeadConfig:
     proj_r: float = field(0.0, "parameter projection radius R (0: Theorem 4.1)", ge=0.0)
     ridge_lambda: float = field(0.0, "ridge λ (0: the regime's)", ge=0.0)
     step_size: float = field(0.0, "step size η₀ (0: the regime's rule)", ge=0.0)
-    ridge_scaling: RidgeScaling = field(RidgeScaling.MATCHED, "Γ*: matched = (2λN I + ΣZZᵀ)⁻¹Σ yZ, the minimiser GD descends; paper = eq. (2.7) with λN")
+    ridge_scaling: RidgeScaling = field(
+        RidgeScaling.MATCHED, "Γ*: matched = (2λN I + ΣZZᵀ)⁻¹Σ yZ, the minimiser GD descends; paper = eq. (2.7) with λN"
+    )
     init: Init = field(Init.ZERO, "Γ⁰: zero, or 0.1·N(0, I) projected on the R-ball (public randomness)")
     test_prompts: int = field(500, "test prompts for the excess risk and MSE", ge=1)
-    data: DataSource = field(DataSource.SYNTHETIC, "synthetic (SPEC §2) or newsgroups (§7; needs the 'text' extra)")
+    data: DataSource = field(
+        DataSource.SYNTHETIC, "synthetic (docs/algorithms.md §2) or newsgroups (§7; needs the 'text' extra)"
+    )
     attack_c: float = field(0.0, "robustness (§6.3): one prompt perturbed with α = c·N^p (0: no attack)", ge=0.0)
     attack_p: float = field(2.0, "robustness: p in α = c·N^p")
     attack_mu: float = field(1.0, "robustness: μ, x' = x + μ·1 on every token of the attacked prompt")
-    attack_noise: AttackNoise = field(AttackNoise.SHARED, "robustness: the attacked run's DP noise is the clean run's (shared) or fresh")
+    attack_noise: AttackNoise = field(
+        AttackNoise.SHARED, "robustness: the attacked run's DP noise is the clean run's (shared) or fresh"
+    )
     engine: Engine = field(Engine.AUTO, "sweeps: Monte-Carlo engine (auto: direct for D ≤ 16, else spectral)")
     seed: int = field(0, "run seed (data, test data, init and DP noise use separate generators derived from it)", ge=0)
     chunk_size: int = field(4096, "units per batch on the local runtime (bounds memory)", ge=1)
@@ -141,9 +165,13 @@ class NoisyHeadConfig:
             raise ValueError("label_noise applies to synthetic data only")
         if self.sampling_rate < 1:
             if self.mode is not Mode.ROUNDS:
-                raise ValueError("sampling_rate < 1 needs mode rounds (each step samples its units; the statistics mode sends them once)")
+                raise ValueError(
+                    "sampling_rate < 1 needs mode rounds (each step samples its units; the statistics mode sends them once)"
+                )
             if self.calibration is not Calibration.ACCOUNTANT or self.accountant is not Accountant.PLD:
-                raise ValueError("sampling_rate < 1 needs calibration accountant and accountant pld (the paper's per-step rule has no sampling)")
+                raise ValueError(
+                    "sampling_rate < 1 needs calibration accountant and accountant pld (the paper's per-step rule has no sampling)"
+                )
             if self.attack_c > 0:
                 raise ValueError("the robustness attack is defined without sampling (sampling_rate = 1)")
 
@@ -227,9 +255,14 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
     if math.isinf(cfg.epsilon):
         z, formulas["noise_multiplier"] = 0.0, "ε = inf: no noise"
     elif cfg.calibration is Calibration.PAPER:
-        z, formulas["noise_multiplier"] = nh.paper_noise_multiplier(T, cfg.epsilon, cfg.delta), "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))"
+        z, formulas["noise_multiplier"] = (
+            nh.paper_noise_multiplier(T, cfg.epsilon, cfg.delta),
+            "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))",
+        )
     else:
-        z = calibrate_noise_multiplier(lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
+        z = calibrate_noise_multiplier(
+            lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations
+        )
         sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
         formulas["noise_multiplier"] = f"smallest z with ε({cfg.accountant.value}, T-fold Gaussian{sampled}) ≤ target"
     formulas["noise_std_step"] = "std of z_t entries = (η₀/N)·z·ρP·G(C + RG)"
@@ -263,12 +296,26 @@ def initial_gamma(cfg: NoisyHeadConfig, r: Resolved) -> tuple[float, ...]:
     return tuple(linalg.clip_vectors(v, r.R).tolist())
 
 
-def make_protocol(cfg: NoisyHeadConfig, r: Resolved | None = None, mode: Mode | None = None, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
+def make_protocol(
+    cfg: NoisyHeadConfig, r: Resolved | None = None, mode: Mode | None = None, calibrations: Calibrations | None = None
+) -> NoisyHeadProtocol:
     r = r or resolve(cfg, calibrations)
     return NoisyHeadProtocol(
-        prompts=r.N, dim=r.D, context=r.L, steps=r.T, step_size=r.eta, ridge_lambda=r.lam,
-        clip_c=r.C, proj_g=r.G, proj_r=r.R, noise_multiplier=r.noise_multiplier, mode=mode or cfg.mode,
-        prompts_per_unit=r.P, unit_clip=r.rho, gamma0=initial_gamma(cfg, r), unit_name=cfg.unit.value,
+        prompts=r.N,
+        dim=r.D,
+        context=r.L,
+        steps=r.T,
+        step_size=r.eta,
+        ridge_lambda=r.lam,
+        clip_c=r.C,
+        proj_g=r.G,
+        proj_r=r.R,
+        noise_multiplier=r.noise_multiplier,
+        mode=mode or cfg.mode,
+        prompts_per_unit=r.P,
+        unit_clip=r.rho,
+        gamma0=initial_gamma(cfg, r),
+        unit_name=cfg.unit.value,
         sampling_rate=cfg.sampling_rate if (mode or cfg.mode) is Mode.ROUNDS else 1.0,
     )
 
@@ -355,7 +402,11 @@ class NoisyHeadEvaluator(Evaluator):
         """Right side of (4.2): G₀²((1 − η₀λ)^T R² + σ²η₀²D T² log(2T/δ)/(N²ε²)), σ = 2G(C + RG)."""
         r, cfg = self.r, self.cfg
         sigma = 2 * r.G * (r.C + r.R * r.G)
-        noise = 0.0 if math.isinf(cfg.epsilon) else sigma**2 * r.eta**2 * r.D * r.T**2 * math.log(2 * r.T / cfg.delta) / (r.N * cfg.epsilon) ** 2
+        noise = (
+            0.0
+            if math.isinf(cfg.epsilon)
+            else sigma**2 * r.eta**2 * r.D * r.T**2 * math.log(2 * r.T / cfg.delta) / (r.N * cfg.epsilon) ** 2
+        )
         return r.consts.G0**2 * ((1 - r.eta * r.lam) ** r.T * r.R**2 + noise)
 
     def final(self, state: Any) -> dict[str, Any]:
@@ -370,9 +421,16 @@ class NoisyHeadEvaluator(Evaluator):
             "Gamma": nh.vec_to_gamma(gamma).tolist(),
         }
         out["baselines"] = {
-            "ridge": {"excess_risk": 0.0, "test_mse": self.mse(self.gamma_star), "gamma_norm": float(torch.linalg.vector_norm(self.gamma_star))},
+            "ridge": {
+                "excess_risk": 0.0,
+                "test_mse": self.mse(self.gamma_star),
+                "gamma_norm": float(torch.linalg.vector_norm(self.gamma_star)),
+            },
             "nonprivate_gd": {"excess_risk": self.excess(gamma_gd), "test_mse": self.mse(gamma_gd)},
-            "zero_head": {"excess_risk": self.excess(torch.zeros_like(gamma)), "test_mse": self.mse(torch.zeros_like(gamma))},
+            "zero_head": {
+                "excess_risk": self.excess(torch.zeros_like(gamma)),
+                "test_mse": self.mse(torch.zeros_like(gamma)),
+            },
         }
         if self.cfg.attack_c > 0:
             out.update(self.robustness())
@@ -389,7 +447,11 @@ class NoisyHeadEvaluator(Evaluator):
         xb, yb = attack_prompt(x[i], y[i], cfg.attack_mu, alpha)
         zb, _ = nh.prompt_vectors(xb, yb)
         k = self.z.shape[-1]
-        M_i = self.A - torch.outer(self.z[i], self.z[i]) + cfg.ridge_scaling.factor * r.lam * r.N * torch.eye(k, dtype=torch.float64)
+        M_i = (
+            self.A
+            - torch.outer(self.z[i], self.z[i])
+            + cfg.ridge_scaling.factor * r.lam * r.N * torch.eye(k, dtype=torch.float64)
+        )
         ridge_bad = sherman_morrison_replace(M_i, self.b - self.yq[i] * self.z[i], zb, self.yq[i])
         x2, y2 = x.clone(), y.clone()
         x2[i], y2[i] = xb, yb
@@ -412,15 +474,28 @@ class NoisyHeadEvaluator(Evaluator):
 
 # ----- the experiment --------------------------------------------------------------------------
 class NoisyHeadExperiment(Experiment):
-    """NoisyHead: prompt-level DP gradient descent on a linear attention head (SPEC §2)."""
+    """NoisyHead: prompt-level DP gradient descent on a linear attention head (docs/algorithms.md §2)."""
+
     round_axis = "round (--mode rounds: one gradient step each)"
 
     name = "noisyhead"
     result_keys = (
-        "excess_risk", "test_mse", "gamma_norm", "theorem41_bound", "robust_noisyhead", "robust_ridge",
+        "excess_risk",
+        "test_mse",
+        "gamma_norm",
+        "theorem41_bound",
+        "robust_noisyhead",
+        "robust_ridge",
         # a sweep's vectorised points (noisyhead_mc.sweep_point) also give these
-        "gd_excess_risk", "ridge_test_mse", "gd_test_mse", "robust_ridge_naive_solve", "epsilon_spent", "paper_epsilon",
-        "ridge_lambda", "step_size", "steps",
+        "gd_excess_risk",
+        "ridge_test_mse",
+        "gd_test_mse",
+        "robust_ridge_naive_solve",
+        "epsilon_spent",
+        "paper_epsilon",
+        "ridge_lambda",
+        "step_size",
+        "steps",
     )
     baseline_names = ("ridge", "nonprivate_gd", "zero_head")
     config_type = NoisyHeadConfig
@@ -437,9 +512,11 @@ class NoisyHeadExperiment(Experiment):
         ridge, zero = base.get("ridge", {}).get("test_mse"), base.get("zero_head", {}).get("test_mse")
         if warnings and isinstance(ridge, float) and isinstance(zero, float) and ridge > 0.99 * zero:
             for w in warnings:  # the target itself is no better than predicting 0: say so, it is the real reason
-                w["text"] += (f"; note that the ridge target Γ* itself predicts no better than the zero head (test MSE "
-                              f"{ridge:.4g} against {zero:.4g}): this regime's λ shrinks it to about 0, so lower --ridge-lambda "
-                              "for a task with something to learn")
+                w["text"] += (
+                    f"; note that the ridge target Γ* itself predicts no better than the zero head (test MSE "
+                    f"{ridge:.4g} against {zero:.4g}): this regime's λ shrinks it to about 0, so lower --ridge-lambda "
+                    "for a task with something to learn"
+                )
         return warnings
 
     def protocol(self, cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
@@ -475,7 +552,9 @@ class NoisyHeadExperiment(Experiment):
             "target_epsilon": cfg.epsilon,
             "accountant": cfg.accountant.value,
             "calibration": cfg.calibration.value,
-            "neighbouring": "replace-one prompt" if r.P == 1 else f"replace-one user ({r.P} prompts, statistics clipped per user)",
+            "neighbouring": "replace-one prompt"
+            if r.P == 1
+            else f"replace-one user ({r.P} prompts, statistics clipped per user)",
             "noise_multiplier": z,
             "releases": len(ledger),
             "per_unit_bound": protocol.grad_bound,
@@ -486,7 +565,11 @@ class NoisyHeadExperiment(Experiment):
         }
         if not math.isinf(cfg.epsilon):
             paper_z = nh.paper_noise_multiplier(r.T, cfg.epsilon, cfg.delta)
-            tight_z = z if cfg.calibration is Calibration.ACCOUNTANT else calibrate_noise_multiplier(lambda v: step_event(v, r.T), cfg.epsilon, cfg.delta, cfg.accountant)
+            tight_z = (
+                z
+                if cfg.calibration is Calibration.ACCOUNTANT
+                else calibrate_noise_multiplier(lambda v: step_event(v, r.T), cfg.epsilon, cfg.delta, cfg.accountant)
+            )
             out["paper_noise_multiplier"] = paper_z
             out["accountant_noise_multiplier"] = tight_z
             out["paper_over_accountant_noise"] = paper_z / tight_z
@@ -498,8 +581,17 @@ class NoisyHeadExperiment(Experiment):
     def describe(self, cfg: NoisyHeadConfig, protocol: NoisyHeadProtocol) -> dict[str, Any]:
         r = resolve(cfg)
         values = {
-            "N": r.N, "L": r.L, "D": r.D, "lambda": r.lam, "eta": r.eta, "T": r.T,
-            "nu": r.consts.nu, "C": r.C, "G": r.G, "G0": r.consts.G0, "R": r.R,
+            "N": r.N,
+            "L": r.L,
+            "D": r.D,
+            "lambda": r.lam,
+            "eta": r.eta,
+            "T": r.T,
+            "nu": r.consts.nu,
+            "C": r.C,
+            "G": r.G,
+            "G0": r.consts.G0,
+            "R": r.R,
             "sigma": 2 * r.G * (r.C + r.R * r.G),
             "noise_multiplier": r.noise_multiplier,
             "per_unit_bound": protocol.grad_bound,
@@ -512,7 +604,14 @@ class NoisyHeadExperiment(Experiment):
         return {
             **values,
             "theorem41": {"C": r.consts.C, "G": r.consts.G, "G0": r.consts.G0, "R": r.consts.R},
-            "formulas": {**r.formulas, "sigma": FORMULAS["sigma"], "per_unit_bound": "ρP·G(C + RG)", "step_sensitivity": "(η₀/N)·2ρP·G(C + RG)"},
+            "formulas": {
+                **r.formulas,
+                "sigma": FORMULAS["sigma"],
+                "per_unit_bound": "ρP·G(C + RG)",
+                "step_sensitivity": "(η₀/N)·2ρP·G(C + RG)",
+            },
             "mode": protocol.mode.value,
-            "ridge": "vec Γ* = (2λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (matches GD's objective)" if cfg.ridge_scaling is RidgeScaling.MATCHED else "vec Γ* = (λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (eq. 2.7)",
+            "ridge": "vec Γ* = (2λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (matches GD's objective)"
+            if cfg.ridge_scaling is RidgeScaling.MATCHED
+            else "vec Γ* = (λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (eq. 2.7)",
         }

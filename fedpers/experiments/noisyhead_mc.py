@@ -19,6 +19,7 @@ each, whatever N and L:
 The data statistics of the latest data set are cached, so a grid whose inner axis is ε, T or
 the attack strength reuses them (common random numbers across that axis).
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,6 @@ from typing import Any
 import torch
 
 from fedpers.data import prompts as prompt_data
-from fedpers.seeds import derived_seed, split_seed
 from fedpers.experiments.noisyhead import (
     AttackNoise,
     DataSource,
@@ -45,6 +45,7 @@ from fedpers.experiments.noisyhead import (
 )
 from fedpers.privacy import Privatizer, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
+from fedpers.seeds import derived_seed, split_seed
 
 Tensor = torch.Tensor
 CHUNK_ELEMENTS = 2**23
@@ -106,7 +107,9 @@ def _nbytes(stats: Any) -> int:
     return sum(getattr(stats, f.name).element_size() * getattr(stats, f.name).nelement() for f in fields(stats))
 
 
-def _draw(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, n: int, test: bool) -> tuple[Tensor, Tensor]:
+def _draw(
+    cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, n: int, test: bool
+) -> tuple[Tensor, Tensor]:
     if cfg.data is DataSource.NEWSGROUPS:
         from fedpers.data import newsgroups
 
@@ -124,7 +127,9 @@ def _chunk(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, eng
     wa = wb = None
     if r.P > 1 or r.rho < 1:
         U = N // r.P
-        ca, cb = nh.unit_clip_factors(zt.reshape(reps, U, r.P, K), yqt.reshape(reps, U, r.P), r.rho * r.P * r.G**2, r.rho * r.P * r.C * r.G)
+        ca, cb = nh.unit_clip_factors(
+            zt.reshape(reps, U, r.P, K), yqt.reshape(reps, U, r.P), r.rho * r.P * r.G**2, r.rho * r.P * r.C * r.G
+        )
         wa, wb = ca.repeat_interleave(r.P, dim=1), cb.repeat_interleave(r.P, dim=1)
     At, bt = nh.gram_statistics(zt, yqt, wa, wb)
     same = (zt == z).flatten(1).all(1) & (yqt == yq).all(1)
@@ -141,14 +146,21 @@ def _chunk(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, eng
     if engine == "direct":
         rows = torch.arange(reps)
         return DirectStats(
-            At=At, bt=bt, A=A, b=b,
+            At=At,
+            bt=bt,
+            A=A,
+            b=b,
             gstar=nh.ridge(A, b, N, r.lam, cfg.ridge_scaling),
             gmatch=nh.ridge(A, b, N, r.lam, nh.RidgeScaling.MATCHED),
             S=zte.transpose(1, 2) @ zte / cfg.test_prompts,
             s=(yte.unsqueeze(1) @ zte).squeeze(1) / cfg.test_prompts,
             m=(yte**2).mean(1),
-            x_att=x[rows, att], y_att=y[rows, att], z_att=z[rows, att], zt_att=zt[rows, att],
-            yq_att=yq[rows, att], yqt_att=yqt[rows, att],
+            x_att=x[rows, att],
+            y_att=y[rows, att],
+            z_att=z[rows, att],
+            zt_att=zt[rows, att],
+            yq_att=yq[rows, att],
+            yqt_att=yqt[rows, att],
         )
     del x, y, xt, yt, zt, z
     e, Q = eigh(At)
@@ -166,11 +178,17 @@ def _chunk(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, eng
     if not bool(same.all()):
         W_u[redo] = zte[redo].to(small) @ Q_u[redo].to(small)
     return SpectralStats(
-        e=e, c=(Q.transpose(1, 2) @ bt.unsqueeze(-1)).squeeze(-1),
+        e=e,
+        c=(Q.transpose(1, 2) @ bt.unsqueeze(-1)).squeeze(-1),
         v0=Q.transpose(1, 2) @ gamma0,
         vstar=(Q.transpose(1, 2) @ gstar.unsqueeze(-1)).squeeze(-1),
-        W=W, e_u=e_u, a_sel=a_sel, a_match=c_u / (e_u + 2 * r.lam * N), q0_u=Q_u.transpose(1, 2) @ gamma0,
-        W_u=W_u, y_test=yte,
+        W=W,
+        e_u=e_u,
+        a_sel=a_sel,
+        a_match=c_u / (e_u + 2 * r.lam * N),
+        q0_u=Q_u.transpose(1, 2) @ gamma0,
+        W_u=W_u,
+        y_test=yte,
     )
 
 
@@ -197,9 +215,28 @@ def statistics(cfg: NoisyHeadConfig, repetitions: int, engine: str | None = None
     r = resolve(cfg)
     engine = engine or engine_for(cfg, r)
     if engine == "direct" and r.D > DIRECT_MAX_DIM:
-        raise ValueError(f"engine=direct needs D ≤ {DIRECT_MAX_DIM} (D²×D² matrices per repetition); got D={r.D}; use engine=spectral")
-    key = (engine, cfg.data, cfg.seed, repetitions, r.N, r.L, r.D, cfg.label_noise, r.C, r.G, r.lam, cfg.ridge_scaling,
-           r.P, r.rho, cfg.test_prompts, cfg.init, r.R if cfg.init.value == "gaussian" else None)
+        raise ValueError(
+            f"engine=direct needs D ≤ {DIRECT_MAX_DIM} (D²×D² matrices per repetition); got D={r.D}; use engine=spectral"
+        )
+    key = (
+        engine,
+        cfg.data,
+        cfg.seed,
+        repetitions,
+        r.N,
+        r.L,
+        r.D,
+        cfg.label_noise,
+        r.C,
+        r.G,
+        r.lam,
+        cfg.ridge_scaling,
+        r.P,
+        r.rho,
+        cfg.test_prompts,
+        cfg.init,
+        r.R if cfg.init.value == "gaussian" else None,
+    )
     if key in _CACHE:
         return _CACHE[key]
     _CACHE.clear()
@@ -226,7 +263,9 @@ def noisy_gd_direct(At: Tensor, bt: Tensor, gamma0: Tensor, r: Resolved, privati
     gamma = gamma0.expand(At.shape[0], -1)
     for t in range(r.T):
         grad = (At @ gamma.unsqueeze(-1)).squeeze(-1) - bt
-        noisy = privatizer.gaussian_sum_batched(grad, per_unit_bound=bound, noise_multiplier=r.noise_multiplier, name=f"step{t}", round=t)
+        noisy = privatizer.gaussian_sum_batched(
+            grad, per_unit_bound=bound, noise_multiplier=r.noise_multiplier, name=f"step{t}", round=t
+        )
         gamma = nh.descend(gamma, noisy, r.N, r.lam, r.eta, r.R)
     return gamma
 
@@ -236,15 +275,23 @@ def noisy_gd_spectral(e: Tensor, c: Tensor, v0: Tensor, r: Resolved, privatizer:
     bound = r.rho * r.P * r.G * (r.C + r.R * r.G)
     v = v0
     for t in range(r.T):
-        noisy = privatizer.gaussian_sum_batched(e * v - c, per_unit_bound=bound, noise_multiplier=r.noise_multiplier, name=f"step{t}", round=t)
+        noisy = privatizer.gaussian_sum_batched(
+            e * v - c, per_unit_bound=bound, noise_multiplier=r.noise_multiplier, name=f"step{t}", round=t
+        )
         v = nh.descend(v, noisy, r.N, r.lam, r.eta, r.R)
     return v
 
 
 def _privacy_rows(cfg: NoisyHeadConfig, r: Resolved, privatizer: Privatizer) -> dict[str, float]:
     eps = ledger_epsilon(privatizer.ledger, cfg.delta, cfg.accountant)
-    return {"epsilon_spent": eps, "paper_epsilon": nh.paper_epsilon(r.noise_multiplier, r.T, cfg.delta),
-            "noise_multiplier": r.noise_multiplier, "steps": float(r.T), "step_size": r.eta, "ridge_lambda": r.lam}
+    return {
+        "epsilon_spent": eps,
+        "paper_epsilon": nh.paper_epsilon(r.noise_multiplier, r.T, cfg.delta),
+        "noise_multiplier": r.noise_multiplier,
+        "steps": float(r.T),
+        "step_size": r.eta,
+        "ridge_lambda": r.lam,
+    }
 
 
 def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]]:
@@ -252,7 +299,10 @@ def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]
     if repetitions < 1:
         raise ValueError(f"repetitions must be >= 1; got {repetitions}")
     if cfg.sampling_rate < 1:
-        raise ValueError("sampling_rate < 1 (Poisson sampling) is not simulated by the Monte-Carlo sweep engine, which reuses one sum of all units; run the points with fedpers run (mode rounds)")
+        raise ValueError(
+            "sampling_rate < 1 (Poisson sampling) is not simulated by the Monte-Carlo sweep engine, which "
+            "reuses one sum of all units; run the points with fedpers run (mode rounds)"
+        )
     cfg, noise_seed = split_seed(cfg)  # like a run: data from the public seed, noise from a secret one
     r = resolve(cfg)
     engine = "direct" if cfg.attack_c > 0 else engine_for(cfg, r)
@@ -296,7 +346,9 @@ def _gd_error_direct(st: DirectStats, gamma0: Tensor, r: Resolved) -> Tensor:
     return d
 
 
-def _robustness(cfg: NoisyHeadConfig, r: Resolved, st: DirectStats, gamma: Tensor, gamma0: Tensor, noise_seed: int) -> dict[str, Tensor]:
+def _robustness(
+    cfg: NoisyHeadConfig, r: Resolved, st: DirectStats, gamma: Tensor, gamma0: Tensor, noise_seed: int
+) -> dict[str, Tensor]:
     """§6.3: the same repetitions with one prompt perturbed as in (5.1), for NoisyHead and the ridge."""
     alpha = cfg.attack_c * r.N**cfg.attack_p
     xb, yb = attack_prompt(st.x_att, st.y_att, cfg.attack_mu, alpha)
@@ -346,7 +398,9 @@ def sweep_figure(rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] 
         for s, pts in summarise(rows, spec, "excess_risk").items():
             _band(axes[1], pts, f"NoisyHead, {spec.series}={s}")
             best = min(pts, key=lambda p: p[1])
-            print(f"  {spec.name}: cost of privacy at {spec.series}={s} is smallest at {spec.x}={best[0]:g} ({best[1]:.3g})")
+            print(
+                f"  {spec.name}: cost of privacy at {spec.series}={s} is smallest at {spec.x}={best[0]:g} ({best[1]:.3g})"
+            )
         xs, ms, _ = zip(*first)
         axes[1].plot(xs, ms, linestyle="--", color="grey", label="cost of descent")
         _style(axes[1], spec, "cost of privacy: (<Γ_DP − Γ*, Z>)²", spec.x, "excess risk")
@@ -355,7 +409,11 @@ def sweep_figure(rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] 
         fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.2), squeeze=False)
         for ax, gval in zip(axes[0], groups):
             sub = [row for row in rows if row[spec.series] == gval]
-            for metric, label in (("robust_ridge", "ridge Γ*"), ("robust_noisyhead", "NoisyHead"), ("robust_ridge_naive_solve", "ridge, naive float64 solve")):
+            for metric, label in (
+                ("robust_ridge", "ridge Γ*"),
+                ("robust_noisyhead", "NoisyHead"),
+                ("robust_ridge_naive_solve", "ridge, naive float64 solve"),
+            ):
                 for _, pts in summarise(sub, spec, metric).items():
                     _band(ax, pts, label, linestyle=":" if "naive" in metric else "-")
             _style(ax, spec, f"{spec.series} = {gval}", spec.x, "(<Γ − Γ_bad, Z>)²")
@@ -373,7 +431,7 @@ def sweep_figure(rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] 
 
 def _band(ax: Any, pts: list[tuple[float, float, float]], label: str, linestyle: str = "-") -> None:
     xs, ms, ses = (torch.tensor(c, dtype=torch.float64) for c in zip(*pts))
-    line, = ax.plot(xs, ms, marker="o", markersize=3, label=label, linestyle=linestyle)
+    (line,) = ax.plot(xs, ms, marker="o", markersize=3, label=label, linestyle=linestyle)
     lo = torch.where(ms - 2 * ses > 0, ms - 2 * ses, ms * 0.5)
     ax.fill_between(xs, lo, ms + 2 * ses, color=line.get_color(), alpha=0.2)
 

@@ -5,6 +5,7 @@ sent) and is tested on S more; the metric is the mean over users of the test MSE
 Zhou & Bassily 2025). Shared by ``run fedrep`` and ``run altmin`` so both report one number
 on one problem.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,9 @@ Tensor = torch.Tensor
 KEYS = ("x_refit", "y_refit", "x_test", "y_test")
 
 
-def fresh_samples(seed: int, ids: Tensor, u_star: Tensor, v_star: Tensor, count: int, noise_std: float) -> tuple[Tensor, Tensor]:
+def fresh_samples(
+    seed: int, ids: Tensor, u_star: Tensor, v_star: Tensor, count: int, noise_std: float
+) -> tuple[Tensor, Tensor]:
     """``count`` new samples per user from their own (U*, v*_j): x ~ N(0, I), y = ⟨U*ᵀx, v*_j⟩ + σ_F·z,
     x and z from (seed, user id) (a stream apart from the training data)."""
     noise = synthetic.altmin_users(seed, ids, torch.zeros_like(u_star, dtype=torch.float64), count, 1.0)
@@ -25,7 +28,9 @@ def fresh_samples(seed: int, ids: Tensor, u_star: Tensor, v_star: Tensor, count:
     return x, y
 
 
-def population_mse(source: UnitSource, Us: dict[str, Tensor], chunk_size: int, keys: tuple[str, str, str, str] = KEYS) -> dict[str, float]:
+def population_mse(
+    source: UnitSource, Us: dict[str, Tensor], chunk_size: int, keys: tuple[str, str, str, str] = KEYS
+) -> dict[str, float]:
     """name → mean over users of the test MSE after refitting v_j on the refit samples with that
     U (least squares), every U in one pass over the users."""
     totals, users = {name: 0.0 for name in Us}, 0

@@ -1,4 +1,5 @@
 """Privacy: mechanisms (the only noise in fedpers), the ledger, and the accountant."""
+
 from fedpers.privacy.accountant import (
     Accountant,
     Calibrations,
@@ -12,7 +13,13 @@ from fedpers.privacy.accountant import (
     zcdp_rho_for,
 )
 from fedpers.privacy.ledger import ALL_UNITS, EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
-from fedpers.privacy.mechanisms import Condition, CovarianceRelease, DpCovarianceParams, Privatizer, dp_covariance_conditions
+from fedpers.privacy.mechanisms import (
+    Condition,
+    CovarianceRelease,
+    DpCovarianceParams,
+    Privatizer,
+    dp_covariance_conditions,
+)
 
 __all__ = [
     "ALL_UNITS",

@@ -10,6 +10,7 @@ one-sided Clopper–Pearson intervals. Any (ε, δ)/μ-GDP mechanism must satisf
 Φ⁻¹(TPR) − Φ⁻¹(FPR) ≤ μ, so a lower bound above the claimed μ proves the claim wrong
 (with the stated confidence).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -45,7 +46,9 @@ def gdp_lower_bound(
     direction = direction / gap
 
     def score(release: Callable[[], Tensor]) -> Tensor:
-        return torch.stack([((release().flatten().double() - center_d_prime.flatten().double()) @ direction) for _ in range(trials)])
+        return torch.stack(
+            [((release().flatten().double() - center_d_prime.flatten().double()) @ direction) for _ in range(trials)]
+        )
 
     tp = int((score(release_d) > gap / 2).sum())
     fp = int((score(release_d_prime) > gap / 2).sum())
@@ -94,7 +97,9 @@ def one_run_epsilon(canaries: int, guesses: int, correct: int, delta: float, sig
     return float(optimize.brentq(rejected, 0.0, hi, xtol=1e-6))
 
 
-def audit_guesses(scores: Tensor, included: Tensor, fractions: tuple[float, ...] = GUESS_FRACTIONS) -> list[tuple[int, int]]:
+def audit_guesses(
+    scores: Tensor, included: Tensor, fractions: tuple[float, ...] = GUESS_FRACTIONS
+) -> list[tuple[int, int]]:
     """(guesses, correct) for each fraction: guess "included" for the highest scores and
     "left out" for the lowest, half of the guesses at each end."""
     scores, truth = scores.double().flatten(), included.bool().flatten()
@@ -110,7 +115,11 @@ def audit_guesses(scores: Tensor, included: Tensor, fractions: tuple[float, ...]
 
 
 def one_run_lower_bound(
-    scores: Tensor, included: Tensor, delta: float, confidence: float = 0.95, fractions: tuple[float, ...] = GUESS_FRACTIONS
+    scores: Tensor,
+    included: Tensor,
+    delta: float,
+    confidence: float = 0.95,
+    fractions: tuple[float, ...] = GUESS_FRACTIONS,
 ) -> dict[str, float]:
     """Empirical lower bound on ε at ``delta`` from canary scores (higher = more likely included).
 
@@ -120,7 +129,9 @@ def one_run_lower_bound(
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     if scores.numel() != included.numel() or scores.numel() < 2:
-        raise ValueError(f"need one score per canary and at least 2 canaries; got {scores.numel()} scores, {included.numel()} coins")
+        raise ValueError(
+            f"need one score per canary and at least 2 canaries; got {scores.numel()} scores, {included.numel()} coins"
+        )
     significance = (1 - confidence) / len(fractions)
     m = scores.numel()
     best = {"epsilon_lower": 0.0, "guesses": 0, "correct": 0}
@@ -153,7 +164,11 @@ def one_run_rejects_gdp(canaries: int, guesses: int, correct: int, mu: float, si
 
 
 def one_run_gdp_lower_bound(
-    scores: Tensor, included: Tensor, delta: float, confidence: float = 0.95, fractions: tuple[float, ...] = GUESS_FRACTIONS
+    scores: Tensor,
+    included: Tensor,
+    delta: float,
+    confidence: float = 0.95,
+    fractions: tuple[float, ...] = GUESS_FRACTIONS,
 ) -> dict[str, float]:
     """Largest μ whose μ-GDP claim the canary guesses reject (one run, Mahloujifar et al. 2024), and
     the ε at ``delta`` of that μ. A Gaussian release (or a composition of them, without
@@ -170,14 +185,20 @@ def one_run_gdp_lower_bound(
         hi = 1.0
         while one_run_rejects_gdp(m, r, v, hi, significance) and hi < 64:
             hi *= 2
-        mu = float(optimize.brentq(lambda x, r=r, v=v: 0.5 - one_run_rejects_gdp(m, r, v, x, significance), 1e-9, hi, xtol=1e-4))
+        mu = float(
+            optimize.brentq(
+                lambda x, r=r, v=v: 0.5 - one_run_rejects_gdp(m, r, v, x, significance), 1e-9, hi, xtol=1e-4
+            )
+        )
         if mu > best["mu_lower"]:
             best = {"mu_lower": mu, "guesses": r, "correct": v}
     eps = analytic_gaussian_epsilon(best["mu_lower"], delta) if best["mu_lower"] > 0 else 0.0
     return {**best, "epsilon_lower": eps, "canaries": m, "confidence": confidence, "delta": delta}
 
 
-def independent_gdp_lower_bound(scores: Tensor, included: Tensor, confidence: float = 0.95, threshold: float = 0.0) -> float:
+def independent_gdp_lower_bound(
+    scores: Tensor, included: Tensor, confidence: float = 0.95, threshold: float = 0.0
+) -> float:
     """Lower bound on μ from canaries taken as independent trials: guess "included" when the score
     is above ``threshold`` (fixed in advance), one-sided Clopper–Pearson bounds on TPR and FPR,
     each at confidence 1 − (1 − ``confidence``)/2, and μ ≥ Φ⁻¹(TPR_lo) − Φ⁻¹(FPR_hi).

@@ -4,14 +4,16 @@ Each record carries a dp-accounting event (``GaussianDpEvent`` and friends) plus
 reader needs to audit it: the per-unit bound, the noise actually added, and which units
 the release touched. Accounting is a separate step (:mod:`fedpers.privacy.accountant`).
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import json
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import attr
 import dp_accounting
@@ -68,7 +70,9 @@ class Release:
         tightened, e.g. for PSD units); ∞ for a pure-ε mechanism."""
         if isinstance(self.event, dp_accounting.GaussianDpEvent):
             return self.event.noise_multiplier
-        if isinstance(self.event, dp_accounting.PoissonSampledDpEvent) and isinstance(self.event.event, dp_accounting.GaussianDpEvent):
+        if isinstance(self.event, dp_accounting.PoissonSampledDpEvent) and isinstance(
+            self.event.event, dp_accounting.GaussianDpEvent
+        ):
             return self.event.event.noise_multiplier
         return math.inf
 
@@ -78,7 +82,7 @@ class Release:
         return out
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Release":
+    def from_dict(d: dict[str, Any]) -> Release:
         return Release(**{**d, "event": event_from_dict(d["event"]), "params": dict(d.get("params", {}))})
 
 
@@ -136,7 +140,9 @@ def _legacy_event(d: dict[str, Any]) -> dp_accounting.DpEvent:
         return dp_accounting.NonPrivateDpEvent()
     if kind == "poisson_sampled":
         return dp_accounting.PoissonSampledDpEvent(float(d["sampling_probability"]), _legacy_event(d["event"]))
-    raise ValueError(f"unknown dp event type {kind!r}; expected gaussian, pure, epsilon_delta, non_private or poisson_sampled")
+    raise ValueError(
+        f"unknown dp event type {kind!r}; expected gaussian, pure, epsilon_delta, non_private or poisson_sampled"
+    )
 
 
 class Ledger:
@@ -197,7 +203,7 @@ class Ledger:
         return json.dumps([r.to_dict() for r in self._releases], indent=1)
 
     @staticmethod
-    def from_json(text: str) -> "Ledger":
+    def from_json(text: str) -> Ledger:
         return Ledger([Release.from_dict(d) for d in json.loads(text)])
 
     def __eq__(self, other: object) -> bool:

@@ -22,11 +22,13 @@ for deployment against a real adversary. ``secure=True`` draws every noise value
 entropy through floating-point-safe samplers (:mod:`fedpers.privacy.secure`); the seed is
 then unused and nothing a run writes can recompute its noise.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import dp_accounting
 import numpy as np
@@ -39,7 +41,7 @@ from fedpers.privacy.ledger import ALL_UNITS, EpsilonDeltaDpEvent, Ledger, PureD
 Tensor = torch.Tensor
 
 
-# ----- DPCovariance parameters and preconditions (dp-attention-computation, SPEC §4) -----
+# ----- DPCovariance parameters and preconditions (dp-attention-computation, docs/algorithms.md §4) -----
 @dataclass(frozen=True)
 class Condition:
     """One precondition of a mechanism's stated guarantee, with the numbers it was decided on."""
@@ -76,7 +78,7 @@ class DpCovarianceParams:
 
     @property
     def Delta(self) -> float:
-        """Δ = 0.1·min(ε/sqrt(k log(1/δ)), ε/log(1/δ)) (SPEC §4)."""
+        """Δ = 0.1·min(ε/sqrt(k log(1/δ)), ε/log(1/δ)) (docs/algorithms.md §4)."""
         log_term = math.log(1.0 / self.delta)
         return 0.1 * min(self.epsilon / math.sqrt(self.k * log_term), self.epsilon / log_term)
 
@@ -126,10 +128,24 @@ def dp_covariance_conditions(params: DpCovarianceParams, A: Tensor) -> tuple[Con
         Condition("d_ge_n", p.columns >= p.rows, p.columns, p.rows, "d ≥ n"),
         Condition("eta_lt_r", 0 < p.eta < p.r, p.eta, p.r, "0 < η < r"),
         Condition("eta_good", lam_min >= p.eta, lam_min, p.eta, "XXᵀ ⪰ ηI (λ_min(A) ≥ η)"),
-        Condition("column_norms", p.alpha > 0, p.alpha, p.alpha, "column norms ≤ α (each column clipped to α by its client)"),
+        Condition(
+            "column_norms", p.alpha > 0, p.alpha, p.alpha, "column norms ≤ α (each column clipped to α by its client)"
+        ),
         Condition("a_inf_le_r", a_inf <= p.r, a_inf, p.r, "||A||_∞ = max|A_ij| ≤ r"),
-        Condition("beta_bound", p.sensitivity < p.Delta, p.sensitivity, p.Delta, "2αβ√n/η < Δ = 0.1·min(ε/sqrt(k log(1/δ)), ε/log(1/δ))"),
-        Condition("rho_bound", p.rho < 0.1 * p.epsilon, p.rho, 0.1 * p.epsilon, "ρ = sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k < 0.1ε"),
+        Condition(
+            "beta_bound",
+            p.sensitivity < p.Delta,
+            p.sensitivity,
+            p.Delta,
+            "2αβ√n/η < Δ = 0.1·min(ε/sqrt(k log(1/δ)), ε/log(1/δ))",
+        ),
+        Condition(
+            "rho_bound",
+            p.rho < 0.1 * p.epsilon,
+            p.rho,
+            0.1 * p.epsilon,
+            "ρ = sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k < 0.1ε",
+        ),
     )
 
 
@@ -158,8 +174,10 @@ def check_psd_sum(value: Tensor, name: str) -> None:
     slack = math.sqrt(torch.finfo(value.dtype).eps) * max(trace, 0.0) + 1e-300
     if trace < -slack or int(torch.linalg.cholesky_ex(v + slack * torch.eye(v.shape[0], dtype=v.dtype)).info) != 0:
         lam = float(torch.linalg.eigvalsh(v).min())
-        raise ValueError(f"release {name!r}: psd_units declared but the summed statistic is not positive semi-definite "
-                         f"(λ_min = {lam:.4g}, trace {trace:.4g}); the √2 PSD bound applies only to sums of PSD contributions")
+        raise ValueError(
+            f"release {name!r}: psd_units declared but the summed statistic is not positive semi-definite "
+            f"(λ_min = {lam:.4g}, trace {trace:.4g}); the √2 PSD bound applies only to sums of PSD contributions"
+        )
 
 
 class Privatizer:
@@ -167,7 +185,9 @@ class Privatizer:
 
     def __init__(self, seed: int, ledger: Ledger | None = None, *, secure: bool = False) -> None:
         self.secure = bool(secure)
-        self.generator = torch.Generator(device="cpu").manual_seed(secure_module.os_seed() if self.secure else int(seed))
+        self.generator = torch.Generator(device="cpu").manual_seed(
+            secure_module.os_seed() if self.secure else int(seed)
+        )
         # Poisson memberships: their own stream, so they do not shift the noise draws (and vice versa)
         self.sampling_generator = torch.Generator(device="cpu").manual_seed(
             secure_module.os_seed() if self.secure else (int(seed) ^ 0x5DEECE66D) % 2**63
@@ -185,7 +205,9 @@ class Privatizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if bool(state.get("secure")) != self.secure:
-            raise ValueError(f"secure_noise: the checkpoint was written with secure_noise={bool(state.get('secure'))}, this run has {self.secure}")
+            raise ValueError(
+                f"secure_noise: the checkpoint was written with secure_noise={bool(state.get('secure'))}, this run has {self.secure}"
+            )
         if not self.secure:
             self.generator.set_state(state["generator"])
             self.sampling_generator.set_state(state["sampling_generator"])
@@ -200,13 +222,23 @@ class Privatizer:
         if not torch.isfinite(value).all():
             raise ValueError(f"release {name!r}: the summed statistic has non-finite values")
         if not (per_unit_bound > 0 and math.isfinite(per_unit_bound)) and noise_multiplier > 0:
-            raise ValueError(f"release {name!r}: per_unit_bound must be finite and > 0 to add calibrated noise, got {per_unit_bound}")
+            raise ValueError(
+                f"release {name!r}: per_unit_bound must be finite and > 0 to add calibrated noise, got {per_unit_bound}"
+            )
         if not noise_multiplier >= 0 or math.isinf(noise_multiplier):
             raise ValueError(f"release {name!r}: noise_multiplier must be in [0, inf), got {noise_multiplier}")
 
     def _record(
-        self, round: int, name: str, mechanism: str, bound: float, z: float, units: str,
-        sensitivity: float | None = None, params: dict[str, Any] | None = None, sampling_probability: float = 1.0,
+        self,
+        round: int,
+        name: str,
+        mechanism: str,
+        bound: float,
+        z: float,
+        units: str,
+        sensitivity: float | None = None,
+        params: dict[str, Any] | None = None,
+        sampling_probability: float = 1.0,
     ) -> Release:
         sensitivity = 2.0 * float(bound) if sensitivity is None else float(sensitivity)
         noise_std = z * sensitivity / 2 if z > 0 else 0.0
@@ -214,7 +246,9 @@ class Privatizer:
         if z > 0 and sampling_probability < 1.0:
             # units entered independently with this probability (Poisson), from a generator they cannot predict
             event = dp_accounting.PoissonSampledDpEvent(float(sampling_probability), event)
-        release = Release(round, name, mechanism, float(bound), sensitivity, float(noise_std), units, event, dict(params or {}))
+        release = Release(
+            round, name, mechanism, float(bound), sensitivity, float(noise_std), units, event, dict(params or {})
+        )
         self.ledger.append(release)
         return release
 
@@ -229,8 +263,16 @@ class Privatizer:
         return value + release.noise_std * noise()
 
     def gaussian_sum(
-        self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int,
-        units: str = ALL_UNITS, params: dict[str, Any] | None = None, sampling_probability: float = 1.0,
+        self,
+        value: Tensor,
+        *,
+        per_unit_bound: float,
+        noise_multiplier: float,
+        name: str,
+        round: int,
+        units: str = ALL_UNITS,
+        params: dict[str, Any] | None = None,
+        sampling_probability: float = 1.0,
     ) -> Tensor:
         """Sum of clipped unit contributions + N(0, (z·bound)² I). ``sampling_probability`` < 1:
         each unit was included independently with that probability (recorded as a
@@ -238,7 +280,16 @@ class Privatizer:
         self._check(value, per_unit_bound, noise_multiplier, name)
         if not 0.0 < sampling_probability <= 1.0:
             raise ValueError(f"release {name!r}: sampling_probability must be in (0, 1], got {sampling_probability}")
-        release = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units, params=params, sampling_probability=sampling_probability)
+        release = self._record(
+            round,
+            name,
+            "gaussian",
+            per_unit_bound,
+            noise_multiplier,
+            units,
+            params=params,
+            sampling_probability=sampling_probability,
+        )
         return self._perturb(release, value, lambda: self._normal(tuple(value.shape), value))
 
     def poisson_sample(self, n: int, q: float) -> Tensor:
@@ -249,7 +300,14 @@ class Privatizer:
         return torch.rand(n, generator=self.sampling_generator, dtype=torch.float64) < q
 
     def gaussian_sum_batched(
-        self, values: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int, units: str = ALL_UNITS
+        self,
+        values: Tensor,
+        *,
+        per_unit_bound: float,
+        noise_multiplier: float,
+        name: str,
+        round: int,
+        units: str = ALL_UNITS,
     ) -> Tensor:
         """``gaussian_sum`` for B independent repetitions at once: values (B, ...) + N(0, (z·bound)² I).
 
@@ -260,14 +318,24 @@ class Privatizer:
         With B = 1 the noise equals ``gaussian_sum``'s for the same generator state.
         """
         if values.dim() < 1 or values.shape[0] < 1:
-            raise ValueError(f"release {name!r}: expected a leading repetition dimension, got shape {tuple(values.shape)}")
+            raise ValueError(
+                f"release {name!r}: expected a leading repetition dimension, got shape {tuple(values.shape)}"
+            )
         self._check(values, per_unit_bound, noise_multiplier, name)
         release = self._record(round, name, "gaussian", per_unit_bound, noise_multiplier, units)
         return self._perturb(release, values, lambda: self._normal(tuple(values.shape), values))
 
     def symmetric_gaussian_sum(
-        self, value: Tensor, *, per_unit_bound: float, noise_multiplier: float, name: str, round: int,
-        units: str = ALL_UNITS, psd_units: bool = False, params: dict[str, Any] | None = None,
+        self,
+        value: Tensor,
+        *,
+        per_unit_bound: float,
+        noise_multiplier: float,
+        name: str,
+        round: int,
+        units: str = ALL_UNITS,
+        psd_units: bool = False,
+        params: dict[str, Any] | None = None,
         sampling_probability: float = 1.0,
     ) -> Tensor:
         """Symmetric matrix sum + N_sym: upper triangle (with diagonal) i.i.d. N(0, σ²), mirrored.
@@ -310,8 +378,21 @@ class Privatizer:
         tighten = psd_units and sampling_probability >= 1.0
         sensitivity = (math.sqrt(2.0) if tighten else 2.0) * float(per_unit_bound)
         if psd_units and not tighten:
-            params = {**(params or {}), "psd_tightening": "not applied: Poisson-sampled, a unit is a full bound from absent (Δ = 2·bound)"}
-        release = self._record(round, name, "symmetric_gaussian", per_unit_bound, noise_multiplier, units, sensitivity, params, sampling_probability)
+            params = {
+                **(params or {}),
+                "psd_tightening": "not applied: Poisson-sampled, a unit is a full bound from absent (Δ = 2·bound)",
+            }
+        release = self._record(
+            round,
+            name,
+            "symmetric_gaussian",
+            per_unit_bound,
+            noise_multiplier,
+            units,
+            sensitivity,
+            params,
+            sampling_probability,
+        )
         value = torch.triu(value) + torch.triu(value, diagonal=1).transpose(0, 1)
 
         def noise() -> Tensor:
@@ -321,8 +402,15 @@ class Privatizer:
         return self._perturb(release, value, noise)
 
     def exponential(
-        self, scores: Tensor, *, sensitivity: float, epsilon: float, name: str, round: int,
-        units: str = ALL_UNITS, params: dict[str, Any] | None = None,
+        self,
+        scores: Tensor,
+        *,
+        sensitivity: float,
+        epsilon: float,
+        name: str,
+        round: int,
+        units: str = ALL_UNITS,
+        params: dict[str, Any] | None = None,
     ) -> int:
         """Index drawn with P(i) ∝ exp(−ε·score_i/(2Δ)) (low score is good), by Gumbel-max.
 
@@ -336,7 +424,17 @@ class Privatizer:
             raise ValueError(f"release {name!r}: epsilon must be > 0, got {epsilon}")
         if not (sensitivity > 0 and math.isfinite(sensitivity)):
             raise ValueError(f"release {name!r}: sensitivity must be finite and > 0, got {sensitivity}")
-        release = Release(round, name, "exponential", sensitivity / 2, sensitivity, 0.0, units, PureDpEvent(float(epsilon)), dict(params or {}))
+        release = Release(
+            round,
+            name,
+            "exponential",
+            sensitivity / 2,
+            sensitivity,
+            0.0,
+            units,
+            PureDpEvent(float(epsilon)),
+            dict(params or {}),
+        )
         self.ledger.append(release)
 
         def sample() -> int:
@@ -385,11 +483,28 @@ class Privatizer:
             raise ValueError(f"release {name!r}: gamma must be < 1, got {params.gamma}")
         conditions = dp_covariance_conditions(params, A)
         claimed = all(c.holds for c in conditions)
-        event = EpsilonDeltaDpEvent(float(params.epsilon), float(params.delta)) if claimed else dp_accounting.NonPrivateDpEvent()
+        event = (
+            EpsilonDeltaDpEvent(float(params.epsilon), float(params.delta))
+            if claimed
+            else dp_accounting.NonPrivateDpEvent()
+        )
         release = Release(
-            round, name, "dp_covariance", float(params.alpha**2), float(params.sensitivity), 0.0, units, event,
-            {"alpha": params.alpha, "beta": params.beta, "eta": params.eta, "rows": params.rows, "k": params.k,
-             "sensitivity_formula": "2αβ√n/η"},
+            round,
+            name,
+            "dp_covariance",
+            float(params.alpha**2),
+            float(params.sensitivity),
+            0.0,
+            units,
+            event,
+            {
+                "alpha": params.alpha,
+                "beta": params.beta,
+                "eta": params.eta,
+                "rows": params.rows,
+                "k": params.k,
+                "sensitivity_formula": "2αβ√n/η",
+            },
         )
         self.ledger.append(release)
         B = self._sample_covariance(release, A, lambda: self._wishart_draw(A, params))
@@ -405,7 +520,9 @@ class Privatizer:
         S = vecs * vals.clamp_min(0).sqrt()
         k = int(params.k)
         if k >= n:
-            seed = secure_module.os_seed() if self.secure else int(torch.randint(0, 2**62, (1,), generator=self.generator))
+            seed = (
+                secure_module.os_seed() if self.secure else int(torch.randint(0, 2**62, (1,), generator=self.generator))
+            )
             rng = np.random.Generator(np.random.PCG64(seed))
             L = np.tril(rng.standard_normal((n, n)), -1)
             L[np.diag_indices(n)] = np.sqrt(rng.chisquare(k - np.arange(n)))

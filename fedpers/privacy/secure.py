@@ -8,6 +8,7 @@ has a seed, so nothing written by a run can recompute the noise. OpenDP was chos
 hand-written sampler because it is maintained, audited and proven (its privacy maps are
 checked against the paper proofs); its cost is about 60 µs per noise value on one core.
 """
+
 from __future__ import annotations
 
 import secrets

@@ -8,6 +8,7 @@ binomial TNB(η, γ) of Papernot & Steinke 2022 (η = 1 is the geometric law of 
 mean, shape=η)`` accounts it (RDP, their Theorems 2 and 6). The draws here come from the
 server's generator (the Privatizer's), since K itself must stay secret.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,17 +1,19 @@
 """User-level private alternating minimisation with private initialisation.
 
-SPEC §1 (Algorithms 1–3 of the personalization paper). Round 0 releases the private
+docs/algorithms.md §1 (Algorithms 1–3 of the personalization paper). Round 0 releases the private
 initialisation statistic; rounds 1..T each run one AltMin step over a cohort of users:
 local least squares for v_j on Q1, clipped statistics on Q2 in Kronecker form, server
 solve for U. The final v_j solve on Q3∪Q4 is local (:meth:`AltMinProtocol.personalize`).
 """
+
 from __future__ import annotations
 
 import enum
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import dp_accounting
 import torch
@@ -104,18 +106,28 @@ class AltMinProtocol(Protocol):
     def cohort_digest(self) -> str:
         """SHA-256 of :meth:`permutation` (recorded per release, so a reader can check the cohorts)."""
         if "digest" not in self._cohort_cache:
-            self._cohort_cache["digest"] = hashlib.sha256(self.permutation().numpy().astype("<i8").tobytes()).hexdigest()
+            self._cohort_cache["digest"] = hashlib.sha256(
+                self.permutation().numpy().astype("<i8").tobytes()
+            ).hexdigest()
         return self._cohort_cache["digest"]
 
     def release_params(self, statistic: str) -> dict[str, Any]:
         """Public inputs of a release's bound, written into the ledger."""
-        common = {"statistic": statistic, "samples_per_user_cap": self.samples_per_user, "pairs_or_Q2": self.quarter, "eta": self.eta, "zeta": self.zeta, "cohorts": self.cohorts.value}
+        common = {
+            "statistic": statistic,
+            "samples_per_user_cap": self.samples_per_user,
+            "pairs_or_Q2": self.quarter,
+            "eta": self.eta,
+            "zeta": self.zeta,
+            "cohorts": self.cohorts.value,
+        }
         if self.cohorts is Cohorts.DISJOINT and statistic != "W":
             common["cohort_seed"] = self.cohort_seed
             common["cohort_digest"] = self.cohort_digest()
         formula = {
             "W": "bound (m/4)·ζ², Δ = 2·bound",
-            "A": "bound |Q2|·η², Δ = 2·bound (Poisson-sampled: no PSD tightening)" if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0
+            "A": "bound |Q2|·η², Δ = 2·bound (Poisson-sampled: no PSD tightening)"
+            if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0
             else "bound |Q2|·η², Δ = √2·bound (PSD per user)",
             "b": "bound |Q2|·η·ζ, Δ = 2·bound",
         }[statistic]
@@ -134,7 +146,9 @@ class AltMinProtocol(Protocol):
         g = dp_accounting.GaussianDpEvent(noise_multiplier)
         if sampling_rate >= 1.0:
             return dp_accounting.ComposedDpEvent([g] * releases)
-        pair = dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(2.0)))
+        pair = dp_accounting.PoissonSampledDpEvent(
+            sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(2.0))
+        )
         return dp_accounting.ComposedDpEvent([g] + [pair] * ((releases - 1) // 2))
 
     def group(self, round: int) -> str:
@@ -211,20 +225,42 @@ class AltMinProtocol(Protocol):
         z, group = self.noise_multiplier, self.group(round)
         if round == 0:
             M = privatizer.symmetric_gaussian_sum(
-                summed.stats["W"], per_unit_bound=self.init_bound, noise_multiplier=z, name="init.W", round=0, units=group,
+                summed.stats["W"],
+                per_unit_bound=self.init_bound,
+                noise_multiplier=z,
+                name="init.W",
+                round=0,
+                units=group,
                 params=self.release_params("W"),
             )
             state = {"U": linalg.top_eigenvectors(M.double(), self.rank).to(M.dtype)}
             return self._next_sample(state, privatizer), {"noise_std_W": self.noise_std(self.init_bound)}
         q = self.sampling_rate if self.cohorts is Cohorts.POISSON and z > 0 else 1.0
-        shared = {"poisson_sample": f"round{round}", "sampling": f"poisson q={self.sampling_rate}"} if self.cohorts is Cohorts.POISSON else {}
+        shared = (
+            {"poisson_sample": f"round{round}", "sampling": f"poisson q={self.sampling_rate}"}
+            if self.cohorts is Cohorts.POISSON
+            else {}
+        )
         A = privatizer.symmetric_gaussian_sum(
-            summed.stats["A"], per_unit_bound=self.a_bound, noise_multiplier=z, name=f"round{round}.A", round=round, units=group,
-            psd_units=True, params={**self.release_params("A"), **shared}, sampling_probability=q,
+            summed.stats["A"],
+            per_unit_bound=self.a_bound,
+            noise_multiplier=z,
+            name=f"round{round}.A",
+            round=round,
+            units=group,
+            psd_units=True,
+            params={**self.release_params("A"), **shared},
+            sampling_probability=q,
         )
         b = privatizer.gaussian_sum(
-            summed.stats["b"], per_unit_bound=self.b_bound, noise_multiplier=z, name=f"round{round}.b", round=round, units=group,
-            params={**self.release_params("b"), **shared}, sampling_probability=q,
+            summed.stats["b"],
+            per_unit_bound=self.b_bound,
+            noise_multiplier=z,
+            name=f"round{round}.b",
+            round=round,
+            units=group,
+            params={**self.release_params("b"), **shared},
+            sampling_probability=q,
         )
         U, info = self.solve_subspace(A, b, noise_std_a=self.noise_std(self.a_bound, self.a_sensitivity))
         if self.cohorts is Cohorts.POISSON:
@@ -262,7 +298,9 @@ class AltMinProtocol(Protocol):
         """
         q, d, k = self.quarter, self.dim, self.rank
         if x.shape[0] == 0:
-            return torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device), torch.zeros(d * k, dtype=x.dtype, device=x.device)
+            return torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device), torch.zeros(
+                d * k, dtype=x.dtype, device=x.device
+            )
         x1, y1 = x[:, :q], y[:, :q]
         if linalg.safe_norms(x1) is not None and linalg.safe_norms(y1) is not None:
             v_hat, log_v = linalg.directions(self.local_solve(U, x1, y1))

@@ -8,16 +8,18 @@ the :class:`~fedpers.privacy.Privatizer` and returns the new state. A protocol d
 :class:`StatSpec` per statistic so any runtime can check messages without knowing the
 algorithm.
 """
+
 from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from fedpers.data.units import Units  # noqa: F401  (re-exported: a protocol's client_update takes them)
+from fedpers.data.units import Units
 from fedpers.privacy import Privatizer
 
 Tensor = torch.Tensor
@@ -50,10 +52,14 @@ class Message:
     count: int
     zeroed: int = 0
 
-    def __add__(self, other: "Message") -> "Message":
+    def __add__(self, other: Message) -> Message:
         if set(self.stats) != set(other.stats):
             raise ValueError(f"cannot add messages with statistics {sorted(self.stats)} and {sorted(other.stats)}")
-        return Message({k: self.stats[k] + other.stats[k] for k in self.stats}, self.count + other.count, self.zeroed + other.zeroed)
+        return Message(
+            {k: self.stats[k] + other.stats[k] for k in self.stats},
+            self.count + other.count,
+            self.zeroed + other.zeroed,
+        )
 
     def is_finite(self) -> bool:
         return all(bool(torch.isfinite(v).all()) for v in self.stats.values())
@@ -68,7 +74,9 @@ class Verdict:
     norms: dict[str, float] = field(default_factory=dict)
 
 
-def verify_message(message: Message, specs: tuple[StatSpec, ...], max_units: int, dtype: torch.dtype | None = None) -> Verdict:
+def verify_message(
+    message: Message, specs: tuple[StatSpec, ...], max_units: int, dtype: torch.dtype | None = None
+) -> Verdict:
     """Server-side check of one client message: names, shapes, dtype, finiteness, count, norm bounds.
 
     A message that fails is dropped whole (never clipped), so a bad client cannot shift the
@@ -110,7 +118,7 @@ def zero_message(specs: tuple[StatSpec, ...], dtype: torch.dtype, device: torch.
     return Message({s.name: torch.zeros(s.shape, dtype=dtype, device=device) for s in specs}, 0)
 
 
-def client_message(protocol: "Protocol", round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+def client_message(protocol: Protocol, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
     """``protocol.client_update`` under the per-unit rule: a unit whose contribution is
     non-finite (or whose numerics fail) enters the sum as zero and is counted in ``zeroed``.
 
@@ -170,7 +178,9 @@ class Protocol(abc.ABC):
         """Per-unit statistics, clipped per unit, summed over ``units``. Never adds noise."""
 
     @abc.abstractmethod
-    def server_update(self, round: int, state: Any, summed: Message, privatizer: Privatizer) -> tuple[Any, dict[str, float]]:
+    def server_update(
+        self, round: int, state: Any, summed: Message, privatizer: Privatizer
+    ) -> tuple[Any, dict[str, float]]:
         """Privatise the summed message (through ``privatizer`` only) and return (new state, diagnostics)."""
 
     def unit_keys(self) -> tuple[str, ...]:

@@ -28,12 +28,14 @@ upper triangles of its blocks (items, k(k+1)/2), whose norm is ≤ ||G||_F; the 
 sensitivity used is the general 2·Γ (the √2·Γ PSD bound is not claimed here). Each noisy
 block is repaired to PSD (eigenvalues floored at 0), and U_i = (G_i + λI)⁻¹ b_i.
 """
+
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -65,7 +67,9 @@ def selected(mask: Tensor, items_per_user: int) -> Tensor:
     return mask & (torch.cumsum(mask.to(torch.int64), dim=1) <= items_per_user)
 
 
-def item_counts(items: Tensor, ratings: Tensor, mask: Tensor, items_per_user: int, n_items: int, rating_bound: float) -> tuple[Tensor, Tensor]:
+def item_counts(
+    items: Tensor, ratings: Tensor, mask: Tensor, items_per_user: int, n_items: int, rating_bound: float
+) -> tuple[Tensor, Tensor]:
     """Per-item sums (s, c), each with one more entry for the totals, of the users' selected
     ratings (each user's vector clipped to ``rating_bound``, scale-safe) and indicators.
 
@@ -78,15 +82,23 @@ def item_counts(items: Tensor, ratings: Tensor, mask: Tensor, items_per_user: in
     flat = items[sel]
     root_b = math.sqrt(items_per_user)
     s = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, r[sel])
-    c = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, torch.ones_like(r[sel]))
+    c = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device).index_add_(
+        0, flat, torch.ones_like(r[sel])
+    )
     s[n_items] = (r.sum(1) / root_b).sum()
     c[n_items] = (sel.sum(1).to(ratings.dtype) / root_b).sum()
     return s, c
 
 
 def item_statistics(
-    U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float, items_per_user: int,
-    gram_bound: float, rhs_bound: float,
+    U: Tensor,
+    items: Tensor,
+    ratings: Tensor,
+    mask: Tensor,
+    ridge: float,
+    items_per_user: int,
+    gram_bound: float,
+    rhs_bound: float,
 ) -> tuple[Tensor, Tensor]:
     """Per-item sums (G (items, k, k), b (items, k)) of the users' clipped contributions."""
     n_items, k = U.shape
@@ -217,7 +229,10 @@ class DpAlsProtocol(Protocol):
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         k = self.rank
         if self.is_prelude(round):
-            return (StatSpec("s", (self.n_items + 1,), self.sum_bound), StatSpec("c", (self.n_items + 1,), self.count_bound))
+            return (
+                StatSpec("s", (self.n_items + 1,), self.sum_bound),
+                StatSpec("c", (self.n_items + 1,), self.count_bound),
+            )
         return (StatSpec("G", (self.n_items, k, k), self.gram_bound), StatSpec("b", (self.n_items, k), self.rhs_bound))
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
@@ -229,7 +244,9 @@ class DpAlsProtocol(Protocol):
             ratings = (ratings - broadcast["mu"].to(self.dtype)) * (mask | units["test"]).to(self.dtype)
             mask = mask & (broadcast["head"].to(mask.device)[units["items"]] > 0)
         U = broadcast["U"].to(self.dtype)
-        G, b = item_statistics(U, units["items"], ratings, mask, self.ridge_user, self.items_per_user, self.gram_bound, self.rhs_bound)
+        G, b = item_statistics(
+            U, units["items"], ratings, mask, self.ridge_user, self.items_per_user, self.gram_bound, self.rhs_bound
+        )
         return Message({"G": linalg.sym(G), "b": b}, int(units["ids"].shape[0]))
 
     def unit_keys(self) -> tuple[str, ...]:
@@ -238,9 +255,26 @@ class DpAlsProtocol(Protocol):
     def prelude_update(self, summed: Message, privatizer: Privatizer) -> dict[str, Tensor]:
         """Round 0: noisy per-item sums and counts → μ̂, head items, U restricted to the head."""
         z = self.noise_multiplier
-        params = {"items_per_user": self.items_per_user, "statistic": "per-item rating sums (vector clipped to √B·c_r) and counts, each with a total entry /√B; bounds √2·√B·c_r and √(2B)"}
-        s = privatizer.gaussian_sum(summed.stats["s"], per_unit_bound=self.sum_bound, noise_multiplier=z, name="dpals.item_sums", round=0, params=params)
-        c = privatizer.gaussian_sum(summed.stats["c"], per_unit_bound=self.count_bound, noise_multiplier=z, name="dpals.item_counts", round=0, params=params)
+        params = {
+            "items_per_user": self.items_per_user,
+            "statistic": "per-item rating sums (vector clipped to √B·c_r) and counts, each with a total entry /√B; bounds √2·√B·c_r and √(2B)",
+        }
+        s = privatizer.gaussian_sum(
+            summed.stats["s"],
+            per_unit_bound=self.sum_bound,
+            noise_multiplier=z,
+            name="dpals.item_sums",
+            round=0,
+            params=params,
+        )
+        c = privatizer.gaussian_sum(
+            summed.stats["c"],
+            per_unit_bound=self.count_bound,
+            noise_multiplier=z,
+            name="dpals.item_counts",
+            round=0,
+            params=params,
+        )
         s, c = s.double(), c.double()
         mu = s[-1] / c[-1].clamp_min(1.0 / math.sqrt(self.items_per_user))
         s, c = s[:-1], c[:-1]
@@ -255,11 +289,15 @@ class DpAlsProtocol(Protocol):
         """Private item means (s_i + κμ̂)/(c_i⁺ + κ) from round 0's releases. κ = κ₀ + 4σ_s/c_r
         (public) caps the noise's share of an item's mean at about c_r/4 whatever its count."""
         sigma_s = self.noise_multiplier * self.sum_bound
-        kappa = self.ITEM_MEAN_PRIOR + (4 * sigma_s * math.sqrt(self.items_per_user) / self.rating_bound if sigma_s > 0 else 0.0)  # rating_bound = √B·c_r
+        kappa = self.ITEM_MEAN_PRIOR + (
+            4 * sigma_s * math.sqrt(self.items_per_user) / self.rating_bound if sigma_s > 0 else 0.0
+        )  # rating_bound = √B·c_r
         mu = state["mu"].double()
         return (state["item_sums"] + kappa * mu) / (state["item_counts"].clamp_min(0) + kappa)
 
-    def server_update(self, round: int, state: Mapping[str, Any], summed: Message, privatizer: Privatizer) -> tuple[dict[str, Any], dict[str, float]]:
+    def server_update(
+        self, round: int, state: Mapping[str, Any], summed: Message, privatizer: Privatizer
+    ) -> tuple[dict[str, Any], dict[str, float]]:
         if self.is_prelude(round):
             return self.prelude_update(summed, privatizer), {}
         k = self.rank
@@ -268,8 +306,17 @@ class DpAlsProtocol(Protocol):
         g_bound, b_bound = self.gram_bound, self.rhs_bound
         if z > 0 and not (math.isfinite(self.gram_bound) and math.isfinite(self.rhs_bound)):
             raise ValueError("noise needs finite gram_bound and rhs_bound")
-        g = privatizer.gaussian_sum(triu_pack(summed.stats["G"]), per_unit_bound=g_bound, noise_multiplier=z, name="dpals.G", round=round, params=params)
-        b = privatizer.gaussian_sum(summed.stats["b"], per_unit_bound=b_bound, noise_multiplier=z, name="dpals.b", round=round, params=params)
+        g = privatizer.gaussian_sum(
+            triu_pack(summed.stats["G"]),
+            per_unit_bound=g_bound,
+            noise_multiplier=z,
+            name="dpals.G",
+            round=round,
+            params=params,
+        )
+        b = privatizer.gaussian_sum(
+            summed.stats["b"], per_unit_bound=b_bound, noise_multiplier=z, name="dpals.b", round=round, params=params
+        )
         U = solve_items(triu_unpack(g, k), b, self.ridge_item, psd_repair=z > 0)
         if self.prelude:
             U = U * state["head"].to(U.dtype).unsqueeze(-1)

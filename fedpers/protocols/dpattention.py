@@ -1,4 +1,4 @@
-"""DP attention computation by DPCovariance (SPEC §4, dp-attention-computation).
+"""DP attention computation by DPCovariance (docs/algorithms.md §4, dp-attention-computation).
 
 X ∈ R^{n×d}, d ≫ n; the privacy units are the d columns (neighbours: one column moves by
 ≤ β). One round: each client clips every column it holds to norm α (so "column norms ≤ α"
@@ -7,11 +7,13 @@ releases B = DPCovariance(A, k) through the Privatizer (which checks every preco
 Theorem 3.1 and claims (ε, δ)-DP only when all hold) and publishes the attention matrix
 D(B)⁻¹f(B), f ∈ {exp, cosh} entrywise, D(B) = diag(f(B)1).
 """
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

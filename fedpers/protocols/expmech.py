@@ -1,6 +1,6 @@
 """User-level ε-DP selection of the shared subspace U by the exponential mechanism.
 
-SPEC §1, Algorithm 4 of the personalization paper. One round: the server broadcasts a
+docs/algorithms.md §1, Algorithm 4 of the personalization paper. One round: the server broadcasts a
 finite, data-independent candidate set of orthonormal U (an explicit φ-net for tiny d·k,
 random Haar candidates otherwise); every client returns, per candidate, the sum over its
 users of the constrained minimum loss
@@ -10,13 +10,14 @@ users of the constrained minimum loss
 and the server samples U with P(U) ∝ exp(−ε·score(U)/(2Δ)), Δ = 4ξL_fC, ξ = 2(L_fC + ζ),
 by Gumbel-max. Users then fit v on their second half, locally (:meth:`personalize`).
 """
+
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Mapping
 
 import torch
 
@@ -90,9 +91,9 @@ def estimate_net_size(dim: int, rank: int, width: float, samples: int = 200_000,
     """Monte-Carlo estimate of len(stiefel_net(...)) without building it: grid size × shell fraction."""
     _, total = net_grid_size(dim, rank, width)
     g = torch.Generator().manual_seed(seed)
-    pts = (torch.rand(samples, dim, rank, generator=g, dtype=torch.float64) * 2 - 1)
+    pts = torch.rand(samples, dim, rank, generator=g, dtype=torch.float64) * 2 - 1
     frac = float((_distance_to_stiefel(pts) <= width / 2).double().mean())
-    return max(1, int(round(total * frac)))
+    return max(1, round(total * frac))
 
 
 @lru_cache(maxsize=4)
@@ -163,7 +164,9 @@ def constrained_solution(gram: Tensor, b: Tensor, bound: float) -> Tensor:
     return (Q @ vt.unsqueeze(-1)).squeeze(-1)
 
 
-def user_scores(candidates: Tensor, x: Tensor, y: Tensor, feature_clip: float, model_bound: float, label_clip: float) -> Tensor:
+def user_scores(
+    candidates: Tensor, x: Tensor, y: Tensor, feature_clip: float, model_bound: float, label_clip: float
+) -> Tensor:
     """Per-(user, candidate) constrained minimum mean loss, (users, Q).
 
     x (users, h, d), y (users, h): the samples the score uses; candidates (Q, d, k). Each x is
@@ -180,7 +183,9 @@ def user_scores(candidates: Tensor, x: Tensor, y: Tensor, feature_clip: float, m
         f = f[..., 0].mul_(scale.unsqueeze(-1)).clamp_(-feature_clip, feature_clip)
         b = torch.bmm(yc.unsqueeze(1), f).squeeze(1) / h
         g = f.mul_(f).sum(1) / h
-        v = torch.where(g > 0, b / torch.where(g > 0, g, torch.ones_like(g)), torch.zeros_like(g)).clamp(-model_bound, model_bound)
+        v = torch.where(g > 0, b / torch.where(g > 0, g, torch.ones_like(g)), torch.zeros_like(g)).clamp(
+            -model_bound, model_bound
+        )
         return g * v * v - 2 * b * v + c
     norm = torch.linalg.vector_norm(f, dim=-1, keepdim=True)
     f = f * torch.minimum(scale[..., None, None], feature_clip / norm.clamp_min(torch.finfo(f.dtype).tiny))
@@ -228,7 +233,7 @@ class ExpMechProtocol(Protocol):
 
     @property
     def paper_sensitivity(self) -> float:
-        """4ξL_fC, the paper's (and SPEC §1's) bound; reported, not used (see :attr:`sensitivity`)."""
+        """4ξL_fC, the paper's (and docs/algorithms.md §1's) bound; reported, not used (see :attr:`sensitivity`)."""
         return 4 * self.xi * self.feature_clip * self.model_bound
 
     @property
@@ -287,12 +292,23 @@ class ExpMechProtocol(Protocol):
         per_candidate = max(1, n * self.half * self.rank)  # the (users, h, block, k) projections dominate
         block = max(1, self.block_elements // per_candidate)
         starts = range(0, q, block)
-        if len(starts) >= 8:  # a long scoring pass shows progress (and tqdm's time left) per candidate block; off when not a terminal
+        if (
+            len(starts) >= 8
+        ):  # a long scoring pass shows progress (and tqdm's time left) per candidate block; off when not a terminal
             from tqdm.auto import tqdm
 
-            starts = tqdm(starts, desc=f"scoring {q} candidates ({n} users)", unit="block", leave=False, disable=None, mininterval=1.0)
+            starts = tqdm(
+                starts,
+                desc=f"scoring {q} candidates ({n} users)",
+                unit="block",
+                leave=False,
+                disable=None,
+                mininterval=1.0,
+            )
         for start in starts:
-            s = user_scores(cands[start : start + block].to(x.device), x, y, self.feature_clip, self.model_bound, self.label_clip)
+            s = user_scores(
+                cands[start : start + block].to(x.device), x, y, self.feature_clip, self.model_bound, self.label_clip
+            )
             total[start : start + block] = s.clamp(0.0, self.max_loss).sum(0)
         return Message({"scores": total}, int(n))
 
@@ -301,7 +317,11 @@ class ExpMechProtocol(Protocol):
     ) -> tuple[dict[str, Tensor], dict[str, float]]:
         scores = summed.stats["scores"]
         index = privatizer.exponential(
-            scores, sensitivity=self.sensitivity, epsilon=self.epsilon, name="select.U", round=round,
+            scores,
+            sensitivity=self.sensitivity,
+            epsilon=self.epsilon,
+            name="select.U",
+            round=round,
             params={"statistic": "Σ_j score_j(U)", "zeta": self.label_clip, "formula": "score_j ∈ [0, ζ²], Δ = ζ²"},
         )
         U = state["candidates"][index]

@@ -11,11 +11,12 @@ clipped to Frobenius norm C. The server adds Gaussian noise to Σ_j G_j through 
 Unlike the authors' script, the initialisation is private and accounted: a user is touched
 by 1 + T Gaussian releases, composed with PLD.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import dp_accounting
 import torch
@@ -118,21 +119,42 @@ class FedRepProtocol(Protocol):
         z = self.noise_multiplier
         if round == 0:
             M = privatizer.symmetric_gaussian_sum(
-                summed.stats["W"], per_unit_bound=self.init_bound, noise_multiplier=z, name="init.W", round=0, units=ALL_UNITS,
-                params={"statistic": "W", "pairs": self.pairs, "zeta": self.zeta, "formula": "bound ⌊m/2⌋·ζ², Δ = 2·bound"},
+                summed.stats["W"],
+                per_unit_bound=self.init_bound,
+                noise_multiplier=z,
+                name="init.W",
+                round=0,
+                units=ALL_UNITS,
+                params={
+                    "statistic": "W",
+                    "pairs": self.pairs,
+                    "zeta": self.zeta,
+                    "formula": "bound ⌊m/2⌋·ζ², Δ = 2·bound",
+                },
             )
-            return self.with_sample({"U": linalg.top_eigenvectors(M, self.rank)}, privatizer), {"noise_std_W": self.noise_std(self.init_bound)}
+            return self.with_sample({"U": linalg.top_eigenvectors(M, self.rank)}, privatizer), {
+                "noise_std_W": self.noise_std(self.init_bound)
+            }
         q = self.sampling_rate
         params = {"statistic": "G", "clip": self.clip, "formula": "bound C (Frobenius), Δ = 2C"}
         if self.poisson:
             params["sampling"] = f"poisson q={q}"
         G = privatizer.gaussian_sum(
-            summed.stats["G"], per_unit_bound=self.clip, noise_multiplier=z, name=f"round{round}.G", round=round, units=ALL_UNITS,
-            params=params, sampling_probability=q if z > 0 else 1.0,
+            summed.stats["G"],
+            per_unit_bound=self.clip,
+            noise_multiplier=z,
+            name=f"round{round}.G",
+            round=round,
+            units=ALL_UNITS,
+            params=params,
+            sampling_probability=q if z > 0 else 1.0,
         )
         # divide by the expected cohort q·n (public), never by the sampled count
         U = state["U"].to(G.dtype) - self.learning_rate * G / (q * self.n_users)
-        info = {"noise_std_G": self.noise_std(self.clip), "grad_norm": float(torch.linalg.matrix_norm(G)) / (q * self.n_users)}
+        info = {
+            "noise_std_G": self.noise_std(self.clip),
+            "grad_norm": float(torch.linalg.matrix_norm(G)) / (q * self.n_users),
+        }
         if self.poisson:
             info["sampled_users"] = float(summed.count)
         return self.with_sample({"U": linalg.orthonormal_basis(U)}, privatizer), info

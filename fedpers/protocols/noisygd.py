@@ -1,4 +1,4 @@
-"""NoisyGD for last-layer fine-tuning on (near-)neural-collapse features (SPEC §3).
+"""NoisyGD for last-layer fine-tuning on (near-)neural-collapse features (docs/algorithms.md §3).
 
 Privacy unit: one example (replace-one). Rounds 1..T are NoisyGD steps: the server
 broadcasts W (K × q, zero at the start); every client returns the sum over its examples of
@@ -11,12 +11,14 @@ centred by it; ``pca`` releases a DP second moment Σ xxᵀ (symmetric Gaussian,
 clipped to R) and every feature is projected on its top K−1 eigenvectors. The released
 transform is public and applies to test features too.
 """
+
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -129,7 +131,9 @@ class NoisyGDProtocol(Protocol):
         if round < self.remedy_rounds:
             if self.remedy is Remedy.CENTER:
                 return (StatSpec("feature_sum", (self.feature_dim,), self.feature_bound),)
-            return (StatSpec("second_moment", (self.feature_dim, self.feature_dim), self.feature_bound**2, symmetric=True),)
+            return (
+                StatSpec("second_moment", (self.feature_dim, self.feature_dim), self.feature_bound**2, symmetric=True),
+            )
         return (StatSpec("grad", (self.classes, self.model_dim), self.grad_clip),)
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
@@ -140,7 +144,9 @@ class NoisyGDProtocol(Protocol):
             if self.remedy is Remedy.CENTER:
                 return Message({"feature_sum": xc.sum(0)}, n)
             return Message({"second_moment": linalg.sym(xc.transpose(0, 1) @ xc)}, n)  # Σ x xᵀ: PSD per unit
-        grad, _ = clipped_gradient_sum(broadcast["W"].to(self.dtype), self.transform(broadcast, x), y, self.grad_clip, self.loss)
+        grad, _ = clipped_gradient_sum(
+            broadcast["W"].to(self.dtype), self.transform(broadcast, x), y, self.grad_clip, self.loss
+        )
         return Message({"grad": grad}, n)
 
     def server_update(
@@ -150,23 +156,37 @@ class NoisyGDProtocol(Protocol):
         if round < self.remedy_rounds:
             if self.remedy is Remedy.CENTER:
                 total = privatizer.gaussian_sum(
-                    summed.stats["feature_sum"], per_unit_bound=self.feature_bound,
-                    noise_multiplier=self.remedy_noise_multiplier, name="remedy.mean", round=round,
+                    summed.stats["feature_sum"],
+                    per_unit_bound=self.feature_bound,
+                    noise_multiplier=self.remedy_noise_multiplier,
+                    name="remedy.mean",
+                    round=round,
                     params={"statistic": "Σ x", "R": self.feature_bound, "formula": "bound R, Δ = 2·bound"},
                 )
                 new["mu"] = total / self.examples  # n is public under replace-one neighbours
                 return new, {"noise_std_mean": self.remedy_noise_std()}
             S = privatizer.symmetric_gaussian_sum(
-                summed.stats["second_moment"], per_unit_bound=self.feature_bound**2,
-                noise_multiplier=self.remedy_noise_multiplier, name="remedy.pca", round=round, psd_units=True,
-                params={"statistic": "Σ x xᵀ", "R": self.feature_bound, "formula": "bound R², Δ = √2·bound (PSD per example)"},
+                summed.stats["second_moment"],
+                per_unit_bound=self.feature_bound**2,
+                noise_multiplier=self.remedy_noise_multiplier,
+                name="remedy.pca",
+                round=round,
+                psd_units=True,
+                params={
+                    "statistic": "Σ x xᵀ",
+                    "R": self.feature_bound,
+                    "formula": "bound R², Δ = √2·bound (PSD per example)",
+                },
             )
             new["P"] = linalg.top_eigenvectors(S.double(), self.classes - 1).to(self.dtype)
             return new, {"noise_std_second_moment": self.remedy_noise_std()}
         step = round - self.remedy_rounds + 1
         g = privatizer.gaussian_sum(
-            summed.stats["grad"], per_unit_bound=self.grad_clip, noise_multiplier=self.noise_multiplier,
-            name=f"step{step}.grad", round=round,
+            summed.stats["grad"],
+            per_unit_bound=self.grad_clip,
+            noise_multiplier=self.noise_multiplier,
+            name=f"step{step}.grad",
+            round=round,
             params={"statistic": "Σ clip(∇ℓ_i; G_c)", "G_c": self.grad_clip, "formula": "bound G_c, Δ = 2·bound"},
         )
         new["W"] = state["W"] - self.lr * g

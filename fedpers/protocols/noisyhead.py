@@ -1,4 +1,4 @@
-"""NoisyHead (SPEC §2): DP gradient descent on the linear attention head Γ.
+"""NoisyHead (docs/algorithms.md §2): DP gradient descent on the linear attention head Γ.
 
 Clients hold prompts. Prompt k gives ``vec Z̃_k = vec Π_G((1/L) x_{k,L+1} Σ_i clip(y_{k,i}; C) x_{k,i}ᵀ)``
 and ``ỹ_k = clip(y_{k,L+1}; C)``; the server runs T steps of
@@ -6,7 +6,7 @@ and ``ỹ_k = clip(y_{k,L+1}; C)``; the server runs T steps of
     Γ ← Π_R((1 − 2λη₀) Γ − (η₀/N) (Σ_k (<Γ, Z̃_k> − ỹ_k) Z̃_k + noise_t))
 
 where ``noise_t`` is the Gaussian noise the :class:`~fedpers.privacy.Privatizer` adds to the
-summed gradient, so SPEC's ``z_t`` is ``(η₀/N)·noise_t``. With ``||Γ|| ≤ R`` (the projection keeps
+summed gradient, so docs/algorithms.md's ``z_t`` is ``(η₀/N)·noise_t``. With ``||Γ|| ≤ R`` (the projection keeps
 it there) one prompt's gradient has norm ≤ ``G(C + RG)``: that is the per-unit bound of every
 release and ``2G(C + RG) = σ`` its replace-one sensitivity.
 
@@ -25,12 +25,13 @@ the clip never acts.
 Everything here is batched over arbitrary leading dimensions (units, or Monte-Carlo
 repetitions) and vectorises Γ by stacking columns: ``vec(x sᵀ) = s ⊗ x``.
 """
+
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
@@ -103,7 +104,7 @@ def paper_noise_multiplier(steps: int, epsilon: float, delta: float) -> float:
     """z of the paper's calibration: each step (ε/T, δ/T) by the classical Gaussian formula.
 
     Per step σ_step = Δ sqrt(2 log(1.25T/δ)) T/ε with Δ = 2 × per-unit bound, so
-    z = σ_step / bound = 2T sqrt(2 log(1.25T/δ))/ε. On Γ this is SPEC's
+    z = σ_step / bound = 2T sqrt(2 log(1.25T/δ))/ε. On Γ this is docs/algorithms.md's
     Var z_t = 2η₀²T²σ² log(1.25T/δ)/(ε²N²) with σ = Δ.
     """
     if math.isinf(epsilon):
@@ -281,7 +282,7 @@ class NoisyHeadProtocol(Protocol):
 
     @property
     def noise_std_step(self) -> float:
-        """Std of each entry of SPEC's z_t (the noise on Γ): (η₀/N)·σ_sum."""
+        """Std of each entry of docs/algorithms.md's z_t (the noise on Γ): (η₀/N)·σ_sum."""
         return self.step_size / self.prompts * self.noise_std_sum
 
     @property
@@ -327,7 +328,9 @@ class NoisyHeadProtocol(Protocol):
         x, y = units["x"].to(self.dtype), units["y"].to(self.dtype)
         expect = (self.prompts_per_unit, self.context + 1, self.dim)
         if x.dim() != 4 or tuple(x.shape[1:]) != expect or tuple(y.shape) != tuple(x.shape[:3]):
-            raise ValueError(f"units: x must be (units, {expect[0]}, {expect[1]}, {expect[2]}) and y (units, P, L+1); got {tuple(x.shape)}, {tuple(y.shape)}")
+            raise ValueError(
+                f"units: x must be (units, {expect[0]}, {expect[1]}, {expect[2]}) and y (units, P, L+1); got {tuple(x.shape)}, {tuple(y.shape)}"
+            )
         z, yq = prompt_vectors(x, y, self.clip_c, self.proj_g)
         if self.prompts_per_unit == 1 and self.unit_clip == 1:
             return z, yq, None, None  # ||z zᵀ|| = ||z||² ≤ G², |ỹ|·||z|| ≤ CG: the unit clip cannot act
@@ -354,15 +357,30 @@ class NoisyHeadProtocol(Protocol):
 
     def noisy_step(self, t: int, gamma: Tensor, grad: Tensor, privatizer: Privatizer) -> tuple[Tensor, Tensor]:
         noisy = privatizer.gaussian_sum(
-            grad, per_unit_bound=self.grad_bound, noise_multiplier=self.noise_multiplier, name=f"step{t}", round=t,
+            grad,
+            per_unit_bound=self.grad_bound,
+            noise_multiplier=self.noise_multiplier,
+            name=f"step{t}",
+            round=t,
             params={
-                "statistic": f"Σ_{self.unit_name} gradient", "C": self.clip_c, "G": self.proj_g, "R": self.proj_r,
-                "P": self.prompts_per_unit, "rho": self.unit_clip, "formula": "bound ρP·G(C + RG), Δ = 2·bound",
-                **({"sampling": f"poisson q={self.sampling_rate}", "poisson_sample": f"step{t}"} if self.poisson else {}),
+                "statistic": f"Σ_{self.unit_name} gradient",
+                "C": self.clip_c,
+                "G": self.proj_g,
+                "R": self.proj_r,
+                "P": self.prompts_per_unit,
+                "rho": self.unit_clip,
+                "formula": "bound ρP·G(C + RG), Δ = 2·bound",
+                **(
+                    {"sampling": f"poisson q={self.sampling_rate}", "poisson_sample": f"step{t}"}
+                    if self.poisson
+                    else {}
+                ),
             },
             sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
         )
-        return descend(gamma, noisy, self.prompts * self.sampling_rate, self.ridge_lambda, self.step_size, self.proj_r), noisy
+        return descend(
+            gamma, noisy, self.prompts * self.sampling_rate, self.ridge_lambda, self.step_size, self.proj_r
+        ), noisy
 
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer

@@ -1,4 +1,5 @@
 """Runtimes move messages; they never compute statistics or add noise."""
+
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
 from fedpers.runtime.local import run_local
 

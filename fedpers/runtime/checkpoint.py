@@ -13,6 +13,7 @@ same values, and the ledger is not extended twice for them (see
 (its generators are seeded from OS entropy and must stay unknown); its re-drawn, never
 published releases are fresh.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,12 @@ class Checkpointer:
     def save(self, checkpoint: Checkpoint) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         payload = {
-            "format": FORMAT, "next_round": int(checkpoint.next_round), "state": _to_cpu(checkpoint.state),
-            "records": checkpoint.records, "privatizer": checkpoint.privatizer, "run": self.run,
+            "format": FORMAT,
+            "next_round": int(checkpoint.next_round),
+            "state": _to_cpu(checkpoint.state),
+            "records": checkpoint.records,
+            "privatizer": checkpoint.privatizer,
+            "run": self.run,
         }
         with open(tmp, "wb") as f:
             torch.save(payload, f)
@@ -65,12 +70,20 @@ def load(path: str | Path, device: torch.device | str = "cpu") -> Checkpoint:
     try:
         payload = torch.load(path, map_location=torch.device(device), weights_only=True)
     except FileNotFoundError:
-        raise ValueError(f"{path.parent}: no checkpoint ({path.name}); the run stopped before its first round ended") from None
-    except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing error
+        raise ValueError(
+            f"{path.parent}: no checkpoint ({path.name}); the run stopped before its first round ended"
+        ) from None
+    except Exception as e:
         raise ValueError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path}: not a fedpers checkpoint of format {FORMAT}")
-    return Checkpoint(int(payload["next_round"]), payload["state"], list(payload["records"]), dict(payload["privatizer"]), str(payload.get("run", "")))
+    return Checkpoint(
+        int(payload["next_round"]),
+        payload["state"],
+        list(payload["records"]),
+        dict(payload["privatizer"]),
+        str(payload.get("run", "")),
+    )
 
 
 def _to_cpu(value: Any) -> Any:

@@ -5,11 +5,13 @@ messages come back. Verification, dropping, the minimum-participation rule, the 
 to ``server_update`` and the per-round checkpoint live here, so the local and Flower
 runtimes cannot drift apart (and both resume the same way).
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -60,11 +62,18 @@ class RoundRecord:
         }
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "RoundRecord":
+    def from_dict(d: dict[str, Any]) -> RoundRecord:
         known = {"round", "clients", "clients_accepted", "units", "units_zeroed", "dropped", "seconds"}
         return RoundRecord(
-            int(d["round"]), int(d["clients"]), int(d["clients_accepted"]), int(d["units"]), dict(d.get("dropped", {})),
-            int(d.get("units_zeroed", 0)), {k: v for k, v in d.items() if k not in known}, {}, float(d.get("seconds", 0.0)),
+            int(d["round"]),
+            int(d["clients"]),
+            int(d["clients_accepted"]),
+            int(d["units"]),
+            dict(d.get("dropped", {})),
+            int(d.get("units_zeroed", 0)),
+            {k: v for k, v in d.items() if k not in known},
+            {},
+            float(d.get("seconds", 0.0)),
         )
 
 
@@ -99,7 +108,15 @@ def drive(
     else:
         state, first = protocol.server_start(protocol.initial_state(), privatizer), 0
     records: list[RoundRecord] = []
-    bar = tqdm(range(first, protocol.num_rounds), desc=protocol.name, unit="round", disable=not progress, leave=False, initial=first, total=protocol.num_rounds)
+    bar = tqdm(
+        range(first, protocol.num_rounds),
+        desc=protocol.name,
+        unit="round",
+        disable=not progress,
+        leave=False,
+        initial=first,
+        total=protocol.num_rounds,
+    )
     for r in bar:
         start = time.perf_counter()
         broadcast = protocol.broadcast(state, r)
@@ -111,7 +128,11 @@ def drive(
             if reply.message is None:
                 dropped[reply.client] = reply.error or "no reply"
                 continue
-            msg = Message({k: v.to(device=device) for k, v in reply.message.stats.items()}, reply.message.count, reply.message.zeroed)
+            msg = Message(
+                {k: v.to(device=device) for k, v in reply.message.stats.items()},
+                reply.message.count,
+                reply.message.zeroed,
+            )
             verdict = verify_message(msg, specs, reply.max_units, protocol.dtype)
             if not verdict.accepted:
                 dropped[reply.client] = verdict.reason

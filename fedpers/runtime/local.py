@@ -4,11 +4,13 @@ Units come either as tensors already in memory or as a :class:`~fedpers.data.uni
 that produces any range of units on demand (synthetic users from (seed, id), rows of a file),
 so a run over a million users never holds more than one chunk of their data.
 """
+
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -24,6 +26,7 @@ Tensor = torch.Tensor
 ESTIMATE_AFTER_S = 10.0
 """Runs whose first-chunk calibration predicts more than this print their estimate first."""
 
+
 def _estimate(protocol: Protocol, first_chunk_s: float, chunks: int, chunk_size: int, n: int) -> None:
     """Time before cost: the client work of the whole run from its first chunk (server steps
     and evaluation come on top), printed when it is long enough to matter."""
@@ -31,12 +34,19 @@ def _estimate(protocol: Protocol, first_chunk_s: float, chunks: int, chunk_size:
     if total > ESTIMATE_AFTER_S:
         from tqdm.auto import tqdm
 
-        tqdm.write(f"{protocol.name}: about {_duration(total)} of client work ({protocol.num_rounds} round(s) × {chunks} chunk(s) of "
-                   f"{min(chunk_size, n)} units; the first chunk took {first_chunk_s:.2f} s)", file=sys.stderr)
+        tqdm.write(
+            f"{protocol.name}: about {_duration(total)} of client work ({protocol.num_rounds} round(s) × {chunks} chunk(s) of "
+            f"{min(chunk_size, n)} units; the first chunk took {first_chunk_s:.2f} s)",
+            file=sys.stderr,
+        )
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else (f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h")
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 120
+        else (f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h")
+    )
 
 
 def run_local(
@@ -74,4 +84,6 @@ def run_local(
                 _estimate(protocol, time.perf_counter() - start, chunks, chunk_size, n)
         return [ClientReply("local", n, message)]
 
-    return drive(protocol, gather, privatizer, on_round=on_round, progress=progress, device=source.device, checkpoint=checkpoint)
+    return drive(
+        protocol, gather, privatizer, on_round=on_round, progress=progress, device=source.device, checkpoint=checkpoint
+    )

@@ -1,4 +1,5 @@
 """Where a protocol runs: the runtime and its settings, shared by every algorithm (``fedpers run`` flags)."""
+
 from __future__ import annotations
 
 import enum
@@ -22,7 +23,16 @@ class RuntimeOptions:
     ray_address: str = field("", "attach the Flower simulation to this Ray cluster (default: start a local Ray)")
     client_cpus: float = field(1.0, "CPUs per Flower client actor", gt=0.0)
     client_gpus: float = field(0.0, "GPU share per Flower client actor", ge=0.0)
-    min_fraction: float = field(1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0)
+    min_fraction: float = field(
+        1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0
+    )
     round_timeout: float = field(600.0, "seconds to wait for client replies in a round", gt=0.0)
-    node_partitions: str = field("", "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode register`); nodes not listed take part in nothing, whatever they claim")
-    secure_noise: bool = field(False, "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run")
+    node_partitions: str = field(
+        "",
+        "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode "
+        "register`); nodes not listed take part in nothing, whatever they claim",
+    )
+    secure_noise: bool = field(
+        False,
+        "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run",
+    )

@@ -6,6 +6,7 @@
 - :mod:`server`: discovery and a Grid-backed ``gather`` for the shared ``drive`` loop.
 - :mod:`simulation`: ``run_flower`` (Flower simulation engine on Ray, or a given Grid).
 """
+
 from fedpers.runtime.flower.client import make_client_app
 from fedpers.runtime.flower.simulation import run_flower
 

@@ -7,13 +7,15 @@ node's data file into the protocol and a unit loader. Per process, nodes are cac
 units by (job, unit range), so a long-lived Ray actor or SuperNode builds each once. Nothing
 per-user goes into ``context.state`` (Flower ships every node's Context with each message).
 """
+
 from __future__ import annotations
 
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from flwr.app import Context
@@ -54,7 +56,7 @@ class NodeJob:
 
 
 _jobs: dict[tuple[str, str, str], NodeJob] = {}
-_units: "OrderedDict[tuple[str, str, str, int, int], Units]" = OrderedDict()
+_units: OrderedDict[tuple[str, str, str, int, int], Units] = OrderedDict()
 
 
 def node_job(job: codec.Job, data_file: str, build: NodeBuilder) -> NodeJob:
@@ -114,13 +116,15 @@ def _disk_cached(key: tuple, load: Any) -> Units:
     except OSError as e:  # cannot be made: costs speed, never the round
         import logging
 
-        logging.getLogger("fedpers.flower").warning("%s=%s cannot be written (%s); this node loads its users for every message", NODE_CACHE_ENV, directory, e)
+        logging.getLogger("fedpers.flower").warning(
+            "%s=%s cannot be written (%s); this node loads its users for every message", NODE_CACHE_ENV, directory, e
+        )
         return load()
     # --- end issue 23 ---
     if path.is_file():
         try:
             return torch.load(path, mmap=True, weights_only=True)
-        except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt
+        except Exception:
             path.unlink(missing_ok=True)
     units = load()
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -136,7 +140,9 @@ def _disk_cached(key: tuple, load: Any) -> Units:
         with contextlib.suppress(OSError):
             tmp.unlink()
 
-        logging.getLogger("fedpers.flower").warning("%s=%s cannot be written (%s); this node loads its users for every message", NODE_CACHE_ENV, directory, e)
+        logging.getLogger("fedpers.flower").warning(
+            "%s=%s cannot be written (%s); this node loads its users for every message", NODE_CACHE_ENV, directory, e
+        )
     return units
 
 
@@ -146,13 +152,17 @@ def _nbytes(units: Units) -> int:
 
 def _node_config(context: Context, key: str) -> Any:
     if key not in context.node_config:
-        raise ValueError(f"node config lacks {key!r}; start the SuperNode with --node-config \"{codec.PARTITION_ID}=I {codec.NUM_PARTITIONS}=N\"")
+        raise ValueError(
+            f'node config lacks {key!r}; start the SuperNode with --node-config "{codec.PARTITION_ID}=I {codec.NUM_PARTITIONS}=N"'
+        )
     return context.node_config[key]
 
 
 def handle_query(message: FlowerMessage, context: Context) -> FlowerMessage:
     """Discovery round: report this node's partition (its stable index)."""
-    content = codec.encode_node(int(_node_config(context, codec.PARTITION_ID)), int(_node_config(context, codec.NUM_PARTITIONS)))
+    content = codec.encode_node(
+        int(_node_config(context, codec.PARTITION_ID)), int(_node_config(context, codec.NUM_PARTITIONS))
+    )
     return FlowerMessage(content, reply_to=message)
 
 
@@ -170,14 +180,21 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
     node = node_job(task.job, data_file, build)
     units = node_units(task.job, data_file, node, task.start, task.stop)
     if policy is not None:  # the users this round's message would be computed over (a cohort may be fewer)
-        check_task(policy, task.job.algorithm, json.loads(task.job.config_json), node.protocol.units_in_round(task.round, units))
+        check_task(
+            policy,
+            task.job.algorithm,
+            json.loads(task.job.config_json),
+            node.protocol.units_in_round(task.round, units),
+        )
     # --- end issue 23 ---
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
     reply = client_message(node.protocol, task.round, broadcast, units)
     digest = codec.broadcast_digest(task.round, task.broadcast)
     symmetric = [spec.name for spec in node.protocol.stat_specs(task.round) if spec.symmetric]
-    return FlowerMessage(codec.encode_reply(reply, time.perf_counter() - start, task.round, digest, symmetric), reply_to=message)
+    return FlowerMessage(
+        codec.encode_reply(reply, time.perf_counter() - start, task.round, digest, symmetric), reply_to=message
+    )
 
 
 def make_client_app(build: NodeBuilder) -> ClientApp:

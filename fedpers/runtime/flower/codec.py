@@ -10,13 +10,15 @@ reply 3 instead of 9; tensors over :data:`INLINE_BYTES` go as one chunked ``Arra
 Decoding a reply never trusts it: anything malformed raises :class:`MalformedReply`, which
 the server turns into a drop.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,8 +78,13 @@ class Job:
     """The server's noise calibrations (public: key → noise multiplier), so nodes need no accountant."""
 
     @staticmethod
-    def of(algorithm: str, cfg: Any, protocol: Protocol, calibrations: Mapping[str, float] | None = None) -> "Job":
-        return Job(algorithm, json.dumps(config_lib.to_dict(cfg), sort_keys=True), protocol_digest(protocol), json.dumps(dict(calibrations or {}), sort_keys=True))
+    def of(algorithm: str, cfg: Any, protocol: Protocol, calibrations: Mapping[str, float] | None = None) -> Job:
+        return Job(
+            algorithm,
+            json.dumps(config_lib.to_dict(cfg), sort_keys=True),
+            protocol_digest(protocol),
+            json.dumps(dict(calibrations or {}), sort_keys=True),
+        )
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,9 @@ CALIBRATIONS = "calibrations"
 
 
 def job_record(job: Job) -> ConfigRecord:
-    return ConfigRecord({ALGORITHM: job.algorithm, CONFIG: job.config_json, DIGEST: job.digest, CALIBRATIONS: job.calibrations_json})
+    return ConfigRecord(
+        {ALGORITHM: job.algorithm, CONFIG: job.config_json, DIGEST: job.digest, CALIBRATIONS: job.calibrations_json}
+    )
 
 
 def read_job(content: RecordDict) -> Job:
@@ -148,7 +157,7 @@ def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tenso
             array = content.array_records[TENSORS][BLOB]
             try:
                 data = array.numpy()
-            except Exception as e:  # noqa: BLE001 - any undecodable array is the sender's fault
+            except Exception as e:
                 raise MalformedReply(f"{what}: cannot decode its tensors ({type(e).__name__}: {e})") from None
             if data.dtype != np.uint8 or data.ndim != 1:
                 raise MalformedReply(f"{what}: packed tensors must be a 1-D uint8 array; got {data.dtype} {data.shape}")
@@ -161,8 +170,18 @@ def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tenso
     out: dict[str, Tensor] = {}
     offset = 0
     for entry in layout:
-        ok = isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in DTYPES and isinstance(entry[2], list)
-        if not ok or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry[2]) or entry[0] in out:
+        ok = (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and entry[1] in DTYPES
+            and isinstance(entry[2], list)
+        )
+        if (
+            not ok
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry[2])
+            or entry[0] in out
+        ):
             raise MalformedReply(f"{what}: bad tensor layout entry {str(entry)[:80]}")
         name, dtype, shape = entry[0], np.dtype(entry[1]), tuple(entry[2])
         count = math.prod(shape)
@@ -209,17 +228,25 @@ PACKED = "packed"
 """Tag key: the comma-separated names of symmetric statistics sent as their upper triangle."""
 
 
-def encode_reply(message: Message, seconds: float, round: int, digest: str, symmetric: Iterable[str] = ()) -> RecordDict:
+def encode_reply(
+    message: Message, seconds: float, round: int, digest: str, symmetric: Iterable[str] = ()
+) -> RecordDict:
     """A client's reply, tagged with the round and the digest of the broadcast it answers.
 
     ``symmetric`` statistics travel as their packed upper triangle (half the bytes); the
     server rebuilds them symmetric, so such a reply cannot be asymmetric at all.
     """
     packed = sorted(n for n in symmetric if n in message.stats and message.stats[n].dim() == 2)
-    tag = ConfigRecord({
-        ROUND: int(round), DIGEST_OF_BROADCAST: str(digest), PACKED: ",".join(packed),
-        UNITS: int(message.count), ZEROED: int(message.zeroed), SECONDS: float(seconds),
-    })
+    tag = ConfigRecord(
+        {
+            ROUND: int(round),
+            DIGEST_OF_BROADCAST: str(digest),
+            PACKED: ",".join(packed),
+            UNITS: int(message.count),
+            ZEROED: int(message.zeroed),
+            SECONDS: float(seconds),
+        }
+    )
     content: dict[str, Any] = {TAG: tag}
     pack({k: (_triu(v) if k in packed else v) for k, v in message.stats.items()}).into(tag, content)
     return RecordDict(content)
@@ -232,9 +259,11 @@ def _triu(a: Tensor) -> Tensor:
 
 def _untriu(t: Tensor, name: str) -> Tensor:
     size = int(t.numel())
-    n = int(round((math.sqrt(8 * size + 1) - 1) / 2))
+    n = round((math.sqrt(8 * size + 1) - 1) / 2)
     if t.dim() != 1 or n * (n + 1) // 2 != size:
-        raise MalformedReply(f"{name}: a packed symmetric statistic must be a 1-D upper triangle; got shape {tuple(t.shape)}")
+        raise MalformedReply(
+            f"{name}: a packed symmetric statistic must be a 1-D upper triangle; got shape {tuple(t.shape)}"
+        )
     i, j = torch.triu_indices(n, n)
     full = t.new_zeros(n, n)
     full[i, j] = t
@@ -255,7 +284,9 @@ def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> 
     except (KeyError, TypeError) as e:
         raise MalformedReply(f"reply lacks {e}") from None
     if expect is not None and tagged != (int(expect[0]), str(expect[1])):
-        raise MalformedReply(f"reply answers round {tagged[0]} with broadcast {str(tagged[1])[:12]}…, not this round's task: replayed or stale")
+        raise MalformedReply(
+            f"reply answers round {tagged[0]} with broadcast {str(tagged[1])[:12]}…, not this round's task: replayed or stale"
+        )
     zeroed = tag.get(ZEROED, 0)
     for name, value in ((UNITS, count), (ZEROED, zeroed)):
         if isinstance(value, bool) or not isinstance(value, int):

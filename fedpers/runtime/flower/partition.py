@@ -5,6 +5,7 @@ config. The server learns (node id → partition id) in a discovery round and th
 partitions to contiguous ranges of unit ids, so every run with the same config gives every
 partition the same users whichever node holds it.
 """
+
 from __future__ import annotations
 
 

@@ -5,12 +5,14 @@ runtime. This module only moves messages: it finds which node holds which partit
 sends each node its task, and turns replies, client errors and timeouts into
 :class:`~fedpers.runtime.driver.ClientReply` objects.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from flwr.app import Message as FlowerMessage
@@ -38,7 +40,9 @@ def _check(stop: Callable[[], bool] | None) -> None:
         raise Stopped("the Flower simulation engine stopped; see its log above")
 
 
-def exchange(grid: Grid, messages: Iterable[FlowerMessage], timeout: float, stop: Callable[[], bool] | None = None) -> list[FlowerMessage]:
+def exchange(
+    grid: Grid, messages: Iterable[FlowerMessage], timeout: float, stop: Callable[[], bool] | None = None
+) -> list[FlowerMessage]:
     """Push ``messages`` and pull replies until all arrived, ``timeout`` seconds passed, or ``stop()``."""
     pending = set(grid.push_messages(list(messages)))
     deadline = time.monotonic() + timeout
@@ -86,7 +90,9 @@ def parse_node_partitions(text: str) -> dict[int, int]:
     return out
 
 
-def assigned(grid: Grid, mapping: Mapping[int, int], timeout: float, stop: Callable[[], bool] | None = None) -> tuple[dict[int, int], int]:
+def assigned(
+    grid: Grid, mapping: Mapping[int, int], timeout: float, stop: Callable[[], bool] | None = None
+) -> tuple[dict[int, int], int]:
     """Partitions from the operator's map of authenticated node ids (``node-partitions``), not from
     what nodes say: a node not in the map takes part in nothing, whatever it claims."""
     deadline = time.monotonic() + timeout
@@ -97,7 +103,12 @@ def assigned(grid: Grid, mapping: Mapping[int, int], timeout: float, stop: Calla
         if len(holder) == num:
             return holder, num
         if time.monotonic() >= deadline:
-            log.warning("discovery: %d of %d assigned nodes connected after %g s; the others count as dropped", len(holder), num, timeout)
+            log.warning(
+                "discovery: %d of %d assigned nodes connected after %g s; the others count as dropped",
+                len(holder),
+                num,
+                timeout,
+            )
             return holder, num
         _check(stop)
         time.sleep(0.05)
@@ -142,7 +153,12 @@ def discover(
         if time.monotonic() >= deadline:
             if num is None:
                 raise RoundFailed(f"discovery: no node reported its {codec.PARTITION_ID} within {timeout:g} s")
-            log.warning("discovery: %d of %d partitions have a node after %g s; the others count as dropped", len(holder), num, timeout)
+            log.warning(
+                "discovery: %d of %d partitions have a node after %g s; the others count as dropped",
+                len(holder),
+                num,
+                timeout,
+            )
             return holder, num
         _check(stop)
         time.sleep(0.05)
@@ -152,7 +168,12 @@ class GridGather:
     """``gather`` for :func:`~fedpers.runtime.driver.drive` over a Flower Grid."""
 
     def __init__(
-        self, grid: Grid, job: codec.Job, federation: Federation, timeout: float, stop: Callable[[], bool] | None = None,
+        self,
+        grid: Grid,
+        job: codec.Job,
+        federation: Federation,
+        timeout: float,
+        stop: Callable[[], bool] | None = None,
         protocol: Protocol | None = None,
     ) -> None:
         self.grid, self.job, self.federation, self.timeout, self.stop = grid, job, federation, timeout, stop
@@ -162,7 +183,9 @@ class GridGather:
         fed = self.federation
         shared = codec.broadcast_record(broadcast)
         messages = [
-            FlowerMessage(codec.encode_task(self.job, round, fed.ranges[p], shared), node, MessageType.TRAIN, group_id=str(round))
+            FlowerMessage(
+                codec.encode_task(self.job, round, fed.ranges[p], shared), node, MessageType.TRAIN, group_id=str(round)
+            )
             for p, node in sorted(fed.nodes.items())
         ]
         by_node = {m.metadata.src_node_id: m for m in exchange(self.grid, messages, self.timeout, self.stop)}
@@ -223,8 +246,19 @@ def run_on_grid(
     from fedpers.policy import active_policy, check_partitions
 
     if (policy := active_policy()) is not None:
-        check_partitions(policy, {p: len(r) for p, r in enumerate(federation.ranges)})  # issue 23: no partition below min-units
+        check_partitions(
+            policy, {p: len(r) for p, r in enumerate(federation.ranges)}
+        )  # issue 23: no partition below min-units
     if on_discovery is not None:
         on_discovery(federation)
     gather = GridGather(grid, job, federation, options.round_timeout, stop, protocol)
-    return drive(protocol, gather, privatizer, min_fraction=options.min_fraction, on_round=on_round, progress=progress, device=device, checkpoint=checkpoint)
+    return drive(
+        protocol,
+        gather,
+        privatizer,
+        min_fraction=options.min_fraction,
+        on_round=on_round,
+        progress=progress,
+        device=device,
+        checkpoint=checkpoint,
+    )

@@ -6,6 +6,7 @@ builder, see :mod:`fedpers.runtime.flower.client`) runs in Ray actors, which imp
 from the same checkout (its root is put on ``sys.path``, which Flower's Ray backend
 passes to every worker as ``PYTHONPATH`` in the job's runtime_env).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from flwr.app import Context
@@ -80,12 +82,26 @@ def run_flower(
     ``client_app`` (:func:`fedpers.app.make_client_app`; tests inject faulty clients).
     """
     if grid is not None:
-        return run_on_grid(grid, job, num_units, protocol, privatizer, options, device=device, on_round=on_round, on_discovery=on_discovery, progress=progress, checkpoint=checkpoint)
+        return run_on_grid(
+            grid,
+            job,
+            num_units,
+            protocol,
+            privatizer,
+            options,
+            device=device,
+            on_round=on_round,
+            on_discovery=on_discovery,
+            progress=progress,
+            checkpoint=checkpoint,
+        )
     if client_app is None:
         raise ValueError("client_app: a simulation needs the ClientApp its nodes run (fedpers.app.make_client_app())")
     unit_ranges(num_units, options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
     if options.client_gpus > 0 and not options.ray_address and not torch.cuda.is_available():
-        raise ValueError(f"client_gpus={options.client_gpus} but this machine has no GPU; set --client-gpus 0 or attach a GPU cluster with --ray-address")
+        raise ValueError(
+            f"client_gpus={options.client_gpus} but this machine has no GPU; set --client-gpus 0 or attach a GPU cluster with --ray-address"
+        )
     outcome: dict[str, Any] = {}
     stopped = threading.Event()
     server_app = ServerApp()
@@ -94,10 +110,21 @@ def run_flower(
     def _main(grid: Grid, context: Context) -> None:
         try:
             outcome["result"] = run_on_grid(
-                grid, job, num_units, protocol, privatizer, options, device=device, expected_nodes=options.nodes,
-                on_round=on_round, on_discovery=on_discovery, progress=progress, stop=stopped.is_set, checkpoint=checkpoint,
+                grid,
+                job,
+                num_units,
+                protocol,
+                privatizer,
+                options,
+                device=device,
+                expected_nodes=options.nodes,
+                on_round=on_round,
+                on_discovery=on_discovery,
+                progress=progress,
+                stop=stopped.is_set,
+                checkpoint=checkpoint,
             )
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
+        except BaseException as e:
             outcome["error"] = e
 
     from flwr.simulation import run_simulation
@@ -113,7 +140,9 @@ def run_flower(
             logging.getLogger("fedpers.flower").warning("Flower simulation error after the run completed: %s", root)
             return outcome["result"]
         kind = ValueError if isinstance(root, ValueError) else RuntimeError
-        raise kind(f"the Flower simulation failed ({type(root).__name__}: {root}); client_cpus={options.client_cpus}, client_gpus={options.client_gpus}") from e
+        raise kind(
+            f"the Flower simulation failed ({type(root).__name__}: {root}); client_cpus={options.client_cpus}, client_gpus={options.client_gpus}"
+        ) from e
     finally:
         stopped.set()  # a ServerApp thread still waiting for replies gives up
     if "error" in outcome:
