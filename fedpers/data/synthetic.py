@@ -153,13 +153,16 @@ def altmin_users(
     halves: Iterable[int] = HALVES,
     device: torch.device | str = "cpu",
     workers: int | None = None,
+    keep_partial_blocks: bool = True,
 ) -> dict[str, Tensor]:
     """x_ij ~ N(0, I_d), v*_j ~ N(0, I_k), y_ij = <U*ᵀx_ij, v*_j> + N(0, σ_F²) for the given user ids.
 
     ``halves`` says which sample halves (:func:`half_range`) are needed; the others are left
     zero (and, in the float32 scheme, not drawn). ``workers`` threads draw blocks at once (default:
     torch's thread count; 1 draws them in order: same bits). Off the CPU the users are drawn on
-    ``device`` from (seed, block), with no host data.
+    ``device`` from (seed, block), with no host data. ``keep_partial_blocks``: keep a block asked
+    for in part for the next caller (a Flower node of a few users); a pass that asks each block
+    once turns it off.
     """
     device = torch.device(device)
     halves = tuple(sorted({int(h) for h in halves}))
@@ -191,7 +194,7 @@ def altmin_users(
                 x[rows, a:b] = hx
                 y[rows, a:b] = hy
             return
-        bx, bv, bz = _user_block(seed, blk, samples, d, k, partial=rows.numel() < BLOCK)
+        bx, bv, bz = _user_block(seed, blk, samples, d, k, partial=keep_partial_blocks and rows.numel() < BLOCK)
         bx, bv, bz = bx[local], bv[local], bz[local]
         v[rows] = bv.to(dtype)
         for half in halves:

@@ -299,12 +299,16 @@ def truth(cfg: AltMinConfig) -> Tensor | None:
     return synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank)
 
 
-def load_units(cfg: AltMinConfig, ids: Tensor, samples: tuple[int, int] | None = None) -> dict[str, Tensor]:
+def load_units(
+    cfg: AltMinConfig, ids: Tensor, samples: tuple[int, int] | None = None, *, keep_partial_blocks: bool = True
+) -> dict[str, Tensor]:
     """Data of the given users: a slice of the file, or the synthetic users generated from (seed, id).
 
     Synthetic users are drawn in the working dtype on the run's device (docs/benchmarks.md,
     "Synthetic users": float64 on the CPU keeps every earlier run's users); with ``samples``
     [a, b) only the sample halves that range touches are made (the rest of x, y is zero).
+    ``keep_partial_blocks`` False: a pass that asks each block once (a local cohort round) keeps
+    no partly used block for later callers, so memory stays bounded by the chunk.
     """
     cfg = resolve(cfg)
     dtype = getattr(torch, cfg.dtype)
@@ -325,6 +329,7 @@ def load_units(cfg: AltMinConfig, ids: Tensor, samples: tuple[int, int] | None =
             dtype,
             halves=halves,
             device=cfg.device,
+            keep_partial_blocks=keep_partial_blocks,
         )
     return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
 
@@ -342,8 +347,8 @@ class AltMinSource(UnitSource):
         self.cfg, self.keys, self.samples = cfg, keys, samples
         super().__init__(cfg.n_users, lambda a, b: self.take(torch.arange(a, b), self.samples), cfg.device)
 
-    def take(self, ids: Tensor, samples: tuple[int, int] | None) -> dict[str, Tensor]:
-        units = load_units(self.cfg, ids, samples)
+    def take(self, ids: Tensor, samples: tuple[int, int] | None, keep_partial_blocks: bool = True) -> dict[str, Tensor]:
+        units = load_units(self.cfg, ids, samples, keep_partial_blocks=keep_partial_blocks)
         return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys}
 
     def needed_chunks(
@@ -361,7 +366,7 @@ class AltMinSource(UnitSource):
             stop = int(ends[torch.searchsorted(ends, torch.tensor(start + chunk_size), right=True) - 1])
             if stop <= start:  # one block holds more than chunk_size of the ids
                 stop = int(ends[torch.searchsorted(ends, torch.tensor(start), right=True)])
-            yield self.take(ids[start:stop], samples)
+            yield self.take(ids[start:stop], samples, keep_partial_blocks=False)  # each block once per pass
             start = stop
 
 
