@@ -167,3 +167,21 @@ def check_device_and_dtype(device: str, dtype: str) -> None:
         raise ValueError(f"device must be cpu or cuda[:i]; got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but no CUDA device is available")
+
+
+KERNELS = ("auto", "device", "host")
+"""Code paths: ``device`` keeps data, statistics and solves as a few large batched kernels on the
+run's device (users drawn there from (seed, user id)); ``host`` is the CPU path; ``auto`` picks
+``device`` on cuda and ``host`` on cpu. ``--kernels device --device cpu`` runs the GPU path on
+CPU tensors, which is how CI (no GPU) tests it against the host path."""
+
+
+def check_kernels(kernels: str) -> None:
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
+
+
+def device_path(device: str, kernels: str = "auto") -> bool:
+    """Whether a run takes the device code path (see ``KERNELS``)."""
+    check_kernels(kernels)
+    return kernels == "device" or (kernels == "auto" and device.startswith("cuda"))
