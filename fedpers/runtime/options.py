@@ -22,7 +22,18 @@ class RuntimeOptions:
     users_per_node: int = field(0, "units per node (0: split all units evenly over --nodes)", ge=0)
     ray_address: str = field("", "attach the Flower simulation to this Ray cluster (default: start a local Ray)")
     client_cpus: float = field(1.0, "CPUs per Flower client actor", gt=0.0)
-    client_gpus: float = field(0.0, "GPU share per Flower client actor", ge=0.0)
+    client_gpus: float = field(
+        0.0,
+        "GPU share per Flower client actor: a fraction in [0, 1] packs 1/share node actors on one GPU "
+        "(0.1: ten), a whole number gives each actor that many GPUs",
+        ge=0.0,
+    )
+    sim_gpus: int = field(
+        -1,
+        "GPUs the Flower simulation's own Ray may schedule node actors on (-1: the GPUs torch sees; N: "
+        "declare N, logical ones on a machine without, to check the resource arithmetic on CPU)",
+        ge=-1,
+    )
     min_fraction: float = field(
         1.0, "fraction of nodes that must reply acceptably for a round to proceed", gt=0.0, le=1.0
     )
@@ -36,3 +47,11 @@ class RuntimeOptions:
         False,
         "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run",
     )
+
+    def __post_init__(self) -> None:
+        # Ray packs fractional shares on one GPU but never spreads one actor over part of several
+        share = float(self.client_gpus)
+        if share > 1.0 and not share.is_integer():
+            raise ValueError(
+                f"client_gpus must be in [0, 1] (a share of one GPU) or a whole number of GPUs; got {share}"
+            )

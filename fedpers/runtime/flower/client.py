@@ -74,13 +74,22 @@ def node_job(job: codec.Job, data_file: str, build: NodeBuilder) -> NodeJob:
     return found
 
 
+def run_device(job: codec.Job) -> torch.device:
+    """The run's device as the job's config names it (``device``; cpu for an algorithm without one).
+    In the Flower simulation ``cuda`` is the GPU share Ray gave this node's actor."""
+    return torch.device(str(json.loads(job.config_json).get("device", "cpu")))
+
+
 def node_units(job: codec.Job, data_file: str, node: NodeJob, start: int, stop: int) -> Units:
-    """This node's units (ids ``start..stop-1``), loaded once per process and kept while they fit."""
+    """This node's units (ids ``start..stop-1``) on the run's device, loaded once per process and
+    kept while they fit."""
     key = (job.algorithm, job.config_json, data_file, start, stop)
     if key in _units:
         _units.move_to_end(key)
         return _units[key]
     units = _disk_cached(key, lambda: node.node.units(torch.arange(start, stop)))
+    device = run_device(job)  # kept there between rounds: a GPU node's users stay on its GPU
+    units = {k: v.to(device) for k, v in units.items()}
     _units[key] = units
     while len(_units) > 1 and sum(_nbytes(u) for u in _units.values()) > UNIT_CACHE_BYTES:
         _units.popitem(last=False)

@@ -34,11 +34,70 @@ from fedpers.runtime.flower.server import Federation, run_on_grid
 CHECKOUT = str(Path(fedpers.__file__).resolve().parents[1])
 
 
+def _attached(options: Any) -> str:
+    """The Ray cluster the simulation attaches to ("" when it starts its own)."""
+    return str(options.ray_address or os.environ.get("RAY_ADDRESS", ""))
+
+
+def simulation_gpus(options: Any) -> int | None:
+    """GPUs the simulation's own Ray declares: ``--sim-gpus`` if set, else the GPUs torch sees;
+    None when attached to a cluster (it declares its own: ``ray start --num-gpus N``)."""
+    if _attached(options):
+        return None
+    return int(options.sim_gpus) if options.sim_gpus >= 0 else torch.cuda.device_count()
+
+
+def actor_capacity(client_cpus: float, client_gpus: float, cpus: float, gpus: float) -> int:
+    """Node actors Ray runs at once on one machine of ``cpus`` CPUs and ``gpus`` GPUs: Flower's own
+    pool arithmetic (flwr 1.41 ``pool_size_from_resources``), so ``client_gpus=0.1`` on one GPU
+    caps the pool at 10 actors whatever the CPU count allows."""
+    actors = int(cpus / client_cpus)
+    if client_gpus > 0:
+        actors = min(actors, int(gpus / client_gpus)) if gpus else 0
+    return actors
+
+
+def check_resources(options: Any, device: str = "cpu") -> None:
+    """Refuse, before Ray starts, a GPU share the simulation cannot honour (naming the fields)."""
+    share = float(options.client_gpus)
+    gpus = simulation_gpus(options)
+    if options.sim_gpus >= 0 and gpus is None:
+        raise ValueError(
+            f"sim_gpus={options.sim_gpus} declares the GPUs of the simulation's own Ray, but it attaches to the cluster "
+            f"at ray_address={_attached(options)!r}, which declares its own (`ray start --num-gpus N`); leave sim_gpus at -1"
+        )
+    if gpus is not None and share > 0 and gpus == 0:
+        raise ValueError(
+            f"client_gpus={share} but the simulation's Ray has no GPU (sim_gpus={options.sim_gpus}, torch sees none); "
+            "set client_gpus 0, declare logical GPUs with --sim-gpus N (checks the resource arithmetic on CPU), "
+            "or attach a GPU cluster with --ray-address"
+        )
+    if gpus is not None and share > gpus:
+        raise ValueError(
+            f"client_gpus={share} does not fit the simulation's {gpus} GPU(s) (sim_gpus={options.sim_gpus}): "
+            "no node actor could start; lower client_gpus or raise sim_gpus"
+        )
+    if str(device).startswith("cuda"):
+        if share == 0:
+            raise ValueError(
+                f"device={device} on the Flower simulation needs client_gpus > 0: Ray hides the GPUs from node actors "
+                "that ask for none (e.g. --client-gpus 0.1 packs ten node actors on each GPU)"
+            )
+        if str(device) != "cuda":
+            raise ValueError(
+                f"device={device}: on the Flower simulation Ray gives each node actor its own GPU share; use device cuda"
+            )
+
+
 def backend_config(options: Any) -> dict[str, Any]:
-    """Flower's Ray backend settings: ``--ray-address``, else ``$RAY_ADDRESS``, else a new local Ray."""
+    """Flower's Ray backend settings: ``--ray-address``, else ``$RAY_ADDRESS``, else a new local Ray
+    told how many GPUs it may schedule node actors on (``--sim-gpus``, else the GPUs torch sees)."""
     # "local" starts a new Ray: without it ray.init() silently joins the last `ray start` cluster on this machine.
-    address = options.ray_address or os.environ.get("RAY_ADDRESS", "") or "local"
+    address = _attached(options) or "local"
     init_args: dict[str, Any] = {"logging_level": "error", "log_to_driver": True, "address": address}
+    gpus = simulation_gpus(options)
+    if gpus is not None:  # Ray refuses resource counts when it joins an existing cluster
+        init_args["num_gpus"] = gpus
     return {
         "client_resources": {"num_cpus": float(options.client_cpus), "num_gpus": float(options.client_gpus)},
         "init_args": init_args,
@@ -98,10 +157,7 @@ def run_flower(
     if client_app is None:
         raise ValueError("client_app: a simulation needs the ClientApp its nodes run (fedpers.app.make_client_app())")
     unit_ranges(num_units, options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
-    if options.client_gpus > 0 and not options.ray_address and not torch.cuda.is_available():
-        raise ValueError(
-            f"client_gpus={options.client_gpus} but this machine has no GPU; set --client-gpus 0 or attach a GPU cluster with --ray-address"
-        )
+    check_resources(options, str(device))
     outcome: dict[str, Any] = {}
     stopped = threading.Event()
     server_app = ServerApp()
@@ -141,7 +197,8 @@ def run_flower(
             return outcome["result"]
         kind = ValueError if isinstance(root, ValueError) else RuntimeError
         raise kind(
-            f"the Flower simulation failed ({type(root).__name__}: {root}); client_cpus={options.client_cpus}, client_gpus={options.client_gpus}"
+            f"the Flower simulation failed ({type(root).__name__}: {root}); client_cpus={options.client_cpus}, "
+            f"client_gpus={options.client_gpus}, sim_gpus={options.sim_gpus}"
         ) from e
     finally:
         stopped.set()  # a ServerApp thread still waiting for replies gives up
