@@ -17,10 +17,20 @@ round: decode, statistics, verification, encode) beside Flower's own cost for an
 ClientApp answering an empty message, with the same Ray settings, measured in the same run.
 
     PYTHONPATH=. python benchmarks/flower_overhead.py [--users 10000 --nodes 8 --per-user-users 500 --per-call 100,500,1000]
+
+GPU sharing (``--client-gpus 0.1``: ten node actors per GPU; users on ``--device``): on a GPU
+machine, 1,000 nodes sharing one GPU, per-call cost beside bare Flower with the same Ray
+settings, and the flower U against the local runtime's on the same device:
+
+    PYTHONPATH=. python benchmarks/flower_overhead.py --only-per-call --per-call 1000 --client-gpus 0.1 --device cuda
+
+On a machine without a GPU, ``--sim-gpus 1 --device cpu`` runs the same resource arithmetic on
+one logical GPU (the nodes compute on the CPU).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -37,7 +47,7 @@ EXP = EXPERIMENTS["altmin"]
 
 
 def make_config(users: int, args: argparse.Namespace) -> Any:
-    fields = {"n_users": users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": 1, "cohorts": "all", "epsilon": 4.0, "seed": 0, "baselines": "none"}
+    fields = {"n_users": users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": 1, "cohorts": "all", "epsilon": 4.0, "seed": 0, "baselines": "none", "device": args.device}
     return split_seed(config_lib.build(EXP.config_type, fields))
 
 
@@ -54,7 +64,7 @@ def local(users: int, args: argparse.Namespace) -> dict[str, Any]:
 def flower(users: int, nodes: int, per_node: int, args: argparse.Namespace) -> dict[str, Any]:
     cfg, noise_seed = make_config(users, args)
     protocol = EXP.protocol(cfg)
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": nodes, "users_per_node": per_node, "client_cpus": args.client_cpus, "ray_address": args.ray_address, "round_timeout": 3600.0})
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": nodes, "users_per_node": per_node, "round_timeout": 3600.0, **resources(args)})
     found: dict[str, float] = {}
     start = time.perf_counter()
     state, records = run_flower(EXP, cfg, protocol, Privatizer(noise_seed), opts, progress=False, on_discovery=lambda f: found.update(startup=f.discovery_seconds))
@@ -91,18 +101,31 @@ def bare_flower(nodes: int, rounds: int, args: argparse.Namespace) -> float:
             assert len(replies) == len(ids)
             seconds.append(time.perf_counter() - start)
 
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "client_cpus": args.client_cpus, "ray_address": args.ray_address})
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", **resources(args)})
     run_simulation(server, client, nodes, backend_config=backend_config(opts))
     return seconds[-1]
 
 
+def resources(args: argparse.Namespace) -> dict[str, Any]:
+    """The RuntimeOptions fields of Ray's resources (the same for fedpers and bare Flower)."""
+    return {"client_cpus": args.client_cpus, "client_gpus": args.client_gpus, "sim_gpus": args.sim_gpus, "ray_address": args.ray_address}
+
+
 def per_call(counts: list[int], args: argparse.Namespace) -> None:
-    print(f"\nper ClientApp call, one user per node (steady round / nodes), client_cpus={args.client_cpus}:")
-    print(f"{'nodes':>6s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}")
+    from fedpers.runtime.flower.simulation import actor_capacity, simulation_gpus
+
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", **resources(args)})
+    gpus = simulation_gpus(opts)
+    cpus = float(os.cpu_count() or 1)  # Ray's own count may be lower (cgroups): an upper bound
+    cap = "" if gpus is None else f", at most {actor_capacity(args.client_cpus, args.client_gpus, cpus, gpus)} node actors at once ({gpus} GPU(s))"
+    print(f"\nper ClientApp call, one user per node (steady round / nodes), client_cpus={args.client_cpus}, client_gpus={args.client_gpus}, device={args.device}{cap}:")
+    print(f"{'nodes':>6s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}")
     for n in counts:
-        fed = flower(n, n, 1, args)["round"] / n
+        run = flower(n, n, 1, args)
+        fed = run["round"] / n
+        diff = float((run["U"].cpu() - local(n, args)["U"].cpu()).abs().max())
         bare = bare_flower(n, 3, args) / n
-        print(f"{n:6d}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x", flush=True)
+        print(f"{n:6d}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{diff:24.2e}", flush=True)
 
 
 def main() -> None:
@@ -114,6 +137,9 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=3)
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--client-cpus", type=float, default=1.0)
+    p.add_argument("--client-gpus", type=float, default=0.0, help="GPU share per node actor (0.1: ten per GPU)")
+    p.add_argument("--sim-gpus", type=int, default=-1, help="GPUs the simulation's Ray declares (-1: those torch sees)")
+    p.add_argument("--device", default="cpu", help="where nodes and the local run keep users: cpu or cuda")
     p.add_argument("--ray-address", default="", help="attach to this Ray cluster instead of starting one")
     p.add_argument("--per-call", default="100,500,1000", help="node counts of the per-call table ('' to skip)")
     p.add_argument("--only-per-call", action="store_true", help="skip the batched set-ups")
@@ -132,7 +158,7 @@ def main() -> None:
     for name, r in runs.items():
         print(f"{name:34s}{r['startup']:13.2f}s{r['first']:12.2f}s{r['round']:13.3f}s{r['round'] / r['users'] * 1e6:9.1f} µs")
     loc, fl8, fl1 = runs.values()
-    diff = float((fl8["U"] - loc["U"]).abs().max())
+    diff = float((fl8["U"].cpu() - loc["U"].cpu()).abs().max())
     print(f"\nmax |U_flower - U_local| = {diff:.2e} (same seed, float64)")
     print(f"8-node Flower round / local round             = {fl8['round'] / loc['round']:.2f}x   (target <= 3x)")
     print(f"8-node incl. first round / local incl. data   = {(fl8['first'] + fl8['round']) / (loc['first'] + loc['round']):.2f}x")

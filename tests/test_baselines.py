@@ -1,7 +1,10 @@
 """The non-private baseline is a competent non-private AltMin: never worse than the private run."""
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from fedpers import config
 from fedpers.experiments import EXPERIMENTS
@@ -50,3 +53,98 @@ def test_the_reported_defect_is_gone():
     result = run(dict(n_users=64000, epsilon=8.0, dim=20, rank=2, samples_per_user=12, noise_std=0.1, delta=1e-6, rounds=2, seed=11,
                       baselines="nonprivate_altmin"))
     assert result["baselines"]["nonprivate_altmin"]["subspace_error"] < 0.5 * result["subspace_error"]
+
+
+def _reference(values: dict, float64: bool = False, **kw):
+    """The non-private AltMin on ``values``' users (``float64``: the same users cast to float64):
+    (U, rounds, U*) from altmin_baselines directly."""
+    from fedpers.data.units import UnitSource
+    from fedpers.experiments import altmin as am
+    from fedpers.experiments.altmin_baselines import nonprivate_altmin
+
+    cfg = am.resolve(config.build(EXP.config_type, values))
+    source = am.unit_source(cfg)
+    if float64:
+        load = source.load
+        source = UnitSource(source.num_units, lambda a, b: {k: v.double() if v.is_floating_point() else v for k, v in load(a, b).items()})
+    U, rounds = nonprivate_altmin(source, cfg.rank, cfg.chunk_size, **kw)
+    return U, rounds, am.truth(cfg).double()
+
+
+STOP = dict(n_users=6000, dim=20, rank=3, samples_per_user=12, seed=4)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_statistical_stopping_rule_keeps_the_30_round_reference(monkeypatch, dtype):
+    """Stopped at 5% of its statistical error, with products in the users' dtype, the reference is
+    the 30-round one computed in float64 on the same users within 1% of its subspace error
+    (‖P − P₃₀‖_F ≤ 0.1 × that error), in fewer rounds than the old 10⁻⁶ rule."""
+    import fedpers.experiments.altmin_baselines as baselines
+    from fedpers.metrics import subspace_error
+
+    U, rounds, u_star = _reference({**STOP, "dtype": dtype})
+    monkeypatch.setattr(baselines, "TOLERANCE", 1e-6)
+    monkeypatch.setattr(baselines, "PRECISION", 0.0)
+    U_old, rounds_old, _ = _reference({**STOP, "dtype": dtype}, float64=True)
+    monkeypatch.setattr(baselines, "TOLERANCE", 0.0)
+    U_30, rounds_30, _ = _reference({**STOP, "dtype": dtype}, float64=True)
+    assert rounds_30 == 30 and rounds < rounds_old
+    err, err_30 = subspace_error(U, u_star), subspace_error(U_30, u_star)
+    assert abs(err - err_30) <= 0.01 * err_30, (err, err_30)
+    assert float((U @ U.T - U_30 @ U_30.T).norm()) <= 0.1 * err_30
+
+
+def test_a_warm_start_reaches_the_same_reference(monkeypatch):
+    """Started from a U near U* (as the clipped-no-noise baseline's would be), the stopped reference
+    equals the spectral-start one within 1% of its subspace error (and within 0.1 × that error in ‖P − P'‖_F)."""
+    from fedpers.metrics import subspace_error
+
+    U, rounds, u_star = _reference(STOP)
+    start = u_star + 0.05 * torch.randn(u_star.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    U_warm, rounds_warm, _ = _reference(STOP, init=start)
+    err = subspace_error(U, u_star)
+    assert abs(subspace_error(U_warm, u_star) - err) <= 0.01 * err
+    assert float((U @ U.T - U_warm @ U_warm.T).norm()) <= 0.1 * err
+
+
+def test_the_statistical_error_estimate_matches_the_actual_error():
+    """The stopping rule's yardstick: the U step's standard error is within a factor 2 of the fixed
+    point's actual distance to U* (a lower bound by construction, so not far below it)."""
+    import fedpers.experiments.altmin_baselines as baselines
+    from fedpers.metrics import subspace_error
+
+    seen: list[float] = []
+    original = baselines.statistical_error
+
+    def spy(*args):
+        seen.append(original(*args))
+        return seen[-1]
+
+    baselines.statistical_error = spy
+    try:
+        U, _, u_star = _reference(STOP)
+    finally:
+        baselines.statistical_error = original
+    assert seen and 0.5 <= seen[-1] / subspace_error(U, u_star) <= 2.0, (seen, subspace_error(U, u_star))
+
+
+def test_the_local_only_dual_ridge_equals_the_primal():
+    """m < d: θ = Xᵀ(XXᵀ + λI)⁻¹y is the d-dimensional ridge's θ (float64, same λ); a user with a NaN gets NaN."""
+    from fedpers import linalg
+    from fedpers.experiments.altmin_baselines import local_ridge
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 12, 30, generator=g, dtype=torch.float64)
+    x[1, 6:] = x[1, :6]  # repeated samples: X Xᵀ singular, λ keeps it solvable
+    x[2] = 0.0
+    x[3] *= 1e3
+    y = torch.randn(50, 12, generator=g, dtype=torch.float64)
+    y[4, 0] = math.nan
+    for ridge in (1e-6, 1e-2):
+        dual, primal = local_ridge(x, y, ridge), linalg.batched_ridge_solve(x, y, ridge)
+        ok = torch.ones(50, dtype=torch.bool)
+        ok[4] = False
+        torch.testing.assert_close(dual[ok], primal[ok], rtol=1e-7, atol=1e-9)
+        assert dual[4].isnan().all() and dual[2].abs().max() == 0
+    x_tall, y_tall = torch.randn(20, 40, 30, generator=g), torch.randn(20, 40, generator=g)  # m ≥ d: the primal, in float64
+    torch.testing.assert_close(local_ridge(x_tall, y_tall, 1e-6), linalg.batched_ridge_solve(x_tall.double(), y_tall.double(), 1e-6))

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from fedpers import linalg, memory, metrics
+from fedpers import memory, metrics
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
 from fedpers.data import summary as data_summary
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile, is_long_format
 from fedpers.data.units import UnitSource
-from fedpers.experiments.altmin_baselines import nonprivate_altmin
+from fedpers.experiments.altmin_baselines import local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
@@ -512,7 +512,7 @@ class AltMinEvaluator(Evaluator):
     @staticmethod
     def local_only_fit(units: Units) -> Tensor:
         """Each user alone: ridge in d dimensions on all of its m samples."""
-        return linalg.batched_ridge_solve(units["x"].double(), units["y"].double(), LOCAL_ONLY_RIDGE)
+        return local_ridge(units["x"], units["y"], LOCAL_ONLY_RIDGE)
 
     def final(self, state: Any) -> dict[str, Any]:
         private = {"private": (self.subspace_fit(state["U"]), state["U"])}
@@ -556,13 +556,16 @@ class AltMinEvaluator(Evaluator):
         rounds here, streamed like the private run). Shared with ``run expmech`` so tables compare."""
         wanted = baseline_names(self.cfg.baselines)
         fits: dict[str, tuple[Fit, Tensor | None]] = {}
-        if "nonprivate_altmin" in wanted:
-            U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size)
-            U = U.to(getattr(torch, self.cfg.dtype))
-            fits["nonprivate_altmin"] = (self.subspace_fit(U), U)  # the same final local solve as every row
-        if "clipped_no_noise" in wanted:
+        c_state = None
+        if "clipped_no_noise" in wanted:  # first: its U warm-starts the non-private AltMin
             clipped = replace(self.protocol, noise_multiplier=0.0)
             c_state, _ = run_local(clipped, self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
+        if "nonprivate_altmin" in wanted:
+            init = None if c_state is None else c_state["U"]
+            U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size, init)
+            U = U.to(getattr(torch, self.cfg.dtype))
+            fits["nonprivate_altmin"] = (self.subspace_fit(U), U)  # the same final local solve as every row
+        if c_state is not None:
             fits["clipped_no_noise"] = (self.subspace_fit(c_state["U"]), c_state["U"])
         if "local_only" in wanted:
             fits["local_only"] = (self.local_only_fit, None)

@@ -4,11 +4,15 @@ Unlike the private protocol it has no privacy constraint to respect, so it does 
 non-private method would: every user's samples are used for both steps (no sample
 splitting), local solves are ridge-regularised (a user with 3 samples in k dimensions has a
 near-singular least squares, and a few such users dominated the old baseline's sums), it is
-initialised by the same spectral statistic without clipping or noise, and it alternates
-until U stops moving. It streams users chunk by chunk like the private run.
+initialised by the same spectral statistic without clipping or noise (or warm-started from
+the clipped-no-noise baseline's U), and it alternates until U is within a small fraction of
+its own statistical error from the AltMin fixed point (docs/benchmarks.md: why not 10⁻⁶). It
+streams users chunk by chunk like the private run, in the users' working dtype.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -20,40 +24,110 @@ RIDGE = 1e-3
 """Ridge of the local solves, relative to the mean diagonal of each user's Gram matrix."""
 MAX_ROUNDS = 30
 TOLERANCE = 1e-6
+"""Stop outright once ‖UUᵀ − U'U'ᵀ‖_F falls below this (a problem without label noise)."""
+PRECISION = 0.05
+"""Stop once U's distance to the AltMin fixed point (bounded from the geometric contraction of the
+moves) is at most this fraction of U's statistical standard error: iterating further moves the
+reference by less than one twentieth of what a fresh draw of the same users' data would."""
 
 
 def spectral_init(source: UnitSource, rank: int, chunk_size: int) -> Tensor:
-    """Top-k eigenvectors of Σ_j Σ_pairs sym(x̂_a x̂_bᵀ) y_a y_b over all of a user's sample pairs."""
+    """Top-k eigenvectors of Σ_j Σ_pairs sym(x̂_a x̂_bᵀ) y_a y_b over all of a user's sample pairs
+    (each chunk in the working dtype, chunks summed in float64)."""
     total = None
     for units in source.chunks(chunk_size):
-        x, y = units["x"].double(), units["y"].double()
+        x, y = units["x"], units["y"].to(units["x"].dtype)
         pairs = x.shape[1] // 2
-        w = linalg.pair_statistic(x[:, : 2 * pairs], y[:, : 2 * pairs])
+        w = linalg.pair_statistic(x[:, : 2 * pairs], y[:, : 2 * pairs]).double()
         total = w if total is None else total + w
     return linalg.top_eigenvectors(total, rank)
 
 
 def local_solve(U: Tensor, x: Tensor, y: Tensor) -> Tensor:
-    return linalg.batched_ridge_solve(x @ U, y, RIDGE)
+    return linalg.batched_ridge_solve(x @ U.to(x.dtype), y, RIDGE)
 
 
-def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int) -> tuple[Tensor, int]:
-    """(U, rounds run): alternate v_j = ridge LS on all samples and the exact U step until convergence."""
-    U = spectral_init(source, rank, chunk_size)
+def statistical_error(A: Tensor, b: Tensor, yy: float, u: Tensor, samples: int, params: int) -> float:
+    """Standard error of span(u) (in ‖·‖_F of the projection's complement), from the U step's
+    least squares: vec(u) has covariance σ²A⁻¹, σ² = RSS/(samples − params), RSS = Σy² − 2bᵀu + uᵀAu;
+    with u = QR the subspace error is (I − QQᵀ)Δu R⁻¹, so s² = σ² tr((R⁻¹R⁻ᵀ ⊗ (I − QQᵀ)) A⁻¹).
+    It leaves out the v_j's own error, so it is a lower bound: the stopping rule errs late."""
+    d = u.shape[0]
+    q, r = torch.linalg.qr(u)
+    vec = u.T.reshape(-1)  # column stacking, the inverse of linalg.vec_to_matrix
+    rss = max(yy - 2 * float(b @ vec) + float(vec @ A @ vec), 0.0)
+    sigma2 = rss / max(samples - params, 1)
+    r_inv = torch.linalg.inv(r)
+    weight = torch.kron(r_inv @ r_inv.T, torch.eye(d, dtype=u.dtype) - q @ q.T)
+    a_inv = torch.cholesky_inverse(torch.linalg.cholesky(A))
+    return math.sqrt(max(sigma2 * float((weight * a_inv).sum()), 0.0))
+
+
+def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int, init: Tensor | None = None) -> tuple[Tensor, int]:
+    """(U, rounds run): alternate v_j = ridge LS on all samples and the exact U step until U is
+    within ``PRECISION`` of its statistical error from the fixed point (or moves < ``TOLERANCE``).
+
+    ``init``: a non-private starting U (d, k) (the clipped-no-noise baseline's, when it runs: it
+    saves the spectral pass and about one round); None starts from :func:`spectral_init`. The
+    stopping rule measures the distance to the fixed point, so the start changes the rounds run,
+    not the reference (tests/test_baselines.py compares both with 30 rounds).
+
+    Products in the working dtype of the users (float32 runs: float32 chunks), sums over chunks
+    and the dk×dk solve in float64. After round r ≥ 2 the contraction ρ = move_r/move_(r−1)
+    bounds the distance left to the fixed point by move_r·ρ/(1−ρ)."""
+    U = spectral_init(source, rank, chunk_size) if init is None else linalg.orthonormal_basis(init.double().cpu())
     d = U.shape[0]
+    previous = math.inf
     for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007  (returned: the rounds run)
         A = torch.zeros(d * rank, d * rank, dtype=torch.float64)
         b = torch.zeros(d * rank, dtype=torch.float64)
+        yy, samples, users = 0.0, 0, 0
         for units in source.chunks(chunk_size):
-            x, y = units["x"].double(), units["y"].double()
+            x = units["x"]
+            y = units["y"].to(x.dtype)
             v = local_solve(U, x, y)
-            A += linalg.kron_gram_sum(v, x)
-            b += (v.T @ (x * y.unsqueeze(-1)).sum(1)).reshape(-1)
+            gram, label_sum = linalg.kron_statistics(v, x, label=y)  # one pass over x for both
+            A += gram.double()
+            b += label_sum.double()  # type: ignore[union-attr]  (a label was given)
+            yy += float((y.double() ** 2).sum())
+            samples, users = samples + y.numel(), users + y.shape[0]
         ridge = 1e-12 * float(A.diagonal().mean().clamp_min(1e-300))
-        u = torch.linalg.solve(A + ridge * torch.eye(d * rank, dtype=A.dtype), b)
-        new = linalg.orthonormal_basis(linalg.vec_to_matrix(u, d, rank))
+        A += ridge * torch.eye(d * rank, dtype=A.dtype)
+        u = linalg.vec_to_matrix(torch.linalg.solve(A, b), d, rank)
+        new = linalg.orthonormal_basis(u)
         moved = float(torch.linalg.matrix_norm(new @ new.T - U @ U.T))
         U = new
         if moved < TOLERANCE:
             break
+        rho, previous = moved / previous, moved  # 0 after round 1: no contraction measured yet
+        if 0 < rho < 1 and moved * rho / (1 - rho) <= PRECISION * statistical_error(
+            A, b, yy, u, samples, users * rank + d * rank
+        ):
+            break
     return U, rounds
+
+
+def local_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:
+    """Each user alone: argmin_θ ||X_j θ − y_j||² + λ_j||θ||² in d dimensions on all m samples, in
+    float64, with λ_j = ``ridge`` × the mean diagonal of X_jᵀX_j (floored at 1), as
+    :func:`fedpers.linalg.batched_ridge_solve`. With m < d in the dual form θ = X_jᵀ(X_jX_jᵀ + λ_jI_m)⁻¹y_j
+    (the same θ by the push-through identity): an m×m system instead of a d×d one, about 4× fewer
+    flops at m = 40, d = 100. A user with a non-finite entry gets a NaN θ, as in the primal."""
+    x, y = x.double(), y.double()
+    m, d = x.shape[-2], x.shape[-1]
+    if m >= d:
+        return linalg.batched_ridge_solve(x, y, ridge)
+    lam = ridge * ((x * x).sum((-2, -1)) / d).clamp_min(1.0)
+    gram = x @ x.transpose(-1, -2) + lam[:, None, None] * torch.eye(m, dtype=x.dtype, device=x.device)
+    bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(y).all(-1))
+    if bool(bad.any()):
+        gram = torch.where(bad[:, None, None], torch.eye(m, dtype=x.dtype, device=x.device), gram)
+        x = torch.where(bad[:, None, None], torch.zeros((), dtype=x.dtype, device=x.device), x)
+        y = torch.where(bad[:, None], torch.zeros((), dtype=y.dtype, device=y.device), y)
+    chol, info = torch.linalg.cholesky_ex(gram)
+    alpha = torch.cholesky_solve(y.unsqueeze(-1), chol)
+    failed = (info != 0).nonzero(as_tuple=True)
+    if failed[0].numel():  # per user, so the answer never depends on its batch-mates
+        alpha[failed] = torch.linalg.lstsq(gram[failed], y[failed].unsqueeze(-1)).solution
+    theta = (x.transpose(-1, -2) @ alpha).squeeze(-1)
+    return torch.where(bad[:, None], torch.full_like(theta, math.nan), theta)
