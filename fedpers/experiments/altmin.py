@@ -556,16 +556,13 @@ class AltMinEvaluator(Evaluator):
         rounds here, streamed like the private run). Shared with ``run expmech`` so tables compare."""
         wanted = baseline_names(self.cfg.baselines)
         fits: dict[str, tuple[Fit, Tensor | None]] = {}
-        c_state = None
-        if "clipped_no_noise" in wanted:  # first: its U warm-starts the non-private AltMin
-            clipped = replace(self.protocol, noise_multiplier=0.0)
-            c_state, _ = run_local(clipped, self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
         if "nonprivate_altmin" in wanted:
-            init = None if c_state is None else c_state["U"]
-            U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size, init)
+            U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size)
             U = U.to(getattr(torch, self.cfg.dtype))
             fits["nonprivate_altmin"] = (self.subspace_fit(U), U)  # the same final local solve as every row
-        if c_state is not None:
+        if "clipped_no_noise" in wanted:
+            clipped = replace(self.protocol, noise_multiplier=0.0)
+            c_state, _ = run_local(clipped, self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
             fits["clipped_no_noise"] = (self.subspace_fit(c_state["U"]), c_state["U"])
         if "local_only" in wanted:
             fits["local_only"] = (self.local_only_fit, None)

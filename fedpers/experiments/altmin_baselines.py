@@ -4,8 +4,7 @@ Unlike the private protocol it has no privacy constraint to respect, so it does 
 non-private method would: every user's samples are used for both steps (no sample
 splitting), local solves are ridge-regularised (a user with 3 samples in k dimensions has a
 near-singular least squares, and a few such users dominated the old baseline's sums), it is
-initialised by the same spectral statistic without clipping or noise (or warm-started from
-the clipped-no-noise baseline's U), and it alternates until U is within a small fraction of
+initialised by the same spectral statistic without clipping or noise, and it alternates until U is within a small fraction of
 its own statistical error from the AltMin fixed point (docs/benchmarks.md: why not 10⁻⁶). It
 streams users chunk by chunk like the private run, in the users' working dtype.
 """
@@ -63,19 +62,16 @@ def statistical_error(A: Tensor, b: Tensor, yy: float, u: Tensor, samples: int, 
     return math.sqrt(max(sigma2 * float((weight * a_inv).sum()), 0.0))
 
 
-def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int, init: Tensor | None = None) -> tuple[Tensor, int]:
+def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int) -> tuple[Tensor, int]:
     """(U, rounds run): alternate v_j = ridge LS on all samples and the exact U step until U is
     within ``PRECISION`` of its statistical error from the fixed point (or moves < ``TOLERANCE``).
-
-    ``init``: a non-private starting U (d, k) (the clipped-no-noise baseline's, when it runs: it
-    saves the spectral pass and about one round); None starts from :func:`spectral_init`. The
-    stopping rule measures the distance to the fixed point, so the start changes the rounds run,
-    not the reference (tests/test_baselines.py compares both with 30 rounds).
+    It reads the data alone (no other baseline's output), so every experiment that reports it
+    on the same users reports the same reference.
 
     Products in the working dtype of the users (float32 runs: float32 chunks), sums over chunks
     and the dk×dk solve in float64. After round r ≥ 2 the contraction ρ = move_r/move_(r−1)
     bounds the distance left to the fixed point by move_r·ρ/(1−ρ)."""
-    U = spectral_init(source, rank, chunk_size) if init is None else linalg.orthonormal_basis(init.double().cpu())
+    U = spectral_init(source, rank, chunk_size)
     d = U.shape[0]
     previous = math.inf
     for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007  (returned: the rounds run)
