@@ -210,3 +210,109 @@ def test_round0_sums_and_counts_within_declared_sensitivity(dtype):
     assert releases["dpals.item_counts"].noise_std == pytest.approx(z * math.sqrt(2 * cfg.items_per_user), rel=1e-12)
     assert p.sum_bound == pytest.approx(math.sqrt(2 * cfg.items_per_user) * cfg.clip_rating)
     assert len(priv.ledger) == 2 + 2 * cfg.steps
+
+
+def reference_item_statistics(U, items, ratings, mask, ridge, B, gram_bound, rhs_bound):
+    """Straightforward per-user loop in float64: v_j from its ratings, the first B rated items,
+    G and b clipped as whole collections (norms √n·||v||² and ||r_sel||·||v||), added item by item."""
+    U = U.double()
+    n_items, k = U.shape
+    G = torch.zeros(n_items, k, k, dtype=torch.float64)
+    b = torch.zeros(n_items, k, dtype=torch.float64)
+    for j in range(items.shape[0]):
+        m = mask[j]
+        its, r = items[j][m], ratings[j][m].double()
+        F = U[its]
+        v = torch.linalg.solve(F.T @ F + ridge * torch.eye(k, dtype=torch.float64), F.T @ r)
+        sel_items, sel_r = its[:B], r[:B]
+        if sel_items.numel() == 0:
+            continue
+        g_norm = math.sqrt(sel_items.numel()) * float(v @ v)
+        b_norm = float(sel_r.norm()) * float(v.norm())
+        g_scale = min(1.0, gram_bound / g_norm) if g_norm > 0 else 0.0
+        b_scale = min(1.0, rhs_bound / b_norm) if b_norm > 0 else 0.0
+        for i, ri in zip(sel_items.tolist(), sel_r.tolist()):
+            G[i] += g_scale * torch.outer(v, v)
+            b[i] += b_scale * ri * v
+    return G, b
+
+
+@pytest.mark.parametrize("device_kernels", [False, True])
+def test_item_statistics_equal_a_per_user_loop(device_kernels):
+    """The CSR statistics (host: counting sort + threaded shares; device path: one sort and one
+    product) equal the per-user loop, with repeated items, empty users, users over B and both clips
+    binding for some users; enough users and pairs that the host path splits into shares."""
+    g = torch.Generator().manual_seed(5)
+    n, n_items, k, L, B = 1500, 50, 4, 30, 12  # ≥ 8,192 pairs: two CSR shares on two threads
+    U = torch.randn(n_items, k, generator=g, dtype=torch.float64)
+    items = torch.randint(0, n_items, (n, L), generator=g)
+    counts = torch.randint(0, L + 1, (n,), generator=g)
+    mask = torch.arange(L) < counts.unsqueeze(1)
+    mask &= torch.rand(n, L, generator=g) > 0.1  # holes: held-out ratings inside the row
+    ratings = torch.randn(n, L, generator=g, dtype=torch.float64) * 3 * mask
+    ref = reference_item_statistics(U, items, ratings, mask, 0.5, B, 2.0, 6.0)
+    G, b = item_statistics(U, items, ratings, mask, 0.5, B, 2.0, 6.0, device_kernels=device_kernels)
+    assert torch.equal(G, G.transpose(1, 2))
+    torch.testing.assert_close(G, ref[0], rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(b, ref[1], rtol=1e-9, atol=1e-10)
+    packed, b2 = item_statistics(U, items, ratings, mask, 0.5, B, 2.0, 6.0, device_kernels=device_kernels, packed=True)
+    assert torch.equal(packed, triu_pack(G)) and torch.equal(b2, b)
+    # float32: the same sums to float32 tolerance, and the host and device paths agree to rounding
+    G32, b32 = item_statistics(U.float(), items, ratings.float(), mask, 0.5, B, 2.0, 6.0, device_kernels=device_kernels)
+    torch.testing.assert_close(G32.double(), ref[0], rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(b32.double(), ref[1], rtol=2e-4, atol=2e-4)
+
+
+def test_device_kernels_on_cpu_give_the_host_run():
+    """`--kernels device --device cpu` (the GPU code path on CPU tensors) gives the host path's
+    U for one seed, with noise (so blocks are repaired), round 0's private centring and head items;
+    the ledgers are the same releases with the same σ (the noise is the Privatizer's, not the path's)."""
+    from fedpers.experiments import experiment
+    from fedpers.runner import execute
+
+    exp = experiment("dpals")
+    base = {"n_users": 400, "n_items": 25, "rank": 3, "true_rank": 3, "steps": 2, "epsilon": 4.0, "head_items": 20, "seed": 3}
+    states = {}
+    for kernels in ("host", "device"):
+        cfg = config.build(DpAlsConfig, {**base, "kernels": kernels})
+        p = make_protocol(cfg)
+        assert p.device_kernels == (kernels == "device")
+        units = load_units(cfg, torch.arange(cfg.n_users))
+        priv = Privatizer(7)
+        state, _ = run_local(p, units, priv, chunk_size=150, progress=False)
+        states[kernels] = (state, [(r.name, r.noise_std) for r in priv.ledger])
+    (host, host_ledger), (dev, dev_ledger) = states["host"], states["device"]
+    assert host_ledger == dev_ledger and len(host_ledger) == 2 + 2 * base["steps"]
+    torch.testing.assert_close(dev["U"], host["U"], rtol=1e-8, atol=1e-10)
+    assert float(host["U"].abs().max()) > 0.01  # a non-trivial U was compared
+    out = execute(exp, config.build(DpAlsConfig, {**base, "kernels": "device"}), write=False, progress=False)
+    assert math.isfinite(out["test_rmse"])
+
+
+def test_kernels_field_is_checked():
+    with pytest.raises(ValueError, match="kernels must be one of auto, device, host"):
+        config.build(DpAlsConfig, {"kernels": "gpu"})
+    assert not make_protocol(config.build(DpAlsConfig, {"n_users": 10, "n_items": 5})).device_kernels
+
+
+@pytest.mark.parametrize("device_kernels", [False, True])
+def test_repair_equals_the_full_floor_on_pd_blocks_and_is_psd_on_the_others(device_kernels):
+    """solve_items on both paths: blocks a Cholesky accepts give (G + λI)⁻¹b, the others
+    (PSD(G) + λI)⁻¹b, PSD(G) the full eigenvalue floor (whose smallest eigenvalue is ≥ 0)."""
+    from fedpers.protocols.dpals import solve_items
+
+    g = torch.Generator().manual_seed(2)
+    k, n = 5, 300
+    G = torch.randn(n, k, k, generator=g, dtype=torch.float64)
+    G = G + G.transpose(1, 2)
+    pd = torch.arange(n) % 4 == 0
+    G[pd] = G[pd] @ G[pd] + 0.5 * torch.eye(k, dtype=torch.float64)
+    b = torch.randn(n, k, generator=g, dtype=torch.float64)
+    vals, vecs = torch.linalg.eigh(G)
+    floor = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2)
+    assert float(torch.linalg.eigvalsh(floor).amin()) > -1e-10 and int((vals.amin(-1) < 0).sum()) > n // 2
+    eye = torch.eye(k, dtype=torch.float64)
+    ref = torch.linalg.solve(floor + 2.0 * eye, b.unsqueeze(-1)).squeeze(-1)
+    out = solve_items(G, b, 2.0, device_kernels=device_kernels)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out[pd], torch.linalg.solve(G[pd] + 2.0 * eye, b[pd].unsqueeze(-1)).squeeze(-1), rtol=1e-12, atol=1e-13)
