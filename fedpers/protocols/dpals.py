@@ -76,7 +76,8 @@ def user_embeddings(
     A = torch.empty(n, k, k, dtype=U.dtype, device=U.device)
     rhs = torch.empty(n, k, dtype=U.dtype, device=U.device)
     for lo in range(0, n, step):
-        F = padded[index[lo : lo + step]]  # (users, L, k)
+        block = index[lo : lo + step]
+        F = torch.index_select(padded, 0, block.reshape(-1)).view(*block.shape, k)  # (users, L, k)
         Ft = F.transpose(1, 2)
         torch.bmm(Ft, F, out=A[lo : lo + step])
         rhs[lo : lo + step] = torch.bmm(Ft, r_unit[lo : lo + step].unsqueeze(-1)).squeeze(-1)
@@ -207,18 +208,24 @@ def _csr_products(
     parts = max(1, min(linalg.KRON_STREAMS, threads, nnz // 4096))
     cuts = [0] + [int(torch.searchsorted(crow, nnz * i // parts)) for i in range(1, parts)] + [n_rows]
 
-    def share(i: int) -> list[Tensor]:
+    outs = [torch.empty(n_rows, d.shape[1], dtype=d.dtype) for d in dense]
+
+    def share(i: int) -> None:  # writes its rows of every product in place (no concatenation)
         lo, hi = cuts[i], cuts[i + 1]
         a, z = int(crow[lo]), int(crow[hi])
         ptr = crow32[lo : hi + 1] - crow32[lo]
-        return [_csr(ptr, col32[a:z], v[a:z], (hi - lo, n_cols)) @ d for v, d in zip(values, dense)]
+        for v, d, out in zip(values, dense, outs):
+            torch.mm(_csr(ptr, col32[a:z], v[a:z], (hi - lo, n_cols)), d, out=out[lo:hi])
 
     torch.set_num_threads(1)
     try:
-        shares = [share(0)] if parts == 1 else list(pool(parts).map(share, range(parts)))
+        if parts == 1:
+            share(0)
+        else:
+            list(pool(parts).map(share, range(parts)))
     finally:
         torch.set_num_threads(threads)
-    return [torch.cat(p) for p in zip(*shares)]
+    return outs
 
 
 def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
