@@ -46,6 +46,11 @@ def chunk_data(g: torch.Generator, counts: torch.Tensor, n_items: int) -> tuple[
     return items, ratings, mask
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,6 +101,7 @@ def main() -> None:
     chunks = [{key: t.to(device) for key, t in c.items()} for c in chunks]
     load = os.getloadavg()
     sync(device)
+    cpu0 = _cpu_seconds()
     start = time.perf_counter()
     summed = None
     for units in chunks:
@@ -104,9 +110,11 @@ def main() -> None:
     assert summed is not None
     sync(device)
     t_stats = time.perf_counter() - start
+    cpu_stats = _cpu_seconds() - cpu0
     state, _ = proto.server_update(0, {"U": U}, Message(summed.stats, a.users), Privatizer(1))
     sync(device)
     t_step = time.perf_counter() - start
+    cpu_step = _cpu_seconds() - cpu0
     assert torch.isfinite(state["U"]).all()
     # flops of the step: users' Grams (2·L·k², padded width) and right-hand sides, their solves, the
     # per-item sums (k(k+1)/2 + k per contributed rating), the item solves
@@ -139,6 +147,10 @@ def main() -> None:
             if device.type == "cuda"
             else ""
         )
+    )
+    print(
+        f"CPU seconds (user + system, all threads; load-independent): statistics {cpu_stats:.2f}, whole step "
+        f"{cpu_step:.2f}"
     )
     print(
         f"GEMM {n}×{n} of equal flops ({flops / 1e9:.1f} GFLOP): {t_gemm:.2f} s   ratio step/GEMM: {t_step / t_gemm:.1f}"
