@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,7 +275,7 @@ def solve_items(G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True, dev
     G = linalg.sym(G)
     eye = torch.eye(k, dtype=G.dtype, device=G.device)
 
-    def batched(fn, *t: Tensor):  # type: ignore[no-untyped-def]
+    def batched(fn: Callable[..., Any], *t: Tensor) -> Any:
         return fn(*t) if device_kernels else linalg.small_batched(fn, *t)
 
     if not psd_repair:
