@@ -165,28 +165,33 @@ def item_statistics(
     b_mag = b_mag.to(U.dtype)
     rows, cols = torch.triu_indices(k, k, device=U.device)
     outer = v_unit[:, rows] * v_unit[:, cols]  # (n, k(k+1)/2): the upper triangle of v̂ v̂ᵀ
-    n = v_unit.shape[0]
-    flat_items = items[sel]  # user-major
-    users = torch.repeat_interleave(torch.arange(n, device=U.device), per_user)
-    crow, order = _item_major(flat_items, users, n_items, n, device_kernels)
+    width = sel.shape[1]
+    where = sel.reshape(-1).nonzero().squeeze(1)  # the selected ratings, user-major
+    flat_items = items.reshape(-1)[where]
+    users = torch.div(where, width, rounding_mode="floor")
+    crow, order = _item_major(flat_items, users, per_user, n_items, device_kernels)
     users = users[order]
     g_vals = g_mag[users]
-    b_vals = r_unit[sel][order] * b_mag[users]
+    b_vals = r_unit.reshape(-1)[where[order]] * b_mag[users]
     G = _csr_products(crow, users, (g_vals, b_vals), (outer, v_unit), device_kernels)
     return (G[0] if packed else triu_unpack(G[0], k)), G[1]
 
 
-def _item_major(flat_items: Tensor, users: Tensor, n_items: int, n: int, device_kernels: bool) -> tuple[Tensor, Tensor]:
+def _item_major(
+    flat_items: Tensor, users: Tensor, per_user: Tensor, n_items: int, device_kernels: bool
+) -> tuple[Tensor, Tensor]:
     """(row pointers of the items, permutation of the user-major pairs into item-major order,
     users ascending within each item)."""
     if device_kernels or flat_items.device.type != "cpu":
-        order = torch.sort(flat_items * n + users).indices  # keys are distinct: any sort is this order
+        # stable: a user rating an item twice keeps its ratings' order, as the counting sort does
+        order = torch.sort(flat_items * per_user.shape[0] + users, stable=True).indices
         crow = torch.zeros(n_items + 1, dtype=torch.int64, device=flat_items.device)
         crow[1:] = torch.cumsum(torch.bincount(flat_items, minlength=n_items), 0)
         return crow, order
     nnz = int(flat_items.shape[0])
+    n = int(per_user.shape[0])
     user_ptr = torch.zeros(n + 1, dtype=torch.int64)
-    user_ptr[1:] = torch.cumsum(torch.bincount(users, minlength=n), 0)
+    user_ptr[1:] = torch.cumsum(per_user, 0)
     pairs = scipy.sparse.csr_matrix(
         (numpy.arange(nnz, dtype=numpy.int64), flat_items.numpy(), user_ptr.numpy()), shape=(n, n_items)
     ).tocsc()  # counting sort by item, stable in the users
@@ -261,7 +266,9 @@ def psd_floor(G: Tensor) -> tuple[Tensor, int]:
     return G, int(bad.numel())
 
 
-def solve_items(G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True, device_kernels: bool = False) -> Tensor:
+def solve_items(
+    G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True, device_kernels: bool = False, symmetric: bool = False
+) -> Tensor:
     """U_i = (PSD(G_i) + λI)⁻¹ b_i for every item (batched).
 
     PSD(G_i) floors G_i's eigenvalues at 0. A batched Cholesky of G_i says which blocks are not
@@ -272,7 +279,7 @@ def solve_items(G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True, dev
     blocks is what made the repair 94 % of a step; on the device path each is one batched kernel.
     """
     k = G.shape[-1]
-    G = linalg.sym(G)
+    G = G if symmetric else linalg.sym(G)  # ``symmetric``: exactly so already (unpacked triangles)
     eye = torch.eye(k, dtype=G.dtype, device=G.device)
 
     def batched(fn: Callable[..., Any], *t: Tensor) -> Any:
@@ -452,7 +459,9 @@ class DpAlsProtocol(Protocol):
         b = privatizer.gaussian_sum(
             summed.stats["b"], per_unit_bound=b_bound, noise_multiplier=z, name="dpals.b", round=round, params=params
         )
-        U = solve_items(triu_unpack(g, k), b, self.ridge_item, psd_repair=z > 0, device_kernels=self.device_kernels)
+        U = solve_items(
+            triu_unpack(g, k), b, self.ridge_item, psd_repair=z > 0, device_kernels=self.device_kernels, symmetric=True
+        )
         if self.prelude:
             U = U * state["head"].to(U.device, U.dtype).unsqueeze(-1)
             return {**state, "U": U}, {"U_norm": float(torch.linalg.matrix_norm(U))}
