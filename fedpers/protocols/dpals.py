@@ -163,16 +163,17 @@ def item_statistics(
     b_mag = linalg.clipped_magnitude(log_rn + log_vn, rhs_bound)
     g_mag = torch.where(count > 0, g_mag, torch.zeros_like(g_mag)).to(U.dtype)
     b_mag = b_mag.to(U.dtype)
+    # gathers by index_select (several times faster on the CPU than advanced indexing)
     rows, cols = torch.triu_indices(k, k, device=U.device)
-    outer = v_unit[:, rows] * v_unit[:, cols]  # (n, k(k+1)/2): the upper triangle of v̂ v̂ᵀ
+    outer = v_unit.index_select(1, rows) * v_unit.index_select(1, cols)  # (n, k(k+1)/2): triu of v̂ v̂ᵀ
     width = sel.shape[1]
     where = sel.reshape(-1).nonzero().squeeze(1)  # the selected ratings, user-major
-    flat_items = items.reshape(-1)[where]
+    flat_items = items.reshape(-1).index_select(0, where)
     users = torch.div(where, width, rounding_mode="floor")
     crow, order = _item_major(flat_items, users, per_user, n_items, device_kernels)
-    users = users[order]
-    g_vals = g_mag[users]
-    b_vals = r_unit.reshape(-1)[where[order]] * b_mag[users]
+    users = users.index_select(0, order)
+    g_vals = g_mag.index_select(0, users)
+    b_vals = r_unit.reshape(-1).index_select(0, where.index_select(0, order)) * b_mag.index_select(0, users)
     G = _csr_products(crow, users, (g_vals, b_vals), (outer, v_unit), device_kernels)
     return (G[0] if packed else triu_unpack(G[0], k)), G[1]
 
