@@ -1,4 +1,5 @@
 """DPALS: exactness against a dense ALS reference, and per-user sensitivity under worst-case neighbours."""
+
 import math
 
 import pytest
@@ -31,15 +32,30 @@ def dense_als_reference(U0, units, steps, ridge_user, ridge_item):
             for i, ri in zip(its, r.tolist()):
                 G[i] += torch.outer(v, v)
                 b[i] += ri * v
-        U = torch.stack([torch.linalg.solve(G[i] + ridge_item * torch.eye(k, dtype=torch.float64), b[i]) for i in range(n_items)])
+        U = torch.stack(
+            [torch.linalg.solve(G[i] + ridge_item * torch.eye(k, dtype=torch.float64), b[i]) for i in range(n_items)]
+        )
     return U
 
 
 def test_no_noise_no_clipping_matches_dense_als():
-    cfg = config.build(DpAlsConfig, {"private_center": False,
-        "n_users": 150, "n_items": 40, "rank": 3, "true_rank": 3, "min_count": 2, "max_count": 15,
-        "items_per_user": 15, "steps": 3, "epsilon": math.inf, "clip_embedding": 0.0, "clip_rating": 0.0,
-    })
+    cfg = config.build(
+        DpAlsConfig,
+        {
+            "private_center": False,
+            "n_users": 150,
+            "n_items": 40,
+            "rank": 3,
+            "true_rank": 3,
+            "min_count": 2,
+            "max_count": 15,
+            "items_per_user": 15,
+            "steps": 3,
+            "epsilon": math.inf,
+            "clip_embedding": 0.0,
+            "clip_rating": 0.0,
+        },
+    )
     protocol = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
     state, _ = run_local(protocol, units, Privatizer(0), chunk_size=37, progress=False)
@@ -48,14 +64,37 @@ def test_no_noise_no_clipping_matches_dense_als():
 
 
 def test_items_per_user_limits_contributions():
-    cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 50, "n_items": 30, "min_count": 10, "max_count": 20, "items_per_user": 4, "epsilon": math.inf})
+    cfg = config.build(
+        DpAlsConfig,
+        {
+            "private_center": False,
+            "n_users": 50,
+            "n_items": 30,
+            "min_count": 10,
+            "max_count": 20,
+            "items_per_user": 4,
+            "epsilon": math.inf,
+        },
+    )
     p = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
     G, _ = item_statistics(p.initial_U, units["items"], units["ratings"], units["mask"], 0.1, 4, math.inf, math.inf)
     # every user contributes to exactly min(4, its count) items: the traces count users' blocks weighted by ||v||²
     touched = (G.diagonal(dim1=-2, dim2=-1).sum(-1) > 0).sum()
     assert int(touched) <= 30
-    per_user = [item_statistics(p.initial_U, units["items"][j:j + 1], units["ratings"][j:j + 1], units["mask"][j:j + 1], 0.1, 4, math.inf, math.inf)[0] for j in range(5)]
+    per_user = [
+        item_statistics(
+            p.initial_U,
+            units["items"][j : j + 1],
+            units["ratings"][j : j + 1],
+            units["mask"][j : j + 1],
+            0.1,
+            4,
+            math.inf,
+            math.inf,
+        )[0]
+        for j in range(5)
+    ]
     for g in per_user:
         assert int((g.diagonal(dim1=-2, dim2=-1).sum(-1) > 0).sum()) == 4
 
@@ -76,7 +115,20 @@ def adversaries(dtype, L, n_items, B):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_worst_case_neighbours_within_declared_sensitivity(dtype):
-    cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 30, "n_items": 20, "rank": 3, "true_rank": 3, "items_per_user": 5, "max_count": 12, "epsilon": 1.0, "dtype": "float64"})
+    cfg = config.build(
+        DpAlsConfig,
+        {
+            "private_center": False,
+            "n_users": 30,
+            "n_items": 20,
+            "rank": 3,
+            "true_rank": 3,
+            "items_per_user": 5,
+            "max_count": 12,
+            "epsilon": 1.0,
+            "dtype": "float64",
+        },
+    )
     p = make_protocol(cfg)
     base = load_units(cfg, torch.arange(cfg.n_users))
     U = p.initial_U.to(dtype) * 3
@@ -116,10 +168,22 @@ def test_nonprivate_als_on_movielens_small_beats_global_mean(tmp_path):
     from fedpers.runner import execute
 
     exp = EXPERIMENTS["dpals"]
-    cfg = config.build(DpAlsConfig, {"private_center": False,
-        "dataset": "movielens-small", "epsilon": math.inf, "clip_embedding": 0.0, "clip_rating": 0.0,
-        "items_per_user": 100000, "center": 3.5, "rank": 8, "ridge_user": 5.0, "ridge_item": 5.0, "steps": 3,
-    })
+    cfg = config.build(
+        DpAlsConfig,
+        {
+            "private_center": False,
+            "dataset": "movielens-small",
+            "epsilon": math.inf,
+            "clip_embedding": 0.0,
+            "clip_rating": 0.0,
+            "items_per_user": 100000,
+            "center": 3.5,
+            "rank": 8,
+            "ridge_user": 5.0,
+            "ridge_item": 5.0,
+            "steps": 3,
+        },
+    )
     out = execute(exp, cfg, out=tmp_path / "run", progress=False)
     assert out["users"] == 671 and out["items"] == 9066
     assert out["global_mean_rmse"] > 1.0
@@ -159,7 +223,9 @@ def test_psd_floor_leaves_positive_definite_blocks_and_repairs_the_others_on_any
     assert torch.equal(out[pd], linalg.sym(G[pd]))
     vals, vecs = torch.linalg.eigh(linalg.sym(G[~pd]))
     assert repaired == int((vals.amin(-1) < 0).sum()) > 400
-    torch.testing.assert_close(out[~pd], (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        out[~pd], (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2), rtol=1e-10, atol=1e-12
+    )
     assert float(torch.linalg.eigvalsh(out).amin()) > -1e-10
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -171,8 +237,21 @@ def test_psd_floor_leaves_positive_definite_blocks_and_repairs_the_others_on_any
 
 
 def test_private_center_without_noise_is_the_mean_of_the_selected_ratings_and_head_is_the_top_counts():
-    cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 120, "n_items": 30, "min_count": 3, "max_count": 12, "items_per_user": 12,
-                                     "epsilon": math.inf, "clip_rating": 0.0, "head_items": 7, "steps": 2})
+    cfg = config.build(
+        DpAlsConfig,
+        {
+            "private_center": False,
+            "n_users": 120,
+            "n_items": 30,
+            "min_count": 3,
+            "max_count": 12,
+            "items_per_user": 12,
+            "epsilon": math.inf,
+            "clip_rating": 0.0,
+            "head_items": 7,
+            "steps": 2,
+        },
+    )
     p = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
     state, _ = run_local(p, units, Privatizer(0), chunk_size=50, progress=False)
@@ -180,7 +259,9 @@ def test_private_center_without_noise_is_the_mean_of_the_selected_ratings_and_he
     assert float(state["mu"]) == pytest.approx(float(train.mean()), rel=1e-12)
     counts = torch.bincount(units["items"][units["mask"]], minlength=cfg.n_items).double()
     torch.testing.assert_close(state["item_counts"], counts, rtol=0, atol=1e-9)
-    assert int(state["head"].sum()) == 7 and set(state["head"].nonzero().flatten().tolist()) == set(torch.topk(counts, 7).indices.tolist())
+    assert int(state["head"].sum()) == 7 and set(state["head"].nonzero().flatten().tolist()) == set(
+        torch.topk(counts, 7).indices.tolist()
+    )
     assert float(state["U"][state["head"] == 0].abs().max()) == 0.0  # tail items are predicted by μ̂ alone
 
 
@@ -188,12 +269,27 @@ def test_private_center_without_noise_is_the_mean_of_the_selected_ratings_and_he
 def test_round0_sums_and_counts_within_declared_sensitivity(dtype):
     """A user rating B items with ±1e30 against a user with no ratings: the item sums move by
     ≤ 2·√2·√B·c_r and the counts by ≤ 2·√(2B); the ledger's σ for each is z·bound."""
-    cfg = config.build(DpAlsConfig, {"private_center": False, "n_users": 60, "n_items": 20, "min_count": 5, "max_count": 10, "items_per_user": 5,
-                                     "epsilon": 2.0, "private_center": True, "dtype": dtype})
+    cfg = config.build(
+        DpAlsConfig,
+        {
+            "private_center": False,
+            "n_users": 60,
+            "n_items": 20,
+            "min_count": 5,
+            "max_count": 10,
+            "items_per_user": 5,
+            "epsilon": 2.0,
+            "private_center": True,
+            "dtype": dtype,
+        },
+    )
     p = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
     heavy = {k: v.clone() for k, v in units.items()}
-    heavy["ratings"][0] = torch.where(torch.arange(heavy["ratings"].shape[1]) % 2 == 0, 1e30, -1e30).to(heavy["ratings"].dtype) * heavy["mask"][0]
+    heavy["ratings"][0] = (
+        torch.where(torch.arange(heavy["ratings"].shape[1]) % 2 == 0, 1e30, -1e30).to(heavy["ratings"].dtype)
+        * heavy["mask"][0]
+    )
     empty = {k: v.clone() for k, v in units.items()}
     empty["mask"][0] = False
     empty["ratings"][0] = 0
@@ -271,7 +367,16 @@ def test_device_kernels_on_cpu_give_the_host_run():
     from fedpers.runner import execute
 
     exp = experiment("dpals")
-    base = {"n_users": 400, "n_items": 25, "rank": 3, "true_rank": 3, "steps": 2, "epsilon": 4.0, "head_items": 20, "seed": 3}
+    base = {
+        "n_users": 400,
+        "n_items": 25,
+        "rank": 3,
+        "true_rank": 3,
+        "steps": 2,
+        "epsilon": 4.0,
+        "head_items": 20,
+        "seed": 3,
+    }
     states = {}
     for kernels in ("host", "device"):
         cfg = config.build(DpAlsConfig, {**base, "kernels": kernels})
@@ -315,4 +420,6 @@ def test_repair_equals_the_full_floor_on_pd_blocks_and_is_psd_on_the_others(devi
     ref = torch.linalg.solve(floor + 2.0 * eye, b.unsqueeze(-1)).squeeze(-1)
     out = solve_items(G, b, 2.0, device_kernels=device_kernels)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(out[pd], torch.linalg.solve(G[pd] + 2.0 * eye, b[pd].unsqueeze(-1)).squeeze(-1), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(
+        out[pd], torch.linalg.solve(G[pd] + 2.0 * eye, b[pd].unsqueeze(-1)).squeeze(-1), rtol=1e-12, atol=1e-13
+    )
