@@ -272,7 +272,6 @@ def test_round0_sums_and_counts_within_declared_sensitivity(dtype):
     cfg = config.build(
         DpAlsConfig,
         {
-            "private_center": False,
             "n_users": 60,
             "n_items": 20,
             "min_count": 5,
