@@ -422,3 +422,17 @@ def test_repair_equals_the_full_floor_on_pd_blocks_and_is_psd_on_the_others(devi
     torch.testing.assert_close(
         out[pd], torch.linalg.solve(G[pd] + 2.0 * eye, b[pd].unsqueeze(-1)).squeeze(-1), rtol=1e-12, atol=1e-13
     )
+
+
+@pytest.mark.parametrize("device_kernels", [False, True])
+def test_empty_chunks_and_users_without_ratings_give_zero_statistics(device_kernels):
+    """No users, users of width 0, and users whose ratings are all masked: zero G and b of the
+    declared shapes on both paths (the device path once divided its users into blocks of 0)."""
+    U = torch.randn(7, 3, dtype=torch.float64)
+    for n, L in ((0, 4), (3, 0), (3, 4)):
+        items = torch.zeros(n, L, dtype=torch.long)
+        ratings = torch.ones(n, L, dtype=torch.float64)
+        mask = torch.zeros(n, L, dtype=torch.bool)
+        G, b = item_statistics(U, items, ratings, mask, 0.1, 5, 1.0, 1.0, device_kernels=device_kernels)
+        assert G.shape == (7, 3, 3) and b.shape == (7, 3)
+        assert float(G.abs().sum()) == 0.0 and float(b.abs().sum()) == 0.0

@@ -72,7 +72,7 @@ def user_embeddings(
     padded = torch.cat([U, U.new_zeros(1, k)])
     index = torch.where(mask, items, torch.full_like(items, n_items))
     n, width = index.shape
-    step = n if device_kernels else max(1, GATHER_BUDGET // max(1, width * k))
+    step = max(1, n) if device_kernels else max(1, GATHER_BUDGET // max(1, width * k))
     A = torch.empty(n, k, k, dtype=U.dtype, device=U.device)
     rhs = torch.empty(n, k, dtype=U.dtype, device=U.device)
     for lo in range(0, n, step):
