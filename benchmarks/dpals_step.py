@@ -129,10 +129,12 @@ def main() -> None:
     x, y = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     x @ y
     sync(device)
-    t0 = time.perf_counter()
-    x @ y
-    sync(device)
-    t_gemm = time.perf_counter() - t0
+    t_gemm = math.inf
+    for _ in range(3):  # the fastest of three: one GEMM on a loaded machine varies several-fold
+        t0 = time.perf_counter()
+        x @ y
+        sync(device)
+        t_gemm = min(t_gemm, time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
         f"users={a.users} items={a.items} ratings={total} (padded {padded}) k={k} B={a.items_per_user} "
@@ -153,7 +155,7 @@ def main() -> None:
         f"{cpu_step:.2f}"
     )
     print(
-        f"GEMM {n}×{n} of equal flops ({flops / 1e9:.1f} GFLOP): {t_gemm:.2f} s   ratio step/GEMM: {t_step / t_gemm:.1f}"
+        f"GEMM {n}×{n} of equal flops ({flops / 1e9:.1f} GFLOP): {t_gemm:.2f} s   ratio step/GEMM (fastest of 3): {t_step / t_gemm:.1f}"
     )
 
 
