@@ -70,7 +70,7 @@ def user_embeddings(
     n_items, k = U.shape
     r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * mask.to(U.dtype))
     padded = torch.cat([U, U.new_zeros(1, k)])
-    index = torch.where(mask, items, torch.full_like(items, n_items))
+    index = items.masked_fill(~mask, n_items)
     n, width = index.shape
     step = max(1, n) if device_kernels else max(1, GATHER_BUDGET // max(1, width * k))
     A = torch.empty(n, k, k, dtype=U.dtype, device=U.device)
@@ -104,7 +104,7 @@ def spd_solve(A: Tensor, rhs: Tensor) -> Tensor:
 
 def selected(mask: Tensor, items_per_user: int) -> Tensor:
     """The first B of each user's rated items (the loader's public per-user order)."""
-    return mask & (torch.cumsum(mask.to(torch.int64), dim=1) <= items_per_user)
+    return mask & (torch.cumsum(mask.to(torch.int32), dim=1, dtype=torch.int32) <= items_per_user)
 
 
 def item_counts(
