@@ -1,25 +1,34 @@
-"""One private ALS step on synthetic data the size of MovieLens-20M (CPU, float32).
+"""One private ALS step on synthetic data the size of MovieLens-20M (float32).
 
-138,000 users, 27,000 items, ≈20 M ratings (ragged: per-user counts log-uniform in
-[20, 1,000] scaled to the target total, items by power-law popularity), k = 32. Measures the
-per-item statistics (users' ridge solves + per-item scatter-add, chunked as the local runtime
-does) and the whole step (statistics + two Gaussian releases + PSD repair + per-item solves),
-the peak memory, and the ratio to a plain GEMM of the same flop count timed in the same run.
+138,000 users, 26,744 items, ≈20 M ratings (ragged: per-user counts log-uniform in
+[20, 1,000] scaled to the target total, items by power-law popularity), k = 32, B = 100. Measures
+the per-item statistics (what the local runtime runs per chunk: users' ridge solves and the
+per-item sums, ``client_message`` of each chunk, summed) and the whole step (statistics + two
+Gaussian releases + PSD repair + per-item solves), the peak memory, and the ratio to a plain GEMM
+of the same flop count timed in the same run on the same device.
 
-    PYTHONPATH=$PWD python benchmarks/dpals_step.py [--users 138000 --items 27000 --ratings 20000000]
+    PYTHONPATH=$PWD python benchmarks/dpals_step.py [--users 13800 --ratings 2000000]
+    PYTHONPATH=$PWD python benchmarks/dpals_step.py --device cuda          # device kernels (GPU)
+    PYTHONPATH=$PWD python benchmarks/dpals_step.py --kernels device       # the GPU code path on CPU
+
+The data are generated on the CPU before the clock starts and moved to ``--device``; the noise
+is drawn by the Privatizer on the CPU as in a run (docs/benchmarks.md).
 """
+
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import resource
 import time
 
 import torch
 
+from fedpers.config import device_path
 from fedpers.privacy import Privatizer
-from fedpers.protocols.base import Message
-from fedpers.protocols.dpals import DpAlsProtocol, item_statistics
+from fedpers.protocols.base import Message, client_message
+from fedpers.protocols.dpals import DpAlsProtocol
 
 
 def user_counts(g: torch.Generator, n: int, mean_count: float, width: int) -> torch.Tensor:
@@ -28,7 +37,7 @@ def user_counts(g: torch.Generator, n: int, mean_count: float, width: int) -> to
     return (logc.exp() * mean_count / ((1000 - 20) / math.log(1000 / 20))).round().clamp(1, width).long().sort().values
 
 
-def chunk_data(g: torch.Generator, counts: torch.Tensor, n_items: int):
+def chunk_data(g: torch.Generator, counts: torch.Tensor, n_items: int) -> tuple[torch.Tensor, ...]:
     n, width = int(counts.shape[0]), int(counts.max())
     popularity = torch.arange(1, n_items + 1, dtype=torch.float64).pow(-0.8)
     items = torch.multinomial(popularity, n * width, replacement=True, generator=g).view(n, width)
@@ -37,52 +46,117 @@ def chunk_data(g: torch.Generator, counts: torch.Tensor, n_items: int):
     return items, ratings, mask
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=138_000)
-    ap.add_argument("--items", type=int, default=27_000)
+    ap.add_argument("--items", type=int, default=26_744)
     ap.add_argument("--ratings", type=int, default=20_000_000)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--width", type=int, default=1000)
-    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=4096, help="users per chunk (the local runtime's chunk_size)")
     ap.add_argument("--items-per-user", type=int, default=100)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    ap.add_argument("--kernels", default="auto", help="auto (device kernels on cuda), device or host")
     a = ap.parse_args()
-    torch.manual_seed(0)
+    device = torch.device(a.device)
+    kernels = device_path(a.device, a.kernels)
     g = torch.Generator().manual_seed(0)
     k = a.rank
     mean_count = a.ratings / a.users
-    U = torch.randn(a.items, k) / math.sqrt(k)
-    proto = DpAlsProtocol(n_items=a.items, rank=k, steps=1, items_per_user=a.items_per_user, ridge_user=0.1, ridge_item=1.0,
-                          gram_bound=math.sqrt(a.items_per_user), rhs_bound=5 * math.sqrt(a.items_per_user),
-                          noise_multiplier=5.0, initial_U=U, dtype_name="float32")
+    U = (torch.randn(a.items, k, generator=g) / math.sqrt(k)).to(device)
+    root_b = math.sqrt(a.items_per_user)
+    proto = DpAlsProtocol(
+        n_items=a.items,
+        rank=k,
+        steps=1,
+        items_per_user=a.items_per_user,
+        ridge_user=0.1,
+        ridge_item=1.0,
+        gram_bound=root_b,
+        rhs_bound=5 * root_b,
+        noise_multiplier=5.0,
+        initial_U=U,
+        dtype_name="float32",
+        device_kernels=kernels,
+    )
     counts = user_counts(g, a.users, mean_count, a.width)
-    data = [chunk_data(g, counts[s:s + a.chunk], a.items) for s in range(0, a.users, a.chunk)]
-    total = int(sum(int(m.sum()) for _, _, m in data))
-    contributed = int(sum(int(torch.clamp(m.sum(1), max=a.items_per_user).sum()) for _, _, m in data))
+    chunks = []
+    for s in range(0, a.users, a.chunk):
+        items, ratings, mask = chunk_data(g, counts[s : s + a.chunk], a.items)
+        ids = torch.arange(s, s + int(items.shape[0]))
+        chunks.append({"ids": ids, "items": items, "ratings": ratings, "mask": mask})
+    total = int(sum(int(c["mask"].sum()) for c in chunks))
+    contributed = int(sum(int(c["mask"].sum(1).clamp(max=a.items_per_user).sum()) for c in chunks))
+    padded = sum(int(c["mask"].numel()) for c in chunks)
+    chunks = [{key: t.to(device) for key, t in c.items()} for c in chunks]
+    load = os.getloadavg()
+    sync(device)
+    cpu0 = _cpu_seconds()
     start = time.perf_counter()
-    G = torch.zeros(a.items, k, k)
-    b = torch.zeros(a.items, k)
-    for items, ratings, mask in data:
-        g_part, b_part = item_statistics(U, items, ratings, mask, 0.1, a.items_per_user, proto.gram_bound, proto.rhs_bound)
-        G += g_part
-        b += b_part
+    summed = None
+    for units in chunks:
+        part = client_message(proto, 0, {"U": U}, units)
+        summed = part if summed is None else summed + part
+    assert summed is not None
+    sync(device)
     t_stats = time.perf_counter() - start
-    state, _ = proto.server_update(0, {"U": U}, Message({"G": G, "b": b}, a.users), Privatizer(1))
+    cpu_stats = _cpu_seconds() - cpu0
+    state, _ = proto.server_update(0, {"U": U}, Message(summed.stats, a.users), Privatizer(1))
+    sync(device)
     t_step = time.perf_counter() - start
+    cpu_step = _cpu_seconds() - cpu0
     assert torch.isfinite(state["U"]).all()
-    # flops of the step: users' Grams (2·L·k² each, padded width as computed) + solves, the scatter, the item solves
-    padded = sum(int(m.numel()) for _, _, m in data)
-    flops = 2 * padded * k * k + 2 * padded * k + a.users * (2 * k**3 // 3) + a.items * (10 * k**3)
+    # flops of the step: users' Grams (2·L·k², padded width) and right-hand sides, their solves, the
+    # per-item sums (k(k+1)/2 + k per contributed rating), the item solves
+    flops = (
+        2 * padded * k * k
+        + 2 * padded * k
+        + a.users * (k**3 // 3)
+        + 2 * contributed * (k * (k + 1) // 2 + k)
+        + a.items * (10 * k**3)
+    )
     n = round((flops / 2) ** (1 / 3))
-    x, y = torch.randn(n, n), torch.randn(n, n)
-    t0 = time.perf_counter()
+    x, y = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     x @ y
-    t_gemm = time.perf_counter() - t0
+    sync(device)
+    t_gemm = math.inf
+    for _ in range(3):  # the fastest of three: one GEMM on a loaded machine varies several-fold
+        t0 = time.perf_counter()
+        x @ y
+        sync(device)
+        t_gemm = min(t_gemm, time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"users={a.users} items={a.items} ratings={total} (padded {padded}) k={k} B={a.items_per_user} "
-          f"contributed={contributed} threads={torch.get_num_threads()}")
-    print(f"per-item statistics: {t_stats:.2f} s   whole step: {t_step:.2f} s   peak RSS: {peak:.2f} GiB (includes the data set)")
-    print(f"GEMM {n}×{n} of equal flops ({flops / 1e9:.1f} GFLOP): {t_gemm:.2f} s   ratio step/GEMM: {t_step / t_gemm:.1f}")
+    print(
+        f"users={a.users} items={a.items} ratings={total} (padded {padded}) k={k} B={a.items_per_user} "
+        f"contributed={contributed} chunk={a.chunk} device={device} kernels={'device' if kernels else 'host'} "
+        f"threads={torch.get_num_threads()} load average at start={load[0]:.1f}"
+    )
+    print(
+        f"per-item statistics: {t_stats:.2f} s   whole step: {t_step:.2f} s   "
+        f"peak RSS: {peak:.2f} GiB (includes the data set)"
+        + (
+            f"   peak device memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+            if device.type == "cuda"
+            else ""
+        )
+    )
+    print(
+        f"CPU seconds (user + system, all threads; load-independent): statistics {cpu_stats:.2f}, whole step "
+        f"{cpu_step:.2f}"
+    )
+    print(
+        f"GEMM {n}×{n} of equal flops ({flops / 1e9:.1f} GFLOP): {t_gemm:.2f} s   ratio step/GEMM (fastest of 3): {t_step / t_gemm:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -378,7 +378,7 @@ def run_published(
 
 def _as_released(protocol: Protocol, name: str, stat: Tensor) -> Tensor:
     """A client's statistic in the form the server releases it (DPALS releases G's block upper triangles)."""
-    if protocol.name == "dpals" and name == "G":
+    if protocol.name == "dpals" and name == "G" and stat.dim() == 3:  # full blocks (messages carry the triangles)
         from fedpers.protocols.dpals import triu_pack
 
         return triu_pack(stat)

@@ -19,7 +19,7 @@ import dp_accounting
 import torch
 
 from fedpers import linalg
-from fedpers.config import MAX_EPSILON, field
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
 from fedpers.data import rating_files, summary
 from fedpers.data import ratings as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
@@ -88,10 +88,12 @@ class DpAlsConfig:
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
+    device: str = field("cpu", "torch device: cpu or cuda")
+    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
 
     def check(self) -> None:
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be float32 or float64; got {self.dtype!r}")
+        check_device_and_dtype(self.device, self.dtype)
+        check_kernels(self.kernels)
         if self.min_count > self.max_count:
             raise ValueError(f"min_count must be <= max_count ({self.max_count}); got {self.min_count}")
         declared = self.items is not None or bool(self.item_ids)
@@ -218,11 +220,12 @@ def make_protocol(cfg: DpAlsConfig, calibrations: Calibrations | None = None) ->
         gram_bound=g,
         rhs_bound=b,
         noise_multiplier=z,
-        initial_U=initial_U(cfg).to(getattr(torch, cfg.dtype)),
+        initial_U=initial_U(cfg).to(cfg.device, getattr(torch, cfg.dtype)),
         dtype_name=cfg.dtype,
         prelude=prelude(cfg),
         head_items=cfg.head_items,
         rating_bound=math.sqrt(cfg.items_per_user) * (cfg.clip_rating if cfg.clip_rating > 0 else math.inf),
+        device_kernels=device_path(cfg.device, cfg.kernels),
     )
 
 
@@ -236,7 +239,12 @@ def item_ridge(cfg: DpAlsConfig, z: float) -> float:
     return max(1.0, 2 * bounds(cfg)[0] * z) if z > 0 else 1.0
 
 
-def load_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
+def load_units(cfg: DpAlsConfig, ids: Tensor, device: str | None = None) -> dict[str, Tensor]:
+    """Users ``ids`` on ``device`` (the run's by default; the evaluator keeps its copy on the CPU)."""
+    return {k: v.to(cfg.device if device is None else device) for k, v in _host_units(cfg, ids).items()}
+
+
+def _host_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
     t = table(cfg)
     if t is not None:
         return t.units(ids, getattr(torch, cfg.dtype), center(cfg))
@@ -293,17 +301,18 @@ def subspace_distance(U: Tensor, U_star: Tensor) -> float:
 class DpAlsEvaluator(Evaluator):
     def __init__(self, cfg: DpAlsConfig, protocol: DpAlsProtocol) -> None:
         self.cfg, self.protocol = cfg, protocol
-        self.units = load_units(cfg, torch.arange(n_users(cfg)))
+        self.units = load_units(cfg, torch.arange(n_users(cfg)), "cpu")
         self.synthetic = table(cfg) is None
 
     def final(self, state: Any) -> dict[str, Any]:
         cfg, u = self.cfg, self.units
+        state = {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in state.items()}
         train = u["ratings"].double()[u["mask"]]
         test = u["ratings"].double()[u["test"]]
         mean = float(train.mean()) if train.numel() else 0.0
         best = None
         for lam in (0.1, 1.0, 10.0):
-            U = plain_als(self.protocol.initial_U, u, cfg.steps, cfg.ridge_user, lam)
+            U = plain_als(self.protocol.initial_U.cpu(), u, cfg.steps, cfg.ridge_user, lam)
             rmse = test_rmse(U, u, cfg.ridge_user)
             if best is None or rmse < best[0]:
                 best = (rmse, lam, U)

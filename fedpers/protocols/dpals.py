@@ -7,7 +7,8 @@ broadcasts the item embeddings U (items × k); user j solves v_j = (U_Iᵀ U_I +
 on its own ratings, takes the first B of its rated items (the loader orders each user's
 items by a permutation derived from the public seed and the user id), and sends per item i
 the statistics G_i = v_j v_jᵀ and b_i = r_ij v_j, scatter-added into (items, k, k) and
-(items, k) — never a dense (items·k)² matrix.
+(items, k) — never a dense (items·k)² matrix. G travels (message, sums, release) as its blocks'
+upper triangles (items, k(k+1)/2), half the bytes of the full blocks.
 
 Per-user clipping (scale-safe): the user's whole G collection has Frobenius norm
 √n_j·||v||², clipped to Γ_G; its b collection has norm ||r||·||v||, clipped to Γ_b. Both are
@@ -27,44 +28,83 @@ Server: one Gaussian release per statistic through the Privatizer. G is released
 upper triangles of its blocks (items, k(k+1)/2), whose norm is ≤ ||G||_F; the replace-one
 sensitivity used is the general 2·Γ (the √2·Γ PSD bound is not claimed here). Each noisy
 block is repaired to PSD (eigenvalues floored at 0), and U_i = (G_i + λI)⁻¹ b_i.
+
+Device path (``device_kernels``, docs/benchmarks.md): the statistics, the summed messages and
+the solves stay on the units' device as a few batched kernels; the noise is still drawn by the
+Privatizer on the server's CPU generator (float64) and copied over, so a CPU and a GPU run of one
+seed add the same noise.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
+import scipy.sparse
 import torch
 
 from fedpers import linalg
+from fedpers.pools import pool
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
 
 
-def user_embeddings(U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
+def user_embeddings(
+    U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float, device_kernels: bool = False
+) -> tuple[Tensor, Tensor]:
     """(v̂, log||v||) with v_j = (U_Iᵀ U_I + λI)⁻¹ U_Iᵀ r_I over each user's masked ratings.
 
     Solved on r̂ = r/||r|| (v is linear in r) so a huge rating cannot overflow; users with no
-    ratings or all-zero ratings get v = 0 (log-norm −inf)."""
-    m = mask.to(U.dtype)
-    r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * m)
-    F = U[items] * m.unsqueeze(-1)  # (n, L, k)
-    k = U.shape[1]
-    A = F.transpose(1, 2) @ F + ridge * torch.eye(k, dtype=U.dtype, device=U.device)
-    rhs = (F.transpose(1, 2) @ r_unit.unsqueeze(-1)).squeeze(-1)
-    w = torch.linalg.solve(A, rhs)
+    ratings or all-zero ratings get v = 0 (log-norm −inf). U_I is one gather from U with a zero
+    row appended (padding reads it), the k×k systems one batched Cholesky (λ > 0 makes them
+    positive definite; a failed factorisation falls back to LU for that user only). On the host
+    path (``device_kernels`` False) users go in blocks of at most :data:`GATHER_BUDGET` gathered
+    entries and the solves in single-threaded shares (:func:`fedpers.linalg.small_batched`); on the
+    device path each is one batched kernel."""
+    n_items, k = U.shape
+    r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * mask.to(U.dtype))
+    padded = torch.cat([U, U.new_zeros(1, k)])
+    index = items.masked_fill(~mask, n_items)
+    n, width = index.shape
+    step = max(1, n) if device_kernels else max(1, GATHER_BUDGET // max(1, width * k))
+    A = torch.empty(n, k, k, dtype=U.dtype, device=U.device)
+    rhs = torch.empty(n, k, dtype=U.dtype, device=U.device)
+    for lo in range(0, n, step):
+        block = index[lo : lo + step]
+        F = torch.index_select(padded, 0, block.reshape(-1)).view(*block.shape, k)  # (users, L, k)
+        Ft = F.transpose(1, 2)
+        torch.bmm(Ft, F, out=A[lo : lo + step])
+        rhs[lo : lo + step] = torch.bmm(r_unit[lo : lo + step].unsqueeze(1), F).squeeze(1)  # r̂ᵀF: 2× Fᵀr̂'s speed
+    A.diagonal(dim1=-2, dim2=-1).add_(ridge)
+    w = spd_solve(A, rhs) if device_kernels else linalg.small_batched(spd_solve, A, rhs)
     v_unit, log_wn = linalg.directions(w)
     return v_unit, log_wn + log_rn
 
 
+GATHER_BUDGET = 1 << 23
+"""Gathered entries U_I (users × L × k) held at once on the host path (32 MiB in float32)."""
+
+
+def spd_solve(A: Tensor, rhs: Tensor) -> Tensor:
+    """A⁻¹ rhs for a batch of symmetric positive definite A (..., k, k), rhs (..., k): Cholesky,
+    with LU for the problems whose factorisation fails (so no answer depends on its batch-mates)."""
+    chol, info = torch.linalg.cholesky_ex(A)
+    out = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
+    failed = (info != 0).nonzero(as_tuple=True)[0]
+    if failed.numel():
+        out[failed] = torch.linalg.solve(A[failed], rhs[failed].unsqueeze(-1)).squeeze(-1)
+    return out
+
+
 def selected(mask: Tensor, items_per_user: int) -> Tensor:
     """The first B of each user's rated items (the loader's public per-user order)."""
-    return mask & (torch.cumsum(mask.to(torch.int64), dim=1) <= items_per_user)
+    return mask & (torch.cumsum(mask.to(torch.int32), dim=1, dtype=torch.int32) <= items_per_user)
 
 
 def item_counts(
@@ -99,31 +139,99 @@ def item_statistics(
     items_per_user: int,
     gram_bound: float,
     rhs_bound: float,
+    device_kernels: bool = False,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Per-item sums (G (items, k, k), b (items, k)) of the users' clipped contributions."""
+    """Per-item sums (G (items, k, k), b (items, k)) of the users' clipped contributions; with
+    ``packed``, G as its blocks' upper triangles (items, k(k+1)/2) (:func:`triu_pack`'s order).
+
+    The sums are two sparse (items × users) CSR products with the users' k(k+1)/2 products
+    v̂_a v̂_b (a ≤ b; G is exactly symmetric) and with v̂: nnz·k(k+1)/2 work, no (nnz, k, k)
+    temporary. The CSR is the user-major selection transposed: on the host a counting sort
+    (scipy's CSR → CSC, O(nnz)), the products in single-threaded shares of the items; on the
+    device path a sort of the (item, user) keys and one product each. Both order every item's
+    users ascending, so both paths sum in the same order."""
     n_items, k = U.shape
-    v_unit, log_vn = user_embeddings(U, items, ratings, mask, ridge)
+    v_unit, log_vn = user_embeddings(U, items, ratings, mask, ridge, device_kernels)
     sel = selected(mask, items_per_user)
     s = sel.to(U.dtype)
-    count = s.sum(1).double()
+    per_user = sel.sum(1)
+    count = per_user.double()
     log_g = 2 * log_vn
     g_mag = linalg.clipped_magnitude(log_g + 0.5 * count.clamp_min(1).log(), gram_bound) / count.clamp_min(1).sqrt()
     r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * s)
     b_mag = linalg.clipped_magnitude(log_rn + log_vn, rhs_bound)
     g_mag = torch.where(count > 0, g_mag, torch.zeros_like(g_mag)).to(U.dtype)
     b_mag = b_mag.to(U.dtype)
-    outer = (v_unit.unsqueeze(-1) * v_unit.unsqueeze(-2)).reshape(-1, k * k).contiguous()  # (n, k²), norm 1 or 0
-    rows, cols = sel.nonzero(as_tuple=True)
-    flat_items = items[rows, cols]
-    # per-item sums as one sparse (items × users) CSR product: nnz·k² work, no (nnz, k, k)
-    # temporary (CSR: about 10× faster than COO on CPU for power-law items)
-    order = torch.argsort(flat_items, stable=True)
-    crow = torch.zeros(n_items + 1, dtype=torch.int64, device=U.device)
-    crow[1:] = torch.cumsum(torch.bincount(flat_items, minlength=n_items), 0)
-    users, n = rows[order], v_unit.shape[0]
-    G = _csr(crow, users, g_mag[rows][order], (n_items, n)) @ outer
-    b = _csr(crow, users, (r_unit[rows, cols] * b_mag[rows])[order], (n_items, n)) @ v_unit
-    return G.reshape(n_items, k, k), b
+    # gathers by index_select (several times faster on the CPU than advanced indexing)
+    rows, cols = torch.triu_indices(k, k, device=U.device)
+    outer = v_unit.index_select(1, rows) * v_unit.index_select(1, cols)  # (n, k(k+1)/2): triu of v̂ v̂ᵀ
+    width = sel.shape[1]
+    where = sel.reshape(-1).nonzero().squeeze(1)  # the selected ratings, user-major
+    flat_items = items.reshape(-1).index_select(0, where)
+    users = torch.div(where, width, rounding_mode="floor")
+    crow, order = _item_major(flat_items, users, per_user, n_items, device_kernels)
+    users = users.index_select(0, order)
+    g_vals = g_mag.index_select(0, users)
+    b_vals = r_unit.reshape(-1).index_select(0, where.index_select(0, order)) * b_mag.index_select(0, users)
+    G = _csr_products(crow, users, (g_vals, b_vals), (outer, v_unit), device_kernels)
+    return (G[0] if packed else triu_unpack(G[0], k)), G[1]
+
+
+def _item_major(
+    flat_items: Tensor, users: Tensor, per_user: Tensor, n_items: int, device_kernels: bool
+) -> tuple[Tensor, Tensor]:
+    """(row pointers of the items, permutation of the user-major pairs into item-major order,
+    users ascending within each item)."""
+    if device_kernels or flat_items.device.type != "cpu":
+        # stable: a user rating an item twice keeps its ratings' order, as the counting sort does
+        order = torch.sort(flat_items * per_user.shape[0] + users, stable=True).indices
+        crow = torch.zeros(n_items + 1, dtype=torch.int64, device=flat_items.device)
+        crow[1:] = torch.cumsum(torch.bincount(flat_items, minlength=n_items), 0)
+        return crow, order
+    nnz = int(flat_items.shape[0])
+    n = int(per_user.shape[0])
+    user_ptr = torch.zeros(n + 1, dtype=torch.int64)
+    user_ptr[1:] = torch.cumsum(per_user, 0)
+    pairs = scipy.sparse.csr_matrix(
+        (numpy.arange(nnz, dtype=numpy.int64), flat_items.numpy(), user_ptr.numpy()), shape=(n, n_items)
+    ).tocsc()  # counting sort by item, stable in the users
+    return torch.from_numpy(pairs.indptr.astype(numpy.int64)), torch.from_numpy(pairs.data)
+
+
+def _csr_products(
+    crow: Tensor, col: Tensor, values: tuple[Tensor, ...], dense: tuple[Tensor, ...], device_kernels: bool
+) -> list[Tensor]:
+    """[CSR(crow, col, values[i]) @ dense[i]]; on the host in up to ``KRON_STREAMS`` row shares of
+    about equal nonzeros, each single-threaded on the pool (torch's CSR product does not gain from
+    threads on the CPU); each row's sum is the same either way."""
+    n_rows, n_cols = int(crow.shape[0]) - 1, int(dense[0].shape[0])
+    if device_kernels or crow.device.type != "cpu":
+        return [_csr(crow, col, v, (n_rows, n_cols)) @ d for v, d in zip(values, dense)]
+    crow32, col32 = crow.to(torch.int32), col.to(torch.int32)
+    nnz = int(crow[-1])
+    threads = torch.get_num_threads()
+    parts = max(1, min(linalg.KRON_STREAMS, threads, nnz // 4096))
+    cuts = [0] + [int(torch.searchsorted(crow, nnz * i // parts)) for i in range(1, parts)] + [n_rows]
+
+    outs = [torch.empty(n_rows, d.shape[1], dtype=d.dtype) for d in dense]
+
+    def share(i: int) -> None:  # writes its rows of every product in place (no concatenation)
+        lo, hi = cuts[i], cuts[i + 1]
+        a, z = int(crow[lo]), int(crow[hi])
+        ptr = crow32[lo : hi + 1] - crow32[lo]
+        for v, d, out in zip(values, dense, outs):
+            torch.mm(_csr(ptr, col32[a:z], v[a:z], (hi - lo, n_cols)), d, out=out[lo:hi])
+
+    torch.set_num_threads(1)
+    try:
+        if parts == 1:
+            share(0)
+        else:
+            list(pool(parts).map(share, range(parts)))
+    finally:
+        torch.set_num_threads(threads)
+    return outs
 
 
 def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
@@ -159,18 +267,38 @@ def psd_floor(G: Tensor) -> tuple[Tensor, int]:
     return G, int(bad.numel())
 
 
-def solve_items(G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True) -> Tensor:
+def solve_items(
+    G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True, device_kernels: bool = False, symmetric: bool = False
+) -> Tensor:
     """U_i = (PSD(G_i) + λI)⁻¹ b_i for every item (batched).
 
-    PSD(G_i) floors G_i's eigenvalues at 0. A batched Cholesky says which blocks are not
-    positive definite; only those go through the (costlier) eigendecomposition, and every
-    LAPACK call runs single-threaded per share of the items (:func:`fedpers.linalg.small_batched`):
-    MKL's threaded path on thousands of k×k blocks is what made the repair 94 % of a step.
+    PSD(G_i) floors G_i's eigenvalues at 0. A batched Cholesky of G_i says which blocks are not
+    positive definite (the floor would not move the others, solved by Cholesky of G_i + λI); only
+    those go through the (costlier) eigendecomposition G_i = V Λ Vᵀ and are solved in its basis,
+    U_i = V (Λ₊ + λ)⁻¹ Vᵀ b_i. On the host path every LAPACK call runs single-threaded per share of
+    the items (:func:`fedpers.linalg.small_batched`): MKL's threaded path on thousands of k×k
+    blocks is what made the repair 94 % of a step; on the device path each is one batched kernel.
     """
     k = G.shape[-1]
-    G = psd_floor(G)[0] if psd_repair else linalg.sym(G)
+    G = G if symmetric else linalg.sym(G)  # ``symmetric``: exactly so already (unpacked triangles)
     eye = torch.eye(k, dtype=G.dtype, device=G.device)
-    return linalg.small_batched(lambda g, r: torch.linalg.solve(g + ridge * eye, r.unsqueeze(-1)).squeeze(-1), G, b)
+
+    def batched(fn: Callable[..., Any], *t: Tensor) -> Any:
+        return fn(*t) if device_kernels else linalg.small_batched(fn, *t)
+
+    if not psd_repair:
+        return batched(lambda g, r: spd_solve(g + ridge * eye, r), G, b)
+    _, info = batched(lambda g: torch.linalg.cholesky_ex(g), G)
+    good = (info == 0).nonzero(as_tuple=True)[0]
+    bad = (info != 0).nonzero(as_tuple=True)[0]
+    U = torch.empty_like(b)
+    if good.numel():
+        U[good] = batched(lambda g, r: spd_solve(g + ridge * eye, r), G[good], b[good])
+    if bad.numel():
+        vals, vecs = batched(lambda g: torch.linalg.eigh(g), G[bad])
+        coef = (vecs.transpose(-1, -2) @ b[bad].unsqueeze(-1)).squeeze(-1) / (vals.clamp_min(0) + ridge)
+        U[bad] = (vecs @ coef.unsqueeze(-1)).squeeze(-1)
+    return U
 
 
 @dataclass(frozen=True)
@@ -194,6 +322,9 @@ class DpAlsProtocol(Protocol):
     """H > 0: only the H items with the largest noisy counts are learnt (needs ``prelude``)."""
     rating_bound: float = math.inf
     """Clip of a user's selected ratings as a vector in round 0: √B·c_r."""
+    device_kernels: bool = False
+    """Take the device code path (:func:`fedpers.config.device_path`): statistics and solves as a
+    few large batched kernels on the units' device, no host thread shares or scipy."""
 
     name = "dpals"
     ITEM_MEAN_PRIOR = 5.0
@@ -233,7 +364,10 @@ class DpAlsProtocol(Protocol):
                 StatSpec("s", (self.n_items + 1,), self.sum_bound),
                 StatSpec("c", (self.n_items + 1,), self.count_bound),
             )
-        return (StatSpec("G", (self.n_items, k, k), self.gram_bound), StatSpec("b", (self.n_items, k), self.rhs_bound))
+        return (
+            StatSpec("G", (self.n_items, k * (k + 1) // 2), self.gram_bound),
+            StatSpec("b", (self.n_items, k), self.rhs_bound),
+        )
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
         ratings, mask = units["ratings"].to(self.dtype), units["mask"]
@@ -241,13 +375,22 @@ class DpAlsProtocol(Protocol):
             s, c = item_counts(units["items"], ratings, mask, self.items_per_user, self.n_items, self.rating_bound)
             return Message({"s": s, "c": c}, int(units["ids"].shape[0]))
         if self.prelude:
-            ratings = (ratings - broadcast["mu"].to(self.dtype)) * (mask | units["test"]).to(self.dtype)
+            ratings = (ratings - broadcast["mu"].to(ratings.device, self.dtype)) * (mask | units["test"]).to(self.dtype)
             mask = mask & (broadcast["head"].to(mask.device)[units["items"]] > 0)
-        U = broadcast["U"].to(self.dtype)
+        U = broadcast["U"].to(units["items"].device, self.dtype)
         G, b = item_statistics(
-            U, units["items"], ratings, mask, self.ridge_user, self.items_per_user, self.gram_bound, self.rhs_bound
+            U,
+            units["items"],
+            ratings,
+            mask,
+            self.ridge_user,
+            self.items_per_user,
+            self.gram_bound,
+            self.rhs_bound,
+            self.device_kernels,
+            packed=True,
         )
-        return Message({"G": linalg.sym(G), "b": b}, int(units["ids"].shape[0]))
+        return Message({"G": G, "b": b}, int(units["ids"].shape[0]))
 
     def unit_keys(self) -> tuple[str, ...]:
         return ("items", "ratings", "mask", "test") if self.prelude else ("items", "ratings", "mask")
@@ -278,11 +421,11 @@ class DpAlsProtocol(Protocol):
         s, c = s.double(), c.double()
         mu = s[-1] / c[-1].clamp_min(1.0 / math.sqrt(self.items_per_user))
         s, c = s[:-1], c[:-1]
-        head = torch.ones(self.n_items, dtype=torch.float64)
+        head = torch.ones(self.n_items, dtype=torch.float64, device=c.device)
         if 0 < self.head_items < self.n_items:
-            head = torch.zeros(self.n_items, dtype=torch.float64)
+            head = torch.zeros(self.n_items, dtype=torch.float64, device=c.device)
             head[torch.topk(c, self.head_items).indices] = 1.0
-        U = self.initial_U.to(self.dtype) * head.to(self.dtype).unsqueeze(-1)
+        U = self.initial_U.to(c.device, self.dtype) * head.to(self.dtype).unsqueeze(-1)
         return {"U": U, "mu": mu.to(self.dtype), "head": head, "item_sums": s, "item_counts": c}
 
     def item_means(self, state: Mapping[str, Tensor]) -> Tensor:
@@ -307,7 +450,7 @@ class DpAlsProtocol(Protocol):
         if z > 0 and not (math.isfinite(self.gram_bound) and math.isfinite(self.rhs_bound)):
             raise ValueError("noise needs finite gram_bound and rhs_bound")
         g = privatizer.gaussian_sum(
-            triu_pack(summed.stats["G"]),
+            summed.stats["G"],
             per_unit_bound=g_bound,
             noise_multiplier=z,
             name="dpals.G",
@@ -317,8 +460,10 @@ class DpAlsProtocol(Protocol):
         b = privatizer.gaussian_sum(
             summed.stats["b"], per_unit_bound=b_bound, noise_multiplier=z, name="dpals.b", round=round, params=params
         )
-        U = solve_items(triu_unpack(g, k), b, self.ridge_item, psd_repair=z > 0)
+        U = solve_items(
+            triu_unpack(g, k), b, self.ridge_item, psd_repair=z > 0, device_kernels=self.device_kernels, symmetric=True
+        )
         if self.prelude:
-            U = U * state["head"].to(U.dtype).unsqueeze(-1)
+            U = U * state["head"].to(U.device, U.dtype).unsqueeze(-1)
             return {**state, "U": U}, {"U_norm": float(torch.linalg.matrix_norm(U))}
         return {"U": U}, {"U_norm": float(torch.linalg.matrix_norm(U))}
