@@ -1,0 +1,37 @@
+"""Message: the finiteness check agrees with a full isfinite mask; in-place sums equal `+`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedpers.protocols.base import Message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_is_finite_agrees_with_the_full_mask(dtype: torch.dtype, bad: float | None) -> None:
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        stats = {"A": torch.randn(7, 5, generator=g).to(dtype), "b": torch.randn(11, generator=g).to(dtype)}
+        if bad is not None:
+            name = "A" if trial % 2 else "b"
+            flat = stats[name].view(-1)
+            flat[int(torch.randint(flat.numel(), (1,), generator=g))] = bad
+        expected = all(bool(torch.isfinite(v).all()) for v in stats.values())
+        assert Message(stats, 1).is_finite() is expected
+
+
+def test_empty_and_integer_statistics_are_finite() -> None:
+    assert Message({"e": torch.empty(0), "i": torch.arange(4)}, 0).is_finite()
+
+
+def test_in_place_sum_equals_plus_and_refuses_other_statistics() -> None:
+    a = Message({"A": torch.ones(3), "b": torch.full((2,), 2.0)}, 3, 1)
+    b = Message({"A": torch.arange(3.0), "b": torch.ones(2)}, 4, 2)
+    expected = a + b
+    a.add_(b)
+    assert a.count == 7 and a.zeroed == 3
+    assert all(torch.equal(a.stats[k], expected.stats[k]) for k in a.stats)
+    with pytest.raises(ValueError, match="statistics"):
+        a.add_(Message({"A": torch.ones(3)}, 1))
