@@ -50,7 +50,9 @@ def main() -> None:
     parser.add_argument(
         "--kernels", default="host,device", help="comma list of code paths to time side by side: host, device, auto"
     )
-    parser.add_argument("--loop-reps", type=int, default=0, help="repetitions per N in the per-repetition loops (0: none)")
+    parser.add_argument(
+        "--loop-reps", type=int, default=0, help="repetitions per N in the per-repetition loops (0: none)"
+    )
     args = parser.parse_args()
     spec = tomllib.loads(TOML.read_text())
     exp = EXPERIMENTS["noisyhead"]
@@ -85,7 +87,9 @@ def main() -> None:
         on = "cpu" if kernels == "host" or (kernels == "auto" and not args.device.startswith("cuda")) else args.device
         line = f"{kernels} path ({on}): full grid {totals[kernels]:.1f} s"
         if on.startswith("cuda"):
-            line += f"  (goal < {GPU_TARGET_S:.0f} s on one H100: {'met' if totals[kernels] < GPU_TARGET_S else 'MISSED'})"
+            line += (
+                f"  (goal < {GPU_TARGET_S:.0f} s on one H100: {'met' if totals[kernels] < GPU_TARGET_S else 'MISSED'})"
+            )
         print(line)
     if "host" in totals:
         for kernels, t in totals.items():

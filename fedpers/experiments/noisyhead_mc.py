@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fedpers.config import device_path
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.noisyhead import (
     AttackNoise,
@@ -43,7 +44,6 @@ from fedpers.experiments.noisyhead import (
     resolve,
     sherman_morrison_replace,
 )
-from fedpers.config import device_path
 from fedpers.privacy import Privatizer, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
 from fedpers.seeds import derived_seed, split_seed
@@ -322,9 +322,7 @@ def statistics(cfg: NoisyHeadConfig, repetitions: int, engine: str | None = None
         g = prompt_data.generator(derived_seed(cfg.seed, "mc-data"), repetitions, r.N, r.L, r.D)
         parts = [_chunk(cfg, r, _host_draws(cfg, r, g, min(per, repetitions - a)), engine) for a in starts]
     else:
-        parts = [
-            _chunk(cfg, r, _device_draws(cfg, r, a, min(per, repetitions - a), device), engine) for a in starts
-        ]
+        parts = [_chunk(cfg, r, _device_draws(cfg, r, a, min(per, repetitions - a), device), engine) for a in starts]
     stats = _cat(parts)
     if _nbytes(stats) <= CACHE_BYTES:
         _CACHE[key] = stats
