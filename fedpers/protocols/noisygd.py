@@ -113,9 +113,8 @@ class NoisyGDProtocol(Protocol):
         return x
 
     def predict(self, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
-        return (self.transform(state, x.to(self.dtype)) @ state["W"].to(x.device, self.dtype).transpose(0, 1)).argmax(
-            -1
-        )
+        W = state["W"].to(x.device, self.dtype)
+        return (self.transform(state, x.to(self.dtype)) @ W.transpose(0, 1)).argmax(-1)
 
     # ----- protocol ---------------------------------------------------------------------------
     def unit_keys(self) -> tuple[str, ...]:
