@@ -142,22 +142,20 @@ def _device_draws(cfg: NoisyHeadConfig, r: Resolved, start: int, reps: int, devi
     the same for any chunking and any B. Real text (``data = newsgroups``) is sampled on the host
     from the same keys and copied (only synthetic data is drawn on the device).
     """
-    N, L, D, n_test = r.N, r.L, r.D, cfg.test_prompts
-    x = torch.empty(reps, N, L + 1, D, dtype=torch.float64, device=device)
-    y = torch.empty(reps, N, L + 1, dtype=torch.float64, device=device)
-    xt = torch.empty(reps, n_test, L + 1, D, dtype=torch.float64, device=device)
-    yt = torch.empty(reps, n_test, L + 1, dtype=torch.float64, device=device)
-    att = torch.empty(reps, dtype=torch.int64, device=device)
     seed = derived_seed(cfg.seed, "mc-data-device")
     text = cfg.data is DataSource.NEWSGROUPS
-    first, last = start // REP_BLOCK, (start + reps - 1) // REP_BLOCK
-    for blk in range(first, last + 1):
+    parts: list[Draws] = []
+    for blk in range(start // REP_BLOCK, (start + reps - 1) // REP_BLOCK + 1):
         g = prompt_data.device_generator(seed, blk, device="cpu" if text else device)
         drawn = _host_draws(cfg, r, g, REP_BLOCK) if text else _block_draws(cfg, r, g)
-        lo, hi = max(start, blk * REP_BLOCK), min(start + reps, (blk + 1) * REP_BLOCK)
-        for out, part in zip((x, y, xt, yt, att), drawn):
-            out[lo - start : hi - start] = part[lo - blk * REP_BLOCK : hi - blk * REP_BLOCK]
-    return x, y, xt, yt, att
+        lo, hi = (
+            max(start, blk * REP_BLOCK) - blk * REP_BLOCK,
+            min(start + reps, (blk + 1) * REP_BLOCK) - blk * REP_BLOCK,
+        )
+        parts.append(tuple(t[lo:hi].to(device) for t in drawn))  # type: ignore[arg-type]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(ts) for ts in zip(*parts))  # type: ignore[return-value]
 
 
 def _block_draws(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator) -> Draws:
