@@ -111,3 +111,56 @@ def test_fedrep_flower_grid_matches_local(tmp_path):
         assert flower[key] == pytest.approx(local[key], rel=1e-6, abs=1e-9), key
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
     torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)
+
+
+# ----- the device code path (--kernels device; run here on CPU tensors) -----------------------------------
+SMALL = {"n_users": 2000, "dim": 10, "rank": 2, "rounds": 3, "baselines": "none"}
+
+
+def _run(**values) -> dict:
+    return execute(EXP, config.build(EXP.config_type, {**SMALL, **values}), write=False, progress=False)
+
+
+@pytest.mark.parametrize("extra", [{}, {"cohorts": "poisson", "sampling_rate": 0.5, "v_star": "normal"}])
+def test_device_kernels_in_float64_on_cpu_give_the_host_run(extra):
+    """float64 on the CPU: the device path draws the host's users (docs/fedrep.md), so the run is the host's."""
+    host, device = _run(kernels="host", **extra), _run(kernels="device", **extra)
+    for key in ("subspace_error", "population_mse"):
+        assert device[key] == pytest.approx(host[key], rel=1e-9), key
+
+
+def test_device_kernels_in_float32_draw_other_users_the_same_for_any_chunking():
+    """float32: users drawn per (block, part) on the device, other than the host's float64 users, the same for any chunk size."""
+    a = _run(kernels="device", dtype="float32", chunk_size=300)
+    b = _run(kernels="device", dtype="float32", chunk_size=2000)
+    host = _run(kernels="host", dtype="float32", chunk_size=300)
+    assert b["subspace_error"] == pytest.approx(a["subspace_error"], rel=1e-4)
+    assert b["population_mse"] == pytest.approx(a["population_mse"], rel=1e-4)
+    assert abs(host["population_mse"] - a["population_mse"]) > 1e-4 * host["population_mse"]  # other users
+
+
+def test_device_path_draws_no_host_user_data(monkeypatch):
+    """Every generator of users' data on the device path is made for the run's device (U*, d×k, comes from the host)."""
+    from fedpers.data import synthetic
+
+    real, host_keys = synthetic._generator, []
+
+    def recording(seed, *key, device=None):
+        if device is None:
+            host_keys.append(key)
+            return real(seed, *key)
+        return real(seed, *key, device=device)
+
+    monkeypatch.setattr(synthetic, "_generator", recording)
+    result = _run(kernels="device", dtype="float32", seed=4242)  # a seed no other test draws (no cached blocks)
+    assert math.isfinite(result["population_mse"])
+    assert host_keys and all(key[0] == synthetic._STREAM_TRUTH for key in host_keys)
+    host_keys.clear()
+    _run(kernels="host", dtype="float32", seed=4243)
+    assert any(key[0] != synthetic._STREAM_TRUTH for key in host_keys)  # the check sees host draws when there are some
+
+
+@pytest.mark.parametrize(("values", "field_name"), [({"device": "tpu"}, "device"), ({"kernels": "gpu"}, "kernels")])
+def test_bad_device_or_kernels_is_refused_naming_the_field(values, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        config.build(EXP.config_type, values)

@@ -130,3 +130,56 @@ def test_dimension_dependence_perfect_flat_offset_falls_centring_restores():
     assert offset[10] >= 0.95 and offset[3000] <= offset[10] - 0.3
     centred = mean_accuracy(3000, collapse="offset", remedy="center")
     assert centred >= offset[3000] + 0.3 and centred >= 0.9
+
+
+# ----- the device code path (--kernels device; run here on CPU tensors) -----------------------------------
+def _final_W(cfg: NoisyGDConfig) -> torch.Tensor:
+    from fedpers.experiments.noisygd import load_units
+    from fedpers.privacy import Privatizer
+    from fedpers.runtime.local import run_local
+
+    units = load_units(cfg, torch.arange(cfg.examples))
+    state, _ = run_local(make_protocol(cfg), units, Privatizer(5), chunk_size=700, progress=False)
+    return state["W"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"collapse": "random", "remedy": "pca"},
+        {"collapse": "offset", "remedy": "center", "dtype": "float64", "imbalance": 0.3},
+    ],
+)
+def test_device_kernels_on_cpu_give_the_host_run(extra):
+    """The device path draws example i on the device from the same (seed, i): on the CPU, the host's W to float tolerance."""
+    base = dict(examples=1500, feature_dim=40, steps=4, epsilon=0.5, **extra)
+    host = _final_W(build(kernels="host", **base))
+    device = _final_W(build(kernels="device", **base))
+    assert float(host.norm()) > 0
+    assert torch.allclose(device, host, rtol=1e-6, atol=1e-7)
+    a, b = run(kernels="host", test_perturbation=0.3, **base), run(kernels="device", test_perturbation=0.3, **base)
+    assert a["accuracy"] == b["accuracy"] and a["baselines"] == b["baselines"]
+
+
+def test_device_path_draws_no_host_data(monkeypatch):
+    """Every data generator of the device path is made for the run's device: a host-side one raises."""
+    from fedpers.data import synthetic
+
+    real = synthetic._generator
+
+    def device_only(seed, *key, device=None):
+        if device is None:
+            raise AssertionError("the device path called a host-side generator for data")
+        return real(seed, *key, device=device)
+
+    monkeypatch.setattr(nc, "_generator", device_only)
+    result = run(kernels="device", examples=1200, feature_dim=30, steps=3, collapse="random", remedy="center", test_perturbation=0.1)
+    assert 0.0 <= result["accuracy"] <= 1.0
+    with pytest.raises(AssertionError, match="host-side"):
+        run(kernels="host", examples=1200, feature_dim=30, steps=3, collapse="random")
+
+
+@pytest.mark.parametrize(("values", "field_name"), [({"device": "tpu"}, "device"), ({"kernels": "gpu"}, "kernels")])
+def test_bad_device_or_kernels_is_refused_naming_the_field(values, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        build(**values)

@@ -315,3 +315,134 @@ def test_newsgroups_prompts_are_real_posts():
     assert all(tuple(v.tolist()) in test_rows for v in xt.reshape(-1, 30))
     result = execute(EXP, build(data="newsgroups", prompts=200, dim=30, context=30, regime="early-stopping", steps=10, test_prompts=50), write=False, progress=False)
     assert result["status"] == "completed" and math.isfinite(result["excess_risk"])
+
+
+# ----- the device code path (--kernels device; run here on CPU tensors) -----------------------------------
+class _RecordingGenerator:
+    """Stands in for torch.Generator: records the device each generator is made for (None: not given)."""
+
+    made: list = []
+
+    def __new__(cls, device=None):
+        cls.made.append(device)
+        return _REAL_GENERATOR(device=device if device is not None else "cpu")
+
+
+_REAL_GENERATOR = torch.Generator
+
+
+def _no_host_draws(monkeypatch):
+    """Any host-side data generator raises; every torch.Generator made is recorded with its device."""
+    from fedpers.data import prompts as prompt_data
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the device path called a host-side generator for data")
+
+    monkeypatch.setattr(prompt_data, "generator", refuse)
+    monkeypatch.setattr(mc, "_host_draws", refuse)
+    _RecordingGenerator.made = []
+    monkeypatch.setattr(torch, "Generator", _RecordingGenerator)
+    return _RecordingGenerator.made
+
+
+@pytest.mark.parametrize("extra", [{}, {"mode": "rounds"}, {"unit": "user", "prompts_per_user": 4, "user_clip": 0.5}])
+def test_device_kernels_on_cpu_give_the_host_run(extra):
+    """A run's device path draws prompt k on the device from the same (seed, k): on the CPU, the host run exactly."""
+    results = {
+        k: execute(EXP, build(prompts=400, dim=3, epsilon=1.0, kernels=k, **extra), write=False, progress=False)
+        for k in ("host", "device")
+    }
+    for key in ("excess_risk", "test_mse", "gamma_norm"):
+        assert results["device"][key] == pytest.approx(results["host"][key], rel=1e-9, abs=1e-12), key
+    assert results["device"]["baselines"]["nonprivate_gd"]["excess_risk"] == pytest.approx(
+        results["host"]["baselines"]["nonprivate_gd"]["excess_risk"], rel=1e-9, abs=1e-14
+    )
+
+
+def test_device_run_draws_no_host_data(monkeypatch):
+    made = _no_host_draws(monkeypatch)
+    result = execute(EXP, build(prompts=300, dim=3, epsilon=1.0, kernels="device"), write=False, progress=False)
+    assert math.isfinite(result["excess_risk"])
+    assert made and all(d is not None for d in made)  # every generator names its device (the DP noise's: the CPU)
+
+
+def test_device_sweep_is_the_same_for_any_chunking_and_prefix(monkeypatch):
+    """Repetition i's data set depends on (seed, i) alone on the device path."""
+    cfg = build(prompts=300, dim=3, epsilon=0.5, kernels="device")
+    mc._CACHE.clear()
+    whole = mc.statistics(cfg, 20, "direct")
+    monkeypatch.setattr(mc, "CHUNK_ELEMENTS", 1)  # one block of REP_BLOCK repetitions per chunk
+    mc._CACHE.clear()
+    chunked = mc.statistics(cfg, 20, "direct")
+    mc._CACHE.clear()
+    prefix = mc.statistics(cfg, 11, "direct")
+    mc._CACHE.clear()
+    for name in ("At", "bt", "A", "gstar", "S", "x_att"):
+        assert torch.equal(getattr(whole, name), getattr(chunked, name)), name
+        assert torch.equal(getattr(whole, name)[:11], getattr(prefix, name)), name
+    assert len({float(v) for v in whole.bt[:, 0]}) == 20  # 20 different data sets
+
+
+def test_device_sweep_is_the_host_arithmetic_on_the_same_data(monkeypatch):
+    """Given the device path's data sets, the host path computes the same rows (both engines)."""
+    for engine in ("direct", "spectral"):
+        cfg = build(prompts=300, dim=3, epsilon=0.5, engine=engine, init="gaussian")
+        mc._CACHE.clear()
+        device_rows = mc.sweep_point(replace(cfg, kernels="device"), 10)
+        r = resolve(mc.split_seed(cfg)[0])
+        draws = mc._device_draws(mc.split_seed(cfg)[0], r, 0, 10, torch.device("cpu"))
+        monkeypatch.setattr(mc, "_host_draws", lambda *a, **k: draws)
+        mc._CACHE.clear()
+        host_rows = mc.sweep_point(replace(cfg, kernels="host"), 10)
+        mc._CACHE.clear()
+        monkeypatch.undo()
+        for a, b in zip(host_rows, device_rows):
+            for key in ("excess_risk", "gd_excess_risk", "test_mse", "ridge_test_mse", "epsilon_spent"):
+                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-14), (engine, key)
+
+
+def test_device_sweep_draws_no_host_data_and_matches_the_host_in_distribution(monkeypatch):
+    """Other data sets than the host path's (documented), the same distribution: mean risks within 4 s.e."""
+    cfg = build(prompts=400, dim=3, epsilon=1.0, steps=15)
+    mc._CACHE.clear()
+    host = np.array([row["excess_risk"] for row in mc.sweep_point(cfg, 200)])
+    made = _no_host_draws(monkeypatch)
+    mc._CACHE.clear()
+    device = np.array([row["excess_risk"] for row in mc.sweep_point(replace(cfg, kernels="device"), 200)])
+    mc._CACHE.clear()
+    assert made and all(d is not None for d in made)
+    assert not np.allclose(host[:5], device[:5])  # the device path draws its own data sets
+    se = math.sqrt(host.var() / host.size + device.var() / device.size)
+    assert abs(host.mean() - device.mean()) < 4 * se
+
+
+@pytest.mark.parametrize(
+    ("values", "field_name"),
+    [({"device": "tpu"}, "device"), ({"kernels": "gpu"}, "kernels"), ({"device": "cuda:x"}, "device")],
+)
+def test_bad_device_or_kernels_is_refused_naming_the_field(values, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        build(prompts=100, **values)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda' but no CUDA device"):
+            build(prompts=100, device="cuda")
+
+
+def test_lowdim_sweep_file_accepts_device_and_kernels(tmp_path):
+    """`fedpers sweep simulations/noisyhead_lowdim.toml` with device/kernels in [base] runs the device path."""
+    import tomllib
+    from pathlib import Path
+
+    spec = tomllib.loads((Path(__file__).resolve().parent.parent / "simulations" / "noisyhead_lowdim.toml").read_text())
+    text = (
+        'name = "lowdim_device"\nalgorithm = "noisyhead"\nrepetitions = 3\nx = "prompts"\nseries = "epsilon"\n'
+        'metrics = ["excess_risk"]\n[base]\n'
+        + "".join(f"{k} = {v!r}\n" if not isinstance(v, str) else f'{k} = "{v}"\n' for k, v in spec["base"].items())
+        + 'device = "cpu"\nkernels = "device"\n[grid]\nprompts = [400]\nepsilon = [1.0]\n'
+    )
+    (tmp_path / "s.toml").write_text(text)
+    assert main(["sweep", str(tmp_path / "s.toml"), "--out", str(tmp_path / "out")]) in (0, None)
+    mc._CACHE.clear()
+    lines = (tmp_path / "out" / "table.csv").read_text().splitlines()
+    assert len(lines) == 1 + 3
+    assert json.loads((tmp_path / "out" / "spec.json").read_text())["base"]["kernels"] == "device"

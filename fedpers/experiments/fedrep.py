@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fedpers import metrics
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
 from fedpers.data import synthetic
 from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin import AltMinConfig
@@ -74,6 +74,7 @@ class FedRepConfig:
     accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
+    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
     baselines: str = field(
@@ -95,6 +96,7 @@ class FedRepConfig:
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         check_device_and_dtype(self.device, self.dtype)
+        check_kernels(self.kernels)
 
 
 BASELINES = ("priv_altmin", "nonprivate_altmin")
@@ -112,25 +114,36 @@ def truth(cfg: FedRepConfig) -> Tensor:
 def load_all(cfg: FedRepConfig, ids: Tensor, test: bool = True) -> dict[str, Tensor]:
     """Users' m train and R refit samples (one draw, split in that order) and, with ``test``,
     their S test samples (x and label noise from a separate stream, so training passes never
-    generate them), all from (seed, user id)."""
+    generate them), all from (seed, user id).
+
+    Host path: drawn on the CPU in float64 and copied to ``cfg.device`` in ``cfg.dtype``. Device
+    path (``kernels``): drawn on ``cfg.device`` in ``cfg.dtype`` (:func:`synthetic.altmin_users`);
+    in float64 on the CPU these are the host's users exactly, in float32 or on a GPU other users
+    from the same distribution (the float32/device scheme). U* (d×k, public to the simulator) is
+    drawn on the host either way."""
     m, r = cfg.samples_per_user, cfg.refit_samples
-    ids = ids.to(torch.int64).cpu()
-    u = truth(cfg)
-    out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, m + r, cfg.noise_std)
+    dtype = getattr(torch, cfg.dtype)
+    on_device = device_path(cfg.device, cfg.kernels)
+    draw = {"dtype": dtype, "device": cfg.device} if on_device else {}
+    ids = ids.to(torch.int64).to(cfg.device if on_device else "cpu")
+    u = truth(cfg).to(ids.device)
+    out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, m + r, cfg.noise_std, **draw)
     x, y, v = out["x"], out["y"], out["v_star"]
     if cfg.v_star is VStar.SPHERE:
         # the same draw with v*_j rescaled to the unit sphere (label noise kept as drawn)
-        signal = ((x @ u) @ v.unsqueeze(-1)).squeeze(-1)
-        norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(1e-300)
+        signal = ((x @ u.to(x.dtype)) @ v.unsqueeze(-1)).squeeze(-1)
+        norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
         v = v / norm
         y = y - signal + signal / norm
     split = {"ids": ids, "v_star": v, "x": x[:, :m], "y": y[:, :m], "x_refit": x[:, m:], "y_refit": y[:, m:]}
     if test:
         # y = 0·x + 1·z with U = 0: the test x and a standard normal z per sample
-        noise = synthetic.altmin_users(derived_seed(cfg.seed, "test"), ids, torch.zeros_like(u), cfg.test_samples, 1.0)
-        split["x_test"] = noise["x"]
-        split["y_test"] = ((noise["x"] @ u) @ v.unsqueeze(-1)).squeeze(-1) + cfg.noise_std * noise["y"]
-    dtype = getattr(torch, cfg.dtype)
+        noise = synthetic.altmin_users(
+            derived_seed(cfg.seed, "test"), ids, torch.zeros_like(u), cfg.test_samples, 1.0, **draw
+        )
+        xt = noise["x"]
+        split["x_test"] = xt
+        split["y_test"] = ((xt @ u.to(xt.dtype)) @ v.unsqueeze(-1)).squeeze(-1) + cfg.noise_std * noise["y"]
     return {k: (t.to(cfg.device, dtype) if t.is_floating_point() else t.to(cfg.device)) for k, t in split.items()}
 
 

@@ -10,7 +10,7 @@ import dp_accounting
 import torch
 
 from fedpers import memory
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
@@ -67,6 +67,7 @@ class NoisyGDConfig:
     baselines: bool = field(True, "also run non-private GD (no clip, no noise) on the same data")
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
+    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
     dtype: str = field("float32", "float32 or float64 for features and W")
     chunk_size: int = field(4096, "examples per batch on the local runtime (bounds memory)", ge=1)
 
@@ -78,6 +79,7 @@ class NoisyGDConfig:
         if self.examples < self.classes:
             raise ValueError(f"examples must be >= classes={self.classes}; got {self.examples}")
         check_device_and_dtype(self.device, self.dtype)
+        check_kernels(self.kernels)
 
 
 def feature_bound(cfg: NoisyGDConfig) -> float:
@@ -131,6 +133,8 @@ def make_protocol(
 
 
 def load_units(cfg: NoisyGDConfig, ids: Tensor, *, test: bool = False) -> dict[str, Tensor]:
+    """Examples with these ids on ``cfg.device``: drawn on the host and copied, or on the device
+    path drawn there from the same keys (on the CPU the same features; on a GPU other ones)."""
     out = nc.features(
         derived_seed(cfg.seed, "data"),
         ids,
@@ -143,6 +147,7 @@ def load_units(cfg: NoisyGDConfig, ids: Tensor, *, test: bool = False) -> dict[s
         dtype=getattr(torch, cfg.dtype),
         test=test,
         test_perturbation=cfg.test_perturbation if test else 0.0,
+        device=cfg.device if device_path(cfg.device, cfg.kernels) else None,
     )
     return {k: v.to(cfg.device) for k, v in out.items()}
 

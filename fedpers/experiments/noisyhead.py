@@ -22,7 +22,7 @@ import dp_accounting
 import torch
 
 from fedpers import linalg, memory
-from fedpers.config import MAX_EPSILON, field
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
@@ -149,8 +149,12 @@ class NoisyHeadConfig:
     engine: Engine = field(Engine.AUTO, "sweeps: Monte-Carlo engine (auto: direct for D ≤ 16, else spectral)")
     seed: int = field(0, "run seed (data, test data, init and DP noise use separate generators derived from it)", ge=0)
     chunk_size: int = field(4096, "units per batch on the local runtime (bounds memory)", ge=1)
+    device: str = field("cpu", "torch device: cpu or cuda[:i] (prompts, statistics and steps live there)")
+    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
 
     def check(self) -> None:
+        check_device_and_dtype(self.device, "float64")
+        check_kernels(self.kernels)
         n = self.prompts
         if self.unit is Unit.USER and n % self.prompts_per_user:
             raise ValueError(f"prompts must be a multiple of prompts_per_user={self.prompts_per_user}; got {n}")
@@ -322,14 +326,23 @@ def make_protocol(
 
 # ----- data ------------------------------------------------------------------------------------
 def prompts(cfg: NoisyHeadConfig, ids: Tensor, test: bool = False) -> tuple[Tensor, Tensor]:
-    """Prompts (x (n, L+1, D), y (n, L+1)) with these ids; prompt k depends only on (seed, k)."""
+    """Prompts (x (n, L+1, D), y (n, L+1)) with these ids on ``cfg.device``; prompt k depends only on (seed, k).
+
+    Host path: drawn on the CPU and copied. Device path (``kernels``): synthetic prompts drawn on
+    the device from the same keys (on the CPU the very same prompts; on a GPU other ones from the
+    same distribution); real text is read on the host and copied.
+    """
     r = resolve_shape(cfg)
     stream = STREAM_TEST if test else STREAM_TRAIN
     if cfg.data is DataSource.NEWSGROUPS:
         from fedpers.data import newsgroups
 
-        return newsgroups.text_prompts_by_id(cfg.seed, stream, ids, r[1], r[2], test=test)
-    return prompt_data.prompts_by_id(cfg.seed, stream, ids, r[1], r[2], cfg.label_noise)
+        x, y = newsgroups.text_prompts_by_id(cfg.seed, stream, ids, r[1], r[2], test=test)
+    elif device_path(cfg.device, cfg.kernels):
+        return prompt_data.prompts_by_id(cfg.seed, stream, ids, r[1], r[2], cfg.label_noise, device=cfg.device)
+    else:
+        x, y = prompt_data.prompts_by_id(cfg.seed, stream, ids, r[1], r[2], cfg.label_noise)
+    return x.to(cfg.device), y.to(cfg.device)
 
 
 def resolve_shape(cfg: NoisyHeadConfig) -> tuple[int, int, int]:
@@ -340,8 +353,8 @@ def resolve_shape(cfg: NoisyHeadConfig) -> tuple[int, int, int]:
 def load_units(cfg: NoisyHeadConfig, ids: Tensor) -> dict[str, Tensor]:
     """Units with these ids: unit u holds prompts uP..uP+P−1 (P = 1 at the prompt level)."""
     P = cfg.prompts_per_user if cfg.unit is Unit.USER else 1
-    ids = ids.to("cpu", torch.int64)
-    prompt_ids = (ids.unsqueeze(-1) * P + torch.arange(P)).reshape(-1)
+    ids = ids.to(cfg.device, torch.int64)
+    prompt_ids = (ids.unsqueeze(-1) * P + torch.arange(P, device=ids.device)).reshape(-1)
     x, y = prompts(cfg, prompt_ids)
     return group_units(x, y, P, ids)
 
@@ -349,7 +362,7 @@ def load_units(cfg: NoisyHeadConfig, ids: Tensor) -> dict[str, Tensor]:
 def group_units(x: Tensor, y: Tensor, P: int, ids: Tensor | None = None) -> dict[str, Tensor]:
     """Prompts (n·P, L+1, D) -> units (n, P, L+1, D) with their ids (default 0..n−1)."""
     n = x.shape[0] // P
-    ids = torch.arange(n) if ids is None else ids
+    ids = torch.arange(n, device=x.device) if ids is None else ids
     return {"ids": ids, "x": x.reshape(n, P, *x.shape[1:]), "y": y.reshape(n, P, y.shape[-1])}
 
 
@@ -380,20 +393,20 @@ class NoisyHeadEvaluator(Evaluator):
     def __init__(self, cfg: NoisyHeadConfig, protocol: NoisyHeadProtocol) -> None:
         self.cfg, self.protocol, self.r = cfg, protocol, resolve(cfg)
         N = self.r.N
-        x, y = prompts(cfg, torch.arange(N))
+        x, y = prompts(cfg, torch.arange(N, device=cfg.device))
         self.z, self.yq = nh.prompt_vectors(x, y)
         self.A, self.b = nh.gram_statistics(self.z, self.yq)
         self.gamma_star = nh.ridge(self.A, self.b, N, self.r.lam, cfg.ridge_scaling)
-        xt, yt = prompts(cfg, torch.arange(cfg.test_prompts), test=True)
+        xt, yt = prompts(cfg, torch.arange(cfg.test_prompts, device=cfg.device), test=True)
         self.z_test, self.y_test = nh.prompt_vectors(xt, yt)
         self._train = (x, y)
 
     def excess(self, gamma: Tensor, ref: Tensor | None = None) -> float:
         ref = self.gamma_star if ref is None else ref
-        return float(((self.z_test @ (gamma.double() - ref)) ** 2).mean())
+        return float(((self.z_test @ (gamma.to(self.z_test) - ref)) ** 2).mean())
 
     def mse(self, gamma: Tensor) -> float:
-        return float(((self.y_test - self.z_test @ gamma.double()) ** 2).mean())
+        return float(((self.y_test - self.z_test @ gamma.to(self.z_test)) ** 2).mean())
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         return {"excess_risk": self.excess(state["gamma"])}
@@ -410,9 +423,10 @@ class NoisyHeadEvaluator(Evaluator):
         return r.consts.G0**2 * ((1 - r.eta * r.lam) ** r.T * r.R**2 + noise)
 
     def final(self, state: Any) -> dict[str, Any]:
-        gamma = state["gamma"].double()
+        gamma = state["gamma"].to(self.z_test)
         r = self.r
-        gamma_gd = nh.gd(self.A, self.b, self.protocol.initial_gamma(), r.N, r.lam, r.eta, r.T)
+        gamma0 = self.protocol.initial_gamma().to(self.z_test)
+        gamma_gd = nh.gd(self.A, self.b, gamma0, r.N, r.lam, r.eta, r.T)
         out: dict[str, Any] = {
             "excess_risk": self.excess(gamma),
             "test_mse": self.mse(gamma),
@@ -450,7 +464,7 @@ class NoisyHeadEvaluator(Evaluator):
         M_i = (
             self.A
             - torch.outer(self.z[i], self.z[i])
-            + cfg.ridge_scaling.factor * r.lam * r.N * torch.eye(k, dtype=torch.float64)
+            + cfg.ridge_scaling.factor * r.lam * r.N * torch.eye(k, dtype=torch.float64, device=self.z.device)
         )
         ridge_bad = sherman_morrison_replace(M_i, self.b - self.yq[i] * self.z[i], zb, self.yq[i])
         x2, y2 = x.clone(), y.clone()

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fedpers.config import device_path
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.noisyhead import (
     AttackNoise,
@@ -49,6 +50,11 @@ from fedpers.seeds import derived_seed, split_seed
 
 Tensor = torch.Tensor
 CHUNK_ELEMENTS = 2**23
+DEVICE_CHUNK_ELEMENTS = 2**27
+"""Prompt-token elements per chunk: 2²³ on the CPU (host and device paths), 2²⁷ on a GPU
+(about 6 GB of float64 working tensors at the §6.1 shapes)."""
+REP_BLOCK = 8
+"""Repetitions per device generator on the device path (see :func:`_device_draws`)."""
 CACHE_BYTES = 6 * 2**30
 DIRECT_MAX_DIM = 16
 _CACHE: dict[tuple, Any] = {}
@@ -117,11 +123,52 @@ def _draw(
     return prompt_data.prompt_batch(g, reps, n, r.L, r.D, cfg.label_noise)
 
 
-def _chunk(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, engine: str) -> Any:
-    N, K = r.N, r.D * r.D
-    x, y = _draw(cfg, r, g, reps, N, test=False)
+Draws = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+"""x, y (reps, N, L+1, D), (reps, N, L+1); test x, y; the index of the §6.3 attacked prompt (reps,)."""
+
+
+def _host_draws(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int) -> Draws:
+    """Host path: the next ``reps`` data sets from the one CPU generator of the whole batch."""
+    x, y = _draw(cfg, r, g, reps, r.N, test=False)
     xt, yt = _draw(cfg, r, g, reps, cfg.test_prompts, test=True)
-    att = torch.randint(N, (reps,), generator=g)
+    return x, y, xt, yt, torch.randint(r.N, (reps,), generator=g)
+
+
+def _device_draws(cfg: NoisyHeadConfig, r: Resolved, start: int, reps: int, device: torch.device) -> Draws:
+    """Device path: repetitions ``start .. start+reps−1`` drawn on ``device``.
+
+    Repetitions come in blocks of :data:`REP_BLOCK`, block b from its own device generator keyed
+    by (seed, b) and always drawn whole, so repetition i's data set depends on (seed, i) alone:
+    the same for any chunking and any B. Real text (``data = newsgroups``) is sampled on the host
+    from the same keys and copied (only synthetic data is drawn on the device).
+    """
+    seed = derived_seed(cfg.seed, "mc-data-device")
+    text = cfg.data is DataSource.NEWSGROUPS
+    parts: list[Draws] = []
+    for blk in range(start // REP_BLOCK, (start + reps - 1) // REP_BLOCK + 1):
+        g = prompt_data.device_generator(seed, blk, device="cpu" if text else device)
+        drawn = _host_draws(cfg, r, g, REP_BLOCK) if text else _block_draws(cfg, r, g)
+        lo, hi = (
+            max(start, blk * REP_BLOCK) - blk * REP_BLOCK,
+            min(start + reps, (blk + 1) * REP_BLOCK) - blk * REP_BLOCK,
+        )
+        parts.append(tuple(t[lo:hi].to(device) for t in drawn))  # type: ignore[arg-type]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(ts) for ts in zip(*parts))  # type: ignore[return-value]
+
+
+def _block_draws(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator) -> Draws:
+    x, y = prompt_data.prompt_batch(g, REP_BLOCK, r.N, r.L, r.D, cfg.label_noise)
+    xt, yt = prompt_data.prompt_batch(g, REP_BLOCK, cfg.test_prompts, r.L, r.D, cfg.label_noise)
+    return x, y, xt, yt, torch.randint(r.N, (REP_BLOCK,), generator=g, device=g.device)
+
+
+def _chunk(cfg: NoisyHeadConfig, r: Resolved, draws: Draws, engine: str) -> Any:
+    """The sufficient statistics of some data sets, on the device their draws live on."""
+    x, y, xt, yt, att = draws
+    reps, dev = x.shape[0], x.device
+    N, K = r.N, r.D * r.D
     zt, yqt = nh.prompt_vectors(x, y, r.C, r.G)
     z, yq = nh.prompt_vectors(x, y)
     wa = wb = None
@@ -141,10 +188,10 @@ def _chunk(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, eng
         redo = (~same).nonzero().squeeze(1)
         A[redo], b[redo] = nh.gram_statistics(z[redo], yq[redo])
     zte, yte = nh.prompt_vectors(xt, yt)
-    gamma0 = torch.tensor(initial_gamma(cfg, r) or [0.0] * K, dtype=torch.float64)
+    gamma0 = _gamma0(cfg, r, dev)
     f = cfg.ridge_scaling.factor
     if engine == "direct":
-        rows = torch.arange(reps)
+        rows = torch.arange(reps, device=dev)
         return DirectStats(
             At=At,
             bt=bt,
@@ -192,13 +239,21 @@ def _chunk(cfg: NoisyHeadConfig, r: Resolved, g: torch.Generator, reps: int, eng
     )
 
 
+def _gamma0(cfg: NoisyHeadConfig, r: Resolved, device: torch.device | str = "cpu") -> Tensor:
+    """Γ⁰ (public: zero, or drawn from the public seed on the host, D² numbers) on ``device``."""
+    return torch.tensor(initial_gamma(cfg, r) or [0.0] * (r.D * r.D), dtype=torch.float64, device=device)
+
+
 def eigh(m: Tensor) -> tuple[Tensor, Tensor]:
-    """Batched symmetric eigendecomposition: independent single-threaded LAPACK calls on worker threads.
+    """Batched symmetric eigendecomposition: one batched call off the CPU; on the CPU,
+    independent single-threaded LAPACK calls on worker threads.
 
     MKL's multi-threaded syevd slows down ~10× when the cores are shared with other work
     (measured: 6 s vs 0.5 s per 961×961 matrix), while independent matrices parallelise
     without synchronisation.
     """
+    if m.device.type != "cpu":
+        return torch.linalg.eigh(m)
     workers = max(1, min(torch.get_num_threads(), m.shape[0]))
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -210,16 +265,35 @@ def eigh(m: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+def on_device(cfg: NoisyHeadConfig) -> torch.device | None:
+    """The device of the device code path (``kernels``), or None for the host path."""
+    return torch.device(cfg.device) if device_path(cfg.device, cfg.kernels) else None
+
+
+def chunk_repetitions(cfg: NoisyHeadConfig, r: Resolved, device: torch.device | None) -> int:
+    """Repetitions per chunk (memory): a whole number of :data:`REP_BLOCK` on the device path."""
+    budget = CHUNK_ELEMENTS if device is None or device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
+    per = max(1, budget // (r.N * (r.L + 1) * r.D + cfg.test_prompts * (r.L + 1) * r.D))
+    return per if device is None else REP_BLOCK * max(1, per // REP_BLOCK)
+
+
 def statistics(cfg: NoisyHeadConfig, repetitions: int, engine: str | None = None) -> Any:
-    """The sufficient statistics of ``repetitions`` data sets (cached: the latest key only)."""
+    """The sufficient statistics of ``repetitions`` data sets (cached: the latest key only).
+
+    Host path: drawn on the CPU from one generator, chunk after chunk. Device path
+    (:func:`on_device`): drawn, reduced and kept on the run's device (:func:`_device_draws`):
+    other data sets than the host path's, from the same distribution.
+    """
     r = resolve(cfg)
     engine = engine or engine_for(cfg, r)
     if engine == "direct" and r.D > DIRECT_MAX_DIM:
         raise ValueError(
             f"engine=direct needs D ≤ {DIRECT_MAX_DIM} (D²×D² matrices per repetition); got D={r.D}; use engine=spectral"
         )
+    device = on_device(cfg)
     key = (
         engine,
+        device,
         cfg.data,
         cfg.seed,
         repetitions,
@@ -240,9 +314,13 @@ def statistics(cfg: NoisyHeadConfig, repetitions: int, engine: str | None = None
     if key in _CACHE:
         return _CACHE[key]
     _CACHE.clear()
-    g = prompt_data.generator(derived_seed(cfg.seed, "mc-data"), repetitions, r.N, r.L, r.D)
-    per = max(1, CHUNK_ELEMENTS // (r.N * (r.L + 1) * r.D + cfg.test_prompts * (r.L + 1) * r.D))
-    parts = [_chunk(cfg, r, g, min(per, repetitions - start), engine) for start in range(0, repetitions, per)]
+    per = chunk_repetitions(cfg, r, device)
+    starts = range(0, repetitions, per)
+    if device is None:
+        g = prompt_data.generator(derived_seed(cfg.seed, "mc-data"), repetitions, r.N, r.L, r.D)
+        parts = [_chunk(cfg, r, _host_draws(cfg, r, g, min(per, repetitions - a)), engine) for a in starts]
+    else:
+        parts = [_chunk(cfg, r, _device_draws(cfg, r, a, min(per, repetitions - a), device), engine) for a in starts]
     stats = _cat(parts)
     if _nbytes(stats) <= CACHE_BYTES:
         _CACHE[key] = stats
@@ -309,8 +387,8 @@ def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]
     if cfg.attack_c > 0 and cfg.unit is Unit.USER:
         raise ValueError("the robustness attack is implemented at the prompt level (unit=prompt)")
     stats = statistics(cfg, repetitions, engine)
-    privatizer = Privatizer(noise_seed)
-    gamma0 = torch.tensor(initial_gamma(cfg, r) or [0.0] * (r.D * r.D), dtype=torch.float64)
+    privatizer = Privatizer(noise_seed)  # the server's CPU generator; each step's (B, D²) noise is copied over
+    gamma0 = _gamma0(cfg, r, (stats.At if engine == "direct" else stats.e).device)
     out: dict[str, Tensor] = {}
     if engine == "direct":
         st: DirectStats = stats
@@ -360,7 +438,7 @@ def _robustness(
     seed = noise_seed if cfg.attack_noise is AttackNoise.SHARED else derived_seed(noise_seed, "attacked")
     gamma_bad = noisy_gd_direct(At_bad, bt_bad, gamma0, r, Privatizer(seed))
     K = r.D * r.D
-    eye = torch.eye(K, dtype=torch.float64)
+    eye = torch.eye(K, dtype=torch.float64, device=st.A.device)
     M_i = st.A - outer(st.z_att) + cfg.ridge_scaling.factor * r.lam * r.N * eye
     rhs_i = st.b - st.yq_att.unsqueeze(-1) * st.z_att
     ridge_bad = sherman_morrison_replace(M_i, rhs_i, zb, st.yq_att)

@@ -107,13 +107,14 @@ class NoisyGDProtocol(Protocol):
     def transform(self, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
         """The released remedy applied to features: x − μ̂ (center), x P̂ (pca), or x."""
         if self.remedy is Remedy.CENTER:
-            return x - state["mu"].to(x.dtype)
+            return x - state["mu"].to(x.device, x.dtype)
         if self.remedy is Remedy.PCA:
-            return x @ state["P"].to(x.dtype)
+            return x @ state["P"].to(x.device, x.dtype)
         return x
 
     def predict(self, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
-        return (self.transform(state, x.to(self.dtype)) @ state["W"].to(self.dtype).transpose(0, 1)).argmax(-1)
+        W = state["W"].to(x.device, self.dtype)
+        return (self.transform(state, x.to(self.dtype)) @ W.transpose(0, 1)).argmax(-1)
 
     # ----- protocol ---------------------------------------------------------------------------
     def unit_keys(self) -> tuple[str, ...]:
@@ -145,7 +146,7 @@ class NoisyGDProtocol(Protocol):
                 return Message({"feature_sum": xc.sum(0)}, n)
             return Message({"second_moment": linalg.sym(xc.transpose(0, 1) @ xc)}, n)  # Σ x xᵀ: PSD per unit
         grad, _ = clipped_gradient_sum(
-            broadcast["W"].to(self.dtype), self.transform(broadcast, x), y, self.grad_clip, self.loss
+            broadcast["W"].to(x.device, self.dtype), self.transform(broadcast, x), y, self.grad_clip, self.loss
         )
         return Message({"grad": grad}, n)
 
@@ -189,6 +190,6 @@ class NoisyGDProtocol(Protocol):
             round=round,
             params={"statistic": "Σ clip(∇ℓ_i; G_c)", "G_c": self.grad_clip, "formula": "bound G_c, Δ = 2·bound"},
         )
-        new["W"] = state["W"] - self.lr * g
+        new["W"] = state["W"].to(g.device) - self.lr * g  # W lives where the sums are (the run's device)
         # Only post-processed (noisy) quantities in the diagnostics: they are written to disk.
         return new, {"noise_std_grad": self.noise_std(), "noisy_grad_norm": float(torch.linalg.vector_norm(g.double()))}

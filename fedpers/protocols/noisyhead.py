@@ -352,7 +352,7 @@ class NoisyHeadProtocol(Protocol):
             A, b = gram_statistics(z, yq, wa, wb)
             return Message({"A": A, "b": b}, count)
         # A client never trusts Γ to be in the ball: its contribution's bound depends on it.
-        gamma = linalg.clip_vectors(broadcast["gamma"].to(self.dtype), self.proj_r)
+        gamma = linalg.clip_vectors(broadcast["gamma"].to(z.device, self.dtype), self.proj_r)
         return Message({"grad": gradient_sum(gamma, z, yq, wa, wb)}, count)
 
     def noisy_step(self, t: int, gamma: Tensor, grad: Tensor, privatizer: Privatizer) -> tuple[Tensor, Tensor]:
@@ -385,7 +385,8 @@ class NoisyHeadProtocol(Protocol):
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
     ) -> tuple[dict[str, Tensor], dict[str, float]]:
-        gamma = state["gamma"]
+        device = next(iter(summed.stats.values())).device
+        gamma = state["gamma"].to(device)  # Γ lives where the sums are (the run's device)
         projected = 0
         if self.mode is Mode.STATISTICS:
             A, b = summed.stats["A"], summed.stats["b"]
