@@ -153,3 +153,18 @@ def test_calibrations_are_passed_explicitly_and_rebuild_without_the_accountant(m
     assert list(server.table.values()) == [built.noise_multiplier] and built.noise_multiplier > 0
     monkeypatch.setattr(accountant_lib, "_calibrate", lambda *a, **k: pytest.fail("the accountant ran on a rebuild"))
     assert exp.protocol(cfg, Calibrations(server.table)) == built
+
+
+def test_folding_repeated_releases_keeps_epsilon() -> None:
+    """Equal releases folded into one self-composition: same ε (PLD), other events untouched."""
+    import dp_accounting
+
+    from fedpers.privacy.accountant import event_epsilon, fold_repeats
+
+    g, h = dp_accounting.GaussianDpEvent(3.0), dp_accounting.GaussianDpEvent(5.0)
+    nested = dp_accounting.ComposedDpEvent([h, h])
+    events = [g, h, g, nested, g, nested]
+    folded = fold_repeats(events)
+    assert folded[:2] == [dp_accounting.SelfComposedDpEvent(g, 3), h] and folded[2:] == [nested, nested]
+    plain = event_epsilon(dp_accounting.ComposedDpEvent(events), 1e-5)
+    assert event_epsilon(dp_accounting.ComposedDpEvent(folded), 1e-5) == pytest.approx(plain, rel=1e-6)
