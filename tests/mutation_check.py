@@ -50,8 +50,8 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "disjoint cohort filter removed": (
         ALTMIN,
-        "            keep = self.cohort_of(ids) == round\n            x, y = x[keep], y[keep]\n",
         "            keep = self.cohort_of(ids) == round\n",
+        "            keep = None\n",
     ),
     # ----- issue 21 ------------------------------------------------------------------------
     "item universe read off the data": (

@@ -70,8 +70,28 @@ def test_a_round_makes_only_the_half_it_reads():
     assert synthetic.DRAWN["float32"] == 3 * synthetic.BLOCK
     chunk = next(source.needed_chunks(5000, ids, samples))
     whole = load_units(cfg, chunk["ids"])
-    assert torch.equal(chunk["x"][:, :4], whole["x"][:, :4]) and torch.equal(chunk["y"][:, :4], whole["y"][:, :4])
-    assert not chunk["x"][:, 4:].any()
+    # the chunk holds only that half (nothing zero-filled), and says where it starts
+    assert chunk["x"].shape[1] == 4 and chunk["y"].shape[1] == 4 and set(chunk["first_sample"].tolist()) == {0}
+    assert torch.equal(chunk["x"], whole["x"][:, :4]) and torch.equal(chunk["y"], whole["y"][:, :4])
+    evaluation = next(unit_source(cfg, samples=(4, 8)).chunks(5000))
+    assert set(evaluation["first_sample"].tolist()) == {4}
+    assert torch.equal(evaluation["x"], load_units(cfg, evaluation["ids"])["x"][:, 4:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_half_drawn_compact_equals_that_half_of_the_whole_users(dtype):
+    """Whole blocks of sorted ids are drawn straight into place, others gathered: same values."""
+    u = synthetic.subspace(0, 7, 2)
+    ids = torch.cat([torch.arange(0, 3000), torch.tensor([5000, 4000, 7])])
+    whole = synthetic.altmin_users(9, ids, u, 12, 0.1, dtype)
+    for half in (0, 1):
+        a, b = synthetic.half_range(12, half)
+        for order in (torch.arange(ids.numel()), torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(half))):
+            part = synthetic.altmin_users(9, ids[order], u, 12, 0.1, dtype, halves=(half,), compact=True)
+            assert part["x"].shape == (ids.numel(), 6, 7)
+            for key in ("x", "y"):
+                assert torch.equal(part[key], whole[key][order, a:b]), (half, key)
+            assert torch.equal(part["v_star"], whole["v_star"][order])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fedpers import linalg, memory, metrics
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
 from fedpers.data import summary as data_summary
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
@@ -57,6 +57,7 @@ class AltMinConfig:
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
+    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
     data: Path | None = field(
         None,
         "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README)",
@@ -145,6 +146,7 @@ class AltMinConfig:
                 f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts {self.cohorts.value}"
             )
         check_device_and_dtype(self.device, self.dtype)
+        check_kernels(self.kernels)
 
 
 LONG_FORMAT_FIELDS = (
@@ -305,8 +307,11 @@ def load_units(
     """Data of the given users: a slice of the file, or the synthetic users generated from (seed, id).
 
     Synthetic users are drawn in the working dtype on the run's device (docs/benchmarks.md,
-    "Synthetic users": float64 on the CPU keeps every earlier run's users); with ``samples``
-    [a, b) only the sample halves that range touches are made (the rest of x, y is zero).
+    "Synthetic users": float64 on the CPU keeps every earlier run's users; the device path
+    draws per (block, part) on the device in any dtype); with ``samples`` [a, b) only the
+    sample halves that range touches are made: within one half, x and y hold only that half
+    and ``first_sample`` (per user) says which sample x[:, 0] is (see
+    :func:`fedpers.protocols.altmin.samples_of`); across both, the full m.
     ``keep_partial_blocks`` False: a pass that asks each block once (a local cohort round) keeps
     no partly used block for later callers, so memory stays bounded by the chunk.
     """
@@ -320,6 +325,7 @@ def load_units(
             if samples is None
             else tuple(h for h in synthetic.HALVES if _overlaps(synthetic.half_range(cfg.samples_per_user, h), samples))
         )
+        compact = samples is not None and len(halves) == 1
         out = synthetic.altmin_users(
             derived_seed(cfg.seed, "data"),
             ids.to(torch.int64),
@@ -330,7 +336,12 @@ def load_units(
             halves=halves,
             device=cfg.device,
             keep_partial_blocks=keep_partial_blocks,
+            compact=compact,
+            parts=True if device_path(cfg.device, cfg.kernels) else None,
         )
+        if compact:  # x, y hold only that half's samples (nothing zero-filled): say where they start
+            first = synthetic.half_range(cfg.samples_per_user, halves[0])[0]
+            out["first_sample"] = torch.full((out["ids"].shape[0],), first, dtype=torch.int64)
     return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
 
 
@@ -349,7 +360,7 @@ class AltMinSource(UnitSource):
 
     def take(self, ids: Tensor, samples: tuple[int, int] | None, keep_partial_blocks: bool = True) -> dict[str, Tensor]:
         units = load_units(self.cfg, ids, samples, keep_partial_blocks=keep_partial_blocks)
-        return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys}
+        return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys or k == "first_sample"}
 
     def needed_chunks(
         self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None

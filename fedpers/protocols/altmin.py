@@ -27,6 +27,18 @@ Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-8
 
 
+def samples_of(units: Units, a: int, b: int) -> tuple[Tensor, Tensor]:
+    """(x, y) of samples [a, b) of every unit. A chunk made for one pass may hold only the samples
+    that pass reads, from ``units["first_sample"]`` on (the same for every unit; see
+    ``fedpers.experiments.altmin.load_units``); without that key x holds all of them."""
+    x, y = units["x"], units["y"]
+    first = units.get("first_sample")
+    off = int(first[0]) if first is not None and first.numel() else 0
+    if a < off or b - off > x.shape[1]:
+        raise ValueError(f"samples [{a}, {b}) are not in this chunk (it holds [{off}, {off + x.shape[1]}))")
+    return x[:, a - off : b - off], y[:, a - off : b - off]
+
+
 class Cohorts(str, enum.Enum):
     DISJOINT = "disjoint"
     ALL = "all"
@@ -207,14 +219,18 @@ class AltMinProtocol(Protocol):
         return (StatSpec("A", (d * k, d * k), self.a_bound, symmetric=True), StatSpec("b", (d * k,), self.b_bound))
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
-        x, y, ids = units["x"].to(self.dtype), units["y"].to(self.dtype), units["ids"]
+        ids, h = units["ids"], 2 * self.quarter
         if round == 0:
-            return Message({"W": self.init_statistic(x, y)}, int(ids.shape[0]))
+            x, y = samples_of(units, h, 2 * h)
+            return Message({"W": self.pair_statistic(x.to(self.dtype), y.to(self.dtype))}, int(ids.shape[0]))
+        x, y = samples_of(units, 0, h)
+        x, y = x.to(self.dtype), y.to(self.dtype)
+        keep = None
         if self.cohorts is Cohorts.DISJOINT:
             keep = self.cohort_of(ids) == round
-            x, y = x[keep], y[keep]
         elif self.cohorts is Cohorts.POISSON:
             keep = broadcast["sampled"].to(ids.device)[ids] > 0
+        if keep is not None and not bool(keep.all()):  # a chunk made for this round is all cohort: no copy
             x, y = x[keep], y[keep]
         A, b = self.round_statistics(broadcast["U"].to(self.dtype), x, y)
         return Message({"A": A, "b": b}, int(x.shape[0]))
@@ -282,7 +298,11 @@ class AltMinProtocol(Protocol):
         Frobenius norm ≤ ζ² for every finite input.
         """
         h = 2 * self.quarter
-        return linalg.pair_statistic(x[:, h : 2 * h], y[:, h : 2 * h], self.zeta)
+        return self.pair_statistic(x[:, h : 2 * h], y[:, h : 2 * h])
+
+    def pair_statistic(self, x2: Tensor, y2: Tensor) -> Tensor:
+        """:meth:`init_statistic` of the second half's samples x2, y2 alone."""
+        return linalg.pair_statistic(x2, y2, self.zeta)
 
     def local_solve(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """v_j = argmin_v Σ_i (y_ij − <Uᵀx_ij, v>)² for every user (tiny ridge for safety)."""
@@ -334,6 +354,6 @@ class AltMinProtocol(Protocol):
 
     def personalize(self, U: Tensor, units: Units) -> Tensor:
         """Final local solve of every user's v_j on Q3∪Q4 with the last U (billboard model: never sent)."""
-        x, y = units["x"].to(self.dtype), units["y"].to(self.dtype)
         h = 2 * self.quarter
-        return self.local_solve(U.to(self.dtype), x[:, h:], y[:, h:])
+        x, y = samples_of(units, h, 2 * h)
+        return self.local_solve(U.to(self.dtype), x.to(self.dtype), y.to(self.dtype))
