@@ -66,8 +66,9 @@ def test_a_round_makes_only_the_half_it_reads():
     synthetic.reset_counts()
     got = torch.cat([c["ids"] for c in source.needed_chunks(700, ids, samples)])
     assert torch.equal(got, ids.sort().values)
-    # float32 draws per (block, half): one half of the blocks holding the cohort, nothing else
-    assert synthetic.DRAWN["float32"] == 3 * synthetic.BLOCK
+    # float32 draws per (block, half): one half of the blocks holding the cohort (whole blocks
+    # but for the one the cut falls in: 2 of 3), nothing else
+    assert synthetic.DRAWN["float32"] == 2 * synthetic.BLOCK
     chunk = next(source.needed_chunks(5000, ids, samples))
     whole = load_units(cfg, chunk["ids"])
     # the chunk holds only that half (nothing zero-filled), and says where it starts
@@ -149,8 +150,9 @@ def test_a_run_counts_its_passes_over_the_users():
     cfg = config.build(exp.config_type, dict(n_users=8192, dim=6, rank=2, samples_per_user=8, rounds=4, baselines="none", dtype="float32"))
     synthetic.reset_counts()
     execute(exp, cfg, write=False, progress=False)
-    # float32 draws halves: init ½ + 4 rounds of whole blocks' first half ½ each + evaluation ½
-    assert synthetic.passes(cfg.n_users) == pytest.approx(0.5 + 4 * 0.5 + 0.5)
+    # float32 draws halves: init ½ + 4 rounds of their own cohort's blocks' first half (⅛ each:
+    # cohorts are whole blocks) + evaluation ½: 1.5 passes, the floor's count
+    assert synthetic.passes(cfg.n_users) == pytest.approx(0.5 + 4 * 0.5 / 4 + 0.5)
 
 
 def test_the_device_scheme_never_touches_the_host_generator(monkeypatch):

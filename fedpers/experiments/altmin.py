@@ -273,6 +273,9 @@ def make_protocol(
         noise_multiplier=0.0,
         cohorts=cfg.cohorts,
         cohort_seed=derived_seed(cfg.seed, "cohorts"),
+        # synthetic users are i.i.d.: cohorts of whole generation blocks are as good as any
+        # partition, and a round then generates only its own cohort (a file's order may mean something)
+        cohort_block=synthetic.BLOCK if cfg.data is None else 1,
         psd=cfg.psd,
         dtype_name=cfg.dtype,
         sampling_rate=cfg.sampling_rate,

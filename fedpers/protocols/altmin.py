@@ -39,6 +39,17 @@ def samples_of(units: Units, a: int, b: int) -> tuple[Tensor, Tensor]:
     return x[:, a - off : b - off], y[:, a - off : b - off]
 
 
+def cohort_permutation(seed: int, n: int, block: int = 1) -> Tensor:
+    """A public permutation of n user ids from ``seed`` alone: the runs [b·block, (b+1)·block) in
+    the order of ``randperm`` of the runs, ids in order within a run (block 1: ``randperm(n)``)."""
+    g = torch.Generator().manual_seed(seed)
+    if block <= 1:
+        return torch.randperm(n, generator=g)
+    runs = torch.randperm(-(-n // block), generator=g)
+    perm = (runs.unsqueeze(1) * block + torch.arange(block)).flatten()
+    return perm[perm < n]
+
+
 class Cohorts(str, enum.Enum):
     DISJOINT = "disjoint"
     ALL = "all"
@@ -71,6 +82,10 @@ class AltMinProtocol(Protocol):
     sampling_rate: float = 1.0
     """q with ``Cohorts.POISSON``: each round 1..T includes every user independently with
     probability q, drawn on the server from the Privatizer's sampling generator."""
+    cohort_block: int = 1
+    """Disjoint cohorts permute runs of this many consecutive user ids (public, data-independent):
+    1 permutes users; synthetic i.i.d. users use their generation block, so a round generates
+    only its cohort's blocks (docs/benchmarks.md, "Synthetic users")."""
     _cohort_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     name = "altmin"
@@ -109,10 +124,10 @@ class AltMinProtocol(Protocol):
         return self.noise_multiplier * delta / 2 if self.noise_multiplier > 0 else 0.0
 
     def permutation(self) -> Tensor:
-        """The public permutation of all n users that the disjoint cohorts cut into T parts."""
+        """The public permutation of all n users that the disjoint cohorts cut into T parts:
+        ``randperm`` of the runs of :attr:`cohort_block` consecutive ids, each run in id order."""
         if "perm" not in self._cohort_cache:
-            g = torch.Generator().manual_seed(self.cohort_seed)
-            self._cohort_cache["perm"] = torch.randperm(self.n_users, generator=g)
+            self._cohort_cache["perm"] = cohort_permutation(self.cohort_seed, self.n_users, self.cohort_block)
         return self._cohort_cache["perm"]
 
     def cohort_digest(self) -> str:
@@ -135,6 +150,7 @@ class AltMinProtocol(Protocol):
         }
         if self.cohorts is Cohorts.DISJOINT and statistic != "W":
             common["cohort_seed"] = self.cohort_seed
+            common["cohort_block"] = self.cohort_block
             common["cohort_digest"] = self.cohort_digest()
         formula = {
             "W": "bound (m/4)·ζ², Δ = 2·bound",
