@@ -213,6 +213,13 @@ class AltMinProtocol(Protocol):
             return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), (0, h)
         return None, (0, h)
 
+    def round_share(self, round: int) -> float:
+        """Share of the n users a round reads (for time estimates): all in round 0 and with
+        ``all``, a 1/T cohort when disjoint, q when Poisson-sampled."""
+        if round == 0 or self.cohorts is Cohorts.ALL:
+            return 1.0
+        return 1.0 / self.rounds if self.cohorts is Cohorts.DISJOINT else self.sampling_rate
+
     def units_in_round(self, round: int, units: Units) -> int:
         if round == 0 or self.cohorts is not Cohorts.DISJOINT:  # Poisson: at most all of them
             return int(units["ids"].shape[0])
