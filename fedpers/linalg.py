@@ -171,7 +171,9 @@ def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:
     return blocks.permute(0, 2, 1, 3).reshape(k * d, k * d)
 
 
-def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf, block: int = 64) -> Tensor:
+def pair_statistic(
+    x: Tensor, y: Tensor, label_clip: float = math.inf, block: int = 64, *, device_kernels: bool = False
+) -> Tensor:
     """Σ_users Σ_pairs sym(x̂_a x̂_bᵀ clip(y_a) clip(y_b)) over consecutive sample pairs (a, b) = (2i, 2i+1).
 
     x (users, 2p, d), y (users, 2p). x̂ = x/||x|| (0 for x = 0) is formed without overflow, so
@@ -181,9 +183,12 @@ def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf, block: in
     One pass over x, per block of users in cache: the squared norms, then one GEMM
     Σ (w_i x_a,i) x_b,iᵀ with w_i = clip(y_a) clip(y_b)/(||x_a|| ||x_b||), so no unit vector is
     ever written out. A block whose norms are not :func:`safe_norms`-safe takes the exact
-    :func:`directions` path.
+    :func:`directions` path. ``device_kernels``: blocks of :data:`DEVICE_BLOCK` users, one
+    stream (a few large kernels per chunk, for a GPU; see :func:`kron_statistics`).
     """
     d = x.shape[-1]
+    if device_kernels:
+        block = max(block, DEVICE_BLOCK)
     coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)
 
     def blocks_of(lo: int, hi: int) -> tuple[Tensor]:
@@ -203,7 +208,7 @@ def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf, block: in
             acc.addmm_((xa * w.unsqueeze(-1)).reshape(-1, d).transpose(0, 1), xb.reshape(-1, d))
         return (acc,)
 
-    (total,) = _stream_sum(x.shape[0], block, blocks_of, x.device)
+    (total,) = _stream_sum(x.shape[0], block, blocks_of, x.device, one_stream=device_kernels)
     return sym(total)
 
 
@@ -235,6 +240,8 @@ def kron_statistics(
     eta: float = math.inf,
     label: Tensor | None = None,
     block: int = 48,
+    *,
+    device_kernels: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(Σ_j (v_j v_jᵀ) ⊗ (Σ_i x̃_ij x̃_ijᵀ), Σ_j v_j ⊗ Σ_i label_ij x̃_ij) as ((dk, dk), (dk,) or None).
 
@@ -254,7 +261,13 @@ def kron_statistics(
     into up to :data:`KRON_STREAMS` contiguous shares, each a single-threaded stream on one of
     torch's threads, and the partial sums are added in a fixed order: the same bits whatever
     the thread count.
+
+    ``device_kernels`` (the device path, for a GPU; runs on any device): blocks of
+    :data:`DEVICE_BLOCK` users in one stream, so a chunk is a few large batched kernels (one
+    batched Gram, one GEMM per block) instead of a Python loop over 48-user blocks.
     """
+    if device_kernels:
+        block = max(block, DEVICE_BLOCK)
     n, _, d = x.shape
     k = v.shape[-1]
     rows, cols = torch.triu_indices(k, k, device=v.device)
@@ -286,7 +299,7 @@ def kron_statistics(
                 bacc.addmm_(v[start:stop].transpose(0, 1), t)
         return (acc, bacc)
 
-    blocks, bsum = _stream_sum(n, block, blocks_of, x.device)
+    blocks, bsum = _stream_sum(n, block, blocks_of, x.device, one_stream=device_kernels)
     full = torch.empty(k, k, d, d, dtype=x.dtype, device=x.device)
     blocks = blocks.reshape(-1, d, d)
     full[rows, cols] = blocks
@@ -294,7 +307,7 @@ def kron_statistics(
     return full.permute(0, 2, 1, 3).reshape(k * d, k * d), (bsum.reshape(k * d) if label is not None else None)
 
 
-def _stream_sum(n: int, block: int, blocks_of, device: torch.device) -> tuple[Tensor, ...]:  # type: ignore[no-untyped-def]
+def _stream_sum(n: int, block: int, blocks_of, device: torch.device, one_stream: bool = False) -> tuple[Tensor, ...]:  # type: ignore[no-untyped-def]
     """Σ of ``blocks_of(lo, hi)`` (a tuple of partial sums) over up to :data:`KRON_STREAMS`
     contiguous shares of n units, each single-threaded on the pool, added in a fixed order.
 
@@ -302,7 +315,7 @@ def _stream_sum(n: int, block: int, blocks_of, device: torch.device) -> tuple[Te
     every process: a resumed run, a Ray worker and the local runtime agree exactly. Off the
     CPU the whole range is one call (the device is parallel by itself).
     """
-    if torch.device(device).type != "cpu":
+    if one_stream or torch.device(device).type != "cpu":
         return blocks_of(0, n)
     threads = torch.get_num_threads()
     parts = max(1, min(KRON_STREAMS, n // (2 * block)))
@@ -353,6 +366,9 @@ def small_batched(fn, *batched: Tensor, min_share: int = 64):  # type: ignore[no
 
 KRON_STREAMS = 4
 """Contiguous shares of the users in :func:`kron_statistics` (run on up to that many threads)."""
+DEVICE_BLOCK = 2048
+"""Users per batched kernel on the device path (:func:`kron_statistics`, :func:`pair_statistic`):
+their d×d Gram matrices, 80 MB in float32 at d = 100, are one kernel's output."""
 
 from fedpers.pools import pool as _pool  # noqa: E402  (one pool per size, shared with data generation)
 

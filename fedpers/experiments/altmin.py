@@ -276,6 +276,7 @@ def make_protocol(
         # synthetic users are i.i.d.: cohorts of whole generation blocks are as good as any
         # partition, and a round then generates only its own cohort (a file's order may mean something)
         cohort_block=synthetic.BLOCK if cfg.data is None else 1,
+        device_kernels=device_path(cfg.device, cfg.kernels),
         psd=cfg.psd,
         dtype_name=cfg.dtype,
         sampling_rate=cfg.sampling_rate,

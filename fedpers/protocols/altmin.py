@@ -82,6 +82,9 @@ class AltMinProtocol(Protocol):
     sampling_rate: float = 1.0
     """q with ``Cohorts.POISSON``: each round 1..T includes every user independently with
     probability q, drawn on the server from the Privatizer's sampling generator."""
+    device_kernels: bool = False
+    """The device path (``--kernels``): statistics as a few large batched kernels per chunk
+    (:func:`fedpers.linalg.kron_statistics`), the same sums to float rounding."""
     cohort_block: int = 1
     """Disjoint cohorts permute runs of this many consecutive user ids (public, data-independent):
     1 permutes users; synthetic i.i.d. users use their generation block, so a round generates
@@ -325,7 +328,7 @@ class AltMinProtocol(Protocol):
 
     def pair_statistic(self, x2: Tensor, y2: Tensor) -> Tensor:
         """:meth:`init_statistic` of the second half's samples x2, y2 alone."""
-        return linalg.pair_statistic(x2, y2, self.zeta)
+        return linalg.pair_statistic(x2, y2, self.zeta, device_kernels=self.device_kernels)
 
     def local_solve(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """v_j = argmin_v Σ_i (y_ij − <Uᵀx_ij, v>)² for every user (tiny ridge for safety)."""
@@ -354,7 +357,14 @@ class AltMinProtocol(Protocol):
             log_v = log_v + sy.double().log() - sx.double().log()
         x2 = x[:, q : 2 * q]
         # one in-cache pass over Q2: norms, clip factors min(||v||, η/||x||), A and b together
-        A, b = linalg.kron_statistics(v_hat, x2, log_v, self.eta, label=linalg.clip_scalar(y[:, q : 2 * q], self.zeta))
+        A, b = linalg.kron_statistics(
+            v_hat,
+            x2,
+            log_v,
+            self.eta,
+            label=linalg.clip_scalar(y[:, q : 2 * q], self.zeta),
+            device_kernels=self.device_kernels,
+        )
         return A, b
 
     def solve_subspace(self, A: Tensor, b: Tensor, noise_std_a: float) -> tuple[Tensor, dict[str, float]]:
