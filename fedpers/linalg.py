@@ -6,7 +6,9 @@ draws randomness: noise belongs to :mod:`fedpers.privacy`.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -386,15 +388,40 @@ def orthonormal_basis(u: Tensor) -> Tensor:
     return q * signs
 
 
+ONE_THREAD_SIDE = 1024
+"""Dense CPU decompositions up to this side run single-threaded (:func:`one_thread`)."""
+
+
+@contextlib.contextmanager
+def one_thread(t: Tensor) -> Iterator[None]:
+    """Run a dense LAPACK call on a CPU matrix of side ≤ :data:`ONE_THREAD_SIDE` on one thread.
+
+    Threaded LAPACK on a few-hundred-sided matrix gains little and collapses on busy cores
+    (measured on the 2-core machine at load 9: ``eigh`` of AltMin's 500×500 A 0.67 s on two
+    threads, 0.09 s on one; a whole 40k-user run spent 14 s in three such calls), and one thread
+    gives the same bits whatever the machine's thread count."""
+    if t.device.type != "cpu" or t.shape[-1] > ONE_THREAD_SIDE:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def top_eigenvectors(m: Tensor, k: int) -> Tensor:
     """Eigenvectors of the k largest eigenvalues of a symmetric matrix, as a (d, k) orthonormal basis."""
-    _, vecs = torch.linalg.eigh(sym(m))
+    with one_thread(m):
+        _, vecs = torch.linalg.eigh(sym(m))
     return vecs[:, -k:].flip(-1)
 
 
 def psd_eigen_floor(a: Tensor, floor: float) -> tuple[Tensor, int]:
     """Raise every eigenvalue of symmetric ``a`` to at least ``floor``; returns (matrix, how many raised)."""
-    vals, vecs = torch.linalg.eigh(sym(a))
+    with one_thread(a):
+        vals, vecs = torch.linalg.eigh(sym(a))
     raised = int((vals < floor).sum())
     vals = vals.clamp_min(floor)
     return (vecs * vals) @ vecs.transpose(0, 1), raised

@@ -375,13 +375,15 @@ class AltMinProtocol(Protocol):
         """
         dk, dtype = A.shape[0], A.dtype
         A, b = A.double(), b.double()  # summed in the working dtype, solved in float64 (dk × dk: cheap)
-        scale = float(torch.linalg.matrix_norm(A, ord=2)) if noise_std_a == 0 else 0.0
+        with linalg.one_thread(A):
+            scale = float(torch.linalg.matrix_norm(A, ord=2)) if noise_std_a == 0 else 0.0
         level = 2 * noise_std_a * math.sqrt(dk) + 1e-10 * max(scale, 1e-30)
         if self.psd is PsdMethod.EIGEN_FLOOR:
             A_pd, raised = linalg.psd_eigen_floor(A, level)
         else:
             A_pd, raised = A + level * torch.eye(dk, dtype=A.dtype, device=A.device), 0
-        u = torch.linalg.solve(A_pd, b)
+        with linalg.one_thread(A_pd):
+            u = torch.linalg.solve(A_pd, b)
         U = linalg.orthonormal_basis(linalg.vec_to_matrix(u, self.dim, self.rank)).to(dtype)
         return U, {"psd_level": level, "eigenvalues_raised": float(raised)}
 
