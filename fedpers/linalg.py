@@ -193,11 +193,23 @@ def pair_statistic(
         block = max(block, DEVICE_BLOCK)
     coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)
 
+    def share_weights(lo: int, hi: int) -> Tensor | None:
+        """The pair weights of a whole share at once, or None where some norm is not trusted."""
+        na, nb = _block_norms(x[lo:hi, 0::2]), _block_norms(x[lo:hi, 1::2])
+        if na is None or nb is None:
+            return None
+        c = coef[lo:hi]
+        return torch.where((na > 0) & (nb > 0), c / (na * nb).clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(c))
+
     def blocks_of(lo: int, hi: int) -> tuple[Tensor]:
         acc = torch.zeros(d, d, dtype=x.dtype, device=x.device)
+        weights = share_weights(lo, hi)
         for start in range(lo, hi, block):
             stop = min(start + block, hi)
             xa, xb, c = x[start:stop, 0::2], x[start:stop, 1::2], coef[start:stop]
+            if weights is not None:
+                acc.addmm_((xa * weights[start - lo : stop - lo].unsqueeze(-1)).reshape(-1, d).transpose(0, 1), xb.reshape(-1, d))
+                continue
             na, nb = _block_norms(xa), _block_norms(xb)
             if na is not None and nb is not None:
                 w = torch.where(
@@ -289,12 +301,26 @@ def kron_statistics(
         x_hat, log_x = directions(xb)
         return x_hat * clipped_magnitude(log_v[start:stop].unsqueeze(-1) + log_x, eta).to(x.dtype).unsqueeze(-1)
 
+    def share_factors(lo: int, hi: int) -> Tensor | None:
+        """The clip factors min(||v_j||, η/||x_ij||) of a whole share at once (one pass for the
+        norms, one for the factors), or None where some norm is not trusted (then per block)."""
+        if v_norm is None:
+            return None
+        norm = _block_norms(x[lo:hi])
+        if norm is None:
+            return None
+        nd = norm.double()
+        vn = v_norm[lo:hi].unsqueeze(-1)
+        factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
+        return factor.to(x.dtype).unsqueeze(-1)
+
     def blocks_of(lo: int, hi: int) -> tuple[Tensor, ...]:
         acc = torch.zeros(rows.shape[0], d * d, dtype=x.dtype, device=x.device)
         bacc = torch.zeros(k, d, dtype=x.dtype, device=x.device)
+        factors = share_factors(lo, hi)
         for start in range(lo, hi, block):
             stop = min(start + block, hi)
-            xb = scaled(start, stop)
+            xb = scaled(start, stop) if factors is None else x[start:stop] * factors[start - lo : stop - lo]
             acc.addmm_(vv[start:stop].transpose(0, 1), torch.bmm(xb.transpose(1, 2), xb).reshape(-1, d * d))
             if label is not None:
                 t = torch.bmm(label[start:stop].unsqueeze(1), xb).squeeze(1)

@@ -339,8 +339,10 @@ class AltMinProtocol(Protocol):
 
         With w_ij = clip(v_j ⊗ x_ij; η) = m_ij (v̂_j ⊗ x̂_ij), m_ij = min(||v_j||·||x_ij||, η):
         A_j = (v̂_j v̂_jᵀ) ⊗ Σ_i m_ij² x̂_ij x̂_ijᵀ and b_j = v̂_j ⊗ Σ_i clip(y_ij; ζ) m_ij x̂_ij.
-        ||v_j|| is folded into m_ij through logs, and v_j is solved on Q1 scaled by powers of
-        two (exact), so no intermediate overflows: ||A_j||_F ≤ |Q2|η², ||b_j|| ≤ |Q2|ηζ.
+        ||v_j|| is folded into m_ij through logs, and where the features x_ij U or the labels on
+        Q1 have norms :func:`~fedpers.linalg.safe_norms` does not trust, v_j is solved on Q1
+        scaled by powers of two (exact), so no intermediate overflows: ||A_j||_F ≤ |Q2|η²,
+        ||b_j|| ≤ |Q2|ηζ.
         """
         q, d, k = self.quarter, self.dim, self.rank
         if x.shape[0] == 0:
@@ -348,8 +350,9 @@ class AltMinProtocol(Protocol):
                 d * k, dtype=x.dtype, device=x.device
             )
         x1, y1 = x[:, :q], y[:, :q]
-        if linalg.safe_norms(x1) is not None and linalg.safe_norms(y1) is not None:
-            v_hat, log_v = linalg.directions(self.local_solve(U, x1, y1))
+        features = x1 @ U  # the local solve's only use of x1: check the k-dim features, not the d-dim x
+        if linalg.safe_norms(features) is not None and linalg.safe_norms(y1) is not None:
+            v_hat, log_v = linalg.directions(linalg.batched_ridge_solve(features, y1, LOCAL_RIDGE))
         else:
             sx, sy = linalg.pow2_scale(x1, 2), linalg.pow2_scale(y1, 1)
             v = self.local_solve(U, x1 / sx[:, None, None], y1 / sy[:, None])  # v_j · sx/sy
