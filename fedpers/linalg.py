@@ -208,7 +208,10 @@ def pair_statistic(
             stop = min(start + block, hi)
             xa, xb, c = x[start:stop, 0::2], x[start:stop, 1::2], coef[start:stop]
             if weights is not None:
-                acc.addmm_((xa * weights[start - lo : stop - lo].unsqueeze(-1)).reshape(-1, d).transpose(0, 1), xb.reshape(-1, d))
+                acc.addmm_(
+                    (xa * weights[start - lo : stop - lo].unsqueeze(-1)).reshape(-1, d).transpose(0, 1),
+                    xb.reshape(-1, d),
+                )
                 continue
             na, nb = _block_norms(xa), _block_norms(xb)
             if na is not None and nb is not None:
