@@ -84,17 +84,39 @@ def _user_block(seed: int, blk: int, samples: int, d: int, k: int, partial: bool
             _BLOCKS.move_to_end(key)
             return _BLOCKS[key]
     g = _generator(seed, _STREAM_USERS, blk)
-    bx = torch.randn(BLOCK, samples, d, generator=g, dtype=torch.float64)
+    keep = partial and BLOCK * samples * d * 8 <= BLOCK_CACHE_BYTES
+    # a block not kept is drawn into this thread's reused buffers (the same values: a draw into
+    # a contiguous tensor), so a pass does not fault in 33 MB of fresh pages per block
+    bx = torch.empty(BLOCK, samples, d, dtype=torch.float64) if keep else _scratch("x", (BLOCK, samples, d))
+    bz = torch.empty(BLOCK, samples, dtype=torch.float64) if keep else _scratch("z", (BLOCK, samples))
+    torch.randn(BLOCK, samples, d, generator=g, dtype=torch.float64, out=bx)
     bv = torch.randn(BLOCK, k, generator=g, dtype=torch.float64)
-    bz = torch.randn(BLOCK, samples, generator=g, dtype=torch.float64)
+    torch.randn(BLOCK, samples, generator=g, dtype=torch.float64, out=bz)
     with _COUNT_LOCK:
         DRAWN["float64"] += 2 * BLOCK
-    if partial and bx.numel() * 8 <= BLOCK_CACHE_BYTES:
+    if keep:
         with _BLOCKS_LOCK:
             _BLOCKS[key] = (bx, bv, bz)
             while sum(t.numel() * 8 for b in _BLOCKS.values() for t in b) > BLOCK_CACHE_BYTES:
                 _BLOCKS.popitem(last=False)
     return bx, bv, bz
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...]) -> Tensor:
+    """This thread's float64 buffer ``name`` of ``shape`` (made once per shape): valid until the
+    thread's next call, so only for blocks consumed before the thread draws another."""
+    key = (name, shape)
+    buf = getattr(_SCRATCH, "bufs", None)
+    if buf is None:
+        buf = _SCRATCH.bufs = {}
+    if key not in buf:
+        for old in [k for k in buf if k[0] == name]:
+            del buf[old]
+        buf[key] = torch.empty(shape, dtype=torch.float64)
+    return buf[key]
 
 
 def half_range(samples: int, half: int) -> tuple[int, int]:
@@ -230,7 +252,14 @@ def altmin_users(
                 y[rows, a:b] = hy
             return
         bx, bv, bz = _user_block(seed, blk, samples, d, k, partial=keep_partial_blocks and rows.numel() < BLOCK)
-        bx, bv, bz = bx[local], bv[local], bz[local]
+        if (
+            rows.numel() == BLOCK
+            and int(rows[-1]) - int(rows[0]) == BLOCK - 1
+            and bool((local == torch.arange(BLOCK)).all())
+        ):
+            rows = slice(int(rows[0]), int(rows[0]) + BLOCK)  # a whole block in order: views, no gather
+        else:
+            bx, bv, bz = bx[local], bv[local], bz[local]
         v[rows] = bv.to(dtype)
         for half in halves:
             a, b = half_range(samples, half)
