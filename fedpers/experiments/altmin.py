@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -365,6 +366,7 @@ PREFETCH = True
 """Synthetic chunks on the CPU are made one ahead on a background thread while the caller
 works on the current one (generation overlaps compute; see :class:`AltMinSource`)."""
 _PREFETCHER: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_PREFETCHER.clear)  # a forked child has none of the parent's threads
 
 
 def _prefetcher() -> ThreadPoolExecutor:
