@@ -174,3 +174,33 @@ def test_the_device_scheme_never_touches_the_host_generator(monkeypatch):
     out = synthetic.altmin_users(4, torch.arange(2500), u, 8, 0.1, torch.float32, device="cpu")
     assert out["x"].dtype == torch.float32 and devices and all(d.type == "cpu" for d in devices)
     assert synthetic.uses_parts_scheme(torch.float64, "cuda") and not synthetic.uses_parts_scheme(torch.float64, "cpu")
+
+
+def test_block_cohorts_are_a_public_partition_of_whole_generation_blocks():
+    """Disjoint cohorts of synthetic users: a permutation of runs of 1,024 ids, from the seed alone;
+    every cohort is whole blocks but for the block a cut falls in, and sizes are as with users."""
+    from fedpers.protocols.altmin import cohort_permutation
+
+    n, rounds = 10_000, 3
+    cfg = config.build(AltMinConfig, dict(n_users=n, dim=6, rank=2, samples_per_user=8, rounds=rounds))
+    proto = make_protocol(cfg)
+    perm = proto.permutation()
+    assert proto.cohort_block == synthetic.BLOCK and torch.equal(perm.sort().values, torch.arange(n))
+    assert torch.equal(perm, cohort_permutation(proto.cohort_seed, n, synthetic.BLOCK))
+    cohort = proto.cohort_of(torch.arange(n))
+    assert torch.bincount(cohort)[1:].tolist() == [n // rounds + (1 if r < n % rounds else 0) for r in range(rounds)]
+    split = [b for b in range(-(-n // synthetic.BLOCK)) if cohort[b * synthetic.BLOCK : (b + 1) * synthetic.BLOCK].unique().numel() > 1]
+    assert len(split) <= rounds - 1  # only the blocks a cut falls in are shared
+    assert not torch.equal(perm, cohort_permutation(proto.cohort_seed + 1, n, synthetic.BLOCK))
+    assert torch.equal(cohort_permutation(5, 300, 1), torch.randperm(300, generator=torch.Generator().manual_seed(5)))
+
+
+def test_a_chunk_of_one_half_refuses_the_other_half():
+    from fedpers.protocols.altmin import samples_of
+
+    cfg = config.build(AltMinConfig, dict(n_users=100, dim=6, rank=2, samples_per_user=8, rounds=2))
+    chunk = next(unit_source(cfg, samples=(4, 8)).chunks(100))
+    x, y = samples_of(chunk, 4, 8)
+    assert x.shape == (100, 4, 6) and y.shape == (100, 4)
+    with pytest.raises(ValueError, match="not in this chunk"):
+        samples_of(chunk, 0, 4)
