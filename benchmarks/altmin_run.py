@@ -7,11 +7,13 @@ time over (GEMM + draw) time, the same ratio for the marginal cost of users (n m
 start-up or calibration), users per second, and the passes over the users the run generated.
 
     PYTHONPATH=$PWD python benchmarks/altmin_run.py [--users 200000 --dim 100 --rank 5 --samples 40 --rounds 2 --dtype float32 --device cpu]
+    PYTHONPATH=$PWD python benchmarks/altmin_run.py --users 1000000 --device cuda   # GPU: device kernels, floor on the GPU
 
 Flops counted (per user, GEMM-shaped work only): init 2·(m/4)·d² (the pair statistic);
 each round, per cohort user, 2·q·d² (X_jᵀX_j) + k(k+1)·d² (the Kronecker GEMM) + 2·q·d·k
 (x U); evaluation 2·(m/2)·d·k. Normals: every user's m/2 samples of x and y noise for the
-init and again for the evaluation, the cohort's other m/2 per round, and v* once.
+init and again for the evaluation, the cohort's other m/2 per round, and v* once (1.5 passes
+at any T; a float64 host run draws more: its users' Mersenne-Twister blocks are drawn whole).
 Uses only public APIs, so it runs on an older tree too (PYTHONPATH=that tree).
 """
 from __future__ import annotations
@@ -79,8 +81,11 @@ def _sync(device: str) -> None:
 def whole_run(n: int, args: argparse.Namespace) -> tuple[float, float | None]:
     """(seconds, passes over the users generated, when the tree counts them)."""
     exp = EXPERIMENTS["altmin"]
-    cfg = config.build(exp.config_type, dict(n_users=n, dim=args.dim, rank=args.rank, samples_per_user=args.samples, rounds=args.rounds,
-                                             baselines="none", dtype=args.dtype, device=args.device, seed=args.seed))
+    values = dict(n_users=n, dim=args.dim, rank=args.rank, samples_per_user=args.samples, rounds=args.rounds,
+                  baselines="none", dtype=args.dtype, device=args.device, seed=args.seed)
+    if "kernels" in exp.config_type.__dataclass_fields__:  # older trees have no device path
+        values["kernels"] = args.kernels
+    cfg = config.build(exp.config_type, values)
     from fedpers.data import synthetic
 
     reset = getattr(synthetic, "reset_counts", None)
@@ -102,7 +107,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: the run, the GEMM and the draw all run there")
+    p.add_argument("--kernels", default="auto", choices=["auto", "device", "host"], help="code path (auto: device on cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="interleaved repetitions (the minimum of each is kept)")
     args = p.parse_args()
@@ -123,7 +129,8 @@ def main() -> None:
     n, small = sizes
     floor = {s: best[f"gemm{s}"] + best[f"draw{s}"] for s in sizes}
     report = {
-        "users": n, "dim": args.dim, "rank": args.rank, "samples": args.samples, "rounds": args.rounds, "dtype": args.dtype, "device": args.device,
+        "users": n, "dim": args.dim, "rank": args.rank, "samples": args.samples, "rounds": args.rounds, "dtype": args.dtype, "device": args.device, "kernels": args.kernels,
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "threads": torch.get_num_threads(), "run_s": round(best[f"run{n}"], 2), "gemm_s": round(best[f"gemm{n}"], 2), "draw_s": round(best[f"draw{n}"], 2),
         "ratio": round(best[f"run{n}"] / floor[n], 2),
         "marginal_ratio": round((best[f"run{n}"] - best[f"run{small}"]) / (floor[n] - floor[small]), 2),

@@ -6,7 +6,9 @@ draws randomness: noise belongs to :mod:`fedpers.privacy`.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -171,7 +173,9 @@ def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:
     return blocks.permute(0, 2, 1, 3).reshape(k * d, k * d)
 
 
-def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf, block: int = 64) -> Tensor:
+def pair_statistic(
+    x: Tensor, y: Tensor, label_clip: float = math.inf, block: int = 64, *, device_kernels: bool = False
+) -> Tensor:
     """Σ_users Σ_pairs sym(x̂_a x̂_bᵀ clip(y_a) clip(y_b)) over consecutive sample pairs (a, b) = (2i, 2i+1).
 
     x (users, 2p, d), y (users, 2p). x̂ = x/||x|| (0 for x = 0) is formed without overflow, so
@@ -181,16 +185,34 @@ def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf, block: in
     One pass over x, per block of users in cache: the squared norms, then one GEMM
     Σ (w_i x_a,i) x_b,iᵀ with w_i = clip(y_a) clip(y_b)/(||x_a|| ||x_b||), so no unit vector is
     ever written out. A block whose norms are not :func:`safe_norms`-safe takes the exact
-    :func:`directions` path.
+    :func:`directions` path. ``device_kernels``: blocks of :data:`DEVICE_BLOCK` users, one
+    stream (a few large kernels per chunk, for a GPU; see :func:`kron_statistics`).
     """
     d = x.shape[-1]
+    if device_kernels:
+        block = max(block, DEVICE_BLOCK)
     coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)
+
+    def share_weights(lo: int, hi: int) -> Tensor | None:
+        """The pair weights of a whole share at once, or None where some norm is not trusted."""
+        na, nb = _block_norms(x[lo:hi, 0::2]), _block_norms(x[lo:hi, 1::2])
+        if na is None or nb is None:
+            return None
+        c = coef[lo:hi]
+        return torch.where((na > 0) & (nb > 0), c / (na * nb).clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(c))
 
     def blocks_of(lo: int, hi: int) -> tuple[Tensor]:
         acc = torch.zeros(d, d, dtype=x.dtype, device=x.device)
+        weights = share_weights(lo, hi)
         for start in range(lo, hi, block):
             stop = min(start + block, hi)
             xa, xb, c = x[start:stop, 0::2], x[start:stop, 1::2], coef[start:stop]
+            if weights is not None:
+                acc.addmm_(
+                    (xa * weights[start - lo : stop - lo].unsqueeze(-1)).reshape(-1, d).transpose(0, 1),
+                    xb.reshape(-1, d),
+                )
+                continue
             na, nb = _block_norms(xa), _block_norms(xb)
             if na is not None and nb is not None:
                 w = torch.where(
@@ -203,7 +225,7 @@ def pair_statistic(x: Tensor, y: Tensor, label_clip: float = math.inf, block: in
             acc.addmm_((xa * w.unsqueeze(-1)).reshape(-1, d).transpose(0, 1), xb.reshape(-1, d))
         return (acc,)
 
-    (total,) = _stream_sum(x.shape[0], block, blocks_of, x.device)
+    (total,) = _stream_sum(x.shape[0], block, blocks_of, x.device, one_stream=device_kernels)
     return sym(total)
 
 
@@ -235,6 +257,8 @@ def kron_statistics(
     eta: float = math.inf,
     label: Tensor | None = None,
     block: int = 48,
+    *,
+    device_kernels: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(Σ_j (v_j v_jᵀ) ⊗ (Σ_i x̃_ij x̃_ijᵀ), Σ_j v_j ⊗ Σ_i label_ij x̃_ij) as ((dk, dk), (dk,) or None).
 
@@ -254,7 +278,13 @@ def kron_statistics(
     into up to :data:`KRON_STREAMS` contiguous shares, each a single-threaded stream on one of
     torch's threads, and the partial sums are added in a fixed order: the same bits whatever
     the thread count.
+
+    ``device_kernels`` (the device path, for a GPU; runs on any device): blocks of
+    :data:`DEVICE_BLOCK` users in one stream, so a chunk is a few large batched kernels (one
+    batched Gram, one GEMM per block) instead of a Python loop over 48-user blocks.
     """
+    if device_kernels:
+        block = max(block, DEVICE_BLOCK)
     n, _, d = x.shape
     k = v.shape[-1]
     rows, cols = torch.triu_indices(k, k, device=v.device)
@@ -274,19 +304,33 @@ def kron_statistics(
         x_hat, log_x = directions(xb)
         return x_hat * clipped_magnitude(log_v[start:stop].unsqueeze(-1) + log_x, eta).to(x.dtype).unsqueeze(-1)
 
+    def share_factors(lo: int, hi: int) -> Tensor | None:
+        """The clip factors min(||v_j||, η/||x_ij||) of a whole share at once (one pass for the
+        norms, one for the factors), or None where some norm is not trusted (then per block)."""
+        if v_norm is None:
+            return None
+        norm = _block_norms(x[lo:hi])
+        if norm is None:
+            return None
+        nd = norm.double()
+        vn = v_norm[lo:hi].unsqueeze(-1)
+        factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
+        return factor.to(x.dtype).unsqueeze(-1)
+
     def blocks_of(lo: int, hi: int) -> tuple[Tensor, ...]:
         acc = torch.zeros(rows.shape[0], d * d, dtype=x.dtype, device=x.device)
         bacc = torch.zeros(k, d, dtype=x.dtype, device=x.device)
+        factors = share_factors(lo, hi)
         for start in range(lo, hi, block):
             stop = min(start + block, hi)
-            xb = scaled(start, stop)
+            xb = scaled(start, stop) if factors is None else x[start:stop] * factors[start - lo : stop - lo]
             acc.addmm_(vv[start:stop].transpose(0, 1), torch.bmm(xb.transpose(1, 2), xb).reshape(-1, d * d))
             if label is not None:
                 t = torch.bmm(label[start:stop].unsqueeze(1), xb).squeeze(1)
                 bacc.addmm_(v[start:stop].transpose(0, 1), t)
         return (acc, bacc)
 
-    blocks, bsum = _stream_sum(n, block, blocks_of, x.device)
+    blocks, bsum = _stream_sum(n, block, blocks_of, x.device, one_stream=device_kernels)
     full = torch.empty(k, k, d, d, dtype=x.dtype, device=x.device)
     blocks = blocks.reshape(-1, d, d)
     full[rows, cols] = blocks
@@ -294,7 +338,7 @@ def kron_statistics(
     return full.permute(0, 2, 1, 3).reshape(k * d, k * d), (bsum.reshape(k * d) if label is not None else None)
 
 
-def _stream_sum(n: int, block: int, blocks_of, device: torch.device) -> tuple[Tensor, ...]:  # type: ignore[no-untyped-def]
+def _stream_sum(n: int, block: int, blocks_of, device: torch.device, one_stream: bool = False) -> tuple[Tensor, ...]:  # type: ignore[no-untyped-def]
     """Σ of ``blocks_of(lo, hi)`` (a tuple of partial sums) over up to :data:`KRON_STREAMS`
     contiguous shares of n units, each single-threaded on the pool, added in a fixed order.
 
@@ -302,7 +346,7 @@ def _stream_sum(n: int, block: int, blocks_of, device: torch.device) -> tuple[Te
     every process: a resumed run, a Ray worker and the local runtime agree exactly. Off the
     CPU the whole range is one call (the device is parallel by itself).
     """
-    if torch.device(device).type != "cpu":
+    if one_stream or torch.device(device).type != "cpu":
         return blocks_of(0, n)
     threads = torch.get_num_threads()
     parts = max(1, min(KRON_STREAMS, n // (2 * block)))
@@ -353,6 +397,9 @@ def small_batched(fn, *batched: Tensor, min_share: int = 64):  # type: ignore[no
 
 KRON_STREAMS = 4
 """Contiguous shares of the users in :func:`kron_statistics` (run on up to that many threads)."""
+DEVICE_BLOCK = 2048
+"""Users per batched kernel on the device path (:func:`kron_statistics`, :func:`pair_statistic`):
+their d×d Gram matrices, 80 MB in float32 at d = 100, are one kernel's output."""
 
 from fedpers.pools import pool as _pool  # noqa: E402  (one pool per size, shared with data generation)
 
@@ -370,15 +417,40 @@ def orthonormal_basis(u: Tensor) -> Tensor:
     return q * signs
 
 
+ONE_THREAD_SIDE = 1024
+"""Dense CPU decompositions up to this side run single-threaded (:func:`one_thread`)."""
+
+
+@contextlib.contextmanager
+def one_thread(t: Tensor) -> Iterator[None]:
+    """Run a dense LAPACK call on a CPU matrix of side ≤ :data:`ONE_THREAD_SIDE` on one thread.
+
+    Threaded LAPACK on a few-hundred-sided matrix gains little and collapses on busy cores
+    (measured on the 2-core machine at load 9: ``eigh`` of AltMin's 500×500 A 0.67 s on two
+    threads, 0.09 s on one; a whole 40k-user run spent 14 s in three such calls), and one thread
+    gives the same bits whatever the machine's thread count."""
+    if t.device.type != "cpu" or t.shape[-1] > ONE_THREAD_SIDE:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def top_eigenvectors(m: Tensor, k: int) -> Tensor:
     """Eigenvectors of the k largest eigenvalues of a symmetric matrix, as a (d, k) orthonormal basis."""
-    _, vecs = torch.linalg.eigh(sym(m))
+    with one_thread(m):
+        _, vecs = torch.linalg.eigh(sym(m))
     return vecs[:, -k:].flip(-1)
 
 
 def psd_eigen_floor(a: Tensor, floor: float) -> tuple[Tensor, int]:
     """Raise every eigenvalue of symmetric ``a`` to at least ``floor``; returns (matrix, how many raised)."""
-    vals, vecs = torch.linalg.eigh(sym(a))
+    with one_thread(a):
+        vals, vecs = torch.linalg.eigh(sym(a))
     raised = int((vals < floor).sum())
     vals = vals.clamp_min(floor)
     return (vecs * vals) @ vecs.transpose(0, 1), raised

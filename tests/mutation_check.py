@@ -30,8 +30,8 @@ RATINGS = "fedpers/data/rating_files.py"
 MUTATIONS: dict[str, tuple[str, ...]] = {
     "A clip removed": (
         ALTMIN,
-        "A, b = linalg.kron_statistics(v_hat, x2, log_v, self.eta, label=",
-        "A, b = linalg.kron_statistics(v_hat, x2, log_v, math.inf, label=",
+        "            log_v,\n            self.eta,\n",
+        "            log_v,\n            math.inf,\n",
     ),
     "init label clip removed": (
         "fedpers/linalg.py",
@@ -40,18 +40,18 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "b label clip removed": (
         ALTMIN,
-        "label=linalg.clip_scalar(y[:, q : 2 * q], self.zeta))",
-        "label=y[:, q : 2 * q])",
+        "label=linalg.clip_scalar(y[:, q : 2 * q], self.zeta),",
+        "label=y[:, q : 2 * q],",
     ),
     "A noised with b's bound": (
         ALTMIN,
-        'summed.stats["A"], per_unit_bound=self.a_bound,',
-        'summed.stats["A"], per_unit_bound=self.b_bound,',
+        'summed.stats["A"],\n            per_unit_bound=self.a_bound,',
+        'summed.stats["A"],\n            per_unit_bound=self.b_bound,',
     ),
     "disjoint cohort filter removed": (
         ALTMIN,
-        "            keep = self.cohort_of(ids) == round\n            x, y = x[keep], y[keep]\n",
         "            keep = self.cohort_of(ids) == round\n",
+        "            keep = None\n",
     ),
     # ----- issue 21 ------------------------------------------------------------------------
     "item universe read off the data": (

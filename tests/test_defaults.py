@@ -97,6 +97,6 @@ def test_a_long_run_prints_its_estimate_from_the_first_chunk(monkeypatch, capsys
     execute(exp, cfg, write=False, progress=True)
     err = capsys.readouterr().err
     assert err.count("of client work") == 1
-    assert "3 round(s) × 8 chunk(s) of 100 units" in err
+    assert "3 round(s), 16 chunk(s) of up to 100 units" in err  # 8 for the init, 4 per disjoint cohort round
     execute(exp, cfg, write=False, progress=False)  # --quiet: nothing
     assert "of client work" not in capsys.readouterr().err

@@ -66,12 +66,33 @@ def test_a_round_makes_only_the_half_it_reads():
     synthetic.reset_counts()
     got = torch.cat([c["ids"] for c in source.needed_chunks(700, ids, samples)])
     assert torch.equal(got, ids.sort().values)
-    # float32 draws per (block, half): one half of the blocks holding the cohort, nothing else
-    assert synthetic.DRAWN["float32"] == 3 * synthetic.BLOCK
+    # float32 draws per (block, half): one half of the blocks holding the cohort (whole blocks
+    # but for the one the cut falls in: 2 of 3), nothing else
+    assert synthetic.DRAWN["float32"] == 2 * synthetic.BLOCK
     chunk = next(source.needed_chunks(5000, ids, samples))
     whole = load_units(cfg, chunk["ids"])
-    assert torch.equal(chunk["x"][:, :4], whole["x"][:, :4]) and torch.equal(chunk["y"][:, :4], whole["y"][:, :4])
-    assert not chunk["x"][:, 4:].any()
+    # the chunk holds only that half (nothing zero-filled), and says where it starts
+    assert chunk["x"].shape[1] == 4 and chunk["y"].shape[1] == 4 and set(chunk["first_sample"].tolist()) == {0}
+    assert torch.equal(chunk["x"], whole["x"][:, :4]) and torch.equal(chunk["y"], whole["y"][:, :4])
+    evaluation = next(unit_source(cfg, samples=(4, 8)).chunks(5000))
+    assert set(evaluation["first_sample"].tolist()) == {4}
+    assert torch.equal(evaluation["x"], load_units(cfg, evaluation["ids"])["x"][:, 4:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_half_drawn_compact_equals_that_half_of_the_whole_users(dtype):
+    """Whole blocks of sorted ids are drawn straight into place, others gathered: same values."""
+    u = synthetic.subspace(0, 7, 2)
+    ids = torch.cat([torch.arange(0, 3000), torch.tensor([5000, 4000, 7])])
+    whole = synthetic.altmin_users(9, ids, u, 12, 0.1, dtype)
+    for half in (0, 1):
+        a, b = synthetic.half_range(12, half)
+        for order in (torch.arange(ids.numel()), torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(half))):
+            part = synthetic.altmin_users(9, ids[order], u, 12, 0.1, dtype, halves=(half,), compact=True)
+            assert part["x"].shape == (ids.numel(), 6, 7)
+            for key in ("x", "y"):
+                assert torch.equal(part[key], whole[key][order, a:b]), (half, key)
+            assert torch.equal(part["v_star"], whole["v_star"][order])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -129,8 +150,9 @@ def test_a_run_counts_its_passes_over_the_users():
     cfg = config.build(exp.config_type, dict(n_users=8192, dim=6, rank=2, samples_per_user=8, rounds=4, baselines="none", dtype="float32"))
     synthetic.reset_counts()
     execute(exp, cfg, write=False, progress=False)
-    # float32 draws halves: init ½ + 4 rounds of whole blocks' first half ½ each + evaluation ½
-    assert synthetic.passes(cfg.n_users) == pytest.approx(0.5 + 4 * 0.5 + 0.5)
+    # float32 draws halves: init ½ + 4 rounds of their own cohort's blocks' first half (⅛ each:
+    # cohorts are whole blocks) + evaluation ½: 1.5 passes, the floor's count
+    assert synthetic.passes(cfg.n_users) == pytest.approx(0.5 + 4 * 0.5 / 4 + 0.5)
 
 
 def test_the_device_scheme_never_touches_the_host_generator(monkeypatch):
@@ -152,3 +174,33 @@ def test_the_device_scheme_never_touches_the_host_generator(monkeypatch):
     out = synthetic.altmin_users(4, torch.arange(2500), u, 8, 0.1, torch.float32, device="cpu")
     assert out["x"].dtype == torch.float32 and devices and all(d.type == "cpu" for d in devices)
     assert synthetic.uses_parts_scheme(torch.float64, "cuda") and not synthetic.uses_parts_scheme(torch.float64, "cpu")
+
+
+def test_block_cohorts_are_a_public_partition_of_whole_generation_blocks():
+    """Disjoint cohorts of synthetic users: a permutation of runs of 1,024 ids, from the seed alone;
+    every cohort is whole blocks but for the block a cut falls in, and sizes are as with users."""
+    from fedpers.protocols.altmin import cohort_permutation
+
+    n, rounds = 10_000, 3
+    cfg = config.build(AltMinConfig, dict(n_users=n, dim=6, rank=2, samples_per_user=8, rounds=rounds))
+    proto = make_protocol(cfg)
+    perm = proto.permutation()
+    assert proto.cohort_block == synthetic.BLOCK and torch.equal(perm.sort().values, torch.arange(n))
+    assert torch.equal(perm, cohort_permutation(proto.cohort_seed, n, synthetic.BLOCK))
+    cohort = proto.cohort_of(torch.arange(n))
+    assert torch.bincount(cohort)[1:].tolist() == [n // rounds + (1 if r < n % rounds else 0) for r in range(rounds)]
+    split = [b for b in range(-(-n // synthetic.BLOCK)) if cohort[b * synthetic.BLOCK : (b + 1) * synthetic.BLOCK].unique().numel() > 1]
+    assert len(split) <= rounds - 1  # only the blocks a cut falls in are shared
+    assert not torch.equal(perm, cohort_permutation(proto.cohort_seed + 1, n, synthetic.BLOCK))
+    assert torch.equal(cohort_permutation(5, 300, 1), torch.randperm(300, generator=torch.Generator().manual_seed(5)))
+
+
+def test_a_chunk_of_one_half_refuses_the_other_half():
+    from fedpers.protocols.altmin import samples_of
+
+    cfg = config.build(AltMinConfig, dict(n_users=100, dim=6, rank=2, samples_per_user=8, rounds=2))
+    chunk = next(unit_source(cfg, samples=(4, 8)).chunks(100))
+    x, y = samples_of(chunk, 4, 8)
+    assert x.shape == (100, 4, 6) and y.shape == (100, 4)
+    with pytest.raises(ValueError, match="not in this chunk"):
+        samples_of(chunk, 0, 4)

@@ -59,8 +59,12 @@ def test_altmin_ledger_from_config(cohorts, tmp_path):
     check(ledger, expected)
     if cohorts == "disjoint":
         g = torch.Generator().manual_seed(derived_seed(public_seed, "cohorts"))
-        digest = hashlib.sha256(torch.randperm(cfg.n_users, generator=g).numpy().astype("<i8").tobytes()).hexdigest()
+        runs = torch.randperm(-(-cfg.n_users // 1024), generator=g)  # synthetic: whole generation blocks
+        perm = (runs[:, None] * 1024 + torch.arange(1024)).flatten()
+        perm = perm[perm < cfg.n_users]
+        digest = hashlib.sha256(perm.numpy().astype("<i8").tobytes()).hexdigest()
         assert {r.params["cohort_digest"] for r in ledger if r.name != "init.W"} == {digest}
+        assert {r.params["cohort_block"] for r in ledger if r.name != "init.W"} == {1024}
     assert all(r.params["eta"] == pytest.approx(eta) and r.params["zeta"] == pytest.approx(zeta) for r in ledger)
 
 

@@ -33,7 +33,10 @@ def setup(name: str, values: dict):
 def cohort_of_user(cfg, n: int, rounds: int, j: int) -> int:
     """User j's cohort recomputed from the config alone (not from the protocol object)."""
     g = torch.Generator().manual_seed(derived_seed(cfg.seed, "cohorts"))
-    perm = torch.randperm(n, generator=g)
+    # synthetic users: runs of 1,024 consecutive ids (a generation block) are permuted
+    runs = torch.randperm(-(-n // 1024), generator=g)
+    perm = (runs[:, None] * 1024 + torch.arange(1024)).flatten()
+    perm = perm[perm < n]
     position = int((perm == j).nonzero()[0, 0])
     return position * rounds // n + 1
 

@@ -84,17 +84,39 @@ def _user_block(seed: int, blk: int, samples: int, d: int, k: int, partial: bool
             _BLOCKS.move_to_end(key)
             return _BLOCKS[key]
     g = _generator(seed, _STREAM_USERS, blk)
-    bx = torch.randn(BLOCK, samples, d, generator=g, dtype=torch.float64)
+    keep = partial and BLOCK * samples * d * 8 <= BLOCK_CACHE_BYTES
+    # a block not kept is drawn into this thread's reused buffers (the same values: a draw into
+    # a contiguous tensor), so a pass does not fault in 33 MB of fresh pages per block
+    bx = torch.empty(BLOCK, samples, d, dtype=torch.float64) if keep else _scratch("x", (BLOCK, samples, d))
+    bz = torch.empty(BLOCK, samples, dtype=torch.float64) if keep else _scratch("z", (BLOCK, samples))
+    torch.randn(BLOCK, samples, d, generator=g, dtype=torch.float64, out=bx)
     bv = torch.randn(BLOCK, k, generator=g, dtype=torch.float64)
-    bz = torch.randn(BLOCK, samples, generator=g, dtype=torch.float64)
+    torch.randn(BLOCK, samples, generator=g, dtype=torch.float64, out=bz)
     with _COUNT_LOCK:
         DRAWN["float64"] += 2 * BLOCK
-    if partial and bx.numel() * 8 <= BLOCK_CACHE_BYTES:
+    if keep:
         with _BLOCKS_LOCK:
             _BLOCKS[key] = (bx, bv, bz)
             while sum(t.numel() * 8 for b in _BLOCKS.values() for t in b) > BLOCK_CACHE_BYTES:
                 _BLOCKS.popitem(last=False)
     return bx, bv, bz
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...]) -> Tensor:
+    """This thread's float64 buffer ``name`` of ``shape`` (made once per shape): valid until the
+    thread's next call, so only for blocks consumed before the thread draws another."""
+    key = (name, shape)
+    buf = getattr(_SCRATCH, "bufs", None)
+    if buf is None:
+        buf = _SCRATCH.bufs = {}
+    if key not in buf:
+        for old in [k for k in buf if k[0] == name]:
+            del buf[old]
+        buf[key] = torch.empty(shape, dtype=torch.float64)
+    return buf[key]
 
 
 def half_range(samples: int, half: int) -> tuple[int, int]:
@@ -113,23 +135,36 @@ def _parts_block(
     halves: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
+    into: dict[int, tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
     """float32/device scheme: v* and the asked-for halves' (x, y) of users ``local`` of block ``blk``,
-    drawn on ``device`` in ``dtype`` from one generator per (block, part)."""
+    drawn on ``device`` in ``dtype`` from one generator per (block, part).
+
+    ``into`` (whole blocks only): contiguous (BLOCK, m/2, d) and (BLOCK, m/2) destinations per
+    half, drawn into in place (the same values as a fresh draw: no copy)."""
     d, k = u.shape
     whole = local.numel() == BLOCK and bool((local == torch.arange(BLOCK, device=local.device)).all())
     v = torch.randn(
         BLOCK, k, generator=_generator(seed, _STREAM_PARTS, blk, 0, device=device), dtype=dtype, device=device
-    )[local]
+    )
+    if not whole:
+        v = v[local]
     out: dict[int, tuple[Tensor, Tensor]] = {}
     for half in halves:
         a, b = half_range(samples, half)
         g = _generator(seed, _STREAM_PARTS, blk, 1 + half, device=device)
-        bx = torch.randn(BLOCK, b - a, d, generator=g, dtype=dtype, device=device)
-        bz = torch.randn(BLOCK, b - a, generator=g, dtype=dtype, device=device)
-        if not whole:
-            bx, bz = bx[local], bz[local]
-        y = torch.baddbmm(noise_std * bz.unsqueeze(-1), bx @ u, v.unsqueeze(-1)).squeeze(-1)
+        if whole and into is not None:
+            bx, y = into[half]
+            torch.randn(BLOCK, b - a, d, generator=g, dtype=dtype, device=device, out=bx)
+            torch.randn(BLOCK, b - a, generator=g, dtype=dtype, device=device, out=y)
+            y.mul_(noise_std)
+            torch.baddbmm(y.unsqueeze(-1), bx @ u, v.unsqueeze(-1), out=y.unsqueeze(-1))
+        else:
+            bx = torch.randn(BLOCK, b - a, d, generator=g, dtype=dtype, device=device)
+            bz = torch.randn(BLOCK, b - a, generator=g, dtype=dtype, device=device)
+            if not whole:
+                bx, bz = bx[local], bz[local]
+            y = torch.baddbmm(noise_std * bz.unsqueeze(-1), bx @ u, v.unsqueeze(-1)).squeeze(-1)
         out[half] = (bx, y)
     with _COUNT_LOCK:
         DRAWN[str(dtype).removeprefix("torch.")] += BLOCK * len(halves)
@@ -154,15 +189,20 @@ def altmin_users(
     device: torch.device | str = "cpu",
     workers: int | None = None,
     keep_partial_blocks: bool = True,
+    compact: bool = False,
+    parts: bool | None = None,
 ) -> dict[str, Tensor]:
     """x_ij ~ N(0, I_d), v*_j ~ N(0, I_k), y_ij = <U*ᵀx_ij, v*_j> + N(0, σ_F²) for the given user ids.
 
     ``halves`` says which sample halves (:func:`half_range`) are needed; the others are left
-    zero (and, in the float32 scheme, not drawn). ``workers`` threads draw blocks at once (default:
-    torch's thread count; 1 draws them in order: same bits). Off the CPU the users are drawn on
-    ``device`` from (seed, block), with no host data. ``keep_partial_blocks``: keep a block asked
-    for in part for the next caller (a Flower node of a few users); a pass that asks each block
-    once turns it off.
+    zero (and, in the float32 scheme, not drawn). ``compact``: x and y hold only the asked-for
+    halves' samples (m/2 of them for one half), so nothing is zero-filled or copied twice; in
+    the float32 scheme whole blocks of sorted ids are drawn straight into place. ``workers``
+    threads draw blocks at once (default: torch's thread count; 1 draws them in order: same
+    bits). Off the CPU the users are drawn on ``device`` from (seed, block), with no host data.
+    ``parts`` forces the (block, part) scheme (True) or the float64 host scheme (False);
+    default :func:`uses_parts_scheme`. ``keep_partial_blocks``: keep a block asked for in part
+    for the next caller (a Flower node of a few users); a pass that asks each block once turns it off.
     """
     device = torch.device(device)
     halves = tuple(sorted({int(h) for h in halves}))
@@ -171,8 +211,12 @@ def altmin_users(
     ids = ids.to(device, torch.int64)
     d, k = u_star.shape
     n = int(ids.shape[0])
-    x = torch.zeros(n, samples, d, dtype=dtype, device=device)
-    y = torch.zeros(n, samples, dtype=dtype, device=device)
+    one_half = compact and len(halves) == 1
+    width = samples // 2 if one_half else samples
+    filled = one_half or halves == HALVES
+    make = torch.empty if filled else torch.zeros
+    x = make(n, width, d, dtype=dtype, device=device)
+    y = make(n, width, dtype=dtype, device=device)
     v = torch.empty(n, k, dtype=dtype, device=device)
     if n == 0:
         return {"ids": ids, "x": x, "y": y, "v_star": v}
@@ -180,28 +224,49 @@ def altmin_users(
     order = torch.argsort(blocks, stable=True)
     uniq, counts = torch.unique_consecutive(blocks[order], return_counts=True)
     groups = list(zip(uniq.tolist(), torch.split(order, counts.tolist())))
-    parts = uses_parts_scheme(dtype, device)
+    parts = uses_parts_scheme(dtype, device) if parts is None else parts
     u = u_star.to(device, dtype if parts else torch.float64)
+
+    def where(half: int) -> tuple[int, int]:
+        return (0, width) if one_half else half_range(samples, half)
 
     def one(group: tuple[int, Tensor]) -> None:
         blk, rows = group
         local = ids[rows] - blk * BLOCK
         if parts:
-            bv, drawn = _parts_block(seed, blk, local, u, samples, noise_std, halves, dtype, device)
+            r0 = int(rows[0])
+            in_place = (
+                one_half
+                and rows.numel() == BLOCK
+                and int(rows[-1]) - r0 == BLOCK - 1
+                and bool((local == torch.arange(BLOCK, device=device)).all())
+            )  # a whole block of sorted ids: drawn straight into its rows
+            into = {h: (x[r0 : r0 + BLOCK], y[r0 : r0 + BLOCK]) for h in halves} if in_place else None
+            bv, drawn = _parts_block(seed, blk, local, u, samples, noise_std, halves, dtype, device, into)
             v[rows] = bv
             for half, (hx, hy) in drawn.items():
-                a, b = half_range(samples, half)
+                if in_place:
+                    continue
+                a, b = where(half)
                 x[rows, a:b] = hx
                 y[rows, a:b] = hy
             return
         bx, bv, bz = _user_block(seed, blk, samples, d, k, partial=keep_partial_blocks and rows.numel() < BLOCK)
-        bx, bv, bz = bx[local], bv[local], bz[local]
+        if (
+            rows.numel() == BLOCK
+            and int(rows[-1]) - int(rows[0]) == BLOCK - 1
+            and bool((local == torch.arange(BLOCK)).all())
+        ):
+            rows = slice(int(rows[0]), int(rows[0]) + BLOCK)  # a whole block in order: views, no gather
+        else:
+            bx, bv, bz = bx[local], bv[local], bz[local]
         v[rows] = bv.to(dtype)
         for half in halves:
             a, b = half_range(samples, half)
             hx = bx[:, a:b]
-            x[rows, a:b] = hx.to(dtype)
-            y[rows, a:b] = ((hx @ u) @ bv.unsqueeze(-1)).squeeze(-1).add(noise_std * bz[:, a:b]).to(dtype)
+            c, e = where(half)
+            x[rows, c:e] = hx.to(dtype)
+            y[rows, c:e] = ((hx @ u) @ bv.unsqueeze(-1)).squeeze(-1).add(noise_std * bz[:, a:b]).to(dtype)
 
     _map_blocks(one, groups, device, workers)
     return {"ids": ids, "x": x, "y": y, "v_star": v}

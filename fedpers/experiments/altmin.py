@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 
 from fedpers import memory, metrics
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, field
+from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
 from fedpers.data import summary as data_summary
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
@@ -57,6 +59,7 @@ class AltMinConfig:
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
+    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
     data: Path | None = field(
         None,
         "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README)",
@@ -145,6 +148,7 @@ class AltMinConfig:
                 f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts {self.cohorts.value}"
             )
         check_device_and_dtype(self.device, self.dtype)
+        check_kernels(self.kernels)
 
 
 LONG_FORMAT_FIELDS = (
@@ -271,6 +275,10 @@ def make_protocol(
         noise_multiplier=0.0,
         cohorts=cfg.cohorts,
         cohort_seed=derived_seed(cfg.seed, "cohorts"),
+        # synthetic users are i.i.d.: cohorts of whole generation blocks are as good as any
+        # partition, and a round then generates only its own cohort (a file's order may mean something)
+        cohort_block=synthetic.BLOCK if cfg.data is None else 1,
+        device_kernels=device_path(cfg.device, cfg.kernels),
         psd=cfg.psd,
         dtype_name=cfg.dtype,
         sampling_rate=cfg.sampling_rate,
@@ -300,15 +308,24 @@ def truth(cfg: AltMinConfig) -> Tensor | None:
 
 
 def load_units(
-    cfg: AltMinConfig, ids: Tensor, samples: tuple[int, int] | None = None, *, keep_partial_blocks: bool = True
+    cfg: AltMinConfig,
+    ids: Tensor,
+    samples: tuple[int, int] | None = None,
+    *,
+    keep_partial_blocks: bool = True,
+    workers: int | None = None,
 ) -> dict[str, Tensor]:
     """Data of the given users: a slice of the file, or the synthetic users generated from (seed, id).
 
     Synthetic users are drawn in the working dtype on the run's device (docs/benchmarks.md,
-    "Synthetic users": float64 on the CPU keeps every earlier run's users); with ``samples``
-    [a, b) only the sample halves that range touches are made (the rest of x, y is zero).
+    "Synthetic users": float64 on the CPU keeps every earlier run's users; the device path
+    draws per (block, part) on the device in any dtype); with ``samples`` [a, b) only the
+    sample halves that range touches are made: within one half, x and y hold only that half
+    and ``first_sample`` (per user) says which sample x[:, 0] is (see
+    :func:`fedpers.protocols.altmin.samples_of`); across both, the full m.
     ``keep_partial_blocks`` False: a pass that asks each block once (a local cohort round) keeps
-    no partly used block for later callers, so memory stays bounded by the chunk.
+    no partly used block for later callers, so memory stays bounded by the chunk. ``workers``:
+    threads drawing blocks (1 on the background prefetch thread: no thread-count changes).
     """
     cfg = resolve(cfg)
     dtype = getattr(torch, cfg.dtype)
@@ -320,6 +337,7 @@ def load_units(
             if samples is None
             else tuple(h for h in synthetic.HALVES if _overlaps(synthetic.half_range(cfg.samples_per_user, h), samples))
         )
+        compact = samples is not None and len(halves) == 1
         out = synthetic.altmin_users(
             derived_seed(cfg.seed, "data"),
             ids.to(torch.int64),
@@ -330,7 +348,13 @@ def load_units(
             halves=halves,
             device=cfg.device,
             keep_partial_blocks=keep_partial_blocks,
+            workers=workers,
+            compact=compact,
+            parts=True if device_path(cfg.device, cfg.kernels) else None,
         )
+        if compact:  # x, y hold only that half's samples (nothing zero-filled): say where they start
+            first = synthetic.half_range(cfg.samples_per_user, halves[0])[0]
+            out["first_sample"] = torch.full((out["ids"].shape[0],), first, dtype=torch.int64)
     return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
 
 
@@ -338,36 +362,90 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
+PREFETCH = True
+"""Synthetic chunks on the CPU are made one ahead on a background thread while the caller
+works on the current one (generation overlaps compute; see :class:`AltMinSource`)."""
+_PREFETCHER: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_PREFETCHER.clear)  # a forked child has none of the parent's threads
+
+
+def _prefetcher() -> ThreadPoolExecutor:
+    if not _PREFETCHER:
+        _PREFETCHER.append(ThreadPoolExecutor(1, thread_name_prefix="fedpers-prefetch"))
+    return _PREFETCHER[0]
+
+
 class AltMinSource(UnitSource):
     """Synthetic users made on demand: a round's chunks hold only the users and sample halves
     it reads (``Protocol.units_needed``), cut at generation-block boundaries so no block is
-    drawn twice in a pass."""
+    drawn twice in a pass.
+
+    On the CPU the next chunk is generated on one background thread, drawing its blocks in
+    order (the same bits as any other way: blocks are keyed by (seed, block)), while the
+    caller computes on the current chunk; the background thread never changes torch's thread
+    count, which the caller's pooled kernels set and restore. One chunk ahead: memory grows
+    by one chunk."""
 
     def __init__(self, cfg: AltMinConfig, keys: tuple[str, ...] | None, samples: tuple[int, int] | None = None) -> None:
         self.cfg, self.keys, self.samples = cfg, keys, samples
         super().__init__(cfg.n_users, lambda a, b: self.take(torch.arange(a, b), self.samples), cfg.device)
 
-    def take(self, ids: Tensor, samples: tuple[int, int] | None, keep_partial_blocks: bool = True) -> dict[str, Tensor]:
-        units = load_units(self.cfg, ids, samples, keep_partial_blocks=keep_partial_blocks)
-        return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys}
+    def take(
+        self,
+        ids: Tensor,
+        samples: tuple[int, int] | None,
+        keep_partial_blocks: bool = True,
+        workers: int | None = None,
+    ) -> dict[str, Tensor]:
+        units = load_units(self.cfg, ids, samples, keep_partial_blocks=keep_partial_blocks, workers=workers)
+        return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys or k == "first_sample"}
+
+    def _ahead(self, jobs: list[tuple[Tensor, tuple[int, int] | None, bool]]) -> Iterator[dict[str, Tensor]]:
+        """The chunks ``jobs`` (ids, samples, keep_partial_blocks) in order, the next one made
+        in the background while the caller holds the current one (CPU; elsewhere in order)."""
+        if not PREFETCH or len(jobs) < 2 or self.device.type != "cpu":
+            for ids, samples, keep in jobs:
+                yield self.take(ids, samples, keep)
+            return
+        pending = None
+        for i, (ids, samples, keep) in enumerate(jobs):
+            current = self.take(ids, samples, keep) if pending is None else pending.result()
+            pending = None
+            if i + 1 < len(jobs):
+                nxt = jobs[i + 1]
+                pending = _prefetcher().submit(self.take, nxt[0], nxt[1], nxt[2], 1)
+            yield current
+
+    def chunks(self, chunk_size: int) -> Iterator[dict[str, Tensor]]:
+        return self._ahead(
+            [
+                (torch.arange(start, min(start + chunk_size, self.num_units)), self.samples, True)
+                for start in range(0, self.num_units, chunk_size)
+            ]
+        )
 
     def needed_chunks(
         self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None
     ) -> Iterator[dict[str, Tensor]]:
         if ids is None:
-            for start in range(0, self.num_units, chunk_size):
-                yield self.take(torch.arange(start, min(start + chunk_size, self.num_units)), samples)
-            return
+            return self._ahead(
+                [
+                    (torch.arange(start, min(start + chunk_size, self.num_units)), samples, True)
+                    for start in range(0, self.num_units, chunk_size)
+                ]
+            )
         ids = ids.to(torch.int64).cpu().sort().values
         # chunk ends on block boundaries: ~chunk_size users each, a block never split
         ends = torch.searchsorted(ids, torch.arange(0, self.num_units + synthetic.BLOCK, synthetic.BLOCK), right=False)
+        jobs = []
         start = 0
         while start < ids.numel():
             stop = int(ends[torch.searchsorted(ends, torch.tensor(start + chunk_size), right=True) - 1])
             if stop <= start:  # one block holds more than chunk_size of the ids
                 stop = int(ends[torch.searchsorted(ends, torch.tensor(start), right=True)])
-            yield self.take(ids[start:stop], samples, keep_partial_blocks=False)  # each block once per pass
+            jobs.append((ids[start:stop], samples, False))  # each block once per pass
             start = stop
+        return self._ahead(jobs)
 
 
 def unit_source(

@@ -27,6 +27,29 @@ Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-8
 
 
+def samples_of(units: Units, a: int, b: int) -> tuple[Tensor, Tensor]:
+    """(x, y) of samples [a, b) of every unit. A chunk made for one pass may hold only the samples
+    that pass reads, from ``units["first_sample"]`` on (the same for every unit; see
+    ``fedpers.experiments.altmin.load_units``); without that key x holds all of them."""
+    x, y = units["x"], units["y"]
+    first = units.get("first_sample")
+    off = int(first[0]) if first is not None and first.numel() else 0
+    if a < off or b - off > x.shape[1]:
+        raise ValueError(f"samples [{a}, {b}) are not in this chunk (it holds [{off}, {off + x.shape[1]}))")
+    return x[:, a - off : b - off], y[:, a - off : b - off]
+
+
+def cohort_permutation(seed: int, n: int, block: int = 1) -> Tensor:
+    """A public permutation of n user ids from ``seed`` alone: the runs [b·block, (b+1)·block) in
+    the order of ``randperm`` of the runs, ids in order within a run (block 1: ``randperm(n)``)."""
+    g = torch.Generator().manual_seed(seed)
+    if block <= 1:
+        return torch.randperm(n, generator=g)
+    runs = torch.randperm(-(-n // block), generator=g)
+    perm = (runs.unsqueeze(1) * block + torch.arange(block)).flatten()
+    return perm[perm < n]
+
+
 class Cohorts(str, enum.Enum):
     DISJOINT = "disjoint"
     ALL = "all"
@@ -59,6 +82,13 @@ class AltMinProtocol(Protocol):
     sampling_rate: float = 1.0
     """q with ``Cohorts.POISSON``: each round 1..T includes every user independently with
     probability q, drawn on the server from the Privatizer's sampling generator."""
+    device_kernels: bool = False
+    """The device path (``--kernels``): statistics as a few large batched kernels per chunk
+    (:func:`fedpers.linalg.kron_statistics`), the same sums to float rounding."""
+    cohort_block: int = 1
+    """Disjoint cohorts permute runs of this many consecutive user ids (public, data-independent):
+    1 permutes users; synthetic i.i.d. users use their generation block, so a round generates
+    only its cohort's blocks (docs/benchmarks.md, "Synthetic users")."""
     _cohort_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     name = "altmin"
@@ -97,10 +127,10 @@ class AltMinProtocol(Protocol):
         return self.noise_multiplier * delta / 2 if self.noise_multiplier > 0 else 0.0
 
     def permutation(self) -> Tensor:
-        """The public permutation of all n users that the disjoint cohorts cut into T parts."""
+        """The public permutation of all n users that the disjoint cohorts cut into T parts:
+        ``randperm`` of the runs of :attr:`cohort_block` consecutive ids, each run in id order."""
         if "perm" not in self._cohort_cache:
-            g = torch.Generator().manual_seed(self.cohort_seed)
-            self._cohort_cache["perm"] = torch.randperm(self.n_users, generator=g)
+            self._cohort_cache["perm"] = cohort_permutation(self.cohort_seed, self.n_users, self.cohort_block)
         return self._cohort_cache["perm"]
 
     def cohort_digest(self) -> str:
@@ -123,6 +153,7 @@ class AltMinProtocol(Protocol):
         }
         if self.cohorts is Cohorts.DISJOINT and statistic != "W":
             common["cohort_seed"] = self.cohort_seed
+            common["cohort_block"] = self.cohort_block
             common["cohort_digest"] = self.cohort_digest()
         formula = {
             "W": "bound (m/4)·ζ², Δ = 2·bound",
@@ -185,6 +216,13 @@ class AltMinProtocol(Protocol):
             return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), (0, h)
         return None, (0, h)
 
+    def round_share(self, round: int) -> float:
+        """Share of the n users a round reads (for time estimates): all in round 0 and with
+        ``all``, a 1/T cohort when disjoint, q when Poisson-sampled."""
+        if round == 0 or self.cohorts is Cohorts.ALL:
+            return 1.0
+        return 1.0 / self.rounds if self.cohorts is Cohorts.DISJOINT else self.sampling_rate
+
     def units_in_round(self, round: int, units: Units) -> int:
         if round == 0 or self.cohorts is not Cohorts.DISJOINT:  # Poisson: at most all of them
             return int(units["ids"].shape[0])
@@ -207,14 +245,18 @@ class AltMinProtocol(Protocol):
         return (StatSpec("A", (d * k, d * k), self.a_bound, symmetric=True), StatSpec("b", (d * k,), self.b_bound))
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
-        x, y, ids = units["x"].to(self.dtype), units["y"].to(self.dtype), units["ids"]
+        ids, h = units["ids"], 2 * self.quarter
         if round == 0:
-            return Message({"W": self.init_statistic(x, y)}, int(ids.shape[0]))
+            x, y = samples_of(units, h, 2 * h)
+            return Message({"W": self.pair_statistic(x.to(self.dtype), y.to(self.dtype))}, int(ids.shape[0]))
+        x, y = samples_of(units, 0, h)
+        x, y = x.to(self.dtype), y.to(self.dtype)
+        keep = None
         if self.cohorts is Cohorts.DISJOINT:
             keep = self.cohort_of(ids) == round
-            x, y = x[keep], y[keep]
         elif self.cohorts is Cohorts.POISSON:
             keep = broadcast["sampled"].to(ids.device)[ids] > 0
+        if keep is not None and not bool(keep.all()):  # a chunk made for this round is all cohort: no copy
             x, y = x[keep], y[keep]
         A, b = self.round_statistics(broadcast["U"].to(self.dtype), x, y)
         return Message({"A": A, "b": b}, int(x.shape[0]))
@@ -282,7 +324,11 @@ class AltMinProtocol(Protocol):
         Frobenius norm ≤ ζ² for every finite input.
         """
         h = 2 * self.quarter
-        return linalg.pair_statistic(x[:, h : 2 * h], y[:, h : 2 * h], self.zeta)
+        return self.pair_statistic(x[:, h : 2 * h], y[:, h : 2 * h])
+
+    def pair_statistic(self, x2: Tensor, y2: Tensor) -> Tensor:
+        """:meth:`init_statistic` of the second half's samples x2, y2 alone."""
+        return linalg.pair_statistic(x2, y2, self.zeta, device_kernels=self.device_kernels)
 
     def local_solve(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """v_j = argmin_v Σ_i (y_ij − <Uᵀx_ij, v>)² for every user (tiny ridge for safety)."""
@@ -293,8 +339,10 @@ class AltMinProtocol(Protocol):
 
         With w_ij = clip(v_j ⊗ x_ij; η) = m_ij (v̂_j ⊗ x̂_ij), m_ij = min(||v_j||·||x_ij||, η):
         A_j = (v̂_j v̂_jᵀ) ⊗ Σ_i m_ij² x̂_ij x̂_ijᵀ and b_j = v̂_j ⊗ Σ_i clip(y_ij; ζ) m_ij x̂_ij.
-        ||v_j|| is folded into m_ij through logs, and v_j is solved on Q1 scaled by powers of
-        two (exact), so no intermediate overflows: ||A_j||_F ≤ |Q2|η², ||b_j|| ≤ |Q2|ηζ.
+        ||v_j|| is folded into m_ij through logs, and where the features x_ij U or the labels on
+        Q1 have norms :func:`~fedpers.linalg.safe_norms` does not trust, v_j is solved on Q1
+        scaled by powers of two (exact), so no intermediate overflows: ||A_j||_F ≤ |Q2|η²,
+        ||b_j|| ≤ |Q2|ηζ.
         """
         q, d, k = self.quarter, self.dim, self.rank
         if x.shape[0] == 0:
@@ -302,8 +350,9 @@ class AltMinProtocol(Protocol):
                 d * k, dtype=x.dtype, device=x.device
             )
         x1, y1 = x[:, :q], y[:, :q]
-        if linalg.safe_norms(x1) is not None and linalg.safe_norms(y1) is not None:
-            v_hat, log_v = linalg.directions(self.local_solve(U, x1, y1))
+        features = x1 @ U  # the local solve's only use of x1: check the k-dim features, not the d-dim x
+        if linalg.safe_norms(features) is not None and linalg.safe_norms(y1) is not None:
+            v_hat, log_v = linalg.directions(linalg.batched_ridge_solve(features, y1, LOCAL_RIDGE))
         else:
             sx, sy = linalg.pow2_scale(x1, 2), linalg.pow2_scale(y1, 1)
             v = self.local_solve(U, x1 / sx[:, None, None], y1 / sy[:, None])  # v_j · sx/sy
@@ -311,7 +360,14 @@ class AltMinProtocol(Protocol):
             log_v = log_v + sy.double().log() - sx.double().log()
         x2 = x[:, q : 2 * q]
         # one in-cache pass over Q2: norms, clip factors min(||v||, η/||x||), A and b together
-        A, b = linalg.kron_statistics(v_hat, x2, log_v, self.eta, label=linalg.clip_scalar(y[:, q : 2 * q], self.zeta))
+        A, b = linalg.kron_statistics(
+            v_hat,
+            x2,
+            log_v,
+            self.eta,
+            label=linalg.clip_scalar(y[:, q : 2 * q], self.zeta),
+            device_kernels=self.device_kernels,
+        )
         return A, b
 
     def solve_subspace(self, A: Tensor, b: Tensor, noise_std_a: float) -> tuple[Tensor, dict[str, float]]:
@@ -322,18 +378,20 @@ class AltMinProtocol(Protocol):
         """
         dk, dtype = A.shape[0], A.dtype
         A, b = A.double(), b.double()  # summed in the working dtype, solved in float64 (dk × dk: cheap)
-        scale = float(torch.linalg.matrix_norm(A, ord=2)) if noise_std_a == 0 else 0.0
+        with linalg.one_thread(A):
+            scale = float(torch.linalg.matrix_norm(A, ord=2)) if noise_std_a == 0 else 0.0
         level = 2 * noise_std_a * math.sqrt(dk) + 1e-10 * max(scale, 1e-30)
         if self.psd is PsdMethod.EIGEN_FLOOR:
             A_pd, raised = linalg.psd_eigen_floor(A, level)
         else:
             A_pd, raised = A + level * torch.eye(dk, dtype=A.dtype, device=A.device), 0
-        u = torch.linalg.solve(A_pd, b)
+        with linalg.one_thread(A_pd):
+            u = torch.linalg.solve(A_pd, b)
         U = linalg.orthonormal_basis(linalg.vec_to_matrix(u, self.dim, self.rank)).to(dtype)
         return U, {"psd_level": level, "eigenvalues_raised": float(raised)}
 
     def personalize(self, U: Tensor, units: Units) -> Tensor:
         """Final local solve of every user's v_j on Q3∪Q4 with the last U (billboard model: never sent)."""
-        x, y = units["x"].to(self.dtype), units["y"].to(self.dtype)
         h = 2 * self.quarter
-        return self.local_solve(U.to(self.dtype), x[:, h:], y[:, h:])
+        x, y = samples_of(units, h, 2 * h)
+        return self.local_solve(U.to(self.dtype), x.to(self.dtype), y.to(self.dtype))

@@ -7,6 +7,7 @@ so a run over a million users never holds more than one chunk of their data.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -27,16 +28,25 @@ ESTIMATE_AFTER_S = 10.0
 """Runs whose first-chunk calibration predicts more than this print their estimate first."""
 
 
-def _estimate(protocol: Protocol, first_chunk_s: float, chunks: int, chunk_size: int, n: int) -> None:
-    """Time before cost: the client work of the whole run from its first chunk (server steps
-    and evaluation come on top), printed when it is long enough to matter."""
-    total = first_chunk_s * chunks * protocol.num_rounds
+def round_chunks(protocol: Protocol, round: int, chunk_size: int, n: int) -> int:
+    """Chunks a round makes: of the units it reads, by the protocol's ``round_share`` (the share
+    of units a round reads, when it declares one: a cohort round reads fewer), else of all n."""
+    share = getattr(protocol, "round_share", None)
+    units = n if share is None else math.ceil(min(1.0, max(0.0, float(share(round)))) * n)
+    return max(1, -(-units // chunk_size))
+
+
+def _estimate(protocol: Protocol, first_chunk_s: float, chunk_size: int, n: int, first_round: int = 0) -> None:
+    """Time before cost: the client work of the run's remaining rounds from its first chunk
+    (server steps and evaluation come on top), printed when it is long enough to matter."""
+    chunks = [round_chunks(protocol, r, chunk_size, n) for r in range(first_round, protocol.num_rounds)]
+    total = first_chunk_s * sum(chunks)
     if total > ESTIMATE_AFTER_S:
         from tqdm.auto import tqdm
 
         tqdm.write(
-            f"{protocol.name}: about {_duration(total)} of client work ({protocol.num_rounds} round(s) × {chunks} chunk(s) of "
-            f"{min(chunk_size, n)} units; the first chunk took {first_chunk_s:.2f} s)",
+            f"{protocol.name}: about {_duration(total)} of client work ({len(chunks)} round(s), {sum(chunks)} chunk(s) of "
+            f"up to {min(chunk_size, n)} units; the first chunk took {first_chunk_s:.2f} s)",
             file=sys.stderr,
         )
 
@@ -65,12 +75,13 @@ def run_local(
     source = UnitSource.of(units)
     n = source.num_units
 
-    chunks = max(1, -(-n // chunk_size))
     estimated = [False]
 
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         message = None
-        parts: Any = source.needed_chunks(chunk_size, *protocol.units_needed(round, broadcast))
+        ids, samples = protocol.units_needed(round, broadcast)
+        chunks = max(1, -(-(n if ids is None else int(ids.numel())) // chunk_size))  # this round's, not all n's
+        parts: Any = source.needed_chunks(chunk_size, ids, samples)
         if progress and chunks >= 4 and estimated[0]:  # a long round shows its chunks (with tqdm's time left)
             from tqdm.auto import tqdm
 
@@ -81,7 +92,7 @@ def run_local(
             message = part if message is None else message + part
             if progress and i == 0 and not estimated[0]:
                 estimated[0] = True
-                _estimate(protocol, time.perf_counter() - start, chunks, chunk_size, n)
+                _estimate(protocol, time.perf_counter() - start, chunk_size, n, round)
         return [ClientReply("local", n, message)]
 
     return drive(
