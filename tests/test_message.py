@@ -35,3 +35,12 @@ def test_in_place_sum_equals_plus_and_refuses_other_statistics() -> None:
     assert all(torch.equal(a.stats[k], expected.stats[k]) for k in a.stats)
     with pytest.raises(ValueError, match="statistics"):
         a.add_(Message({"A": torch.ones(3)}, 1))
+
+
+def test_in_place_sum_promotes_like_plus_and_copy_owns_its_tensors() -> None:
+    a = Message({"A": torch.ones(2, dtype=torch.float32)}, 1)
+    b = Message({"A": torch.ones(2, dtype=torch.float64)}, 1)
+    assert a.copy().add_(b).stats["A"].dtype == (a + b).stats["A"].dtype == torch.float64
+    c = a.copy()
+    c.add_(a)
+    assert torch.equal(a.stats["A"], torch.ones(2)) and torch.equal(c.stats["A"], torch.full((2,), 2.0))

@@ -66,12 +66,21 @@ class Message:
         (14× cheaper than a full isfinite mask on the 60 MB DPALS message)."""
         return all(_finite(v) for v in self.stats.values())
 
+    def copy(self) -> Message:
+        """A message owning its tensors (a runtime's running sum must not write into a chunk's)."""
+        return Message({k: v.clone() for k, v in self.stats.items()}, self.count, self.zeroed)
+
     def add_(self, other: Message) -> Message:
-        """Sum ``other`` into this message in place (a runtime summing its chunks allocates once)."""
+        """Sum ``other`` into this message in place (a runtime summing its chunks allocates once);
+        a sum that would promote the dtype or broadcast the shape is made out of place, as ``+``."""
         if set(self.stats) != set(other.stats):
             raise ValueError(f"cannot add messages with statistics {sorted(self.stats)} and {sorted(other.stats)}")
         for k, v in self.stats.items():
-            v.add_(other.stats[k])
+            o = other.stats[k]
+            if torch.result_type(v, o) == v.dtype and v.shape == torch.broadcast_shapes(v.shape, o.shape):
+                v.add_(o)
+            else:
+                self.stats[k] = v + o
         self.count += other.count
         self.zeroed += other.zeroed
         return self

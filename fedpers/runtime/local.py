@@ -89,7 +89,7 @@ def run_local(
         for i, part_units in enumerate(parts):
             start = time.perf_counter()
             part = client_message(protocol, round, broadcast, part_units)
-            message = part if message is None else message + part
+            message = part.copy() if message is None else message.add_(part)
             if progress and i == 0 and not estimated[0]:
                 estimated[0] = True
                 _estimate(protocol, time.perf_counter() - start, chunk_size, n, round)
