@@ -19,12 +19,18 @@ def load(path, **kw):
     return rating_files.load_table(str(path), **args)
 
 
+def whole(t):
+    """Every user of a table, padded to the widest."""
+    return t.units(torch.arange(t.n_users), torch.float64)
+
+
 def as_set(t):
     users = [3, 10, 42]
     items = [5, 7, 9]
     out = set()
     for j in range(t.n_users):
-        for i, r, m in zip(t.items[j].tolist(), t.ratings[j].tolist(), t.mask[j].tolist()):
+        u = t.units(torch.tensor([j]), torch.float64)
+        for i, r, m in zip(u["items"][0].tolist(), u["ratings"][0].tolist(), u["mask"][0].tolist()):
             if m:
                 out.add((users[j], items[i], r))
     return out
@@ -41,7 +47,7 @@ def test_movielens_csv_and_dat(tmp_path):
         t = load(path)
         assert (t.n_users, t.n_items) == (3, 3)
         assert as_set(t) == set(ROWS)
-        assert t.mask.sum(1).tolist() == [3, 2, 1]
+        assert whole(t)["mask"].sum(1).tolist() == [3, 2, 1]
 
 
 def test_generic_csv_with_column_flags(tmp_path):
@@ -86,7 +92,7 @@ def test_a_user_whose_every_row_is_bad_stays_a_unit(tmp_path):
     rows = [r for r in ROWS if r[0] != 42] + [(42, 9, 77.0)]
     p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows))
     t = load(p)
-    assert t.n_users == 3 and int(t.mask[2].sum()) == 0 and t.summary["users_without_ratings"] == 1
+    assert t.n_users == 3 and int(whole(t)["mask"][2].sum()) == 0 and t.summary["users_without_ratings"] == 1
 
 
 @pytest.mark.parametrize("text, match", [
@@ -115,7 +121,7 @@ def test_item_universe_is_declared_never_read_off_the_data(tmp_path):
     tables = [load(p, universe=tuple(range(100, 120))) for p in (d, d2)]
     assert [t.n_items for t in tables] == [20, 20]
     assert tables[1].summary["rows_dropped"] == {"item outside the public item universe": 1}
-    assert [t.items.shape[0] for t in tables] == [30, 30]
+    assert [t.n_users for t in tables] == [30, 30]
     with pytest.raises(ValueError, match="--items FILE .* or --item-ids LO:HI"):
         load(d, universe=None)
     with pytest.raises(ValueError, match="item_ids must be LO:HI"):
@@ -150,7 +156,7 @@ def test_cap_and_split_are_seeded(tmp_path):
     p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows))
     a = load(p, cap=10, test_fraction=0.3, universe=tuple(range(30)))
     b = load(p, cap=10, test_fraction=0.3, universe=tuple(range(30)))
-    assert a.items.shape == (4, 10)
+    assert whole(a)["items"].shape == (4, 10)
     assert torch.equal(a.items, b.items) and torch.equal(a.test, b.test)
     assert int(a.test.sum()) > 0 and not bool((a.test & a.mask).any())
 
@@ -166,3 +172,25 @@ def test_dpals_config_reads_file(tmp_path):
     u = load_units(cfg, torch.arange(3))
     assert set(u) >= {"ids", "items", "ratings", "mask", "test"}
     assert float(u["ratings"][2][u["mask"][2] | u["test"][2]].sum()) == pytest.approx(0.5 - 3.0)
+
+
+def test_a_chunk_is_padded_to_its_own_widest_user_and_keeps_every_rating():
+    """The table is ragged: one very wide user does not pad every other user's chunk, memory is
+    the ratings' (no users × widest array), and a user's ratings are the same whatever chunk it
+    is read in."""
+    import numpy as np
+    import pandas as pd
+
+    rows = [(0, i, 1.0 + i % 5) for i in range(500)] + [(u, u % 7, 2.0) for u in range(1, 200) for _ in range(1)]
+    rows += [(u, (u + 1) % 7, 3.0) for u in range(1, 200, 2)]
+    frame = pd.DataFrame(rows, columns=["user", "item", "rating"])
+    t = rating_files.build_table(frame, np.arange(200), 500, seed=3, test_fraction=0.2, cap=0)
+    assert t.items.numel() == len(rows)  # flat: no padding held
+    narrow = t.units(torch.arange(1, 200), torch.float64)
+    assert narrow["items"].shape == (199, 2)
+    every = t.units(torch.arange(200), torch.float64)
+    assert every["items"].shape == (200, 500)
+    for key in ("items", "ratings", "mask", "test"):
+        assert torch.equal(every[key][1:, :2], narrow[key]) and not every[key][1:, 2:].any()
+    assert int(every["mask"].sum() + every["test"].sum()) == len(rows)
+    assert t.units(torch.tensor([5, 0, 5]), torch.float64)["items"][0].tolist()[:2] == narrow["items"][4].tolist()

@@ -44,8 +44,13 @@ DATASETS = {
 
 @dataclass(frozen=True)
 class RatingTable:
-    """All users, padded to the widest: items (n, L), ratings (n, L), mask/test (n, L) bool."""
+    """Every user's ratings, ragged: user u's are entries [offsets[u], offsets[u + 1]) of the flat
+    items, ratings, mask and test arrays, in the user's public random order. A chunk is padded
+    only to its own widest user (:meth:`units`), so memory is the ratings' and not users × the
+    widest user's (MovieLens-20M's widest user has 9,254 ratings: 138k × 9,254 padded entries
+    would not fit in memory)."""
 
+    offsets: Tensor
     items: Tensor
     ratings: Tensor
     mask: Tensor
@@ -57,16 +62,30 @@ class RatingTable:
 
     @property
     def n_users(self) -> int:
-        return int(self.items.shape[0])
+        return int(self.offsets.shape[0]) - 1
 
     def units(self, ids: Tensor, dtype: torch.dtype, center: float = 0.0) -> dict[str, Tensor]:
-        valid = self.mask[ids] | self.test[ids]
+        """The users ``ids``, padded to the widest of them: items, ratings (centred, 0 where
+        padded), mask, test (n, L) with L ≥ 1."""
+        ids = ids.to(torch.int64)
+        start = self.offsets.index_select(0, ids)
+        count = self.offsets.index_select(0, ids + 1) - start
+        width = max(1, int(count.max())) if ids.numel() else 1
+        inside = torch.arange(width) < count.unsqueeze(1)
+        pos = torch.where(inside, start.unsqueeze(1) + torch.arange(width), 0).reshape(-1)
+
+        def take(flat: Tensor) -> Tensor:
+            if flat.numel() == 0:
+                return torch.zeros(inside.shape, dtype=flat.dtype)
+            return torch.where(inside, flat.index_select(0, pos).reshape(inside.shape), torch.zeros((), dtype=flat.dtype))
+
+        mask, test = take(self.mask), take(self.test)
         return {
             "ids": ids.clone(),
-            "items": self.items[ids],
-            "ratings": ((self.ratings[ids] - center) * valid).to(dtype),
-            "mask": self.mask[ids],
-            "test": self.test[ids],
+            "items": take(self.items),
+            "ratings": ((take(self.ratings) - center) * (mask | test)).to(dtype),
+            "mask": mask,
+            "test": test,
         }
 
 
@@ -264,34 +283,37 @@ def build_table(
     counts = np.bincount(user_index, minlength=len(users))
     keep = counts >= min_ratings
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    width = max(1, int(counts.max()) if cap <= 0 else min(int(counts.max()), cap))
+    kept = np.where(keep, counts if cap <= 0 else np.minimum(counts, cap), 0)
+    offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
     n = len(users)
-    I = np.zeros((n, width), dtype=np.int64)
-    R = np.zeros((n, width))
-    M = np.zeros((n, width), dtype=bool)
-    T = np.zeros((n, width), dtype=bool)
+    total = int(offsets[-1])
+    I = np.zeros(total, dtype=np.int64)
+    R = np.zeros(total)
+    M = np.zeros(total, dtype=bool)
+    T = np.zeros(total, dtype=bool)
     for u in np.flatnonzero(keep):
         idx = order[starts[u] : starts[u] + counts[u]]
         rng = np.random.Generator(np.random.Philox(key=[int(seed), int(u)]))
-        idx = idx[rng.permutation(len(idx))][:width]
-        c = len(idx)
-        I[u, :c] = item_index[idx]
-        R[u, :c] = rating[idx]
+        idx = idx[rng.permutation(len(idx))][: kept[u]]
+        a, c = offsets[u], len(idx)
+        I[a : a + c] = item_index[idx]
+        R[a : a + c] = rating[idx]
         t = rng.random(c) < test_fraction
-        M[u, :c] = ~t
-        T[u, :c] = t
+        M[a : a + c] = ~t
+        T[a : a + c] = t
     info = {
         "users": n,
         "items": n_items,
         **(summary or {}),
         "users_without_ratings": int((~keep).sum()),
-        "users_capped": int((counts > width).sum()) if cap > 0 else 0,
+        "users_capped": int((counts > cap).sum()) if cap > 0 else 0,
         "max_ratings_per_user": cap,
         "train_ratings": int(M.sum()),
         "test_ratings": int(T.sum()),
         "note": NOTE,
     }
     return RatingTable(
+        torch.from_numpy(offsets),
         torch.from_numpy(I),
         torch.from_numpy(R),
         torch.from_numpy(M),
