@@ -58,7 +58,7 @@ def test_cohort_only_generation_gives_the_statistics_and_result_of_full_generati
 
 
 def test_a_round_makes_only_the_half_it_reads():
-    cfg = config.build(AltMinConfig, dict(n_users=3000, dim=6, rank=2, samples_per_user=8, rounds=2, dtype="float32"))
+    cfg = config.build(AltMinConfig, dict(n_users=3000, dim=6, rank=2, samples_per_user=8, rounds=2, dtype="float32", cohort_block=1024))
     proto = make_protocol(cfg)
     source = unit_source(cfg, ("ids", "x", "y"))
     ids, samples = proto.units_needed(1, {})
@@ -147,7 +147,7 @@ def test_a_run_counts_its_passes_over_the_users():
     from fedpers.runner import execute
 
     exp = EXPERIMENTS["altmin"]
-    cfg = config.build(exp.config_type, dict(n_users=8192, dim=6, rank=2, samples_per_user=8, rounds=4, baselines="none", dtype="float32"))
+    cfg = config.build(exp.config_type, dict(n_users=8192, dim=6, rank=2, samples_per_user=8, rounds=4, baselines="none", dtype="float32", cohort_block=1024))
     synthetic.reset_counts()
     execute(exp, cfg, write=False, progress=False)
     # float32 draws halves: init ½ + 4 rounds of their own cohort's blocks' first half (⅛ each:
@@ -182,7 +182,7 @@ def test_block_cohorts_are_a_public_partition_of_whole_generation_blocks():
     from fedpers.protocols.altmin import cohort_permutation
 
     n, rounds = 10_000, 3
-    cfg = config.build(AltMinConfig, dict(n_users=n, dim=6, rank=2, samples_per_user=8, rounds=rounds))
+    cfg = config.build(AltMinConfig, dict(n_users=n, dim=6, rank=2, samples_per_user=8, rounds=rounds, cohort_block=1024))
     proto = make_protocol(cfg)
     perm = proto.permutation()
     assert proto.cohort_block == synthetic.BLOCK and torch.equal(perm.sort().values, torch.arange(n))
@@ -204,3 +204,18 @@ def test_a_chunk_of_one_half_refuses_the_other_half():
     assert x.shape == (100, 4, 6) and y.shape == (100, 4)
     with pytest.raises(ValueError, match="not in this chunk"):
         samples_of(chunk, 0, 4)
+
+
+def test_cohort_blocks_are_whole_generation_blocks_only_for_large_synthetic_populations():
+    """auto (0): 1,024 for synthetic users from 65,536 up, single users below and for files;
+    an explicit value is kept; the choice is a function of public config alone."""
+    from fedpers.experiments.altmin import BLOCK_COHORTS_FROM, cohort_block
+
+    def block(**kw):
+        return cohort_block(config.build(AltMinConfig, kw))
+
+    assert BLOCK_COHORTS_FROM == 64 * synthetic.BLOCK
+    assert block(n_users=BLOCK_COHORTS_FROM - 1) == 1 and block(n_users=BLOCK_COHORTS_FROM) == synthetic.BLOCK
+    assert block(n_users=80, cohort_block=7) == 7
+    with pytest.raises(ValueError, match="cohort_block"):
+        config.build(AltMinConfig, dict(cohort_block=-1))

@@ -59,12 +59,17 @@ def test_altmin_ledger_from_config(cohorts, tmp_path):
     check(ledger, expected)
     if cohorts == "disjoint":
         g = torch.Generator().manual_seed(derived_seed(public_seed, "cohorts"))
-        runs = torch.randperm(-(-cfg.n_users // 1024), generator=g)  # synthetic: whole generation blocks
-        perm = (runs[:, None] * 1024 + torch.arange(1024)).flatten()
-        perm = perm[perm < cfg.n_users]
+        n = cfg.n_users
+        block = cfg.cohort_block or (1024 if cfg.data is None and n >= 65536 else 1)  # the documented auto rule
+        if block == 1:
+            perm = torch.randperm(n, generator=g)
+        else:
+            runs = torch.randperm(-(-n // block), generator=g)  # runs of `block` consecutive ids
+            perm = (runs[:, None] * block + torch.arange(block)).flatten()
+            perm = perm[perm < n]
         digest = hashlib.sha256(perm.numpy().astype("<i8").tobytes()).hexdigest()
         assert {r.params["cohort_digest"] for r in ledger if r.name != "init.W"} == {digest}
-        assert {r.params["cohort_block"] for r in ledger if r.name != "init.W"} == {1024}
+        assert {r.params["cohort_block"] for r in ledger if r.name != "init.W"} == {block}
     assert all(r.params["eta"] == pytest.approx(eta) and r.params["zeta"] == pytest.approx(zeta) for r in ledger)
 
 

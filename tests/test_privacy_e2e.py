@@ -33,10 +33,13 @@ def setup(name: str, values: dict):
 def cohort_of_user(cfg, n: int, rounds: int, j: int) -> int:
     """User j's cohort recomputed from the config alone (not from the protocol object)."""
     g = torch.Generator().manual_seed(derived_seed(cfg.seed, "cohorts"))
-    # synthetic users: runs of 1,024 consecutive ids (a generation block) are permuted
-    runs = torch.randperm(-(-n // 1024), generator=g)
-    perm = (runs[:, None] * 1024 + torch.arange(1024)).flatten()
-    perm = perm[perm < n]
+    block = cfg.cohort_block or (1024 if cfg.data is None and n >= 65536 else 1)  # the documented auto rule
+    if block == 1:
+        perm = torch.randperm(n, generator=g)
+    else:
+        runs = torch.randperm(-(-n // block), generator=g)  # runs of `block` consecutive ids
+        perm = (runs[:, None] * block + torch.arange(block)).flatten()
+        perm = perm[perm < n]
     position = int((perm == j).nonzero()[0, 0])
     return position * rounds // n + 1
 

@@ -52,6 +52,12 @@ class AltMinConfig:
     sampling_rate: float = field(
         1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
     )
+    cohort_block: int = field(
+        0,
+        "disjoint cohorts permute runs of this many consecutive user ids (1: single users); 0: auto, "
+        "1,024 (a generation block) for synthetic users from 65,536 users up, else 1",
+        ge=0,
+    )
     clip_model: float = field(0.7, "c_η: model clip η = c_η √(dk)", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
     psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
@@ -231,6 +237,21 @@ def auto_chunk_size(n: int, m: int, d: int, dtype: str) -> int:
     return max(64, min(65536, n, fit))
 
 
+BLOCK_COHORTS_FROM = 64 * synthetic.BLOCK
+"""Users from which ``--cohort-block 0`` (auto) makes synthetic cohorts of whole generation blocks."""
+
+
+def cohort_block(cfg: AltMinConfig) -> int:
+    """Ids per run of the public cohort permutation. Synthetic users are i.i.d., so cohorts of whole
+    generation blocks are as good as any public partition, and a round then generates only its own
+    cohort (1.5 passes over the users instead of 1 + T/2); below ``BLOCK_COHORTS_FROM`` users that
+    saving is under a second, and single-user cohorts keep every Flower node in every round. A
+    file's user order may mean something: single users unless asked."""
+    if cfg.cohort_block > 0:
+        return cfg.cohort_block
+    return synthetic.BLOCK if cfg.data is None and cfg.n_users >= BLOCK_COHORTS_FROM else 1
+
+
 def clip_bounds(cfg: AltMinConfig) -> tuple[float, float]:
     """η = c_η √(dk), ζ = c_ζ √(k + σ_F²): data-independent (public d, k, σ_F)."""
     return cfg.clip_model * math.sqrt(cfg.dim * cfg.rank), cfg.clip_label * math.sqrt(cfg.rank + cfg.noise_std**2)
@@ -239,13 +260,14 @@ def clip_bounds(cfg: AltMinConfig) -> tuple[float, float]:
 def memory_needed(cfg: AltMinConfig) -> dict[str, int]:
     """Bytes of a local run. Users are generated (or sliced) one chunk at a time, so only a chunk's
     samples (float64 as generated, plus the working-dtype copy), its statistics and the
-    baselines' per-user d×d Gram matrices are resident; O(n) is just the cohort permutation."""
+    baselines' per-user Gram matrices (local-only's ridge: min(m, d)² a user, the dual form when
+    m < d) are resident; O(n) is just the cohort permutation."""
     n, m, d, k = cfg.n_users, cfg.samples_per_user, cfg.dim, cfg.rank
     item = 4 if cfg.dtype == "float32" else 8
     chunk = min(cfg.chunk_size, n)
     data = chunk * m * (d + 1) * (8 + item) * 2 + n * 8 * 3
     statistics = chunk * (m * d + m * k) * item * 3 + 64 * d * d * item * 2 + (d * k) ** 2 * 8 * 4
-    baselines = chunk * (d * d + m * d) * 8 * 3
+    baselines = chunk * (min(m, d) ** 2 + m * d) * 8 * 3
     return {"data": data, "statistics": statistics, "baselines": baselines}
 
 
@@ -275,9 +297,7 @@ def make_protocol(
         noise_multiplier=0.0,
         cohorts=cfg.cohorts,
         cohort_seed=derived_seed(cfg.seed, "cohorts"),
-        # synthetic users are i.i.d.: cohorts of whole generation blocks are as good as any
-        # partition, and a round then generates only its own cohort (a file's order may mean something)
-        cohort_block=synthetic.BLOCK if cfg.data is None else 1,
+        cohort_block=cohort_block(cfg),
         device_kernels=device_path(cfg.device, cfg.kernels),
         psd=cfg.psd,
         dtype_name=cfg.dtype,
