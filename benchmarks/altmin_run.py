@@ -85,6 +85,8 @@ def whole_run(n: int, args: argparse.Namespace) -> tuple[float, float | None]:
                   baselines="none", dtype=args.dtype, device=args.device, seed=args.seed)
     if "kernels" in exp.config_type.__dataclass_fields__:  # older trees have no device path
         values["kernels"] = args.kernels
+    if "cohort_block" in exp.config_type.__dataclass_fields__:  # n and n/4 cohort alike (auto switches at 65,536)
+        values["cohort_block"] = 1024
     cfg = config.build(exp.config_type, values)
     from fedpers.data import synthetic
 

@@ -77,7 +77,9 @@ class RatingTable:
         def take(flat: Tensor) -> Tensor:
             if flat.numel() == 0:
                 return torch.zeros(inside.shape, dtype=flat.dtype)
-            return torch.where(inside, flat.index_select(0, pos).reshape(inside.shape), torch.zeros((), dtype=flat.dtype))
+            return torch.where(
+                inside, flat.index_select(0, pos).reshape(inside.shape), torch.zeros((), dtype=flat.dtype)
+            )
 
         mask, test = take(self.mask), take(self.test)
         return {
