@@ -121,7 +121,10 @@ def _run(**values) -> dict:
     return execute(EXP, config.build(EXP.config_type, {**SMALL, **values}), write=False, progress=False)
 
 
-@pytest.mark.parametrize("extra", [{}, {"cohorts": "poisson", "sampling_rate": 0.5, "v_star": "normal"}])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, pytest.param({"cohorts": "poisson", "sampling_rate": 0.5, "v_star": "normal"}, marks=pytest.mark.slow)],  # 40 s
+)
 def test_device_kernels_in_float64_on_cpu_give_the_host_run(extra):
     """float64 on the CPU: the device path draws the host's users (docs/fedrep.md), so the run is the host's."""
     host, device = _run(kernels="host", **extra), _run(kernels="device", **extra)
