@@ -9,6 +9,7 @@ from fedpers.data import synthetic
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import AltMinConfig, load_units, make_protocol
 from fedpers.runner import execute
+from tests.synthetic_support import forbid_host_generation
 
 SHAPE = dict(n_users=5000, dim=12, rank=3, samples_per_user=16, rounds=2, epsilon=8.0, baselines="oracle", chunk_size=1500)
 
@@ -63,18 +64,7 @@ def test_the_device_path_never_calls_the_host_generator(monkeypatch, dtype):
     """With --kernels device every user is drawn from generators on the run's device keyed by
     (seed, block, part), in any dtype: the float64 host blocks are never made."""
 
-    def host(*args, **kwargs):
-        raise AssertionError("host-side generation on the device path")
-
-    devices = []
-    real = synthetic._generator
-
-    def spy(seed, *key, device="cpu"):
-        devices.append(torch.device(device))
-        return real(seed, *key, device=device)
-
-    monkeypatch.setattr(synthetic, "_user_block", host)
-    monkeypatch.setattr(synthetic, "_generator", spy)
+    devices = forbid_host_generation(monkeypatch)
     result = _run(dtype=dtype, kernels="device", n_users=2500, baselines="none")
     assert result["subspace_error"] < 1 and devices and all(d.type == "cpu" for d in devices)
 

@@ -14,6 +14,7 @@ from fedpers.experiments.altmin import (
 )
 from fedpers.privacy import Privatizer
 from fedpers.runtime.local import UnitSource, run_local
+from tests.synthetic_support import forbid_host_generation
 
 
 def _full_source(cfg: AltMinConfig) -> UnitSource:
@@ -158,18 +159,7 @@ def test_a_run_counts_its_passes_over_the_users():
 def test_the_device_scheme_never_touches_the_host_generator(monkeypatch):
     """float32 (the scheme a CUDA run uses on its own device) draws every user from generators on
     the tensors' device keyed by (seed, block, part): no float64 host block is ever made."""
-    def host(*args, **kwargs):
-        raise AssertionError("host-side generation on the device path")
-
-    devices = []
-    real = synthetic._generator
-
-    def spy(seed, *key, device="cpu"):
-        devices.append(torch.device(device))
-        return real(seed, *key, device=device)
-
-    monkeypatch.setattr(synthetic, "_user_block", host)
-    monkeypatch.setattr(synthetic, "_generator", spy)
+    devices = forbid_host_generation(monkeypatch)
     u = synthetic.subspace(0, 8, 2)
     out = synthetic.altmin_users(4, torch.arange(2500), u, 8, 0.1, torch.float32, device="cpu")
     assert out["x"].dtype == torch.float32 and devices and all(d.type == "cpu" for d in devices)

@@ -11,13 +11,13 @@ import hashlib
 import math
 
 import pytest
-import torch
 
 from fedpers import config
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.base import derived_seed
 from fedpers.privacy import Ledger
 from fedpers.runner import execute
+from tests.synthetic_support import cohort_permutation_from_config
 
 
 def run_ledger(name: str, values: dict, tmp_path) -> tuple[object, Ledger, int]:
@@ -58,15 +58,7 @@ def test_altmin_ledger_from_config(cohorts, tmp_path):
         expected[f"round{t}.b"] = (q * eta * zeta, 2 * q * eta * zeta, group)
     check(ledger, expected)
     if cohorts == "disjoint":
-        g = torch.Generator().manual_seed(derived_seed(public_seed, "cohorts"))
-        n = cfg.n_users
-        block = cfg.cohort_block or (1024 if cfg.data is None and n >= 65536 else 1)  # the documented auto rule
-        if block == 1:
-            perm = torch.randperm(n, generator=g)
-        else:
-            runs = torch.randperm(-(-n // block), generator=g)  # runs of `block` consecutive ids
-            perm = (runs[:, None] * block + torch.arange(block)).flatten()
-            perm = perm[perm < n]
+        perm, block = cohort_permutation_from_config(cfg, derived_seed(public_seed, "cohorts"))
         digest = hashlib.sha256(perm.numpy().astype("<i8").tobytes()).hexdigest()
         assert {r.params["cohort_digest"] for r in ledger if r.name != "init.W"} == {digest}
         assert {r.params["cohort_block"] for r in ledger if r.name != "init.W"} == {block}

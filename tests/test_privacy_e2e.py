@@ -17,6 +17,7 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.base import derived_seed
 from fedpers.privacy import ALL_UNITS
 from fedpers.runtime.local import run_local
+from tests.synthetic_support import cohort_permutation_from_config
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour, run
 
 torch.set_num_threads(1)
@@ -32,14 +33,7 @@ def setup(name: str, values: dict):
 
 def cohort_of_user(cfg, n: int, rounds: int, j: int) -> int:
     """User j's cohort recomputed from the config alone (not from the protocol object)."""
-    g = torch.Generator().manual_seed(derived_seed(cfg.seed, "cohorts"))
-    block = cfg.cohort_block or (1024 if cfg.data is None and n >= 65536 else 1)  # the documented auto rule
-    if block == 1:
-        perm = torch.randperm(n, generator=g)
-    else:
-        runs = torch.randperm(-(-n // block), generator=g)  # runs of `block` consecutive ids
-        perm = (runs[:, None] * block + torch.arange(block)).flatten()
-        perm = perm[perm < n]
+    perm, _ = cohort_permutation_from_config(cfg, derived_seed(cfg.seed, "cohorts"))
     position = int((perm == j).nonzero()[0, 0])
     return position * rounds // n + 1
 

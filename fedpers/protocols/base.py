@@ -53,13 +53,7 @@ class Message:
     zeroed: int = 0
 
     def __add__(self, other: Message) -> Message:
-        if set(self.stats) != set(other.stats):
-            raise ValueError(f"cannot add messages with statistics {sorted(self.stats)} and {sorted(other.stats)}")
-        return Message(
-            {k: self.stats[k] + other.stats[k] for k in self.stats},
-            self.count + other.count,
-            self.zeroed + other.zeroed,
-        )
+        return self.copy().add_(other)
 
     def is_finite(self) -> bool:
         """No NaN or ±inf in any statistic: read off each tensor's min and max, which carry both
