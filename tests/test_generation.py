@@ -1,6 +1,8 @@
 """Synthetic users generated only where needed, on a pool, in the working dtype (docs/benchmarks.md)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -209,3 +211,42 @@ def test_cohort_blocks_are_whole_generation_blocks_only_for_large_synthetic_popu
     assert block(n_users=80, cohort_block=7) == 7
     with pytest.raises(ValueError, match="cohort_block"):
         config.build(AltMinConfig, dict(cohort_block=-1))
+
+
+@pytest.mark.parametrize(("m", "d"), [(40, 100), (16, 10), (9, 16), (12, 7), (8, 6)])
+def test_a_float64_half_drawn_alone_is_that_half_of_one_whole_draw(m, d):
+    """The float64 host scheme skips the Box–Muller transform of the half a pass does not read
+    (user by user: randn for the half it reads, rand for the other): the same values and the same
+    generator state as one randn of the block, for halves on the transform's 16-value runs
+    ((16, 10), (9, 16), (40, 100)) and for shapes where it draws the block whole ((12, 7), (8, 6))."""
+    for half in (0, 1):
+        whole_g, half_g = synthetic._generator(5, 2, 3), synthetic._generator(5, 2, 3)
+        whole = torch.randn(synthetic.BLOCK, m, d, generator=whole_g, dtype=torch.float64)
+        drawn = synthetic._draw_x(half_g, m, d, (half,), keep=False)
+        a, b = synthetic.half_range(m, half)
+        assert torch.equal(drawn[half], whole[:, a:b])
+        assert torch.equal(half_g.get_state(), whole_g.get_state())
+        assert ("whole" in drawn) == ((m // 2) * d % synthetic.NORMAL_GROUP != 0)
+
+
+def test_a_pass_stopped_early_leaves_no_draw_running(monkeypatch):
+    """A caller that takes one chunk and stops leaves nothing drawing in the background: the pass
+    counts and the block cache stay as it left them (the next chunk's draw is slowed down so that
+    it would still be running)."""
+    from fedpers.experiments import altmin
+
+    take = altmin.AltMinSource.take
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.3)
+        return take(self, *args, **kwargs)
+
+    monkeypatch.setattr(altmin.AltMinSource, "take", slow)
+    cfg = config.build(AltMinConfig, dict(n_users=5000, dim=6, rank=2, samples_per_user=8, dtype="float64"))
+    chunks = unit_source(cfg, samples=(4, 8)).chunks(1500)
+    synthetic.reset_counts()
+    next(chunks)
+    chunks.close()
+    drawn = dict(synthetic.DRAWN)
+    time.sleep(0.6)
+    assert dict(synthetic.DRAWN) == drawn

@@ -73,33 +73,74 @@ BLOCK_CACHE_BYTES = 256 << 20
 """Most bytes of generated user blocks one process keeps (only blocks asked for in part)."""
 
 
-def _user_block(seed: int, blk: int, samples: int, d: int, k: int, partial: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(x, v*, noise) of the BLOCK users of block ``blk`` (float64 scheme). A block asked for in
-    part (a Flower node of a few users) is kept: the next node in this process from the same
-    block — in a Ray simulation any actor serves any node — slices it instead of generating
-    1,024 users again."""
+def _user_block(
+    seed: int, blk: int, samples: int, d: int, k: int, partial: bool, halves: tuple[int, ...] = HALVES
+) -> tuple[dict[int, Tensor], Tensor, Tensor]:
+    """({half: x of that half (BLOCK, |half|, d)}, v*, noise) of the BLOCK users of block ``blk``
+    (float64 scheme). A block asked for in part (a Flower node of a few users) is drawn whole and
+    kept: the next node in this process from the same block — in a Ray simulation any actor
+    serves any node — slices it instead of generating 1,024 users again.
+
+    A block not kept and asked for one half draws only that half's normals (:func:`_draw_x`):
+    the same bits, for about 60 % of the cost."""
     key = (int(seed), int(blk), samples, d, k)
     with _BLOCKS_LOCK:
         if key in _BLOCKS:
             _BLOCKS.move_to_end(key)
-            return _BLOCKS[key]
+            bx, bv, bz = _BLOCKS[key]
+            return {h: bx[:, slice(*half_range(samples, h))] for h in halves}, bv, bz
     g = _generator(seed, _STREAM_USERS, blk)
     keep = partial and BLOCK * samples * d * 8 <= BLOCK_CACHE_BYTES
     # a block not kept is drawn into this thread's reused buffers (the same values: a draw into
     # a contiguous tensor), so a pass does not fault in 33 MB of fresh pages per block
-    bx = torch.empty(BLOCK, samples, d, dtype=torch.float64) if keep else _scratch("x", (BLOCK, samples, d))
+    xs = _draw_x(g, samples, d, HALVES if keep else halves, keep)
     bz = torch.empty(BLOCK, samples, dtype=torch.float64) if keep else _scratch("z", (BLOCK, samples))
-    torch.randn(BLOCK, samples, d, generator=g, dtype=torch.float64, out=bx)
     bv = torch.randn(BLOCK, k, generator=g, dtype=torch.float64)
     torch.randn(BLOCK, samples, generator=g, dtype=torch.float64, out=bz)
     with _COUNT_LOCK:
         DRAWN["float64"] += 2 * BLOCK
     if keep:
         with _BLOCKS_LOCK:
-            _BLOCKS[key] = (bx, bv, bz)
+            _BLOCKS[key] = (xs["whole"], bv, bz)
             while sum(t.numel() * 8 for b in _BLOCKS.values() for t in b) > BLOCK_CACHE_BYTES:
                 _BLOCKS.popitem(last=False)
-    return bx, bv, bz
+    return {h: xs[h] for h in halves}, bv, bz
+
+
+NORMAL_GROUP = 16
+"""torch's CPU ``randn`` of a contiguous tensor of ≥ 16 values draws all its uniforms first (one
+64-bit draw each), then turns each run of 16 into normals by Box–Muller (``normal_fill`` in
+ATen's DistributionTemplates.h); ``rand`` draws the same uniforms, one 64-bit draw each."""
+
+
+def _draw_x(g: torch.Generator, m: int, d: int, halves: tuple[int, ...], keep: bool) -> dict:
+    """x of a block: exactly the normals one ``torch.randn(BLOCK, m, d)`` from ``g`` gives, for
+    the asked-for halves ({half: (BLOCK, |half|, d)}, and "whole" when drawn whole), leaving ``g``
+    where that call would. ``keep``: fresh memory (the block is cached), else this thread's buffers.
+
+    One call draws every uniform and then transforms runs of :data:`NORMAL_GROUP`; as long as
+    every user-half starts and ends on a run boundary, drawing user by user — ``randn`` for a
+    half that is needed, ``rand`` (the same uniforms, no transform) for one that is not — gives
+    the same values and the same generator state, and skips the Box–Muller transform (log,
+    sincos: about 80 % of a float64 draw) of the halves nobody reads. Otherwise the whole block
+    is drawn (tests/test_generation.py checks both against one call)."""
+    spans = {h: half_range(m, h) for h in HALVES}
+    aligned = all((b - a) * d % NORMAL_GROUP == 0 and (b - a) * d >= NORMAL_GROUP for a, b in spans.values())
+    if len(halves) == len(HALVES) or not aligned:
+        bx = torch.empty(BLOCK, m, d, dtype=torch.float64) if keep else _scratch("x", (BLOCK, m, d))
+        torch.randn(BLOCK, m, d, generator=g, dtype=torch.float64, out=bx)
+        return {"whole": bx, **{h: bx[:, a:b] for h, (a, b) in spans.items()}}
+    (want,) = halves
+    a, b = spans[want]
+    out = _scratch("x_half", (BLOCK, b - a, d))
+    skip = _scratch("x_skip", (max(hi - lo for lo, hi in spans.values()) * d,))
+    for j in range(BLOCK):
+        for h, (lo, hi) in spans.items():
+            if h == want:
+                torch.randn(hi - lo, d, generator=g, dtype=torch.float64, out=out[j])
+            else:
+                torch.rand((hi - lo) * d, generator=g, dtype=torch.float64, out=skip[: (hi - lo) * d])
+    return {want: out}
 
 
 _SCRATCH = threading.local()
@@ -251,7 +292,9 @@ def altmin_users(
                 x[rows, a:b] = hx
                 y[rows, a:b] = hy
             return
-        bx, bv, bz = _user_block(seed, blk, samples, d, k, partial=keep_partial_blocks and rows.numel() < BLOCK)
+        xs, bv, bz = _user_block(
+            seed, blk, samples, d, k, partial=keep_partial_blocks and rows.numel() < BLOCK, halves=halves
+        )
         if (
             rows.numel() == BLOCK
             and int(rows[-1]) - int(rows[0]) == BLOCK - 1
@@ -259,11 +302,11 @@ def altmin_users(
         ):
             rows = slice(int(rows[0]), int(rows[0]) + BLOCK)  # a whole block in order: views, no gather
         else:
-            bx, bv, bz = bx[local], bv[local], bz[local]
+            xs, bv, bz = {h: t[local] for h, t in xs.items()}, bv[local], bz[local]
         v[rows] = bv.to(dtype)
         for half in halves:
             a, b = half_range(samples, half)
-            hx = bx[:, a:b]
+            hx = xs[half]
             c, e = where(half)
             x[rows, c:e] = hx.to(dtype)
             y[rows, c:e] = ((hx @ u) @ bv.unsqueeze(-1)).squeeze(-1).add(noise_std * bz[:, a:b]).to(dtype)

@@ -345,7 +345,7 @@ def load_units(
     :func:`fedpers.protocols.altmin.samples_of`); across both, the full m.
     ``keep_partial_blocks`` False: a pass that asks each block once (a local cohort round) keeps
     no partly used block for later callers, so memory stays bounded by the chunk. ``workers``:
-    threads drawing blocks (1 on the background prefetch thread: no thread-count changes).
+    threads drawing blocks (default: the calling thread's torch thread count).
     """
     cfg = resolve(cfg)
     dtype = getattr(torch, cfg.dtype)
@@ -383,7 +383,7 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 PREFETCH = True
-"""Synthetic chunks on the CPU are made one ahead on a background thread while the caller
+"""Synthetic chunks on the CPU are made one ahead, from a background thread, while the caller
 works on the current one (generation overlaps compute; see :class:`AltMinSource`)."""
 _PREFETCHER: list[ThreadPoolExecutor] = []
 os.register_at_fork(after_in_child=_PREFETCHER.clear)  # a forked child has none of the parent's threads
@@ -400,11 +400,15 @@ class AltMinSource(UnitSource):
     it reads (``Protocol.units_needed``), cut at generation-block boundaries so no block is
     drawn twice in a pass.
 
-    On the CPU the next chunk is generated on one background thread, drawing its blocks in
-    order (the same bits as any other way: blocks are keyed by (seed, block)), while the
-    caller computes on the current chunk; the background thread never changes torch's thread
-    count, which the caller's pooled kernels set and restore. One chunk ahead: memory grows
-    by one chunk."""
+    On the CPU the next chunk is generated while the caller computes on the current one: a
+    background thread hands its blocks to the shared pool of single-threaded workers (as many
+    as the caller's torch threads), the same bits as any other way (blocks are keyed by
+    (seed, block)). The pool's workers take generation and the caller's statistics in turn,
+    so both cores stay busy when generation dominates (a float64 host run draws whole
+    Mersenne-Twister blocks: 100,000 users 34 s → 23 s wall against drawing on the background
+    thread alone, docs/benchmarks.md). torch keeps its thread count per thread (OpenMP's
+    per-thread setting), so the background thread setting its own to 1 around the pool does
+    not change the caller's. One chunk ahead: memory grows by one chunk."""
 
     def __init__(self, cfg: AltMinConfig, keys: tuple[str, ...] | None, samples: tuple[int, int] | None = None) -> None:
         self.cfg, self.keys, self.samples = cfg, keys, samples
@@ -428,13 +432,18 @@ class AltMinSource(UnitSource):
                 yield self.take(ids, samples, keep)
             return
         pending = None
-        for i, (ids, samples, keep) in enumerate(jobs):
-            current = self.take(ids, samples, keep) if pending is None else pending.result()
-            pending = None
-            if i + 1 < len(jobs):
-                nxt = jobs[i + 1]
-                pending = _prefetcher().submit(self.take, nxt[0], nxt[1], nxt[2], 1)
-            yield current
+        workers = torch.get_num_threads()
+        try:
+            for i, (ids, samples, keep) in enumerate(jobs):
+                current = self.take(ids, samples, keep) if pending is None else pending.result()
+                pending = None
+                if i + 1 < len(jobs):
+                    nxt = jobs[i + 1]
+                    pending = _prefetcher().submit(self.take, nxt[0], nxt[1], nxt[2], workers)
+                yield current
+        finally:  # a caller that stops early leaves no draw running behind it (block cache, pass counts)
+            if pending is not None and not pending.cancel():
+                pending.exception()
 
     def chunks(self, chunk_size: int) -> Iterator[dict[str, Tensor]]:
         return self._ahead(
