@@ -45,6 +45,10 @@ from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Rel
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 PLD_DISCRETISATION = 1e-4
+COARSE_DISCRETISATION = 1e-3
+"""The PLD grid a calibration first solves on (about 10× faster for Poisson-sampled events,
+whose ε agrees with :data:`PLD_DISCRETISATION`'s to ~1e-6 relative); the result is then checked,
+and if need be re-solved, at :data:`PLD_DISCRETISATION`."""
 Z_MIN = 0.05
 
 
@@ -97,8 +101,9 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
     library (tests/test_accountant_library.py).
     """
 
-    def __init__(self) -> None:
-        super().__init__(REPLACE_ONE, value_discretization_interval=PLD_DISCRETISATION)
+    def __init__(self, discretisation: float = PLD_DISCRETISATION) -> None:
+        super().__init__(REPLACE_ONE, value_discretization_interval=discretisation)
+        self.discretisation = discretisation
 
     def _maybe_compose(self, event: dp_accounting.DpEvent, count: int, do_compose: bool) -> Any:
         if not isinstance(event, (PureDpEvent, EpsilonDeltaDpEvent)):
@@ -114,12 +119,12 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
             one = pld_lib.from_randomized_response(
                 noise_parameter=keep_odds,
                 num_buckets=2,
-                value_discretization_interval=PLD_DISCRETISATION,
+                value_discretization_interval=self.discretisation,
                 neighboring_relation=REPLACE_ONE,
             )
         else:
             one = pld_lib.from_privacy_parameters(
-                DifferentialPrivacyParameters(event.epsilon, delta), value_discretization_interval=PLD_DISCRETISATION
+                DifferentialPrivacyParameters(event.epsilon, delta), value_discretization_interval=self.discretisation
             )
         self._pld: pld_lib.PrivacyLossDistribution = self._pld.compose(one.self_compose(count) if count > 1 else one)
         return None
@@ -204,8 +209,15 @@ def _split_epsilon_delta(event: dp_accounting.DpEvent) -> tuple[list[dp_accounti
     return [event], 0.0, 0.0
 
 
-def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accountant = Accountant.PLD) -> float:
-    """ε at ``delta`` of one (composed) event, replace-one neighbours.
+def event_epsilon(
+    event: dp_accounting.DpEvent,
+    delta: float,
+    accountant: Accountant = Accountant.PLD,
+    *,
+    pld_discretisation: float = PLD_DISCRETISATION,
+) -> float:
+    """ε at ``delta`` of one (composed) event, replace-one neighbours (``pld_discretisation``: the
+    PLD accountant's grid; only calibration's first solve uses another).
 
     Raises :class:`UnsupportedEvent` (a ValueError) for an event ``accountant`` cannot account.
     """
@@ -218,7 +230,14 @@ def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accoun
             if delta_stated >= delta:
                 return math.inf
             rest_eps = (
-                event_epsilon(dp_accounting.ComposedDpEvent(rest), delta - delta_stated, accountant) if rest else 0.0
+                event_epsilon(
+                    dp_accounting.ComposedDpEvent(rest),
+                    delta - delta_stated,
+                    accountant,
+                    pld_discretisation=pld_discretisation,
+                )
+                if rest
+                else 0.0
             )
             return rest_eps + eps_stated
     if accountant is Accountant.ZCDP:
@@ -229,7 +248,7 @@ def event_epsilon(event: dp_accounting.DpEvent, delta: float, accountant: Accoun
         )
         rdp.compose(_map_leaves(event, _rdp_leaf))
         return float(rdp.get_epsilon(delta))
-    pld = _PLDAccountant()
+    pld = _PLDAccountant(pld_discretisation)
 
     def pld_leaf(leaf: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
         if not pld.supports(leaf):
@@ -397,6 +416,26 @@ def _calibrate(
         while eps_at(z) > target_epsilon:
             z *= 1.0 + step
         return z
+
+    if accountant is Accountant.PLD:
+        # solve on the coarse grid, then check at full resolution; re-solve there only if the
+        # coarse answer is not within 0.1% of the target (Poisson-sampled events: ~10× faster)
+        z = _solve(
+            lambda z: event_epsilon(make_event(z), target_delta, accountant, pld_discretisation=COARSE_DISCRETISATION),
+            target_epsilon,
+            target_delta,
+        )
+        eps = eps_at(z)
+        if target_epsilon * (1 - 1e-3) <= eps <= target_epsilon * (1 + 1e-3):
+            while eps > target_epsilon:
+                z *= 1.0 + 1e-4
+                eps = eps_at(z)
+            return z
+    return _solve(eps_at, target_epsilon, target_delta)
+
+
+def _solve(eps_at: Callable[[float], float], target_epsilon: float, target_delta: float) -> float:
+    """Smallest z (to 1e-4 relative) with ``eps_at(z)`` ≤ the target: bracket by doubling, then Brent."""
 
     def gap(log_z: float) -> float:
         return eps_at(math.exp(log_z)) - target_epsilon
