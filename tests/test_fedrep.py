@@ -114,11 +114,11 @@ def test_fedrep_flower_grid_matches_local(tmp_path):
 
 
 # ----- the device code path (--kernels device; run here on CPU tensors) -----------------------------------
-SMALL = {"n_users": 2000, "dim": 10, "rank": 2, "rounds": 3, "baselines": "none"}
+DEVICE_RUN = {"n_users": 2000, "dim": 10, "rank": 2, "rounds": 3, "baselines": "none"}
 
 
 def _run(**values) -> dict:
-    return execute(EXP, config.build(EXP.config_type, {**SMALL, **values}), write=False, progress=False)
+    return execute(EXP, config.build(EXP.config_type, {**DEVICE_RUN, **values}), write=False, progress=False)
 
 
 @pytest.mark.parametrize(
