@@ -519,6 +519,7 @@ def population_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
             getattr(torch, cfg.dtype),
             halves=(),
             device=cfg.device,
+            parts=True if device_path(cfg.device, cfg.kernels) else None,  # the scheme load_units draws them in
         )["v_star"]
         .cpu()
         .double()
