@@ -528,6 +528,7 @@ def population_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
             getattr(torch, cfg.dtype),
             halves=(),
             device=cfg.device,
+            parts=True if device_path(cfg.device, cfg.kernels) else None,  # the scheme load_units draws them in
         )["v_star"]
         .cpu()
         .double()
@@ -542,7 +543,8 @@ class AltMinEvaluator(Evaluator):
 
     def __init__(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> None:
         self.cfg, self.protocol = resolve(cfg), protocol
-        self.u_star = truth(cfg)
+        u_star = truth(cfg)  # on the run's device, beside the released U and the users it scores
+        self.u_star = None if u_star is None else u_star.to(self.cfg.device)
         self.source = unit_source(self.cfg)
         # the evaluation reads the second half (the final local solve on Q3 ∪ Q4) unless
         # local_only is asked for (its ridge uses all m samples)

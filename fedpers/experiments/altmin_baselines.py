@@ -57,7 +57,7 @@ def statistical_error(A: Tensor, b: Tensor, yy: float, u: Tensor, samples: int, 
     rss = max(yy - 2 * float(b @ vec) + float(vec @ A @ vec), 0.0)
     sigma2 = rss / max(samples - params, 1)
     r_inv = torch.linalg.inv(r)
-    weight = torch.kron(r_inv @ r_inv.T, torch.eye(d, dtype=u.dtype) - q @ q.T)
+    weight = torch.kron(r_inv @ r_inv.T, torch.eye(d, dtype=u.dtype, device=u.device) - q @ q.T)
     a_inv = torch.cholesky_inverse(torch.linalg.cholesky(A))
     return math.sqrt(max(sigma2 * float((weight * a_inv).sum()), 0.0))
 
@@ -75,8 +75,8 @@ def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int) -> tuple[T
     d = U.shape[0]
     previous = math.inf
     for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007  (returned: the rounds run)
-        A = torch.zeros(d * rank, d * rank, dtype=torch.float64)
-        b = torch.zeros(d * rank, dtype=torch.float64)
+        A = torch.zeros(d * rank, d * rank, dtype=torch.float64, device=U.device)  # where the users are
+        b = torch.zeros(d * rank, dtype=torch.float64, device=U.device)
         yy, samples, users = 0.0, 0, 0
         for units in source.chunks(chunk_size):
             x = units["x"]
@@ -88,7 +88,7 @@ def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int) -> tuple[T
             yy += float((y.double() ** 2).sum())
             samples, users = samples + y.numel(), users + y.shape[0]
         ridge = 1e-12 * float(A.diagonal().mean().clamp_min(1e-300))
-        A += ridge * torch.eye(d * rank, dtype=A.dtype)
+        A += ridge * torch.eye(d * rank, dtype=A.dtype, device=A.device)
         u = linalg.vec_to_matrix(torch.linalg.solve(A, b), d, rank)
         new = linalg.orthonormal_basis(u)
         moved = float(torch.linalg.matrix_norm(new @ new.T - U @ U.T))

@@ -170,7 +170,7 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if self.u_star is None:
             return {}
-        U = state["U"]
+        U = state["U"].to(self.u_star.device)  # the candidates live on the host, U* and the users on the run's device
         return {
             "subspace_error": metrics.subspace_error(U, self.u_star),
             "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star),
@@ -182,12 +182,14 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
 
     def final(self, state: Any) -> dict[str, Any]:
         extra = {}
+        device = self.cfg.device  # where the users are scored (the candidates live on the host)
         if self.u_star is not None:
-            cands = state["candidates"].double()
+            cands = state["candidates"].to(device, torch.float64)
             proj = cands - self.u_star.double() @ (self.u_star.double().T @ cands)
-            nearest = state["candidates"][int(torch.linalg.matrix_norm(proj).argmin())]
+            nearest = state["candidates"][int(torch.linalg.matrix_norm(proj).argmin())].to(device)
             extra["nearest_candidate"] = (self.candidate_fit(nearest), nearest)
-        out = self.with_baselines({"private": (self.candidate_fit(state["U"]), state["U"])}, extra)
+        U = state["U"].to(device)
+        out = self.with_baselines({"private": (self.candidate_fit(U), U)}, extra)
         out["candidates"] = int(state["candidates"].shape[0])
         return out
 

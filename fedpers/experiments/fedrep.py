@@ -185,7 +185,7 @@ def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -
 
 class FedRepEvaluator(Evaluator):
     def __init__(self, cfg: FedRepConfig) -> None:
-        self.cfg, self.u_star = cfg, truth(cfg)
+        self.cfg, self.u_star = cfg, truth(cfg).to(cfg.device)  # beside the released U it is compared with
         self.source = source(cfg, ("ids", "x_refit", "y_refit", "x_test", "y_test"))
         self.init_U: Tensor | None = None
 
