@@ -227,6 +227,10 @@ def test_a_float64_half_drawn_alone_is_that_half_of_one_whole_draw(m, d):
         assert torch.equal(drawn[half], whole[:, a:b])
         assert torch.equal(half_g.get_state(), whole_g.get_state())
         assert ("whole" in drawn) == ((m // 2) * d % synthetic.NORMAL_GROUP != 0)
+    none_g, whole_g = synthetic._generator(5, 2, 3), synthetic._generator(5, 2, 3)
+    torch.randn(synthetic.BLOCK, m, d, generator=whole_g, dtype=torch.float64)
+    assert synthetic._draw_x(none_g, m, d, (), keep=False) == {}  # v* alone: the generator still moves past x
+    assert torch.equal(none_g.get_state(), whole_g.get_state())
 
 
 def test_a_pass_stopped_early_leaves_no_draw_running(monkeypatch):

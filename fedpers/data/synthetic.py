@@ -123,17 +123,24 @@ def _draw_x(g: torch.Generator, m: int, d: int, halves: tuple[int, ...], keep: b
     half that is needed, ``rand`` (the same uniforms, no transform) for one that is not — gives
     the same values and the same generator state, and skips the Box–Muller transform (log,
     sincos: about 80 % of a float64 draw) of the halves nobody reads. Otherwise the whole block
-    is drawn (tests/test_generation.py checks both against one call)."""
+    is drawn (tests/test_generation.py checks both against one call). No half at all (v* alone)
+    draws only the uniforms."""
     spans = {h: half_range(m, h) for h in HALVES}
     aligned = all((b - a) * d % NORMAL_GROUP == 0 and (b - a) * d >= NORMAL_GROUP for a, b in spans.values())
-    if len(halves) == len(HALVES) or not aligned:
+    if not halves and not keep:  # v* alone (population draws): the uniforms only, a piece at a time
+        total = BLOCK * m * d  # a multiple of 16: one randn of it has no recomputed tail
+        skip = _scratch("x_skip", (min(total, 1 << 20),))
+        for start in range(0, total, skip.numel()):
+            torch.rand(min(skip.numel(), total - start), generator=g, dtype=torch.float64, out=skip[: total - start])
+        return {}
+    if len(halves) != 1 or not aligned:
         bx = torch.empty(BLOCK, m, d, dtype=torch.float64) if keep else _scratch("x", (BLOCK, m, d))
         torch.randn(BLOCK, m, d, generator=g, dtype=torch.float64, out=bx)
         return {"whole": bx, **{h: bx[:, a:b] for h, (a, b) in spans.items()}}
     (want,) = halves
     a, b = spans[want]
     out = _scratch("x_half", (BLOCK, b - a, d))
-    skip = _scratch("x_skip", (max(hi - lo for lo, hi in spans.values()) * d,))
+    skip = _scratch("x_skip", ((m - (b - a)) * d,))
     for j in range(BLOCK):
         for h, (lo, hi) in spans.items():
             if h == want:
