@@ -113,7 +113,16 @@ def main() -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "device", "host"], help="code path (auto: device on cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="interleaved repetitions (the minimum of each is kept)")
+    p.add_argument("--malloc", default="reuse", choices=["reuse", "system"],
+                   help="reuse: the fedpers command's malloc policy (fedpers.memory.reuse_freed_memory); system: glibc's")
     args = p.parse_args()
+    try:
+        from fedpers.memory import reuse_freed_memory
+    except ImportError:  # an older tree: glibc's policy, as its fedpers command had
+        reuse_freed_memory = None
+    malloc = "system"
+    if args.malloc == "reuse" and reuse_freed_memory is not None and reuse_freed_memory():
+        malloc = "reuse"
     dtype = getattr(torch, args.dtype)
     shape = (args.samples, args.dim, args.rank, args.rounds, 1.0 / args.rounds)  # disjoint cohorts: a 1/T share each round
     best: dict[str, float] = {}
@@ -138,7 +147,7 @@ def main() -> None:
         "marginal_ratio": round((best[f"run{n}"] - best[f"run{small}"]) / (floor[n] - floor[small]), 2),
         "users_per_s": round(n / best[f"run{n}"]),
         "gflops": round(run_flops(n, *shape) / 1e9, 1), "normals_M": round(run_normals(n, *shape) / 1e6),
-        "passes": passes.get(n),
+        "passes": passes.get(n), "malloc": malloc,
     }
     print(json.dumps(report))
 

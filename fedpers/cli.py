@@ -711,6 +711,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     if args.command != "deploy":  # `deploy run` streams Flower's own log: left as Flower prints it
         quiet_third_party(verbose)
+    if args.command in ("run", "resume", "sweep", "audit"):
+        from fedpers.memory import reuse_freed_memory
+
+        reuse_freed_memory()
     try:
         commands = {
             "run": cmd_run,
