@@ -67,7 +67,14 @@ def main() -> None:
     ap.add_argument("--items-per-user", type=int, default=100)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--kernels", default="auto", help="auto (device kernels on cuda), device or host")
+    ap.add_argument("--malloc", default="reuse", choices=["reuse", "system"],
+                    help="reuse: the fedpers command's malloc policy (fedpers.memory.reuse_freed_memory); system: glibc's")
     a = ap.parse_args()
+    malloc = "system"
+    if a.malloc == "reuse":
+        from fedpers.memory import reuse_freed_memory
+
+        malloc = "reuse" if reuse_freed_memory() else "system"
     device = torch.device(a.device)
     kernels = device_path(a.device, a.kernels)
     g = torch.Generator().manual_seed(0)
@@ -139,7 +146,7 @@ def main() -> None:
     print(
         f"users={a.users} items={a.items} ratings={total} (padded {padded}) k={k} B={a.items_per_user} "
         f"contributed={contributed} chunk={a.chunk} device={device} kernels={'device' if kernels else 'host'} "
-        f"threads={torch.get_num_threads()} load average at start={load[0]:.1f}"
+        f"threads={torch.get_num_threads()} malloc={malloc} load average at start={load[0]:.1f}"
     )
     print(
         f"per-item statistics: {t_stats:.2f} s   whole step: {t_step:.2f} s   "
