@@ -156,8 +156,15 @@ def _ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
     out = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
     failed = (info != 0).nonzero(as_tuple=True)
     if failed[0].numel():  # per problem, so the answer never depends on its batch-mates
-        out[failed] = torch.linalg.lstsq(gram[failed], rhs[failed].unsqueeze(-1)).solution.squeeze(-1)
+        out[failed] = lstsq_rank_revealing(gram[failed], rhs[failed].unsqueeze(-1)).squeeze(-1)
     return out.to(features.dtype)
+
+
+def lstsq_rank_revealing(a: Tensor, b: Tensor) -> Tensor:
+    """Least squares of the few systems a Cholesky refused (near-singular), on the host: CUDA's
+    ``lstsq`` has only the ``gels`` driver, which assumes full rank — exactly what these systems
+    lack — while the CPU's default (``gelsy``) reveals the rank. A no-op move on the CPU."""
+    return torch.linalg.lstsq(a.cpu(), b.cpu()).solution.to(a.device)
 
 
 def kron_vvT_sum(v: Tensor, s: Tensor) -> Tensor:

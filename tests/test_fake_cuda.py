@@ -168,3 +168,18 @@ def test_copies_and_syncs_are_counted_with_the_fedpers_line_that_made_them():
         fc.traffic.reset()
         linalg.orthonormal_basis(dev)
         assert fc.traffic.h2d == fc.traffic.d2h == 0
+
+
+def test_the_rank_revealing_fallback_solves_on_the_host_what_cuda_cannot():
+    """The systems a Cholesky refused are near-singular; CUDA's lstsq (gels) assumes full rank, so the
+    fallback of the ridge solves runs them on the host and returns the host's answer on the device."""
+    a = torch.tensor([[[1.0, 2.0], [2.0, 4.0]]], dtype=torch.float64)  # rank 1
+    b = torch.tensor([[[1.0], [2.0]]], dtype=torch.float64)
+    expected = torch.linalg.lstsq(a, b).solution
+    with fake_cuda():
+        da, db = a.to("cuda"), b.to("cuda")
+        with pytest.raises(RuntimeError, match="gels"):
+            torch.linalg.lstsq(da, db, driver="gelsy")  # what the CPU default would ask of CUDA
+        got = linalg.lstsq_rank_revealing(da, db)
+        assert got.is_cuda
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-12, atol=1e-12)  # the minimum-norm (0.2, 0.4)

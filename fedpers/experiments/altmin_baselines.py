@@ -124,6 +124,6 @@ def local_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:
     alpha = torch.cholesky_solve(y.unsqueeze(-1), chol)
     failed = (info != 0).nonzero(as_tuple=True)
     if failed[0].numel():  # per user, so the answer never depends on its batch-mates
-        alpha[failed] = torch.linalg.lstsq(gram[failed], y[failed].unsqueeze(-1)).solution
+        alpha[failed] = linalg.lstsq_rank_revealing(gram[failed], y[failed].unsqueeze(-1))
     theta = (x.transpose(-1, -2) @ alpha).squeeze(-1)
     return torch.where(bad[:, None], torch.full_like(theta, math.nan), theta)

@@ -244,6 +244,8 @@ class FedRepEvaluator(Evaluator):
             accountant=cfg.accountant,
             seed=cfg.seed,
             dtype=cfg.dtype,
+            device=cfg.device,
+            kernels=cfg.kernels,
             chunk_size=cfg.chunk_size,
             baselines="none",
         )
