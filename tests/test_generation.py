@@ -37,7 +37,7 @@ def _stats(proto, source: UnitSource, chunk: int) -> tuple[dict, list]:
     return state, stats
 
 
-@pytest.mark.parametrize("cohorts", ["disjoint", pytest.param("poisson", marks=pytest.mark.slow), "all"])  # poisson: ~100 s (PLD calibration)
+@pytest.mark.parametrize("cohorts", ["disjoint", pytest.param("poisson", marks=pytest.mark.slow), "all"])  # poisson: ~20 s
 def test_cohort_only_generation_gives_the_statistics_and_result_of_full_generation(cohorts):
     extra = {"sampling_rate": 0.4} if cohorts == "poisson" else {}
     cfg = config.build(AltMinConfig, dict(n_users=2600, dim=6, rank=2, samples_per_user=8, rounds=3, cohorts=cohorts, epsilon=8.0, **extra))
