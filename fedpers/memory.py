@@ -52,11 +52,9 @@ def reuse_freed_memory() -> bool:
 
     By default glibc serves every allocation above 32 MiB with a fresh ``mmap`` and unmaps it on
     free, so each chunk's tensors (65–130 MB at 4,096 users, d = 100) are faulted in and zeroed
-    by the kernel page by page, every chunk of every pass: a million-user AltMin run with every
-    baseline spent 134 of its 593 CPU seconds in the kernel (docs/benchmarks.md). With mmap off
-    and trimming only above 2 GiB of free heap, a chunk reuses the last one's pages. The cost is
-    that the process keeps its high-water mark of heap (the peak RSS of a 100,000-user run with
-    baselines: 0.95 → 1.08 GiB). Called by the ``fedpers`` command for the commands that run
+    by the kernel page by page, every chunk of every pass. With mmap off and trimming only above
+    2 GiB of free heap, a chunk reuses the last one's pages; the cost is that the process keeps
+    its high-water mark of heap (both measured in docs/benchmarks.md). Called by the ``fedpers`` command for the commands that run
     work (a library caller keeps its own policy); ``FEDPERS_MALLOC=system`` leaves glibc's.
     Returns whether the setting took (False off glibc)."""
     if os.environ.get("FEDPERS_MALLOC", "") == "system":

@@ -404,9 +404,8 @@ class AltMinSource(UnitSource):
     background thread hands its blocks to the shared pool of single-threaded workers (as many
     as the caller's torch threads), the same bits as any other way (blocks are keyed by
     (seed, block)). The pool's workers take generation and the caller's statistics in turn,
-    so both cores stay busy when generation dominates (a float64 host run draws whole
-    Mersenne-Twister blocks: 100,000 users 34 s → 23 s wall against drawing on the background
-    thread alone, docs/benchmarks.md). torch keeps its thread count per thread (OpenMP's
+    so both cores stay busy when generation dominates, as in a float64 host run (measured in
+    docs/benchmarks.md, "Synthetic users"). torch keeps its thread count per thread (OpenMP's
     per-thread setting), so the background thread setting its own to 1 around the pool does
     not change the caller's. One chunk ahead: memory grows by one chunk."""
 
