@@ -32,13 +32,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from flower_support import Processes, start_loopback_federation, write_connection  # noqa: E402
+
 from fedpers import config as config_lib  # noqa: E402
+from fedpers.app import run_flower  # noqa: E402
 from fedpers.experiments import EXPERIMENTS  # noqa: E402
 from fedpers.privacy import Privatizer  # noqa: E402
 from fedpers.runner import RuntimeOptions, split_seed  # noqa: E402
-from fedpers.app import run_flower  # noqa: E402
 from fedpers.runtime.local import run_local  # noqa: E402
-from flower_support import Processes, start_loopback_federation, write_connection  # noqa: E402
 
 EXP = EXPERIMENTS["altmin"]
 

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from fedpers import config as config_lib
+from fedpers.app import run_flower
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Privatizer
 from fedpers.runner import RuntimeOptions, split_seed
-from fedpers.app import run_flower
 from fedpers.runtime.local import run_local
 
 EXP = EXPERIMENTS["altmin"]

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fedpers.sweep import run_sweep
+from fedpers.sweeps.run import run_sweep
 
 
 def table(out: Path) -> list[dict[str, str]]:

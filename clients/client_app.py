@@ -12,7 +12,7 @@ import importlib.util as _util
 from pathlib import Path as _Path
 
 _spec = _util.spec_from_file_location(
-    "_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "integrity.py"
+    "_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "deploy" / "integrity.py"
 )
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_integrity)  # type: ignore[union-attr]

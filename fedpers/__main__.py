@@ -1,5 +1,5 @@
 import sys
 
-from fedpers.cli import main
+from fedpers.commands.cli import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ from typing import Any
 from fedpers import config as config_lib
 from fedpers.experiments.base import Experiment
 from fedpers.privacy import Calibrations, Privatizer
-from fedpers.results import LEDGER_LOG, RunDirectory, default_run_dir
+from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.driver import RoundRecord
 from fedpers.runtime.options import Runtime, RuntimeOptions
 from fedpers.seeds import split_seed
@@ -59,9 +59,9 @@ def execute(
     """Run ``cfg`` and return the result dict (also written to ``out`` unless ``write`` is false).
 
     The steps: :func:`resolve` the run, open (or resume) its run directory
-    (:meth:`RunDirectory.start <fedpers.results.RunDirectory.start>` / :func:`resume_directory`),
+    (:meth:`RunDirectory.start <fedpers.results.rundir.RunDirectory.start>` / :func:`resume_directory`),
     :func:`drive` the protocol on the runtime, evaluate (the experiment's Evaluator), and record
-    (:meth:`RunDirectory.finish <fedpers.results.RunDirectory.finish>`). ``grid``: a Flower Grid
+    (:meth:`RunDirectory.finish <fedpers.results.rundir.RunDirectory.finish>`). ``grid``: a Flower Grid
     (inside a ServerApp started by ``flwr run``) to run on instead of starting a simulation; only
     with the flower runtime. ``resume``: continue the killed run in ``out`` from its last
     checkpoint (see :func:`resume_run`).
@@ -105,7 +105,7 @@ def resolve(
 def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tuple[RunDirectory, Any]:
     """The run directory (``out``, or a new one under ``runs/``) started, or resumed from its
     checkpoint; every release is written there the moment it is drawn."""
-    from fedpers.provenance import provenance
+    from fedpers.results.provenance import provenance
     from fedpers.runtime.checkpoint import Checkpointer
 
     path = out if out else default_run_dir(plan.experiment.name, getattr(plan.given, "seed", 0))
@@ -195,7 +195,7 @@ CHECKPOINT = "checkpoint.pt"
 def _digest(saved: dict[str, Any]) -> str:
     import hashlib
 
-    from fedpers.results import dumps
+    from fedpers.results.rundir import dumps
 
     return hashlib.sha256(dumps(saved, indent=None).encode()).hexdigest()
 
@@ -211,7 +211,7 @@ def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Any, recor
     import json
 
     from fedpers.privacy.ledger import Ledger, Release
-    from fedpers.results import dumps
+    from fedpers.results.rundir import dumps
     from fedpers.runtime import checkpoint as checkpoint_lib
 
     saved = plan.saved

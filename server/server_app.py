@@ -10,7 +10,7 @@ import importlib.util as _util
 from pathlib import Path as _Path
 
 _spec = _util.spec_from_file_location(
-    "_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "integrity.py"
+    "_fedpers_fab_integrity", _Path(__file__).resolve().parents[1] / "fedpers" / "deploy" / "integrity.py"
 )
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_integrity)  # type: ignore[union-attr]
@@ -23,7 +23,7 @@ from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedpers.app import from_run_config
-from fedpers.results import dumps
+from fedpers.results.rundir import dumps
 from fedpers.runner import execute, resume_run
 
 app = ServerApp()
@@ -33,7 +33,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     job = from_run_config(context.run_config)
     # --- issue 23: the lab's policy ($FEDPERS_POLICY) before any work; the run is charged to the federation's ledger ---
-    from fedpers.policy import active_policy, admit_run
+    from fedpers.runtime.flower.policy import active_policy, admit_run
 
     policy = active_policy()
     if policy is not None:

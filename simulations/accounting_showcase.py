@@ -16,9 +16,9 @@ from pathlib import Path
 
 from fedpers import config as config_lib
 from fedpers.experiments import experiment
-from fedpers.plots import grid_ticks
+from fedpers.results.plots import grid_ticks
 from fedpers.runner import execute
-from fedpers.sweep import load_spec, run_sweep
+from fedpers.sweeps.run import load_spec, run_sweep
 
 HERE = Path(__file__).resolve().parent
 SWEEPS = {"altmin": ("accounting_showcase.toml", "subspace_error"), "noisyhead": ("accounting_showcase_noisyhead.toml", "excess_risk")}

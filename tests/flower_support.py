@@ -21,8 +21,8 @@ from flwr.app import Context, Error, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
-from fedpers.runtime.flower import codec
 from fedpers.app import build_node
+from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.client import handle_query, handle_train
 
 FAULTS = ("raise", "nan", "huge", "overclaim", "silent", "replay", "asymmetric", "partition-count")

@@ -12,9 +12,21 @@ import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
-from fedpers import cli, config
+from fedpers import config
+from fedpers.commands import cli
 from fedpers.experiments import experiment
-from fedpers.privacy import ALL_UNITS, Accountant, Calibrations, EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release, UnsupportedEvent, event_epsilon, ledger_epsilon
+from fedpers.privacy import (
+    ALL_UNITS,
+    Accountant,
+    Calibrations,
+    EpsilonDeltaDpEvent,
+    Ledger,
+    PureDpEvent,
+    Release,
+    UnsupportedEvent,
+    event_epsilon,
+    ledger_epsilon,
+)
 from fedpers.privacy import accountant as accountant_lib
 from fedpers.privacy.ledger import event_from_dict, event_to_dict
 

@@ -13,9 +13,9 @@ import inspect
 import pytest
 import torch
 
-from fedpers import audit as audit_lib
 from fedpers import config as config_lib
 from fedpers import linalg
+from fedpers.commands import audit as audit_lib
 from fedpers.experiments import experiment
 from fedpers.privacy import Privatizer
 from fedpers.privacy import audit as audit_math
@@ -100,7 +100,7 @@ def test_canary_count_is_checked_before_any_run():
 
 
 def test_cli_audit_prints_proven_and_lower_bounds(capsys):
-    from fedpers.cli import main
+    from fedpers.commands.cli import main
 
     assert main(["audit", "altmin", "--canaries", "6", "--runs", "2", "--epsilon", "3"]) == 0
     out = capsys.readouterr().out

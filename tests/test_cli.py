@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedpers.cli import main
+from fedpers.commands.cli import main
 from fedpers.data import synthetic
 from fedpers.data.files import save_altmin_npz
 
@@ -124,9 +124,9 @@ def test_config_file_is_read_and_flags_override_it(tmp_path, capsys):
 
 
 def test_a_failed_run_keeps_its_rounds_and_says_why(tmp_path, monkeypatch):
+    from fedpers import config as config_lib
     from fedpers.experiments import EXPERIMENTS
     from fedpers.protocols.altmin import AltMinProtocol
-    from fedpers import config as config_lib
     from fedpers.runner import execute
 
     original = AltMinProtocol.server_update

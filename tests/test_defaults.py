@@ -9,7 +9,7 @@ import math
 import pytest
 
 from fedpers import config as config_lib
-from fedpers.cli import main, print_summary
+from fedpers.commands.cli import main, print_summary
 from fedpers.experiments import ALGORITHMS, experiment
 from fedpers.experiments.base import Trivial, check_trivial, trivial_value
 from fedpers.runner import execute

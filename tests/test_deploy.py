@@ -10,7 +10,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
-from fedpers.cli import main
+from fedpers.commands.cli import main
 
 
 def test_certs_chain_hosts_keys_and_permissions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -71,7 +71,7 @@ def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_nod
     for p in out.rglob("*"):
         assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
     text = (out / "commands.txt").read_text()
-    from fedpers.recipe import steps
+    from fedpers.deploy.recipe import steps
 
     lines = steps(text)
     link = [c for m, c in lines if c.startswith("flower-superlink")][0]

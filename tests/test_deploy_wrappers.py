@@ -167,7 +167,7 @@ def test_with_trusted_apps_other_task_types_never_reach_flowers_executor(monkeyp
 
 def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_guard() -> None:
     """Issue 23: with --trust-app, every ServerApp task is launched by Flower's executor with
-    flwr-serverapp replaced by `python -m fedpers.appguard` (which refuses an unlisted FAB on its bytes)."""
+    flwr-serverapp replaced by `python -m fedpers.deploy.appguard` (which refuses an unlisted FAB on its bytes)."""
     import sys
 
     from flwr.supercore.constant import TaskType
@@ -184,7 +184,7 @@ def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_g
     executor.fallback, executor.trusted = types.SimpleNamespace(launch=launch), frozenset({"a" * 64})
     for i, digest in enumerate(["b" * 64, "a" * 64, None]):  # unlisted, listed, unknown: all through the guard, never Flower's own
         assert executor.launch(types.SimpleNamespace(task_type=TaskType.SERVER_APP, task_id=i + 1, fab_hash=digest)).status == "accepted"
-    from fedpers.appguard import _GuardedLauncher
+    from fedpers.deploy.appguard import _GuardedLauncher
 
     assert len(commands) == 3 and all(isinstance(c, _GuardedLauncher) for c in commands)
     assert flower.subprocess.__name__ == "subprocess"  # restored after each launch
@@ -199,7 +199,7 @@ def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_g
         guard.Popen(["flwr-clientapp", "--token", "t"])
     finally:
         subprocess.Popen = real
-    assert started == [[sys.executable, "-m", "fedpers.appguard", "--token", "t"], ["flwr-clientapp", "--token", "t"]]
+    assert started == [[sys.executable, "-m", "fedpers.deploy.appguard", "--token", "t"], ["flwr-clientapp", "--token", "t"]]
 
 
 def test_app_hash_is_the_hash_of_the_fab_flwr_run_sends(tmp_path: Path) -> None:
@@ -233,7 +233,7 @@ def test_an_unchecked_flower_series_is_refused_with_what_to_do(command: str, mon
     """Before anything of Flower is patched: the message names the version, Flower's own command and the pip range."""
     import flwr
 
-    from fedpers.cli import main
+    from fedpers.commands.cli import main
 
     monkeypatch.setattr(flwr, "__version__", "1.43.0")
     monkeypatch.setattr(sys, "argv", sys.argv[:])

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from fedpers import config
-from fedpers.cli import main
+from fedpers.commands.cli import main
 from fedpers.data import synthetic
 from fedpers.experiments import EXPERIMENTS, altmin
 from fedpers.experiments import noisyhead_mc as mc

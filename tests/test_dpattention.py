@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedpers import config
-from fedpers.cli import main
+from fedpers.commands.cli import main
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.dpattention import DpAttentionConfig, params
 from fedpers.privacy import (

@@ -6,7 +6,7 @@ import torch
 from scipy import stats
 
 from fedpers import config
-from fedpers.cli import main
+from fedpers.commands.cli import main
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.expmech import ExpMechConfig, make_protocol
 from fedpers.privacy import Privatizer, PureDpEvent

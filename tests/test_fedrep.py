@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from fedpers import config
+from fedpers.app import make_client_app
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import ALL_UNITS, event_epsilon
 from fedpers.protocols.fedrep import FedRepProtocol
 from fedpers.runner import Runtime, RuntimeOptions, execute
-from fedpers.app import make_client_app
 from fedpers.runtime.local import run_local
 from tests.flower_support import InProcessGrid
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour

@@ -10,11 +10,12 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedpers import config as config_lib
+from fedpers.app import from_run_config, parse_pairs
 from fedpers.experiments import EXPERIMENTS
 from fedpers.protocols.base import Message
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.partition import unit_ranges
-from fedpers.app import from_run_config, parse_pairs
+
 
 def test_reply_round_trip_keeps_values_and_dtypes():
     msg = Message({"A": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float32)}, 7, 2)

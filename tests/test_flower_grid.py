@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from fedpers import config as config_lib
+from fedpers.app import build_node, make_client_app, run_flower
 from fedpers.data.files import save_altmin_npz
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Privatizer
-from fedpers.results import read_run
+from fedpers.results.rundir import read_run
 from fedpers.runner import Runtime, RuntimeOptions, execute, split_seed
 from fedpers.runtime.driver import RoundFailed
-from fedpers.app import build_node, make_client_app, run_flower
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.local import run_local

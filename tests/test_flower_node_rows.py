@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from fedpers import config as config_lib
+from fedpers.app import build_node
 from fedpers.data import files
 from fedpers.experiments import EXPERIMENTS
-from fedpers.app import build_node
 from fedpers.runtime.flower import client, codec
 
 EXP = EXPERIMENTS["altmin"]
@@ -46,6 +46,7 @@ def test_node_cache_loads_units_once_across_processes_and_notices_a_changed_file
     """With $FEDPERS_NODE_CACHE a new ClientApp process (here: cleared in-memory caches) reuses
     the units an earlier one loaded; a data file rewritten since is read again."""
     import os
+
     import torch
 
     n, m, d, k = 200, 8, 5, 2

@@ -25,9 +25,9 @@ import torch
 
 from fedpers import config as config_lib
 from fedpers.data.files import save_altmin_npz
+from fedpers.deploy.recipe import steps
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import truth
-from fedpers.recipe import steps
 from tests.flower_support import Processes, free_port
 
 pytestmark = pytest.mark.slow
@@ -159,7 +159,7 @@ def test_honest_run_completes_with_the_local_result(recipe):
     torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-5)
     ledger = json.loads((recipe.link / "lab-budget.json").read_text())
     assert [(c["epsilon"], c["units"]) for c in ledger["charges"]] == [(4.0, [0, 150])]
-    assert "started through fedpers.appguard" in (recipe.work / "superexec.log").read_text()
+    assert "started through fedpers.deploy.appguard" in (recipe.work / "superexec.log").read_text()
     print("RUNLOG", done.stdout[-6000:])
     for i in range(3):  # the node cache of raw user data: 0700, files 0600
         cache = recipe.certs / f"supernode-{i}" / "cache"
@@ -222,10 +222,10 @@ def test_rogue_superexec_without_the_secret_gets_no_run(recipe):
     rogue, rogue_log = recipe.procs.start("rogue-superexec", ["flower-superexec", "--runtime-api-address", f"127.0.0.1:{recipe.link_port}", "--root-certificates", ca])
     remote, remote_log = recipe.procs.start("rogue-remote", ["flower-superexec", "--runtime-api-address", f"127.0.0.1:{recipe.port}", "--root-certificates", ca])
     time.sleep(3)
-    before = (recipe.work / "superexec.log").read_text().count("started through fedpers.appguard")
+    before = (recipe.work / "superexec.log").read_text().count("started through fedpers.deploy.appguard")
     done = recipe.run(honest(recipe, recipe.work / "runs" / "second", epsilon="2.0"))
     assert done.returncode == 0 and "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (recipe.work / "superexec.log").read_text().count("started through fedpers.appguard") == before + 1  # the lab's SuperExec ran it
+    assert (recipe.work / "superexec.log").read_text().count("started through fedpers.deploy.appguard") == before + 1  # the lab's SuperExec ran it
     for proc, log in ((rogue, rogue_log), (remote, remote_log)):
         text = log.read_text()
         assert "flwr-serverapp" not in text and "Launch" not in text, text[-2000:]
@@ -249,7 +249,7 @@ def test_a_run_beyond_the_federations_budget_is_refused_before_any_release(recip
     """Users 0..149 have spent (after the earlier tests) 6 of the lab's 8; a run of epsilon=4 is
     refused by the budget ledger before discovery, and nothing is charged. (Run alone, the test
     first spends the budget with a run of its own.)"""
-    from fedpers.policy import BudgetLedger
+    from fedpers.runtime.flower.policy import BudgetLedger
 
     ledger = BudgetLedger(recipe.link / "lab-budget.json", "lab")
     spent = ledger.spent((0, 150))[0]

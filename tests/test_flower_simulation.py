@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from fedpers import config as config_lib
+from fedpers.app import run_flower
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Privatizer
 from fedpers.runner import RuntimeOptions, execute, split_seed
-from fedpers.app import run_flower
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.local import run_local
 from tests.flower_support import faulty_client_app, free_port, start_ray, stop_processes, wait_for_ray_nodes

@@ -13,21 +13,21 @@ import fedpers
 ROOT = Path(fedpers.__file__).parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # top: commands a user types
-    ("fedpers.__main__", "fedpers.cli", "fedpers.sweep", "fedpers.sweep_points", "fedpers.sweep_spec", "fedpers.compare",
-     "fedpers.privacy_report", "fedpers.audit", "fedpers.tuning", "fedpers.report", "fedpers.tracking"),
-    ("fedpers.deploy", "fedpers.appguard", "fedpers.fleetproxy", "fedpers.recipe"),  # optional: the only code touching Flower's private internals; nothing below imports it
-    ("fedpers.runner", "fedpers.app"),  # resolve a config (or a Flower run config) into a run on a runtime
+    ("fedpers.__main__", "fedpers.commands"),  # top: what a user types (cli, audit, compare, report, privacy, tracking)
+    ("fedpers.sweeps",),  # grids of runs and private selection over them
+    ("fedpers.deploy",),  # optional: every piece of a deployment; the only code touching Flower's private internals
+    ("fedpers.runner", "fedpers.app"),  # a config becomes a plan, the plan a run on a runtime (app: Flower run-config)
     ("fedpers.experiments",),  # one module per algorithm
-    ("fedpers.runtime",),  # drive a protocol (local, flower): never look up experiments
+    ("fedpers.runtime",),  # drive a protocol (local, flower) and enforce the lab's policy on it: never look up experiments
     ("fedpers.protocols",),
     ("fedpers.privacy",),  # the one place noise is added
     ("fedpers.linalg",),
-    # bottom: loaders, run records, pure helpers
-    ("fedpers", "fedpers.data", "fedpers.results", "fedpers.metrics", "fedpers.config", "fedpers.plots",
-     "fedpers.seeds", "fedpers.summaries", "fedpers.memory", "fedpers.provenance", "fedpers.pools"),
+    ("fedpers.data",),  # loaders and generators of units
+    # bottom: run records and leaf helpers
+    ("fedpers", "fedpers.results", "fedpers.config", "fedpers.metrics", "fedpers.seeds", "fedpers.memory", "fedpers.pools"),
 )
-"""Top to bottom; a module may import its own layer and the layers below it."""
+"""Top to bottom; a module may import its own layer and the layers below it. Every module of fedpers/ must
+be named here, itself or through its package: the root ``fedpers`` names only ``fedpers/__init__.py``."""
 
 KNOWN_CYCLES: set[frozenset[str]] = set()
 """Circles still to break (each must still exist: a stale entry fails the test)."""
@@ -60,20 +60,33 @@ def graph(root: Path = ROOT) -> dict[str, set[str]]:
     return edges
 
 
-def layer(module: str) -> int:
-    """Index of the layer holding ``module`` (the longest matching prefix wins)."""
+def layer(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> int:
+    """Index of the layer holding ``module`` (the longest matching name wins; the bare root package
+    matches only itself, so an unlisted module is never taken for the root's)."""
     best, index = -1, -1
-    for i, names in enumerate(LAYERS):
+    for i, names in enumerate(layers):
         for prefix in names:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+            nested = "." in prefix and module.startswith(prefix + ".")
+            if (module == prefix or nested) and len(prefix) > best:
                 best, index = len(prefix), i
     if index < 0:
         raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
     return index
 
 
-def upward(edges: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if layer(b) < layer(a))
+def unlisted(edges: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """Modules of the graph that no layer names."""
+    missing = []
+    for module in sorted(edges):
+        try:
+            layer(module, layers)
+        except AssertionError:
+            missing.append(module)
+    return missing
+
+
+def upward(edges: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if layer(b, layers) < layer(a, layers))
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -111,6 +124,11 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def test_every_module_is_named_in_a_layer() -> None:
+    missing = unlisted(graph())
+    assert not missing, "modules in no layer (name them, or their package, in LAYERS):\n  " + "\n  ".join(missing)
+
+
 def test_every_import_points_down_the_layers() -> None:
     bad = upward(graph())
     assert not bad, "imports that point up the layers:\n  " + "\n  ".join(bad)
@@ -124,23 +142,36 @@ def test_no_circles_of_imports() -> None:
     assert not gone, f"known circles that are gone (delete them from KNOWN_CYCLES): {gone}"
 
 
-def test_the_checks_catch_an_upward_import_and_a_circle(tmp_path: Path) -> None:
-    """A planted upward import (runtime → experiments) and a planted circle both fail the checks."""
+def test_the_checks_catch_an_upward_import_a_circle_and_an_unlisted_module(tmp_path: Path) -> None:
+    """A planted upward import (runtime → experiments), a planted circle and a planted module that no
+    layer names (beside the root package, which names only its own ``__init__``) all fail the checks."""
     pkg = tmp_path / "fedpers"
-    for rel in ("__init__.py", "runtime/__init__.py", "runtime/local.py", "experiments/__init__.py", "experiments/a.py", "experiments/b.py"):
+    for rel in (
+        "__init__.py",
+        "stray.py",
+        "runtime/__init__.py",
+        "runtime/local.py",
+        "experiments/__init__.py",
+        "experiments/a.py",
+        "experiments/b.py",
+    ):
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text("")
     (pkg / "runtime/local.py").write_text("def f():\n    from fedpers.experiments import a\n")
     (pkg / "experiments/a.py").write_text("from fedpers.experiments import b\n")
     (pkg / "experiments/b.py").write_text("from . import a\n")
+    (pkg / "stray.py").write_text("from fedpers.runtime import local\n")
+    layers = (("fedpers.experiments",), ("fedpers.runtime",), ("fedpers",))
     edges = graph(pkg)
-    assert upward(edges) == ["fedpers.runtime.local -> fedpers.experiments.a"]
+    assert unlisted(edges, layers) == ["fedpers.stray"]
+    del edges["fedpers.stray"]
+    assert upward(edges, layers) == ["fedpers.runtime.local -> fedpers.experiments.a"]
     assert cycles(edges) == [["fedpers.experiments.a", "fedpers.experiments.b"]]
 
 
 def test_seeds_and_summaries_are_leaves() -> None:
     edges = graph()
-    for leaf in ("fedpers.seeds", "fedpers.summaries"):
+    for leaf in ("fedpers.seeds", "fedpers.results.summaries"):
         assert edges[leaf] == set(), leaf
 
 
@@ -165,7 +196,7 @@ def test_a_local_run_imports_neither_flower_nor_ray(tmp_path) -> None:
     import sys
 
     code = (
-        "import sys; from fedpers.cli import main; "
+        "import sys; from fedpers.commands.cli import main; "
         f"main(['run', 'altmin', '--n-users', '400', '--quiet', '--baselines', 'none', '--out', {str(tmp_path / 'run')!r}]); "
         "print(sorted(m for m in ('flwr', 'ray', 'pyarrow') if m in sys.modules))"
     )

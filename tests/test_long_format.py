@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from fedpers import config
+from fedpers.app import make_client_app
 from fedpers.data.long_format import LongFormatFile, quarter_sizes
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import make_protocol
 from fedpers.experiments.base import derived_seed
 from fedpers.runner import Runtime, RuntimeOptions, execute
-from fedpers.app import make_client_app
 from tests.flower_support import InProcessGrid
 
 EXP = EXPERIMENTS["altmin"]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fedpers import config
+from fedpers.app import make_client_app
 from fedpers.experiments import EXPERIMENTS
 from fedpers.runner import Runtime, RuntimeOptions, execute
-from fedpers.app import make_client_app
 from tests.flower_support import InProcessGrid
 from tests.test_flower_simulation import options, ray_address  # noqa: F401 - the module's Ray head fixture
 

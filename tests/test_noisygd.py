@@ -9,7 +9,16 @@ from fedpers import config
 from fedpers.data import neural_collapse as nc
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.noisygd import NoisyGDConfig, make_protocol
-from fedpers.privacy import Accountant, Ledger, Release, event_epsilon, ledger_epsilon, zcdp_epsilon, zcdp_rho, zcdp_rho_for
+from fedpers.privacy import (
+    Accountant,
+    Ledger,
+    Release,
+    event_epsilon,
+    ledger_epsilon,
+    zcdp_epsilon,
+    zcdp_rho,
+    zcdp_rho_for,
+)
 from fedpers.protocols.noisygd import Loss, clipped_gradient_sum
 from fedpers.runner import execute
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedpers import config as config_lib
-from fedpers.cli import main
+from fedpers.commands.cli import main
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments import noisyhead_mc as mc
 from fedpers.experiments.noisyhead import NoisyHeadConfig, make_protocol, resolve, sherman_morrison_replace

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpers.sweep import run_sweep
+from fedpers.sweeps.run import run_sweep
 
 pytestmark = pytest.mark.slow
 SIMULATIONS = Path(__file__).resolve().parent.parent / "simulations"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fedpers.cli import main
-from fedpers.plots import compare_figure, privacy_title, run_figure
-from fedpers.sweep import load_spec, plot_metric, sweep_figure
+from fedpers.commands.cli import main
+from fedpers.results.plots import compare_figure, privacy_title, run_figure
+from fedpers.sweeps.run import load_spec, plot_metric, sweep_figure
 
 ALTMIN = ["run", "altmin", "--n-users", "600", "--dim", "6", "--rank", "2", "--quiet", "--baselines", "nonprivate_altmin,oracle"]
 

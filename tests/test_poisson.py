@@ -5,17 +5,17 @@ from __future__ import annotations
 import math
 
 import dp_accounting
+import numpy as np
 import pytest
 import torch
-import numpy as np
 from scipy import optimize, stats
 
 from fedpers import config
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import ALL_UNITS, Privatizer, event_epsilon
 from fedpers.privacy.ledger import Release
-from fedpers.runner import execute
 from fedpers.protocols.noisyhead import descend as nh_descend
+from fedpers.runner import execute
 from tests.neighbours import adversaries, check_neighbour
 
 EXP = EXPERIMENTS["fedrep"]
@@ -209,8 +209,8 @@ def test_noisyhead_poisson_config_is_checked():
 
 @pytest.mark.slow
 def test_noisyhead_poisson_local_equals_flower_grid(tmp_path):
-    from fedpers.runner import Runtime, RuntimeOptions
     from fedpers.app import make_client_app
+    from fedpers.runner import Runtime, RuntimeOptions
     from tests.flower_support import InProcessGrid
 
     cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "prompts": 400, "epsilon": 3.0, "sampling_rate": 0.3})

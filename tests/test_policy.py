@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpers.policy import (
+from fedpers.results.securefs import UnsafeDirectory, private_dir, write_private
+from fedpers.runtime.flower.policy import (
     BudgetLedger,
     Policy,
     PolicyRefused,
@@ -19,7 +20,6 @@ from fedpers.policy import (
     check_task,
     load_policy,
 )
-from fedpers.securefs import UnsafeDirectory, private_dir, write_private
 
 POLICY = 'federation = "lab"\nmax-epsilon = 8.0\nmax-delta = 1e-4\nrequire-secure-noise = true\nmin-units = 50\nalgorithms = ["altmin"]\n'
 
@@ -126,7 +126,7 @@ def test_node_cache_is_private_and_refuses_a_shared_directory(tmp_path: Path, mo
 
 
 def test_integrity_refuses_a_fedpers_that_differs_from_the_fab(tmp_path: Path) -> None:
-    from fedpers import integrity
+    from fedpers.deploy import integrity
 
     root = Path(integrity.__file__).resolve().parents[1]
     integrity.require_fab_code(root)  # this checkout against itself
@@ -145,7 +145,7 @@ def test_fleet_proxy_forwards_only_the_fleet_api() -> None:
     network face; Fleet paths are forwarded (here to an address nobody serves: 502)."""
     import asyncio
 
-    from fedpers.fleetproxy import make_app
+    from fedpers.deploy.fleetproxy import make_app
 
     app = make_app("https://127.0.0.1:9", None, timeout=2.0)
 

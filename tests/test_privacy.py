@@ -5,7 +5,15 @@ import dp_accounting
 import pytest
 import torch
 
-from fedpers.privacy import Accountant, Ledger, Privatizer, PureDpEvent, calibrate_noise_multiplier, event_epsilon, ledger_epsilon
+from fedpers.privacy import (
+    Accountant,
+    Ledger,
+    Privatizer,
+    PureDpEvent,
+    calibrate_noise_multiplier,
+    event_epsilon,
+    ledger_epsilon,
+)
 from fedpers.privacy.accountant import analytic_gaussian_epsilon, gaussian_mu
 from fedpers.privacy.ledger import Release
 

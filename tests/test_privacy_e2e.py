@@ -17,8 +17,8 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.base import derived_seed
 from fedpers.privacy import ALL_UNITS
 from fedpers.runtime.local import run_local
-from tests.synthetic_support import cohort_permutation_from_config
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour, run
+from tests.synthetic_support import cohort_permutation_from_config
 
 torch.set_num_threads(1)
 

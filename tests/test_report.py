@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from fedpers.cli import main
+from fedpers.commands.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_run_report_content(run_dir, capsys):
 
 
 def test_report_shows_warning_and_data_block(run_dir, tmp_path):
-    from fedpers.report import run_report
+    from fedpers.commands.report import run_report
 
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
@@ -81,7 +81,7 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
     browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
     if browser is None:
         pytest.skip("no headless Chromium installed")
-    from fedpers.report import write_report
+    from fedpers.commands.report import write_report
 
     page = write_report(run_dir, tmp_path / "r.html")
     dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],

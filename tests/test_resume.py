@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpers.cli import main
+from fedpers.commands.cli import main
 from fedpers.runner import resume_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KILLER = textwrap.dedent(
     """
     import os, signal, sys
-    from fedpers import results
-    from fedpers.cli import main
+    from fedpers.results import rundir as results
+    from fedpers.commands.cli import main
     from fedpers.runtime import checkpoint
 
     point, at = sys.argv[1], int(sys.argv[2])
@@ -146,7 +146,7 @@ def test_resume_twice_after_two_kills(tmp_path: Path, reference: dict) -> None:
 
 
 def test_killed_run_reports_its_releases_as_incomplete(tmp_path: Path) -> None:
-    from fedpers.privacy_report import privacy_summary
+    from fedpers.commands.privacy_report import privacy_summary
 
     run = _killed(tmp_path, ALTMIN, "checkpoint", 2, "altmin")
     summary = privacy_summary(run)
@@ -203,7 +203,7 @@ def test_flower_runtime_resumes_to_the_local_result(tmp_path: Path, reference: d
 
 
 def test_a_run_still_going_cannot_be_resumed_beside_itself(tmp_path: Path) -> None:
-    from fedpers.results import RunDirectory
+    from fedpers.results.rundir import RunDirectory
 
     run = _killed(tmp_path, ALTMIN, "checkpoint", 1, "altmin")
     holder = RunDirectory(run, resume=True)  # as a resumed run in progress holds it

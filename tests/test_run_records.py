@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpers.privacy_report import privacy_report, privacy_summary
-from fedpers.results import LEDGER_LOG, default_run_dir
+from fedpers.commands.privacy_report import privacy_report, privacy_summary
+from fedpers.results.rundir import LEDGER_LOG, default_run_dir
 
 CMD = [sys.executable, "-m", "fedpers", "run", "altmin", "--n-users", "40000", "--dim", "20", "--rounds", "3", "--quiet"]
 
@@ -72,17 +72,17 @@ def test_no_abbreviated_flags_and_no_broken_pipe(tmp_path):
 
 
 def test_help_starts_without_importing_any_algorithm(tmp_path):
-    code = "import sys; from fedpers.cli import build_parser; build_parser(); print(sorted(m for m in ('torch', 'flwr', 'ray', 'dp_accounting') if m in sys.modules))"
+    code = "import sys; from fedpers.commands.cli import build_parser; build_parser(); print(sorted(m for m in ('torch', 'flwr', 'ray', 'dp_accounting') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
-    run = "import sys; from fedpers.cli import main; main(['run', 'altmin', '--n-users', '300', '--quiet', '--out', sys.argv[1]]); print('flwr' in sys.modules or 'ray' in sys.modules)"
+    run = "import sys; from fedpers.commands.cli import main; main(['run', 'altmin', '--n-users', '300', '--quiet', '--out', sys.argv[1]]); print('flwr' in sys.modules or 'ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", run, str(tmp_path / "run")], capture_output=True, text=True, check=True).stdout.strip().endswith("False")  # noqa: E501
 
 
 def test_runs_record_what_produced_them(tmp_path):
     import json
 
-    from fedpers.cli import main
+    from fedpers.commands.cli import main
 
     assert main(["run", "altmin", "--n-users", "300", "--quiet", "--out", str(tmp_path / "r")]) == 0
     record = json.loads((tmp_path / "r" / "provenance.json").read_text())

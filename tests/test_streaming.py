@@ -99,7 +99,7 @@ def test_users_asked_for_in_part_come_from_a_kept_block_with_the_same_values() -
 
 def _peak_rss_mib(data: str, out: str) -> float:
     code = (
-        "import sys; from fedpers.cli import main; "
+        "import sys; from fedpers.commands.cli import main; "
         f"main(['run', 'altmin', '--data', {data!r}, '--rank', '2', '--rounds', '1', '--chunk-size', '512', '--baselines', 'none', '--quiet', '--json', '--out', {out!r}]); "
         # VmHWM, not ru_maxrss: after fork+exec ru_maxrss starts at the parent's (this test's) RSS
         "print(int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) / 1024, file=sys.stderr)"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpers.sweep import run_sweep
+from fedpers.sweeps.run import run_sweep
 
 SPEC = """
 algorithm = "altmin"
@@ -119,7 +119,7 @@ def test_a_sweep_on_a_two_process_ray_cluster_gives_the_serial_table(serial: Pat
 
 
 def test_a_second_sweep_into_a_directory_in_use_is_refused(tmp_path: Path) -> None:
-    from fedpers.results import lock_directory
+    from fedpers.results.rundir import lock_directory
 
     (tmp_path / "s.toml").write_text(SPEC)
     (tmp_path / "out").mkdir()

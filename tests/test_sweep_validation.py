@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedpers.sweep import load_spec, run_sweep
+from fedpers.sweeps.run import load_spec, run_sweep
 
 GOOD = """
 algorithm = "altmin"
@@ -48,7 +48,7 @@ def test_bad_sweep_files_are_refused_naming_the_key(tmp_path, change, match):
 def test_a_misspelt_metric_is_refused_before_any_point_and_leaves_nothing_behind(tmp_path, monkeypatch):
     """Metrics are checked against the algorithm's declared result keys before any point runs;
     the refused sweep leaves no directory, so the corrected file runs into the same --out."""
-    import fedpers.sweep_points as points
+    import fedpers.sweeps.points as points
 
     real, calls = points.run_point_task, []
     monkeypatch.setattr(points, "run_point_task", lambda spec, o, threads=0: calls.append(o) or real(spec, o))
@@ -62,7 +62,7 @@ def test_a_misspelt_metric_is_refused_before_any_point_and_leaves_nothing_behind
 
 
 def test_a_sweep_failing_at_its_first_point_leaves_nothing_behind(tmp_path, monkeypatch):
-    import fedpers.sweep_points as points
+    import fedpers.sweeps.points as points
 
     def fails(spec, overrides, threads=0):
         raise ValueError("sweep: metric(s) ['excess_risk'] not in this point's result")
@@ -88,7 +88,7 @@ def test_every_algorithm_declares_its_result_keys():
 def test_an_interrupted_sweep_resumes_running_only_missing_points(tmp_path, monkeypatch):
     import csv
 
-    import fedpers.sweep_points as sweep
+    import fedpers.sweeps.points as sweep
 
     path = write(tmp_path, GOOD.replace("n_users = [200, 400]", "n_users = [200, 300, 400]"))
     real, calls = sweep.run_point_task, []

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from fedpers.cli import main
-from fedpers.results import read_run
+from fedpers.commands.cli import main
+from fedpers.results.rundir import read_run
 
 ARGS = ["run", "altmin", "--n-users", "400", "--dim", "5", "--rounds", "2", "--quiet"]
 
@@ -29,7 +29,7 @@ def test_tensorboard_logs_read_back(run_dir, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fedpers.tracking import track_run
+    from fedpers.commands.tracking import track_run
 
     track_run(run_dir, "tensorboard", logdir=tmp_path / "tb")
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
@@ -54,7 +54,7 @@ def test_tensorboard_logs_read_back(run_dir, tmp_path):
 def test_mlflow_logs_read_back(run_dir, tmp_path):
     mlflow = pytest.importorskip("mlflow")
 
-    from fedpers.tracking import track_run
+    from fedpers.commands.tracking import track_run
 
     uri = (tmp_path / "mlruns").as_uri()
     where = track_run(run_dir, "mlflow", uri=uri)
@@ -112,7 +112,7 @@ def test_sweep_points_grouped(tmp_path):
     for r in points:
         assert len(client.get_metric_history(r.info.run_id, "point/excess_risk")) == 2  # one per repetition
 
-    from fedpers.tracking import track_sweep
+    from fedpers.commands.tracking import track_sweep
 
     track_sweep(tmp_path / "sw", "tensorboard")
     logdirs = sorted(p.name for p in (tmp_path / "sw" / "tensorboard").iterdir())

@@ -12,9 +12,9 @@ import torch
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import stats
 
-from fedpers import tuning
 from fedpers.privacy import selection
-from fedpers.sweep import load_spec
+from fedpers.sweeps import tuning
+from fedpers.sweeps.run import load_spec
 
 ORDERS = np.array(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)
 
@@ -108,7 +108,7 @@ def test_nonprivate_select_says_it_is_not_accounted(tmp_path: Path):
 
 
 def test_cli_private_needs_a_metric(tmp_path: Path, capsys):
-    from fedpers.cli import main
+    from fedpers.commands.cli import main
 
     spec_file = tmp_path / "grid.toml"
     spec_file.write_text('algorithm = "altmin"\nx = "clip_model"\nseries = "rank"\nmetrics = ["excess_risk"]\n[grid]\nclip_model = [0.5]\n')

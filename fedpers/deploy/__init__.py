@@ -4,7 +4,7 @@ or a Flower simulation imports this package: tests/test_import_layers.py).
 Public Flower only, on every supported Flower series:
 
 - :mod:`.certs`: ``fedpers deploy certs DIR``: one directory per machine (CA, SuperLink certificate, SuperNode
-  keys, the SuperExec secret, the lab policy) and the commands (:mod:`fedpers.recipe`);
+  keys, the SuperExec secret, the lab policy) and the commands (:mod:`fedpers.deploy.recipe`);
 - :mod:`.run`: ``fedpers deploy run``: ``flwr run`` that exits non-zero unless the run completed;
 
 Flower's private internals, gated by :mod:`.flower` to the Flower series they were checked on

@@ -1,4 +1,4 @@
-"""`fedpers deploy certs DIR`: the lab's keys, secrets, policy and recipe (:mod:`fedpers.recipe`).
+"""`fedpers deploy certs DIR`: the lab's keys, secrets, policy and recipe (:mod:`fedpers.deploy.recipe`).
 
 Public Flower only: ``cryptography`` writes the files, and the commands are Flower's own CLIs.
 """
@@ -16,9 +16,9 @@ def make_certs(
     """The lab's keys, secrets, policy and ``commands.txt``, one directory per machine.
 
     ``layout``: port, link_port, node_port, data_file, app_hash, listen
-    (:class:`fedpers.recipe.Layout`), policy (TOML text)."""
-    from fedpers.recipe import Layout
-    from fedpers.recipe import make_certs as write
+    (:class:`fedpers.deploy.recipe.Layout`), policy (TOML text)."""
+    from fedpers.deploy.recipe import Layout
+    from fedpers.deploy.recipe import make_certs as write
 
     policy = layout.pop("policy", None)
     return write(Layout(Path(out), tuple(hosts), supernodes, **layout), days=days, force=force, policy=policy)

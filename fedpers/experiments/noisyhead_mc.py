@@ -462,7 +462,7 @@ def sweep_figure(rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedpers.summaries import summarise as _summarise
+    from fedpers.results.summaries import summarise as _summarise
 
     def summarise(rows, spec, metric):
         return _summarise(rows, spec.series, spec.x, metric)
@@ -515,7 +515,7 @@ def _band(ax: Any, pts: list[tuple[float, float, float]], label: str, linestyle:
 
 
 def _style(ax: Any, spec: Any, title: str, xlabel: str, ylabel: str) -> None:
-    from fedpers.plots import grid_ticks
+    from fedpers.results.plots import grid_ticks
 
     grid_ticks(ax, [float(x) for line in ax.lines for x in line.get_xdata()], spec.plot.get("xscale", "linear"))
     ax.set_yscale(spec.plot.get("yscale", "log"))

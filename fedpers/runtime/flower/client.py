@@ -116,7 +116,7 @@ def _disk_cached(key: tuple, load: Any) -> Units:
     name = hashlib.sha256(json.dumps([__version__, *map(str, key), stamp]).encode()).hexdigest()[:32] + ".pt"
     path = Path(directory) / name
     # --- issue 23: raw user data at rest: created 0700; a directory others can reach fails the task ---
-    from fedpers.securefs import UnsafeDirectory, private_dir
+    from fedpers.results.securefs import UnsafeDirectory, private_dir
 
     try:
         private_dir(path.parent)
@@ -181,7 +181,7 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
     task = codec.decode_task(message.content)
     data_file = str(context.node_config.get(codec.DATA_FILE, "") or "")
     # --- issue 23: the lab's policy ($FEDPERS_POLICY), checked on every task before any computation ---
-    from fedpers.policy import active_policy, check_task
+    from fedpers.runtime.flower.policy import active_policy, check_task
 
     policy = active_policy()
     if policy is not None:  # the range asked for, before any user is loaded

@@ -243,7 +243,7 @@ def run_on_grid(
     else:
         nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
     federation = Federation(nodes, unit_ranges(num_units, num, options.users_per_node), time.perf_counter() - start)
-    from fedpers.policy import active_policy, check_partitions
+    from fedpers.runtime.flower.policy import active_policy, check_partitions
 
     if (policy := active_policy()) is not None:
         check_partitions(

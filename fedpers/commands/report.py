@@ -84,8 +84,8 @@ def _read_json(path: Path) -> Any:
 
 def run_report(run_dir: str | Path) -> str:
     """The HTML page of one run directory (complete or not)."""
-    from fedpers.privacy_report import privacy_summary
-    from fedpers.results import read_run
+    from fedpers.commands.privacy_report import privacy_summary
+    from fedpers.results.rundir import read_run
 
     path = Path(run_dir)
     run = read_run(path)
@@ -167,7 +167,7 @@ def run_report(run_dir: str | Path) -> str:
     figures = [path / p for p in result.get("plots", []) if (path / p).is_file()]
     if figures:
         sections.append("<h2>Figures</h2>" + "".join(image(f) for f in figures))
-    from fedpers.tracking import flatten
+    from fedpers.commands.tracking import flatten
 
     sections.append("<h2>Configuration</h2>" + table(["field", "value"], sorted(flatten(cfg).items())))
     constants = run.get("constants")
@@ -181,14 +181,14 @@ def _provenance(path: Path) -> str:
     record = _read_json(path / "provenance.json")
     if not isinstance(record, Mapping):
         return "<h2>Provenance</h2><p>no provenance.json</p>"
-    from fedpers.tracking import flatten
+    from fedpers.commands.tracking import flatten
 
     return "<h2>Provenance</h2>" + table(["field", "value"], sorted(flatten(record).items()))
 
 
 def sweep_report(sweep_dir: str | Path) -> str:
     """The HTML page of a finished sweep directory."""
-    from fedpers.tracking import flatten
+    from fedpers.commands.tracking import flatten
 
     out = Path(sweep_dir)
     summary = _read_json(out / "sweep.json")
@@ -234,7 +234,7 @@ def _number_or_text(c: str) -> Any:
 
 def write_report(directory: str | Path, out: str | Path | None = None) -> Path:
     """Write the page of a run or a sweep directory (default: DIR/report.html); returns its path."""
-    from fedpers.results import write_atomic
+    from fedpers.results.rundir import write_atomic
 
     path = Path(directory)
     if (path / "sweep.json").is_file():

@@ -18,13 +18,13 @@ from typing import Any
 
 class _GuardedLauncher:
     """``subprocess`` for Flower's subprocess executor: ``flwr-serverapp ARGS`` becomes
-    ``python -m fedpers.appguard ARGS``; everything else is untouched."""
+    ``python -m fedpers.deploy.appguard ARGS``; everything else is untouched."""
 
     def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> Any:
         import subprocess
 
         if command and command[0] == "flwr-serverapp":
-            command = [sys.executable, "-m", "fedpers.appguard", *command[1:]]
+            command = [sys.executable, "-m", "fedpers.deploy.appguard", *command[1:]]
         return subprocess.Popen(command, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -44,7 +44,7 @@ def launch_serverapp(fallback: Any, spec: Any, trusted: frozenset[str]) -> Any:
             flush=True,
         )
     print(
-        f"fedpers superexec: ServerApp task {spec.task_id} of FAB {spec.fab_hash or '(hash checked in the process)'} started through fedpers.appguard",
+        f"fedpers superexec: ServerApp task {spec.task_id} of FAB {spec.fab_hash or '(hash checked in the process)'} started through fedpers.deploy.appguard",
         file=sys.stderr,
         flush=True,
     )

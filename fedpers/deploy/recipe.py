@@ -14,7 +14,7 @@ at the same path, and nowhere else; every directory is 0700, every private file 
 
 Flower 1.41 serves its Fleet, Control and Runtime APIs on one address, so the SuperLink listens
 on 127.0.0.1 only and ``fedpers deploy fleet-proxy`` puts its Fleet API alone on the network
-(:mod:`fedpers.fleetproxy`). See docs/flower.md (Security) for what each layer stops.
+(:mod:`fedpers.deploy.fleetproxy`). See docs/flower.md (Security) for what each layer stops.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedpers.securefs import private_dir, write_private
+from fedpers.results.securefs import private_dir, write_private
 
 FLEET_PORT = 9092
 """The network port: ``fedpers deploy fleet-proxy`` (the Fleet API only)."""
@@ -80,7 +80,7 @@ class Layout:
         return self.root / "superlink"
 
 
-DEFAULT_POLICY = """# The lab's privacy policy (fedpers/policy.py): the same file on the SuperLink and every SuperNode.
+DEFAULT_POLICY = """# The lab's privacy policy (fedpers/runtime/flower/policy.py): the same file on the SuperLink and every SuperNode.
 federation = "{federation}"         # names the budget ledger ({federation}-budget.json beside this file)
 max-epsilon = {max_epsilon}               # per user, summed over every run of this federation
 max-delta = {max_delta}                 # per user, summed over every run of this federation
@@ -101,7 +101,7 @@ def policy_text(
     """A policy TOML (validated by loading it back)."""
     import tempfile
 
-    from fedpers.policy import load_policy
+    from fedpers.runtime.flower.policy import load_policy
 
     text = DEFAULT_POLICY.format(
         federation=federation,

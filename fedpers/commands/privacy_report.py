@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpers.privacy import Accountant, Ledger, ledger_epsilon
-from fedpers.results import read_run
+from fedpers.results.rundir import read_run
 
 
 def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[str, Any]:

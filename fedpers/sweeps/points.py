@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fedpers.results import SweepDirectory
-    from fedpers.sweep_spec import SweepSpec
+    from fedpers.results.rundir import SweepDirectory
+    from fedpers.sweeps.spec import SweepSpec
 
 Task = tuple[int, dict[str, Any]]
 """(point index, config overrides)."""
@@ -41,7 +41,7 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
     from fedpers import config as config_lib
     from fedpers.experiments import EXPERIMENTS
     from fedpers.runner import execute
-    from fedpers.sweep_spec import check_metrics, result_row
+    from fedpers.sweeps.spec import check_metrics, result_row
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -73,7 +73,7 @@ def run_points(spec: SweepSpec, sweep_dir: SweepDirectory, run: Executor, progre
     it finishes; returns (points run, points reused)."""
     from tqdm.auto import tqdm
 
-    from fedpers.results import write_table
+    from fedpers.results.rundir import write_table
 
     points = spec.points()
     done = sweep_dir.done()

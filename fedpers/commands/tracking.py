@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fedpers.results import read_run
+from fedpers.results.rundir import read_run
 
 
 class Tracker(str, enum.Enum):

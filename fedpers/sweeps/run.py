@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from fedpers import summaries
-from fedpers.results import dumps, write_atomic
-from fedpers.sweep_spec import SweepSpec, check_metrics, load_spec, result_row
+from fedpers.results import summaries
+from fedpers.results.rundir import dumps, write_atomic
+from fedpers.sweeps.spec import SweepSpec, check_metrics, load_spec, result_row
 
 __all__ = ["SweepSpec", "check_metrics", "load_spec", "plot_metric", "result_row", "run_sweep", "sweep_figure"]
 
@@ -49,7 +49,7 @@ def summarise(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> dict[
 
 def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: Path) -> dict[Any, float]:
     """Write :func:`sweep_figure` to ``path``; returns the fitted log–log slopes."""
-    from fedpers.plots import _plt
+    from fedpers.results.plots import _plt
 
     fig, slopes = sweep_figure(rows, spec, metric)
     tmp = path.with_name(f".{path.name}.tmp.png")
@@ -61,7 +61,7 @@ def plot_metric(rows: list[dict[str, Any]], spec: SweepSpec, metric: str, path: 
 
 def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tuple[Any, dict[Any, float]]:
     """Mean ± 2 standard errors vs x, a line per series value, ticks at the grid's x values."""
-    from fedpers.plots import _plt
+    from fedpers.results.plots import _plt
 
     fig, ax = _plt().subplots(figsize=(6, 4.2))
     slopes: dict[Any, float] = {}
@@ -83,7 +83,7 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
             xs, ms, _ = (np.array(c) for c in zip(*pts))
             ax.plot(xs, ms, linestyle="--", marker=".", label=f"baseline: {b}")
             break
-    from fedpers.plots import grid_ticks, y_scale
+    from fedpers.results.plots import grid_ticks, y_scale
 
     xs_all = [float(r[spec.x]) for r in rows if isinstance(r.get(spec.x), (int, float))]
     grid_ticks(ax, xs_all, spec.plot.get("xscale", "log"))
@@ -107,14 +107,14 @@ def run_sweep(
 ) -> dict[str, Any]:
     """Run the whole grid; write table.csv/.parquet, sweep.json (spec + slopes), a PNG per metric.
 
-    The steps: check everything (:func:`~fedpers.sweep_spec.load_spec`), open the sweep
-    directory (:class:`~fedpers.results.SweepDirectory`: a point whose record exists is reused,
-    never rerun), run the missing points (:func:`~fedpers.sweep_points.run_points`), draw and
+    The steps: check everything (:func:`~fedpers.sweeps.spec.load_spec`), open the sweep
+    directory (:class:`~fedpers.results.rundir.SweepDirectory`: a point whose record exists is reused,
+    never rerun), run the missing points (:func:`~fedpers.sweeps.points.run_points`), draw and
     summarise (here). ``workers`` > 1 runs points concurrently on a new local Ray,
     ``ray_address`` on a running Ray cluster (at most ``workers`` points in flight).
     """
-    from fedpers.results import SweepDirectory
-    from fedpers.sweep_points import executor, run_points
+    from fedpers.results.rundir import SweepDirectory
+    from fedpers.sweeps.points import executor, run_points
 
     run = executor(workers, ray_address)  # refuses a bad worker count before any work
     spec = load_spec(path, repetitions)  # every check, metrics included, before any work
@@ -153,7 +153,7 @@ def summarise_sweep(
     slopes: dict[str, dict[str, float]],
 ) -> dict[str, Any]:
     """sweep.json, and the lines a user reads."""
-    from fedpers.results import write_table
+    from fedpers.results.rundir import write_table
 
     if rows and not (out / "table.csv").exists():
         write_table(rows, out / "table.csv")

@@ -1,7 +1,7 @@
 """A sweep file, read and fully checked before any point runs (keys, every point's config, and
 the metrics against the algorithm's declared result keys); the row a run gives in its table.
 
-See :mod:`fedpers.sweep` for the file's keys.
+See :mod:`fedpers.sweeps.run` for the file's keys.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpers import config as config_lib
-from fedpers import summaries
+from fedpers.results import summaries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class SweepSpec:
 
     def identity(self) -> dict[str, Any]:
         """What makes two sweeps the same one (its directory's spec.json)."""
-        from fedpers.results import dumps
+        from fedpers.results.rundir import dumps
 
         return json.loads(dumps(dataclasses.asdict(self)))
 

@@ -22,7 +22,7 @@ def _version(package: str) -> str | None:
 
 def git_state(path: Path | None = None) -> dict[str, Any] | None:
     """{commit, dirty} of the checkout holding fedpers, or None when it is not one (an installed wheel)."""
-    root = path or Path(__file__).resolve().parents[1]
+    root = path or Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5

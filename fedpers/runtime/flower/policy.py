@@ -230,7 +230,7 @@ class BudgetLedger:
     def _locked(self) -> Iterator[None]:
         import fcntl
 
-        from fedpers.securefs import private_dir
+        from fedpers.results.securefs import private_dir
 
         private_dir(self.path.parent)
         fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -264,7 +264,7 @@ class BudgetLedger:
                     f"this run's {delta:g} would exceed the lab's {policy.max_delta:g}",
                 )
             new = Charge(run, epsilon, delta, units, time.time())
-            from fedpers.securefs import write_private
+            from fedpers.results.securefs import write_private
 
             body = {
                 "federation": self.federation,

@@ -28,8 +28,8 @@ NOT_METRICS = {
 
 def run_row(path: str | Path) -> dict[str, Any]:
     """One run's row: identity, privacy spent (from its ledger), its top-level numeric metrics."""
-    from fedpers.privacy_report import privacy_summary
-    from fedpers.results import read_run
+    from fedpers.commands.privacy_report import privacy_summary
+    from fedpers.results.rundir import read_run
 
     run = read_run(path)  # refuses a directory that is not a run
     result = run.get("result", {})

@@ -214,7 +214,7 @@ class RunDirectory:
 
     def finish(self, result: dict[str, Any], rounds: list[dict[str, Any]], experiment: Any, cfg: Any) -> None:
         """The completed run: per-round plots, result.json, and provenance's finishing time."""
-        from fedpers.plots import privacy_title
+        from fedpers.results.plots import privacy_title
 
         provenance = json.loads((self.path / "provenance.json").read_text())
         self.write_json("provenance.json", {**provenance, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
@@ -255,7 +255,7 @@ class RunDirectory:
         baselines: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> list[str]:
         """One PNG per key: the metric against the round, baselines as reference lines."""
-        from fedpers.plots import plot_run
+        from fedpers.results.plots import plot_run
 
         return plot_run(self.path, rounds, keys, title=title, round_axis=round_axis, baselines=baselines)
 
@@ -331,7 +331,7 @@ class SweepDirectory:
         self._recorded = 0
         (path / "points").mkdir(exist_ok=True)
         write_atomic(path / "spec.json", dumps(identity) + "\n")
-        from fedpers.provenance import provenance
+        from fedpers.results.provenance import provenance
 
         write_atomic(path / "provenance.json", dumps({**provenance(), **launch}) + "\n")
 

@@ -249,7 +249,7 @@ def _add_tracking(p: argparse.ArgumentParser) -> None:
 def _track(kind: str | None, uri: str | None, *, run_dir: str | None = None, sweep_dir: str | None = None) -> None:
     if not kind:
         return
-    from fedpers import tracking
+    from fedpers.commands import tracking
 
     if sweep_dir is not None:
         where = (
@@ -386,7 +386,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
     if args.track:
-        from fedpers.tracking import check
+        from fedpers.commands.tracking import check
 
         check(args.track)  # a missing extra is refused before any work
     for line in exp.plan(cfg):
@@ -398,7 +398,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _print_result(result: dict[str, Any], as_json: bool) -> None:
-    from fedpers.results import dumps
+    from fedpers.results.rundir import dumps
 
     result = {k: v for k, v in result.items() if not k.startswith("_")}
     if as_json:
@@ -412,7 +412,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from fedpers.runner import resume_run
 
     if args.track:
-        from fedpers.tracking import check
+        from fedpers.commands.tracking import check
 
         check(args.track)
     result = resume_run(args.run_dir, progress=not (args.quiet or args.json))
@@ -422,12 +422,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from fedpers.sweep import run_sweep
+    from fedpers.sweeps.run import run_sweep
 
     if args.select is not None or args.private:
         return cmd_select(args)
     if args.track:
-        from fedpers.tracking import check
+        from fedpers.commands.tracking import check
 
         check(args.track)
     summary = run_sweep(
@@ -443,14 +443,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from fedpers.compare import compare, figure_metrics, format_table
-    from fedpers.results import dumps
+    from fedpers.commands.compare import compare, figure_metrics, format_table
+    from fedpers.results.rundir import dumps
 
     rows, metrics, primary = compare(args.run_dirs)
     if args.out is not None:
         if args.out.suffix.lower() != ".png":
             raise ValueError(f"--out must name a .png file; got {args.out}")
-        from fedpers.plots import _plt, compare_figure, save
+        from fedpers.results.plots import _plt, compare_figure, save
 
         fig = compare_figure(rows, figure_metrics(rows, metrics, primary))
         save(fig, args.out)
@@ -474,7 +474,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         print(app_hash(args.app))
         return 0
     if args.deploy_command == "fleet-proxy":
-        from fedpers.fleetproxy import main as proxy
+        from fedpers.deploy.fleetproxy import main as proxy
 
         return proxy(list(args.proxy_args))
     if args.deploy_command in ("superexec", "supernode"):  # reached only without flags (main() passes flags through)
@@ -484,7 +484,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             list(args.flower_args)
         )
 
-    from fedpers.policy import load_policy
+    from fedpers.runtime.flower.policy import load_policy
 
     if args.policy is not None:
         load_policy(args.policy)  # a malformed policy is refused before anything is written
@@ -516,15 +516,15 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from fedpers.report import write_report
+    from fedpers.commands.report import write_report
 
     print(write_report(args.dir, args.out))
     return 0
 
 
 def cmd_privacy(args: argparse.Namespace) -> int:
-    from fedpers.privacy_report import privacy_report, privacy_summary
-    from fedpers.results import dumps
+    from fedpers.commands.privacy_report import privacy_report, privacy_summary
+    from fedpers.results.rundir import dumps
 
     print(
         dumps(privacy_summary(args.run_dir, args.accountant), indent=None)
@@ -562,8 +562,8 @@ def cmd_select(args: argparse.Namespace) -> int:
     """``sweep --select``: the sweep then a non-private choice, or (``--private``) a private search in place of the sweep."""
     import time
 
-    from fedpers.sweep import load_spec, run_sweep
-    from fedpers.tuning import Goal, format_selection, private_select, select_nonprivate
+    from fedpers.sweeps.run import load_spec, run_sweep
+    from fedpers.sweeps.tuning import Goal, format_selection, private_select, select_nonprivate
 
     if args.select is None:
         raise ValueError("select: --private needs --select METRIC")
@@ -594,7 +594,7 @@ def cmd_select(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
         )
         result = select_nonprivate(out, args.select, goal)
-    from fedpers.results import dumps, write_atomic
+    from fedpers.results.rundir import dumps, write_atomic
 
     Path(out).mkdir(parents=True, exist_ok=True)
     write_atomic(Path(out) / "selection.json", dumps(result) + "\n")
@@ -623,9 +623,9 @@ def _audit_flags() -> argparse.ArgumentParser:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from fedpers.audit import audit, format_audit
+    from fedpers.commands.audit import audit, format_audit
     from fedpers.experiments import experiment
-    from fedpers.results import dumps
+    from fedpers.results.rundir import dumps
 
     if {"-h", "--help"} & set(args.args):
         print(_audit_flags().format_help())
@@ -697,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if verbose:
         argv.remove("--verbose")
     if argv[:2] == ["deploy", "fleet-proxy"]:  # its own flags (argparse.REMAINDER would take none before a flag)
-        from fedpers.fleetproxy import main as proxy
+        from fedpers.deploy.fleetproxy import main as proxy
 
         return proxy(argv[2:])
     if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(
