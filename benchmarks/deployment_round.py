@@ -4,7 +4,7 @@ SuperLink + N SuperNodes (default 3) on 127.0.0.1 (insecure: loopback only), ``f
 deployment``; Flower's Ray simulation with N nodes; the local runtime. Same config (30,000
 users, d = 50, k = 3, m = 40, every user in each round, reproducible noise). The per-round
 seconds come from each runtime's own round records (``rounds.jsonl`` for the deployment).
-Target (issue 12): a deployment round <= 3x the local round. Variants: ``cold`` (Flower's
+Target: a deployment round <= 3x the local round. Variants: ``cold`` (Flower's
 default: a fresh ``flwr-clientapp`` process per message), ``warm`` (``flower-supernode
 --isolation process`` + ``fedpers deploy superexec``: warm forked ClientApps), ``cached`` (+
 ``$FEDPERS_NODE_CACHE``), ``poll`` (one ``fedpers deploy supernode`` per node with the node

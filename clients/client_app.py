@@ -7,7 +7,7 @@ rebuilds the protocol from the job, loads this node's units (its ``partition-id`
 ``protocol.client_update``.
 """
 
-# --- issue 23: refuse to run unless the fedpers imported here is this app's own (loaded by path, not through fedpers) ---
+# Refuse to run unless the fedpers imported here is this app's own (the check is loaded by path, not through fedpers).
 import importlib.util as _util
 from pathlib import Path as _Path
 
@@ -17,7 +17,6 @@ _spec = _util.spec_from_file_location(
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_integrity)  # type: ignore[union-attr]
 _integrity.require_fab_code(_Path(__file__).resolve().parents[1])
-# --- end issue 23 ---
 from fedpers.app import make_client_app
 
 app = make_client_app()

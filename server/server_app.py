@@ -5,7 +5,7 @@ and runs the experiment with :func:`fedpers.runner.execute` on the Grid Flower g
 discovery, the shared round loop with verification and DP aggregation, the run directory.
 """
 
-# --- issue 23: refuse to run unless the fedpers imported here is this app's own (loaded by path, not through fedpers) ---
+# Refuse to run unless the fedpers imported here is this app's own (the check is loaded by path, not through fedpers).
 import importlib.util as _util
 from pathlib import Path as _Path
 
@@ -15,7 +15,6 @@ _spec = _util.spec_from_file_location(
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_integrity)  # type: ignore[union-attr]
 _integrity.require_fab_code(_Path(__file__).resolve().parents[1])
-# --- end issue 23 ---
 from logging import INFO
 
 from flwr.app import Context
@@ -32,7 +31,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     job = from_run_config(context.run_config)
-    # --- issue 23: the lab's policy ($FEDPERS_POLICY) before any work; the run is charged to the federation's ledger ---
+    # The lab's policy ($FEDPERS_POLICY) before any work: the run is charged to the federation's ledger.
     from fedpers.runtime.flower.policy import active_policy, admit_run
 
     policy = active_policy()
@@ -46,7 +45,6 @@ def main(grid: Grid, context: Context) -> None:
             list(charge.units),
             policy.federation,
         )
-    # --- end issue 23 ---
     if type(grid).__name__ == "HttpGrid":  # a deployment, never a simulation: shorter waits for reply objects
         from fedpers.deploy.pulls import quick_grid_pulls
 

@@ -6,7 +6,7 @@
 Not collected by pytest (it runs pytest itself, once per mutation). Each run stops at the first
 failing test (``-x``), the files most likely to catch the mutation first, so a caught mutation
 costs seconds to a few minutes; every file run is part of the default suite. One mistake is
-planted per class of issue 21: the public item universe, per-user failures, the sampled PSD
+planted per class of privacy-at-the-edges mistake: the public item universe, per-user failures, the sampled PSD
 bound, a statistic's bound applied to another kind, a release the calibration forgets, a refusal
 after a release, resume bookkeeping, the sampling rate and the estimator's divisor.
 """
@@ -53,7 +53,7 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
         "            keep = self.cohort_of(ids) == round\n",
         "            keep = None\n",
     ),
-    # ----- issue 21 ------------------------------------------------------------------------
+    # ----- the public item universe, per-user failures, sampled PSD tightening, bookkeeping -----
     "item universe read off the data": (
         RATINGS,
         "    frame, users, summary = clean(frame, universe, rating_min, rating_max)",

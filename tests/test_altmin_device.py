@@ -1,4 +1,4 @@
-"""AltMin's device path (``--kernels device``) run on CPU tensors, against the host path (issue 25)."""
+"""AltMin's device path (``--kernels device``) run on CPU tensors, against the host path."""
 from __future__ import annotations
 
 import pytest

@@ -92,7 +92,7 @@ def test_data_file_without_truth_reports_heldout_mse_and_says_what_it_skipped(tm
         (lambda x, y: {"x": x[:, :, :], "y": y[:, :5]}, "y must have shape"),
         (lambda x, y: {"x": x[:, :6], "y": y[:, :6], "x_test": x, "y_test": y}, "multiple of 4"),
         (lambda x, y: {"x": x[0], "y": y}, "x must have shape"),
-        # a user's NaN sample is zeroed and counted (issue 21); the file's declared truth is not a user's
+        # a user's NaN sample is zeroed and counted; the file's declared truth is not a user's
         (lambda x, y: {"x": x, "y": y, "u_star": np.full((6, 2), np.nan)}, "u_star has 12 NaN/inf"),
         (lambda x, y: {"x": x, "y": y}, "nothing to measure"),
         (lambda x, y: {"x": x, "y": y, "u_star": np.zeros((6, 3)), "x_test": x, "y_test": y}, "u_star must have shape"),

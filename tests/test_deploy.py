@@ -57,7 +57,7 @@ def test_certs_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_node(tmp_path: Path) -> None:
-    """Issue 23: the CA key is in ca/ only; the SuperLink's directory holds no private key but its
+    """The CA key is in ca/ only; the SuperLink's directory holds no private key but its
     own TLS key; node I's directory holds node I's key only; every directory is 0700 and every file
     0600; commands.txt has one SuperNode line per node with its own --port and partition, a
     node-partitions entry per node, the SuperExec secret, the policy and the loopback SuperLink."""

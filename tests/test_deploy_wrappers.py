@@ -166,7 +166,7 @@ def test_with_trusted_apps_other_task_types_never_reach_flowers_executor(monkeyp
 
 
 def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_guard() -> None:
-    """Issue 23: with --trust-app, every ServerApp task is launched by Flower's executor with
+    """With --trust-app, every ServerApp task is launched by Flower's executor with
     flwr-serverapp replaced by `python -m fedpers.deploy.appguard` (which refuses an unlisted FAB on its bytes)."""
     import sys
 

@@ -1,4 +1,4 @@
-"""Issue 23: the secure recipe exactly as `fedpers deploy certs` writes it in commands.txt, started
+"""The secure recipe exactly as `fedpers deploy certs` writes it in commands.txt, started
 on 127.0.0.1, then attacked. Each attack is its own test on one federation (module fixture, tests
 run in file order: the federation's budget ledger carries over, as on a real deployment).
 

@@ -169,6 +169,29 @@ def test_the_checks_catch_an_upward_import_a_circle_and_an_unlisted_module(tmp_p
     assert cycles(edges) == [["fedpers.experiments.a", "fedpers.experiments.b"]]
 
 
+def test_the_readme_architecture_lists_every_layer_in_order() -> None:
+    """README.md's architecture picture names every unit of ``LAYERS`` (by its last name, in the
+    names column), and a lower layer never appears above a higher one."""
+    import re
+
+    text = (ROOT.parent / "README.md").read_text()
+    picture = text.split("## Architecture", 1)[1].split("```", 2)[1].splitlines()
+    block = [re.split(r"\s{3,}", line.strip())[0] for line in picture]  # the names, not the descriptions
+    seen: list[int] = []
+    for names in LAYERS:
+        lines = []
+        for name in names:
+            if name in ("fedpers", "fedpers.__main__"):
+                continue
+            short = name.rsplit(".", 1)[-1]
+            found = [i for i, line in enumerate(block) if re.search(rf"(?<![\w.]){re.escape(short)}(?![\w])", line)]
+            assert found, f"README.md's architecture picture does not name {short} ({name})"
+            lines.append(found[0])
+        if lines:
+            seen.append(min(lines))
+    assert seen == sorted(seen), f"README.md's architecture picture lists the layers out of order (first lines {seen})"
+
+
 def test_seeds_and_summaries_are_leaves() -> None:
     edges = graph()
     for leaf in ("fedpers.seeds", "fedpers.results.summaries"):

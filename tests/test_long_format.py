@@ -182,7 +182,7 @@ def test_bad_long_format_data_is_refused_naming_the_column(tmp_path):
 
 
 def test_a_users_non_finite_rows_are_dropped_and_counted_not_refused(tmp_path):
-    """Issue 21, break 2: one user's NaN/inf row used to refuse the whole file (its neighbour ran)."""
+    """One user's NaN/inf row used to refuse the whole file (its neighbour ran)."""
     rng = np.random.default_rng(7)
     users, x, y = ragged(rng, 10, 8, 8)
     clean = LongFormatFile(write(tmp_path / "c.csv", users, x, y), "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
@@ -214,7 +214,7 @@ def test_rows_without_a_user_id_are_dropped_and_counted(tmp_path):
 
 @pytest.mark.parametrize("features, column", [((), "f3"), (("f0", "f3"), "f3"), ((), "y")])
 def test_a_string_cell_is_refused_naming_column_row_and_value(tmp_path, features, column):
-    """Issue 26: a string cell in f3 used to drop f3 silently with the default feature columns
+    """A string cell in f3 used to drop f3 silently with the default feature columns
     (d = 4 instead of 5, exit 0). Now it is refused — default or named column, or the label —
     naming the column, the row and the value. Mixed numbers and strings read as strings."""
     rng = np.random.default_rng(3)

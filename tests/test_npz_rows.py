@@ -61,7 +61,7 @@ def test_ten_rows_cost_far_less_memory_than_the_file(tmp_path):
 
 
 def test_a_users_non_finite_sample_is_zeroed_and_counted_not_refused(tmp_path):
-    """Issue 21, break 2: one user's NaN/inf used to refuse the whole .npz (its neighbour ran)."""
+    """One user's NaN/inf used to refuse the whole .npz (its neighbour ran)."""
     import torch
 
     from fedpers.data.files import AltMinFile

@@ -1,4 +1,4 @@
-"""Bookkeeping that a wrong number would break without any bound being crossed (issue 21).
+"""Bookkeeping that a wrong number would break without any bound being crossed.
 
 - every calibration counts every release the run then makes: ε of the ledger a run writes equals
   the target the noise was calibrated to, for every algorithm and every option that adds a round;

@@ -1,4 +1,4 @@
-"""The √2 PSD tightening under Poisson sampling (issue 21, break 3), pinned against a direct
+"""The √2 PSD tightening under Poisson sampling, pinned against a direct
 privacy-loss computation on the worst pair (``tests/worst_pair.py``), independent of dp-accounting.
 
 A PSD unit contribution A_j with ||A_j|| ≤ B is B from absent. The sampled replace-one event

@@ -6,7 +6,7 @@ ClientApp. With ``flower-superlink --isolation process`` the lab starts the Supe
 ServerApp task starts ``flwr-serverapp`` through :func:`main`, which checks the SHA-256 of the
 FAB's bytes before Flower extracts or imports anything from it and otherwise fails the task (the
 run ends ``finished:failed`` at once; a refused launch would leave it pending until Flower's task
-expiry) — the node side's check (:mod:`fedpers.runtime.flower.forkserver`), mirrored.
+expiry) — the node side's check (:mod:`fedpers.deploy.forkserver`), mirrored.
 """
 
 from __future__ import annotations

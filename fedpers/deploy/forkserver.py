@@ -154,7 +154,7 @@ class ForkServerExecutor:
         from flwr.supercore.constant import TaskType
         from flwr.supercore.superexec.executor import LaunchResult
 
-        if spec.task_type == TaskType.SERVER_APP and self.trusted:  # issue 23: the SuperLink side of --trust-app
+        if spec.task_type == TaskType.SERVER_APP and self.trusted:  # the SuperLink side of --trust-app
             from fedpers.deploy.appguard import launch_serverapp
 
             return launch_serverapp(self.fallback, spec, self.trusted)

@@ -9,7 +9,7 @@ next broadcast), so a release that is not in a checkpoint was never seen by anyo
 A resumed run restores the generators and continues the same random streams: the releases
 it re-draws after the checkpoint (a crash between a release and the checkpoint) are the
 same values, and the ledger is not extended twice for them (see
-:meth:`fedpers.privacy.Privatizer.resume`). A secure-noise run writes no generator state
+:func:`fedpers.runner.resume_directory`). A secure-noise run writes no generator state
 (its generators are seeded from OS entropy and must stay unknown); its re-drawn, never
 published releases are fresh.
 """

@@ -115,7 +115,7 @@ def _disk_cached(key: tuple, load: Any) -> Units:
 
     name = hashlib.sha256(json.dumps([__version__, *map(str, key), stamp]).encode()).hexdigest()[:32] + ".pt"
     path = Path(directory) / name
-    # --- issue 23: raw user data at rest: created 0700; a directory others can reach fails the task ---
+    # Raw user data at rest: the cache directory is created 0700; one that others can reach fails the task.
     from fedpers.results.securefs import UnsafeDirectory, private_dir
 
     try:
@@ -129,7 +129,6 @@ def _disk_cached(key: tuple, load: Any) -> Units:
             "%s=%s cannot be written (%s); this node loads its users for every message", NODE_CACHE_ENV, directory, e
         )
         return load()
-    # --- end issue 23 ---
     if path.is_file():
         try:
             return torch.load(path, mmap=True, weights_only=True)
@@ -138,7 +137,7 @@ def _disk_cached(key: tuple, load: Any) -> Units:
     units = load()
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # issue 23: 0600, never 0644
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # 0600: no other user reads a cached unit
         with os.fdopen(fd, "wb") as f:
             torch.save(dict(units), f)
         os.replace(tmp, path)
@@ -180,7 +179,7 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
     start = time.perf_counter()
     task = codec.decode_task(message.content)
     data_file = str(context.node_config.get(codec.DATA_FILE, "") or "")
-    # --- issue 23: the lab's policy ($FEDPERS_POLICY), checked on every task before any computation ---
+    # The lab's policy ($FEDPERS_POLICY) is checked on every task before any computation.
     from fedpers.runtime.flower.policy import active_policy, check_task
 
     policy = active_policy()
@@ -195,7 +194,6 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
             json.loads(task.job.config_json),
             node.protocol.units_in_round(task.round, units),
         )
-    # --- end issue 23 ---
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
     reply = client_message(node.protocol, task.round, broadcast, units)

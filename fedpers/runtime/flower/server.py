@@ -248,7 +248,7 @@ def run_on_grid(
     if (policy := active_policy()) is not None:
         check_partitions(
             policy, {p: len(r) for p, r in enumerate(federation.ranges)}
-        )  # issue 23: no partition below min-units
+        )  # no partition below the policy's min-units
     if on_discovery is not None:
         on_discovery(federation)
     gather = GridGather(grid, job, federation, options.round_timeout, stop, protocol)
