@@ -11,6 +11,7 @@ from typing import Any
 from fedpers import config as config_lib
 from fedpers.experiments.base import Experiment
 from fedpers.privacy import Calibrations, Privatizer
+from fedpers.results.run_result import RunResult
 from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.driver import RoundRecord
 from fedpers.runtime.options import Runtime, RuntimeOptions
@@ -56,7 +57,9 @@ def execute(
     grid: Any = None,
     resume: bool = False,
 ) -> dict[str, Any]:
-    """Run ``cfg`` and return the result dict (also written to ``out`` unless ``write`` is false).
+    """Run ``cfg`` and return its result (also written to ``out`` unless ``write`` is false): the
+    :class:`RunResult`'s dict (what result.json holds), with the round records under ``_rounds``
+    and the final state under ``_state``.
 
     The steps: :func:`resolve` the run, open (or resume) its run directory
     (:meth:`RunDirectory.start <fedpers.results.rundir.RunDirectory.start>` / :func:`resume_directory`),
@@ -79,10 +82,8 @@ def execute(
             run_dir.fail(plan.privatizer.ledger, e, len(plan.rounds))
         raise
     if run_dir is not None:
-        run_dir.finish(result, plan.rounds, plan.experiment, plan.cfg)
-    result["_rounds"] = plan.rounds
-    result["_state"] = state
-    return result
+        result = run_dir.finish(result, plan.rounds, plan.experiment, plan.cfg)
+    return {**result.to_dict(), "_rounds": plan.rounds, "_state": state}
 
 
 def resolve(
@@ -169,24 +170,13 @@ def drive(
     return state
 
 
-def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """The result dict: the algorithm's metrics with the (ε, δ) the accountant gives its ledger."""
+def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> RunResult:
+    """The run's result: the algorithm's metrics with the (ε, δ) the accountant gives its ledger,
+    and a warning for each trivial baseline the private result does not beat."""
     privacy = plan.experiment.privacy_summary(plan.cfg, plan.protocol, plan.privatizer.ledger)
-    result = {
-        "algorithm": plan.experiment.name,
-        "status": "completed",
-        "runtime": plan.options.runtime.value,
-        **{k: privacy[k] for k in ("epsilon", "delta", "noise_multiplier") if k in privacy},
-        **final,
-        "privacy": privacy,
-        "seconds": seconds,
-    }
-    warnings = plan.experiment.result_warnings(
-        plan.cfg, result
-    )  # a private result no better than a trivial one says so
-    if warnings:
-        result["warnings"] = warnings
-    return result
+    result = RunResult.completed(plan.experiment.name, plan.options.runtime.value, privacy, final, seconds)
+    warnings = plan.experiment.result_warnings(plan.cfg, result.to_dict())
+    return result.with_warnings(warnings) if warnings else result
 
 
 CHECKPOINT = "checkpoint.pt"
