@@ -71,7 +71,7 @@ def _scalar(v: Any) -> bool:
 def shown_privacy(result: RunResult | None, ledger_summary: Mapping[str, Any] | None = None) -> Privacy | None:
     """The privacy a view shows: the run's own (its accountant over its ledger) once it
     completed, else what the ledger's releases so far give (``privacy_summary``)."""
-    if result is not None and result.privacy is not None:
+    if result is not None and result.privacy is not None and result.privacy.epsilon is not None:
         return result.privacy
     if ledger_summary is None:
         return None
