@@ -170,12 +170,13 @@ def warning_lines(result: RunResult) -> list[str]:
     return [f"\n!! WARNING: {warning_text(w)}" for w in result.warnings or ()]
 
 
-def compare_row(result: RunResult) -> dict[str, Any]:
-    """A completed run's figures as compare shows them: runtime, ε, δ, z, time, then its metrics."""
-    p = result.privacy
+def compare_row(result: RunResult, privacy: Privacy | None, status: str) -> dict[str, Any]:
+    """The run as compare shows it: runtime, status, ε, δ, z (from ``privacy``: the run's own,
+    or its ledger's so far, :func:`shown_privacy`), time, then its metrics."""
     return {
         "runtime": result.runtime,
-        **{k: getattr(p, k) if p is not None else None for k in HEADLINE},
+        "status": status,
+        **{k: getattr(privacy, k) if privacy is not None else None for k in HEADLINE},
         "seconds": result.seconds,
         **result.metrics,
     }
