@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from fedpers import config as config_lib
-from fedpers.experiments.base import Experiment
+from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
+from fedpers.protocols.base import Protocol
 from fedpers.results.run_result import RunResult
 from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
+from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import RoundRecord
 from fedpers.runtime.options import Runtime, RuntimeOptions
 from fedpers.seeds import split_seed
@@ -29,9 +31,9 @@ class Plan:
     cfg: Any
     """The config the protocol runs with (its noise seed split off, :func:`split_seed`)."""
     options: RuntimeOptions
-    protocol: Any
+    protocol: Protocol
     calibrations: Calibrations
-    evaluator: Any
+    evaluator: Evaluator
     privatizer: Privatizer
     rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Round records so far (a resumed run starts with the checkpointed ones)."""
@@ -103,11 +105,10 @@ def resolve(
     return Plan(experiment, cfg, run_cfg, options, protocol, calibrations, evaluator, privatizer)
 
 
-def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tuple[RunDirectory, Any]:
+def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tuple[RunDirectory, Checkpointer]:
     """The run directory (``out``, or a new one under ``runs/``) started, or resumed from its
     checkpoint; every release is written there the moment it is drawn."""
     from fedpers.results.provenance import provenance
-    from fedpers.runtime.checkpoint import Checkpointer
 
     path = out if out else default_run_dir(plan.experiment.name, getattr(plan.given, "seed", 0))
     run_dir = RunDirectory(path, resume=resume)
@@ -122,7 +123,12 @@ def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tupl
 
 
 def drive(
-    plan: Plan, run_dir: RunDirectory | None, checkpointer: Any, *, grid: Any = None, progress: bool = True
+    plan: Plan,
+    run_dir: RunDirectory | None,
+    checkpointer: Checkpointer | None,
+    *,
+    grid: Any = None,
+    progress: bool = True,
 ) -> Any:
     """Every round of the protocol on the runtime the options name; returns the final state.
 
@@ -190,7 +196,7 @@ def _digest(saved: dict[str, Any]) -> str:
     return hashlib.sha256(dumps(saved, indent=None).encode()).hexdigest()
 
 
-def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Any, record: dict[str, Any]) -> None:
+def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Checkpointer, record: dict[str, Any]) -> None:
     """Load the checkpoint, the releases on disk, the round lines and the evaluator's memory a
     resumed run continues from.
 

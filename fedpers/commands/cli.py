@@ -316,7 +316,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     skip = {"command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri"}
     values.update({k: v for k, v in vars(args).items() if k not in skip})
     algo_values, runtime_values = split_values(exp.config_type, values)
-    cfg = config_lib.build(exp.config_type, algo_values)
+    cfg: Any = config_lib.build(exp.config_type, algo_values)  # the algorithm's own config class
     options = config_lib.build(RuntimeOptions, runtime_values)
     if args.track:
         from fedpers.commands.tracking import check
@@ -421,11 +421,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
     if args.policy is not None:
         load_policy(args.policy)  # a malformed policy is refused before anything is written
-    app_hash = ""
+    fab = ""  # the FAB hash SuperNodes trust (none: a placeholder in the printed commands)
     if args.app:
         from fedpers.deploy.forkserver import app_hash as fab_hash
 
-        app_hash = fab_hash(args.app)
+        fab = fab_hash(args.app)
     files = make_certs(
         args.dir,
         args.host,
@@ -437,7 +437,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         node_port=args.node_port,
         listen=args.listen,
         data_file=args.data_file,
-        app_hash=app_hash,
+        app_hash=fab,
         policy=args.policy.read_text() if args.policy is not None else None,
     )
     print(
@@ -575,7 +575,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             raise ValueError(f"config: cannot read {algo_args.config}: {e}") from None
     values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
     algo_values, _ = split_values(exp.config_type, values)
-    cfg = config_lib.build(exp.config_type, algo_values)
+    cfg: Any = config_lib.build(exp.config_type, algo_values)  # the algorithm's own config class
     result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
     print(dumps(result, indent=None) if algo_args.json else format_audit(result))
     return 0
