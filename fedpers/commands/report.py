@@ -93,7 +93,6 @@ def run_report(run_dir: str | Path) -> str:
         + "</p>"
     ]
     privacy = summary.shown_privacy(result, ledger)
-    assert privacy is not None  # shown_privacy falls back to the ledger's summary, always given here
     lines = [
         f'<p class="eps" id="epsilon">{_e(summary.epsilon_delta(privacy))}</p>',
         f"<p>by the {_e(privacy.accountant)} accountant over {ledger['releases']} release(s), neighbouring: "

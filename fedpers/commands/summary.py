@@ -68,13 +68,11 @@ def _scalar(v: Any) -> bool:
     return isinstance(v, (int, float))
 
 
-def shown_privacy(result: RunResult | None, ledger_summary: Mapping[str, Any] | None = None) -> Privacy | None:
+def shown_privacy(result: RunResult | None, ledger_summary: Mapping[str, Any]) -> Privacy:
     """The privacy a view shows: the run's own (its accountant over its ledger) once it
     completed, else what the ledger's releases so far give (``privacy_summary``)."""
     if result is not None and result.privacy is not None and result.privacy.epsilon is not None:
         return result.privacy
-    if ledger_summary is None:
-        return None
     return Privacy(
         epsilon=ledger_summary.get("epsilon"),
         delta=ledger_summary.get("delta"),
@@ -170,13 +168,13 @@ def warning_lines(result: RunResult) -> list[str]:
     return [f"\n!! WARNING: {warning_text(w)}" for w in result.warnings or ()]
 
 
-def compare_row(result: RunResult, privacy: Privacy | None, status: str) -> dict[str, Any]:
+def compare_row(result: RunResult, privacy: Privacy, status: str) -> dict[str, Any]:
     """The run as compare shows it: runtime, status, ε, δ, z (from ``privacy``: the run's own,
     or its ledger's so far, :func:`shown_privacy`), time, then its metrics."""
     return {
         "runtime": result.runtime,
         "status": status,
-        **{k: getattr(privacy, k) if privacy is not None else None for k in HEADLINE},
+        **{k: getattr(privacy, k) for k in HEADLINE},
         "seconds": result.seconds,
         **result.metrics,
     }

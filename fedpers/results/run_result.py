@@ -326,14 +326,6 @@ class RunResult:
     def with_warnings(self, warnings: Sequence[Mapping[str, Any] | str]) -> RunResult:
         return dataclasses.replace(self, warnings=tuple(ResultWarning.from_dict(w) for w in warnings))
 
-    def figure(self, key: str) -> Any:
-        """A figure by its key: a metric of the private run, else a typed privacy figure (None: not recorded)."""
-        if key in self.metrics:
-            return self.metrics[key]
-        if self.privacy is not None and key in Privacy.CONVERT:
-            return getattr(self.privacy, key)
-        return None
-
 
 def _plain(value: Any) -> Any:
     """Tuples back to the lists JSON holds; mappings copied."""
