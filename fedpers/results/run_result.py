@@ -273,7 +273,8 @@ class RunResult:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> RunResult:
-        """Read a result (``result.json``, or the dict a run returns) section by section."""
+        """Read a result (``result.json``, or the dict a run returns) section by section; the
+        run's in-memory extras (``_rounds``, ``_state``) stay details, never metrics."""
         parts = _split(d, RunResult.CONVERT)
         details: dict[str, Any] = parts.pop("details")
         privacy = Privacy.from_dict(parts.pop("privacy")) if "privacy" in parts else None
@@ -283,7 +284,7 @@ class RunResult:
         for k in list(details):
             if k in headline:
                 del details[k]
-            elif k not in HEADLINE and _scalar(details[k]) is not _NOT:
+            elif k not in HEADLINE and not k.startswith("_") and _scalar(details[k]) is not _NOT:
                 metrics[k] = _scalar(details.pop(k))
         if "warnings" in parts:
             parts["warnings"] = tuple(ResultWarning.from_dict(w) for w in parts["warnings"])
