@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from fedpers import config as config_lib
-from fedpers.experiments.base import Experiment
+from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
+from fedpers.protocols.base import Protocol
+from fedpers.results.run_result import RunResult
 from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
+from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import RoundRecord
 from fedpers.runtime.options import Runtime, RuntimeOptions
 from fedpers.seeds import split_seed
@@ -28,9 +31,9 @@ class Plan:
     cfg: Any
     """The config the protocol runs with (its noise seed split off, :func:`split_seed`)."""
     options: RuntimeOptions
-    protocol: Any
+    protocol: Protocol
     calibrations: Calibrations
-    evaluator: Any
+    evaluator: Evaluator
     privatizer: Privatizer
     rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Round records so far (a resumed run starts with the checkpointed ones)."""
@@ -56,7 +59,9 @@ def execute(
     grid: Any = None,
     resume: bool = False,
 ) -> dict[str, Any]:
-    """Run ``cfg`` and return the result dict (also written to ``out`` unless ``write`` is false).
+    """Run ``cfg`` and return its result (also written to ``out`` unless ``write`` is false): the
+    :class:`RunResult`'s dict (what result.json holds), with the round records under ``_rounds``
+    and the final state under ``_state``.
 
     The steps: :func:`resolve` the run, open (or resume) its run directory
     (:meth:`RunDirectory.start <fedpers.results.rundir.RunDirectory.start>` / :func:`resume_directory`),
@@ -79,10 +84,8 @@ def execute(
             run_dir.fail(plan.privatizer.ledger, e, len(plan.rounds))
         raise
     if run_dir is not None:
-        run_dir.finish(result, plan.rounds, plan.experiment, plan.cfg)
-    result["_rounds"] = plan.rounds
-    result["_state"] = state
-    return result
+        result = run_dir.finish(result, plan.rounds, plan.experiment, plan.cfg)
+    return {**result.to_dict(), "_rounds": plan.rounds, "_state": state}
 
 
 def resolve(
@@ -102,11 +105,10 @@ def resolve(
     return Plan(experiment, cfg, run_cfg, options, protocol, calibrations, evaluator, privatizer)
 
 
-def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tuple[RunDirectory, Any]:
+def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tuple[RunDirectory, Checkpointer]:
     """The run directory (``out``, or a new one under ``runs/``) started, or resumed from its
     checkpoint; every release is written there the moment it is drawn."""
     from fedpers.results.provenance import provenance
-    from fedpers.runtime.checkpoint import Checkpointer
 
     path = out if out else default_run_dir(plan.experiment.name, getattr(plan.given, "seed", 0))
     run_dir = RunDirectory(path, resume=resume)
@@ -121,7 +123,12 @@ def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tupl
 
 
 def drive(
-    plan: Plan, run_dir: RunDirectory | None, checkpointer: Any, *, grid: Any = None, progress: bool = True
+    plan: Plan,
+    run_dir: RunDirectory | None,
+    checkpointer: Checkpointer | None,
+    *,
+    grid: Any = None,
+    progress: bool = True,
 ) -> Any:
     """Every round of the protocol on the runtime the options name; returns the final state.
 
@@ -169,24 +176,13 @@ def drive(
     return state
 
 
-def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """The result dict: the algorithm's metrics with the (ε, δ) the accountant gives its ledger."""
+def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> RunResult:
+    """The run's result: the algorithm's metrics with the (ε, δ) the accountant gives its ledger,
+    and a warning for each trivial baseline the private result does not beat."""
     privacy = plan.experiment.privacy_summary(plan.cfg, plan.protocol, plan.privatizer.ledger)
-    result = {
-        "algorithm": plan.experiment.name,
-        "status": "completed",
-        "runtime": plan.options.runtime.value,
-        **{k: privacy[k] for k in ("epsilon", "delta", "noise_multiplier") if k in privacy},
-        **final,
-        "privacy": privacy,
-        "seconds": seconds,
-    }
-    warnings = plan.experiment.result_warnings(
-        plan.cfg, result
-    )  # a private result no better than a trivial one says so
-    if warnings:
-        result["warnings"] = warnings
-    return result
+    result = RunResult.completed(plan.experiment.name, plan.options.runtime.value, privacy, final, seconds)
+    warnings = plan.experiment.result_warnings(plan.cfg, result.to_dict())
+    return result.with_warnings(warnings) if warnings else result
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -200,7 +196,7 @@ def _digest(saved: dict[str, Any]) -> str:
     return hashlib.sha256(dumps(saved, indent=None).encode()).hexdigest()
 
 
-def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Any, record: dict[str, Any]) -> None:
+def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Checkpointer, record: dict[str, Any]) -> None:
     """Load the checkpoint, the releases on disk, the round lines and the evaluator's memory a
     resumed run continues from.
 

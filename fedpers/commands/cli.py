@@ -6,15 +6,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import math
 import sys
 import tomllib
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedpers import config as config_lib
+
+if TYPE_CHECKING:
+    from fedpers.results.run_result import RunResult
 
 RUNTIME_FLAGS = "runtime options (every algorithm)"
 
@@ -272,97 +274,28 @@ def split_values(cls: type, values: dict[str, Any]) -> tuple[dict[str, Any], dic
     return {k: v for k, v in values.items() if k in names}, {k: v for k, v in values.items() if k not in names}
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return "inf" if math.isinf(v) else f"{v:.4g}"
-    return str(v)
+def print_summary(result: Mapping[str, Any] | RunResult, out: typing.TextIO | None = None) -> None:
+    """A readable summary: privacy, the main metrics, and the baselines side by side
+    (:func:`fedpers.commands.summary.summary_text`)."""
+    from fedpers.commands.summary import summary_text
 
-
-def print_summary(result: dict[str, Any], out: typing.TextIO | None = None) -> None:
-    """A readable summary: privacy, the main metrics, and the baselines side by side."""
     out = out if out is not None else sys.stdout  # looked up now, so a redirected stdout is honoured
-    priv = result.get("privacy", {})
-    print(
-        f"\n{result['algorithm']} on the {result['runtime']} runtime: {result['status']} in {result['seconds']:.1f} s",
-        file=out,
-    )
-    if priv:
-        line = f"privacy: (ε, δ) = ({_fmt(priv.get('epsilon'))}, {_fmt(priv.get('delta'))}) by {priv.get('accountant', '?')}"
-        if "target_epsilon" in priv:
-            line += f" for target ε = {_fmt(priv['target_epsilon'])}"
-        if "noise_multiplier" in priv:
-            line += f"; noise multiplier {_fmt(priv['noise_multiplier'])}"
-        print(line, file=out)
-        if "paper_epsilon_same_noise" in priv:
-            print(
-                f"         the paper's calibration would claim ε = {_fmt(priv['paper_epsilon_same_noise'])} for the same noise",
-                file=out,
-            )
-        others = {k: v for k, v in priv.get("epsilon_by_accountant", {}).items() if k != priv.get("accountant")}
-        if others:
-            print(
-                "         same noise, other accountants: "
-                + ", ".join(f"ε = {_fmt(v)} by {k}" for k, v in others.items()),
-                file=out,
-            )
-    skip = {
-        "algorithm",
-        "status",
-        "runtime",
-        "seconds",
-        "privacy",
-        "baselines",
-        "plots",
-        "run_dir",
-        "epsilon",
-        "delta",
-        "noise_multiplier",
-        "skipped_metrics",
-    }
-    rows = {
-        "private run": {
-            k: v for k, v in result.items() if k not in skip and not k.startswith("_") and isinstance(v, (int, float))
-        }
-    }
-    rows.update(result.get("baselines", {}))
-    cols = sorted(
-        {c for r in rows.values() for c in r if isinstance(r.get(c), (int, float))},
-        key=lambda c: list(rows["private run"]).index(c) if c in rows["private run"] else 99,
-    )
-    if cols:
-        width = max(len(r) for r in rows) + 2
-        print("\n" + "".ljust(width) + "".join(c.rjust(max(len(c), 10) + 2) for c in cols), file=out)
-        for name, r in rows.items():
-            cells = "".join(
-                (_fmt(r[c]) if isinstance(r.get(c), (int, float)) else "-").rjust(max(len(c), 10) + 2) for c in cols
-            )
-            print(name.ljust(width) + cells, file=out)
-    for k, why in result.get("skipped_metrics", {}).items():
-        print(f"skipped {k}: {why}", file=out)
-    conditions = result.get("conditions", {})
-    if conditions:
-        print("\npreconditions of the privacy guarantee:", file=out)
-        for c in conditions.values():
-            print(
-                f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}  ({_fmt(c['value'])} vs {_fmt(c['bound'])})",
-                file=out,
-            )
-    if "dp_claimed" in result:
-        print(
-            "DP claimed: "
-            + ("yes" if result["dp_claimed"] else "NO (" + "; ".join(result.get("refused_because", [])) + ")"),
-            file=out,
-        )
-    print_warnings(result, out)
-    if "run_dir" in result:
-        print(f"\nrun directory: {result['run_dir']}", file=out)
+    print(summary_text(_run_result(result)), file=out)
 
 
-def print_warnings(result: dict[str, Any], out: typing.TextIO | None = None) -> None:
+def print_warnings(result: Mapping[str, Any] | RunResult, out: typing.TextIO | None = None) -> None:
     """The result's warnings (a private result no better than a trivial baseline), loudly."""
+    from fedpers.commands.summary import warning_lines
+
     out = out if out is not None else sys.stdout
-    for w in result.get("warnings", []):
-        print(f"\n!! WARNING: {w['text'] if isinstance(w, dict) else w}", file=out)
+    for line in warning_lines(_run_result(result)):
+        print(line, file=out)
+
+
+def _run_result(result: Mapping[str, Any] | RunResult) -> RunResult:
+    from fedpers.results.run_result import RunResult
+
+    return result if isinstance(result, RunResult) else RunResult.from_dict(result)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -383,7 +316,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     skip = {"command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri"}
     values.update({k: v for k, v in vars(args).items() if k not in skip})
     algo_values, runtime_values = split_values(exp.config_type, values)
-    cfg = config_lib.build(exp.config_type, algo_values)
+    cfg: Any = config_lib.build(exp.config_type, algo_values)  # the algorithm's own config class
     options = config_lib.build(RuntimeOptions, runtime_values)
     if args.track:
         from fedpers.commands.tracking import check
@@ -397,15 +330,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_result(result: dict[str, Any], as_json: bool) -> None:
-    from fedpers.results.rundir import dumps
+def _print_result(result: Mapping[str, Any], as_json: bool) -> None:
+    from fedpers.commands.summary import json_text
 
-    result = {k: v for k, v in result.items() if not k.startswith("_")}
+    run = _run_result({k: v for k, v in result.items() if not k.startswith("_")})
     if as_json:
-        print_warnings(result, sys.stderr)  # stdout stays one JSON object; the warnings are in it too
-        print(dumps(result, indent=None))
+        print_warnings(run, sys.stderr)  # stdout stays one JSON object; the warnings are in it too
+        print(json_text(run))
     else:
-        print_summary(result)
+        print_summary(run)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -488,11 +421,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
     if args.policy is not None:
         load_policy(args.policy)  # a malformed policy is refused before anything is written
-    app_hash = ""
+    fab = ""  # the FAB hash SuperNodes trust (none: a placeholder in the printed commands)
     if args.app:
         from fedpers.deploy.forkserver import app_hash as fab_hash
 
-        app_hash = fab_hash(args.app)
+        fab = fab_hash(args.app)
     files = make_certs(
         args.dir,
         args.host,
@@ -504,7 +437,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         node_port=args.node_port,
         listen=args.listen,
         data_file=args.data_file,
-        app_hash=app_hash,
+        app_hash=fab,
         policy=args.policy.read_text() if args.policy is not None else None,
     )
     print(
@@ -642,7 +575,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             raise ValueError(f"config: cannot read {algo_args.config}: {e}") from None
     values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
     algo_values, _ = split_values(exp.config_type, values)
-    cfg = config_lib.build(exp.config_type, algo_values)
+    cfg: Any = config_lib.build(exp.config_type, algo_values)  # the algorithm's own config class
     result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
     print(dumps(result, indent=None) if algo_args.json else format_audit(result))
     return 0

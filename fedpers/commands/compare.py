@@ -7,13 +7,12 @@ round's metrics, marked incomplete.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 FIXED = ("run", "algorithm", "runtime", "status", "epsilon", "delta", "noise_multiplier", "seconds")
-NOT_METRICS = {
+NOT_METRICS = {  # bookkeeping of a round record, not metrics (a killed run shows its last round's)
     "seconds",
     "epsilon",
     "delta",
@@ -27,28 +26,25 @@ NOT_METRICS = {
 
 
 def run_row(path: str | Path) -> dict[str, Any]:
-    """One run's row: identity, privacy spent (from its ledger), its top-level numeric metrics."""
+    """One run's row: identity and :func:`fedpers.commands.summary.compare_row` (privacy spent,
+    noise, time, metrics); a killed run shows what its ledger's releases so far spent and its
+    last round's metrics."""
+    from fedpers.commands import summary
     from fedpers.commands.privacy_report import privacy_summary
+    from fedpers.results.run_result import RunResult
     from fedpers.results.rundir import read_run
 
     run = read_run(path)  # refuses a directory that is not a run
-    result = run.get("result", {})
-    priv = privacy_summary(path)
-    row: dict[str, Any] = {
-        "run": Path(path).name or str(path),
-        "algorithm": run["config"].get("algorithm"),
-        "runtime": result.get("runtime", run["config"].get("runtime", {}).get("runtime", "?")),
-        "status": "completed" if run["complete"] else f"incomplete ({len(run['rounds'])} rounds)",
-        "epsilon": priv["epsilon"],
-        "delta": priv["delta"],
-        "noise_multiplier": result.get("noise_multiplier", result.get("privacy", {}).get("noise_multiplier")),
-        "seconds": result.get("seconds"),
-    }
-    metrics = {k: v for k, v in result.items() if _number(v) and k not in NOT_METRICS}
-    if not run["complete"] and run["rounds"]:
-        metrics = {k: v for k, v in run["rounds"][-1].items() if _number(v) and k not in NOT_METRICS}
-    row.update(metrics)
-    return row
+    result = RunResult.from_dict(run["result"]) if run["complete"] else None
+    privacy = summary.shown_privacy(result, privacy_summary(path))
+    row: dict[str, Any] = {"run": Path(path).name or str(path), "algorithm": run["config"].get("algorithm")}
+    if result is not None:
+        return {**row, **summary.compare_row(result, privacy, "completed")}
+    last = run["rounds"][-1] if run["rounds"] else {}
+    metrics = {k: v for k, v in last.items() if _number(v) and k not in NOT_METRICS}
+    runtime = run["config"].get("runtime", {}).get("runtime", "?")
+    incomplete = RunResult(str(row["algorithm"]), f"incomplete ({len(run['rounds'])} rounds)", runtime, metrics)
+    return {**row, **summary.compare_row(incomplete, privacy, incomplete.status)}
 
 
 def _number(v: Any) -> bool:
@@ -79,9 +75,10 @@ def compare(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[str
 
 def figure_metrics(rows: list[dict[str, Any]], metrics: list[str], primary: list[str]) -> list[str]:
     """The panels worth drawing: every primary metric, and any other that at least two runs share."""
+    drawable = [m for m in metrics if any(_number(r.get(m)) for r in rows)]  # a yes/no check has no bar
     if len(rows) < 2:
-        return metrics
-    return [m for m in metrics if m in primary or sum(_number(r.get(m)) for r in rows) >= 2]
+        return drawable
+    return [m for m in drawable if m in primary or sum(_number(r.get(m)) for r in rows) >= 2]
 
 
 def format_table(rows: list[dict[str, Any]], metrics: list[str]) -> str:
@@ -99,19 +96,8 @@ def format_table(rows: list[dict[str, Any]], metrics: list[str]) -> str:
 
 
 def _block(rows: list[dict[str, Any]], metrics: list[str]) -> str:
+    from fedpers.commands.summary import text_table
+
     metrics = [m for m in metrics if any(r.get(m) is not None for r in rows)]
     columns = list(FIXED) + metrics
-    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths)))]
-    for r in cells:
-        lines.append("  ".join(v.ljust(w) if i < 4 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
-    return "\n".join(lines)
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return "inf" if math.isinf(v) else f"{v:.4g}"
-    return str(v)
+    return "\n".join(text_table(columns, ([row.get(c) for c in columns] for row in rows), left=range(4), sep="  "))

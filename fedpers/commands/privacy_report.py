@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
+from fedpers.commands.summary import LEDGER_COLUMNS, label, ledger_rows, text_table
 from fedpers.privacy import Accountant, Ledger, ledger_epsilon
 from fedpers.results.rundir import read_run
 
@@ -42,15 +42,8 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     acc = Accountant(accountant or cfg.get("accountant", "pld"))
     status = "" if run["complete"] else "  INCOMPLETE: the run did not finish; these are the releases it made"
     lines = [f"run: {run_dir}  algorithm: {cfg.get('algorithm')}  releases: {len(ledger)}{status}", ""]
-    lines.append(
-        f"{'round':>5} {'name':<16} {'mechanism':<19} {'units':<10} {'bound':>10} {'sensitivity':>11} {'noise std':>10} {'z':>8}"
-    )
-    for r in ledger:
-        z = r.noise_multiplier
-        lines.append(
-            f"{r.round:>5} {r.name:<16} {r.mechanism:<19} {r.units:<10} {r.per_unit_bound:>10.4g} {r.sensitivity:>11.4g} "
-            f"{r.noise_std:>10.4g} {('-' if math.isinf(z) else f'{z:.4g}'):>8}"
-        )
+    header = [label(c) for c in LEDGER_COLUMNS]  # the report's ledger has the same columns and labels
+    lines += text_table(header, ledger_rows(ledger), left=(1, 2, 3))
     eps = ledger_epsilon(ledger, delta, acc)
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
     level = next((f"{unit}-level" for unit in ("prompt", "example", "column") if unit in neighbours), "user-level")

@@ -13,10 +13,12 @@ import base64
 import csv
 import html
 import json
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from fedpers.commands.summary import fmt
+from fedpers.results.run_result import warning_text
 
 STYLE = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
@@ -31,22 +33,11 @@ def _e(v: Any) -> str:
     return html.escape(str(v))
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, bool) or v is None:
-        return "-" if v is None else str(v)
-    if isinstance(v, float):
-        return "∞" if math.isinf(v) else ("nan" if math.isnan(v) else f"{v:.4g}")
-    if isinstance(v, (list, dict)):
-        text = json.dumps(v, ensure_ascii=False)
-        return text if len(text) < 120 else text[:117] + "…"
-    return str(v)
-
-
 def table(header: Sequence[str], rows: Iterable[Sequence[Any]], left: int = 1) -> str:
     """An HTML table; the first ``left`` columns are text (left-aligned)."""
     head = "".join(f'<th class="{"l" if i < left else ""}">{_e(h)}</th>' for i, h in enumerate(header))
     body = "".join(
-        "<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{_e(_fmt(c))}</td>' for i, c in enumerate(r)) + "</tr>"
+        "<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{_e(fmt(c))}</td>' for i, c in enumerate(r)) + "</tr>"
         for r in rows
     )
     return f"<table><tr>{head}</tr>{body}</table>"
@@ -74,101 +65,70 @@ def _numbers(d: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _positive(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-
-
 def _read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
 def run_report(run_dir: str | Path) -> str:
-    """The HTML page of one run directory (complete or not)."""
+    """The HTML page of one run directory (complete or not); its figures are rendered by
+    :mod:`fedpers.commands.summary`, as the CLI and compare show them."""
+    from fedpers.commands import summary
     from fedpers.commands.privacy_report import privacy_summary
+    from fedpers.commands.tracking import flatten
+    from fedpers.privacy.ledger import Release
+    from fedpers.results.run_result import RunResult
     from fedpers.results.rundir import read_run
 
     path = Path(run_dir)
     run = read_run(path)
-    result = run.get("result", {})
+    result = RunResult.from_dict(run["result"]) if run["complete"] else None
     cfg = run["config"]
-    priv = privacy_summary(path)
-    pr = result.get("privacy", {})
-    status = (
-        result.get("status", "completed") if run["complete"] else f"INCOMPLETE ({len(run['rounds'])} rounds recorded)"
-    )
+    ledger = privacy_summary(path)
+    status = result.status if result is not None else f"INCOMPLETE ({len(run['rounds'])} rounds recorded)"
+    runtime = result.runtime if result is not None else cfg.get("runtime", {}).get("runtime", "?")
+    seconds = result.seconds if result is not None else None
     sections = [
-        f"<p>algorithm <b>{_e(cfg.get('algorithm'))}</b> · status <b>{_e(status)}</b> · runtime "
-        f"{_e(result.get('runtime', cfg.get('runtime', {}).get('runtime', '?')))}"
-        + (f" · {result['seconds']:.1f} s" if isinstance(result.get("seconds"), (int, float)) else "")
+        f"<p>algorithm <b>{_e(cfg.get('algorithm'))}</b> · status <b>{_e(status)}</b> · runtime {_e(runtime)}"
+        + (f" · {seconds:.1f} s" if seconds is not None else "")
         + "</p>"
     ]
-    eps, delta = priv["epsilon"], priv["delta"]
+    privacy = summary.shown_privacy(result, ledger)
     lines = [
-        f'<p class="eps" id="epsilon">(ε, δ) = ({_e(_fmt(float(eps)))}, {_e(_fmt(float(delta)))})</p>',
-        f"<p>by the {_e(priv['accountant'])} accountant over {priv['releases']} release(s), neighbouring: {_e(priv['neighbouring'])}"
-        + (f"; target ε = {_e(_fmt(pr['target_epsilon']))}" if "target_epsilon" in pr else "")
-        + (f"; noise multiplier {_e(_fmt(pr['noise_multiplier']))}" if "noise_multiplier" in pr else "")
-        + ".</p>",
+        f'<p class="eps" id="epsilon">{_e(summary.epsilon_delta(privacy))}</p>',
+        f"<p>by the {_e(privacy.accountant)} accountant over {ledger['releases']} release(s), neighbouring: "
+        f"{_e(privacy.neighbouring)}" + "".join(f"; {_e(p)}" for p in summary.noise_phrases(privacy)) + ".</p>",
+        *(f"<p>{_e(line[0].upper() + line[1:])}.</p>" for line in summary.privacy_lines(privacy)),
     ]
-    if pr.get("paper_epsilon_same_noise") is not None:
-        lines.append(
-            f"<p>The paper's calibration would claim ε = {_e(_fmt(pr['paper_epsilon_same_noise']))} for the same noise.</p>"
-        )
-    others = {k: v for k, v in pr.get("epsilon_by_accountant", {}).items() if k != priv["accountant"]}
-    if others:
-        lines.append(
-            "<p>Same noise, other accountants: "
-            + ", ".join(f"ε = {_e(_fmt(v))} by {_e(k)}" for k, v in others.items())
-            + ".</p>"
-        )
-    ledger = priv["ledger"]
-    cols = ["round", "name", "mechanism", "units", "per_unit_bound", "sensitivity", "noise_std"]
-    rows = (
-        [r.get(c) for c in cols]
-        + [
-            r["noise_std"] / r["sensitivity"]
-            if _positive(r.get("sensitivity")) and isinstance(r.get("noise_std"), (int, float))
-            else None
-        ]
-        for r in ledger
-    )
-    lines.append("<h3>Ledger</h3>" + table([*cols, "noise_std / sensitivity"], rows, left=4))
+    releases = [Release.from_dict(r) for r in ledger["ledger"]]
+    header = [summary.label(c) for c in summary.LEDGER_COLUMNS]
+    lines.append("<h3>Ledger</h3>" + table(header, summary.ledger_rows(releases), left=4))
     sections.append("<h2>Privacy</h2>" + "".join(lines))
 
-    metrics = _numbers(result)
-    for k in ("epsilon", "delta", "noise_multiplier", "seconds"):
-        metrics.pop(k, None)
-    baselines = {n: _numbers(m) for n, m in result.get("baselines", {}).items() if isinstance(m, Mapping)}
-    keys = list(metrics) + [k for m in baselines.values() for k in m if k not in metrics]
-    keys = list(dict.fromkeys(keys))
-    rows = [["private run"] + [metrics.get(k) for k in keys]] + [
-        [n] + [m.get(k) for k in keys] for n, m in baselines.items()
-    ]
-    block = table(["", *keys], rows)
-    for w in result.get("warnings", []):
-        block = f'<div class="warn">WARNING: {_e(w["text"] if isinstance(w, Mapping) else w)}</div>' + block
-    if result.get("baselines_skipped"):
-        block += f"<p>baselines skipped: {_e(', '.join(result['baselines_skipped']))}</p>"
-    if not run["complete"] and run["rounds"]:
+    block = ""
+    if result is not None:
+        columns, rows = summary.metric_rows(result)
+        block = table(["", *columns], ([name, *(row.get(c) for c in columns)] for name, row in rows))
+        for w in result.warnings or ():
+            block = f'<div class="warn">WARNING: {_e(warning_text(w))}</div>' + block
+        if result.baselines_skipped:
+            block += f"<p>baselines skipped: {_e(', '.join(result.baselines_skipped))}</p>"
+    elif run["rounds"]:
         block += "<p>Last recorded round:</p>" + table(["metric", "value"], _numbers(run["rounds"][-1]).items())
     sections.append("<h2>Metrics against every baseline</h2>" + block)
 
-    if isinstance(result.get("data"), Mapping):
-        sections.append("<h2>Data summary</h2>" + table(["field", "value"], result["data"].items()))
-    conditions = result.get("conditions")
-    if isinstance(conditions, Mapping) and conditions:
+    if result is not None and result.data is not None:
+        sections.append("<h2>Data summary</h2>" + table(["field", "value"], result.data.items()))
+    if result is not None and result.conditions:
         sections.append(
             "<h2>Preconditions of the guarantee</h2>"
             + table(
                 ["condition", "holds", "value", "bound"],
-                ([c.get("text"), c.get("holds"), c.get("value"), c.get("bound")] for c in conditions.values()),
+                ([c.get("text"), c.get("holds"), c.get("value"), c.get("bound")] for c in result.conditions.values()),
             )
         )
-    figures = [path / p for p in result.get("plots", []) if (path / p).is_file()]
+    figures = [path / p for p in (result.plots or ()) if (path / p).is_file()] if result is not None else []
     if figures:
         sections.append("<h2>Figures</h2>" + "".join(image(f) for f in figures))
-    from fedpers.commands.tracking import flatten
-
     sections.append("<h2>Configuration</h2>" + table(["field", "value"], sorted(flatten(cfg).items())))
     constants = run.get("constants")
     if isinstance(constants, Mapping) and constants:

@@ -73,12 +73,12 @@ def epsilon_after_each_release(run: Mapping[str, Any], result: Mapping[str, Any]
 
 
 def final_metrics(result: Mapping[str, Any]) -> dict[str, float]:
-    """``final/KEY`` for the private run's numbers and ``baseline/NAME/KEY`` for each baseline's."""
-    out = {f"final/{k}": float(v) for k, v in result.items() if _number(v) and not k.startswith("_")}
-    for name, row in result.get("baselines", {}).items():
-        if isinstance(row, Mapping):
-            out.update({f"baseline/{name}/{k}": float(v) for k, v in row.items() if _number(v)})
-    return out
+    """``final/KEY`` for the private run's figures and ``baseline/NAME/KEY`` for each baseline's
+    (:func:`fedpers.commands.summary.tracker_values`); none for a run that did not finish."""
+    from fedpers.commands.summary import tracker_values
+    from fedpers.results.run_result import RunResult
+
+    return tracker_values(RunResult.from_dict(result)) if result else {}
 
 
 def round_series(rounds: Iterable[Mapping[str, Any]]) -> list[tuple[int, dict[str, float]]]:

@@ -8,6 +8,7 @@ and flushed as rounds finish, so a run that fails keeps what it had and says why
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fedpers.results.run_result import RunResult
 
 
 def _clean(value: Any) -> Any:
@@ -212,23 +215,26 @@ class RunDirectory:
         )
         self.close()
 
-    def finish(self, result: dict[str, Any], rounds: list[dict[str, Any]], experiment: Any, cfg: Any) -> None:
-        """The completed run: per-round plots, result.json, and provenance's finishing time."""
+    def finish(self, result: RunResult, rounds: list[dict[str, Any]], experiment: Any, cfg: Any) -> RunResult:
+        """The completed run: per-round plots, result.json, and provenance's finishing time;
+        returns the result with its plots and run directory."""
         from fedpers.results.plots import privacy_title
 
         provenance = json.loads((self.path / "provenance.json").read_text())
         self.write_json("provenance.json", {**provenance, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         self.remove("error.json")
-        result["plots"] = self.plot_rounds(
+        privacy = result.privacy.to_dict() if result.privacy is not None else {}
+        plots = self.plot_rounds(
             rounds,
             experiment.plot_keys(),
-            privacy_title(experiment.name, {"delta": getattr(cfg, "delta", None), **result["privacy"]}),
+            privacy_title(experiment.name, {"delta": getattr(cfg, "delta", None), **privacy}),
             round_axis=experiment.round_axis,
-            baselines=result.get("baselines"),
+            baselines=result.baselines,
         )
-        result["run_dir"] = str(self.path)
-        self.write_json("result.json", result)
+        result = dataclasses.replace(result, plots=tuple(plots), run_dir=str(self.path))
+        self.write_json("result.json", result.to_dict())
         self.close()
+        return result
 
     def write_arrays(self, name: str, arrays: Mapping[str, Any]) -> None:
         """Tensors/arrays as one ``.npz`` (written whole, then renamed)."""
