@@ -111,7 +111,7 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"run config: {CONFIG_FILE}: cannot read {config_file!r}: {e}") from None
     values.update(parse_pairs(str(run_config.get(CONFIG, ""))))
-    cfg = config_lib.build(experiment.config_type, values)
+    cfg: object = config_lib.build(experiment.config_type, values)  # the algorithm's own config type
     options = config_lib.build(
         RuntimeOptions,
         {
@@ -148,7 +148,7 @@ def build_node(job: Job, data_file: str = "") -> Node:
         if "data" not in {f.name for f in fields(experiment.config_type)}:
             raise ValueError(f"{DATA_FILE}: algorithm {job.algorithm!r} reads no data files")
         values["data"] = data_file
-    cfg = config_lib.build(experiment.config_type, values)
+    cfg: object = config_lib.build(experiment.config_type, values)  # the algorithm's own config type
     protocol = experiment.protocol(
         cfg, Calibrations(json.loads(job.calibrations_json))
     )  # the server's z: no accountant here

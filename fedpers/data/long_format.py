@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -35,6 +36,26 @@ from fedpers.data import summary
 
 Tensor = torch.Tensor
 SUFFIXES = (".parquet", ".pq", ".csv")
+
+
+class LongFormatSummary(TypedDict):
+    """:meth:`LongFormatFile.summary`: descriptive counts of a long-format input (not a DP release)."""
+
+    file: str
+    rows: int
+    rows_kept: int
+    rows_dropped: dict[str, int]
+    """Rows dropped, per reason."""
+    users: int
+    features: int
+    feature_columns: list[str]
+    users_below_minimum: int
+    min_samples_per_user: int
+    users_capped: int
+    max_samples_per_user: int
+    samples_per_user_median: float
+    samples_per_user_max: int
+    note: str
 
 
 def is_long_format(path: str | Path) -> bool:
@@ -295,7 +316,7 @@ class LongFormatFile:
             "ids": ids.to(torch.int64).cpu(),
         }
 
-    def summary(self) -> dict[str, int | float | str]:
+    def summary(self) -> LongFormatSummary:
         """Descriptive counts of the input file (computed by whoever holds it; not DP releases)."""
         n_test = np.floor(self.test_fraction * self.counts).astype(np.int64)
         train = self.counts - n_test
