@@ -111,7 +111,7 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"run config: {CONFIG_FILE}: cannot read {config_file!r}: {e}") from None
     values.update(parse_pairs(str(run_config.get(CONFIG, ""))))
-    cfg: object = config_lib.build(experiment.config_type, values)  # the algorithm's own config type
+    cfg = config_lib.build(experiment.config_type, values)
     options = config_lib.build(
         RuntimeOptions,
         {

@@ -219,7 +219,7 @@ def decode_task(content: RecordDict) -> Task:
 
 
 def _number(rec: ConfigRecord, key: str) -> int:
-    """``int(rec[key])``; a list raises the TypeError ``int()`` itself raises for one."""
+    """``int(rec[key])``: a list value raises TypeError, as ``int()`` does."""
     value = rec[key]
     if isinstance(value, list):
         raise TypeError(f"{key} must be a number, not a list")
