@@ -36,7 +36,7 @@ _STREAM_TRUTH, _STREAM_USERS, _STREAM_PARTS = 1, 2, 3
 HALVES = (0, 1)
 """Sample halves: 0 is samples [0, m//2) (AltMin's Q1, Q2), 1 is [m//2, m) (Q3, Q4)."""
 
-DRAWN: Counter = Counter()
+DRAWN: Counter[str] = Counter()
 """User-halves generated in this process, by dtype name ("float64", "float32"), for counting
 passes over the users (:func:`passes`); :func:`reset_counts` clears it."""
 _COUNT_LOCK = threading.Lock()

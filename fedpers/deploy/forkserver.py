@@ -138,7 +138,7 @@ class ForkServerExecutor:
         self.server = self._start()
 
     @staticmethod
-    def _start() -> subprocess.Popen:
+    def _start() -> subprocess.Popen[str]:
         server = subprocess.Popen(
             [sys.executable, "-m", "fedpers.deploy.forkserver"],
             stdin=subprocess.PIPE,

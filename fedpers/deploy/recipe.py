@@ -25,8 +25,12 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedpers.results.securefs import private_dir, write_private
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 FLEET_PORT = 9092
 """The network port: ``fedpers deploy fleet-proxy`` (the Fleet API only)."""
@@ -117,10 +121,10 @@ def policy_text(
     return text
 
 
-def _san(hosts: Sequence[str]) -> list:
+def _san(hosts: Sequence[str]) -> list[x509.GeneralName]:
     from cryptography import x509
 
-    names: list = []
+    names: list[x509.GeneralName] = []
     for h in dict.fromkeys(
         [*hosts, "127.0.0.1"]
     ):  # 127.0.0.1: the loopback SuperLink and its proxy use one certificate
