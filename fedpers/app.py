@@ -148,7 +148,7 @@ def build_node(job: Job, data_file: str = "") -> Node:
         if "data" not in {f.name for f in fields(experiment.config_type)}:
             raise ValueError(f"{DATA_FILE}: algorithm {job.algorithm!r} reads no data files")
         values["data"] = data_file
-    cfg = config_lib.build(experiment.config_type, values)
+    cfg: object = config_lib.build(experiment.config_type, values)  # the algorithm's own config type
     protocol = experiment.protocol(
         cfg, Calibrations(json.loads(job.calibrations_json))
     )  # the server's z: no accountant here

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import overload
 
 import torch
 
@@ -257,6 +258,39 @@ def kron_gram_sum(v: Tensor, x: Tensor, block: int = 48) -> Tensor:
     return kron_statistics(v, x, block=block)[0]
 
 
+@overload
+def kron_statistics(
+    v: Tensor,
+    x: Tensor,
+    log_v: Tensor | None = None,
+    eta: float = math.inf,
+    label: None = None,
+    block: int = 48,
+    *,
+    device_kernels: bool = False,
+) -> tuple[Tensor, None]: ...
+@overload
+def kron_statistics(
+    v: Tensor,
+    x: Tensor,
+    log_v: Tensor | None,
+    eta: float,
+    label: Tensor,
+    block: int = 48,
+    *,
+    device_kernels: bool = False,
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def kron_statistics(
+    v: Tensor,
+    x: Tensor,
+    log_v: Tensor | None = None,
+    eta: float = math.inf,
+    *,
+    label: Tensor,
+    block: int = 48,
+    device_kernels: bool = False,
+) -> tuple[Tensor, Tensor]: ...
 def kron_statistics(
     v: Tensor,
     x: Tensor,
@@ -300,7 +334,7 @@ def kron_statistics(
 
     def scaled(start: int, stop: int) -> Tensor:
         xb = x[start:stop]
-        if v_norm is None:
+        if log_v is None or v_norm is None:  # both or neither
             return xb
         norm = _block_norms(xb)
         vn = v_norm[start:stop].unsqueeze(-1)
@@ -345,7 +379,13 @@ def kron_statistics(
     return full.permute(0, 2, 1, 3).reshape(k * d, k * d), (bsum.reshape(k * d) if label is not None else None)
 
 
-def _stream_sum(n: int, block: int, blocks_of, device: torch.device, one_stream: bool = False) -> tuple[Tensor, ...]:  # type: ignore[no-untyped-def]
+def _stream_sum(
+    n: int,
+    block: int,
+    blocks_of: Callable[[int, int], tuple[Tensor, ...]],
+    device: torch.device,
+    one_stream: bool = False,
+) -> tuple[Tensor, ...]:
     """Σ of ``blocks_of(lo, hi)`` (a tuple of partial sums) over up to :data:`KRON_STREAMS`
     contiguous shares of n units, each single-threaded on the pool, added in a fixed order.
 
@@ -374,7 +414,15 @@ def _stream_sum(n: int, block: int, blocks_of, device: torch.device, one_stream:
     return tuple(total)
 
 
-def small_batched(fn, *batched: Tensor, min_share: int = 64):  # type: ignore[no-untyped-def]
+@overload
+def small_batched(fn: Callable[..., Tensor], *batched: Tensor, min_share: int = 64) -> Tensor: ...
+@overload
+def small_batched(
+    fn: Callable[..., tuple[Tensor, ...]], *batched: Tensor, min_share: int = 64
+) -> tuple[Tensor, ...]: ...
+def small_batched(
+    fn: Callable[..., Tensor | tuple[Tensor, ...]], *batched: Tensor, min_share: int = 64
+) -> Tensor | tuple[Tensor, ...]:
     """``fn(*batched)`` for a batched LAPACK call on many small matrices (eigh, Cholesky, solve),
     run as up to :data:`KRON_STREAMS` contiguous shares of the leading dim, each on one pool
     thread with torch single-threaded, results concatenated along dim 0.
@@ -397,9 +445,10 @@ def small_batched(fn, *batched: Tensor, min_share: int = 64):  # type: ignore[no
         shares = list(_pool(parts).map(lambda i: fn(*(t[bounds[i] : bounds[i + 1]] for t in batched)), range(parts)))
     finally:
         torch.set_num_threads(threads)
-    if isinstance(shares[0], tuple):
-        return tuple(torch.cat(p) for p in zip(*shares))
-    return torch.cat(shares)
+    tuples = [share for share in shares if isinstance(share, tuple)]  # fn returns one kind: all shares or none
+    if tuples:
+        return tuple(torch.cat(p) for p in zip(*tuples))
+    return torch.cat([share for share in shares if isinstance(share, Tensor)])
 
 
 KRON_STREAMS = 4

@@ -1,4 +1,4 @@
-"""The lab's privacy policy: file format, the ServerApp's and the nodes' checks, the
+"""The lab's privacy policy (issue 23): file format, the ServerApp's and the nodes' checks, the
 federation's cumulative budget ledger, and private files at rest."""
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_node_cache_is_private_and_refuses_a_shared_directory(tmp_path: Path, mo
 def test_integrity_refuses_a_fedpers_that_differs_from_the_fab(tmp_path: Path) -> None:
     from fedpers.deploy import integrity
 
-    root = Path(integrity.__file__).resolve().parents[2]
+    root = Path(integrity.__file__).resolve().parents[2]  # fedpers/deploy/integrity.py -> the checkout
     integrity.require_fab_code(root)  # this checkout against itself
     fab = tmp_path / "fab"
     import shutil

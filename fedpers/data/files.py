@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import zipfile
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -35,6 +36,18 @@ ORTHONORMAL_TOLERANCE = 1e-6
 OPTIONAL = ("u_star", "v_star", "x_test", "y_test")
 SAMPLES = ("x", "y", "x_test", "y_test")
 """Per-user sample arrays: a non-finite sample is zeroed and counted, never refusing the file."""
+
+
+class FileSummary(TypedDict):
+    """:meth:`AltMinFile.summary`: descriptive counts of an ``.npz`` input (not a DP release)."""
+
+    file: str
+    users: int
+    samples_per_user: int
+    features: int
+    samples_zeroed: dict[str, int]
+    """Non-finite samples zeroed, per array."""
+    note: str
 
 
 def inspect_npz(path: Path, streamed: bool = False) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -96,7 +109,7 @@ class AltMinFile:
         self.shapes = {k: shape for k, (shape, _) in members.items()}
         self._members = members
         self._check_shapes()
-        self._arrays: dict[str, np.ndarray] = {}
+        self._arrays: dict[str, np.ndarray | _StoredRows] = {}
         self.samples_zeroed: dict[str, int] = {}
         for name in members:
             self._arrays[name] = self._open(name)
@@ -185,7 +198,7 @@ class AltMinFile:
         if bad:
             self.samples_zeroed[name] = bad
 
-    def summary(self) -> dict[str, int | str | dict[str, int]]:
+    def summary(self) -> FileSummary:
         """Descriptive counts of the input file (computed by whoever holds it; not DP releases)."""
         n, m, d = self.shapes["x"]
         return {
@@ -230,7 +243,7 @@ class _StoredRows:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data  # a writable memoryview of out's bytes
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.offset + start * self.row_bytes)
             done = 0
@@ -265,4 +278,5 @@ def _all_stored(path: Path) -> bool:
 
 def save_altmin_npz(path: str | Path, **arrays: Tensor | np.ndarray) -> None:
     """Write the schema above (used by tests and by users converting their data)."""
-    np.savez(path, **{k: (v.numpy() if isinstance(v, Tensor) else v) for k, v in arrays.items()})
+    # allow_pickle is numpy's default, named so that no array name can be taken for it
+    np.savez(path, allow_pickle=True, **{k: (v.numpy() if isinstance(v, Tensor) else v) for k, v in arrays.items()})

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import numpy as np
 import torch
@@ -33,8 +34,50 @@ import torch
 from fedpers import memory
 from fedpers.data import summary
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 Tensor = torch.Tensor
 SUFFIXES = (".parquet", ".pq", ".csv")
+
+
+class LongFormatSummary(TypedDict):
+    """:meth:`LongFormatFile.summary`: descriptive counts of a long-format input (not a DP release)."""
+
+    file: str
+    rows: int
+    rows_kept: int
+    rows_dropped: dict[str, int]
+    """Rows dropped, per reason."""
+    users: int
+    features: int
+    feature_columns: list[str]
+    users_below_minimum: int
+    min_samples_per_user: int
+    users_capped: int
+    max_samples_per_user: int
+    samples_per_user_median: float
+    samples_per_user_max: int
+    note: str
+
+
+class _Table(TypedDict):
+    """Loaded rows of some users (every user with ``partial`` absent), sorted by user index then
+    file order; the gather plan of :meth:`LongFormatFile._plan` is added once, in place."""
+
+    present: np.ndarray
+    """Indices of the users with loaded rows, sorted."""
+    starts: np.ndarray
+    ends: np.ndarray
+    """Each present user's rows are ``x[starts[p]:ends[p]]``."""
+    x: np.ndarray
+    y: np.ndarray
+    partial: NotRequired[bool]
+    gather: NotRequired[np.ndarray]
+    test_rows: NotRequired[list[np.ndarray]]
+    test_counts: NotRequired[np.ndarray]
+    x0: NotRequired[np.ndarray]
+    y0: NotRequired[np.ndarray]
 
 
 def is_long_format(path: str | Path) -> bool:
@@ -112,7 +155,7 @@ class LongFormatFile:
             raise ValueError("feature_columns: must not include the user or label column")
         self.user_column, self.label_column, self.feature_columns = user_column, label_column, tuple(feature_columns)
         self.users, self.counts, self.rows_total = self._index()
-        self._table: dict | None = None
+        self._table: _Table | None = None
 
     # ----- shape ----------------------------------------------------------------------
     @property
@@ -145,7 +188,7 @@ class LongFormatFile:
             return "no cell holds a number"
         return f"row {first[0]} holds {first[1]!r} ({count} non-numeric cell(s))"
 
-    def _valid(self, batch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def _valid(self, batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Rows of a (user, label, features...) batch that a user keeps, and per reason the rows
         dropped: a missing user id, or a missing/NaN/infinite label or feature (first reason wins)."""
         u = batch.column(0)
@@ -187,7 +230,7 @@ class LongFormatFile:
         return users, counts, total
 
     # ----- reading ----------------------------------------------------------------------
-    def _read(self, users: np.ndarray | None) -> dict:
+    def _read(self, users: np.ndarray | None) -> _Table:
         """The rows of ``users`` (all with None) as a table sorted by user index, then file order."""
         import pyarrow.compute as pc
 
@@ -229,7 +272,7 @@ class LongFormatFile:
         if self._table is None or self._table.get("partial"):
             self._table = self._read(None)
 
-    def _rows_for(self, ids: np.ndarray) -> dict:
+    def _rows_for(self, ids: np.ndarray) -> _Table:
         if self._table is None or (self._table.get("partial") and not np.isin(ids, self._table["present"]).all()):
             wanted = ids if self._table is None else np.union1d(ids, self._table["present"])
             self._table = {**self._read(np.unique(wanted)), "partial": True}
@@ -247,7 +290,7 @@ class LongFormatFile:
             return train[:0], test[:0]
         return train, test
 
-    def _plan(self, table: dict) -> None:
+    def _plan(self, table: _Table) -> None:
         """Per loaded user, once: the table rows of its four padded parts (−1: padding) and of
         its test samples, so every later pass over the users is a gather."""
         if "gather" in table:
@@ -295,7 +338,7 @@ class LongFormatFile:
             "ids": ids.to(torch.int64).cpu(),
         }
 
-    def summary(self) -> dict[str, int | float | str]:
+    def summary(self) -> LongFormatSummary:
         """Descriptive counts of the input file (computed by whoever holds it; not DP releases)."""
         n_test = np.floor(self.test_fraction * self.counts).astype(np.int64)
         train = self.counts - n_test
@@ -318,7 +361,8 @@ class LongFormatFile:
         }
 
 
-def _is_number(v) -> bool:
+def _is_number(v: Any) -> bool:
+    """Whether a cell (of any column type) reads as a number."""
     if isinstance(v, (int, float)):
         return True
     try:
@@ -328,7 +372,7 @@ def _is_number(v) -> bool:
     return True
 
 
-def _numeric(dtype) -> bool:
+def _numeric(dtype: pa.DataType) -> bool:
     import pyarrow.types as pt
 
     return pt.is_integer(dtype) or pt.is_floating(dtype) or pt.is_boolean(dtype) or pt.is_decimal(dtype)

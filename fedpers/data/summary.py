@@ -8,12 +8,13 @@ labelled so wherever they appear.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 NOTE = "descriptive counts of the input file held by the operator, not a differentially private release"
 
 
-def lines(summary: dict[str, Any]) -> list[str]:
+def lines(summary: Mapping[str, Any]) -> list[str]:
     """The summary as the lines a run prints before any work."""
     skip = ("note", "rows_dropped", "samples_zeroed")
     head = ", ".join(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ _STREAM_TRUTH, _STREAM_USERS, _STREAM_PARTS = 1, 2, 3
 HALVES = (0, 1)
 """Sample halves: 0 is samples [0, m//2) (AltMin's Q1, Q2), 1 is [m//2, m) (Q3, Q4)."""
 
-DRAWN: Counter = Counter()
+DRAWN: Counter[str] = Counter()
 """User-halves generated in this process, by dtype name ("float64", "float32"), for counting
 passes over the users (:func:`passes`); :func:`reset_counts` clears it."""
 _COUNT_LOCK = threading.Lock()
@@ -303,27 +303,33 @@ def altmin_users(
         xs, bv, bz = _user_block(
             seed, blk, samples, d, k, partial=keep_partial_blocks and rows.numel() < BLOCK, halves=halves
         )
+        index: Tensor | slice = rows
         if (
             rows.numel() == BLOCK
             and int(rows[-1]) - int(rows[0]) == BLOCK - 1
             and bool((local == torch.arange(BLOCK)).all())
         ):
-            rows = slice(int(rows[0]), int(rows[0]) + BLOCK)  # a whole block in order: views, no gather
+            index = slice(int(rows[0]), int(rows[0]) + BLOCK)  # a whole block in order: views, no gather
         else:
             xs, bv, bz = {h: t[local] for h, t in xs.items()}, bv[local], bz[local]
-        v[rows] = bv.to(dtype)
+        v[index] = bv.to(dtype)
         for half in halves:
             a, b = half_range(samples, half)
             hx = xs[half]
             c, e = where(half)
-            x[rows, c:e] = hx.to(dtype)
-            y[rows, c:e] = ((hx @ u) @ bv.unsqueeze(-1)).squeeze(-1).add(noise_std * bz[:, a:b]).to(dtype)
+            x[index, c:e] = hx.to(dtype)
+            y[index, c:e] = ((hx @ u) @ bv.unsqueeze(-1)).squeeze(-1).add(noise_std * bz[:, a:b]).to(dtype)
 
     _map_blocks(one, groups, device, workers)
     return {"ids": ids, "x": x, "y": y, "v_star": v}
 
 
-def _map_blocks(fn, groups: list, device: torch.device, workers: int | None) -> None:  # type: ignore[no-untyped-def]
+def _map_blocks(
+    fn: Callable[[tuple[int, Tensor]], None],
+    groups: list[tuple[int, Tensor]],
+    device: torch.device,
+    workers: int | None,
+) -> None:
     """Run ``fn`` on every block group: on the CPU on a pool of single-threaded workers (blocks
     write disjoint rows, so the order does not matter), elsewhere in order (the device queues)."""
     threads = torch.get_num_threads()

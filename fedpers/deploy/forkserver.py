@@ -138,7 +138,7 @@ class ForkServerExecutor:
         self.server = self._start()
 
     @staticmethod
-    def _start() -> subprocess.Popen:
+    def _start() -> subprocess.Popen[str]:
         server = subprocess.Popen(
             [sys.executable, "-m", "fedpers.deploy.forkserver"],
             stdin=subprocess.PIPE,
@@ -235,7 +235,7 @@ def superexec(argv: list[str]) -> int:
     loop = importlib.import_module("flwr.supercore.superexec.run_superexec")
     os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", POLL_INTERVAL)
     original = loop.get_executor
-    loop.get_executor = lambda *a, **k: ForkServerExecutor(original(*a, **k))
+    loop.get_executor = lambda *a, **k: ForkServerExecutor(original(*a, **k))  # type: ignore[attr-defined]  # patches a private flwr module (gated)
     sys.argv = ["flower-superexec", *argv]
     cli.flower_superexec()
     return 0

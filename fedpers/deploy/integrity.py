@@ -32,9 +32,9 @@ def package_files(root: Path) -> dict[str, str]:
 
 def imported_root(package: str = "fedpers") -> Path | None:
     """The directory ``import package`` uses in this process (already imported or not), or None."""
-    module = sys.modules.get(package)
-    if module is not None and getattr(module, "__file__", None):
-        return Path(module.__file__).resolve().parent
+    file: str | None = getattr(sys.modules.get(package), "__file__", None)  # None: not imported, or no file
+    if file:
+        return Path(file).resolve().parent
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None

@@ -25,8 +25,12 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedpers.results.securefs import private_dir, write_private
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 FLEET_PORT = 9092
 """The network port: ``fedpers deploy fleet-proxy`` (the Fleet API only)."""
@@ -117,10 +121,10 @@ def policy_text(
     return text
 
 
-def _san(hosts: Sequence[str]) -> list:
+def _san(hosts: Sequence[str]) -> list[x509.GeneralName]:
     from cryptography import x509
 
-    names: list = []
+    names: list[x509.GeneralName] = []
     for h in dict.fromkeys(
         [*hosts, "127.0.0.1"]
     ):  # 127.0.0.1: the loopback SuperLink and its proxy use one certificate
@@ -149,11 +153,10 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     policy = policy if policy is not None else policy_text()
     now = datetime.datetime.now(datetime.UTC)
     pem = serialization.Encoding.PEM
-    private_pem = {
-        "encoding": pem,
-        "format": serialization.PrivateFormat.PKCS8,
-        "encryption_algorithm": serialization.NoEncryption(),
-    }
+
+    def private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+        """A TLS private key as unencrypted PKCS#8 PEM (kept in a private directory)."""
+        return key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedpers deployment CA")])
@@ -193,10 +196,10 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     root = layout.root
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     put(root / "ca", "ca.crt", ca.public_bytes(pem))
-    put(root / "ca", "ca.key", ca_key.private_bytes(**private_pem))
+    put(root / "ca", "ca.key", private_pem(ca_key))
     put(layout.link, "ca.crt", ca.public_bytes(pem))
     put(layout.link, "superlink.crt", link.public_bytes(pem))
-    put(layout.link, "superlink.key", link_key.private_bytes(**private_pem))
+    put(layout.link, "superlink.key", private_pem(link_key))
     put(layout.link, "superexec.secret", secrets.token_hex(32).encode())
     put(layout.link, "policy.toml", policy.encode())
     put(layout.link / "flwr", "config.toml", connection_toml(layout).encode(), "superlink/flwr/config.toml")
@@ -281,7 +284,8 @@ def commands(layout: Layout) -> str:
 def steps(text: str) -> list[tuple[str, str]]:
     """``commands.txt`` → [(machine, command)], the command's continuation lines joined (for tests and scripts)."""
     out: list[tuple[str, str]] = []
-    machine, body = "", []
+    machine = ""
+    body: list[str] = []
     for line in [*text.splitlines(), STEP + "0. end: "]:
         if line.startswith(STEP):
             joined = "\n".join(body).replace("\\\n", " ")

@@ -83,8 +83,8 @@ def supernode(argv: list[str]) -> int:
             raise SystemExit(f"--poll must be in [0.01, 3] seconds; got {poll}")
         argv = argv[:i] + argv[i + 2 :]
     loop = importlib.import_module("flwr.supernode.start_client_internal")
-    loop.time = _PollingTime(poll)
-    loop.subprocess = _WarmSuperExecLauncher()
+    loop.time = _PollingTime(poll)  # type: ignore[attr-defined]  # patches a private flwr module (gated)
+    loop.subprocess = _WarmSuperExecLauncher()  # type: ignore[attr-defined]  # patches a private flwr module (gated)
     quick_object_pulls(loop)
     cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
     sys.argv = ["flower-supernode", *argv]

@@ -524,9 +524,9 @@ class Privatizer:
                 secure_module.os_seed() if self.secure else int(torch.randint(0, 2**62, (1,), generator=self.generator))
             )
             rng = np.random.Generator(np.random.PCG64(seed))
-            L = np.tril(rng.standard_normal((n, n)), -1)
-            L[np.diag_indices(n)] = np.sqrt(rng.chisquare(k - np.arange(n)))
-            L = torch.from_numpy(L)
+            bartlett = np.tril(rng.standard_normal((n, n)), -1)  # Bartlett's factor: W = LLᵀ ~ Wishart(I, k)
+            bartlett[np.diag_indices(n)] = np.sqrt(rng.chisquare(k - np.arange(n)))
+            L = torch.from_numpy(bartlett)
             W = L @ L.transpose(0, 1)
         else:
             Z = torch.randn((n, k), generator=self.generator, dtype=torch.float64)

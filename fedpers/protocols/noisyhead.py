@@ -172,8 +172,9 @@ def gradient_sum(gamma: Tensor, z: Tensor, yq: Tensor, wa: Tensor | None = None,
     return (resid.unsqueeze(-2) @ z).squeeze(-2)
 
 
-def descend(gamma: Tensor, noisy_grad_sum: Tensor, n: int, lam: float, eta: float, radius: float) -> Tensor:
-    """One step: Π_R((1 − 2λη₀)γ − (η₀/N)·(noisy gradient sum)), batched over leading dims."""
+def descend(gamma: Tensor, noisy_grad_sum: Tensor, n: float, lam: float, eta: float, radius: float) -> Tensor:
+    """One step: Π_R((1 − 2λη₀)γ − (η₀/N)·(noisy gradient sum)), batched over leading dims; ``n`` is
+    N, or its expectation qN under Poisson sampling."""
     return linalg.clip_vectors((1 - 2 * lam * eta) * gamma - (eta / n) * noisy_grad_sum, radius)
 
 

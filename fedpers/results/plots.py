@@ -32,9 +32,10 @@ def is_linear_metric(name: str) -> bool:
     return any(w in name.lower() for w in LINEAR_WORDS)
 
 
-def y_scale(name: str, values: Iterable[float]) -> str:
-    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    if is_linear_metric(name) or not values or min(values) <= 0:
+def y_scale(name: str, values: Iterable[object]) -> str:
+    """``"log"`` for an error metric whose finite numbers (others are skipped) are all positive, else ``"linear"``."""
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if is_linear_metric(name) or not finite or min(finite) <= 0:
         return "linear"
     return "log"
 

@@ -18,7 +18,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -149,10 +149,12 @@ def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tenso
     (unknown dtype, negative or mismatched shapes, bytes missing or left over, repeated names)."""
     try:
         layout = json.loads(str(rec[LAYOUT]))
+        data: bytes | np.ndarray
         if BLOB in rec:
-            data = rec[BLOB]
-            if not isinstance(data, bytes):
+            inline = rec[BLOB]
+            if not isinstance(inline, bytes):
                 raise MalformedReply(f"{what}: {BLOB} must be bytes")
+            data = inline
         else:
             array = content.array_records[TENSORS][BLOB]
             try:
@@ -210,8 +212,23 @@ def encode_task(job: Job, round: int, units: range, broadcast: Packed) -> Record
 
 def decode_task(content: RecordDict) -> Task:
     rec = content[JOB]
+    if not isinstance(rec, ConfigRecord):
+        raise MalformedReply(f"task: {JOB} must be a ConfigRecord; got {type(rec).__name__}")
     broadcast = unpack(rec, content, "task")
-    return Task(read_job(content), int(rec[ROUND]), int(rec[UNIT_START]), int(rec[UNIT_STOP]), broadcast)
+    return Task(read_job(content), _number(rec, ROUND), _number(rec, UNIT_START), _number(rec, UNIT_STOP), broadcast)
+
+
+def _number(rec: ConfigRecord, key: str) -> int:
+    """``int(rec[key])``: a list value raises TypeError, as ``int()`` does."""
+    value = rec[key]
+    if isinstance(value, list):
+        raise TypeError(f"{key} must be a number, not a list")
+    return int(value)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """An int, and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def broadcast_digest(round: int, broadcast: Mapping[str, Tensor]) -> str:
@@ -285,12 +302,13 @@ def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> 
         raise MalformedReply(f"reply lacks {e}") from None
     if expect is not None and tagged != (int(expect[0]), str(expect[1])):
         raise MalformedReply(
-            f"reply answers round {tagged[0]} with broadcast {str(tagged[1])[:12]}…, not this round's task: replayed or stale"
+            f"reply answers round {tagged[0]!s} with broadcast {str(tagged[1])[:12]}…, not this round's task: replayed or stale"
         )
     zeroed = tag.get(ZEROED, 0)
-    for name, value in ((UNITS, count), (ZEROED, zeroed)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise MalformedReply(f"{name} must be an integer; got {value!r}")
+    if not _is_int(count):
+        raise MalformedReply(f"{UNITS} must be an integer; got {count!r}")
+    if not _is_int(zeroed):
+        raise MalformedReply(f"{ZEROED} must be an integer; got {zeroed!r}")
     packed = str(tag.get(PACKED, "") or "")
     packed_names = set(packed.split(",")) if packed else set()
     stats = unpack(tag, content, "reply")
@@ -310,6 +328,6 @@ def decode_node(content: RecordDict) -> tuple[int, int]:
         pid, num = rec[PARTITION_ID], rec[NUM_PARTITIONS]
     except (KeyError, TypeError) as e:
         raise MalformedReply(f"discovery reply lacks {e}") from None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (pid, num)) or not 0 <= pid < num:
+    if not (_is_int(pid) and _is_int(num)) or not 0 <= pid < num:
         raise MalformedReply(f"node config needs 0 <= {PARTITION_ID} < {NUM_PARTITIONS}; got {pid!r}, {num!r}")
     return pid, num
