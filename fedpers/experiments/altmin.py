@@ -6,7 +6,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fedpers import memory, metrics
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
+from fedpers.config import MAX_EPSILON, DeviceRunConfig, device_path, field, inherited, run_config
 from fedpers.data import summary as data_summary
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
@@ -32,8 +32,8 @@ Tensor = torch.Tensor
 LOCAL_ONLY_RIDGE = 1e-6
 
 
-@dataclass(frozen=True)
-class AltMinConfig:
+@run_config
+class AltMinConfig(DeviceRunConfig):
     n_users: int = field(50000, "number of users n (synthetic data)", ge=1)
     dim: int = field(10, "feature dimension d", ge=2)
     rank: int = field(2, "subspace rank k (< d)", ge=1)
@@ -63,9 +63,9 @@ class AltMinConfig:
     psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
     accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
-    device: str = field("cpu", "torch device: cpu or cuda")
-    dtype: str = field("float64", "float64 or float32 for the client statistics")
-    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
+    device: str = inherited()
+    dtype: str = inherited()
+    kernels: str = inherited()
     data: Path | None = field(
         None,
         "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README)",
@@ -153,8 +153,7 @@ class AltMinConfig:
             raise ValueError(
                 f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts {self.cohorts.value}"
             )
-        check_device_and_dtype(self.device, self.dtype)
-        check_kernels(self.kernels)
+        self.check_device()
 
 
 LONG_FORMAT_FIELDS = (

@@ -7,14 +7,14 @@ same users for the same seed, so ``run expmech`` and ``run altmin`` compare on o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedpers import memory, metrics
-from fedpers.config import MAX_EPSILON, field
+from fedpers.config import MAX_EPSILON, DeviceRunConfig, RunConfig, field, inherited, run_config
 from fedpers.experiments import altmin
 from fedpers.experiments.base import Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, PureDpEvent, ledger_epsilon
@@ -25,8 +25,8 @@ MAX_NET_GRID = 50_000_000
 WORKING_ELEMENTS = 1 << 22
 
 
-@dataclass(frozen=True)
-class ExpMechConfig:
+@run_config
+class ExpMechConfig(RunConfig):
     n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
     dim: int = field(3, "feature dimension d", ge=2)
     rank: int = field(1, "subspace rank k (< d)", ge=1)
@@ -49,8 +49,8 @@ class ExpMechConfig:
         0.0, "refuse runs needing more memory than this (0: what the machine has available)", ge=0.0
     )
     seed: int = field(0, "run seed (data, candidates and DP noise use separate generators derived from it)", ge=0)
-    device: str = field("cpu", "torch device: cpu or cuda")
-    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    device: str = inherited(DeviceRunConfig)
+    dtype: str = inherited(DeviceRunConfig)
     data: Path | None = field(None, "per-user data file (.npz, the altmin schema) instead of synthetic data")
     chunk_size: int = field(
         4096,
