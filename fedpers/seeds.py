@@ -1,11 +1,17 @@
-"""Named seeds: every random stream of a run derives from the run seed here (imports nothing of fedpers)."""
+"""Named seeds: every random stream of a run derives from the run seed here (imports nothing of
+fedpers at run time; the config type only for the checker)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from fedpers.config import RunConfig
+
+C = TypeVar("C", bound="RunConfig")
 
 
 def derived_seed(seed: int, stream: str) -> int:
@@ -14,7 +20,7 @@ def derived_seed(seed: int, stream: str) -> int:
     return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
-def split_seed(cfg: Any) -> tuple[Any, int]:
+def split_seed(cfg: C) -> tuple[C, int]:
     """(config with the public seed, secret DP-noise seed), both derived from ``cfg.seed``.
 
     Everything a client may know (its data, the public cohort permutation) derives from
@@ -23,8 +29,4 @@ def split_seed(cfg: Any) -> tuple[Any, int]:
     be found from the public one by trying seeds: for real users run with ``secure_noise``,
     which uses no seed at all.
     """
-    seed = getattr(cfg, "seed", 0)
-    noise_seed = derived_seed(seed, "dp-noise")
-    if not hasattr(cfg, "seed"):
-        return cfg, noise_seed
-    return dataclasses.replace(cfg, seed=derived_seed(seed, "public")), noise_seed
+    return dataclasses.replace(cfg, seed=derived_seed(cfg.seed, "public")), derived_seed(cfg.seed, "dp-noise")

@@ -353,7 +353,7 @@ class DpAlsEvaluator(Evaluator):
         return out
 
 
-class DpAlsExperiment(Experiment):
+class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
     """DPALS on synthetic ragged rating data."""
 
     name = "dpals"

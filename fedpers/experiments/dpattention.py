@@ -115,7 +115,7 @@ class DpAttentionEvaluator(Evaluator):
         }
 
 
-class DpAttentionExperiment(Experiment):
+class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
     """DP attention: DPCovariance release of XXᵀ and the attention D(B)⁻¹f(B)."""
 
     name = "dpattention"

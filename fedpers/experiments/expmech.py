@@ -15,8 +15,9 @@ import torch
 
 from fedpers import memory, metrics
 from fedpers.config import MAX_EPSILON, DeviceRunConfig, RunConfig, field, inherited, run_config
+from fedpers.data.units import UnitSource
 from fedpers.experiments import altmin
-from fedpers.experiments.base import Trivial, derived_seed
+from fedpers.experiments.base import Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, PureDpEvent, ledger_epsilon
 from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
 
@@ -82,10 +83,10 @@ def altmin_config(cfg: ExpMechConfig) -> altmin.AltMinConfig:
 
 
 def resolve(cfg: ExpMechConfig) -> ExpMechConfig:
-    """With ``data`` set, n, m and d come from the file."""
+    """With ``data`` set, n, m and d come from the file (AltMin's plan of the same problem)."""
     if cfg.data is None:
         return cfg
-    a = altmin.resolve(altmin_config(cfg))
+    a = altmin.resolve_plan(altmin_config(cfg)).cfg
     return replace(cfg, n_users=a.n_users, samples_per_user=a.samples_per_user, dim=a.dim)
 
 
@@ -159,12 +160,16 @@ def make_protocol(cfg: ExpMechConfig) -> ExpMechProtocol:
     )
 
 
+ALTMIN = altmin.AltMinExperiment()
+"""The users of an expmech run are AltMin's for the same problem (:func:`altmin_config`)."""
+
+
 class ExpMechEvaluator(altmin.AltMinEvaluator):
     """AltMin's metrics and baselines; the private run's users fit v with ||v|| ≤ C (Algorithm 4, step 4)."""
 
     def __init__(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> None:
-        a = altmin.resolve(altmin_config(cfg))
-        super().__init__(a, altmin.make_protocol(a, private=False))
+        a = altmin.resolve_plan(altmin_config(cfg))
+        super().__init__(a, a.protocol(private=False))
         self.expmech = protocol
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
@@ -194,10 +199,12 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
         return out
 
 
-class ExpMechExperiment(altmin.AltMinExperiment):
-    """User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)."""
+class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
+    """User-level ε-DP selection of U by the exponential mechanism (Algorithm 4): AltMin's users,
+    data hooks and round axis (:data:`ALTMIN`), its own protocol, evaluation and privacy."""
 
     name = "expmech"
+    round_axis = altmin.AltMinExperiment.round_axis
     result_keys = (*altmin.AltMinExperiment.result_keys, "candidates")
     baseline_names = (*altmin.BASELINES, "nearest_candidate")
     config_type = ExpMechConfig
@@ -217,13 +224,13 @@ class ExpMechExperiment(altmin.AltMinExperiment):
         return resolve(cfg).n_users
 
     def units(self, cfg: ExpMechConfig, ids: Tensor) -> dict[str, Tensor]:
-        return super().units(altmin_config(cfg), ids)
+        return ALTMIN.units(altmin_config(cfg), ids)
 
-    def unit_source(self, cfg: ExpMechConfig) -> altmin.UnitSource:
-        return super().unit_source(altmin_config(cfg))
+    def unit_source(self, cfg: ExpMechConfig) -> UnitSource:
+        return ALTMIN.unit_source(altmin_config(cfg))
 
     def chunk_size(self, cfg: ExpMechConfig) -> int:
-        return super().chunk_size(altmin_config(cfg))
+        return ALTMIN.chunk_size(altmin_config(cfg))
 
     def evaluator(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> ExpMechEvaluator:
         return ExpMechEvaluator(cfg, protocol)

@@ -273,7 +273,7 @@ class FedRepEvaluator(Evaluator):
         return state["U"], {"epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
 
 
-class FedRepExperiment(Experiment):
+class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
     """Private FedRep (Snedeker, Zhou, Bassily 2025) with a private, accounted initialisation."""
 
     round_axis = "round (0 = private initialisation)"

@@ -191,7 +191,7 @@ class NoisyGDEvaluator(Evaluator):
         return out
 
 
-class NoisyGDExperiment(Experiment):
+class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
     """Last-layer NoisyGD on neural-collapse features (zCDP accounting, converted to (ε, δ))."""
 
     round_axis = "round (the remedy's release first if --remedy is set, then gradient steps)"

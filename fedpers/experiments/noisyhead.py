@@ -497,7 +497,7 @@ class NoisyHeadEvaluator(Evaluator):
 
 
 # ----- the experiment --------------------------------------------------------------------------
-class NoisyHeadExperiment(Experiment):
+class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
     """NoisyHead: prompt-level DP gradient descent on a linear attention head (docs/algorithms.md §2)."""
 
     round_axis = "round (--mode rounds: one gradient step each)"
