@@ -566,15 +566,15 @@ class AltMinEvaluator(Evaluator):
         u_star = None if self.u_star is None else self.u_star.double()
         for units in self.eval_source.chunks(self.cfg.chunk_size):
             users += int(units["ids"].shape[0])
-            has_truth = u_star is not None and "v_star" in units
+            theta_star = units["v_star"].double() @ u_star.T if u_star is not None and "v_star" in units else None
+            has_truth = theta_star is not None
             has_test = "x_test" in units
-            theta_star = units["v_star"].double() @ u_star.T if has_truth else None
             if has_test:
                 test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
             for name, (fit, _) in fits.items():
                 theta = fit(units).double()
                 theta = theta.squeeze(-1) if theta.dim() == 3 else theta
-                if has_truth:
+                if theta_star is not None:
                     sums[name]["excess"] += float(((theta - theta_star) ** 2).sum())
                 if has_test:
                     pred = (units["x_test"].double() @ theta.unsqueeze(-1)).squeeze(-1)
@@ -586,8 +586,9 @@ class AltMinEvaluator(Evaluator):
                 row["subspace_error"] = metrics.subspace_error(U, u_star)
                 row["subspace_error_spectral"] = metrics.subspace_error_spectral(U, u_star)
             if has_truth:
-                row["excess_risk"] = sums[name]["excess"] / max(users, 1)
-                row["test_mse"] = row["excess_risk"] + self.cfg.noise_std**2
+                excess = sums[name]["excess"] / max(users, 1)
+                row["excess_risk"] = excess
+                row["test_mse"] = excess + self.cfg.noise_std**2
             if has_test:
                 row["test_mse"] = sums[name]["test"] / max(test_values, 1)
             out[name] = row

@@ -321,8 +321,9 @@ class DpAlsEvaluator(Evaluator):
             rmse = test_rmse(U, u, cfg.ridge_user)
             if best is None or rmse < best[0]:
                 best = (rmse, lam, U)
+        assert best is not None  # three item ridges were tried
         mu = float(state["mu"]) if "mu" in state else 0.0
-        out = {
+        out: dict[str, Any] = {
             "test_rmse": test_rmse(state["U"], u, cfg.ridge_user, mu),
             "global_mean_rmse": float((test - mean).pow(2).mean().sqrt()),
             "als_rmse": best[0],
