@@ -1,17 +1,23 @@
-"""Named seeds: every random stream of a run derives from the run seed here (imports nothing of
-fedpers at run time; the config type only for the checker)."""
+"""Named seeds: every random stream of a run derives from the run seed here (imports nothing of fedpers)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from fedpers.config import RunConfig
+    from _typeshed import DataclassInstance
 
-C = TypeVar("C", bound="RunConfig")
+    class Seeded(DataclassInstance, Protocol):
+        """A config with a run seed (every :class:`fedpers.config.RunConfig`)."""
+
+        @property
+        def seed(self) -> int: ...
+
+
+C = TypeVar("C", bound="Seeded")
 
 
 def derived_seed(seed: int, stream: str) -> int:
