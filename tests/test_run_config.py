@@ -54,7 +54,7 @@ def test_fields_keep_the_order_the_class_lists_and_inherited_ones_their_base_hel
     assert fields["device"].metadata == base["device"].metadata and fields["dtype"].metadata["help"] == "toy dtype"
     cfg = config_lib.build(Toy, {"size": 5, "device": "cpu", "epsilon": "3"})
     assert (cfg.size, cfg.epsilon, cfg.dtype, cfg.delta) == (5, 3.0, "float32", 1e-5)
-    with pytest.raises(ValueError, match="epsilon must be > 0.0"):
+    with pytest.raises(ValueError, match=r"epsilon must be > 0\.0"):
         config_lib.build(Toy, {"epsilon": 0.0})
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.size = 4  # type: ignore[misc]  # frozen: the point of the assertion
