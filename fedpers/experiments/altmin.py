@@ -187,8 +187,9 @@ test fraction and split seed."""
 
 @lru_cache(maxsize=4)
 def _open_file(path: str, rank: int, long_format: LongFormatKey | None) -> AltMinFile | LongFormatFile:
-    """The checked file, opened once per process: the config as given (the CLI's plan) and the
-    run's public-seed config share it; rows are read per chunk (or per node)."""
+    """The checked file, opened once per process for each way of reading it (an .npz depends on its
+    path and rank only, so the config as given and the run's public-seed config share one); rows
+    are read per chunk (or per node)."""
     if long_format is None:
         return AltMinFile(path, rank)
     user, label, features, cap, minimum, test_fraction, seed = long_format
