@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedpers import config as config_lib
+from fedpers.config import RunConfig
 from fedpers.runtime.options import Runtime, RuntimeOptions
 
 if TYPE_CHECKING:
@@ -163,7 +164,10 @@ def make_client_app() -> ClientApp:
 
 
 def flower_job(
-    experiment: Experiment, cfg: Any, protocol: Protocol, calibrations: Mapping[str, float] | None = None
+    experiment: Experiment[Any, Any],
+    cfg: RunConfig,
+    protocol: Protocol,
+    calibrations: Mapping[str, float] | None = None,
 ) -> Job:
     """What the nodes rebuild ``protocol`` from: algorithm name, config, protocol digest, and the
     noise calibrations the server's accountant chose (nodes rebuild the protocol without one):
@@ -180,8 +184,8 @@ def flower_job(
 
 
 def run_flower(
-    experiment: Experiment,
-    cfg: Any,
+    experiment: Experiment[Any, Any],
+    cfg: RunConfig,
     protocol: Protocol,
     privatizer: Privatizer,
     options: RuntimeOptions,
@@ -198,7 +202,13 @@ def run_flower(
     if kwargs.get("grid") is None and client_app is None:
         client_app = make_client_app()
     job = flower_job(experiment, cfg, protocol, calibrations)
-    device = getattr(cfg, "device", "cpu")
     return run(
-        job, experiment.num_units(cfg), protocol, privatizer, options, device=device, client_app=client_app, **kwargs
+        job,
+        experiment.num_units(cfg),
+        protocol,
+        privatizer,
+        options,
+        device=cfg.device,
+        client_app=client_app,
+        **kwargs,
     )

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import math
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, dataclass_transform
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 T = TypeVar("T")
+D = TypeVar("D", bound="DataclassInstance")
 
 MAX_EPSILON = 100.0
 """Largest finite ε a run accepts: beyond it no meaningful guarantee remains, and the PLD
@@ -49,6 +55,7 @@ def meta(
 
 
 def field(default: Any, help: str, **bounds: Any) -> Any:
+    """A config field: its default, its help text and the range :func:`validate` holds it to."""
     return dataclasses.field(default=default, metadata=meta(help, **bounds))
 
 
@@ -60,6 +67,7 @@ def _range_text(m: Mapping[str, Any]) -> str:
 
 
 def field_types(cls: type) -> dict[str, Any]:
+    """Each field's type, resolved (the config modules use postponed annotations)."""
     return typing.get_type_hints(cls)
 
 
@@ -102,7 +110,7 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     return value
 
 
-def validate(cfg: Any) -> None:
+def validate(cfg: DataclassInstance) -> None:
     """Refuse values outside each field's declared range (NaN is refused everywhere)."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -128,7 +136,7 @@ def validate(cfg: Any) -> None:
         check()
 
 
-def build(cls: type[T], values: Mapping[str, Any]) -> T:
+def build(cls: type[D], values: Mapping[str, Any]) -> D:
     """Coerce ``values`` to ``cls``'s field types, construct, and validate. Unknown keys are refused."""
     types = field_types(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -142,7 +150,7 @@ def build(cls: type[T], values: Mapping[str, Any]) -> T:
     return cfg
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
+def to_dict(cfg: DataclassInstance) -> dict[str, Any]:
     """Plain JSON/TOML-friendly dict (enums as values, paths as strings, inf as the string 'inf')."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
@@ -177,6 +185,7 @@ CPU tensors, which is how CI (no GPU) tests it against the host path."""
 
 
 def check_kernels(kernels: str) -> None:
+    """Refuse a code path other than those in ``KERNELS``."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
 
@@ -185,3 +194,92 @@ def device_path(device: str, kernels: str = "auto") -> bool:
     """Whether a run takes the device code path (see ``KERNELS``)."""
     check_kernels(kernels)
     return kernels == "device" or (kernels == "auto" and device.startswith("cuda"))
+
+
+class _Inherited:
+    """Marks a field a run config takes as declared elsewhere (see :func:`inherited`)."""
+
+    def __init__(self, source: type | None) -> None:
+        self.source = source
+
+
+def inherited(source: type | None = None) -> Any:
+    """``name: type = inherited()`` in a :func:`run_config` class: the field its base declares (the
+    same default, help and range), listed at this place of the config's own order. ``source``: take
+    it from that run config instead (a sibling that declares the same field)."""
+    return _Inherited(source)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field,))
+def run_config(cls: type[T]) -> type[T]:
+    """A frozen dataclass of an algorithm's config whose fields keep the order its class lists them in.
+
+    Every field is listed, the inherited ones too (``seed: int = inherited()``): the order is the
+    one ``--help`` shows, config.json holds and a checkpoint's digest covers, so it stays the
+    config's own instead of base fields first. Re-declaring a base field with :func:`field`
+    changes its default or help text (dataclasses allow it); its type stays the base's.
+    """
+    own = list(inspect.get_annotations(cls))
+    declared: dict[str, dataclasses.Field[Any]] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            declared.update({f.name: f for f in dataclasses.fields(base)})
+    for name in own:
+        mark = cls.__dict__.get(name)
+        if isinstance(mark, _Inherited):
+            source = declared if mark.source is None else {f.name: f for f in dataclasses.fields(mark.source)}
+            if name not in source:
+                raise TypeError(f"{cls.__name__}.{name} = inherited(): no base or source declares {name}")
+            setattr(cls, name, dataclasses.field(default=source[name].default, metadata=source[name].metadata))
+    unlisted = [name for name in declared if name not in own]
+    if unlisted:
+        raise TypeError(
+            f"{cls.__name__} must list its inherited field(s) {', '.join(unlisted)} (name: type = inherited())"
+        )
+    out = dataclass(frozen=True)(cls)
+    fields = vars(out)["__dataclass_fields__"]
+    ordered = {name: fields[name] for name in own}
+    fields.clear()
+    fields.update(ordered)
+    return out
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What every run has, declared once: its seed, its ε and the units per chunk of the local
+    runtime. An algorithm's config inherits it (through :class:`ApproxDpRunConfig` or
+    :class:`DeviceRunConfig` where it has those fields) and re-declares a field to change its
+    default or help; the runner, the runtimes and the Flower apps read these fields typed."""
+
+    seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
+    epsilon: float = field(1.0, "ε of the whole run (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
+    chunk_size: int = field(4096, "units per batch on the local runtime (bounds memory)", ge=1)
+
+    @property
+    def device(self) -> str:
+        """Where the run's tensors live: the host, unless the config has a ``device`` field."""
+        return "cpu"
+
+    def check(self) -> None:
+        """Rules across fields, after :func:`validate` has checked each field's range (none here)."""
+
+
+@dataclass(frozen=True)
+class ApproxDpRunConfig(RunConfig):
+    """A run with an (ε, δ) guarantee: every algorithm but the pure ε-DP exponential mechanism."""
+
+    delta: float = field(1e-5, "δ", gt=0.0, lt=1.0)
+
+
+@dataclass(frozen=True)
+class DeviceRunConfig(ApproxDpRunConfig):
+    """An (ε, δ) run that chooses its device, the dtype of its statistics and its code path."""
+
+    device: str = field("cpu", "torch device: cpu or cuda")
+    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
+
+    def check_device(self) -> None:
+        """Refuse a device, dtype or code path this machine or torch does not have."""
+        check_device_and_dtype(self.device, self.dtype)
+        check_kernels(self.kernels)

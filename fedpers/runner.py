@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpers import config as config_lib
+from fedpers.config import RunConfig
 from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
 from fedpers.protocols.base import Protocol
@@ -25,10 +26,10 @@ class Plan:
     """A run resolved once (validated, seeds split, protocol calibrated): every later step reads
     its config from here, none goes back up for it."""
 
-    experiment: Experiment
-    given: Any
+    experiment: Experiment[Any, Any]
+    given: RunConfig
     """The config as given (its seed names the run; saved in config.json)."""
-    cfg: Any
+    cfg: RunConfig
     """The config the protocol runs with (its noise seed split off, :func:`split_seed`)."""
     options: RuntimeOptions
     protocol: Protocol
@@ -49,8 +50,8 @@ class Plan:
 
 
 def execute(
-    experiment: Experiment,
-    cfg: Any,
+    experiment: Experiment[Any, Any],
+    cfg: RunConfig,
     options: RuntimeOptions | None = None,
     *,
     out: str | Path | None = None,
@@ -89,7 +90,11 @@ def execute(
 
 
 def resolve(
-    experiment: Experiment, cfg: Any, options: RuntimeOptions | None = None, *, flower_grid: bool = False
+    experiment: Experiment[Any, Any],
+    cfg: RunConfig,
+    options: RuntimeOptions | None = None,
+    *,
+    flower_grid: bool = False,
 ) -> Plan:
     """Validate, split the noise seed off, calibrate and build the protocol and its evaluator."""
     options = options or RuntimeOptions()
@@ -110,7 +115,7 @@ def open_run_directory(plan: Plan, out: str | Path | None, resume: bool) -> tupl
     checkpoint; every release is written there the moment it is drawn."""
     from fedpers.results.provenance import provenance
 
-    path = out if out else default_run_dir(plan.experiment.name, getattr(plan.given, "seed", 0))
+    path = out if out else default_run_dir(plan.experiment.name, plan.given.seed)
     run_dir = RunDirectory(path, resume=resume)
     saved = plan.saved
     checkpointer = Checkpointer(run_dir.path / CHECKPOINT, _digest(saved))
@@ -217,7 +222,7 @@ def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Checkpoint
             f"resume: {run_dir.path}/config.json differs from the configuration given; a run resumes only with its own"
         )
     ckpt = (
-        checkpoint_lib.load(run_dir.path / CHECKPOINT, getattr(plan.cfg, "device", "cpu"))
+        checkpoint_lib.load(run_dir.path / CHECKPOINT, plan.cfg.device)
         if (run_dir.path / CHECKPOINT).exists()
         else None
     )
@@ -234,7 +239,7 @@ def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Checkpoint
     plan.privatizer.ledger = Ledger([Release.from_dict(d) for d in lines[:done]])
     plan.privatizer.ledger.expect(lines[done:], lambda r: json.loads(dumps(r.to_dict(), indent=None)))
     next_round = ckpt.next_round if ckpt is not None else 0
-    plan.evaluator.load_state_dict(run_dir.evaluator_state(getattr(plan.cfg, "device", "cpu")))
+    plan.evaluator.load_state_dict(run_dir.evaluator_state(plan.cfg.device))
     kept = [r for r in run_dir.recorded_rounds() if int(r.get("round", -1)) < next_round]
     if ckpt is not None and len(kept) < next_round:  # killed between the checkpoint and its round line
         last = RoundRecord.from_dict(ckpt.records[-1])
@@ -297,5 +302,5 @@ def resume_run(run_dir: str | Path, *, progress: bool = True, grid: Any = None) 
         raise ValueError(f"resume: {path}/config.json names algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
     exp = experiment(name)
     options = config_lib.build(RuntimeOptions, saved.pop("runtime", {}))
-    cfg: Any = config_lib.build(exp.config_type, saved)
+    cfg = config_lib.build(exp.config_type, saved)
     return execute(exp, cfg, options, out=path, progress=progress, resume=True, grid=grid)

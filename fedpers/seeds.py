@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    class Seeded(DataclassInstance, Protocol):
+        """A config with a run seed (every :class:`fedpers.config.RunConfig`)."""
+
+        @property
+        def seed(self) -> int: ...
+
+
+C = TypeVar("C", bound="Seeded")
 
 
 def derived_seed(seed: int, stream: str) -> int:
@@ -14,7 +26,7 @@ def derived_seed(seed: int, stream: str) -> int:
     return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
-def split_seed(cfg: Any) -> tuple[Any, int]:
+def split_seed(cfg: C) -> tuple[C, int]:
     """(config with the public seed, secret DP-noise seed), both derived from ``cfg.seed``.
 
     Everything a client may know (its data, the public cohort permutation) derives from
@@ -23,8 +35,4 @@ def split_seed(cfg: Any) -> tuple[Any, int]:
     be found from the public one by trying seeds: for real users run with ``secure_noise``,
     which uses no seed at all.
     """
-    seed = getattr(cfg, "seed", 0)
-    noise_seed = derived_seed(seed, "dp-noise")
-    if not hasattr(cfg, "seed"):
-        return cfg, noise_seed
-    return dataclasses.replace(cfg, seed=derived_seed(seed, "public")), noise_seed
+    return dataclasses.replace(cfg, seed=derived_seed(cfg.seed, "public")), derived_seed(cfg.seed, "dp-noise")

@@ -52,10 +52,10 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
 }
 """name → (module, class, one-line description)."""
 
-_loaded: dict[str, Experiment] = {}
+_loaded: dict[str, Experiment[Any, Any]] = {}
 
 
-def experiment(name: str) -> Experiment:
+def experiment(name: str) -> Experiment[Any, Any]:
     """The registered experiment ``name`` (its module is imported on first use)."""
     if name not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {name!r}")

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -14,11 +12,12 @@ from typing import Any
 import torch
 
 from fedpers import memory, metrics
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
+from fedpers.config import MAX_EPSILON, DeviceRunConfig, device_path, field, inherited, run_config
 from fedpers.data import summary as data_summary
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile, is_long_format
+from fedpers.data.prefetch import PrefetchSource
 from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin_baselines import local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
@@ -32,8 +31,8 @@ Tensor = torch.Tensor
 LOCAL_ONLY_RIDGE = 1e-6
 
 
-@dataclass(frozen=True)
-class AltMinConfig:
+@run_config
+class AltMinConfig(DeviceRunConfig):
     n_users: int = field(50000, "number of users n (synthetic data)", ge=1)
     dim: int = field(10, "feature dimension d", ge=2)
     rank: int = field(2, "subspace rank k (< d)", ge=1)
@@ -63,9 +62,9 @@ class AltMinConfig:
     psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
     accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
-    device: str = field("cpu", "torch device: cpu or cuda")
-    dtype: str = field("float64", "float64 or float32 for the client statistics")
-    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
+    device: str = inherited()
+    dtype: str = inherited()
+    kernels: str = inherited()
     data: Path | None = field(
         None,
         "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README)",
@@ -153,8 +152,7 @@ class AltMinConfig:
             raise ValueError(
                 f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts {self.cohorts.value}"
             )
-        check_device_and_dtype(self.device, self.dtype)
-        check_kernels(self.kernels)
+        self.check_device()
 
 
 LONG_FORMAT_FIELDS = (
@@ -182,9 +180,16 @@ def baseline_names(text: str, allowed: tuple[str, ...] = BASELINES) -> tuple[str
     return names
 
 
+LongFormatKey = tuple[str, str, tuple[str, ...], int, int, float, int]
+"""How a .parquet/.csv file is read: user, label and feature columns, per-user cap and minimum,
+test fraction and split seed."""
+
+
 @lru_cache(maxsize=4)
-def _open_file(path: str, rank: int, long_format: tuple | None) -> AltMinFile | LongFormatFile:
-    """The checked file, opened once per process; rows are read per chunk (or per node)."""
+def _open_file(path: str, rank: int, long_format: LongFormatKey | None) -> AltMinFile | LongFormatFile:
+    """The checked file, opened once per process for each way of reading it (an .npz depends on its
+    path and rank only, so the config as given and the run's public-seed config share one); rows
+    are read per chunk (or per node)."""
     if long_format is None:
         return AltMinFile(path, rank)
     user, label, features, cap, minimum, test_fraction, seed = long_format
@@ -193,12 +198,13 @@ def _open_file(path: str, rank: int, long_format: tuple | None) -> AltMinFile | 
     )
 
 
-def _file(cfg: AltMinConfig) -> AltMinFile | LongFormatFile:
-    if not is_long_format(cfg.data):
-        return _open_file(str(cfg.data), cfg.rank, None)
+def _file(cfg: AltMinConfig, data: Path) -> AltMinFile | LongFormatFile:
+    """``cfg``'s data file ``data`` (its ``data`` field), opened as its format says."""
+    if not is_long_format(data):
+        return _open_file(str(data), cfg.rank, None)
     features = tuple(c.strip() for c in cfg.feature_columns.split(",") if c.strip())
     return _open_file(
-        str(cfg.data),
+        str(data),
         cfg.rank,
         (
             cfg.user_column,
@@ -212,16 +218,26 @@ def _file(cfg: AltMinConfig) -> AltMinFile | LongFormatFile:
     )
 
 
-def resolve(cfg: AltMinConfig) -> AltMinConfig:
-    """With ``data`` set, n, m and d come from the file (and the file is checked now, before any
-    work); ``chunk_size`` auto (0) becomes a number."""
-    if cfg.data is not None:
-        n, m, d = _file(cfg).shapes["x"]
+@lru_cache(maxsize=8)
+def resolve_plan(cfg: AltMinConfig) -> AltMinPlan:
+    """``cfg`` resolved, once per config: with ``data`` set, n, m and d come from the file (and
+    the file is checked now, before any work); ``chunk_size`` auto (0) becomes a number; the
+    true U* is drawn (synthetic) or read (a file's). Every hook of :class:`AltMinExperiment`
+    starts here and hands the plan down: nothing below resolves again."""
+    file = None if cfg.data is None else _file(cfg, cfg.data)
+    if file is not None:
+        n, m, d = file.shapes["x"]
         cfg = replace(cfg, n_users=int(n), samples_per_user=int(m), dim=int(d))
         cfg.check()
     if cfg.chunk_size == 0:
         cfg = replace(cfg, chunk_size=auto_chunk_size(cfg.n_users, cfg.samples_per_user, cfg.dim, cfg.dtype))
-    return cfg
+    u_star = synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank) if file is None else file.u_star
+    return AltMinPlan(cfg, file, u_star)
+
+
+def resolve(cfg: AltMinConfig) -> AltMinConfig:
+    """``cfg`` with the sizes of its data and a numeric chunk size (:func:`resolve_plan`)."""
+    return resolve_plan(cfg).cfg
 
 
 AUTO_CHUNK_MEMORY_SHARE = 0.25
@@ -257,74 +273,210 @@ def clip_bounds(cfg: AltMinConfig) -> tuple[float, float]:
     return cfg.clip_model * math.sqrt(cfg.dim * cfg.rank), cfg.clip_label * math.sqrt(cfg.rank + cfg.noise_std**2)
 
 
-def memory_needed(cfg: AltMinConfig) -> dict[str, int]:
-    """Bytes of a local run. Users are generated (or sliced) one chunk at a time, so only a chunk's
-    samples (float64 as generated, plus the working-dtype copy), its statistics and the
-    baselines' per-user Gram matrices (local-only's ridge: min(m, d)² a user, the dual form when
-    m < d) are resident; O(n) is just the cohort permutation."""
-    n, m, d, k = cfg.n_users, cfg.samples_per_user, cfg.dim, cfg.rank
-    item = 4 if cfg.dtype == "float32" else 8
-    chunk = min(cfg.chunk_size, n)
-    data = chunk * m * (d + 1) * (8 + item) * 2 + n * 8 * 3
-    statistics = chunk * (m * d + m * k) * item * 3 + 64 * d * d * item * 2 + (d * k) ** 2 * 8 * 4
-    baselines = chunk * (min(m, d) ** 2 + m * d) * 8 * 3
-    return {"data": data, "statistics": statistics, "baselines": baselines}
+@dataclass(frozen=True, eq=False)
+class AltMinPlan:
+    """An AltMin config resolved once (:func:`resolve_plan`) and handed to everything that runs
+    or evaluates it: the protocol, the users (generated or read chunk by chunk, never all at
+    once), the memory check and the evaluator."""
+
+    cfg: AltMinConfig
+    """The config with its data's n, m and d and a numeric chunk size."""
+    file: AltMinFile | LongFormatFile | None
+    """The checked data file (None: synthetic users)."""
+    u_star: Tensor | None
+    """The true subspace U* on the host: synthetic from the seed, or the file's (None: it has none)."""
+
+    def memory_needed(self) -> dict[str, int]:
+        """Bytes of a local run. Users are generated (or sliced) one chunk at a time, so only a chunk's
+        samples (float64 as generated, plus the working-dtype copy), its statistics and the
+        baselines' per-user Gram matrices (local-only's ridge: min(m, d)² a user, the dual form when
+        m < d) are resident; O(n) is just the cohort permutation."""
+        cfg = self.cfg
+        n, m, d, k = cfg.n_users, cfg.samples_per_user, cfg.dim, cfg.rank
+        item = 4 if cfg.dtype == "float32" else 8
+        chunk = min(cfg.chunk_size, n)
+        data = chunk * m * (d + 1) * (8 + item) * 2 + n * 8 * 3
+        statistics = chunk * (m * d + m * k) * item * 3 + 64 * d * d * item * 2 + (d * k) ** 2 * 8 * 4
+        baselines = chunk * (min(m, d) ** 2 + m * d) * 8 * 3
+        return {"data": data, "statistics": statistics, "baselines": baselines}
+
+    def check_fits(self) -> list[str]:
+        """The memory line the CLI prints; refuses (ValueError) a run that cannot fit."""
+        lines = memory.check_fits(
+            "altmin", self.memory_needed(), "use fewer users (--n-users), a smaller --dim or --chunk-size"
+        )
+        return [f"{lines[0]}; {self.cfg.chunk_size} users per chunk"]
+
+    def protocol(self, *, private: bool = True, calibrations: Calibrations | None = None) -> AltMinProtocol:
+        """The public protocol, its noise calibrated to (ε, δ) (``private`` False: no clipping, no noise)."""
+        cfg = self.cfg
+        if private:
+            self.check_fits()
+        eta, zeta = clip_bounds(cfg) if private else (math.inf, math.inf)
+        proto = AltMinProtocol(
+            n_users=cfg.n_users,
+            dim=cfg.dim,
+            rank=cfg.rank,
+            samples_per_user=cfg.samples_per_user,
+            rounds=cfg.rounds,
+            eta=eta,
+            zeta=zeta,
+            noise_multiplier=0.0,
+            cohorts=cfg.cohorts,
+            cohort_seed=derived_seed(cfg.seed, "cohorts"),
+            cohort_block=cohort_block(cfg),
+            device_kernels=device_path(cfg.device, cfg.kernels),
+            psd=cfg.psd,
+            dtype_name=cfg.dtype,
+            sampling_rate=cfg.sampling_rate,
+        )
+        if not private:
+            return proto
+        releases = proto.releases_per_user()
+        if math.isinf(cfg.epsilon):
+            z = 0.0
+        elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
+            z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
+        else:
+            z = calibrate_noise_multiplier(
+                lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate),
+                cfg.epsilon,
+                cfg.delta,
+                cfg.accountant,
+                calibrations,
+            )
+        return replace(proto, noise_multiplier=z)
+
+    def load_units(
+        self,
+        ids: Tensor,
+        samples: tuple[int, int] | None = None,
+        *,
+        keep_partial_blocks: bool = True,
+        workers: int | None = None,
+    ) -> dict[str, Tensor]:
+        """Data of the given users: a slice of the file, or the synthetic users generated from (seed, id).
+
+        Synthetic users are drawn in the working dtype on the run's device (docs/benchmarks.md,
+        "Synthetic users": float64 on the CPU keeps every earlier run's users; the device path
+        draws per (block, part) on the device in any dtype); with ``samples`` [a, b) only the
+        sample halves that range touches are made: within one half, x and y hold only that half
+        and ``first_sample`` (per user) says which sample x[:, 0] is (see
+        :func:`fedpers.protocols.altmin.samples_of`); across both, the full m.
+        ``keep_partial_blocks`` False: a pass that asks each block once (a local cohort round) keeps
+        no partly used block for later callers, so memory stays bounded by the chunk. ``workers``:
+        threads drawing blocks (default: the calling thread's torch thread count).
+        """
+        cfg = self.cfg
+        dtype = getattr(torch, cfg.dtype)
+        if self.file is not None:
+            out = self.file.rows(ids.to(torch.int64).cpu())
+        else:
+            halves = (
+                synthetic.HALVES
+                if samples is None
+                else tuple(
+                    h for h in synthetic.HALVES if _overlaps(synthetic.half_range(cfg.samples_per_user, h), samples)
+                )
+            )
+            compact = samples is not None and len(halves) == 1
+            out = synthetic.altmin_users(
+                derived_seed(cfg.seed, "data"),
+                ids.to(torch.int64),
+                self.synthetic_truth(),
+                cfg.samples_per_user,
+                cfg.noise_std,
+                dtype,
+                halves=halves,
+                device=cfg.device,
+                keep_partial_blocks=keep_partial_blocks,
+                workers=workers,
+                compact=compact,
+                parts=True if device_path(cfg.device, cfg.kernels) else None,
+            )
+            if compact:  # x, y hold only that half's samples (nothing zero-filled): say where they start
+                first = synthetic.half_range(cfg.samples_per_user, halves[0])[0]
+                out["first_sample"] = torch.full((out["ids"].shape[0],), first, dtype=torch.int64)
+        return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
+
+    def synthetic_truth(self) -> Tensor:
+        """U* of synthetic users (always drawn: only a data file may have none)."""
+        if self.u_star is None:
+            raise ValueError("synthetic users need the synthetic U*; this plan reads a data file without one")
+        return self.u_star
+
+    def source(self, keys: tuple[str, ...] | None = None, samples: tuple[int, int] | None = None) -> UnitSource:
+        """Every user, generated (or sliced from the file) chunk by chunk: never all at once.
+        ``keys`` restricts what each chunk carries (the protocol needs ids, x, y; the evaluator more);
+        ``samples`` [a, b) the sample range a pass needs (synthetic users: only those halves are made)."""
+        if self.file is None:
+            return AltMinSource(self, keys, samples)
+        if isinstance(self.file, LongFormatFile):
+            self.file.load_all()
+
+        def load(start: int, stop: int) -> dict[str, Tensor]:
+            units = self.load_units(torch.arange(start, stop))
+            return units if keys is None else {k: v for k, v in units.items() if k in keys}
+
+        return UnitSource(self.cfg.n_users, load, self.cfg.device)
+
+    def population_units(self, ids: Tensor) -> dict[str, Tensor]:
+        """The users' R refit and S test samples, fresh draws from their own (U*, v*_j) on streams
+        apart from the training data (which stays what it was for the seed)."""
+        cfg, u = self.cfg, self.synthetic_truth()
+        v = (
+            synthetic.altmin_users(
+                derived_seed(cfg.seed, "data"),
+                ids,
+                u,
+                cfg.samples_per_user,
+                cfg.noise_std,
+                getattr(torch, cfg.dtype),
+                halves=(),
+                device=cfg.device,
+                parts=True if device_path(cfg.device, cfg.kernels) else None,  # the scheme load_units draws them in
+            )["v_star"]
+            .cpu()
+            .double()
+        )
+        x_r, y_r = fresh_samples(derived_seed(cfg.seed, "refit"), ids, u, v, cfg.refit_samples, cfg.noise_std)
+        x_t, y_t = fresh_samples(derived_seed(cfg.seed, "population-test"), ids, u, v, cfg.test_samples, cfg.noise_std)
+        return {"ids": ids, "x_refit": x_r, "y_refit": y_r, "x_test": x_t, "y_test": y_t}
 
 
-def check_fits(cfg: AltMinConfig) -> list[str]:
-    cfg = resolve(cfg)
-    lines = memory.check_fits(
-        "altmin", memory_needed(cfg), "use fewer users (--n-users), a smaller --dim or --chunk-size"
-    )
-    return [f"{lines[0]}; {cfg.chunk_size} users per chunk"]
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+class AltMinSource(PrefetchSource):
+    """AltMin's synthetic users, drawn on demand one chunk ahead (:class:`PrefetchSource`);
+    ``keys`` restricts what each chunk carries."""
+
+    def __init__(self, plan: AltMinPlan, keys: tuple[str, ...] | None, samples: tuple[int, int] | None = None) -> None:
+        self.plan, self.keys = plan, keys
+        super().__init__(plan.cfg.n_users, samples, plan.cfg.device)
+
+    def take(
+        self,
+        ids: Tensor,
+        samples: tuple[int, int] | None,
+        keep_partial_blocks: bool = True,
+        workers: int | None = None,
+    ) -> dict[str, Tensor]:
+        units = self.plan.load_units(ids, samples, keep_partial_blocks=keep_partial_blocks, workers=workers)
+        return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys or k == "first_sample"}
 
 
 def make_protocol(
     cfg: AltMinConfig, *, private: bool = True, calibrations: Calibrations | None = None
 ) -> AltMinProtocol:
-    cfg = resolve(cfg)
-    if private:
-        check_fits(cfg)
-    eta, zeta = clip_bounds(cfg) if private else (math.inf, math.inf)
-    proto = AltMinProtocol(
-        n_users=cfg.n_users,
-        dim=cfg.dim,
-        rank=cfg.rank,
-        samples_per_user=cfg.samples_per_user,
-        rounds=cfg.rounds,
-        eta=eta,
-        zeta=zeta,
-        noise_multiplier=0.0,
-        cohorts=cfg.cohorts,
-        cohort_seed=derived_seed(cfg.seed, "cohorts"),
-        cohort_block=cohort_block(cfg),
-        device_kernels=device_path(cfg.device, cfg.kernels),
-        psd=cfg.psd,
-        dtype_name=cfg.dtype,
-        sampling_rate=cfg.sampling_rate,
-    )
-    if not private:
-        return proto
-    releases = proto.releases_per_user()
-    if math.isinf(cfg.epsilon):
-        z = 0.0
-    elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
-        z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
-    else:
-        z = calibrate_noise_multiplier(
-            lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate),
-            cfg.epsilon,
-            cfg.delta,
-            cfg.accountant,
-            calibrations,
-        )
-    return replace(proto, noise_multiplier=z)
+    """:meth:`AltMinPlan.protocol` of ``cfg``."""
+    return resolve_plan(cfg).protocol(private=private, calibrations=calibrations)
 
 
 def truth(cfg: AltMinConfig) -> Tensor | None:
-    if cfg.data is not None:
-        return _file(cfg).u_star
-    return synthetic.subspace(derived_seed(cfg.seed, "truth"), cfg.dim, cfg.rank)
+    """U* of ``cfg``'s users (None: a data file without one)."""
+    return resolve_plan(cfg).u_star
 
 
 def load_units(
@@ -335,164 +487,15 @@ def load_units(
     keep_partial_blocks: bool = True,
     workers: int | None = None,
 ) -> dict[str, Tensor]:
-    """Data of the given users: a slice of the file, or the synthetic users generated from (seed, id).
-
-    Synthetic users are drawn in the working dtype on the run's device (docs/benchmarks.md,
-    "Synthetic users": float64 on the CPU keeps every earlier run's users; the device path
-    draws per (block, part) on the device in any dtype); with ``samples`` [a, b) only the
-    sample halves that range touches are made: within one half, x and y hold only that half
-    and ``first_sample`` (per user) says which sample x[:, 0] is (see
-    :func:`fedpers.protocols.altmin.samples_of`); across both, the full m.
-    ``keep_partial_blocks`` False: a pass that asks each block once (a local cohort round) keeps
-    no partly used block for later callers, so memory stays bounded by the chunk. ``workers``:
-    threads drawing blocks (default: the calling thread's torch thread count).
-    """
-    cfg = resolve(cfg)
-    dtype = getattr(torch, cfg.dtype)
-    if cfg.data is not None:
-        out = _file(cfg).rows(ids.to(torch.int64).cpu())
-    else:
-        halves = (
-            synthetic.HALVES
-            if samples is None
-            else tuple(h for h in synthetic.HALVES if _overlaps(synthetic.half_range(cfg.samples_per_user, h), samples))
-        )
-        compact = samples is not None and len(halves) == 1
-        out = synthetic.altmin_users(
-            derived_seed(cfg.seed, "data"),
-            ids.to(torch.int64),
-            truth(cfg),
-            cfg.samples_per_user,
-            cfg.noise_std,
-            dtype,
-            halves=halves,
-            device=cfg.device,
-            keep_partial_blocks=keep_partial_blocks,
-            workers=workers,
-            compact=compact,
-            parts=True if device_path(cfg.device, cfg.kernels) else None,
-        )
-        if compact:  # x, y hold only that half's samples (nothing zero-filled): say where they start
-            first = synthetic.half_range(cfg.samples_per_user, halves[0])[0]
-            out["first_sample"] = torch.full((out["ids"].shape[0],), first, dtype=torch.int64)
-    return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
-
-
-def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
-
-
-PREFETCH = True
-"""Synthetic chunks on the CPU are made one ahead, from a background thread, while the caller
-works on the current one (generation overlaps compute; see :class:`AltMinSource`)."""
-_PREFETCHER: list[ThreadPoolExecutor] = []
-os.register_at_fork(after_in_child=_PREFETCHER.clear)  # a forked child has none of the parent's threads
-
-
-def _prefetcher() -> ThreadPoolExecutor:
-    if not _PREFETCHER:
-        _PREFETCHER.append(ThreadPoolExecutor(1, thread_name_prefix="fedpers-prefetch"))
-    return _PREFETCHER[0]
-
-
-class AltMinSource(UnitSource):
-    """Synthetic users made on demand: a round's chunks hold only the users and sample halves
-    it reads (``Protocol.units_needed``), cut at generation-block boundaries so no block is
-    drawn twice in a pass.
-
-    On the CPU the next chunk is generated while the caller computes on the current one: a
-    background thread hands its blocks to the shared pool of single-threaded workers (as many
-    as the caller's torch threads), the same bits as any other way (blocks are keyed by
-    (seed, block)). The pool's workers take generation and the caller's statistics in turn,
-    so both cores stay busy when generation dominates, as in a float64 host run (measured in
-    docs/benchmarks.md, "Synthetic users"). torch keeps its thread count per thread (OpenMP's
-    per-thread setting), so the background thread setting its own to 1 around the pool does
-    not change the caller's. One chunk ahead: memory grows by one chunk."""
-
-    def __init__(self, cfg: AltMinConfig, keys: tuple[str, ...] | None, samples: tuple[int, int] | None = None) -> None:
-        self.cfg, self.keys, self.samples = cfg, keys, samples
-        super().__init__(cfg.n_users, lambda a, b: self.take(torch.arange(a, b), self.samples), cfg.device)
-
-    def take(
-        self,
-        ids: Tensor,
-        samples: tuple[int, int] | None,
-        keep_partial_blocks: bool = True,
-        workers: int | None = None,
-    ) -> dict[str, Tensor]:
-        units = load_units(self.cfg, ids, samples, keep_partial_blocks=keep_partial_blocks, workers=workers)
-        return units if self.keys is None else {k: v for k, v in units.items() if k in self.keys or k == "first_sample"}
-
-    def _ahead(self, jobs: list[tuple[Tensor, tuple[int, int] | None, bool]]) -> Iterator[dict[str, Tensor]]:
-        """The chunks ``jobs`` (ids, samples, keep_partial_blocks) in order, the next one made
-        in the background while the caller holds the current one (CPU; elsewhere in order)."""
-        if not PREFETCH or len(jobs) < 2 or self.device.type != "cpu":
-            for ids, samples, keep in jobs:
-                yield self.take(ids, samples, keep)
-            return
-        pending = None
-        workers = torch.get_num_threads()
-        try:
-            for i, (ids, samples, keep) in enumerate(jobs):
-                current = self.take(ids, samples, keep) if pending is None else pending.result()
-                pending = None
-                if i + 1 < len(jobs):
-                    nxt = jobs[i + 1]
-                    pending = _prefetcher().submit(self.take, nxt[0], nxt[1], nxt[2], workers)
-                yield current
-        finally:  # a caller that stops early leaves no draw running behind it (block cache, pass counts)
-            if pending is not None and not pending.cancel():
-                pending.exception()
-
-    def chunks(self, chunk_size: int) -> Iterator[dict[str, Tensor]]:
-        return self._ahead(
-            [
-                (torch.arange(start, min(start + chunk_size, self.num_units)), self.samples, True)
-                for start in range(0, self.num_units, chunk_size)
-            ]
-        )
-
-    def needed_chunks(
-        self, chunk_size: int, ids: Tensor | None, samples: tuple[int, int] | None
-    ) -> Iterator[dict[str, Tensor]]:
-        if ids is None:
-            return self._ahead(
-                [
-                    (torch.arange(start, min(start + chunk_size, self.num_units)), samples, True)
-                    for start in range(0, self.num_units, chunk_size)
-                ]
-            )
-        ids = ids.to(torch.int64).cpu().sort().values
-        # chunk ends on block boundaries: ~chunk_size users each, a block never split
-        ends = torch.searchsorted(ids, torch.arange(0, self.num_units + synthetic.BLOCK, synthetic.BLOCK), right=False)
-        jobs = []
-        start = 0
-        while start < ids.numel():
-            stop = int(ends[torch.searchsorted(ends, torch.tensor(start + chunk_size), right=True) - 1])
-            if stop <= start:  # one block holds more than chunk_size of the ids
-                stop = int(ends[torch.searchsorted(ends, torch.tensor(start), right=True)])
-            jobs.append((ids[start:stop], samples, False))  # each block once per pass
-            start = stop
-        return self._ahead(jobs)
+    """:meth:`AltMinPlan.load_units` of ``cfg``."""
+    return resolve_plan(cfg).load_units(ids, samples, keep_partial_blocks=keep_partial_blocks, workers=workers)
 
 
 def unit_source(
     cfg: AltMinConfig, keys: tuple[str, ...] | None = None, samples: tuple[int, int] | None = None
 ) -> UnitSource:
-    """Every user, generated (or sliced from the file) chunk by chunk: never all at once.
-    ``keys`` restricts what each chunk carries (the protocol needs ids, x, y; the evaluator more);
-    ``samples`` [a, b) the sample range a pass needs (synthetic users: only those halves are made)."""
-    cfg = resolve(cfg)
-    if cfg.data is not None:
-        if is_long_format(cfg.data):
-            _file(cfg).load_all()
-
-        def load(start: int, stop: int) -> dict[str, Tensor]:
-            units = load_units(cfg, torch.arange(start, stop))
-            return units if keys is None else {k: v for k, v in units.items() if k in keys}
-
-        return UnitSource(cfg.n_users, load, cfg.device)
-    return AltMinSource(cfg, keys, samples)
+    """:meth:`AltMinPlan.source` of ``cfg``."""
+    return resolve_plan(cfg).source(keys, samples)
 
 
 def paper_epsilon(noise_to_sensitivity: float, rounds_in: int, delta: float) -> float:
@@ -513,50 +516,24 @@ Fit = Callable[[Units], Tensor]
 """Per-user models θ_j (users, d) from a chunk of users' data."""
 
 
-def population_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
-    """The users' R refit and S test samples, fresh draws from their own (U*, v*_j) on streams
-    apart from the training data (which stays what it was for the seed)."""
-    u = truth(cfg)
-    v = (
-        synthetic.altmin_users(
-            derived_seed(cfg.seed, "data"),
-            ids,
-            u,
-            cfg.samples_per_user,
-            cfg.noise_std,
-            getattr(torch, cfg.dtype),
-            halves=(),
-            device=cfg.device,
-            parts=True if device_path(cfg.device, cfg.kernels) else None,  # the scheme load_units draws them in
-        )["v_star"]
-        .cpu()
-        .double()
-    )
-    x_r, y_r = fresh_samples(derived_seed(cfg.seed, "refit"), ids, u, v, cfg.refit_samples, cfg.noise_std)
-    x_t, y_t = fresh_samples(derived_seed(cfg.seed, "population-test"), ids, u, v, cfg.test_samples, cfg.noise_std)
-    return {"ids": ids, "x_refit": x_r, "y_refit": y_r, "x_test": x_t, "y_test": y_t}
-
-
 class AltMinEvaluator(Evaluator):
     """Exact metrics from U*, v*; baselines on the same users, one streamed pass over them."""
 
-    def __init__(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> None:
-        self.cfg, self.protocol = resolve(cfg), protocol
-        u_star = truth(cfg)  # on the run's device, beside the released U and the users it scores
-        self.u_star = None if u_star is None else u_star.to(self.cfg.device)
-        self.source = unit_source(self.cfg)
+    def __init__(self, plan: AltMinPlan, protocol: AltMinProtocol) -> None:
+        self.plan, self.cfg, self.protocol = plan, plan.cfg, protocol
+        # on the run's device, beside the released U and the users it scores
+        self.u_star = None if plan.u_star is None else plan.u_star.to(self.cfg.device)
+        self.source = plan.source()
         # the evaluation reads the second half (the final local solve on Q3 ∪ Q4) unless
         # local_only is asked for (its ridge uses all m samples)
         h = self.cfg.samples_per_user // 2
         self.eval_source = (
-            self.source
-            if "local_only" in baseline_names(self.cfg.baselines)
-            else unit_source(self.cfg, samples=(h, 2 * h))
+            self.source if "local_only" in baseline_names(self.cfg.baselines) else plan.source(samples=(h, 2 * h))
         )
         self.init_U: Tensor | None = None
         self.population = None
         if self.cfg.refit_samples:
-            self.population = UnitSource(self.cfg.n_users, lambda a, b: population_units(self.cfg, torch.arange(a, b)))
+            self.population = UnitSource(self.cfg.n_users, lambda a, b: plan.population_units(torch.arange(a, b)))
 
     def state_dict(self) -> dict[str, Tensor]:
         return {} if self.init_U is None else {"init_U": self.init_U}
@@ -590,15 +567,15 @@ class AltMinEvaluator(Evaluator):
         u_star = None if self.u_star is None else self.u_star.double()
         for units in self.eval_source.chunks(self.cfg.chunk_size):
             users += int(units["ids"].shape[0])
-            has_truth = u_star is not None and "v_star" in units
+            theta_star = units["v_star"].double() @ u_star.T if u_star is not None and "v_star" in units else None
+            has_truth = theta_star is not None
             has_test = "x_test" in units
-            theta_star = units["v_star"].double() @ u_star.T if has_truth else None
             if has_test:
                 test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
             for name, (fit, _) in fits.items():
                 theta = fit(units).double()
                 theta = theta.squeeze(-1) if theta.dim() == 3 else theta
-                if has_truth:
+                if theta_star is not None:
                     sums[name]["excess"] += float(((theta - theta_star) ** 2).sum())
                 if has_test:
                     pred = (units["x_test"].double() @ theta.unsqueeze(-1)).squeeze(-1)
@@ -610,8 +587,9 @@ class AltMinEvaluator(Evaluator):
                 row["subspace_error"] = metrics.subspace_error(U, u_star)
                 row["subspace_error_spectral"] = metrics.subspace_error_spectral(U, u_star)
             if has_truth:
-                row["excess_risk"] = sums[name]["excess"] / max(users, 1)
-                row["test_mse"] = row["excess_risk"] + self.cfg.noise_std**2
+                excess = sums[name]["excess"] / max(users, 1)
+                row["excess_risk"] = excess
+                row["test_mse"] = excess + self.cfg.noise_std**2
             if has_test:
                 row["test_mse"] = sums[name]["test"] / max(test_values, 1)
             out[name] = row
@@ -625,8 +603,8 @@ class AltMinEvaluator(Evaluator):
     def final(self, state: Any) -> dict[str, Any]:
         private = {"private": (self.subspace_fit(state["U"]), state["U"])}
         out = self.with_baselines(private)
-        if self.cfg.data is not None:
-            out["data"] = _file(self.cfg).summary()
+        if self.plan.file is not None:
+            out["data"] = self.plan.file.summary()
         return out
 
     def with_baselines(
@@ -682,7 +660,7 @@ class AltMinEvaluator(Evaluator):
         return fits
 
 
-class AltMinExperiment(Experiment):
+class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
     """User-level private alternating minimisation with private initialisation (docs/algorithms.md §1, Algorithms 1–3)."""
 
     round_axis = "round (0 = private initialisation)"
@@ -707,22 +685,22 @@ class AltMinExperiment(Experiment):
     config_type = AltMinConfig
 
     def protocol(self, cfg: AltMinConfig, calibrations: Calibrations | None = None) -> AltMinProtocol:
-        return make_protocol(cfg, calibrations=calibrations)
+        return resolve_plan(cfg).protocol(calibrations=calibrations)
 
     def num_units(self, cfg: AltMinConfig) -> int:
-        return resolve(cfg).n_users
+        return resolve_plan(cfg).cfg.n_users
 
     def units(self, cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
-        return {k: v for k, v in load_units(cfg, ids).items() if k in ("ids", "x", "y")}
+        return {k: v for k, v in resolve_plan(cfg).load_units(ids).items() if k in ("ids", "x", "y")}
 
     def unit_source(self, cfg: AltMinConfig) -> UnitSource:
-        return unit_source(cfg, ("ids", "x", "y"))
+        return resolve_plan(cfg).source(("ids", "x", "y"))
 
     def chunk_size(self, cfg: AltMinConfig) -> int:
-        return resolve(cfg).chunk_size
+        return resolve_plan(cfg).cfg.chunk_size
 
     def evaluator(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> AltMinEvaluator:
-        return AltMinEvaluator(cfg, protocol)
+        return AltMinEvaluator(resolve_plan(cfg), protocol)
 
     def privacy_summary(self, cfg: AltMinConfig, protocol: AltMinProtocol, ledger: Ledger) -> dict[str, Any]:
         releases = protocol.releases_per_user()
@@ -743,8 +721,9 @@ class AltMinExperiment(Experiment):
         return ("subspace_error",)
 
     def plan(self, cfg: AltMinConfig) -> list[str]:
-        data = data_summary.lines(_file(cfg).summary()) if cfg.data is not None else []
-        return [*data, *check_fits(resolve(cfg))]
+        plan = resolve_plan(cfg)
+        data = data_summary.lines(plan.file.summary()) if plan.file is not None else []
+        return [*data, *plan.check_fits()]
 
     def describe(self, cfg: AltMinConfig, protocol: AltMinProtocol) -> dict[str, Any]:
         return {
@@ -757,5 +736,5 @@ class AltMinExperiment(Experiment):
             "noise_std_A": protocol.noise_std(protocol.a_bound, protocol.a_sensitivity),
             "noise_std_b": protocol.noise_std(protocol.b_bound),
             "psd_method": protocol.psd.value,
-            "chunk_size": resolve(cfg).chunk_size,
+            "chunk_size": resolve_plan(cfg).cfg.chunk_size,
         }

@@ -39,6 +39,8 @@ def spectral_init(source: UnitSource, rank: int, chunk_size: int) -> Tensor:
         pairs = x.shape[1] // 2
         w = linalg.pair_statistic(x[:, : 2 * pairs], y[:, : 2 * pairs]).double()
         total = w if total is None else total + w
+    if total is None:
+        raise ValueError("spectral_init needs at least one user")
     return linalg.top_eigenvectors(total, rank)
 
 
@@ -84,7 +86,8 @@ def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int) -> tuple[T
             v = local_solve(U, x, y)
             gram, label_sum = linalg.kron_statistics(v, x, label=y)  # one pass over x for both
             A += gram.double()
-            b += label_sum.double()  # type: ignore[union-attr]  (a label was given)
+            assert label_sum is not None  # a label was given: kron_statistics returns its sum
+            b += label_sum.double()
             yy += float((y.double() ** 2).sum())
             samples, users = samples + y.numel(), users + y.shape[0]
         ridge = 1e-12 * float(A.diagonal().mean().clamp_min(1e-300))

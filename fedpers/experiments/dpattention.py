@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import dp_accounting
 import torch
 
 from fedpers import linalg, memory
-from fedpers.config import field
+from fedpers.config import ApproxDpRunConfig, DeviceRunConfig, field, inherited, run_config
 from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, DpCovarianceParams, Ledger, ledger_epsilon
@@ -20,8 +19,8 @@ from fedpers.protocols.dpattention import AttentionFn, DpAttentionProtocol, atte
 Tensor = torch.Tensor
 
 
-@dataclass(frozen=True)
-class DpAttentionConfig:
+@run_config
+class DpAttentionConfig(ApproxDpRunConfig):
     rows: int = field(4, "n: rows of X (the attention matrix is n×n)", ge=1)
     columns: int = field(10000, "d: columns of X (the privacy units, d ≫ n)", ge=1)
     k: int = field(0, "Gaussian samples in DPCovariance (0: the smallest k with ρ < 0.1ε)", ge=0)
@@ -38,8 +37,8 @@ class DpAttentionConfig:
     )
     data_scale: float = field(0.025, "s: the synthetic columns are uniform on a sphere with E[XXᵀ] = s·I", gt=0.0)
     gamma: float = field(0.1, "γ: the utility bound holds with probability 1 − γ", gt=0.0, lt=1.0)
-    seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
-    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    seed: int = inherited()
+    dtype: str = inherited(DeviceRunConfig)
     chunk_size: int = field(65536, "columns per batch on the local runtime", ge=1)
 
     def check(self) -> None:
@@ -116,7 +115,7 @@ class DpAttentionEvaluator(Evaluator):
         }
 
 
-class DpAttentionExperiment(Experiment):
+class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
     """DP attention: DPCovariance release of XXᵀ and the attention D(B)⁻¹f(B)."""
 
     name = "dpattention"

@@ -7,16 +7,17 @@ same users for the same seed, so ``run expmech`` and ``run altmin`` compare on o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedpers import memory, metrics
-from fedpers.config import MAX_EPSILON, field
+from fedpers.config import MAX_EPSILON, DeviceRunConfig, RunConfig, field, inherited, run_config
+from fedpers.data.units import UnitSource
 from fedpers.experiments import altmin
-from fedpers.experiments.base import Trivial, derived_seed
+from fedpers.experiments.base import Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, PureDpEvent, ledger_epsilon
 from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
 
@@ -25,8 +26,8 @@ MAX_NET_GRID = 50_000_000
 WORKING_ELEMENTS = 1 << 22
 
 
-@dataclass(frozen=True)
-class ExpMechConfig:
+@run_config
+class ExpMechConfig(RunConfig):
     n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
     dim: int = field(3, "feature dimension d", ge=2)
     rank: int = field(1, "subspace rank k (< d)", ge=1)
@@ -49,8 +50,8 @@ class ExpMechConfig:
         0.0, "refuse runs needing more memory than this (0: what the machine has available)", ge=0.0
     )
     seed: int = field(0, "run seed (data, candidates and DP noise use separate generators derived from it)", ge=0)
-    device: str = field("cpu", "torch device: cpu or cuda")
-    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    device: str = inherited(DeviceRunConfig)
+    dtype: str = inherited(DeviceRunConfig)
     data: Path | None = field(None, "per-user data file (.npz, the altmin schema) instead of synthetic data")
     chunk_size: int = field(
         4096,
@@ -82,10 +83,10 @@ def altmin_config(cfg: ExpMechConfig) -> altmin.AltMinConfig:
 
 
 def resolve(cfg: ExpMechConfig) -> ExpMechConfig:
-    """With ``data`` set, n, m and d come from the file."""
+    """With ``data`` set, n, m and d come from the file (AltMin's plan of the same problem)."""
     if cfg.data is None:
         return cfg
-    a = altmin.resolve(altmin_config(cfg))
+    a = altmin.resolve_plan(altmin_config(cfg)).cfg
     return replace(cfg, n_users=a.n_users, samples_per_user=a.samples_per_user, dim=a.dim)
 
 
@@ -159,12 +160,16 @@ def make_protocol(cfg: ExpMechConfig) -> ExpMechProtocol:
     )
 
 
+ALTMIN = altmin.AltMinExperiment()
+"""The users of an expmech run are AltMin's for the same problem (:func:`altmin_config`)."""
+
+
 class ExpMechEvaluator(altmin.AltMinEvaluator):
     """AltMin's metrics and baselines; the private run's users fit v with ||v|| ≤ C (Algorithm 4, step 4)."""
 
     def __init__(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> None:
-        a = altmin.resolve(altmin_config(cfg))
-        super().__init__(a, altmin.make_protocol(a, private=False))
+        a = altmin.resolve_plan(altmin_config(cfg))
+        super().__init__(a, a.protocol(private=False))
         self.expmech = protocol
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
@@ -194,10 +199,12 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
         return out
 
 
-class ExpMechExperiment(altmin.AltMinExperiment):
-    """User-level ε-DP selection of U by the exponential mechanism (Algorithm 4)."""
+class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
+    """User-level ε-DP selection of U by the exponential mechanism (Algorithm 4): AltMin's users,
+    data hooks and round axis (:data:`ALTMIN`), its own protocol, evaluation and privacy."""
 
     name = "expmech"
+    round_axis = altmin.AltMinExperiment.round_axis
     result_keys = (*altmin.AltMinExperiment.result_keys, "candidates")
     baseline_names = (*altmin.BASELINES, "nearest_candidate")
     config_type = ExpMechConfig
@@ -217,13 +224,13 @@ class ExpMechExperiment(altmin.AltMinExperiment):
         return resolve(cfg).n_users
 
     def units(self, cfg: ExpMechConfig, ids: Tensor) -> dict[str, Tensor]:
-        return super().units(altmin_config(cfg), ids)
+        return ALTMIN.units(altmin_config(cfg), ids)
 
-    def unit_source(self, cfg: ExpMechConfig) -> altmin.UnitSource:
-        return super().unit_source(altmin_config(cfg))
+    def unit_source(self, cfg: ExpMechConfig) -> UnitSource:
+        return ALTMIN.unit_source(altmin_config(cfg))
 
     def chunk_size(self, cfg: ExpMechConfig) -> int:
-        return super().chunk_size(altmin_config(cfg))
+        return ALTMIN.chunk_size(altmin_config(cfg))
 
     def evaluator(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> ExpMechEvaluator:
         return ExpMechEvaluator(cfg, protocol)

@@ -12,13 +12,20 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from fedpers import metrics
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
+from fedpers.config import (
+    MAX_EPSILON,
+    DeviceRunConfig,
+    device_path,
+    field,
+    inherited,
+    run_config,
+)
 from fedpers.data import synthetic
 from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin import AltMinConfig
@@ -39,8 +46,8 @@ class VStar(str, enum.Enum):
     NORMAL = "normal"
 
 
-@dataclass(frozen=True)
-class FedRepConfig:
+@run_config
+class FedRepConfig(DeviceRunConfig):
     n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
     dim: int = field(50, "feature dimension d", ge=2)
     rank: int = field(2, "subspace rank k (< d)", ge=1)
@@ -72,10 +79,10 @@ class FedRepConfig:
         1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
     )
     accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
-    seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
-    device: str = field("cpu", "torch device: cpu or cuda")
-    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
-    dtype: str = field("float64", "float64 or float32 for the client statistics")
+    seed: int = inherited()
+    device: str = inherited()
+    kernels: str = inherited()
+    dtype: str = inherited()
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
     baselines: str = field(
         "all", "baselines on the same users: all, none, or a comma list of priv_altmin, nonprivate_altmin"
@@ -95,8 +102,7 @@ class FedRepConfig:
             )
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
-        check_device_and_dtype(self.device, self.dtype)
-        check_kernels(self.kernels)
+        self.check_device()
 
 
 BASELINES = ("priv_altmin", "nonprivate_altmin")
@@ -267,7 +273,7 @@ class FedRepEvaluator(Evaluator):
         return state["U"], {"epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
 
 
-class FedRepExperiment(Experiment):
+class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
     """Private FedRep (Snedeker, Zhou, Bassily 2025) with a private, accounted initialisation."""
 
     round_axis = "round (0 = private initialisation)"

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import dp_accounting
 import torch
 
 from fedpers import memory
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
+from fedpers.config import (
+    MAX_EPSILON,
+    DeviceRunConfig,
+    device_path,
+    field,
+    inherited,
+    run_config,
+)
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
@@ -30,8 +37,8 @@ from fedpers.runtime.local import run_local
 Tensor = torch.Tensor
 
 
-@dataclass(frozen=True)
-class NoisyGDConfig:
+@run_config
+class NoisyGDConfig(DeviceRunConfig):
     classes: int = field(10, "number of classes K", ge=2)
     feature_dim: int = field(100, "feature dimension p (>= K)", ge=2)
     examples: int = field(10000, "training examples n (the privacy units)", ge=1)
@@ -65,9 +72,9 @@ class NoisyGDConfig:
     )
     test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
     baselines: bool = field(True, "also run non-private GD (no clip, no noise) on the same data")
-    seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
-    device: str = field("cpu", "torch device: cpu or cuda")
-    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
+    seed: int = inherited()
+    device: str = inherited()
+    kernels: str = inherited()
     dtype: str = field("float32", "float32 or float64 for features and W")
     chunk_size: int = field(4096, "examples per batch on the local runtime (bounds memory)", ge=1)
 
@@ -78,8 +85,7 @@ class NoisyGDConfig:
             )
         if self.examples < self.classes:
             raise ValueError(f"examples must be >= classes={self.classes}; got {self.examples}")
-        check_device_and_dtype(self.device, self.dtype)
-        check_kernels(self.kernels)
+        self.check_device()
 
 
 def feature_bound(cfg: NoisyGDConfig) -> float:
@@ -185,7 +191,7 @@ class NoisyGDEvaluator(Evaluator):
         return out
 
 
-class NoisyGDExperiment(Experiment):
+class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
     """Last-layer NoisyGD on neural-collapse features (zCDP accounting, converted to (ε, δ))."""
 
     round_axis = "round (the remedy's release first if --remedy is set, then gradient steps)"

@@ -22,7 +22,17 @@ import dp_accounting
 import torch
 
 from fedpers import linalg, memory
-from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
+from fedpers.config import (
+    MAX_EPSILON,
+    ApproxDpRunConfig,
+    DeviceRunConfig,
+    check_device_and_dtype,
+    check_kernels,
+    device_path,
+    field,
+    inherited,
+    run_config,
+)
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
@@ -93,8 +103,8 @@ REGIME_STEPS = {
 }
 
 
-@dataclass(frozen=True)
-class NoisyHeadConfig:
+@run_config
+class NoisyHeadConfig(ApproxDpRunConfig):
     prompts: int = field(1000, "number of training prompts N", ge=1)
     dim: int = field(5, "token dimension D (0: ⌊√N⌋)", ge=0)
     context: int = field(0, "context length L (0: ⌊√N⌋)", ge=0)
@@ -148,9 +158,9 @@ class NoisyHeadConfig:
     )
     engine: Engine = field(Engine.AUTO, "sweeps: Monte-Carlo engine (auto: direct for D ≤ 16, else spectral)")
     seed: int = field(0, "run seed (data, test data, init and DP noise use separate generators derived from it)", ge=0)
-    chunk_size: int = field(4096, "units per batch on the local runtime (bounds memory)", ge=1)
+    chunk_size: int = inherited()
     device: str = field("cpu", "torch device: cpu or cuda[:i] (prompts, statistics and steps live there)")
-    kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
+    kernels: str = inherited(DeviceRunConfig)
 
     def check(self) -> None:
         check_device_and_dtype(self.device, "float64")
@@ -487,7 +497,7 @@ class NoisyHeadEvaluator(Evaluator):
 
 
 # ----- the experiment --------------------------------------------------------------------------
-class NoisyHeadExperiment(Experiment):
+class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
     """NoisyHead: prompt-level DP gradient descent on a linear attention head (docs/algorithms.md §2)."""
 
     round_axis = "round (--mode rounds: one gradient step each)"
