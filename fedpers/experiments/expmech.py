@@ -17,6 +17,7 @@ from fedpers import memory, metrics
 from fedpers.config import MAX_EPSILON, field
 from fedpers.experiments import altmin
 from fedpers.experiments.base import Trivial, derived_seed
+from fedpers.experiments.hooks import CanaryDesign, PrivateScore
 from fedpers.privacy import Calibrations, Ledger, PureDpEvent, ledger_epsilon
 from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
 
@@ -274,3 +275,14 @@ class ExpMechExperiment(altmin.AltMinExperiment):
             f"expmech: memory needed about {memory.human(sum(need.values()))} "
             f"({', '.join(f'{k} {memory.human(v)}' for k, v in need.items())}); available {memory.human(limit)}",
         ]
+
+    def canary_design(self) -> CanaryDesign | None:
+        """None: no canaries for the exponential mechanism (the audit's scorer reads Gaussian releases); AltMin's design, inherited, does not apply."""
+        return None
+
+    def private_scores(self) -> dict[str, PrivateScore]:
+        """Empty: no private score is defined for expmech (AltMin's, inherited, is not offered)."""
+        return {}
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"n_users": 2000}

@@ -14,6 +14,7 @@ from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, d
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import (
     Accountant,
     Calibrations,
@@ -185,6 +186,49 @@ class NoisyGDEvaluator(Evaluator):
         return out
 
 
+# ----- optional hook: audit canaries -------------------------------------------------------------
+def audit_protocol(cfg: NoisyGDConfig, k: int) -> NoisyGDProtocol:
+    """The configured protocol for ``k`` canary examples (feature coordinates must stay unmixed)."""
+    if cfg.remedy is Remedy.PCA:
+        raise ValueError(
+            "remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center"
+        )
+    return make_protocol(replace(cfg, examples=k, chunk_size=max(k, 1)))
+
+
+def audit_canaries(protocol: NoisyGDProtocol, generator: torch.Generator, count: int) -> Canaries:
+    """Canary example i: feature ±s·e_i ("+"/"−"), label i mod K, s = 1.5·G_c/sqrt(1 − 1/K) so the
+    gradient clip binds at W = 0 (||r|| = sqrt(1 − 1/K) for cross-entropy, 1 for squared loss).
+    At step 1 (W = 0) the residual r is the same in both versions, so the clipped gradients are
+    ±G_c r̂ e_iᵀ: 2G_c apart, the full replace-one sensitivity. Later steps: r(±W x) differs a
+    little as W moves (lr·noise small: near-full). The centring remedy's feature sum sees ±R e_i
+    (clip R binds): full sensitivity too."""
+    p = protocol
+    if count > p.feature_dim:
+        raise ValueError(f"canaries must be <= feature_dim={p.feature_dim}; got {count}")
+    scale = LABEL_OVERSHOOT * p.grad_clip / math.sqrt(1.0 - 1.0 / p.classes)
+    if p.remedy.value == "center":
+        scale = max(scale, LABEL_OVERSHOOT * p.feature_bound)
+    x = scale * torch.eye(p.feature_dim, dtype=torch.float64)[:count]
+    ids = torch.arange(count)
+    y = ids % p.classes
+    dtype = p.dtype
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y},
+        {"ids": ids, "x": (-x).to(dtype), "y": y},
+        "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)",
+    )
+
+
+CANARY_DESIGN = CanaryDesign(
+    audit_protocol,
+    lambda p: p.feature_dim,
+    audit_canaries,
+    "every step's noisy clipped-gradient sum (and the centring remedy's feature sum)",
+    "replace-one example (a canary's two versions are the same example with its feature negated)",
+)
+
+
 class NoisyGDExperiment(Experiment):
     """Last-layer NoisyGD on neural-collapse features (zCDP accounting, converted to (ε, δ))."""
 
@@ -271,3 +315,9 @@ class NoisyGDExperiment(Experiment):
             "remedy_noise_std": protocol.remedy_noise_std(),
             "model_dim": protocol.model_dim,
         }
+
+    def canary_design(self) -> CanaryDesign | None:
+        return CANARY_DESIGN
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"examples": 1000, "feature_dim": 20, "steps": 5, "test_examples": 200}

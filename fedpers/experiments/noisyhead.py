@@ -25,6 +25,7 @@ from fedpers import linalg, memory
 from fedpers.config import MAX_EPSILON, check_device_and_dtype, check_kernels, device_path, field
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
@@ -487,6 +488,50 @@ class NoisyHeadEvaluator(Evaluator):
 
 
 # ----- the experiment --------------------------------------------------------------------------
+# ----- optional hook: audit canaries -------------------------------------------------------------
+def audit_protocol(cfg: NoisyHeadConfig, k: int) -> NoisyHeadProtocol:
+    """The configured protocol (its N, C, G, R and noise) in rounds mode: each step's gradient is a
+    release the auditor sees, and statistics mode releases the same Γ̂ for the same noise."""
+    if cfg.unit.value != "prompt" or cfg.sampling_rate != 1.0:
+        raise ValueError(
+            "unit/sampling_rate: the noisyhead audit has prompt-level, unsampled canaries; use --unit prompt without --sampling-rate"
+        )
+    return make_protocol(cfg, mode=Mode.ROUNDS)
+
+
+def audit_canaries(protocol: NoisyHeadProtocol, generator: torch.Generator, k: int) -> Canaries:
+    """Canary i on the coordinate (a, b) = divmod(i, D) of Γ: context tokens e_b with labels 1.5C,
+    query e_a, so Z̃_i = G·e_a e_bᵀ (projection binds); the query label is ±1.5C (ỹ = ±C). Each
+    step's gradient (<Γ, Z̃> − ỹ) Z̃ then differs by 2CG between the versions, of the bound's
+    2G(C + RG): the <Γ, Z̃> part is the same in both (the data cannot know Γ in advance)."""
+    p = protocol
+    D, L = p.dim, p.context
+    x = torch.zeros(k, 1, L + 1, D, dtype=torch.float64)
+    y = torch.full((k, 1, L + 1), LABEL_OVERSHOOT * p.clip_c, dtype=torch.float64)
+    idx = torch.arange(k)
+    a, b = idx // D, idx % D
+    eye = torch.eye(D, dtype=torch.float64)
+    x[:, 0, :L] = eye[b][:, None, :]
+    x[:, 0, L] = eye[a]
+    y_minus = y.clone()
+    y_minus[:, 0, L] = -LABEL_OVERSHOOT * p.clip_c
+    dtype = p.dtype
+    return Canaries(
+        {"ids": idx, "x": x.to(dtype), "y": y.to(dtype)},
+        {"ids": idx, "x": x.to(dtype), "y": y_minus.to(dtype)},
+        "coordinate (a, b) of Γ per canary; Z̃ at its projection radius G, query label ±C",
+    )
+
+
+CANARY_DESIGN = CanaryDesign(
+    audit_protocol,
+    lambda p: p.dim**2,
+    audit_canaries,
+    "every step's noisy gradient (rounds mode; statistics mode releases the same Γ̂ law)",
+    "replace-one prompt (a canary's two versions are the same prompt with a different query label)",
+)
+
+
 class NoisyHeadExperiment(Experiment):
     """NoisyHead: prompt-level DP gradient descent on a linear attention head (docs/algorithms.md §2)."""
 
@@ -629,3 +674,9 @@ class NoisyHeadExperiment(Experiment):
             if cfg.ridge_scaling is RidgeScaling.MATCHED
             else "vec Γ* = (λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (eq. 2.7)",
         }
+
+    def canary_design(self) -> CanaryDesign | None:
+        return CANARY_DESIGN
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"prompts": 300, "test_prompts": 100}
