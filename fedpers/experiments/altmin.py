@@ -25,6 +25,7 @@ from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial
 from fedpers.experiments.hooks import BIG, LABEL_OVERSHOOT, Canaries, CanaryDesign, PrivateScore
 from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
 from fedpers.protocols.base import Units
 from fedpers.runtime.local import run_local
@@ -62,7 +63,7 @@ class AltMinConfig:
     clip_model: float = field(0.7, "c_η: model clip η = c_η √(dk)", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
     psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
-    accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
+    accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
     dtype: str = field("float64", "float64 or float32 for the client statistics")
@@ -109,6 +110,7 @@ class AltMinConfig:
     test_samples: int = field(0, "S fresh test samples per user for population_mse (as run fedrep reports it)", ge=0)
 
     def check(self) -> None:
+        check_accountant(self.accountant)
         baseline_names(self.baselines)
         if (self.refit_samples > 0) != (self.test_samples > 0):
             raise ValueError(
@@ -142,10 +144,7 @@ class AltMinConfig:
         if self.cohorts is Cohorts.POISSON:
             if not self.sampling_rate < 1.0:
                 raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
-            if self.accountant is not Accountant.PLD:
-                raise ValueError(
-                    f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}"
-                )
+            check_poisson_accountant(self.accountant, "cohorts poisson")
             if self.calibration is Calibration.PAPER:
                 raise ValueError(
                     "calibration paper has no rule for Poisson sampling; use calibration accountant with cohorts poisson"
@@ -808,7 +807,7 @@ class AltMinExperiment(Experiment):
             "epsilon": ledger_epsilon(ledger, cfg.delta, cfg.accountant),
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
-            "accountant": cfg.accountant.value,
+            "accountant": accountant_name(cfg.accountant),
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": releases,

@@ -29,6 +29,7 @@ from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_see
 from fedpers.experiments.hooks import Canaries, CanaryDesign
 from fedpers.experiments.population import population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
 from fedpers.runtime.local import run_local
 
@@ -72,7 +73,7 @@ class FedRepConfig:
     sampling_rate: float = field(
         1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
     )
-    accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
+    accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
     device: str = field("cpu", "torch device: cpu or cuda")
     kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
@@ -83,6 +84,7 @@ class FedRepConfig:
     )
 
     def check(self) -> None:
+        check_accountant(self.accountant)
         baseline_names(self.baselines)
         if self.cohorts not in ("all", "poisson"):
             raise ValueError(f"cohorts must be all or poisson; got {self.cohorts!r}")
@@ -90,10 +92,8 @@ class FedRepConfig:
             raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
         if self.cohorts == "all" and self.sampling_rate != 1.0:
             raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
-        if self.cohorts == "poisson" and self.accountant is not Accountant.PLD:
-            raise ValueError(
-                f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}"
-            )
+        if self.cohorts == "poisson":
+            check_poisson_accountant(self.accountant, "cohorts poisson")
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         check_device_and_dtype(self.device, self.dtype)
@@ -384,7 +384,7 @@ class FedRepExperiment(Experiment):
             "epsilon": ledger_epsilon(ledger, cfg.delta, cfg.accountant),
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
-            "accountant": cfg.accountant.value,
+            "accountant": accountant_name(cfg.accountant),
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": protocol.releases_per_user(),

@@ -25,6 +25,7 @@ from fedpers.privacy import (
     zcdp_rho,
     zcdp_rho_for,
 )
+from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant
 from fedpers.protocols.noisygd import Loss, NoisyGDProtocol, Remedy
 from fedpers.runtime.local import run_local
 
@@ -61,7 +62,7 @@ class NoisyGDConfig:
     feature_bound: float = field(
         0.0, "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies)", ge=0.0
     )
-    accountant: Accountant = field(
+    accountant: str = accountant_field(
         Accountant.ZCDP, "zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's); pld: tight"
     )
     test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
@@ -73,6 +74,7 @@ class NoisyGDConfig:
     chunk_size: int = field(4096, "examples per batch on the local runtime (bounds memory)", ge=1)
 
     def check(self) -> None:
+        check_accountant(self.accountant)
         if self.feature_dim < self.classes:
             raise ValueError(
                 f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}"
@@ -277,12 +279,15 @@ class NoisyGDExperiment(Experiment):
     def privacy_summary(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol, ledger: Ledger) -> dict[str, Any]:
         events = dp_accounting.ComposedDpEvent([r.event for r in ledger])
         rho = zcdp_rho(events)
+        name = accountant_name(cfg.accountant)
         by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
+        if name not in by_accountant:  # a registered accountant beside the built-in ones
+            by_accountant[name] = ledger_epsilon(ledger, cfg.delta, name)
         out = {
-            "epsilon": by_accountant[cfg.accountant.value],
+            "epsilon": by_accountant[name],
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
-            "accountant": cfg.accountant.value,
+            "accountant": name,
             "neighbouring": "replace-one example",
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_grad": protocol.noise_std(),

@@ -27,6 +27,13 @@ from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy.accountant import (
+    accountant_field,
+    accountant_name,
+    check_accountant,
+    get_accountant,
+    sampling_accountants,
+)
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
 
@@ -118,7 +125,7 @@ class NoisyHeadConfig:
     calibration: Calibration = field(
         Calibration.PAPER, "paper: per-step (ε/T, δ/T) classical Gaussian; accountant: smallest noise meeting (ε, δ)"
     )
-    accountant: Accountant = field(Accountant.PLD, "accountant for the reported ε (pld is exact for Gaussians)")
+    accountant: str = accountant_field(Accountant.PLD, "accountant for the reported ε (pld is exact for Gaussians)")
     sampling_rate: float = field(
         1.0,
         "q < 1: each step includes every unit (prompt or user) independently with probability q (Poisson; "
@@ -154,6 +161,7 @@ class NoisyHeadConfig:
     kernels: str = field("auto", "code path: auto (device kernels on cuda, host on cpu), device, host")
 
     def check(self) -> None:
+        check_accountant(self.accountant)
         check_device_and_dtype(self.device, "float64")
         check_kernels(self.kernels)
         n = self.prompts
@@ -173,9 +181,10 @@ class NoisyHeadConfig:
                 raise ValueError(
                     "sampling_rate < 1 needs mode rounds (each step samples its units; the statistics mode sends them once)"
                 )
-            if self.calibration is not Calibration.ACCOUNTANT or self.accountant is not Accountant.PLD:
+            if self.calibration is not Calibration.ACCOUNTANT or not get_accountant(self.accountant).poisson_sampling:
                 raise ValueError(
-                    "sampling_rate < 1 needs calibration accountant and accountant pld (the paper's per-step rule has no sampling)"
+                    f"sampling_rate < 1 needs calibration accountant and accountant {' or '.join(sampling_accountants())} "
+                    "(the paper's per-step rule has no sampling)"
                 )
             if self.attack_c > 0:
                 raise ValueError("the robustness attack is defined without sampling (sampling_rate = 1)")
@@ -269,7 +278,9 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
             lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations
         )
         sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
-        formulas["noise_multiplier"] = f"smallest z with ε({cfg.accountant.value}, T-fold Gaussian{sampled}) ≤ target"
+        formulas["noise_multiplier"] = (
+            f"smallest z with ε({accountant_name(cfg.accountant)}, T-fold Gaussian{sampled}) ≤ target"
+        )
     formulas["noise_std_step"] = "std of z_t entries = (η₀/N)·z·ρP·G(C + RG)"
     return Resolved(N, L, D, lam, eta, T, consts, C, G, R, z, P, rho, formulas)
 
@@ -609,7 +620,7 @@ class NoisyHeadExperiment(Experiment):
             "epsilon": eps,
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
-            "accountant": cfg.accountant.value,
+            "accountant": accountant_name(cfg.accountant),
             "calibration": cfg.calibration.value,
             "neighbouring": "replace-one prompt"
             if r.P == 1
