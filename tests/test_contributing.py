@@ -210,6 +210,16 @@ def test_a_registered_accountant_is_offered_and_accounts_a_ledger(pld_copy, tmp_
     assert cfg.accountant == "pld_copy"  # it inherits PLD's Poisson sampling: accepted where pld is
 
 
+def test_the_top_level_parser_lists_accountants_lazily():
+    """``fedpers --help`` stays fast: building the parser imports no accountant (the choices are read when used)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from fedpers.commands.cli import build_parser; build_parser(); print('fedpers.privacy.accountant' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
+
+
 def test_config_validation_names_the_registered_accountants(pld_copy):
     altmin = experiment("altmin").config_type
     with pytest.raises(ValueError, match=r"accountant must be one of pld, rdp, zcdp, pld_copy; got 'nope'"):

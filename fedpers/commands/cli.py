@@ -228,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--accountant",
         choices=RegisteredAccountants(),
+        metavar="ACCOUNTANT",  # argparse would list the choices (import the registry) while building the parser
         default=None,
-        help="re-account with this accountant (a registered one)",
+        help="re-account with this accountant: one of %(choices)s",
     )
     pr.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
