@@ -128,19 +128,23 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
     return ServerJob(experiment, cfg, options, Path(out) if out else None)
 
 
-def build_node(job: Job, data_file: str = "") -> Node:
+def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, str, str]] | None = None) -> Node:
     """The node for ``job``: the registered algorithm's config and protocol (noise from the
     server's calibrations: a node runs no accountant), and a loader of its units by global id.
-    ``data_file`` (node config) replaces the config's data path."""
+    ``data_file`` (node config) replaces the config's data path. ``entries``: registry entries
+    (name → module, class, description) the node registers first: an algorithm registered in
+    the driving process is unknown to a node process until it imports the module itself."""
     import json
     from dataclasses import fields
 
-    from fedpers.experiments import ALGORITHMS
+    from fedpers.experiments import ALGORITHMS, register
     from fedpers.experiments import experiment as registered
     from fedpers.privacy.accountant import Calibrations
     from fedpers.runtime.flower.client import Node
     from fedpers.runtime.flower.codec import DATA_FILE
 
+    if job.algorithm in (entries or {}):
+        register(job.algorithm, *(entries or {})[job.algorithm])
     if job.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(ALGORITHMS)}")
     experiment = registered(job.algorithm)
@@ -156,11 +160,19 @@ def build_node(job: Job, data_file: str = "") -> Node:
     return Node(protocol, lambda ids: experiment.units(cfg, ids))
 
 
-def make_client_app() -> ClientApp:
-    """The fedpers ClientApp: the Flower runtime's node side with :func:`build_node` injected."""
+def make_client_app(entries: Mapping[str, tuple[str, str, str]] | None = None) -> ClientApp:
+    """The fedpers ClientApp: the Flower runtime's node side with :func:`build_node` injected.
+
+    ``entries`` (registry entries, see :func:`fedpers.experiments.register`) travel inside the
+    app to the simulation's node processes (Ray actors), which register them before the lookup;
+    the names on the wire are only ever looked up, never imported."""
+    from functools import partial
+
     from fedpers.runtime.flower.client import make_client_app as runtime_client_app
 
-    return runtime_client_app(build_node)
+    if not entries:
+        return runtime_client_app(build_node)
+    return runtime_client_app(partial(build_node, entries=dict(entries)))
 
 
 def flower_job(
@@ -200,7 +212,9 @@ def run_flower(
     from fedpers.runtime.flower.simulation import run_flower as run
 
     if kwargs.get("grid") is None and client_app is None:
-        client_app = make_client_app()
+        from fedpers.experiments import ALGORITHMS
+
+        client_app = make_client_app({n: ALGORITHMS[n] for n in (experiment.name,) if n in ALGORITHMS})
     job = flower_job(experiment, cfg, protocol, calibrations)
     return run(
         job,

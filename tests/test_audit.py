@@ -17,6 +17,7 @@ from fedpers import config as config_lib
 from fedpers import linalg
 from fedpers.commands import audit as audit_lib
 from fedpers.experiments import experiment
+from fedpers.experiments.fedrep import fedrep_init_fraction
 from fedpers.privacy import Privatizer
 from fedpers.privacy import audit as audit_math
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
@@ -68,7 +69,7 @@ def test_scorer_receives_only_published_outputs():
     assert list(inspect.signature(audit_lib.score_canaries).parameters) == ["protocol", "published", "canaries"]
     assert {f.name for f in dataclasses.fields(audit_lib.Published)} == {"broadcasts", "releases"}
     cfg = altmin_cfg(epsilon=4.0)
-    design = audit_lib.DESIGNS["altmin"]
+    design = experiment("altmin").canary_design()
     protocol = design.protocol(cfg, 10)
     cans = design.canaries(protocol, torch.Generator().manual_seed(0), 10)
     included = torch.arange(10) % 2 == 0
@@ -173,7 +174,7 @@ def test_canaries_reach_the_separation_their_design_promises():
     nh = experiment("noisyhead")
     cfg = config_lib.build(nh.config_type, {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3})
     result = audit_lib.audit(nh, cfg, 9, runs=1)
-    p = audit_lib.DESIGNS["noisyhead"].protocol(cfg, 9)
+    p = experiment("noisyhead").canary_design().protocol(cfg, 9)
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
     assert "prompt" in result["neighbouring"]
     assert max(_bounds(result)) <= result["proven_epsilon"]
@@ -189,8 +190,8 @@ def test_fedrep_canaries_reach_their_promised_separation():
     Odd and even m lay the pairs out differently; both are checked."""
     for m in (5, 8):
         cfg = config_lib.build(FEDREP.config_type, {"dim": 12, "rounds": 2, "samples_per_user": m, "epsilon": 4.0})
-        p = audit_lib.DESIGNS["fedrep"].protocol(cfg, 4)
-        f = audit_lib.fedrep_init_fraction(p)
+        p = experiment("fedrep").canary_design().protocol(cfg, 4)
+        f = fedrep_init_fraction(p)
         result = audit_lib.audit(FEDREP, cfg, 4, runs=1)
         assert result["canary_mu"] == pytest.approx(result["proven_mu"] * ((f**2 + 2 / 4) / 3) ** 0.5, rel=1e-6), m
     with pytest.raises(ValueError, match="samples_per_user"):
@@ -241,7 +242,7 @@ def test_dpals_canaries_reach_their_promised_separation():
     upper triangle. With one round U is the public initial_U, so the separation is known exactly;
     over more rounds it stays between sqrt(3/8) (t ≥ 1/2) and 1/√2 (t ≤ 1) of the proven μ."""
     cfg = config_lib.build(DPALS.config_type, {"steps": 1, "n_items": 40, "private_center": False})
-    p = audit_lib.DESIGNS["dpals"].protocol(cfg, 20)
+    p = experiment("dpals").canary_design().protocol(cfg, 20)
     result = audit_lib.audit(DPALS, cfg, 20, runs=1)
     u = p.initial_U.double() / p.initial_U.double().norm(dim=1, keepdim=True)
     t = (1 + (u**4).sum(1)) / 2

@@ -9,7 +9,7 @@ import enum
 import sys
 import tomllib
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,22 @@ if TYPE_CHECKING:
     from fedpers.results.run_result import RunResult
 
 RUNTIME_FLAGS = "runtime options (every algorithm)"
+
+
+class RegisteredAccountants:
+    """The ``--accountant`` choices: the accountant registry's names, read when a line is parsed or
+    help is printed (so building the parser imports no accounting library)."""
+
+    def _names(self) -> tuple[str, ...]:
+        from fedpers.privacy.accountant import accountant_names
+
+        return accountant_names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -37,7 +53,9 @@ def _add_fields(parser: argparse.ArgumentParser | Any, cls: type) -> None:
             "default": argparse.SUPPRESS,
             "help": f"{f.metadata.get('help', '')} (default: {default})",
         }
-        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if callable(f.metadata.get("choices")):  # a registry's names, listed when the parser is built
+            kwargs["choices"] = list(f.metadata["choices"]())
+        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
             kwargs["choices"] = [e.value for e in tp]
         else:
             kwargs["metavar"] = f.name.upper()
@@ -210,7 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("privacy", help="print a run's privacy ledger and its (ε, δ)", allow_abbrev=False)
     pr.add_argument("run_dir", type=Path)
     pr.add_argument(
-        "--accountant", choices=["pld", "rdp", "zcdp"], default=None, help="re-account with this accountant"
+        "--accountant",
+        choices=RegisteredAccountants(),
+        metavar="ACCOUNTANT",  # argparse would list the choices (import the registry) while building the parser
+        default=None,
+        help="re-account with this accountant: one of %(choices)s",
     )
     pr.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser

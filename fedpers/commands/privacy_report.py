@@ -6,8 +6,16 @@ from pathlib import Path
 from typing import Any
 
 from fedpers.commands.summary import LEDGER_COLUMNS, label, ledger_rows, text_table
-from fedpers.privacy import Accountant, Ledger, ledger_epsilon
+from fedpers.privacy import Ledger, ledger_epsilon
+from fedpers.privacy.accountant import check_accountant
 from fedpers.results.rundir import read_run
+
+
+def _accountant(given: str | None, cfg: dict[str, Any]) -> str:
+    """The accountant asked for, else the run's own (pld when its config names none); must be registered."""
+    name = str(given or cfg.get("accountant", "pld"))
+    check_accountant(name)
+    return name
 
 
 def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[str, Any]:
@@ -16,7 +24,7 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
     cfg = run["config"]
     ledger = Ledger.from_json(run["ledger_text"])
     delta = float(cfg.get("delta", 1e-5))
-    acc = Accountant(accountant or cfg.get("accountant", "pld"))
+    acc = _accountant(accountant, cfg)
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
     return {
         "run_dir": str(run_dir),
@@ -25,7 +33,7 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
         "releases": len(ledger),
         "epsilon": ledger_epsilon(ledger, delta, acc),
         "delta": delta,
-        "accountant": acc.value,
+        "accountant": acc,
         "neighbouring": neighbours,
         "groups": len(ledger.groups()),
         "paper_epsilon_same_noise": run.get("result", {}).get("privacy", {}).get("paper_epsilon_same_noise"),
@@ -39,7 +47,7 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     cfg = run["config"]
     ledger = Ledger.from_json(run["ledger_text"])
     delta = float(cfg.get("delta", 1e-5))
-    acc = Accountant(accountant or cfg.get("accountant", "pld"))
+    acc = _accountant(accountant, cfg)
     status = "" if run["complete"] else "  INCOMPLETE: the run did not finish; these are the releases it made"
     lines = [f"run: {run_dir}  algorithm: {cfg.get('algorithm')}  releases: {len(ledger)}{status}", ""]
     header = [label(c) for c in LEDGER_COLUMNS]  # the report's ledger has the same columns and labels
@@ -47,7 +55,7 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     eps = ledger_epsilon(ledger, delta, acc)
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
     level = next((f"{unit}-level" for unit in ("prompt", "example", "column") if unit in neighbours), "user-level")
-    lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc.value} accountant, {neighbours} neighbours"]
+    lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc} accountant, {neighbours} neighbours"]
     if len(ledger.groups()) > 1:
         lines.append(f"  (parallel composition over {len(ledger.groups())} disjoint groups; worst group reported)")
     priv = run.get("result", {}).get("privacy", {})

@@ -2,7 +2,10 @@
 
 ``ALGORITHMS`` names every algorithm and where it lives without importing it (so
 ``fedpers --help`` starts in a fraction of a second); ``EXPERIMENTS`` and
-:func:`experiment` import what is asked for.
+:func:`experiment` import what is asked for. An algorithm outside this package (a plugin, a
+test's toy) joins with :func:`register`: the entry is a module path and a class name, so a
+Flower node process rebuilds it by importing the module itself (:func:`fedpers.app.make_client_app`
+carries the entry of the algorithm it runs).
 """
 
 from __future__ import annotations
@@ -55,6 +58,29 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
 _loaded: dict[str, Experiment[Any, Any]] = {}
 
 
+def register(name: str, module: str, cls: str, description: str) -> None:
+    """Add algorithm ``name``: class ``cls`` (an :class:`~fedpers.experiments.base.Experiment`) of the
+    importable ``module``, described by ``description`` (one line, shown by ``fedpers run --help``).
+
+    Registering the same entry again does nothing; another entry under a registered name is
+    refused (ValueError), so a plugin cannot silently replace an algorithm. Nothing is imported
+    until the algorithm is first used."""
+    entry = (module, cls, description)
+    if not name.isidentifier() or not module or not cls:
+        raise ValueError(f"register: name must be an identifier and module/cls non-empty; got {name!r}, {entry[:2]}")
+    if ALGORITHMS.get(name, entry) != entry:
+        raise ValueError(
+            f"register: algorithm {name!r} is already registered as {ALGORITHMS[name][:2]}; got {entry[:2]}"
+        )
+    ALGORITHMS[name] = entry
+
+
+def unregister(name: str) -> None:
+    """Remove algorithm ``name`` (a plugin unloading, a test cleaning up); unknown names are ignored."""
+    ALGORITHMS.pop(name, None)
+    _loaded.pop(name, None)
+
+
 def experiment(name: str) -> Experiment[Any, Any]:
     """The registered experiment ``name`` (its module is imported on first use)."""
     if name not in ALGORITHMS:
@@ -75,4 +101,4 @@ def __getattr__(attr: str) -> Any:
     raise AttributeError(attr)
 
 
-__all__ = ["ALGORITHMS", "EXPERIMENTS", "Evaluator", "Experiment", "experiment"]
+__all__ = ["ALGORITHMS", "EXPERIMENTS", "Evaluator", "Experiment", "experiment", "register", "unregister"]

@@ -21,8 +21,10 @@ from fedpers.data.prefetch import PrefetchSource
 from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin_baselines import local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.hooks import BIG, LABEL_OVERSHOOT, Canaries, CanaryDesign, PrivateScore
 from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
 from fedpers.protocols.base import Units
 from fedpers.runtime.local import run_local
@@ -60,7 +62,7 @@ class AltMinConfig(DeviceRunConfig):
     clip_model: float = field(0.7, "c_η: model clip η = c_η √(dk)", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
     psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
-    accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
+    accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
     device: str = inherited()
     dtype: str = inherited()
@@ -107,6 +109,7 @@ class AltMinConfig(DeviceRunConfig):
     test_samples: int = field(0, "S fresh test samples per user for population_mse (as run fedrep reports it)", ge=0)
 
     def check(self) -> None:
+        check_accountant(self.accountant)
         baseline_names(self.baselines)
         if (self.refit_samples > 0) != (self.test_samples > 0):
             raise ValueError(
@@ -140,10 +143,7 @@ class AltMinConfig(DeviceRunConfig):
         if self.cohorts is Cohorts.POISSON:
             if not self.sampling_rate < 1.0:
                 raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
-            if self.accountant is not Accountant.PLD:
-                raise ValueError(
-                    f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}"
-                )
+            check_poisson_accountant(self.accountant, "cohorts poisson")
             if self.calibration is Calibration.PAPER:
                 raise ValueError(
                     "calibration paper has no rule for Poisson sampling; use calibration accountant with cohorts poisson"
@@ -660,6 +660,83 @@ class AltMinEvaluator(Evaluator):
         return fits
 
 
+# ----- optional hooks: audit canaries and the private validation score ------------------------
+def audit_protocol(cfg: AltMinConfig, k: int) -> AltMinProtocol:
+    """The configured protocol for a population of ``k`` canary users (the audit's own population)."""
+    if cfg.data is not None:
+        raise ValueError("data: the audit's population is its canaries; drop --data")
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+
+
+def audit_canaries(protocol: AltMinProtocol, generator: torch.Generator, count: int) -> Canaries:
+    """Canary i lives on coordinate e_i of R^d. Q1: fixed Gaussian samples (so v_i is generic);
+    Q2: x = BIG·e_i and y = ±1.5ζ, so every w_ij sits at the model clip η along v̂_i ⊗ e_i and
+    every label at ±ζ: b_i = ±|Q2|ηζ (v̂_i ⊗ e_i), the "+"/"−" versions differ by 2·bound (its
+    full replace-one sensitivity), while A_i (PSD, sign-blind) is the same in both; second half:
+    x = e_i and the pair's labels (+1.5ζ, ±1.5ζ), so W_i = ±(m/4)ζ² e_i e_iᵀ, again 2·bound apart."""
+    p = protocol
+    d, m, q, k = p.dim, p.samples_per_user, p.quarter, count
+    dtype = p.dtype
+    x = torch.zeros(k, m, d, dtype=torch.float64)
+    y = torch.zeros(k, m, dtype=torch.float64)
+    x[:, :q] = torch.randn(k, q, d, generator=generator, dtype=torch.float64)
+    y[:, :q] = (x[:, :q] @ torch.randn(k, d, 1, generator=generator, dtype=torch.float64)).squeeze(-1)
+    eye = torch.eye(d, dtype=torch.float64)[:k]
+    x[:, q : 2 * q] = BIG * eye[:, None, :]
+    x[:, 2 * q :] = eye[:, None, :]
+    label = LABEL_OVERSHOOT * p.zeta
+    y[:, q:] = label
+    y_minus = y.clone()
+    y_minus[:, q : 2 * q] = -label
+    y_minus[:, 2 * q + 1 :: 2] = -label  # the second of each init pair
+    ids = torch.arange(k)
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y.to(dtype)},
+        {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
+        "coordinate e_i per canary; b and W at ± their clip bound (2·bound apart), A equal in both versions",
+    )
+
+
+CANARY_DESIGN = CanaryDesign(
+    audit_protocol,
+    lambda p: p.dim,
+    audit_canaries,
+    "init W, and every round's A and b",
+    "replace-one user (a canary's two versions are the same user with different data)",
+)
+
+VALIDATION_CLIP = 4.0
+"""A held-out user's validation MSE is clipped to [0, 4·(k + σ_F²)] (k + σ_F² is the label variance
+of the synthetic model, public): the per-user bound of the score release."""
+
+
+def validation_mse(cfg: AltMinConfig, protocol: AltMinProtocol, state: Any, units: dict[str, Tensor]) -> Tensor:
+    """Each held-out user fits v_j on its first half with the released U, and its MSE on the second."""
+    U = state["U"].double()
+    x, y = units["x"].double(), units["y"].double()
+    h = x.shape[1] // 2
+    v = protocol.local_solve(U, x[:, :h], y[:, :h])
+    pred = ((x[:, h:] @ U) @ v.unsqueeze(-1)).squeeze(-1)
+    return ((pred - y[:, h:]) ** 2).mean(1)
+
+
+def heldout_units(cfg: AltMinConfig, ids: Tensor) -> dict[str, Tensor]:
+    """Held-out users of the synthetic model (ids past the training population)."""
+    if cfg.data is not None:
+        raise ValueError("select --private: held-out users are drawn from the synthetic model; drop --data")
+    return load_units(cfg, ids)
+
+
+PRIVATE_SCORES = {
+    "validation_mse": PrivateScore(
+        "validation_mse",
+        lambda cfg: VALIDATION_CLIP * (cfg.rank + cfg.noise_std**2),
+        validation_mse,
+        heldout_units,
+    )
+}
+
+
 class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
     """User-level private alternating minimisation with private initialisation (docs/algorithms.md §1, Algorithms 1–3)."""
 
@@ -708,7 +785,7 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
             "epsilon": ledger_epsilon(ledger, cfg.delta, cfg.accountant),
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
-            "accountant": cfg.accountant.value,
+            "accountant": accountant_name(cfg.accountant),
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": releases,
@@ -738,3 +815,12 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
             "psd_method": protocol.psd.value,
             "chunk_size": resolve_plan(cfg).cfg.chunk_size,
         }
+
+    def canary_design(self) -> CanaryDesign | None:
+        return CANARY_DESIGN
+
+    def private_scores(self) -> dict[str, PrivateScore]:
+        return PRIVATE_SCORES
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"n_users": 2000, "dim": 5}

@@ -18,6 +18,7 @@ import torch
 
 from fedpers.config import RunConfig
 from fedpers.data.units import UnitSource
+from fedpers.experiments.hooks import CanaryDesign, PrivateScore
 from fedpers.privacy import Calibrations, Ledger
 from fedpers.protocols.base import Protocol, Units
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
@@ -173,3 +174,18 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
         """Lines the CLI prints before the run starts (sizes, memory). Raise ``ValueError`` to
         refuse a run that cannot fit, naming what it needs; :meth:`protocol` must refuse it too."""
         return []
+
+    # ----- optional hooks: each default means "not supported by this algorithm" -----
+    def canary_design(self) -> CanaryDesign | None:
+        """How ``fedpers audit`` builds canaries for this algorithm (None: the audit refuses it)."""
+        return None
+
+    def private_scores(self) -> dict[str, PrivateScore]:
+        """The private validation scores ``fedpers sweep --select METRIC --private`` may select by,
+        keyed by METRIC (empty: no private selection for this algorithm)."""
+        return {}
+
+    def reduced_config(self) -> dict[str, Any]:
+        """Config values of a small run the test suite runs quickly (seconds) with the defaults
+        otherwise unchanged (empty: the defaults are already small)."""
+        return {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ from fedpers.config import (
 from fedpers.data import rating_files, summary
 from fedpers.data import ratings as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign
 from fedpers.privacy import Calibrations, Ledger, calibrate_noise_multiplier, ledger_epsilon
-from fedpers.protocols.dpals import DpAlsProtocol, item_statistics, solve_items, user_embeddings
+from fedpers.protocols.dpals import DpAlsProtocol, item_statistics, solve_items, triu_pack, user_embeddings
 
 Tensor = torch.Tensor
 
@@ -354,6 +356,59 @@ class DpAlsEvaluator(Evaluator):
         return out
 
 
+# ----- optional hook: audit canaries -------------------------------------------------------------
+def audit_protocol(cfg: DpAlsConfig, k: int) -> DpAlsProtocol:
+    """The configured protocol for ``k`` canary users on synthetic items (round 0 has no canaries yet)."""
+    if cfg.ratings is not None or cfg.dataset:
+        raise ValueError(
+            "ratings/dataset: the audit's population is its canaries (synthetic items); drop --ratings/--dataset"
+        )
+    if prelude(cfg):
+        raise ValueError(
+            "private_center/head_items: the dpals audit has no canary design for round 0's sums and counts yet; drop them"
+        )
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+
+
+def audit_canaries(protocol: DpAlsProtocol, generator: torch.Generator, count: int) -> Canaries:
+    """Canary i rates one item: item 2i ("+") or item 2i + 1 ("−"), rating BIG. With one rating
+    v̂ = ±Û_item, so G_item = Γ_G v̂v̂ᵀ and b_item = Γ_b Û_item (both clips bind; the sign of the
+    rating cancels in r·v): the versions' contributions sit on different items, √2·Γ apart, the
+    most two one-rating users can be (G is PSD, b ∝ r²·U_item, so no rating flips them).
+    G is released as block upper triangles: a block's share (1 + Σ v̂⁴)/2 of Γ_G² shows."""
+    p = protocol
+    if 2 * count > p.n_items:
+        raise ValueError(f"canaries must be <= n_items/2 = {p.n_items // 2}; got {count}")
+    ids = torch.arange(count)
+    ratings = torch.full((count, 1), BIG, dtype=torch.float64).to(p.dtype)
+    mask = torch.ones(count, 1, dtype=torch.bool)
+    plus = {"ids": ids, "items": (2 * ids)[:, None], "ratings": ratings, "mask": mask}
+    minus = {"ids": ids, "items": (2 * ids + 1)[:, None], "ratings": ratings, "mask": mask}
+    return Canaries(
+        plus,
+        minus,
+        'one rating per canary user, on item 2i ("+") or 2i + 1 ("−"): G and b at their clips, √2·Γ apart',
+        released_statistic,
+    )
+
+
+def released_statistic(name: str, stat: Tensor) -> Tensor:
+    """A client's statistic in the form the server releases it: G's full blocks as their upper
+    triangles (what messages carry already passes unchanged)."""
+    if name == "G" and stat.dim() == 3:
+        return triu_pack(stat)
+    return stat
+
+
+CANARY_DESIGN = CanaryDesign(
+    audit_protocol,
+    lambda p: p.n_items // 2,
+    audit_canaries,
+    "every round's G (block upper triangles) and b",
+    "replace-one user (a canary's two versions are the same user rating a different item)",
+)
+
+
 class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
     """DPALS on synthetic ragged rating data."""
 
@@ -430,3 +485,9 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
             "sum_bound": protocol.sum_bound,
             "count_bound": protocol.count_bound,
         }
+
+    def canary_design(self) -> CanaryDesign | None:
+        return CANARY_DESIGN
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"n_users": 1000, "n_items": 40}

@@ -204,3 +204,6 @@ class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
             f"β={p.beta:.4g}, η={p.eta:.4g}, r={p.r:g}; "
             f"Δ={p.Delta:.4g}, 2αβ√n/η={p.sensitivity:.4g}, ρ={p.rho:.4g} (needs < {0.1 * p.epsilon:.4g})",
         ]
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"columns": 2000}

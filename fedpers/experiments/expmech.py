@@ -281,3 +281,6 @@ class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
             f"expmech: memory needed about {memory.human(sum(need.values()))} "
             f"({', '.join(f'{k} {memory.human(v)}' for k, v in need.items())}); available {memory.human(limit)}",
         ]
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"n_users": 2000}

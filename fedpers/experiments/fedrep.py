@@ -33,8 +33,10 @@ from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.hooks import Canaries, CanaryDesign
 from fedpers.experiments.population import population_mse
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
 from fedpers.runtime.local import run_local
 
@@ -78,7 +80,7 @@ class FedRepConfig(DeviceRunConfig):
     sampling_rate: float = field(
         1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
     )
-    accountant: Accountant = field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
+    accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = inherited()
     device: str = inherited()
     kernels: str = inherited()
@@ -89,6 +91,7 @@ class FedRepConfig(DeviceRunConfig):
     )
 
     def check(self) -> None:
+        check_accountant(self.accountant)
         baseline_names(self.baselines)
         if self.cohorts not in ("all", "poisson"):
             raise ValueError(f"cohorts must be all or poisson; got {self.cohorts!r}")
@@ -96,10 +99,8 @@ class FedRepConfig(DeviceRunConfig):
             raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
         if self.cohorts == "all" and self.sampling_rate != 1.0:
             raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
-        if self.cohorts == "poisson" and self.accountant is not Accountant.PLD:
-            raise ValueError(
-                f"accountant must be pld with cohorts poisson (the sampled replace-one PLD); got {self.accountant.value}"
-            )
+        if self.cohorts == "poisson":
+            check_poisson_accountant(self.accountant, "cohorts poisson")
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         self.check_device()
@@ -273,6 +274,78 @@ class FedRepEvaluator(Evaluator):
         return state["U"], {"epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
 
 
+# ----- optional hook: audit canaries -------------------------------------------------------------
+FEDREP_LABEL = 1e3
+"""FedRep canaries' labels are this many times ζ: G_j grows as the labels squared, so the clip C binds in
+every round whatever U is (at 1.5ζ it did not always). The init's label clip is then checked by the server's
+norm check (a missing clip aborts the run) rather than by the audit."""
+
+
+def audit_protocol(cfg: FedRepConfig, k: int) -> FedRepProtocol:
+    """The configured protocol for a population of ``k`` canary users."""
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+
+
+def _canary_layout(p: FedRepProtocol) -> tuple[int, int]:
+    """(j, width): j init pairs on their own extra coordinates, width = k + 1 coordinates per canary."""
+    odd = p.samples_per_user % 2
+    j = p.rank - odd
+    if p.pairs - j < 1:
+        raise ValueError(
+            f"samples_per_user: the fedrep audit needs m >= {2 * p.rank + 1} for rank {p.rank} (k + 1 feature directions per canary); got {p.samples_per_user}"
+        )
+    return j, p.rank + 1
+
+
+def fedrep_init_fraction(p: FedRepProtocol) -> float:
+    """||W⁺ − W⁻||/(2·bound) of a FedRep canary: sqrt((p − j)² + j)/p (p pairs, j of them off e_c0)."""
+    j, _ = _canary_layout(p)
+    return math.sqrt((p.pairs - j) ** 2 + j) / p.pairs
+
+
+def audit_canaries(protocol: FedRepProtocol, generator: torch.Generator, count: int) -> Canaries:
+    """Canary i owns the k + 1 coordinates c_0..c_k of block i of R^d (fewer would make every G_j = 0:
+    the least-squares residual is orthogonal to U, so g_j needs k + 1 feature directions). Pairs: the
+    first p − j on e_c0, then one pair on each of e_c1..e_cj (j = k, or k − 1 when m is odd and the last,
+    unpaired sample sits on e_ck). "+": every label Lζ; "−": each pair's labels (Lζ, −Lζ), the
+    unpaired one 0. Init: W = ±ζ²(Σ_pairs e e ᵀ), a fraction sqrt((p − j)² + j)/p of the 2·bound
+    sensitivity. Rounds: "−" has Σ_c-group labels 0, so v_j = 0 and G_j = 0; "+" has G_j at the clip C
+    (C of the 2C sensitivity): the sign-symmetric worst case needs U, which fixed data cannot know."""
+    p = protocol
+    j, width = _canary_layout(p)
+    m, d = p.samples_per_user, p.dim
+    coord = torch.zeros(m, dtype=torch.long)
+    for pair in range(p.pairs):
+        coord[2 * pair : 2 * pair + 2] = max(0, pair - (p.pairs - j) + 1)
+    if m % 2:
+        coord[-1] = p.rank
+    eye = torch.eye(d, dtype=torch.float64)
+    base = torch.arange(count)[:, None] * width
+    x = eye[base + coord[None, :]]  # (count, m, d)
+    label = FEDREP_LABEL * p.zeta
+    y = torch.full((count, m), label, dtype=torch.float64)
+    y_minus = y.clone()
+    y_minus[:, 1 : 2 * p.pairs : 2] = -label
+    if m % 2:
+        y_minus[:, -1] = 0.0
+    ids = torch.arange(count)
+    dtype = p.dtype
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y.to(dtype)},
+        {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
+        f'k + 1 coordinates per canary; init W at {fedrep_init_fraction(p):.3f} of its sensitivity, G at the clip C in "+", 0 in "−"',
+    )
+
+
+CANARY_DESIGN = CanaryDesign(
+    audit_protocol,
+    lambda p: p.dim // (p.rank + 1),
+    audit_canaries,
+    "init W, and every round's G",
+    "replace-one user (a canary's two versions are the same user with different labels)",
+)
+
+
 class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
     """Private FedRep (Snedeker, Zhou, Bassily 2025) with a private, accounted initialisation."""
 
@@ -317,7 +390,7 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
             "epsilon": ledger_epsilon(ledger, cfg.delta, cfg.accountant),
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
-            "accountant": cfg.accountant.value,
+            "accountant": accountant_name(cfg.accountant),
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": protocol.releases_per_user(),
@@ -338,3 +411,9 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
             "noise_std_init": protocol.noise_std(protocol.init_bound),
             "v_star": cfg.v_star.value,
         }
+
+    def canary_design(self) -> CanaryDesign | None:
+        return CANARY_DESIGN
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"n_users": 1000, "dim": 10, "test_samples": 20, "rounds": 2, "baselines": "none"}

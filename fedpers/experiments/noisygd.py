@@ -21,6 +21,7 @@ from fedpers.config import (
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import (
     Accountant,
     Calibrations,
@@ -31,6 +32,7 @@ from fedpers.privacy import (
     zcdp_rho,
     zcdp_rho_for,
 )
+from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant
 from fedpers.protocols.noisygd import Loss, NoisyGDProtocol, Remedy
 from fedpers.runtime.local import run_local
 
@@ -67,7 +69,7 @@ class NoisyGDConfig(DeviceRunConfig):
     feature_bound: float = field(
         0.0, "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies)", ge=0.0
     )
-    accountant: Accountant = field(
+    accountant: str = accountant_field(
         Accountant.ZCDP, "zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's); pld: tight"
     )
     test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
@@ -79,6 +81,7 @@ class NoisyGDConfig(DeviceRunConfig):
     chunk_size: int = field(4096, "examples per batch on the local runtime (bounds memory)", ge=1)
 
     def check(self) -> None:
+        check_accountant(self.accountant)
         if self.feature_dim < self.classes:
             raise ValueError(
                 f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}"
@@ -191,6 +194,49 @@ class NoisyGDEvaluator(Evaluator):
         return out
 
 
+# ----- optional hook: audit canaries -------------------------------------------------------------
+def audit_protocol(cfg: NoisyGDConfig, k: int) -> NoisyGDProtocol:
+    """The configured protocol for ``k`` canary examples (feature coordinates must stay unmixed)."""
+    if cfg.remedy is Remedy.PCA:
+        raise ValueError(
+            "remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center"
+        )
+    return make_protocol(replace(cfg, examples=k, chunk_size=max(k, 1)))
+
+
+def audit_canaries(protocol: NoisyGDProtocol, generator: torch.Generator, count: int) -> Canaries:
+    """Canary example i: feature ±s·e_i ("+"/"−"), label i mod K, s = 1.5·G_c/sqrt(1 − 1/K) so the
+    gradient clip binds at W = 0 (||r|| = sqrt(1 − 1/K) for cross-entropy, 1 for squared loss).
+    At step 1 (W = 0) the residual r is the same in both versions, so the clipped gradients are
+    ±G_c r̂ e_iᵀ: 2G_c apart, the full replace-one sensitivity. Later steps: r(±W x) differs a
+    little as W moves (lr·noise small: near-full). The centring remedy's feature sum sees ±R e_i
+    (clip R binds): full sensitivity too."""
+    p = protocol
+    if count > p.feature_dim:
+        raise ValueError(f"canaries must be <= feature_dim={p.feature_dim}; got {count}")
+    scale = LABEL_OVERSHOOT * p.grad_clip / math.sqrt(1.0 - 1.0 / p.classes)
+    if p.remedy.value == "center":
+        scale = max(scale, LABEL_OVERSHOOT * p.feature_bound)
+    x = scale * torch.eye(p.feature_dim, dtype=torch.float64)[:count]
+    ids = torch.arange(count)
+    y = ids % p.classes
+    dtype = p.dtype
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y},
+        {"ids": ids, "x": (-x).to(dtype), "y": y},
+        "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)",
+    )
+
+
+CANARY_DESIGN = CanaryDesign(
+    audit_protocol,
+    lambda p: p.feature_dim,
+    audit_canaries,
+    "every step's noisy clipped-gradient sum (and the centring remedy's feature sum)",
+    "replace-one example (a canary's two versions are the same example with its feature negated)",
+)
+
+
 class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
     """Last-layer NoisyGD on neural-collapse features (zCDP accounting, converted to (ε, δ))."""
 
@@ -239,12 +285,15 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
     def privacy_summary(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol, ledger: Ledger) -> dict[str, Any]:
         events = dp_accounting.ComposedDpEvent([r.event for r in ledger])
         rho = zcdp_rho(events)
+        name = accountant_name(cfg.accountant)
         by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
+        if name not in by_accountant:  # a registered accountant beside the built-in ones
+            by_accountant[name] = ledger_epsilon(ledger, cfg.delta, name)
         out = {
-            "epsilon": by_accountant[cfg.accountant.value],
+            "epsilon": by_accountant[name],
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
-            "accountant": cfg.accountant.value,
+            "accountant": name,
             "neighbouring": "replace-one example",
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_grad": protocol.noise_std(),
@@ -277,3 +326,9 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
             "remedy_noise_std": protocol.remedy_noise_std(),
             "model_dim": protocol.model_dim,
         }
+
+    def canary_design(self) -> CanaryDesign | None:
+        return CANARY_DESIGN
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"examples": 1000, "feature_dim": 20, "steps": 5, "test_examples": 200}

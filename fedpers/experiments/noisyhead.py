@@ -35,7 +35,15 @@ from fedpers.config import (
 )
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy.accountant import (
+    accountant_field,
+    accountant_name,
+    check_accountant,
+    get_accountant,
+    sampling_accountants,
+)
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
 
@@ -127,7 +135,7 @@ class NoisyHeadConfig(ApproxDpRunConfig):
     calibration: Calibration = field(
         Calibration.PAPER, "paper: per-step (ε/T, δ/T) classical Gaussian; accountant: smallest noise meeting (ε, δ)"
     )
-    accountant: Accountant = field(Accountant.PLD, "accountant for the reported ε (pld is exact for Gaussians)")
+    accountant: str = accountant_field(Accountant.PLD, "accountant for the reported ε (pld is exact for Gaussians)")
     sampling_rate: float = field(
         1.0,
         "q < 1: each step includes every unit (prompt or user) independently with probability q (Poisson; "
@@ -163,6 +171,7 @@ class NoisyHeadConfig(ApproxDpRunConfig):
     kernels: str = inherited(DeviceRunConfig)
 
     def check(self) -> None:
+        check_accountant(self.accountant)
         check_device_and_dtype(self.device, "float64")
         check_kernels(self.kernels)
         n = self.prompts
@@ -182,9 +191,10 @@ class NoisyHeadConfig(ApproxDpRunConfig):
                 raise ValueError(
                     "sampling_rate < 1 needs mode rounds (each step samples its units; the statistics mode sends them once)"
                 )
-            if self.calibration is not Calibration.ACCOUNTANT or self.accountant is not Accountant.PLD:
+            if self.calibration is not Calibration.ACCOUNTANT or not get_accountant(self.accountant).poisson_sampling:
                 raise ValueError(
-                    "sampling_rate < 1 needs calibration accountant and accountant pld (the paper's per-step rule has no sampling)"
+                    f"sampling_rate < 1 needs calibration accountant and accountant {' or '.join(sampling_accountants())} "
+                    "(the paper's per-step rule has no sampling)"
                 )
             if self.attack_c > 0:
                 raise ValueError("the robustness attack is defined without sampling (sampling_rate = 1)")
@@ -278,7 +288,9 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
             lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations
         )
         sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
-        formulas["noise_multiplier"] = f"smallest z with ε({cfg.accountant.value}, T-fold Gaussian{sampled}) ≤ target"
+        formulas["noise_multiplier"] = (
+            f"smallest z with ε({accountant_name(cfg.accountant)}, T-fold Gaussian{sampled}) ≤ target"
+        )
     formulas["noise_std_step"] = "std of z_t entries = (η₀/N)·z·ρP·G(C + RG)"
     return Resolved(N, L, D, lam, eta, T, consts, C, G, R, z, P, rho, formulas)
 
@@ -497,6 +509,50 @@ class NoisyHeadEvaluator(Evaluator):
 
 
 # ----- the experiment --------------------------------------------------------------------------
+# ----- optional hook: audit canaries -------------------------------------------------------------
+def audit_protocol(cfg: NoisyHeadConfig, k: int) -> NoisyHeadProtocol:
+    """The configured protocol (its N, C, G, R and noise) in rounds mode: each step's gradient is a
+    release the auditor sees, and statistics mode releases the same Γ̂ for the same noise."""
+    if cfg.unit.value != "prompt" or cfg.sampling_rate != 1.0:
+        raise ValueError(
+            "unit/sampling_rate: the noisyhead audit has prompt-level, unsampled canaries; use --unit prompt without --sampling-rate"
+        )
+    return make_protocol(cfg, mode=Mode.ROUNDS)
+
+
+def audit_canaries(protocol: NoisyHeadProtocol, generator: torch.Generator, k: int) -> Canaries:
+    """Canary i on the coordinate (a, b) = divmod(i, D) of Γ: context tokens e_b with labels 1.5C,
+    query e_a, so Z̃_i = G·e_a e_bᵀ (projection binds); the query label is ±1.5C (ỹ = ±C). Each
+    step's gradient (<Γ, Z̃> − ỹ) Z̃ then differs by 2CG between the versions, of the bound's
+    2G(C + RG): the <Γ, Z̃> part is the same in both (the data cannot know Γ in advance)."""
+    p = protocol
+    D, L = p.dim, p.context
+    x = torch.zeros(k, 1, L + 1, D, dtype=torch.float64)
+    y = torch.full((k, 1, L + 1), LABEL_OVERSHOOT * p.clip_c, dtype=torch.float64)
+    idx = torch.arange(k)
+    a, b = idx // D, idx % D
+    eye = torch.eye(D, dtype=torch.float64)
+    x[:, 0, :L] = eye[b][:, None, :]
+    x[:, 0, L] = eye[a]
+    y_minus = y.clone()
+    y_minus[:, 0, L] = -LABEL_OVERSHOOT * p.clip_c
+    dtype = p.dtype
+    return Canaries(
+        {"ids": idx, "x": x.to(dtype), "y": y.to(dtype)},
+        {"ids": idx, "x": x.to(dtype), "y": y_minus.to(dtype)},
+        "coordinate (a, b) of Γ per canary; Z̃ at its projection radius G, query label ±C",
+    )
+
+
+CANARY_DESIGN = CanaryDesign(
+    audit_protocol,
+    lambda p: p.dim**2,
+    audit_canaries,
+    "every step's noisy gradient (rounds mode; statistics mode releases the same Γ̂ law)",
+    "replace-one prompt (a canary's two versions are the same prompt with a different query label)",
+)
+
+
 class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
     """NoisyHead: prompt-level DP gradient descent on a linear attention head (docs/algorithms.md §2)."""
 
@@ -574,7 +630,7 @@ class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
             "epsilon": eps,
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
-            "accountant": cfg.accountant.value,
+            "accountant": accountant_name(cfg.accountant),
             "calibration": cfg.calibration.value,
             "neighbouring": "replace-one prompt"
             if r.P == 1
@@ -639,3 +695,9 @@ class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
             if cfg.ridge_scaling is RidgeScaling.MATCHED
             else "vec Γ* = (λN I + Σ vec Z vec Zᵀ)⁻¹ Σ y vec Z (eq. 2.7)",
         }
+
+    def canary_design(self) -> CanaryDesign | None:
+        return CANARY_DESIGN
+
+    def reduced_config(self) -> dict[str, Any]:
+        return {"prompts": 300, "test_prompts": 100}

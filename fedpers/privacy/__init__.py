@@ -1,12 +1,16 @@
 """Privacy: mechanisms (the only noise in fedpers), the ledger, and the accountant."""
 
 from fedpers.privacy.accountant import (
+    ACCOUNTANTS,
     Accountant,
     Calibrations,
+    PrivacyAccountant,
     UnsupportedEvent,
+    accountant_names,
     analytic_gaussian_epsilon,
     calibrate_noise_multiplier,
     event_epsilon,
+    get_accountant,
     ledger_epsilon,
     zcdp_epsilon,
     zcdp_rho,
@@ -22,6 +26,7 @@ from fedpers.privacy.mechanisms import (
 )
 
 __all__ = [
+    "ACCOUNTANTS",
     "ALL_UNITS",
     "Accountant",
     "Calibrations",
@@ -30,14 +35,17 @@ __all__ = [
     "DpCovarianceParams",
     "EpsilonDeltaDpEvent",
     "Ledger",
+    "PrivacyAccountant",
     "Privatizer",
     "PureDpEvent",
     "Release",
     "UnsupportedEvent",
+    "accountant_names",
     "analytic_gaussian_epsilon",
     "calibrate_noise_multiplier",
     "dp_covariance_conditions",
     "event_epsilon",
+    "get_accountant",
     "ledger_epsilon",
     "zcdp_epsilon",
     "zcdp_rho",

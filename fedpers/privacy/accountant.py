@@ -25,14 +25,22 @@ Each accountant is dp-accounting's wherever it computes the same thing:
 RDP and zCDP cannot represent an ``EpsilonDeltaDpEvent``; there its (ε, δ) is added to the
 rest by basic composition. An event an accountant cannot account is refused with
 :class:`UnsupportedEvent` (a ValueError naming the accountant, the event and what to use).
+
+Each accountant is one :class:`PrivacyAccountant` subclass registered by
+:func:`register_accountant` in :data:`ACCOUNTANTS`, declaring what it can account
+(``poisson_sampling``, ``stated_events``) and how calibration solves with it; everything that
+offers a choice of accountant (the CLI's ``--accountant``, the configs' ``accountant`` field)
+lists the registry. :class:`Accountant` names the built-in ones.
 """
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
@@ -41,6 +49,7 @@ from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
+from fedpers.config import meta
 from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -53,17 +62,25 @@ Z_MIN = 0.05
 
 
 class Accountant(str, enum.Enum):
+    """The built-in accountants' names (each registered in :data:`ACCOUNTANTS`; a registered
+    accountant is named by its string, see :func:`accountant_names`)."""
+
     PLD = "pld"
     RDP = "rdp"
     ZCDP = "zcdp"
 
 
+def accountant_name(accountant: Accountant | str) -> str:
+    """The registry key of ``accountant`` (an :class:`Accountant` or a registered name)."""
+    return accountant.value if isinstance(accountant, Accountant) else str(accountant)
+
+
 class UnsupportedEvent(ValueError):
     """An accountant cannot account this kind of event (refused, never approximated)."""
 
-    def __init__(self, accountant: Accountant, event: dp_accounting.DpEvent, why: str) -> None:
-        self.accountant, self.event = Accountant(accountant), event
-        super().__init__(f"the {self.accountant.value} accountant cannot account {_kind(event)}: {why}")
+    def __init__(self, accountant: Accountant | str, event: dp_accounting.DpEvent, why: str) -> None:
+        self.accountant, self.event = accountant_name(accountant), event
+        super().__init__(f"the {self.accountant} accountant cannot account {_kind(event)}: {why}")
 
 
 def _kind(event: dp_accounting.DpEvent) -> str:
@@ -209,10 +226,157 @@ def _split_epsilon_delta(event: dp_accounting.DpEvent) -> tuple[list[dp_accounti
     return [event], 0.0, 0.0
 
 
+# ----- the accountants, one class each, registered in one place -------------------------------
+class PrivacyAccountant(abc.ABC):
+    """One accountant: ε at δ of a replace-one event, what it can account, and how calibration
+    solves with it. Subclass, set the class attributes, and decorate with :func:`register_accountant`."""
+
+    name: ClassVar[str]
+    """The registry key (what ``--accountant`` and a config's ``accountant`` field take)."""
+    description: ClassVar[str] = ""
+    poisson_sampling: ClassVar[bool] = False
+    """Accounts Poisson-sampled releases (amplification by sampling, replace-one neighbours);
+    a run with Poisson cohorts needs such an accountant, the others refuse those releases."""
+    stated_events: ClassVar[bool] = False
+    """Accounts an :class:`EpsilonDeltaDpEvent` itself; False: its stated (ε, δ) is added to the
+    rest's ε by basic composition."""
+    calibration_step: ClassVar[float] = 1e-2
+    """Relative step by which calibration raises a closed-form z until this accountant's ε meets the target."""
+    coarse_discretisation: ClassVar[float | None] = None
+    """A PLD grid calibration first solves on (then checks at :data:`PLD_DISCRETISATION`); None: none."""
+
+    @abc.abstractmethod
+    def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
+        """ε at ``delta`` of ``event`` (its stated (ε, δ) parts already removed unless ``stated_events``).
+
+        Raises :class:`UnsupportedEvent` for an event it cannot account."""
+
+    def closed_form_multiplier(self, unit: Sequence[float], target_epsilon: float, target_delta: float) -> float:
+        """A first z for a Gaussian-only event whose multipliers at z = 1 are ``unit``: exact for
+        μ-GDP (Gaussian composition); calibration then raises it by :attr:`calibration_step`."""
+        return gaussian_mu([u / 2 for u in unit]) / analytic_gaussian_mu(target_epsilon, target_delta)
+
+
+ACCOUNTANTS: dict[str, type[PrivacyAccountant]] = {}
+"""name → accountant class: the one registry every choice of accountant lists."""
+A = TypeVar("A", bound=type[PrivacyAccountant])
+
+
+def register_accountant(cls: A) -> A:
+    """Class decorator: add ``cls`` to :data:`ACCOUNTANTS` under ``cls.name`` (a class registered
+    again is kept; another class under a taken name is refused with a ValueError)."""
+    name = getattr(cls, "name", "")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"register_accountant: {cls.__name__}.name must be an identifier; got {name!r}")
+    if ACCOUNTANTS.get(name, cls) is not cls:
+        raise ValueError(f"register_accountant: {name!r} is already {ACCOUNTANTS[name].__name__}; got {cls.__name__}")
+    ACCOUNTANTS[name] = cls
+    return cls
+
+
+def unregister_accountant(name: str) -> None:
+    """Remove ``name`` from the registry (a test cleaning up); the built-in ones cannot be removed."""
+    if name in {a.value for a in Accountant}:
+        raise ValueError(f"unregister_accountant: {name!r} is built in")
+    ACCOUNTANTS.pop(name, None)
+
+
+def accountant_names() -> tuple[str, ...]:
+    """Every registered accountant's name, in registration order (the built-in ones first)."""
+    return tuple(ACCOUNTANTS)
+
+
+def get_accountant(accountant: Accountant | str) -> PrivacyAccountant:
+    """The registered accountant named ``accountant``; a ValueError naming the allowed set otherwise."""
+    name = accountant_name(accountant)
+    if name not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}; got {name!r}")
+    return ACCOUNTANTS[name]()
+
+
+def check_accountant(accountant: Accountant | str) -> None:
+    """Refuse a config's ``accountant`` that is not registered (naming the registered ones)."""
+    get_accountant(accountant)
+
+
+def accountant_field(default: Accountant, help: str) -> Any:
+    """A config field naming a registered accountant: ``fedpers run``'s flag lists the registry at
+    parse time (``choices``); the config's ``check`` calls :func:`check_accountant`."""
+    return dataclasses.field(default=default.value, metadata={**meta(help), "choices": accountant_names})
+
+
+def sampling_accountants() -> tuple[str, ...]:
+    """The registered accountants that account Poisson-sampled releases."""
+    return tuple(name for name, cls in ACCOUNTANTS.items() if cls.poisson_sampling)
+
+
+def check_poisson_accountant(accountant: Accountant | str, where: str) -> None:
+    """Refuse an accountant without Poisson sampling for a run that samples (``where``: its setting)."""
+    if not get_accountant(accountant).poisson_sampling:
+        raise ValueError(
+            f"accountant must be {' or '.join(sampling_accountants())} with {where} (the sampled replace-one "
+            f"accountant); got {accountant_name(accountant)}"
+        )
+
+
+@register_accountant
+class PldAccountant(PrivacyAccountant):
+    """dp-accounting's PLD accountant (replace-one), with :class:`_PLDAccountant`'s two added events."""
+
+    name = Accountant.PLD.value
+    description = "privacy loss distributions: exact for Gaussian composition, Poisson sampling included"
+    poisson_sampling = True
+    stated_events = True
+    calibration_step = 1e-4
+    coarse_discretisation = COARSE_DISCRETISATION
+
+    def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
+        pld = _PLDAccountant(pld_discretisation)
+
+        def pld_leaf(leaf: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+            if not pld.supports(leaf):
+                raise UnsupportedEvent(self.name, leaf, "dp-accounting has no replace-one PLD for it")
+            return leaf
+
+        pld.compose(_map_leaves(event, pld_leaf))
+        return float(pld.get_epsilon(delta))
+
+
+@register_accountant
+class RdpAccountant(PrivacyAccountant):
+    """dp-accounting's RDP accountant on the add/remove events of the same privacy loss (:func:`_rdp_leaf`)."""
+
+    name = Accountant.RDP.value
+    description = "Rényi DP (dp-accounting); looser than pld, no Poisson sampling for replace-one"
+
+    def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
+        rdp = rdp_privacy_accountant.RdpAccountant(
+            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+        )
+        rdp.compose(_map_leaves(event, _rdp_leaf))
+        return float(rdp.get_epsilon(delta))
+
+
+@register_accountant
+class ZcdpAccountant(PrivacyAccountant):
+    """ρ-zCDP composition and the papers' conversion to ε (:func:`zcdp_rho`, :func:`zcdp_epsilon`)."""
+
+    name = Accountant.ZCDP.value
+    description = "zero-concentrated DP (Bun & Steinke 2016), the papers' calibration; no Poisson sampling"
+    calibration_step = 1e-9
+
+    def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
+        return zcdp_epsilon(zcdp_rho(event), delta)
+
+    def closed_form_multiplier(self, unit: Sequence[float], target_epsilon: float, target_delta: float) -> float:
+        """Σ 2/(z·u)² = ρ_target in closed form (calibration's loop only guards the floating point)."""
+        return math.sqrt(sum(2.0 / u**2 for u in unit) / zcdp_rho_for(target_epsilon, target_delta))
+
+
 def event_epsilon(
     event: dp_accounting.DpEvent,
     delta: float,
-    accountant: Accountant = Accountant.PLD,
+    accountant: Accountant | str = Accountant.PLD,
     *,
     pld_discretisation: float = PLD_DISCRETISATION,
 ) -> float:
@@ -222,8 +386,8 @@ def event_epsilon(
     Raises :class:`UnsupportedEvent` (a ValueError) for an event ``accountant`` cannot account.
     """
     _check_delta(delta)
-    accountant = Accountant(accountant)
-    if accountant is not Accountant.PLD:
+    acc = get_accountant(accountant)
+    if not acc.stated_events:
         rest, eps_stated, delta_stated = _split_epsilon_delta(event)
         if delta_stated > 0 or eps_stated > 0:
             # Basic composition: the stated (ε, δ) parts add to the rest's ε at the δ left over.
@@ -240,26 +404,10 @@ def event_epsilon(
                 else 0.0
             )
             return rest_eps + eps_stated
-    if accountant is Accountant.ZCDP:
-        return zcdp_epsilon(zcdp_rho(event), delta)
-    if accountant is Accountant.RDP:
-        rdp = rdp_privacy_accountant.RdpAccountant(
-            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-        )
-        rdp.compose(_map_leaves(event, _rdp_leaf))
-        return float(rdp.get_epsilon(delta))
-    pld = _PLDAccountant(pld_discretisation)
-
-    def pld_leaf(leaf: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
-        if not pld.supports(leaf):
-            raise UnsupportedEvent(Accountant.PLD, leaf, "dp-accounting has no replace-one PLD for it")
-        return leaf
-
-    pld.compose(_map_leaves(event, pld_leaf))
-    return float(pld.get_epsilon(delta))
+    return acc.epsilon(event, delta, pld_discretisation=pld_discretisation)
 
 
-def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant = Accountant.PLD) -> float:
+def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant | str = Accountant.PLD) -> float:
     """Worst-case ε over disjoint groups, for the releases each group's units are touched by.
 
     Raises :class:`UnsupportedEvent` (a ValueError) for a release ``accountant`` cannot account.
@@ -343,11 +491,11 @@ class Calibrations:
         make_event: Callable[[float], dp_accounting.DpEvent],
         target_epsilon: float,
         target_delta: float,
-        accountant: Accountant = Accountant.PLD,
+        accountant: Accountant | str = Accountant.PLD,
     ) -> float:
         key = calibration_key(make_event, target_epsilon, target_delta, accountant)
         if key not in self.table:
-            self.table[key] = _calibrate(make_event, target_epsilon, target_delta, Accountant(accountant))
+            self.table[key] = _calibrate(make_event, target_epsilon, target_delta, accountant)
         return self.table[key]
 
 
@@ -355,7 +503,7 @@ def calibration_key(
     make_event: Callable[[float], dp_accounting.DpEvent],
     target_epsilon: float,
     target_delta: float,
-    accountant: Accountant,
+    accountant: Accountant | str,
 ) -> str:
     """What a calibration depends on: the event's shape (at z = 1 and 2), the target and the accountant."""
     return repr(
@@ -364,7 +512,7 @@ def calibration_key(
             repr(make_event(2.0)),
             float(target_epsilon),
             float(target_delta),
-            Accountant(accountant).value,
+            accountant_name(accountant),
         )
     )
 
@@ -373,7 +521,7 @@ def calibrate_noise_multiplier(
     make_event: Callable[[float], dp_accounting.DpEvent],
     target_epsilon: float,
     target_delta: float,
-    accountant: Accountant = Accountant.PLD,
+    accountant: Accountant | str = Accountant.PLD,
     calibrations: Calibrations | None = None,
 ) -> float:
     """Smallest noise multiplier z whose event meets (ε, δ); ``make_event(z)`` is what one unit is touched by.
@@ -384,16 +532,17 @@ def calibrate_noise_multiplier(
     """
     if calibrations is not None:
         return calibrations(make_event, target_epsilon, target_delta, accountant)
-    return _calibrate(make_event, target_epsilon, target_delta, Accountant(accountant))
+    return _calibrate(make_event, target_epsilon, target_delta, accountant)
 
 
 def _calibrate(
     make_event: Callable[[float], dp_accounting.DpEvent],
     target_epsilon: float,
     target_delta: float,
-    accountant: Accountant,
+    accountant: Accountant | str,
 ) -> float:
     _check_delta(target_delta)
+    acc = get_accountant(accountant)
     if not target_epsilon > 0:
         raise ValueError(f"epsilon must be > 0, got {target_epsilon}")
     if math.isinf(target_epsilon):
@@ -403,25 +552,19 @@ def _calibrate(
         return event_epsilon(make_event(z), target_delta, accountant)
 
     unit = gaussian_multipliers(make_event(1.0))
-    if unit is not None and all(z > 0 for z in unit) and accountant is Accountant.ZCDP:
-        # Σ 2/(z·u)² = ρ_target in closed form; the loop only guards the floating point.
-        z = math.sqrt(sum(2.0 / u**2 for u in unit) / zcdp_rho_for(target_epsilon, target_delta))
-        while eps_at(z) > target_epsilon:
-            z *= 1.0 + 1e-9
-        return z
     if unit is not None and all(z > 0 for z in unit):
-        # Gaussian composition is exact in closed form: solve there, then confirm with the accountant.
-        z = gaussian_mu([u / 2 for u in unit]) / analytic_gaussian_mu(target_epsilon, target_delta)
-        step = 1e-4 if accountant is Accountant.PLD else 1e-2
+        # Gaussian composition has a closed form (μ-GDP; zCDP's own): solve there, then confirm with the accountant.
+        z = acc.closed_form_multiplier(unit, target_epsilon, target_delta)
         while eps_at(z) > target_epsilon:
-            z *= 1.0 + step
+            z *= 1.0 + acc.calibration_step
         return z
 
-    if accountant is Accountant.PLD:
+    coarse = acc.coarse_discretisation
+    if coarse is not None:
         # solve on the coarse grid, then check at full resolution; re-solve there only if the
         # coarse answer is not within 0.1% of the target (Poisson-sampled events: ~10× faster)
         z = _solve(
-            lambda z: event_epsilon(make_event(z), target_delta, accountant, pld_discretisation=COARSE_DISCRETISATION),
+            lambda z: event_epsilon(make_event(z), target_delta, accountant, pld_discretisation=coarse),
             target_epsilon,
             target_delta,
         )

@@ -27,7 +27,6 @@ import enum
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from fedpers import config as config_lib
 from fedpers.experiments.base import Experiment, derived_seed
+from fedpers.experiments.hooks import PrivateScore
 from fedpers.privacy import (
     ALL_UNITS,
     Ledger,
@@ -48,9 +48,6 @@ from fedpers.privacy import (
 
 Tensor = torch.Tensor
 DEFAULT_SHAPE = 1.0
-VALIDATION_CLIP = 4.0
-"""A held-out user's validation MSE is clipped to [0, 4·(k + σ_F²)] (k + σ_F² is the label variance
-of the synthetic model, public): the per-user bound of the score release."""
 
 
 class Goal(str, enum.Enum):
@@ -81,47 +78,7 @@ def select_nonprivate(sweep_dir: Path, metric: str, goal: Goal) -> dict[str, Any
     }
 
 
-# ----- private scores --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PrivateScore:
-    """A per-user validation statistic, its public clip c, and the held-out users it is computed on."""
-
-    metric: str
-    clip: Callable[[Any], float]
-    per_user: Callable[[Any, Any, Any, dict[str, Tensor]], Tensor]
-    units: Callable[[Any, Tensor], dict[str, Tensor]]
-
-
-def _altmin_validation_mse(cfg: Any, protocol: Any, state: Any, units: dict[str, Tensor]) -> Tensor:
-    """Each held-out user fits v_j on its first half with the released U, and its MSE on the second."""
-    U = state["U"].double()
-    x, y = units["x"].double(), units["y"].double()
-    h = x.shape[1] // 2
-    v = protocol.local_solve(U, x[:, :h], y[:, :h])
-    pred = ((x[:, h:] @ U) @ v.unsqueeze(-1)).squeeze(-1)
-    return ((pred - y[:, h:]) ** 2).mean(1)
-
-
-def _altmin_units(cfg: Any, ids: Tensor) -> dict[str, Tensor]:
-    from fedpers.experiments.altmin import load_units
-
-    if cfg.data is not None:
-        raise ValueError("select --private: held-out users are drawn from the synthetic model; drop --data")
-    return load_units(cfg, ids)
-
-
-SCORES: dict[str, dict[str, PrivateScore]] = {
-    "altmin": {
-        "validation_mse": PrivateScore(
-            "validation_mse",
-            lambda cfg: VALIDATION_CLIP * (cfg.rank + cfg.noise_std**2),
-            _altmin_validation_mse,
-            _altmin_units,
-        )
-    },
-}
-
-
+# ----- private scores (each algorithm's own: ``Experiment.private_scores``) -----------------------
 def private_score(
     exp: Experiment,
     cfg: Any,
@@ -244,7 +201,7 @@ def private_select(
     from fedpers.runtime.local import run_local
 
     exp = experiment(spec.algorithm)
-    scores = SCORES.get(spec.algorithm, {})
+    scores = exp.private_scores()
     if metric not in scores:
         raise ValueError(
             f"select: with --private, METRIC must be a private score of {spec.algorithm}: {', '.join(scores) or 'none yet'}; got {metric!r}"
