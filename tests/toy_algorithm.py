@@ -18,7 +18,7 @@ from typing import Any
 import dp_accounting
 import torch
 
-from fedpers.config import MAX_EPSILON, field
+from fedpers.config import MAX_EPSILON, ApproxDpRunConfig, field, inherited, run_config
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign, PrivateScore
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
@@ -82,8 +82,8 @@ def user_event(noise_multiplier: float, rounds: int) -> dp_accounting.DpEvent:
 
 
 # ----- the experiment (experiments/X.py): config, data, protocol, evaluation -----------------------
-@dataclass(frozen=True)
-class ToyMeanConfig:
+@run_config
+class ToyMeanConfig(ApproxDpRunConfig):
     n_users: int = field(200, "users n", ge=1)
     dim: int = field(4, "vector dimension d", ge=1)
     rounds: int = field(2, "rounds (one Gaussian release each)", ge=1)
@@ -91,8 +91,8 @@ class ToyMeanConfig:
     epsilon: float = field(4.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = field(1e-5, "user-level δ", gt=0.0, lt=1.0)
     accountant: str = accountant_field(Accountant.PLD, "privacy accountant")
-    seed: int = field(0, "run seed", ge=0)
-    chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
+    seed: int = inherited()
+    chunk_size: int = inherited()
 
     def check(self) -> None:
         check_accountant(self.accountant)
@@ -128,7 +128,7 @@ class ToyMeanEvaluator(Evaluator):
         return {"mean_error": error, "baselines": {"zero": {"mean_error": float(torch.linalg.vector_norm(self.truth))}}}
 
 
-class ToyMeanExperiment(Experiment):
+class ToyMeanExperiment(Experiment[ToyMeanConfig, ToyMeanProtocol]):
     """A private mean of per-user vectors (docs/contributing.md's worked example)."""
 
     name = "toymean"
