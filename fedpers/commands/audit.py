@@ -176,7 +176,7 @@ def audit(
         raise ValueError(f"runs must be >= 1, got {runs}")
     if not 0.5 < confidence < 1:
         raise ValueError(f"confidence must be in (0.5, 1), got {confidence}")
-    if math.isinf(getattr(cfg, "epsilon", 0.0)):
+    if math.isinf(cfg.epsilon):
         raise ValueError("epsilon must be finite: a run without noise has no guarantee to audit")
     protocol = design.protocol(cfg, canaries)
     capacity = design.capacity(protocol)

@@ -57,6 +57,7 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def epsilon_after_each_release(run: Mapping[str, Any], result: Mapping[str, Any]) -> list[float]:
     """ε of the releases made so far, after each one (the run's accountant and δ)."""
     from fedpers.privacy import Accountant, Ledger, ledger_epsilon
+    from fedpers.privacy.accountant import ACCOUNTANTS
 
     cfg = run["config"]
     ledger = Ledger.from_json(run["ledger_text"])
@@ -65,7 +66,9 @@ def epsilon_after_each_release(run: Mapping[str, Any], result: Mapping[str, Any]
     if delta <= 0:  # a pure ε-DP run (expmech): δ is 0, any δ gives the same ε
         delta = 1e-5
     name = str(result.get("privacy", {}).get("accountant") or cfg.get("accountant") or "pld")
-    accountant = Accountant(name) if name in {a.value for a in Accountant} else Accountant.PLD
+    accountant = (
+        name if name in ACCOUNTANTS else Accountant.PLD
+    )  # a registered one; a description ("pure ε-DP composition"): pld
     out = []
     for i in range(1, len(releases) + 1):
         out.append(float(ledger_epsilon(Ledger(releases[:i]), delta, accountant)))
