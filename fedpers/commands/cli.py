@@ -338,7 +338,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     skip = {"command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri"}
     values.update({k: v for k, v in vars(args).items() if k not in skip})
     algo_values, runtime_values = split_values(exp.config_type, values)
-    cfg: Any = config_lib.build(exp.config_type, algo_values)  # the algorithm's own config class
+    cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
     if args.track:
         from fedpers.commands.tracking import check
@@ -597,7 +597,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             raise ValueError(f"config: cannot read {algo_args.config}: {e}") from None
     values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
     algo_values, _ = split_values(exp.config_type, values)
-    cfg: Any = config_lib.build(exp.config_type, algo_values)  # the algorithm's own config class
+    cfg = config_lib.build(exp.config_type, algo_values)
     result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
     print(dumps(result, indent=None) if algo_args.json else format_audit(result))
     return 0
