@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +71,7 @@ class Message:
             raise ValueError(f"cannot add messages with statistics {sorted(self.stats)} and {sorted(other.stats)}")
         for k, v in self.stats.items():
             o = other.stats[k]
-            if torch.result_type(v, o) == v.dtype and v.shape == torch.broadcast_shapes(v.shape, o.shape):
+            if torch.result_type(v, o) == v.dtype and _broadcasts_to(o.shape, v.shape):
                 v.add_(o)
             else:
                 self.stats[k] = v + o
@@ -86,6 +86,14 @@ def _finite(v: Tensor) -> bool:
     if v.is_complex():
         return bool(torch.isfinite(v).all())
     return all(bool(torch.isfinite(m)) for m in torch.aminmax(v))
+
+
+def _broadcasts_to(shape: Sequence[int], target: Sequence[int]) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``target`` (``target == torch.broadcast_shapes(target,
+    shape)``), decided in plain Python: torch's own check imports sympy on first use (0.2 s of start-up)."""
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target), strict=False))
 
 
 @dataclass
