@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -50,6 +51,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
 from fedpers.config import meta
+from fedpers.privacy import calibration_cache
 from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -551,6 +553,42 @@ def _calibrate(
     def eps_at(z: float) -> float:
         return event_epsilon(make_event(z), target_delta, accountant)
 
+    key = _cache_key(make_event, target_epsilon, target_delta, acc)
+    cached = calibration_cache.lookup(key) if key is not None else None
+    if cached is not None and eps_at(cached) <= target_epsilon:
+        return cached  # what the solve below returned for this key; its ε still checked at full resolution
+    z = _solve_calibration(make_event, target_epsilon, target_delta, acc, eps_at)
+    if key is not None:
+        calibration_cache.store(key, z)
+    return z
+
+
+def _cache_key(
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    target_epsilon: float,
+    target_delta: float,
+    acc: PrivacyAccountant,
+) -> str | None:
+    """The calibration cache's key for this solve (None: the accountant's code cannot be read, so
+    a cached answer could outlive a change to it)."""
+    try:
+        sources = sorted({__file__, inspect.getfile(type(acc))})
+        settings = (PLD_DISCRETISATION, COARSE_DISCRETISATION, Z_MIN, acc.calibration_step, acc.coarse_discretisation)
+        return calibration_cache.entry_key(
+            calibration_key(make_event, target_epsilon, target_delta, acc.name), settings, sources
+        )
+    except (OSError, TypeError):
+        return None
+
+
+def _solve_calibration(
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    target_epsilon: float,
+    target_delta: float,
+    acc: PrivacyAccountant,
+    eps_at: Callable[[float], float],
+) -> float:
+    accountant = acc.name
     unit = gaussian_multipliers(make_event(1.0))
     if unit is not None and all(z > 0 for z in unit):
         # Gaussian composition has a closed form (μ-GDP; zCDP's own): solve there, then confirm with the accountant.
