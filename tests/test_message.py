@@ -44,3 +44,34 @@ def test_in_place_sum_promotes_like_plus_and_copy_owns_its_tensors() -> None:
     c = a.copy()
     c.add_(a)
     assert torch.equal(a.stats["A"], torch.ones(2)) and torch.equal(c.stats["A"], torch.full((2,), 2.0))
+
+
+SHAPES = [(), (0,), (1,), (3,), (1, 3), (2, 3), (2, 1), (1, 1, 3), (2, 0), (0, 3), (4, 2, 3)]
+
+
+@pytest.mark.parametrize("target", SHAPES)
+def test_broadcast_check_agrees_with_torch(target: tuple[int, ...]) -> None:
+    """The in-place sum's shape check decides as ``torch.broadcast_shapes`` would (unbroadcastable: False)."""
+    from fedpers.protocols.base import _broadcasts_to
+
+    for shape in SHAPES:
+        try:
+            expected = torch.Size(target) == torch.broadcast_shapes(torch.Size(target), torch.Size(shape))
+        except RuntimeError:
+            expected = False
+        assert _broadcasts_to(torch.Size(shape), torch.Size(target)) is expected, (shape, target)
+
+
+def test_summing_messages_imports_no_sympy() -> None:
+    """torch's own broadcast check imports sympy (0.2 s of every run's start-up); the sum does not need it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; from fedpers.protocols.base import Message; "
+        "m = Message({'A': torch.ones(2, 3), 'b': torch.ones(3)}, 1); m.add_(m.copy()); (m + m).add_(m); "
+        "print('sympy' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
