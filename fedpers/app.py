@@ -143,8 +143,8 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
     from fedpers.runtime.flower.client import Node
     from fedpers.runtime.flower.codec import DATA_FILE
 
-    if job.algorithm in (entries or {}):
-        register(job.algorithm, *(entries or {})[job.algorithm])
+    if entries and job.algorithm in entries:
+        register(job.algorithm, *entries[job.algorithm])
     if job.algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(ALGORITHMS)}")
     experiment = registered(job.algorithm)
@@ -153,7 +153,7 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
         if "data" not in {f.name for f in fields(experiment.config_type)}:
             raise ValueError(f"{DATA_FILE}: algorithm {job.algorithm!r} reads no data files")
         values["data"] = data_file
-    cfg: object = config_lib.build(experiment.config_type, values)  # the algorithm's own config type
+    cfg = config_lib.build(experiment.config_type, values)
     protocol = experiment.protocol(
         cfg, Calibrations(json.loads(job.calibrations_json))
     )  # the server's z: no accountant here
@@ -214,7 +214,8 @@ def run_flower(
     if kwargs.get("grid") is None and client_app is None:
         from fedpers.experiments import ALGORITHMS
 
-        client_app = make_client_app({n: ALGORITHMS[n] for n in (experiment.name,) if n in ALGORITHMS})
+        entry = ALGORITHMS.get(experiment.name)
+        client_app = make_client_app({experiment.name: entry} if entry is not None else None)
     job = flower_job(experiment, cfg, protocol, calibrations)
     return run(
         job,

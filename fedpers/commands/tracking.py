@@ -56,8 +56,7 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def epsilon_after_each_release(run: Mapping[str, Any], result: Mapping[str, Any]) -> list[float]:
     """ε of the releases made so far, after each one (the run's accountant and δ)."""
-    from fedpers.privacy import Accountant, Ledger, ledger_epsilon
-    from fedpers.privacy.accountant import ACCOUNTANTS
+    from fedpers.privacy import ACCOUNTANTS, Accountant, Ledger, ledger_epsilon
 
     cfg = run["config"]
     ledger = Ledger.from_json(run["ledger_text"])
