@@ -157,7 +157,7 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
     protocol = experiment.protocol(
         cfg, Calibrations(json.loads(job.calibrations_json))
     )  # the server's z: no accountant here
-    return Node(protocol, lambda ids: experiment.units(cfg, ids))
+    return Node(protocol, lambda ids: experiment.units(cfg, ids), experiment.num_units(cfg))
 
 
 def make_client_app(entries: Mapping[str, tuple[str, str, str]] | None = None) -> ClientApp:

@@ -27,6 +27,8 @@ from fedpers.runtime.flower import codec
 
 UNIT_CACHE_BYTES = 1 << 30
 """Most bytes of unit data one process keeps between rounds (least recently used go first)."""
+USERS_PER_NODE = "users-per-node"
+"""Node-config key: the run's users per node when it sets one (the node's range then follows it; default 0: the even split)."""
 NODE_CACHE_ENV = "FEDPERS_NODE_CACHE"
 """A directory (node-local, private) where a node keeps its loaded units between processes: Flower
 1.41 runs each message in a new process, so without it every round loads (or generates) them again."""
@@ -38,6 +40,8 @@ class Node:
 
     protocol: Protocol
     units: Callable[[torch.Tensor], Units]
+    num_units: int = 0
+    """How many units the run's plan has, as this node computes it from its config and data (0: unknown)."""
 
 
 NodeBuilder = Callable[[codec.Job, str], Node]
@@ -186,6 +190,8 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
     if policy is not None:  # the range asked for, before any user is loaded
         check_task(policy, task.job.algorithm, json.loads(task.job.config_json), task.stop - task.start)
     node = node_job(task.job, data_file, build)
+    if policy is not None:  # the node's own units under the run's plan, never the server's word
+        _enforce(policy, context, task, node, admit=False)
     units = node_units(task.job, data_file, node, task.start, task.stop)
     if policy is not None:  # the users this round's message would be computed over (a cohort may be fewer)
         check_task(
@@ -194,6 +200,7 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
             json.loads(task.job.config_json),
             node.protocol.units_in_round(task.round, units),
         )
+        _enforce(policy, context, task, node, admit=True)  # charged and recorded last
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
     reply = client_message(node.protocol, task.round, broadcast, units)
@@ -201,6 +208,27 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
     symmetric = [spec.name for spec in node.protocol.stat_specs(task.round) if spec.symmetric]
     return FlowerMessage(
         codec.encode_reply(reply, time.perf_counter() - start, task.round, digest, symmetric), reply_to=message
+    )
+
+
+def _enforce(policy: Any, context: Context, task: codec.Task, node: NodeJob, *, admit: bool) -> None:
+    """:func:`fedpers.runtime.flower.nodeplan.enforce_plan` for this task (deployments with a policy)."""
+    from fedpers.runtime.flower.nodeplan import enforce_plan
+
+    job = task.job
+    enforce_plan(
+        policy,
+        run=str(context.run_id),
+        round=task.round,
+        asked=range(task.start, task.stop),
+        num_units=node.node.num_units,
+        partition=int(_node_config(context, codec.PARTITION_ID)),
+        partitions=int(_node_config(context, codec.NUM_PARTITIONS)),
+        users_per_node=int(context.node_config.get(USERS_PER_NODE, 0)),
+        num_rounds=node.protocol.num_rounds,
+        job=f"{job.algorithm}|{job.digest}|{job.config_json}|{job.calibrations_json}",
+        config=json.loads(job.config_json),
+        admit=admit,
     )
 
 
