@@ -49,6 +49,16 @@ class Plan:
         }
 
 
+class NoServerData(Evaluator):
+    """The evaluator of a run whose server holds no user data (a deployment): no metric, no baseline."""
+
+    def final(self, state: Any) -> dict[str, Any]:
+        return {
+            "evaluation": "unavailable: the server holds no user data (a deployment); the private release is in "
+            "final_state.npz and its privacy below"
+        }
+
+
 def execute(
     experiment: Experiment[Any, Any],
     cfg: RunConfig,
@@ -105,7 +115,7 @@ def resolve(
     run_cfg, noise_seed = split_seed(cfg)
     calibrations = Calibrations()
     protocol = experiment.protocol(run_cfg, calibrations)
-    evaluator = experiment.evaluator(run_cfg, protocol)
+    evaluator = experiment.evaluator(run_cfg, protocol) if options.server_data else NoServerData()
     privatizer = Privatizer(noise_seed, secure=options.secure_noise)
     return Plan(experiment, cfg, run_cfg, options, protocol, calibrations, evaluator, privatizer)
 

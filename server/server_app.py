@@ -35,6 +35,17 @@ def main(grid: Grid, context: Context) -> None:
     from fedpers.runtime.flower.policy import active_policy, admit_run
 
     policy = active_policy()
+    deployment = type(grid).__name__ == "HttpGrid"  # a deployment, never a simulation
+    if deployment:  # no user data on this machine; every check before the charge (fedpers/deploy/serverside.py)
+        from fedpers.deploy.pulls import quick_grid_pulls
+        from fedpers.deploy.serverside import deployed, preflight, private_files, refuse_server_data
+
+        private_files()
+        refuse_server_data(job)
+        job = deployed(job)
+        if policy is not None:
+            preflight(policy, job)
+        quick_grid_pulls(grid)  # shorter waits for reply objects
     if policy is not None:
         charge = admit_run(policy, job, str(context.run_id))
         log(
@@ -45,13 +56,17 @@ def main(grid: Grid, context: Context) -> None:
             list(charge.units),
             policy.federation,
         )
-    if type(grid).__name__ == "HttpGrid":  # a deployment, never a simulation: shorter waits for reply objects
-        from fedpers.deploy.pulls import quick_grid_pulls
+    run_grid: object = grid
+    if deployment:  # no round is sent once the run is stopped or past the policy's max-seconds
+        import math
+        import time
 
-        quick_grid_pulls(grid)
+        from fedpers.deploy.serverside import BoundedGrid
+
+        run_grid = BoundedGrid(grid, time.monotonic() + (policy.max_seconds if policy is not None else math.inf))
     if job.resume is not None:
-        result = resume_run(job.resume, progress=False, grid=grid)
+        result = resume_run(job.resume, progress=False, grid=run_grid)
     else:
-        result = execute(job.experiment, job.cfg, job.options, out=job.out, progress=False, grid=grid)
+        result = execute(job.experiment, job.cfg, job.options, out=job.out, progress=False, grid=run_grid)
     summary = {k: v for k, v in result.items() if not k.startswith("_") and k not in ("baselines", "privacy")}
     log(INFO, "fedpers result: %s", dumps(summary, indent=None))

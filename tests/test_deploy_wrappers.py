@@ -2,6 +2,8 @@
 retries, a FAB installed once, capped SuperNode waits, the SuperNode's SuperExec swapped."""
 from __future__ import annotations
 
+import os
+
 import io
 import sys
 import types
@@ -193,13 +195,47 @@ def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_g
     import subprocess
 
     real = subprocess.Popen
-    subprocess.Popen = lambda cmd, *a, **k: started.append(cmd)
+    piped: list = []
+
+    class Started:
+        def __init__(self, cmd, *a, **k):
+            started.append(cmd)
+            self.stdin = open(os.devnull, "wb") if k.get("stdin") == subprocess.PIPE else None
+            piped.append(k.get("stdin") == subprocess.PIPE)
+
+    subprocess.Popen = Started
     try:
         guard.Popen(["flwr-serverapp", "--token", "t"])
         guard.Popen(["flwr-clientapp", "--token", "t"])
     finally:
         subprocess.Popen = real
-    assert started == [[sys.executable, "-m", "fedpers.deploy.appguard", "--token", "t"], ["flwr-clientapp", "--token", "t"]]
+    from fedpers.deploy.appguard import TOKEN_STDIN
+
+    # the ServerApp's token travels on its stdin, never on its command line (/proc/PID/cmdline)
+    assert started == [[sys.executable, "-m", "fedpers.deploy.appguard", TOKEN_STDIN], ["flwr-clientapp", "--token", "t"]]
+    assert piped == [True, False]
+
+
+def test_the_guard_reads_the_token_from_a_pipe_and_no_process_shows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real child started as the guard starts flwr-serverapp: its /proc/PID/cmdline (world-readable)
+    holds no token; it gets the token on its stdin, and the guard's argv parsing puts it back in sys.argv only."""
+    import io
+    import subprocess
+    import sys
+
+    from fedpers.deploy.appguard import TOKEN_STDIN, hide_token, start_with_token, token_from_stdin
+
+    secret = "f" * 40
+    command, token = hide_token([sys.executable, "-c", "import sys; print(open('/proc/self/cmdline').read()); print(sys.stdin.readline().strip())", "--token", secret, "--insecure"])
+    proc = start_with_token(command, token, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    cmdline, received = out.splitlines()
+    assert secret not in cmdline and TOKEN_STDIN in cmdline and received == secret
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(secret.encode() + b"\n")))
+    assert token_from_stdin(["--x", TOKEN_STDIN, "--insecure"]) == ["--x", "--token", secret, "--insecure"]
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(b"")))
+    with pytest.raises(SystemExit, match="no task token"):
+        token_from_stdin([TOKEN_STDIN])
 
 
 def test_app_hash_is_the_hash_of_the_fab_flwr_run_sends(tmp_path: Path) -> None:

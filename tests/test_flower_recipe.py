@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -131,15 +132,15 @@ def recipe(tmp_path_factory):
 
 
 def run_config(out: Path, **extra: str) -> str:
-    fields = {**FIELDS, "data": '"{data}"', "cohorts": '"all"'}
-    fields.pop("n_users")
+    """The job's run-config: the public shapes declared, no data path (the SuperLink side holds no user data)."""
+    fields = {**FIELDS, "cohorts": '"all"'}
     fields.update(extra)
     pairs = " ".join(f"{k}={v}" for k, v in fields.items())
     return f"config='{pairs}' out='{out}' round-timeout=120.0"
 
 
 def honest(recipe: Recipe, out: Path, **extra: str) -> str:
-    return run_config(out, **extra).replace("{data}", str(recipe.data))
+    return run_config(out, **extra)
 
 
 def test_honest_run_completes_with_the_local_result(recipe):
@@ -153,6 +154,11 @@ def test_honest_run_completes_with_the_local_result(recipe):
     finally:
         recipe.set_policy("superlink", POLICY)
     assert done.returncode == 0 and "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    # the SuperLink side never had the users' file: not in the job, not in its directory; it evaluated nothing
+    assert str(recipe.data) not in honest(recipe, out) and not any(p.suffix == ".npz" for p in recipe.link.rglob("*"))
+    result = json.loads((out / "result.json").read_text())
+    assert "unavailable" in result["evaluation"] and "subspace_error" not in result
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in out.iterdir() if p.is_file())
     cfg = config_lib.build(EXP.config_type, {"data": str(recipe.data), "rank": 2, "rounds": 1, "seed": 11, "cohorts": "all"})
     local = execute(EXP, cfg, out=out.parent / "local", progress=False)
     U = torch.from_numpy(np.load(out / "final_state.npz")["U"])

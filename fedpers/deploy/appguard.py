@@ -12,19 +12,62 @@ expiry) — the node side's check (:mod:`fedpers.deploy.forkserver`), mirrored.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
+
+TOKEN_STDIN = "--fedpers-token-stdin"
+"""Stands for ``--token TOKEN`` on the guard's command line: the token comes on its standard input."""
+
+
+def hide_token(command: list[str]) -> tuple[list[str], str | None]:
+    """``command`` with ``--token TOKEN`` replaced by :data:`TOKEN_STDIN`, and the token (None if absent).
+
+    Flower's executor puts a ServerApp's task token on its command line, which every local user reads
+    in ``/proc/PID/cmdline``; whoever has it can use the Runtime API as that run."""
+    if "--token" not in command[:-1]:
+        return command, None
+    i = command.index("--token")
+    return [*command[:i], TOKEN_STDIN, *command[i + 2 :]], command[i + 1]
+
+
+def start_with_token(command: list[str], token: str | None, *args: Any, **kwargs: Any) -> Any:
+    """``subprocess.Popen(command)`` with ``token`` written to its standard input (a pipe only it reads)."""
+    import subprocess
+
+    if token is None:
+        return subprocess.Popen(command, *args, **kwargs)
+    proc = subprocess.Popen(command, *args, **{**kwargs, "stdin": subprocess.PIPE})
+    assert proc.stdin is not None
+    os.write(proc.stdin.fileno(), token.encode() + b"\n")  # bytes, whatever mode the caller's kwargs chose
+    proc.stdin.close()
+    proc.stdin = None  # nothing more goes that way (communicate() would flush it)
+    return proc
+
+
+def token_from_stdin(argv: list[str]) -> list[str]:
+    """``argv`` with :data:`TOKEN_STDIN` replaced by ``--token`` and the line read from standard input
+    (only in this process's ``sys.argv``: ``/proc/PID/cmdline`` keeps what was exec'd)."""
+    if TOKEN_STDIN not in argv:
+        return argv
+    token = sys.stdin.buffer.readline(4096).decode().strip()
+    if not token:
+        raise SystemExit("fedpers appguard: no task token on standard input")
+    i = argv.index(TOKEN_STDIN)
+    return [*argv[:i], "--token", token, *argv[i + 1 :]]
 
 
 class _GuardedLauncher:
     """``subprocess`` for Flower's subprocess executor: ``flwr-serverapp ARGS`` becomes
-    ``python -m fedpers.deploy.appguard ARGS``; everything else is untouched."""
+    ``python -m fedpers.deploy.appguard ARGS`` with its task token on a pipe, not on its command line;
+    everything else is untouched."""
 
     def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> Any:
         import subprocess
 
         if command and command[0] == "flwr-serverapp":
-            command = [sys.executable, "-m", "fedpers.deploy.appguard", *command[1:]]
+            hidden, token = hide_token([sys.executable, "-m", "fedpers.deploy.appguard", *command[1:]])
+            return start_with_token(hidden, token, *args, **kwargs)
         return subprocess.Popen(command, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -67,6 +110,7 @@ def main(argv: list[str]) -> None:
         trusted_apps,
     )
 
+    argv = token_from_stdin(argv)
     trusted = trusted_apps()
     runtime = importlib.import_module("flwr.superlink.runtime.run_serverapp")
     install = runtime.install_from_fab

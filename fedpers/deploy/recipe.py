@@ -55,6 +55,10 @@ class Layout:
     data_file: str = "/data/users.npz"
     listen: str = "0.0.0.0"
     app_hash: str = ""
+    n_users: int = 300
+    """The example job's declared shapes (the nodes' data files; the SuperLink machine reads none)."""
+    dim: int = 10
+    samples_per_user: int = 20
 
     def __post_init__(self) -> None:
         if not self.hosts:
@@ -272,11 +276,12 @@ def commands(layout: Layout) -> str:
             "",
         ]
     ids = " ".join(f"ID{i}={i}" for i in range(n))
-    data = layout.data_file.replace('"', "")
     lines += [
         f"{STEP}{5 + n}. superlink: the job; node-partitions maps every registered node id (step 4) to its partition",
-        f'{flwr_home} fedpers deploy run {CONNECTION} --run-config "config=\'data=\\"{data}\\" rank=2 '
-        f"epsilon=4.0' out='/abs/path/run' node-partitions='{ids}'\"",
+        "#    The SuperLink machine holds no user data: the config declares the public shapes of the nodes' files",
+        "#    (n_users, dim, samples_per_user: every node refuses a task its file does not match) and no data= path.",
+        f"{flwr_home} fedpers deploy run {CONNECTION} --run-config \"config='n_users={layout.n_users} dim={layout.dim} "
+        f"samples_per_user={layout.samples_per_user} rank=2 epsilon=4.0 cohorts=\\\"all\\\"' out='/abs/path/run' node-partitions='{ids}'\"",
     ]
     return "\n".join(lines) + "\n"
 

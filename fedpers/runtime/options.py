@@ -43,6 +43,11 @@ class RuntimeOptions:
         "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode "
         "register`); nodes not listed take part in nothing, whatever they claim",
     )
+    server_data: bool = field(
+        True,
+        "evaluate the run and its baselines on the server's copy of the users' data (false in a deployment: the "
+        "server holds none; result.json marks those metrics unavailable)",
+    )
     secure_noise: bool = field(
         False,
         "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run",

@@ -10,6 +10,8 @@ not the submitter's::
     require-secure-noise = true       # the ServerApp refuses secure-noise=false (seeded noise)
     min-units = 50                    # no node computes a message over fewer users
     algorithms = ["altmin", "dpals"]  # what may run
+    max-rounds = 1000                 # no run has more rounds (default 1000)
+    max-seconds = 86400.0             # no round starts after this many seconds of a run (default: a day)
     ledger = "budget.json"            # the federation's budget ledger (relative to this file;
                                       # default: FEDERATION-budget.json beside it)
 
@@ -38,7 +40,17 @@ from typing import Any
 POLICY_ENV = "FEDPERS_POLICY"
 """Path of the lab's policy TOML on this machine (SuperExec and SuperNode inherit it); unset: no policy."""
 
-_KEYS = ("federation", "max-epsilon", "max-delta", "require-secure-noise", "min-units", "algorithms", "ledger")
+_KEYS = (
+    "federation",
+    "max-epsilon",
+    "max-delta",
+    "require-secure-noise",
+    "min-units",
+    "algorithms",
+    "ledger",
+    "max-rounds",
+    "max-seconds",
+)
 
 
 class PolicyRefused(ValueError):
@@ -60,6 +72,8 @@ class Policy:
     min_units: int = 1
     algorithms: tuple[str, ...] = ()
     ledger: Path | None = None
+    max_rounds: int = 1000
+    max_seconds: float = 86400.0
 
     def __post_init__(self) -> None:
         if not self.federation or not self.federation.replace("-", "").replace("_", "").isalnum():
@@ -74,6 +88,10 @@ class Policy:
             raise ValueError(f"policy min-units must be an integer >= 1; got {self.min_units}")
         if not self.algorithms:
             raise ValueError("policy algorithms must list at least one algorithm")
+        if self.max_rounds < 1:
+            raise ValueError(f"policy max-rounds must be an integer >= 1; got {self.max_rounds}")
+        if not (self.max_seconds > 0 and math.isfinite(self.max_seconds)):
+            raise ValueError(f"policy max-seconds must be finite and > 0; got {self.max_seconds}")
 
 
 def load_policy(path: str | Path) -> Policy:
@@ -94,6 +112,8 @@ def load_policy(path: str | Path) -> Policy:
         ("max-epsilon", (int, float)),
         ("max-delta", (int, float)),
         ("min-units", int),
+        ("max-rounds", int),
+        ("max-seconds", (int, float)),
         ("require-secure-noise", bool),
         ("federation", str),
         ("ledger", str),
@@ -109,6 +129,8 @@ def load_policy(path: str | Path) -> Policy:
         min_units=raw.get("min-units", 1),
         algorithms=tuple(algorithms),
         ledger=(path.parent / (ledger or f"{raw['federation']}-budget.json")).resolve(),
+        max_rounds=raw.get("max-rounds", 1000),
+        max_seconds=float(raw.get("max-seconds", 86400.0)),
     )
 
 
