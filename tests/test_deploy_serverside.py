@@ -134,6 +134,7 @@ def test_no_round_is_sent_after_a_stop_or_past_the_wall_time() -> None:
     assert pushed == [["task-0"]]
 
 
+@pytest.mark.slow
 def test_run_files_are_private(tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:

@@ -103,6 +103,7 @@ def test_a_stolen_session_cannot_difference_a_user_or_release_a_round_twice(node
     assert ledger.spent((0, 100))[0] == 8.0 and ledger.spent((100, 200))[0] == 4.0
 
 
+@pytest.mark.slow
 def test_a_job_changed_mid_run_is_refused(node_policy: Path) -> None:
     cfg, protocol = _setup()
     grid = InProcessGrid(make_client_app(), 2)
