@@ -62,6 +62,11 @@ def preflight(policy: Policy, job: Any) -> None:
     """Every check that can refuse ``job`` before the federation's budget is charged (see the module docstring)."""
     if job.resume is not None:
         return
+    from fedpers.runtime.flower.policy import check_run
+
+    check_run(
+        policy, job.experiment.name, job.cfg, secure_noise=bool(job.options.secure_noise)
+    )  # the run's own terms first
     if job.out is not None and (Path(job.out) / "config.json").exists():
         raise ValueError(f"out: {job.out} already holds a run; choose another out (nothing was charged)")
     protocol = job.experiment.protocol(job.cfg)
