@@ -5,13 +5,25 @@ it finds it first: a node with a modified fedpers on its path would run that und
 app's name (a warm fork server imports it before any FAB is seen). The apps' entry modules
 (``clients/client_app.py``, ``server/server_app.py``, part of the FAB) load this file by path —
 not through the ``fedpers`` package, whose ``__init__`` may be the modified one — and refuse to
-start unless every ``.py`` file of the importable fedpers equals the FAB's. Standard library only.
-Compiled ``.pyc`` files are not compared (see docs/flower.md, Security).
+start unless
+
+- every importable file of the fedpers this process imports — sources and compiled modules
+  (``.so``, a sourceless ``.pyc``: Python prefers an extension module to the ``.py`` beside it) —
+  equals the FAB's, which holds sources only;
+- no ``PYTHONPATH`` entry holds a fedpers other than the FAB's;
+- no ``sitecustomize``/``usercustomize`` runs from a ``PYTHONPATH`` entry, the user's site
+  directory or anywhere outside the interpreter's own installation (code that runs before any check).
+
+Standard library only. This is drift protection, not a defence against the node's operator, who
+controls the node's interpreter (docs/flower.md, Security: what bounds a node operator). Bytecode
+in ``__pycache__`` is not compared (Python checks it against its source's size and time only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -21,13 +33,66 @@ class ModifiedCode(RuntimeError):
     """The fedpers this process imports differs from the FAB's: the task is refused."""
 
 
+def _importable(path: Path) -> bool:
+    return path.is_file() and any(path.name.endswith(suffix) for suffix in importlib.machinery.all_suffixes())
+
+
 def package_files(root: Path) -> dict[str, str]:
-    """{relative path: SHA-256} of every ``.py`` file under ``root`` (``__pycache__`` excluded)."""
+    """{relative path: SHA-256} of every file under ``root`` that Python can import (``.py``, ``.pyc``,
+    extension modules; ``__pycache__`` excluded)."""
     return {
         p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*.py"))
-        if "__pycache__" not in p.parts
+        for p in sorted(root.rglob("*"))
+        if "__pycache__" not in p.parts and _importable(p)
     }
+
+
+def _installation() -> list[Path]:
+    """The interpreter's own directories (where a lab's distribution may keep a sitecustomize)."""
+    import sysconfig
+
+    found = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        with contextlib.suppress(KeyError):
+            found.add(Path(sysconfig.get_paths()[key]).resolve())
+    return sorted(found)
+
+
+def require_clean_startup(fab: Path, package: str = "fedpers") -> None:
+    """Refuse (:class:`ModifiedCode`) a ``sitecustomize``/``usercustomize`` from outside the
+    interpreter's installation or from ``PYTHONPATH``, and a ``PYTHONPATH`` entry holding a
+    ``package`` that differs from the FAB's ``fab/package``."""
+    import os
+
+    entries = [Path(e).resolve() for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+    own = _installation()
+    for name in ("sitecustomize", "usercustomize"):
+        module = sys.modules.get(name)
+        file = getattr(module, "__file__", None)
+        if module is None or not file:
+            continue
+        where = Path(file).resolve()
+        inside = any(where.is_relative_to(d) for d in own) and not any(where.is_relative_to(e) for e in entries)
+        if not inside:
+            raise ModifiedCode(
+                f"{name} runs from {where} (outside this interpreter's installation); refusing to run the app"
+            )
+    want: dict[str, str] | None = None
+    for entry in entries:
+        candidate = entry / package
+        if not candidate.is_dir() or candidate.resolve() == fab.resolve():
+            continue
+        want = package_files(fab) if want is None else want
+        have = package_files(candidate)
+        if have != want:
+            raise ModifiedCode(
+                f"PYTHONPATH entry {entry} holds a {package} that differs from the trusted app's "
+                f"({_differ(want, have)[:5]}); refusing to run it under the app's hash"
+            )
+
+
+def _differ(want: dict[str, str], have: dict[str, str]) -> list[str]:
+    return sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
 
 
 def imported_root(package: str = "fedpers") -> Path | None:
@@ -42,15 +107,16 @@ def imported_root(package: str = "fedpers") -> Path | None:
 
 
 def require_fab_code(app_dir: str | Path, package: str = "fedpers") -> None:
-    """Refuse (:class:`ModifiedCode`) unless ``package`` as imported here has exactly the ``.py``
-    files of ``app_dir/package`` (the installed FAB)."""
+    """Refuse (:class:`ModifiedCode`) unless ``package`` as imported here has exactly the importable
+    files of ``app_dir/package`` (the installed FAB) and nothing shadows it (:func:`require_clean_startup`)."""
     fab = (Path(app_dir) / package).resolve()
+    require_clean_startup(fab, package)
     used = imported_root(package)
     if used is None or used == fab:
         return
     want, have = package_files(fab), package_files(used)
     if want != have:
-        differ = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        differ = _differ(want, have)
         raise ModifiedCode(
             f"this process imports {package} from {used}, which differs from the trusted app's "
             f"({len(differ)} files: {differ[:5]}); refusing to run it under the app's hash"

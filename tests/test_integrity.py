@@ -1,0 +1,66 @@
+"""The node's integrity check (fedpers/deploy/integrity.py) in a real interpreter started as a node would
+be: a compiled module beside an identical trusted .py, a sitecustomize on PYTHONPATH and a PYTHONPATH
+entry holding another fedpers are refused; an identical copy passes."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = (
+    "import importlib.util as u, sys\n"
+    f"spec = u.spec_from_file_location('integrity', {str(ROOT / 'fedpers' / 'deploy' / 'integrity.py')!r})\n"
+    "m = u.module_from_spec(spec); spec.loader.exec_module(m)\n"
+    "m.require_fab_code(sys.argv[1])\n"
+)
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory) -> tuple[Path, Path]:
+    """(the FAB's directory, a node's identical copy of fedpers), sources only."""
+    base = tmp_path_factory.mktemp("integrity")
+    for name in ("fab", "node"):
+        shutil.copytree(ROOT / "fedpers", base / name / "fedpers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+    return base / "fab", base / "node"
+
+
+def _check(fab: Path, *pythonpath: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(map(str, pythonpath))}
+    return subprocess.run([sys.executable, "-c", CHECK, str(fab)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_an_identical_copy_passes(trees: tuple[Path, Path]) -> None:
+    fab, node = trees
+    done = _check(fab, node)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_compiled_module_beside_an_identical_trusted_py_is_refused(trees: tuple[Path, Path], tmp_path: Path) -> None:
+    fab, node = trees
+    shadow = tmp_path / "node"
+    shutil.copytree(node, shadow)
+    (shadow / "fedpers" / "runtime" / "flower" / f"codec{__import__('importlib.machinery').machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"\x7fELF")
+    done = _check(fab, shadow)
+    assert done.returncode != 0 and "ModifiedCode" in done.stderr and "runtime/flower/codec" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_sitecustomize_on_pythonpath_is_refused(trees: tuple[Path, Path], tmp_path: Path) -> None:
+    fab, node = trees
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("# runs before any check: halves every reply\n")
+    done = _check(fab, tmp_path / "site", node)
+    assert done.returncode != 0 and "sitecustomize runs from" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_pythonpath_entry_with_another_fedpers_is_refused_even_behind_the_trusted_one(trees: tuple[Path, Path], tmp_path: Path) -> None:
+    fab, node = trees
+    other = tmp_path / "other"
+    shutil.copytree(node, other)
+    client = other / "fedpers" / "runtime" / "flower" / "client.py"
+    client.write_text(client.read_text() + "\nLEAKED = True\n")
+    done = _check(fab, node, other)
+    assert done.returncode != 0 and f"PYTHONPATH entry {other}" in done.stderr and "client.py" in done.stderr, done.stderr[-2000:]
