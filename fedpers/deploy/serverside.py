@@ -69,6 +69,11 @@ def preflight(policy: Policy, job: Any) -> None:
     )  # the run's own terms first
     if job.out is not None and (Path(job.out) / "config.json").exists():
         raise ValueError(f"out: {job.out} already holds a run; choose another out (nothing was charged)")
+    declared = getattr(job.cfg, "rounds", None)  # before the protocol is built (calibrating a huge run takes minutes)
+    if isinstance(declared, int) and declared > policy.max_rounds:
+        raise PolicyRefused(
+            "max-rounds", f"the run asks for rounds={declared}, the lab allows at most {policy.max_rounds}"
+        )
     protocol = job.experiment.protocol(job.cfg)
     if protocol.num_rounds > policy.max_rounds:
         raise PolicyRefused(
