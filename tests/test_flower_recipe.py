@@ -176,10 +176,10 @@ def test_honest_run_completes_with_the_local_result(recipe):
 def test_an_existing_out_directory_is_refused_before_the_charge(recipe):
     """out= a directory that already holds a run: refused by the ServerApp before the budget ledger is touched."""
     out = recipe.work / "runs" / "reused"
-    first = recipe.run(honest(recipe, out, epsilon="0.5"))
+    first = recipe.run(honest(recipe, out, epsilon="0.25"))
     assert "finished:completed" in first.stdout, first.stdout[-3000:]
     before = (recipe.link / "lab-budget.json").read_text()
-    done = recipe.run(honest(recipe, out, epsilon="0.5"), timeout=200)
+    done = recipe.run(honest(recipe, out, epsilon="0.25"), timeout=200)
     assert done.returncode != 0 and "already holds a run" in done.stdout, done.stdout[-3000:]
     assert (recipe.link / "lab-budget.json").read_text() == before
 
@@ -209,13 +209,58 @@ def test_no_process_on_the_superlink_side_shows_a_task_token(recipe):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        done = recipe.run(honest(recipe, recipe.work / "runs" / "watched", epsilon="0.5"))
+        done = recipe.run(honest(recipe, recipe.work / "runs" / "watched", epsilon="0.25"))
     finally:
         done_flag.set()
         watcher.join()
     assert "finished:completed" in done.stdout, done.stdout[-3000:]
     assert any(TOKEN_STDIN in c for c in seen), sorted(set(seen))[:10]
     assert not any("--token " in c for c in seen), [c for c in seen if "--token " in c][:3]
+
+
+def test_a_stopped_run_sends_no_further_round_and_its_serverapp_exits(recipe):
+    """`flwr stop` once round 0 is recorded: at most the round in flight is still recorded, and no
+    ServerApp process of the lab's SuperExec is left."""
+    from tests.flower_support import descendants
+
+    out = recipe.work / "runs" / "stopped"
+    argv = list(recipe.job_argv)
+    i = argv.index("--run-config")
+    parts = " ".join(f"{node}={p}" for p, node in enumerate(recipe.node_ids))
+    argv[i + 1] = honest(recipe, out, epsilon="0.25", rounds="8") + f" node-partitions='{parts}'"
+    env = {**recipe.procs.env, **recipe.job_env}
+    job = subprocess.Popen([*argv, "--timeout", "400"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run_id = ""
+        for line in job.stdout:  # type: ignore[union-attr]
+            if line.startswith("started run "):
+                run_id = line.split()[-1]
+                break
+        assert run_id
+        deadline = time.monotonic() + 300
+        while not (out / "rounds.jsonl").is_file() or not (out / "rounds.jsonl").read_text().strip():
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.1)
+        flwr = shutil.which("flwr") or "flwr"
+        stopped = subprocess.run([flwr, "stop", run_id, "deployment"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        at_stop = len((out / "rounds.jsonl").read_text().splitlines())
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        job.wait(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    time.sleep(5)
+    rounds = len((out / "rounds.jsonl").read_text().splitlines())
+    assert rounds <= at_stop + 1 and rounds < 9, (at_stop, rounds)
+    superexec = next(p for p in recipe.procs.procs if list(p.args[3:5]) == ["deploy", "superexec"])
+    left = []
+    for pid in descendants(superexec.pid):
+        try:
+            if b"appguard" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                left.append(pid)
+        except OSError:
+            pass  # exited meanwhile
+    assert left == [], left
 
 
 def test_control_api_is_not_on_the_network_address(recipe):
@@ -297,7 +342,7 @@ def test_run_configs_outside_the_policy_are_refused_by_the_serverapp(recipe, ext
 
 
 def test_a_run_beyond_the_federations_budget_is_refused_before_any_release(recipe):
-    """Users 0..149 have spent (after the earlier tests) 7 of the lab's 8; a run of epsilon=4 is
+    """Users 0..149 have spent (after the earlier tests) 6.75 of the lab's 8; a run of epsilon=4 is
     refused by the budget ledger before discovery, and nothing is charged. (Run alone, the test
     first spends the budget with a run of its own.)"""
     from fedpers.runtime.flower.policy import BudgetLedger
