@@ -1,0 +1,219 @@
+"""The local runtime under distributed or local DP: nodes simulated exactly, without the cryptography.
+
+Units are split over the nodes as the Flower runtime splits them (:func:`unit_ranges`). In each
+round every node computes each of its units' contribution (``client_message`` on that unit
+alone), encodes them with :mod:`fedpers.privacy.distributed` (distributed: scaled, rotated,
+conditionally rounded, summed, its Skellam share added, reduced mod 2^b; local: each unit's own
+Gaussian added) and the vectors are summed as secure aggregation would (mod 2^b). The server
+decodes the sum and hands it to the protocol's ``server_update`` through the
+:class:`~fedpers.privacy.distributed.NodeSidePrivatizer`, which records the release. Modular
+wraps (known here only because the simulation also holds the unreduced integer sum) are counted
+in the round's record as ``modular_wraps``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fedpers.config import DpModel
+from fedpers.data.units import UnitSource
+from fedpers.privacy import distributed as dist
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units, client_message
+from fedpers.runtime.checkpoint import Checkpointer
+from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
+from fedpers.runtime.flower.partition import unit_ranges
+from fedpers.runtime.options import Runtime, RuntimeOptions
+
+Tensor = torch.Tensor
+
+
+def stat_shapes(protocol: Protocol) -> list[dist.StatShape]:
+    """Every statistic the protocol sums, over all its rounds (the plan's input)."""
+    return [
+        dist.StatShape(s.name, tuple(s.shape), float(s.per_unit_bound), bool(s.symmetric))
+        for r in range(protocol.num_rounds)
+        for s in protocol.stat_specs(r)
+    ]
+
+
+def unit_rows(
+    protocol: Protocol,
+    round: int,
+    broadcast: Mapping[str, Tensor],
+    parts: Any,
+    members: Tensor,
+    specs: Sequence[StatSpec],
+) -> tuple[dict[str, Tensor], int, int]:
+    """One node's per-unit contributions, (U, d) float64 per statistic (units of ``members`` only,
+    those taking part in the round), with the unit count and the zeroed count."""
+    rows: dict[str, list[Tensor]] = {s.name: [] for s in specs}
+    count = zeroed = 0
+    for part in parts:
+        inside = torch.isin(part["ids"].cpu(), members)
+        for i in inside.nonzero().squeeze(1).tolist():
+            one: Units = {k: v[i : i + 1] for k, v in part.items()}
+            msg = client_message(protocol, round, broadcast, one)
+            if msg.count == 0:
+                continue
+            count += msg.count
+            zeroed += msg.zeroed
+            for s in specs:
+                rows[s.name].append(dist.flatten(msg.stats[s.name].unsqueeze(0), s.shape, s.symmetric))
+    out = {
+        s.name: torch.cat(rows[s.name]) if rows[s.name] else torch.zeros(0, dist.flat_dim(s.shape, s.symmetric))
+        for s in specs
+    }
+    return out, count, zeroed
+
+
+def node_vectors(
+    rows: Mapping[str, Tensor],
+    specs: Sequence[StatSpec],
+    privatizer: dist.NodeSidePrivatizer,
+    generator: torch.Generator,
+) -> dict[str, Tensor]:
+    """What one node sends for each statistic: distributed, its integer sum plus its noise share
+    (not yet reduced: the simulation counts wraps); local, its units' noisy sum."""
+    plan = privatizer.plan
+    out = {}
+    for s in specs:
+        enc = plan.encodings[s.name]
+        if plan.model == dist.DpModel.DISTRIBUTED:
+            out[s.name] = dist.encode_units(rows[s.name], enc, generator) + dist.noise_share(
+                enc, plan.min_nodes, generator
+            )
+        else:
+            out[s.name] = dist.local_gaussian(
+                rows[s.name], plan.noise_multiplier * enc.bound, generator, privatizer.secure
+            )
+    return out
+
+
+def run_local_nodes(
+    protocol: Protocol,
+    units: Units | UnitSource,
+    privatizer: dist.NodeSidePrivatizer,
+    *,
+    chunk_size: int = 4096,
+    on_round: Callable[[RoundRecord, Any], None] | None = None,
+    progress: bool = True,
+    checkpoint: Checkpointer | None = None,
+    survive: Callable[[int, int], bool] | None = None,
+) -> tuple[Any, list[RoundRecord]]:
+    """Run ``protocol`` with ``privatizer.plan``'s nodes simulated. ``survive(round, node)``: whether
+    a node's reply reaches the server (default: all do); a round with fewer than ``min_nodes``
+    survivors is discarded before any release (:class:`RoundFailed`)."""
+    source = UnitSource.of(units)
+    n = source.num_units
+    plan = privatizer.plan
+    ranges = unit_ranges(n, plan.nodes, plan.users_per_node)
+
+    def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
+        privatizer.begin_round()
+        ids, samples = protocol.units_needed(round, broadcast)
+        specs = protocol.stat_specs(round)
+        sent: list[dict[str, Tensor]] = []
+        count = zeroed = 0
+        for node, span in enumerate(ranges):
+            members = torch.arange(span.start, span.stop)
+            if ids is not None:
+                members = members[torch.isin(members, ids.cpu())]
+            if survive is not None and not survive(round, node):
+                continue
+            parts = source.needed_chunks(chunk_size, members, samples) if members.numel() else []
+            rows, c, zr = unit_rows(protocol, round, broadcast, parts, members, specs)
+            generator = dist.node_generator(privatizer.noise_seed, round, node, privatizer.secure)
+            sent.append(node_vectors(rows, specs, privatizer, generator))
+            count, zeroed = count + c, zeroed + zr
+        if len(sent) < plan.min_nodes:
+            raise RoundFailed(
+                f"round {round}: {len(sent)} of {plan.nodes} nodes survived, below min_nodes={plan.min_nodes}; "
+                "the round is discarded before any release"
+            )
+        stats: dict[str, Tensor] = {}
+        wraps = 0
+        for s in specs:
+            vectors = torch.stack([v[s.name] for v in sent])
+            if plan.model == dist.DpModel.DISTRIBUTED:
+                enc = plan.encodings[s.name]
+                exact = vectors.sum(dim=0)
+                modular = dist.modular(dist.modular(vectors, enc.bits).sum(dim=0), enc.bits)
+                wraps += int((dist.centered(modular, enc.bits) != exact).sum())
+                value = dist.decode(modular, enc)
+            else:
+                value = dist.unflatten(vectors.sum(dim=0), s.shape, s.symmetric)
+            stats[s.name] = value.to(dtype=protocol.dtype, device=source.device)
+            privatizer.arrived(stats[s.name], s.name, len(sent), count)
+        privatizer.round_diagnostics = {"modular_wraps": float(wraps), "nodes_survived": float(len(sent))}
+        return [ClientReply("nodes", n, Message(stats, count, zeroed), aggregate=True)]
+
+    def record_round(record: RoundRecord, state: Any) -> None:
+        record.diagnostics.update(privatizer.round_diagnostics)
+        if on_round is not None:
+            on_round(record, state)
+
+    return drive(
+        protocol,
+        gather,
+        privatizer,
+        on_round=record_round,
+        progress=progress,
+        device=source.device,
+        checkpoint=checkpoint,
+    )
+
+
+NODE_SIDE_PROTOCOLS = ("altmin", "fedrep")
+"""Protocols whose every release is a Gaussian sum of per-unit-clipped statistics passed to the
+Privatizer as summed (what the nodes can noise): the others are refused under distributed or local DP."""
+
+
+def node_side_privatizer(
+    protocol: Protocol,
+    num_units: int,
+    calibrations: dist.RecordingCalibrations,
+    options: RuntimeOptions,
+    noise_seed: int,
+    rotation_seed: int,
+) -> dist.NodeSidePrivatizer:
+    """The Privatizer of a distributed or local DP run, its plan solved from the protocol's own
+    calibration. Refuses, before any release, what the nodes cannot privatise."""
+    model = options.dp_model
+    if protocol.name not in NODE_SIDE_PROTOCOLS:
+        raise ValueError(
+            f"dp_model {model.value} supports {', '.join(NODE_SIDE_PROTOCOLS)}; got {protocol.name} (use --dp-model central)"
+        )
+    if options.runtime is not Runtime.LOCAL:
+        raise ValueError(
+            f"dp_model {model.value} runs on the local runtime only (secure aggregation on Flower is not wired)"
+        )
+    if float(getattr(protocol, "sampling_rate", 1.0)) < 1.0:
+        raise ValueError(f"dp_model {model.value} does not support Poisson sampling (sampling_rate < 1)")
+    if len(calibrations.asked) > 1:
+        raise ValueError(
+            f"dp_model {model.value} needs one calibrated noise multiplier; {protocol.name} asked for more"
+        )
+    z = float(getattr(protocol, "noise_multiplier", 0.0))
+    stats = stat_shapes(protocol)
+    nodes = options.nodes
+    if model is DpModel.LOCAL:
+        return dist.LocalPrivatizer(
+            noise_seed,
+            dist.plan_local(stats, nodes=nodes, z=z, users_per_node=options.users_per_node),
+            secure=options.secure_noise,
+        )
+    plan = dist.plan_distributed(
+        stats,
+        units=num_units,
+        nodes=nodes,
+        min_nodes=options.min_nodes or nodes,
+        bits=options.bits,
+        seed=rotation_seed,
+        calibration=calibrations.asked[0] if calibrations.asked and z > 0 else None,
+        central_z=z,
+        users_per_node=options.users_per_node,
+    )
+    return dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
