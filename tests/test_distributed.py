@@ -5,6 +5,7 @@ two explicit PMFs, and whole AltMin / FedRep runs under each trust model."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,10 @@ from fedpers.privacy import distributed as dist
 from fedpers.privacy import skellam
 from fedpers.privacy.accountant import ledger_epsilon
 from fedpers.privacy.ledger import Ledger, SkellamDpEvent
-from fedpers.runner import execute, resolve
+from fedpers.runner import resolve
+from fedpers.runtime.distributed import run_local_nodes
+from fedpers.runtime.driver import RoundFailed
+from fedpers.runtime.local import run_local
 from fedpers.runtime.options import RuntimeOptions
 
 
@@ -192,33 +196,37 @@ def test_ledger_of_skellam_releases_is_accounted_and_round_trips():
 
 
 # ----- whole runs ---------------------------------------------------------------------------------
-SMALL = dict(n_users=400, dim=6, rank=2, samples_per_user=16, rounds=2, baselines="none")
+SMALL = dict(n_users=160, dim=5, rank=2, samples_per_user=16, rounds=2, baselines="none")
 
 
-def altmin(epsilon: float, **options: object) -> dict:
+def resolved(epsilon: float, **options: object) -> Any:
     cfg = config.build(AltMinConfig, {**SMALL, "epsilon": epsilon})
-    opts = config.build(RuntimeOptions, {"nodes": 4, **options})
-    return execute(AltMinExperiment(), cfg, opts, write=False, progress=False)
+    return resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, {"nodes": 4, **options}))
 
 
-def test_distributed_altmin_ledger_is_skellam_within_target_and_no_wrap():
-    out = altmin(2.0, dp_model="distributed", bits=16)
-    assert 0.97 * 2.0 <= out["privacy"]["epsilon"] <= 2.0
-    plan = out["privacy"]["trust_model"]
-    assert plan["dp_model"] == "distributed" and plan["bits"] == 16
-    rounds = out["_rounds"]
-    assert all(r["modular_wraps"] == 0 and r["nodes_survived"] == 4 for r in rounds)
+def ran(epsilon: float, **options: object) -> tuple[Any, Any, list[Any]]:
+    p = resolved(epsilon, **options)
+    state, records = run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+    return p, state, records
 
 
-def test_distributed_release_records_its_integer_sensitivities():
-    cfg = config.build(AltMinConfig, {**SMALL, "epsilon": 2.0})
-    opts = config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 12})
-    p = resolve(AltMinExperiment(), cfg, opts)
-    from fedpers.runtime.local import run_local
+@pytest.fixture(scope="module")
+def distributed_run() -> tuple[Any, Any, list[Any]]:
+    return ran(2.0, dp_model="distributed", bits=12)
 
-    run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+
+def test_distributed_altmin_ledger_is_skellam_within_target_and_no_wrap(distributed_run):
+    p, _, records = distributed_run
+    eps = ledger_epsilon(p.privatizer.ledger, 1e-5)
+    assert 0.97 * 2.0 <= eps <= 2.0
+    assert p.privatizer.plan.bits == 12
+    assert all(r.diagnostics["modular_wraps"] == 0 and r.diagnostics["nodes_survived"] == 4 for r in records)
+
+
+def test_distributed_release_records_its_integer_sensitivities(distributed_run):
+    p, _, _ = distributed_run
     releases = p.privatizer.ledger.releases
-    assert [r.mechanism for r in releases] == ["skellam_distributed"] * len(releases) and releases
+    assert releases and [r.mechanism for r in releases] == ["skellam_distributed"] * len(releases)
     for r in releases:
         enc = p.privatizer.plan.encodings[r.params["statistic"]]
         assert isinstance(r.event, SkellamDpEvent)
@@ -230,11 +238,11 @@ def test_distributed_release_records_its_integer_sensitivities():
 
 
 def test_distributed_at_32_bits_without_noise_equals_central_to_the_rounding():
-    central = altmin(math.inf)
-    distributed = altmin(math.inf, dp_model="distributed", bits=32)
-    assert central["subspace_error"] == pytest.approx(distributed["subspace_error"], abs=1e-4)
-    Uc, Ud = central["_state"]["U"], distributed["_state"]["U"]
+    _, central, _ = ran(math.inf)
+    _, distributed, _ = ran(math.inf, dp_model="distributed", bits=32)
+    Uc, Ud = central["U"], distributed["U"]
     assert float(torch.linalg.matrix_norm(Uc @ Uc.T - Ud @ Ud.T)) < 1e-4
+    assert float(torch.linalg.matrix_norm(Uc @ Uc.T - Ud @ Ud.T)) > 0  # it did round
 
 
 def test_distributed_at_32_bits_calibrates_the_central_noise():
@@ -248,13 +256,13 @@ def test_distributed_at_32_bits_calibrates_the_central_noise():
 
 
 def test_local_dp_records_a_local_release_per_statistic_and_noises_each_unit():
-    out = altmin(2.0, dp_model="local")
-    assert 0.97 * 2.0 <= out["privacy"]["epsilon"] <= 2.0
-    cfg = config.build(AltMinConfig, {**SMALL, "epsilon": 2.0})
-    p = resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "local"}))
+    p, _, _ = ran(2.0, dp_model="local")
+    assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, 1e-5) <= 2.0
+    first = p.privatizer.ledger.releases[0]
+    assert first.mechanism == "local_gaussian" and first.params["units_released"] == SMALL["n_users"]
+    assert first.noise_std == pytest.approx(p.protocol.noise_multiplier * first.per_unit_bound)
     # the nodes' noise: each of U units adds N(0, (zB)²), so the sum of zeros has variance U·(zB)²
-    enc = p.privatizer.plan.encodings["W"]
-    std = p.privatizer.plan.noise_multiplier * enc.bound
+    std = first.noise_std
     g = torch.Generator().manual_seed(0)
     sums = torch.stack(
         [dist.local_gaussian(torch.zeros(25, 30, dtype=torch.float64), std, g, False) for _ in range(200)]
@@ -262,20 +270,20 @@ def test_local_dp_records_a_local_release_per_statistic_and_noises_each_unit():
     assert float(sums.var()) / (25 * std**2) == pytest.approx(1.0, rel=0.05)
 
 
-def test_fedrep_runs_under_every_trust_model():
-    base = dict(n_users=300, dim=6, rank=2, samples_per_user=8, rounds=2, epsilon=4.0)
-    for model in ("distributed", "local"):
-        cfg = config.build(FedRepConfig, base)
-        opts = config.build(RuntimeOptions, {"nodes": 3, "dp_model": model})
-        out = execute(FedRepExperiment(), cfg, opts, write=False, progress=False)
-        assert out["privacy"]["epsilon"] <= 4.0
-        assert out["privacy"]["trust_model"]["dp_model"] == model
+def test_fedrep_runs_distributed():
+    base = dict(n_users=120, dim=5, rank=2, samples_per_user=8, rounds=2, epsilon=4.0)
+    cfg = config.build(FedRepConfig, base)
+    p = resolve(FedRepExperiment(), cfg, config.build(RuntimeOptions, {"nodes": 3, "dp_model": "distributed"}))
+    run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+    assert {r.mechanism for r in p.privatizer.ledger} == {"skellam_distributed"}
+    assert 0.97 * 4.0 <= ledger_epsilon(p.privatizer.ledger, cfg.delta) <= 4.0
 
 
 def test_node_side_models_refuse_what_they_cannot_privatise_before_any_release():
-    cfg = config.build(AltMinConfig, {**SMALL, "epsilon": 2.0, "cohorts": "poisson", "sampling_rate": 0.5})
-    with pytest.raises(ValueError, match="Poisson"):
-        resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, {"dp_model": "distributed"}))
+    cfg = config.build(AltMinConfig, {**SMALL, "epsilon": math.inf, "cohorts": "poisson", "sampling_rate": 0.5})
+    for model in ("distributed", "local"):
+        with pytest.raises(ValueError, match="Poisson"):
+            resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, {"dp_model": model}))
     with pytest.raises(ValueError, match="min_nodes"):
         config.build(RuntimeOptions, {"nodes": 3, "min_nodes": 4})
     with pytest.raises(ValueError, match="bits"):
@@ -286,23 +294,16 @@ def test_node_side_models_refuse_what_they_cannot_privatise_before_any_release()
 
 
 def test_too_few_surviving_nodes_discard_the_round_before_any_release():
-    from fedpers.runtime.distributed import run_local_nodes
-    from fedpers.runtime.driver import RoundFailed
-
-    cfg = config.build(AltMinConfig, {**SMALL, "epsilon": 2.0})
-    opts = config.build(RuntimeOptions, {"nodes": 4, "min_nodes": 3, "dp_model": "distributed"})
-    p = resolve(AltMinExperiment(), cfg, opts)
+    p = resolved(2.0, dp_model="distributed", min_nodes=3)
     with pytest.raises(RoundFailed, match="min_nodes=3"):
         run_local_nodes(
             p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False, survive=lambda r, n: n < 2
         )
     assert len(p.privatizer.ledger) == 0
-    # three survivors of four: the round goes on, and its noise is what three shares make (≥ the minimum)
-    p = resolve(AltMinExperiment(), cfg, opts)
-    run_local_nodes(
-        p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False, survive=lambda r, n: n != 1
-    )
+    # three survivors of four: the round goes on, its noise what three shares make (V, the recorded minimum)
+    p = resolved(2.0, dp_model="distributed", min_nodes=3)
+    source = p.experiment.unit_source(p.cfg)
+    run_local_nodes(p.protocol, source, p.privatizer, progress=False, survive=lambda r, n: n != 1)
     first = p.privatizer.ledger.releases[0]
-    enc = p.privatizer.plan.encodings["W"]
     assert first.params["nodes_survived"] == 3
-    assert first.event.variance == pytest.approx(enc.variance)  # 3 shares of V/3
+    assert first.event.variance == pytest.approx(p.privatizer.plan.encodings["W"].variance)
