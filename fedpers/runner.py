@@ -107,11 +107,10 @@ def resolve(
     central = options.dp_model is DpModel.CENTRAL
     calibrations = Calibrations() if central else RecordingCalibrations()
     protocol = experiment.protocol(run_cfg, calibrations)
-    evaluator = experiment.evaluator(run_cfg, protocol)
     if central:
         privatizer = Privatizer(noise_seed, secure=options.secure_noise)
     else:  # distributed or local DP: the nodes add the noise (fedpers.runtime.distributed)
-        from fedpers.runtime.distributed import node_side_privatizer
+        from fedpers.runtime.distributed import node_side_privatizer, with_node_noise
 
         assert isinstance(calibrations, RecordingCalibrations)
         privatizer = node_side_privatizer(
@@ -122,6 +121,8 @@ def resolve(
             noise_seed,
             derived_seed(run_cfg.seed, "rotation"),
         )
+        protocol = with_node_noise(protocol, privatizer, experiment.num_units(run_cfg))
+    evaluator = experiment.evaluator(run_cfg, protocol)
     return Plan(experiment, cfg, run_cfg, options, protocol, calibrations, evaluator, privatizer)
 
 

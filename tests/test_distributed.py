@@ -260,7 +260,7 @@ def test_local_dp_records_a_local_release_per_statistic_and_noises_each_unit():
     assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, 1e-5) <= 2.0
     first = p.privatizer.ledger.releases[0]
     assert first.mechanism == "local_gaussian" and first.params["units_released"] == SMALL["n_users"]
-    assert first.noise_std == pytest.approx(p.protocol.noise_multiplier * first.per_unit_bound)
+    assert first.noise_std == pytest.approx(p.privatizer.plan.noise_multiplier * first.per_unit_bound)
     # the nodes' noise: each of U units adds N(0, (zB)²), so the sum of zeros has variance U·(zB)²
     std = first.noise_std
     g = torch.Generator().manual_seed(0)

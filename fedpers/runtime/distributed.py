@@ -13,14 +13,17 @@ in the round's record as ``modular_wraps``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from fedpers.config import DpModel
 from fedpers.data.units import UnitSource
 from fedpers.privacy import distributed as dist
+from fedpers.privacy import secagg
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units, client_message
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
@@ -113,6 +116,23 @@ def node_vectors(
     return out
 
 
+Aggregate = Callable[[int, str, Tensor, int], Tensor]
+"""(round, statistic, the nodes' vectors reduced mod 2^b (nodes, D), b) → their sum mod 2^b."""
+
+
+def secagg_aggregate(degree: int | None = None, threshold: int | None = None, seed: int = 0) -> Aggregate:
+    """Sum the nodes' vectors with real SecAgg+ (:func:`fedpers.privacy.secagg.secure_sum`): the server
+    side sees only masked vectors, and the result is the modular sum."""
+
+    def aggregate(round: int, name: str, reduced: Tensor, bits: int) -> Tensor:
+        inputs = {i: reduced[i].numpy() for i in range(reduced.shape[0])}
+        tag = f"round{round}:{name}".encode()
+        total = secagg.secure_sum(inputs, bits, degree=degree, threshold=threshold, seed=seed, round_tag=tag)
+        return torch.from_numpy(total)
+
+    return aggregate
+
+
 def run_local_nodes(
     protocol: Protocol,
     units: Units | UnitSource,
@@ -123,10 +143,13 @@ def run_local_nodes(
     progress: bool = True,
     checkpoint: Checkpointer | None = None,
     survive: Callable[[int, int], bool] | None = None,
+    aggregate: Aggregate | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Run ``protocol`` with ``privatizer.plan``'s nodes simulated. ``survive(round, node)``: whether
     a node's reply reaches the server (default: all do); a round with fewer than ``min_nodes``
-    survivors is discarded before any release (:class:`RoundFailed`)."""
+    survivors is discarded before any release (:class:`RoundFailed`). ``aggregate``: how the nodes'
+    reduced vectors are summed mod 2^b (default: in the clear, the simulation; :func:`secagg_aggregate`
+    runs real SecAgg+ over them and must give the same sum)."""
     source = UnitSource.of(units)
     n = source.num_units
     plan = privatizer.plan
@@ -161,7 +184,11 @@ def run_local_nodes(
             if plan.model == dist.DpModel.DISTRIBUTED:
                 enc = plan.encodings[s.name]
                 exact = vectors.sum(dim=0)
-                modular = dist.modular(dist.modular(vectors, enc.bits).sum(dim=0), enc.bits)
+                reduced = dist.modular(vectors, enc.bits)
+                if aggregate is None:
+                    modular = dist.modular(reduced.sum(dim=0), enc.bits)
+                else:
+                    modular = aggregate(round, s.name, reduced, enc.bits)
                 wraps += int((dist.centered(modular, enc.bits) != exact).sum())
                 value = dist.decode(modular, enc)
             else:
@@ -238,3 +265,25 @@ def node_side_privatizer(
         users_per_node=options.users_per_node,
     )
     return dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
+
+
+def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num_units: int) -> Protocol:
+    """The protocol with its ``noise_multiplier`` set so the noise it assumes after a release (its
+    PSD floor, its noise diagnostics: public post-processing) is the noise the nodes add, never less.
+
+    Distributed: each statistic's noise std is z·c̃/s in its own units, against the protocol's z·B (or
+    z·B/√2 where it tightens a PSD release): the largest ratio is taken, times √2 when the protocol
+    tightens one. Local: the sum of up to n units' own noise has std √n·z·B. Spends no privacy: the
+    ledger records what the nodes did, whatever this says."""
+    z = float(getattr(protocol, "noise_multiplier", 0.0))
+    if z == 0 or not dataclasses.is_dataclass(protocol):
+        return protocol
+    plan = privatizer.plan
+    if plan.model is DpModel.LOCAL:
+        factor = math.sqrt(num_units)
+    else:
+        factor = max(plan.noise_multiplier * e.rounded_bound / (e.scale * e.bound) / z for e in plan.encodings.values())
+    bound, sensitivity = getattr(protocol, "a_bound", None), getattr(protocol, "a_sensitivity", None)
+    if isinstance(bound, float) and isinstance(sensitivity, float) and sensitivity < 2 * bound:
+        factor *= 2 * bound / sensitivity
+    return cast(Protocol, dataclasses.replace(cast(Any, protocol), noise_multiplier=z * factor))
