@@ -307,3 +307,33 @@ def test_too_few_surviving_nodes_discard_the_round_before_any_release():
     first = p.privatizer.ledger.releases[0]
     assert first.params["nodes_survived"] == 3
     assert first.event.variance == pytest.approx(p.privatizer.plan.encodings["W"].variance)
+
+
+# ----- worst-case neighbours through the distributed path -------------------------------------------
+def test_worst_case_neighbours_move_the_integer_sum_within_the_recorded_sensitivity():
+    """One unit replaced by adversarial data (huge, overflowing, zero, U-aligned, alternating): through
+    the nodes' encoding and the modular sum, the server's integer sum moves by ≤ the Δ₂ and Δ₁ the ledger
+    records for that release (each unit rounds with its own generator and the nodes' noise shares are
+    the same, so the move is that unit's alone)."""
+    from fedpers.data.units import UnitSource
+    from fedpers.runtime.distributed import node_round
+    from tests.neighbours import adversaries, replace_unit
+
+    cfg = config.build(AltMinConfig, dict(n_users=24, dim=4, rank=2, samples_per_user=8, rounds=2, epsilon=2.0))
+    opts = config.build(RuntimeOptions, {"nodes": 3, "dp_model": "distributed", "bits": 16})
+    p = resolve(AltMinExperiment(), cfg, opts)
+    units = {k: v.clone() for k, v in p.experiment.units(p.cfg, torch.arange(24)).items()}
+    U = torch.linalg.qr(torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+    cohort = int(p.protocol.cohort_of(torch.tensor([5]))[0])
+    largest = 0.0
+    for round, broadcast in ((0, {}), (cohort, {"U": U})):
+        reference = node_round(p.protocol, round, broadcast, UnitSource.of(units), p.privatizer)
+        for label, new in adversaries(units["x"][5], units["y"][5], torch.float64, U[:, 0]).items():
+            moved = node_round(p.protocol, round, broadcast, UnitSource.of(replace_unit(units, 5, new)), p.privatizer)
+            for name, before in reference.modular.items():
+                enc = p.privatizer.plan.encodings[name]
+                diff = dist.centered(moved.modular[name] - before, enc.bits).double()
+                l2, l1 = float(torch.linalg.vector_norm(diff)), float(diff.abs().sum())
+                assert l2 <= enc.l2_sensitivity and l1 <= enc.l1_sensitivity, (label, name, l2, enc.l2_sensitivity)
+                largest = max(largest, l2 / enc.l2_sensitivity)
+    assert largest > 0.4  # the adversaries did push a release a good part of its integer sensitivity

@@ -194,6 +194,14 @@ def node_generator(seed: int, round: int, node: int, secure: bool) -> torch.Gene
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
 
 
+def unit_generator(seed: int, round: int, statistic: str, unit: int, secure: bool) -> torch.Generator:
+    """The generator one unit's rounding draws from in a round (OS entropy with ``secure``)."""
+    if secure:
+        return torch.Generator().manual_seed(secure_module.os_seed())
+    tag = f"fedpers-unit-rounding:{int(seed)}:{int(round)}:{statistic}:{int(unit)}"
+    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little") % 2**63)
+
+
 # ----- one statistic's public encoding ------------------------------------------------------------
 @dataclass(frozen=True)
 class StatEncoding:
@@ -248,16 +256,24 @@ class StatEncoding:
         }
 
 
-def encode_units(x: Tensor, enc: StatEncoding, generator: torch.Generator) -> Tensor:
+def encode_units(x: Tensor, enc: StatEncoding, generator: torch.Generator | Sequence[torch.Generator]) -> Tensor:
     """Node side: (U, d) float contributions → (D,) int64 sum of their scaled, rotated,
-    conditionally rounded vectors (each re-clipped to B first, so c̃ holds for every input)."""
+    conditionally rounded vectors (each re-clipped to B first, so c̃ holds for every input).
+    ``generator``: one for all rows, or one per row (then a row's rounding depends on that row alone)."""
     if x.shape[0] == 0:
         return torch.zeros(enc.padded, dtype=torch.int64)
     x = x.to(device="cpu", dtype=torch.float64)
     norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
     x = x * torch.clamp(enc.bound / torch.clamp(norms, min=1e-300), max=1.0)
     y = rotate(x * enc.scale, enc.rotation_seed, enc.padded)
-    return conditional_round(y, enc.rounded_bound, generator).sum(dim=0)
+    if isinstance(generator, torch.Generator):
+        return conditional_round(y, enc.rounded_bound, generator).sum(dim=0)
+    if len(generator) != y.shape[0]:
+        raise ValueError(f"encode_units: {len(generator)} generators for {y.shape[0]} units")
+    out = torch.zeros(enc.padded, dtype=torch.int64)
+    for row, g in zip(y, generator, strict=True):
+        out += conditional_round(row.unsqueeze(0), enc.rounded_bound, g)[0]
+    return out
 
 
 def noise_share(enc: StatEncoding, min_nodes: int, generator: torch.Generator) -> Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -31,6 +32,10 @@ from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.options import Runtime, RuntimeOptions
 
 Tensor = torch.Tensor
+
+
+Aggregate = Callable[[int, str, Tensor, int], Tensor]
+"""(round, statistic, the nodes' vectors reduced mod 2^b (nodes, D), b) → their sum mod 2^b."""
 
 
 def stat_shapes(protocol: Protocol) -> list[dist.StatShape]:
@@ -49,66 +54,54 @@ def unit_rows(
     parts: Any,
     members: Tensor,
     specs: Sequence[StatSpec],
-) -> tuple[dict[str, Tensor], int, int]:
+) -> tuple[dict[str, Tensor], list[int], int, int]:
     """One node's per-unit contributions, (U, d) float64 per statistic (units of ``members`` only,
-    those taking part in the round), with the unit count and the zeroed count."""
-    rows: dict[str, list[tuple[Tensor, int, int]]] = {s.name: [] for s in specs}
+    those taking part in the round), the units' ids (one per row), the unit count and the zeroed count."""
+    rows: dict[str, list[Tensor]] = {s.name: [] for s in specs}
+    ids: list[int] = []
+    counts = [0, 0]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one unit's statistics are tiny: threads only add their start-up, on a busy machine 10×
     try:
-        _unit_rows(protocol, round, broadcast, parts, members, specs, rows)
+        for part in parts:
+            inside = torch.isin(part["ids"].cpu(), members)
+            for i in inside.nonzero().squeeze(1).tolist():
+                one: Units = {k: v[i : i + 1] for k, v in part.items()}
+                msg = client_message(protocol, round, broadcast, one)
+                if msg.count == 0:
+                    continue
+                ids.append(int(part["ids"][i]))
+                counts[0], counts[1] = counts[0] + msg.count, counts[1] + msg.zeroed
+                for s in specs:
+                    rows[s.name].append(dist.flatten(msg.stats[s.name].unsqueeze(0), s.shape, s.symmetric))
     finally:
         torch.set_num_threads(threads)
     out = {
-        s.name: torch.cat([r for r, _, _ in rows[s.name]])
-        if rows[s.name]
-        else torch.zeros(0, dist.flat_dim(s.shape, s.symmetric))
+        s.name: torch.cat(rows[s.name]) if rows[s.name] else torch.zeros(0, dist.flat_dim(s.shape, s.symmetric))
         for s in specs
     }
-    first = specs[0].name if specs else ""
-    count = sum(c for _, c, _ in rows[first]) if first else 0
-    zeroed = sum(z for _, _, z in rows[first]) if first else 0
-    return out, count, zeroed
-
-
-def _unit_rows(
-    protocol: Protocol,
-    round: int,
-    broadcast: Mapping[str, Tensor],
-    parts: Any,
-    members: Tensor,
-    specs: Sequence[StatSpec],
-    rows: dict[str, list[tuple[Tensor, int, int]]],
-) -> None:
-    for part in parts:
-        inside = torch.isin(part["ids"].cpu(), members)
-        for i in inside.nonzero().squeeze(1).tolist():
-            one: Units = {k: v[i : i + 1] for k, v in part.items()}
-            msg = client_message(protocol, round, broadcast, one)
-            if msg.count == 0:
-                continue
-            for s in specs:
-                rows[s.name].append(
-                    (dist.flatten(msg.stats[s.name].unsqueeze(0), s.shape, s.symmetric), msg.count, msg.zeroed)
-                )
+    return out, ids, counts[0], counts[1]
 
 
 def node_vectors(
     rows: Mapping[str, Tensor],
+    ids: Sequence[int],
     specs: Sequence[StatSpec],
     privatizer: dist.NodeSidePrivatizer,
+    round: int,
     generator: torch.Generator,
 ) -> dict[str, Tensor]:
     """What one node sends for each statistic: distributed, its integer sum plus its noise share
-    (not yet reduced: the simulation counts wraps); local, its units' noisy sum."""
+    (not yet reduced: the simulation counts wraps); local, its units' noisy sum. Each unit is rounded
+    with its own generator (:func:`~fedpers.privacy.distributed.unit_generator`), so replacing one unit
+    moves only that unit's rounded vector; the node's noise share comes from ``generator``."""
     plan = privatizer.plan
     out = {}
     for s in specs:
         enc = plan.encodings[s.name]
         if plan.model == dist.DpModel.DISTRIBUTED:
-            out[s.name] = dist.encode_units(rows[s.name], enc, generator) + dist.noise_share(
-                enc, plan.min_nodes, generator
-            )
+            units = [dist.unit_generator(privatizer.noise_seed, round, s.name, u, privatizer.secure) for u in ids]
+            out[s.name] = dist.encode_units(rows[s.name], enc, units) + dist.noise_share(enc, plan.min_nodes, generator)
         else:
             out[s.name] = dist.local_gaussian(
                 rows[s.name], plan.noise_multiplier * enc.bound, generator, privatizer.secure
@@ -116,8 +109,71 @@ def node_vectors(
     return out
 
 
-Aggregate = Callable[[int, str, Tensor, int], Tensor]
-"""(round, statistic, the nodes' vectors reduced mod 2^b (nodes, D), b) → their sum mod 2^b."""
+@dataclass
+class RoundSums:
+    """What the server holds after one round's aggregation: each statistic decoded (``stats``), the
+    modular sums it decoded them from, and the round's counts."""
+
+    stats: dict[str, Tensor]
+    modular: dict[str, Tensor]
+    count: int
+    zeroed: int
+    wraps: int
+    survivors: int
+
+
+def node_round(
+    protocol: Protocol,
+    round: int,
+    broadcast: Mapping[str, Tensor],
+    source: UnitSource,
+    privatizer: dist.NodeSidePrivatizer,
+    *,
+    chunk_size: int = 4096,
+    survive: Callable[[int, int], bool] | None = None,
+    aggregate: Aggregate | None = None,
+) -> RoundSums:
+    """One round: every surviving node's vectors, their (secure) modular sum, decoded."""
+    plan = privatizer.plan
+    ids, samples = protocol.units_needed(round, broadcast)
+    specs = protocol.stat_specs(round)
+    sent: list[dict[str, Tensor]] = []
+    count = zeroed = 0
+    for node, span in enumerate(unit_ranges(source.num_units, plan.nodes, plan.users_per_node)):
+        members = torch.arange(span.start, span.stop)
+        if ids is not None:
+            members = members[torch.isin(members, ids.cpu())]
+        if survive is not None and not survive(round, node):
+            continue
+        parts = source.needed_chunks(chunk_size, members, samples) if members.numel() else []
+        rows, unit_ids, c, zr = unit_rows(protocol, round, broadcast, parts, members, specs)
+        generator = dist.node_generator(privatizer.noise_seed, round, node, privatizer.secure)
+        sent.append(node_vectors(rows, unit_ids, specs, privatizer, round, generator))
+        count, zeroed = count + c, zeroed + zr
+    if len(sent) < plan.min_nodes:
+        raise RoundFailed(
+            f"round {round}: {len(sent)} of {plan.nodes} nodes survived, below min_nodes={plan.min_nodes}; "
+            "the round is discarded before any release"
+        )
+    stats: dict[str, Tensor] = {}
+    sums: dict[str, Tensor] = {}
+    wraps = 0
+    for s in specs:
+        vectors = torch.stack([v[s.name] for v in sent])
+        if plan.model == dist.DpModel.DISTRIBUTED:
+            enc = plan.encodings[s.name]
+            reduced = dist.modular(vectors, enc.bits)
+            if aggregate is None:
+                modular = dist.modular(reduced.sum(dim=0), enc.bits)
+            else:
+                modular = aggregate(round, s.name, reduced, enc.bits)
+            wraps += int((dist.centered(modular, enc.bits) != vectors.sum(dim=0)).sum())
+            value = dist.decode(modular, enc)
+            sums[s.name] = modular
+        else:
+            value = dist.unflatten(vectors.sum(dim=0), s.shape, s.symmetric)
+        stats[s.name] = value.to(dtype=protocol.dtype, device=source.device)
+    return RoundSums(stats, sums, count, zeroed, wraps, len(sent))
 
 
 def secagg_aggregate(degree: int | None = None, threshold: int | None = None, seed: int = 0) -> Aggregate:
@@ -152,51 +208,23 @@ def run_local_nodes(
     runs real SecAgg+ over them and must give the same sum)."""
     source = UnitSource.of(units)
     n = source.num_units
-    plan = privatizer.plan
-    ranges = unit_ranges(n, plan.nodes, plan.users_per_node)
 
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         privatizer.begin_round()
-        ids, samples = protocol.units_needed(round, broadcast)
-        specs = protocol.stat_specs(round)
-        sent: list[dict[str, Tensor]] = []
-        count = zeroed = 0
-        for node, span in enumerate(ranges):
-            members = torch.arange(span.start, span.stop)
-            if ids is not None:
-                members = members[torch.isin(members, ids.cpu())]
-            if survive is not None and not survive(round, node):
-                continue
-            parts = source.needed_chunks(chunk_size, members, samples) if members.numel() else []
-            rows, c, zr = unit_rows(protocol, round, broadcast, parts, members, specs)
-            generator = dist.node_generator(privatizer.noise_seed, round, node, privatizer.secure)
-            sent.append(node_vectors(rows, specs, privatizer, generator))
-            count, zeroed = count + c, zeroed + zr
-        if len(sent) < plan.min_nodes:
-            raise RoundFailed(
-                f"round {round}: {len(sent)} of {plan.nodes} nodes survived, below min_nodes={plan.min_nodes}; "
-                "the round is discarded before any release"
-            )
-        stats: dict[str, Tensor] = {}
-        wraps = 0
-        for s in specs:
-            vectors = torch.stack([v[s.name] for v in sent])
-            if plan.model == dist.DpModel.DISTRIBUTED:
-                enc = plan.encodings[s.name]
-                exact = vectors.sum(dim=0)
-                reduced = dist.modular(vectors, enc.bits)
-                if aggregate is None:
-                    modular = dist.modular(reduced.sum(dim=0), enc.bits)
-                else:
-                    modular = aggregate(round, s.name, reduced, enc.bits)
-                wraps += int((dist.centered(modular, enc.bits) != exact).sum())
-                value = dist.decode(modular, enc)
-            else:
-                value = dist.unflatten(vectors.sum(dim=0), s.shape, s.symmetric)
-            stats[s.name] = value.to(dtype=protocol.dtype, device=source.device)
-            privatizer.arrived(stats[s.name], s.name, len(sent), count)
-        privatizer.round_diagnostics = {"modular_wraps": float(wraps), "nodes_survived": float(len(sent))}
-        return [ClientReply("nodes", n, Message(stats, count, zeroed), aggregate=True)]
+        got = node_round(
+            protocol,
+            round,
+            broadcast,
+            source,
+            privatizer,
+            chunk_size=chunk_size,
+            survive=survive,
+            aggregate=aggregate,
+        )
+        for name, value in got.stats.items():
+            privatizer.arrived(value, name, got.survivors, got.count)
+        privatizer.round_diagnostics = {"modular_wraps": float(got.wraps), "nodes_survived": float(got.survivors)}
+        return [ClientReply("nodes", n, Message(got.stats, got.count, got.zeroed), aggregate=True)]
 
     def record_round(record: RoundRecord, state: Any) -> None:
         record.diagnostics.update(privatizer.round_diagnostics)
