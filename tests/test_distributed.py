@@ -95,6 +95,32 @@ def test_encoding_reclips_a_unit_over_its_bound():
         assert float(torch.linalg.vector_norm(r.double())) <= enc.rounded_bound
 
 
+def test_psd_units_move_the_rounded_sum_by_at_most_the_tightened_bound():
+    """Two PSD units at full norm with orthogonal triangles (the √2 pair) and a PSD unit against zero:
+    over many roundings the integer move stays ≤ √2·sB + 2√D, and the pair reaches most of it."""
+    n, bound = 6, 1.0
+    enc = dist.StatEncoding("A", (n, n), True, bound, 30.0, dist.rounded_bound(30.0, 32), 0.0, 16, 9, psd=True)
+    e1, e2 = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    e1[0], e2[1] = 1.0, 1.0
+    g = torch.randn(n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    dense = g @ g.T
+    pairs = [
+        (torch.outer(e1, e1), torch.outer(e2, e2)),
+        (dense / torch.linalg.matrix_norm(dense), torch.zeros(n, n, dtype=torch.float64)),
+        (torch.outer(e1 + e2, e1 + e2) / 2, torch.outer(e1 - e2, e1 - e2) / 2),
+    ]
+    largest = 0.0
+    for a, b in pairs:
+        x, y = (dist.flatten(m.unsqueeze(0), (n, n), True) for m in (a, b))
+        for t in range(200):
+            ga, gb = torch.Generator().manual_seed(2 * t), torch.Generator().manual_seed(2 * t + 1)
+            move = (dist.encode_units(x, enc, [ga]) - dist.encode_units(y, enc, [gb])).double()
+            assert float(torch.linalg.vector_norm(move)) <= enc.l2_sensitivity
+            assert float(move.abs().sum()) <= enc.l1_sensitivity
+            largest = max(largest, float(torch.linalg.vector_norm(move)) / enc.l2_sensitivity)
+    assert enc.l2_sensitivity < 2 * enc.rounded_bound and largest > 0.7
+
+
 # ----- modular sum and noise ----------------------------------------------------------------------
 def test_modular_sum_equals_the_integer_sum_without_a_wrap_and_wraps_are_seen():
     g = torch.Generator().manual_seed(0)
@@ -231,9 +257,14 @@ def test_distributed_release_records_its_integer_sensitivities(distributed_run):
         enc = p.privatizer.plan.encodings[r.params["statistic"]]
         assert isinstance(r.event, SkellamDpEvent)
         c = dist.rounded_bound(enc.scale * enc.bound, enc.padded)
-        assert r.event.l2_sensitivity == pytest.approx(2 * c)
-        assert r.event.l1_sensitivity == pytest.approx(2 * c * min(math.sqrt(enc.padded), c))
-        assert r.event.variance == pytest.approx((p.privatizer.plan.noise_multiplier * c) ** 2)
+        l2 = 2 * c
+        if r.params["statistic"] == "A":  # PSD units: the √2 bound survives rounding, + 2√D
+            assert r.params["psd_tightened"]
+            l2 = min(2 * c, math.sqrt(2) * enc.scale * enc.bound + 2 * math.sqrt(enc.padded))
+        assert r.event.l2_sensitivity == pytest.approx(l2)
+        l1 = min(2 * c * min(math.sqrt(enc.padded), c), l2 * min(math.sqrt(enc.padded), l2))
+        assert r.event.l1_sensitivity == pytest.approx(l1)
+        assert r.event.variance == pytest.approx((p.privatizer.plan.noise_multiplier * l2 / 2) ** 2)
         assert r.params["bits"] == 12
 
 

@@ -219,6 +219,9 @@ class StatEncoding:
     """V: the Skellam variance per coordinate the sum carries when ``min_nodes`` nodes survive."""
     bits: int
     rotation_seed: int
+    psd: bool = False
+    """Every unit's contribution is a PSD matrix (the node zeroes one that is not): the triangles of two
+    such units have a non-negative inner product, which the rounding moves by < 2√D in norm."""
 
     @property
     def dim(self) -> int:
@@ -230,13 +233,21 @@ class StatEncoding:
 
     @property
     def l2_sensitivity(self) -> float:
-        """Δ₂ of the integer sum (replace-one): 2c̃."""
-        return 2 * self.rounded_bound
+        """Δ₂ of the integer sum (replace-one): 2c̃; for PSD units also ≤ √2·sB + 2√D (the rotated
+        triangles t, t' have ⟨t, t'⟩ = (tr(AA') + Σ A_ii A'_ii)/2 ≥ 0, so ‖t − t'‖ ≤ √2·sB, and each
+        rounding error has |e_i| < 1)."""
+        plain = 2 * self.rounded_bound
+        if not self.psd:
+            return plain
+        return min(plain, math.sqrt(2.0) * self.scale * self.bound + 2 * math.sqrt(self.padded))
 
     @property
     def l1_sensitivity(self) -> float:
-        """Δ₁ of the integer sum (replace-one): 2c̃·min(√D, c̃)."""
-        return 2 * self.rounded_bound * min(math.sqrt(self.padded), self.rounded_bound)
+        """Δ₁ of the integer sum (replace-one): 2c̃·min(√D, c̃), and ≤ Δ₂·min(√D, Δ₂) (an integer
+        vector v has ‖v‖₁ ≤ min(√D‖v‖₂, ‖v‖₂²))."""
+        plain = 2 * self.rounded_bound * min(math.sqrt(self.padded), self.rounded_bound)
+        l2 = self.l2_sensitivity
+        return min(plain, l2 * min(math.sqrt(self.padded), l2))
 
     def event(self, survivors: int, min_nodes: int) -> dp_accounting.DpEvent:
         """The release's event when ``survivors`` nodes' noise shares reached the sum."""
@@ -253,6 +264,7 @@ class StatEncoding:
             "l2_sensitivity_integer": self.l2_sensitivity,
             "l1_sensitivity_integer": self.l1_sensitivity,
             "rotation_seed": self.rotation_seed,
+            "psd_tightened": self.psd,
         }
 
 
@@ -344,6 +356,7 @@ class StatShape:
     shape: tuple[int, ...]
     bound: float
     symmetric: bool
+    psd: bool = False
 
 
 @dataclass(frozen=True)
@@ -355,7 +368,7 @@ class DistributedPlan:
     nodes: int
     min_nodes: int
     noise_multiplier: float
-    """z: each statistic's variance is V = (z·c̃)², σ = z·Δ₂/2 in integer units."""
+    """z: each statistic's variance is V = (z·Δ₂/2)², σ = z·Δ₂/2 in integer units."""
     encodings: dict[str, StatEncoding]
     users_per_node: int = 0
 
@@ -373,13 +386,14 @@ class DistributedPlan:
 
 
 def _worst_leaf(encodings: Sequence[StatEncoding]) -> Callable[[float], SkellamDpEvent]:
-    """A Skellam event at multiplier z that dominates every statistic's at every order: the
-    smallest c̃ with the largest Δ₁/c̃² ratio (the RDP bound decreases in c̃ and increases in Δ₁)."""
-    c = min(e.rounded_bound for e in encodings)
-    ratio = max(min(math.sqrt(e.padded), e.rounded_bound) / e.rounded_bound for e in encodings)
+    """A Skellam event at multiplier z that dominates every statistic's at every order. With
+    V = (zΔ₂/2)² the bound is 2α/z² + min(4(2α−1)/(z⁴Δ₂²) + 24ρ/(z⁴Δ₂²), 6ρ/z²), ρ = Δ₁/Δ₂²: the
+    smallest Δ₂ with the largest ρ dominates each statistic's."""
+    l2 = min(e.l2_sensitivity for e in encodings)
+    ratio = max(e.l1_sensitivity / e.l2_sensitivity**2 for e in encodings)
 
     def leaf(z: float) -> SkellamDpEvent:
-        return SkellamDpEvent((z * c) ** 2, 2 * c, 2 * c * c * ratio)
+        return SkellamDpEvent((z * l2 / 2) ** 2, l2, ratio * l2 * l2)
 
     return leaf
 
@@ -414,7 +428,8 @@ def _encodings(
         D = padded_dim(flat_dim(st.shape, st.symmetric))
         s = max_scale(st.bound, D, units, z, nodes, min_nodes, bits)
         c = rounded_bound(s * st.bound, D)
-        out.append(StatEncoding(st.name, st.shape, st.symmetric, st.bound, s, c, (z * c) ** 2, bits, seed + i))
+        enc = StatEncoding(st.name, st.shape, st.symmetric, st.bound, s, c, 0.0, bits, seed + i, st.psd)
+        out.append(dataclasses.replace(enc, variance=(z * enc.l2_sensitivity / 2) ** 2))
     return out
 
 
@@ -470,7 +485,7 @@ def plan_distributed(
         encs = _encodings(shapes, units, z_guess, nodes, min_nodes, bits, seed)
         z = calibrate_noise_multiplier(skellam_event(make_event, encs), epsilon, delta, accountant)
         if z <= z_guess:
-            encs = [dataclasses.replace(e, variance=(z * e.rounded_bound) ** 2) for e in encs]
+            encs = [dataclasses.replace(e, variance=(z * e.l2_sensitivity / 2) ** 2) for e in encs]
             return DistributedPlan(
                 DpModel.DISTRIBUTED, bits, nodes, min_nodes, z, {e.name: e for e in encs}, users_per_node
             )
@@ -636,7 +651,8 @@ class DistributedPrivatizer(NodeSidePrivatizer):
                 **(params or {}),
                 **enc.to_dict(),
                 "dp_model": self.model.value,
-                "sensitivity_formula_integer": "Δ₂ = 2c̃ (no PSD tightening after rounding), Δ₁ = 2c̃·min(√D, c̃), "
+                "sensitivity_formula_integer": "Δ₂ = 2c̃, for PSD units min(2c̃, √2·sB + 2√D); "
+                "Δ₁ = min(2c̃·min(√D, c̃), Δ₂·min(√D, Δ₂)); "
                 "c̃ = min(sB + √D, sqrt((sB)² + D/4 + sqrt(2 log(1/β))(sB + √D/2))), β = exp(−1/2)",
                 "variance_integer": variance,
                 "nodes_survived": survivors,

@@ -40,11 +40,25 @@ Aggregate = Callable[[int, str, Tensor, int], Tensor]
 
 def stat_shapes(protocol: Protocol) -> list[dist.StatShape]:
     """Every statistic the protocol sums, over all its rounds (the plan's input)."""
+    psd = set(getattr(protocol, "psd_statistics", ()))
     return [
-        dist.StatShape(s.name, tuple(s.shape), float(s.per_unit_bound), bool(s.symmetric))
+        dist.StatShape(s.name, tuple(s.shape), float(s.per_unit_bound), bool(s.symmetric), s.name in psd)
         for r in range(protocol.num_rounds)
         for s in protocol.stat_specs(r)
     ]
+
+
+def psd_or_zero(matrix: Tensor) -> Tensor:
+    """A unit's contribution declared PSD, or zero when it is not (beyond rounding): only PSD units
+    keep the √2 bound's premise, and zero is PSD. Only a protocol bug can make one (its statistics are
+    PSD by construction for every finite input)."""
+    m = matrix.detach().double().cpu()
+    if m.numel() == 0 or not bool(torch.isfinite(m).all()):
+        return matrix
+    lam = float(torch.linalg.eigvalsh((m + m.T) / 2).min())
+    if lam >= -1e-9 * max(float(torch.linalg.matrix_norm(m)), 1e-300):
+        return matrix
+    return torch.zeros_like(matrix)
 
 
 def unit_rows(
@@ -58,6 +72,7 @@ def unit_rows(
     """One node's per-unit contributions, (U, d) float64 per statistic (units of ``members`` only,
     those taking part in the round), the units' ids (one per row), the unit count and the zeroed count."""
     rows: dict[str, list[Tensor]] = {s.name: [] for s in specs}
+    psd = set(getattr(protocol, "psd_statistics", ()))
     ids: list[int] = []
     counts = [0, 0]
     threads = torch.get_num_threads()
@@ -73,7 +88,8 @@ def unit_rows(
                 ids.append(int(part["ids"][i]))
                 counts[0], counts[1] = counts[0] + msg.count, counts[1] + msg.zeroed
                 for s in specs:
-                    rows[s.name].append(dist.flatten(msg.stats[s.name].unsqueeze(0), s.shape, s.symmetric))
+                    value = psd_or_zero(msg.stats[s.name]) if s.name in psd else msg.stats[s.name]
+                    rows[s.name].append(dist.flatten(value.unsqueeze(0), s.shape, s.symmetric))
     finally:
         torch.set_num_threads(threads)
     out = {
@@ -299,19 +315,19 @@ def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num
     """The protocol with its ``noise_multiplier`` set so the noise it assumes after a release (its
     PSD floor, its noise diagnostics: public post-processing) is the noise the nodes add, never less.
 
-    Distributed: each statistic's noise std is z·c̃/s in its own units, against the protocol's z·B (or
-    z·B/√2 where it tightens a PSD release): the largest ratio is taken, times √2 when the protocol
-    tightens one. Local: the sum of up to n units' own noise has std √n·z·B. Spends no privacy: the
-    ledger records what the nodes did, whatever this says."""
+    Distributed: each statistic's noise std is z·Δ₂/(2s) in its own units; local: the sum of up to n units'
+    own noise has std √n·z·B; against the protocol's z·B (z·B/√2 for a PSD statistic): the largest ratio
+    is taken. Spends no privacy: the ledger records what the nodes did, whatever this says."""
     z = float(getattr(protocol, "noise_multiplier", 0.0))
     if z == 0 or not dataclasses.is_dataclass(protocol):
         return protocol
     plan = privatizer.plan
+    psd = set(getattr(protocol, "psd_statistics", ()))
+    # each statistic's noise std over the protocol's z·Δ/2 (Δ = 2B, or √2B for a PSD one centrally)
+    central = {e.name: z * (math.sqrt(2.0) if e.name in psd else 2.0) * e.bound / 2 for e in plan.encodings.values()}
     if plan.model is DpModel.LOCAL:
-        factor = math.sqrt(num_units)
+        actual = {e.name: math.sqrt(num_units) * z * e.bound for e in plan.encodings.values()}
     else:
-        factor = max(plan.noise_multiplier * e.rounded_bound / (e.scale * e.bound) / z for e in plan.encodings.values())
-    bound, sensitivity = getattr(protocol, "a_bound", None), getattr(protocol, "a_sensitivity", None)
-    if isinstance(bound, float) and isinstance(sensitivity, float) and sensitivity < 2 * bound:
-        factor *= 2 * bound / sensitivity
+        actual = {e.name: plan.noise_multiplier * e.l2_sensitivity / 2 / e.scale for e in plan.encodings.values()}
+    factor = max(actual[k] / central[k] for k in actual)
     return cast(Protocol, dataclasses.replace(cast(Any, protocol), noise_multiplier=z * factor))
