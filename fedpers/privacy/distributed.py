@@ -11,7 +11,8 @@ For each summed statistic (a symmetric one by its upper triangle, as the central
    probability their fraction, the whole vector re-drawn until ‖r_j‖ ≤ c̃ =
    min(sB + √D, sqrt((sB)² + D/4 + sqrt(2 log(1/β))(sB + √D/2))); the bound c̃ therefore holds
    for every unit, so neighbours' integer sums differ by Δ₂ ≤ 2c̃ and Δ₁ ≤ 2c̃·min(√D, c̃)
-   (an integer vector has ‖r‖₁ ≤ min(√D‖r‖₂, ‖r‖₂²)). After :data:`MAX_ROUNDING_TRIES` draws a
+   (an integer vector has ‖r‖₁ ≤ min(√D‖r‖₂, ‖r‖₂²)); for PSD units also Δ₂ ≤ √2·sB + 2√D
+   (:attr:`StatEncoding.psd`). After :data:`MAX_ROUNDING_TRIES` draws a
    vector is rounded toward zero (norm ≤ sB ≤ c̃), so rounding never fails;
 3. each node sums its units' integer vectors and adds its share Sk(V/min_nodes) of Skellam noise
    (Poisson(V/2m) − Poisson(V/2m), m = min_nodes): sums of independent Skellams are Skellam, so
