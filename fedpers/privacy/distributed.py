@@ -531,6 +531,9 @@ class NodeSidePrivatizer(Privatizer):
         self.noise_seed = int(seed)
         self._arrived: list[tuple[Tensor, str, int, int]] = []
         self.round_diagnostics: dict[str, float] = {}
+        self.dropout = 0.0
+        """Simulation: the probability each node drops out of each round (public, data-independent)."""
+        self.dropout_seed = 0
 
     def begin_round(self) -> None:
         """Forget sums that arrived for an earlier round (each is released at most once, in its round)."""

@@ -14,6 +14,7 @@ in the round's record as ``modular_wraps``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,18 @@ from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.options import Runtime, RuntimeOptions
 
 Tensor = torch.Tensor
+
+
+def dropouts(rate: float, seed: int) -> Callable[[int, int], bool]:
+    """``survive(round, node)`` for nodes that drop out independently with probability ``rate`` each
+    round, from a public seed (so whether a round has enough survivors never depends on the data)."""
+
+    def survive(round: int, node: int) -> bool:
+        tag = f"fedpers-dropout:{int(seed)}:{int(round)}:{int(node)}".encode()
+        u = int.from_bytes(hashlib.sha256(tag).digest()[:8], "little") / 2**64
+        return u >= rate
+
+    return survive
 
 
 Aggregate = Callable[[int, str, Tensor, int], Tensor]
@@ -224,6 +237,8 @@ def run_local_nodes(
     runs real SecAgg+ over them and must give the same sum)."""
     source = UnitSource.of(units)
     n = source.num_units
+    if survive is None and privatizer.dropout > 0:
+        survive = dropouts(privatizer.dropout, privatizer.dropout_seed)
 
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         privatizer.begin_round()
@@ -292,11 +307,13 @@ def node_side_privatizer(
     stats = stat_shapes(protocol)
     nodes = options.nodes
     if model is DpModel.LOCAL:
-        return dist.LocalPrivatizer(
+        local = dist.LocalPrivatizer(
             noise_seed,
             dist.plan_local(stats, nodes=nodes, z=z, users_per_node=options.users_per_node),
             secure=options.secure_noise,
         )
+        local.dropout, local.dropout_seed = options.node_dropout, rotation_seed
+        return local
     plan = dist.plan_distributed(
         stats,
         units=num_units,
@@ -308,7 +325,9 @@ def node_side_privatizer(
         central_z=z,
         users_per_node=options.users_per_node,
     )
-    return dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
+    privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
+    privatizer.dropout, privatizer.dropout_seed = options.node_dropout, rotation_seed
+    return privatizer
 
 
 def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num_units: int) -> Protocol:

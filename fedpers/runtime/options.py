@@ -65,7 +65,19 @@ class RuntimeOptions:
         ge=0,
     )
 
+    node_dropout: float = field(
+        0.0,
+        "dp_model distributed or local, local runtime: probability that each node drops out of each round "
+        "(drawn from the run seed, independent of the data) to measure what dropouts cost",
+        ge=0.0,
+        lt=1.0,
+    )
+
     def __post_init__(self) -> None:
+        if self.node_dropout > 0 and DpModel(self.dp_model) is DpModel.CENTRAL:
+            raise ValueError(
+                "node_dropout needs --dp-model distributed or local (central has no node-side noise to size)"
+            )
         if 0 < self.bits < 4:
             raise ValueError(f"bits must be 0 (auto) or in [4, 32]; got {self.bits}")
         if self.min_nodes > self.nodes:
