@@ -2,7 +2,7 @@
 a modular secure sum, b bits) and local DP, with the non-private baseline (docs/privacy.md, "Three trust
 models").
 
-    python simulations/trust_models.py OUT_DIR [--seeds 2] [--epsilons 1,2,4,8] [--bits 8,12,16,20]
+    python simulations/trust_models.py OUT_DIR [--seeds 2] [--epsilons 1,2,4,8] [--bits 8,12,16,20] [--algorithms altmin]
 
 Writes OUT_DIR/runs.jsonl (one line per run, appended as each finishes, so a killed sweep keeps what it
 ran; a rerun skips the lines already there), OUT_DIR/table.md (medians over seeds, with the modular-wrap
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--epsilons", default=None)
     p.add_argument("--bits", default=None)
+    p.add_argument("--algorithms", default=None, help="comma list (default: every algorithm of the toml)")
     a = p.parse_args(argv)
     spec = tomllib.loads((HERE / "trust_models.toml").read_text())
     seeds = a.seeds or int(spec["seeds"])
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     for seed in range(seeds):  # seeds outer: a killed sweep has every cell at fewer seeds
         for algorithm, base in spec["algorithms"].items():
+            if a.algorithms and algorithm not in a.algorithms.split(","):
+                continue
             cells = [("non-private", {}, math.inf)] + [(m, o, e) for e in epsilons for m, o in models(bits)]
             for model, options, eps in cells:
                 key = (algorithm, model, eps if math.isfinite(eps) else "inf", seed)
