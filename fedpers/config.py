@@ -283,3 +283,12 @@ class DeviceRunConfig(ApproxDpRunConfig):
         """Refuse a device, dtype or code path this machine or torch does not have."""
         check_device_and_dtype(self.device, self.dtype)
         check_kernels(self.kernels)
+
+
+class DpModel(str, enum.Enum):
+    """The trust models (``--dp-model``): who adds the noise, so whom a user must trust
+    (docs/privacy.md, "Three trust models")."""
+
+    CENTRAL = "central"
+    DISTRIBUTED = "distributed"
+    LOCAL = "local"

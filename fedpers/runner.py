@@ -9,16 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from fedpers import config as config_lib
-from fedpers.config import RunConfig
+from fedpers.config import DpModel, RunConfig
 from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
+from fedpers.privacy.distributed import NodeSidePrivatizer, RecordingCalibrations
 from fedpers.protocols.base import Protocol
 from fedpers.results.run_result import RunResult
 from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import RoundRecord
 from fedpers.runtime.options import Runtime, RuntimeOptions
-from fedpers.seeds import split_seed
+from fedpers.seeds import derived_seed, split_seed
 
 
 @dataclass
@@ -113,10 +114,25 @@ def resolve(
     if flower_grid and options.runtime is not Runtime.FLOWER:
         raise ValueError("runtime must be flower when a Flower grid is given")
     run_cfg, noise_seed = split_seed(cfg)
-    calibrations = Calibrations()
+    central = options.dp_model is DpModel.CENTRAL
+    calibrations = Calibrations() if central else RecordingCalibrations()
     protocol = experiment.protocol(run_cfg, calibrations)
+    if central:
+        privatizer = Privatizer(noise_seed, secure=options.secure_noise)
+    else:  # distributed or local DP: the nodes add the noise (fedpers.runtime.distributed)
+        from fedpers.runtime.distributed import node_side_privatizer, with_node_noise
+
+        assert isinstance(calibrations, RecordingCalibrations)
+        privatizer = node_side_privatizer(
+            protocol,
+            experiment.num_units(run_cfg),
+            calibrations,
+            options,
+            noise_seed,
+            derived_seed(run_cfg.seed, "rotation"),
+        )
+        protocol = with_node_noise(protocol, privatizer, experiment.num_units(run_cfg))
     evaluator = experiment.evaluator(run_cfg, protocol) if options.server_data else NoServerData()
-    privatizer = Privatizer(noise_seed, secure=options.secure_noise)
     return Plan(experiment, cfg, run_cfg, options, protocol, calibrations, evaluator, privatizer)
 
 
@@ -195,6 +211,9 @@ def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> RunResult:
     """The run's result: the algorithm's metrics with the (ε, δ) the accountant gives its ledger,
     and a warning for each trivial baseline the private result does not beat."""
     privacy = plan.experiment.privacy_summary(plan.cfg, plan.protocol, plan.privatizer.ledger)
+    if isinstance(plan.privatizer, NodeSidePrivatizer):  # who added the noise, and its public parameters
+        node_plan = plan.privatizer.plan
+        privacy = {**privacy, "noise_multiplier": node_plan.noise_multiplier, "trust_model": node_plan.summary()}
     result = RunResult.completed(plan.experiment.name, plan.options.runtime.value, privacy, final, seconds)
     warnings = plan.experiment.result_warnings(plan.cfg, result.to_dict())
     return result.with_warnings(warnings) if warnings else result

@@ -8,6 +8,7 @@ from typing import Any
 from fedpers.commands.summary import LEDGER_COLUMNS, label, ledger_rows, text_table
 from fedpers.privacy import Ledger, ledger_epsilon
 from fedpers.privacy.accountant import check_accountant
+from fedpers.privacy.ledger import SkellamDpEvent
 from fedpers.results.rundir import read_run
 
 
@@ -56,6 +57,10 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
     level = next((f"{unit}-level" for unit in ("prompt", "example", "column") if unit in neighbours), "user-level")
     lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc} accountant, {neighbours} neighbours"]
+    if any(isinstance(r.event, SkellamDpEvent) for r in ledger):
+        lines.append(
+            "  (distributed DP: the Skellam releases have an RDP bound only, so the composition is accounted in RDP)"
+        )
     if len(ledger.groups()) > 1:
         lines.append(f"  (parallel composition over {len(ledger.groups())} disjoint groups; worst group reported)")
     priv = run.get("result", {}).get("privacy", {})

@@ -51,7 +51,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
 from fedpers.config import meta
-from fedpers.privacy import calibration_cache
+from fedpers.privacy import calibration_cache, skellam
 from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -388,6 +388,9 @@ def event_epsilon(
     Raises :class:`UnsupportedEvent` (a ValueError) for an event ``accountant`` cannot account.
     """
     _check_delta(delta)
+    if skellam.contains_skellam(event):
+        # distributed DP: the Skellam mechanism has an RDP bound only, so the whole composition is accounted in RDP
+        return skellam.rdp_epsilon(event, delta)
     acc = get_accountant(accountant)
     if not acc.stated_events:
         rest, eps_stated, delta_stated = _split_epsilon_delta(event)

@@ -74,6 +74,8 @@ class Release:
             self.event.event, dp_accounting.GaussianDpEvent
         ):
             return self.event.event.noise_multiplier
+        if isinstance(self.event, SkellamDpEvent) and self.event.l2_sensitivity > 0:
+            return 2 * math.sqrt(self.event.variance) / self.event.l2_sensitivity  # σ over Δ/2, in integer units
         return math.inf
 
     def to_dict(self) -> dict[str, Any]:
@@ -208,3 +210,16 @@ class Ledger:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Ledger) and self._releases == other._releases
+
+
+@attr.s(frozen=True, slots=True, auto_attribs=True)
+class SkellamDpEvent(dp_accounting.DpEvent):
+    """The multi-dimensional Skellam mechanism on integers (distributed DP): integer inputs whose
+    replace-one neighbours differ by at most ``l2_sensitivity`` in L2 and ``l1_sensitivity`` in L1,
+    plus Skellam noise of total ``variance`` per coordinate. dp-accounting has no such event; the
+    accountant composes it by the RDP bound of Agarwal, Kairouz & Liu 2021
+    (:mod:`fedpers.privacy.skellam`)."""
+
+    variance: float
+    l2_sensitivity: float
+    l1_sensitivity: float

@@ -121,6 +121,12 @@ class AltMinProtocol(Protocol):
         sampled = self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0
         return psd_sensitivity(self.a_bound, self.sampling_rate if sampled else 1.0)
 
+    @property
+    def psd_statistics(self) -> tuple[str, ...]:
+        """Statistics whose every unit's contribution is PSD and released with the √2 bound (A_j =
+        (v̂v̂ᵀ) ⊗ Σ m²x̂x̂ᵀ; not under Poisson sampling): distributed DP keeps the tightening after rounding."""
+        return () if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0 else ("A",)
+
     def noise_std(self, bound: float, sensitivity: float | None = None) -> float:
         """σ = z·Δ/2 with Δ = 2·bound unless given (0 without noise)."""
         delta = 2 * bound if sensitivity is None else sensitivity

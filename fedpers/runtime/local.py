@@ -17,6 +17,7 @@ import torch
 
 from fedpers.data.units import UnitSource
 from fedpers.privacy import Privatizer
+from fedpers.privacy.distributed import NodeSidePrivatizer
 from fedpers.protocols.base import Protocol, Units, client_message
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundRecord, drive
@@ -72,6 +73,18 @@ def run_local(
     """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if isinstance(privatizer, NodeSidePrivatizer):  # distributed or local DP: the nodes add the noise
+        from fedpers.runtime.distributed import run_local_nodes
+
+        return run_local_nodes(
+            protocol,
+            units,
+            privatizer,
+            chunk_size=chunk_size,
+            on_round=on_round,
+            progress=progress,
+            checkpoint=checkpoint,
+        )
     source = UnitSource.of(units)
     n = source.num_units
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from fedpers.config import field
+from fedpers.config import DpModel, field
 
 
 class Runtime(str, enum.Enum):
@@ -52,8 +52,41 @@ class RuntimeOptions:
         False,
         "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run",
     )
+    dp_model: DpModel = field(
+        DpModel.CENTRAL,
+        "trust model: central (the server adds the noise), distributed (each node adds a share of Skellam "
+        "noise inside secure aggregation; the server sees only the noisy sum), local (each unit's own noise on its node)",
+    )
+    bits: int = field(
+        0,
+        "dp_model distributed: bits of the modular sum, 4 to 32 (0: the fewest at which rounding costs at most 1 percent)",
+        ge=0,
+        le=32,
+    )
+    min_nodes: int = field(
+        0,
+        "dp_model distributed: nodes whose noise shares must reach the sum (0: all --nodes); a round with fewer "
+        "survivors is discarded before any release",
+        ge=0,
+    )
+
+    node_dropout: float = field(
+        0.0,
+        "dp_model distributed or local, local runtime: probability that each node drops out of each round "
+        "(drawn from the run seed, independent of the data) to measure what dropouts cost",
+        ge=0.0,
+        lt=1.0,
+    )
 
     def __post_init__(self) -> None:
+        if self.node_dropout > 0 and DpModel(self.dp_model) is DpModel.CENTRAL:
+            raise ValueError(
+                "node_dropout needs --dp-model distributed or local (central has no node-side noise to size)"
+            )
+        if 0 < self.bits < 4:
+            raise ValueError(f"bits must be 0 (auto) or in [4, 32]; got {self.bits}")
+        if self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes must be in [0, nodes={self.nodes}]; got {self.min_nodes}")
         # Ray packs fractional shares on one GPU but never spreads one actor over part of several
         share = float(self.client_gpus)
         if share > 1.0 and not share.is_integer():
