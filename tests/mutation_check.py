@@ -122,7 +122,7 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "FedRep divides by the realised cohort size": (
         "fedpers/protocols/fedrep.py",
-        "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / (q * self.n_users)",
+        "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / divisor",
         "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / max(summed.count, 1)",
         "tests/test_privacy_bookkeeping.py",
     ),

@@ -23,6 +23,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
@@ -31,7 +32,8 @@ LOCAL_RIDGE = 1e-6
 
 @dataclass(frozen=True)
 class FedRepProtocol(Protocol):
-    """Public parameters of one (private) FedRep run; every user takes part in every round."""
+    """Public parameters of one (private) FedRep run: every user takes part in every round, a
+    Poisson sample (``sampling_rate`` < 1), or the cohort of a public K-cycle (``cycle`` > 1)."""
 
     n_users: int
     dim: int
@@ -45,6 +47,10 @@ class FedRepProtocol(Protocol):
     dtype_name: str = "float64"
     sampling_rate: float = 1.0
     """q < 1: Poisson user sampling in rounds 1..T (the init uses every user)."""
+    cycle: int = 1
+    """K > 1: K fixed cohorts by id blocks (user i in cohort ⌊iK/n⌋); round r ≥ 1 uses cohort (r − 1) mod K."""
+    correlated: CorrelatedNoise | None = None
+    """Correlated noise across rounds 1..T (None: independent Gaussian noise per round)."""
 
     name = "fedrep"
 
@@ -69,8 +75,32 @@ class FedRepProtocol(Protocol):
         """σ = z·Δ/2 with Δ = 2·bound (replace-one)."""
         return self.noise_multiplier * bound if self.noise_multiplier > 0 else 0.0
 
+    def round_noise_std(self) -> float:
+        """σ of a gradient round's noise (of z before C⁻¹ when correlated)."""
+        if self.correlated is not None:
+            return self.correlated.noise_std(self.noise_multiplier, self.clip)
+        return self.noise_std(self.clip)
+
     def releases_per_user(self) -> int:
-        return 1 + self.rounds
+        """Init + the rounds a user takes part in: ⌈T/K⌉ under a K-cycle (the largest cohort's count)."""
+        return 1 + -(-self.rounds // self.cycle)
+
+    def cohort_of(self, ids: Tensor) -> Tensor:
+        """Public cohort of each user id under the K-cycle: ⌊id·K/n⌋ (blocks of consecutive ids)."""
+        return torch.div(ids.to(torch.int64) * self.cycle, self.n_users, rounding_mode="floor")
+
+    def cohort_range(self, cohort: int) -> tuple[int, int]:
+        """[start, stop) of the ids in ``cohort`` (⌈kn/K⌉ .. ⌈(k+1)n/K⌉)."""
+        n, K = self.n_users, self.cycle
+        return -(-cohort * n // K), -(-(cohort + 1) * n // K)
+
+    def round_cohort(self, round: int) -> int:
+        return (round - 1) % self.cycle
+
+    def cohort_size(self, round: int) -> int:
+        """Public divisor of round ``round``: its cohort's size (n for K = 1)."""
+        start, stop = self.cohort_range(self.round_cohort(round))
+        return stop - start
 
     @staticmethod
     def user_event(noise_multiplier: float, releases: int, sampling_rate: float = 1.0) -> dp_accounting.DpEvent:
@@ -80,7 +110,14 @@ class FedRepProtocol(Protocol):
         return dp_accounting.ComposedDpEvent([g] + [step] * (releases - 1))
 
     def units_in_round(self, round: int, units: Units) -> int:
+        if round >= 1 and self.cycle > 1:
+            return int((self.cohort_of(units["ids"]) == self.round_cohort(round)).sum())
         return int(units["ids"].shape[0])
+
+    def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
+        if round >= 1 and self.cycle > 1:
+            return torch.arange(*self.cohort_range(self.round_cohort(round))), None
+        return None, None
 
     # ----- protocol ------------------------------------------------------------------
     def unit_keys(self) -> tuple[str, ...]:
@@ -109,6 +146,9 @@ class FedRepProtocol(Protocol):
             return Message({"W": self.init_statistic(x, y)}, int(ids.shape[0]))
         if self.poisson:
             keep = broadcast["sampled"].to(ids.device)[ids] > 0
+            x, y = x[keep], y[keep]
+        if self.cycle > 1:
+            keep = self.cohort_of(ids) == self.round_cohort(round)
             x, y = x[keep], y[keep]
         G = self.clipped_gradients(broadcast["U"].to(self.dtype), x, y).sum(0)
         return Message({"G": G}, int(x.shape[0]))
@@ -139,21 +179,38 @@ class FedRepProtocol(Protocol):
         params = {"statistic": "G", "clip": self.clip, "formula": "bound C (Frobenius), Δ = 2C"}
         if self.poisson:
             params["sampling"] = f"poisson q={q}"
-        G = privatizer.gaussian_sum(
-            summed.stats["G"],
-            per_unit_bound=self.clip,
-            noise_multiplier=z,
-            name=f"round{round}.G",
-            round=round,
-            units=ALL_UNITS,
-            params=params,
-            sampling_probability=q if z > 0 else 1.0,
-        )
-        # divide by the expected cohort q·n (public), never by the sampled count
-        U = state["U"].to(G.dtype) - self.learning_rate * G / (q * self.n_users)
+        cohort = self.round_cohort(round)
+        if self.cycle > 1:
+            params["cohorts"] = f"cyclic K={self.cycle}, cohort {cohort}: ids ⌈kn/K⌉..⌈(k+1)n/K⌉"
+        if self.correlated is not None:
+            G = privatizer.correlated_gaussian_sum(
+                summed.stats["G"],
+                per_unit_bound=self.clip,
+                noise_multiplier=z,
+                noise=self.correlated,
+                stream="G",
+                step=round - 1,
+                name=f"round{round}.G",
+                round=round,
+                params=params,
+            )
+        else:
+            G = privatizer.gaussian_sum(
+                summed.stats["G"],
+                per_unit_bound=self.clip,
+                noise_multiplier=z,
+                name=f"round{round}.G",
+                round=round,
+                units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
+                params=params,
+                sampling_probability=q if z > 0 else 1.0,
+            )
+        # divide by the public expected cohort: q·n (Poisson) or the cycle's cohort size, never by a sampled count
+        divisor = q * self.n_users if self.poisson else self.cohort_size(round)
+        U = state["U"].to(G.dtype) - self.learning_rate * G / divisor
         info = {
-            "noise_std_G": self.noise_std(self.clip),
-            "grad_norm": float(torch.linalg.matrix_norm(G)) / (q * self.n_users),
+            "noise_std_G": self.round_noise_std(),
+            "grad_norm": float(torch.linalg.matrix_norm(G)) / divisor,
         }
         if self.poisson:
             info["sampled_users"] = float(summed.count)
