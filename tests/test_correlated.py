@@ -259,3 +259,49 @@ def test_secure_noise_refuses_correlated_noise_before_releasing():
         p.correlated_gaussian_sum(torch.zeros(2), per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G",
                                   step=0, name="g", round=1)
     assert len(p.ledger) == 0
+
+
+# ----- NoisyGD (example-level units) -------------------------------------------------------------
+GD = EXPERIMENTS["noisygd"]
+GD_SMALL = dict(examples=60, classes=3, feature_dim=5, steps=7, epsilon=2.0, test_examples=20, baselines=False,
+                dtype="float64", cohorts="cyclic", cycle=3, collapse="random", beta=0.3)
+
+
+def gd_setup(values: dict):
+    cfg = config.build(GD.config_type, values)
+    protocol = GD.protocol(cfg)
+    return cfg, protocol, {k: v.clone() for k, v in GD.units(cfg, torch.arange(cfg.examples)).items()}
+
+
+def test_noisygd_cyclic_cohorts_one_band_and_the_ledger():
+    """Cohort labels per step, ε from the ledger = the calibration's, one band = independent bit for bit,
+    and a correlated run touches every example through releases that compose to the joint mechanism."""
+    U = []
+    for extra in ({}, {"noise": "banded", "bands": 1}, {"noise": "banded"}):
+        cfg, protocol, units = gd_setup({**GD_SMALL, **extra})
+        assert protocol.participations() == 3
+        privatizer = Privatizer(2)
+        state, _ = run_local(protocol, units, privatizer, chunk_size=11, progress=False)
+        U.append(state["W"])
+        summary = GD.privacy_summary(cfg, protocol, privatizer.ledger)
+        assert summary["epsilon"] <= 2.0 * (1 + 2e-3) and summary["epsilon"] == pytest.approx(2.0, rel=2e-2)
+        if not extra:
+            assert [r.units for r in privatizer.ledger] == [f"cohort:{s % 3}" for s in range(7)]
+    assert torch.equal(U[0], U[1]) and not torch.equal(U[0], U[2])
+
+
+def test_noisygd_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_sensitivity():
+    cfg, protocol, units = gd_setup({**GD_SMALL, "noise": "banded"})
+    C = protocol.correlated.strategy.matrix(cfg.steps)
+    j = 4
+    reference = TapPrivatizer(3)
+    run_local(protocol, units, reference, chunk_size=11, progress=False)
+    replayed = TapPrivatizer(3, replay=reference.outputs)
+    run_local(protocol, replace_unit(units, j, {"x": -units["x"][j] * 1e3}), replayed, chunk_size=11, progress=False)
+    rounds = [(r, b, a) for (r, b), (_, a) in zip(reference.values, replayed.values)]
+    joint = rounds[0][0].params["joint_sensitivity"]
+    dx = torch.stack([(a - b).double().flatten() for _, b, a in rounds])
+    moved = float(torch.linalg.matrix_norm(C @ dx))
+    assert 0.5 * joint < moved <= joint * (1 + 1e-9)
+    cohort = int(protocol.cohort_of(torch.tensor([j])))
+    assert all(float(dx[s].abs().max()) == 0.0 for s in range(cfg.steps) if s % 3 != cohort)

@@ -45,7 +45,6 @@ from fedpers.privacy import (
     ledger_epsilon,
 )
 from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
-from fedpers.privacy.correlated import NOISE_KINDS, CorrelatedNoise
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
 from fedpers.runtime.local import run_local
 
@@ -112,7 +111,7 @@ class FedRepConfig(DeviceRunConfig):
         baseline_names(self.baselines)
         if self.cohorts not in ("all", "poisson", "cyclic"):
             raise ValueError(f"cohorts must be all, poisson or cyclic; got {self.cohorts!r}")
-        check_cycle_and_noise(self.cohorts, self.cycle, self.noise, self.bands, self.rounds, self.n_users)
+        correlated.check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.rounds, self.n_users)
         if self.cohorts == "poisson" and not self.sampling_rate < 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
         if self.cohorts == "all" and self.sampling_rate != 1.0:
@@ -125,35 +124,6 @@ class FedRepConfig(DeviceRunConfig):
 
 
 BASELINES = ("priv_altmin", "nonprivate_altmin")
-
-
-def cycle_of(cohorts: str, cycle: int) -> int:
-    """K of a run: --cycle with cohorts cyclic, else 1 (every user, or Poisson, every round)."""
-    return cycle if cohorts == "cyclic" else 1
-
-
-def check_cycle_and_noise(cohorts: str, cycle: int, noise: str, bands: int, rounds: int, units: int) -> None:
-    """Refuse (before any release) a cycle or noise setting the run cannot account."""
-    if cohorts != "cyclic" and cycle != 1:
-        raise ValueError(f"cycle needs cohorts cyclic; got cycle {cycle} with cohorts {cohorts}")
-    if cohorts == "cyclic" and not 1 <= cycle <= units:
-        raise ValueError(f"cycle must be in [1, {units}] (the number of units); got {cycle}")
-    if noise not in NOISE_KINDS:
-        raise ValueError(f"noise must be one of {', '.join(NOISE_KINDS)}; got {noise!r}")
-    if noise != "independent" and cohorts == "poisson":
-        raise ValueError(
-            "noise: correlated noise with cohorts poisson needs the amplified banded analysis, which fedpers "
-            "does not implement; use cohorts cyclic (or all) with correlated noise, or noise independent"
-        )
-    if noise == "independent" and bands not in (0, 1):
-        raise ValueError(f"bands needs noise banded or optimised; got bands {bands} with noise independent")
-    if bands > rounds:
-        raise ValueError(f"bands must be in [0, rounds={rounds}]; got {bands}")
-
-
-def correlated_mechanism(noise: str, rounds: int, bands: int, cycle: int) -> CorrelatedNoise:
-    """The public strategy and its sensitivity under the run's cycle (bands 0: b = min(K, T))."""
-    return correlated.mechanism(noise, rounds, bands or min(cycle, rounds), cycle)
 
 
 def baseline_names(text: str) -> tuple[str, ...]:
@@ -224,9 +194,9 @@ def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -
         dtype_name=cfg.dtype,
         sampling_rate=cfg.sampling_rate,
     )
-    proto = replace(proto, cycle=cycle_of(cfg.cohorts, cfg.cycle))
+    proto = replace(proto, cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle))
     if cfg.noise != "independent":
-        proto = replace(proto, correlated=correlated_mechanism(cfg.noise, cfg.rounds, cfg.bands, proto.cycle))
+        proto = replace(proto, correlated=correlated.run_mechanism(cfg.noise, cfg.rounds, cfg.bands, proto.cycle))
     if not private:
         return proto
     releases = proto.releases_per_user()

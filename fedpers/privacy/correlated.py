@@ -262,3 +262,32 @@ class NoiseRecurrence:
         self.history = [w, *self.history][: len(self.coefficients) - 1]
         self.step += 1
         return w
+
+
+def cycle_of(cohorts: str, cycle: int) -> int:
+    """K of a run: --cycle with cohorts cyclic, else 1 (every user, or Poisson, every round)."""
+    return cycle if cohorts == "cyclic" else 1
+
+
+def check_settings(cohorts: str, cycle: int, noise: str, bands: int, rounds: int, units: int) -> None:
+    """Refuse (before any release) a cycle or noise setting the run cannot account."""
+    if cohorts != "cyclic" and cycle != 1:
+        raise ValueError(f"cycle needs cohorts cyclic; got cycle {cycle} with cohorts {cohorts}")
+    if cohorts == "cyclic" and not 1 <= cycle <= units:
+        raise ValueError(f"cycle must be in [1, {units}] (the number of units); got {cycle}")
+    if noise not in NOISE_KINDS:
+        raise ValueError(f"noise must be one of {', '.join(NOISE_KINDS)}; got {noise!r}")
+    if noise != "independent" and cohorts == "poisson":
+        raise ValueError(
+            "noise: correlated noise with cohorts poisson needs the amplified banded analysis, which fedpers "
+            "does not implement; use cohorts cyclic (or all) with correlated noise, or noise independent"
+        )
+    if noise == "independent" and bands not in (0, 1):
+        raise ValueError(f"bands needs noise banded or optimised; got bands {bands} with noise independent")
+    if bands > rounds:
+        raise ValueError(f"bands must be in [0, rounds={rounds}]; got {bands}")
+
+
+def run_mechanism(noise: str, rounds: int, bands: int, cycle: int) -> CorrelatedNoise:
+    """The public strategy and its sensitivity under the run's cycle (bands 0: b = min(K, T))."""
+    return mechanism(noise, rounds, bands or min(cycle, rounds), cycle)
