@@ -176,6 +176,7 @@ def test_cyclic_cohorts_use_the_public_blocks_divide_by_their_size_and_are_accou
     assert eps <= cfg.epsilon * (1 + 1e-6)
 
 
+@pytest.mark.slow  # ~10 s; the adaptive-clip neighbour test below covers cyclic cohorts in the default suite
 def test_cyclic_worst_case_neighbour_moves_only_its_cohort_releases():
     cfg, protocol, units = setup(SMALL)
     for j in (27,):
@@ -305,3 +306,45 @@ def test_noisygd_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_s
     assert 0.5 * joint < moved <= joint * (1 + 1e-9)
     cohort = int(protocol.cohort_of(torch.tensor([j])))
     assert all(float(dx[s].abs().max()) == 0.0 for s in range(cfg.steps) if s % 3 != cohort)
+
+
+# ----- accounted adaptive clipping (Andrew et al. 2021) ---------------------------------------------
+ADAPTIVE = {**SMALL, "clip_rule": "adaptive", "clip": 5.0, "clip_quantile": 0.5, "clip_lr": 0.5, "clip_budget": 0.2}
+
+
+@pytest.mark.parametrize("noise", ["independent", "banded"])
+def test_adaptive_clip_count_is_a_release_in_the_ledger_and_in_the_total_epsilon(noise):
+    cfg, protocol, units = setup({**ADAPTIVE, "noise": noise})
+    privatizer = TapPrivatizer(3)
+    state, _ = run_local(protocol, units, privatizer, chunk_size=40, progress=False)
+    counts = [r for r in privatizer.ledger if r.name.endswith(".below")]
+    assert len(counts) == cfg.rounds
+    z = protocol.noise_multiplier
+    for r in counts:
+        assert r.sensitivity == 1.0 and r.noise_multiplier == pytest.approx(z / math.sqrt(0.2))
+    grads = [r for r in privatizer.ledger if r.name.endswith(".G")]
+    assert all(r.per_unit_bound == 1.0 for r in grads)  # G_j/C_t is released, scaled back by the public C_t
+    # the bound moves with the released counts only: C_{t+1} = C_t·exp(−η(b̄ − γ)), b̄ over the public cohort size
+    released = {r.name: out for (r, _), out in zip(privatizer.values, privatizer.outputs)}
+    c = 5.0
+    for t in range(1, cfg.rounds + 1):
+        size = protocol.cohort_size(t)
+        c *= math.exp(-0.5 * ((float(released[f"round{t}.below"]) + size / 2) / size - 0.5))
+    assert float(state["clip"]) == pytest.approx(c, rel=1e-12)
+    eps = ledger_epsilon(privatizer.ledger, cfg.delta, cfg.accountant)
+    recomputed = event_epsilon(FedRepProtocol.user_event(z, protocol.releases_per_user(), 1.0, 0.2), cfg.delta)
+    assert eps == pytest.approx(recomputed, rel=2e-3) and eps <= cfg.epsilon * (1 + 2e-3)
+    # without the counts the same z would claim less: the counts are accounted, not free
+    assert event_epsilon(FedRepProtocol.user_event(z / math.sqrt(0.8), 1 + 3), cfg.delta) < 0.97 * eps
+
+
+def test_adaptive_clip_worst_case_neighbours_move_each_release_by_at_most_its_sensitivity():
+    cfg, protocol, units = setup(ADAPTIVE)
+    j = 27
+    cohort = int(protocol.cohort_of(torch.tensor([j])))
+    moved_count = 0.0
+    for label in ("alternating y",):
+        new = adversaries(units["x"][j], units["y"][j], torch.float64)[label]
+        outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS, f"cohort:{cohort}"})
+        moved_count = max([moved_count] + [c for r, c in outcome.changes if r.name.endswith(".below")])
+    assert moved_count == 1.0  # a user's indicator flips: the count's full sensitivity is reached

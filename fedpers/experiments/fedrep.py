@@ -93,6 +93,16 @@ class FedRepConfig(DeviceRunConfig):
         "(banded, optimised for the horizon and cycle)",
     )
     bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle)", ge=0)
+    clip_rule: str = field(
+        "fixed",
+        "fixed: every round clips at --clip; adaptive: --clip is the first bound, moved each round toward the "
+        "--clip-quantile of users' gradient norms through a noisy count (accounted)",
+    )
+    clip_quantile: float = field(0.5, "γ: target fraction of users under the adaptive bound", gt=0.0, lt=1.0)
+    clip_lr: float = field(0.2, "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ))", gt=0.0)
+    clip_budget: float = field(
+        0.1, "f: share of each round's privacy (of μ²) spent on the adaptive clip's count", gt=0.0, lt=1.0
+    )
     sampling_rate: float = field(
         1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
     )
@@ -118,6 +128,8 @@ class FedRepConfig(DeviceRunConfig):
             raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
         if self.cohorts == "poisson":
             check_poisson_accountant(self.accountant, "cohorts poisson")
+        if self.clip_rule not in ("fixed", "adaptive"):
+            raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         self.check_device()
@@ -199,9 +211,11 @@ def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -
         proto = replace(proto, correlated=correlated.run_mechanism(cfg.noise, cfg.rounds, cfg.bands, proto.cycle))
     if not private:
         return proto
-    releases = proto.releases_per_user()
+    if cfg.clip_rule == "adaptive":
+        proto = replace(proto, clip_quantile=cfg.clip_quantile, clip_lr=cfg.clip_lr, count_share=cfg.clip_budget)
+    releases, share = proto.releases_per_user(), proto.count_share
     z = calibrate_noise_multiplier(
-        lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate),
+        lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate, share),
         cfg.epsilon,
         cfg.delta,
         cfg.accountant,
@@ -428,6 +442,9 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": protocol.releases_per_user(),
+            "clip_rule": f"adaptive γ={protocol.clip_quantile}, η_C={protocol.clip_lr}, count share f={protocol.count_share}"
+            if protocol.adaptive
+            else "fixed",
             "sampling": f"poisson q={cfg.sampling_rate} (rounds 1..T; init uses every user)"
             if cfg.cohorts == "poisson"
             else f"cyclic: {cfg.cycle} cohorts by id blocks, round r uses cohort (r − 1) mod {cfg.cycle}"
