@@ -348,3 +348,37 @@ def test_adaptive_clip_worst_case_neighbours_move_each_release_by_at_most_its_se
         outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS, f"cohort:{cohort}"})
         moved_count = max([moved_count] + [c for r, c in outcome.changes if r.name.endswith(".below")])
     assert moved_count == 1.0  # a user's indicator flips: the count's full sensitivity is reached
+
+
+def test_a_checkpointed_privatizer_continues_the_same_correlated_stream():
+    """The recurrence's last b − 1 vectors travel in the Privatizer's state (what a resumed run loads)."""
+    m = cc.mechanism("banded", 10, 4, 4)
+    value = torch.zeros(3, dtype=torch.float64)
+
+    def release(p: Privatizer, t: int) -> torch.Tensor:
+        return p.correlated_gaussian_sum(value, per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G",
+                                         step=t, name=f"r{t}", round=t + 1)
+
+    whole = Privatizer(6)
+    expected = [release(whole, t) for t in range(10)]
+    first = Privatizer(6)
+    for t in range(5):
+        release(first, t)
+    resumed = Privatizer(6)
+    resumed.load_state_dict(first.state_dict())
+    assert all(torch.equal(release(resumed, t), expected[t]) for t in range(5, 10))
+
+
+@pytest.mark.slow  # ~25 s: the Flower grid
+def test_cyclic_banded_adaptive_fedrep_on_the_flower_grid_matches_local(tmp_path):
+    from fedpers.app import make_client_app
+    from fedpers.runner import Runtime, RuntimeOptions, execute
+    from tests.flower_support import InProcessGrid
+
+    cfg = config.build(EXP.config_type, {**ADAPTIVE, "noise": "banded", "n_users": 90, "rounds": 5, "seed": 1})
+    local = execute(EXP, cfg, out=tmp_path / "local", progress=False)
+    grid = InProcessGrid(make_client_app(), 3)
+    flower = execute(EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False,
+                     grid=grid)
+    assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
+    torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)
