@@ -382,3 +382,12 @@ def test_cyclic_banded_adaptive_fedrep_on_the_flower_grid_matches_local(tmp_path
                      grid=grid)
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
     torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name, values", [("fedrep", {**SMALL, "noise": "banded"}), ("fedrep", ADAPTIVE),
+                                          ("noisygd", GD_SMALL)])
+def test_the_canary_audit_refuses_cycles_correlated_noise_and_adaptive_clips(name, values):
+    exp = EXPERIMENTS[name]
+    cfg = config.build(exp.config_type, values)
+    with pytest.raises(ValueError, match="audit"):
+        exp.canary_design().protocol(cfg, 4)

@@ -221,6 +221,11 @@ class NoisyGDEvaluator(Evaluator):
 # ----- optional hook: audit canaries -------------------------------------------------------------
 def audit_protocol(cfg: NoisyGDConfig, k: int) -> NoisyGDProtocol:
     """The configured protocol for ``k`` canary examples (feature coordinates must stay unmixed)."""
+    if cfg.cohorts == "cyclic" or cfg.noise != "independent":
+        raise ValueError(
+            "cohorts/noise: the noisygd audit's canaries take part in every step with independent noise; "
+            "audit without --cohorts cyclic and --noise"
+        )
     if cfg.remedy is Remedy.PCA:
         raise ValueError(
             "remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center"
