@@ -391,3 +391,34 @@ def test_the_canary_audit_refuses_cycles_correlated_noise_and_adaptive_clips(nam
     cfg = config.build(exp.config_type, values)
     with pytest.raises(ValueError, match="audit"):
         exp.canary_design().protocol(cfg, 4)
+
+
+# ----- NoisyHead (users' prompts, rounds mode for cohorts) -------------------------------------------
+NH = EXPERIMENTS["noisyhead"]
+NH_SMALL = dict(prompts=240, dim=3, steps=12, epsilon=5.0, calibration="accountant", chunk_size=50, unit="user",
+                prompts_per_user=4, user_clip=0.2, test_prompts=50)
+
+
+def test_noisyhead_correlated_noise_gives_the_same_gamma_in_both_modes_and_cycles_are_accounted():
+    """The T steps draw one correlated stream in statistics and in rounds mode alike; cyclic cohorts
+    (rounds mode) record each step for its cohort and calibrate to ⌈T/K⌉ steps per user."""
+    from fedpers.runner import execute
+
+    out = {}
+    for mode in ("statistics", "rounds"):
+        cfg = config.build(NH.config_type, {**NH_SMALL, "mode": mode, "noise": "banded", "bands": 3})
+        out[mode] = execute(NH, cfg, write=False, progress=False)
+    a, b = (torch.tensor(out[m]["Gamma"]) for m in ("statistics", "rounds"))
+    assert float((a - b).abs().max()) <= 1e-6 * max(1.0, float(a.abs().max()))
+    assert out["rounds"]["privacy"]["epsilon"] <= 5.0 * (1 + 2e-3)
+    cfg = config.build(NH.config_type, {**NH_SMALL, "mode": "rounds", "cohorts": "cyclic", "cycle": 4})
+    protocol = NH.protocol(cfg)
+    assert protocol.participations() == 3 and protocol.step_divisor(1) == 15 * 4
+    units = NH.units(cfg, torch.arange(60))
+    privatizer = TapPrivatizer(1)
+    run_local(protocol, units, privatizer, chunk_size=50, progress=False)
+    assert [r.units for r in privatizer.ledger] == [f"cohort:{t % 4}" for t in range(12)]
+    eps = ledger_epsilon(privatizer.ledger, cfg.delta, cfg.accountant)
+    assert eps == pytest.approx(5.0, rel=2e-3) and eps <= 5.0 * (1 + 2e-3)
+    with pytest.raises(ValueError, match="cohorts"):
+        config.build(NH.config_type, {**NH_SMALL, "cohorts": "cyclic", "cycle": 4})  # statistics mode
