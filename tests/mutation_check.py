@@ -122,9 +122,22 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "FedRep divides by the realised cohort size": (
         "fedpers/protocols/fedrep.py",
-        "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / (q * self.n_users)",
+        "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / divisor",
         "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / max(summed.count, 1)",
         "tests/test_privacy_bookkeeping.py",
+    ),
+    # ----- correlated noise (fedpers/privacy/correlated.py): the participation's sensitivity -----
+    "single-participation sensitivity while users take part every K rounds": (
+        "fedpers/privacy/correlated.py",
+        "        S = p.nonzero().squeeze(1)\n",
+        "        S = p.nonzero().squeeze(1)[:1]\n",
+        "tests/test_correlated.py",
+    ),
+    "non-negative shortcut used for a C with negative entries": (
+        "fedpers/privacy/correlated.py",
+        "        elif bool((off >= -tol).all()):",
+        "        elif True:",
+        "tests/test_correlated.py",
     ),
 }
 

@@ -35,7 +35,15 @@ from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import Canaries, CanaryDesign
 from fedpers.experiments.population import population_mse
-from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy import (
+    Accountant,
+    Calibrations,
+    Ledger,
+    Privatizer,
+    calibrate_noise_multiplier,
+    correlated,
+    ledger_epsilon,
+)
 from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
 from fedpers.runtime.local import run_local
@@ -75,7 +83,25 @@ class FedRepConfig(DeviceRunConfig):
     clip_label: float = field(2.0, "c_ζ: label clip of the initialisation, ζ = c_ζ √(k + σ_F²)", gt=0.0)
     cohorts: str = field(
         "all",
-        "all: every user every round; poisson: each round samples users independently with probability --sampling-rate",
+        "all: every user every round; poisson: each round samples users independently with probability "
+        "--sampling-rate; cyclic: K fixed cohorts by id blocks, round r uses cohort (r − 1) mod K (--cycle)",
+    )
+    cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic)", ge=1)
+    noise: str = field(
+        "independent",
+        "noise across gradient rounds: independent, banded (square-root factorization, --bands) or optimised "
+        "(banded, optimised for the horizon and cycle)",
+    )
+    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle)", ge=0)
+    clip_rule: str = field(
+        "fixed",
+        "fixed: every round clips at --clip; adaptive: --clip is the first bound, moved each round toward the "
+        "--clip-quantile of users' gradient norms through a noisy count (accounted)",
+    )
+    clip_quantile: float = field(0.5, "γ: target fraction of users under the adaptive bound", gt=0.0, lt=1.0)
+    clip_lr: float = field(0.2, "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ))", gt=0.0)
+    clip_budget: float = field(
+        0.1, "f: share of each round's privacy (of μ²) spent on the adaptive clip's count", gt=0.0, lt=1.0
     )
     sampling_rate: float = field(
         1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
@@ -93,14 +119,17 @@ class FedRepConfig(DeviceRunConfig):
     def check(self) -> None:
         check_accountant(self.accountant)
         baseline_names(self.baselines)
-        if self.cohorts not in ("all", "poisson"):
-            raise ValueError(f"cohorts must be all or poisson; got {self.cohorts!r}")
+        if self.cohorts not in ("all", "poisson", "cyclic"):
+            raise ValueError(f"cohorts must be all, poisson or cyclic; got {self.cohorts!r}")
+        correlated.check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.rounds, self.n_users)
         if self.cohorts == "poisson" and not self.sampling_rate < 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
         if self.cohorts == "all" and self.sampling_rate != 1.0:
             raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
         if self.cohorts == "poisson":
             check_poisson_accountant(self.accountant, "cohorts poisson")
+        if self.clip_rule not in ("fixed", "adaptive"):
+            raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         self.check_device()
@@ -177,17 +206,36 @@ def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -
         dtype_name=cfg.dtype,
         sampling_rate=cfg.sampling_rate,
     )
+    proto = replace(proto, cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle))
+    if cfg.noise != "independent":
+        proto = replace(proto, correlated=correlated.run_mechanism(cfg.noise, cfg.rounds, cfg.bands, proto.cycle))
     if not private:
         return proto
-    releases = proto.releases_per_user()
+    if cfg.clip_rule == "adaptive":
+        proto = replace(proto, clip_quantile=cfg.clip_quantile, clip_lr=cfg.clip_lr, count_share=cfg.clip_budget)
+    releases, share = proto.releases_per_user(), proto.count_share
     z = calibrate_noise_multiplier(
-        lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate),
+        lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate, share),
         cfg.epsilon,
         cfg.delta,
         cfg.accountant,
         calibrations,
     )
     return replace(proto, noise_multiplier=z)
+
+
+def correlated_summary(protocol: FedRepProtocol) -> dict[str, Any]:
+    """The correlated mechanism's public description for the run's privacy summary (empty if independent)."""
+    c = protocol.correlated
+    if c is None:
+        return {"noise": "independent"}
+    return {
+        "noise": c.strategy.kind,
+        "bands": c.strategy.bands,
+        "unit_sensitivity": c.sensitivity.value,
+        "sensitivity_rule": c.sensitivity.rule,
+        "participations": c.sensitivity.participations,
+    }
 
 
 class FedRepEvaluator(Evaluator):
@@ -283,6 +331,11 @@ norm check (a missing clip aborts the run) rather than by the audit."""
 
 def audit_protocol(cfg: FedRepConfig, k: int) -> FedRepProtocol:
     """The configured protocol for a population of ``k`` canary users."""
+    if cfg.cohorts == "cyclic" or cfg.noise != "independent" or cfg.clip_rule != "fixed":
+        raise ValueError(
+            "cohorts/noise/clip_rule: the fedrep audit's canaries take part in every round with independent noise "
+            "and a fixed clip; audit without --cohorts cyclic, --noise and --clip-rule adaptive"
+        )
     return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
 
 
@@ -394,9 +447,15 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
             "neighbouring": "replace-one user",
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": protocol.releases_per_user(),
+            "clip_rule": f"adaptive γ={protocol.clip_quantile}, η_C={protocol.clip_lr}, count share f={protocol.count_share}"
+            if protocol.adaptive
+            else "fixed",
             "sampling": f"poisson q={cfg.sampling_rate} (rounds 1..T; init uses every user)"
             if cfg.cohorts == "poisson"
+            else f"cyclic: {cfg.cycle} cohorts by id blocks, round r uses cohort (r − 1) mod {cfg.cycle}"
+            if cfg.cohorts == "cyclic"
             else "all users every round",
+            **correlated_summary(protocol),
         }
 
     def plot_keys(self) -> tuple[str, ...]:
@@ -407,7 +466,7 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
             "clip": protocol.clip,
             "zeta": protocol.zeta,
             "noise_multiplier": protocol.noise_multiplier,
-            "noise_std_G": protocol.noise_std(protocol.clip),
+            "noise_std_G": protocol.round_noise_std(),
             "noise_std_init": protocol.noise_std(protocol.init_bound),
             "v_star": cfg.v_star.value,
         }

@@ -23,11 +23,13 @@ from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import (
+    ALL_UNITS,
     Accountant,
     Calibrations,
     Ledger,
     Privatizer,
     calibrate_noise_multiplier,
+    correlated,
     ledger_epsilon,
     zcdp_rho,
     zcdp_rho_for,
@@ -69,6 +71,16 @@ class NoisyGDConfig(DeviceRunConfig):
     feature_bound: float = field(
         0.0, "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies)", ge=0.0
     )
+    cohorts: str = field(
+        "all", "all: every example every step; cyclic: K fixed cohorts by id blocks, step s uses cohort s mod K"
+    )
+    cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic)", ge=1)
+    noise: str = field(
+        "independent",
+        "noise across steps: independent, banded (square-root factorization, --bands) or optimised "
+        "(banded, optimised for the horizon and cycle)",
+    )
+    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle)", ge=0)
     accountant: str = accountant_field(
         Accountant.ZCDP, "zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's); pld: tight"
     )
@@ -88,6 +100,9 @@ class NoisyGDConfig(DeviceRunConfig):
             )
         if self.examples < self.classes:
             raise ValueError(f"examples must be >= classes={self.classes}; got {self.examples}")
+        if self.cohorts not in ("all", "cyclic"):
+            raise ValueError(f"cohorts must be all or cyclic; got {self.cohorts!r}")
+        correlated.check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.steps, self.examples)
         self.check_device()
 
 
@@ -103,15 +118,21 @@ def budget_split(cfg: NoisyGDConfig) -> tuple[float, float]:
     """Unit-free factors (a, b): GD steps get multiplier a·z₁, the remedy b·z₁, so that
     T/a² + 1/b² = 1/z₁² (Gaussian μ² and zCDP ρ both add as 1/z²): z₁ is the single-release
     multiplier the whole budget would buy; the remedy gets the share ``remedy_budget``."""
+    steps = participations(cfg)
     if cfg.remedy is Remedy.NONE:
-        return math.sqrt(cfg.steps), 0.0
+        return math.sqrt(steps), 0.0
     f = cfg.remedy_budget
-    return math.sqrt(cfg.steps / (1 - f)), 1 / math.sqrt(f)
+    return math.sqrt(steps / (1 - f)), 1 / math.sqrt(f)
+
+
+def participations(cfg: NoisyGDConfig) -> int:
+    """Steps an example takes part in: T, or ⌈T/K⌉ under a K-cycle."""
+    return -(-cfg.steps // correlated.cycle_of(cfg.cohorts, cfg.cycle))
 
 
 def run_event(z1: float, cfg: NoisyGDConfig) -> dp_accounting.DpEvent:
     a, b = budget_split(cfg)
-    events: list[dp_accounting.DpEvent] = [dp_accounting.GaussianDpEvent(a * z1)] * cfg.steps
+    events: list[dp_accounting.DpEvent] = [dp_accounting.GaussianDpEvent(a * z1)] * participations(cfg)
     if b:
         events.append(dp_accounting.GaussianDpEvent(b * z1))
     return dp_accounting.ComposedDpEvent(events)
@@ -133,7 +154,10 @@ def make_protocol(
         remedy_noise_multiplier=0.0,
         loss=cfg.loss,
         dtype_name=cfg.dtype,
+        cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle),
     )
+    if cfg.noise != "independent":
+        proto = replace(proto, correlated=correlated.run_mechanism(cfg.noise, cfg.steps, cfg.bands, proto.cycle))
     if not private or math.isinf(cfg.epsilon):
         return proto
     z1 = calibrate_noise_multiplier(lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
@@ -197,6 +221,11 @@ class NoisyGDEvaluator(Evaluator):
 # ----- optional hook: audit canaries -------------------------------------------------------------
 def audit_protocol(cfg: NoisyGDConfig, k: int) -> NoisyGDProtocol:
     """The configured protocol for ``k`` canary examples (feature coordinates must stay unmixed)."""
+    if cfg.cohorts == "cyclic" or cfg.noise != "independent":
+        raise ValueError(
+            "cohorts/noise: the noisygd audit's canaries take part in every step with independent noise; "
+            "audit without --cohorts cyclic and --noise"
+        )
     if cfg.remedy is Remedy.PCA:
         raise ValueError(
             "remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center"
@@ -283,8 +312,11 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
         return NoisyGDEvaluator(cfg, protocol)
 
     def privacy_summary(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol, ledger: Ledger) -> dict[str, Any]:
-        events = dp_accounting.ComposedDpEvent([r.event for r in ledger])
-        rho = zcdp_rho(events)
+        # ρ of the worst-off example: its cohort's releases and every "all" release
+        rho = max(
+            zcdp_rho(dp_accounting.ComposedDpEvent([r.event for r in ledger.touching(g)]))
+            for g in ledger.groups() or [ALL_UNITS]
+        )
         name = accountant_name(cfg.accountant)
         by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
         if name not in by_accountant:  # a registered accountant beside the built-in ones
@@ -298,6 +330,8 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_grad": protocol.noise_std(),
             "rho": rho,
+            "noise": protocol.correlated.strategy.kind if protocol.correlated else "independent",
+            "steps_per_example": protocol.participations(),
             "rho_per_step": 2.0 / protocol.noise_multiplier**2 if protocol.noise_multiplier > 0 else math.inf,
             "epsilon_zcdp": by_accountant["zcdp"],
             "epsilon_pld": by_accountant["pld"],

@@ -36,7 +36,15 @@ from fedpers.config import (
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
-from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
+from fedpers.privacy import (
+    Accountant,
+    Calibrations,
+    Ledger,
+    Privatizer,
+    calibrate_noise_multiplier,
+    correlated,
+    ledger_epsilon,
+)
 from fedpers.privacy.accountant import (
     accountant_field,
     accountant_name,
@@ -143,6 +151,16 @@ class NoisyHeadConfig(ApproxDpRunConfig):
         gt=0.0,
         le=1.0,
     )
+    cohorts: str = field(
+        "all", "all: every unit every step; cyclic: K fixed cohorts of units by id blocks, step t uses cohort t mod K"
+    )
+    cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic; needs --mode rounds)", ge=1)
+    noise: str = field(
+        "independent",
+        "noise across steps: independent, banded (square-root factorization, --bands) or optimised "
+        "(banded, optimised for the horizon and cycle)",
+    )
+    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle)", ge=0)
     label_noise: float = field(0.0, "τ, the label noise std (ν = 1 + τ²)", ge=0.0)
     kappa: float = field(1.0, "κ of Theorem 4.1", gt=0.0, le=1.0)
     clip_c: float = field(0.0, "label clip C (0: Theorem 4.1)", ge=0.0)
@@ -186,6 +204,18 @@ class NoisyHeadConfig(ApproxDpRunConfig):
             raise ValueError("the robustness attack (attack_c > 0) is defined for synthetic data only")
         if self.data is DataSource.NEWSGROUPS and self.label_noise > 0:
             raise ValueError("label_noise applies to synthetic data only")
+        if self.cohorts not in ("all", "cyclic"):
+            raise ValueError(f"cohorts must be all or cyclic; got {self.cohorts!r}")
+        correlated.check_settings(
+            "poisson" if self.sampling_rate < 1 else self.cohorts,
+            self.cycle,
+            self.noise,
+            self.bands,
+            self.steps or 10**9,  # T from the regime's rule: bands are checked against it when it is resolved
+            n // self.prompts_per_user if self.unit is Unit.USER else n,
+        )
+        if self.cohorts == "cyclic" and (self.mode is not Mode.ROUNDS or self.sampling_rate < 1):
+            raise ValueError("cohorts cyclic needs --mode rounds and no --sampling-rate (each step reads its cohort)")
         if self.sampling_rate < 1:
             if self.mode is not Mode.ROUNDS:
                 raise ValueError(
@@ -276,16 +306,21 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
         T, formulas["T"] = _regime_steps(cfg.regime, N, lam, eta), REGIME_STEPS[cfg.regime]
     P = cfg.prompts_per_user if cfg.unit is Unit.USER else 1
     rho = cfg.user_clip if cfg.unit is Unit.USER else 1.0
+    steps_per_unit = -(-T // correlated.cycle_of(cfg.cohorts, cfg.cycle))
     if math.isinf(cfg.epsilon):
         z, formulas["noise_multiplier"] = 0.0, "ε = inf: no noise"
     elif cfg.calibration is Calibration.PAPER:
         z, formulas["noise_multiplier"] = (
-            nh.paper_noise_multiplier(T, cfg.epsilon, cfg.delta),
+            nh.paper_noise_multiplier(steps_per_unit, cfg.epsilon, cfg.delta),
             "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))",
         )
     else:
         z = calibrate_noise_multiplier(
-            lambda z: step_event(z, T, cfg.sampling_rate), cfg.epsilon, cfg.delta, cfg.accountant, calibrations
+            lambda z: step_event(z, steps_per_unit, cfg.sampling_rate),
+            cfg.epsilon,
+            cfg.delta,
+            cfg.accountant,
+            calibrations,
         )
         sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
         formulas["noise_multiplier"] = (
@@ -343,6 +378,10 @@ def make_protocol(
         gamma0=initial_gamma(cfg, r),
         unit_name=cfg.unit.value,
         sampling_rate=cfg.sampling_rate if (mode or cfg.mode) is Mode.ROUNDS else 1.0,
+        cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle),
+        correlated=None
+        if cfg.noise == "independent"
+        else correlated.run_mechanism(cfg.noise, r.T, cfg.bands, cfg.cycle),
     )
 
 
@@ -513,6 +552,8 @@ class NoisyHeadEvaluator(Evaluator):
 def audit_protocol(cfg: NoisyHeadConfig, k: int) -> NoisyHeadProtocol:
     """The configured protocol (its N, C, G, R and noise) in rounds mode: each step's gradient is a
     release the auditor sees, and statistics mode releases the same Γ̂ for the same noise."""
+    if cfg.cohorts != "all" or cfg.noise != "independent":
+        raise ValueError("cohorts/noise: the noisyhead audit's canaries take part in every step with independent noise")
     if cfg.unit.value != "prompt" or cfg.sampling_rate != 1.0:
         raise ValueError(
             "unit/sampling_rate: the noisyhead audit has prompt-level, unsampled canaries; use --unit prompt without --sampling-rate"

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from fedpers import linalg
+from fedpers.privacy import correlated as correlated_module
 from fedpers.privacy import secure as secure_module
 from fedpers.privacy.ledger import ALL_UNITS, EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
@@ -193,6 +194,8 @@ class Privatizer:
             secure_module.os_seed() if self.secure else (int(seed) ^ 0x5DEECE66D) % 2**63
         )
         self.ledger = ledger if ledger is not None else Ledger()
+        self.recurrences: dict[str, correlated_module.NoiseRecurrence] = {}
+        """Correlated-noise streams by name: the b − 1 last noise vectors of each (never released)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue the same random streams: the generators' states
@@ -201,6 +204,11 @@ class Privatizer:
         if not self.secure:
             out["generator"] = self.generator.get_state()
             out["sampling_generator"] = self.sampling_generator.get_state()
+        if self.recurrences:
+            out["recurrences"] = {
+                k: {"coefficients": list(r.coefficients), "step": r.step, "history": [h.clone() for h in r.history]}
+                for k, r in self.recurrences.items()
+            }
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -211,6 +219,14 @@ class Privatizer:
         if not self.secure:
             self.generator.set_state(state["generator"])
             self.sampling_generator.set_state(state["sampling_generator"])
+        self.recurrences = {
+            k: correlated_module.NoiseRecurrence(
+                tuple(float(c) for c in r["coefficients"]),
+                int(r["step"]),
+                [h.to("cpu", torch.float64) for h in r["history"]],
+            )
+            for k, r in state.get("recurrences", {}).items()
+        }
 
     def _normal(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         # Drawn on the CPU in float64 so a run reproduces across devices and dtypes.
@@ -291,6 +307,73 @@ class Privatizer:
             sampling_probability=sampling_probability,
         )
         return self._perturb(release, value, lambda: self._normal(tuple(value.shape), value))
+
+    def correlated_gaussian_sum(
+        self,
+        value: Tensor,
+        *,
+        per_unit_bound: float,
+        noise_multiplier: float,
+        noise: correlated_module.CorrelatedNoise,
+        stream: str,
+        step: int,
+        name: str,
+        round: int,
+        params: dict[str, Any] | None = None,
+    ) -> Tensor:
+        """Round ``step`` (0-based) of T of a correlated stream: value + σ·w_step, w = C⁻¹z, z ~ N(0, I).
+
+        The T releases of a stream are one Gaussian mechanism on Cx with Δ = 2·bound·s (s: the
+        participation's sensitivity per unit bound) and σ = z·bound·s/√P (P: max participations),
+        i.e. joint multiplier z/√P (:class:`~fedpers.privacy.correlated.CorrelatedNoise`). Each
+        round is recorded with units ``all``, sensitivity Δ/√T and the same σ: the T records
+        compose to exactly the joint mechanism in every accountant (Gaussian μ² add). One band
+        (C = I) draws exactly ``gaussian_sum``'s noise. The steps must come in order.
+        """
+        self._check(value, per_unit_bound, noise_multiplier, name)
+        if self.secure:
+            raise ValueError(
+                f"release {name!r}: correlated noise is not available with secure_noise "
+                "(its floating-point-safe samplers add independent noise); use noise independent"
+            )
+        T = noise.horizon
+        rec = self.recurrences.setdefault(stream, correlated_module.NoiseRecurrence(noise.strategy.coefficients))
+        if rec.coefficients != noise.strategy.coefficients or rec.step != step or not 0 <= step < T:
+            raise ValueError(
+                f"release {name!r}: correlated stream {stream!r} expects step {rec.step} of {T} "
+                f"with its own strategy; got step {step}"
+            )
+        sigma = noise.noise_std(noise_multiplier, per_unit_bound)
+        joint = 2.0 * float(per_unit_bound) * noise.sensitivity.value
+        z_round = 2.0 * sigma * math.sqrt(T) / joint if sigma > 0 else 0.0
+        event = dp_accounting.GaussianDpEvent(z_round) if sigma > 0 else dp_accounting.NonPrivateDpEvent()
+        release = Release(
+            round,
+            name,
+            "correlated_gaussian",
+            float(per_unit_bound),
+            joint / math.sqrt(T),
+            float(sigma),
+            ALL_UNITS,
+            event,
+            {
+                **(params or {}),
+                **noise.params(),
+                "step": step,
+                "joint_sensitivity": joint,
+                "accounting": "joint Gaussian on Cx (Δ = 2·bound·s, σ = z·bound·s/√P) split evenly over T rounds",
+            },
+        )
+        self.ledger.append(release)
+
+        # the recurrence advances here, whatever _perturb does with the draw (the stream stays in step)
+        z = (
+            torch.randn(tuple(value.shape), generator=self.generator, dtype=torch.float64)
+            if sigma > 0
+            else torch.zeros(tuple(value.shape), dtype=torch.float64)
+        )
+        w = rec.next(z).to(device=value.device, dtype=value.dtype)
+        return self._perturb(release, value, lambda: w)
 
     def poisson_sample(self, n: int, q: float) -> Tensor:
         """Bool mask of n units, each included independently with probability q, drawn from the

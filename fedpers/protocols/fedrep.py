@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import dp_accounting
 import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
@@ -31,7 +33,8 @@ LOCAL_RIDGE = 1e-6
 
 @dataclass(frozen=True)
 class FedRepProtocol(Protocol):
-    """Public parameters of one (private) FedRep run; every user takes part in every round."""
+    """Public parameters of one (private) FedRep run: every user takes part in every round, a
+    Poisson sample (``sampling_rate`` < 1), or the cohort of a public K-cycle (``cycle`` > 1)."""
 
     n_users: int
     dim: int
@@ -45,6 +48,18 @@ class FedRepProtocol(Protocol):
     dtype_name: str = "float64"
     sampling_rate: float = 1.0
     """q < 1: Poisson user sampling in rounds 1..T (the init uses every user)."""
+    cycle: int = 1
+    """K > 1: K fixed cohorts by id blocks (user i in cohort ⌊iK/n⌋); round r ≥ 1 uses cohort (r − 1) mod K."""
+    correlated: CorrelatedNoise | None = None
+    """Correlated noise across rounds 1..T (None: independent Gaussian noise per round)."""
+    clip_quantile: float = 0.0
+    """γ > 0: adaptive clipping (Andrew et al. 2021): ``clip`` is the first round's bound C_1; each
+    round also releases the noisy count of its users with ‖G_j‖ ≤ C_t and moves the bound to
+    C_{t+1} = C_t·exp(−η_C(b̄ − γ)), b̄ the noisy fraction of the public cohort size."""
+    clip_lr: float = 0.2
+    """η_C: the adaptive bound's geometric step."""
+    count_share: float = 0.0
+    """f: share of each participation's privacy (of μ², 1/z²) spent on the count (0 without adaptive clipping)."""
 
     name = "fedrep"
 
@@ -69,18 +84,76 @@ class FedRepProtocol(Protocol):
         """σ = z·Δ/2 with Δ = 2·bound (replace-one)."""
         return self.noise_multiplier * bound if self.noise_multiplier > 0 else 0.0
 
+    def round_noise_std(self, clip: float | None = None) -> float:
+        """σ of a gradient round's noise at bound ``clip`` (C; of z before C⁻¹ when correlated)."""
+        c = self.clip if clip is None else clip
+        if self.correlated is not None:
+            return self.correlated.noise_std(self.round_multiplier, c)
+        return self.round_multiplier * c if self.round_multiplier > 0 else 0.0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.clip_quantile > 0
+
+    @property
+    def round_multiplier(self) -> float:
+        """z/√(1 − f): a gradient release's multiplier (z itself without adaptive clipping)."""
+        return self.noise_multiplier / math.sqrt(1.0 - self.count_share)
+
+    @property
+    def count_multiplier(self) -> float:
+        """z/√f: the count release's multiplier (μ² of the two add up to z's)."""
+        return self.noise_multiplier / math.sqrt(self.count_share) if self.count_share > 0 else math.inf
+
     def releases_per_user(self) -> int:
-        return 1 + self.rounds
+        """Init + the rounds a user takes part in: ⌈T/K⌉ under a K-cycle (the largest cohort's count)."""
+        return 1 + -(-self.rounds // self.cycle)
+
+    def cohort_of(self, ids: Tensor) -> Tensor:
+        """Public cohort of each user id under the K-cycle: ⌊id·K/n⌋ (blocks of consecutive ids)."""
+        return torch.div(ids.to(torch.int64) * self.cycle, self.n_users, rounding_mode="floor")
+
+    def cohort_range(self, cohort: int) -> tuple[int, int]:
+        """[start, stop) of the ids in ``cohort`` (⌈kn/K⌉ .. ⌈(k+1)n/K⌉)."""
+        n, K = self.n_users, self.cycle
+        return -(-cohort * n // K), -(-(cohort + 1) * n // K)
+
+    def round_cohort(self, round: int) -> int:
+        return (round - 1) % self.cycle
+
+    def cohort_size(self, round: int) -> int:
+        """Public divisor of round ``round``: its cohort's size (n for K = 1)."""
+        start, stop = self.cohort_range(self.round_cohort(round))
+        return stop - start
 
     @staticmethod
-    def user_event(noise_multiplier: float, releases: int, sampling_rate: float = 1.0) -> dp_accounting.DpEvent:
-        """Init (every user) + ``releases − 1`` rounds, Poisson-sampled at ``sampling_rate`` < 1."""
+    def user_event(
+        noise_multiplier: float, releases: int, sampling_rate: float = 1.0, count_share: float = 0.0
+    ) -> dp_accounting.DpEvent:
+        """Init (every user) + ``releases − 1`` rounds, Poisson-sampled at ``sampling_rate`` < 1; with
+        adaptive clipping (``count_share`` f > 0) a round is a gradient release of z/√(1 − f) and a
+        count release of z/√f."""
         g = dp_accounting.GaussianDpEvent(noise_multiplier)
-        step = g if sampling_rate >= 1.0 else dp_accounting.PoissonSampledDpEvent(sampling_rate, g)
-        return dp_accounting.ComposedDpEvent([g] + [step] * (releases - 1))
+        if count_share > 0:
+            per_round: list[dp_accounting.DpEvent] = [
+                dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(1.0 - count_share)),
+                dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(count_share)),
+            ]
+        else:
+            per_round = [g]
+        if sampling_rate < 1.0:
+            per_round = [dp_accounting.PoissonSampledDpEvent(sampling_rate, e) for e in per_round]
+        return dp_accounting.ComposedDpEvent([g] + per_round * (releases - 1))
 
     def units_in_round(self, round: int, units: Units) -> int:
+        if round >= 1 and self.cycle > 1:
+            return int((self.cohort_of(units["ids"]) == self.round_cohort(round)).sum())
         return int(units["ids"].shape[0])
+
+    def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
+        if round >= 1 and self.cycle > 1:
+            return torch.arange(*self.cohort_range(self.round_cohort(round))), None
+        return None, None
 
     # ----- protocol ------------------------------------------------------------------
     def unit_keys(self) -> tuple[str, ...]:
@@ -92,15 +165,21 @@ class FedRepProtocol(Protocol):
     def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
         if round == 0:
             return {}
+        out = {"U": state["U"]}
         if self.poisson:
             # this round's membership, 1.0 for a sampled user (see docs: who may see it)
-            return {"U": state["U"], "sampled": state["sampled"]}
-        return {"U": state["U"]}
+            out["sampled"] = state["sampled"]
+        if self.adaptive:
+            out["clip"] = state["clip"]  # C_t: public, made from released counts only
+        return out
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         d, k = self.dim, self.rank
         if round == 0:
             return (StatSpec("W", (d, d), self.init_bound, symmetric=True),)
+        if self.adaptive:
+            # G_j/C_t clipped to norm 1, and 1[‖G_j‖ ≤ C_t] − 1/2: bounds that do not depend on the round's C_t
+            return (StatSpec("G", (d, k), 1.0), StatSpec("below", (), 0.5))
         return (StatSpec("G", (d, k), self.clip),)
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
@@ -110,7 +189,15 @@ class FedRepProtocol(Protocol):
         if self.poisson:
             keep = broadcast["sampled"].to(ids.device)[ids] > 0
             x, y = x[keep], y[keep]
-        G = self.clipped_gradients(broadcast["U"].to(self.dtype), x, y).sum(0)
+        if self.cycle > 1:
+            keep = self.cohort_of(ids) == self.round_cohort(round)
+            x, y = x[keep], y[keep]
+        U = broadcast["U"].to(self.dtype)
+        if self.adaptive:
+            clip = float(broadcast["clip"])
+            G, below = self.scaled_gradients(U, x, y, clip)
+            return Message({"G": G.sum(0), "below": (below.to(G.dtype) - 0.5).sum()}, int(x.shape[0]))
+        G = self.clipped_gradients(U, x, y).sum(0)
         return Message({"G": G}, int(x.shape[0]))
 
     def server_update(
@@ -132,32 +219,78 @@ class FedRepProtocol(Protocol):
                     "formula": "bound ⌊m/2⌋·ζ², Δ = 2·bound",
                 },
             )
-            return self.with_sample({"U": linalg.top_eigenvectors(M, self.rank)}, privatizer), {
-                "noise_std_W": self.noise_std(self.init_bound)
-            }
+            first: dict[str, Tensor] = {"U": linalg.top_eigenvectors(M, self.rank)}
+            if self.adaptive:
+                first["clip"] = torch.tensor(self.clip, dtype=torch.float64)
+            return self.with_sample(first, privatizer), {"noise_std_W": self.noise_std(self.init_bound)}
         q = self.sampling_rate
-        params = {"statistic": "G", "clip": self.clip, "formula": "bound C (Frobenius), Δ = 2C"}
+        params: dict[str, Any] = {"statistic": "G", "clip": self.clip, "formula": "bound C (Frobenius), Δ = 2C"}
         if self.poisson:
             params["sampling"] = f"poisson q={q}"
-        G = privatizer.gaussian_sum(
-            summed.stats["G"],
-            per_unit_bound=self.clip,
-            noise_multiplier=z,
-            name=f"round{round}.G",
-            round=round,
-            units=ALL_UNITS,
-            params=params,
-            sampling_probability=q if z > 0 else 1.0,
-        )
-        # divide by the expected cohort q·n (public), never by the sampled count
-        U = state["U"].to(G.dtype) - self.learning_rate * G / (q * self.n_users)
+        cohort = self.round_cohort(round)
+        if self.cycle > 1:
+            params["cohorts"] = f"cyclic K={self.cycle}, cohort {cohort}: ids ⌈kn/K⌉..⌈(k+1)n/K⌉"
+        # adaptive: the sum of G_j/C_t (bound 1) is released and scaled back by the public C_t
+        clip = float(state["clip"]) if self.adaptive else self.clip
+        bound = 1.0 if self.adaptive else self.clip
+        if self.adaptive:
+            params.update(statistic="G/C_t", clip=clip, formula="bound 1 on G_j/C_t, Δ = 2; × C_t after noise")
+        z = self.round_multiplier
+        if self.correlated is not None:
+            G = privatizer.correlated_gaussian_sum(
+                summed.stats["G"],
+                per_unit_bound=bound,
+                noise_multiplier=z,
+                noise=self.correlated,
+                stream="G",
+                step=round - 1,
+                name=f"round{round}.G",
+                round=round,
+                params=params,
+            )
+        else:
+            G = privatizer.gaussian_sum(
+                summed.stats["G"],
+                per_unit_bound=bound,
+                noise_multiplier=z,
+                name=f"round{round}.G",
+                round=round,
+                units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
+                params=params,
+                sampling_probability=q if z > 0 else 1.0,
+            )
+        # divide by the public expected cohort: q·n (Poisson) or the cycle's cohort size, never by a sampled count
+        divisor = q * self.n_users if self.poisson else self.cohort_size(round)
+        if self.adaptive:
+            G = G * clip
+        U = state["U"].to(G.dtype) - self.learning_rate * G / divisor
         info = {
-            "noise_std_G": self.noise_std(self.clip),
-            "grad_norm": float(torch.linalg.matrix_norm(G)) / (q * self.n_users),
+            "noise_std_G": self.round_noise_std(clip),
+            "grad_norm": float(torch.linalg.matrix_norm(G)) / divisor,
         }
+        new: dict[str, Tensor] = {"U": linalg.orthonormal_basis(U)}
+        if self.adaptive:
+            below = privatizer.gaussian_sum(
+                summed.stats["below"],
+                per_unit_bound=0.5,
+                noise_multiplier=self.count_multiplier,
+                name=f"round{round}.below",
+                round=round,
+                units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
+                params={
+                    "statistic": "Σ (1[‖G_j‖ ≤ C_t] − 1/2)",
+                    "clip": clip,
+                    "formula": "bound 1/2, Δ = 1 (one user's indicator)",
+                },
+                sampling_probability=q if z > 0 else 1.0,
+            )
+            fraction = (float(below) + divisor / 2) / divisor  # of the public cohort size
+            next_clip = clip * math.exp(-self.clip_lr * (fraction - self.clip_quantile))
+            new["clip"] = torch.tensor(next_clip, dtype=torch.float64)
+            info["clip"], info["noisy_fraction_below"] = clip, fraction
         if self.poisson:
             info["sampled_users"] = float(summed.count)
-        return self.with_sample({"U": linalg.orthonormal_basis(U)}, privatizer), info
+        return self.with_sample(new, privatizer), info
 
     def with_sample(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
         """Poisson: draw the next round's membership on the server (its private generator)."""
@@ -179,6 +312,11 @@ class FedRepProtocol(Protocol):
         """v_j = argmin_v Σ_i (y_ij − ⟨Uᵀx_ij, v⟩)² (tiny ridge for safety), every user at once."""
         return linalg.batched_ridge_solve(x @ U, y, LOCAL_RIDGE)
 
+    def scaled_gradients(self, U: Tensor, x: Tensor, y: Tensor, clip: float) -> tuple[Tensor, Tensor]:
+        """(clip(G_j; C)/C per user, of norm ≤ 1; and whether ‖G_j‖ ≤ C), finite for every finite input."""
+        G, log_norm = self._clipped(U, x, y, 1.0, math.log(clip))
+        return G, log_norm <= math.log(clip)
+
     def clipped_gradients(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """clip(G_j; C) per user (users, d, k), finite and within C for every finite input.
 
@@ -186,10 +324,14 @@ class FedRepProtocol(Protocol):
         data v' = v·s_x/s_y and G' = G/s_y², so G_j = Ĝ'·exp(log||G'|| + 2 log s_y) with the
         magnitude capped at C through logs: nothing overflows before the clip.
         """
+        return self._clipped(U, x, y, self.clip)[0]
+
+    def _clipped(self, U: Tensor, x: Tensor, y: Tensor, clip: float, log_scale: float = 0.0) -> tuple[Tensor, Tensor]:
+        """clip(G_j·e^{−log_scale}; clip) per user and log‖G_j‖ (float64)."""
         n, m, d = x.shape
         k = U.shape[1]
         if n == 0:
-            return x.new_zeros(0, d, k)
+            return x.new_zeros(0, d, k), torch.zeros(0, dtype=torch.float64, device=x.device)
         sx, sy = linalg.pow2_scale(x, 2), linalg.pow2_scale(y, 1)
         xs, ys = x / sx[:, None, None], y / sy[:, None]
         v = self.local_solve(U, xs, ys)
@@ -198,8 +340,8 @@ class FedRepProtocol(Protocol):
         g_hat, log_g = linalg.directions(g)
         v_hat, log_v = linalg.directions(v)
         log_norm = log_g + log_v + 2 * sy.double().log()
-        mag = linalg.clipped_magnitude(log_norm, self.clip).to(x.dtype)
-        return (g_hat * mag.unsqueeze(-1)).unsqueeze(-1) * v_hat.unsqueeze(-2)
+        mag = linalg.clipped_magnitude(log_norm - log_scale, clip).to(x.dtype)
+        return (g_hat * mag.unsqueeze(-1)).unsqueeze(-1) * v_hat.unsqueeze(-2), log_norm
 
     def gradients(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """Unclipped G_j (for tests and the non-private reading)."""

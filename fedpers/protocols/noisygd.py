@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from fedpers import linalg
-from fedpers.privacy import Privatizer
+from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
@@ -79,6 +80,10 @@ class NoisyGDProtocol(Protocol):
     remedy_noise_multiplier: float = 0.0
     loss: Loss = Loss.CE
     dtype_name: str = "float32"
+    cycle: int = 1
+    """K > 1: K fixed cohorts of examples by id blocks (example i in ⌊iK/n⌋); step s (0-based) uses cohort s mod K."""
+    correlated: CorrelatedNoise | None = None
+    """Correlated noise across the T steps (None: independent Gaussian noise per step)."""
 
     name = "noisygd"
 
@@ -95,7 +100,36 @@ class NoisyGDProtocol(Protocol):
         return self.classes - 1 if self.remedy is Remedy.PCA else self.feature_dim
 
     def noise_std(self) -> float:
+        """σ of a step's noise (of z before C⁻¹ when correlated)."""
+        if self.correlated is not None:
+            return self.correlated.noise_std(self.noise_multiplier, self.grad_clip)
         return self.noise_multiplier * self.grad_clip
+
+    # ----- cyclic cohorts (public) ------------------------------------------------------------
+    def cohort_of(self, ids: Tensor) -> Tensor:
+        return torch.div(ids.to(torch.int64) * self.cycle, self.examples, rounding_mode="floor")
+
+    def cohort_range(self, cohort: int) -> tuple[int, int]:
+        """[start, stop) of the example ids in ``cohort`` (⌈kn/K⌉ .. ⌈(k+1)n/K⌉)."""
+        n, K = self.examples, self.cycle
+        return -(-cohort * n // K), -(-(cohort + 1) * n // K)
+
+    def step_cohort(self, round: int) -> int:
+        return (round - self.remedy_rounds) % self.cycle
+
+    def participations(self) -> int:
+        """Steps an example takes part in: ⌈T/K⌉ (the largest cohort's count)."""
+        return -(-self.steps // self.cycle)
+
+    def units_in_round(self, round: int, units: Units) -> int:
+        if round >= self.remedy_rounds and self.cycle > 1:
+            return int((self.cohort_of(units["ids"]) == self.step_cohort(round)).sum())
+        return int(units["ids"].shape[0])
+
+    def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
+        if round >= self.remedy_rounds and self.cycle > 1:
+            return torch.arange(*self.cohort_range(self.step_cohort(round))), None
+        return None, None
 
     def remedy_noise_std(self) -> float:
         """σ = z·Δ/2: Δ = 2R for the mean, √2·R² for the PSD second moment."""
@@ -145,6 +179,10 @@ class NoisyGDProtocol(Protocol):
             if self.remedy is Remedy.CENTER:
                 return Message({"feature_sum": xc.sum(0)}, n)
             return Message({"second_moment": linalg.sym(xc.transpose(0, 1) @ xc)}, n)  # Σ x xᵀ: PSD per unit
+        if self.cycle > 1:
+            keep = self.cohort_of(units["ids"]).to(x.device) == self.step_cohort(round)
+            x, y = x[keep], y[keep]
+            n = int(x.shape[0])
         grad, _ = clipped_gradient_sum(
             broadcast["W"].to(x.device, self.dtype), self.transform(broadcast, x), y, self.grad_clip, self.loss
         )
@@ -182,14 +220,36 @@ class NoisyGDProtocol(Protocol):
             new["P"] = linalg.top_eigenvectors(S.double(), self.classes - 1).to(self.dtype)
             return new, {"noise_std_second_moment": self.remedy_noise_std()}
         step = round - self.remedy_rounds + 1
-        g = privatizer.gaussian_sum(
-            summed.stats["grad"],
-            per_unit_bound=self.grad_clip,
-            noise_multiplier=self.noise_multiplier,
-            name=f"step{step}.grad",
-            round=round,
-            params={"statistic": "Σ clip(∇ℓ_i; G_c)", "G_c": self.grad_clip, "formula": "bound G_c, Δ = 2·bound"},
-        )
+        params = {"statistic": "Σ clip(∇ℓ_i; G_c)", "G_c": self.grad_clip, "formula": "bound G_c, Δ = 2·bound"}
+        cohort = self.step_cohort(round)
+        if self.cycle > 1:
+            params["cohorts"] = f"cyclic K={self.cycle}, cohort {cohort}: ids ⌈kn/K⌉..⌈(k+1)n/K⌉"
+        if self.correlated is not None:
+            g = privatizer.correlated_gaussian_sum(
+                summed.stats["grad"],
+                per_unit_bound=self.grad_clip,
+                noise_multiplier=self.noise_multiplier,
+                noise=self.correlated,
+                stream="grad",
+                step=step - 1,
+                name=f"step{step}.grad",
+                round=round,
+                params=params,
+            )
+        else:
+            g = privatizer.gaussian_sum(
+                summed.stats["grad"],
+                per_unit_bound=self.grad_clip,
+                noise_multiplier=self.noise_multiplier,
+                name=f"step{step}.grad",
+                round=round,
+                units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
+                params=params,
+            )
+        if self.cycle > 1:
+            # the cohort's sum scaled to the full data by public sizes: n / |cohort|
+            start, stop = self.cohort_range(cohort)
+            g = g * (self.examples / (stop - start))
         new["W"] = state["W"].to(g.device) - self.lr * g  # W lives where the sums are (the run's device)
         # Only post-processed (noisy) quantities in the diagnostics: they are written to disk.
         return new, {"noise_std_grad": self.noise_std(), "noisy_grad_norm": float(torch.linalg.vector_norm(g.double()))}

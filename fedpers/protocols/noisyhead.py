@@ -32,11 +32,13 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fedpers import linalg
-from fedpers.privacy import Privatizer
+from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
@@ -231,6 +233,11 @@ class NoisyHeadProtocol(Protocol):
     """q < 1 (rounds mode): each step includes every unit independently with probability q,
     drawn on the server from the Privatizer's sampling generator; the noisy sum is divided by
     the public q·N (not the sampled count)."""
+    cycle: int = 1
+    """K > 1 (rounds mode): K fixed cohorts of units by id blocks (unit i in ⌊iK/U⌋); step t (0-based)
+    uses cohort t mod K and divides its noisy sum by the cohort's public prompt count."""
+    correlated: CorrelatedNoise | None = None
+    """Correlated noise across the T steps (None: independent Gaussian noise per step)."""
 
     name = "noisyhead"
 
@@ -245,6 +252,38 @@ class NoisyHeadProtocol(Protocol):
             raise ValueError(f"sampling_rate must be in (0, 1]; got {self.sampling_rate}")
         if self.sampling_rate < 1 and self.mode is not Mode.ROUNDS:
             raise ValueError("sampling_rate < 1 needs mode rounds (each step samples its units)")
+        if self.cycle > 1 and (self.mode is not Mode.ROUNDS or self.sampling_rate < 1):
+            raise ValueError("cycle > 1 needs mode rounds without Poisson sampling (each step reads its cohort)")
+
+    # ----- cyclic cohorts (public) ----------------------------------------------------------
+    def cohort_of(self, ids: Tensor) -> Tensor:
+        return torch.div(ids.to(torch.int64) * self.cycle, self.units_total, rounding_mode="floor")
+
+    def cohort_range(self, cohort: int) -> tuple[int, int]:
+        """[start, stop) of the unit ids in ``cohort`` (⌈kU/K⌉ .. ⌈(k+1)U/K⌉)."""
+        n, K = self.units_total, self.cycle
+        return -(-cohort * n // K), -(-(cohort + 1) * n // K)
+
+    def participations(self) -> int:
+        """Steps a unit takes part in: ⌈T/K⌉."""
+        return -(-self.steps // self.cycle)
+
+    def step_divisor(self, t: int) -> float:
+        """Public N of step t: all prompts, their expectation qN, or the cohort's prompts."""
+        if self.cycle > 1:
+            start, stop = self.cohort_range(t % self.cycle)
+            return float((stop - start) * self.prompts_per_unit)
+        return self.prompts * self.sampling_rate
+
+    def units_in_round(self, round: int, units: Units) -> int:
+        if self.cycle > 1:
+            return int((self.cohort_of(units["ids"]) == round % self.cycle).sum())
+        return int(units["ids"].shape[0])
+
+    def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
+        if self.cycle > 1:
+            return torch.arange(*self.cohort_range(round % self.cycle)), None
+        return None, None
 
     @property
     def poisson(self) -> bool:
@@ -278,7 +317,9 @@ class NoisyHeadProtocol(Protocol):
 
     @property
     def noise_std_sum(self) -> float:
-        """σ of the Gaussian added to the summed gradient each step."""
+        """σ of the Gaussian added to the summed gradient each step (of z before C⁻¹ when correlated)."""
+        if self.correlated is not None:
+            return self.correlated.noise_std(self.noise_multiplier, self.grad_bound)
         return self.noise_multiplier * self.grad_bound if self.noise_multiplier > 0 else 0.0
 
     @property
@@ -343,6 +384,9 @@ class NoisyHeadProtocol(Protocol):
         if self.poisson:
             keep = broadcast["sampled"].to(units["ids"].device)[units["ids"]] > 0
             units = {k: v[keep] for k, v in units.items()}
+        if self.cycle > 1:
+            keep = self.cohort_of(units["ids"]) == round % self.cycle
+            units = {k: v[keep] for k, v in units.items()}
         z, yq, wa, wb = self.features(units)
         k = self.dim**2
         z, yq = z.reshape(-1, k), yq.reshape(-1)
@@ -357,31 +401,43 @@ class NoisyHeadProtocol(Protocol):
         return Message({"grad": gradient_sum(gamma, z, yq, wa, wb)}, count)
 
     def noisy_step(self, t: int, gamma: Tensor, grad: Tensor, privatizer: Privatizer) -> tuple[Tensor, Tensor]:
-        noisy = privatizer.gaussian_sum(
-            grad,
-            per_unit_bound=self.grad_bound,
-            noise_multiplier=self.noise_multiplier,
-            name=f"step{t}",
-            round=t,
-            params={
-                "statistic": f"Σ_{self.unit_name} gradient",
-                "C": self.clip_c,
-                "G": self.proj_g,
-                "R": self.proj_r,
-                "P": self.prompts_per_unit,
-                "rho": self.unit_clip,
-                "formula": "bound ρP·G(C + RG), Δ = 2·bound",
-                **(
-                    {"sampling": f"poisson q={self.sampling_rate}", "poisson_sample": f"step{t}"}
-                    if self.poisson
-                    else {}
-                ),
-            },
-            sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
-        )
-        return descend(
-            gamma, noisy, self.prompts * self.sampling_rate, self.ridge_lambda, self.step_size, self.proj_r
-        ), noisy
+        if self.correlated is not None:
+            noisy = privatizer.correlated_gaussian_sum(
+                grad,
+                per_unit_bound=self.grad_bound,
+                noise_multiplier=self.noise_multiplier,
+                noise=self.correlated,
+                stream="grad",
+                step=t,
+                name=f"step{t}",
+                round=t,
+                params=self.step_params(t),
+            )
+        else:
+            noisy = privatizer.gaussian_sum(
+                grad,
+                per_unit_bound=self.grad_bound,
+                noise_multiplier=self.noise_multiplier,
+                name=f"step{t}",
+                round=t,
+                units=f"cohort:{t % self.cycle}" if self.cycle > 1 else ALL_UNITS,
+                params=self.step_params(t),
+                sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
+            )
+        return descend(gamma, noisy, self.step_divisor(t), self.ridge_lambda, self.step_size, self.proj_r), noisy
+
+    def step_params(self, t: int) -> dict[str, Any]:
+        return {
+            "statistic": f"Σ_{self.unit_name} gradient",
+            "C": self.clip_c,
+            "G": self.proj_g,
+            "R": self.proj_r,
+            "P": self.prompts_per_unit,
+            "rho": self.unit_clip,
+            "formula": "bound ρP·G(C + RG), Δ = 2·bound",
+            **({"sampling": f"poisson q={self.sampling_rate}", "poisson_sample": f"step{t}"} if self.poisson else {}),
+            **({"cohorts": f"cyclic K={self.cycle}, cohort {t % self.cycle}"} if self.cycle > 1 else {}),
+        }
 
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer

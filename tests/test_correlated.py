@@ -1,0 +1,424 @@
+"""Cyclic cohorts and correlated (matrix-factorization) noise: the noise recurrence against dense
+C⁻¹z, the sensitivity against brute force, worst-case neighbours on the joint release, the
+ledger against the configuration, one band against independent noise bit for bit, refusals."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from fedpers import config
+from fedpers.experiments import EXPERIMENTS
+from fedpers.privacy import ALL_UNITS, Privatizer, event_epsilon, ledger_epsilon
+from fedpers.privacy import correlated as cc
+from fedpers.protocols.fedrep import FedRepProtocol
+from fedpers.runtime.local import run_local
+from tests.neighbours import TapPrivatizer, adversaries, check_neighbour, replace_unit
+
+EXP = EXPERIMENTS["fedrep"]
+SMALL = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=7, epsilon=2.0,
+             clip=1.0, baselines="none", cohorts="cyclic", cycle=3)
+
+
+def strategies(horizon: int) -> list[cc.Strategy]:
+    out = [cc.strategy("independent", horizon, 1, 1)]
+    out += [cc.strategy("banded", horizon, b, b) for b in sorted({1, 2, 5, 17} & set(range(1, horizon + 1)))]
+    out.append(cc.Strategy("optimised", cc.optimised_coefficients(min(horizon, 40), min(horizon, 4), 4, iterations=30)))
+    return out
+
+
+@pytest.mark.parametrize("horizon", [1, 9, 200])
+def test_each_round_noise_is_the_slice_of_dense_C_inverse_z(horizon):
+    g = torch.Generator().manual_seed(horizon)
+    z = torch.randn(horizon, 3, 2, generator=g, dtype=torch.float64)
+    for s in strategies(horizon):
+        dense = torch.linalg.solve_triangular(s.matrix(horizon), z.reshape(horizon, -1), upper=False).reshape(z.shape)
+        rec = cc.NoiseRecurrence(s.coefficients)
+        rows = [rec.next(z[t]) for t in range(horizon)]
+        torch.testing.assert_close(torch.stack(rows), dense, rtol=1e-10, atol=1e-10)
+        assert len(rec.history) <= s.bands - 1  # O(bands) vectors kept, never the history
+
+
+def test_privatizer_noise_is_the_recurrence_and_one_band_is_independent_noise_bit_for_bit():
+    horizon, cycle = 12, 4
+    value = torch.randn(5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float32)
+    one = cc.mechanism("banded", horizon, 1, cycle)
+    assert one.noise_std(2.5, 0.7) == 2.5 * 0.7  # s/√P = 1 exactly for C = I
+    a, b = Privatizer(9), Privatizer(9)
+    for t in range(horizon):
+        x = a.gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, name="g", round=t + 1)
+        y = b.correlated_gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, noise=one, stream="G", step=t,
+                                      name="g", round=t + 1)
+        assert torch.equal(x, y)
+    # a banded stream: released − value = σ·(C⁻¹z)_t with z the generator's standard normals in order
+    m = cc.mechanism("banded", horizon, 3, cycle)
+    p = Privatizer(4)
+    noise = torch.stack([p.correlated_gaussian_sum(value.double(), per_unit_bound=0.7, noise_multiplier=2.5, noise=m,
+                                                   stream="G", step=t, name="g", round=t + 1) - value.double()
+                         for t in range(horizon)])
+    gen = torch.Generator().manual_seed(4)
+    z = torch.stack([torch.randn(5, 3, generator=gen, dtype=torch.float64) for _ in range(horizon)])
+    sigma = m.noise_std(2.5, 0.7)
+    dense = torch.linalg.solve_triangular(m.strategy.matrix(horizon), z.reshape(horizon, -1), upper=False)
+    torch.testing.assert_close(noise, sigma * dense.reshape(z.shape), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="expects step"):
+        p.correlated_gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, noise=m, stream="G", step=3,
+                                  name="g", round=4)
+
+
+def brute_force(C: torch.Tensor, patterns: torch.Tensor) -> float:
+    """max over patterns and signed scalar contributions g_t ∈ {−1, +1} of ‖Σ_t C[:, t] g_t‖."""
+    best = 0.0
+    for p in patterns:
+        S = p.nonzero().squeeze(1)
+        for signs in itertools.product((-1.0, 1.0), repeat=len(S)):
+            v = C[:, S] @ torch.tensor(signs, dtype=C.dtype)
+            best = max(best, float(torch.linalg.vector_norm(v)))
+    return best
+
+
+def some_patterns(horizon: int) -> list[torch.Tensor]:
+    """Cyclic participations for every K, plus every subset of rounds (any participation pattern)."""
+    out = [cc.cyclic_participation(horizon, k) for k in range(1, horizon + 1)]
+    every = torch.tensor(list(itertools.product((0.0, 1.0), repeat=horizon)), dtype=torch.float64)[1:]
+    return [*out, every]
+
+
+@pytest.mark.parametrize("horizon", [4, 7])
+def test_sensitivity_equals_brute_force_for_non_negative_and_banded_C(horizon):
+    g = torch.Generator().manual_seed(horizon)
+    Cs = [s.matrix(horizon) for s in strategies(horizon)]
+    Cs.append(torch.tril(torch.rand(horizon, horizon, generator=g, dtype=torch.float64)) + torch.eye(horizon))
+    for C, patterns in itertools.product(Cs, some_patterns(horizon)):
+        got = cc.sensitivity(C, patterns)
+        assert got.rule != "absolute Gram bound (upper bound)"
+        assert got.value == pytest.approx(brute_force(C, patterns), rel=1e-12)
+        assert got.participations == int(patterns.sum(1).max())
+
+
+def test_orthogonal_shortcut_applies_when_bands_do_not_exceed_the_cycle():
+    for horizon, cycle in [(12, 4), (13, 5), (200, 16)]:
+        patterns = cc.cyclic_participation(horizon, cycle)
+        for b in range(1, cycle + 1):
+            C = cc.strategy("banded", horizon, b, cycle).matrix(horizon)
+            got = cc.sensitivity(C, patterns)
+            assert got.rule == "orthogonal columns"
+            direct = max(float(torch.linalg.vector_norm(C @ p)) for p in patterns)  # C ≥ 0: ‖C p‖ is the maximum
+            assert got.value == pytest.approx(direct, rel=1e-12)
+        C = cc.strategy("banded", horizon, cycle + 1, cycle).matrix(horizon)
+        assert cc.sensitivity(C, patterns).rule == "non-negative Gram"
+
+
+def test_sensitivity_with_negative_gram_entries_is_never_below_any_signed_contribution():
+    """A C with negative entries: ‖C p‖ (all contributions equal) understates what a user moves."""
+    C = torch.tensor([[1.0, 0.0, 0.0], [-0.9, 1.0, 0.0], [0.0, -0.9, 1.0]], dtype=torch.float64)
+    patterns = cc.cyclic_participation(3, 1)
+    got = cc.sensitivity(C, patterns)
+    brute = brute_force(C, patterns)
+    assert float(torch.linalg.vector_norm(C @ patterns[0])) < 0.8 * brute
+    assert got.value >= brute * (1 - 1e-12)
+    assert got.rule == "absolute Gram bound (upper bound)"
+    g = torch.Generator().manual_seed(0)
+    for horizon in (4, 6):
+        C = torch.tril(torch.randn(horizon, horizon, generator=g, dtype=torch.float64))
+        for patterns in some_patterns(horizon):
+            assert cc.sensitivity(C, patterns).value >= brute_force(C, patterns) * (1 - 1e-12)
+
+
+def test_single_participation_sensitivity_is_not_enough_under_a_cycle():
+    """Users in every K-th round move Cx by √⌈T/K⌉ columns, not by the largest column."""
+    horizon, cycle = 12, 4
+    m = cc.mechanism("banded", horizon, cycle, cycle)
+    C = m.strategy.matrix(horizon)
+    largest_column = float(torch.linalg.vector_norm(C, dim=0).max())
+    assert m.sensitivity.participations == 3
+    assert m.sensitivity.value == pytest.approx(brute_force(C, cc.cyclic_participation(horizon, cycle)), rel=1e-12)
+    assert m.sensitivity.value > 1.5 * largest_column
+
+
+def test_optimised_strategy_beats_the_square_root_and_independent_noise_on_its_loss():
+    horizon, cycle = 64, 4
+    patterns = cc.cyclic_participation(horizon, cycle)
+    opt = cc.optimised_coefficients(horizon, cycle, cycle)
+    value = {k: float(cc.loss(torch.tensor(c, dtype=torch.float64), horizon, patterns))
+             for k, c in {"opt": opt, "sqrt": cc.sqrt_coefficients(cycle), "ind": (1.0,)}.items()}
+    assert value["opt"] <= value["sqrt"] < value["ind"]
+    assert all(c >= 0 for c in opt) and opt[0] == 1.0
+
+
+# ----- the protocols ----------------------------------------------------------------------------
+def setup(values: dict):
+    cfg = config.build(EXP.config_type, values)
+    protocol = EXP.protocol(cfg)
+    units = EXP.units(cfg, torch.arange(cfg.n_users))
+    return cfg, protocol, {k: v.clone() for k, v in units.items()}
+
+
+def test_cyclic_cohorts_use_the_public_blocks_divide_by_their_size_and_are_accounted_per_cohort():
+    cfg, protocol, units = setup(SMALL)
+    assert protocol.cycle == 3 and protocol.releases_per_user() == 1 + 3  # ⌈7/3⌉ rounds per user
+    sizes = [protocol.cohort_size(r) for r in range(1, 4)]
+    assert sizes == [14, 13, 13] and sum(sizes) == cfg.n_users
+    ids = torch.arange(cfg.n_users)
+    for r in range(1, 8):
+        start, stop = protocol.cohort_range(protocol.round_cohort(r))
+        assert protocol.units_in_round(r, units) == stop - start
+        assert bool(((protocol.cohort_of(ids) == (r - 1) % 3) == ((ids >= start) & (ids < stop))).all())
+    privatizer = TapPrivatizer(3)
+    run_local(protocol, units, privatizer, chunk_size=7, progress=False)
+    groups = [r.units for r in privatizer.ledger]
+    assert groups == [ALL_UNITS] + [f"cohort:{(r - 1) % 3}" for r in range(1, 8)]
+    # the estimator's divisor is the public cohort size: U moves by η·G/|cohort| before orthonormalising
+    eps = ledger_epsilon(privatizer.ledger, cfg.delta, cfg.accountant)
+    assert eps == pytest.approx(event_epsilon(FedRepProtocol.user_event(protocol.noise_multiplier, 4), cfg.delta), rel=1e-6)
+    assert eps <= cfg.epsilon * (1 + 1e-6)
+
+
+@pytest.mark.slow  # ~10 s; the adaptive-clip neighbour test below covers cyclic cohorts in the default suite
+def test_cyclic_worst_case_neighbour_moves_only_its_cohort_releases():
+    cfg, protocol, units = setup(SMALL)
+    for j in (27,):
+        for label in ("huge x", "alternating y"):
+            new = adversaries(units["x"][j], units["y"][j], torch.float64)[label]
+            cohort = int(protocol.cohort_of(torch.tensor([j])))
+            outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS, f"cohort:{cohort}"})
+            assert outcome.releases == 1 + cfg.rounds, label
+
+
+@pytest.mark.parametrize("noise", ["banded", pytest.param("optimised", marks=pytest.mark.slow)])
+def test_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_sensitivity(noise):
+    """A user with maximal gradients in every round it takes part in: ‖C·Δx‖_F over the rounds'
+    pre-noise sums is ≤ the joint Δ = 2C·s the ledger records (broadcasts replayed, so adaptive)."""
+    cfg, protocol, units = setup({**SMALL, "noise": noise, "clip": 0.05})
+    assert protocol.correlated is not None
+    C = protocol.correlated.strategy.matrix(cfg.rounds)
+    largest = 0.0
+    for j in (2,):
+        new = adversaries(units["x"][j], units["y"][j], torch.float64)["alternating y"]
+        reference = TapPrivatizer(3)
+        run_local(protocol, units, reference, chunk_size=7, progress=False)
+        replayed = TapPrivatizer(3, replay=reference.outputs)
+        run_local(protocol, replace_unit(units, j, new), replayed, chunk_size=7, progress=False)
+        rounds = [(r, b, a) for (r, b), (_, a) in zip(reference.values, replayed.values) if r.mechanism == "correlated_gaussian"]
+        assert len(rounds) == cfg.rounds
+        joint = rounds[0][0].params["joint_sensitivity"]
+        assert all(r.sensitivity == pytest.approx(joint / math.sqrt(cfg.rounds)) for r, _, _ in rounds)
+        dx = torch.stack([(a - b).double().flatten() for _, b, a in rounds])
+        moved = float(torch.linalg.matrix_norm(C @ dx))
+        assert moved <= joint * (1 + 1e-9)
+        largest = max(largest, moved / joint)
+    assert largest > 0.3  # the planted user reaches a good part of the joint sensitivity
+
+
+@pytest.mark.parametrize("noise", ["banded", pytest.param("optimised", marks=pytest.mark.slow)])
+def test_correlated_ledger_recomputed_from_the_config_gives_the_reported_epsilon(noise):
+    values = {**SMALL, "noise": noise, "rounds": 9, "epsilon": 3.0}
+    cfg, protocol, units = setup(values)
+    privatizer = Privatizer(5)
+    run_local(protocol, units, privatizer, chunk_size=40, progress=False)
+    reported = EXP.privacy_summary(cfg, protocol, privatizer.ledger)
+    assert reported["noise"] == noise and reported["releases_per_user"] == 4
+    assert [r.units for r in privatizer.ledger] == [ALL_UNITS] * 10  # the joint mechanism touches every user
+    again = EXP.protocol(config.build(EXP.config_type, values))
+    assert again.correlated == protocol.correlated and again.noise_multiplier == protocol.noise_multiplier
+    recomputed = event_epsilon(FedRepProtocol.user_event(again.noise_multiplier, again.releases_per_user()), cfg.delta)
+    assert reported["epsilon"] == pytest.approx(recomputed, rel=2e-3)
+    assert reported["epsilon"] <= 3.0 * (1 + 2e-3)
+
+
+def test_one_band_gives_todays_independent_fedrep_bit_for_bit():
+    outs = []
+    for extra in ({}, {"noise": "banded", "bands": 1}):
+        cfg, protocol, units = setup({**SMALL, **extra})
+        state, _ = run_local(protocol, units, Privatizer(11), chunk_size=7, progress=False)
+        outs.append(state["U"])
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(
+    "values, field_name",
+    [
+        ({"cohorts": "poisson", "sampling_rate": 0.5, "cycle": 1, "noise": "banded"}, "noise"),
+        ({"cohorts": "all", "cycle": 4}, "cycle"),
+        ({"cycle": 41}, "cycle"),
+        ({"noise": "blt"}, "noise"),
+        ({"noise": "banded", "bands": 8}, "bands"),
+        ({"bands": 2}, "bands"),
+    ],
+)
+def test_unaccountable_cohort_or_noise_settings_are_refused_naming_the_field(values, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        config.build(EXP.config_type, {**SMALL, **values})
+
+
+def test_secure_noise_refuses_correlated_noise_before_releasing():
+    m = cc.mechanism("banded", 4, 2, 2)
+    p = Privatizer(0, secure=True)
+    with pytest.raises(ValueError, match="secure_noise"):
+        p.correlated_gaussian_sum(torch.zeros(2), per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G",
+                                  step=0, name="g", round=1)
+    assert len(p.ledger) == 0
+
+
+# ----- NoisyGD (example-level units) -------------------------------------------------------------
+GD = EXPERIMENTS["noisygd"]
+GD_SMALL = dict(examples=60, classes=3, feature_dim=5, steps=7, epsilon=2.0, test_examples=20, baselines=False,
+                dtype="float64", cohorts="cyclic", cycle=3, collapse="random", beta=0.3)
+
+
+def gd_setup(values: dict):
+    cfg = config.build(GD.config_type, values)
+    protocol = GD.protocol(cfg)
+    return cfg, protocol, {k: v.clone() for k, v in GD.units(cfg, torch.arange(cfg.examples)).items()}
+
+
+def test_noisygd_cyclic_cohorts_one_band_and_the_ledger():
+    """Cohort labels per step, ε from the ledger = the calibration's, one band = independent bit for bit,
+    and a correlated run touches every example through releases that compose to the joint mechanism."""
+    U = []
+    for extra in ({}, {"noise": "banded", "bands": 1}, {"noise": "banded"}):
+        cfg, protocol, units = gd_setup({**GD_SMALL, **extra})
+        assert protocol.participations() == 3
+        privatizer = Privatizer(2)
+        state, _ = run_local(protocol, units, privatizer, chunk_size=11, progress=False)
+        U.append(state["W"])
+        summary = GD.privacy_summary(cfg, protocol, privatizer.ledger)
+        assert summary["epsilon"] <= 2.0 * (1 + 2e-3) and summary["epsilon"] == pytest.approx(2.0, rel=2e-2)
+        if not extra:
+            assert [r.units for r in privatizer.ledger] == [f"cohort:{s % 3}" for s in range(7)]
+    assert torch.equal(U[0], U[1]) and not torch.equal(U[0], U[2])
+
+
+def test_noisygd_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_sensitivity():
+    cfg, protocol, units = gd_setup({**GD_SMALL, "noise": "banded"})
+    C = protocol.correlated.strategy.matrix(cfg.steps)
+    j = 4
+    reference = TapPrivatizer(3)
+    run_local(protocol, units, reference, chunk_size=11, progress=False)
+    replayed = TapPrivatizer(3, replay=reference.outputs)
+    run_local(protocol, replace_unit(units, j, {"x": -units["x"][j] * 1e3}), replayed, chunk_size=11, progress=False)
+    rounds = [(r, b, a) for (r, b), (_, a) in zip(reference.values, replayed.values)]
+    joint = rounds[0][0].params["joint_sensitivity"]
+    dx = torch.stack([(a - b).double().flatten() for _, b, a in rounds])
+    moved = float(torch.linalg.matrix_norm(C @ dx))
+    assert 0.5 * joint < moved <= joint * (1 + 1e-9)
+    cohort = int(protocol.cohort_of(torch.tensor([j])))
+    assert all(float(dx[s].abs().max()) == 0.0 for s in range(cfg.steps) if s % 3 != cohort)
+
+
+# ----- accounted adaptive clipping (Andrew et al. 2021) ---------------------------------------------
+ADAPTIVE = {**SMALL, "clip_rule": "adaptive", "clip": 5.0, "clip_quantile": 0.5, "clip_lr": 0.5, "clip_budget": 0.2}
+
+
+@pytest.mark.parametrize("noise", ["independent", "banded"])
+def test_adaptive_clip_count_is_a_release_in_the_ledger_and_in_the_total_epsilon(noise):
+    cfg, protocol, units = setup({**ADAPTIVE, "noise": noise})
+    privatizer = TapPrivatizer(3)
+    state, _ = run_local(protocol, units, privatizer, chunk_size=40, progress=False)
+    counts = [r for r in privatizer.ledger if r.name.endswith(".below")]
+    assert len(counts) == cfg.rounds
+    z = protocol.noise_multiplier
+    for r in counts:
+        assert r.sensitivity == 1.0 and r.noise_multiplier == pytest.approx(z / math.sqrt(0.2))
+    grads = [r for r in privatizer.ledger if r.name.endswith(".G")]
+    assert all(r.per_unit_bound == 1.0 for r in grads)  # G_j/C_t is released, scaled back by the public C_t
+    # the bound moves with the released counts only: C_{t+1} = C_t·exp(−η(b̄ − γ)), b̄ over the public cohort size
+    released = {r.name: out for (r, _), out in zip(privatizer.values, privatizer.outputs)}
+    c = 5.0
+    for t in range(1, cfg.rounds + 1):
+        size = protocol.cohort_size(t)
+        c *= math.exp(-0.5 * ((float(released[f"round{t}.below"]) + size / 2) / size - 0.5))
+    assert float(state["clip"]) == pytest.approx(c, rel=1e-12)
+    eps = ledger_epsilon(privatizer.ledger, cfg.delta, cfg.accountant)
+    recomputed = event_epsilon(FedRepProtocol.user_event(z, protocol.releases_per_user(), 1.0, 0.2), cfg.delta)
+    assert eps == pytest.approx(recomputed, rel=2e-3) and eps <= cfg.epsilon * (1 + 2e-3)
+    # without the counts the same z would claim less: the counts are accounted, not free
+    assert event_epsilon(FedRepProtocol.user_event(z / math.sqrt(0.8), 1 + 3), cfg.delta) < 0.97 * eps
+
+
+def test_adaptive_clip_worst_case_neighbours_move_each_release_by_at_most_its_sensitivity():
+    cfg, protocol, units = setup(ADAPTIVE)
+    j = 27
+    cohort = int(protocol.cohort_of(torch.tensor([j])))
+    moved_count = 0.0
+    for label in ("alternating y",):
+        new = adversaries(units["x"][j], units["y"][j], torch.float64)[label]
+        outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS, f"cohort:{cohort}"})
+        moved_count = max([moved_count] + [c for r, c in outcome.changes if r.name.endswith(".below")])
+    assert moved_count == 1.0  # a user's indicator flips: the count's full sensitivity is reached
+
+
+def test_a_checkpointed_privatizer_continues_the_same_correlated_stream():
+    """The recurrence's last b − 1 vectors travel in the Privatizer's state (what a resumed run loads)."""
+    m = cc.mechanism("banded", 10, 4, 4)
+    value = torch.zeros(3, dtype=torch.float64)
+
+    def release(p: Privatizer, t: int) -> torch.Tensor:
+        return p.correlated_gaussian_sum(value, per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G",
+                                         step=t, name=f"r{t}", round=t + 1)
+
+    whole = Privatizer(6)
+    expected = [release(whole, t) for t in range(10)]
+    first = Privatizer(6)
+    for t in range(5):
+        release(first, t)
+    resumed = Privatizer(6)
+    resumed.load_state_dict(first.state_dict())
+    assert all(torch.equal(release(resumed, t), expected[t]) for t in range(5, 10))
+
+
+@pytest.mark.slow  # ~25 s: the Flower grid
+def test_cyclic_banded_adaptive_fedrep_on_the_flower_grid_matches_local(tmp_path):
+    from fedpers.app import make_client_app
+    from fedpers.runner import Runtime, RuntimeOptions, execute
+    from tests.flower_support import InProcessGrid
+
+    cfg = config.build(EXP.config_type, {**ADAPTIVE, "noise": "banded", "n_users": 90, "rounds": 5, "seed": 1})
+    local = execute(EXP, cfg, out=tmp_path / "local", progress=False)
+    grid = InProcessGrid(make_client_app(), 3)
+    flower = execute(EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False,
+                     grid=grid)
+    assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
+    torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name, values", [("fedrep", {**SMALL, "noise": "banded"}), ("fedrep", ADAPTIVE),
+                                          ("noisygd", GD_SMALL)])
+def test_the_canary_audit_refuses_cycles_correlated_noise_and_adaptive_clips(name, values):
+    exp = EXPERIMENTS[name]
+    cfg = config.build(exp.config_type, values)
+    with pytest.raises(ValueError, match="audit"):
+        exp.canary_design().protocol(cfg, 4)
+
+
+# ----- NoisyHead (users' prompts, rounds mode for cohorts) -------------------------------------------
+NH = EXPERIMENTS["noisyhead"]
+NH_SMALL = dict(prompts=240, dim=3, steps=12, epsilon=5.0, calibration="accountant", chunk_size=50, unit="user",
+                prompts_per_user=4, user_clip=0.2, test_prompts=50)
+
+
+def test_noisyhead_correlated_noise_gives_the_same_gamma_in_both_modes_and_cycles_are_accounted():
+    """The T steps draw one correlated stream in statistics and in rounds mode alike; cyclic cohorts
+    (rounds mode) record each step for its cohort and calibrate to ⌈T/K⌉ steps per user."""
+    from fedpers.runner import execute
+
+    out = {}
+    for mode in ("statistics", "rounds"):
+        cfg = config.build(NH.config_type, {**NH_SMALL, "mode": mode, "noise": "banded", "bands": 3})
+        out[mode] = execute(NH, cfg, write=False, progress=False)
+    a, b = (torch.tensor(out[m]["Gamma"]) for m in ("statistics", "rounds"))
+    assert float((a - b).abs().max()) <= 1e-6 * max(1.0, float(a.abs().max()))
+    assert out["rounds"]["privacy"]["epsilon"] <= 5.0 * (1 + 2e-3)
+    cfg = config.build(NH.config_type, {**NH_SMALL, "mode": "rounds", "cohorts": "cyclic", "cycle": 4})
+    protocol = NH.protocol(cfg)
+    assert protocol.participations() == 3 and protocol.step_divisor(1) == 15 * 4
+    units = NH.units(cfg, torch.arange(60))
+    privatizer = TapPrivatizer(1)
+    run_local(protocol, units, privatizer, chunk_size=50, progress=False)
+    assert [r.units for r in privatizer.ledger] == [f"cohort:{t % 4}" for t in range(12)]
+    eps = ledger_epsilon(privatizer.ledger, cfg.delta, cfg.accountant)
+    assert eps == pytest.approx(5.0, rel=2e-3) and eps <= 5.0 * (1 + 2e-3)
+    with pytest.raises(ValueError, match="cohorts"):
+        config.build(NH.config_type, {**NH_SMALL, "cohorts": "cyclic", "cycle": 4})  # statistics mode
