@@ -511,6 +511,12 @@ def _add_select_flags(sw: argparse.ArgumentParser) -> None:
         "--validation-users", type=int, default=2000, help="held-out users of the private score (default 2000)"
     )
     g.add_argument("--tuning-seed", type=int, default=0, help="seed of the trials' draws and noise (default 0)")
+    g.add_argument(
+        "--secure-noise",
+        action="store_true",
+        help="with --private: draw the number of trials, the candidates and every trial's and the final run's noise "
+        "from OS entropy (the number of trials must stay secret for the guarantee); --tuning-seed is then unused",
+    )
 
 
 def cmd_select(args: argparse.Namespace) -> int:
@@ -538,6 +544,7 @@ def cmd_select(args: argparse.Namespace) -> int:
             seed=args.tuning_seed,
             out=out,
             progress=not args.quiet,
+            secure_noise=args.secure_noise,
         )
     else:
         run_sweep(

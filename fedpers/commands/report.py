@@ -122,8 +122,8 @@ def run_report(run_dir: str | Path) -> str:
         sections.append(
             "<h2>Preconditions of the guarantee</h2>"
             + table(
-                ["condition", "holds", "value", "bound"],
-                ([c.get("text"), c.get("holds"), c.get("value"), c.get("bound")] for c in result.conditions.values()),
+                ["condition", "holds"],
+                ([c.get("text"), c.get("holds")] for c in result.conditions.values()),
             )
         )
     figures = [path / p for p in (result.plots or ()) if (path / p).is_file()] if result is not None else []
