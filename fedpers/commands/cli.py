@@ -574,12 +574,19 @@ AUDIT_DESCRIPTION = (
 def _audit_flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedpers audit ALGO", add_help=False, allow_abbrev=False)
     p.add_argument(
-        "--canaries", type=int, required=True, help="canary users per run (at most one per orthogonal direction)"
+        "--canaries", type=int, required=True, help="canary users per run (orthogonal: at most the design's capacity)"
     )
     p.add_argument("--runs", type=int, default=1, help="independent runs, K canaries each (default 1)")
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds (default 0.95)")
     p.add_argument(
         "--audit-seed", type=int, default=0, help="seed of the coins, canaries and noise of the audit runs (default 0)"
+    )
+    p.add_argument(
+        "--placement",
+        choices=["auto", "orthogonal", "random"],
+        default="auto",
+        help="canary directions: one orthogonal coordinate each, random (any number; interference scored), "
+        "or auto: orthogonal up to the design's capacity, random beyond (default)",
     )
     return p
 
@@ -605,7 +612,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
     algo_values, _ = split_values(exp.config_type, values)
     cfg = config_lib.build(exp.config_type, algo_values)
-    result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
+    result = audit(
+        exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed, placement=own.placement
+    )
     print(dumps(result, indent=None) if algo_args.json else format_audit(result))
     return 0
 
