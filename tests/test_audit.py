@@ -346,3 +346,24 @@ def test_honest_dpals_lower_bounds_stay_below_proven():
     print(_bounds(result), result["proven_epsilon"], result["canary_mu"], result["proven_mu"])
     assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
     assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
+
+
+def test_audit_of_a_finished_run_directory_prints_its_ledger_and_reaches_the_report(tmp_path, capsys):
+    """`fedpers audit RUN_DIR`: the run's own configuration on canaries, the run's ledger ε beside the
+    audit's proven and empirical values, written to RUN_DIR/audit.json and shown by `fedpers report`."""
+    from fedpers.commands.cli import main
+    from fedpers.commands.report import run_report
+
+    run = tmp_path / "run"
+    assert main(["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["audit", str(run), "--canaries", "6", "--runs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "its ledger records ε = 3" in out and "proven ε = 3" in out and "Gaussian-score" in out
+    saved = __import__("json").loads((run / "audit.json").read_text())
+    assert saved["run_ledger"]["epsilon"] == pytest.approx(3.0, rel=1e-3) and saved["trials"] == 12
+    assert max(_bounds(saved)) <= saved["proven_epsilon"]
+    html = run_report(run)
+    assert "<h3>Audit</h3>" in html and "Gaussian-score" in html
+    assert main(["audit", str(run), "--canaries", "6", "--epsilon", "9"]) == 2
+    assert "the run's own configuration is audited" in capsys.readouterr().err

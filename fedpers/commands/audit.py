@@ -347,3 +347,49 @@ def format_audit(result: Mapping[str, Any]) -> str:
             f"  placement: {result['placement']}; {result['trials']} canary trials in {result['seconds']:.1f} s"
         )
     return "\n".join(lines)
+
+
+# ----- a finished run directory ---------------------------------------------------------------
+AUDIT_FILE = "audit.json"
+"""What ``fedpers audit RUN_DIR`` writes into the run directory (the HTML report shows it)."""
+
+
+def audit_run_dir(
+    run_dir: Any, canaries: int, runs: int = 1, confidence: float = 0.95, seed: int = 0, placement: str = "auto"
+) -> dict[str, Any]:
+    """Audit the configuration a finished run used (its canaries replace the population; everything
+    else as configured), beside the (ε, δ) its own ledger records; written to RUN_DIR/audit.json."""
+    import json
+    from pathlib import Path
+
+    from fedpers import config as config_lib
+    from fedpers.commands.privacy_report import privacy_summary
+    from fedpers.experiments import ALGORITHMS, experiment
+    from fedpers.results.rundir import dumps, write_atomic
+
+    path = Path(run_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"audit: {path} is not a fedpers run directory (no config.json)")
+    saved = json.loads((path / "config.json").read_text())
+    name = saved.pop("algorithm", None)
+    if name not in ALGORITHMS:
+        raise ValueError(f"audit: {path}/config.json names algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
+    saved.pop("runtime", None)
+    exp = experiment(name)
+    cfg = config_lib.build(exp.config_type, saved)
+    result = audit(exp, cfg, canaries, runs=runs, confidence=confidence, seed=seed, placement=placement)
+    ledger = privacy_summary(path)
+    result["run_dir"] = str(path)
+    result["run_ledger"] = {k: ledger.get(k) for k in ("epsilon", "delta", "accountant", "releases", "complete")}
+    write_atomic(path / AUDIT_FILE, dumps(result) + "\n")
+    return result
+
+
+def format_run_audit(result: Mapping[str, Any]) -> str:
+    """The audit's report, with the run's own ledger first."""
+    led = result["run_ledger"]
+    head = (
+        f"run {result['run_dir']}: its ledger records ε = {led['epsilon']:.4g} at δ = {led['delta']:.3g} "
+        f"({led['accountant']}, {led['releases']} releases); the audit reruns its configuration on canaries"
+    )
+    return head + "\n" + format_audit(result) + f"\n  written to {result['run_dir']}/{AUDIT_FILE}"

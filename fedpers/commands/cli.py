@@ -212,7 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=AUDIT_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    au.add_argument("algorithm", choices=list(ALGORITHMS), metavar="ALGO", help="one of: " + ", ".join(ALGORITHMS))
+    au.add_argument(
+        "algorithm",
+        metavar="ALGO|RUN_DIR",
+        help="one of: " + ", ".join(ALGORITHMS) + "; or a finished run directory (audits its configuration)",
+    )
     au.add_argument(
         "args",
         nargs=argparse.REMAINDER,
@@ -601,6 +605,22 @@ def cmd_audit(args: argparse.Namespace) -> int:
         algorithm_parser(args.algorithm).print_help()
         return 0
     own, rest = _audit_flags().parse_known_args(args.args)
+    if Path(args.algorithm).is_dir():
+        from fedpers.commands.audit import audit_run_dir, format_run_audit
+
+        if rest:
+            raise ValueError(f"audit RUN_DIR: the run's own configuration is audited; unexpected flags {rest}")
+        done = audit_run_dir(
+            args.algorithm, own.canaries, own.runs, own.confidence, own.audit_seed, placement=own.placement
+        )
+        print(format_run_audit(done))
+        return 0
+    from fedpers.experiments import ALGORITHMS
+
+    if args.algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"audit: ALGO must be one of {', '.join(ALGORITHMS)} or a run directory; got {args.algorithm!r}"
+        )
     algo_args = algorithm_parser(args.algorithm).parse_args(rest)
     exp = experiment(args.algorithm)
     values: dict[str, Any] = {}
