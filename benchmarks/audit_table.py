@@ -16,7 +16,7 @@ from fedpers.experiments import experiment
 
 DEFAULTS = {  # canaries per run (the design's orthogonal capacity at the defaults), runs
     "altmin": (10, 100, {}),
-    "fedrep": (16, 63, {}),
+    "fedrep": (8, 125, {}),
     "noisygd": (50, 20, {"accountant": "pld"}),
     "dpals": (100, 10, {"private_center": False, "n_items": 300, "clip_embedding": 3.0, "clip_rating": 3.0, "ridge_item": 1.0}),
     "noisyhead": (25, 40, {"mode": "rounds", "calibration": "accountant"}),

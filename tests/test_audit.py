@@ -121,7 +121,7 @@ def test_canary_count_is_checked_before_any_run():
     with pytest.raises(ValueError, match=r"canaries must be in \[2, 10\]"):
         audit_lib.audit(ALTMIN, altmin_cfg(), 11, placement="orthogonal")
     with pytest.raises(ValueError, match="no random placement"):
-        audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"epsilon": 4.0}), 500)
+        audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"epsilon": 4.0}), 500, placement="random")
     with pytest.raises(ValueError, match="placement must be one of"):
         audit_lib.audit(ALTMIN, altmin_cfg(), 5, placement="diagonal")
     with pytest.raises(ValueError, match="epsilon must be finite"):
@@ -208,6 +208,17 @@ def test_honest_altmin_lower_bounds_stay_below_proven(cohorts, epsilon):
         assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
 
 
+@pytest.mark.slow
+def test_honest_altmin_at_1000_trials_stays_below_proven_at_ten_seeds():
+    """The table's budget (10 canaries × 100 runs, ε = 4): at each of 10 seeds no non-parametric
+    bound and no Gaussian-score lower bound exceeds the proven value."""
+    cfg = altmin_cfg(epsilon=4.0)
+    for seed in range(10):
+        result = audit_lib.audit(ALTMIN, cfg, 10, runs=100, seed=seed)
+        assert max(_bounds(result)) <= result["proven_epsilon"], (seed, _bounds(result))
+        assert result["gaussian_score"]["mu_lower"] <= result["proven_mu"], (seed, result["gaussian_score"])
+
+
 @pytest.fixture
 def halved_noise(monkeypatch):
     """Noise scaled by the per-unit bound instead of the sensitivity Δ = 2·bound: σ halved, the
@@ -247,6 +258,7 @@ def test_planted_bug_raises_the_lower_bound_above_proven(bug, request):
     cfg = altmin_cfg(epsilon=8.0, rounds=rounds, cohorts=Cohorts.DISJOINT)
     result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=0)
     assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (bug, _bounds(result), result["proven_epsilon"])
+    assert result["gaussian_score"]["mu_lower"] > result["proven_mu"], (bug, result["gaussian_score"])
     print(bug, _bounds(result), result["proven_epsilon"])
 
 
@@ -270,15 +282,20 @@ FEDREP = experiment("fedrep")
 
 
 def test_fedrep_canaries_reach_their_promised_separation():
-    """FedRep canaries: the init W at sqrt((p − j)² + j)/p of the full sensitivity, and each round's G
-    at C ("+") against 0 ("−"): μ_canary² = μ_release²·(f² + T/4), μ_proven² = μ_release²·(1 + T).
-    Odd and even m lay the pairs out differently; both are checked."""
-    for m in (5, 8):
-        cfg = config_lib.build(FEDREP.config_type, {"dim": 12, "rounds": 2, "samples_per_user": m, "epsilon": 4.0})
+    """FedRep canaries: one round (one block): the init W at f = sqrt((p − j)² + j)/p of the full
+    sensitivity, and the round's G at C ("+") against 0 ("−"): μ_canary² = μ_release²·(f² + T/4).
+    T ≥ 2 rounds (two blocks: the same data on orthogonal coordinates): W at f/√2, every G √2·C
+    apart: μ_canary² = μ_release²·(f²/2 + T/2). μ_proven² = μ_release²·(1 + T). Odd and even m lay
+    the pairs out differently; both are checked."""
+    shares = {1: lambda f: f**2 + 1 / 4, 2: lambda f: f**2 / 2 + 2 / 2}
+    for m, rounds in ((5, 1), (5, 2), (8, 2)):
+        share = shares[rounds]
+        cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": rounds, "samples_per_user": m, "epsilon": 4.0})
         p = experiment("fedrep").canary_design().protocol(cfg, 4)
         f = fedrep_init_fraction(p)
         result = audit_lib.audit(FEDREP, cfg, 4, runs=1)
-        assert result["canary_mu"] == pytest.approx(result["proven_mu"] * ((f**2 + 2 / 4) / 3) ** 0.5, rel=1e-6), m
+        want = result["proven_mu"] * (share(f) / (1 + rounds)) ** 0.5
+        assert result["canary_mu"] == pytest.approx(want, rel=1e-6), (m, rounds)
     with pytest.raises(ValueError, match="samples_per_user"):
         audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"dim": 12, "samples_per_user": 4, "rank": 2}), 2)
 

@@ -219,10 +219,12 @@ def audit(
         raise ValueError(f"confidence must be in (0.5, 1), got {confidence}")
     if math.isinf(cfg.epsilon):
         raise ValueError("epsilon must be finite: a run without noise has no guarantee to audit")
-    protocol = design.protocol(cfg, canaries)
-    capacity = design.capacity(protocol)
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
+    if placement == "random" and design.random_canaries is None:
+        raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
+    protocol = design.protocol(cfg, canaries)
+    capacity = design.capacity(protocol)
     random = placement == "random" or (placement == "auto" and canaries > capacity)
     if random and design.random_canaries is None:
         raise ValueError(
