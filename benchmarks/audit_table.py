@@ -1,6 +1,6 @@
 """The audit table of docs/audit.md: proven ε beside the empirical bounds, per algorithm and ε.
 
-    python benchmarks/audit_table.py altmin:4 fedrep:4 ...   # ALGO:EPSILON[:CANARIES[:RUNS]]
+    python benchmarks/audit_table.py altmin:4 fedrep:4 ...   # ALGO:EPSILON[:CANARIES[:RUNS[:PLACEMENT]]]
 
 Each row: ≈1,000 canary trials (canaries per run × runs), the algorithm's defaults otherwise,
 seed 0; wall time of the audit itself (one process, one thread)."""
@@ -18,7 +18,11 @@ DEFAULTS = {  # canaries per run (the design's orthogonal capacity at the defaul
     "altmin": (10, 100, {}),
     "fedrep": (8, 125, {}),
     "noisygd": (50, 20, {"accountant": "pld"}),
-    "dpals": (100, 10, {"private_center": False, "n_items": 300, "clip_embedding": 3.0, "clip_rating": 3.0, "ridge_item": 1.0}),
+    "dpals": (
+        100,
+        10,
+        {"private_center": False, "n_items": 300, "clip_embedding": 3.0, "clip_rating": 3.0, "ridge_item": 1.0},
+    ),
     "noisyhead": (25, 40, {"mode": "rounds", "calibration": "accountant"}),
 }
 
@@ -30,21 +34,25 @@ def row(spec: str) -> str:
         k = int(rest[0])
     if len(rest) > 1:
         runs = int(rest[1])
+    placement = rest[2] if len(rest) > 2 else "auto"
     exp = experiment(name)
     cfg = config_lib.build(exp.config_type, {**extra, "epsilon": float(eps)})
     start = time.perf_counter()
-    r = audit(exp, cfg, k, runs=runs, seed=0)
+    r = audit(exp, cfg, k, runs=runs, seed=0, placement=placement)
     took = time.perf_counter() - start
     g = r["gaussian_score"]
+    label = name + (" (random placement)" if placement == "random" else "")
     return (
-        f"| {name} | {r['proven_epsilon']:.3g} (μ {r['proven_mu']:.3f}) | {r['canary_mu']:.3f} | {r['epsilon_lower']:.2f} | "
+        f"| {label} | {r['proven_epsilon']:.3g} (μ {r['proven_mu']:.3f}) | {r['canary_mu']:.3f} | {r['epsilon_lower']:.2f} | "
         f"{r['independent_gdp']['epsilon_lower']:.2f} | {g['epsilon']:.2f} (μ̂ {g['mu']:.3f}) | {g['epsilon_lower']:.2f} | "
         f"{r['trials']} ({k} × {runs}) | {took:.0f} s |"
     )
 
 
 if __name__ == "__main__":
-    print("| algorithm | proven ε | canaries' μ | any mechanism | independent GDP | Gaussian-score ε (μ̂) | Gaussian-score ε ≥ | trials | time |")
+    print(
+        "| algorithm | proven ε | canaries' μ | any mechanism | independent GDP | Gaussian-score ε (μ̂) | Gaussian-score ε ≥ | trials | time |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for spec in sys.argv[1:]:
         print(row(spec), flush=True)

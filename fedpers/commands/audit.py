@@ -341,7 +341,7 @@ def format_audit(result: Mapping[str, Any]) -> str:
     gauss = result.get("gaussian_score")
     if gauss is not None:
         lines.append(
-            f"  Gaussian-score bound (ASSUMPTION: {gauss['assumption']}): μ = {gauss['mu']:.4g} "
+            f"  Gaussian-score bound, ASSUMING {gauss['assumption']}:\n    μ = {gauss['mu']:.4g} "
             f"[{gauss['confidence']:g} lower bound {gauss['mu_lower']:.4g}]: ε ≈ {gauss['epsilon']:.4g}, ε ≥ {gauss['epsilon_lower']:.4g}"
         )
     if "placement" in result:

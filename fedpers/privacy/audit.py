@@ -222,8 +222,8 @@ def independent_gdp_lower_bound(
 
 # ----- the Gaussian-score bound (an assumption, beside the non-parametric bounds) ------------------
 GAUSSIAN_SCORE_ASSUMPTION = (
-    "assumes the scores of included and left-out canaries are Gaussian with one variance "
-    "(the trade-off curve of the score test is then G_μ); not valid for every mechanism"
+    "the scores of included and left-out canaries are Gaussian with one variance (the score test's "
+    "trade-off is then G_μ); not valid for every mechanism"
 )
 
 
