@@ -8,7 +8,10 @@ failing test (``-x``), the files most likely to catch the mutation first, so a c
 costs seconds to a few minutes; every file run is part of the default suite. One mistake is
 planted per class of privacy-at-the-edges mistake: the public item universe, per-user failures, the sampled PSD
 bound, a statistic's bound applied to another kind, a release the calibration forgets, a refusal
-after a release, resume bookkeeping, the sampling rate and the estimator's divisor.
+after a release, resume bookkeeping, the sampling rate and the estimator's divisor; and one per
+class an independent review found the suite missing (the per-user item cap, the sampled PSD bound
+at large q, the calibration's full-resolution step-up, the shared Poisson sample, the budget
+ledger's run key, the sampled estimator's divisor).
 """
 from __future__ import annotations
 
@@ -141,6 +144,48 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
 }
 
+
+# ----- the suite's own gaps found by an independent review: the item cap, the sampled PSD bound at
+# large q, the calibration's full-resolution step-up, the shared Poisson sample, the budget ledger's
+# run key, the sampled estimator's divisor -----
+MUTATIONS.update({
+    "DPALS round 0 ignores the per-user item cap": (
+        "fedpers/protocols/dpals.py",
+        "    sel = selected(mask, items_per_user)\n    r_unit, log_rn = linalg.directions(ratings * sel",
+        "    sel = mask\n    r_unit, log_rn = linalg.directions(ratings * sel",
+        "tests/test_privacy_e2e.py",
+    ),
+    "PSD √2 tightening kept for sampling rates q >= 0.5": (
+        MECHANISMS,
+        "        tighten = psd_units and sampling_probability >= 1.0",
+        "        tighten = psd_units and sampling_probability >= 0.5",
+        "tests/test_psd_sampled.py",
+    ),
+    "coarse-grid calibration accepted without the full-resolution step-up": (
+        "fedpers/privacy/accountant.py",
+        "            while eps > target_epsilon:\n                z *= 1.0 + 1e-4\n                eps = eps_at(z)\n            return z",
+        "            return z",
+        "tests/test_privacy.py",
+    ),
+    "AltMin's b not tagged with the round's shared Poisson sample": (
+        ALTMIN,
+        'params={**self.release_params("b"), **shared},',
+        'params={**self.release_params("b"), **{k: v for k, v in shared.items() if k != "poisson_sample"}},',
+        "tests/test_poisson.py",
+    ),
+    "a new run in a reused out directory treated as already charged": (
+        "fedpers/runtime/flower/policy.py",
+        'key = f"{Path(job.out).resolve() if job.out is not None else \'\'}|flwr-run-{run_id}"',
+        'key = f"{Path(job.out).resolve() if job.out is not None else \'\'}"',
+        "tests/test_policy.py",
+    ),
+    "NoisyHead's Poisson estimator divides by N, not q·N": (
+        "fedpers/protocols/noisyhead.py",
+        "gamma, noisy, self.prompts * self.sampling_rate, self.ridge_lambda",
+        "gamma, noisy, self.prompts, self.ridge_lambda",
+        "tests/test_poisson.py",
+    ),
+})
 
 def failing_tests(tree: Path, first: tuple[str, ...] = ()) -> list[str]:
     """The first failing test of the default-suite files (``first`` before the rest), or []."""

@@ -53,6 +53,30 @@ def test_one_run_bound_is_valid_for_a_known_gaussian_and_grows_with_mu():
     assert min(bounds[3.0]) > 2.0  # 1000 independent trials pin μ = 3 within ~0.6
 
 
+@pytest.mark.parametrize("mu, n", [(0.9, 60), (2.0, 200)])
+def test_gaussian_score_estimator_is_unbiased_and_its_bounds_cover(mu, n):
+    """Synthetic score pairs N(±μ/2, σ²) (σ unknown to the estimator) with a fair coin each, 200
+    repetitions: the mean estimate is μ within 3 standard errors, and each one-sided 95% bound
+    covers μ at least at its level (less two binomial standard deviations of 200 trials: 0.92);
+    the uncorrected standardised difference is visibly biased at n = 60, the corrected is not."""
+    g = torch.Generator().manual_seed(11)
+    est, raw, lower_ok, upper_ok = [], [], 0, 0
+    for _ in range(200):
+        inc = torch.rand(n, generator=g) < 0.5
+        scores = 3.0 * (torch.randn(n, generator=g, dtype=torch.float64) + mu * (inc.double() - 0.5)) + 7.0
+        r = audit_math.gaussian_score_mu(scores, inc, 0.95)
+        est.append(r["mu"])
+        raw.append(r["mu"] / (1.0 - 3.0 / (4.0 * (n - 2) - 1.0)))
+        lower_ok += r["mu_lower"] <= mu
+        upper_ok += r["mu_upper"] >= mu
+    e = torch.tensor(est, dtype=torch.float64)
+    se = float(e.std()) / 200**0.5
+    assert abs(float(e.mean()) - mu) < 3 * se, (float(e.mean()), mu, se)
+    assert lower_ok / 200 >= 0.92 and upper_ok / 200 >= 0.92, (lower_ok, upper_ok)
+    if n == 60:
+        assert float(torch.tensor(raw).mean()) - mu > abs(float(e.mean()) - mu)
+
+
 def test_p_value_matches_the_binomial_tail_without_delta():
     from scipy import stats
 
@@ -95,7 +119,11 @@ def test_audit_without_noise_information_cannot_separate():
 
 def test_canary_count_is_checked_before_any_run():
     with pytest.raises(ValueError, match=r"canaries must be in \[2, 10\]"):
-        audit_lib.audit(ALTMIN, altmin_cfg(), 11)
+        audit_lib.audit(ALTMIN, altmin_cfg(), 11, placement="orthogonal")
+    with pytest.raises(ValueError, match="no random placement"):
+        audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"epsilon": 4.0}), 500, placement="random")
+    with pytest.raises(ValueError, match="placement must be one of"):
+        audit_lib.audit(ALTMIN, altmin_cfg(), 5, placement="diagonal")
     with pytest.raises(ValueError, match="epsilon must be finite"):
         audit_lib.audit(ALTMIN, altmin_cfg(epsilon=float("inf")), 5)
 
@@ -106,6 +134,63 @@ def test_cli_audit_prints_proven_and_lower_bounds(capsys):
     assert main(["audit", "altmin", "--canaries", "6", "--runs", "2", "--epsilon", "3"]) == 0
     out = capsys.readouterr().out
     assert "proven ε = 3" in out and "empirical ε lower bound" in out and "replace-one" in out
+
+
+# ----- many canaries per run: random directions, interference in the score ----------------------
+@pytest.mark.slow
+def test_random_canaries_beyond_the_dimension_are_scored_with_their_interference():
+    """40 canaries at d = 10 (4 per dimension, far from orthogonal), 5 runs: the scorer's
+    standardised scores have variance 1 and means ±separation/2 as its interference-aware model
+    says, while the scores standardised by the canary's own noise alone (ignoring the other
+    canaries' ±c/2) vary well beyond 1."""
+    cfg = altmin_cfg(epsilon=4.0)
+    design = ALTMIN.canary_design()
+    protocol = design.protocol(cfg, 40)
+    coins = torch.Generator().manual_seed(5)
+    centred, naive = [], []
+    for run in range(5):
+        cans = design.random_canaries(protocol, torch.Generator().manual_seed(run), 40)
+        included = torch.rand(40, generator=coins) < 0.5
+        published, _ = audit_lib.run_published(protocol, cans.units(included), audit_lib.PublishingPrivatizer(100 + run))
+        scored = audit_lib.canary_scores(protocol, published, cans)
+        sign = torch.where(included, 0.5, -0.5).double()
+        centred.append(scored.standard - sign * scored.separation)
+        own = torch.diagonal(scored.gram).sqrt()
+        naive.append(scored.llr / own - sign * own)
+    z, zn = torch.cat(centred), torch.cat(naive)
+    # scores of overlapping canaries share noise, so 200 of them pin the variance only loosely
+    assert abs(float(z.mean())) < 0.2 and 0.6 < float(z.var()) < 1.3, (float(z.mean()), float(z.var()))
+    assert float(zn.var()) > float(z.var())  # the interference is there, and accounted
+
+
+def test_interference_model_of_the_scores_is_exact_for_gaussian_releases():
+    """K = 30 canary differences d_j in R^8 (random, overlapping), the release Y = Σ s_j d_j/2 + N(0, I)
+    with fair signs s_j, 4000 draws: each canary's standardised score has mean ±separation/2 and
+    variance 1 — the model :class:`CanaryScores` states, interference included."""
+    g = torch.Generator().manual_seed(3)
+    D = torch.randn(30, 8, generator=g, dtype=torch.float64) * 0.4
+    gram = D @ D.T
+    signs = torch.where(torch.rand(4000, 30, generator=g) < 0.5, 1.0, -1.0).double()
+    Y = signs @ D / 2 + torch.randn(4000, 8, generator=g, dtype=torch.float64)
+    scored = [audit_lib.CanaryScores(D @ y, gram) for y in Y]
+    standard = torch.stack([s.standard for s in scored])
+    centred = standard - signs * scored[0].separation / 2
+    assert torch.allclose(centred.mean(0), torch.zeros(30, dtype=torch.float64), atol=0.06)
+    assert torch.allclose(centred.var(0), torch.ones(30, dtype=torch.float64), atol=0.08)
+    naive = torch.stack([s.llr for s in scored]) / torch.diagonal(gram).sqrt() - signs * torch.diagonal(gram).sqrt() / 2
+    assert float(naive.var(0).mean()) > 1.5  # ignoring the other canaries would misstate the variance
+
+
+@pytest.mark.slow
+def test_honest_random_placement_bounds_stay_below_proven():
+    """Random placement, 100 canaries per run at d = 10, 1000 trials, 3 seeds: no bound (nor the
+    Gaussian-score lower bound) exceeds the proven value."""
+    cfg = altmin_cfg(epsilon=4.0)
+    for seed in range(3):
+        result = audit_lib.audit(ALTMIN, cfg, 100, runs=10, seed=seed)
+        assert result["placement"].startswith("random") and result["trials"] == 1000
+        assert max(_bounds(result)) <= result["proven_epsilon"], (seed, _bounds(result))
+        assert result["gaussian_score"]["mu_lower"] <= result["proven_mu"]
 
 
 # ----- honest code stays below; planted bugs go above (slow) --------------------------------
@@ -121,6 +206,17 @@ def test_honest_altmin_lower_bounds_stay_below_proven(cohorts, epsilon):
         result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=seed)
         assert max(_bounds(result)) <= result["proven_epsilon"], (seed, _bounds(result))
         assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
+
+
+@pytest.mark.slow
+def test_honest_altmin_at_1000_trials_stays_below_proven_at_ten_seeds():
+    """The table's budget (10 canaries × 100 runs, ε = 4): at each of 10 seeds no non-parametric
+    bound and no Gaussian-score lower bound exceeds the proven value."""
+    cfg = altmin_cfg(epsilon=4.0)
+    for seed in range(10):
+        result = audit_lib.audit(ALTMIN, cfg, 10, runs=100, seed=seed)
+        assert max(_bounds(result)) <= result["proven_epsilon"], (seed, _bounds(result))
+        assert result["gaussian_score"]["mu_lower"] <= result["proven_mu"], (seed, result["gaussian_score"])
 
 
 @pytest.fixture
@@ -162,6 +258,7 @@ def test_planted_bug_raises_the_lower_bound_above_proven(bug, request):
     cfg = altmin_cfg(epsilon=8.0, rounds=rounds, cohorts=Cohorts.DISJOINT)
     result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=0)
     assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (bug, _bounds(result), result["proven_epsilon"])
+    assert result["gaussian_score"]["mu_lower"] > result["proven_mu"], (bug, result["gaussian_score"])
     print(bug, _bounds(result), result["proven_epsilon"])
 
 
@@ -185,15 +282,20 @@ FEDREP = experiment("fedrep")
 
 
 def test_fedrep_canaries_reach_their_promised_separation():
-    """FedRep canaries: the init W at sqrt((p − j)² + j)/p of the full sensitivity, and each round's G
-    at C ("+") against 0 ("−"): μ_canary² = μ_release²·(f² + T/4), μ_proven² = μ_release²·(1 + T).
-    Odd and even m lay the pairs out differently; both are checked."""
-    for m in (5, 8):
-        cfg = config_lib.build(FEDREP.config_type, {"dim": 12, "rounds": 2, "samples_per_user": m, "epsilon": 4.0})
+    """FedRep canaries: one round (one block): the init W at f = sqrt((p − j)² + j)/p of the full
+    sensitivity, and the round's G at C ("+") against 0 ("−"): μ_canary² = μ_release²·(f² + T/4).
+    T ≥ 2 rounds (two blocks: the same data on orthogonal coordinates): W at f/√2, every G √2·C
+    apart: μ_canary² = μ_release²·(f²/2 + T/2). μ_proven² = μ_release²·(1 + T). Odd and even m lay
+    the pairs out differently; both are checked."""
+    shares = {1: lambda f: f**2 + 1 / 4, 2: lambda f: f**2 / 2 + 2 / 2}
+    for m, rounds in ((5, 1), (5, 2), (8, 2)):
+        share = shares[rounds]
+        cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": rounds, "samples_per_user": m, "epsilon": 4.0})
         p = experiment("fedrep").canary_design().protocol(cfg, 4)
         f = fedrep_init_fraction(p)
         result = audit_lib.audit(FEDREP, cfg, 4, runs=1)
-        assert result["canary_mu"] == pytest.approx(result["proven_mu"] * ((f**2 + 2 / 4) / 3) ** 0.5, rel=1e-6), m
+        want = result["proven_mu"] * (share(f) / (1 + rounds)) ** 0.5
+        assert result["canary_mu"] == pytest.approx(want, rel=1e-6), (m, rounds)
     with pytest.raises(ValueError, match="samples_per_user"):
         audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"dim": 12, "samples_per_user": 4, "rank": 2}), 2)
 
@@ -261,3 +363,24 @@ def test_honest_dpals_lower_bounds_stay_below_proven():
     print(_bounds(result), result["proven_epsilon"], result["canary_mu"], result["proven_mu"])
     assert max(_bounds(result)) <= result["proven_epsilon"], _bounds(result)
     assert result["independent_gdp"]["mu_lower"] <= result["proven_mu"]
+
+
+def test_audit_of_a_finished_run_directory_prints_its_ledger_and_reaches_the_report(tmp_path, capsys):
+    """`fedpers audit RUN_DIR`: the run's own configuration on canaries, the run's ledger ε beside the
+    audit's proven and empirical values, written to RUN_DIR/audit.json and shown by `fedpers report`."""
+    from fedpers.commands.cli import main
+    from fedpers.commands.report import run_report
+
+    run = tmp_path / "run"
+    assert main(["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["audit", str(run), "--canaries", "6", "--runs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "its ledger records ε = 3" in out and "proven ε = 3" in out and "Gaussian-score" in out
+    saved = __import__("json").loads((run / "audit.json").read_text())
+    assert saved["run_ledger"]["epsilon"] == pytest.approx(3.0, rel=1e-3) and saved["trials"] == 12
+    assert max(_bounds(saved)) <= saved["proven_epsilon"]
+    html = run_report(run)
+    assert "<h3>Audit</h3>" in html and "Gaussian-score" in html
+    assert main(["audit", str(run), "--canaries", "6", "--epsilon", "9"]) == 2
+    assert "the run's own configuration is audited" in capsys.readouterr().err

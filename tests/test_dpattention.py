@@ -127,3 +127,15 @@ def test_attention_matrix_rows_are_distributions_and_k_is_minimal():
     k = dp_covariance_min_k(4, 0.09, 0.1)
     assert covariance_params(4, k).rho < 0.009 <= covariance_params(4, k - 1).rho
     assert params(config.build(DpAttentionConfig, {})).k == k
+
+
+def test_result_json_carries_only_booleans_for_the_conditions(tmp_path):
+    """λ_min(XXᵀ) and max|A_ij| are exact statistics of the data: result.json (conditions and
+    refused_because) holds each condition's outcome and public wording, never the value."""
+    assert main(["run", "dpattention", "--eta", "0.04", "--r", "0.02", "--quiet", "--out", str(tmp_path / "r")]) == 0
+    result = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert result["conditions"] and all(set(c) == {"holds", "text"} for c in result["conditions"].values())
+    assert not result["conditions"]["eta_good"]["holds"] and not result["conditions"]["a_inf_le_r"]["holds"]
+    assert result["refused_because"] == [c["text"] for c in result["conditions"].values() if not c["holds"]]
+    protocol_state = run(eta=0.04)
+    assert all(set(c) == {"holds", "text"} for c in protocol_state["conditions"].values())

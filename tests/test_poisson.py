@@ -118,6 +118,34 @@ def test_altmin_round_on_one_sample_is_one_sampled_gaussian_by_hand():
     assert shared != pytest.approx(ledger_epsilon(ledger(["a", "b"]), 1e-6), rel=1e-3)
 
 
+def test_altmin_poisson_run_accounts_each_round_as_one_sampled_mechanism():
+    """A real (small) Poisson AltMin run: each round's A and b carry the round's one sample tag, so
+    the ledger's ε is the init's Gaussian composed with T sampled (A, b) pairs, by hand; tagging b
+    apart would account it as independently sampled (a smaller, wrong ε)."""
+    from fedpers.privacy import Privatizer as P
+    from fedpers.privacy import ledger_epsilon
+    from fedpers.runtime.local import run_local
+
+    from dataclasses import replace
+
+    cfg = config.build(ALTMIN.config_type, dict(n_users=60, dim=4, rank=2, samples_per_user=8, rounds=2, epsilon=math.inf, cohorts="poisson",
+                                                sampling_rate=0.5, baselines="none", delta=1e-5))
+    protocol = replace(ALTMIN.protocol(cfg), noise_multiplier=3.0)  # the calibration is tested elsewhere
+    privatizer = P(1)
+    run_local(protocol, ALTMIN.units(cfg, torch.arange(cfg.n_users)), privatizer, progress=False)
+    releases = list(privatizer.ledger)
+    rounds = sorted({r.round for r in releases if r.round > 0})
+    assert len(rounds) == cfg.rounds
+    parts = [r.event for r in releases if r.round == 0]
+    for t in rounds:
+        mine = [r for r in releases if r.round == t]
+        assert len(mine) == 2 and len({r.params.get("poisson_sample") for r in mine}) == 1 and mine[0].params.get("poisson_sample")
+        z = sum(r.event.event.noise_multiplier ** -2 for r in mine) ** -0.5  # two Gaussians on one sample: one Gaussian
+        parts.append(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(z)))
+    by_hand = event_epsilon(dp_accounting.ComposedDpEvent(parts), cfg.delta)
+    assert ledger_epsilon(privatizer.ledger, cfg.delta) == pytest.approx(by_hand, rel=1e-9)
+
+
 @pytest.mark.slow
 def test_altmin_poisson_run_meets_its_target_and_samples_about_q_n():
     cfg = config.build(ALTMIN.config_type, dict(n_users=20000, dim=6, rank=2, rounds=3, epsilon=2.0, cohorts="poisson", sampling_rate=0.2, baselines="none", seed=4))
@@ -218,3 +246,18 @@ def test_noisyhead_poisson_local_equals_flower_grid(tmp_path):
     flower = execute(NOISYHEAD, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=InProcessGrid(make_client_app(), 3))
     torch.testing.assert_close(flower["_state"]["gamma"], local["_state"]["gamma"], rtol=1e-6, atol=1e-9)
     assert [r["units"] for r in flower["_rounds"]] == [r["units"] for r in local["_rounds"]]
+
+
+def test_noisyhead_poisson_step_divides_the_sum_by_q_n():
+    """Under Poisson sampling the step's gradient estimate is the noisy sum over the expected
+    cohort q·N (unbiased for the mean gradient), not over N: with noise off, a sum g moves Γ
+    from 0 by exactly −η₀·g/(qN) (inside the ball)."""
+    from dataclasses import replace
+
+    cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "prompts": 800, "steps": 1, "epsilon": math.inf, "sampling_rate": 0.25})
+    protocol = replace(NOISYHEAD.protocol(cfg), noise_multiplier=0.0)
+    g = torch.zeros(protocol.dim**2, dtype=torch.float64)
+    g[0] = 1e-3 * protocol.prompts
+    gamma, _ = protocol.noisy_step(0, torch.zeros_like(g), g, Privatizer(0))
+    assert float(gamma.norm()) < protocol.proj_r
+    assert float(gamma[0]) == pytest.approx(-protocol.step_size * float(g[0]) / (0.25 * protocol.prompts), rel=1e-12)

@@ -177,3 +177,19 @@ def test_fleet_proxy_forwards_only_the_fleet_api() -> None:
         assert asyncio.run(call("POST", path)) == 404, path
     assert asyncio.run(call("GET", "/v1/fleet/pull-messages")) == 404
     assert asyncio.run(call("POST", "/v1/fleet/pull-messages")) == 502
+
+
+def test_admitting_a_new_run_into_a_reused_out_directory_charges_it_again(policy: Policy, tmp_path: Path) -> None:
+    """A run is keyed by its out directory and the Flower run id: a new run writing to the same
+    directory is a new release of the users' data, charged again (only ``resume`` is not)."""
+    from types import SimpleNamespace
+
+    from fedpers.runtime.flower.policy import admit_run
+
+    job = SimpleNamespace(resume=None, experiment=SimpleNamespace(name="altmin", num_units=lambda cfg: 100),
+                          cfg={"epsilon": 3.0, "delta": 1e-5}, options=SimpleNamespace(secure_noise=True), out=tmp_path / "run")
+    admit_run(policy, job, "1")
+    admit_run(policy, job, "2")
+    assert BudgetLedger(policy.ledger, policy.federation).spent((0, 100)) == (6.0, 2e-5)
+    with pytest.raises(PolicyRefused, match="rule 'max-epsilon'"):
+        admit_run(policy, job, "3")  # 9 > 8

@@ -107,6 +107,7 @@ def test_data_refusals_happen_before_the_first_release(monkeypatch, tmp_path):
         ("dpals", {"ratings": str(ratings), "item_ids": "1:9"}, "row 2 holds 'four'"),
         ("dpals", {"item_ids": "1:9"}, "applies only to --ratings or --dataset"),
         ("dpals", {"clip_embedding": 0.0, "private_center": True}, "must be finite"),  # round 0 would release, round 1 refuse
+        ("dpals", {"clip_rating": 0.0, "private_center": True}, "must be finite"),  # the sums' clip too: refused before round 0
         ("fedrep", {"cohorts": "poisson", "sampling_rate": 1.0}, "sampling_rate"),
         ("altmin", {"data": str(long), "rank": 1}, "'f1' is string, not numeric: row 26 holds 'x'"),
         ("altmin", {"data": str(long), "rank": 1, "feature_columns": "f0,f7"}, "no column 'f7'"),

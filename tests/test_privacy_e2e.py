@@ -336,3 +336,35 @@ def test_fedrep_worst_case_neighbours(cohorts):
             assert outcome.releases == 1 + cfg.rounds, label
             largest = max([largest] + [c / r.sensitivity for r, c in outcome.changes if r.name != "init.W"])
     assert largest > 0.45  # a gradient of norm ≥ C against another: most of 2C
+
+
+@pytest.mark.parametrize("dtype", ["float32"])  # float64: the same code path, the mutation check caught it in both
+def test_dpals_round0_from_the_empty_user_moves_each_release_by_one_bound(dtype):
+    """Round 0 from the empty user: a user is at most one bound (Γ_s, Γ_c) away, half the
+    replace-one Δ = 2Γ the ledger records. The adversaries rate every slot of their row (L = 12
+    items, past the cap B = 5) with ratings of one sign, so the per-user item cap and the total
+    entries are both reached: one-sign ratings push the sums to exactly Γ_s (alternating ones
+    cancel in the total entry)."""
+    L, B = 12, 5
+    cfg, protocol, units = setup("dpals", dict(n_users=30, n_items=20, rank=3, true_rank=3, items_per_user=B, max_count=L, steps=1,
+                                               epsilon=1.0, private_center=True, dtype=dtype))
+    tol = 1e-5 if dtype == "float32" else 1e-9
+    j = 4
+    units["mask"][j] = False  # the empty user
+    units["test"][j] = False
+    huge = 1e30 if dtype == "float32" else 1e160
+    full = {"items": torch.arange(L), "mask": torch.ones(L, dtype=torch.bool), "test": torch.zeros(L, dtype=torch.bool)}
+    cases = {
+        "one sign, huge, every slot": {**full, "ratings": torch.full((L,), huge, dtype=torch.float64)},
+        "one sign, at the clip, every slot": {**full, "ratings": torch.full((L,), -3.0)},
+        "one sign, small, every slot": {**full, "ratings": torch.full((L,), 1e-3)},
+    }
+    reach = {}
+    for label, new in cases.items():
+        outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS}, rel_tol=tol)
+        for release, moved in outcome.changes:
+            if release.round == 0:
+                assert moved <= release.sensitivity / 2 * (1 + tol), (label, release.name, moved / release.sensitivity)
+                reach[(label, release.name)] = moved / (release.sensitivity / 2)
+    assert reach[("one sign, huge, every slot", "dpals.item_sums")] == pytest.approx(1.0, rel=1e-5)
+    assert reach[("one sign, huge, every slot", "dpals.item_counts")] == pytest.approx(1.0, rel=1e-5)

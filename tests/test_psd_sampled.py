@@ -39,7 +39,7 @@ def pairs(r: float) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("z, q", [(2.0, 0.1), (1.5, 0.05), (1.0, 0.3)])
+@pytest.mark.parametrize("z, q", [(2.0, 0.1), (1.5, 0.05), (1.0, 0.3), (2.0, 0.6)])
 def test_sampled_psd_release_is_sound_on_every_pair(z, q):
     r = release(z, q)
     assert r.sensitivity == pytest.approx(2 * r.per_unit_bound) and r.noise_std == pytest.approx(z * r.per_unit_bound)
@@ -51,6 +51,16 @@ def test_sampled_psd_release_is_sound_on_every_pair(z, q):
         assert true <= reported * 1.001 + 1e-4, (label, true, reported)
     # the event's own (antipodal) pair is tight: the accountant is not loose by construction
     assert epsilon_of(DELTA, q, *pairs(distance)["antipodal (the event's own model)"], h=H) == pytest.approx(reported, rel=2e-3)
+
+
+@pytest.mark.parametrize("q", [0.5, 0.75, 0.999])
+def test_no_sampling_rate_below_one_keeps_the_tightening(q):
+    """Every q < 1, however close to 1: a sampled PSD unit is a full bound from absent (Δ = 2·bound)."""
+    from fedpers.privacy.mechanisms import psd_sensitivity
+
+    r = release(2.0, q)
+    assert r.sensitivity == pytest.approx(2 * r.per_unit_bound) and "not applied" in r.params["psd_tightening"]
+    assert psd_sensitivity(3.0, q) == pytest.approx(6.0)
 
 
 def test_the_old_sampled_tightening_spends_more_than_recorded():

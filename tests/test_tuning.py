@@ -2,6 +2,7 @@
 chosen candidate follows the mechanism's law."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def test_private_select_reports_the_composition_of_its_own_ledgers(tmp_path: Pat
     assert result["epsilon_total"] == pytest.approx(want, rel=1e-6)
     assert result["epsilon_naive"] == pytest.approx(4.0, rel=1e-3) and result["epsilon_total"] > result["epsilon_naive"]
     assert len(result["trials"]) == result["repetitions"] >= 1
+    assert "NOT for deployment" in result["noise_source"]  # seeded by default, and said so
     assert result["selected"] in [{"clip_model": 0.5}, {"clip_model": 1.0}]
     with pytest.raises(ValueError, match="private score of altmin: validation_mse"):
         tuning.private_select(spec, "excess_risk", tuning.Goal.MIN, out=tmp_path / "u")
@@ -115,3 +117,33 @@ def test_cli_private_needs_a_metric(tmp_path: Path, capsys):
     assert main(["sweep", str(spec_file), "--private", "--out", str(tmp_path / "o")]) == 2
     assert "--private needs --select METRIC" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before anything ran or was written
+
+
+def test_private_select_with_secure_noise_draws_everything_from_os_entropy(tmp_path: Path, monkeypatch):
+    """``secure_noise``: the tuner (number of trials, candidates), every trial's privatizer and the
+    final run draw from OS entropy, and the result says so (the seeded default says it is seeded:
+    the test above)."""
+    from fedpers.privacy import Privatizer
+
+    made: list[bool] = []
+
+    class Recording(Privatizer):
+        def __init__(self, seed, ledger=None, *, secure=False):  # noqa: ANN001
+            made.append(secure)
+            super().__init__(seed, ledger, secure=secure)
+
+    monkeypatch.setattr(tuning, "Privatizer", Recording)
+    # the trials' accounting is tested above; here only where the draws come from
+    monkeypatch.setattr(tuning, "worst_event", lambda ledger, delta: dp_accounting.ComposedDpEvent([r.event for r in ledger]))
+    spec_file = tmp_path / "grid.toml"
+    spec_file.write_text(
+        'algorithm = "altmin"\nx = "clip_model"\nseries = "rank"\nmetrics = ["excess_risk"]\n'
+        '[base]\nn_users = 100\nepsilon = 4.0\nbaselines = "none"\n[grid]\nclip_model = [1.0]\n'
+    )
+    spec = load_spec(spec_file)
+    result = tuning.private_select(spec, "validation_mse", tuning.Goal.MIN, mean=1.5, validation_users=20, seed=2, out=tmp_path / "s",
+                                   secure_noise=True)
+    assert made == [True] * (1 + result["repetitions"]) and "OS entropy" in result["noise_source"]
+    final = json.loads((tmp_path / "s" / "final" / "config.json").read_text())
+    assert final["runtime"]["secure_noise"] is True
+    assert "OS entropy" in tuning.format_selection(result, "validation_mse")

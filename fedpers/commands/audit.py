@@ -26,6 +26,7 @@ user with different data). See docs/audit.md.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,9 @@ class PublishingPrivatizer(Privatizer):
         return out
 
 
+PLACEMENTS = ("auto", "orthogonal", "random")
+
+
 def audited_algorithms() -> list[str]:
     """The registered algorithms whose experiment offers a canary design (its ``canary_design`` hook)."""
     from fedpers.experiments import ALGORITHMS, experiment
@@ -106,22 +110,54 @@ def _released_part(release: Release, value: Tensor) -> Tensor:
     return value.flatten()
 
 
-def score_canaries(protocol: Protocol, published: Published, canaries: Canaries) -> tuple[Tensor, Tensor]:
-    """Log-likelihood ratio of "+" vs "−" for every canary, from the published outputs only.
+@dataclass(frozen=True)
+class CanaryScores:
+    """Each canary's log-likelihood ratio and what it is compared with, from published outputs only.
 
-    For release Y = S + N(0, σ²) the LLR of canary i is <Y − M, c⁺_i − c⁻_i>/σ², summed over
-    releases, with c^± the canary's contribution under each version (recomputed from the
-    broadcast and the canary's own data) and M the sum of every canary's midpoint (c⁺+c⁻)/2.
-    Also returns each canary's separation μ_i = sqrt(Σ ||c⁺_i − c⁻_i||²/σ²): under the ledger's
-    claim, LLR_i/μ_i ~ N(±μ_i/2, 1). Each contribution is compared in the form it is released in
-    (:attr:`~fedpers.experiments.hooks.Canaries.as_released`).
-    """
+    ``llr``: Σ_releases <Y − M, c⁺_i − c⁻_i>/σ²; ``gram``: Σ_releases <c⁺_i − c⁻_i, c⁺_j − c⁻_j>/σ²
+    (K × K). Under the ledger's claim, llr_i = ±gram_ii/2 + noise of variance gram_ii + the other
+    canaries' interference Σ_{j≠i} ±gram_ij/2 (their coins are fair and independent), so
+    ``standard`` = llr_i/√v_i with v_i = gram_ii + Σ_{j≠i} gram_ij²/4 has mean ±``separation``/2
+    and variance 1, ``separation`` = gram_ii/√v_i. Orthogonal canaries have gram diagonal: no
+    interference, and the separation is √gram_ii."""
+
+    llr: Tensor
+    gram: Tensor
+
+    @property
+    def variance(self) -> Tensor:
+        off = self.gram - torch.diag(torch.diagonal(self.gram))
+        return torch.diagonal(self.gram) + (off**2).sum(1) / 4
+
+    @property
+    def standard(self) -> Tensor:
+        return self.llr / self.variance.clamp_min(1e-300).sqrt()
+
+    @property
+    def separation(self) -> Tensor:
+        return torch.diagonal(self.gram) / self.variance.clamp_min(1e-300).sqrt()
+
+
+def score_canaries(protocol: Protocol, published: Published, canaries: Canaries) -> tuple[Tensor, Tensor]:
+    """Log-likelihood ratio of "+" vs "−" for every canary, from the published outputs only, and each
+    canary's own separation μ_i = sqrt(Σ ||c⁺_i − c⁻_i||²/σ²) (see :func:`canary_scores`)."""
+    scored = canary_scores(protocol, published, canaries)
+    return scored.llr, torch.diagonal(scored.gram).sqrt()
+
+
+def canary_scores(protocol: Protocol, published: Published, canaries: Canaries) -> CanaryScores:
+    """White-box scores: for release Y = S + N(0, σ²) the LLR of canary i is <Y − M, c⁺_i − c⁻_i>/σ²,
+    summed over releases, with c^± the canary's contribution under each version (recomputed from the
+    broadcast and the canary's own data) and M the sum of every canary's midpoint (c⁺+c⁻)/2; the
+    canaries' directions need not be orthogonal (their interference is in :class:`CanaryScores`).
+    Each contribution is compared in the form it is released in
+    (:attr:`~fedpers.experiments.hooks.Canaries.as_released`)."""
     by_round: dict[int, list[tuple[Release, Tensor]]] = {}
     for release, value in published.releases:
         by_round.setdefault(release.round, []).append((release, value))
     k = canaries.count
     llr = torch.zeros(k, dtype=torch.float64)
-    sep2 = torch.zeros(k, dtype=torch.float64)
+    gram = torch.zeros(k, k, dtype=torch.float64)
     for r, released in sorted(by_round.items()):
         specs = protocol.stat_specs(r)
         if len(specs) != len(released):
@@ -142,8 +178,8 @@ def score_canaries(protocol: Protocol, published: Published, canaries: Canaries)
             centred = _released_part(release, value.double()) - ((plus + minus) / 2).sum(0)
             diff = plus - minus
             llr += (diff @ centred) / release.noise_std**2
-            sep2 += (diff**2).sum(1) / release.noise_std**2
-    return llr, sep2.sqrt()
+            gram += (diff @ diff.T) / release.noise_std**2
+    return CanaryScores(llr, gram)
 
 
 def proven_mu(ledger: Ledger) -> float | None:
@@ -167,8 +203,13 @@ def audit(
     confidence: float = 0.95,
     seed: int = 0,
     privatizer_factory: Callable[[int], PublishingPrivatizer] = PublishingPrivatizer,
+    placement: str = "auto",
 ) -> dict[str, Any]:
-    """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε."""
+    """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε.
+
+    ``placement``: ``orthogonal`` (one coordinate each, at most the design's capacity), ``random``
+    (random directions, any number, where the design offers them) or ``auto`` (orthogonal up to
+    the capacity, random beyond)."""
     design = exp.canary_design()
     if design is None:
         raise ValueError(f"algorithm: the audit has canaries for {', '.join(audited_algorithms())}; got {exp.name}")
@@ -178,9 +219,19 @@ def audit(
         raise ValueError(f"confidence must be in (0.5, 1), got {confidence}")
     if math.isinf(cfg.epsilon):
         raise ValueError("epsilon must be finite: a run without noise has no guarantee to audit")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
+    if placement == "random" and design.random_canaries is None:
+        raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
     protocol = design.protocol(cfg, canaries)
     capacity = design.capacity(protocol)
-    if not 2 <= canaries <= capacity:
+    random = placement == "random" or (placement == "auto" and canaries > capacity)
+    if random and design.random_canaries is None:
+        raise ValueError(
+            f"canaries must be in [2, {capacity}] for {exp.name} with these flags (one orthogonal direction each; "
+            f"its design has no random placement); got {canaries} with placement {placement}"
+        )
+    if canaries < 2 or (not random and canaries > capacity):
         raise ValueError(
             f"canaries must be in [2, {capacity}] for {exp.name} with these flags (one orthogonal direction each); got {canaries}"
         )
@@ -188,7 +239,9 @@ def audit(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # K tiny users: one thread is several times faster than a contended pool
     try:
-        return _audit_runs(exp, cfg, design, protocol, canaries, runs, confidence, seed, delta, privatizer_factory)
+        return _audit_runs(
+            exp, cfg, design, protocol, canaries, runs, confidence, seed, delta, privatizer_factory, random
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -204,28 +257,33 @@ def _audit_runs(
     seed: int,
     delta: float,
     privatizer_factory: Callable[[int], PublishingPrivatizer],
+    random: bool = False,
 ) -> dict[str, Any]:
+    make = design.random_canaries if random and design.random_canaries is not None else design.canaries
     coins = torch.Generator().manual_seed(derived_seed(seed, "audit-coins"))
     data = torch.Generator().manual_seed(derived_seed(seed, "audit-canaries"))
-    scores, seps, truth = [], [], []
+    scores, standards, seps, truth = [], [], [], []
     ledger = Ledger()
+    start = time.perf_counter()
     for run in range(runs):
-        cans = design.canaries(protocol, data, canaries)
+        cans = make(protocol, data, canaries)
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
         published, ledger = run_published(protocol, cans.units(included), privatizer)
-        llr, sep = score_canaries(protocol, published, cans)
-        scores.append(llr)
-        seps.append(sep)
+        scored = canary_scores(protocol, published, cans)
+        scores.append(scored.llr)
+        standards.append(scored.standard)
+        seps.append(scored.separation)
         truth.append(included)
-    llr, sep, included = torch.cat(scores), torch.cat(seps), torch.cat(truth)
+    llr, standard, sep, included = torch.cat(scores), torch.cat(standards), torch.cat(seps), torch.cat(truth)
     accountant = getattr(cfg, "accountant", accountant_lib.Accountant.PLD)
     proven = ledger_epsilon(ledger, delta, accountant)
     mu_proven = proven_mu(ledger)
-    standard = llr / sep.clamp_min(1e-300)
     snj = audit_math.one_run_lower_bound(llr, included, delta, confidence)
     gdp_one = audit_math.one_run_gdp_lower_bound(llr, included, delta, confidence)
     mu_ind = audit_math.independent_gdp_lower_bound(standard, included, confidence)
+    sides = min(int(included.sum()), int((~included).sum()))
+    gauss = audit_math.gaussian_score_mu(standard, included, confidence) if sides >= 2 else None
     return {
         "algorithm": exp.name,
         "neighbouring": design.neighbouring,
@@ -245,8 +303,23 @@ def _audit_runs(
             "mu_lower": mu_ind,
             "epsilon_lower": accountant_lib.analytic_gaussian_epsilon(mu_ind, delta) if mu_ind > 0 else 0.0,
         },
+        "gaussian_score": None
+        if gauss is None
+        else {
+            **gauss,
+            "epsilon": _gdp_epsilon(gauss["mu"], delta),
+            "epsilon_lower": _gdp_epsilon(gauss["mu_lower"], delta),
+            "assumption": audit_math.GAUSSIAN_SCORE_ASSUMPTION,
+        },
+        "placement": "random directions (interference in the scores)" if random else "orthogonal",
+        "trials": runs * canaries,
+        "seconds": time.perf_counter() - start,
         "noise_multiplier": float(getattr(protocol, "noise_multiplier", float("nan"))),
     }
+
+
+def _gdp_epsilon(mu: float, delta: float) -> float:
+    return accountant_lib.analytic_gaussian_epsilon(mu, delta) if mu > 0 else 0.0
 
 
 def format_audit(result: Mapping[str, Any]) -> str:
@@ -265,4 +338,60 @@ def format_audit(result: Mapping[str, Any]) -> str:
         f"  μ-GDP claim rejected up to μ = {gdp['mu_lower']:.4g} (one run, Mahloujifar et al. 2024): ε ≥ {gdp['epsilon_lower']:.4g}",
         f"  μ lower bound, canaries as independent trials (Clopper–Pearson): {ind['mu_lower']:.4g}: ε ≥ {ind['epsilon_lower']:.4g}",
     ]
+    gauss = result.get("gaussian_score")
+    if gauss is not None:
+        lines.append(
+            f"  Gaussian-score bound, ASSUMING {gauss['assumption']}:\n    μ = {gauss['mu']:.4g} "
+            f"[{gauss['confidence']:g} lower bound {gauss['mu_lower']:.4g}]: ε ≈ {gauss['epsilon']:.4g}, ε ≥ {gauss['epsilon_lower']:.4g}"
+        )
+    if "placement" in result:
+        lines.append(
+            f"  placement: {result['placement']}; {result['trials']} canary trials in {result['seconds']:.1f} s"
+        )
     return "\n".join(lines)
+
+
+# ----- a finished run directory ---------------------------------------------------------------
+AUDIT_FILE = "audit.json"
+"""What ``fedpers audit RUN_DIR`` writes into the run directory (the HTML report shows it)."""
+
+
+def audit_run_dir(
+    run_dir: Any, canaries: int, runs: int = 1, confidence: float = 0.95, seed: int = 0, placement: str = "auto"
+) -> dict[str, Any]:
+    """Audit the configuration a finished run used (its canaries replace the population; everything
+    else as configured), beside the (ε, δ) its own ledger records; written to RUN_DIR/audit.json."""
+    import json
+    from pathlib import Path
+
+    from fedpers import config as config_lib
+    from fedpers.commands.privacy_report import privacy_summary
+    from fedpers.experiments import ALGORITHMS, experiment
+    from fedpers.results.rundir import dumps, write_atomic
+
+    path = Path(run_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"audit: {path} is not a fedpers run directory (no config.json)")
+    saved = json.loads((path / "config.json").read_text())
+    name = saved.pop("algorithm", None)
+    if name not in ALGORITHMS:
+        raise ValueError(f"audit: {path}/config.json names algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
+    saved.pop("runtime", None)
+    exp = experiment(name)
+    cfg = config_lib.build(exp.config_type, saved)
+    result = audit(exp, cfg, canaries, runs=runs, confidence=confidence, seed=seed, placement=placement)
+    ledger = privacy_summary(path)
+    result["run_dir"] = str(path)
+    result["run_ledger"] = {k: ledger.get(k) for k in ("epsilon", "delta", "accountant", "releases", "complete")}
+    write_atomic(path / AUDIT_FILE, dumps(result) + "\n")
+    return result
+
+
+def format_run_audit(result: Mapping[str, Any]) -> str:
+    """The audit's report, with the run's own ledger first."""
+    led = result["run_ledger"]
+    head = (
+        f"run {result['run_dir']}: its ledger records ε = {led['epsilon']:.4g} at δ = {led['delta']:.3g} "
+        f"({led['accountant']}, {led['releases']} releases); the audit reruns its configuration on canaries"
+    )
+    return head + "\n" + format_audit(result) + f"\n  written to {result['run_dir']}/{AUDIT_FILE}"

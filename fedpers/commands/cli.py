@@ -212,7 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=AUDIT_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    au.add_argument("algorithm", choices=list(ALGORITHMS), metavar="ALGO", help="one of: " + ", ".join(ALGORITHMS))
+    au.add_argument(
+        "algorithm",
+        metavar="ALGO|RUN_DIR",
+        help="one of: " + ", ".join(ALGORITHMS) + "; or a finished run directory (audits its configuration)",
+    )
     au.add_argument(
         "args",
         nargs=argparse.REMAINDER,
@@ -511,6 +515,12 @@ def _add_select_flags(sw: argparse.ArgumentParser) -> None:
         "--validation-users", type=int, default=2000, help="held-out users of the private score (default 2000)"
     )
     g.add_argument("--tuning-seed", type=int, default=0, help="seed of the trials' draws and noise (default 0)")
+    g.add_argument(
+        "--secure-noise",
+        action="store_true",
+        help="with --private: draw the number of trials, the candidates and every trial's and the final run's noise "
+        "from OS entropy (the number of trials must stay secret for the guarantee); --tuning-seed is then unused",
+    )
 
 
 def cmd_select(args: argparse.Namespace) -> int:
@@ -538,6 +548,7 @@ def cmd_select(args: argparse.Namespace) -> int:
             seed=args.tuning_seed,
             out=out,
             progress=not args.quiet,
+            secure_noise=args.secure_noise,
         )
     else:
         run_sweep(
@@ -567,12 +578,19 @@ AUDIT_DESCRIPTION = (
 def _audit_flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedpers audit ALGO", add_help=False, allow_abbrev=False)
     p.add_argument(
-        "--canaries", type=int, required=True, help="canary users per run (at most one per orthogonal direction)"
+        "--canaries", type=int, required=True, help="canary users per run (orthogonal: at most the design's capacity)"
     )
     p.add_argument("--runs", type=int, default=1, help="independent runs, K canaries each (default 1)")
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds (default 0.95)")
     p.add_argument(
         "--audit-seed", type=int, default=0, help="seed of the coins, canaries and noise of the audit runs (default 0)"
+    )
+    p.add_argument(
+        "--placement",
+        choices=["auto", "orthogonal", "random"],
+        default="auto",
+        help="canary directions: one orthogonal coordinate each, random (any number; interference scored), "
+        "or auto: orthogonal up to the design's capacity, random beyond (default)",
     )
     return p
 
@@ -587,6 +605,22 @@ def cmd_audit(args: argparse.Namespace) -> int:
         algorithm_parser(args.algorithm).print_help()
         return 0
     own, rest = _audit_flags().parse_known_args(args.args)
+    if Path(args.algorithm).is_dir():
+        from fedpers.commands.audit import audit_run_dir, format_run_audit
+
+        if rest:
+            raise ValueError(f"audit RUN_DIR: the run's own configuration is audited; unexpected flags {rest}")
+        done = audit_run_dir(
+            args.algorithm, own.canaries, own.runs, own.confidence, own.audit_seed, placement=own.placement
+        )
+        print(format_run_audit(done))
+        return 0
+    from fedpers.experiments import ALGORITHMS
+
+    if args.algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"audit: ALGO must be one of {', '.join(ALGORITHMS)} or a run directory; got {args.algorithm!r}"
+        )
     algo_args = algorithm_parser(args.algorithm).parse_args(rest)
     exp = experiment(args.algorithm)
     values: dict[str, Any] = {}
@@ -598,7 +632,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
     algo_values, _ = split_values(exp.config_type, values)
     cfg = config_lib.build(exp.config_type, algo_values)
-    result = audit(exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed)
+    result = audit(
+        exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed, placement=own.placement
+    )
     print(dumps(result, indent=None) if algo_args.json else format_audit(result))
     return 0
 

@@ -69,6 +69,34 @@ def _read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _audit_section(path: Path) -> str:
+    """``fedpers audit RUN_DIR``'s result, where one was written: proven beside empirical."""
+    import json
+
+    from fedpers.commands.audit import AUDIT_FILE
+
+    if not (path / AUDIT_FILE).is_file():
+        return ""
+    a = json.loads((path / AUDIT_FILE).read_text())
+    gauss = a.get("gaussian_score") or {}
+    rows = [
+        ["proven ε (the audit's canary population)", a.get("proven_epsilon")],
+        ["empirical ε, any mechanism (Steinke et al. 2023)", a.get("epsilon_lower")],
+        ["empirical ε, one-run GDP (Mahloujifar et al. 2024)", (a.get("one_run_gdp") or {}).get("epsilon_lower")],
+        ["empirical ε, canaries as independent trials", (a.get("independent_gdp") or {}).get("epsilon_lower")],
+        [
+            "Gaussian-score ε lower bound (an assumption: " + str(gauss.get("assumption")) + ")",
+            gauss.get("epsilon_lower"),
+        ],
+    ]
+    return (
+        "<h3>Audit</h3>"
+        + f"<p>{_e(a.get('trials'))} canary trials ({_e(a.get('runs'))} runs × {_e(a.get('canaries_per_run'))}), "
+        + f"confidence {_e(a.get('confidence'))}; canaries: {_e(a.get('canary_design'))}</p>"
+        + table(["bound", "ε"], rows)
+    )
+
+
 def run_report(run_dir: str | Path) -> str:
     """The HTML page of one run directory (complete or not); its figures are rendered by
     :mod:`fedpers.commands.summary`, as the CLI and compare show them."""
@@ -102,6 +130,7 @@ def run_report(run_dir: str | Path) -> str:
     releases = [Release.from_dict(r) for r in ledger["ledger"]]
     header = [summary.label(c) for c in summary.LEDGER_COLUMNS]
     lines.append("<h3>Ledger</h3>" + table(header, summary.ledger_rows(releases), left=4))
+    lines.append(_audit_section(path))
     sections.append("<h2>Privacy</h2>" + "".join(lines))
 
     block = ""
@@ -122,8 +151,8 @@ def run_report(run_dir: str | Path) -> str:
         sections.append(
             "<h2>Preconditions of the guarantee</h2>"
             + table(
-                ["condition", "holds", "value", "bound"],
-                ([c.get("text"), c.get("holds"), c.get("value"), c.get("bound")] for c in result.conditions.values()),
+                ["condition", "holds"],
+                ([c.get("text"), c.get("holds")] for c in result.conditions.values()),
             )
         )
     figures = [path / p for p in (result.plots or ()) if (path / p).is_file()] if result is not None else []

@@ -151,7 +151,8 @@ def summary_text(result: RunResult) -> str:
     if result.conditions:
         lines.append("\npreconditions of the privacy guarantee:")
         lines += [
-            f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}  ({fmt(c['value'])} vs {fmt(c['bound'])})"
+            f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}"
+            + (f"  ({fmt(c['value'])} vs {fmt(c['bound'])})" if "value" in c else "")
             for c in result.conditions.values()
         ]
     if "dp_claimed" in result.metrics:

@@ -697,12 +697,54 @@ def audit_canaries(protocol: AltMinProtocol, generator: torch.Generator, count: 
     )
 
 
+MIX_COSINE = 0.25
+"""cos∠(u, w) of a random-placement canary's two Q2 directions: with opposite labels its A moves
+by √(1 − c²) and its b by √((1 + c)/2) of their sensitivities; c = 1/4 maximises the sum of squares
+(15/16 + 5/8 of 2), the most one user can move both (A is PSD and sign-blind, b is linear in x)."""
+
+
+def _random_canaries(protocol: AltMinProtocol, generator: torch.Generator, k: int) -> Canaries:
+    """More canaries than d: canary i on a random unit direction u_i of R^d (not orthogonal to the
+    others). Init pairs x = u_i with labels (1.5ζ, ±1.5ζ): W_i = ±(m/4)ζ² u_iu_iᵀ, 2·bound apart.
+    Q2: "+" x = BIG·u_i with labels +1.5ζ, "−" x = BIG·w_i with labels −1.5ζ, w_i at cosine 1/4 to
+    u_i (:data:`MIX_COSINE`), so A moves by √(15/16) and b by √(5/8) of their sensitivities."""
+    p = protocol
+    d, m, q = p.dim, p.samples_per_user, p.quarter
+    dtype = p.dtype
+    u = torch.randn(k, d, generator=generator, dtype=torch.float64)
+    u = u / torch.linalg.vector_norm(u, dim=1, keepdim=True)
+    other = torch.randn(k, d, generator=generator, dtype=torch.float64)
+    other = other - (other * u).sum(1, keepdim=True) * u
+    other = other / torch.linalg.vector_norm(other, dim=1, keepdim=True)
+    w = MIX_COSINE * u + math.sqrt(1 - MIX_COSINE**2) * other
+    x = torch.zeros(k, m, d, dtype=torch.float64)
+    y = torch.zeros(k, m, dtype=torch.float64)
+    x[:, :q] = torch.randn(k, q, d, generator=generator, dtype=torch.float64)
+    y[:, :q] = (x[:, :q] @ torch.randn(k, d, 1, generator=generator, dtype=torch.float64)).squeeze(-1)
+    x[:, q : 2 * q] = BIG * u[:, None, :]
+    x[:, 2 * q :] = u[:, None, :]
+    label = LABEL_OVERSHOOT * p.zeta
+    y[:, q:] = label
+    x_minus, y_minus = x.clone(), y.clone()
+    x_minus[:, q : 2 * q] = BIG * w[:, None, :]
+    y_minus[:, q : 2 * q] = -label
+    y_minus[:, 2 * q + 1 :: 2] = -label  # the second of each init pair
+    ids = torch.arange(k)
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y.to(dtype)},
+        {"ids": ids, "x": x_minus.to(dtype), "y": y_minus.to(dtype)},
+        "random unit direction u_i per canary (interference in the scores); W at ± its clip bound along u_iu_iᵀ; "
+        "Q2 at u_i with labels +ζ vs at w_i (cos 1/4 to u_i) with labels −ζ: A and b at √(15/16) and √(5/8) of their sensitivities",
+    )
+
+
 CANARY_DESIGN = CanaryDesign(
     audit_protocol,
     lambda p: p.dim,
     audit_canaries,
     "init W, and every round's A and b",
     "replace-one user (a canary's two versions are the same user with different data)",
+    random_canaries=_random_canaries,
 )
 
 VALIDATION_CLIP = 4.0

@@ -373,16 +373,26 @@ def audit_canaries(protocol: FedRepProtocol, generator: torch.Generator, count: 
     if m % 2:
         coord[-1] = p.rank
     eye = torch.eye(d, dtype=torch.float64)
-    base = torch.arange(count)[:, None] * width
+    blocks = 2 if _two_blocks(p) else 1
+    base = torch.arange(count)[:, None] * width * blocks
     x = eye[base + coord[None, :]]  # (count, m, d)
     label = FEDREP_LABEL * p.zeta
     y = torch.full((count, m), label, dtype=torch.float64)
+    ids = torch.arange(count)
+    dtype = p.dtype
+    if blocks == 2:
+        x_minus = eye[base + width + coord[None, :]]  # the "+" data moved to the canary's second block
+        return Canaries(
+            {"ids": ids, "x": x.to(dtype), "y": y.to(dtype)},
+            {"ids": ids, "x": x_minus.to(dtype), "y": y.to(dtype)},
+            f'2(k + 1) coordinates per canary, the same data on its first block ("+") or its second ("−"): '
+            f"init W at {fedrep_init_fraction(p) / math.sqrt(2):.3f} of its sensitivity, every round's G at the clip C "
+            "on orthogonal rows (√2·C of the 2C sensitivity)",
+        )
     y_minus = y.clone()
     y_minus[:, 1 : 2 * p.pairs : 2] = -label
     if m % 2:
         y_minus[:, -1] = 0.0
-    ids = torch.arange(count)
-    dtype = p.dtype
     return Canaries(
         {"ids": ids, "x": x.to(dtype), "y": y.to(dtype)},
         {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
@@ -390,9 +400,19 @@ def audit_canaries(protocol: FedRepProtocol, generator: torch.Generator, count: 
     )
 
 
+def _two_blocks(p: FedRepProtocol) -> bool:
+    """With T ≥ 2 rounds a canary whose versions sit on two orthogonal blocks separates more: its G
+    differs by √2·C every round (T/2 against T/4 of μ²) at the cost of W (f²/2 against f²)."""
+    return p.rounds >= 2
+
+
+def _capacity(p: FedRepProtocol) -> int:
+    return p.dim // ((p.rank + 1) * (2 if _two_blocks(p) else 1))
+
+
 CANARY_DESIGN = CanaryDesign(
     audit_protocol,
-    lambda p: p.dim // (p.rank + 1),
+    _capacity,
     audit_canaries,
     "init W, and every round's G",
     "replace-one user (a canary's two versions are the same user with different labels)",

@@ -71,6 +71,9 @@ class CanaryDesign:
     canaries: Callable[[Any, torch.Generator, int], Canaries]
     releases: str
     neighbouring: str
+    random_canaries: Callable[[Any, torch.Generator, int], Canaries] | None = None
+    """Any number of canaries along random (non-orthogonal) directions, where the design offers
+    them; the scorer accounts for their interference."""
 
 
 @dataclass(frozen=True)

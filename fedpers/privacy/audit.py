@@ -218,3 +218,51 @@ def independent_gdp_lower_bound(
     if tpr_lo <= 0 or fpr_hi >= 1:
         return 0.0
     return max(0.0, float(stats.norm.ppf(tpr_lo) - stats.norm.ppf(fpr_hi)))
+
+
+# ----- the Gaussian-score bound (an assumption, beside the non-parametric bounds) ------------------
+GAUSSIAN_SCORE_ASSUMPTION = (
+    "the scores of included and left-out canaries are Gaussian with one variance (the score test's "
+    "trade-off is then G_μ); not valid for every mechanism"
+)
+
+
+def gaussian_score_mu(scores: Tensor, included: Tensor, confidence: float = 0.95) -> dict[str, float]:
+    """μ of the trade-off curve G_μ from the two score distributions, assuming both are Gaussian with
+    one variance: Hedges' g (the standardised mean difference, corrected for its small-sample bias)
+    and a one-sided lower / upper bound at ``confidence`` each, exact under the assumption by
+    inverting the noncentral t law of the two-sample t statistic.
+
+    Under the assumption the test "score > threshold" has trade-off G_μ, so a mechanism that is
+    μ′-GDP has μ′ ≥ μ; ``mu_lower`` > the proven μ then contradicts the proof (at ``confidence``)."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    s = scores.double().flatten().numpy()
+    truth = included.bool().flatten().numpy()
+    a, b = s[truth], s[~truth]
+    n1, n0 = a.size, b.size
+    if n1 < 2 or n0 < 2:
+        raise ValueError(f"need at least 2 included and 2 left-out canaries; got {n1} and {n0}")
+    df = n1 + n0 - 2
+    pooled = float(np.sqrt(((n1 - 1) * a.var(ddof=1) + (n0 - 1) * b.var(ddof=1)) / df))
+    if pooled == 0:
+        return {"mu": 0.0, "mu_lower": 0.0, "mu_upper": 0.0, "confidence": confidence, "n_in": n1, "n_out": n0}
+    d = float((a.mean() - b.mean()) / pooled)
+    scale = float(np.sqrt(n1 * n0 / (n1 + n0)))  # t = d·scale ~ nct(df, μ·scale)
+    t = d * scale
+    correction = 1.0 - 3.0 / (4.0 * df - 1.0)  # Hedges' J: E[J·d] = μ
+    alpha = 1.0 - confidence
+
+    def noncentrality(tail: float) -> float:
+        """nc with P[T ≥ t | nc] = tail (increasing in nc)."""
+        lo, hi = t - 10.0 - abs(t), t + 10.0 + abs(t)
+        return float(optimize.brentq(lambda nc: float(stats.nct.sf(t, df, nc)) - tail, lo, hi, xtol=1e-10))
+
+    return {
+        "mu": correction * d,
+        "mu_lower": noncentrality(alpha) / scale,
+        "mu_upper": noncentrality(1.0 - alpha) / scale,
+        "confidence": confidence,
+        "n_in": n1,
+        "n_out": n0,
+    }

@@ -79,11 +79,13 @@ class DpAttentionProtocol(Protocol):
             "B": release.B,
             "attention": attention_matrix(release.B, self.f),
             "dp_claimed": release.dp_claimed,
-            "conditions": {c.name: c.to_dict() for c in release.conditions},
-            "refused_because": release.failed,
+            # only booleans and the conditions' public wording: the values they were decided on
+            # (λ_min(XXᵀ), max|A_ij|) are exact statistics of the data and never leave the server
+            "conditions": {c.name: {"holds": c.holds, "text": c.text} for c in release.conditions},
+            "refused_because": [c.text for c in release.conditions if not c.holds],
         }
         # Condition outcomes are decided on the exact A (that is what the theorem requires) but
-        # only as booleans; the values stay in the server's state, not in the per-round log.
+        # only as booleans; the values are not kept in the state, the result or the per-round log.
         diagnostics = {f"holds_{c.name}": float(c.holds) for c in release.conditions}
         diagnostics["dp_claimed"] = float(release.dp_claimed)
         return new, diagnostics

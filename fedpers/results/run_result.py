@@ -225,8 +225,8 @@ class RunResult:
     evaluator gave them; ``baselines``: each baseline's metrics by name; ``privacy``: the
     guarantee and the noise (:class:`Privacy`), its ``headline`` figures repeated at the top
     level; ``data``: the input's summary (where the run read a data file); ``conditions``: the
-    preconditions of the guarantee a run checks (each ``holds``, ``value``, ``bound``,
-    ``text``); ``warnings``; ``seconds``: the run's wall time; ``details``: the algorithm's
+    preconditions of the guarantee a run checks (each ``holds`` and its ``text``; a value
+    decided on the data is never written); ``warnings``; ``seconds``: the run's wall time; ``details``: the algorithm's
     other entries (lists, texts), kept as recorded."""
 
     algorithm: str

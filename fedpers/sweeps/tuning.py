@@ -194,10 +194,15 @@ def private_select(
     seed: int = 0,
     out: Path,
     progress: bool = False,
+    secure_noise: bool = False,
 ) -> dict[str, Any]:
-    """Papernot–Steinke private selection over ``spec``'s grid points, then a final run of the choice."""
+    """Papernot–Steinke private selection over ``spec``'s grid points, then a final run of the choice.
+
+    ``secure_noise``: the number of trials, the candidates and all noise (trials and final run) come
+    from OS entropy; otherwise from generators seeded by ``seed`` (reproducible, not for deployment:
+    the guarantee needs the number of trials secret)."""
     from fedpers.experiments import experiment
-    from fedpers.runner import execute
+    from fedpers.runner import RuntimeOptions, execute
     from fedpers.runtime.local import run_local
 
     exp = experiment(spec.algorithm)
@@ -225,11 +230,11 @@ def private_select(
     if not mean > 1:
         raise ValueError(f"tuning mean must be > 1, got {mean}")
     protocols = [exp.protocol(c) for c in configs]  # calibrated and checked before any release
-    tuner = Privatizer(derived_seed(seed, "tuning"))
+    tuner = Privatizer(derived_seed(seed, "tuning"), secure=secure_noise)
 
     def trial(t: int, j: int) -> dict[str, Any]:
         cfg, protocol = configs[j], protocols[j]
-        privatizer = Privatizer(derived_seed(seed, f"tuning-trial-{t}"))
+        privatizer = Privatizer(derived_seed(seed, f"tuning-trial-{t}"), secure=secure_noise)
         state, _ = run_local(
             protocol, exp.unit_source(cfg), privatizer, chunk_size=exp.chunk_size(cfg), progress=progress
         )
@@ -245,7 +250,7 @@ def private_select(
     trials, best = repeat_and_select(tuner.generator, len(points), mean, shape, goal, trial)
     k = len(trials)
     chosen = configs[best["point"]]
-    final = execute(exp, chosen, out=Path(out) / "final", progress=progress)
+    final = execute(exp, chosen, RuntimeOptions(secure_noise=secure_noise), out=Path(out) / "final", progress=progress)
     final_event = worst_event(_ledger_of(final), delta)
     event = tuning_event([r.pop("_event") for r in trials], final_event, mean, shape)
     total = rdp_epsilon(event, delta)
@@ -257,6 +262,7 @@ def private_select(
         "private": True,
         "method": f"Papernot & Steinke 2022: K ~ truncated negative binomial (η = {shape}, mean {mean:g}), uniform candidates, best released",
         "repetitions": k,
+        "noise_source": NOISE_SOURCES[secure_noise],
         "trials": trials,
         "delta": delta,
         "epsilon_total": total,
@@ -265,6 +271,13 @@ def private_select(
         "final_run": final.get("run_dir"),
         "final_metrics": {key: final[key] for key in ("excess_risk", "subspace_error", "test_mse") if key in final},
     }
+
+
+NOISE_SOURCES = {
+    True: "OS entropy (--secure-noise): the number of trials and every draw stay secret",
+    False: "seeded generators (--tuning-seed): reproducible, NOT for deployment (anyone with the seed "
+    "knows the number of trials and the noise)",
+}
 
 
 def _ledger_of(result: dict[str, Any]) -> Ledger:
@@ -283,6 +296,7 @@ def format_selection(result: dict[str, Any], metric: str) -> str:
             f"  {result['method']}",
             f"  ε of tuning + final run = {result['epsilon_total']:.4g} at δ = {result['delta']:.3g} ({result['accounting']})",
             f"  ε a naive report would claim (the final run alone) = {result['epsilon_naive']:.4g}",
+            f"  trials, candidates and noise drawn from: {result['noise_source']}",
             *([f"  final run: {result['final_run']}"] if result.get("final_run") else []),
         ]
     )
