@@ -25,7 +25,7 @@ SMALL = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, tes
 def strategies(horizon: int) -> list[cc.Strategy]:
     out = [cc.strategy("independent", horizon, 1, 1)]
     out += [cc.strategy("banded", horizon, b, b) for b in sorted({1, 2, 5, 17} & set(range(1, horizon + 1)))]
-    out.append(cc.Strategy("optimised", cc.optimised_coefficients(min(horizon, 40), min(horizon, 4), 4, iterations=30)))
+    out.append(cc.Strategy("optimised", cc.optimised_coefficients(min(horizon, 40), min(horizon, 4), 4, iterations=10)))
     return out
 
 
@@ -312,7 +312,7 @@ def test_noisygd_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_s
 ADAPTIVE = {**SMALL, "clip_rule": "adaptive", "clip": 5.0, "clip_quantile": 0.5, "clip_lr": 0.5, "clip_budget": 0.2}
 
 
-@pytest.mark.parametrize("noise", ["independent", "banded"])
+@pytest.mark.parametrize("noise", [pytest.param("independent", marks=pytest.mark.slow), "banded"])
 def test_adaptive_clip_count_is_a_release_in_the_ledger_and_in_the_total_epsilon(noise):
     cfg, protocol, units = setup({**ADAPTIVE, "noise": noise})
     privatizer = TapPrivatizer(3)
