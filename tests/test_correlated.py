@@ -422,3 +422,24 @@ def test_noisyhead_correlated_noise_gives_the_same_gamma_in_both_modes_and_cycle
     assert eps == pytest.approx(5.0, rel=2e-3) and eps <= 5.0 * (1 + 2e-3)
     with pytest.raises(ValueError, match="cohorts"):
         config.build(NH.config_type, {**NH_SMALL, "cohorts": "cyclic", "cycle": 4})  # statistics mode
+
+
+@pytest.mark.parametrize("name", ["noisyhead", "noisygd"])
+def test_cyclic_worst_case_neighbours_of_noisyhead_users_and_noisygd_examples_move_only_their_cohort(name):
+    if name == "noisyhead":
+        values = dict(prompts=60, dim=3, context=6, steps=5, epsilon=2.0, mode="rounds", unit="user", prompts_per_user=3,
+                      cohorts="cyclic", cycle=3)
+    else:
+        values = {**GD_SMALL, "steps": 5}
+    exp = EXPERIMENTS[name]
+    cfg = config.build(exp.config_type, values)
+    protocol = exp.protocol(cfg)
+    units = {k: v.clone() for k, v in exp.units(cfg, torch.arange(exp.num_units(cfg))).items()}
+    j = 11
+    cohort = int(protocol.cohort_of(torch.tensor([j])))
+    y = units["y"][j] if name == "noisyhead" else None
+    for label in ("huge x", "zero x"):
+        new = adversaries(units["x"][j], y, torch.float64)[label]
+        outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS, f"cohort:{cohort}"})
+        assert outcome.releases == 5, label
+        assert max(c for r, c in outcome.changes if r.units == f"cohort:{cohort}") > 0
