@@ -443,3 +443,26 @@ def test_cyclic_worst_case_neighbours_of_noisyhead_users_and_noisygd_examples_mo
         outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS, f"cohort:{cohort}"})
         assert outcome.releases == 5, label
         assert max(c for r, c in outcome.changes if r.units == f"cohort:{cohort}") > 0
+
+
+@pytest.mark.parametrize("noise", ["independent", "banded"])
+def test_noisygd_adaptive_clip_counts_are_accounted_and_move_by_at_most_their_sensitivity(noise):
+    values = {**GD_SMALL, "noise": noise, "clip_rule": "adaptive", "grad_clip": 5.0, "clip_budget": 0.25, "clip_lr": 0.5}
+    cfg, protocol, units = gd_setup(values)
+    privatizer = TapPrivatizer(2)
+    state, _ = run_local(protocol, units, privatizer, chunk_size=11, progress=False)
+    counts = [r for r in privatizer.ledger if r.name.endswith(".below")]
+    assert len(counts) == cfg.steps and all(r.sensitivity == 1.0 for r in counts)
+    summary = GD.privacy_summary(cfg, protocol, privatizer.ledger)
+    assert summary["epsilon"] <= 2.0 * (1 + 2e-3) and summary["epsilon"] == pytest.approx(2.0, rel=2e-2)
+    released = {r.name: out for (r, _), out in zip(privatizer.values, privatizer.outputs)}
+    c = 5.0
+    for s in range(cfg.steps):
+        size = protocol.cohort_range(s % 3)[1] - protocol.cohort_range(s % 3)[0]
+        c *= math.exp(-0.5 * ((float(released[f"step{s + 1}.below"]) + size / 2) / size - 0.5))
+    assert float(state["clip"]) == pytest.approx(c, rel=1e-12)
+    if noise == "independent":
+        j = 4
+        cohort = int(protocol.cohort_of(torch.tensor([j])))
+        outcome = check_neighbour(protocol, units, j, {"x": -units["x"][j] * 1e3}, {ALL_UNITS, f"cohort:{cohort}"})
+        assert max(ch for r, ch in outcome.changes if r.name.endswith(".below")) <= 1.0
