@@ -81,6 +81,16 @@ class NoisyGDConfig(DeviceRunConfig):
         "(banded, optimised for the horizon and cycle)",
     )
     bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle)", ge=0)
+    clip_rule: str = field(
+        "fixed",
+        "fixed: every step clips at --grad-clip; adaptive: --grad-clip is the first bound, moved each step toward "
+        "the --clip-quantile of per-example gradient norms through a noisy count (accounted)",
+    )
+    clip_quantile: float = field(0.5, "γ: target fraction of examples under the adaptive bound", gt=0.0, lt=1.0)
+    clip_lr: float = field(0.2, "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ))", gt=0.0)
+    clip_budget: float = field(
+        0.1, "f: share of each step's privacy (of μ²) spent on the adaptive clip's count", gt=0.0, lt=1.0
+    )
     accountant: str = accountant_field(
         Accountant.ZCDP, "zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's); pld: tight"
     )
@@ -103,6 +113,8 @@ class NoisyGDConfig(DeviceRunConfig):
         if self.cohorts not in ("all", "cyclic"):
             raise ValueError(f"cohorts must be all or cyclic; got {self.cohorts!r}")
         correlated.check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.steps, self.examples)
+        if self.clip_rule not in ("fixed", "adaptive"):
+            raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
         self.check_device()
 
 
@@ -162,6 +174,11 @@ def make_protocol(
         return proto
     z1 = calibrate_noise_multiplier(lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
     a, b = budget_split(cfg)
+    if cfg.clip_rule == "adaptive":
+        # each step's μ² splits 1 − f : f between the gradient sum and the count (same total as a·z₁)
+        f = cfg.clip_budget
+        proto = replace(proto, clip_quantile=cfg.clip_quantile, clip_lr=cfg.clip_lr, count_share=f)
+        return replace(proto, noise_multiplier=a * z1 / math.sqrt(1 - f), remedy_noise_multiplier=b * z1)
     return replace(proto, noise_multiplier=a * z1, remedy_noise_multiplier=b * z1)
 
 
@@ -221,10 +238,10 @@ class NoisyGDEvaluator(Evaluator):
 # ----- optional hook: audit canaries -------------------------------------------------------------
 def audit_protocol(cfg: NoisyGDConfig, k: int) -> NoisyGDProtocol:
     """The configured protocol for ``k`` canary examples (feature coordinates must stay unmixed)."""
-    if cfg.cohorts == "cyclic" or cfg.noise != "independent":
+    if cfg.cohorts == "cyclic" or cfg.noise != "independent" or cfg.clip_rule != "fixed":
         raise ValueError(
-            "cohorts/noise: the noisygd audit's canaries take part in every step with independent noise; "
-            "audit without --cohorts cyclic and --noise"
+            "cohorts/noise/clip_rule: the noisygd audit's canaries take part in every step with independent noise "
+            "and a fixed clip; audit without --cohorts cyclic, --noise and --clip-rule adaptive"
         )
     if cfg.remedy is Remedy.PCA:
         raise ValueError(
@@ -332,7 +349,9 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
             "rho": rho,
             "noise": protocol.correlated.strategy.kind if protocol.correlated else "independent",
             "steps_per_example": protocol.participations(),
-            "rho_per_step": 2.0 / protocol.noise_multiplier**2 if protocol.noise_multiplier > 0 else math.inf,
+            "rho_per_step": (2.0 / protocol.noise_multiplier**2) * (1 / (1 - protocol.count_share))
+            if protocol.noise_multiplier > 0
+            else math.inf,
             "epsilon_zcdp": by_accountant["zcdp"],
             "epsilon_pld": by_accountant["pld"],
             "epsilon_by_accountant": by_accountant,

@@ -84,6 +84,11 @@ class NoisyGDProtocol(Protocol):
     """K > 1: K fixed cohorts of examples by id blocks (example i in ⌊iK/n⌋); step s (0-based) uses cohort s mod K."""
     correlated: CorrelatedNoise | None = None
     """Correlated noise across the T steps (None: independent Gaussian noise per step)."""
+    clip_quantile: float = 0.0
+    """γ > 0: adaptive clipping (Andrew et al. 2021), ``grad_clip`` is the first step's bound (docs/algorithms.md §6)."""
+    clip_lr: float = 0.2
+    count_share: float = 0.0
+    """f: share of each step's μ² spent on the count of examples under the bound."""
 
     name = "noisygd"
 
@@ -155,12 +160,24 @@ class NoisyGDProtocol(Protocol):
         return ("x", "y")
 
     def initial_state(self) -> dict[str, Tensor]:
-        return {"W": torch.zeros(self.classes, self.model_dim, dtype=self.dtype)}
+        state = {"W": torch.zeros(self.classes, self.model_dim, dtype=self.dtype)}
+        if self.adaptive:
+            state["clip"] = torch.tensor(self.grad_clip, dtype=torch.float64)
+        return state
+
+    @property
+    def adaptive(self) -> bool:
+        return self.clip_quantile > 0
+
+    @property
+    def count_multiplier(self) -> float:
+        """z_c such that the step's gradient (z) and count (z_c) releases split μ² as 1 − f : f."""
+        return self.noise_multiplier * math.sqrt((1 - self.count_share) / self.count_share)
 
     def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
         if round < self.remedy_rounds:
             return {}
-        return {k: v for k, v in state.items() if k in ("W", "mu", "P")}
+        return {k: v for k, v in state.items() if k in ("W", "mu", "P", "clip")}
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         if round < self.remedy_rounds:
@@ -169,6 +186,9 @@ class NoisyGDProtocol(Protocol):
             return (
                 StatSpec("second_moment", (self.feature_dim, self.feature_dim), self.feature_bound**2, symmetric=True),
             )
+        if self.adaptive:
+            # Σ clip(∇ℓ_i; C_t)/C_t and Σ (1[‖∇ℓ_i‖ ≤ C_t] − 1/2): bounds that do not depend on C_t
+            return (StatSpec("grad", (self.classes, self.model_dim), 1.0), StatSpec("below", (), 0.5))
         return (StatSpec("grad", (self.classes, self.model_dim), self.grad_clip),)
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
@@ -183,9 +203,13 @@ class NoisyGDProtocol(Protocol):
             keep = self.cohort_of(units["ids"]).to(x.device) == self.step_cohort(round)
             x, y = x[keep], y[keep]
             n = int(x.shape[0])
-        grad, _ = clipped_gradient_sum(
-            broadcast["W"].to(x.device, self.dtype), self.transform(broadcast, x), y, self.grad_clip, self.loss
+        clip = float(broadcast["clip"]) if self.adaptive else self.grad_clip
+        grad, clipped = clipped_gradient_sum(
+            broadcast["W"].to(x.device, self.dtype), self.transform(broadcast, x), y, clip, self.loss
         )
+        if self.adaptive:
+            below = torch.tensor((n - clipped) - n / 2, dtype=self.dtype, device=grad.device)
+            return Message({"grad": grad / clip, "below": below}, n)
         return Message({"grad": grad}, n)
 
     def server_update(
@@ -220,14 +244,22 @@ class NoisyGDProtocol(Protocol):
             new["P"] = linalg.top_eigenvectors(S.double(), self.classes - 1).to(self.dtype)
             return new, {"noise_std_second_moment": self.remedy_noise_std()}
         step = round - self.remedy_rounds + 1
-        params = {"statistic": "Σ clip(∇ℓ_i; G_c)", "G_c": self.grad_clip, "formula": "bound G_c, Δ = 2·bound"}
+        params: dict[str, Any] = {
+            "statistic": "Σ clip(∇ℓ_i; G_c)",
+            "G_c": self.grad_clip,
+            "formula": "bound G_c, Δ = 2·bound",
+        }
         cohort = self.step_cohort(round)
         if self.cycle > 1:
             params["cohorts"] = f"cyclic K={self.cycle}, cohort {cohort}: ids ⌈kn/K⌉..⌈(k+1)n/K⌉"
+        clip = float(state["clip"]) if self.adaptive else self.grad_clip
+        bound = 1.0 if self.adaptive else self.grad_clip
+        if self.adaptive:
+            params.update(statistic="Σ clip(∇ℓ_i; C_t)/C_t", C_t=clip, formula="bound 1, Δ = 2; × C_t after noise")
         if self.correlated is not None:
             g = privatizer.correlated_gaussian_sum(
                 summed.stats["grad"],
-                per_unit_bound=self.grad_clip,
+                per_unit_bound=bound,
                 noise_multiplier=self.noise_multiplier,
                 noise=self.correlated,
                 stream="grad",
@@ -239,16 +271,32 @@ class NoisyGDProtocol(Protocol):
         else:
             g = privatizer.gaussian_sum(
                 summed.stats["grad"],
-                per_unit_bound=self.grad_clip,
+                per_unit_bound=bound,
                 noise_multiplier=self.noise_multiplier,
                 name=f"step{step}.grad",
                 round=round,
                 units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
                 params=params,
             )
+        start, stop = self.cohort_range(cohort)
+        if self.adaptive:
+            g = g * clip
+            count = privatizer.gaussian_sum(
+                summed.stats["below"],
+                per_unit_bound=0.5,
+                noise_multiplier=self.count_multiplier,
+                name=f"step{step}.below",
+                round=round,
+                units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
+                params={"statistic": "Σ (1[‖∇ℓ_i‖ ≤ C_t] − 1/2)", "C_t": clip, "formula": "bound 1/2, Δ = 1"},
+            )
+            size = stop - start  # public
+            fraction = (float(count) + size / 2) / size
+            new["clip"] = torch.tensor(
+                clip * math.exp(-self.clip_lr * (fraction - self.clip_quantile)), dtype=torch.float64
+            )
         if self.cycle > 1:
             # the cohort's sum scaled to the full data by public sizes: n / |cohort|
-            start, stop = self.cohort_range(cohort)
             g = g * (self.examples / (stop - start))
         new["W"] = state["W"].to(g.device) - self.lr * g  # W lives where the sums are (the run's device)
         # Only post-processed (noisy) quantities in the diagnostics: they are written to disk.
