@@ -221,7 +221,7 @@ class StatEncoding:
     bits: int
     rotation_seed: int
     psd: bool = False
-    """Every unit's contribution is a PSD matrix (the node zeroes one that is not): the triangles of two
+    """Every unit's contribution is a PSD matrix (the node projects it onto the PSD cone): the triangles of two
     such units have a non-negative inner product, which the rounding moves by < 2√D in norm."""
 
     @property
@@ -240,7 +240,8 @@ class StatEncoding:
         plain = 2 * self.rounded_bound
         if not self.psd:
             return plain
-        return min(plain, math.sqrt(2.0) * self.scale * self.bound + 2 * math.sqrt(self.padded))
+        # (1 + 1e-9): the float64 rounding of a unit's projection onto the PSD cone (eigenvalues ≥ −1e-15·norm)
+        return min(plain, math.sqrt(2.0) * (1 + 1e-9) * self.scale * self.bound + 2 * math.sqrt(self.padded))
 
     @property
     def l1_sensitivity(self) -> float:
@@ -655,7 +656,7 @@ class DistributedPrivatizer(NodeSidePrivatizer):
                 **(params or {}),
                 **enc.to_dict(),
                 "dp_model": self.model.value,
-                "sensitivity_formula_integer": "Δ₂ = 2c̃, for PSD units min(2c̃, √2·sB + 2√D); "
+                "sensitivity_formula_integer": "Δ₂ = 2c̃, for PSD units min(2c̃, √2·(1 + 1e-9)·sB + 2√D); "
                 "Δ₁ = min(2c̃·min(√D, c̃), Δ₂·min(√D, Δ₂)); "
                 "c̃ = min(sB + √D, sqrt((sB)² + D/4 + sqrt(2 log(1/β))(sB + √D/2))), β = exp(−1/2)",
                 "variance_integer": variance,

@@ -61,17 +61,16 @@ def stat_shapes(protocol: Protocol) -> list[dist.StatShape]:
     ]
 
 
-def psd_or_zero(matrix: Tensor) -> Tensor:
-    """A unit's contribution declared PSD, or zero when it is not (beyond rounding): only PSD units
-    keep the √2 bound's premise, and zero is PSD. Only a protocol bug can make one (its statistics are
-    PSD by construction for every finite input)."""
-    m = matrix.detach().double().cpu()
+def psd_part(matrix: Tensor) -> Tensor:
+    """A unit's contribution declared PSD, projected onto the PSD cone in float64 (negative eigenvalues
+    set to 0): a no-op up to rounding for the protocol's statistics (PSD by construction), and what keeps
+    the √2 bound's premise exact for float32 statistics and for any bug. The projection never raises
+    the Frobenius norm, so the unit stays within its bound."""
+    m = matrix.detach().to(device="cpu", dtype=torch.float64)
     if m.numel() == 0 or not bool(torch.isfinite(m).all()):
-        return matrix
-    lam = float(torch.linalg.eigvalsh((m + m.T) / 2).min())
-    if lam >= -1e-9 * max(float(torch.linalg.matrix_norm(m)), 1e-300):
-        return matrix
-    return torch.zeros_like(matrix)
+        return m
+    lam, vec = torch.linalg.eigh((m + m.T) / 2)
+    return (vec * lam.clamp_min(0.0)) @ vec.T
 
 
 def unit_rows(
@@ -101,7 +100,7 @@ def unit_rows(
                 ids.append(int(part["ids"][i]))
                 counts[0], counts[1] = counts[0] + msg.count, counts[1] + msg.zeroed
                 for s in specs:
-                    value = psd_or_zero(msg.stats[s.name]) if s.name in psd else msg.stats[s.name]
+                    value = psd_part(msg.stats[s.name]) if s.name in psd else msg.stats[s.name]
                     rows[s.name].append(dist.flatten(value.unsqueeze(0), s.shape, s.symmetric))
     finally:
         torch.set_num_threads(threads)
