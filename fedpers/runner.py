@@ -43,10 +43,13 @@ class Plan:
     @property
     def saved(self) -> dict[str, Any]:
         """What config.json holds: the algorithm, the config as given and the runtime options."""
+        runtime = config_lib.to_dict(self.options)
+        if runtime.get("server_data") is True:  # the default: config.json as before the option existed (resumable)
+            del runtime["server_data"]
         return {
             "algorithm": self.experiment.name,
             **config_lib.to_dict(self.given),
-            "runtime": config_lib.to_dict(self.options),
+            "runtime": runtime,
         }
 
 

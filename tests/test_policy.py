@@ -32,10 +32,12 @@ def policy(tmp_path: Path) -> Policy:
 
 def test_policy_file_is_read_and_malformed_files_name_the_key(tmp_path: Path, policy: Policy) -> None:
     assert policy.max_epsilon == 8.0 and policy.min_units == 50 and policy.algorithms == ("altmin",)
+    assert (policy.max_rounds, policy.max_seconds) == (1000, 86400.0)  # the defaults
     assert policy.ledger == (tmp_path / "lab-budget.json").resolve()
     for bad, word in ((POLICY.replace("8.0", "inf"), "max-epsilon"), (POLICY.replace("1e-4", "2.0"), "max-delta"),
                       (POLICY.replace("min-units = 50", "min-units = 0"), "min-units"), (POLICY + "epsilon = 1\n", r"unknown keys \['epsilon'\]"),
-                      (POLICY.replace('["altmin"]', '"altmin"'), "algorithms")):
+                      (POLICY.replace('["altmin"]', '"altmin"'), "algorithms"), (POLICY + "max-rounds = 0\n", "max-rounds"),
+                      (POLICY + "max-seconds = -1.0\n", "max-seconds"), (POLICY + 'max-rounds = "9"\n', "max-rounds")):
         (tmp_path / "bad.toml").write_text(bad)
         with pytest.raises(ValueError, match=word):
             load_policy(tmp_path / "bad.toml")

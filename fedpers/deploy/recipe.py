@@ -95,6 +95,8 @@ max-delta = {max_delta}                 # per user, summed over every run of thi
 require-secure-noise = {secure}     # the ServerApp refuses secure-noise=false (noise reproducible from a seed)
 min-units = {min_units}                   # no node computes a message over fewer users
 algorithms = [{algorithms}]
+max-rounds = 1000                 # no run has more rounds
+max-seconds = 86400.0             # no round is sent after a run has taken this long
 """
 
 
