@@ -11,7 +11,7 @@ bound, a statistic's bound applied to another kind, a release the calibration fo
 after a release, resume bookkeeping, the sampling rate and the estimator's divisor; and one per
 class an independent review found the suite missing (the per-user item cap, the sampled PSD bound
 at large q, the calibration's full-resolution step-up, the shared Poisson sample, the budget
-ledger's run key, the sampled estimator's divisor).
+ledger's run key, the sampled estimator's divisor, a data value in a result, a seeded draw under secure noise).
 """
 from __future__ import annotations
 
@@ -184,6 +184,18 @@ MUTATIONS.update({
         "gamma, noisy, self.prompts * self.sampling_rate, self.ridge_lambda",
         "gamma, noisy, self.prompts, self.ridge_lambda",
         "tests/test_poisson.py",
+    ),
+    "dpattention writes the data's condition values into its result": (
+        "fedpers/protocols/dpattention.py",
+        '"conditions": {c.name: {"holds": c.holds, "text": c.text} for c in release.conditions},',
+        '"conditions": {c.name: c.to_dict() for c in release.conditions},',
+        "tests/test_dpattention.py",
+    ),
+    "private tuning draws its repetition count from the seeded generator under --secure-noise": (
+        "fedpers/sweeps/tuning.py",
+        'tuner = Privatizer(derived_seed(seed, "tuning"), secure=secure_noise)',
+        'tuner = Privatizer(derived_seed(seed, "tuning"))',
+        "tests/test_tuning.py",
     ),
 })
 
