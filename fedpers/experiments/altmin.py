@@ -23,11 +23,12 @@ from fedpers.experiments.altmin_baselines import local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, LABEL_OVERSHOOT, Canaries, CanaryDesign, PrivateScore
 from fedpers.experiments.population import fresh_samples, population_mse
+from fedpers.experiments.shared_passes import ShadowRun
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
 from fedpers.protocols.base import Units
-from fedpers.runtime.local import run_local
+from fedpers.runtime.local import Companion, run_local
 
 Tensor = torch.Tensor
 LOCAL_ONLY_RIDGE = 1e-6
@@ -534,6 +535,24 @@ class AltMinEvaluator(Evaluator):
         self.population = None
         if self.cfg.refit_samples:
             self.population = UnitSource(self.cfg.n_users, lambda a, b: plan.population_units(torch.arange(a, b)))
+        self.shadow: ShadowRun | None = None
+        self.nonprivate_rounds = 0
+
+    def clipped_protocol(self) -> AltMinProtocol:
+        """The private run's protocol with its clip bounds and no noise (the clipped-no-noise baseline)."""
+        eta, zeta = clip_bounds(self.cfg)
+        return replace(self.protocol, eta=eta, zeta=zeta, noise_multiplier=0.0)
+
+    def companions(self) -> list[Companion]:
+        """Clipped-no-noise in the private run's own passes (the non-private AltMin starts from its U):
+        the clipped protocol reads the same chunks in the same rounds, and its round-0 message is
+        the private run's (its sum is the private run's before noise). Not with Poisson cohorts (the
+        private sample is the private run's; a separate clipped run draws its own, as before)."""
+        wanted = baseline_names(self.cfg.baselines)
+        if self.cfg.cohorts is Cohorts.POISSON or not {"clipped_no_noise", "nonprivate_altmin"} & set(wanted):
+            return []
+        self.shadow = ShadowRun(self.clipped_protocol(), Privatizer(0))
+        return [self.shadow]
 
     def state_dict(self) -> dict[str, Tensor]:
         return {} if self.init_U is None else {"init_U": self.init_U}
@@ -642,14 +661,25 @@ class AltMinEvaluator(Evaluator):
         rounds here, streamed like the private run). Shared with ``run expmech`` so tables compare."""
         wanted = baseline_names(self.cfg.baselines)
         fits: dict[str, tuple[Fit, Tensor | None]] = {}
+        clipped_U = None
+        if {"clipped_no_noise", "nonprivate_altmin"} & set(wanted):
+            if self.shadow is not None and self.shadow.complete:  # read in the private run's passes
+                clipped_U = self.shadow.state["U"]
+            else:
+                c_state, _ = run_local(
+                    self.clipped_protocol(), self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False
+                )
+                clipped_U = c_state["U"]
         if "nonprivate_altmin" in wanted:
-            U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size)
+            # warm-started from clipped-no-noise (a function of the users alone): fewer passes to
+            # the same fixed point than from a spectral pass of its own
+            U, self.nonprivate_rounds = nonprivate_altmin(
+                self.source, self.cfg.rank, self.cfg.chunk_size, start=clipped_U
+            )
             U = U.to(getattr(torch, self.cfg.dtype))
             fits["nonprivate_altmin"] = (self.subspace_fit(U), U)  # the same final local solve as every row
-        if "clipped_no_noise" in wanted:
-            clipped = replace(self.protocol, noise_multiplier=0.0)
-            c_state, _ = run_local(clipped, self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
-            fits["clipped_no_noise"] = (self.subspace_fit(c_state["U"]), c_state["U"])
+        if "clipped_no_noise" in wanted and clipped_U is not None:
+            fits["clipped_no_noise"] = (self.subspace_fit(clipped_U), clipped_U)
         if "local_only" in wanted:
             fits["local_only"] = (self.local_only_fit, None)
         if "private_init_only" in wanted and self.init_U is not None:

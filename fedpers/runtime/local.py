@@ -7,21 +7,55 @@ so a run over a million users never holds more than one chunk of their data.
 
 from __future__ import annotations
 
+import abc
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from fedpers.data.units import UnitSource
 from fedpers.privacy import Privatizer
-from fedpers.protocols.base import Protocol, Units, client_message
+from fedpers.protocols.base import Message, Protocol, Units, client_message
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundRecord, drive
 
 Tensor = torch.Tensor
+
+
+class Companion(abc.ABC):
+    """A computation that reads the chunks a local run reads, as it reads them (a baseline sharing
+    the run's passes over the users instead of making its own).
+
+    It sees each chunk's units and the run's message for that chunk, never changes either (the
+    run's message is summed and released exactly as without it), and runs on the simulator only:
+    the Flower runtime has no companions. One that raises is dropped with its error kept in
+    :attr:`error`, and the run goes on: a baseline cannot stop a private run."""
+
+    error: str = ""
+
+    @abc.abstractmethod
+    def start_round(self, round: int, broadcast: Mapping[str, Tensor]) -> None:
+        """Round ``round`` begins; ``broadcast`` is what the run's clients were sent."""
+
+    @abc.abstractmethod
+    def chunk(self, round: int, units: Units, message: Message) -> None:
+        """One chunk of the round's units and the run's message for it (read-only)."""
+
+    @abc.abstractmethod
+    def end_round(self, round: int) -> None:
+        """Every chunk of round ``round`` has been seen."""
+
+
+def _call(companions: list[Companion], method: str, *args: Any) -> None:
+    for c in list(companions):
+        try:
+            getattr(c, method)(*args)
+        except Exception as e:  # any failure of a baseline leaves the run as it is
+            c.error = f"{type(e).__name__}: {e}"
+            companions.remove(c)
 
 
 ESTIMATE_AFTER_S = 10.0
@@ -68,12 +102,15 @@ def run_local(
     on_round: Callable[[RoundRecord, Any], None] | None = None,
     progress: bool = True,
     checkpoint: Checkpointer | None = None,
+    companions: Sequence[Companion] = (),
 ) -> tuple[Any, list[RoundRecord]]:
-    """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time."""
+    """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time;
+    each of ``companions`` sees every chunk of every round as it is read (:class:`Companion`)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     source = UnitSource.of(units)
     n = source.num_units
+    beside = list(companions)
 
     estimated = [False]
 
@@ -86,13 +123,16 @@ def run_local(
             from tqdm.auto import tqdm
 
             parts = tqdm(parts, total=chunks, desc=f"round {round}", unit="chunk", leave=False, mininterval=1.0)
+        _call(beside, "start_round", round, broadcast)
         for i, part_units in enumerate(parts):
             start = time.perf_counter()
             part = client_message(protocol, round, broadcast, part_units)
-            message = part.copy() if message is None else message.add_(part)
+            message = part.copy() if message is None else message.add_(part)  # ``part`` itself stays as computed
             if progress and i == 0 and not estimated[0]:
                 estimated[0] = True
                 _estimate(protocol, time.perf_counter() - start, chunk_size, n, round)
+            _call(beside, "chunk", round, part_units, part)
+        _call(beside, "end_round", round)
         return [ClientReply("local", n, message)]
 
     return drive(
