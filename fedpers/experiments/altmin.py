@@ -398,7 +398,11 @@ class AltMinPlan:
             if compact:  # x, y hold only that half's samples (nothing zero-filled): say where they start
                 first = synthetic.half_range(cfg.samples_per_user, halves[0])[0]
                 out["first_sample"] = torch.full((out["ids"].shape[0],), first, dtype=torch.int64)
-        return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
+        # ``first_sample`` stays on the host: it is read there (``samples_of``), never computed with
+        return {
+            k: v if k == "first_sample" else (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device))
+            for k, v in out.items()
+        }
 
     def synthetic_truth(self) -> Tensor:
         """U* of synthetic users (always drawn: only a data file may have none)."""

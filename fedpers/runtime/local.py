@@ -103,9 +103,16 @@ def run_local(
     progress: bool = True,
     checkpoint: Checkpointer | None = None,
     companions: Sequence[Companion] = (),
+    defer_checks: bool | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time;
-    each of ``companions`` sees every chunk of every round as it is read (:class:`Companion`)."""
+    each of ``companions`` sees every chunk of every round as it is read (:class:`Companion`).
+
+    ``defer_checks`` (default: on a GPU, not on the CPU): the per-unit rule's finiteness check of
+    each chunk's message is not read chunk by chunk (a device sync each) but once per round; a
+    round where some message was not finite is made again chunk by chunk under the rule (the
+    same sum as without deferring, bit for bit), so nothing non-finite is ever summed into a
+    release. On the CPU a read costs nothing, and a data set with a bad unit pays no second pass."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     source = UnitSource.of(units)
@@ -114,8 +121,14 @@ def run_local(
 
     estimated = [False]
 
-    def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
-        message = None
+    defer = source.device.type != "cpu" if defer_checks is None else defer_checks
+
+    def one_pass(round: int, broadcast: Mapping[str, Tensor], checked: bool) -> tuple[Message | None, bool]:
+        """The round's chunks summed; ``checked``: each message under the per-unit rule as made
+        (:func:`client_message`, a host read per chunk); else the finiteness flags are ANDed on the
+        device and read once at the end (False: some chunk's message was not finite)."""
+        message: Message | None = None
+        flags: list[Tensor] = []
         ids, samples = protocol.units_needed(round, broadcast)
         chunks = max(1, -(-(n if ids is None else int(ids.numel())) // chunk_size))  # this round's, not all n's
         parts: Any = source.needed_chunks(chunk_size, ids, samples)
@@ -126,13 +139,29 @@ def run_local(
         _call(beside, "start_round", round, broadcast)
         for i, part_units in enumerate(parts):
             start = time.perf_counter()
-            part = client_message(protocol, round, broadcast, part_units)
+            part = client_message(protocol, round, broadcast, part_units) if checked else None
+            if part is None:
+                try:
+                    part = protocol.client_update(round, broadcast, part_units)
+                except torch.linalg.LinAlgError:  # numerics that failed: the per-unit rule, now
+                    part = client_message(protocol, round, broadcast, part_units)
+                flag = part.finite_flag()
+                if flag is not None:
+                    flags.append(flag)
             message = part.copy() if message is None else message.add_(part)  # ``part`` itself stays as computed
             if progress and i == 0 and not estimated[0]:
                 estimated[0] = True
                 _estimate(protocol, time.perf_counter() - start, chunk_size, n, round)
             _call(beside, "chunk", round, part_units, part)
-        _call(beside, "end_round", round)
+        finite = not flags or bool(torch.stack(flags).all())  # the round's one host read of its checks
+        if finite:
+            _call(beside, "end_round", round)
+        return message, finite
+
+    def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
+        message, finite = one_pass(round, broadcast, checked=not defer)
+        if not finite:  # some unit's contribution was not finite: the round again, chunk by chunk
+            message, _ = one_pass(round, broadcast, checked=True)
         return [ClientReply("local", n, message)]
 
     return drive(
