@@ -26,7 +26,7 @@ from fedpers.experiments.population import fresh_samples, population_mse
 from fedpers.experiments.shared_passes import ShadowRun
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
-from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
+from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod, samples_of
 from fedpers.protocols.base import Units
 from fedpers.runtime.local import Companion, run_local
 
@@ -521,6 +521,35 @@ Fit = Callable[[Units], Tensor]
 """Per-user models θ_j (users, d) from a chunk of users' data."""
 
 
+@dataclass(frozen=True, eq=False)
+class SubspaceFit:
+    """θ_j = U v_j with every user's final local solve v_j on Q3∪Q4 (the billboard model's last step)."""
+
+    protocol: AltMinProtocol
+    U: Tensor
+
+    def __call__(self, units: Units) -> Tensor:
+        return self.U.to(units["x"].dtype) @ self.protocol.personalize(self.U, units).unsqueeze(-1)
+
+    @staticmethod
+    def together(fits: list[SubspaceFit], units: Units) -> dict[int, Tensor]:
+        """Several fits of one protocol on one chunk (keyed by ``id(fit)``): the features x·U of
+        every fit in one product over the chunk's samples (one read of x instead of one per fit),
+        then each fit's own local solves: each θ_j as its fit computes it, to float rounding."""
+        if len(fits) < 2 or any(f.protocol is not fits[0].protocol for f in fits):
+            return {}
+        p = fits[0].protocol
+        h, k = 2 * p.quarter, p.rank
+        x, y = samples_of(units, h, 2 * h)
+        x, y = x.to(p.dtype), y.to(p.dtype)
+        Us = [f.U.to(p.dtype) for f in fits]
+        features = x @ torch.cat(Us, dim=1)
+        return {
+            id(f): U.to(x.dtype) @ p.local_solve_features(features[..., i * k : (i + 1) * k], y).unsqueeze(-1)
+            for i, (f, U) in enumerate(zip(fits, Us))
+        }
+
+
 class AltMinEvaluator(Evaluator):
     """Exact metrics from U*, v*; baselines on the same users, one streamed pass over them."""
 
@@ -577,7 +606,7 @@ class AltMinEvaluator(Evaluator):
 
     def subspace_fit(self, U: Tensor) -> Fit:
         """Every user's final local solve on Q3∪Q4 with U (the billboard model's last step)."""
-        return lambda units: U.to(units["x"].dtype) @ self.protocol.personalize(U, units).unsqueeze(-1)
+        return SubspaceFit(self.protocol, U)
 
     def evaluate(self, fits: Mapping[str, tuple[Fit, Tensor | None]]) -> dict[str, dict[str, float | None]]:
         """Metrics of several fits (name → (fit, its U or None)) in one pass over the users.
@@ -595,8 +624,9 @@ class AltMinEvaluator(Evaluator):
             has_test = "x_test" in units
             if has_test:
                 test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
+            shared = SubspaceFit.together([f for f, _ in fits.values() if isinstance(f, SubspaceFit)], units)
             for name, (fit, _) in fits.items():
-                theta = fit(units).double()
+                theta = (shared[id(fit)] if id(fit) in shared else fit(units)).double()
                 theta = theta.squeeze(-1) if theta.dim() == 3 else theta
                 if theta_star is not None:
                     sums[name]["excess"] += float(((theta - theta_star) ** 2).sum())
