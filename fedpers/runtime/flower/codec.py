@@ -147,7 +147,7 @@ def pack(tensors: Mapping[str, Tensor]) -> Packed:
     for name in sorted(tensors):
         a = tensors[name].detach().cpu().contiguous().numpy()
         layout.append([name, a.dtype.str, list(a.shape)])
-        parts.append(memoryview(a.reshape(-1).view(np.uint8)))
+        parts.append(a.reshape(-1).view(np.uint8).data)
     size = sum(part.nbytes for part in parts)
     text = json.dumps(layout)
     if size <= INLINE_BYTES:
