@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedpers.memory import reuse_freed_memory
 
     reuse_freed_memory()  # the fedpers command's malloc policy, so runs here cost what a run costs
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     jobs: list[Callable[[], Row]] = []
     if a.full:
         jobs += [lambda: baselines_ratio(100_000, 100, 1), lambda: baselines_ratio(1_000_000, 100, 1)]

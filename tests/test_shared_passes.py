@@ -6,9 +6,8 @@ import torch
 
 from fedpers import config
 from fedpers.data import synthetic
-from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments import EXPERIMENTS, altmin_baselines
 from fedpers.experiments import altmin as am
-from fedpers.experiments import altmin_baselines
 from fedpers.privacy import Privatizer
 from fedpers.runner import execute
 from fedpers.runtime.local import run_local
