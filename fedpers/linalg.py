@@ -63,10 +63,11 @@ def safe_norms(x: Tensor) -> Tensor | None:
     if x.numel() == 0:
         return torch.linalg.vector_norm(x, dim=-1)
     norm = torch.linalg.vector_norm(x, dim=-1)
-    if not float(norm.amax()) <= SAFE_RANGE[1]:  # also false for NaN/inf
-        return None
     small = norm < SAFE_RANGE[0]
-    if bool(small.any()) and (bool((norm[small] > 0).any()) or float(x[small].abs().amax()) > 0):
+    peak, any_small = torch.stack([norm.amax(), small.any().to(norm.dtype)]).tolist()  # one host read
+    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
+        return None
+    if any_small and (bool((norm[small] > 0).any()) or float(x[small].abs().amax()) > 0):
         return None
     return norm
 
@@ -150,7 +151,7 @@ def _ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
     gram = gram + (ridge * scale).unsqueeze(-1) * eye
     rhs = (features.transpose(-1, -2) @ targets.unsqueeze(-1)).squeeze(-1).double()
     bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(rhs).all(-1))
-    if bool(bad.any()):
+    if gram.device.type != "cpu" or bool(bad.any()):  # on a GPU the where costs less than reading bad
         gram = torch.where(bad[..., None, None], eye, gram)
         rhs = torch.where(bad[..., None], torch.full_like(rhs, math.nan), rhs)
     chol, info = torch.linalg.cholesky_ex(gram)
@@ -244,10 +245,11 @@ def _block_norms(x: Tensor) -> Tensor | None:
     if x.numel() == 0:
         return x.new_zeros(x.shape[:-1])
     sq = torch.einsum("...i,...i->...", x, x)
-    if not float(sq.amax()) <= 2.0**80:  # also false for NaN/inf
-        return None
     low = sq < 2.0**-80
-    if bool(low.any()) and (bool((sq[low] > 0).any()) or float(x[low].abs().amax()) > 0):
+    peak, any_low = torch.stack([sq.amax(), low.any().to(sq.dtype)]).tolist()  # one host read
+    if not peak <= 2.0**80:  # also false for NaN/inf
+        return None
+    if any_low and (bool((sq[low] > 0).any()) or float(x[low].abs().amax()) > 0):
         return None
     return sq.sqrt()
 

@@ -188,6 +188,7 @@ def drive(
             on_round=on_round,
             progress=progress,
             checkpoint=checkpointer,
+            companions=plan.evaluator.companions(),
         )
     else:
         from fedpers.app import run_flower

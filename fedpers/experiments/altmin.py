@@ -23,11 +23,12 @@ from fedpers.experiments.altmin_baselines import local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, LABEL_OVERSHOOT, Canaries, CanaryDesign, PrivateScore
 from fedpers.experiments.population import fresh_samples, population_mse
+from fedpers.experiments.shared_passes import ShadowRun
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
-from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod
+from fedpers.protocols.altmin import AltMinProtocol, Cohorts, PsdMethod, samples_of
 from fedpers.protocols.base import Units
-from fedpers.runtime.local import run_local
+from fedpers.runtime.local import Companion, run_local
 
 Tensor = torch.Tensor
 LOCAL_ONLY_RIDGE = 1e-6
@@ -397,7 +398,11 @@ class AltMinPlan:
             if compact:  # x, y hold only that half's samples (nothing zero-filled): say where they start
                 first = synthetic.half_range(cfg.samples_per_user, halves[0])[0]
                 out["first_sample"] = torch.full((out["ids"].shape[0],), first, dtype=torch.int64)
-        return {k: (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device)) for k, v in out.items()}
+        # ``first_sample`` stays on the host: it is read there (``samples_of``), never computed with
+        return {
+            k: v if k == "first_sample" else (v.to(cfg.device, dtype) if v.is_floating_point() else v.to(cfg.device))
+            for k, v in out.items()
+        }
 
     def synthetic_truth(self) -> Tensor:
         """U* of synthetic users (always drawn: only a data file may have none)."""
@@ -516,6 +521,35 @@ Fit = Callable[[Units], Tensor]
 """Per-user models θ_j (users, d) from a chunk of users' data."""
 
 
+@dataclass(frozen=True, eq=False)
+class SubspaceFit:
+    """θ_j = U v_j with every user's final local solve v_j on Q3∪Q4 (the billboard model's last step)."""
+
+    protocol: AltMinProtocol
+    U: Tensor
+
+    def __call__(self, units: Units) -> Tensor:
+        return self.U.to(units["x"].dtype) @ self.protocol.personalize(self.U, units).unsqueeze(-1)
+
+    @staticmethod
+    def together(fits: list[SubspaceFit], units: Units) -> dict[int, Tensor]:
+        """Several fits of one protocol on one chunk (keyed by ``id(fit)``): the features x·U of
+        every fit in one product over the chunk's samples (one read of x instead of one per fit),
+        then each fit's own local solves: each θ_j as its fit computes it, to float rounding."""
+        if len(fits) < 2 or any(f.protocol is not fits[0].protocol for f in fits):
+            return {}
+        p = fits[0].protocol
+        h, k = 2 * p.quarter, p.rank
+        x, y = samples_of(units, h, 2 * h)
+        x, y = x.to(p.dtype), y.to(p.dtype)
+        Us = [f.U.to(p.dtype) for f in fits]
+        features = x @ torch.cat(Us, dim=1)
+        return {
+            id(f): U.to(x.dtype) @ p.local_solve_features(features[..., i * k : (i + 1) * k], y).unsqueeze(-1)
+            for i, (f, U) in enumerate(zip(fits, Us))
+        }
+
+
 class AltMinEvaluator(Evaluator):
     """Exact metrics from U*, v*; baselines on the same users, one streamed pass over them."""
 
@@ -534,6 +568,24 @@ class AltMinEvaluator(Evaluator):
         self.population = None
         if self.cfg.refit_samples:
             self.population = UnitSource(self.cfg.n_users, lambda a, b: plan.population_units(torch.arange(a, b)))
+        self.shadow: ShadowRun | None = None
+        self.nonprivate_rounds = 0
+
+    def clipped_protocol(self) -> AltMinProtocol:
+        """The private run's protocol with its clip bounds and no noise (the clipped-no-noise baseline)."""
+        eta, zeta = clip_bounds(self.cfg)
+        return replace(self.protocol, eta=eta, zeta=zeta, noise_multiplier=0.0)
+
+    def companions(self) -> list[Companion]:
+        """Clipped-no-noise in the private run's own passes (the non-private AltMin starts from its U):
+        the clipped protocol reads the same chunks in the same rounds, and its round-0 message is
+        the private run's (its sum is the private run's before noise). Not with Poisson cohorts (the
+        private sample is the private run's; a separate clipped run draws its own, as before)."""
+        wanted = baseline_names(self.cfg.baselines)
+        if self.cfg.cohorts is Cohorts.POISSON or not {"clipped_no_noise", "nonprivate_altmin"} & set(wanted):
+            return []
+        self.shadow = ShadowRun(self.clipped_protocol(), Privatizer(0))
+        return [self.shadow]
 
     def state_dict(self) -> dict[str, Tensor]:
         return {} if self.init_U is None else {"init_U": self.init_U}
@@ -554,7 +606,7 @@ class AltMinEvaluator(Evaluator):
 
     def subspace_fit(self, U: Tensor) -> Fit:
         """Every user's final local solve on Q3∪Q4 with U (the billboard model's last step)."""
-        return lambda units: U.to(units["x"].dtype) @ self.protocol.personalize(U, units).unsqueeze(-1)
+        return SubspaceFit(self.protocol, U)
 
     def evaluate(self, fits: Mapping[str, tuple[Fit, Tensor | None]]) -> dict[str, dict[str, float | None]]:
         """Metrics of several fits (name → (fit, its U or None)) in one pass over the users.
@@ -572,8 +624,9 @@ class AltMinEvaluator(Evaluator):
             has_test = "x_test" in units
             if has_test:
                 test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
+            shared = SubspaceFit.together([f for f, _ in fits.values() if isinstance(f, SubspaceFit)], units)
             for name, (fit, _) in fits.items():
-                theta = fit(units).double()
+                theta = (shared[id(fit)] if id(fit) in shared else fit(units)).double()
                 theta = theta.squeeze(-1) if theta.dim() == 3 else theta
                 if theta_star is not None:
                     sums[name]["excess"] += float(((theta - theta_star) ** 2).sum())
@@ -642,14 +695,25 @@ class AltMinEvaluator(Evaluator):
         rounds here, streamed like the private run). Shared with ``run expmech`` so tables compare."""
         wanted = baseline_names(self.cfg.baselines)
         fits: dict[str, tuple[Fit, Tensor | None]] = {}
+        clipped_U = None
+        if {"clipped_no_noise", "nonprivate_altmin"} & set(wanted):
+            if self.shadow is not None and self.shadow.complete:  # read in the private run's passes
+                clipped_U = self.shadow.state["U"]
+            else:
+                c_state, _ = run_local(
+                    self.clipped_protocol(), self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False
+                )
+                clipped_U = c_state["U"]
         if "nonprivate_altmin" in wanted:
-            U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size)
+            # warm-started from clipped-no-noise (a function of the users alone): fewer passes to
+            # the same fixed point than from a spectral pass of its own
+            U, self.nonprivate_rounds = nonprivate_altmin(
+                self.source, self.cfg.rank, self.cfg.chunk_size, start=clipped_U
+            )
             U = U.to(getattr(torch, self.cfg.dtype))
             fits["nonprivate_altmin"] = (self.subspace_fit(U), U)  # the same final local solve as every row
-        if "clipped_no_noise" in wanted:
-            clipped = replace(self.protocol, noise_multiplier=0.0)
-            c_state, _ = run_local(clipped, self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
-            fits["clipped_no_noise"] = (self.subspace_fit(c_state["U"]), c_state["U"])
+        if "clipped_no_noise" in wanted and clipped_U is not None:
+            fits["clipped_no_noise"] = (self.subspace_fit(clipped_U), clipped_U)
         if "local_only" in wanted:
             fits["local_only"] = (self.local_only_fit, None)
         if "private_init_only" in wanted and self.init_U is not None:

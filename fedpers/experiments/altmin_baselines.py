@@ -64,16 +64,23 @@ def statistical_error(A: Tensor, b: Tensor, yy: float, u: Tensor, samples: int, 
     return math.sqrt(max(sigma2 * float((weight * a_inv).sum()), 0.0))
 
 
-def nonprivate_altmin(source: UnitSource, rank: int, chunk_size: int) -> tuple[Tensor, int]:
+def nonprivate_altmin(
+    source: UnitSource, rank: int, chunk_size: int, start: Tensor | None = None
+) -> tuple[Tensor, int]:
     """(U, rounds run): alternate v_j = ridge LS on all samples and the exact U step until U is
     within ``PRECISION`` of its statistical error from the fixed point (or moves < ``TOLERANCE``).
     It reads the data alone (no other baseline's output), so every experiment that reports it
     on the same users reports the same reference.
 
+    ``start``: the U to alternate from (a function of the data alone, such as AltMin's clipped
+    spectral statistic without noise, which a private AltMin run computes in its own first pass);
+    None: :func:`spectral_init`, a pass of its own. The fixed point, hence the reference to within
+    the stopping rule's share of its statistical error, does not depend on the start.
+
     Products in the working dtype of the users (float32 runs: float32 chunks), sums over chunks
     and the dk×dk solve in float64. After round r ≥ 2 the contraction ρ = move_r/move_(r−1)
     bounds the distance left to the fixed point by move_r·ρ/(1−ρ)."""
-    U = spectral_init(source, rank, chunk_size)
+    U = spectral_init(source, rank, chunk_size) if start is None else start.double()
     d = U.shape[0]
     previous = math.inf
     for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007  (returned: the rounds run)
@@ -111,18 +118,30 @@ def local_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:
     float64, with λ_j = ``ridge`` × the mean diagonal of X_jᵀX_j (floored at 1), as
     :func:`fedpers.linalg.batched_ridge_solve`. With m < d in the dual form θ = X_jᵀ(X_jX_jᵀ + λ_jI_m)⁻¹y_j
     (the same θ by the push-through identity): an m×m system instead of a d×d one, about 4× fewer
-    flops at m = 40, d = 100. A user with a non-finite entry gets a NaN θ, as in the primal."""
-    x, y = x.double(), y.double()
+    flops at m = 40, d = 100. A user with a non-finite entry gets a NaN θ, as in the primal.
+    Every user is independent: run in single-threaded shares of the batch (the same bits)."""
     m, d = x.shape[-2], x.shape[-1]
     if m >= d:
-        return linalg.batched_ridge_solve(x, y, ridge)
-    lam = ridge * ((x * x).sum((-2, -1)) / d).clamp_min(1.0)
-    gram = x @ x.transpose(-1, -2) + lam[:, None, None] * torch.eye(m, dtype=x.dtype, device=x.device)
-    bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(y).all(-1))
+        return linalg.batched_ridge_solve(x.double(), y.double(), ridge)
+    if x.shape[0] < 512:
+        return _dual_ridge(x, y, ridge)
+    return linalg.small_batched(lambda a, b: _dual_ridge(a, b, ridge), x, y, min_share=256)
+
+
+def _dual_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:
+    """:func:`local_ridge`'s dual form for users (n, m, d), m < d."""
+    x, y = x.double(), y.double()
+    d = x.shape[-1]
+    squares = torch.linalg.vector_norm(x, dim=(-2, -1)) ** 2
+    lam = ridge * (squares / d).clamp_min(1.0)
+    # |Σ_i x_ai x_bi| ≤ Σ x²: the Gram is finite exactly when the sum of squares is
+    bad = ~(torch.isfinite(squares) & torch.isfinite(y).all(-1))
     if bool(bad.any()):
-        gram = torch.where(bad[:, None, None], torch.eye(m, dtype=x.dtype, device=x.device), gram)
+        lam = torch.where(bad, torch.ones_like(lam), lam)
         x = torch.where(bad[:, None, None], torch.zeros((), dtype=x.dtype, device=x.device), x)
         y = torch.where(bad[:, None], torch.zeros((), dtype=y.dtype, device=y.device), y)
+    gram = x @ x.transpose(-1, -2)
+    gram.diagonal(dim1=-2, dim2=-1).add_(lam[:, None])
     chol, info = torch.linalg.cholesky_ex(gram)
     alpha = torch.cholesky_solve(y.unsqueeze(-1), chol)
     failed = (info != 0).nonzero(as_tuple=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import abc
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -22,6 +22,9 @@ from fedpers.experiments.hooks import CanaryDesign, PrivateScore
 from fedpers.privacy import Calibrations, Ledger
 from fedpers.protocols.base import Protocol, Units
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from fedpers.runtime.local import Companion
 
 Tensor = torch.Tensor
 ConfigT = TypeVar("ConfigT", bound=RunConfig)
@@ -49,6 +52,12 @@ class Evaluator(abc.ABC):
     @abc.abstractmethod
     def final(self, state: Any) -> dict[str, Any]:
         """Final metrics (and baselines) for the final server state."""
+
+    def companions(self) -> Sequence[Companion]:
+        """Baselines that read the users in the private run's own passes (the local runtime calls
+        them chunk by chunk; see :class:`~fedpers.runtime.local.Companion`); :meth:`final` computes
+        whatever they did not complete on its own. Default: none."""
+        return ()
 
 
 class Calibration(str, enum.Enum):

@@ -20,6 +20,7 @@ from fedpers.experiments import altmin
 from fedpers.experiments.base import Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, PureDpEvent, ledger_epsilon
 from fedpers.protocols.expmech import CandidateKind, ExpMechProtocol, estimate_net_size, net_grid_size
+from fedpers.runtime.local import Companion
 
 Tensor = torch.Tensor
 MAX_NET_GRID = 50_000_000
@@ -180,6 +181,10 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
             "subspace_error": metrics.subspace_error(U, self.u_star),
             "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star),
         }
+
+    def companions(self) -> list[Companion]:
+        """None: the private run's passes are the exponential mechanism's, not AltMin's."""
+        return []
 
     def candidate_fit(self, U: Tensor) -> altmin.Fit:
         """Users fit v with ||v|| ≤ C on their second half (Algorithm 4, step 4)."""

@@ -338,7 +338,11 @@ class AltMinProtocol(Protocol):
 
     def local_solve(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """v_j = argmin_v Σ_i (y_ij − <Uᵀx_ij, v>)² for every user (tiny ridge for safety)."""
-        return linalg.batched_ridge_solve(x @ U, y, LOCAL_RIDGE)
+        return self.local_solve_features(x @ U, y)
+
+    def local_solve_features(self, features: Tensor, y: Tensor) -> Tensor:
+        """:meth:`local_solve` from the features x_ij U already formed."""
+        return linalg.batched_ridge_solve(features, y, LOCAL_RIDGE)
 
     def round_statistics(self, U: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Σ_j A_j and Σ_j b_j (Algorithm 2) in Kronecker form, stable for every finite input.

@@ -7,10 +7,11 @@ so a run over a million users never holds more than one chunk of their data.
 
 from __future__ import annotations
 
+import abc
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,11 +19,44 @@ import torch
 from fedpers.data.units import UnitSource
 from fedpers.privacy import Privatizer
 from fedpers.privacy.distributed import NodeSidePrivatizer
-from fedpers.protocols.base import Protocol, Units, client_message
+from fedpers.protocols.base import Message, Protocol, Units, client_message
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundRecord, drive
 
 Tensor = torch.Tensor
+
+
+class Companion(abc.ABC):
+    """A computation that reads the chunks a local run reads, as it reads them (a baseline sharing
+    the run's passes over the users instead of making its own).
+
+    It sees each chunk's units and the run's message for that chunk, never changes either (the
+    run's message is summed and released exactly as without it), and runs on the simulator only:
+    the Flower runtime has no companions. One that raises is dropped with its error kept in
+    :attr:`error`, and the run goes on: a baseline cannot stop a private run."""
+
+    error: str = ""
+
+    @abc.abstractmethod
+    def start_round(self, round: int, broadcast: Mapping[str, Tensor]) -> None:
+        """Round ``round`` begins; ``broadcast`` is what the run's clients were sent."""
+
+    @abc.abstractmethod
+    def chunk(self, round: int, units: Units, message: Message) -> None:
+        """One chunk of the round's units and the run's message for it (read-only)."""
+
+    @abc.abstractmethod
+    def end_round(self, round: int) -> None:
+        """Every chunk of round ``round`` has been seen."""
+
+
+def _call(companions: list[Companion], method: str, *args: Any) -> None:
+    for c in list(companions):
+        try:
+            getattr(c, method)(*args)
+        except Exception as e:  # any failure of a baseline leaves the run as it is
+            c.error = f"{type(e).__name__}: {e}"
+            companions.remove(c)
 
 
 ESTIMATE_AFTER_S = 10.0
@@ -69,8 +103,17 @@ def run_local(
     on_round: Callable[[RoundRecord, Any], None] | None = None,
     progress: bool = True,
     checkpoint: Checkpointer | None = None,
+    companions: Sequence[Companion] = (),
+    defer_checks: bool | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
-    """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time."""
+    """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time;
+    each of ``companions`` sees every chunk of every round as it is read (:class:`Companion`).
+
+    ``defer_checks`` (default: on a GPU, not on the CPU): the per-unit rule's finiteness check of
+    each chunk's message is not read chunk by chunk (a device sync each) but once per round; a
+    round where some message was not finite is made again chunk by chunk under the rule (the
+    same sum as without deferring, bit for bit), so nothing non-finite is ever summed into a
+    release. On the CPU a read costs nothing, and a data set with a bad unit pays no second pass."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if isinstance(privatizer, NodeSidePrivatizer):  # distributed or local DP: the nodes add the noise
@@ -87,11 +130,18 @@ def run_local(
         )
     source = UnitSource.of(units)
     n = source.num_units
+    beside = list(companions)
 
     estimated = [False]
 
-    def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
-        message = None
+    defer = source.device.type != "cpu" if defer_checks is None else defer_checks
+
+    def one_pass(round: int, broadcast: Mapping[str, Tensor], checked: bool) -> tuple[Message | None, bool]:
+        """The round's chunks summed; ``checked``: each message under the per-unit rule as made
+        (:func:`client_message`, a host read per chunk); else the finiteness flags are ANDed on the
+        device and read once at the end (False: some chunk's message was not finite)."""
+        message: Message | None = None
+        flags: list[Tensor] = []
         ids, samples = protocol.units_needed(round, broadcast)
         chunks = max(1, -(-(n if ids is None else int(ids.numel())) // chunk_size))  # this round's, not all n's
         parts: Any = source.needed_chunks(chunk_size, ids, samples)
@@ -99,13 +149,32 @@ def run_local(
             from tqdm.auto import tqdm
 
             parts = tqdm(parts, total=chunks, desc=f"round {round}", unit="chunk", leave=False, mininterval=1.0)
+        _call(beside, "start_round", round, broadcast)
         for i, part_units in enumerate(parts):
             start = time.perf_counter()
-            part = client_message(protocol, round, broadcast, part_units)
-            message = part.copy() if message is None else message.add_(part)
+            part = client_message(protocol, round, broadcast, part_units) if checked else None
+            if part is None:
+                try:
+                    part = protocol.client_update(round, broadcast, part_units)
+                except torch.linalg.LinAlgError:  # numerics that failed: the per-unit rule, now
+                    part = client_message(protocol, round, broadcast, part_units)
+                flag = part.finite_flag()
+                if flag is not None:
+                    flags.append(flag)
+            message = part.copy() if message is None else message.add_(part)  # ``part`` itself stays as computed
             if progress and i == 0 and not estimated[0]:
                 estimated[0] = True
                 _estimate(protocol, time.perf_counter() - start, chunk_size, n, round)
+            _call(beside, "chunk", round, part_units, part)
+        finite = not flags or bool(torch.stack(flags).all())  # the round's one host read of its checks
+        if finite:
+            _call(beside, "end_round", round)
+        return message, finite
+
+    def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
+        message, finite = one_pass(round, broadcast, checked=not defer)
+        if not finite:  # some unit's contribution was not finite: the round again, chunk by chunk
+            message, _ = one_pass(round, broadcast, checked=True)
         return [ClientReply("local", n, message)]
 
     return drive(

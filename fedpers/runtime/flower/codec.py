@@ -13,7 +13,9 @@ the server turns into a drop.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -23,6 +25,7 @@ from typing import Any, TypeGuard
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common.constant import SType
 
 from fedpers import config as config_lib
 from fedpers.protocols.base import Message, Protocol
@@ -133,15 +136,26 @@ class Packed:
             content[TENSORS] = self.payload
 
 
+NUMPY_STYPE = SType.NUMPY
+"""Flower's serialization type of an ``Array`` holding ``np.save`` bytes (what ``Array.numpy()`` reads)."""
+
+
 def pack(tensors: Mapping[str, Tensor]) -> Packed:
+    """The tensors' bytes copied once, straight into the message's byte string (a host tensor is
+    read in place; above :data:`INLINE_BYTES` the string is the ``.npy`` form ``Array`` decodes)."""
     layout, parts = [], []
     for name in sorted(tensors):
         a = tensors[name].detach().cpu().contiguous().numpy()
         layout.append([name, a.dtype.str, list(a.shape)])
-        parts.append(a.reshape(-1).view(np.uint8))
-    blob = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+        parts.append(a.reshape(-1).view(np.uint8).data)
+    size = sum(part.nbytes for part in parts)
     text = json.dumps(layout)
-    return Packed(text, blob.tobytes() if blob.nbytes <= INLINE_BYTES else ArrayRecord({BLOB: Array(blob)}))
+    if size <= INLINE_BYTES:
+        return Packed(text, b"".join(parts))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": (size,)})
+    npy = b"".join([header.getvalue(), *parts])  # what np.save writes, without the concatenated copy
+    return Packed(text, ArrayRecord({BLOB: Array(dtype="|u1", shape=(size,), stype=NUMPY_STYPE, data=npy)}))
 
 
 def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tensor]:
@@ -270,8 +284,14 @@ def encode_reply(
 
 
 def _triu(a: Tensor) -> Tensor:
-    i, j = torch.triu_indices(a.shape[0], a.shape[1])
-    return a[i, j]
+    i, j = _triu_indices(a.shape[0], a.shape[1])
+    return a[i.to(a.device), j.to(a.device)]
+
+
+@functools.lru_cache(maxsize=8)
+def _triu_indices(rows: int, cols: int) -> Tensor:
+    """The upper triangle's indices, made once per shape (a node packs the same shape every call)."""
+    return torch.triu_indices(rows, cols)
 
 
 def _untriu(t: Tensor, name: str) -> Tensor:

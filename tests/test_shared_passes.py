@@ -1,0 +1,149 @@
+"""Baselines in the private run's own passes: the same values as computed on their own, fewer passes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedpers import config
+from fedpers.data import synthetic
+from fedpers.experiments import EXPERIMENTS, altmin_baselines
+from fedpers.experiments import altmin as am
+from fedpers.privacy import Privatizer
+from fedpers.runner import execute
+from fedpers.runtime.local import run_local
+
+EXP = EXPERIMENTS["altmin"]
+
+
+def run(values: dict) -> dict:
+    return execute(EXP, config.build(EXP.config_type, values), write=False, progress=False)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(n_users=1500, dim=6, rank=2, samples_per_user=8, dtype="float64", seed=3),
+        dict(n_users=1500, dim=6, rank=2, samples_per_user=8, dtype="float32", cohorts="all", seed=4),
+    ],
+)
+def test_baselines_in_shared_passes_equal_the_baselines_computed_on_their_own(monkeypatch, values):
+    """Every baseline, float64 and float32: clipped-no-noise read in the private run's passes (and the
+    non-private AltMin started from it) equals the separate clipped run's, bit for bit."""
+    shared = run(values)
+    monkeypatch.setattr(am.AltMinEvaluator, "companions", lambda self: [])
+    alone = run(values)
+    assert set(shared["baselines"]) == set(am.BASELINES)
+    assert shared["baselines"] == alone["baselines"]
+    assert shared["subspace_error"] == alone["subspace_error"]  # the private run is untouched
+
+
+def test_the_shadow_run_is_the_clipped_run_and_a_resumed_one_is_refused():
+    """ShadowRun's U is run_local's on the clipped protocol (same chunks, same order); a shadow that
+    did not see round 0 is not complete, so the evaluator computes the baseline on its own."""
+    from fedpers.experiments.shared_passes import ShadowRun
+
+    cfg = am.resolve(config.build(EXP.config_type, dict(n_users=2000, dim=6, rank=2, samples_per_user=8, chunk_size=300)))
+    plan = am.resolve_plan(cfg)
+    ev = am.AltMinEvaluator(plan, plan.protocol())
+    shadow = ev.companions()[0]
+    assert isinstance(shadow, ShadowRun)
+    run_local(ev.protocol, EXP.unit_source(cfg), Privatizer(1), chunk_size=300, progress=False, companions=[shadow])
+    alone, _ = run_local(ev.clipped_protocol(), ev.source, Privatizer(0), chunk_size=300, progress=False)
+    assert shadow.complete and torch.equal(shadow.state["U"], alone["U"])
+    late = ShadowRun(ev.clipped_protocol(), Privatizer(0))
+    late_rounds: list = []
+    run_local(ev.protocol, EXP.unit_source(cfg), Privatizer(1), chunk_size=300, progress=False,
+              companions=[_From(1, late, late_rounds)])
+    assert "round 1 began before round 0" in late.error and not late.complete
+
+
+class _From:
+    """Hands a companion only the rounds from ``first`` on (what a resumed run's companion sees)."""
+
+    def __init__(self, first, inner, seen):
+        self.first, self.inner, self.seen, self.error = first, inner, seen, ""
+
+    def start_round(self, round, broadcast):
+        if round >= self.first:
+            try:
+                self.inner.start_round(round, broadcast)
+            except RuntimeError as e:
+                self.inner.error = str(e)
+                raise
+
+    def chunk(self, round, units, message):
+        if round >= self.first:
+            self.inner.chunk(round, units, message)
+
+    def end_round(self, round):
+        if round >= self.first:
+            self.inner.end_round(round)
+
+
+def test_a_failing_companion_leaves_the_private_run_as_it_is():
+    from fedpers.runtime.local import Companion
+
+    class Broken(Companion):
+        def start_round(self, round, broadcast):
+            pass
+
+        def chunk(self, round, units, message):
+            raise MemoryError("no room")
+
+        def end_round(self, round):
+            pass
+
+    cfg = am.resolve(config.build(EXP.config_type, dict(n_users=1500, dim=6, rank=2, samples_per_user=8)))
+    proto = am.make_protocol(cfg)
+    broken = Broken()
+    with_it, _ = run_local(proto, EXP.unit_source(cfg), Privatizer(5), progress=False, companions=[broken])
+    without, _ = run_local(proto, EXP.unit_source(cfg), Privatizer(5), progress=False)
+    assert torch.equal(with_it["U"], without["U"]) and broken.error == "MemoryError: no room"
+
+
+def test_a_default_run_reads_the_users_two_times_plus_the_reference_rounds(monkeypatch):
+    """The bound: a default float32 run (every baseline, disjoint block cohorts) generates 2 + R passes
+    over the users: the private run's 1 (½ init + ½ over the cohort rounds, clipped-no-noise riding
+    along), the evaluation's 1 (local-only reads both halves) and one per round R of the non-private
+    AltMin (R ≤ 6 here). Computed on their own the baselines took 1 (clipped-no-noise) + 1 (the
+    reference's spectral pass) more."""
+    rounds: list[int] = []
+    original = altmin_baselines.nonprivate_altmin
+
+    def counted(*args, **kw):
+        out = original(*args, **kw)
+        rounds.append(out[1])
+        return out
+
+    monkeypatch.setattr(am, "nonprivate_altmin", counted)
+    values = dict(n_users=8192, dim=6, rank=2, samples_per_user=8, rounds=2, dtype="float32", cohort_block=1024)
+    synthetic.reset_counts()
+    result = run(values)
+    assert set(result["baselines"]) == set(am.BASELINES) and len(rounds) == 1
+    assert 2 <= rounds[0] <= 6
+    assert synthetic.passes(8192) == pytest.approx(1.0 + 1.0 + rounds[0])
+
+
+def test_the_warm_started_reference_is_todays_within_its_statistical_error(monkeypatch):
+    """Started from clipped-no-noise, the non-private AltMin stops at the fixed point it reached from
+    its own spectral pass (today's reference) and at a 12-round one, to a tenth of its subspace
+    error, in no more rounds (float32 users; tests/test_baselines.py holds the rule in both dtypes)."""
+    from fedpers.metrics import subspace_error
+
+    values = dict(n_users=4000, dim=20, rank=3, samples_per_user=12, seed=4, dtype="float32")
+    cfg = am.resolve(config.build(EXP.config_type, values))
+    plan = am.resolve_plan(cfg)
+    ev = am.AltMinEvaluator(plan, plan.protocol())
+    clipped, _ = run_local(ev.clipped_protocol(), ev.source, Privatizer(0), chunk_size=cfg.chunk_size, progress=False)
+    u_star = plan.u_star.double()
+    warm, warm_rounds = altmin_baselines.nonprivate_altmin(ev.source, cfg.rank, cfg.chunk_size, start=clipped["U"])
+    today, today_rounds = altmin_baselines.nonprivate_altmin(ev.source, cfg.rank, cfg.chunk_size)
+    monkeypatch.setattr(altmin_baselines, "TOLERANCE", 0.0)
+    monkeypatch.setattr(altmin_baselines, "PRECISION", 0.0)
+    monkeypatch.setattr(altmin_baselines, "MAX_ROUNDS", 12)
+    U_30, rounds_30 = altmin_baselines.nonprivate_altmin(ev.source, cfg.rank, cfg.chunk_size)
+    assert rounds_30 == 12 and warm_rounds <= today_rounds
+    err_30 = subspace_error(U_30, u_star)
+    for U in (today, U_30):
+        assert float((warm @ warm.T - U @ U.T).norm()) <= 0.1 * err_30
+    assert abs(subspace_error(warm, u_star) - err_30) <= 0.01 * err_30
