@@ -238,13 +238,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """An argument parser that answers a misspelt flag with the closest known one(s)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            from fedpers.commands.flags import suggestion
+
+            known = list(self._option_string_actions)
+            flags = [a.partition("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("-")]
+            message += "".join(suggestion(f, known) for f in flags)
+        super().error(message)
+
+
 def algorithm_parser(name: str) -> argparse.ArgumentParser:
     """Flags of ``fedpers run NAME``: the algorithm's config fields and the runtime options."""
     from fedpers.experiments import ALGORITHMS, experiment
     from fedpers.runner import RuntimeOptions
 
     exp = experiment(name)
-    p = argparse.ArgumentParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
+    p = SuggestingParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
     p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
     p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
@@ -321,6 +334,9 @@ def _run_result(result: Mapping[str, Any] | RunResult) -> RunResult:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from fedpers.commands.flags import precheck
+
+    precheck(args.algorithm, args.args)  # a mistyped flag or value answered before torch is imported
     from fedpers.experiments import experiment
     from fedpers.runner import RuntimeOptions, execute
 

@@ -490,4 +490,4 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
         return CANARY_DESIGN
 
     def reduced_config(self) -> dict[str, Any]:
-        return {"n_users": 1000, "n_items": 40}
+        return {"n_users": 4000, "n_items": 20}
