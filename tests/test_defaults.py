@@ -126,3 +126,33 @@ def test_a_long_run_prints_its_estimate_from_the_first_chunk(monkeypatch, capsys
     assert "3 round(s), 16 chunk(s) of up to 100 units" in err  # 8 for the init, 4 per disjoint cohort round
     execute(exp, cfg, write=False, progress=False)  # --quiet: nothing
     assert "of client work" not in capsys.readouterr().err
+
+
+def test_a_nan_metric_warns_naming_its_cause():
+    exp = experiment("dpals")
+    cfg = config_lib.build(exp.config_type, {})
+    w = exp.result_warnings(cfg, {"test_rmse": math.nan, "global_mean_rmse": 1.0, "test_ratings": 0, "train_ratings": 9})
+    assert [x["metric"] for x in w] == ["test_rmse"]  # the NaN is named once, not also as "worse than"
+    assert "test_rmse is nan" in w[0]["text"] and "test_ratings = 0" in w[0]["text"] and "--test-fraction" in w[0]["text"]
+
+
+@pytest.mark.parametrize(
+    "name,metric,baseline,higher",
+    [
+        ("altmin", "test_mse", "local_only", False),  # real data: no excess_risk, still compared
+        ("expmech", "test_mse", "local_only", False),
+        ("noisyhead", "test_mse", "zero_head", False),
+        ("fedrep", "population_mse", "private_init_only", False),
+        ("noisygd", "balanced_accuracy", "chance", True),
+        ("dpals", "test_rmse", "global_mean_rmse", False),
+        ("dpattention", "attention_error", "uniform_attention", False),
+    ],
+)
+def test_every_metric_worse_than_a_trivial_baseline_of_the_same_metric_warns(name, metric, baseline, higher):
+    exp = experiment(name)
+    cfg = config_lib.build(exp.config_type, exp.reduced_config())
+    good, bad = (0.9, 0.1) if higher else (0.1, 0.9)
+    row = {"baselines": {baseline: {metric: 0.5}}} if baseline != "global_mean_rmse" else {baseline: 0.5}
+    assert exp.result_warnings(cfg, {metric: good, **row}) == []
+    w = exp.result_warnings(cfg, {metric: bad, **row})
+    assert [(x["metric"], x["baseline"]) for x in w] == [(metric, baseline)] and "worse than" in w[0]["text"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from fedpers.config import (
 )
 from fedpers.data import rating_files, summary
 from fedpers.data import ratings as data
+from fedpers.experiments import rating_baselines
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign
 from fedpers.privacy import Calibrations, Ledger, calibrate_noise_multiplier, ledger_epsilon
@@ -344,6 +346,9 @@ class DpAlsEvaluator(Evaluator):
         t = table(cfg)
         if t is not None:
             out["users"], out["items"], out["users_excluded"] = t.n_users, t.n_items, t.excluded_users
+            # the competent non-private bar on real data: biased ALS, λ tuned on a validation split
+            rmse, lam = rating_baselines.tuned_rmse(u, t.n_items, cfg.rank, seed=derived_seed(cfg.seed, "als"))
+            out["biased_als_rmse"], out["biased_als_ridge"] = rmse, lam
         out["data"] = data_summary(cfg)
         if self.synthetic and cfg.rank >= cfg.true_rank:
             U_star = data.true_items(derived_seed(cfg.seed, "data"), cfg.n_items, cfg.true_rank)
@@ -418,6 +423,8 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
         "global_mean_rmse",
         "als_rmse",
         "als_ridge_item",
+        "biased_als_rmse",
+        "biased_als_ridge",
         "train_ratings",
         "test_ratings",
         "private_mean",
@@ -447,6 +454,16 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
                 "with --head-items H); with uncentred ratings set --center to their public midpoint"
             )
         return [Trivial("test_rmse", "global_mean_rmse", why=why)]
+
+    def non_finite_cause(self, cfg: DpAlsConfig, result: Mapping[str, Any], metric: str) -> str:
+        if result.get("test_ratings") == 0:
+            return (
+                "no held-out ratings (test_ratings = 0: every user has too few ratings for a test split); "
+                "raise --test-fraction or use a file with more ratings per user"
+            )
+        if result.get("train_ratings") == 0:
+            return "no training ratings (train_ratings = 0): check the data summary's dropped rows"
+        return super().non_finite_cause(cfg, result, metric)
 
     def protocol(self, cfg: DpAlsConfig, calibrations: Calibrations | None = None) -> DpAlsProtocol:
         return make_protocol(cfg, calibrations)
