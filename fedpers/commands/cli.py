@@ -360,7 +360,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from fedpers.commands.tracking import check
 
         check(args.track)  # a missing extra is refused before any work
-    for line in exp.plan(cfg):
+    from fedpers.seeds import split_seed
+
+    for line in exp.plan(split_seed(cfg)[0]):  # the config the run trains on (its public seed splits the data)
         print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
     _print_result(result, args.json)

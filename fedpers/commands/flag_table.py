@@ -236,7 +236,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "54a1ca2e9f4effe9f4d305377423bc98bc53faac1a7f67cb8ca929a7eefe9af9",
+   "fingerprint": "51058a68b7cb4af44221a3171bf6008027c4d4a3a94a4a983e770c264ba6aa59",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -495,7 +495,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "4caddbcc593856bc5c391a34746f80c915a41d21315d5d94699fcf1b42a46fe3",
+   "fingerprint": "107b5abdb0509cec54918c3aa3f0b563183d316936281382b3b42dc3d250c546",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -1401,7 +1401,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "b6b8a47ac92cf21e42b09cb53c2608b2185e3bebce91631fe74c1303bec49c5c",
+   "fingerprint": "c3e81b328c92cb2e31eecff74cfc92022a52853ae21125b8d2e40b902a8c67d8",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

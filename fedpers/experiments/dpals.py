@@ -75,8 +75,14 @@ class DpAlsConfig(DeviceRunConfig):
         None, "public item universe of a rating file: a file of item ids, one per line (never read off the ratings)"
     )
     item_ids: str = field("", "public item universe of a rating file as an id range LO:HI (inclusive)")
-    rating_min: float = field(-1e15, "smallest valid rating (rows below are dropped and counted)")
-    rating_max: float = field(1e15, "largest valid rating (rows above are dropped and counted)")
+    rating_min: float | None = field(
+        None,
+        "smallest valid rating of the declared scale (rows below are dropped and counted); required with "
+        "--ratings, a bundled --dataset defaults to its published scale",
+    )
+    rating_max: float | None = field(
+        None, "largest valid rating of the declared scale (rows above are dropped and counted); see --rating-min"
+    )
     max_ratings_per_user: int = field(
         0, "keep at most this many of a user's ratings, in its public random order (0: all)", ge=0
     )
@@ -115,8 +121,14 @@ class DpAlsConfig(DeviceRunConfig):
             raise ValueError("items / item_ids: a public item universe applies only to --ratings or --dataset")
         if self.items is not None and self.item_ids:
             raise ValueError("items / item_ids: give one public item universe, not both")
-        if not self.rating_min <= self.rating_max:
-            raise ValueError(f"rating_min must be <= rating_max ({self.rating_max:g}); got {self.rating_min:g}")
+        if self.ratings is not None and (self.rating_min is None or self.rating_max is None):
+            raise ValueError(
+                "rating_min / rating_max: a ratings file needs its declared rating scale, e.g. --rating-min 1 "
+                "--rating-max 5 (public, from the data's documentation: ratings outside it are dropped and counted)"
+            )
+        lo, hi = rating_scale(self)
+        if not lo <= hi:
+            raise ValueError(f"rating_min must be <= rating_max ({hi:g}); got {lo:g}")
 
 
 def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
@@ -134,8 +146,7 @@ def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
         cfg.user_column,
         cfg.item_column,
         cfg.rating_column,
-        cfg.rating_min,
-        cfg.rating_max,
+        *rating_scale(cfg),
         derived_seed(cfg.seed, "data"),
         cfg.test_fraction,
         cfg.max_ratings_per_user,
@@ -145,6 +156,16 @@ def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
 
 DATASET_SCALES = {"movielens-small": (0.5, 5.0), "insteval": (1.0, 5.0)}
 """Published rating scales of the bundled data sets (public: from their documentation, not the data)."""
+
+
+def rating_scale(cfg: DpAlsConfig) -> tuple[float, float]:
+    """The declared [rating_min, rating_max]; a bound left unset is a bundled data set's published
+    one (unbounded for synthetic data, which has no file to clean)."""
+    lo, hi = DATASET_SCALES.get(cfg.dataset, (-math.inf, math.inf))
+    return (
+        lo if cfg.rating_min is None else cfg.rating_min,
+        hi if cfg.rating_max is None else cfg.rating_max,
+    )
 
 
 def center(cfg: DpAlsConfig) -> float:
@@ -454,6 +475,17 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
                 "with --head-items H); with uncentred ratings set --center to their public midpoint"
             )
         return [Trivial("test_rmse", "global_mean_rmse", why=why)]
+
+    def result_warnings(self, cfg: DpAlsConfig, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+        warnings = super().result_warnings(cfg, result)
+        data = result.get("data")
+        for key in ("train_ratings", "test_ratings"):
+            counted = data.get(key) if isinstance(data, Mapping) else None
+            if counted is not None and result.get(key) is not None and counted != result[key]:
+                warnings.append(
+                    {"metric": key, "text": f"the data summary counts {key} = {counted} but the run used {result[key]}"}
+                )
+        return warnings
 
     def non_finite_cause(self, cfg: DpAlsConfig, result: Mapping[str, Any], metric: str) -> str:
         if result.get("test_ratings") == 0:
