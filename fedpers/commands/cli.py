@@ -357,9 +357,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
     if args.track:
-        from fedpers.commands.tracking import check
+        from fedpers.commands.tracking import check_uri
 
-        check(args.track)  # a missing extra is refused before any work
+        check_uri(
+            args.track, args.track_uri
+        )  # a missing extra or an unusable URI is refused before any work  # a missing extra is refused before any work
     from fedpers.seeds import split_seed
 
     for line in exp.plan(split_seed(cfg)[0]):  # the config the run trains on (its public seed splits the data)
@@ -385,9 +387,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from fedpers.runner import resume_run
 
     if args.track:
-        from fedpers.commands.tracking import check
+        from fedpers.commands.tracking import check_uri
 
-        check(args.track)
+        check_uri(args.track, args.track_uri)  # a missing extra or an unusable URI is refused before any work
     result = resume_run(args.run_dir, progress=not (args.quiet or args.json))
     _print_result(result, args.json)
     _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
@@ -400,9 +402,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.select is not None or args.private:
         return cmd_select(args)
     if args.track:
-        from fedpers.commands.tracking import check
+        from fedpers.commands.tracking import check_uri
 
-        check(args.track)
+        check_uri(args.track, args.track_uri)  # a missing extra or an unusable URI is refused before any work
     summary = run_sweep(
         args.file,
         out=args.out,

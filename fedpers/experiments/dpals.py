@@ -478,6 +478,17 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
 
     def result_warnings(self, cfg: DpAlsConfig, result: Mapping[str, Any]) -> list[dict[str, Any]]:
         warnings = super().result_warnings(cfg, result)
+        z = result.get("noise_multiplier", result.get("privacy", {}).get("noise_multiplier"))
+        items, train = result.get("items", cfg.n_items), result.get("train_ratings")
+        if isinstance(z, (int, float)) and z > 0 and isinstance(items, int) and isinstance(train, int) and items:
+            sigma_b = 2 * bounds(cfg)[1] * z
+            for w in warnings:
+                if w.get("baseline") == "global_mean_rmse":  # the measured reason, in the data's own figures
+                    w["text"] += (
+                        f" [here: {train / items:.1f} training ratings per item on average ({train:,} over {items:,} "
+                        f"items), each contributing at most c_r·c_v = {bounds(cfg)[1] / math.sqrt(cfg.items_per_user):.3g} "
+                        f"to an item's b, against noise of std σ_b = 2·Γ_b·z = {sigma_b:.3g} on every entry]"
+                    )
         data = result.get("data")
         for key in ("train_ratings", "test_ratings"):
             counted = data.get(key) if isinstance(data, Mapping) else None
