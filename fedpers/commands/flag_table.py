@@ -495,7 +495,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "107b5abdb0509cec54918c3aa3f0b563183d316936281382b3b42dc3d250c546",
+   "fingerprint": "ad0de54ce5e1e84835ef462039661d6099db54a04dd471e8cb3d3ad72d1b0a92",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
