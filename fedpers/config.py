@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 D = TypeVar("D", bound="DataclassInstance")
 
+DEFAULT_DELTA = 1e-5
+"""The one default δ of every (ε, δ) algorithm: a constant, not a rule in the number of units n,
+because n of a data file is not public (a δ read off the data would itself leak), and 1e-5 is below
+1/n for every default task (n ≤ 20,000 units). A run on more units should pass ``--delta`` below 1/n.
+Accounting is PLD by default everywhere (``DEFAULT_ACCOUNTANT``); a flag asks for another."""
+
+DEFAULT_ACCOUNTANT = "pld"
+"""The default accountant of every algorithm that offers a choice (exact for Gaussian mechanisms)."""
+
 MAX_EPSILON = 100.0
 """Largest finite ε a run accepts: beyond it no meaningful guarantee remains, and the PLD
 accountant's discretisation of the tiny noise it calibrates takes minutes (ε = 300: 55 s and
@@ -110,27 +119,35 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     return value
 
 
+def coerce_value(name: str, tp: Any, value: Any) -> Any:
+    """``value`` (e.g. a command-line string) as type ``tp``; ValueError naming ``name`` otherwise."""
+    return _coerce(name, tp, value)
+
+
+def check_range(name: str, value: Any, m: Mapping[str, Any]) -> None:
+    """Refuse a number outside the range ``m`` (a field's :func:`meta`) declares; other values pass."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError(f"{name} must be a number ({_range_text(m)}); got nan")
+    if isinstance(value, float) and math.isinf(value):
+        if m.get("inf_ok") and value > 0:
+            return
+        raise ValueError(f"{name} must be finite ({_range_text(m)}); got {value}")
+    bad = (
+        (m.get("gt") is not None and not value > m["gt"])
+        or (m.get("ge") is not None and not value >= m["ge"])
+        or (m.get("lt") is not None and not value < m["lt"])
+        or (m.get("le") is not None and not value <= m["le"])
+    )
+    if bad:
+        raise ValueError(f"{name} must be {_range_text(m)}; got {value}")
+
+
 def validate(cfg: DataclassInstance) -> None:
     """Refuse values outside each field's declared range (NaN is refused everywhere)."""
     for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            continue
-        m = f.metadata
-        if isinstance(value, float) and math.isnan(value):
-            raise ValueError(f"{f.name} must be a number ({_range_text(m)}); got nan")
-        if isinstance(value, float) and math.isinf(value):
-            if m.get("inf_ok") and value > 0:
-                continue
-            raise ValueError(f"{f.name} must be finite ({_range_text(m)}); got {value}")
-        bad = (
-            (m.get("gt") is not None and not value > m["gt"])
-            or (m.get("ge") is not None and not value >= m["ge"])
-            or (m.get("lt") is not None and not value < m["lt"])
-            or (m.get("le") is not None and not value <= m["le"])
-        )
-        if bad:
-            raise ValueError(f"{f.name} must be {_range_text(m)}; got {value}")
+        check_range(f.name, getattr(cfg, f.name), f.metadata)
     check = getattr(cfg, "check", None)
     if check is not None:
         check()
@@ -268,7 +285,7 @@ class RunConfig:
 class ApproxDpRunConfig(RunConfig):
     """A run with an (ε, δ) guarantee: every algorithm but the pure ε-DP exponential mechanism."""
 
-    delta: float = field(1e-5, "δ", gt=0.0, lt=1.0)
+    delta: float = field(DEFAULT_DELTA, "δ", gt=0.0, lt=1.0)
 
 
 @dataclass(frozen=True)

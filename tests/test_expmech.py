@@ -137,7 +137,7 @@ def test_cli_prints_candidates_and_memory_before_the_run(tmp_path, capsys):
 
 
 def test_expmech_and_altmin_compare_on_one_problem():
-    shared = dict(n_users=2000, dim=3, rank=1, samples_per_user=16, seed=3)
+    shared = dict(n_users=2000, dim=3, rank=1, samples_per_user=16, noise_std=0.1, seed=3)
     em = execute(EXP, build(epsilon=math.inf, net_width=0.3, **shared), write=False, progress=False)
     am = execute(EXPERIMENTS["altmin"], config.build(EXPERIMENTS["altmin"].config_type, shared), write=False, progress=False)
     for name in ("nonprivate_altmin", "local_only", "oracle"):

@@ -67,7 +67,7 @@ def test_altmin_ledger_from_config(cohorts, tmp_path):
 
 @pytest.mark.parametrize("unit", ["prompt", "user"])
 def test_noisyhead_ledger_from_config(unit, tmp_path):
-    values = dict(prompts=120, dim=3, context=8, steps=5, epsilon=1.0, unit=unit, test_prompts=20)
+    values = dict(prompts=120, dim=3, context=8, steps=5, epsilon=1.0, unit=unit, test_prompts=20, regime="low-dim")
     if unit == "user":
         values.update(prompts_per_user=3, user_clip=0.5)
     cfg, ledger, _ = run_ledger("noisyhead", values, tmp_path)

@@ -78,7 +78,7 @@ def test_units_of_any_slice_match_the_whole_set():
 
 
 def test_zcdp_calibration_meets_the_target_and_pld_reports_less_for_the_same_noise():
-    cfg = build(examples=200, feature_dim=20, steps=10, baselines=False)
+    cfg = build(examples=200, feature_dim=20, steps=10, baselines=False, accountant="zcdp", delta=1e-4)  # the paper's
     result = execute(EXP, cfg, write=False, progress=False)
     priv = result["privacy"]
     rho_target = zcdp_rho_for(1.0, 1e-4)
@@ -89,7 +89,7 @@ def test_zcdp_calibration_meets_the_target_and_pld_reports_less_for_the_same_noi
     z = priv["noise_multiplier"]
     assert 10 * 2 / z**2 == pytest.approx(rho_target, rel=1e-6)
     assert 0.5 < priv["epsilon_pld"] < 0.8  # the tight accountant: same noise, smaller ε
-    pld = execute(EXP, build(examples=200, feature_dim=20, steps=10, baselines=False, accountant="pld"), write=False, progress=False)
+    pld = execute(EXP, build(examples=200, feature_dim=20, steps=10, baselines=False, accountant="pld", delta=1e-4), write=False, progress=False)
     assert 0.999 <= pld["epsilon"] <= 1.0 and pld["noise_multiplier"] < z
 
 
@@ -104,7 +104,7 @@ def test_zcdp_accounting_of_events():
 
 @pytest.mark.parametrize("remedy,name", [("center", "remedy.mean"), ("pca", "remedy.pca")])
 def test_remedies_are_releases_in_the_ledger_within_the_budget(remedy, name):
-    cfg = build(examples=300, feature_dim=30, steps=5, remedy=remedy, collapse="offset", baselines=False, remedy_budget=0.25)
+    cfg = build(examples=300, feature_dim=30, steps=5, remedy=remedy, collapse="offset", baselines=False, remedy_budget=0.25, accountant="zcdp", delta=1e-4)
     result = execute(EXP, cfg, write=False, progress=False)
     proto = make_protocol(cfg)
     assert proto.num_rounds == 6

@@ -22,8 +22,12 @@ from fedpers.runner import execute
 EXP = EXPERIMENTS["noisyhead"]
 
 
+PAPER = {"regime": "low-dim", "calibration": "paper", "dim": 5, "prompts": 1000}
+"""The §6.1 low-dimensional setting with the paper's calibration (the defaults are the demo task)."""
+
+
 def build(**values) -> NoisyHeadConfig:
-    return config_lib.build(NoisyHeadConfig, values)
+    return config_lib.build(NoisyHeadConfig, {**PAPER, **values})
 
 
 def small_protocol(**over) -> nh.NoisyHeadProtocol:
@@ -223,7 +227,7 @@ def test_calibrations_paper_and_accountant():
 
 def test_cli_run_writes_constants_with_formulas(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["run", "noisyhead", "--prompts", "300", "--dim", "3", "--context", "9", "--steps", "6", "--epsilon", "2",
+    rc = main(["run", "noisyhead", "--regime", "low-dim", "--prompts", "300", "--dim", "3", "--context", "9", "--steps", "6", "--epsilon", "2",
                "--mode", "rounds", "--init", "gaussian", "--seed", "3", "--out", str(out), "--json"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)

@@ -130,3 +130,53 @@ def test_a_flat_or_single_value_figure_has_plain_readable_ticks() -> None:
     flat.canvas.draw()
     lo, hi = flat.axes[0].get_ylim()
     assert hi - lo > 1e-3 and flat.axes[0].yaxis.get_major_formatter().get_offset() == ""
+
+
+def _texts_outside_canvas(fig) -> list[str]:
+    """The texts drawn (fully or partly) outside the canvas: a figure's drawn extent is the union of
+    its artists' bounding boxes (ticks outside the view are not drawn and do not count)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    canvas = fig.bbox
+    out = []
+    for ax in fig.axes:
+        texts = [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            texts += [t.label1 for t in axis.get_major_ticks() if t.label1.get_visible() and lo <= t.get_loc() <= hi]
+        legend = ax.get_legend()
+        texts += legend.get_texts() if legend is not None else []
+        for t in texts:
+            if not t.get_text() or not t.get_visible():
+                continue
+            e = t.get_window_extent(renderer)
+            if e.width == 0:
+                continue
+            if e.x0 < canvas.x0 - 1 or e.y0 < canvas.y0 - 1 or e.x1 > canvas.x1 + 1 or e.y1 > canvas.y1 + 1:
+                out.append(t.get_text())
+    tight = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)
+    if tight.x0 < -1 or tight.y0 < -1 or tight.x1 > canvas.x1 + 1 or tight.y1 > canvas.y1 + 1:
+        out.append(f"drawn extent {tight.bounds} beyond the canvas {canvas.bounds}")
+    return out
+
+
+def test_figures_keep_every_text_inside_the_canvas_and_draw_linear_bars():
+    """Layout: a per-round curve, a flat curve, a one-value figure and compare's bars, with long
+    names, each rendered and every text's bounding box checked against the canvas."""
+    from fedpers.results.plots import _plt, value_figure
+
+    plt = _plt()
+    rounds = [{"round": i, "accuracy": 1.0} for i in range(1, 31)]
+    flat = run_figure(rounds, "accuracy", title="noisygd: ε = 1 (target 1), δ = 1e-05, pld", round_axis="NoisyGD step",
+                      baselines={"chance": {"accuracy": 0.1}, "nonprivate_gd": {"accuracy": 1.0}})
+    lo, hi = flat.axes[0].get_ylim()
+    assert hi - lo >= 0.05  # a flat line drawn in a readable window, not 0.998-1.002
+    one = value_figure("excess_risk", 0.0054, {"zero_head": {"excess_risk": 0.96}, "ridge": {"excess_risk": 0.0}},
+                       title="noisyhead: ε = 0.9999 (target 1), δ = 1e-05, pld")
+    rows = [{"run": f"a-very-long-run-directory-name-{i}", "epsilon": float(i), "excess_risk": 10.0 ** -i, "accuracy": 0.5}
+            for i in range(6)]
+    bars = compare_figure(rows, ["excess_risk", "accuracy"])
+    assert all(ax.get_yscale() == "linear" for ax in bars.axes) and not bars._suptitle
+    for fig in (flat, one, bars):
+        assert _texts_outside_canvas(fig) == []
+        plt.close(fig)

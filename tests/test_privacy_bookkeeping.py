@@ -104,7 +104,7 @@ def test_data_refusals_happen_before_the_first_release(monkeypatch, tmp_path):
     long.write_text("user,y,f0,f1\n" + "".join(f"{u},1.0,0.5,{'x' if u == 3 and k == 1 else 0.25}\n" for u in range(6) for k in range(8)))
     cases = [
         ("dpals", {"ratings": str(ratings)}, "declared public item universe"),
-        ("dpals", {"ratings": str(ratings), "item_ids": "1:9"}, "row 2 holds 'four'"),
+        ("dpals", {"ratings": str(ratings), "item_ids": "1:9", "rating_min": 1, "rating_max": 5}, "row 2 holds 'four'"),
         ("dpals", {"item_ids": "1:9"}, "applies only to --ratings or --dataset"),
         ("dpals", {"clip_embedding": 0.0, "private_center": True}, "must be finite"),  # round 0 would release, round 1 refuse
         ("dpals", {"clip_rating": 0.0, "private_center": True}, "must be finite"),  # the sums' clip too: refused before round 0

@@ -141,7 +141,7 @@ def test_dpals_release_shapes_identical_on_neighbours(tmp_path):
         p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in mine))
         rating_files.load_table.cache_clear()
         exp = EXPERIMENTS["dpals"]
-        cfg = config.build(DpAlsConfig, {"ratings": str(p), "item_ids": "100:119", "steps": 2, "epsilon": 1.0})
+        cfg = config.build(DpAlsConfig, {"ratings": str(p), "item_ids": "100:119", "steps": 2, "epsilon": 1.0, "rating_min": 0, "rating_max": 5})
         protocol = exp.protocol(cfg)
         tap = TapPrivatizer(0)
         state = run_local(protocol, exp.units(cfg, torch.arange(exp.num_units(cfg))), tap, chunk_size=7, progress=False)[0]
@@ -194,3 +194,30 @@ def test_a_chunk_is_padded_to_its_own_widest_user_and_keeps_every_rating():
         assert torch.equal(every[key][1:, :2], narrow[key]) and not every[key][1:, 2:].any()
     assert int(every["mask"].sum() + every["test"].sum()) == len(rows)
     assert t.units(torch.tensor([5, 0, 5]), torch.float64)["items"][0].tolist()[:2] == narrow["items"][4].tolist()
+
+
+def test_a_ratings_file_needs_its_declared_scale_and_out_of_scale_and_repeats_are_counted(tmp_path, capsys):
+    """No scale, no run; a 9 on a 1-5 scale and a repeated (user, item) are dropped and counted; the
+    printed data summary and the result agree on every count (one source: the run's config)."""
+    import json
+
+    from fedpers.commands.cli import main
+
+    rows = [(u, 100 + (u * 7 + k) % 15, 1.0 + (u + k) % 5) for u in range(60) for k in range(8)]
+    p = tmp_path / "r.csv"
+    p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows) + "0,101,9.0\n1,102,3.0\n1,102,4.0\n")
+    with pytest.raises(ValueError, match="rating_min / rating_max: a ratings file needs its declared rating scale"):
+        config.build(DpAlsConfig, {"ratings": str(p), "item_ids": "100:114"})
+    out = tmp_path / "run"
+    args = ["run", "dpals", "--ratings", str(p), "--item-ids", "100:114", "--rating-min", "1", "--rating-max", "5",
+            "--epsilon", "inf", "--steps", "1", "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    printed = capsys.readouterr().err
+    result = json.loads((out / "result.json").read_text())
+    dropped = result["data"]["rows_dropped"]
+    assert dropped["rating outside [rating_min, rating_max] = [1, 5]"] == 1
+    assert dropped["repeat of a (user, item) pair (first kept)"] >= 1
+    for key in ("train_ratings", "test_ratings"):
+        assert result["data"][key] == result[key]
+        assert f"{result[key]:,}" in printed or str(result[key]) in printed, (key, printed)
+    assert not [w for w in result.get("warnings", []) if w.get("metric") in ("train_ratings", "test_ratings")]

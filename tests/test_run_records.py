@@ -64,7 +64,7 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
 
 def test_no_abbreviated_flags_and_no_broken_pipe(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fedpers", "run", "altmin", "--n-user", "5"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "unrecognized arguments: --n-user" in bad.stderr
+    assert bad.returncode == 2 and "unknown flag --n-user; did you mean --n-users?" in bad.stderr  # no abbreviation: refused, with a suggestion
     out = tmp_path / "long"  # 1,500 releases: a report far longer than a pipe's buffer
     subprocess.run([sys.executable, "-m", "fedpers", "run", "noisyhead", "--prompts", "200", "--steps", "1500", "--quiet", "--out", str(out)], check=True, capture_output=True)
     piped = subprocess.run(f"{sys.executable} -m fedpers privacy {out} | head -1", shell=True, capture_output=True, text=True)
@@ -90,3 +90,22 @@ def test_runs_record_what_produced_them(tmp_path):
     assert set(record["libraries"]) >= {"torch", "flwr", "ray", "dp-accounting"} and all(record["libraries"].values())
     assert record["git"] is None or (len(record["git"]["commit"]) == 40 and isinstance(record["git"]["dirty"], bool))
     assert record["command"][:1] != []
+
+
+def test_a_run_failing_before_its_first_release_leaves_no_directory(tmp_path, monkeypatch):
+    """Nothing half-written blocks reusing --out: a run that released nothing removes the directory
+    it created; the same --out then runs to completion."""
+    from fedpers import runner
+    from fedpers.commands.cli import main
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("failed before any release")
+
+    out = tmp_path / "run"
+    args = ["run", "dpattention", "--columns", "200", "--out", str(out), "--quiet"]
+    monkeypatch.setattr(runner, "drive", broken)
+    with pytest.raises(RuntimeError, match="before any release"):
+        main(args)
+    assert not out.exists()
+    monkeypatch.undo()
+    assert main(args) == 0 and (out / "result.json").is_file()

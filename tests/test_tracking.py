@@ -120,3 +120,15 @@ def test_sweep_points_grouped(tmp_path):
     acc = EventAccumulator(str(tmp_path / "sw" / "tensorboard" / "00001"))
     acc.Reload()
     assert len(acc.Scalars("point/excess_risk")) == 2
+
+
+def test_an_unusable_tracking_uri_is_refused_before_any_run_directory_exists(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("mlflow")
+    from fedpers.commands.cli import main
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    out = tmp_path / "run"
+    rc = main(["run", "dpattention", "--columns", "200", "--out", str(out), "--quiet", "--track", "mlflow",
+               "--track-uri", f"file:{tmp_path / 'mlruns'}"])
+    assert rc == 2 and not out.exists()
+    assert "track_uri: MLflow cannot use" in capsys.readouterr().err

@@ -242,13 +242,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """An argument parser that answers a misspelt flag with the closest known one(s)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            from fedpers.commands.flags import suggestion
+
+            known = list(self._option_string_actions)
+            flags = [a.partition("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("-")]
+            message += "".join(suggestion(f, known) for f in flags)
+        super().error(message)
+
+
 def algorithm_parser(name: str) -> argparse.ArgumentParser:
     """Flags of ``fedpers run NAME``: the algorithm's config fields and the runtime options."""
     from fedpers.experiments import ALGORITHMS, experiment
     from fedpers.runner import RuntimeOptions
 
     exp = experiment(name)
-    p = argparse.ArgumentParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
+    p = SuggestingParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
     p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
     p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
@@ -325,6 +338,9 @@ def _run_result(result: Mapping[str, Any] | RunResult) -> RunResult:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from fedpers.commands.flags import precheck
+
+    precheck(args.algorithm, args.args)  # a mistyped flag or value answered before torch is imported
     from fedpers.experiments import experiment
     from fedpers.runner import RuntimeOptions, execute
 
@@ -345,10 +361,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_lib.build(exp.config_type, algo_values)
     options = config_lib.build(RuntimeOptions, runtime_values)
     if args.track:
-        from fedpers.commands.tracking import check
+        from fedpers.commands.tracking import check_uri
 
-        check(args.track)  # a missing extra is refused before any work
-    for line in exp.plan(cfg):
+        check_uri(
+            args.track, args.track_uri
+        )  # a missing extra or an unusable URI is refused before any work  # a missing extra is refused before any work
+    from fedpers.seeds import split_seed
+
+    for line in exp.plan(split_seed(cfg)[0]):  # the config the run trains on (its public seed splits the data)
         print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
     _print_result(result, args.json)
@@ -371,9 +391,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from fedpers.runner import resume_run
 
     if args.track:
-        from fedpers.commands.tracking import check
+        from fedpers.commands.tracking import check_uri
 
-        check(args.track)
+        check_uri(args.track, args.track_uri)  # a missing extra or an unusable URI is refused before any work
     result = resume_run(args.run_dir, progress=not (args.quiet or args.json))
     _print_result(result, args.json)
     _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
@@ -386,9 +406,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.select is not None or args.private:
         return cmd_select(args)
     if args.track:
-        from fedpers.commands.tracking import check
+        from fedpers.commands.tracking import check_uri
 
-        check(args.track)
+        check_uri(args.track, args.track_uri)  # a missing extra or an unusable URI is refused before any work
     summary = run_sweep(
         args.file,
         out=args.out,

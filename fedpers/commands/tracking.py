@@ -112,6 +112,27 @@ def check(kind: str | Tracker | None) -> Tracker | None:
     return tracker
 
 
+def check_uri(kind: str | Tracker | None, uri: str | None) -> None:
+    """Refuse, before any work, a tracking URI the tracker cannot use: MLflow opens its store and
+    lists one experiment; TensorBoard's log directory must be creatable."""
+    tracker = check(kind)
+    if tracker is None:
+        return
+    if tracker is Tracker.MLFLOW:
+        import mlflow
+
+        try:
+            mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        except Exception as e:  # any store error: the run would only fail at its end
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"track_uri: MLflow cannot use {uri or 'its default store'!r}: {first}") from None
+    elif uri:
+        try:
+            Path(uri).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"track_uri: cannot create the TensorBoard log directory {uri!r}: {e}") from None
+
+
 def _images(run_dir: Path, names: Iterable[str]) -> list[Path]:
     return [run_dir / n for n in names if (run_dir / n).is_file()]
 

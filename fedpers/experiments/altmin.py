@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fedpers import memory, metrics
-from fedpers.config import MAX_EPSILON, DeviceRunConfig, device_path, field, inherited, run_config
+from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, device_path, field, inherited, run_config
 from fedpers.data import summary as data_summary
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
@@ -44,7 +44,7 @@ class AltMinConfig(DeviceRunConfig):
     epsilon: float = field(
         4.0, "user-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True
     )
-    delta: float = field(1e-5, "user-level δ", gt=0.0, lt=1.0)
+    delta: float = field(DEFAULT_DELTA, "user-level δ", gt=0.0, lt=1.0)
     rounds: int = field(2, "AltMin rounds T after the private initialisation", ge=1)
     cohorts: Cohorts = field(
         Cohorts.DISJOINT,
@@ -929,4 +929,4 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
         return PRIVATE_SCORES
 
     def reduced_config(self) -> dict[str, Any]:
-        return {"n_users": 2000, "dim": 5}
+        return {"n_users": 10000, "samples_per_user": 12}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -98,8 +98,8 @@ def check_trivial(trivial: list[Trivial], result: Mapping[str, Any]) -> list[dic
     warnings = []
     for t in trivial:
         base, value = trivial_value(result, t), result.get(t.metric)
-        if base is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-            continue
+        if base is None or not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            continue  # not measured, or NaN/inf: non_finite_warnings names that
         value = float(value)
         beats = value > base if t.higher_is_better else value < base
         if not beats:
@@ -114,6 +114,40 @@ def check_trivial(trivial: list[Trivial], result: Mapping[str, Any]) -> list[dic
                 }
             )
     return warnings
+
+
+def _higher_is_better(metric: str) -> bool:
+    return "accuracy" in metric
+
+
+def every_shared_metric(trivial: list[Trivial], metrics: tuple[str, ...], result: Mapping[str, Any]) -> list[Trivial]:
+    """``trivial`` plus, for each of its baselines reported under ``result["baselines"]``, every other
+    metric of ``metrics`` the run and that baseline both report (same direction as a declared one)."""
+    out = list(trivial)
+    listed = {(t.metric, t.baseline) for t in trivial}
+    direction = {t.metric: t.higher_is_better for t in trivial}
+    for t in trivial:
+        row = result.get("baselines", {}).get(t.baseline)
+        if not isinstance(row, Mapping):
+            continue
+        for metric in metrics:
+            if metric in row and metric in result and (metric, t.baseline) not in listed:
+                listed.add((metric, t.baseline))
+                higher = direction.get(metric, _higher_is_better(metric))
+                out.append(Trivial(metric, t.baseline, higher, t.why))
+    return out
+
+
+def non_finite_warnings(
+    metrics: tuple[str, ...], result: Mapping[str, Any], cause: Callable[[str], str]
+) -> list[dict[str, Any]]:
+    """One warning per metric of ``metrics`` the result reports as NaN or ±inf, naming its cause."""
+    out = []
+    for metric in metrics:
+        value = result.get(metric)
+        if isinstance(value, float) and not math.isfinite(value):
+            out.append({"metric": metric, "private": value, "text": f"{metric} is {value}: {cause(metric)}"})
+    return out
 
 
 class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
@@ -176,8 +210,19 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
         return []
 
     def result_warnings(self, cfg: ConfigT, result: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Warnings written into ``result.json`` (``warnings``) and printed loudly by the CLI."""
-        return check_trivial(self.trivial_baselines(cfg), result)
+        """Warnings written into ``result.json`` (``warnings``) and printed loudly by the CLI: a
+        metric that is NaN or infinite (with its cause), and every metric of the run no better than
+        the same metric of a trivial baseline (the declared ones, and every other metric those
+        baselines report: real data has test_mse where synthetic data has excess_risk)."""
+        found = non_finite_warnings(self.result_keys, result, lambda m: self.non_finite_cause(cfg, result, m))
+        return found + check_trivial(every_shared_metric(self.trivial_baselines(cfg), self.result_keys, result), result)
+
+    def non_finite_cause(self, cfg: ConfigT, result: Mapping[str, Any], metric: str) -> str:
+        """Why ``metric`` came out NaN or infinite (an algorithm names its known causes)."""
+        return (
+            "no data to measure it on (check the data summary: a test split with no rows gives NaN) "
+            "or the model diverged (lower the step size, raise --epsilon)"
+        )
 
     def plan(self, cfg: ConfigT) -> list[str]:
         """Lines the CLI prints before the run starts (sizes, memory). Raise ``ValueError`` to

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from fedpers.config import (
 )
 from fedpers.data import rating_files, summary
 from fedpers.data import ratings as data
+from fedpers.experiments import rating_baselines
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign
 from fedpers.privacy import Calibrations, Ledger, calibrate_noise_multiplier, ledger_epsilon
@@ -73,8 +75,14 @@ class DpAlsConfig(DeviceRunConfig):
         None, "public item universe of a rating file: a file of item ids, one per line (never read off the ratings)"
     )
     item_ids: str = field("", "public item universe of a rating file as an id range LO:HI (inclusive)")
-    rating_min: float = field(-1e15, "smallest valid rating (rows below are dropped and counted)")
-    rating_max: float = field(1e15, "largest valid rating (rows above are dropped and counted)")
+    rating_min: float | None = field(
+        None,
+        "smallest valid rating of the declared scale (rows below are dropped and counted); required with "
+        "--ratings, a bundled --dataset defaults to its published scale",
+    )
+    rating_max: float | None = field(
+        None, "largest valid rating of the declared scale (rows above are dropped and counted); see --rating-min"
+    )
     max_ratings_per_user: int = field(
         0, "keep at most this many of a user's ratings, in its public random order (0: all)", ge=0
     )
@@ -113,8 +121,14 @@ class DpAlsConfig(DeviceRunConfig):
             raise ValueError("items / item_ids: a public item universe applies only to --ratings or --dataset")
         if self.items is not None and self.item_ids:
             raise ValueError("items / item_ids: give one public item universe, not both")
-        if not self.rating_min <= self.rating_max:
-            raise ValueError(f"rating_min must be <= rating_max ({self.rating_max:g}); got {self.rating_min:g}")
+        if self.ratings is not None and (self.rating_min is None or self.rating_max is None):
+            raise ValueError(
+                "rating_min / rating_max: a ratings file needs its declared rating scale, e.g. --rating-min 1 "
+                "--rating-max 5 (public, from the data's documentation: ratings outside it are dropped and counted)"
+            )
+        lo, hi = rating_scale(self)
+        if not lo <= hi:
+            raise ValueError(f"rating_min must be <= rating_max ({hi:g}); got {lo:g}")
 
 
 def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
@@ -132,8 +146,7 @@ def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
         cfg.user_column,
         cfg.item_column,
         cfg.rating_column,
-        cfg.rating_min,
-        cfg.rating_max,
+        *rating_scale(cfg),
         derived_seed(cfg.seed, "data"),
         cfg.test_fraction,
         cfg.max_ratings_per_user,
@@ -143,6 +156,16 @@ def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:
 
 DATASET_SCALES = {"movielens-small": (0.5, 5.0), "insteval": (1.0, 5.0)}
 """Published rating scales of the bundled data sets (public: from their documentation, not the data)."""
+
+
+def rating_scale(cfg: DpAlsConfig) -> tuple[float, float]:
+    """The declared [rating_min, rating_max]; a bound left unset is a bundled data set's published
+    one (unbounded for synthetic data, which has no file to clean)."""
+    lo, hi = DATASET_SCALES.get(cfg.dataset, (-math.inf, math.inf))
+    return (
+        lo if cfg.rating_min is None else cfg.rating_min,
+        hi if cfg.rating_max is None else cfg.rating_max,
+    )
 
 
 def center(cfg: DpAlsConfig) -> float:
@@ -344,6 +367,9 @@ class DpAlsEvaluator(Evaluator):
         t = table(cfg)
         if t is not None:
             out["users"], out["items"], out["users_excluded"] = t.n_users, t.n_items, t.excluded_users
+            # the competent non-private bar on real data: biased ALS, λ tuned on a validation split
+            rmse, lam = rating_baselines.tuned_rmse(u, t.n_items, cfg.rank, seed=derived_seed(cfg.seed, "als"))
+            out["biased_als_rmse"], out["biased_als_ridge"] = rmse, lam
         out["data"] = data_summary(cfg)
         if self.synthetic and cfg.rank >= cfg.true_rank:
             U_star = data.true_items(derived_seed(cfg.seed, "data"), cfg.n_items, cfg.true_rank)
@@ -418,6 +444,8 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
         "global_mean_rmse",
         "als_rmse",
         "als_ridge_item",
+        "biased_als_rmse",
+        "biased_als_ridge",
         "train_ratings",
         "test_ratings",
         "private_mean",
@@ -447,6 +475,38 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
                 "with --head-items H); with uncentred ratings set --center to their public midpoint"
             )
         return [Trivial("test_rmse", "global_mean_rmse", why=why)]
+
+    def result_warnings(self, cfg: DpAlsConfig, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+        warnings = super().result_warnings(cfg, result)
+        z = result.get("noise_multiplier", result.get("privacy", {}).get("noise_multiplier"))
+        items, train = result.get("items", cfg.n_items), result.get("train_ratings")
+        if isinstance(z, (int, float)) and z > 0 and isinstance(items, int) and isinstance(train, int) and items:
+            sigma_b = 2 * bounds(cfg)[1] * z
+            for w in warnings:
+                if w.get("baseline") == "global_mean_rmse":  # the measured reason, in the data's own figures
+                    w["text"] += (
+                        f" [here: {train / items:.1f} training ratings per item on average ({train:,} over {items:,} "
+                        f"items), each contributing at most c_r·c_v = {bounds(cfg)[1] / math.sqrt(cfg.items_per_user):.3g} "
+                        f"to an item's b, against noise of std σ_b = 2·Γ_b·z = {sigma_b:.3g} on every entry]"
+                    )
+        data = result.get("data")
+        for key in ("train_ratings", "test_ratings"):
+            counted = data.get(key) if isinstance(data, Mapping) else None
+            if counted is not None and result.get(key) is not None and counted != result[key]:
+                warnings.append(
+                    {"metric": key, "text": f"the data summary counts {key} = {counted} but the run used {result[key]}"}
+                )
+        return warnings
+
+    def non_finite_cause(self, cfg: DpAlsConfig, result: Mapping[str, Any], metric: str) -> str:
+        if result.get("test_ratings") == 0:
+            return (
+                "no held-out ratings (test_ratings = 0: every user has too few ratings for a test split); "
+                "raise --test-fraction or use a file with more ratings per user"
+            )
+        if result.get("train_ratings") == 0:
+            return "no training ratings (train_ratings = 0): check the data summary's dropped rows"
+        return super().non_finite_cause(cfg, result, metric)
 
     def protocol(self, cfg: DpAlsConfig, calibrations: Calibrations | None = None) -> DpAlsProtocol:
         return make_protocol(cfg, calibrations)
@@ -490,4 +550,4 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
         return CANARY_DESIGN
 
     def reduced_config(self) -> dict[str, Any]:
-        return {"n_users": 1000, "n_items": 40}
+        return {"n_users": 4000, "n_items": 20}

@@ -9,7 +9,7 @@ import dp_accounting
 import torch
 
 from fedpers import linalg, memory
-from fedpers.config import ApproxDpRunConfig, DeviceRunConfig, field, inherited, run_config
+from fedpers.config import DEFAULT_DELTA, ApproxDpRunConfig, DeviceRunConfig, field, inherited, run_config
 from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, DpCovarianceParams, Ledger, ledger_epsilon
@@ -25,7 +25,7 @@ class DpAttentionConfig(ApproxDpRunConfig):
     columns: int = field(10000, "d: columns of X (the privacy units, d ≫ n)", ge=1)
     k: int = field(0, "Gaussian samples in DPCovariance (0: the smallest k with ρ < 0.1ε)", ge=0)
     epsilon: float = field(0.09, "ε of the (ε, δ) guarantee (Theorem 3.1 needs ε < 0.1)", gt=0.0)
-    delta: float = field(1e-5, "δ (Theorem 3.1 needs δ < 0.1)", gt=0.0, lt=1.0)
+    delta: float = field(DEFAULT_DELTA, "δ (Theorem 3.1 needs δ < 0.1)", gt=0.0, lt=1.0)
     beta: float = field(1e-6, "β: neighbouring X differ in one column, moved by at most β", gt=0.0)
     f: AttentionFn = field(AttentionFn.EXP, "entrywise function of the attention: exp or cosh")
     r: float = field(0.05, "promise ||A||_∞ = max|A_ij| ≤ r (Theorem 3.1 needs r < 0.1)", gt=0.0)

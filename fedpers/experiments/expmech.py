@@ -29,13 +29,15 @@ WORKING_ELEMENTS = 1 << 22
 
 @run_config
 class ExpMechConfig(RunConfig):
-    n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
+    n_users: int = field(5000, "number of users n (synthetic data)", ge=1)
     dim: int = field(3, "feature dimension d", ge=2)
     rank: int = field(1, "subspace rank k (< d)", ge=1)
     samples_per_user: int = field(
-        16, "samples per user m (a multiple of 4: first half scores, second half fits v)", ge=4
+        8, "samples per user m (a multiple of 4: first half scores, second half fits v)", ge=4
     )
-    noise_std: float = field(0.1, "label noise σ_F", ge=0.0)
+    noise_std: float = field(
+        0.5, "label noise σ_F (the default task: noisy labels and few samples, where a shared U pays off)", ge=0.0
+    )
     epsilon: float = field(
         1.0, "user-level ε (pure ε-DP; inf: the best-scoring candidate)", gt=0.0, le=MAX_EPSILON, inf_ok=True
     )

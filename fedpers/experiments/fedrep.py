@@ -19,6 +19,7 @@ import torch
 
 from fedpers import metrics
 from fedpers.config import (
+    DEFAULT_DELTA,
     MAX_EPSILON,
     DeviceRunConfig,
     device_path,
@@ -58,12 +59,12 @@ class VStar(str, enum.Enum):
 
 @run_config
 class FedRepConfig(DeviceRunConfig):
-    n_users: int = field(20000, "number of users n (synthetic data)", ge=1)
+    n_users: int = field(10000, "number of users n (synthetic data)", ge=1)
     dim: int = field(50, "feature dimension d", ge=2)
     rank: int = field(2, "subspace rank k (< d)", ge=1)
     samples_per_user: int = field(5, "training samples per user m", ge=2)
     refit_samples: int = field(5, "samples per user to refit v_j on at the end (local, never sent)", ge=1)
-    test_samples: int = field(200, "test samples per user for population_mse", ge=1)
+    test_samples: int = field(50, "test samples per user for population_mse", ge=1)
     noise_std: float = field(0.01, "label noise σ_F", ge=0.0)
     v_star: VStar = field(
         VStar.SPHERE,
@@ -76,7 +77,7 @@ class FedRepConfig(DeviceRunConfig):
         le=MAX_EPSILON,
         inf_ok=True,
     )
-    delta: float = field(1e-6, "user-level δ", gt=0.0, lt=1.0)
+    delta: float = field(DEFAULT_DELTA, "user-level δ", gt=0.0, lt=1.0)
     rounds: int = field(5, "gradient rounds T after the private initialisation", ge=1)
     learning_rate: float = field(2.5, "server step size η on the mean clipped gradient", gt=0.0)
     clip: float = field(10.0, "C: Frobenius clip of each user's gradient of U", gt=0.0)

@@ -11,6 +11,7 @@ import torch
 
 from fedpers import memory
 from fedpers.config import (
+    DEFAULT_DELTA,
     MAX_EPSILON,
     DeviceRunConfig,
     device_path,
@@ -49,7 +50,7 @@ class NoisyGDConfig(DeviceRunConfig):
     epsilon: float = field(
         1.0, "example-level ε over the whole run (inf: clipped, no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True
     )
-    delta: float = field(1e-4, "example-level δ", gt=0.0, lt=1.0)
+    delta: float = field(DEFAULT_DELTA, "example-level δ", gt=0.0, lt=1.0)
     steps: int = field(30, "NoisyGD steps T (full batch)", ge=1)
     lr: float = field(0.01, "step size η: W ← W − η(Σ_i clip(∇ℓ_i) + noise)", gt=0.0)
     grad_clip: float = field(1.0, "per-example gradient clip G_c", gt=0.0)
@@ -92,7 +93,7 @@ class NoisyGDConfig(DeviceRunConfig):
         0.1, "f: share of each step's privacy (of μ²) spent on the adaptive clip's count", gt=0.0, lt=1.0
     )
     accountant: str = accountant_field(
-        Accountant.ZCDP, "zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's); pld: tight"
+        Accountant.PLD, "pld: tight; zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's)"
     )
     test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
     baselines: bool = field(True, "also run non-private GD (no clip, no noise) on the same data")

@@ -129,7 +129,7 @@ def run_figure(
 def _pad(lo: float, hi: float) -> float:
     """5% of the span, or of the magnitude when the values (nearly) coincide, so a flat curve is
     drawn in a readable window instead of one 1e-12 wide."""
-    return 0.05 * max(hi - lo, 0.05 * max(abs(lo), abs(hi)), 1e-12)
+    return 0.05 * max(hi - lo, max(abs(lo), abs(hi)), 1e-12)
 
 
 def linear_limits(lo: float, hi: float) -> tuple[float, float]:
@@ -220,15 +220,15 @@ def compare_figure(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) ->
     plt = _plt()
     metrics = [m for m in metrics if any(isinstance(r.get(m), (int, float)) and math.isfinite(r[m]) for r in rows)]
     fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(3.2 * max(len(metrics), 1) + 1, 3.8), squeeze=False)
-    names = [str(r["run"]) for r in rows]
+    names = [f"{str(r['run'])[:24]}\nε = {_fmt(r.get('epsilon'))}" for r in rows]  # ε beside each run, not in a title
     for ax, metric in zip(axes[0], metrics):
         values = [r.get(metric) if isinstance(r.get(metric), (int, float)) else float("nan") for r in rows]
-        ax.bar(range(len(rows)), values, color=[f"C{i % 10}" for i in range(len(rows))])
+        bars = ax.bar(range(len(rows)), values, color=[f"C{i % 10}" for i in range(len(rows))])
+        ax.bar_label(bars, labels=[_fmt(v) for v in values], fontsize=6)  # linear bars: a bar's length is its value
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
         ax.set_title(metric.replace("_", " "), fontsize=9)
-        ax.set_yscale(y_scale(metric, values))
+        ax.margins(y=0.15)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("; ".join(f"{r['run']}: ε = {_fmt(r.get('epsilon'))}" for r in rows), fontsize=7)
     fig.tight_layout()
     return fig

@@ -139,6 +139,7 @@ class RunDirectory:
             raise ValueError(
                 f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)"
             )
+        self._created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = self._lock or lock_directory(self.path)
         self._rounds = open(self.path / "rounds.jsonl", "a" if resume else "w")
@@ -199,10 +200,16 @@ class RunDirectory:
             self.write_arrays("final_state.npz", state)
 
     def fail(self, ledger: Any, error: BaseException, rounds_completed: int) -> None:
-        """A run that failed keeps every release it made and says why (error.json)."""
+        """A run that failed keeps every release it made and says why (error.json). One that
+        failed before its first release has nothing to keep: the directory it created is removed
+        whole (nothing half-written blocks reusing ``--out``)."""
         import traceback
 
         ledger.settle()
+        if self._created and not len(ledger) and not _read_lines(self.path / LEDGER_LOG):
+            self.close()
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
         self.write_json("ledger.json", [r.to_dict() for r in ledger])
         self.write_json(
             "error.json",

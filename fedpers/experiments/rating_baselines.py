@@ -1,0 +1,89 @@
+"""Non-private reference recommender of a rating run: biased ALS tuned on a validation split.
+
+r̂_ui = μ + b_u + c_i + p_iᵀ v_u, fitted by alternating ridge solves (users: [v_u, b_u] against
+[p_i, 1]; items: [p_i, c_i] against [v_u, 1]), with λ chosen on a per-user validation split of
+the training ratings and the model refitted on all of them. It sees every rating unclipped and
+unnoised: the bar a private run is measured against, not a release.
+
+Units are the padded form of :mod:`fedpers.data.ratings`: ``items`` (n, m), ``ratings`` (n, m),
+``mask`` (training ratings), ``test`` (held-out ratings).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+RIDGES = (1.0, 3.0, 10.0, 30.0)
+"""λ tried on the validation split (the same λ for factors and biases)."""
+
+
+def _solve(A: Tensor, b: Tensor, ridge: float) -> Tensor:
+    eye = torch.eye(A.shape[-1], dtype=A.dtype)
+    return torch.linalg.solve(A + ridge * eye, b.unsqueeze(-1)).squeeze(-1)
+
+
+def _sums(index: Tensor, size: int, X: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-group Σ x xᵀ and Σ y x over the rows of X grouped by ``index``."""
+    d = X.shape[1]
+    A = torch.zeros(size, d, d, dtype=torch.float64).index_add_(0, index, X.unsqueeze(-1) * X.unsqueeze(-2))
+    return A, torch.zeros(size, d, dtype=torch.float64).index_add_(0, index, X * y.unsqueeze(-1))
+
+
+def fit(
+    items: Tensor, ratings: Tensor, mask: Tensor, n_items: int, rank: int, ridge: float, steps: int, seed: int
+) -> tuple[float, Tensor, Tensor, Tensor, Tensor]:
+    """(μ, P (items, k), c (items,), V (users, k), b (users,)) of biased ALS on the masked ratings."""
+    user, slot = mask.nonzero(as_tuple=True)
+    item, r = items[user, slot], ratings.double()[user, slot]
+    n = items.shape[0]
+    mu = float(r.mean()) if r.numel() else 0.0
+    g = torch.Generator().manual_seed(seed)
+    P = 0.1 * torch.randn(n_items, rank, generator=g, dtype=torch.float64)
+    c = torch.zeros(n_items, dtype=torch.float64)
+    V = torch.zeros(n, rank, dtype=torch.float64)
+    b = torch.zeros(n, dtype=torch.float64)
+    one = torch.ones(r.shape[0], 1, dtype=torch.float64)
+    for _ in range(steps):
+        sol = _solve(*_sums(user, n, torch.cat([P[item], one], 1), r - mu - c[item]), ridge)
+        V, b = sol[:, :rank], sol[:, rank]
+        sol = _solve(*_sums(item, n_items, torch.cat([V[user], one], 1), r - mu - b[user]), ridge)
+        P, c = sol[:, :rank], sol[:, rank]
+    return mu, P, c, V, b
+
+
+def rmse(fitted: tuple[float, Tensor, Tensor, Tensor, Tensor], items: Tensor, ratings: Tensor, where: Tensor) -> float:
+    """RMSE of the fitted model on the ratings selected by ``where`` (NaN if none)."""
+    mu, P, c, V, b = fitted
+    pred = mu + b.unsqueeze(1) + c[items] + (P[items] * V.unsqueeze(1)).sum(-1)
+    err = (pred - ratings.double())[where]
+    return float(err.pow(2).mean().sqrt()) if err.numel() else math.nan
+
+
+def validation_split(mask: Tensor, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    """(fit, validation) masks: each training rating goes to validation with probability ``fraction``
+    (seeded), keeping at least one fitting rating per user where the user has one."""
+    g = torch.Generator().manual_seed(seed)
+    held = (torch.rand(mask.shape, generator=g) < fraction) & mask
+    first = torch.zeros_like(mask)
+    has = mask.any(1)
+    first[has, mask[has].int().argmax(1)] = True
+    held &= ~first
+    return mask & ~held, held
+
+
+def tuned_rmse(
+    units: dict[str, Tensor], n_items: int, rank: int, steps: int = 10, seed: int = 0
+) -> tuple[float, float]:
+    """(test RMSE, λ): λ chosen from :data:`RIDGES` on a 10 % validation split of the training
+    ratings, then the model refitted on all training ratings."""
+    items, ratings, mask, test = units["items"], units["ratings"], units["mask"], units["test"]
+    fit_mask, val_mask = validation_split(mask, 0.1, seed)
+    scores = {
+        lam: rmse(fit(items, ratings, fit_mask, n_items, rank, lam, steps, seed), items, ratings, val_mask)
+        for lam in RIDGES
+    }
+    lam = min(RIDGES, key=lambda x: math.inf if math.isnan(scores[x]) else scores[x])
+    return rmse(fit(items, ratings, mask, n_items, rank, lam, steps, seed), items, ratings, test), lam
