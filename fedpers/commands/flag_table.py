@@ -236,7 +236,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "51058a68b7cb4af44221a3171bf6008027c4d4a3a94a4a983e770c264ba6aa59",
+   "fingerprint": "66ed19e3f5a6860978dd10b228471caaa5c978a355309677b2d8a79e6ba5dfab",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -495,7 +495,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "ad0de54ce5e1e84835ef462039661d6099db54a04dd471e8cb3d3ad72d1b0a92",
+   "fingerprint": "2b90eed22d7a4d98941ab043225b82657b8a0c29de3ef17824aa23d027c824d5",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -611,7 +611,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "397a2dd7251680405c6cef7250ed8e55decf8a80f1b746a5ce11121e915e0e23",
+   "fingerprint": "43d3c02e39420184cac40a79e3d14dc02b2cd4cbf62ee9180971d77e9b9462ef",
    "module": "fedpers.experiments.dpattention",
    "sources": [
     "config.py",
@@ -755,7 +755,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "a0202d572c113f3f2f8580b659ae244f6fb053fa6c611e42aabe81f9b7b44203",
+   "fingerprint": "d888cab7477434f0d39c7795ba0f253661aeec1567c9227ceabc68796d7c0a6f",
    "module": "fedpers.experiments.expmech",
    "sources": [
     "config.py",
@@ -881,6 +881,54 @@ TABLE = json.loads(
      "type": "str"
     },
     {
+     "flag": "--cycle",
+     "meta": {
+      "ge": 1
+     },
+     "name": "cycle",
+     "type": "int"
+    },
+    {
+     "flag": "--noise",
+     "meta": {},
+     "name": "noise",
+     "type": "str"
+    },
+    {
+     "flag": "--bands",
+     "meta": {},
+     "name": "bands",
+     "type": "int"
+    },
+    {
+     "flag": "--clip-rule",
+     "meta": {},
+     "name": "clip_rule",
+     "type": "str"
+    },
+    {
+     "flag": "--clip-quantile",
+     "meta": {
+      "lt": 1.0
+     },
+     "name": "clip_quantile",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-lr",
+     "meta": {},
+     "name": "clip_lr",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-budget",
+     "meta": {
+      "lt": 1.0
+     },
+     "name": "clip_budget",
+     "type": "float"
+    },
+    {
      "flag": "--sampling-rate",
      "meta": {
       "le": 1.0
@@ -933,7 +981,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "ee79c55434d1d340dc4e50ca62f71acd9ee525b71d58a9373b216b89063c1013",
+   "fingerprint": "3e994450afb6ce5c66affacc08c5a08eff6c513573c5c0492637691df71336dc",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1072,6 +1120,60 @@ TABLE = json.loads(
      "type": "float"
     },
     {
+     "flag": "--cohorts",
+     "meta": {},
+     "name": "cohorts",
+     "type": "str"
+    },
+    {
+     "flag": "--cycle",
+     "meta": {
+      "ge": 1
+     },
+     "name": "cycle",
+     "type": "int"
+    },
+    {
+     "flag": "--noise",
+     "meta": {},
+     "name": "noise",
+     "type": "str"
+    },
+    {
+     "flag": "--bands",
+     "meta": {},
+     "name": "bands",
+     "type": "int"
+    },
+    {
+     "flag": "--clip-rule",
+     "meta": {},
+     "name": "clip_rule",
+     "type": "str"
+    },
+    {
+     "flag": "--clip-quantile",
+     "meta": {
+      "lt": 1.0
+     },
+     "name": "clip_quantile",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-lr",
+     "meta": {},
+     "name": "clip_lr",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-budget",
+     "meta": {
+      "lt": 1.0
+     },
+     "name": "clip_budget",
+     "type": "float"
+    },
+    {
      "flag": "--accountant",
      "meta": {},
      "name": "accountant",
@@ -1124,7 +1226,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "d07f73f6245c238ac9fb25fbb4549a7da31554e88740a0c8ccfab38f740a4958",
+   "fingerprint": "a8e4b7d80be3bae0e8f193eb7f23c982b49fd912d92b39214f3e8280a5eb98e6",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -1252,6 +1354,32 @@ TABLE = json.loads(
      },
      "name": "sampling_rate",
      "type": "float"
+    },
+    {
+     "flag": "--cohorts",
+     "meta": {},
+     "name": "cohorts",
+     "type": "str"
+    },
+    {
+     "flag": "--cycle",
+     "meta": {
+      "ge": 1
+     },
+     "name": "cycle",
+     "type": "int"
+    },
+    {
+     "flag": "--noise",
+     "meta": {},
+     "name": "noise",
+     "type": "str"
+    },
+    {
+     "flag": "--bands",
+     "meta": {},
+     "name": "bands",
+     "type": "int"
     },
     {
      "flag": "--label-noise",
@@ -1401,7 +1529,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "c3e81b328c92cb2e31eecff74cfc92022a52853ae21125b8d2e40b902a8c67d8",
+   "fingerprint": "4c0a63b47a8bbcb47338a02f8d56b119905aef9cf1a963922cc39265d1a821d3",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
@@ -1485,10 +1613,49 @@ TABLE = json.loads(
    "type": "str"
   },
   {
+   "flag": "--server-data",
+   "meta": {},
+   "name": "server_data",
+   "type": "bool"
+  },
+  {
    "flag": "--secure-noise",
    "meta": {},
    "name": "secure_noise",
    "type": "bool"
+  },
+  {
+   "choices": [
+    "central",
+    "distributed",
+    "local"
+   ],
+   "flag": "--dp-model",
+   "meta": {},
+   "name": "dp_model",
+   "type": "enum"
+  },
+  {
+   "flag": "--bits",
+   "meta": {
+    "le": 32
+   },
+   "name": "bits",
+   "type": "int"
+  },
+  {
+   "flag": "--min-nodes",
+   "meta": {},
+   "name": "min_nodes",
+   "type": "int"
+  },
+  {
+   "flag": "--node-dropout",
+   "meta": {
+    "lt": 1.0
+   },
+   "name": "node_dropout",
+   "type": "float"
   }
  ]
 }
