@@ -297,7 +297,7 @@ def test_run_configs_outside_the_policy_are_refused_by_the_serverapp(recipe, ext
 
 
 def test_a_run_beyond_the_federations_budget_is_refused_before_any_release(recipe):
-    """Users 0..149 have spent (after the earlier tests) 6.75 of the lab's 8; a run of epsilon=4 is
+    """Users 0..149 have spent (after the earlier tests) 6.5 of the lab's 8; a run of epsilon=4 is
     refused by the budget ledger before discovery, and nothing is charged. (Run alone, the test
     first spends the budget with a run of its own.)"""
     from fedpers.runtime.flower.policy import BudgetLedger
