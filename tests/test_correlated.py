@@ -29,7 +29,7 @@ def strategies(horizon: int) -> list[cc.Strategy]:
     return out
 
 
-@pytest.mark.parametrize("horizon", [1, 9, 200])
+@pytest.mark.parametrize("horizon", [1, pytest.param(9, marks=pytest.mark.slow), 200])
 def test_each_round_noise_is_the_slice_of_dense_C_inverse_z(horizon):
     g = torch.Generator().manual_seed(horizon)
     z = torch.randn(horizon, 3, 2, generator=g, dtype=torch.float64)
@@ -187,7 +187,8 @@ def test_cyclic_worst_case_neighbour_moves_only_its_cohort_releases():
             assert outcome.releases == 1 + cfg.rounds, label
 
 
-@pytest.mark.parametrize("noise", ["banded", pytest.param("optimised", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~7 s; NoisyGD's correlated neighbour test below covers ‖C·Δx‖ ≤ joint Δ in the default suite
+@pytest.mark.parametrize("noise", ["banded", "optimised"])
 def test_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_sensitivity(noise):
     """A user with maximal gradients in every round it takes part in: ‖C·Δx‖_F over the rounds'
     pre-noise sums is ≤ the joint Δ = 2C·s the ledger records (broadcasts replayed, so adaptive)."""
@@ -228,6 +229,7 @@ def test_correlated_ledger_recomputed_from_the_config_gives_the_reported_epsilon
     assert reported["epsilon"] <= 3.0 * (1 + 2e-3)
 
 
+@pytest.mark.slow  # ~6 s; the Privatizer-level one-band test above stays in the default suite
 def test_one_band_gives_todays_independent_fedrep_bit_for_bit():
     outs = []
     for extra in ({}, {"noise": "banded", "bands": 1}):
@@ -312,7 +314,8 @@ def test_noisygd_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_s
 ADAPTIVE = {**SMALL, "clip_rule": "adaptive", "clip": 5.0, "clip_quantile": 0.5, "clip_lr": 0.5, "clip_budget": 0.2}
 
 
-@pytest.mark.parametrize("noise", [pytest.param("independent", marks=pytest.mark.slow), "banded"])
+@pytest.mark.slow  # ~4 s; NoisyGD's adaptive-clip test below keeps counts-in-the-ledger in the default suite
+@pytest.mark.parametrize("noise", ["independent", "banded"])
 def test_adaptive_clip_count_is_a_release_in_the_ledger_and_in_the_total_epsilon(noise):
     cfg, protocol, units = setup({**ADAPTIVE, "noise": noise})
     privatizer = TapPrivatizer(3)
@@ -338,6 +341,7 @@ def test_adaptive_clip_count_is_a_release_in_the_ledger_and_in_the_total_epsilon
     assert event_epsilon(FedRepProtocol.user_event(z / math.sqrt(0.8), 1 + 3), cfg.delta) < 0.97 * eps
 
 
+@pytest.mark.slow  # ~8 s; NoisyGD's adaptive count neighbour test below stays in the default suite
 def test_adaptive_clip_worst_case_neighbours_move_each_release_by_at_most_its_sensitivity():
     cfg, protocol, units = setup(ADAPTIVE)
     j = 27
@@ -399,6 +403,7 @@ NH_SMALL = dict(prompts=240, dim=3, steps=12, epsilon=5.0, calibration="accounta
                 prompts_per_user=4, user_clip=0.2, test_prompts=50)
 
 
+@pytest.mark.slow  # ~9 s: two NoisyHead runs
 def test_noisyhead_correlated_noise_gives_the_same_gamma_in_both_modes_and_cycles_are_accounted():
     """The T steps draw one correlated stream in statistics and in rounds mode alike; cyclic cohorts
     (rounds mode) record each step for its cohort and calibrate to ⌈T/K⌉ steps per user."""
@@ -445,7 +450,7 @@ def test_cyclic_worst_case_neighbours_of_noisyhead_users_and_noisygd_examples_mo
         assert max(c for r, c in outcome.changes if r.units == f"cohort:{cohort}") > 0
 
 
-@pytest.mark.parametrize("noise", ["independent", "banded"])
+@pytest.mark.parametrize("noise", ["independent", pytest.param("banded", marks=pytest.mark.slow)])
 def test_noisygd_adaptive_clip_counts_are_accounted_and_move_by_at_most_their_sensitivity(noise):
     values = {**GD_SMALL, "noise": noise, "clip_rule": "adaptive", "grad_clip": 5.0, "clip_budget": 0.25, "clip_lr": 0.5}
     cfg, protocol, units = gd_setup(values)
