@@ -75,7 +75,24 @@ class PublishingPrivatizer(Privatizer):
         return out
 
 
-PLACEMENTS = ("auto", "orthogonal", "random")
+PLACEMENTS = ("auto", "orthogonal", "random", "paired")
+
+
+def paired_canaries(base: Canaries) -> Canaries:
+    """Canary i's "+" version is the "+" data of orthogonal canary 2i, its "−" version the "+" data
+    of canary 2i + 1: the same user's data on two orthogonal coordinates (blocks) instead of
+    opposite signs on one. A release of a sum of PSD per-user matrices (AltMin's A) then moves by
+    its full replace-one sensitivity √2·bound, which a sign flip on one coordinate cannot reach (the
+    PSD statistic is sign-blind); sign-sensitive releases move by √2 of their 2·bound."""
+    k = base.count // 2
+    plus = {key: (torch.arange(k) if key == "ids" else v[0 : 2 * k : 2]) for key, v in base.plus.items()}
+    minus = {key: (torch.arange(k) if key == "ids" else v[1 : 2 * k : 2]) for key, v in base.plus.items()}
+    return Canaries(
+        plus,
+        minus,
+        f'pairs of orthogonal canaries, the same data on either ("+" as in: {base.design})',
+        base.as_released,
+    )
 
 
 def audited_algorithms() -> list[str]:
@@ -215,7 +232,8 @@ def audit(
 
     ``placement``: ``orthogonal`` (one coordinate each, at most the design's capacity), ``random``
     (random directions, any number, where the design offers them) or ``auto`` (orthogonal up to
-    the capacity, random beyond). ``releases``: audit only the releases of these statistic names
+    the capacity, random beyond) or ``paired`` (:func:`paired_canaries`: half the capacity; reaches
+    a PSD release's full sensitivity). ``releases``: audit only the releases of these statistic names
     (e.g. AltMin's ``W`` and ``b``) against the proven ε/μ of those releases alone — a tight audit
     of that sub-composition, not of the whole run (see docs/audit.md)."""
     design = exp.canary_design()
@@ -233,7 +251,7 @@ def audit(
         raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
     protocol = design.protocol(cfg, canaries)
     only = _release_names(protocol, releases)
-    capacity = design.capacity(protocol)
+    capacity = design.capacity(protocol) // (2 if placement == "paired" else 1)
     random = placement == "random" or (placement == "auto" and canaries > capacity)
     if random and design.random_canaries is None:
         raise ValueError(
@@ -249,7 +267,19 @@ def audit(
     torch.set_num_threads(1)  # K tiny users: one thread is several times faster than a contended pool
     try:
         return _audit_runs(
-            exp, cfg, design, protocol, canaries, runs, confidence, seed, delta, privatizer_factory, random, only
+            exp,
+            cfg,
+            design,
+            protocol,
+            canaries,
+            runs,
+            confidence,
+            seed,
+            delta,
+            privatizer_factory,
+            random,
+            only,
+            placement == "paired",
         )
     finally:
         torch.set_num_threads(threads)
@@ -268,8 +298,15 @@ def _audit_runs(
     privatizer_factory: Callable[[int], PublishingPrivatizer],
     random: bool = False,
     only: frozenset[str] | None = None,
+    paired: bool = False,
 ) -> dict[str, Any]:
     make = design.random_canaries if random and design.random_canaries is not None else design.canaries
+    if paired:
+        orthogonal = make
+
+        def make(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
+            return paired_canaries(orthogonal(protocol, generator, 2 * count))
+
     coins = torch.Generator().manual_seed(derived_seed(seed, "audit-coins"))
     data = torch.Generator().manual_seed(derived_seed(seed, "audit-canaries"))
     scores, standards, seps, truth = [], [], [], []
@@ -324,7 +361,9 @@ def _audit_runs(
             "epsilon_lower": _gdp_epsilon(gauss["mu_lower"], delta),
             "assumption": audit_math.GAUSSIAN_SCORE_ASSUMPTION,
         },
-        "placement": "random directions (interference in the scores)" if random else "orthogonal",
+        "placement": "random directions (interference in the scores)"
+        if random
+        else ("orthogonal pairs (the same data on either coordinate)" if paired else "orthogonal"),
         "audited_releases": "all" if only is None else sorted(only),
         "run_proven_epsilon": proven if only is None else ledger_epsilon(whole, delta, accountant),
         "run_proven_mu": mu_proven if only is None else proven_mu(whole),

@@ -587,10 +587,11 @@ def _audit_flags() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--placement",
-        choices=["auto", "orthogonal", "random"],
+        choices=["auto", "orthogonal", "random", "paired"],
         default="auto",
         help="canary directions: one orthogonal coordinate each, random (any number; interference scored), "
-        "or auto: orthogonal up to the design's capacity, random beyond (default)",
+        "or auto: orthogonal up to the design's capacity, random beyond (default); paired: the same data on one of "
+        "two orthogonal coordinates (a PSD release, e.g. altmin's A, moves by its full sensitivity)",
     )
     p.add_argument(
         "--releases",
