@@ -134,6 +134,13 @@ def test_cli_audit_prints_proven_and_lower_bounds(capsys):
     assert main(["audit", "altmin", "--canaries", "6", "--runs", "2", "--epsilon", "3"]) == 0
     out = capsys.readouterr().out
     assert "proven ε = 3" in out and "empirical ε lower bound" in out and "replace-one" in out
+    assert "headline (threshold, non-parametric): ε ≥" in out
+    flags = ["--canaries", "6", "--runs", "2", "--epsilon", "3", "--releases", "W,b", "--score", "gaussian"]
+    assert main(["audit", "altmin", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "headline (Gaussian score" in out and "for the audited releases W, b alone (the whole run: ε = 3" in out
+    with pytest.raises(ValueError, match="score must be one of threshold, gaussian"):
+        audit_lib.headline({"proven_epsilon": 1.0}, "median")
 
 
 # ----- many canaries per run: random directions, interference in the score ----------------------
@@ -275,6 +282,35 @@ def test_canaries_reach_the_separation_their_design_promises():
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
     assert "prompt" in result["neighbouring"]
     assert max(_bounds(result)) <= result["proven_epsilon"]
+
+
+def test_altmin_w_and_b_releases_audited_alone_are_reached_at_their_own_proven_mu():
+    """Scoring only W and b (the releases the canaries move by their full 2·bound) makes the
+    canaries' separation equal the proven μ of those releases: the audit of that sub-composition
+    is tight by design. The whole run's proven values are still reported beside it, and the
+    left-out release changes nothing but the proven values (its gram share is 0 for these canaries)."""
+    whole = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0), 4, runs=1)
+    part = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0), 4, runs=1, releases=("W", "b"))
+    assert part["canary_mu"] == pytest.approx(part["proven_mu"], rel=1e-9)
+    assert part["proven_mu"] == pytest.approx(whole["proven_mu"] * (2 / 3) ** 0.5, rel=1e-6)
+    assert part["proven_epsilon"] < part["run_proven_epsilon"] == pytest.approx(whole["proven_epsilon"])
+    assert part["run_proven_mu"] == pytest.approx(whole["proven_mu"]) and part["audited_releases"] == ["W", "b"]
+    assert part["independent_gdp"]["mu_lower"] == pytest.approx(whole["independent_gdp"]["mu_lower"], rel=1e-9)
+    with pytest.raises(ValueError, match="releases must be a non-empty subset of W, A, b; got G"):
+        audit_lib.audit(ALTMIN, altmin_cfg(), 4, releases=("G",))
+
+
+def test_paired_canaries_move_altmins_psd_release_by_its_full_sensitivity():
+    """Paired placement (the same data on one of two orthogonal coordinates): A, sign-blind to a
+    flip, now moves by its full √2·bound, so A audited alone is reached at its own proven μ (rank 1:
+    A's change is diagonal, which the upper-triangle noise sees in full); W and b move by √2 of 2·bound."""
+    cfg = altmin_cfg(epsilon=4.0, rank=1)
+    a = audit_lib.audit(ALTMIN, cfg, 5, runs=1, placement="paired", releases=("A",))
+    assert a["canary_mu"] == pytest.approx(a["proven_mu"], rel=1e-9) and "pairs" in a["placement"]
+    wb = audit_lib.audit(ALTMIN, cfg, 5, runs=1, placement="paired", releases=("W", "b"))
+    assert wb["canary_mu"] == pytest.approx(wb["proven_mu"] / 2**0.5, rel=1e-9)
+    with pytest.raises(ValueError, match=r"canaries must be in \[2, 5\]"):
+        audit_lib.audit(ALTMIN, cfg, 6, placement="paired")
 
 
 # ----- FedRep ---------------------------------------------------------------------------------

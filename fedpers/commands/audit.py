@@ -75,7 +75,24 @@ class PublishingPrivatizer(Privatizer):
         return out
 
 
-PLACEMENTS = ("auto", "orthogonal", "random")
+PLACEMENTS = ("auto", "orthogonal", "random", "paired")
+
+
+def paired_canaries(base: Canaries) -> Canaries:
+    """Canary i's "+" version is the "+" data of orthogonal canary 2i, its "−" version the "+" data
+    of canary 2i + 1: the same user's data on two orthogonal coordinates (blocks) instead of
+    opposite signs on one. A release of a sum of PSD per-user matrices (AltMin's A) then moves by
+    its full replace-one sensitivity √2·bound, which a sign flip on one coordinate cannot reach (the
+    PSD statistic is sign-blind); sign-sensitive releases move by √2 of their 2·bound."""
+    k = base.count // 2
+    plus = {key: (torch.arange(k) if key == "ids" else v[0 : 2 * k : 2]) for key, v in base.plus.items()}
+    minus = {key: (torch.arange(k) if key == "ids" else v[1 : 2 * k : 2]) for key, v in base.plus.items()}
+    return Canaries(
+        plus,
+        minus,
+        f'pairs of orthogonal canaries, the same data on either ("+" as in: {base.design})',
+        base.as_released,
+    )
 
 
 def audited_algorithms() -> list[str]:
@@ -145,13 +162,16 @@ def score_canaries(protocol: Protocol, published: Published, canaries: Canaries)
     return scored.llr, torch.diagonal(scored.gram).sqrt()
 
 
-def canary_scores(protocol: Protocol, published: Published, canaries: Canaries) -> CanaryScores:
+def canary_scores(
+    protocol: Protocol, published: Published, canaries: Canaries, only: frozenset[str] | None = None
+) -> CanaryScores:
     """White-box scores: for release Y = S + N(0, σ²) the LLR of canary i is <Y − M, c⁺_i − c⁻_i>/σ²,
     summed over releases, with c^± the canary's contribution under each version (recomputed from the
     broadcast and the canary's own data) and M the sum of every canary's midpoint (c⁺+c⁻)/2; the
     canaries' directions need not be orthogonal (their interference is in :class:`CanaryScores`).
     Each contribution is compared in the form it is released in
-    (:attr:`~fedpers.experiments.hooks.Canaries.as_released`)."""
+    (:attr:`~fedpers.experiments.hooks.Canaries.as_released`). ``only``: score just the releases of
+    these statistic names (the others are left out of the LLR and the gram alike)."""
     by_round: dict[int, list[tuple[Release, Tensor]]] = {}
     for release, value in published.releases:
         by_round.setdefault(release.round, []).append((release, value))
@@ -167,6 +187,8 @@ def canary_scores(protocol: Protocol, published: Published, canaries: Canaries) 
             v: [client_message(protocol, r, broadcast, canaries.one(i, v)).stats for i in range(k)] for v in "+-"
         }
         for spec, (release, value) in zip(specs, released):
+            if only is not None and spec.name not in only:
+                continue
             if release.noise_std <= 0:
                 raise ValueError(f"release {release.name!r} has no noise: nothing to audit (epsilon must be finite)")
             plus = torch.stack(
@@ -204,12 +226,16 @@ def audit(
     seed: int = 0,
     privatizer_factory: Callable[[int], PublishingPrivatizer] = PublishingPrivatizer,
     placement: str = "auto",
+    releases: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε.
 
     ``placement``: ``orthogonal`` (one coordinate each, at most the design's capacity), ``random``
     (random directions, any number, where the design offers them) or ``auto`` (orthogonal up to
-    the capacity, random beyond)."""
+    the capacity, random beyond) or ``paired`` (:func:`paired_canaries`: half the capacity; reaches
+    a PSD release's full sensitivity). ``releases``: audit only the releases of these statistic names
+    (e.g. AltMin's ``W`` and ``b``) against the proven ε/μ of those releases alone — a tight audit
+    of that sub-composition, not of the whole run (see docs/audit.md)."""
     design = exp.canary_design()
     if design is None:
         raise ValueError(f"algorithm: the audit has canaries for {', '.join(audited_algorithms())}; got {exp.name}")
@@ -224,7 +250,8 @@ def audit(
     if placement == "random" and design.random_canaries is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
     protocol = design.protocol(cfg, canaries)
-    capacity = design.capacity(protocol)
+    only = _release_names(protocol, releases)
+    capacity = design.capacity(protocol) // (2 if placement == "paired" else 1)
     random = placement == "random" or (placement == "auto" and canaries > capacity)
     if random and design.random_canaries is None:
         raise ValueError(
@@ -240,7 +267,19 @@ def audit(
     torch.set_num_threads(1)  # K tiny users: one thread is several times faster than a contended pool
     try:
         return _audit_runs(
-            exp, cfg, design, protocol, canaries, runs, confidence, seed, delta, privatizer_factory, random
+            exp,
+            cfg,
+            design,
+            protocol,
+            canaries,
+            runs,
+            confidence,
+            seed,
+            delta,
+            privatizer_factory,
+            random,
+            only,
+            placement == "paired",
         )
     finally:
         torch.set_num_threads(threads)
@@ -258,8 +297,16 @@ def _audit_runs(
     delta: float,
     privatizer_factory: Callable[[int], PublishingPrivatizer],
     random: bool = False,
+    only: frozenset[str] | None = None,
+    paired: bool = False,
 ) -> dict[str, Any]:
     make = design.random_canaries if random and design.random_canaries is not None else design.canaries
+    if paired:
+        orthogonal = make
+
+        def make(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
+            return paired_canaries(orthogonal(protocol, generator, 2 * count))
+
     coins = torch.Generator().manual_seed(derived_seed(seed, "audit-coins"))
     data = torch.Generator().manual_seed(derived_seed(seed, "audit-canaries"))
     scores, standards, seps, truth = [], [], [], []
@@ -270,13 +317,16 @@ def _audit_runs(
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
         published, ledger = run_published(protocol, cans.units(included), privatizer)
-        scored = canary_scores(protocol, published, cans)
+        scored = canary_scores(protocol, published, cans, only)
         scores.append(scored.llr)
         standards.append(scored.standard)
         seps.append(scored.separation)
         truth.append(included)
     llr, standard, sep, included = torch.cat(scores), torch.cat(standards), torch.cat(seps), torch.cat(truth)
     accountant = getattr(cfg, "accountant", accountant_lib.Accountant.PLD)
+    whole = ledger
+    if only is not None:  # the proven values of the audited releases alone: what this audit can reach
+        ledger = Ledger([r for r in whole if r.name.rsplit(".", 1)[-1] in only])
     proven = ledger_epsilon(ledger, delta, accountant)
     mu_proven = proven_mu(ledger)
     snj = audit_math.one_run_lower_bound(llr, included, delta, confidence)
@@ -311,27 +361,80 @@ def _audit_runs(
             "epsilon_lower": _gdp_epsilon(gauss["mu_lower"], delta),
             "assumption": audit_math.GAUSSIAN_SCORE_ASSUMPTION,
         },
-        "placement": "random directions (interference in the scores)" if random else "orthogonal",
+        "placement": "random directions (interference in the scores)"
+        if random
+        else ("orthogonal pairs (the same data on either coordinate)" if paired else "orthogonal"),
+        "audited_releases": "all" if only is None else sorted(only),
+        "run_proven_epsilon": proven if only is None else ledger_epsilon(whole, delta, accountant),
+        "run_proven_mu": mu_proven if only is None else proven_mu(whole),
         "trials": runs * canaries,
         "seconds": time.perf_counter() - start,
         "noise_multiplier": float(getattr(protocol, "noise_multiplier", float("nan"))),
     }
 
 
+def _release_names(protocol: Protocol, releases: tuple[str, ...] | None) -> frozenset[str] | None:
+    """The statistic names to audit, checked against every name the protocol releases (None: all)."""
+    if releases is None:
+        return None
+    known: list[str] = []
+    for r in range(protocol.num_rounds + 1):
+        known += [s.name for s in protocol.stat_specs(r) if s.name not in known]
+    unknown = [n for n in releases if n not in known]
+    if not releases or unknown:
+        raise ValueError(
+            f"releases must be a non-empty subset of {', '.join(known)}; got {', '.join(releases) or 'none'}"
+        )
+    return frozenset(releases)
+
+
 def _gdp_epsilon(mu: float, delta: float) -> float:
     return accountant_lib.analytic_gaussian_epsilon(mu, delta) if mu > 0 else 0.0
 
 
-def format_audit(result: Mapping[str, Any]) -> str:
-    """A short report: proven ε beside each empirical lower bound, and what was tested."""
+SCORES = ("threshold", "gaussian")
+
+
+def headline(result: Mapping[str, Any], score: str = "threshold") -> str:
+    """The one line a report leads with: the chosen bound's ε lower bound and its ratio to the proven ε.
+    ``threshold``: the largest non-parametric bound (valid for any mechanism or under the GDP claim);
+    ``gaussian``: the Gaussian-score lower bound, with its assumption named."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {', '.join(SCORES)}; got {score!r}")
+    proven = float(result["proven_epsilon"])
+    if score == "gaussian":
+        gauss = result.get("gaussian_score")
+        if gauss is None:
+            return "  headline (Gaussian score): none (a side of the coins has fewer than 2 canaries)"
+        bound, what = float(gauss["epsilon_lower"]), "Gaussian score, assuming Gaussian scores"
+    else:
+        bound = max(
+            float(result["epsilon_lower"]),
+            float(result["one_run_gdp"]["epsilon_lower"]),
+            float(result["independent_gdp"]["epsilon_lower"]),
+        )
+        what = "threshold, non-parametric"
+    ratio = f" = {bound / proven:.2f} × proven ε {proven:.4g}" if proven > 0 else ""
+    return f"  headline ({what}): ε ≥ {bound:.4g}{ratio}"
+
+
+def format_audit(result: Mapping[str, Any], score: str = "threshold") -> str:
+    """A short report: the chosen headline bound, then proven ε beside each empirical lower bound,
+    and what was tested."""
     mu = result["proven_mu"]
     one, gdp, ind = result["one_run"], result["one_run_gdp"], result["independent_gdp"]
     proven = f"  proven ε = {result['proven_epsilon']:.4g}" + (f" (μ-GDP, μ = {mu:.4g})" if mu is not None else "")
+    if result.get("audited_releases", "all") != "all":
+        proven += (
+            f" for the audited releases {', '.join(result['audited_releases'])} alone"
+            f" (the whole run: ε = {result['run_proven_epsilon']:.4g})"
+        )
     lines = [
         f"audit of {result['algorithm']}: {result['runs']} run(s) × {result['canaries_per_run']} canaries, "
         f"confidence {result['confidence']}, δ = {result['delta']:.3g}",
         f"  neighbours: {result['neighbouring']}",
         f"  releases tested: {result['releases_tested']}",
+        headline(result, score),
         f"  canaries: {result['canary_design']} (separation μ = {result['canary_mu']:.3f})",
         proven,
         f"  empirical ε lower bound, any mechanism (Steinke et al. 2023): {result['epsilon_lower']:.4g}  [{one['correct']}/{one['guesses']} guesses right]",
@@ -357,7 +460,13 @@ AUDIT_FILE = "audit.json"
 
 
 def audit_run_dir(
-    run_dir: Any, canaries: int, runs: int = 1, confidence: float = 0.95, seed: int = 0, placement: str = "auto"
+    run_dir: Any,
+    canaries: int,
+    runs: int = 1,
+    confidence: float = 0.95,
+    seed: int = 0,
+    placement: str = "auto",
+    releases: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Audit the configuration a finished run used (its canaries replace the population; everything
     else as configured), beside the (ε, δ) its own ledger records; written to RUN_DIR/audit.json."""
@@ -379,7 +488,9 @@ def audit_run_dir(
     saved.pop("runtime", None)
     exp = experiment(name)
     cfg = config_lib.build(exp.config_type, saved)
-    result = audit(exp, cfg, canaries, runs=runs, confidence=confidence, seed=seed, placement=placement)
+    result = audit(
+        exp, cfg, canaries, runs=runs, confidence=confidence, seed=seed, placement=placement, releases=releases
+    )
     ledger = privacy_summary(path)
     result["run_dir"] = str(path)
     result["run_ledger"] = {k: ledger.get(k) for k in ("epsilon", "delta", "accountant", "releases", "complete")}
@@ -387,11 +498,11 @@ def audit_run_dir(
     return result
 
 
-def format_run_audit(result: Mapping[str, Any]) -> str:
+def format_run_audit(result: Mapping[str, Any], score: str = "threshold") -> str:
     """The audit's report, with the run's own ledger first."""
     led = result["run_ledger"]
     head = (
         f"run {result['run_dir']}: its ledger records ε = {led['epsilon']:.4g} at δ = {led['delta']:.3g} "
         f"({led['accountant']}, {led['releases']} releases); the audit reruns its configuration on canaries"
     )
-    return head + "\n" + format_audit(result) + f"\n  written to {result['run_dir']}/{AUDIT_FILE}"
+    return head + "\n" + format_audit(result, score) + f"\n  written to {result['run_dir']}/{AUDIT_FILE}"

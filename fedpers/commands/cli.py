@@ -607,10 +607,24 @@ def _audit_flags() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--placement",
-        choices=["auto", "orthogonal", "random"],
+        choices=["auto", "orthogonal", "random", "paired"],
         default="auto",
         help="canary directions: one orthogonal coordinate each, random (any number; interference scored), "
-        "or auto: orthogonal up to the design's capacity, random beyond (default)",
+        "or auto: orthogonal up to the design's capacity, random beyond (default); paired: the same data on one of "
+        "two orthogonal coordinates (a PSD release, e.g. altmin's A, moves by its full sensitivity)",
+    )
+    p.add_argument(
+        "--releases",
+        default=None,
+        help="comma-separated statistic names (e.g. W,b for altmin): score only those releases, against the proven "
+        "ε of those releases alone (default: every release, against the run's proven ε)",
+    )
+    p.add_argument(
+        "--score",
+        choices=["threshold", "gaussian"],
+        default="threshold",
+        help="which bound the report leads with: threshold (non-parametric, any mechanism; default) or gaussian "
+        "(Gaussian-score μ, labelled with its assumption); both are always printed",
     )
     return p
 
@@ -625,15 +639,22 @@ def cmd_audit(args: argparse.Namespace) -> int:
         algorithm_parser(args.algorithm).print_help()
         return 0
     own, rest = _audit_flags().parse_known_args(args.args)
+    releases = None if own.releases is None else tuple(n.strip() for n in own.releases.split(","))
     if Path(args.algorithm).is_dir():
         from fedpers.commands.audit import audit_run_dir, format_run_audit
 
         if rest:
             raise ValueError(f"audit RUN_DIR: the run's own configuration is audited; unexpected flags {rest}")
         done = audit_run_dir(
-            args.algorithm, own.canaries, own.runs, own.confidence, own.audit_seed, placement=own.placement
+            args.algorithm,
+            own.canaries,
+            own.runs,
+            own.confidence,
+            own.audit_seed,
+            placement=own.placement,
+            releases=releases,
         )
-        print(format_run_audit(done))
+        print(format_run_audit(done, score=own.score))
         return 0
     from fedpers.experiments import ALGORITHMS
 
@@ -653,9 +674,16 @@ def cmd_audit(args: argparse.Namespace) -> int:
     algo_values, _ = split_values(exp.config_type, values)
     cfg = config_lib.build(exp.config_type, algo_values)
     result = audit(
-        exp, cfg, own.canaries, runs=own.runs, confidence=own.confidence, seed=own.audit_seed, placement=own.placement
+        exp,
+        cfg,
+        own.canaries,
+        runs=own.runs,
+        confidence=own.confidence,
+        seed=own.audit_seed,
+        placement=own.placement,
+        releases=releases,
     )
-    print(dumps(result, indent=None) if algo_args.json else format_audit(result))
+    print(dumps(result, indent=None) if algo_args.json else format_audit(result, score=own.score))
     return 0
 
 
