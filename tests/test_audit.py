@@ -336,6 +336,25 @@ def test_fedrep_canaries_reach_their_promised_separation():
         audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"dim": 12, "samples_per_user": 4, "rank": 2}), 2)
 
 
+def test_steered_fedrep_canaries_reach_the_g_releases_full_sensitivity():
+    """Steered (white-box) FedRep canaries rebuild each round's labels from the broadcast U so that
+    G⁻ = −G⁺ at the clip: the G releases alone are reached at their own proven μ, exactly; the
+    whole run at sqrt((f²/2 + T)/(1 + T)) of its μ (W keeps the fixed two-block data)."""
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0})
+    g = audit_lib.audit(FEDREP, cfg, 4, runs=1, placement="steered", releases=("G",))
+    assert g["canary_mu"] == pytest.approx(g["proven_mu"], rel=1e-6) and "steered" in g["placement"]
+    with pytest.raises(ValueError, match="no steered placement"):
+        audit_lib.audit(ALTMIN, altmin_cfg(), 4, placement="steered")
+
+
+@pytest.mark.slow
+def test_steered_fedrep_canaries_reach_their_promised_separation_over_the_whole_run():
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0})
+    whole = audit_lib.audit(FEDREP, cfg, 4, runs=1, placement="steered")
+    f = fedrep_init_fraction(FEDREP.canary_design().protocol(cfg, 4))
+    assert whole["canary_mu"] == pytest.approx(whole["proven_mu"] * ((f**2 / 2 + 2) / 3) ** 0.5, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_honest_fedrep_lower_bounds_stay_below_proven():
     cfg = config_lib.build(FEDREP.config_type, {"dim": 30, "rounds": 2, "epsilon": 8.0})
