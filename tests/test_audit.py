@@ -301,14 +301,17 @@ def test_altmin_w_and_b_releases_audited_alone_are_reached_at_their_own_proven_m
 
 
 def test_paired_canaries_move_altmins_psd_release_by_its_full_sensitivity():
-    """Paired placement (the same data on one of two orthogonal coordinates): A, sign-blind to a
-    flip, now moves by its full √2·bound, so A audited alone is reached at its own proven μ (rank 1:
-    A's change is diagonal, which the upper-triangle noise sees in full); W and b move by √2 of 2·bound."""
+    """Paired placement (Q2 on one of two orthogonal coordinates, W still sign-flipped): A, blind to
+    a flip, now moves by its full √2·bound, so A audited alone is reached at its own proven μ (rank 1:
+    A's change is diagonal, which the upper-triangle noise sees in full); b by √2 of its 2·bound, W
+    in full: the whole run at sqrt(5/6) of its μ (a sign flip: sqrt(2/3))."""
     cfg = altmin_cfg(epsilon=4.0, rank=1)
     a = audit_lib.audit(ALTMIN, cfg, 5, runs=1, placement="paired", releases=("A",))
     assert a["canary_mu"] == pytest.approx(a["proven_mu"], rel=1e-9) and "pairs" in a["placement"]
     wb = audit_lib.audit(ALTMIN, cfg, 5, runs=1, placement="paired", releases=("W", "b"))
-    assert wb["canary_mu"] == pytest.approx(wb["proven_mu"] / 2**0.5, rel=1e-9)
+    assert wb["canary_mu"] == pytest.approx(wb["proven_mu"] * 0.75**0.5, rel=1e-9)  # W 1, b 1/2 of 2 shares
+    whole = audit_lib.audit(ALTMIN, cfg, 5, runs=1, placement="paired")
+    assert whole["canary_mu"] == pytest.approx(whole["proven_mu"] * (5 / 6) ** 0.5, rel=1e-9)  # sign flip: 2/3
     with pytest.raises(ValueError, match=r"canaries must be in \[2, 5\]"):
         audit_lib.audit(ALTMIN, cfg, 6, placement="paired")
 

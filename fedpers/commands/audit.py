@@ -317,10 +317,10 @@ def _audit_runs(
     paired = placement == "paired"
     make = design.random_canaries if random and design.random_canaries is not None else design.canaries
     if paired:
-        orthogonal = make
+        orthogonal, pair = make, design.paired_canaries or paired_canaries
 
         def make(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
-            return paired_canaries(orthogonal(protocol, generator, 2 * count))
+            return pair(orthogonal(protocol, generator, 2 * count))
 
     coins = torch.Generator().manual_seed(derived_seed(seed, "audit-coins"))
     data = torch.Generator().manual_seed(derived_seed(seed, "audit-canaries"))
