@@ -443,3 +443,24 @@ def test_audit_of_a_finished_run_directory_prints_its_ledger_and_reaches_the_rep
     assert "<h3>Audit</h3>" in html and "Gaussian-score" in html
     assert main(["audit", str(run), "--canaries", "6", "--epsilon", "9"]) == 2
     assert "the run's own configuration is audited" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, k, runs, placement", [("altmin", 5, 200, "paired"), ("fedrep", 8, 125, "steered")])
+def test_paired_and_steered_audits_stay_below_proven_and_catch_halved_noise(name, k, runs, placement, monkeypatch):
+    """At 1,000 trials the closer canaries stay below the proven ε on honest code (every bound) and
+    put the Gaussian-score μ lower bound and the independent-GDP ε above it when σ is halved."""
+    exp = experiment(name)
+    cfg = config_lib.build(exp.config_type, {"epsilon": 4.0})
+    honest = audit_lib.audit(exp, cfg, k, runs=runs, placement=placement)
+    assert max(_bounds(honest)) < honest["proven_epsilon"]
+    assert honest["gaussian_score"]["mu_lower"] < honest["proven_mu"]
+    original = Privatizer._perturb
+
+    def perturb(self, release, value, noise):
+        return original(self, dataclasses.replace(release, noise_std=release.noise_std / 2), value, noise)
+
+    monkeypatch.setattr(Privatizer, "_perturb", perturb)
+    bugged = audit_lib.audit(exp, cfg, k, runs=runs, placement=placement)
+    assert bugged["gaussian_score"]["mu_lower"] > bugged["proven_mu"]
+    assert bugged["independent_gdp"]["epsilon_lower"] > bugged["proven_epsilon"]
