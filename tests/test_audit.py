@@ -301,14 +301,17 @@ def test_altmin_w_and_b_releases_audited_alone_are_reached_at_their_own_proven_m
 
 
 def test_paired_canaries_move_altmins_psd_release_by_its_full_sensitivity():
-    """Paired placement (the same data on one of two orthogonal coordinates): A, sign-blind to a
-    flip, now moves by its full √2·bound, so A audited alone is reached at its own proven μ (rank 1:
-    A's change is diagonal, which the upper-triangle noise sees in full); W and b move by √2 of 2·bound."""
+    """Paired placement (Q2 on one of two orthogonal coordinates, W still sign-flipped): A, blind to
+    a flip, now moves by its full √2·bound, so A audited alone is reached at its own proven μ (rank 1:
+    A's change is diagonal, which the upper-triangle noise sees in full); b by √2 of its 2·bound, W
+    in full: the whole run at sqrt(5/6) of its μ (a sign flip: sqrt(2/3))."""
     cfg = altmin_cfg(epsilon=4.0, rank=1)
     a = audit_lib.audit(ALTMIN, cfg, 5, runs=1, placement="paired", releases=("A",))
     assert a["canary_mu"] == pytest.approx(a["proven_mu"], rel=1e-9) and "pairs" in a["placement"]
     wb = audit_lib.audit(ALTMIN, cfg, 5, runs=1, placement="paired", releases=("W", "b"))
-    assert wb["canary_mu"] == pytest.approx(wb["proven_mu"] / 2**0.5, rel=1e-9)
+    assert wb["canary_mu"] == pytest.approx(wb["proven_mu"] * 0.75**0.5, rel=1e-9)  # W 1, b 1/2 of 2 shares
+    whole = audit_lib.audit(ALTMIN, cfg, 5, runs=1, placement="paired")
+    assert whole["canary_mu"] == pytest.approx(whole["proven_mu"] * (5 / 6) ** 0.5, rel=1e-9)  # sign flip: 2/3
     with pytest.raises(ValueError, match=r"canaries must be in \[2, 5\]"):
         audit_lib.audit(ALTMIN, cfg, 6, placement="paired")
 
@@ -334,6 +337,25 @@ def test_fedrep_canaries_reach_their_promised_separation():
         assert result["canary_mu"] == pytest.approx(want, rel=1e-6), (m, rounds)
     with pytest.raises(ValueError, match="samples_per_user"):
         audit_lib.audit(FEDREP, config_lib.build(FEDREP.config_type, {"dim": 12, "samples_per_user": 4, "rank": 2}), 2)
+
+
+def test_steered_fedrep_canaries_reach_the_g_releases_full_sensitivity():
+    """Steered (white-box) FedRep canaries rebuild each round's labels from the broadcast U so that
+    G⁻ = −G⁺ at the clip: the G releases alone are reached at their own proven μ, exactly; the
+    whole run at sqrt((f²/2 + T)/(1 + T)) of its μ (W keeps the fixed two-block data)."""
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0})
+    g = audit_lib.audit(FEDREP, cfg, 4, runs=1, placement="steered", releases=("G",))
+    assert g["canary_mu"] == pytest.approx(g["proven_mu"], rel=1e-6) and "steered" in g["placement"]
+    with pytest.raises(ValueError, match="no steered placement"):
+        audit_lib.audit(ALTMIN, altmin_cfg(), 4, placement="steered")
+
+
+@pytest.mark.slow
+def test_steered_fedrep_canaries_reach_their_promised_separation_over_the_whole_run():
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0})
+    whole = audit_lib.audit(FEDREP, cfg, 4, runs=1, placement="steered")
+    f = fedrep_init_fraction(FEDREP.canary_design().protocol(cfg, 4))
+    assert whole["canary_mu"] == pytest.approx(whole["proven_mu"] * ((f**2 / 2 + 2) / 3) ** 0.5, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -421,3 +443,24 @@ def test_audit_of_a_finished_run_directory_prints_its_ledger_and_reaches_the_rep
     assert "<h3>Audit</h3>" in html and "Gaussian-score" in html
     assert main(["audit", str(run), "--canaries", "6", "--epsilon", "9"]) == 2
     assert "the run's own configuration is audited" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, k, runs, placement", [("altmin", 5, 200, "paired"), ("fedrep", 8, 125, "steered")])
+def test_paired_and_steered_audits_stay_below_proven_and_catch_halved_noise(name, k, runs, placement, monkeypatch):
+    """At 1,000 trials the closer canaries stay below the proven ε on honest code (every bound) and
+    put the Gaussian-score μ lower bound and the independent-GDP ε above it when σ is halved."""
+    exp = experiment(name)
+    cfg = config_lib.build(exp.config_type, {"epsilon": 4.0})
+    honest = audit_lib.audit(exp, cfg, k, runs=runs, placement=placement)
+    assert max(_bounds(honest)) < honest["proven_epsilon"]
+    assert honest["gaussian_score"]["mu_lower"] < honest["proven_mu"]
+    original = Privatizer._perturb
+
+    def perturb(self, release, value, noise):
+        return original(self, dataclasses.replace(release, noise_std=release.noise_std / 2), value, noise)
+
+    monkeypatch.setattr(Privatizer, "_perturb", perturb)
+    bugged = audit_lib.audit(exp, cfg, k, runs=runs, placement=placement)
+    assert bugged["gaussian_score"]["mu_lower"] > bugged["proven_mu"]
+    assert bugged["independent_gdp"]["epsilon_lower"] > bugged["proven_epsilon"]

@@ -75,7 +75,10 @@ class PublishingPrivatizer(Privatizer):
         return out
 
 
-PLACEMENTS = ("auto", "orthogonal", "random", "paired")
+PLACEMENTS = ("auto", "orthogonal", "random", "paired", "steered")
+
+Steer = Callable[[int, Mapping[str, Tensor]], Canaries]
+"""A round's canaries from that round's broadcast (a design's ``steer`` bound to the run's canaries)."""
 
 
 def paired_canaries(base: Canaries) -> Canaries:
@@ -104,15 +107,20 @@ def audited_algorithms() -> list[str]:
 
 # ----- one run, and the scorer --------------------------------------------------------------
 def run_published(
-    protocol: Protocol, units: Mapping[str, Tensor], privatizer: PublishingPrivatizer
+    protocol: Protocol,
+    units: Mapping[str, Tensor],
+    privatizer: PublishingPrivatizer,
+    steered: Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]] | None = None,
 ) -> tuple[Published, Ledger]:
-    """Run ``protocol`` on ``units`` through the shared server loop; return only what it published."""
+    """Run ``protocol`` on ``units`` through the shared server loop; return only what it published.
+    ``steered(round, broadcast)``, when given, is the population's data for that round instead."""
     source = UnitSource.of(units)
     broadcasts: list[dict[str, Tensor]] = []
 
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         broadcasts.append({k: v.detach().clone() for k, v in broadcast.items()})
-        message = client_message(protocol, round, broadcast, source.slice(0, source.num_units))
+        now = source if steered is None else UnitSource.of(steered(round, broadcast))
+        message = client_message(protocol, round, broadcast, now.slice(0, now.num_units))
         return [ClientReply("local", source.num_units, message)]
 
     drive(protocol, gather, privatizer, progress=False)
@@ -163,7 +171,11 @@ def score_canaries(protocol: Protocol, published: Published, canaries: Canaries)
 
 
 def canary_scores(
-    protocol: Protocol, published: Published, canaries: Canaries, only: frozenset[str] | None = None
+    protocol: Protocol,
+    published: Published,
+    canaries: Canaries,
+    only: frozenset[str] | None = None,
+    steer: Steer | None = None,
 ) -> CanaryScores:
     """White-box scores: for release Y = S + N(0, σ²) the LLR of canary i is <Y − M, c⁺_i − c⁻_i>/σ²,
     summed over releases, with c^± the canary's contribution under each version (recomputed from the
@@ -171,7 +183,8 @@ def canary_scores(
     canaries' directions need not be orthogonal (their interference is in :class:`CanaryScores`).
     Each contribution is compared in the form it is released in
     (:attr:`~fedpers.experiments.hooks.Canaries.as_released`). ``only``: score just the releases of
-    these statistic names (the others are left out of the LLR and the gram alike)."""
+    these statistic names (the others are left out of the LLR and the gram alike); ``steer``: each
+    round's canaries rebuilt from its published broadcast (what the run was given, see :func:`audit`)."""
     by_round: dict[int, list[tuple[Release, Tensor]]] = {}
     for release, value in published.releases:
         by_round.setdefault(release.round, []).append((release, value))
@@ -183,9 +196,8 @@ def canary_scores(
         if len(specs) != len(released):
             raise ValueError(f"round {r}: {len(released)} releases for {len(specs)} statistics")
         broadcast = published.broadcasts[r]
-        contrib = {
-            v: [client_message(protocol, r, broadcast, canaries.one(i, v)).stats for i in range(k)] for v in "+-"
-        }
+        now = canaries if steer is None else steer(r, broadcast)
+        contrib = {v: [client_message(protocol, r, broadcast, now.one(i, v)).stats for i in range(k)] for v in "+-"}
         for spec, (release, value) in zip(specs, released):
             if only is not None and spec.name not in only:
                 continue
@@ -247,6 +259,8 @@ def audit(
         raise ValueError("epsilon must be finite: a run without noise has no guarantee to audit")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
+    if placement == "steered" and design.steer is None:
+        raise ValueError(f"placement: {exp.name}'s canary design has no steered placement")
     if placement == "random" and design.random_canaries is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
     protocol = design.protocol(cfg, canaries)
@@ -279,7 +293,7 @@ def audit(
             privatizer_factory,
             random,
             only,
-            placement == "paired",
+            placement,
         )
     finally:
         torch.set_num_threads(threads)
@@ -298,14 +312,15 @@ def _audit_runs(
     privatizer_factory: Callable[[int], PublishingPrivatizer],
     random: bool = False,
     only: frozenset[str] | None = None,
-    paired: bool = False,
+    placement: str = "orthogonal",
 ) -> dict[str, Any]:
+    paired = placement == "paired"
     make = design.random_canaries if random and design.random_canaries is not None else design.canaries
     if paired:
-        orthogonal = make
+        orthogonal, pair = make, design.paired_canaries or paired_canaries
 
         def make(protocol: Any, generator: torch.Generator, count: int) -> Canaries:
-            return paired_canaries(orthogonal(protocol, generator, 2 * count))
+            return pair(orthogonal(protocol, generator, 2 * count))
 
     coins = torch.Generator().manual_seed(derived_seed(seed, "audit-coins"))
     data = torch.Generator().manual_seed(derived_seed(seed, "audit-canaries"))
@@ -316,8 +331,11 @@ def _audit_runs(
         cans = make(protocol, data, canaries)
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
-        published, ledger = run_published(protocol, cans.units(included), privatizer)
-        scored = canary_scores(protocol, published, cans, only)
+        steer = _bound_steer(design, protocol, cans) if placement == "steered" else None
+        published, ledger = run_published(
+            protocol, cans.units(included), privatizer, None if steer is None else _steered_units(steer, included)
+        )
+        scored = canary_scores(protocol, published, cans, only, steer)
         scores.append(scored.llr)
         standards.append(scored.standard)
         seps.append(scored.separation)
@@ -363,7 +381,8 @@ def _audit_runs(
         },
         "placement": "random directions (interference in the scores)"
         if random
-        else ("orthogonal pairs (the same data on either coordinate)" if paired else "orthogonal"),
+        else ("orthogonal pairs (the same data on either coordinate)" if paired else "orthogonal")
+        + ("; steered: every round's data rebuilt from its broadcast (white-box)" if placement == "steered" else ""),
         "audited_releases": "all" if only is None else sorted(only),
         "run_proven_epsilon": proven if only is None else ledger_epsilon(whole, delta, accountant),
         "run_proven_mu": mu_proven if only is None else proven_mu(whole),
@@ -371,6 +390,23 @@ def _audit_runs(
         "seconds": time.perf_counter() - start,
         "noise_multiplier": float(getattr(protocol, "noise_multiplier", float("nan"))),
     }
+
+
+def _bound_steer(design: CanaryDesign, protocol: Protocol, cans: Canaries) -> Steer:
+    steer = design.steer
+    assert steer is not None  # checked in audit() before any run
+
+    def at(round: int, broadcast: Mapping[str, Tensor]) -> Canaries:
+        return steer(protocol, round, broadcast, cans)
+
+    return at
+
+
+def _steered_units(steer: Steer, included: Tensor) -> Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]]:
+    def units(round: int, broadcast: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        return steer(round, broadcast).units(included)
+
+    return units
 
 
 def _release_names(protocol: Protocol, releases: tuple[str, ...] | None) -> frozenset[str] | None:

@@ -802,6 +802,28 @@ def _random_canaries(protocol: AltMinProtocol, generator: torch.Generator, k: in
     )
 
 
+def _paired_canaries(base: Canaries) -> Canaries:
+    """Canary i from orthogonal canaries 2i and 2i + 1 of :func:`audit_canaries`: the init pairs and
+    Q1 are canary 2i's (W still flips sign on e_2i: its full 2·bound); "−" moves the "+" Q2 samples
+    to e_2i+1, so A (PSD, sign-blind) moves by its full √2·bound and b by √2 of its 2·bound. Per
+    user that is W 1, A 1, b 1/2 of the squared sensitivities (a sign flip alone: 1, 0, 1)."""
+    k = base.count // 2
+    first, second = slice(0, 2 * k, 2), slice(1, 2 * k, 2)
+    ids = torch.arange(k)
+    x_minus = base.minus["x"][first].clone()
+    rows = (x_minus[0].abs().amax(-1) >= BIG / 2).nonzero().squeeze(-1)  # the Q2 samples: x = BIG·e
+    x_minus[:, rows] = base.plus["x"][second][:, rows]
+    y_minus = base.minus["y"][first].clone()
+    y_minus[:, rows] = base.plus["y"][first][:, rows]
+    return Canaries(
+        {"ids": ids, "x": base.plus["x"][first], "y": base.plus["y"][first]},
+        {"ids": ids, "x": x_minus, "y": y_minus},
+        "pairs of coordinates (e_a, e_b) per canary; W at ± its clip bound on e_a (2·bound apart); "
+        'Q2 on e_a ("+") or e_b ("−"): A at its full √2·bound, b √2·bound of its 2·bound',
+        base.as_released,
+    )
+
+
 CANARY_DESIGN = CanaryDesign(
     audit_protocol,
     lambda p: p.dim,
@@ -809,6 +831,7 @@ CANARY_DESIGN = CanaryDesign(
     "init W, and every round's A and b",
     "replace-one user (a canary's two versions are the same user with different data)",
     random_canaries=_random_canaries,
+    paired_canaries=_paired_canaries,
 )
 
 VALIDATION_CLIP = 4.0

@@ -411,12 +411,46 @@ def _capacity(p: FedRepProtocol) -> int:
     return p.dim // ((p.rank + 1) * (2 if _two_blocks(p) else 1))
 
 
+def steer_canaries(p: FedRepProtocol, round: int, broadcast: Mapping[str, Tensor], cans: Canaries) -> Canaries:
+    """White-box canaries for round ≥ 1, rebuilt from its broadcast U: both versions keep the "+"
+    samples x (first block); labels y± = y⊥ ± XUv₀ with y⊥ ∈ col(X) orthogonal to col(XU) (public,
+    fixed per canary and round) and v₀ a fixed direction of R^k at Lζ. Then v = ±v₀, the residual is
+    −y⊥ in both and g = −(2/m)Xᵀy⊥ ≠ 0, so G⁻ = −G⁺ at the clip C: the round's full 2C sensitivity,
+    which fixed data cannot reach (G is sign-blind in the labels). Round 0 (W) keeps ``cans``."""
+    if round == 0:
+        return cans
+    U = broadcast["U"].to(torch.float64)
+    x = cans.plus["x"].to(torch.float64)
+    n, m, _ = x.shape
+    label = FEDREP_LABEL * p.zeta
+    y_plus, y_minus = torch.empty(n, m, dtype=torch.float64), torch.empty(n, m, dtype=torch.float64)
+    for i in range(n):
+        public = torch.Generator().manual_seed(derived_seed(round, f"fedrep-steer-{i}"))
+        X = x[i]
+        XU = X @ U
+        t = X @ torch.randn(X.shape[1], generator=public, dtype=torch.float64)
+        perp = t - XU @ torch.linalg.lstsq(XU, t.unsqueeze(-1)).solution.squeeze(-1)
+        perp = perp * (label * math.sqrt(m) / torch.linalg.vector_norm(perp).clamp_min(1e-300))
+        v0 = torch.randn(U.shape[1], generator=public, dtype=torch.float64)
+        v0 = v0 * (label / torch.linalg.vector_norm(v0))
+        y_plus[i], y_minus[i] = perp + XU @ v0, perp - XU @ v0
+    dtype = p.dtype
+    ids = cans.plus["ids"]
+    return Canaries(
+        {"ids": ids, "x": x.to(dtype), "y": y_plus.to(dtype)},
+        {"ids": ids, "x": x.to(dtype), "y": y_minus.to(dtype)},
+        cans.design + "; rounds ≥ 1 steered from U: G at ±C (2C apart)",
+        cans.as_released,
+    )
+
+
 CANARY_DESIGN = CanaryDesign(
     audit_protocol,
     _capacity,
     audit_canaries,
     "init W, and every round's G",
     "replace-one user (a canary's two versions are the same user with different labels)",
+    steer=steer_canaries,
 )
 
 

@@ -74,6 +74,13 @@ class CanaryDesign:
     random_canaries: Callable[[Any, torch.Generator, int], Canaries] | None = None
     """Any number of canaries along random (non-orthogonal) directions, where the design offers
     them; the scorer accounts for their interference."""
+    paired_canaries: Callable[[Canaries], Canaries] | None = None
+    """The design's own ``paired`` placement from 2K orthogonal canaries (default: each version
+    the "+" data of one of two orthogonal canaries)."""
+    steer: Callable[[Any, int, Any, Canaries], Canaries] | None = None
+    """White-box canaries rebuilt for each round from that round's published broadcast
+    (``steer(protocol, round, broadcast, canaries)``), where fixed data cannot reach a release's
+    sensitivity: each version's data then depends on what the server published before it."""
 
 
 @dataclass(frozen=True)
