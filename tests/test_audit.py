@@ -276,7 +276,7 @@ def test_canaries_reach_the_separation_their_design_promises():
     result = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0), 4, runs=1)
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * (2 / 3) ** 0.5, rel=1e-6)
     nh = experiment("noisyhead")
-    cfg = config_lib.build(nh.config_type, {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3})
+    cfg = config_lib.build(nh.config_type, {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3, "regime": "low-dim", "dim": 5})
     result = audit_lib.audit(nh, cfg, 9, runs=1)
     p = experiment("noisyhead").canary_design().protocol(cfg, 9)
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
