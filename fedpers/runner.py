@@ -178,6 +178,9 @@ def drive(
         )
     else:
         from fedpers.app import run_flower
+        from fedpers.runtime.distributed import node_calibrations
+
+        central = options.dp_model is DpModel.CENTRAL
 
         state, _ = run_flower(
             experiment,
@@ -189,7 +192,9 @@ def drive(
             progress=progress,
             grid=grid,
             checkpoint=checkpointer,
-            calibrations=plan.calibrations.table,
+            calibrations=plan.calibrations.table
+            if central
+            else node_calibrations(plan.calibrations.table, plan.protocol),
         )
     plan.privatizer.ledger.settle()
     if run_dir is not None:

@@ -30,7 +30,7 @@ from fedpers.protocols.base import Message, Protocol, StatSpec, Units, client_me
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
 from fedpers.runtime.flower.partition import unit_ranges
-from fedpers.runtime.options import Runtime, RuntimeOptions
+from fedpers.runtime.options import RuntimeOptions
 
 Tensor = torch.Tensor
 
@@ -292,10 +292,6 @@ def node_side_privatizer(
         raise ValueError(
             f"dp_model {model.value} supports {', '.join(NODE_SIDE_PROTOCOLS)}; got {protocol.name} (use --dp-model central)"
         )
-    if options.runtime is not Runtime.LOCAL:
-        raise ValueError(
-            f"dp_model {model.value} runs on the local runtime only (secure aggregation on Flower is not wired)"
-        )
     if float(getattr(protocol, "sampling_rate", 1.0)) < 1.0:
         raise ValueError(f"dp_model {model.value} does not support Poisson sampling (sampling_rate < 1)")
     if len(calibrations.asked) > 1:
@@ -349,3 +345,13 @@ def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num
         actual = {e.name: plan.noise_multiplier * e.l2_sensitivity / 2 / e.scale for e in plan.encodings.values()}
     factor = max(actual[k] / central[k] for k in actual)
     return cast(Protocol, dataclasses.replace(cast(Any, protocol), noise_multiplier=z * factor))
+
+
+def node_calibrations(table: Mapping[str, float], protocol: Protocol) -> dict[str, float]:
+    """The calibrations the nodes rebuild the server's protocol from under distributed or local DP:
+    :func:`with_node_noise` raised its one calibrated z, so the nodes build it with that z (their
+    protocol digest then matches the server's; z never changes what a node computes)."""
+    z = float(getattr(protocol, "noise_multiplier", 0.0))
+    if len(table) != 1 or z == 0:
+        return dict(table)
+    return {key: z for key in table}
