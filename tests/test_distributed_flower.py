@@ -67,3 +67,30 @@ def test_flower_node_refuses_a_malformed_plan():
     with pytest.raises(ValueError, match=NODE_SIDE):
         read_plan('{"model": "distributed"}')
     assert codec.TAG  # the reply still travels as a tagged fedpers reply
+
+
+# ----- sweeps that set runtime options ------------------------------------------------------------
+def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
+    import dataclasses
+    from pathlib import Path
+
+    from fedpers.sweeps.points import run_point_task
+    from fedpers.sweeps.spec import load_spec
+
+    root = Path(__file__).resolve().parents[1] / "simulations"
+    for algorithm in ("altmin", "fedrep"):
+        spec = load_spec(root / f"trust_models_{algorithm}.toml")
+        labels = {label for label, _ in spec.points()}
+        assert labels == {"central", "distributed b=12", "distributed b=16", "distributed b=20", "local"}
+    tiny = dataclasses.replace(
+        load_spec(root / "trust_models_altmin.toml"),
+        base={**SMALL, "nodes": 4},
+        repetitions=1,
+    )
+    rows, runs = run_point_task(tiny, {"epsilon": 2.0, "dp_model": "distributed", "bits": 16})
+    result = __import__("json").loads(runs["r0"]["result.json"])
+    assert result["privacy"]["trust_model"]["dp_model"] == "distributed"
+    assert result["privacy"]["trust_model"]["bits"] == 16 and result["privacy"]["trust_model"]["nodes"] == 4
+    assert rows[0]["subspace_error"] == pytest.approx(result["subspace_error"])
+    with pytest.raises(ValueError, match="bits"):
+        run_point_task(tiny, {"epsilon": 2.0, "dp_model": "distributed", "bits": 40})
