@@ -94,3 +94,34 @@ def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
     assert rows[0]["subspace_error"] == pytest.approx(result["subspace_error"])
     with pytest.raises(ValueError, match="bits"):
         run_point_task(tiny, {"epsilon": 2.0, "dp_model": "distributed", "bits": 40})
+
+
+# ----- DPALS and NoisyGD under distributed and local DP --------------------------------------------
+@pytest.mark.parametrize("name", ["dpals", "noisygd"])
+def test_dpals_and_noisygd_run_distributed_within_their_target_with_skellam_releases(name):
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.privacy.accountant import ledger_epsilon
+    from fedpers.privacy.ledger import SkellamDpEvent
+
+    exp = EXPERIMENTS[name]
+    values: dict[str, object] = {"epsilon": 2.0}
+    values.update({"n_users": 300, "steps": 2} if name == "dpals" else {"examples": 400, "steps": 3, "baselines": False})
+    cfg = config.build(exp.config_type, values)
+    p = resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 16}))
+    run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+    releases = p.privatizer.ledger.releases
+    assert releases and all(isinstance(r.event, SkellamDpEvent) for r in releases)
+    assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, cfg.delta) <= 2.0
+    local = resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "local"}))
+    run_local(local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False)
+    assert {r.mechanism for r in local.privatizer.ledger.releases} == {"local_gaussian"}
+    assert ledger_epsilon(local.privatizer.ledger, cfg.delta) <= 2.0 * (1 + 1e-9)
+
+
+def test_noisyhead_stays_refused_under_node_side_models():
+    from fedpers.experiments import EXPERIMENTS
+
+    exp = EXPERIMENTS["noisyhead"]
+    cfg = config.build(exp.config_type, {"epsilon": 2.0})
+    with pytest.raises(ValueError, match="supports altmin, fedrep, noisygd, dpals"):
+        resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed"}))

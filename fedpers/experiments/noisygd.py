@@ -284,7 +284,9 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
 
     def privacy_summary(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol, ledger: Ledger) -> dict[str, Any]:
         events = dp_accounting.ComposedDpEvent([r.event for r in ledger])
-        rho = zcdp_rho(events)
+        from fedpers.privacy import skellam
+
+        rho = math.nan if skellam.contains_skellam(events) else zcdp_rho(events)  # Skellam: RDP only, no ρ
         name = accountant_name(cfg.accountant)
         by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
         if name not in by_accountant:  # a registered accountant beside the built-in ones

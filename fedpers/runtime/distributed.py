@@ -272,7 +272,7 @@ def run_local_nodes(
     )
 
 
-NODE_SIDE_PROTOCOLS = ("altmin", "fedrep")
+NODE_SIDE_PROTOCOLS = ("altmin", "fedrep", "noisygd", "dpals")
 """Protocols whose every release is a Gaussian sum of per-unit-clipped statistics passed to the
 Privatizer as summed (what the nodes can noise): the others are refused under distributed or local DP."""
 
@@ -319,6 +319,7 @@ def node_side_privatizer(
         calibration=calibrations.asked[0] if calibrations.asked and z > 0 else None,
         central_z=z,
         users_per_node=options.users_per_node,
+        release_ratio=z / next(iter(calibrations.table.values())) if len(calibrations.table) == 1 and z > 0 else 1.0,
     )
     privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
     privatizer.dropout, privatizer.dropout_seed = options.node_dropout, rotation_seed
