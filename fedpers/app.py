@@ -204,11 +204,13 @@ def run_flower(
     *,
     client_app: ClientApp | None = None,
     calibrations: Mapping[str, float] | None = None,
+    node_protocol: Protocol | None = None,
     **kwargs: Any,
 ) -> tuple[Any, list[RoundRecord]]:
     """``experiment``'s run on the Flower runtime (:func:`fedpers.runtime.flower.run_flower`: on
     ``grid=`` if given, else a simulation whose nodes run ``client_app`` or :func:`make_client_app`);
-    ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`flower_job`)."""
+    ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`flower_job`);
+    ``node_protocol``: what the nodes build from them, when the server's differs (distributed or local DP)."""
     from fedpers.runtime.flower.simulation import run_flower as run
 
     if kwargs.get("grid") is None and client_app is None:
@@ -216,7 +218,7 @@ def run_flower(
 
         entry = ALGORITHMS.get(experiment.name)
         client_app = make_client_app({experiment.name: entry} if entry is not None else None)
-    job = flower_job(experiment, cfg, protocol, calibrations)
+    job = flower_job(experiment, cfg, node_protocol if node_protocol is not None else protocol, calibrations)
     return run(
         job,
         experiment.num_units(cfg),

@@ -178,9 +178,15 @@ def drive(
         )
     else:
         from fedpers.app import run_flower
-        from fedpers.runtime.distributed import node_calibrations
+        from fedpers.privacy.accountant import Calibrations
 
-        central = options.dp_model is DpModel.CENTRAL
+        # distributed or local DP: the nodes build the protocol from the calibrations alone; the server's
+        # differs only in the noise it assumes after a release (with_node_noise), which no node computes with
+        node_protocol = (
+            None
+            if options.dp_model is DpModel.CENTRAL
+            else experiment.protocol(plan.cfg, Calibrations(plan.calibrations.table))
+        )
 
         state, _ = run_flower(
             experiment,
@@ -192,9 +198,8 @@ def drive(
             progress=progress,
             grid=grid,
             checkpoint=checkpointer,
-            calibrations=plan.calibrations.table
-            if central
-            else node_calibrations(plan.calibrations.table, plan.protocol),
+            calibrations=plan.calibrations.table,
+            node_protocol=node_protocol,
         )
     plan.privatizer.ledger.settle()
     if run_dir is not None:

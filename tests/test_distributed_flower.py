@@ -11,8 +11,8 @@ import torch
 from fedpers import config
 from fedpers.app import make_client_app, run_flower
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
+from fedpers.privacy.accountant import Calibrations
 from fedpers.runner import resolve
-from fedpers.runtime.distributed import node_calibrations
 from fedpers.runtime.driver import RoundFailed
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.nodeside import NODE_SIDE, plan_json, read_plan
@@ -29,9 +29,17 @@ def plan(runtime: str, **options: object) -> Any:
 
 
 def on_flower(p: Any, grid: InProcessGrid) -> tuple[Any, list[Any]]:
-    calibrations = node_calibrations(p.calibrations.table, p.protocol)
+    table = p.calibrations.table
     return run_flower(
-        p.experiment, p.cfg, p.protocol, p.privatizer, p.options, grid=grid, progress=False, calibrations=calibrations
+        p.experiment,
+        p.cfg,
+        p.protocol,
+        p.privatizer,
+        p.options,
+        grid=grid,
+        progress=False,
+        calibrations=table,
+        node_protocol=p.experiment.protocol(p.cfg, Calibrations(table)),
     )
 
 
@@ -39,7 +47,9 @@ def on_flower(p: Any, grid: InProcessGrid) -> tuple[Any, list[Any]]:
 def test_flower_nodes_noise_their_sums_and_equal_the_local_runtime(model):
     opts = {"dp_model": model, "bits": 16} if model == "distributed" else {"dp_model": model}
     local = plan("local", **opts)
-    state_local, _ = run_local(local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False)
+    state_local, _ = run_local(
+        local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False
+    )
     flower = plan("flower", **opts)
     grid = InProcessGrid(make_client_app(), 4)
     state_flower, records = on_flower(flower, grid)
@@ -105,13 +115,23 @@ def test_dpals_and_noisygd_run_distributed_within_their_target_with_skellam_rele
 
     exp = EXPERIMENTS[name]
     values: dict[str, object] = {"epsilon": 2.0}
-    values.update({"n_users": 300, "steps": 2} if name == "dpals" else {"examples": 400, "steps": 3, "baselines": False})
+    values.update(
+        {"n_users": 300, "steps": 2} if name == "dpals" else {"examples": 400, "steps": 3, "baselines": False}
+    )
     cfg = config.build(exp.config_type, values)
     p = resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 16}))
-    run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+    state, _ = run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
     releases = p.privatizer.ledger.releases
     assert releases and all(isinstance(r.event, SkellamDpEvent) for r in releases)
     assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, cfg.delta) <= 2.0
+    on = resolve(
+        exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 16, "runtime": "flower"})
+    )
+    state_flower, _ = on_flower(on, InProcessGrid(make_client_app(), 4))
+    assert on.privatizer.ledger == p.privatizer.ledger
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(state_flower[key], value, rtol=0, atol=1e-6)
     local = resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "local"}))
     run_local(local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False)
     assert {r.mechanism for r in local.privatizer.ledger.releases} == {"local_gaussian"}

@@ -346,13 +346,3 @@ def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num
         actual = {e.name: plan.noise_multiplier * e.l2_sensitivity / 2 / e.scale for e in plan.encodings.values()}
     factor = max(actual[k] / central[k] for k in actual)
     return cast(Protocol, dataclasses.replace(cast(Any, protocol), noise_multiplier=z * factor))
-
-
-def node_calibrations(table: Mapping[str, float], protocol: Protocol) -> dict[str, float]:
-    """The calibrations the nodes rebuild the server's protocol from under distributed or local DP:
-    :func:`with_node_noise` raised its one calibrated z, so the nodes build it with that z (their
-    protocol digest then matches the server's; z never changes what a node computes)."""
-    z = float(getattr(protocol, "noise_multiplier", 0.0))
-    if len(table) != 1 or z == 0:
-        return dict(table)
-    return {key: z for key in table}
