@@ -145,3 +145,21 @@ def test_noisyhead_stays_refused_under_node_side_models():
     cfg = config.build(exp.config_type, {"epsilon": 2.0})
     with pytest.raises(ValueError, match="supports altmin, fedrep, noisygd, dpals"):
         resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed"}))
+
+
+@pytest.mark.slow  # starts Ray (~1 min on a busy machine)
+def test_ray_simulation_under_distributed_dp_equals_the_local_runtime(tmp_path):
+    """execute on Flower's simulation engine (Ray actors run the nodes): same U and ledger as local."""
+    import numpy as np
+
+    from fedpers.runner import execute
+
+    cfg = config.build(AltMinConfig, SMALL)
+    opts = {"nodes": 3, "dp_model": "distributed", "bits": 16, "client_cpus": 1.0}
+    local = execute(AltMinExperiment(), cfg, config.build(RuntimeOptions, opts), out=tmp_path / "l", progress=False)
+    flower = config.build(RuntimeOptions, {**opts, "runtime": "flower"})
+    result = execute(AltMinExperiment(), cfg, flower, out=tmp_path / "f", progress=False)
+    U = torch.from_numpy(np.load(tmp_path / "f" / "final_state.npz")["U"])
+    torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-12)
+    assert (tmp_path / "f" / "ledger.json").read_text() == (tmp_path / "l" / "ledger.json").read_text()
+    assert result["privacy"]["trust_model"]["dp_model"] == "distributed"
