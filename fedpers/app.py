@@ -157,7 +157,28 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
     protocol = experiment.protocol(
         cfg, Calibrations(json.loads(job.calibrations_json))
     )  # the server's z: no accountant here
-    return Node(protocol, lambda ids: experiment.units(cfg, ids))
+
+    def node_side_plan(sent: Any) -> Any:
+        """The distributed/local plan this node derives from the job alone, for ``sent``'s trust model
+        and node counts (what the server sent must equal it: a node never noises by the server's word)."""
+        from fedpers.privacy.distributed import RecordingCalibrations
+        from fedpers.runtime.distributed import node_side_privatizer
+        from fedpers.runtime.options import RuntimeOptions
+        from fedpers.seeds import derived_seed
+
+        recording = RecordingCalibrations(json.loads(job.calibrations_json))
+        public = experiment.protocol(cfg, recording)
+        options = RuntimeOptions(
+            dp_model=sent.model,
+            nodes=sent.nodes,
+            min_nodes=sent.min_nodes,
+            bits=sent.bits,
+            users_per_node=sent.users_per_node,
+        )
+        rotation = derived_seed(cfg.seed, "rotation")
+        return node_side_privatizer(public, experiment.num_units(cfg), recording, options, 0, rotation).plan
+
+    return Node(protocol, lambda ids: experiment.units(cfg, ids), node_side_plan)
 
 
 def make_client_app(entries: Mapping[str, tuple[str, str, str]] | None = None) -> ClientApp:

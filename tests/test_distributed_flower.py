@@ -163,3 +163,23 @@ def test_ray_simulation_under_distributed_dp_equals_the_local_runtime(tmp_path):
     torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-12)
     assert (tmp_path / "f" / "ledger.json").read_text() == (tmp_path / "l" / "ledger.json").read_text()
     assert result["privacy"]["trust_model"]["dp_model"] == "distributed"
+
+
+def test_flower_nodes_refuse_a_plan_with_less_noise_than_they_derive_from_the_job():
+    import dataclasses
+
+    from fedpers.runtime.flower.nodeside import check_plan
+
+    p = plan("flower", dp_model="distributed", bits=16)
+    honest = p.privatizer.plan
+    weaker = dataclasses.replace(
+        honest, encodings={k: dataclasses.replace(e, variance=e.variance / 4) for k, e in honest.encodings.items()}
+    )
+    p.privatizer.plan = weaker  # a server that asks the nodes for a quarter of the noise
+    with pytest.raises(RoundFailed, match="0 of 4 nodes answered"):
+        on_flower(p, InProcessGrid(make_client_app(), 4))
+    assert len(p.privatizer.ledger.releases) == 0
+    with pytest.raises(ValueError, match="differs from the one this node derives"):
+        check_plan(plan_json(weaker), weaker, lambda sent: honest)
+    with pytest.raises(ValueError, match="cannot derive"):
+        check_plan(plan_json(weaker) + " ", weaker, None)

@@ -38,6 +38,9 @@ class Node:
 
     protocol: Protocol
     units: Callable[[torch.Tensor], Units]
+    node_side_plan: Callable[[Any], Any] | None = None
+    """Sent plan → the plan this node derives from the job for the same trust model and node counts
+    (distributed or local DP: a node refuses any other); None: this node refuses node-side plans."""
 
 
 NodeBuilder = Callable[[codec.Job, str], Node]
@@ -201,7 +204,9 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
 
     if NODE_SIDE in message.content.config_records:  # distributed or local DP: this node noises its own sum
         rec = message.content.config_records[NODE_SIDE]
-        mine = node_message(node.protocol, task.round, broadcast, units, task.start, task.stop, rec)
+        mine = node_message(
+            node.protocol, task.round, broadcast, units, task.start, task.stop, rec, node.node.node_side_plan
+        )
         return FlowerMessage(
             codec.encode_reply(mine, time.perf_counter() - start, task.round, digest), reply_to=message
         )

@@ -12,7 +12,8 @@ What the server receives: each node's *reduced, noised* vector, summed in the cl
 SecAgg+ of :mod:`fedpers.privacy.secagg` is not yet run over these messages, so the server also sees
 every node's own noisy vector, not only their sum). Noise seeds: with ``secure`` the nodes draw from
 OS entropy and no seed travels; otherwise (reproducible simulation, equal to the local runtime) the
-plan carries the run's noise seed, which the server knows as well.
+plan carries the run's noise seed, which the server knows as well. A node derives the plan itself
+from the public job and refuses any other (:func:`check_plan`).
 """
 
 from __future__ import annotations
@@ -69,14 +70,43 @@ def task_record(privatizer: dist.NodeSidePrivatizer, node: int) -> ConfigRecord:
     return rec
 
 
+_checked: dict[str, bool] = {}
+"""Plans (as sent) this process has already derived from their job and found equal."""
+
+
+def check_plan(text: str, plan: dist.DistributedPlan, derive: Callable[[Any], Any] | None) -> None:
+    """Refuse a plan the node does not derive itself from the public job (noise, scales, bounds, bits,
+    rotation): a server cannot lower the noise a node adds, whatever it sends."""
+    if text in _checked:
+        return
+    if derive is None:
+        raise ValueError(
+            f"{NODE_SIDE}: this node cannot derive a node-side plan; it noises nothing on the server's word"
+        )
+    expected = derive(plan)
+    if plan_json(expected) != plan_json(plan):
+        raise ValueError(f"{NODE_SIDE}: the plan sent differs from the one this node derives from the job; refused")
+    _checked[text] = True
+
+
 def node_message(
-    protocol: Protocol, round: int, broadcast: Mapping[str, Tensor], units: Units, start: int, stop: int, rec: Any
+    protocol: Protocol,
+    round: int,
+    broadcast: Mapping[str, Tensor],
+    units: Units,
+    start: int,
+    stop: int,
+    rec: Any,
+    derive: Callable[[Any], Any] | None = None,
 ) -> Message:
     """Node side: this node's vector per statistic (distributed: int64 mod 2^b; local: its units' noisy
-    sum), computed unit by unit as :func:`fedpers.runtime.distributed.node_round` does."""
+    sum), computed unit by unit as :func:`fedpers.runtime.distributed.node_round` does, after checking
+    the plan against the one ``derive`` gives from the job (:func:`check_plan`)."""
     from fedpers.runtime.distributed import node_vectors, unit_rows
 
-    plan = read_plan(str(rec[PLAN]))
+    text = str(rec[PLAN])
+    plan = read_plan(text)
+    check_plan(text, plan, derive)
     secure = bool(rec.get(SECURE, True))
     if not secure and SEED not in rec:
         raise ValueError(f"{NODE_SIDE}: a reproducible (not secure) plan needs its {SEED}")
