@@ -157,7 +157,33 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
     protocol = experiment.protocol(
         cfg, Calibrations(json.loads(job.calibrations_json))
     )  # the server's z: no accountant here
-    return Node(protocol, lambda ids: experiment.units(cfg, ids), experiment.num_units(cfg))
+
+    def node_side_plan(sent: Any) -> Any:
+        """The distributed/local plan this node derives from the job alone, for ``sent``'s trust model
+        and node counts (what the server sent must equal it: a node never noises by the server's word)."""
+        from fedpers.privacy.distributed import RecordingCalibrations
+        from fedpers.runtime.distributed import node_side_privatizer
+        from fedpers.runtime.options import RuntimeOptions
+        from fedpers.seeds import derived_seed
+
+        recording = RecordingCalibrations(json.loads(job.calibrations_json))
+        public = experiment.protocol(cfg, recording)
+        options = RuntimeOptions(
+            dp_model=sent.model,
+            nodes=sent.nodes,
+            min_nodes=sent.min_nodes,
+            bits=sent.bits,
+            users_per_node=sent.users_per_node,
+        )
+        rotation = derived_seed(cfg.seed, "rotation")
+        return node_side_privatizer(public, experiment.num_units(cfg), recording, options, 0, rotation).plan
+
+    return Node(
+        protocol,
+        lambda ids: experiment.units(cfg, ids),
+        num_units=experiment.num_units(cfg),
+        node_side_plan=node_side_plan,
+    )
 
 
 def make_client_app(entries: Mapping[str, tuple[str, str, str]] | None = None) -> ClientApp:
@@ -204,11 +230,13 @@ def run_flower(
     *,
     client_app: ClientApp | None = None,
     calibrations: Mapping[str, float] | None = None,
+    node_protocol: Protocol | None = None,
     **kwargs: Any,
 ) -> tuple[Any, list[RoundRecord]]:
     """``experiment``'s run on the Flower runtime (:func:`fedpers.runtime.flower.run_flower`: on
     ``grid=`` if given, else a simulation whose nodes run ``client_app`` or :func:`make_client_app`);
-    ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`flower_job`)."""
+    ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`flower_job`);
+    ``node_protocol``: what the nodes build from them, when the server's differs (distributed or local DP)."""
     from fedpers.runtime.flower.simulation import run_flower as run
 
     if kwargs.get("grid") is None and client_app is None:
@@ -216,7 +244,7 @@ def run_flower(
 
         entry = ALGORITHMS.get(experiment.name)
         client_app = make_client_app({experiment.name: entry} if entry is not None else None)
-    job = flower_job(experiment, cfg, protocol, calibrations)
+    job = flower_job(experiment, cfg, node_protocol if node_protocol is not None else protocol, calibrations)
     return run(
         job,
         experiment.num_units(cfg),

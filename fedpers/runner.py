@@ -192,6 +192,15 @@ def drive(
         )
     else:
         from fedpers.app import run_flower
+        from fedpers.privacy.accountant import Calibrations
+
+        # distributed or local DP: the nodes build the protocol from the calibrations alone; the server's
+        # differs only in the noise it assumes after a release (with_node_noise), which no node computes with
+        node_protocol = (
+            None
+            if options.dp_model is DpModel.CENTRAL
+            else experiment.protocol(plan.cfg, Calibrations(plan.calibrations.table))
+        )
 
         state, _ = run_flower(
             experiment,
@@ -204,6 +213,7 @@ def drive(
             grid=grid,
             checkpoint=checkpointer,
             calibrations=plan.calibrations.table,
+            node_protocol=node_protocol,
         )
     plan.privatizer.ledger.settle()
     if run_dir is not None:

@@ -330,11 +330,13 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
         return NoisyGDEvaluator(cfg, protocol)
 
     def privacy_summary(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol, ledger: Ledger) -> dict[str, Any]:
-        # ρ of the worst-off example: its cohort's releases and every "all" release
-        rho = max(
-            zcdp_rho(dp_accounting.ComposedDpEvent([r.event for r in ledger.touching(g)]))
-            for g in ledger.groups() or [ALL_UNITS]
-        )
+        from fedpers.privacy import skellam
+
+        # ρ of the worst-off example: its cohort's releases and every "all" release; Skellam: RDP only, no ρ
+        groups = [
+            dp_accounting.ComposedDpEvent([r.event for r in ledger.touching(g)]) for g in ledger.groups() or [ALL_UNITS]
+        ]
+        rho = math.nan if any(skellam.contains_skellam(e) for e in groups) else max(zcdp_rho(e) for e in groups)
         name = accountant_name(cfg.accountant)
         by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
         if name not in by_accountant:  # a registered accountant beside the built-in ones

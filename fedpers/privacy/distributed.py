@@ -458,9 +458,11 @@ def plan_distributed(
     calibration: tuple[Callable[[float], dp_accounting.DpEvent], float, float, str] | None,
     central_z: float,
     users_per_node: int = 0,
+    release_ratio: float = 1.0,
 ) -> DistributedPlan:
     """Scales, bits and the noise multiplier of a distributed run. ``calibration`` is the
-    protocol's own (make_event, ε, δ, accountant), or None without noise (ε = ∞). z is solved so
+    protocol's own (make_event, ε, δ, accountant), or None without noise (ε = ∞); ``release_ratio``: each
+    release's noise multiplier over make_event's argument (the protocol's z over its calibrated one). z is solved so
     that the dominating Skellam composition meets the target; scales are chosen for a z at least as
     large, so the wrap bound holds at the final one."""
     if not 1 <= min_nodes <= nodes:
@@ -482,10 +484,13 @@ def plan_distributed(
         return DistributedPlan(
             DpModel.DISTRIBUTED, bits, nodes, min_nodes, 0.0, {e.name: e for e in encs}, users_per_node
         )
-    make_event, epsilon, delta, accountant = calibration
+    make_event, epsilon, delta, _ = calibration
     for _ in range(20):
         encs = _encodings(shapes, units, z_guess, nodes, min_nodes, bits, seed)
-        z = calibrate_noise_multiplier(skellam_event(make_event, encs), epsilon, delta, accountant)
+        # a composition holding a Skellam release is accounted in RDP (event_epsilon) whatever the run's accountant;
+        # "pld" only routes calibration through event_epsilon (zcdp would ask Skellam for a ρ it has not)
+        # release_ratio: each release's multiplier over make_event's argument (its Gaussians are z·ratio)
+        z = calibrate_noise_multiplier(skellam_event(make_event, encs), epsilon, delta, "pld") * release_ratio
         if z <= z_guess:
             encs = [dataclasses.replace(e, variance=(z * e.l2_sensitivity / 2) ** 2) for e in encs]
             return DistributedPlan(

@@ -30,7 +30,7 @@ from fedpers.protocols.base import Message, Protocol, StatSpec, Units, client_me
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
 from fedpers.runtime.flower.partition import unit_ranges
-from fedpers.runtime.options import Runtime, RuntimeOptions
+from fedpers.runtime.options import RuntimeOptions
 
 Tensor = torch.Tensor
 
@@ -272,7 +272,7 @@ def run_local_nodes(
     )
 
 
-NODE_SIDE_PROTOCOLS = ("altmin", "fedrep")
+NODE_SIDE_PROTOCOLS = ("altmin", "fedrep", "noisygd", "dpals")
 """Protocols whose every release is a Gaussian sum of per-unit-clipped statistics passed to the
 Privatizer as summed (what the nodes can noise): the others are refused under distributed or local DP."""
 
@@ -291,10 +291,6 @@ def node_side_privatizer(
     if protocol.name not in NODE_SIDE_PROTOCOLS:
         raise ValueError(
             f"dp_model {model.value} supports {', '.join(NODE_SIDE_PROTOCOLS)}; got {protocol.name} (use --dp-model central)"
-        )
-    if options.runtime is not Runtime.LOCAL:
-        raise ValueError(
-            f"dp_model {model.value} runs on the local runtime only (secure aggregation on Flower is not wired)"
         )
     if float(getattr(protocol, "sampling_rate", 1.0)) < 1.0:
         raise ValueError(f"dp_model {model.value} does not support Poisson sampling (sampling_rate < 1)")
@@ -323,6 +319,7 @@ def node_side_privatizer(
         calibration=calibrations.asked[0] if calibrations.asked and z > 0 else None,
         central_z=z,
         users_per_node=options.users_per_node,
+        release_ratio=z / next(iter(calibrations.table.values())) if len(calibrations.table) == 1 and z > 0 else 1.0,
     )
     privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
     privatizer.dropout, privatizer.dropout_seed = options.node_dropout, rotation_seed

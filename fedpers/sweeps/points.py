@@ -45,9 +45,16 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
 
     if threads > 0:
         torch.set_num_threads(threads)
+    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.sweeps.spec import split_options
+
     exp = EXPERIMENTS[spec.algorithm]
-    cfg = config_lib.build(exp.config_type, {**spec.base, **overrides})
-    if hasattr(exp, "sweep_point"):  # vectorised Monte Carlo over repetitions: no per-repetition run
+    values, option_values = split_options({**spec.base, **overrides})
+    cfg = config_lib.build(exp.config_type, values)
+    options = config_lib.build(RuntimeOptions, option_values)
+    if (
+        hasattr(exp, "sweep_point") and not option_values
+    ):  # vectorised Monte Carlo over repetitions: no per-repetition run
         start = time.perf_counter()
         rows = exp.sweep_point(cfg, spec.repetitions)
         per = (time.perf_counter() - start) / max(len(rows), 1)
@@ -57,7 +64,7 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
     for r in range(spec.repetitions):
         seeded = dataclasses.replace(cfg, seed=cfg.seed + r) if hasattr(cfg, "seed") else cfg
         with tempfile.TemporaryDirectory(prefix="fedpers-point-") as tmp:
-            result = execute(exp, seeded, out=Path(tmp) / "run", progress=False)
+            result = execute(exp, seeded, options, out=Path(tmp) / "run", progress=False)
             check_metrics(spec, result)
             runs[f"r{r}"] = {
                 p.name: p.read_bytes()

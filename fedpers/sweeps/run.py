@@ -10,6 +10,8 @@ TOML keys:
   scenario rather than one field's value (then ``series`` is just the column name)
 - ``[plot]`` (optional): ``xscale``/``yscale`` (``log`` or ``linear``), ``baselines``
   (list of baseline names drawn dashed)
+- a key that names a runtime option (``dp_model``, ``bits``, ``min_nodes``, ``nodes``, ...) sets it for
+  the point's runs, in ``[base]``, ``[grid]`` or ``[series_values]`` alike
 
 An experiment with ``sweep_point(cfg, repetitions)`` computes all repetitions of a point
 at once (vectorised); otherwise each repetition is a normal run with seed ``seed + r``.

@@ -111,6 +111,24 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
             raise ValueError(f"sweep: plot.{key} must be one of {list(SCALES)}; got {plot[key]!r}")
 
 
+def _runtime_options() -> Any:
+    from fedpers.runtime.options import RuntimeOptions
+
+    return RuntimeOptions
+
+
+def runtime_fields() -> set[str]:
+    """Keys a sweep may set that are runtime options (``dp_model``, ``bits``, ``nodes``, ...), not
+    the algorithm's config; ``runtime`` itself stays ``local`` unless a point names it."""
+    return {f.name for f in dataclasses.fields(_runtime_options())}
+
+
+def split_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the algorithm's config values, the runtime options) of one point."""
+    names = runtime_fields()
+    return {k: v for k, v in values.items() if k not in names}, {k: v for k, v in values.items() if k in names}
+
+
 def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
     from fedpers.experiments import ALGORITHMS, EXPERIMENTS
 
@@ -122,7 +140,7 @@ def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
     if raw.get("algorithm") not in ALGORITHMS:
         raise ValueError(f"sweep: algorithm must be one of {sorted(ALGORITHMS)}; got {raw.get('algorithm')!r}")
     fields = {f.name for f in dataclasses.fields(EXPERIMENTS[raw["algorithm"]].config_type)}
-    _check_structure(raw, fields, path.name)
+    _check_structure(raw, fields | runtime_fields(), path.name)
     grid = {k: (v if isinstance(v, list) else [v]) for k, v in raw.get("grid", {}).items()}
     if repetitions is not None and (
         isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1
@@ -143,7 +161,9 @@ def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
     )
     exp = EXPERIMENTS[spec.algorithm]
     for _, over in spec.points():  # validate every point before any work
-        config_lib.build(exp.config_type, {**spec.base, **over})
+        values, options = split_options({**spec.base, **over})
+        config_lib.build(exp.config_type, values)
+        config_lib.build(_runtime_options(), options)
     check_declared_metrics(spec, exp.result_keys, exp.baseline_names)
     return spec
 

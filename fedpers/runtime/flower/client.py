@@ -42,6 +42,9 @@ class Node:
     units: Callable[[torch.Tensor], Units]
     num_units: int = 0
     """How many units the run's plan has, as this node computes it from its config and data (0: unknown)."""
+    node_side_plan: Callable[[Any], Any] | None = None
+    """Sent plan → the plan this node derives from the job for the same trust model and node counts
+    (distributed or local DP: a node refuses any other); None: this node refuses node-side plans."""
 
 
 NodeBuilder = Callable[[codec.Job, str], Node]
@@ -59,13 +62,13 @@ class NodeJob:
         return self.node.protocol
 
 
-_jobs: dict[tuple[str, str, str], NodeJob] = {}
+_jobs: dict[tuple[str, str, str, str], NodeJob] = {}
 _units: OrderedDict[tuple[str, str, str, int, int], Units] = OrderedDict()
 
 
 def node_job(job: codec.Job, data_file: str, build: NodeBuilder) -> NodeJob:
     """The node ``build`` makes for ``job`` (once per process), checked against the server's protocol digest."""
-    key = (job.algorithm, job.config_json, data_file)
+    key = (job.algorithm, job.config_json, data_file, job.calibrations_json)  # the calibrations set the protocol's z
     if key not in _jobs:
         node = build(job, data_file)
         _jobs[key] = NodeJob(node, codec.protocol_digest(node.protocol))
@@ -203,8 +206,18 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
         _enforce(policy, context, task, node, admit=True)  # charged and recorded last
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
-    reply = client_message(node.protocol, task.round, broadcast, units)
     digest = codec.broadcast_digest(task.round, task.broadcast)
+    from fedpers.runtime.flower.nodeside import NODE_SIDE, node_message
+
+    if NODE_SIDE in message.content.config_records:  # distributed or local DP: this node noises its own sum
+        rec = message.content.config_records[NODE_SIDE]
+        mine = node_message(
+            node.protocol, task.round, broadcast, units, task.start, task.stop, rec, node.node.node_side_plan
+        )
+        return FlowerMessage(
+            codec.encode_reply(mine, time.perf_counter() - start, task.round, digest), reply_to=message
+        )
+    reply = client_message(node.protocol, task.round, broadcast, units)
     symmetric = [spec.name for spec in node.protocol.stat_specs(task.round) if spec.symmetric]
     return FlowerMessage(
         codec.encode_reply(reply, time.perf_counter() - start, task.round, digest, symmetric), reply_to=message

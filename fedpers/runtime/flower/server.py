@@ -178,14 +178,22 @@ class GridGather:
     ) -> None:
         self.grid, self.job, self.federation, self.timeout, self.stop = grid, job, federation, timeout, stop
         self.protocol = protocol
+        self.extra: Callable[[int], Any] | None = None
+        """Partition → a ConfigRecord added to its task (the node-side plan under distributed or local DP)."""
+
+    def _task(self, p: int, round: int, shared: codec.Packed) -> Any:
+        content = codec.encode_task(self.job, round, self.federation.ranges[p], shared)
+        if self.extra is not None:
+            from fedpers.runtime.flower.nodeside import NODE_SIDE
+
+            content[NODE_SIDE] = self.extra(p)
+        return content
 
     def __call__(self, round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         fed = self.federation
         shared = codec.broadcast_record(broadcast)
         messages = [
-            FlowerMessage(
-                codec.encode_task(self.job, round, fed.ranges[p], shared), node, MessageType.TRAIN, group_id=str(round)
-            )
+            FlowerMessage(self._task(p, round, shared), node, MessageType.TRAIN, group_id=str(round))
             for p, node in sorted(fed.nodes.items())
         ]
         by_node = {m.metadata.src_node_id: m for m in exchange(self.grid, messages, self.timeout, self.stop)}
@@ -252,6 +260,23 @@ def run_on_grid(
     if on_discovery is not None:
         on_discovery(federation)
     gather = GridGather(grid, job, federation, options.round_timeout, stop, protocol)
+    from fedpers.privacy.distributed import NodeSidePrivatizer
+
+    if isinstance(privatizer, NodeSidePrivatizer):  # distributed or local DP: the nodes add the noise
+        from fedpers.runtime.flower.nodeside import NodeSideGather, task_record
+
+        gather.extra = lambda p: task_record(privatizer, p)
+        nodes_gather = NodeSideGather(gather, protocol, privatizer, num_units, device)
+        return drive(
+            protocol,
+            nodes_gather,
+            privatizer,
+            min_fraction=options.min_fraction,
+            on_round=nodes_gather.on_round(on_round),
+            progress=progress,
+            device=device,
+            checkpoint=checkpoint,
+        )
     return drive(
         protocol,
         gather,

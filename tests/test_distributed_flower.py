@@ -1,0 +1,185 @@
+"""Distributed and local DP on the Flower runtime: the nodes noise their own sums, and the run equals
+the local runtime's simulated nodes for one seed (same U, same ledger)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from fedpers import config
+from fedpers.app import make_client_app, run_flower
+from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
+from fedpers.privacy.accountant import Calibrations
+from fedpers.runner import resolve
+from fedpers.runtime.driver import RoundFailed
+from fedpers.runtime.flower import codec
+from fedpers.runtime.flower.nodeside import NODE_SIDE, plan_json, read_plan
+from fedpers.runtime.local import run_local
+from fedpers.runtime.options import RuntimeOptions
+from tests.flower_support import InProcessGrid
+
+SMALL = dict(n_users=120, dim=5, rank=2, samples_per_user=16, rounds=2, baselines="none", epsilon=2.0)
+
+
+def plan(runtime: str, **options: object) -> Any:
+    cfg = config.build(AltMinConfig, SMALL)
+    return resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, {"nodes": 4, "runtime": runtime, **options}))
+
+
+def on_flower(p: Any, grid: InProcessGrid) -> tuple[Any, list[Any]]:
+    table = p.calibrations.table
+    return run_flower(
+        p.experiment,
+        p.cfg,
+        p.protocol,
+        p.privatizer,
+        p.options,
+        grid=grid,
+        progress=False,
+        calibrations=table,
+        node_protocol=p.experiment.protocol(p.cfg, Calibrations(table)),
+    )
+
+
+@pytest.mark.parametrize("model", ["distributed", "local"])
+def test_flower_nodes_noise_their_sums_and_equal_the_local_runtime(model):
+    opts = {"dp_model": model, "bits": 16} if model == "distributed" else {"dp_model": model}
+    local = plan("local", **opts)
+    state_local, _ = run_local(
+        local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False
+    )
+    flower = plan("flower", **opts)
+    grid = InProcessGrid(make_client_app(), 4)
+    state_flower, records = on_flower(flower, grid)
+    torch.testing.assert_close(state_flower["U"], state_local["U"], rtol=0, atol=1e-12)
+    assert flower.privatizer.ledger == local.privatizer.ledger
+    assert all(r.diagnostics["nodes_survived"] == 4 for r in records)
+    tasks = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert tasks and all(NODE_SIDE in m.content.config_records for m in tasks)
+    if model == "distributed":  # what each node sent is an integer vector mod 2^b, never its statistics
+        rec = tasks[0].content.config_records[NODE_SIDE]
+        assert read_plan(str(rec["plan"])) == flower.privatizer.plan
+        assert plan_json(read_plan(str(rec["plan"]))) == plan_json(flower.privatizer.plan)
+
+
+def test_flower_round_with_fewer_answering_nodes_than_min_nodes_releases_nothing():
+    p = plan("flower", dp_model="distributed", bits=16, min_nodes=4, round_timeout=0.3)
+    with pytest.raises(RoundFailed, match="min_nodes=4"):
+        on_flower(p, InProcessGrid(make_client_app(), 4, silent={2}))
+    assert len(p.privatizer.ledger.releases) == 0
+
+
+def test_flower_node_refuses_a_malformed_plan():
+    from fedpers.runtime.flower.nodeside import NodeSideGather  # noqa: F401  (module imports without Ray)
+
+    with pytest.raises(ValueError, match=NODE_SIDE):
+        read_plan('{"model": "distributed"}')
+    assert codec.TAG  # the reply still travels as a tagged fedpers reply
+
+
+# ----- sweeps that set runtime options ------------------------------------------------------------
+def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
+    import dataclasses
+    from pathlib import Path
+
+    from fedpers.sweeps.points import run_point_task
+    from fedpers.sweeps.spec import load_spec
+
+    root = Path(__file__).resolve().parents[1] / "simulations"
+    for algorithm in ("altmin", "fedrep"):
+        spec = load_spec(root / f"trust_models_{algorithm}.toml")
+        labels = {label for label, _ in spec.points()}
+        assert labels == {"central", "distributed b=12", "distributed b=16", "distributed b=20", "local"}
+    tiny = dataclasses.replace(
+        load_spec(root / "trust_models_altmin.toml"),
+        base={**SMALL, "nodes": 4},
+        repetitions=1,
+    )
+    rows, runs = run_point_task(tiny, {"epsilon": 2.0, "dp_model": "distributed", "bits": 16})
+    result = __import__("json").loads(runs["r0"]["result.json"])
+    assert result["privacy"]["trust_model"]["dp_model"] == "distributed"
+    assert result["privacy"]["trust_model"]["bits"] == 16 and result["privacy"]["trust_model"]["nodes"] == 4
+    assert rows[0]["subspace_error"] == pytest.approx(result["subspace_error"])
+    with pytest.raises(ValueError, match="bits"):
+        run_point_task(tiny, {"epsilon": 2.0, "dp_model": "distributed", "bits": 40})
+
+
+# ----- DPALS and NoisyGD under distributed and local DP --------------------------------------------
+@pytest.mark.parametrize("name", ["dpals", "noisygd"])
+def test_dpals_and_noisygd_run_distributed_within_their_target_with_skellam_releases(name):
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.privacy.accountant import ledger_epsilon
+    from fedpers.privacy.ledger import SkellamDpEvent
+
+    exp = EXPERIMENTS[name]
+    values: dict[str, object] = {"epsilon": 2.0}
+    values.update(
+        {"n_users": 300, "steps": 2} if name == "dpals" else {"examples": 400, "steps": 3, "baselines": False}
+    )
+    cfg = config.build(exp.config_type, values)
+    p = resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 16}))
+    state, _ = run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+    releases = p.privatizer.ledger.releases
+    assert releases and all(isinstance(r.event, SkellamDpEvent) for r in releases)
+    assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, cfg.delta) <= 2.0
+    on = resolve(
+        exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 16, "runtime": "flower"})
+    )
+    state_flower, _ = on_flower(on, InProcessGrid(make_client_app(), 4))
+    assert on.privatizer.ledger == p.privatizer.ledger
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(state_flower[key], value, rtol=0, atol=1e-6)
+    local = resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "local"}))
+    run_local(local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False)
+    assert {r.mechanism for r in local.privatizer.ledger.releases} == {"local_gaussian"}
+    assert ledger_epsilon(local.privatizer.ledger, cfg.delta) <= 2.0 * (1 + 1e-9)
+
+
+def test_noisyhead_stays_refused_under_node_side_models():
+    from fedpers.experiments import EXPERIMENTS
+
+    exp = EXPERIMENTS["noisyhead"]
+    cfg = config.build(exp.config_type, {"epsilon": 2.0})
+    with pytest.raises(ValueError, match="supports altmin, fedrep, noisygd, dpals"):
+        resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed"}))
+
+
+@pytest.mark.slow  # starts Ray (~1 min on a busy machine)
+def test_ray_simulation_under_distributed_dp_equals_the_local_runtime(tmp_path):
+    """execute on Flower's simulation engine (Ray actors run the nodes): same U and ledger as local."""
+    import numpy as np
+
+    from fedpers.runner import execute
+
+    cfg = config.build(AltMinConfig, SMALL)
+    opts = {"nodes": 3, "dp_model": "distributed", "bits": 16, "client_cpus": 1.0}
+    local = execute(AltMinExperiment(), cfg, config.build(RuntimeOptions, opts), out=tmp_path / "l", progress=False)
+    flower = config.build(RuntimeOptions, {**opts, "runtime": "flower"})
+    result = execute(AltMinExperiment(), cfg, flower, out=tmp_path / "f", progress=False)
+    U = torch.from_numpy(np.load(tmp_path / "f" / "final_state.npz")["U"])
+    torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-12)
+    assert (tmp_path / "f" / "ledger.json").read_text() == (tmp_path / "l" / "ledger.json").read_text()
+    assert result["privacy"]["trust_model"]["dp_model"] == "distributed"
+
+
+def test_flower_nodes_refuse_a_plan_with_less_noise_than_they_derive_from_the_job():
+    import dataclasses
+
+    from fedpers.runtime.flower.nodeside import check_plan
+
+    p = plan("flower", dp_model="distributed", bits=16)
+    honest = p.privatizer.plan
+    weaker = dataclasses.replace(
+        honest, encodings={k: dataclasses.replace(e, variance=e.variance / 4) for k, e in honest.encodings.items()}
+    )
+    p.privatizer.plan = weaker  # a server that asks the nodes for a quarter of the noise
+    with pytest.raises(RoundFailed, match="0 of 4 nodes answered"):
+        on_flower(p, InProcessGrid(make_client_app(), 4))
+    assert len(p.privatizer.ledger.releases) == 0
+    with pytest.raises(ValueError, match="differs from the one this node derives"):
+        check_plan(plan_json(weaker), weaker, lambda sent: honest)
+    with pytest.raises(ValueError, match="cannot derive"):
+        check_plan(plan_json(weaker) + " ", weaker, None)
