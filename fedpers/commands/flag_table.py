@@ -236,7 +236,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "66ed19e3f5a6860978dd10b228471caaa5c978a355309677b2d8a79e6ba5dfab",
+   "fingerprint": "31284283b071e1826968e51085b2b2d6bccc43d155770aa8342d2998aa486d43",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -981,7 +981,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "3e994450afb6ce5c66affacc08c5a08eff6c513573c5c0492637691df71336dc",
+   "fingerprint": "c3c94970b1d7b468c1045b59872131e5671d7c8bdcaf3acd6f9053dc60d8b5a8",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1226,7 +1226,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "a8e4b7d80be3bae0e8f193eb7f23c982b49fd912d92b39214f3e8280a5eb98e6",
+   "fingerprint": "e9f01db4f5da5838712b285d49ac42e678d4a4f2b373399a9e28896e5a33cfd0",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
