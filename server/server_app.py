@@ -38,10 +38,17 @@ def main(grid: Grid, context: Context) -> None:
     deployment = type(grid).__name__ == "HttpGrid"  # a deployment, never a simulation
     if deployment:  # no user data on this machine; every check before the charge (fedpers/deploy/serverside.py)
         from fedpers.deploy.pulls import quick_grid_pulls
-        from fedpers.deploy.serverside import deployed, preflight, private_files, refuse_server_data
+        from fedpers.deploy.serverside import (
+            deployed,
+            preflight,
+            private_files,
+            refuse_seeded_node_noise,
+            refuse_server_data,
+        )
 
         private_files()
         refuse_server_data(job)
+        refuse_seeded_node_noise(job)
         job = deployed(job)
         if policy is not None:
             preflight(policy, job)

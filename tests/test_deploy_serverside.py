@@ -16,7 +16,15 @@ import torch
 from fedpers import config as config_lib
 from fedpers.app import from_run_config, make_client_app
 from fedpers.data.files import save_altmin_npz
-from fedpers.deploy.serverside import BoundedGrid, RunStopped, deployed, preflight, private_files, refuse_server_data
+from fedpers.deploy.serverside import (
+    BoundedGrid,
+    RunStopped,
+    deployed,
+    preflight,
+    private_files,
+    refuse_seeded_node_noise,
+    refuse_server_data,
+)
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import truth
 from fedpers.runner import execute
@@ -147,3 +155,20 @@ def test_run_files_are_private(tmp_path: Path) -> None:
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
     files = [p for p in run.rglob("*") if p.is_file()]
     assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), [(p.name, oct(p.stat().st_mode)) for p in files]
+
+
+def test_a_deployment_refuses_node_noise_drawn_from_the_runs_seed() -> None:
+    """Under distributed or local DP the run's seed travels with the public plan: a deployment must draw
+    the nodes' noise from their own OS entropy, or the server could subtract it."""
+    import dataclasses
+
+    from fedpers.config import DpModel
+
+    job = from_run_config({"algorithm": "altmin", "config": "rank=2", "secure-noise": False})
+    refuse_seeded_node_noise(job)  # central: the server adds the noise
+    for model in (DpModel.DISTRIBUTED, DpModel.LOCAL):
+        seeded = dataclasses.replace(job, options=dataclasses.replace(job.options, dp_model=model))
+        with pytest.raises(ValueError, match=f"secure_noise: a deployment with dp_model={model.value}"):
+            refuse_seeded_node_noise(seeded)
+        secure = dataclasses.replace(job, options=dataclasses.replace(job.options, dp_model=model, secure_noise=True))
+        refuse_seeded_node_noise(secure)

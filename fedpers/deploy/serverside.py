@@ -51,6 +51,19 @@ def refuse_server_data(job: Any) -> None:
         )
 
 
+def refuse_seeded_node_noise(job: Any) -> None:
+    """Refuse a deployment that has the nodes add noise from the run's seed: under distributed or local DP
+    the seed travels with the public plan (a reproducible simulation), so the server could subtract every
+    node's noise; a deployment draws it from each node's OS entropy (``secure_noise``)."""
+    options = getattr(job, "options", None)
+    model = getattr(getattr(options, "dp_model", None), "value", "central")
+    if options is not None and model != "central" and not options.secure_noise:
+        raise ValueError(
+            f"secure_noise: a deployment with dp_model={model} must set secure_noise=true (the nodes' noise would "
+            "otherwise follow the run's seed, which the server knows)"
+        )
+
+
 def deployed(job: Any) -> Any:
     """``job`` with the server's evaluation off (``server_data=false``: no metric needs the users' data)."""
     if job.options is None:  # a resumed run: its saved options are its own
