@@ -8,3 +8,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # The suite solves every calibration afresh (no entry of a user's cache, none left behind);
 # tests/test_calibration_cache.py turns the cache on where it tests it.
 os.environ.setdefault("FEDPERS_CALIBRATION_CACHE", "0")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test sees the environment the suite started with: an in-process ``fedpers`` command sets
+    FLWR_LOG_LEVEL and PYTHONWARNINGS for its own Ray workers, and a later test's Flower processes
+    (a SuperLink whose start-up line the loopback tests wait for) must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
