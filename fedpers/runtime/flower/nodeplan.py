@@ -99,16 +99,7 @@ class NodeLedger:
 
     @staticmethod
     def _charges(raw: Mapping[str, Any]) -> list[Charge]:
-        return [
-            Charge(
-                c["run"],
-                float(c["epsilon"]),
-                float(c["delta"]),
-                (int(c["units"][0]), int(c["units"][1])),
-                float(c["time"]),
-            )
-            for c in raw["charges"]
-        ]
+        return [Charge.from_json(c) for c in raw["charges"]]
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -212,6 +212,13 @@ class Charge:
     units: tuple[int, int]
     time: float
 
+    @classmethod
+    def from_json(cls, c: Mapping[str, Any]) -> Charge:
+        """A charge as a ledger file stores it (a malformed entry raises KeyError, TypeError or ValueError)."""
+        return cls(
+            c["run"], float(c["epsilon"]), float(c["delta"]), (int(c["units"][0]), int(c["units"][1])), float(c["time"])
+        )
+
 
 class BudgetLedger:
     """The per-user budget a federation has spent, one JSON file the ServerApp's user alone may write.
@@ -229,16 +236,7 @@ class BudgetLedger:
             raw = json.loads(self.path.read_text())
             if raw.get("federation") != self.federation:
                 raise ValueError(f"it belongs to federation {raw.get('federation')!r}, not {self.federation!r}")
-            return [
-                Charge(
-                    c["run"],
-                    float(c["epsilon"]),
-                    float(c["delta"]),
-                    (int(c["units"][0]), int(c["units"][1])),
-                    float(c["time"]),
-                )
-                for c in raw["charges"]
-            ]
+            return [Charge.from_json(c) for c in raw["charges"]]
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise ValueError(
                 f"budget ledger {self.path}: unreadable ({e}); no run can be charged until it is repaired"
