@@ -17,6 +17,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.data.units import UnitSource
+from fedpers.protocols.base import Units
 
 Tensor = torch.Tensor
 RIDGE = 1e-3
@@ -64,8 +65,89 @@ def statistical_error(A: Tensor, b: Tensor, yy: float, u: Tensor, samples: int, 
     return math.sqrt(max(sigma2 * float((weight * a_inv).sum()), 0.0))
 
 
+class NonPrivateAltMin:
+    """:func:`nonprivate_altmin` one pass at a time, for a caller that reads the users itself (a
+    private run's passes, :class:`~fedpers.experiments.shared_passes.ReferenceRun`): :meth:`begin`,
+    :meth:`add` of every chunk in order, :meth:`end`; until :attr:`done`. Fed the chunks
+    :func:`nonprivate_altmin` reads, in its order, it computes the same U bit for bit.
+
+    Without ``start`` the first pass is the spectral initialisation (:func:`spectral_init`)."""
+
+    def __init__(self, rank: int, start: Tensor | None = None) -> None:
+        self.rank = rank
+        self.U: Tensor | None = None if start is None else start.double()
+        self.rounds = 0
+        self.done = False
+        self._previous = math.inf
+        self._total: Tensor | None = None
+        self._A: Tensor | None = None
+        self._b: Tensor | None = None
+        self._yy, self._samples, self._users = 0.0, 0, 0
+
+    def begin(self) -> None:
+        """A new pass over every user begins (anything summed by an unfinished pass is dropped)."""
+        self._total = self._A = self._b = None
+        self._yy, self._samples, self._users = 0.0, 0, 0
+
+    def add(self, units: Units) -> None:
+        """One chunk of users (all of their samples: ``x`` (n, m, d), ``y`` (n, m))."""
+        x = units["x"]
+        y = units["y"].to(x.dtype)
+        if self.U is None:  # the spectral pass
+            pairs = x.shape[1] // 2
+            w = linalg.pair_statistic(x[:, : 2 * pairs], y[:, : 2 * pairs]).double()
+            self._total = w if self._total is None else self._total + w
+            return
+        U, dk = self.U, self.U.shape[0] * self.rank
+        if self._A is None or self._b is None:
+            self._A = torch.zeros(dk, dk, dtype=torch.float64, device=U.device)  # where the users are
+            self._b = torch.zeros(dk, dtype=torch.float64, device=U.device)
+        v = local_solve(U, x, y)
+        gram, label_sum = linalg.kron_statistics(v, x, label=y)  # one pass over x for both
+        self._A += gram.double()
+        assert label_sum is not None  # a label was given: kron_statistics returns its sum
+        self._b += label_sum.double()
+        self._yy += float((y.double() ** 2).sum())
+        self._samples, self._users = self._samples + y.numel(), self._users + y.shape[0]
+
+    def end(self) -> None:
+        """The pass is complete: the spectral U, or one AltMin round and the stopping rule."""
+        if self.U is None:
+            if self._total is None:
+                raise ValueError("spectral_init needs at least one user")
+            self.U = linalg.top_eigenvectors(self._total, self.rank)
+            self._total = None
+            return
+        U, d, rank = self.U, self.U.shape[0], self.rank
+        A, b = self._A, self._b
+        if A is None or b is None:
+            A = torch.zeros(d * rank, d * rank, dtype=torch.float64, device=U.device)
+            b = torch.zeros(d * rank, dtype=torch.float64, device=U.device)
+        self.rounds += 1
+        ridge = 1e-12 * float(A.diagonal().mean().clamp_min(1e-300))
+        A += ridge * torch.eye(d * rank, dtype=A.dtype, device=A.device)
+        u = linalg.vec_to_matrix(torch.linalg.solve(A, b), d, rank)
+        new = linalg.orthonormal_basis(u)
+        moved = float(torch.linalg.matrix_norm(new @ new.T - U @ U.T))
+        self.U = new
+        self._A = self._b = None
+        if moved < TOLERANCE or self.rounds >= MAX_ROUNDS:
+            self.done = True
+            return
+        rho, self._previous = moved / self._previous, moved  # 0 after round 1: no contraction measured yet
+        if 0 < rho < 1 and moved * rho / (1 - rho) <= PRECISION * statistical_error(
+            A, b, self._yy, u, self._samples, self._users * rank + d * rank
+        ):
+            self.done = True
+
+
 def nonprivate_altmin(
-    source: UnitSource, rank: int, chunk_size: int, start: Tensor | None = None
+    source: UnitSource,
+    rank: int,
+    chunk_size: int,
+    start: Tensor | None = None,
+    *,
+    resume: NonPrivateAltMin | None = None,
 ) -> tuple[Tensor, int]:
     """(U, rounds run): alternate v_j = ridge LS on all samples and the exact U step until U is
     within ``PRECISION`` of its statistical error from the fixed point (or moves < ``TOLERANCE``).
@@ -76,41 +158,20 @@ def nonprivate_altmin(
     spectral statistic without noise, which a private AltMin run computes in its own first pass);
     None: :func:`spectral_init`, a pass of its own. The fixed point, hence the reference to within
     the stopping rule's share of its statistical error, does not depend on the start.
+    ``resume``: a :class:`NonPrivateAltMin` whose first passes were made elsewhere (in a private
+    run's passes over the same users, in the same chunks): its remaining passes, here.
 
     Products in the working dtype of the users (float32 runs: float32 chunks), sums over chunks
     and the dk×dk solve in float64. After round r ≥ 2 the contraction ρ = move_r/move_(r−1)
     bounds the distance left to the fixed point by move_r·ρ/(1−ρ)."""
-    U = spectral_init(source, rank, chunk_size) if start is None else start.double()
-    d = U.shape[0]
-    previous = math.inf
-    for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007  (returned: the rounds run)
-        A = torch.zeros(d * rank, d * rank, dtype=torch.float64, device=U.device)  # where the users are
-        b = torch.zeros(d * rank, dtype=torch.float64, device=U.device)
-        yy, samples, users = 0.0, 0, 0
+    steps = NonPrivateAltMin(rank, start) if resume is None else resume
+    while not steps.done:
+        steps.begin()
         for units in source.chunks(chunk_size):
-            x = units["x"]
-            y = units["y"].to(x.dtype)
-            v = local_solve(U, x, y)
-            gram, label_sum = linalg.kron_statistics(v, x, label=y)  # one pass over x for both
-            A += gram.double()
-            assert label_sum is not None  # a label was given: kron_statistics returns its sum
-            b += label_sum.double()
-            yy += float((y.double() ** 2).sum())
-            samples, users = samples + y.numel(), users + y.shape[0]
-        ridge = 1e-12 * float(A.diagonal().mean().clamp_min(1e-300))
-        A += ridge * torch.eye(d * rank, dtype=A.dtype, device=A.device)
-        u = linalg.vec_to_matrix(torch.linalg.solve(A, b), d, rank)
-        new = linalg.orthonormal_basis(u)
-        moved = float(torch.linalg.matrix_norm(new @ new.T - U @ U.T))
-        U = new
-        if moved < TOLERANCE:
-            break
-        rho, previous = moved / previous, moved  # 0 after round 1: no contraction measured yet
-        if 0 < rho < 1 and moved * rho / (1 - rho) <= PRECISION * statistical_error(
-            A, b, yy, u, samples, users * rank + d * rank
-        ):
-            break
-    return U, rounds
+            steps.add(units)
+        steps.end()
+    assert steps.U is not None  # every pass ended: the spectral one sets U
+    return steps.U, steps.rounds
 
 
 def local_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:

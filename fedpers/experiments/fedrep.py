@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -36,6 +36,7 @@ from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import Canaries, CanaryDesign
 from fedpers.experiments.population import population_mse
+from fedpers.experiments.shared_passes import ReferenceRun, ShadowRun
 from fedpers.privacy import (
     Accountant,
     Calibrations,
@@ -46,8 +47,10 @@ from fedpers.privacy import (
     ledger_epsilon,
 )
 from fedpers.privacy.accountant import accountant_field, accountant_name, check_accountant, check_poisson_accountant
+from fedpers.protocols.altmin import AltMinProtocol
+from fedpers.protocols.base import Units
 from fedpers.protocols.fedrep import FedRepProtocol, default_zeta
-from fedpers.runtime.local import run_local
+from fedpers.runtime.local import Companion, run_local
 
 Tensor = torch.Tensor
 
@@ -244,6 +247,8 @@ class FedRepEvaluator(Evaluator):
         self.cfg, self.u_star = cfg, truth(cfg).to(cfg.device)  # beside the released U it is compared with
         self.source = source(cfg, ("ids", "x_refit", "y_refit", "x_test", "y_test"))
         self.init_U: Tensor | None = None
+        self.shadow: ShadowRun | None = None
+        self.reference: ReferenceRun | None = None
 
     def state_dict(self) -> dict[str, Tensor]:
         return {} if self.init_U is None else {"init_U": self.init_U}
@@ -255,6 +260,26 @@ class FedRepEvaluator(Evaluator):
         if round == 0:
             self.init_U = state["U"]
         return {"subspace_error": metrics.subspace_error(state["U"], self.u_star)}
+
+    def companions(self) -> list[Companion]:
+        """Both baselines in the private run's passes, when every round reads every user with all
+        of its training samples (``--cohorts all``): Priv-AltMin's round r in the run's round r
+        (its clients on the same chunks, its cohort's users of each), the non-private reference's
+        spectral pass and first rounds in the run's rounds (:class:`ReferenceRun`; it goes on
+        alone after the run). Other cohorts read subsets: the baselines run alone, as before."""
+        if self.cfg.cohorts != "all":
+            return []
+        wanted = baseline_names(self.cfg.baselines)
+        out: list[Companion] = []
+        setup = self._priv_altmin_setup() if "priv_altmin" in wanted else None
+        if setup is not None:
+            proto, privatizer, _, quarters = setup
+            self.shadow = ShadowRun(proto, privatizer, same_client=False, units_map=quarters)
+            out.append(self.shadow)
+        if "nonprivate_altmin" in wanted:
+            self.reference = ReferenceRun(self.cfg.rank)
+            out.append(self.reference)
+        return out
 
     def final(self, state: Any) -> dict[str, Any]:
         Us = {"private": state["U"], "oracle": self.u_star.to(state["U"].dtype)}
@@ -268,7 +293,10 @@ class FedRepEvaluator(Evaluator):
             if U is not None:
                 Us["priv_altmin"] = U
         if "nonprivate_altmin" in wanted:
-            Us["nonprivate_altmin"], rounds = nonprivate_altmin(train, self.cfg.rank, self.cfg.chunk_size)
+            ridden = self.reference if self.reference is not None and self.reference.usable else None
+            Us["nonprivate_altmin"], rounds = nonprivate_altmin(
+                train, self.cfg.rank, self.cfg.chunk_size, resume=None if ridden is None else ridden.steps
+            )
             extra["nonprivate_altmin"] = {"rounds": rounds}
         mse = population_mse(self.source, Us, self.cfg.chunk_size)
         rows = {
@@ -279,15 +307,15 @@ class FedRepEvaluator(Evaluator):
         out["baselines"] = {name: {**rows.get(name, {}), **info} for name, info in extra.items()}
         return out
 
-    def priv_altmin(self, train: UnitSource) -> tuple[Tensor | None, dict[str, Any]]:
-        """Priv-AltMin (``run altmin``'s protocol, disjoint cohorts) on the same users at the same
-        (ε, δ): it splits samples into 4 quarters, so it reads the first 4·⌊m/4⌋ training samples
-        (m = 5: samples 1–4, one per quarter; the 5th is unused), then is refitted and tested
-        exactly like FedRep. Its own ledger and noise generator; ε is reported beside it."""
+    def _priv_altmin_setup(
+        self,
+    ) -> tuple[AltMinProtocol, Privatizer, Ledger, Callable[[Units], Units]] | None:
+        """Priv-AltMin's protocol at the run's (ε, δ), its own privatizer and ledger, and the map
+        from a chunk of training units to its own (the first 4·⌊m/4⌋ samples); None if m < 4."""
         cfg = self.cfg
         q4 = 4 * (cfg.samples_per_user // 4)
         if q4 == 0:
-            return None, {"skipped": "m < 4: Priv-AltMin needs 4 sample quarters"}
+            return None
         acfg = AltMinConfig(
             n_users=cfg.n_users,
             dim=cfg.dim,
@@ -305,22 +333,36 @@ class FedRepEvaluator(Evaluator):
             chunk_size=cfg.chunk_size,
             baselines="none",
         )
-        proto = altmin_protocol(acfg)
-        quarters = UnitSource(
-            cfg.n_users,
-            lambda a, b: {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in train.slice(a, b).items()},
-            cfg.device,
-        )
         ledger = Ledger()
-        state, _ = run_local(
-            proto,
-            quarters,
-            Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger),
-            chunk_size=cfg.chunk_size,
-            progress=False,
-        )
+        privatizer = Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger)
+
+        def quarters(units: Units) -> Units:
+            return {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in units.items()}
+
+        return altmin_protocol(acfg), privatizer, ledger, quarters
+
+    def priv_altmin(self, train: UnitSource) -> tuple[Tensor | None, dict[str, Any]]:
+        """Priv-AltMin (``run altmin``'s protocol, disjoint cohorts) on the same users at the same
+        (ε, δ): it splits samples into 4 quarters, so it reads the first 4·⌊m/4⌋ training samples
+        (m = 5: samples 1–4, one per quarter; the 5th is unused), then is refitted and tested
+        exactly like FedRep. Its own ledger and noise generator; ε is reported beside it. Read in
+        the private run's passes where :meth:`companions` could (the same noise draws; sums
+        chunked otherwise, so equal to float rounding), else a run of its own."""
+        cfg = self.cfg
+        q4 = 4 * (cfg.samples_per_user // 4)
+        if self.shadow is not None and self.shadow.complete:
+            proto, ledger, U = self.shadow.protocol, self.shadow.privatizer.ledger, self.shadow.state["U"]
+        else:
+            setup = self._priv_altmin_setup()
+            if setup is None:
+                return None, {"skipped": "m < 4: Priv-AltMin needs 4 sample quarters"}
+            proto, privatizer, ledger, quarters = setup
+            own = UnitSource(cfg.n_users, lambda a, b: quarters(train.slice(a, b)), cfg.device)
+            state, _ = run_local(proto, own, privatizer, chunk_size=cfg.chunk_size, progress=False)
+            U = state["U"]
+        assert isinstance(proto, AltMinProtocol) and ledger is not None
         eps = ledger_epsilon(ledger, cfg.delta, cfg.accountant) if not math.isinf(cfg.epsilon) else math.inf
-        return state["U"], {"epsilon": eps, "samples_used": q4, "cohorts": acfg.cohorts.value}
+        return U, {"epsilon": eps, "samples_used": q4, "cohorts": proto.cohorts.value}
 
 
 # ----- optional hook: audit canaries -------------------------------------------------------------

@@ -11,11 +11,12 @@ state; nothing of it reaches the private run's releases.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from fedpers.experiments.altmin_baselines import NonPrivateAltMin
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Message, Protocol, Units, client_message, zero_message
 from fedpers.runtime.local import Companion
@@ -39,14 +40,30 @@ class ShadowRun(Companion):
     on the same source and chunk size, bit for bit (the chunks are the same and summed in the same
     order). The result is valid only if every round from 0 was seen (:attr:`complete`): a resumed run's
     shadow is not, and its caller computes the baseline on its own.
+
+    ``same_client`` False: ``protocol`` is another protocol whose every round reads units the run
+    reads in that round (the run reads every unit in each of its rounds, say) and whose
+    ``client_update`` takes part only with its own units of the chunk (a cohort's, say); its sums
+    then equal a separate run's to float rounding (chunked otherwise), and the run's message is
+    never reused. ``units_map`` turns the run's chunk into this protocol's units (a subset of the
+    samples, say). Rounds of the run past ``protocol``'s last are ignored.
     """
 
-    def __init__(self, protocol: Protocol, privatizer: Privatizer) -> None:
+    def __init__(
+        self,
+        protocol: Protocol,
+        privatizer: Privatizer,
+        *,
+        same_client: bool = True,
+        units_map: Callable[[Units], Units] | None = None,
+    ) -> None:
         self.protocol, self.privatizer = protocol, privatizer
         self.state: Any = protocol.server_start(protocol.initial_state(), privatizer)
         self.next_round = 0
+        self.same_client, self.units_map = same_client, units_map
         self._broadcast: dict[str, Tensor] = {}
         self._reuse = False
+        self._active = False
         self._total: Message | None = None
 
     @property
@@ -54,17 +71,28 @@ class ShadowRun(Companion):
         return not self.error and self.next_round == self.protocol.num_rounds
 
     def start_round(self, round: int, broadcast: Mapping[str, Tensor]) -> None:
+        self._active = round < self.protocol.num_rounds
+        if not self._active:
+            return
         if round != self.next_round:
             raise RuntimeError(f"shadow run: round {round} began before round {self.next_round} (a resumed run)")
         self._broadcast = self.protocol.broadcast(self.state, round)
-        self._reuse = _same_broadcast(self._broadcast, broadcast)
+        self._reuse = self.same_client and _same_broadcast(self._broadcast, broadcast)
         self._total = None
 
     def chunk(self, round: int, units: Units, message: Message) -> None:
-        own = message if self._reuse else client_message(self.protocol, round, self._broadcast, units)
+        if not self._active:
+            return
+        if self._reuse:
+            own = message
+        else:
+            mine = units if self.units_map is None else self.units_map(units)
+            own = client_message(self.protocol, round, self._broadcast, mine)
         self._total = own.copy() if self._total is None else self._total.add_(own)
 
     def end_round(self, round: int) -> None:
+        if not self._active:
+            return
         p = self.protocol
         # as the local runtime's round: a zero message plus the one summed reply
         total = zero_message(p.stat_specs(round), p.dtype, self._device())
@@ -78,3 +106,40 @@ class ShadowRun(Companion):
         if self._total is not None:
             return next(iter(self._total.stats.values())).device
         return torch.device("cpu")
+
+
+class ReferenceRun(Companion):
+    """The non-private AltMin reference (:class:`~fedpers.experiments.altmin_baselines.NonPrivateAltMin`)
+    advanced one pass per round of a run that reads every user, with all of its samples, in each
+    round, in the chunks the reference's own passes read: its spectral pass in the run's round 0,
+    its round r in the run's round r, so its first passes cost no generation of their own. Its
+    caller finishes it with ``nonprivate_altmin(…, resume=reference.steps)``; the U is the one
+    ``nonprivate_altmin`` computes alone, bit for bit. Valid (:attr:`usable`) only if it saw the
+    run from round 0 on and every round's pass ended."""
+
+    def __init__(self, rank: int, units_map: Callable[[Units], Units] | None = None) -> None:
+        self.steps = NonPrivateAltMin(rank)
+        self.units_map = units_map
+        self.next_round = 0
+        self._open = False
+
+    @property
+    def usable(self) -> bool:
+        return not self.error and not self._open
+
+    def start_round(self, round: int, broadcast: Mapping[str, Tensor]) -> None:
+        if round != self.next_round:
+            raise RuntimeError(f"reference: round {round} began before round {self.next_round} (a resumed run)")
+        self._open = not self.steps.done
+        if self._open:
+            self.steps.begin()
+
+    def chunk(self, round: int, units: Units, message: Message) -> None:
+        if self._open:
+            self.steps.add(units if self.units_map is None else self.units_map(units))
+
+    def end_round(self, round: int) -> None:
+        if self._open:
+            self.steps.end()
+        self._open = False
+        self.next_round += 1
