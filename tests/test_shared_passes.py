@@ -147,3 +147,53 @@ def test_the_warm_started_reference_is_todays_within_its_statistical_error(monke
     for U in (today, U_30):
         assert float((warm @ warm.T - U @ U.T).norm()) <= 0.1 * err_30
     assert abs(subspace_error(warm, u_star) - err_30) <= 0.01 * err_30
+
+
+FEDREP = EXPERIMENTS["fedrep"]
+
+
+def run_fedrep(values: dict) -> dict:
+    return execute(FEDREP, config.build(FEDREP.config_type, values), write=False, progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_fedrep_baselines_in_shared_passes_equal_the_baselines_computed_on_their_own(monkeypatch, dtype):
+    """FedRep's Priv-AltMin (its rounds in FedRep's rounds, on FedRep's chunks) and the non-private
+    reference (its spectral pass and first rounds in FedRep's rounds) equal the separate runs'
+    (several chunks a pass, float64 and float32): the reference bit for bit, Priv-AltMin's sums
+    chunked otherwise (a cohort's users out of every chunk) to float rounding, same ε."""
+    from fedpers.experiments import fedrep
+
+    values = dict(n_users=2500, dim=8, rank=2, samples_per_user=5, rounds=3, chunk_size=700, dtype=dtype, seed=2)
+    shared = run_fedrep(values)
+    monkeypatch.setattr(fedrep.FedRepEvaluator, "companions", lambda self: [])
+    alone = run_fedrep(values)
+    assert set(shared["baselines"]) == set(alone["baselines"]) >= {"priv_altmin", "nonprivate_altmin"}
+    assert shared["baselines"]["nonprivate_altmin"] == alone["baselines"]["nonprivate_altmin"]
+    tol = 1e-9 if dtype == "float64" else 1e-4
+    for key, value in alone["baselines"]["priv_altmin"].items():
+        assert shared["baselines"]["priv_altmin"][key] == (pytest.approx(value, rel=tol) if isinstance(value, float) else value)
+    assert shared["subspace_error"] == alone["subspace_error"]  # the private run is untouched
+
+
+def test_a_default_fedrep_run_reads_the_training_users_once_a_round_plus_the_references_extra_rounds(monkeypatch):
+    """The bound: with every baseline (``--cohorts all``) the training users are read T + 1 times by
+    the run (Priv-AltMin's T + 1 rounds and the reference's first T + 1 passes riding along) and
+    max(0, R − T) times by the reference alone (R rounds after its spectral pass); on their own the
+    baselines read them (T + 1) + (R + 1) times more."""
+    from fedpers.experiments import fedrep
+
+    loads: list[int] = []
+    original = fedrep.load_all
+
+    def counted(cfg, ids, test=True):
+        if not test:
+            loads.append(int(ids.numel()))
+        return original(cfg, ids, test)
+
+    monkeypatch.setattr(fedrep, "load_all", counted)
+    n, T = 2000, 3
+    result = run_fedrep(dict(n_users=n, dim=8, rank=2, samples_per_user=5, rounds=T, chunk_size=500, seed=1))
+    R = result["baselines"]["nonprivate_altmin"]["rounds"]
+    assert R >= 2 and "epsilon" in result["baselines"]["priv_altmin"]
+    assert sum(loads) == n * ((T + 1) + max(0, R - T))
