@@ -156,7 +156,7 @@ def run_fedrep(values: dict) -> dict:
     return execute(FEDREP, config.build(FEDREP.config_type, values), write=False, progress=False)
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dtype", ["float64", pytest.param("float32", marks=pytest.mark.slow)])
 def test_fedrep_baselines_in_shared_passes_equal_the_baselines_computed_on_their_own(monkeypatch, dtype):
     """FedRep's Priv-AltMin (its rounds in FedRep's rounds, on FedRep's chunks) and the non-private
     reference (its spectral pass and first rounds in FedRep's rounds) equal the separate runs'
@@ -164,7 +164,7 @@ def test_fedrep_baselines_in_shared_passes_equal_the_baselines_computed_on_their
     chunked otherwise (a cohort's users out of every chunk) to float rounding, same ε."""
     from fedpers.experiments import fedrep
 
-    values = dict(n_users=2500, dim=8, rank=2, samples_per_user=5, rounds=3, chunk_size=700, dtype=dtype, seed=2)
+    values = dict(n_users=900, dim=6, rank=2, samples_per_user=5, rounds=2, chunk_size=450, dtype=dtype, seed=2, accountant="rdp")
     shared = run_fedrep(values)
     monkeypatch.setattr(fedrep.FedRepEvaluator, "companions", lambda self: [])
     alone = run_fedrep(values)
@@ -192,8 +192,8 @@ def test_a_default_fedrep_run_reads_the_training_users_once_a_round_plus_the_ref
         return original(cfg, ids, test)
 
     monkeypatch.setattr(fedrep, "load_all", counted)
-    n, T = 2000, 3
-    result = run_fedrep(dict(n_users=n, dim=8, rank=2, samples_per_user=5, rounds=T, chunk_size=500, seed=1))
+    n, T = 1000, 2
+    result = run_fedrep(dict(n_users=n, dim=8, rank=2, samples_per_user=5, rounds=T, chunk_size=500, seed=1, accountant="rdp"))
     R = result["baselines"]["nonprivate_altmin"]["rounds"]
     assert R >= 2 and "epsilon" in result["baselines"]["priv_altmin"]
     assert sum(loads) == n * ((T + 1) + max(0, R - T))
