@@ -58,7 +58,24 @@ class LongFormatSummary(TypedDict):
     max_samples_per_user: int
     samples_per_user_median: float
     samples_per_user_max: int
+    labels_beyond_robust_range: int
+    """Kept labels outside :data:`ROBUST_FENCE` interquartile ranges of the quartiles: kept (the private
+    run clips every label at its declared ζ), but the non-private baselines use them as they are."""
+    label_robust_range: list[float]
     note: str
+
+
+ROBUST_FENCE = 10.0
+"""k of the robust label range [q₁ − k·IQR, q₃ + k·IQR] (Tukey's far-out fence is k = 3; 10 flags
+only values no real label scale explains, e.g. a 1e9 among labels of order 1)."""
+
+
+def robust_range(values: np.ndarray, fence: float = ROBUST_FENCE) -> tuple[float, float]:
+    """[q₁ − k·IQR, q₃ + k·IQR] of ``values`` ((−inf, inf) for none)."""
+    if values.size == 0:
+        return -math.inf, math.inf
+    q1, q3 = np.quantile(values, [0.25, 0.75])
+    return float(q1 - fence * (q3 - q1)), float(q3 + fence * (q3 - q1))
 
 
 class _Table(TypedDict):
@@ -205,7 +222,7 @@ class LongFormatFile:
     def _index(self) -> tuple[np.ndarray, np.ndarray, int]:
         """Users (sorted unique ids of every row with one) and kept rows per user, in one
         streamed pass (never the whole file in memory); dropped rows counted per reason."""
-        users_parts, kept_parts, total = [], [], 0
+        users_parts, kept_parts, label_parts, total = [], [], [], 0
         self.rows_dropped: dict[str, int] = {}
         for batch in self._dataset.to_batches(columns=[self.user_column, self.label_column, *self.feature_columns]):
             total += batch.num_rows
@@ -216,12 +233,16 @@ class LongFormatFile:
             u = batch.column(0)
             users_parts.append(u.drop_null().to_numpy(zero_copy_only=False))
             kept_parts.append(u.filter(ok).to_numpy(zero_copy_only=False))
+            label_parts.append(batch.column(1).filter(ok).cast("float64").to_numpy(zero_copy_only=False))
         if total == 0:
             raise ValueError(f"data: {self.path.name} has no rows")
         users = np.unique(np.concatenate(users_parts))
         if len(users) == 0:
             raise ValueError(f"user_column: no row of {self.path.name} has a user id")
         kept = np.concatenate(kept_parts)
+        labels = np.concatenate(label_parts)
+        self.label_range = robust_range(labels)
+        self.labels_beyond = int(((labels < self.label_range[0]) | (labels > self.label_range[1])).sum())
         counts = (
             np.bincount(np.searchsorted(users, kept), minlength=len(users))
             if len(kept)
@@ -357,6 +378,8 @@ class LongFormatFile:
             "max_samples_per_user": self.cap,
             "samples_per_user_median": float(np.median(self.counts)),
             "samples_per_user_max": int(self.counts.max()),
+            "labels_beyond_robust_range": self.labels_beyond,
+            "label_robust_range": [float(f"{v:.4g}") for v in self.label_range],
             "note": summary.NOTE,
         }
 
