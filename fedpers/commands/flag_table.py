@@ -236,7 +236,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "31284283b071e1826968e51085b2b2d6bccc43d155770aa8342d2998aa486d43",
+   "fingerprint": "9f9989e5989c3c24d6a5ec22ead151b4632a8e36c010f52a43d4daa7af54bc06",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -337,6 +337,12 @@ TABLE = json.loads(
      "flag": "--ridge-user",
      "meta": {},
      "name": "ridge_user",
+     "type": "float"
+    },
+    {
+     "flag": "--user-bias",
+     "meta": {},
+     "name": "user_bias",
      "type": "float"
     },
     {
@@ -495,7 +501,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "2b90eed22d7a4d98941ab043225b82657b8a0c29de3ef17824aa23d027c824d5",
+   "fingerprint": "ab1a77be3104e12571606c9771635c78e7ce045c469efcaa01cde46884671c23",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -1529,7 +1535,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "4c0a63b47a8bbcb47338a02f8d56b119905aef9cf1a963922cc39265d1a821d3",
+   "fingerprint": "273868b0518bf34885889ae05d026b1e231636705a40de08266b49886be1636d",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
