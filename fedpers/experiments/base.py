@@ -53,6 +53,10 @@ class Evaluator(abc.ABC):
     def final(self, state: Any) -> dict[str, Any]:
         """Final metrics (and baselines) for the final server state."""
 
+    def final_phase(self) -> str:
+        """What :meth:`final` computes, as the progress line announcing it names it."""
+        return "the private result and its baselines"
+
     def companions(self) -> Sequence[Companion]:
         """Baselines that read the users in the private run's own passes (the local runtime calls
         them chunk by chunk; see :class:`~fedpers.runtime.local.Companion`); :meth:`final` computes

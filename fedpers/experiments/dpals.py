@@ -327,6 +327,12 @@ class DpAlsEvaluator(Evaluator):
         self.units = load_units(cfg, torch.arange(n_users(cfg)), "cpu")
         self.synthetic = table(cfg) is None
 
+    def final_phase(self) -> str:
+        return (
+            "the private result, the global mean and the non-private reference (biased ALS: "
+            f"{len(rating_baselines.RIDGES)} ridges on a validation split, then a refit)"
+        )
+
     def final(self, state: Any) -> dict[str, Any]:
         cfg, u = self.cfg, self.units
         state = {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in state.items()}
