@@ -236,7 +236,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "9f9989e5989c3c24d6a5ec22ead151b4632a8e36c010f52a43d4daa7af54bc06",
+   "fingerprint": "6cc7d1900caf7d7cb9e5f0a2fb7f63eec1c5695453a235f8d0501bd3604ad42d",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -501,7 +501,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "ab1a77be3104e12571606c9771635c78e7ce045c469efcaa01cde46884671c23",
+   "fingerprint": "8f1754a16aa6086a12dffc0a8b02c26f743146ff84be408a8a72a3a032476306",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -1535,7 +1535,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "273868b0518bf34885889ae05d026b1e231636705a40de08266b49886be1636d",
+   "fingerprint": "8c3200ebdd72ec0fabbcdf1559aa83c9586670ce24f40dd1f9f68e5b9afb033e",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
