@@ -78,12 +78,17 @@ def test_the_non_private_reference_is_a_tuned_biased_als(dataset):
 
 @pytest.mark.slow
 def test_the_private_run_at_epsilon_10_beats_the_global_mean_on_movielens_small():
-    """671 users: the noisy item factors add little, but each user's own offset (local, never
-    sent) and the private mean carry the run below the global mean (measured 0.983 against 1.055)."""
+    """671 users: the private run beats the global mean (measured 0.983 against 1.055) through the
+    private mean and each user's own offset (local, never sent); its noisy item factors add
+    nothing, and the run says so: it warns that it does not beat the user-mean baseline (0.962),
+    with the measured figures (ratings per item against the noise on each item's statistic)."""
     exp = experiment("dpals")
-    cfg = config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0})
-    result = execute(exp, cfg, write=False, progress=False)
-    assert result["test_rmse"] < result["global_mean_rmse"] - 0.03 and "warnings" not in result
-    # the same run without the user offsets is the one the earlier warning was about
+    result = execute(exp, config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0}), write=False, progress=False)
+    assert result["test_rmse"] < result["global_mean_rmse"] - 0.03
+    warned = {w["baseline"]: w["text"] for w in result.get("warnings", []) if "baseline" in w}
+    assert "global_mean_rmse" not in warned
+    if result["test_rmse"] >= result["user_mean_rmse"]:
+        assert "training ratings per item" in warned["user_mean_rmse"] and "σ_b" in warned["user_mean_rmse"]
+    # without the user offsets the same run is the one that lost to the global mean before
     plain = execute(exp, config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0, "user_bias": 0.0}), write=False, progress=False)
-    assert plain["test_rmse"] > result["test_rmse"]
+    assert plain["test_rmse"] > result["test_rmse"] + 0.03

@@ -501,7 +501,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "8f1754a16aa6086a12dffc0a8b02c26f743146ff84be408a8a72a3a032476306",
+   "fingerprint": "31a5a5e791c4548636c1143d389c0bd4211e3188cfdac11c2991992f9521a44b",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
