@@ -59,23 +59,10 @@ class LongFormatSummary(TypedDict):
     samples_per_user_median: float
     samples_per_user_max: int
     labels_beyond_robust_range: int
-    """Kept labels outside :data:`ROBUST_FENCE` interquartile ranges of the quartiles: kept (the private
+    """Kept labels beyond the robust range (:func:`fedpers.data.summary.robust_range`): kept (the private
     run clips every label at its declared ζ), but the non-private baselines use them as they are."""
     label_robust_range: list[float]
     note: str
-
-
-ROBUST_FENCE = 10.0
-"""k of the robust label range [q₁ − k·IQR, q₃ + k·IQR] (Tukey's far-out fence is k = 3; 10 flags
-only values no real label scale explains, e.g. a 1e9 among labels of order 1)."""
-
-
-def robust_range(values: np.ndarray, fence: float = ROBUST_FENCE) -> tuple[float, float]:
-    """[q₁ − k·IQR, q₃ + k·IQR] of ``values`` ((−inf, inf) for none)."""
-    if values.size == 0:
-        return -math.inf, math.inf
-    q1, q3 = np.quantile(values, [0.25, 0.75])
-    return float(q1 - fence * (q3 - q1)), float(q3 + fence * (q3 - q1))
 
 
 class _Table(TypedDict):
@@ -241,7 +228,7 @@ class LongFormatFile:
             raise ValueError(f"user_column: no row of {self.path.name} has a user id")
         kept = np.concatenate(kept_parts)
         labels = np.concatenate(label_parts)
-        self.label_range = robust_range(labels)
+        self.label_range = summary.robust_range(labels)
         self.labels_beyond = int(((labels < self.label_range[0]) | (labels > self.label_range[1])).sum())
         counts = (
             np.bincount(np.searchsorted(users, kept), minlength=len(users))
