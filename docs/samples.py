@@ -34,11 +34,13 @@ class Sample:
     file: str
     stderr: bool
     """Whether the block shows what the commands print on stderr too (errors), or stdout only."""
+    gap: bool = False
+    """A blank line between one command's output and the next command."""
 
 
 SAMPLES = {
     "usage-errors": Sample("docs/usage.md", stderr=True),
-    "flower-sim8": Sample("docs/flower.md", stderr=False),
+    "flower-sim8": Sample("docs/flower.md", stderr=False, gap=True),
 }
 MARK = "<!-- sample: {name} -->"
 _TIME = re.compile(r"\b\d+(\.\d+)? s\b|\"seconds\": [0-9.e+-]+")
@@ -64,7 +66,7 @@ def commands(body: str) -> list[str]:
     return out
 
 
-def run(cmds: list[str], stderr: bool) -> str:
+def run(cmds: list[str], stderr: bool, gap: bool = False) -> str:
     """The block body: each command and what it prints now."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FEDPERS_CALIBRATION_CACHE": "0", "COLUMNS": "200"}
     out = []
@@ -80,7 +82,7 @@ def run(cmds: list[str], stderr: bool) -> str:
                 timeout=900,
             )
             out.append("$ " + cmd + "\n" + done.stdout.replace(tmp, DOCS_TMP))
-    return "".join(o if o.endswith("\n") else o + "\n" for o in out)
+    return ("\n" if gap else "").join(o if o.endswith("\n") else o + "\n" for o in out)
 
 
 def masked(text: str) -> str:
@@ -93,7 +95,7 @@ def regenerate(name: str, check: bool = False) -> bool:
     path = ROOT / sample.file
     text = path.read_text()
     start, end = block(text, name)
-    new = run(commands(text[start:end]), sample.stderr)
+    new = run(commands(text[start:end]), sample.stderr, sample.gap)
     current = masked(new) == masked(text[start:end])
     if not check and new != text[start:end]:
         path.write_text(text[:start] + new + text[end:])
