@@ -5,9 +5,11 @@ does it for it:
 
 - :func:`from_run_config`: what ``flwr run .`` hands the fedpers ServerApp
   (``context.run_config``) → experiment, config, options. Flower only accepts run-config keys
-  declared in ``[tool.flwr.app.config]`` of ``pyproject.toml``, so the algorithm's own fields
-  travel generically in one string (``config='n_users=2000 rounds=2 cohorts="all"'``) or a TOML
-  file (``config-file``), exactly like ``fedpers run ALGO --config FILE`` and its flags.
+  declared in ``[tool.flwr.app.config]`` of ``pyproject.toml``, so every built-in algorithm's
+  fields are declared there as flat keys (``n-users``, ``epsilon``, …; "" = the algorithm's
+  default; the block is written by :func:`write_flat_keys` from the config classes), beside one
+  string (``config='n_users=2000 rounds=2 cohorts="all"'``) and a TOML file (``config-file``),
+  exactly like ``fedpers run ALGO --config FILE`` and its flags.
 - :func:`build_node`: the node builder injected into the ClientApp (job → protocol + units);
   :func:`make_client_app` is the ClientApp with it (``clients/client_app.py``).
 - :func:`flower_job` and :func:`run_flower`: an experiment's run on the Flower runtime (what
@@ -87,16 +89,78 @@ def parse_pairs(text: str) -> dict[str, Any]:
     return out
 
 
+UNSET = ""
+"""A flat key's value in ``[tool.flwr.app.config]`` when it is not given: the algorithm's default."""
+FLAT_BEGIN = (
+    '# --- the algorithms\' fields as flat keys: written by `python -m fedpers.commands.flags`; "" = the default ---'
+)
+FLAT_END = "# --- end of the algorithms' fields ---"
+
+
+def flat_keys() -> dict[str, list[str]]:
+    """Every built-in algorithm's config field as a run-config key (``n_users`` → ``n-users``),
+    with the algorithms that have it."""
+    from dataclasses import fields
+
+    from fedpers.experiments import EXPERIMENTS
+
+    out: dict[str, list[str]] = {}
+    for name in sorted(EXPERIMENTS):
+        for f in fields(EXPERIMENTS[name].config_type):
+            out.setdefault(f.name.replace("_", "-"), []).append(name)
+    return dict(sorted(out.items()))
+
+
+def flat_keys_block() -> str:
+    """The flat keys' lines of ``[tool.flwr.app.config]`` (between :data:`FLAT_BEGIN` and :data:`FLAT_END`)."""
+    lines = [FLAT_BEGIN]
+    for key, algorithms in flat_keys().items():
+        lines.append(f'{key} = ""  # {", ".join(algorithms)}')
+    return "\n".join([*lines, FLAT_END])
+
+
+def write_flat_keys(pyproject: Path) -> bool:
+    """Rewrite the flat keys' block of ``pyproject`` from the config classes; True if it changed."""
+    text = pyproject.read_text()
+    begin, end = text.index(FLAT_BEGIN), text.index(FLAT_END) + len(FLAT_END)
+    new = text[:begin] + flat_keys_block() + text[end:]
+    if new != text:
+        pyproject.write_text(new)
+    return new != text
+
+
+def flat_values(run_config: Mapping[str, Any], experiment: Any, algorithm: str) -> dict[str, Any]:
+    """The config fields given as flat keys (any value but :data:`UNSET`), as field names; a
+    field the algorithm does not have is refused, naming the key."""
+    from dataclasses import fields
+
+    own = {f.name for f in fields(experiment.config_type)}
+    out: dict[str, Any] = {}
+    for key, value in run_config.items():
+        if key in KNOWN or (isinstance(value, str) and value == UNSET):
+            continue
+        name = key.replace("-", "_")
+        if name not in own:
+            raise ValueError(f"run config: {key} is not a field of {algorithm} (it has {', '.join(sorted(own))})")
+        out[name] = value
+    return out
+
+
 def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
     """Build the job from a Flower run config; every problem is a ValueError naming the key."""
     from fedpers.experiments import EXPERIMENTS
 
-    unknown = sorted(set(run_config) - set(KNOWN))
+    unknown = sorted(set(run_config) - set(KNOWN) - set(flat_keys()))
     if unknown:
-        raise ValueError(f"run config: unknown key(s) {unknown}; known: {list(KNOWN)}")
+        raise ValueError(
+            f"run config: unknown key(s) {unknown}; known: {list(KNOWN)} and the algorithms' fields as flat keys"
+        )
     resume = str(run_config.get(RESUME, ""))
     if resume:  # the run directory holds the configuration; nothing else may be given beside it
-        given = sorted(k for k in (CONFIG, CONFIG_FILE, OUT) if str(run_config.get(k, "")))
+        fields_given = sorted(
+            k for k, v in run_config.items() if k not in KNOWN and not (isinstance(v, str) and v == UNSET)
+        )
+        given = sorted(k for k in (CONFIG, CONFIG_FILE, OUT) if str(run_config.get(k, ""))) + fields_given
         if given:
             raise ValueError(f"run config: {RESUME} continues {resume!r} with its own configuration; drop {given}")
         return ServerJob(None, None, None, None, Path(resume))
@@ -111,7 +175,13 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
             values.update({k.replace("-", "_"): v for k, v in tomllib.loads(Path(config_file).read_text()).items()})
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"run config: {CONFIG_FILE}: cannot read {config_file!r}: {e}") from None
-    values.update(parse_pairs(str(run_config.get(CONFIG, ""))))
+    pairs = parse_pairs(str(run_config.get(CONFIG, "")))
+    flat = flat_values(run_config, experiment, algorithm)
+    twice = sorted(set(pairs) & set(flat))
+    if twice:
+        raise ValueError(f"run config: {twice} given both as flat keys and in {CONFIG}; give each once")
+    values.update(pairs)
+    values.update(flat)
     cfg = config_lib.build(experiment.config_type, values)
     options = config_lib.build(
         RuntimeOptions,

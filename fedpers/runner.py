@@ -19,6 +19,7 @@ from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import RoundRecord
 from fedpers.runtime.options import Runtime, RuntimeOptions
+from fedpers.runtime.progress import phase
 from fedpers.seeds import derived_seed, split_seed
 
 
@@ -55,6 +56,9 @@ class Plan:
 
 class NoServerData(Evaluator):
     """The evaluator of a run whose server holds no user data (a deployment): no metric, no baseline."""
+
+    def final_phase(self) -> str:
+        return "nothing (the server holds no user data)"
 
     def final(self, state: Any) -> dict[str, Any]:
         return {
@@ -93,7 +97,9 @@ def execute(
     run_dir, checkpointer = open_run_directory(plan, out, resume) if write else (None, None)
     try:
         state = drive(plan, run_dir, checkpointer, grid=grid, progress=progress)
-        result = result_of(plan, plan.evaluator.final(state), time.perf_counter() - start)
+        with phase(f"{experiment.name}: evaluating {plan.evaluator.final_phase()}", progress):
+            final = plan.evaluator.final(state)
+        result = result_of(plan, final, time.perf_counter() - start)
     except BaseException as e:
         if run_dir is not None:
             run_dir.fail(plan.privatizer.ledger, e, len(plan.rounds))

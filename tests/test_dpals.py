@@ -13,14 +13,16 @@ from fedpers.protocols.dpals import item_statistics, triu_pack
 from fedpers.runtime.local import run_local
 
 
-def dense_als_reference(U0, units, steps, ridge_user, ridge_item):
-    """Textbook ALS, one user and one item at a time, in float64."""
+def dense_als_reference(U0, units, steps, ridge_user, ridge_item, user_bias=0.0):
+    """Textbook ALS, one user and one item at a time, in float64; with ``user_bias`` κ each user
+    first subtracts its own mean rating shrunk by κ pseudo-ratings, Σr/(n + κ)."""
     U = U0.double().clone()
     n_items, k = U.shape
     users = []
     for j in range(units["items"].shape[0]):
         m = units["mask"][j]
-        users.append((units["items"][j][m].tolist(), units["ratings"][j][m].double()))
+        r = units["ratings"][j][m].double()
+        users.append((units["items"][j][m].tolist(), r - r.sum() / (len(r) + user_bias) if user_bias else r))
     for _ in range(steps):
         V = []
         for its, r in users:
@@ -38,10 +40,12 @@ def dense_als_reference(U0, units, steps, ridge_user, ridge_item):
     return U
 
 
-def test_no_noise_no_clipping_matches_dense_als():
+@pytest.mark.parametrize("user_bias", [0.0, 5.0])
+def test_no_noise_no_clipping_matches_dense_als(user_bias):
     cfg = config.build(
         DpAlsConfig,
         {
+            "user_bias": user_bias,
             "private_center": False,
             "n_users": 150,
             "n_items": 40,
@@ -59,7 +63,7 @@ def test_no_noise_no_clipping_matches_dense_als():
     protocol = make_protocol(cfg)
     units = load_units(cfg, torch.arange(cfg.n_users))
     state, _ = run_local(protocol, units, Privatizer(0), chunk_size=37, progress=False)
-    ref = dense_als_reference(protocol.initial_U, units, cfg.steps, cfg.ridge_user, protocol.ridge_item)
+    ref = dense_als_reference(protocol.initial_U, units, cfg.steps, cfg.ridge_user, protocol.ridge_item, user_bias)
     torch.testing.assert_close(state["U"], ref, rtol=1e-6, atol=1e-6)
 
 

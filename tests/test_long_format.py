@@ -246,3 +246,24 @@ def test_fewer_users_than_nodes_is_refused(tmp_path):
     cfg = config.build(EXP.config_type, {"data": str(path), "rank": K, "rounds": 1, "baselines": "none"})
     with pytest.raises(ValueError, match=r"nodes=8 exceeds the 5 units"):
         execute(EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=8), write=False, progress=False, grid=InProcessGrid(make_client_app(), 8))
+
+
+def test_a_label_of_1e9_is_counted_and_warned_about_not_silent(tmp_path):
+    """One label of 1e9 among labels of order 1: kept (the private run clips it at ζ) but counted
+    in the data summary, and the result warns that the non-private baselines fit it as it is
+    (it made local_only's test MSE about 1e14 without a word)."""
+    rng = np.random.default_rng(11)
+    users, x, y = ragged(rng, 60, 12, 12)
+    clean = LongFormatFile(write(tmp_path / "c.csv", users, x, y), "user", "y", (), cap=16, min_samples=4, test_fraction=0.2, seed=0)
+    assert clean.summary()["labels_beyond_robust_range"] == 0
+    y[7] = 1e9
+    path = write(tmp_path / "o.csv", users, x, y)
+    s = LongFormatFile(path, "user", "y", (), cap=16, min_samples=4, test_fraction=0.2, seed=0).summary()
+    assert s["labels_beyond_robust_range"] == 1
+    lo, hi = s["label_robust_range"]
+    assert lo < y[np.arange(len(y)) != 7].min() and y[np.arange(len(y)) != 7].max() < hi < 1e9
+    cfg = config.build(EXP.config_type, {"data": str(path), "rank": K, "rounds": 2, "baselines": "local_only"})
+    result = execute(EXP, cfg, write=False, progress=False)
+    (w,) = [w for w in result["warnings"] if w["metric"] == "labels"]
+    assert w["count"] == 1 and "1 label(s) lie beyond the robust range" in w["text"] and "baselines" in w["text"]
+    assert result["data"]["labels_beyond_robust_range"] == 1

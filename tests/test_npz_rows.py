@@ -85,3 +85,18 @@ def test_a_users_non_finite_sample_is_zeroed_and_counted_not_refused(tmp_path):
     np.savez(bad, x=x, y=y, x_test=xt, y_test=yt, u_star=np.full((3, 2), np.nan))
     with pytest.raises(ValueError, match="u_star has 6 NaN/inf"):
         AltMinFile(bad, 2)
+
+
+def test_an_npz_label_of_1e9_is_counted_beyond_the_robust_range(tmp_path):
+    """The .npz input counts outlying labels as the long format does (y and y_test, finite ones)."""
+    from fedpers.data.files import AltMinFile
+
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((50, 8, 3)), rng.standard_normal((50, 8))
+    xt, yt = rng.standard_normal((50, 2, 3)), rng.standard_normal((50, 2))
+    np.savez(tmp_path / "c.npz", x=x, y=y, x_test=xt, y_test=yt)
+    assert AltMinFile(tmp_path / "c.npz", 2).summary()["labels_beyond_robust_range"] == 0
+    y[3, 1], yt[7, 0], y[9, 2] = 1e9, -1e9, np.nan
+    np.savez(tmp_path / "o.npz", x=x, y=y, x_test=xt, y_test=yt)
+    s = AltMinFile(tmp_path / "o.npz", 2).summary()
+    assert s["labels_beyond_robust_range"] == 2 and -20 < s["label_robust_range"][0] < -3 < 3 < s["label_robust_range"][1] < 20

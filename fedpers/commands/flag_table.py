@@ -236,7 +236,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "31284283b071e1826968e51085b2b2d6bccc43d155770aa8342d2998aa486d43",
+   "fingerprint": "6cc7d1900caf7d7cb9e5f0a2fb7f63eec1c5695453a235f8d0501bd3604ad42d",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -337,6 +337,12 @@ TABLE = json.loads(
      "flag": "--ridge-user",
      "meta": {},
      "name": "ridge_user",
+     "type": "float"
+    },
+    {
+     "flag": "--user-bias",
+     "meta": {},
+     "name": "user_bias",
      "type": "float"
     },
     {
@@ -495,7 +501,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "2b90eed22d7a4d98941ab043225b82657b8a0c29de3ef17824aa23d027c824d5",
+   "fingerprint": "31a5a5e791c4548636c1143d389c0bd4211e3188cfdac11c2991992f9521a44b",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -1529,7 +1535,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "4c0a63b47a8bbcb47338a02f8d56b119905aef9cf1a963922cc39265d1a821d3",
+   "fingerprint": "8c3200ebdd72ec0fabbcdf1559aa83c9586670ce24f40dd1f9f68e5b9afb033e",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

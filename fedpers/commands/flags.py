@@ -188,6 +188,11 @@ def main() -> None:
     """Rewrite the snapshot from the config classes."""
     TABLE_FILE.write_text(table_text(build_table()))
     print(f"wrote {TABLE_FILE}")
+    from fedpers.app import write_flat_keys
+
+    pyproject = TABLE_FILE.parents[2] / "pyproject.toml"
+    if pyproject.is_file() and write_flat_keys(pyproject):  # the flat run-config keys of `flwr run .`
+        print(f"wrote the flat keys of [tool.flwr.app.config] in {pyproject}")
 
 
 if __name__ == "__main__":

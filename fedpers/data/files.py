@@ -47,6 +47,10 @@ class FileSummary(TypedDict):
     features: int
     samples_zeroed: dict[str, int]
     """Non-finite samples zeroed, per array."""
+    labels_beyond_robust_range: int
+    """Finite labels (y, y_test) outside the robust range of ``y`` (see
+    :func:`fedpers.data.summary.robust_range`): kept, but the non-private baselines fit them as they are."""
+    label_robust_range: list[float]
     note: str
 
 
@@ -114,6 +118,7 @@ class AltMinFile:
         for name in members:
             self._arrays[name] = self._open(name)
             self._check_finite(name)
+        self._count_label_outliers()
         self.u_star = (
             torch.from_numpy(_slice(self._arrays["u_star"], 0, self.shapes["u_star"][0]).astype(np.float64))
             if "u_star" in members
@@ -198,6 +203,30 @@ class AltMinFile:
         if bad:
             self.samples_zeroed[name] = bad
 
+    LABEL_SAMPLE = 1 << 20
+    """At most about this many of y's labels (evenly strided) fix the robust range's quartiles."""
+
+    def _count_label_outliers(self) -> None:
+        """The robust range of y's finite labels, and how many labels of y and y_test lie beyond it
+        (two streamed passes over the labels, never the features)."""
+        y = self._arrays["y"]
+        rows, per_row = self.shapes["y"][0], max(1, math.prod(self.shapes["y"][1:]))
+        stride = max(1, rows * per_row // self.LABEL_SAMPLE)
+        sample = []
+        for start in range(0, rows, self.CHECK_ROWS):
+            block = np.asarray(_slice(y, start, min(start + self.CHECK_ROWS, rows)), dtype=np.float64).ravel()
+            sample.append(block[np.isfinite(block)][::stride])
+        self.label_range = summary.robust_range(np.concatenate(sample) if sample else np.zeros(0))
+        lo, hi = self.label_range
+        self.labels_beyond = 0
+        for name in ("y", "y_test"):
+            if name not in self._arrays:
+                continue
+            a, n = self._arrays[name], self.shapes[name][0]
+            for start in range(0, n, self.CHECK_ROWS):
+                block = np.asarray(_slice(a, start, min(start + self.CHECK_ROWS, n)), dtype=np.float64)
+                self.labels_beyond += int(((block < lo) | (block > hi)).sum())  # NaN compares false: not counted
+
     def summary(self) -> FileSummary:
         """Descriptive counts of the input file (computed by whoever holds it; not DP releases)."""
         n, m, d = self.shapes["x"]
@@ -207,6 +236,8 @@ class AltMinFile:
             "samples_per_user": m,
             "features": d,
             "samples_zeroed": dict(sorted(self.samples_zeroed.items())),
+            "labels_beyond_robust_range": self.labels_beyond,
+            "label_robust_range": [float(f"{v:.4g}") for v in self.label_range],
             "note": summary.NOTE,
         }
 

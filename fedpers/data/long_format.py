@@ -58,6 +58,10 @@ class LongFormatSummary(TypedDict):
     max_samples_per_user: int
     samples_per_user_median: float
     samples_per_user_max: int
+    labels_beyond_robust_range: int
+    """Kept labels beyond the robust range (:func:`fedpers.data.summary.robust_range`): kept (the private
+    run clips every label at its declared ζ), but the non-private baselines use them as they are."""
+    label_robust_range: list[float]
     note: str
 
 
@@ -205,7 +209,7 @@ class LongFormatFile:
     def _index(self) -> tuple[np.ndarray, np.ndarray, int]:
         """Users (sorted unique ids of every row with one) and kept rows per user, in one
         streamed pass (never the whole file in memory); dropped rows counted per reason."""
-        users_parts, kept_parts, total = [], [], 0
+        users_parts, kept_parts, label_parts, total = [], [], [], 0
         self.rows_dropped: dict[str, int] = {}
         for batch in self._dataset.to_batches(columns=[self.user_column, self.label_column, *self.feature_columns]):
             total += batch.num_rows
@@ -216,12 +220,16 @@ class LongFormatFile:
             u = batch.column(0)
             users_parts.append(u.drop_null().to_numpy(zero_copy_only=False))
             kept_parts.append(u.filter(ok).to_numpy(zero_copy_only=False))
+            label_parts.append(batch.column(1).filter(ok).cast("float64").to_numpy(zero_copy_only=False))
         if total == 0:
             raise ValueError(f"data: {self.path.name} has no rows")
         users = np.unique(np.concatenate(users_parts))
         if len(users) == 0:
             raise ValueError(f"user_column: no row of {self.path.name} has a user id")
         kept = np.concatenate(kept_parts)
+        labels = np.concatenate(label_parts)
+        self.label_range = summary.robust_range(labels)
+        self.labels_beyond = int(((labels < self.label_range[0]) | (labels > self.label_range[1])).sum())
         counts = (
             np.bincount(np.searchsorted(users, kept), minlength=len(users))
             if len(kept)
@@ -357,6 +365,8 @@ class LongFormatFile:
             "max_samples_per_user": self.cap,
             "samples_per_user_median": float(np.median(self.counts)),
             "samples_per_user_max": int(self.counts.max()),
+            "labels_beyond_robust_range": self.labels_beyond,
+            "label_robust_range": [float(f"{v:.4g}") for v in self.label_range],
             "note": summary.NOTE,
         }
 

@@ -53,6 +53,10 @@ class Evaluator(abc.ABC):
     def final(self, state: Any) -> dict[str, Any]:
         """Final metrics (and baselines) for the final server state."""
 
+    def final_phase(self) -> str:
+        """What :meth:`final` computes, as the progress line announcing it names it."""
+        return "the private result and its baselines"
+
     def companions(self) -> Sequence[Companion]:
         """Baselines that read the users in the private run's own passes (the local runtime calls
         them chunk by chunk; see :class:`~fedpers.runtime.local.Companion`); :meth:`final` computes
@@ -150,6 +154,27 @@ def non_finite_warnings(
     return out
 
 
+def outlier_warnings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A warning when the data summary counts labels beyond their robust range: the private run
+    clips them, but the non-private baselines fit them as they are (one label of 1e9 made
+    local_only's test MSE 1e14 without a word)."""
+    data = result.get("data")
+    count = data.get("labels_beyond_robust_range") if isinstance(data, Mapping) else None
+    if not isinstance(count, int) or count <= 0:
+        return []
+    assert isinstance(data, Mapping)
+    lo, hi = data.get("label_robust_range", ["?", "?"])
+    return [
+        {
+            "metric": "labels",
+            "count": count,
+            "text": f"{count} label(s) lie beyond the robust range [{lo}, {hi}] (quartiles ± 10 interquartile "
+            "ranges of the kept labels): the private run clips every label at its declared bound, but the "
+            "non-private baselines fit them unclipped, so their figures may be dominated by them; check the file",
+        }
+    ]
+
+
 class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
     """One algorithm: its config type ``ConfigT`` and the protocol type ``ProtocolT`` it builds
     (``class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol])``); every hook takes the
@@ -215,6 +240,7 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
         the same metric of a trivial baseline (the declared ones, and every other metric those
         baselines report: real data has test_mse where synthetic data has excess_risk)."""
         found = non_finite_warnings(self.result_keys, result, lambda m: self.non_finite_cause(cfg, result, m))
+        found += outlier_warnings(result)
         return found + check_trivial(every_shared_metric(self.trivial_baselines(cfg), self.result_keys, result), result)
 
     def non_finite_cause(self, cfg: ConfigT, result: Mapping[str, Any], metric: str) -> str:

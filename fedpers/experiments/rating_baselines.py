@@ -12,24 +12,39 @@ Units are the padded form of :mod:`fedpers.data.ratings`: ``items`` (n, m), ``ra
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
 
 import torch
+
+from fedpers.protocols.dpals import spd_solve
 
 Tensor = torch.Tensor
 RIDGES = (1.0, 3.0, 10.0, 30.0)
 """λ tried on the validation split (the same λ for factors and biases)."""
 
 
-def _solve(A: Tensor, b: Tensor, ridge: float) -> Tensor:
-    eye = torch.eye(A.shape[-1], dtype=A.dtype)
-    return torch.linalg.solve(A + ridge * eye, b.unsqueeze(-1)).squeeze(-1)
+def _grouping(index: Tensor, size: int) -> Tensor:
+    """The (size × nnz) 0/1 CSR matrix summing the rows of a (nnz, ·) matrix by ``index``."""
+    crow = torch.zeros(size + 1, dtype=torch.int64)
+    crow[1:] = torch.cumsum(torch.bincount(index, minlength=size), 0)
+    col = torch.sort(index, stable=True).indices
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": the product used here is stable
+        warnings.simplefilter("ignore", UserWarning)
+        ones = torch.ones(index.shape[0], dtype=torch.float64)
+        return torch.sparse_csr_tensor(crow, col, ones, (size, index.shape[0]), check_invariants=False)
 
 
-def _sums(index: Tensor, size: int, X: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-group Σ x xᵀ and Σ y x over the rows of X grouped by ``index``."""
-    d = X.shape[1]
-    A = torch.zeros(size, d, d, dtype=torch.float64).index_add_(0, index, X.unsqueeze(-1) * X.unsqueeze(-2))
-    return A, torch.zeros(size, d, dtype=torch.float64).index_add_(0, index, X * y.unsqueeze(-1))
+def _solve_groups(S: Tensor, X: Tensor, y: Tensor, ridge: float) -> Tensor:
+    """Per group g of ``S``: (Σ x xᵀ + λI)⁻¹ Σ y x over its rows (one sparse product, one batched
+    Cholesky; λ > 0 makes every system positive definite)."""
+    nnz, d = X.shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        sums = S @ torch.cat([(X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(nnz, d * d), X * y.unsqueeze(-1)], 1)
+    A = sums[:, : d * d].reshape(-1, d, d)
+    A.diagonal(dim1=-2, dim2=-1).add_(ridge)
+    return spd_solve(A, sums[:, d * d :])
 
 
 def fit(
@@ -39,6 +54,7 @@ def fit(
     user, slot = mask.nonzero(as_tuple=True)
     item, r = items[user, slot], ratings.double()[user, slot]
     n = items.shape[0]
+    by_user, by_item = _grouping(user, n), _grouping(item, n_items)
     mu = float(r.mean()) if r.numel() else 0.0
     g = torch.Generator().manual_seed(seed)
     P = 0.1 * torch.randn(n_items, rank, generator=g, dtype=torch.float64)
@@ -47,9 +63,9 @@ def fit(
     b = torch.zeros(n, dtype=torch.float64)
     one = torch.ones(r.shape[0], 1, dtype=torch.float64)
     for _ in range(steps):
-        sol = _solve(*_sums(user, n, torch.cat([P[item], one], 1), r - mu - c[item]), ridge)
+        sol = _solve_groups(by_user, torch.cat([P[item], one], 1), r - mu - c[item], ridge)
         V, b = sol[:, :rank], sol[:, rank]
-        sol = _solve(*_sums(item, n_items, torch.cat([V[user], one], 1), r - mu - b[user]), ridge)
+        sol = _solve_groups(by_item, torch.cat([V[user], one], 1), r - mu - b[user], ridge)
         P, c = sol[:, :rank], sol[:, rank]
     return mu, P, c, V, b
 
@@ -74,11 +90,18 @@ def validation_split(mask: Tensor, fraction: float, seed: int) -> tuple[Tensor, 
     return mask & ~held, held
 
 
-def tuned_rmse(
-    units: dict[str, Tensor], n_items: int, rank: int, steps: int = 10, seed: int = 0
-) -> tuple[float, float]:
-    """(test RMSE, λ): λ chosen from :data:`RIDGES` on a 10 % validation split of the training
-    ratings, then the model refitted on all training ratings."""
+@dataclass(frozen=True)
+class Tuned:
+    """The tuned reference: its test RMSE, the λ the validation split chose, its item factors P."""
+
+    test_rmse: float
+    ridge: float
+    P: Tensor
+
+
+def tuned(units: dict[str, Tensor], n_items: int, rank: int, steps: int = 10, seed: int = 0) -> Tuned:
+    """λ chosen from :data:`RIDGES` on a 10 % validation split of the training ratings (the test
+    ratings are never looked at), then the model refitted on all training ratings."""
     items, ratings, mask, test = units["items"], units["ratings"], units["mask"], units["test"]
     fit_mask, val_mask = validation_split(mask, 0.1, seed)
     scores = {
@@ -86,4 +109,5 @@ def tuned_rmse(
         for lam in RIDGES
     }
     lam = min(RIDGES, key=lambda x: math.inf if math.isnan(scores[x]) else scores[x])
-    return rmse(fit(items, ratings, mask, n_items, rank, lam, steps, seed), items, ratings, test), lam
+    fitted = fit(items, ratings, mask, n_items, rank, lam, steps, seed)
+    return Tuned(rmse(fitted, items, ratings, test), lam, fitted[1])

@@ -10,6 +10,11 @@ the statistics G_i = v_j v_jᵀ and b_i = r_ij v_j, scatter-added into (items, k
 (items, k) — never a dense (items·k)² matrix. G travels (message, sums, release) as its blocks'
 upper triangles (items, k(k+1)/2), half the bytes of the full blocks.
 
+User offsets (``user_bias`` κ_u > 0): each user first subtracts its own mean training rating shrunk
+by κ_u pseudo-ratings, b_j = Σ r/(n_j + κ_u), and works on the residuals r − b_j; b_j never
+leaves the user (its prediction adds it back), so what is sent, its bounds and the releases are
+those below.
+
 Per-user clipping (scale-safe): the user's whole G collection has Frobenius norm
 √n_j·||v||², clipped to Γ_G; its b collection has norm ||r||·||v||, clipped to Γ_b. Both are
 formed from unit directions v̂ = v/||v||, r̂ = r/||r|| and magnitudes min(·, Γ) computed in
@@ -100,6 +105,24 @@ def spd_solve(A: Tensor, rhs: Tensor) -> Tensor:
     if failed.numel():
         out[failed] = torch.linalg.solve(A[failed], rhs[failed].unsqueeze(-1)).squeeze(-1)
     return out
+
+
+def user_offsets(ratings: Tensor, mask: Tensor, prior: float) -> Tensor:
+    """b_j = Σ_I r / (n_j + κ_u): each user's own mean training rating, shrunk towards 0 by κ_u
+    pseudo-ratings (0 for a user without ratings). Computed and used only by its user: never sent.
+
+    The mean is summed as Σ r/n_j, so no finite rating overflows it."""
+    m = mask.to(ratings.dtype)
+    n = m.sum(-1)
+    mean = (ratings * m / n.clamp_min(1).unsqueeze(-1)).sum(-1)
+    return mean * (n / (n + prior))
+
+
+def residuals(ratings: Tensor, offsets: Tensor) -> Tensor:
+    """r − b_j for every entry, kept finite (a residual beyond the dtype's range is clamped to it:
+    the per-user clips bound what it contributes either way)."""
+    big = torch.finfo(ratings.dtype).max
+    return (ratings - offsets.unsqueeze(-1)).clamp(-big, big)
 
 
 def selected(mask: Tensor, items_per_user: int) -> Tensor:
@@ -322,6 +345,10 @@ class DpAlsProtocol(Protocol):
     """H > 0: only the H items with the largest noisy counts are learnt (needs ``prelude``)."""
     rating_bound: float = math.inf
     """Clip of a user's selected ratings as a vector in round 0: √B·c_r."""
+    user_bias: float = 0.0
+    """κ_u > 0: each user first subtracts its own shrunk mean rating b_j (:func:`user_offsets`) and
+    works on the residuals; local to the user, so the statistics, their bounds and the releases are
+    unchanged. 0: no user offsets."""
     device_kernels: bool = False
     """Take the device code path (:func:`fedpers.config.device_path`): statistics and solves as a
     few large batched kernels on the units' device, no host thread shares or scipy."""
@@ -376,6 +403,9 @@ class DpAlsProtocol(Protocol):
             return Message({"s": s, "c": c}, int(units["ids"].shape[0]))
         if self.prelude:
             ratings = (ratings - broadcast["mu"].to(ratings.device, self.dtype)) * (mask | units["test"]).to(self.dtype)
+        if self.user_bias > 0:  # over all of the user's training ratings, before the head restriction
+            ratings = residuals(ratings, user_offsets(ratings, mask, self.user_bias))
+        if self.prelude:
             mask = mask & (broadcast["head"].to(mask.device)[units["items"]] > 0)
         U = broadcast["U"].to(units["items"].device, self.dtype)
         G, b = item_statistics(

@@ -24,6 +24,7 @@ from fedpers.protocols.base import Protocol
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.partition import unit_ranges
+from fedpers.runtime.progress import phase
 
 Tensor = torch.Tensor
 log = logging.getLogger("fedpers.flower")
@@ -246,10 +247,13 @@ def run_on_grid(
     """
     start = time.perf_counter()
     mapping = parse_node_partitions(getattr(options, "node_partitions", ""))
-    if mapping:
-        nodes, num = assigned(grid, mapping, options.round_timeout, stop)
-    else:
-        nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
+    with phase(
+        f"flower: waiting for {expected_nodes or options.nodes} nodes to join (node start-up and discovery)", progress
+    ):
+        if mapping:
+            nodes, num = assigned(grid, mapping, options.round_timeout, stop)
+        else:
+            nodes, num = discover(grid, job, options.round_timeout, expected_nodes, stop)
     federation = Federation(nodes, unit_ranges(num_units, num, options.users_per_node), time.perf_counter() - start)
     from fedpers.runtime.flower.policy import active_policy, check_partitions
 

@@ -30,6 +30,7 @@ from fedpers.runtime.driver import RoundRecord
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.flower.server import Federation, run_on_grid
+from fedpers.runtime.progress import say
 
 CHECKOUT = str(Path(fedpers.__file__).resolve().parents[1])
 
@@ -187,6 +188,7 @@ def run_flower(
 
     if CHECKOUT not in sys.path:
         sys.path.insert(0, CHECKOUT)
+    say(f"flower: starting the simulation engine (Ray) for {options.nodes} nodes …", progress)
     try:
         with _flower_logs(logging.WARNING):
             run_simulation(server_app, client_app, options.nodes, backend_config=backend_config(options))
