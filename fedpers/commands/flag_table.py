@@ -987,7 +987,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "c3c94970b1d7b468c1045b59872131e5671d7c8bdcaf3acd6f9053dc60d8b5a8",
+   "fingerprint": "5305669fbbdd3afed122b2d142d03199b29d334d12d45d098c5fc69a08da3a37",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
