@@ -206,7 +206,7 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
         _enforce(policy, context, task, node, admit=True)  # charged and recorded last
     device = units["ids"].device
     broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
-    digest = codec.broadcast_digest(task.round, task.broadcast)
+    digest = task.digest
     from fedpers.runtime.flower.nodeside import NODE_SIDE, node_message
 
     if NODE_SIDE in message.content.config_records:  # distributed or local DP: this node noises its own sum
