@@ -72,9 +72,11 @@ def flower(users: int, nodes: int, per_node: int, args: argparse.Namespace) -> d
     return {"startup": found["startup"], "first": records[0].seconds, "round": records[1].seconds, "U": state["U"], "users": users, "total": total, "shutdown": total - found["startup"] - sum(r.seconds for r in records)}
 
 
-def bare_flower(nodes: int, rounds: int, args: argparse.Namespace) -> float:
-    """Seconds of the last of ``rounds`` rounds of an empty ClientApp on ``nodes`` nodes."""
-    from flwr.app import Message, MessageType, RecordDict
+def bare_flower(nodes: int, rounds: int, args: argparse.Namespace, task_bytes: int = 0, reply_bytes: int = 0) -> float:
+    """Seconds of the last of ``rounds`` rounds of an empty ClientApp on ``nodes`` nodes; with
+    ``task_bytes``/``reply_bytes``, each task and reply carries that many bytes in one ConfigRecord
+    (what Flower alone costs to move a message of fedpers' size)."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
@@ -84,9 +86,11 @@ def bare_flower(nodes: int, rounds: int, args: argparse.Namespace) -> float:
 
     client = ClientApp()
 
+    reply = bytes(reply_bytes)
+
     @client.train()
     def _train(message: Message, context: Any) -> Message:
-        return Message(RecordDict(), reply_to=message)
+        return Message(RecordDict({"r": ConfigRecord({"b": reply})} if reply else {}), reply_to=message)
 
     server, seconds = ServerApp(), []
 
@@ -97,7 +101,8 @@ def bare_flower(nodes: int, rounds: int, args: argparse.Namespace) -> float:
         ids = list(grid.get_node_ids())
         for _ in range(rounds):
             start = time.perf_counter()
-            replies = exchange(grid, [Message(RecordDict(), n, MessageType.TRAIN) for n in ids], 3600.0)
+            content = (lambda: RecordDict({"t": ConfigRecord({"b": bytes(task_bytes)})})) if task_bytes else RecordDict
+            replies = exchange(grid, [Message(content(), n, MessageType.TRAIN) for n in ids], 3600.0)
             assert len(replies) == len(ids)
             seconds.append(time.perf_counter() - start)
 
@@ -119,13 +124,32 @@ def per_call(counts: list[int], args: argparse.Namespace) -> None:
     cpus = float(os.cpu_count() or 1)  # Ray's own count may be lower (cgroups): an upper bound
     cap = "" if gpus is None else f", at most {actor_capacity(args.client_cpus, args.client_gpus, cpus, gpus)} node actors at once ({gpus} GPU(s))"
     print(f"\nper ClientApp call, one user per node (steady round / nodes), client_cpus={args.client_cpus}, client_gpus={args.client_gpus}, device={args.device}{cap}:")
-    print(f"{'nodes':>6s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}")
+    task_bytes, reply_bytes = message_bytes(args)
+    print(f"(same bytes: an empty ClientApp whose task carries {task_bytes} bytes and reply {reply_bytes}, as fedpers' do)")
+    print(f"{'nodes':>6s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'same bytes':>13s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}")
     for n in counts:
         run = flower(n, n, 1, args)
         fed = run["round"] / n
         diff = float((run["U"].cpu() - local(n, args)["U"].cpu()).abs().max())
         bare = bare_flower(n, 3, args) / n
-        print(f"{n:6d}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{diff:24.2e}", flush=True)
+        same = bare_flower(n, 3, args, task_bytes, reply_bytes) / n
+        print(f"{n:6d}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{same * 1e3:10.2f} ms{fed / same:7.2f}x{diff:24.2e}", flush=True)
+
+
+def message_bytes(args: argparse.Namespace) -> tuple[int, int]:
+    """Bytes of a steady round's task (job config and broadcast) and reply (packed statistics) at one user per node."""
+    from fedpers.app import flower_job
+
+    cfg, _ = make_config(2, args)
+    protocol = EXP.protocol(cfg)
+    job = flower_job(EXP, cfg, protocol)
+    itemsize = torch.empty((), dtype=protocol.dtype).element_size()
+    task = len(job.config_json) + len(job.calibrations_json) + args.dim * args.rank * itemsize
+    reply = sum(
+        (s.shape[0] * (s.shape[0] + 1) // 2 if s.symmetric and len(s.shape) == 2 else int(torch.Size(s.shape).numel())) * itemsize
+        for s in protocol.stat_specs(1)
+    )
+    return task, reply
 
 
 def main() -> None:

@@ -218,3 +218,23 @@ def test_a_node_reads_the_broadcast_digest_the_server_computes():
     rec[codec.BLOB] = blob[sizes[0] :] + blob[: sizes[0]]
     task = codec.decode_task(content)
     assert task.digest == codec.broadcast_digest(2, task.broadcast) == codec.broadcast_digest(2, {"a": torch.ones(2), "b": torch.zeros(3)})
+
+
+def test_a_flower_without_run_simulation_is_refused_before_ray_starts(monkeypatch):
+    """The in-process simulation is gated on Flower still shipping run_simulation: without it the
+    run is refused with Flower's supported route named, and Ray never starts."""
+    import flwr.simulation
+
+    from fedpers.app import run_flower
+    from fedpers.privacy import Privatizer
+    from fedpers.runner import RuntimeOptions
+
+    monkeypatch.delattr(flwr.simulation, "run_simulation")
+    exp = EXPERIMENTS["altmin"]
+    cfg = config_lib.build(exp.config_type, {"n_users": 20, "dim": 5, "rank": 2, "samples_per_user": 4, "rounds": 1, "seed": 1})
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2})
+    with pytest.raises(RuntimeError, match=r"flwr run \.` against a `flower-superlink --simulation"):
+        run_flower(exp, cfg, exp.protocol(cfg), Privatizer(1), opts, progress=False)
+    import ray
+
+    assert not ray.is_initialized()
