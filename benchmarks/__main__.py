@@ -144,7 +144,7 @@ def flower_ratio(nodes: int) -> Row:
     from benchmarks import flower_overhead
 
     args = argparse.Namespace(dim=50, rank=3, samples=40, client_cpus=1.0, client_gpus=0.0, sim_gpus=-1, device="cpu",
-                              ray_address="")
+                              ray_address="", steady_rounds=3)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         flower_overhead.per_call([nodes], args)
