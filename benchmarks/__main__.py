@@ -148,7 +148,7 @@ def flower_ratio(nodes: int) -> Row:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         flower_overhead.per_call([nodes], args)
-    line = [ln for ln in out.getvalue().splitlines() if ln.strip().startswith(str(nodes))][-1]
+    line = [ln for ln in out.getvalue().splitlines() if ln.split()[:2] == [str(nodes), "wall"]][-1]
     fed, bare = (float(v) for v in re.findall(r"([0-9.]+) ms", line)[:2])
     return Row("Flower: ClientApp call / empty ClientApp", f"{nodes} nodes, one user each", fed, bare, "bare Flower", "≤ 1.25")
 

@@ -92,12 +92,39 @@ def per_call(counts: list[int], args: argparse.Namespace) -> None:
     task_bytes, reply_bytes = message_bytes(args)
     print(f"interleaved in one simulation: each fedpers round is followed by a round of an empty ClientApp (bare Flower) and one whose task and reply "
           f"carry fedpers' bytes ({task_bytes} and {reply_bytes}: same bytes); medians of {args.steady_rounds} steady rounds")
-    print(f"{'nodes':>6s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'same bytes':>13s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}")
+    print("wall: round seconds / nodes; cpu: CPU seconds of this process and its Ray (every node actor) / nodes")
+    print(f"{'nodes':>6s}{'':5s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'same bytes':>13s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}")
     for n in counts:
         run = interleaved(n, args, task_bytes, reply_bytes)
-        fed, bare, same = (statistics.median(run[k]) / n for k in ("fedpers", "bare", "same"))
         diff = float((run["U"].cpu() - local(n, args, rounds=args.steady_rounds)["U"].cpu()).abs().max())
-        print(f"{n:6d}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{same * 1e3:10.2f} ms{fed / same:7.2f}x{diff:24.2e}", flush=True)
+        for what, suffix in (("wall", ""), ("cpu", " cpu")):
+            fed, bare, same = (statistics.median(run[k + suffix]) / n for k in ("fedpers", "bare", "same"))
+            tail = f"{diff:24.2e}" if what == "wall" else ""
+            print(f"{n:6d} {what:4s}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{same * 1e3:10.2f} ms{fed / same:7.2f}x{tail}", flush=True)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its descendants (read from Linux's /proc):
+    the simulation's own Ray (GCS, raylet, node actors) is started from here. Less inflated than
+    wall time on a busy machine."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    mine, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _) in stats.items():
+            if ppid == parent and pid not in mine:
+                mine.add(pid)
+                frontier.append(pid)
+    return sum(stats[pid][1] for pid in mine if pid in stats)
 
 
 BARE = "bench.bare"
@@ -131,7 +158,7 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
     def _query(message: Message, context: Any) -> Message:
         return fedpers_app(message, context)
 
-    out: dict[str, Any] = {"fedpers": [], "bare": [], "same": []}
+    out: dict[str, Any] = {k: [] for k in ("fedpers", "bare", "same", "fedpers cpu", "bare cpu", "same cpu")}
     server = ServerApp()
 
     @server.main()
@@ -145,14 +172,23 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
             assert len(replies) == len(ids) and not any(r.has_error() for r in replies)
             return time.perf_counter() - start
 
+        mark = [cpu_seconds()]
+
+        def timed(kind: str, size: int) -> None:
+            before = cpu_seconds()
+            out[kind].append(bare_round(size))
+            out[f"{kind} cpu"].append(cpu_seconds() - before)
+
         def on_round(record: Any, state: Any) -> None:
             if record.round == 0:  # the first round loads every node's user and warms the actors
                 bare_round(0)
                 bare_round(task_bytes)
-                return
-            out["fedpers"].append(record.seconds)
-            out["bare"].append(bare_round(0))
-            out["same"].append(bare_round(task_bytes))
+            else:
+                out["fedpers"].append(record.seconds)
+                out["fedpers cpu"].append(cpu_seconds() - mark[0])
+                timed("bare", 0)
+                timed("same", task_bytes)
+            mark[0] = cpu_seconds()
 
         state, _ = run_flower(EXP, cfg, protocol, Privatizer(noise_seed), opts, grid=grid, progress=False, on_round=on_round,
                               on_discovery=lambda f: ids.extend(f.nodes.values()))
