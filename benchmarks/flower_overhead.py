@@ -14,7 +14,9 @@ round (round 1) itself; then the ratios the issue asks for. Targets: the 8-node 
 Then the per-call table (``--per-call 100,500,1000``): one node per user, the cost of one
 ClientApp call in a steady round (total round time / nodes), fedpers' ClientApp (an AltMin
 round: decode, statistics, verification, encode) beside Flower's own cost for an empty
-ClientApp answering an empty message, with the same Ray settings, measured in the same run.
+ClientApp answering an empty message, and for one whose messages carry fedpers' bytes: one
+simulation, the three kinds of round interleaved on the same Ray actors (a busy machine's load
+falls on all three alike), medians of ``--steady-rounds`` rounds each.
 
     PYTHONPATH=. python benchmarks/flower_overhead.py [--users 10000 --nodes 8 --per-user-users 500 --per-call 100,500,1000]
 
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import sys
 import time
 from typing import Any
 
@@ -46,13 +50,13 @@ from fedpers.runtime.local import run_local
 EXP = EXPERIMENTS["altmin"]
 
 
-def make_config(users: int, args: argparse.Namespace) -> Any:
-    fields = {"n_users": users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": 1, "cohorts": "all", "epsilon": 4.0, "seed": 0, "baselines": "none", "device": args.device}
+def make_config(users: int, args: argparse.Namespace, rounds: int = 1) -> Any:
+    fields = {"n_users": users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": rounds, "cohorts": "all", "epsilon": 4.0, "seed": 0, "baselines": "none", "device": args.device}
     return split_seed(config_lib.build(EXP.config_type, fields))
 
 
-def local(users: int, args: argparse.Namespace) -> dict[str, Any]:
-    cfg, noise_seed = make_config(users, args)
+def local(users: int, args: argparse.Namespace, rounds: int = 1) -> dict[str, Any]:
+    cfg, noise_seed = make_config(users, args, rounds)
     protocol = EXP.protocol(cfg)
     start = time.perf_counter()
     units = EXP.units(cfg, torch.arange(users))
@@ -72,40 +76,6 @@ def flower(users: int, nodes: int, per_node: int, args: argparse.Namespace) -> d
     return {"startup": found["startup"], "first": records[0].seconds, "round": records[1].seconds, "U": state["U"], "users": users, "total": total, "shutdown": total - found["startup"] - sum(r.seconds for r in records)}
 
 
-def bare_flower(nodes: int, rounds: int, args: argparse.Namespace) -> float:
-    """Seconds of the last of ``rounds`` rounds of an empty ClientApp on ``nodes`` nodes."""
-    from flwr.app import Message, MessageType, RecordDict
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
-
-    from fedpers.runtime.flower.server import exchange
-    from fedpers.runtime.flower.simulation import backend_config
-
-    client = ClientApp()
-
-    @client.train()
-    def _train(message: Message, context: Any) -> Message:
-        return Message(RecordDict(), reply_to=message)
-
-    server, seconds = ServerApp(), []
-
-    @server.main()
-    def _main(grid: Any, context: Any) -> None:
-        while len(grid.get_node_ids()) < nodes:
-            time.sleep(0.05)
-        ids = list(grid.get_node_ids())
-        for _ in range(rounds):
-            start = time.perf_counter()
-            replies = exchange(grid, [Message(RecordDict(), n, MessageType.TRAIN) for n in ids], 3600.0)
-            assert len(replies) == len(ids)
-            seconds.append(time.perf_counter() - start)
-
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", **resources(args)})
-    run_simulation(server, client, nodes, backend_config=backend_config(opts))
-    return seconds[-1]
-
-
 def resources(args: argparse.Namespace) -> dict[str, Any]:
     """The RuntimeOptions fields of Ray's resources (the same for fedpers and bare Flower)."""
     return {"client_cpus": args.client_cpus, "client_gpus": args.client_gpus, "sim_gpus": args.sim_gpus, "ray_address": args.ray_address}
@@ -119,13 +89,133 @@ def per_call(counts: list[int], args: argparse.Namespace) -> None:
     cpus = float(os.cpu_count() or 1)  # Ray's own count may be lower (cgroups): an upper bound
     cap = "" if gpus is None else f", at most {actor_capacity(args.client_cpus, args.client_gpus, cpus, gpus)} node actors at once ({gpus} GPU(s))"
     print(f"\nper ClientApp call, one user per node (steady round / nodes), client_cpus={args.client_cpus}, client_gpus={args.client_gpus}, device={args.device}{cap}:")
-    print(f"{'nodes':>6s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}")
+    task_bytes, reply_bytes = message_bytes(args)
+    print(f"interleaved in one simulation: each fedpers round is followed by a round of an empty ClientApp (bare Flower) and one whose task and reply "
+          f"carry fedpers' bytes ({task_bytes} and {reply_bytes}: same bytes); medians of {args.steady_rounds} steady rounds")
+    print("wall: round seconds / nodes; cpu: CPU seconds of this process and its Ray (every node actor) / nodes")
+    print(f"{'nodes':>6s}{'':5s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'same bytes':>13s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}")
     for n in counts:
-        run = flower(n, n, 1, args)
-        fed = run["round"] / n
-        diff = float((run["U"].cpu() - local(n, args)["U"].cpu()).abs().max())
-        bare = bare_flower(n, 3, args) / n
-        print(f"{n:6d}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{diff:24.2e}", flush=True)
+        run = interleaved(n, args, task_bytes, reply_bytes)
+        diff = float((run["U"].cpu() - local(n, args, rounds=args.steady_rounds)["U"].cpu()).abs().max())
+        for what, suffix in (("wall", ""), ("cpu", " cpu")):
+            fed, bare, same = (statistics.median(run[k + suffix]) / n for k in ("fedpers", "bare", "same"))
+            tail = f"{diff:24.2e}" if what == "wall" else ""
+            print(f"{n:6d} {what:4s}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{same * 1e3:10.2f} ms{fed / same:7.2f}x{tail}", flush=True)
+
+
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its descendants (read from Linux's /proc):
+    the simulation's own Ray (GCS, raylet, node actors) is started from here. Less inflated than
+    wall time on a busy machine."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    mine, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _) in stats.items():
+            if ppid == parent and pid not in mine:
+                mine.add(pid)
+                frontier.append(pid)
+    return sum(stats[pid][1] for pid in mine if pid in stats)
+
+
+BARE = "bench.bare"
+"""Record name of a bare round's task: the ClientApp answers it as an empty ClientApp would."""
+
+
+def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_bytes: int) -> dict[str, Any]:
+    """fedpers' AltMin on ``nodes`` nodes of one user, each steady round followed by a bare round
+    and a same-bytes round on the same Ray actors: round seconds of each kind, and the final U."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    from fedpers.app import make_client_app
+    from fedpers.runtime.flower.server import exchange
+    from fedpers.runtime.flower.simulation import CHECKOUT, backend_config, in_process_simulation
+
+    cfg, noise_seed = make_config(nodes, args, rounds=args.steady_rounds)
+    protocol = EXP.protocol(cfg)
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": nodes, "users_per_node": 1, "round_timeout": 3600.0, **resources(args)})
+    fedpers_app, client, reply = make_client_app(), ClientApp(), bytes(reply_bytes)
+
+    @client.train()
+    def _train(message: Message, context: Any) -> Message:
+        bare = message.content.config_records.get(BARE)
+        if bare is None:
+            return fedpers_app(message, context)
+        return Message(RecordDict({"r": ConfigRecord({"b": reply})} if bare["b"] else {}), reply_to=message)
+
+    @client.query()
+    def _query(message: Message, context: Any) -> Message:
+        return fedpers_app(message, context)
+
+    out: dict[str, Any] = {k: [] for k in ("fedpers", "bare", "same", "fedpers cpu", "bare cpu", "same cpu")}
+    server = ServerApp()
+
+    @server.main()
+    def _main(grid: Any, context: Any) -> None:
+        ids: list[int] = []
+
+        def bare_round(size: int) -> float:
+            content = lambda: RecordDict({BARE: ConfigRecord({"b": bytes(size)})})  # noqa: E731
+            start = time.perf_counter()
+            replies = exchange(grid, [Message(content(), n, MessageType.TRAIN) for n in ids], 3600.0)
+            assert len(replies) == len(ids) and not any(r.has_error() for r in replies)
+            return time.perf_counter() - start
+
+        mark = [cpu_seconds()]
+
+        def timed(kind: str, size: int) -> None:
+            before = cpu_seconds()
+            out[kind].append(bare_round(size))
+            out[f"{kind} cpu"].append(cpu_seconds() - before)
+
+        def on_round(record: Any, state: Any) -> None:
+            if record.round == 0:  # the first round loads every node's user and warms the actors
+                bare_round(0)
+                bare_round(task_bytes)
+            else:
+                out["fedpers"].append(record.seconds)
+                out["fedpers cpu"].append(cpu_seconds() - mark[0])
+                timed("bare", 0)
+                timed("same", task_bytes)
+            mark[0] = cpu_seconds()
+
+        state, _ = run_flower(EXP, cfg, protocol, Privatizer(noise_seed), opts, grid=grid, progress=False, on_round=on_round,
+                              on_discovery=lambda f: ids.extend(f.nodes.values()))
+        out["U"] = state["U"]
+
+    if CHECKOUT not in sys.path:
+        sys.path.insert(0, CHECKOUT)
+    in_process_simulation()(server, client, nodes, backend_config=backend_config(opts))
+    if "U" not in out:
+        raise RuntimeError("the interleaved simulation did not complete")
+    return out
+
+
+def message_bytes(args: argparse.Namespace) -> tuple[int, int]:
+    """Bytes of a steady round's task (job config and broadcast) and reply (packed statistics) at one user per node."""
+    from fedpers.app import flower_job
+
+    cfg, _ = make_config(2, args)
+    protocol = EXP.protocol(cfg)
+    job = flower_job(EXP, cfg, protocol)
+    itemsize = torch.empty((), dtype=protocol.dtype).element_size()
+    task = len(job.config_json) + len(job.calibrations_json) + args.dim * args.rank * itemsize
+    reply = sum(
+        (s.shape[0] * (s.shape[0] + 1) // 2 if s.symmetric and len(s.shape) == 2 else int(torch.Size(s.shape).numel())) * itemsize
+        for s in protocol.stat_specs(1)
+    )
+    return task, reply
 
 
 def main() -> None:
@@ -143,6 +233,7 @@ def main() -> None:
     p.add_argument("--ray-address", default="", help="attach to this Ray cluster instead of starting one")
     p.add_argument("--per-call", default="100,500,1000", help="node counts of the per-call table ('' to skip)")
     p.add_argument("--only-per-call", action="store_true", help="skip the batched set-ups")
+    p.add_argument("--steady-rounds", type=int, default=3, help="AltMin rounds of the per-call table (each followed by the bare rounds)")
     args = p.parse_args()
     counts = [int(c) for c in args.per_call.split(",") if c.strip()]
     if args.only_per_call:

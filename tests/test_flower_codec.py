@@ -236,3 +236,48 @@ def test_symmetric_statistics_travel_as_their_upper_triangle():
     content.config_records[codec.TAG][codec.PACKED] = "A,b"  # b (5 numbers) is no triangle
     with pytest.raises(codec.MalformedReply, match="packed symmetric statistic must be a 1-D upper triangle"):
         codec.decode_reply(content)
+
+
+def test_a_node_reads_the_broadcast_digest_the_server_computes():
+    """The digest a node tags its reply with is read off the packed task: it must equal the
+    server's broadcast_digest for scalars, several dtypes, any layout order and the Array path."""
+    job = codec.Job("altmin", "{}", "abc")
+    cases = [
+        {"U": torch.randn(50, 3, dtype=torch.float64)},
+        {"b": torch.randn(4), "a": torch.ones(2, 2, dtype=torch.float32), "z": torch.tensor(3.0), "i": torch.arange(3)},
+        {"e": torch.zeros(0, 3)},
+        {"big": torch.randn(codec.INLINE_BYTES // 8 + 1, dtype=torch.float64)},
+    ]
+    for broadcast in cases:
+        for round in (0, 7):
+            task = codec.decode_task(codec.encode_task(job, round, range(0, 1), codec.broadcast_record(broadcast)))
+            assert task.digest == codec.broadcast_digest(round, broadcast)
+    content = codec.encode_task(job, 2, range(0, 1), codec.broadcast_record({"a": torch.ones(2), "b": torch.zeros(3)}))
+    rec = content.config_records[codec.JOB]
+    layout = json.loads(str(rec[codec.LAYOUT]))
+    rec[codec.LAYOUT] = json.dumps(layout[::-1])  # another order: the bytes follow the layout
+    sizes = [math.prod(shape) * 4 for _, _, shape in layout]
+    blob = bytes(rec[codec.BLOB])
+    rec[codec.BLOB] = blob[sizes[0] :] + blob[: sizes[0]]
+    task = codec.decode_task(content)
+    assert task.digest == codec.broadcast_digest(2, task.broadcast) == codec.broadcast_digest(2, {"a": torch.ones(2), "b": torch.zeros(3)})
+
+
+def test_a_flower_without_run_simulation_is_refused_before_ray_starts(monkeypatch):
+    """The in-process simulation is gated on Flower still shipping run_simulation: without it the
+    run is refused with Flower's supported route named, and Ray never starts."""
+    import flwr.simulation
+
+    from fedpers.app import run_flower
+    from fedpers.privacy import Privatizer
+    from fedpers.runner import RuntimeOptions
+
+    monkeypatch.delattr(flwr.simulation, "run_simulation")
+    exp = EXPERIMENTS["altmin"]
+    cfg = config_lib.build(exp.config_type, {"n_users": 20, "dim": 5, "rank": 2, "samples_per_user": 4, "rounds": 1, "seed": 1})
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2})
+    with pytest.raises(RuntimeError, match=r"flwr run \.` against a `flower-superlink --simulation"):
+        run_flower(exp, cfg, exp.protocol(cfg), Privatizer(1), opts, progress=False)
+    import ray
+
+    assert not ray.is_initialized()

@@ -88,3 +88,36 @@ def test_a_node_cache_that_cannot_be_written_costs_speed_not_the_round(tmp_path:
     assert units["ids"].tolist() == list(range(10, 30))
     assert client.NODE_CACHE_ENV in caplog.text
     assert [p.name for p in tmp_path.iterdir()] == ["not-a-dir"]
+
+
+@pytest.mark.parametrize("algorithm", ["altmin", "fedrep"])
+def test_small_ranges_of_generated_users_are_read_out_of_one_shared_block(algorithm):
+    """A process serving many one-user nodes generates their users once per block of
+    SHARED_BLOCK, and each node's rows equal those generated for its range alone; a node with a
+    data file loads its own range only."""
+    import torch
+
+    from fedpers.app import flower_job
+    from fedpers.privacy.accountant import Calibrations
+
+    exp, calibrations = EXPERIMENTS[algorithm], Calibrations()
+    cfg = config_lib.build(exp.config_type, {"n_users": 300, "dim": 6, "rank": 2, "epsilon": 4.0})
+    job = flower_job(exp, cfg, exp.protocol(cfg, calibrations), calibrations.table)
+    node = client.node_job(job, "", build_node)
+    total = node.node.num_units
+    assert total > client.SHARED_BLOCK
+    loads: list[tuple[int, int]] = []
+    own = node.node.units
+
+    def counted(ids: torch.Tensor):
+        loads.append((int(ids[0]), int(ids[-1]) + 1))
+        return own(ids)
+
+    object.__setattr__(node.node, "units", counted)
+    for start in (3, 4, 200, client.SHARED_BLOCK + 1):
+        got = client.node_units(job, "", node, start, start + 1)
+        alone = own(torch.arange(start, start + 1))
+        assert set(got) == set(alone) and all(torch.equal(got[k], alone[k]) for k in alone)
+    assert loads == [(0, client.SHARED_BLOCK), (client.SHARED_BLOCK, min(2 * client.SHARED_BLOCK, total))]
+    assert client._load_range(job, "node.npz", node, 3, 4) == (3, 4)
+    assert client._load_range(job, "", node, 0, client.SHARED_BLOCK) == (0, client.SHARED_BLOCK)

@@ -145,7 +145,7 @@ def drive(
             if not verdict.accepted:
                 dropped[reply.client] = verdict.reason
                 continue
-            total = total + msg
+            total.add_(msg)  # in place: total owns its tensors (zero_message), one allocation per round
         accepted = len(replies) - len(dropped)
         if not replies or accepted < min_fraction * len(replies):
             raise RoundFailed(

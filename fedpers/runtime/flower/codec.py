@@ -99,6 +99,8 @@ class Task:
     start: int
     stop: int
     broadcast: dict[str, Tensor]
+    digest: str = ""
+    """:func:`broadcast_digest` of ``round`` and ``broadcast`` (what the reply answers)."""
 
 
 def protocol_digest(protocol: Protocol) -> str:
@@ -229,7 +231,32 @@ def decode_task(content: RecordDict) -> Task:
     if not isinstance(rec, ConfigRecord):
         raise MalformedReply(f"task: {JOB} must be a ConfigRecord; got {type(rec).__name__}")
     broadcast = unpack(rec, content, "task")
-    return Task(read_job(content), _number(rec, ROUND), _number(rec, UNIT_START), _number(rec, UNIT_STOP), broadcast)
+    round = _number(rec, ROUND)
+    inline = rec.get(BLOB)
+    digest = (
+        _packed_digest(round, str(rec[LAYOUT]), inline)
+        if isinstance(inline, bytes)
+        else broadcast_digest(round, broadcast)
+    )
+    return Task(read_job(content), round, _number(rec, UNIT_START), _number(rec, UNIT_STOP), broadcast, digest)
+
+
+@functools.lru_cache(maxsize=4)
+def _packed_digest(round: int, layout: str, payload: bytes) -> str:
+    """:func:`broadcast_digest` read off a packed broadcast that :func:`unpack` accepted (its
+    layout names each tensor's dtype and shape, its payload is their bytes in layout order):
+    the same digest, computed once per round in a process that serves many nodes."""
+    view, offset, parts = memoryview(payload), 0, {}
+    for name, dtype, shape in json.loads(layout):
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        # broadcast_digest formats shapes through np.ascontiguousarray, which makes a scalar 1-D
+        parts[name] = (f";{name}:{dtype}:{tuple(shape) or (1,)}:".encode(), view[offset : offset + size])
+        offset += size
+    h = hashlib.sha256(f"round={int(round)}".encode())
+    for name in sorted(parts):
+        h.update(parts[name][0])
+        h.update(parts[name][1])
+    return h.hexdigest()
 
 
 def _number(rec: ConfigRecord, key: str) -> int:
@@ -284,14 +311,16 @@ def encode_reply(
 
 
 def _triu(a: Tensor) -> Tensor:
-    i, j = _triu_indices(a.shape[0], a.shape[1])
-    return a[i.to(a.device), j.to(a.device)]
+    upper, _ = _triu_flat(a.shape[0], a.shape[1])
+    return a.reshape(-1).index_select(0, upper.to(a.device))
 
 
 @functools.lru_cache(maxsize=8)
-def _triu_indices(rows: int, cols: int) -> Tensor:
-    """The upper triangle's indices, made once per shape (a node packs the same shape every call)."""
-    return torch.triu_indices(rows, cols)
+def _triu_flat(rows: int, cols: int) -> tuple[Tensor, Tensor]:
+    """Flat indices of the upper triangle (row-major) and of its mirror, made once per shape:
+    a node packs, and the server unpacks, the same shape every call (one gather, no 2-D indexing)."""
+    i, j = torch.triu_indices(rows, cols)
+    return i * cols + j, j * cols + i
 
 
 def _untriu(t: Tensor, name: str) -> Tensor:
@@ -301,11 +330,11 @@ def _untriu(t: Tensor, name: str) -> Tensor:
         raise MalformedReply(
             f"{name}: a packed symmetric statistic must be a 1-D upper triangle; got shape {tuple(t.shape)}"
         )
-    i, j = torch.triu_indices(n, n)
-    full = t.new_zeros(n, n)
-    full[i, j] = t
-    full[j, i] = t
-    return full
+    upper, lower = _triu_flat(n, n)
+    full = t.new_empty(n * n)  # the two writes cover every entry: upper with the diagonal, and its mirror
+    full.index_copy_(0, lower.to(t.device), t)
+    full.index_copy_(0, upper.to(t.device), t)
+    return full.view(n, n)
 
 
 def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> Message:

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import Context
@@ -122,6 +122,27 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
+def in_process_simulation() -> Callable[..., None]:
+    """Flower's in-process simulation entry, ``flwr.simulation.run_simulation``: deprecated (flwr
+    1.42 warns on every call; still present in 1.42.0) but the only public one that takes a
+    ServerApp and a ClientApp object. Flower's supported route, ``flwr run`` against ``flower-superlink
+    --simulation``, loads both apps from the app's components in a ``flwr-simulation`` process,
+    so this run's protocol, privatizer and callbacks cannot reach it (docs/flower.md §1, "Why
+    `run_simulation`"); fedpers runs that route as ``flwr run .`` (docs/flower.md §2). A Flower
+    without the function is refused here, before Ray starts."""
+    import flwr
+    import flwr.simulation
+
+    found = getattr(flwr.simulation, "run_simulation", None)
+    if found is None:
+        raise RuntimeError(
+            f"flwr {getattr(flwr, '__version__', '?')} has no flwr.simulation.run_simulation, which "
+            "`--runtime flower` runs in this process; run the simulation through Flower's supported route "
+            "instead: `flwr run .` against a `flower-superlink --simulation` (docs/flower.md section 2)"
+        )
+    return cast(Callable[..., None], found)
+
+
 def run_flower(
     job: codec.Job,
     num_units: int,
@@ -159,6 +180,7 @@ def run_flower(
         raise ValueError("client_app: a simulation needs the ClientApp its nodes run (fedpers.app.make_client_app())")
     unit_ranges(num_units, options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
     check_resources(options, str(device))
+    run_simulation = in_process_simulation()
     outcome: dict[str, Any] = {}
     stopped = threading.Event()
     server_app = ServerApp()
@@ -183,8 +205,6 @@ def run_flower(
             )
         except BaseException as e:
             outcome["error"] = e
-
-    from flwr.simulation import run_simulation
 
     if CHECKOUT not in sys.path:
         sys.path.insert(0, CHECKOUT)
