@@ -29,6 +29,36 @@ def test_help_imports_no_torch() -> None:
     assert proc.stdout.strip().splitlines()[-1] == "False False False"
 
 
+def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fedpers run ALGO --help`` is answered from the flag snapshot: no torch, no accounting
+    library, and for every built-in algorithm the text the experiment's own parser prints."""
+    import json
+    import os
+
+    from fedpers.commands import flags
+
+    table = flags._load()
+    assert table is not None
+    names = sorted(table["algorithms"])
+    code = (
+        "import contextlib, io, json, sys\nfrom fedpers.commands.cli import main\ntexts = {}\n"
+        "for name in sys.argv[1:]:\n    out = io.StringIO()\n"
+        "    try:\n        with contextlib.redirect_stdout(out):\n            main(['run', name, '--help'])\n"
+        "    except SystemExit as e:\n        assert e.code == 0, e.code\n    texts[name] = out.getvalue()\n"
+        "print(json.dumps([texts, 'torch' in sys.modules, 'dp_accounting' in sys.modules]))"
+    )
+    monkeypatch.setenv("COLUMNS", "97")  # argparse wraps to the terminal's width: the same in both processes
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+    )
+    assert proc.returncode == 0, proc.stderr
+    texts, torch, accounting = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (torch, accounting) == (False, False)
+    assert len(names) >= 7
+    for name in names:
+        assert texts[name] == cli.algorithm_parser(name).format_help(), name
+
+
 def test_a_mistyped_flag_value_is_refused_with_status_2() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "fedpers", "run", "altmin", "--n-users", "2x"], capture_output=True, text=True, timeout=300
@@ -97,5 +127,6 @@ def test_a_stale_snapshot_defers_to_the_full_parser(monkeypatch: pytest.MonkeyPa
         flags.precheck("altmin", ["--epsilonn", "4"])
     monkeypatch.setattr(flags, "fingerprint", lambda sources: "changed")
     flags.precheck("altmin", ["--epsilonn", "4"])  # deferred: no error here
+    assert cli.snapshot_parser("altmin") is None  # --help then comes from the full parser
     with pytest.raises(SystemExit):
         cli.algorithm_parser("altmin").parse_args(["--epsilonn", "4"])

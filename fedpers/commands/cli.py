@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import sys
 import tomllib
 import typing
@@ -41,25 +40,16 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def _add_fields(parser: argparse.ArgumentParser | Any, cls: type) -> None:
-    types = config_lib.field_types(cls)
-    for f in dataclasses.fields(cls):
-        tp = types[f.name]
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        tp = args[0] if args else tp
-        default = f.default.value if isinstance(f.default, enum.Enum) else f.default
-        kwargs: dict[str, Any] = {
-            "dest": f.name,
-            "default": argparse.SUPPRESS,
-            "help": f"{f.metadata.get('help', '')} (default: {default})",
-        }
-        if callable(f.metadata.get("choices")):  # a registry's names, listed when the parser is built
-            kwargs["choices"] = list(f.metadata["choices"]())
-        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
-            kwargs["choices"] = [e.value for e in tp]
+def _add_schema(parser: argparse.ArgumentParser | Any, fields: Sequence[Mapping[str, Any]]) -> None:
+    """One flag per field of a :func:`fedpers.commands.flags.field_schema` (read from the config
+    class, or from the snapshot: the same parser either way)."""
+    for f in fields:
+        kwargs: dict[str, Any] = {"dest": f["name"], "default": argparse.SUPPRESS, "help": f["help"]}
+        if "choices" in f:  # an enum's values, or a registry's names as listed when the schema was read
+            kwargs["choices"] = list(f["choices"])
         else:
-            kwargs["metavar"] = f.name.upper()
-        parser.add_argument(_flag(f), **kwargs)
+            kwargs["metavar"] = f["name"].upper()
+        parser.add_argument(f["flag"], **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,18 +247,38 @@ class SuggestingParser(argparse.ArgumentParser):
 
 def algorithm_parser(name: str) -> argparse.ArgumentParser:
     """Flags of ``fedpers run NAME``: the algorithm's config fields and the runtime options."""
-    from fedpers.experiments import ALGORITHMS, experiment
+    from fedpers.commands.flags import field_schema
+    from fedpers.experiments import experiment
     from fedpers.runner import RuntimeOptions
 
-    exp = experiment(name)
+    return _algorithm_parser(name, field_schema(experiment(name).config_type), field_schema(RuntimeOptions))
+
+
+def snapshot_parser(name: str) -> argparse.ArgumentParser | None:
+    """:func:`algorithm_parser` built from the flag snapshot (no algorithm imported: milliseconds),
+    or None where the snapshot is not current for ``name``."""
+    from fedpers.commands.flags import current
+
+    found = current(name)
+    if found is None:
+        return None
+    table, entry = found
+    return _algorithm_parser(name, entry["fields"], table["runtime"])
+
+
+def _algorithm_parser(
+    name: str, fields: Sequence[Mapping[str, Any]], runtime: Sequence[Mapping[str, Any]]
+) -> argparse.ArgumentParser:
+    from fedpers.experiments import ALGORITHMS
+
     p = SuggestingParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
     p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
     p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_tracking(p)
-    _add_fields(p.add_argument_group(f"{name} options"), exp.config_type)
-    _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
+    _add_schema(p.add_argument_group(f"{name} options"), fields)
+    _add_schema(p.add_argument_group(RUNTIME_FLAGS), runtime)
     return p
 
 
@@ -338,9 +348,13 @@ def _run_result(result: Mapping[str, Any] | RunResult) -> RunResult:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedpers.commands.flags import precheck
+    from fedpers.commands.flags import asks_for_help, precheck
 
     precheck(args.algorithm, args.args)  # a mistyped flag or value answered before torch is imported
+    if asks_for_help(args.args):  # answered from the snapshot where it is current (argparse exits)
+        quick = snapshot_parser(args.algorithm)
+        if quick is not None:
+            quick.parse_args(args.args)
     from fedpers.experiments import experiment
     from fedpers.runner import RuntimeOptions, execute
 
