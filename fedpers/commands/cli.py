@@ -355,6 +355,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         quick = snapshot_parser(args.algorithm)
         if quick is not None:
             quick.parse_args(args.args)
+    if getattr(args, "entry_point", False):  # a process of its own: its plots' start-up overlaps the run
+        from fedpers.results.plots import start_worker, stop_worker
+
+        start_worker()
+        try:
+            return _run(args)
+        finally:
+            stop_worker()
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from fedpers.experiments import experiment
     from fedpers.runner import RuntimeOptions, execute
 
@@ -765,6 +777,7 @@ def _main(argv: Sequence[str] | None) -> int:
     import os
     import signal
 
+    entry_point = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = "--verbose" in argv[: argv.index("--") if "--" in argv else len(argv)]
     if verbose:
@@ -781,6 +794,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return (forkserver.superexec if argv[1] == "superexec" else supernode.supernode)(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.entry_point = entry_point
     signal.signal(signal.SIGTERM, _terminate)
     if args.command != "deploy":  # `deploy run` streams Flower's own log: left as Flower prints it
         quiet_third_party(verbose)
