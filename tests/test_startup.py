@@ -135,7 +135,8 @@ def test_a_stale_snapshot_defers_to_the_full_parser(monkeypatch: pytest.MonkeyPa
 def test_a_run_process_draws_its_plots_in_a_worker_the_same_files_and_imports_no_matplotlib(tmp_path) -> None:
     """``fedpers run`` as a process hands its plots to a worker started before torch is imported:
     the process itself never imports matplotlib, and the PNGs are byte for byte those an
-    in-process run of the same config draws."""
+    in-process run of the same config draws. The process ends without tearing its modules down,
+    after its output is flushed."""
     run = ["run", "altmin", "--n-users", "200", "--dim", "6", "--rank", "2", "--quiet"]
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "fedpers", *run, "--out", str(tmp_path / "worker")],
@@ -144,6 +145,7 @@ def test_a_run_process_draws_its_plots_in_a_worker_the_same_files_and_imports_no
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "completed in" in proc.stdout and proc.stdout.rstrip().endswith(str(tmp_path / "worker"))  # the output whole
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" in imported and not any(m.split(".")[0] == "matplotlib" for m in imported)
     assert cli.main([*run, "--out", str(tmp_path / "here")]) == 0

@@ -14,7 +14,6 @@ rewrites the snapshot (tests/test_startup.py checks it is current).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import hashlib
 import json
@@ -166,6 +165,8 @@ def _check_value(entry: Mapping[str, Any], text: str) -> None:
 
 def suggestion(flag: str, known: Sequence[str]) -> str:
     """``; did you mean --x?`` for the closest known flag(s), or an empty string."""
+    import difflib  # only an unknown flag pays for it
+
     close = difflib.get_close_matches(flag, known, n=2, cutoff=0.75)
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
