@@ -355,17 +355,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         quick = snapshot_parser(args.algorithm)
         if quick is not None:
             quick.parse_args(args.args)
-    if getattr(args, "entry_point", False):  # a process of its own: its plots' start-up overlaps the run
-        from fedpers.results.plots import start_worker, stop_worker
+    return _as_process(args, _run)
 
-        start_worker()
-        try:
-            status = _run(args)
-        finally:
-            stop_worker()
-        _ENDING["no_teardown"] = True
-        return status
-    return _run(args)
+
+def _as_process(args: argparse.Namespace, body: typing.Callable[[argparse.Namespace], int]) -> int:
+    """``body(args)``; in a process of its own (``fedpers`` as the entry point), with a plot worker
+    started first (the plots' start-up overlaps the run) and, once it completed, an exit without
+    teardown (:func:`_end_without_teardown`)."""
+    if not getattr(args, "entry_point", False):
+        return body(args)
+    from fedpers.results.plots import start_worker, stop_worker
+
+    start_worker()
+    try:
+        status = body(args)
+    finally:
+        stop_worker()
+    _ENDING["no_teardown"] = True
+    return status
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -416,6 +423,10 @@ def _print_result(result: Mapping[str, Any], as_json: bool) -> None:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    return _as_process(args, _resume)
+
+
+def _resume(args: argparse.Namespace) -> int:
     from fedpers.runner import resume_run
 
     if args.track:
