@@ -31,8 +31,9 @@ def test_help_imports_no_torch() -> None:
 
 
 def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``fedpers run ALGO --help`` is answered from the flag snapshot: no torch, no accounting
-    library, and for every built-in algorithm the text the experiment's own parser prints."""
+    """``fedpers run ALGO --help`` (and ``fedpers audit ALGO --help``) is answered from the flag
+    snapshot: no torch, no accounting library, and for every built-in algorithm the text the
+    experiment's own parser prints."""
     import os
 
     from fedpers.commands import flags
@@ -45,6 +46,8 @@ def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkey
         "for name in sys.argv[1:]:\n    out = io.StringIO()\n"
         "    try:\n        with contextlib.redirect_stdout(out):\n            main(['run', name, '--help'])\n"
         "    except SystemExit as e:\n        assert e.code == 0, e.code\n    texts[name] = out.getvalue()\n"
+        "out = io.StringIO()\nwith contextlib.redirect_stdout(out):\n    assert main(['audit', 'altmin', '--help']) == 0\n"
+        "texts['audit'] = out.getvalue()\n"
         "print(json.dumps([texts, 'torch' in sys.modules, 'dp_accounting' in sys.modules]))"
     )
     monkeypatch.setenv("COLUMNS", "97")  # argparse wraps to the terminal's width: the same in both processes
@@ -57,6 +60,7 @@ def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkey
     assert len(names) >= 7
     for name in names:
         assert texts[name] == cli.algorithm_parser(name).format_help(), name
+    assert texts["audit"].endswith(cli.algorithm_parser("altmin").format_help())  # `fedpers audit ALGO --help` too
 
 
 def test_a_mistyped_flag_value_is_refused_with_status_2() -> None:

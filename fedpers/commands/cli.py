@@ -669,14 +669,14 @@ def _audit_flags() -> argparse.ArgumentParser:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    if {"-h", "--help"} & set(args.args):  # from the flag snapshot where it is current (no torch)
+        print(_audit_flags().format_help())
+        (snapshot_parser(args.algorithm) or algorithm_parser(args.algorithm)).print_help()
+        return 0
     from fedpers.commands.audit import audit, format_audit
     from fedpers.experiments import experiment
     from fedpers.results.rundir import dumps
 
-    if {"-h", "--help"} & set(args.args):
-        print(_audit_flags().format_help())
-        algorithm_parser(args.algorithm).print_help()
-        return 0
     own, rest = _audit_flags().parse_known_args(args.args)
     releases = None if own.releases is None else tuple(n.strip() for n in own.releases.split(","))
     if Path(args.algorithm).is_dir():
