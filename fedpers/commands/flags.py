@@ -3,7 +3,8 @@
 The config classes live in the experiment modules, which import torch and dp-accounting (seconds).
 :data:`fedpers.commands.flag_table.TABLE` is a snapshot of every built-in algorithm's fields (flag,
 type, choices, range) and of the runtime options, with a fingerprint of the source files they were
-read from. :func:`precheck` refuses a mistyped flag (with a did-you-mean) or a value of the wrong
+read from (each field's help line too, so ``fedpers run ALGO --help`` is printed from it by the
+parser :func:`fedpers.commands.cli.algorithm_parser` would build). :func:`precheck` refuses a mistyped flag (with a did-you-mean) or a value of the wrong
 type or range from the snapshot alone, in milliseconds; a line it passes is parsed again, in full,
 by the experiment's own parser. A snapshot older than its sources (or an algorithm it lacks, a
 plugin) is skipped: the full parser then answers, only later. ``python -m fedpers.commands.flags``
@@ -13,7 +14,6 @@ rewrites the snapshot (tests/test_startup.py checks it is current).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import hashlib
 import json
@@ -48,9 +48,16 @@ def field_schema(cls: type) -> list[dict[str, Any]]:
         tp = types[f.name]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         tp = args[0] if args else tp
-        entry: dict[str, Any] = {"name": f.name, "flag": f.metadata.get("flag") or "--" + f.name.replace("_", "-")}
+        default = f.default.value if isinstance(f.default, enum.Enum) else f.default
+        entry: dict[str, Any] = {
+            "name": f.name,
+            "flag": f.metadata.get("flag") or "--" + f.name.replace("_", "-"),
+            "help": f"{f.metadata.get('help', '')} (default: {default})",
+        }
         if callable(f.metadata.get("choices")):
-            entry["type"] = "registry"  # names a registry may extend at run time: left to the full parser
+            # names a registry may extend at run time: listed in the help as registered now, their
+            # check left to the full parser
+            entry["type"], entry["choices"] = "registry", list(f.metadata["choices"]())
         elif isinstance(tp, type) and issubclass(tp, enum.Enum):
             entry["type"], entry["choices"] = "enum", [e.value for e in tp]
         else:
@@ -69,6 +76,9 @@ def _sources(classes: Sequence[type]) -> list[str]:
         for base in cls.__mro__:
             if dataclasses.is_dataclass(base):
                 files.add(Path(inspect.getfile(base)).resolve())
+        for f in dataclasses.fields(cls):
+            if callable(f.metadata.get("choices")):  # the registry's own module (its built-in names)
+                files.add(Path(inspect.getfile(f.metadata["choices"])).resolve())
         for tp in config_lib.field_types(cls).values():
             for t in (tp, *typing.get_args(tp)):
                 if isinstance(t, type) and issubclass(t, enum.Enum):
@@ -125,6 +135,22 @@ def _load() -> Mapping[str, Any] | None:
     return TABLE
 
 
+def current(algorithm: str) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
+    """The snapshot and ``algorithm``'s entry in it, or None where the snapshot cannot speak for
+    it (no snapshot, an algorithm it lacks, or sources changed since it was written)."""
+    table = _load()
+    entry = (table or {}).get("algorithms", {}).get(algorithm)
+    if table is None or entry is None or fingerprint(entry["sources"]) != entry["fingerprint"]:
+        return None
+    return table, entry
+
+
+def asks_for_help(argv: Sequence[str]) -> bool:
+    """``-h``/``--help`` among the flags (before any ``--``)."""
+    args = list(argv)
+    return bool({"-h", "--help"} & set(args[: args.index("--") if "--" in args else len(args)]))
+
+
 def _check_value(entry: Mapping[str, Any], text: str) -> None:
     name, kind, m = entry["name"], entry["type"], entry.get("meta", {})
     value: Any = (m.get("words") or {}).get(text, text)
@@ -139,6 +165,8 @@ def _check_value(entry: Mapping[str, Any], text: str) -> None:
 
 def suggestion(flag: str, known: Sequence[str]) -> str:
     """``; did you mean --x?`` for the closest known flag(s), or an empty string."""
+    import difflib  # only an unknown flag pays for it
+
     close = difflib.get_close_matches(flag, known, n=2, cutoff=0.75)
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
@@ -148,10 +176,10 @@ def precheck(algorithm: str, argv: Sequence[str]) -> None:
 
     Does nothing where the snapshot cannot speak for ``algorithm`` (not in it, or its sources
     changed since): the full parser checks every line anyway."""
-    table = _load()
-    entry = (table or {}).get("algorithms", {}).get(algorithm)
-    if table is None or entry is None or fingerprint(entry["sources"]) != entry["fingerprint"]:
+    found = current(algorithm)
+    if found is None:
         return
+    table, entry = found
     fields = {e["flag"]: e for e in [*entry["fields"], *table["runtime"]]}
     known = [*COMMON_FLAGS, *fields]
     args = list(argv)

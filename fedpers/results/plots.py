@@ -176,6 +176,96 @@ def value_figure(key: str, value: float, baselines: Mapping[str, Mapping[str, An
     return fig
 
 
+class PlotWorker:
+    """A child process that imports matplotlib and loads its fonts while the run works, then draws
+    the run directory's plots (:func:`plot_run`) when asked: the figures' library start-up leaves
+    the run's critical path (it overlaps the run's own imports on a second core).
+
+    The child reads one job from its stdin and answers on its stdout; it exits on end of input, so
+    it ends with its parent whatever the parent's fate. Any failure (the child gone, an error, a
+    timeout) gives None and the caller draws in its own process: same files either way."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        import fedpers
+
+        env = dict(os.environ)
+        root = str(Path(fedpers.__file__).resolve().parent.parent)  # the parent's fedpers, not another install
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        self.proc: Any = subprocess.Popen(
+            [sys.executable, "-m", "fedpers.results.plots"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
+
+    def plot_run(self, path: Path, rounds: Sequence[Mapping[str, Any]], keys: Iterable[str], **kwargs: Any) -> Any:
+        """:func:`plot_run`'s answer drawn by the child, or None (then nothing was promised: the
+        caller draws)."""
+        import json
+        import subprocess
+
+        job = json.dumps({"path": str(path), "rounds": list(rounds), "keys": list(keys), **kwargs}, default=repr)
+        try:
+            out, _ = self.proc.communicate(job + "\n", timeout=600)
+            answer = json.loads(out.strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            self.close()
+            return None
+        return answer.get("written") if self.proc.returncode == 0 else None
+
+    def close(self) -> None:
+        """End the child (unused, or failed) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+_WORKERS: list[PlotWorker] = []
+
+
+def start_worker() -> None:
+    """Start the process's :class:`PlotWorker` (one at most); a start that fails leaves none."""
+    if not _WORKERS:
+        try:
+            _WORKERS.append(PlotWorker())
+        except OSError:
+            pass
+
+
+def take_worker() -> PlotWorker | None:
+    """The started worker, handed over once (None if none was started)."""
+    return _WORKERS.pop() if _WORKERS else None
+
+
+def stop_worker() -> None:
+    """End a started worker that nothing took."""
+    worker = take_worker()
+    if worker is not None:
+        worker.close()
+
+
+def serve() -> None:
+    """The :class:`PlotWorker` child: import and warm up matplotlib, then draw one job."""
+    import json
+    import sys
+
+    plt = _plt()
+    fig = run_figure([{"round": 0, "e": 1.0}, {"round": 1, "e": 0.5}], "e", title="ε δ", baselines={"b": {"e": 0.7}})
+    fig.canvas.draw()  # fonts and text layout loaded before the job arrives
+    plt.close(fig)
+    line = sys.stdin.readline()
+    if not line:
+        return
+    job = json.loads(line)
+    written = plot_run(Path(job.pop("path")), job.pop("rounds"), job.pop("keys"), **job)
+    print(json.dumps({"written": written}))
+
+
 def plot_run(
     path: Path,
     rounds: Sequence[Mapping[str, Any]],
@@ -232,3 +322,7 @@ def compare_figure(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) ->
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+if __name__ == "__main__":
+    serve()

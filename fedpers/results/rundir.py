@@ -267,9 +267,15 @@ class RunDirectory:
         round_axis: str = "round",
         baselines: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> list[str]:
-        """One PNG per key: the metric against the round, baselines as reference lines."""
-        from fedpers.results.plots import plot_run
+        """One PNG per key: the metric against the round, baselines as reference lines (drawn by
+        the process's started :class:`~fedpers.results.plots.PlotWorker` if there is one, else here)."""
+        from fedpers.results.plots import plot_run, take_worker
 
+        worker = take_worker()
+        if worker is not None:
+            written = worker.plot_run(self.path, rounds, keys, title=title, round_axis=round_axis, baselines=baselines)
+            if written is not None:
+                return [str(name) for name in written]
         return plot_run(self.path, rounds, keys, title=title, round_axis=round_axis, baselines=baselines)
 
 
