@@ -28,10 +28,12 @@ Nodes and the server are objects that exchange only bytes and integer vectors (w
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
@@ -168,6 +170,58 @@ class SecAggNode:
         if self.node not in alive:
             raise AggregationAborted(f"node {self.node}: not among the survivors it was told")
         return {i: ("b", b) if i in alive else ("s", s) for i, (s, b) in self._held.items()}
+
+
+    def export(self) -> dict[str, int | bytes | list[int] | list[bytes]]:
+        """The node's whole state as flat values a message or node store can hold (ints, bytes and lists
+        of them; the secrets included: it stays on the node, in its own state, between stages)."""
+        keys, held = sorted(self._keys), sorted(self._held)
+        return {
+            "node": self.node,
+            "neighbours": list(self.neighbours),
+            "threshold": self.threshold,
+            "bits": self.bits,
+            "round-tag": self.round_tag,
+            "c-sk": _raw_private(self._c_key),
+            "s-sk": _raw_private(self._s_key),
+            "b": self._b,
+            "key-ids": keys,
+            "c-pk": [self._keys[j][0] for j in keys],
+            "s-pk": [self._keys[j][1] for j in keys],
+            "held-ids": held,
+            "held-s": [self._held[j][0] for j in held],
+            "held-b": [self._held[j][1] for j in held],
+        }
+
+    @classmethod
+    def restore(cls, state: Mapping[str, Any]) -> SecAggNode:
+        """:meth:`export`'s inverse (a KeyError or TypeError for a state that is not one)."""
+
+        def ints(key: str) -> list[int]:
+            return [int(v) for v in state[key]]
+
+        def blobs(key: str) -> list[bytes]:
+            return [bytes(v) for v in state[key]]
+
+        node = cls(
+            int(state["node"]),
+            ints("neighbours"),
+            int(state["threshold"]),
+            int(state["bits"]),
+            bytes(state["round-tag"]),
+            X25519PrivateKey.from_private_bytes(bytes(state["c-sk"])),
+            X25519PrivateKey.from_private_bytes(bytes(state["s-sk"])),
+            bytes(state["b"]),
+        )
+        node._keys = dict(zip(ints("key-ids"), zip(blobs("c-pk"), blobs("s-pk"), strict=True), strict=True))
+        node._held = dict(zip(ints("held-ids"), zip(blobs("held-s"), blobs("held-b"), strict=True), strict=True))
+        return node
+
+
+def plus_degree(nodes: int) -> int:
+    """Neighbours per node of SecAgg+ among ``nodes``: 2⌈log₂ n⌉ (Bell et al. 2020's logarithmic
+    degree), all others when that is as many (plain SecAgg)."""
+    return max(0, min(nodes - 1, 2 * math.ceil(math.log2(max(nodes, 2)))))
 
 
 def _self_mask(b: bytes, round_tag: bytes, length: int, bits: int) -> np.ndarray:

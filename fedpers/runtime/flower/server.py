@@ -263,10 +263,13 @@ def run_on_grid(
     from fedpers.privacy.distributed import NodeSidePrivatizer
 
     if isinstance(privatizer, NodeSidePrivatizer):  # distributed or local DP: the nodes add the noise
+        from fedpers.config import DpModel
         from fedpers.runtime.flower.nodeside import NodeSideGather, task_record
+        from fedpers.runtime.flower.secaggplus import SecAggRounds
 
-        gather.extra = lambda p: task_record(privatizer, p)
-        nodes_gather = NodeSideGather(gather, protocol, privatizer, num_units, device)
+        secure = SecAggRounds(gather, privatizer.plan) if privatizer.plan.model is DpModel.DISTRIBUTED else None
+        gather.extra = lambda p: task_record(privatizer, p, secure)
+        nodes_gather = NodeSideGather(gather, protocol, privatizer, num_units, device, secure)
         return drive(
             protocol,
             nodes_gather,
