@@ -1,0 +1,178 @@
+"""SecAgg+ over Flower Messages under distributed DP: the server sums only masked vectors, recovers
+dropped nodes' masks from shares, releases nothing below the threshold, and the run equals the local
+runtime's exact simulation (same U, same ledger)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+from flwr.app import Message as FlowerMessage
+
+from fedpers import config
+from fedpers.app import make_client_app, run_flower
+from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
+from fedpers.privacy.accountant import Calibrations
+from fedpers.runner import resolve
+from fedpers.runtime import distributed as local_nodes
+from fedpers.runtime.driver import RoundFailed
+from fedpers.runtime.flower import codec, secaggplus
+from fedpers.runtime.local import run_local
+from fedpers.runtime.options import RuntimeOptions
+from tests.flower_support import InProcessGrid
+
+SMALL = dict(n_users=120, dim=5, rank=2, samples_per_user=16, rounds=1, baselines="none", epsilon=2.0)
+
+
+class DroppingGrid(InProcessGrid):
+    """An in-process Grid whose partitions in ``lost`` compute and mask their vector but whose masked
+    reply never reaches the server (a node dropping after masking); every reply is kept."""
+
+    def __init__(self, partitions: int, lost: Iterable[int] = (), **kw: Any) -> None:
+        super().__init__(make_client_app(), partitions, **kw)
+        self.lost = set(lost)
+        self.received: list[tuple[int, FlowerMessage]] = []
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[FlowerMessage]:
+        out = []
+        for reply in super().pull_messages(message_ids):
+            part = int(self.contexts[reply.metadata.src_node_id].node_config[codec.PARTITION_ID])
+            if reply.metadata.message_type == "train" and part in self.lost:
+                continue
+            self.received.append((part, reply))
+            out.append(reply)
+        return out
+
+
+def plan(runtime: str, **options: object) -> Any:
+    cfg = config.build(AltMinConfig, SMALL)
+    opts = {"nodes": 4, "runtime": runtime, "dp_model": "distributed", "bits": 16, **options}
+    return resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, opts))
+
+
+def on_flower(p: Any, grid: InProcessGrid) -> tuple[Any, list[Any]]:
+    table = p.calibrations.table
+    node_protocol = p.experiment.protocol(p.cfg, Calibrations(table))
+    return run_flower(
+        p.experiment, p.cfg, p.protocol, p.privatizer, p.options, grid=grid, progress=False, calibrations=table,
+        node_protocol=node_protocol,
+    )  # fmt: skip
+
+
+def on_local(p: Any) -> Any:
+    state, _ = run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+    return state
+
+
+@pytest.mark.parametrize("when", ["after masking", "before masking"])
+def test_a_dropped_node_is_recovered_from_shares_and_equals_the_local_runtime(when, monkeypatch):
+    """Partition 2 keys and shares, then drops (its masked vector lost, or it never computes one): the
+    survivors' sum is unmasked from the shares, and U and the ledger equal the local runtime's with
+    partition 2 dropped every round."""
+    flower = plan("flower", min_nodes=3, round_timeout=0.5)
+    grid = DroppingGrid(4, lost={2}) if when == "after masking" else DroppingGrid(4, silent={2})
+    state_flower, records = on_flower(flower, grid)
+    monkeypatch.setattr(local_nodes, "dropouts", lambda rate, seed: lambda round, node: node != 2)
+    local = plan("local", min_nodes=3, node_dropout=0.25)
+    torch.testing.assert_close(state_flower["U"], on_local(local)["U"], rtol=0, atol=1e-12)
+    assert flower.privatizer.ledger == local.privatizer.ledger
+    assert flower.privatizer.ledger.releases
+    assert all(r.diagnostics["nodes_survived"] == 3 for r in records)
+    stages = [m.content.config_records[secaggplus.SECAGG] for m in grid.sent if secaggplus.SECAGG in m.content]
+    unmask = [r for r in stages if r["stage"] == "unmask"]
+    assert unmask and all(list(r["ids"]) == [0, 1, 3] for r in unmask)
+    answers = [
+        r.content.config_records[secaggplus.SECAGG]
+        for _, r in grid.received
+        if secaggplus.SECAGG in r.content.config_records
+    ]
+    kinds = "".join(str(a.get("kinds", "")) for a in answers)
+    if when == "after masking":  # its pair masks are in the survivors' vectors: its mask key was rebuilt
+        assert "s" in kinds
+    assert "b" in kinds
+
+
+def test_fewer_survivors_than_the_threshold_release_nothing():
+    """4 nodes (3 neighbours each, threshold 2), noise sized for 1 survivor: 3 drop after masking,
+    the one survivor's neighbourhood is below the threshold, the nodes reveal nothing and the round is
+    discarded with an empty ledger."""
+    assert secaggplus.threshold(4) == 2
+    p = plan("flower", min_nodes=1, round_timeout=0.5)
+    with pytest.raises(RoundFailed, match="SecAgg\\+ aborted"):
+        on_flower(p, DroppingGrid(4, lost={0, 1, 3}))
+    assert len(p.privatizer.ledger.releases) == 0
+    q = plan("flower", min_nodes=3, round_timeout=0.5)  # the server's own min_nodes rule stops it before unmasking
+    with pytest.raises(RoundFailed, match="below min_nodes=3"):
+        on_flower(q, DroppingGrid(4, lost={0, 1}))
+    assert len(q.privatizer.ledger.releases) == 0
+
+
+def test_the_server_receives_only_masked_vectors_uniform_mod_2b(monkeypatch):
+    """Each vector the server receives is the node's masked one: it differs from the node's plain
+    (noised, integer) vector in nearly every coordinate, and all of them together pass a χ² test of
+    uniformity on [0, 2^b) that the plain vectors fail (the test has power)."""
+    from scipy import stats as scipy_stats
+
+    plain: dict[int, np.ndarray] = {}
+    masked: dict[int, np.ndarray] = {}
+    real = secaggplus.masked_message
+
+    def spy(mine: Any, rec: Any, context: Context, round: int, plan: Any) -> Any:
+        out = real(mine, rec, context, round, plan)
+        if round == 0:
+            names = sorted(mine.stats)
+            part = int(context.node_config[codec.PARTITION_ID])
+            plain[part], masked[part] = secaggplus.concat(mine.stats, names), secaggplus.concat(out.stats, names)
+        return out
+
+    monkeypatch.setattr(secaggplus, "masked_message", spy)
+    p = plan("flower")
+    grid = DroppingGrid(4)
+    on_flower(p, grid)
+    bits = p.privatizer.plan.bits
+    got = {}
+    for part, reply in grid.received:
+        if reply.metadata.message_type == "train" and codec.decode_reply(reply.content).stats.keys() and part not in got:
+            stats = codec.decode_reply(reply.content).stats
+            got[part] = secaggplus.concat(stats, sorted(stats))
+    assert sorted(got) == sorted(plain) == [0, 1, 2, 3]
+    for part in got:
+        assert np.array_equal(got[part], masked[part])  # what the server holds is the masked vector
+        assert np.mean(got[part] != plain[part]) > 0.95
+
+    def chi2_p(vectors: dict[int, np.ndarray]) -> float:
+        values = np.concatenate(list(vectors.values()))
+        counts = np.bincount(values >> (bits - 4), minlength=16)
+        return float(scipy_stats.chisquare(counts).pvalue)
+
+    assert chi2_p(got) > 1e-4
+    assert chi2_p(plain) < 1e-6
+
+
+def test_secagg_stages_must_come_in_order_once_each():
+    """A node answers unmask only after it masked, and only once: a server asking out of order or a
+    second time gets an error, never shares."""
+    context = Context(
+        run_id=1, node_id=7, node_config={codec.PARTITION_ID: 0, codec.NUM_PARTITIONS: 4}, state=RecordDict(),
+        run_config={},
+    )  # fmt: skip
+
+    def ask(**fields: Any) -> FlowerMessage:
+        from flwr.app import ConfigRecord
+
+        msg = FlowerMessage(RecordDict({secaggplus.SECAGG: ConfigRecord(fields)}), 7, secaggplus.MESSAGE_TYPE)
+        msg.metadata.__dict__["_message_id"] = "m"
+        return secaggplus.handle_stage(msg, context)
+
+    reply = ask(stage="advertise", round=0, nodes=4, **{"min-nodes": 2, "bits": 16})
+    assert len(bytes(reply.content.config_records[secaggplus.SECAGG]["c-pk"])) == 32
+    with pytest.raises(ValueError, match="must follow 'masked'"):
+        ask(stage="unmask", round=0, ids=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="must follow 'advertise' of that round"):
+        ask(stage="share", round=1, ids=[], **{"c-pk": [], "s-pk": []})
+    with pytest.raises(ValueError, match="do not fit"):
+        ask(stage="advertise", round=0, nodes=4, **{"min-nodes": 5, "bits": 16})
