@@ -156,6 +156,7 @@ def test_the_server_receives_only_masked_vectors_uniform_mod_2b(monkeypatch):
 def test_secagg_stages_must_come_in_order_once_each():
     """A node answers unmask only after it masked, and only once: a server asking out of order or a
     second time gets an error, never shares."""
+    InProcessGrid(make_client_app(), 1)  # sets Flower's task identity, as a ServerApp has it
     context = Context(
         run_id=1, node_id=7, node_config={codec.PARTITION_ID: 0, codec.NUM_PARTITIONS: 4}, state=RecordDict(),
         run_config={},
@@ -176,3 +177,25 @@ def test_secagg_stages_must_come_in_order_once_each():
         ask(stage="share", round=1, ids=[], **{"c-pk": [], "s-pk": []})
     with pytest.raises(ValueError, match="do not fit"):
         ask(stage="advertise", round=0, nodes=4, **{"min-nodes": 5, "bits": 16})
+    with pytest.raises(ValueError, match="this node's config says 4 partitions"):  # degree/threshold from 4, not 3
+        ask(stage="advertise", round=0, nodes=3, **{"min-nodes": 2, "bits": 16})
+
+
+def test_the_run_config_carries_the_trust_model_and_a_distributed_deployment_needs_its_node_count():
+    from fedpers.app import from_run_config
+
+    job = from_run_config({"algorithm": "altmin", "dp-model": "distributed", "bits": 16, "min-nodes": 2, "nodes": 3})
+    assert (job.options.dp_model.value, job.options.bits, job.options.min_nodes, job.options.nodes) == (
+        "distributed", 16, 2, 3
+    )
+    listed = from_run_config({"algorithm": "altmin", "dp-model": "local", "node-partitions": "11=0 12=1"})
+    assert listed.options.nodes == 2
+    assert from_run_config({"algorithm": "altmin"}).options.dp_model.value == "central"
+    with pytest.raises(ValueError, match="nodes must name the SuperNodes"):
+        from_run_config({"algorithm": "altmin", "dp-model": "distributed"})
+    with pytest.raises(ValueError, match="min_nodes"):
+        from_run_config({"algorithm": "altmin", "dp-model": "distributed", "nodes": 3, "min-nodes": 4})
+    p = plan("flower", nodes=3)  # a plan for 3 nodes on a federation of 4 partitions: refused before any release
+    with pytest.raises(ValueError, match="the federation has 4 partitions"):
+        on_flower(p, DroppingGrid(4))
+    assert len(p.privatizer.ledger.releases) == 0

@@ -171,7 +171,6 @@ class SecAggNode:
             raise AggregationAborted(f"node {self.node}: not among the survivors it was told")
         return {i: ("b", b) if i in alive else ("s", s) for i, (s, b) in self._held.items()}
 
-
     def export(self) -> dict[str, int | bytes | list[int] | list[bytes]]:
         """The node's whole state as flat values a message or node store can hold (ints, bytes and lists
         of them; the secrets included: it stays on the node, in its own state, between stages)."""

@@ -126,6 +126,11 @@ def handle_stage(message: FlowerMessage, context: Context) -> FlowerMessage:
     me = int(str(context.node_config[codec.PARTITION_ID]))
     if stage == "advertise":
         nodes, min_nodes, bits = _int(rec, NODES), _int(rec, MIN_NODES), _int(rec, BITS)
+        partitions = int(str(context.node_config[codec.NUM_PARTITIONS]))
+        if nodes != partitions:  # the degree and threshold follow the node count: never the server's word alone
+            raise ValueError(
+                f"{SECAGG}: the server says {nodes} nodes, this node's config says {partitions} partitions"
+            )
         if not (1 <= min_nodes <= nodes and 0 <= me < nodes and 1 <= bits <= 32):
             raise ValueError(f"{SECAGG}: nodes={nodes}, min_nodes={min_nodes}, bits={bits} do not fit partition {me}")
         node = secagg.SecAggNode(me, graph(nodes, round)[me], threshold(nodes), bits, round_tag(round))

@@ -267,6 +267,11 @@ def run_on_grid(
         from fedpers.runtime.flower.nodeside import NodeSideGather, task_record
         from fedpers.runtime.flower.secaggplus import SecAggRounds
 
+        if federation.num_partitions != privatizer.plan.nodes:  # the noise shares are sized for plan.nodes
+            raise ValueError(
+                f"nodes={privatizer.plan.nodes} under dp_model {privatizer.plan.model.value}, but the federation has "
+                f"{federation.num_partitions} partitions; set nodes to the number of SuperNodes (nothing was released)"
+            )
         secure = SecAggRounds(gather, privatizer.plan) if privatizer.plan.model is DpModel.DISTRIBUTED else None
         gather.extra = lambda p: task_record(privatizer, p, secure)
         nodes_gather = NodeSideGather(gather, protocol, privatizer, num_units, device, secure)
