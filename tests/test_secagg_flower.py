@@ -199,3 +199,66 @@ def test_the_run_config_carries_the_trust_model_and_a_distributed_deployment_nee
     with pytest.raises(ValueError, match="the federation has 4 partitions"):
         on_flower(p, DroppingGrid(4))
     assert len(p.privatizer.ledger.releases) == 0
+
+
+@pytest.mark.slow  # a loopback SuperLink and three SuperNodes (~2 min on a busy machine)
+def test_a_three_node_loopback_deployment_runs_distributed_dp_through_secagg(tmp_path):
+    """`flwr run .` with dp-model=distributed on one SuperLink and three SuperNodes (each message in a
+    SuperNode may run in a new process: the SecAgg+ state lives in the node's Context): the run
+    completes with the local runtime's ledger (the nodes' noise is drawn from OS entropy, so U is not
+    compared) and every node survives every round."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from fedpers.data.files import save_altmin_npz
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.experiments.altmin import truth
+    from fedpers.runner import execute
+    from tests.flower_support import Processes, free_port, wait_for_log, write_connection
+
+    root = Path(__file__).resolve().parents[1]
+    exp = EXPERIMENTS["altmin"]
+    fields = {"n_users": 150, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 11, "epsilon": 2.0}
+    users = exp.units(config.build(exp.config_type, fields), torch.arange(fields["n_users"]))
+    data = tmp_path / "users.npz"
+    save_altmin_npz(data, x=users["x"], y=users["y"], u_star=truth(config.build(exp.config_type, fields)))
+    env = {**os.environ, "PYTHONPATH": str(root), "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    port = free_port()
+    with Processes(tmp_path, env) as procs:
+        link, link_log = procs.start(
+            "superlink",
+            ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+             "--disable-runtime-dependency-installation"],
+            FLWR_HOME=str(tmp_path / "link-home"),
+        )  # fmt: skip
+        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        for i in range(3):
+            node_data = tmp_path / f"node{i}.npz"
+            shutil.copy(data, node_data)
+            node_config = f"partition-id={i} num-partitions=3 data-file='{node_data}'"
+            procs.start(
+                f"supernode{i}",
+                ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
+                 "--node-config", node_config],
+                FLWR_HOME=str(tmp_path / f"node{i}-home"),
+            )  # fmt: skip
+        home = tmp_path / "cli-home"
+        write_connection(home, "deployment", f"127.0.0.1:{port}")
+        out = tmp_path / "runs" / "flower"
+        pairs = " ".join(f"{k}={v}" for k, v in fields.items())
+        run_config = f"config='{pairs}' out='{out}' round-timeout=300.0 dp-model='distributed' bits=16 nodes=3"
+        cmd = [shutil.which("flwr") or "flwr", "run", ".", "deployment", "--stream", "--run-config", run_config]
+        done = subprocess.run(
+            cmd, cwd=root, env={**procs.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=480
+        )
+        assert (out / "result.json").is_file(), done.stdout[-3000:] + done.stderr[-3000:]
+    opts = config.build(RuntimeOptions, {"nodes": 3, "dp_model": "distributed", "bits": 16})
+    execute(exp, config.build(exp.config_type, fields), opts, out=tmp_path / "local", progress=False)
+    assert (out / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
+    result = json.loads((out / "result.json").read_text())
+    assert result["privacy"]["trust_model"]["dp_model"] == "distributed"
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert rounds and all(r["nodes_survived"] == 3 for r in rounds)
