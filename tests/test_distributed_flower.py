@@ -106,6 +106,37 @@ def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
         run_point_task(tiny, {"epsilon": 2.0, "dp_model": "distributed", "bits": 40})
 
 
+def test_the_trust_model_sweep_set_runs_every_member_through_fedpers_sweep(tmp_path):
+    """`fedpers sweep simulations/trust_models.toml` is a sweep set of the two per-algorithm sweeps;
+    a tiny copy of it runs both members into OUT/<name> with the trust model each series names."""
+    import csv
+    from pathlib import Path
+
+    from fedpers.commands.cli import main
+    from fedpers.sweeps.sets import sweep_set
+
+    root = Path(__file__).resolve().parents[1] / "simulations"
+    found = sweep_set(root / "trust_models.toml")
+    assert found is not None and [f.name for f in found[1]] == ["trust_models_altmin.toml", "trust_models_fedrep.toml"]
+    for algorithm, samples in (("altmin", 16), ("fedrep", 5)):
+        (tmp_path / f"{algorithm}.toml").write_text(
+            f'name = "tiny_{algorithm}"\nalgorithm = "{algorithm}"\nx = "epsilon"\nseries = "trust_model"\n'
+            'metrics = ["subspace_error"]\n'
+            f"[base]\nn_users = 120\ndim = 5\nrank = 2\nsamples_per_user = {samples}\nrounds = 1\n"
+            'baselines = "none"\nnodes = 4\n[grid]\nepsilon = [2.0]\n[series_values]\n'
+            'central = { dp_model = "central" }\n"distributed b=16" = { dp_model = "distributed", bits = 16 }\n'
+        )
+    (tmp_path / "set.toml").write_text('name = "tiny"\nsweeps = ["altmin.toml", "fedrep.toml"]\n')
+    assert main(["sweep", str(tmp_path / "set.toml"), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    for algorithm in ("altmin", "fedrep"):
+        with (tmp_path / "out" / f"tiny_{algorithm}" / "table.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        assert {r["trust_model"] for r in rows} == {"central", "distributed b=16"}
+    (tmp_path / "bad.toml").write_text('sweeps = ["altmin.toml", "missing.toml"]\n')
+    with pytest.raises(ValueError, match="no such file"):
+        sweep_set(tmp_path / "bad.toml")
+
+
 # ----- DPALS and NoisyGD under distributed and local DP --------------------------------------------
 @pytest.mark.parametrize("name", ["dpals", "noisygd"])
 def test_dpals_and_noisygd_run_distributed_within_their_target_with_skellam_releases(name):
