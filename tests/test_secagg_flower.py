@@ -262,3 +262,15 @@ def test_a_three_node_loopback_deployment_runs_distributed_dp_through_secagg(tmp
     assert result["privacy"]["trust_model"]["dp_model"] == "distributed"
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert rounds and all(r["nodes_survived"] == 3 for r in rounds)
+
+
+def test_declared_node_dropout_on_flower_equals_the_local_runtime():
+    """``--node-dropout q`` on Flower discards each dropped node's masked vector (a drop after masking,
+    unmasked from shares); the run equals the local runtime's under the same public dropout draws."""
+    flower = plan("flower", min_nodes=2, node_dropout=0.3)
+    state_flower, records = on_flower(flower, DroppingGrid(4))
+    local = plan("local", min_nodes=2, node_dropout=0.3)
+    torch.testing.assert_close(state_flower["U"], on_local(local)["U"], rtol=0, atol=1e-12)
+    assert flower.privatizer.ledger == local.privatizer.ledger
+    survived = [r.diagnostics["nodes_survived"] for r in records]
+    assert min(survived) < 4, survived  # the draws do drop a node here

@@ -12,13 +12,13 @@ The protocol, one instance per round (public: the node ids, the neighbour graph,
 
 1. **advertise keys** — node i publishes two X25519 public keys, c_i (to encrypt) and s_i (to mask);
 2. **share keys** — node i draws a self-mask seed b_i and Shamir-shares b_i and its mask secret key
-   s_i^sk among its neighbours (threshold t), each share encrypted for its recipient with AES-GCM under
+   s_i^sk among its neighbours and itself (degree + 1 shares, threshold t), each neighbour's share encrypted for its recipient with AES-GCM under
    HKDF(X25519(c_i^sk, c_j)), the pair (i, j) bound as associated data; the server relays ciphertexts;
 3. **masked input** — node i sends y_i = x_i + PRG(b_i) + Σ_{j ∈ N(i)} ±PRG(s_ij) mod 2^b, with
    s_ij = HKDF(X25519(s_i^sk, s_j)) and + for j > i, − for j < i (the pairwise masks cancel in the sum);
 4. **unmask** — the server names the survivors (nodes whose y arrived). Each surviving node reveals, for
    each neighbour, the share of b (if that neighbour survived) or of s^sk (if it dropped) — never both
-   for one node. With fewer than ``threshold`` survivors the round ends with nothing released; otherwise
+   for one node — and its own share of its own b. With fewer than ``threshold`` survivors the round ends with nothing released; otherwise
    the server rebuilds every survivor's b and every dropped neighbour's s^sk, and removes their masks.
 
 Nodes and the server are objects that exchange only bytes and integer vectors (what a message carries);
@@ -127,10 +127,13 @@ class SecAggNode:
         if len(self._keys) + 1 < self.threshold:
             raise AggregationAborted(f"node {self.node}: {len(self._keys)} neighbours advertised keys, below threshold")
         holders = sorted(self._keys)
-        s_shares = create_shares(_raw_private(self._s_key), self.threshold, len(holders))
-        b_shares = create_shares(self._b, self.threshold, len(holders))
+        # degree + 1 shares: one per neighbour and one the node keeps (as Flower's secaggplus_mod does), so a
+        # survivor's own share counts towards rebuilding its self mask
+        s_shares = create_shares(_raw_private(self._s_key), self.threshold, len(holders) + 1)
+        b_shares = create_shares(self._b, self.threshold, len(holders) + 1)
+        self._held[self.node] = (s_shares[-1], b_shares[-1])
         out = {}
-        for j, s_share, b_share in zip(holders, s_shares, b_shares, strict=True):
+        for j, s_share, b_share in zip(holders, s_shares[:-1], b_shares[:-1], strict=True):
             nonce = os.urandom(12)
             plain = len(s_share).to_bytes(4, "little") + s_share + b_share
             aad = self.node.to_bytes(8, "little") + j.to_bytes(8, "little") + self.round_tag
@@ -158,7 +161,7 @@ class SecAggNode:
         m = 1 << self.bits
         y = np.remainder(np.asarray(x, dtype=np.int64), m)
         y = y + _self_mask(self._b, self.round_tag, y.size, self.bits)
-        for j in sorted(self._held):
+        for j in sorted(j for j in self._held if j != self.node):
             pair = mask(self._pair_seed(j), y.size, self.bits)
             y = y + pair if j > self.node else y - pair
         return np.remainder(y, m)
