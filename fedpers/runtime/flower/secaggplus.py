@@ -29,7 +29,7 @@ with fewer than ``threshold`` colluding neighbours.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -195,15 +195,14 @@ class SecAggRounds:
     survivors' sum mod 2^b. It only ever holds public keys, ciphertexts, masked vectors and the shares
     the survivors reveal."""
 
-    def __init__(self, gather: Any, plan: dist.DistributedPlan) -> None:
-        self.gather, self.plan = gather, plan
+    def __init__(self, gather: Any, plan: dist.DistributedPlan, exchange: Callable[..., list[FlowerMessage]]) -> None:
+        self.gather, self.plan, self.exchange = gather, plan, exchange
+        """``exchange(grid, messages, timeout, stop)``: :func:`fedpers.runtime.flower.server.exchange`."""
         self.relayed: dict[int, dict[int, bytes]] = {}
         self.server: secagg.SecAggServer | None = None
 
     def _exchange(self, round: int, records: Mapping[int, ConfigRecord]) -> dict[int, ConfigRecord]:
         """Send each partition its stage record; the valid replies by partition (others: dropped)."""
-        from fedpers.runtime.flower.server import exchange
-
         g, fed = self.gather, self.gather.federation
         sent = {fed.nodes[p]: p for p in records if p in fed.nodes}
         messages = [
@@ -211,7 +210,7 @@ class SecAggRounds:
             for node, p in sent.items()
         ]
         out: dict[int, ConfigRecord] = {}
-        for reply in exchange(g.grid, messages, g.timeout, g.stop):
+        for reply in self.exchange(g.grid, messages, g.timeout, g.stop):
             p = sent.get(reply.metadata.src_node_id)
             if p is None or reply.has_error() or SECAGG not in reply.content.config_records:
                 continue

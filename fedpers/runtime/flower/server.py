@@ -272,7 +272,9 @@ def run_on_grid(
                 f"nodes={privatizer.plan.nodes} under dp_model {privatizer.plan.model.value}, but the federation has "
                 f"{federation.num_partitions} partitions; set nodes to the number of SuperNodes (nothing was released)"
             )
-        secure = SecAggRounds(gather, privatizer.plan) if privatizer.plan.model is DpModel.DISTRIBUTED else None
+        secure = (
+            SecAggRounds(gather, privatizer.plan, exchange) if privatizer.plan.model is DpModel.DISTRIBUTED else None
+        )
         gather.extra = lambda p: task_record(privatizer, p, secure)
         nodes_gather = NodeSideGather(gather, protocol, privatizer, num_units, device, secure)
         return drive(
