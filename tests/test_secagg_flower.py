@@ -32,16 +32,23 @@ class DroppingGrid(InProcessGrid):
     """An in-process Grid whose partitions in ``lost`` compute and mask their vector but whose masked
     reply never reaches the server (a node dropping after masking); every reply is kept."""
 
-    def __init__(self, partitions: int, lost: Iterable[int] = (), **kw: Any) -> None:
+    def __init__(self, partitions: int, lost: Iterable[int] = (), lost_unmask: Iterable[int] = (), **kw: Any) -> None:
         super().__init__(make_client_app(), partitions, **kw)
-        self.lost = set(lost)
+        self.lost, self.lost_unmask = set(lost), set(lost_unmask)
         self.received: list[tuple[int, FlowerMessage]] = []
+
+    def _unmasking(self, reply: FlowerMessage) -> bool:
+        asked = next(m for m in self.sent if m.metadata.message_id == reply.metadata.reply_to_message_id)
+        rec = asked.content.config_records.get(secaggplus.SECAGG)
+        return rec is not None and rec["stage"] == "unmask"
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[FlowerMessage]:
         out = []
         for reply in super().pull_messages(message_ids):
             part = int(self.contexts[reply.metadata.src_node_id].node_config[codec.PARTITION_ID])
             if reply.metadata.message_type == "train" and part in self.lost:
+                continue
+            if part in self.lost_unmask and self._unmasking(reply):
                 continue
             self.received.append((part, reply))
             out.append(reply)
@@ -274,3 +281,14 @@ def test_declared_node_dropout_on_flower_equals_the_local_runtime():
     assert flower.privatizer.ledger == local.privatizer.ledger
     survived = [r.diagnostics["nodes_survived"] for r in records]
     assert min(survived) < 4, survived  # the draws do drop a node here
+
+
+def test_a_node_silent_at_unmasking_still_counts_its_masked_vector():
+    """Partition 2's masked vector arrives but it never answers the unmask stage: its self mask is
+    rebuilt from its neighbours' shares, so the sum holds all four nodes and equals the local runtime."""
+    flower = plan("flower", min_nodes=3, round_timeout=0.5)
+    state_flower, records = on_flower(flower, DroppingGrid(4, lost_unmask={2}))
+    local = plan("local", min_nodes=3)
+    torch.testing.assert_close(state_flower["U"], on_local(local)["U"], rtol=0, atol=1e-12)
+    assert flower.privatizer.ledger == local.privatizer.ledger
+    assert all(r.diagnostics["nodes_survived"] == 4 for r in records)
