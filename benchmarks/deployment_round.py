@@ -14,6 +14,9 @@ gives each simulated node one CPU: three forks with two threads each on two core
 CPU of three with one thread each.
 
     PYTHONPATH=. python benchmarks/deployment_round.py [--users 30000 --rounds 2 --nodes 3 --node-threads 0 --variants cold,warm,cached,poll]
+
+SecAgg+'s cost in a deployment (``--trust-models central,distributed``: a cold deployment per trust model,
+side by side): ``--users 300 --dim 5 --rank 2 --samples 16 --variants cold --trust-models central,distributed``.
 """
 from __future__ import annotations
 
@@ -62,10 +65,12 @@ def simulation(args: argparse.Namespace) -> list[float]:
     return [r.seconds for r in records]
 
 
-def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached: bool = False, poll: bool = False) -> list[float]:
+def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached: bool = False, poll: bool = False, trust: str = "central") -> list[float]:
     """``warm``: SuperNodes with ``--isolation process`` and ``fedpers deploy superexec`` beside each;
     ``cached``: also ``$FEDPERS_NODE_CACHE``, so a node loads its users once, not per message;
-    ``poll``: ``fedpers deploy supernode`` alone (0.2 s polls; it starts ``fedpers deploy superexec``)."""
+    ``poll``: ``fedpers deploy supernode`` alone (0.2 s polls; it starts ``fedpers deploy superexec``);
+    ``trust``: the run-config's dp-model (distributed: 16 bits, SecAgg+ over the Messages; a node-side model
+    needs secure noise, so its rounds are not reproducible)."""
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1", "OMP_NUM_THREADS": str(args.node_threads)}
     if cached:
@@ -75,7 +80,8 @@ def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached:
         write_connection(work / "cli-home", "deployment", f"127.0.0.1:{port}")
         out = work / "run"
         pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in fields(args).items())
-        cmd = [shutil.which("flwr") or "flwr", "run", ".", "deployment", "--stream", "--run-config", f"config='{pairs}' out='{out}' round-timeout=3600.0 secure-noise=false"]
+        model = f"dp-model='{trust}' bits=16 nodes={args.nodes}" if trust != "central" else "secure-noise=false"
+        cmd = [shutil.which("flwr") or "flwr", "run", ".", "deployment", "--stream", "--run-config", f"config='{pairs}' out='{out}' round-timeout=3600.0 {model}"]
         done = subprocess.run(cmd, cwd=ROOT, env={**env, "FLWR_HOME": str(work / "cli-home")}, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0 or not (out / "rounds.jsonl").is_file():
             raise SystemExit(f"deployment run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -94,6 +100,8 @@ def main() -> None:
                    help="torch threads per SuperNode's ClientApps (OMP_NUM_THREADS); 0 (default): the cores split between the nodes, at least 1 — "
                         "co-located nodes with all cores each oversubscribe them (Ray gives each simulated node one CPU)")
     p.add_argument("--poll", type=float, default=0.2, help="seconds between a SuperNode's pulls in the 'poll' variant")
+    p.add_argument("--trust-models", default="central",
+                   help="dp-models run as cold deployments side by side (central,distributed: SecAgg+'s cost)")
     p.add_argument("--variants", default="cold,warm,cached,poll", help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache), poll (cached + fedpers deploy supernode)")
     args = p.parse_args()
     args.node_threads = args.node_threads or max(1, (os.cpu_count() or 1) // args.nodes)
@@ -103,6 +111,8 @@ def main() -> None:
         times = {}
         if "cold" in variants:
             times["deployment"] = deployment(args, Path(tmp) / "cold")
+        for trust in (t.strip() for t in args.trust_models.split(",") if t.strip() != "central"):
+            times[f"deploy-{trust}"] = deployment(args, Path(tmp) / trust, trust=trust)
         if "warm" in variants:
             times["deploy-warm"] = deployment(args, Path(tmp) / "warm", warm=True)
         if "cached" in variants:
@@ -116,6 +126,9 @@ def main() -> None:
         print(f"{name:12s} " + "  ".join(f"{s:8.2f}" for s in secs))
     last = {k: v[-1] for k, v in times.items()}
     print("last round / local (target <= 3x): " + ", ".join(f"{k} {v / last['local']:.1f}x" for k, v in last.items() if k != "local"))
+    if "deployment" in last:
+        ratios = [f"{k} {v / last['deployment']:.1f}x" for k, v in last.items() if k[7:] in args.trust_models.split(",")]
+        print("last round / cold central deployment: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,10 @@ USERS_PER_NODE = "users-per-node"
 SECURE_NOISE = "secure-noise"
 RESUME = "resume"
 NODE_PARTITIONS = "node-partitions"
+DP_MODEL = "dp-model"
+BITS = "bits"
+MIN_NODES = "min-nodes"
+NODES = "nodes"
 KNOWN = (
     ALGORITHM,
     CONFIG,
@@ -60,6 +64,10 @@ KNOWN = (
     SECURE_NOISE,
     RESUME,
     NODE_PARTITIONS,
+    DP_MODEL,
+    BITS,
+    MIN_NODES,
+    NODES,
 )
 _PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
 
@@ -186,6 +194,7 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
     options = config_lib.build(
         RuntimeOptions,
         {
+            **_trust_model(run_config),
             "runtime": Runtime.FLOWER,
             "min_fraction": run_config.get(MIN_FRACTION, 1.0),
             "round_timeout": run_config.get(ROUND_TIMEOUT, 600.0),
@@ -196,6 +205,31 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
     )
     out = str(run_config.get(OUT, ""))
     return ServerJob(experiment, cfg, options, Path(out) if out else None)
+
+
+def _trust_model(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The trust model's options from the run config: ``dp-model``, ``bits``, ``min-nodes`` and ``nodes``
+    (the SuperNodes holding partitions; 0: as many as ``node-partitions`` lists). The nodes derive the
+    plan they noise with from these and the job, as in the simulation."""
+    model = str(run_config.get(DP_MODEL, "central") or "central")
+    out: dict[str, Any] = {
+        "dp_model": model,
+        "bits": run_config.get(BITS, 0),
+        "min_nodes": run_config.get(MIN_NODES, 0),
+    }
+    nodes = run_config.get(NODES, 0)
+    if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes == 0:
+        listed = len(str(run_config.get(NODE_PARTITIONS, "")).split())
+        if model != "central" and not listed:
+            raise ValueError(
+                f"run config: {NODES} must name the SuperNodes holding partitions (nodes=N, N ≥ 1) with "
+                f"{DP_MODEL}={model}, or {NODE_PARTITIONS} must list them: the nodes' noise shares are sized for them"
+            )
+        if listed:
+            out["nodes"] = listed
+    else:
+        out["nodes"] = nodes
+    return out
 
 
 def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, str, str]] | None = None) -> Node:

@@ -2,11 +2,12 @@
 a modular secure sum, b bits) and local DP, with the non-private baseline (docs/privacy.md, "Three trust
 models").
 
-    python simulations/trust_models.py OUT_DIR [--seeds 2] [--epsilons 1,2,4,8] [--bits 8,12,16,20] [--algorithms altmin]
+    python simulations/trust_models.py OUT_DIR [--seeds 5] [--epsilons 1,2,4,8] [--bits 8,12,16,20] [--algorithms altmin]
 
 Writes OUT_DIR/runs.jsonl (one line per run, appended as each finishes, so a killed sweep keeps what it
 ran; a rerun skips the lines already there), OUT_DIR/table.md (medians over seeds, with the modular-wrap
-count) and OUT_DIR/trust_models.png. The grid is described in simulations/trust_models.toml.
+count) and OUT_DIR/trust_models.png. The grid is the sweep set simulations/trust_models.toml (whose
+`fedpers sweep` runs the same points without the non-private baseline, b = 8 and the wrap count).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import math
 import statistics
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,27 @@ def run_one(
     }
 
 
+def grid() -> dict[str, Any]:
+    """The grid of the sweep set simulations/trust_models.toml (one sweep per algorithm), as this script
+    runs it: each algorithm's fixed fields, the ε values, the repetitions as seeds, the nodes, and the
+    bits of its distributed series plus b = 8 (which the sweeps leave out: refused at n = 4000)."""
+    from fedpers.sweeps.sets import sweep_set
+    from fedpers.sweeps.spec import load_spec
+
+    found = sweep_set(HERE / "trust_models.toml")
+    assert found is not None, "simulations/trust_models.toml must be a sweep set"
+    specs = [load_spec(f) for f in found[1]]
+    runtime = {"nodes", "dp_model", "bits", "min_nodes"}
+    bits = {int(o["bits"]) for s in specs for o in s.series_values.values() if "bits" in o}
+    return {
+        "seeds": max(s.repetitions for s in specs),
+        "epsilons": sorted({float(e) for s in specs for e in s.grid["epsilon"]}),
+        "bits": sorted(bits | {8}),
+        "nodes": int(specs[0].base.get("nodes", 8)),
+        "algorithms": {s.algorithm: {k: v for k, v in s.base.items() if k not in runtime} for s in specs},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -62,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bits", default=None)
     p.add_argument("--algorithms", default=None, help="comma list (default: every algorithm of the toml)")
     a = p.parse_args(argv)
-    spec = tomllib.loads((HERE / "trust_models.toml").read_text())
+    spec = grid()
     seeds = a.seeds or int(spec["seeds"])
     epsilons = [float(e) for e in a.epsilons.split(",")] if a.epsilons else [float(e) for e in spec["epsilons"]]
     bits = [int(b) for b in a.bits.split(",")] if a.bits else [int(b) for b in spec["bits"]]

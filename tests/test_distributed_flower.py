@@ -106,6 +106,37 @@ def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
         run_point_task(tiny, {"epsilon": 2.0, "dp_model": "distributed", "bits": 40})
 
 
+def test_the_trust_model_sweep_set_runs_every_member_through_fedpers_sweep(tmp_path):
+    """`fedpers sweep simulations/trust_models.toml` is a sweep set of the two per-algorithm sweeps;
+    a tiny copy of it runs both members into OUT/<name> with the trust model each series names."""
+    import csv
+    from pathlib import Path
+
+    from fedpers.commands.cli import main
+    from fedpers.sweeps.sets import sweep_set
+
+    root = Path(__file__).resolve().parents[1] / "simulations"
+    found = sweep_set(root / "trust_models.toml")
+    assert found is not None and [f.name for f in found[1]] == ["trust_models_altmin.toml", "trust_models_fedrep.toml"]
+    for algorithm, samples in (("altmin", 16), ("fedrep", 5)):
+        (tmp_path / f"{algorithm}.toml").write_text(
+            f'name = "tiny_{algorithm}"\nalgorithm = "{algorithm}"\nx = "epsilon"\nseries = "trust_model"\n'
+            'metrics = ["subspace_error"]\n'
+            f"[base]\nn_users = 120\ndim = 5\nrank = 2\nsamples_per_user = {samples}\nrounds = 1\n"
+            'baselines = "none"\nnodes = 4\n[grid]\nepsilon = [2.0]\n[series_values]\n'
+            'central = { dp_model = "central" }\n"distributed b=16" = { dp_model = "distributed", bits = 16 }\n'
+        )
+    (tmp_path / "set.toml").write_text('name = "tiny"\nsweeps = ["altmin.toml", "fedrep.toml"]\n')
+    assert main(["sweep", str(tmp_path / "set.toml"), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    for algorithm in ("altmin", "fedrep"):
+        with (tmp_path / "out" / f"tiny_{algorithm}" / "table.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        assert {r["trust_model"] for r in rows} == {"central", "distributed b=16"}
+    (tmp_path / "bad.toml").write_text('sweeps = ["altmin.toml", "missing.toml"]\n')
+    with pytest.raises(ValueError, match="no such file"):
+        sweep_set(tmp_path / "bad.toml")
+
+
 # ----- DPALS and NoisyGD under distributed and local DP --------------------------------------------
 @pytest.mark.parametrize("name", ["dpals", "noisygd"])
 def test_dpals_and_noisygd_run_distributed_within_their_target_with_skellam_releases(name):
@@ -138,13 +169,50 @@ def test_dpals_and_noisygd_run_distributed_within_their_target_with_skellam_rele
     assert ledger_epsilon(local.privatizer.ledger, cfg.delta) <= 2.0 * (1 + 1e-9)
 
 
-def test_noisyhead_stays_refused_under_node_side_models():
+def test_noisyhead_statistics_mode_and_correlated_noise_stay_refused_under_node_side_models():
+    """NoisyHead's statistics mode releases A·Γ − b (a server-side transform of the sums) and its
+    correlated noise spans steps: neither is a sum the nodes can noise, refused before any work."""
     from fedpers.experiments import EXPERIMENTS
 
     exp = EXPERIMENTS["noisyhead"]
-    cfg = config.build(exp.config_type, {"epsilon": 2.0})
-    with pytest.raises(ValueError, match="supports altmin, fedrep, noisygd, dpals"):
-        resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed"}))
+    for values, why in (
+        ({"epsilon": 2.0}, "mode statistics"),
+        ({"epsilon": 2.0, "mode": "rounds", "noise": "banded", "steps": 3}, "correlated noise"),
+        ({"epsilon": 2.0, "mode": "rounds", "calibration": "paper", "steps": 3}, "not calibrated by the accountant"),
+    ):
+        cfg = config.build(exp.config_type, values)
+        for model in ("distributed", "local"):
+            with pytest.raises(ValueError, match=why):
+                resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": model}))
+
+
+def test_noisyhead_user_level_rounds_run_distributed_and_local_within_their_target():
+    """NoisyHead at the user level in rounds mode: every step's gradient sum is a Skellam release
+    (ε within [0.97, 1]·target, above central's z), the Flower run (SecAgg+) equals the local
+    runtime's Γ and ledger; under local DP every release is a local Gaussian within the target."""
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.privacy.accountant import ledger_epsilon
+    from fedpers.privacy.ledger import SkellamDpEvent
+
+    exp = EXPERIMENTS["noisyhead"]
+    values = {"epsilon": 2.0, "mode": "rounds", "unit": "user", "prompts_per_user": 4, "steps": 2, "prompts": 400}
+    cfg = config.build(exp.config_type, values)
+    opts = {"nodes": 4, "dp_model": "distributed", "bits": 16}
+    p = resolve(exp, cfg, config.build(RuntimeOptions, opts))
+    central = resolve(exp, cfg, config.build(RuntimeOptions, {}))
+    assert p.privatizer.plan.noise_multiplier > 0 and p.protocol.noise_multiplier >= central.protocol.noise_multiplier
+    state, _ = run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+    releases = p.privatizer.ledger.releases
+    assert len(releases) == 2 and all(isinstance(r.event, SkellamDpEvent) for r in releases)
+    assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, cfg.delta) <= 2.0
+    on = resolve(exp, cfg, config.build(RuntimeOptions, {**opts, "runtime": "flower"}))
+    state_flower, _ = on_flower(on, InProcessGrid(make_client_app(), 4))
+    assert on.privatizer.ledger == p.privatizer.ledger
+    torch.testing.assert_close(state_flower["gamma"], state["gamma"], rtol=0, atol=1e-9)
+    local = resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "local"}))
+    run_local(local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False)
+    assert {r.mechanism for r in local.privatizer.ledger.releases} == {"local_gaussian"}
+    assert ledger_epsilon(local.privatizer.ledger, cfg.delta) <= 2.0 * (1 + 1e-9)
 
 
 @pytest.mark.slow  # starts Ray (~1 min on a busy machine)

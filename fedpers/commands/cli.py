@@ -441,7 +441,20 @@ def _resume(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from fedpers.sweeps.run import run_sweep
+    from fedpers.sweeps.sets import run_sweep_set, sweep_set
 
+    if sweep_set(args.file) is not None:  # several sweeps (one algorithm each) run in turn
+        if args.select is not None or args.private or args.track:
+            raise ValueError("sweep: --select, --private and --track take one sweep file, not a sweep set")
+        run_sweep_set(
+            args.file,
+            out=args.out,
+            repetitions=args.repetitions,
+            progress=not args.quiet,
+            workers=args.workers,
+            ray_address=args.ray_address,
+        )
+        return 0
     if args.select is not None or args.private:
         return cmd_select(args)
     if args.track:

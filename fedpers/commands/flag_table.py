@@ -1759,7 +1759,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "3455fec6295e57b89ae1f9c5c6a4788b5015402243bdd2260f31f0bd6b48eb2a",
+   "fingerprint": "a2f396e842c9fdae31456dc6789a39ee7dc64634758f137a03b390d797f4053c",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

@@ -302,6 +302,10 @@ def resolve(cfg: NoisyHeadConfig, calibrations: Calibrations | None = None) -> R
     if calibrations is not None and calibrations is not used:
         for key, z in used.table.items():
             calibrations.table.setdefault(key, z)
+        from fedpers.privacy.distributed import RecordingCalibrations
+
+        if isinstance(calibrations, RecordingCalibrations):  # a node-side plan solves the question asked: ask it again
+            return _resolve(cfg, calibrations)  # (answered from the table just copied)
     return r
 
 

@@ -12,13 +12,13 @@ The protocol, one instance per round (public: the node ids, the neighbour graph,
 
 1. **advertise keys** — node i publishes two X25519 public keys, c_i (to encrypt) and s_i (to mask);
 2. **share keys** — node i draws a self-mask seed b_i and Shamir-shares b_i and its mask secret key
-   s_i^sk among its neighbours (threshold t), each share encrypted for its recipient with AES-GCM under
+   s_i^sk among its neighbours and itself (degree + 1 shares, threshold t), each neighbour's share encrypted for its recipient with AES-GCM under
    HKDF(X25519(c_i^sk, c_j)), the pair (i, j) bound as associated data; the server relays ciphertexts;
 3. **masked input** — node i sends y_i = x_i + PRG(b_i) + Σ_{j ∈ N(i)} ±PRG(s_ij) mod 2^b, with
    s_ij = HKDF(X25519(s_i^sk, s_j)) and + for j > i, − for j < i (the pairwise masks cancel in the sum);
 4. **unmask** — the server names the survivors (nodes whose y arrived). Each surviving node reveals, for
    each neighbour, the share of b (if that neighbour survived) or of s^sk (if it dropped) — never both
-   for one node. With fewer than ``threshold`` survivors the round ends with nothing released; otherwise
+   for one node — and its own share of its own b. With fewer than ``threshold`` survivors the round ends with nothing released; otherwise
    the server rebuilds every survivor's b and every dropped neighbour's s^sk, and removes their masks.
 
 Nodes and the server are objects that exchange only bytes and integer vectors (what a message carries);
@@ -28,10 +28,12 @@ Nodes and the server are objects that exchange only bytes and integer vectors (w
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
@@ -125,10 +127,13 @@ class SecAggNode:
         if len(self._keys) + 1 < self.threshold:
             raise AggregationAborted(f"node {self.node}: {len(self._keys)} neighbours advertised keys, below threshold")
         holders = sorted(self._keys)
-        s_shares = create_shares(_raw_private(self._s_key), self.threshold, len(holders))
-        b_shares = create_shares(self._b, self.threshold, len(holders))
+        # degree + 1 shares: one per neighbour and one the node keeps (as Flower's secaggplus_mod does), so a
+        # survivor's own share counts towards rebuilding its self mask
+        s_shares = create_shares(_raw_private(self._s_key), self.threshold, len(holders) + 1)
+        b_shares = create_shares(self._b, self.threshold, len(holders) + 1)
+        self._held[self.node] = (s_shares[-1], b_shares[-1])
         out = {}
-        for j, s_share, b_share in zip(holders, s_shares, b_shares, strict=True):
+        for j, s_share, b_share in zip(holders, s_shares[:-1], b_shares[:-1], strict=True):
             nonce = os.urandom(12)
             plain = len(s_share).to_bytes(4, "little") + s_share + b_share
             aad = self.node.to_bytes(8, "little") + j.to_bytes(8, "little") + self.round_tag
@@ -156,7 +161,7 @@ class SecAggNode:
         m = 1 << self.bits
         y = np.remainder(np.asarray(x, dtype=np.int64), m)
         y = y + _self_mask(self._b, self.round_tag, y.size, self.bits)
-        for j in sorted(self._held):
+        for j in sorted(j for j in self._held if j != self.node):
             pair = mask(self._pair_seed(j), y.size, self.bits)
             y = y + pair if j > self.node else y - pair
         return np.remainder(y, m)
@@ -168,6 +173,57 @@ class SecAggNode:
         if self.node not in alive:
             raise AggregationAborted(f"node {self.node}: not among the survivors it was told")
         return {i: ("b", b) if i in alive else ("s", s) for i, (s, b) in self._held.items()}
+
+    def export(self) -> dict[str, int | bytes | list[int] | list[bytes]]:
+        """The node's whole state as flat values a message or node store can hold (ints, bytes and lists
+        of them; the secrets included: it stays on the node, in its own state, between stages)."""
+        keys, held = sorted(self._keys), sorted(self._held)
+        return {
+            "node": self.node,
+            "neighbours": list(self.neighbours),
+            "threshold": self.threshold,
+            "bits": self.bits,
+            "round-tag": self.round_tag,
+            "c-sk": _raw_private(self._c_key),
+            "s-sk": _raw_private(self._s_key),
+            "b": self._b,
+            "key-ids": keys,
+            "c-pk": [self._keys[j][0] for j in keys],
+            "s-pk": [self._keys[j][1] for j in keys],
+            "held-ids": held,
+            "held-s": [self._held[j][0] for j in held],
+            "held-b": [self._held[j][1] for j in held],
+        }
+
+    @classmethod
+    def restore(cls, state: Mapping[str, Any]) -> SecAggNode:
+        """:meth:`export`'s inverse (a KeyError or TypeError for a state that is not one)."""
+
+        def ints(key: str) -> list[int]:
+            return [int(v) for v in state[key]]
+
+        def blobs(key: str) -> list[bytes]:
+            return [bytes(v) for v in state[key]]
+
+        node = cls(
+            int(state["node"]),
+            ints("neighbours"),
+            int(state["threshold"]),
+            int(state["bits"]),
+            bytes(state["round-tag"]),
+            X25519PrivateKey.from_private_bytes(bytes(state["c-sk"])),
+            X25519PrivateKey.from_private_bytes(bytes(state["s-sk"])),
+            bytes(state["b"]),
+        )
+        node._keys = dict(zip(ints("key-ids"), zip(blobs("c-pk"), blobs("s-pk"), strict=True), strict=True))
+        node._held = dict(zip(ints("held-ids"), zip(blobs("held-s"), blobs("held-b"), strict=True), strict=True))
+        return node
+
+
+def plus_degree(nodes: int) -> int:
+    """Neighbours per node of SecAgg+ among ``nodes``: 2⌈log₂ n⌉ (Bell et al. 2020's logarithmic
+    degree), all others when that is as many (plain SecAgg)."""
+    return max(0, min(nodes - 1, 2 * math.ceil(math.log2(max(nodes, 2)))))
 
 
 def _self_mask(b: bytes, round_tag: bytes, length: int, bits: int) -> np.ndarray:

@@ -272,9 +272,27 @@ def run_local_nodes(
     )
 
 
-NODE_SIDE_PROTOCOLS = ("altmin", "fedrep", "noisygd", "dpals")
+NODE_SIDE_PROTOCOLS = ("altmin", "fedrep", "noisygd", "dpals", "noisyhead")
 """Protocols whose every release is a Gaussian sum of per-unit-clipped statistics passed to the
 Privatizer as summed (what the nodes can noise): the others are refused under distributed or local DP."""
+
+
+def node_side_refusal(protocol: Protocol) -> str | None:
+    """Why a protocol's configuration cannot be noised by the nodes (None: it can). NoisyHead: only
+    ``--mode rounds`` with independent noise releases sums (each step's gradient Σ_u ∇_u(Γ_t)); its
+    statistics mode releases A·Γ_t − b, a transform the server computes from the sums at each of its T
+    steps (node-side it would be the gradient of every step: the rounds mode), and correlated noise
+    correlates each release's noise across steps, which shares drawn per round cannot."""
+    if protocol.name != "noisyhead":
+        return None
+    if getattr(protocol, "correlated", None) is not None:
+        return "noisyhead with correlated noise (its noise is correlated across steps; use --noise independent)"
+    if str(getattr(getattr(protocol, "mode", None), "value", "")) == "statistics":
+        return (
+            "noisyhead --mode statistics (it releases A·Γ − b, a transform of the sums computed on the server "
+            "at every step; use --mode rounds, whose every release is a gradient sum)"
+        )
+    return None
 
 
 def node_side_privatizer(
@@ -292,6 +310,8 @@ def node_side_privatizer(
         raise ValueError(
             f"dp_model {model.value} supports {', '.join(NODE_SIDE_PROTOCOLS)}; got {protocol.name} (use --dp-model central)"
         )
+    if (why := node_side_refusal(protocol)) is not None:
+        raise ValueError(f"dp_model {model.value} does not support {why} (or use --dp-model central)")
     if float(getattr(protocol, "sampling_rate", 1.0)) < 1.0:
         raise ValueError(f"dp_model {model.value} does not support Poisson sampling (sampling_rate < 1)")
     if len(calibrations.asked) > 1:
@@ -299,6 +319,11 @@ def node_side_privatizer(
             f"dp_model {model.value} needs one calibrated noise multiplier; {protocol.name} asked for more"
         )
     z = float(getattr(protocol, "noise_multiplier", 0.0))
+    if z > 0 and not calibrations.asked:  # the plan solves the calibrated guarantee: never plan without one
+        raise ValueError(
+            f"dp_model {model.value}: {protocol.name}'s noise multiplier was not calibrated by the accountant "
+            "(e.g. --calibration paper), so the nodes' mechanism cannot be solved for its guarantee; use the accountant"
+        )
     stats = stat_shapes(protocol)
     nodes = options.nodes
     if model is DpModel.LOCAL:

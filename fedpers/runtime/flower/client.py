@@ -242,7 +242,7 @@ def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -
     if NODE_SIDE in message.content.config_records:  # distributed or local DP: this node noises its own sum
         rec = message.content.config_records[NODE_SIDE]
         mine = node_message(
-            node.protocol, task.round, broadcast, units, task.start, task.stop, rec, node.node.node_side_plan
+            node.protocol, task.round, broadcast, units, task.start, task.stop, rec, node.node.node_side_plan, context
         )
         return FlowerMessage(
             codec.encode_reply(mine, time.perf_counter() - start, task.round, digest), reply_to=message
@@ -279,6 +279,9 @@ def make_client_app(build: NodeBuilder) -> ClientApp:
     """The fedpers ClientApp: ``query`` for discovery, ``train`` for protocol rounds of the nodes ``build`` makes."""
     app = ClientApp()
     app.query()(handle_query)
+    from fedpers.runtime.flower.secaggplus import ACTION, handle_stage
+
+    app.query(ACTION)(handle_stage)  # SecAgg+ stages under distributed DP (no user data read)
 
     @app.train()
     def train(message: FlowerMessage, context: Context) -> FlowerMessage:

@@ -8,9 +8,9 @@ summed, its Skellam share added, reduced mod 2^b; local, each unit's own Gaussia
 with that vector only. The server sums the vectors (mod 2^b), decodes the sum and hands it to the
 protocol through the :class:`~fedpers.privacy.distributed.NodeSidePrivatizer`, which records the release.
 
-What the server receives: each node's *reduced, noised* vector, summed in the clear mod 2^b (the
-SecAgg+ of :mod:`fedpers.privacy.secagg` is not yet run over these messages, so the server also sees
-every node's own noisy vector, not only their sum). Noise seeds: with ``secure`` the nodes draw from
+What the server receives under distributed DP: each node's vector *masked* by SecAgg+
+(:mod:`fedpers.runtime.flower.secaggplus`, four Message stages per round), from which it recovers
+only the survivors' sum mod 2^b; under local DP, each node's noisy float sum in the clear. Noise seeds: with ``secure`` the nodes draw from
 OS entropy and no seed travels; otherwise (reproducible simulation, equal to the local runtime) the
 plan carries the run's noise seed, which the server knows as well. A node derives the plan itself
 from the public job and refuses any other (:func:`check_plan`).
@@ -62,11 +62,16 @@ def read_plan(text: str) -> dist.DistributedPlan:
         raise ValueError(f"{NODE_SIDE}: malformed plan ({type(e).__name__}: {e})") from None
 
 
-def task_record(privatizer: dist.NodeSidePrivatizer, node: int) -> ConfigRecord:
-    """What partition ``node`` needs beside its task to noise its own sum."""
+def task_record(privatizer: dist.NodeSidePrivatizer, node: int, secure: Any = None) -> ConfigRecord:
+    """What partition ``node`` needs beside its task to noise its own sum (and, under distributed DP,
+    the SecAgg+ ciphertexts relayed to it: ``secure`` is the round's
+    :class:`~fedpers.runtime.flower.secaggplus.SecAggRounds`)."""
     rec = ConfigRecord({PLAN: plan_json(privatizer.plan), NODE: int(node), SECURE: bool(privatizer.secure)})
     if not privatizer.secure:  # reproducible simulation only: the server knows this seed too
         rec[SEED] = int(privatizer.noise_seed)
+    if secure is not None:
+        for key, value in secure.task_fields(node).items():
+            rec[key] = value
     return rec
 
 
@@ -98,10 +103,13 @@ def node_message(
     stop: int,
     rec: Any,
     derive: Callable[[Any], Any] | None = None,
+    context: Any = None,
 ) -> Message:
     """Node side: this node's vector per statistic (distributed: int64 mod 2^b; local: its units' noisy
     sum), computed unit by unit as :func:`fedpers.runtime.distributed.node_round` does, after checking
-    the plan against the one ``derive`` gives from the job (:func:`check_plan`)."""
+    the plan against the one ``derive`` gives from the job (:func:`check_plan`). Under distributed DP
+    the vector leaves only masked by SecAgg+ (``context`` holds the node's SecAgg+ round state): a
+    task without the SecAgg+ ciphertexts is refused, never answered in the clear."""
     from fedpers.runtime.distributed import node_vectors, unit_rows
 
     text = str(rec[PLAN])
@@ -125,9 +133,14 @@ def node_message(
     rows, unit_ids, count, zeroed = unit_rows(protocol, round, broadcast, [units], members, specs)
     generator = dist.node_generator(seed, round, node, secure)
     vectors = node_vectors(rows, unit_ids, specs, privatizer, round, generator)
-    if plan.model is DpModel.DISTRIBUTED:
-        vectors = {k: dist.modular(v, plan.encodings[k].bits) for k, v in vectors.items()}
-    return Message(vectors, count, zeroed)
+    if plan.model is not DpModel.DISTRIBUTED:
+        return Message(vectors, count, zeroed)
+    from fedpers.runtime.flower.secaggplus import RELAY_IDS, masked_message
+
+    if RELAY_IDS not in rec or context is None:
+        raise ValueError(f"{NODE_SIDE}: a distributed-DP vector leaves this node only masked by SecAgg+; refused")
+    vectors = {k: dist.modular(v, plan.encodings[k].bits) for k, v in vectors.items()}
+    return masked_message(Message(vectors, count, zeroed), rec, context, round, plan)
 
 
 class NodeSideGather:
@@ -143,8 +156,12 @@ class NodeSideGather:
         privatizer: dist.NodeSidePrivatizer,
         num_units: int,
         device: torch.device | str = "cpu",
+        secure: Any = None,
     ) -> None:
         self.inner, self.protocol, self.privatizer = inner, protocol, privatizer
+        self.secure = secure
+        """:class:`~fedpers.runtime.flower.secaggplus.SecAggRounds` (distributed DP): the vectors arrive
+        masked and their sum is unmasked by SecAgg+; None (local DP): they are summed as they arrive."""
         self.num_units, self.device = num_units, device
         self.survive: Callable[[int, int], bool] | None = None
         if privatizer.dropout > 0:
@@ -165,7 +182,9 @@ class NodeSideGather:
         plan, privatizer = self.privatizer.plan, self.privatizer
         privatizer.begin_round()
         specs = self.protocol.stat_specs(round)
-        sent: list[dict[str, Tensor]] = []
+        if self.secure is not None:  # SecAgg+ advertise and share, before the task
+            self.secure.setup(round)
+        sent: dict[int, dict[str, Tensor]] = {}
         count = zeroed = 0
         for node, reply in enumerate(self.inner(round, broadcast)):
             if reply.message is None or (self.survive is not None and not self.survive(round, node)):
@@ -176,16 +195,17 @@ class NodeSideGather:
             vectors = {s.name: self._vector(s.name, stats[s.name]) for s in specs}
             if any(v is None for v in vectors.values()) or not 0 <= reply.message.count <= reply.max_units:
                 continue
-            sent.append({k: v for k, v in vectors.items() if v is not None})
+            sent[node] = {k: v for k, v in vectors.items() if v is not None}
             count, zeroed = count + reply.message.count, zeroed + reply.message.zeroed
         if len(sent) < plan.min_nodes:
             raise RoundFailed(
                 f"round {round}: {len(sent)} of {plan.nodes} nodes answered, below min_nodes={plan.min_nodes}; "
                 "the round is discarded before any release"
             )
+        sums = self._sums(round, sent, specs)
         out: dict[str, Tensor] = {}
         for s in specs:
-            total = torch.stack([v[s.name] for v in sent]).sum(dim=0)
+            total = sums[s.name]
             if plan.model is DpModel.DISTRIBUTED:
                 enc = plan.encodings[s.name]
                 value = dist.decode(dist.modular(total, enc.bits), enc)
@@ -195,6 +215,19 @@ class NodeSideGather:
             privatizer.arrived(out[s.name], s.name, len(sent), count)
         privatizer.round_diagnostics = {"nodes_survived": float(len(sent))}
         return [ClientReply("nodes", self.num_units, Message(out, count, zeroed), aggregate=True)]
+
+    def _sums(self, round: int, sent: Mapping[int, Mapping[str, Tensor]], specs: Any) -> dict[str, Tensor]:
+        """The statistics' sums over the nodes in ``sent``: unmasked by SecAgg+ (the server never adds
+        or sees an unmasked node vector), or plainly added (local DP)."""
+        if self.secure is None:
+            return {s.name: torch.stack([v[s.name] for v in sent.values()]).sum(dim=0) for s in specs}
+        from fedpers.runtime.flower.secaggplus import concat
+
+        names = sorted(s.name for s in specs)
+        sizes = [self.privatizer.plan.encodings[k].padded for k in names]
+        masked = {p: concat(v, names) for p, v in sent.items()}
+        total = torch.from_numpy(self.secure.unmask(round, masked, sum(sizes)))
+        return dict(zip(names, torch.split(total, sizes), strict=True))
 
     def on_round(self, on_round: Callable[[RoundRecord, Any], None] | None) -> Callable[[RoundRecord, Any], None]:
         """``on_round`` with each round's node diagnostics added to its record."""

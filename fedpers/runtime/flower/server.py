@@ -267,10 +267,20 @@ def run_on_grid(
     from fedpers.privacy.distributed import NodeSidePrivatizer
 
     if isinstance(privatizer, NodeSidePrivatizer):  # distributed or local DP: the nodes add the noise
+        from fedpers.config import DpModel
         from fedpers.runtime.flower.nodeside import NodeSideGather, task_record
+        from fedpers.runtime.flower.secaggplus import SecAggRounds
 
-        gather.extra = lambda p: task_record(privatizer, p)
-        nodes_gather = NodeSideGather(gather, protocol, privatizer, num_units, device)
+        if federation.num_partitions != privatizer.plan.nodes:  # the noise shares are sized for plan.nodes
+            raise ValueError(
+                f"nodes={privatizer.plan.nodes} under dp_model {privatizer.plan.model.value}, but the federation has "
+                f"{federation.num_partitions} partitions; set nodes to the number of SuperNodes (nothing was released)"
+            )
+        secure = (
+            SecAggRounds(gather, privatizer.plan, exchange) if privatizer.plan.model is DpModel.DISTRIBUTED else None
+        )
+        gather.extra = lambda p: task_record(privatizer, p, secure)
+        nodes_gather = NodeSideGather(gather, protocol, privatizer, num_units, device, secure)
         return drive(
             protocol,
             nodes_gather,

@@ -1,0 +1,299 @@
+"""SecAgg+ over Flower Messages: the distributed model's sum, with the server holding only masked vectors.
+
+One SecAgg+ instance per release round, in the four stages of :mod:`fedpers.privacy.secagg` (the same
+order as Flower's own ``SecAggPlusWorkflow`` / ``secaggplus_mod``), each a Message exchange:
+
+1. ``query.secagg`` *advertise* — the node draws fresh X25519 keys and a self-mask seed b for this
+   round and answers its two public keys;
+2. ``query.secagg`` *share* — given its neighbours' public keys, the node answers its Shamir shares
+   of (s^sk, b), each AES-GCM-encrypted for one neighbour (the server relays ciphertexts);
+3. ``train`` (the round's task) *masked* — the task carries the ciphertexts addressed to the node; it
+   computes its noised integer vector (:func:`fedpers.runtime.flower.nodeside.node_message`), masks it
+   and answers only the masked vector (uniform mod 2^b to anyone without the masks);
+4. ``query.secagg`` *unmask* — given the survivors, the node answers, for each neighbour, the share of
+   b (survived) or of s^sk (dropped), and forgets the round.
+
+Everything security-relevant a node uses is derived by the node itself, never taken from the server:
+its SecAgg id is its own partition index, the neighbour graph, degree and threshold follow from the
+plan's node count (:func:`fedpers.privacy.secagg.plus_degree`, ``default_threshold``), the node count,
+min_nodes and bits it keys at *advertise* are checked against the plan it derived from the job before
+it sends a masked vector, and it reveals unmasking shares only for a survivor list of at least
+min_nodes nodes (so a sum with less noise than the ledger records is never unmasked) that holds at
+least the threshold of its own neighbourhood. The stages must come in order, once each; the node
+keeps its round state in ``context.state`` (what Flower's secaggplus_mod does: the simulation and a
+SuperNode keep a node's Context between messages). Trust: an honest-but-curious server (it follows
+the protocol and may read everything it receives); nodes colluding with it learn nothing of a node
+with fewer than ``threshold`` colluding neighbours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, MessageType, RecordDict
+from flwr.app import Message as FlowerMessage
+
+from fedpers.privacy import distributed as dist
+from fedpers.privacy import secagg
+from fedpers.protocols.base import Message
+from fedpers.runtime.driver import RoundFailed
+from fedpers.runtime.flower import codec
+
+Tensor = torch.Tensor
+SECAGG = "fedpers.secagg"
+"""Record key of a SecAgg+ stage (message content), of the relayed ciphertexts (in the masked stage's
+node-side record) and of the node's round state (``context.state``)."""
+ACTION = "secagg"
+"""The ClientApp's query action: SecAgg+ stages travel as ``query.secagg`` messages."""
+MESSAGE_TYPE = f"{MessageType.QUERY}.{ACTION}"
+STAGE, ROUND, NODES, MIN_NODES, BITS = "stage", "round", "nodes", "min-nodes", "bits"
+IDS, C_PK, S_PK, BLOBS, KINDS, SHARES = "ids", "c-pk", "s-pk", "blobs", "kinds", "shares"
+RELAY_IDS, RELAY_BLOBS = "secagg-from", "secagg-blobs"
+"""Fields of the masked stage's node-side record: who sent each relayed ciphertext, and the ciphertexts."""
+ORDER = {"advertise": "", "share": "advertise", "masked": "share", "unmask": "masked"}
+"""Each stage → the stage the node's state must be at (advertise starts a round whatever came before)."""
+
+
+def round_tag(round: int) -> bytes:
+    """The public tag binding one round's keys, channels and masks (both ends derive it)."""
+    return hashlib.sha256(f"fedpers-secagg-round:{int(round)}".encode()).digest()[:16]
+
+
+def graph(nodes: int, round: int) -> dict[int, list[int]]:
+    """The round's public neighbour graph over partitions 0..nodes−1 (both ends derive it)."""
+    return secagg.neighbour_graph(list(range(nodes)), secagg.plus_degree(nodes), seed=int(round))
+
+
+def threshold(nodes: int) -> int:
+    """Shares needed to rebuild a secret: a majority of each neighbourhood."""
+    return secagg.default_threshold(secagg.plus_degree(nodes))
+
+
+def _int(rec: Mapping[str, Any], key: str) -> int:
+    value = rec[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{SECAGG}: {key} must be an integer; got {type(value).__name__}")
+    return value
+
+
+def _ints(rec: Mapping[str, Any], key: str) -> list[int]:
+    values = rec[key]
+    if not isinstance(values, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(f"{SECAGG}: {key} must be a list of integers")
+    return [int(v) for v in values]
+
+
+def _bytes(rec: Mapping[str, Any], key: str) -> bytes:
+    value = rec[key]
+    if not isinstance(value, bytes):
+        raise ValueError(f"{SECAGG}: {key} must be bytes; got {type(value).__name__}")
+    return value
+
+
+def _blobs(rec: Mapping[str, Any], key: str) -> list[bytes]:
+    values = rec[key]
+    if not isinstance(values, list) or any(not isinstance(v, bytes) for v in values):
+        raise ValueError(f"{SECAGG}: {key} must be a list of bytes")
+    return [bytes(v) for v in values]
+
+
+# ----- node side -----------------------------------------------------------------------------------
+def _load(context: Context, stage: str, round: int) -> tuple[secagg.SecAggNode, ConfigRecord]:
+    state = context.state.config_records.get(SECAGG)
+    want = ORDER[stage]
+    if state is None or str(state.get(STAGE, "")) != want or state.get(ROUND, -1) != int(round):
+        at = "none" if state is None else f"{state.get(STAGE)!r} of round {state.get(ROUND)!r}"
+        raise ValueError(
+            f"{SECAGG}: stage {stage!r} of round {round} must follow {want!r} of that round; this node is at {at}"
+        )
+    return secagg.SecAggNode.restore(state), state
+
+
+def _save(context: Context, node: secagg.SecAggNode, stage: str, round: int, nodes: int, min_nodes: int) -> None:
+    context.state.config_records[SECAGG] = ConfigRecord(
+        {**node.export(), STAGE: stage, ROUND: int(round), NODES: int(nodes), MIN_NODES: int(min_nodes)}
+    )
+
+
+def handle_stage(message: FlowerMessage, context: Context) -> FlowerMessage:
+    """``query.secagg``: the advertise, share and unmask stages (no user data is read in any of them)."""
+    rec = message.content.config_records[SECAGG]
+    stage, round = str(rec[STAGE]), _int(rec, ROUND)
+    me = int(str(context.node_config[codec.PARTITION_ID]))
+    if stage == "advertise":
+        nodes, min_nodes, bits = _int(rec, NODES), _int(rec, MIN_NODES), _int(rec, BITS)
+        partitions = int(str(context.node_config[codec.NUM_PARTITIONS]))
+        if nodes != partitions:  # the degree and threshold follow the node count: never the server's word alone
+            raise ValueError(
+                f"{SECAGG}: the server says {nodes} nodes, this node's config says {partitions} partitions"
+            )
+        if not (1 <= min_nodes <= nodes and 0 <= me < nodes and 1 <= bits <= 32):
+            raise ValueError(f"{SECAGG}: nodes={nodes}, min_nodes={min_nodes}, bits={bits} do not fit partition {me}")
+        node = secagg.SecAggNode(me, graph(nodes, round)[me], threshold(nodes), bits, round_tag(round))
+        _save(context, node, stage, round, nodes, min_nodes)
+        c_pk, s_pk = node.advertise()
+        out = ConfigRecord({C_PK: c_pk, S_PK: s_pk})
+    elif stage == "share":
+        node, state = _load(context, stage, round)
+        ids = _ints(rec, IDS)
+        keys = dict(zip(ids, zip(_blobs(rec, C_PK), _blobs(rec, S_PK), strict=True), strict=True))
+        shares = node.share(keys)
+        _save(context, node, stage, round, _int(state, NODES), _int(state, MIN_NODES))
+        out = ConfigRecord({IDS: sorted(shares), BLOBS: [shares[j] for j in sorted(shares)]})
+    elif stage == "unmask":
+        node, state = _load(context, stage, round)
+        survivors = sorted(set(_ints(rec, IDS)))
+        min_nodes = _int(state, MIN_NODES)
+        if len(survivors) < min_nodes:
+            raise ValueError(f"{SECAGG}: {len(survivors)} survivors, below min_nodes={min_nodes}; nothing is revealed")
+        mine = set(node.neighbours) | {me}
+        if len(mine.intersection(survivors)) < node.threshold:
+            raise ValueError(f"{SECAGG}: too few survivors among this node's neighbours; nothing is revealed")
+        revealed = node.unmask(survivors)
+        del context.state.config_records[SECAGG]  # one unmasking per round: the secrets are forgotten
+        ids = sorted(revealed)
+        out = ConfigRecord(
+            {IDS: ids, KINDS: "".join(revealed[i][0] for i in ids), SHARES: [revealed[i][1] for i in ids]}
+        )
+    else:
+        raise ValueError(f"{SECAGG}: unknown stage {stage!r}; expected advertise, share or unmask")
+    return FlowerMessage(RecordDict({SECAGG: out}), reply_to=message)
+
+
+def masked_message(
+    mine: Message, rec: ConfigRecord, context: Context, round: int, plan: dist.DistributedPlan
+) -> Message:
+    """The masked stage: ``mine`` (this node's integer vectors mod 2^b) masked with SecAgg+, after the
+    node checks that the round it keyed at *advertise* matches the plan it derived from the job."""
+    node, state = _load(context, "masked", round)
+    keyed = (_int(state, NODES), _int(state, MIN_NODES), node.bits)
+    if keyed != (plan.nodes, plan.min_nodes, plan.bits):
+        raise ValueError(
+            f"{SECAGG}: keyed for (nodes, min_nodes, bits)={keyed}, the plan says "
+            f"{(plan.nodes, plan.min_nodes, plan.bits)}; refused"
+        )
+    node.receive(dict(zip(_ints(rec, RELAY_IDS), _blobs(rec, RELAY_BLOBS), strict=True)))
+    names = sorted(mine.stats)
+    y = torch.from_numpy(node.masked(concat(mine.stats, names)))
+    _save(context, node, "masked", round, keyed[0], keyed[1])
+    out, at = {}, 0
+    for k in names:
+        n = mine.stats[k].numel()
+        out[k] = y[at : at + n].reshape(mine.stats[k].shape)
+        at += n
+    return Message(out, mine.count, mine.zeroed)
+
+
+# ----- server side ---------------------------------------------------------------------------------
+class SecAggRounds:
+    """The server's side over a Grid: runs *advertise* and *share* before a round's task, gives the
+    task its relayed ciphertexts, and after the masked vectors arrive runs *unmask* and rebuilds the
+    survivors' sum mod 2^b. It only ever holds public keys, ciphertexts, masked vectors and the shares
+    the survivors reveal."""
+
+    def __init__(self, gather: Any, plan: dist.DistributedPlan, exchange: Callable[..., list[FlowerMessage]]) -> None:
+        self.gather, self.plan, self.exchange = gather, plan, exchange
+        """``exchange(grid, messages, timeout, stop)``: :func:`fedpers.runtime.flower.server.exchange`."""
+        self.relayed: dict[int, dict[int, bytes]] = {}
+        self.server: secagg.SecAggServer | None = None
+
+    def _exchange(self, round: int, records: Mapping[int, ConfigRecord]) -> dict[int, ConfigRecord]:
+        """Send each partition its stage record; the valid replies by partition (others: dropped)."""
+        g, fed = self.gather, self.gather.federation
+        sent = {fed.nodes[p]: p for p in records if p in fed.nodes}
+        messages = [
+            FlowerMessage(RecordDict({SECAGG: records[p]}), node, MESSAGE_TYPE, group_id=str(round))
+            for node, p in sent.items()
+        ]
+        out: dict[int, ConfigRecord] = {}
+        for reply in self.exchange(g.grid, messages, g.timeout, g.stop):
+            p = sent.get(reply.metadata.src_node_id)
+            if p is None or reply.has_error() or SECAGG not in reply.content.config_records:
+                continue
+            out[p] = reply.content.config_records[SECAGG]
+        return out
+
+    def setup(self, round: int) -> None:
+        """*advertise* and *share*: afterwards :meth:`task_fields` gives each partition its ciphertexts."""
+        plan = self.plan
+        stage = ConfigRecord(
+            {STAGE: "advertise", ROUND: int(round), NODES: plan.nodes, MIN_NODES: plan.min_nodes, BITS: plan.bits}
+        )
+        keys: dict[int, tuple[bytes, bytes]] = {}
+        for p, r in self._exchange(round, dict.fromkeys(range(plan.nodes), stage)).items():
+            try:
+                keys[p] = (_bytes(r, C_PK), _bytes(r, S_PK))
+            except (KeyError, ValueError):
+                continue
+        neighbours = graph(plan.nodes, round)
+        records = {}
+        for p in keys:
+            ids = [j for j in neighbours[p] if j in keys]
+            records[p] = ConfigRecord(
+                {
+                    STAGE: "share",
+                    ROUND: int(round),
+                    IDS: ids,
+                    C_PK: [keys[j][0] for j in ids],
+                    S_PK: [keys[j][1] for j in ids],
+                }
+            )
+        self.relayed = {p: {} for p in range(plan.nodes)}
+        sharers: set[int] = set()
+        for i, r in self._exchange(round, records).items():
+            try:
+                pairs = dict(zip(_ints(r, IDS), _blobs(r, BLOBS), strict=True))
+            except (KeyError, TypeError, ValueError):
+                continue
+            for j, blob in pairs.items():
+                if j in self.relayed and j in neighbours[i]:
+                    self.relayed[j][i] = blob
+            sharers.add(i)
+        self.server = secagg.SecAggServer(
+            list(range(plan.nodes)), neighbours, threshold(plan.nodes), plan.bits, round_tag(round), keys, sharers
+        )
+        if len(sharers) < plan.min_nodes:
+            raise RoundFailed(
+                f"round {round}: {len(sharers)} of {plan.nodes} nodes completed SecAgg+ key sharing, below "
+                f"min_nodes={plan.min_nodes}; the round is discarded before any release"
+            )
+
+    def task_fields(self, p: int) -> dict[str, Any]:
+        """What partition p's task carries for the masked stage: the ciphertexts addressed to it."""
+        server = self.server
+        relayed = self.relayed.get(p, {}) if server is not None and p in server.sharers else {}
+        ids = sorted(i for i in relayed if server is not None and i in server.sharers)
+        return {RELAY_IDS: ids, RELAY_BLOBS: [relayed[i] for i in ids]}
+
+    def unmask(self, round: int, masked: Mapping[int, np.ndarray], length: int) -> np.ndarray:
+        """*unmask*: the survivors' (partitions of ``masked``) sum mod 2^b; RoundFailed when too few
+        answer or too few shares rebuild a mask (nothing is released)."""
+        server = self.server
+        if server is None:
+            raise RoundFailed(f"round {round}: SecAgg+ unmasking before key sharing")
+        survivors = sorted(p for p in masked if p in server.sharers)
+        ask = ConfigRecord({STAGE: "unmask", ROUND: int(round), IDS: survivors})
+        revealed: dict[int, dict[int, tuple[str, bytes]]] = {}
+        for p, r in self._exchange(round, {p: ask for p in survivors}).items():
+            try:
+                ids, kinds, shares = _ints(r, IDS), str(r[KINDS]), _blobs(r, SHARES)
+                revealed[p] = dict(zip(ids, zip(kinds, shares, strict=True), strict=True))
+            except (KeyError, TypeError, ValueError):
+                continue
+        try:
+            return server.unmasked_sum({p: masked[p] for p in survivors}, revealed, length)
+        except secagg.AggregationAborted as e:
+            raise RoundFailed(
+                f"round {round}: SecAgg+ aborted ({e}); the round is discarded before any release"
+            ) from None
+        finally:
+            self.server = None
+
+
+def concat(vectors: Mapping[str, Tensor], names: Sequence[str]) -> np.ndarray:
+    """The statistics a node masks as one vector, in ``names`` order (sorted, as the node does)."""
+    return np.concatenate([vectors[k].cpu().numpy().astype(np.int64).ravel() for k in names])
