@@ -176,6 +176,7 @@ def canary_scores(
     canaries: Canaries,
     only: frozenset[str] | None = None,
     steer: Steer | None = None,
+    present: int | None = None,
 ) -> CanaryScores:
     """White-box scores: for release Y = S + N(0, σ²) the LLR of canary i is <Y − M, c⁺_i − c⁻_i>/σ²,
     summed over releases, with c^± the canary's contribution under each version (recomputed from the
@@ -184,7 +185,9 @@ def canary_scores(
     Each contribution is compared in the form it is released in
     (:attr:`~fedpers.experiments.hooks.Canaries.as_released`). ``only``: score just the releases of
     these statistic names (the others are left out of the LLR and the gram alike); ``steer``: each
-    round's canaries rebuilt from its published broadcast (what the run was given, see :func:`audit`)."""
+    round's canaries rebuilt from its published broadcast (what the run was given, see :func:`audit`);
+    ``present``: only the first ``present`` canaries are in the run (the rest are empty null slots,
+    see :func:`null_scores`), so only theirs enter M."""
     by_round: dict[int, list[tuple[Release, Tensor]]] = {}
     for release, value in published.releases:
         by_round.setdefault(release.round, []).append((release, value))
@@ -209,11 +212,67 @@ def canary_scores(
             minus = torch.stack(
                 [_released_part(release, canaries.as_released(spec.name, c[spec.name]).double()) for c in contrib["-"]]
             )
-            centred = _released_part(release, value.double()) - ((plus + minus) / 2).sum(0)
+            centred = _released_part(release, value.double()) - ((plus + minus) / 2)[:present].sum(0)
             diff = plus - minus
             llr += (diff @ centred) / release.noise_std**2
             gram += (diff @ diff.T) / release.noise_std**2
     return CanaryScores(llr, gram)
+
+
+# ----- null slots: the "left-out" law measured on empty coordinates ------------------------------
+NULL_SLOTS_PER_RUN = 1000
+"""At most this many empty canary slots are scored per run (the rest of the design's capacity)."""
+
+
+def with_null_slots(cans: Canaries, present: int) -> Canaries:
+    """``cans`` whose slots from ``present`` on are null slots: they carry the present canaries' ids in
+    turn (slot j: id j mod ``present``), so a slot's contributions — computed, never sent — fall in
+    the same cohorts and Poisson samples as a present canary's. Only the first ``present`` slots
+    enter the run (:func:`present_only`)."""
+    ids = cans.plus["ids"]
+    if ids.shape[0] == present:
+        return cans
+    mapped = ids.clone()
+    mapped[present:] = ids[torch.arange(present, ids.shape[0]) % present]
+    plus, minus = dict(cans.plus), dict(cans.minus)
+    plus["ids"], minus["ids"] = mapped, mapped.clone()
+    return Canaries(plus, minus, cans.design, cans.as_released)
+
+
+def present_only(cans: Canaries, present: int) -> Canaries:
+    """The first ``present`` canaries of ``cans`` (the run's population)."""
+    cut = {k: v[:present] for k, v in cans.plus.items()}, {k: v[:present] for k, v in cans.minus.items()}
+    return Canaries(cut[0], cut[1], cans.design, cans.as_released)
+
+
+def in_role_scores(scored: CanaryScores, included: Tensor) -> Tensor:
+    """Each canary's standardised score against the version it does NOT hold: ±standard_i + separation_i/2
+    (+ for "+"), i.e. ⟨Y − M₋ᵢ − c_i^other, c_i^held − c_i^other⟩/σ² over √v_i. Under the ledger's
+    Gaussian claim it is N(separation_i, 1) whichever version the canary holds, and it would be
+    N(0, 1) — the law of an empty slot's score — had the canary held the other one."""
+    sign = included.double() * 2 - 1
+    return sign * scored.standard + scored.separation / 2
+
+
+def null_scores(scored: CanaryScores, present: int) -> Tensor:
+    """Standardised scores of the empty slots past ``present`` (pure noise: nothing was placed there).
+    Refused unless every slot is orthogonal to every present canary (then no canary's data reaches
+    a slot's score); a slot whose contributions are all zero is left out."""
+    gram = scored.gram
+    diag = torch.diagonal(gram)
+    cross = gram[:present, present:]
+    scale = torch.sqrt(diag[:present, None].clamp_min(0) * diag[None, present:].clamp_min(0))
+    if bool((cross.abs() > 1e-9 * scale.clamp_min(1e-300)).any()):
+        raise ValueError("null slots must be orthogonal to every present canary (no data of theirs reaches a slot)")
+    usable = diag[present:] > 0
+    return (scored.llr[present:] / diag[present:].clamp_min(1e-300).sqrt())[usable]
+
+
+NULL_SCORE_ASSUMPTION = (
+    "every release adds zero-mean Gaussian noise of one variance to each of its coordinates whatever the "
+    "data (the ledger's Gaussian mechanism), so a canary's score against the version it does not hold has "
+    "the law of an empty slot's score; both are Gaussian with one variance"
+)
 
 
 def proven_mu(ledger: Ledger) -> float | None:
@@ -239,6 +298,7 @@ def audit(
     privatizer_factory: Callable[[int], PublishingPrivatizer] = PublishingPrivatizer,
     placement: str = "auto",
     releases: tuple[str, ...] | None = None,
+    null_slots: bool = True,
 ) -> dict[str, Any]:
     """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε.
 
@@ -247,7 +307,9 @@ def audit(
     the capacity, random beyond) or ``paired`` (:func:`paired_canaries`: half the capacity; reaches
     a PSD release's full sensitivity). ``releases``: audit only the releases of these statistic names
     (e.g. AltMin's ``W`` and ``b``) against the proven ε/μ of those releases alone — a tight audit
-    of that sub-composition, not of the whole run (see docs/audit.md)."""
+    of that sub-composition, not of the whole run (see docs/audit.md). ``null_slots``: with orthogonal
+    placements, score the design's unused capacity as empty slots (up to :data:`NULL_SLOTS_PER_RUN`
+    per run) for the null-slot Gaussian-score bound (:func:`in_role_scores`, :func:`null_scores`)."""
     design = exp.canary_design()
     if design is None:
         raise ValueError(f"algorithm: the audit has canaries for {', '.join(audited_algorithms())}; got {exp.name}")
@@ -294,6 +356,7 @@ def audit(
             random,
             only,
             placement,
+            0 if random or not null_slots else min(capacity - canaries, NULL_SLOTS_PER_RUN),
         )
     finally:
         torch.set_num_threads(threads)
@@ -313,6 +376,7 @@ def _audit_runs(
     random: bool = False,
     only: frozenset[str] | None = None,
     placement: str = "orthogonal",
+    spare: int = 0,
 ) -> dict[str, Any]:
     paired = placement == "paired"
     make = design.random_canaries if random and design.random_canaries is not None else design.canaries
@@ -324,22 +388,30 @@ def _audit_runs(
 
     coins = torch.Generator().manual_seed(derived_seed(seed, "audit-coins"))
     data = torch.Generator().manual_seed(derived_seed(seed, "audit-canaries"))
-    scores, standards, seps, truth = [], [], [], []
+    scores, standards, seps, truth, in_role, nulls = [], [], [], [], [], []
     ledger = Ledger()
     start = time.perf_counter()
     for run in range(runs):
-        cans = make(protocol, data, canaries)
+        slots = with_null_slots(make(protocol, data, canaries + spare), canaries)
+        cans = present_only(slots, canaries)
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
-        steer = _bound_steer(design, protocol, cans) if placement == "steered" else None
+        steer = _bound_steer(design, protocol, slots) if placement == "steered" else None
         published, ledger = run_published(
-            protocol, cans.units(included), privatizer, None if steer is None else _steered_units(steer, included)
+            protocol,
+            cans.units(included),
+            privatizer,
+            None if steer is None else _steered_units(steer, included, canaries),
         )
-        scored = canary_scores(protocol, published, cans, only, steer)
+        every = canary_scores(protocol, published, slots, only, steer, present=canaries)
+        scored = CanaryScores(every.llr[:canaries], every.gram[:canaries, :canaries])
         scores.append(scored.llr)
         standards.append(scored.standard)
         seps.append(scored.separation)
         truth.append(included)
+        if spare:
+            in_role.append(in_role_scores(scored, included))
+            nulls.append(null_scores(every, canaries))
     llr, standard, sep, included = torch.cat(scores), torch.cat(standards), torch.cat(seps), torch.cat(truth)
     accountant = getattr(cfg, "accountant", accountant_lib.Accountant.PLD)
     whole = ledger
@@ -352,6 +424,7 @@ def _audit_runs(
     mu_ind = audit_math.independent_gdp_lower_bound(standard, included, confidence)
     sides = min(int(included.sum()), int((~included).sum()))
     gauss = audit_math.gaussian_score_mu(standard, included, confidence) if sides >= 2 else None
+    gauss_null = _null_slot_bound(torch.cat(in_role), torch.cat(nulls), confidence) if spare else None
     return {
         "algorithm": exp.name,
         "neighbouring": design.neighbouring,
@@ -379,6 +452,14 @@ def _audit_runs(
             "epsilon_lower": _gdp_epsilon(gauss["mu_lower"], delta),
             "assumption": audit_math.GAUSSIAN_SCORE_ASSUMPTION,
         },
+        "gaussian_score_null": None
+        if gauss_null is None
+        else {
+            **gauss_null,
+            "epsilon": _gdp_epsilon(gauss_null["mu"], delta),
+            "epsilon_lower": _gdp_epsilon(gauss_null["mu_lower"], delta),
+            "assumption": NULL_SCORE_ASSUMPTION,
+        },
         "placement": "random directions (interference in the scores)"
         if random
         else ("orthogonal pairs (the same data on either coordinate)" if paired else "orthogonal")
@@ -402,11 +483,24 @@ def _bound_steer(design: CanaryDesign, protocol: Protocol, cans: Canaries) -> St
     return at
 
 
-def _steered_units(steer: Steer, included: Tensor) -> Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]]:
+def _steered_units(
+    steer: Steer, included: Tensor, present: int
+) -> Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]]:
     def units(round: int, broadcast: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        return steer(round, broadcast).units(included)
+        return present_only(steer(round, broadcast), present).units(included)
 
     return units
+
+
+def _null_slot_bound(in_role: Tensor, nulls: Tensor, confidence: float) -> dict[str, float] | None:
+    """The Gaussian-score bound with every canary's in-role score against the empty slots' scores
+    (:data:`NULL_SCORE_ASSUMPTION`), and the two samples' standard deviations for a reader to compare."""
+    if in_role.numel() < 2 or nulls.numel() < 2:
+        return None
+    both = torch.cat([in_role, nulls])
+    which = torch.cat([torch.ones(in_role.numel(), dtype=torch.bool), torch.zeros(nulls.numel(), dtype=torch.bool)])
+    out = audit_math.gaussian_score_mu(both, which, confidence)
+    return {**out, "null_scores": int(nulls.numel()), "sd_in": float(in_role.std()), "sd_null": float(nulls.std())}
 
 
 def _release_names(protocol: Protocol, releases: tuple[str, ...] | None) -> frozenset[str] | None:
@@ -439,10 +533,16 @@ def headline(result: Mapping[str, Any], score: str = "threshold") -> str:
         raise ValueError(f"score must be one of {', '.join(SCORES)}; got {score!r}")
     proven = float(result["proven_epsilon"])
     if score == "gaussian":
-        gauss = result.get("gaussian_score")
+        null = result.get("gaussian_score_null")
+        gauss = null or result.get("gaussian_score")
         if gauss is None:
             return "  headline (Gaussian score): none (a side of the coins has fewer than 2 canaries)"
-        bound, what = float(gauss["epsilon_lower"]), "Gaussian score, assuming Gaussian scores"
+        bound = float(gauss["epsilon_lower"])
+        what = (
+            "Gaussian score against empty slots, assuming i.i.d. Gaussian noise"
+            if null
+            else "Gaussian score, assuming Gaussian scores"
+        )
     else:
         bound = max(
             float(result["epsilon_lower"]),
@@ -482,6 +582,14 @@ def format_audit(result: Mapping[str, Any], score: str = "threshold") -> str:
         lines.append(
             f"  Gaussian-score bound, ASSUMING {gauss['assumption']}:\n    μ = {gauss['mu']:.4g} "
             f"[{gauss['confidence']:g} lower bound {gauss['mu_lower']:.4g}]: ε ≈ {gauss['epsilon']:.4g}, ε ≥ {gauss['epsilon_lower']:.4g}"
+        )
+    null = result.get("gaussian_score_null")
+    if null is not None:
+        lines.append(
+            f"  null-slot Gaussian-score bound ({null['n_in']} canaries' scores against the version they do not hold, "
+            f"{null['null_scores']} empty slots' scores; sd {null['sd_in']:.3f} and {null['sd_null']:.3f}), "
+            f"ASSUMING {null['assumption']}:\n    μ = {null['mu']:.4g} [{null['confidence']:g} lower bound "
+            f"{null['mu_lower']:.4g}]: ε ≈ {null['epsilon']:.4g}, ε ≥ {null['epsilon_lower']:.4g}"
         )
     if "placement" in result:
         lines.append(
