@@ -515,3 +515,48 @@ def test_paired_and_steered_audits_stay_below_proven_and_catch_halved_noise(name
     bugged = audit_lib.audit(exp, cfg, k, runs=runs, placement=placement)
     assert bugged["gaussian_score"]["mu_lower"] > bugged["proven_mu"]
     assert bugged["independent_gdp"]["epsilon_lower"] > bugged["proven_epsilon"]
+
+
+def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
+    """The same audit (AltMin, W and b alone, 4 canaries and 6 empty slots × 2 runs, seed 0) through
+    the Flower runtime's server loop and ClientApp (an in-process Grid of 3 nodes: the canaries reach
+    the nodes inside the app) gives the local runtime's scores, bounds and proven ε."""
+    from fedpers.runtime.options import RuntimeOptions
+    from tests.flower_support import InProcessGrid
+
+    cfg = altmin_cfg(epsilon=4.0)
+    local = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"))
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3})
+    grids = []
+
+    def grid(app, nodes):
+        grids.append(InProcessGrid(app, nodes))
+        return grids[-1]
+
+    flower = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"), flower=opts, grid=grid)
+    assert len(grids) == 2 and all(len(g.contexts) == 3 and len(g.sent) >= 3 * 3 for g in grids)
+    assert flower["runtime"] == "flower" and local["runtime"] == "local"
+    assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(local["canary_mu"])
+    for key in ("gaussian_score", "gaussian_score_null"):
+        assert flower[key]["mu"] == pytest.approx(local[key]["mu"], rel=1e-5, abs=1e-6), key
+        assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
+    assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (local["one_run"]["guesses"], local["one_run"]["correct"])
+    assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
+    with pytest.raises(ValueError, match="steered"):
+        audit_lib.audit(experiment("fedrep"), config_lib.build(experiment("fedrep").config_type, {}), 2, placement="steered", flower=opts)
+
+
+@pytest.mark.slow
+def test_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bounds():
+    """The same audit through Flower's simulation engine on Ray (2 node actors; the canaries reach
+    them inside the ClientApp object) gives the local runtime's bounds for one seed."""
+    from fedpers.runtime.options import RuntimeOptions
+
+    cfg = altmin_cfg(epsilon=4.0)
+    local = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"))
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2, "client_cpus": 1.0})
+    flower = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"), flower=opts)
+    assert flower["runtime"] == "flower"
+    for key in ("gaussian_score", "gaussian_score_null"):
+        assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
+    assert _bounds(flower) == pytest.approx(_bounds(local), abs=1e-9)

@@ -127,6 +127,80 @@ def run_published(
     return Published(tuple(broadcasts), tuple(privatizer.published)), privatizer.ledger
 
 
+class _RecordingBroadcasts:
+    """``protocol`` for the server loop, keeping a copy of every broadcast it makes (what the server
+    publishes each round); everything else is the protocol's own."""
+
+    def __init__(self, protocol: Protocol, into: list[dict[str, Tensor]]) -> None:
+        self._protocol, self._into = protocol, into
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._protocol, name)
+
+    def broadcast(self, state: Any, round: int) -> Mapping[str, Tensor]:
+        out = self._protocol.broadcast(state, round)
+        self._into.append({k: v.detach().clone() for k, v in out.items()})
+        return out
+
+
+def canary_client_app(protocol: Protocol, units: Mapping[str, Tensor]) -> Any:
+    """A Flower ClientApp whose nodes hold the audit's canaries: the fedpers node side
+    (:func:`fedpers.runtime.flower.client.make_client_app`) with a node builder that returns
+    ``protocol`` and serves unit ids from ``units``. It lives in this process and reaches the
+    simulation's node actors inside the app object only: a deployed node builds its units from
+    its own config and data (:func:`fedpers.app.build_node`) and never holds canaries."""
+    from fedpers.runtime.flower.client import Node, make_client_app
+
+    held = {k: v.detach().clone() for k, v in units.items()}
+    count = int(held["ids"].shape[0])
+
+    def build(job: Any, data_file: str) -> Node:
+        if data_file:
+            raise ValueError("an audit's canary nodes read no data file")
+        return Node(protocol, lambda ids: {k: v[ids.to(v.device)] for k, v in held.items()}, num_units=count)
+
+    return make_client_app(build)
+
+
+def run_published_flower(
+    exp: Experiment,
+    cfg: Any,
+    protocol: Protocol,
+    units: Mapping[str, Tensor],
+    privatizer: PublishingPrivatizer,
+    options: Any,
+    nonce: int,
+    grid: Any = None,
+) -> tuple[Published, Ledger]:
+    """:func:`run_published` through the Flower runtime: the server loop of
+    :func:`fedpers.runtime.flower.simulation.run_flower` (a simulation on Ray, or ``grid`` when
+    given: ``grid(client_app, nodes)`` makes it), the canaries on its nodes (:func:`canary_client_app`). ``nonce`` makes this run's job
+    differ from the last one's, so a node process that served an earlier run (it caches its units
+    by job) loads this run's canaries."""
+    import dataclasses
+
+    from fedpers.app import flower_job
+    from fedpers.runtime.flower.simulation import run_flower
+
+    broadcasts: list[dict[str, Tensor]] = []
+    job = flower_job(exp, dataclasses.replace(cfg, seed=nonce), protocol, calibrations={})
+    count = int(units["ids"].shape[0])
+    run_options = dataclasses.replace(options, nodes=min(int(options.nodes), count), users_per_node=0)
+    server: Any = _RecordingBroadcasts(protocol, broadcasts)
+    app = canary_client_app(protocol, units)
+    run_flower(
+        job,
+        count,
+        server,
+        privatizer,
+        run_options,
+        progress=False,
+        grid=None if grid is None else grid(app, run_options.nodes),
+        client_app=app,
+    )
+    return Published(tuple(broadcasts), tuple(privatizer.published)), privatizer.ledger
+
+
 def _released_part(release: Release, value: Tensor) -> Tensor:
     """The coordinates that carry independent noise: the upper triangle of a symmetric release."""
     if release.mechanism == "symmetric_gaussian":
@@ -299,6 +373,8 @@ def audit(
     placement: str = "auto",
     releases: tuple[str, ...] | None = None,
     null_slots: bool = True,
+    flower: Any = None,
+    grid: Any = None,
 ) -> dict[str, Any]:
     """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε.
 
@@ -309,7 +385,10 @@ def audit(
     (e.g. AltMin's ``W`` and ``b``) against the proven ε/μ of those releases alone — a tight audit
     of that sub-composition, not of the whole run (see docs/audit.md). ``null_slots``: with orthogonal
     placements, score the design's unused capacity as empty slots (up to :data:`NULL_SLOTS_PER_RUN`
-    per run) for the null-slot Gaussian-score bound (:func:`in_role_scores`, :func:`null_scores`)."""
+    per run) for the null-slot Gaussian-score bound (:func:`in_role_scores`, :func:`null_scores`).
+    ``flower``: runtime options (``runtime = flower``) to run every audit run through the Flower
+    runtime's server loop and ClientApp (:func:`run_published_flower`; a simulation on Ray, or
+    the Grid that ``grid(client_app, nodes)`` makes) instead of the local runtime."""
     design = exp.canary_design()
     if design is None:
         raise ValueError(f"algorithm: the audit has canaries for {', '.join(audited_algorithms())}; got {exp.name}")
@@ -323,6 +402,10 @@ def audit(
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
     if placement == "steered" and design.steer is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no steered placement")
+    if flower is not None and placement == "steered":
+        raise ValueError(
+            "placement: steered canaries change their data every round; the Flower runtime's nodes hold fixed data"
+        )
     if placement == "random" and design.random_canaries is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
     protocol = design.protocol(cfg, canaries)
@@ -357,6 +440,13 @@ def audit(
             only,
             placement,
             0 if random or not null_slots else min(capacity - canaries, NULL_SLOTS_PER_RUN),
+            None
+            if flower is None
+            else (
+                lambda run, units, privatizer: run_published_flower(
+                    exp, cfg, protocol, units, privatizer, flower, derived_seed(seed, f"audit-flower-{run}"), grid
+                )
+            ),
         )
     finally:
         torch.set_num_threads(threads)
@@ -377,6 +467,7 @@ def _audit_runs(
     only: frozenset[str] | None = None,
     placement: str = "orthogonal",
     spare: int = 0,
+    through: Callable[[int, Mapping[str, Tensor], PublishingPrivatizer], tuple[Published, Ledger]] | None = None,
 ) -> dict[str, Any]:
     paired = placement == "paired"
     make = design.random_canaries if random and design.random_canaries is not None else design.canaries
@@ -397,12 +488,15 @@ def _audit_runs(
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
         steer = _bound_steer(design, protocol, slots) if placement == "steered" else None
-        published, ledger = run_published(
-            protocol,
-            cans.units(included),
-            privatizer,
-            None if steer is None else _steered_units(steer, included, canaries),
-        )
+        if through is not None:
+            published, ledger = through(run, cans.units(included), privatizer)
+        else:
+            published, ledger = run_published(
+                protocol,
+                cans.units(included),
+                privatizer,
+                None if steer is None else _steered_units(steer, included, canaries),
+            )
         every = canary_scores(protocol, published, slots, only, steer, present=canaries)
         scored = CanaryScores(every.llr[:canaries], every.gram[:canaries, :canaries])
         scores.append(scored.llr)
@@ -467,6 +561,7 @@ def _audit_runs(
         "audited_releases": "all" if only is None else sorted(only),
         "run_proven_epsilon": proven if only is None else ledger_epsilon(whole, delta, accountant),
         "run_proven_mu": mu_proven if only is None else proven_mu(whole),
+        "runtime": "local" if through is None else "flower",
         "trials": runs * canaries,
         "seconds": time.perf_counter() - start,
         "noise_multiplier": float(getattr(protocol, "noise_multiplier", float("nan"))),
