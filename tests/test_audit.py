@@ -461,8 +461,28 @@ def test_dpals_canaries_reach_their_promised_separation():
     assert result["canary_mu"] == pytest.approx(float(expected), rel=1e-9)
     result = audit_lib.audit(DPALS, dataclasses.replace(cfg, steps=3), 20, runs=1)
     assert (3 / 8) ** 0.5 * result["proven_mu"] - 1e-9 <= result["canary_mu"] <= result["proven_mu"] / 2**0.5 + 1e-9
-    with pytest.raises(ValueError, match="private_center"):
+    with pytest.raises(ValueError, match=r"canaries must be in \[2, 1\]"):  # with round 0 a canary takes 2B = 40 items
         audit_lib.audit(DPALS, dataclasses.replace(cfg, private_center=True), 4)
+
+
+def test_dpals_round0_canaries_move_the_sums_and_counts_by_their_promised_share():
+    """With round 0 (private centring): canary i rates a block of B items at +BIG or the next block at
+    −BIG, so its own share of round 0's (s, c) is exactly 1/2 of μ² (6/8 of s, 2/8 of c). The canaries
+    share s's total entry (gram_ij = μ²/4), which the scorer counts as interference:
+    separation = (μ²/2)/√(μ²/2 + (K − 1)μ⁴/64). Scoring round 0 alone compares with round 0's own
+    proven μ (the ledger's item_sums and item_counts releases)."""
+    dp = experiment("dpals")
+    cfg = config_lib.build(
+        dp.config_type,
+        {"epsilon": 4.0, "private_center": True, "n_items": 200, "steps": 1, "clip_embedding": 3.0, "clip_rating": 3.0},
+    )
+    r0 = audit_lib.audit(dp, cfg, 4, runs=1, releases=("s", "c"))
+    mu2 = r0["proven_mu"] ** 2
+    assert r0["canary_mu"] == pytest.approx((mu2 / 2) / (mu2 / 2 + 3 * mu2**2 / 64) ** 0.5, rel=1e-6)
+    assert r0["proven_mu"] < r0["run_proven_mu"] and "block" in r0["canary_design"]
+    assert r0["gaussian_score_null"] is None  # the shared total entry: no empty slot is orthogonal to the canaries
+    whole = audit_lib.audit(dp, cfg, 4, runs=1)
+    assert r0["canary_mu"] < whole["canary_mu"] < whole["proven_mu"]
 
 
 @pytest.mark.slow

@@ -504,13 +504,17 @@ def _audit_runs(
         seps.append(scored.separation)
         truth.append(included)
         if spare:
-            in_role.append(in_role_scores(scored, included))
-            nulls.append(null_scores(every, canaries))
+            try:
+                nulls.append(null_scores(every, canaries))
+                in_role.append(in_role_scores(scored, included))
+            except ValueError:  # the design's slots share a coordinate (e.g. a total entry): no null-slot bound
+                spare, in_role, nulls = 0, [], []
     llr, standard, sep, included = torch.cat(scores), torch.cat(standards), torch.cat(seps), torch.cat(truth)
     accountant = getattr(cfg, "accountant", accountant_lib.Accountant.PLD)
     whole = ledger
     if only is not None:  # the proven values of the audited releases alone: what this audit can reach
-        ledger = Ledger([r for r in whole if r.name.rsplit(".", 1)[-1] in only])
+        names = _release_names_of(protocol, published, only)
+        ledger = Ledger([r for r in whole if r.name in names])
     proven = ledger_epsilon(ledger, delta, accountant)
     mu_proven = proven_mu(ledger)
     snj = audit_math.one_run_lower_bound(llr, included, delta, confidence)
@@ -596,6 +600,18 @@ def _null_slot_bound(in_role: Tensor, nulls: Tensor, confidence: float) -> dict[
     which = torch.cat([torch.ones(in_role.numel(), dtype=torch.bool), torch.zeros(nulls.numel(), dtype=torch.bool)])
     out = audit_math.gaussian_score_mu(both, which, confidence)
     return {**out, "null_scores": int(nulls.numel()), "sd_in": float(in_role.std()), "sd_null": float(nulls.std())}
+
+
+def _release_names_of(protocol: Protocol, published: Published, only: frozenset[str]) -> set[str]:
+    """The ledger names of the published releases of the statistics ``only`` names (a release's
+    ledger name, e.g. ``dpals.item_sums``, need not be its statistic's, ``s``)."""
+    names: set[str] = set()
+    by_round: dict[int, list[Release]] = {}
+    for release, _ in published.releases:
+        by_round.setdefault(release.round, []).append(release)
+    for r, released in by_round.items():
+        names |= {rel.name for spec, rel in zip(protocol.stat_specs(r), released) if spec.name in only}
+    return names
 
 
 def _release_names(protocol: Protocol, releases: tuple[str, ...] | None) -> frozenset[str] | None:
