@@ -22,7 +22,6 @@ from fedpers.privacy import Privatizer
 from fedpers.privacy import audit as audit_math
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
-from fedpers.protocols.noisygd import Remedy
 
 ALTMIN = experiment("altmin")
 
@@ -430,8 +429,8 @@ def test_noisygd_canaries_reach_their_promised_separation():
     result = audit_lib.audit(NOISYGD, dataclasses.replace(cfg, steps=30), 12, runs=1)
     assert 0.8 * result["proven_mu"] < result["canary_mu"] <= result["proven_mu"] * (1 + 1e-5)
     assert "example" in result["neighbouring"]
-    with pytest.raises(ValueError, match="remedy"):
-        audit_lib.audit(NOISYGD, dataclasses.replace(cfg, remedy=Remedy.PCA), 4)
+    with pytest.raises(ValueError, match="cohorts/noise/clip_rule"):
+        audit_lib.audit(NOISYGD, dataclasses.replace(cfg, cohorts="cyclic", cycle=2), 4)
 
 
 @pytest.mark.slow
@@ -463,6 +462,21 @@ def test_dpals_canaries_reach_their_promised_separation():
     assert (3 / 8) ** 0.5 * result["proven_mu"] - 1e-9 <= result["canary_mu"] <= result["proven_mu"] / 2**0.5 + 1e-9
     with pytest.raises(ValueError, match=r"canaries must be in \[2, 1\]"):  # with round 0 a canary takes 2B = 40 items
         audit_lib.audit(DPALS, dataclasses.replace(cfg, private_center=True), 4)
+
+
+def test_noisygd_pca_remedy_is_audited_and_paired_canaries_reach_its_second_moments_mu():
+    """NoisyGD with the PCA remedy: a canary's second moment R²e_ie_iᵀ is sign-blind, so paired
+    canaries (e_a vs e_b) move the released Σ x xᵀ by its full √2·R² — their separation is that
+    release's own proven μ exactly; the whole run is audited too (the projection mixes the
+    canaries in the gradient steps: interference, so no empty slot is orthogonal to them)."""
+    cfg = config_lib.build(
+        NOISYGD.config_type, {"epsilon": 4.0, "remedy": "pca", "feature_dim": 20, "steps": 3, "accountant": "pld"}
+    )
+    alone = audit_lib.audit(NOISYGD, cfg, 5, runs=1, placement="paired", releases=("second_moment",))
+    assert alone["canary_mu"] == pytest.approx(alone["proven_mu"], rel=1e-6)
+    assert alone["proven_mu"] < alone["run_proven_mu"] and alone["gaussian_score_null"] is not None
+    whole = audit_lib.audit(NOISYGD, cfg, 10, runs=1)
+    assert 0 < whole["canary_mu"] < whole["proven_mu"] and "PCA remedy" in whole["canary_design"]
 
 
 def test_dpals_round0_canaries_move_the_sums_and_counts_by_their_promised_share():
