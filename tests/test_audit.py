@@ -319,6 +319,19 @@ def test_planted_bug_raises_the_lower_bound_above_proven(bug, request):
     print(bug, _bounds(result), result["proven_epsilon"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["halved_noise", "no_label_clip", "no_cohort_filter"])
+def test_planted_bug_raises_the_null_slot_bound_above_proven(bug, request):
+    """The same planted bugs at d = 20 (10 canaries and 10 empty slots per run, 50 runs): the
+    null-slot Gaussian-score μ lower bound exceeds the proven μ."""
+    request.getfixturevalue(bug)
+    rounds = 8 if bug == "no_cohort_filter" else 2
+    cfg = altmin_cfg(epsilon=8.0, rounds=rounds, cohorts=Cohorts.DISJOINT, dim=20)
+    result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=0)
+    null = result["gaussian_score_null"]
+    assert null["null_scores"] == 500 and null["mu_lower"] > result["proven_mu"], (bug, null, result["proven_mu"])
+
+
 def test_canaries_reach_the_separation_their_design_promises():
     """AltMin canaries differ by the full replace-one sensitivity in W and b and not in A:
     μ_canary = μ_proven·sqrt(2/3) (disjoint cohorts: 2 of 3 releases). NoisyHead canaries differ
