@@ -329,7 +329,8 @@ def in_role_scores(scored: CanaryScores, included: Tensor) -> Tensor:
 
 
 def null_scores(scored: CanaryScores, present: int) -> Tensor:
-    """Standardised scores of the empty slots past ``present`` (pure noise: nothing was placed there).
+    """Standardised scores of the empty slots past ``present`` (pure noise: nothing was placed there;
+    ``llr`` may carry leading batch dimensions).
     Refused unless every slot is orthogonal to every present canary (then no canary's data reaches
     a slot's score); a slot whose contributions are all zero is left out."""
     gram = scored.gram
@@ -339,7 +340,7 @@ def null_scores(scored: CanaryScores, present: int) -> Tensor:
     if bool((cross.abs() > 1e-9 * scale.clamp_min(1e-300)).any()):
         raise ValueError("null slots must be orthogonal to every present canary (no data of theirs reaches a slot)")
     usable = diag[present:] > 0
-    return (scored.llr[present:] / diag[present:].clamp_min(1e-300).sqrt())[usable]
+    return (scored.llr[..., present:] / diag[present:].clamp_min(1e-300).sqrt())[..., usable]
 
 
 NULL_SCORE_ASSUMPTION = (
