@@ -579,6 +579,7 @@ def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
     flower = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"), flower=opts, grid=grid)
     assert len(grids) == 2 and all(len(g.contexts) == 3 and len(g.sent) >= 3 * 3 for g in grids)
     assert flower["runtime"] == "flower" and local["runtime"] == "local"
+    assert "through the Flower runtime" in audit_lib.format_audit(flower)
     assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(local["canary_mu"])
     for key in ("gaussian_score", "gaussian_score_null"):
         assert flower[key]["mu"] == pytest.approx(local[key]["mu"], rel=1e-5, abs=1e-6), key

@@ -706,6 +706,7 @@ def format_audit(result: Mapping[str, Any], score: str = "threshold") -> str:
     if "placement" in result:
         lines.append(
             f"  placement: {result['placement']}; {result['trials']} canary trials in {result['seconds']:.1f} s"
+            + (" through the Flower runtime" if result.get("runtime") == "flower" else "")
         )
     return "\n".join(lines)
 
