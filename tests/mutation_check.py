@@ -181,8 +181,8 @@ MUTATIONS.update({
     ),
     "NoisyHead's Poisson estimator divides by N, not q·N": (
         "fedpers/protocols/noisyhead.py",
-        "gamma, noisy, self.prompts * self.sampling_rate, self.ridge_lambda",
-        "gamma, noisy, self.prompts, self.ridge_lambda",
+        "        return self.prompts * self.sampling_rate\n",
+        "        return self.prompts\n",
         "tests/test_poisson.py",
     ),
     "dpattention writes the data's condition values into its result": (

@@ -22,7 +22,6 @@ from fedpers.privacy import Privatizer
 from fedpers.privacy import audit as audit_math
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
-from fedpers.protocols.noisygd import Remedy
 
 ALTMIN = experiment("altmin")
 
@@ -188,6 +187,53 @@ def test_interference_model_of_the_scores_is_exact_for_gaussian_releases():
     assert float(naive.var(0).mean()) > 1.5  # ignoring the other canaries would misstate the variance
 
 
+def test_in_role_and_empty_slot_scores_have_the_laws_the_null_slot_bound_assumes():
+    """12 present canaries and 20 empty slots on orthogonal coordinates of one Gaussian release
+    (σ = 1, 4000 draws, fair coins): each present canary's score against the version it does not
+    hold is N(separation, 1) whichever coin it drew, each empty slot's score N(0, 1); a slot that
+    overlaps a present canary is refused (its score would carry that canary's data)."""
+    g = torch.Generator().manual_seed(5)
+    k, slots = 12, 32
+    D = torch.diag(torch.linspace(0.5, 1.5, slots, dtype=torch.float64))  # slot j's c⁺ − c⁻ on e_j
+    gram = D @ D.T
+    signs = torch.where(torch.rand(4000, k, generator=g) < 0.5, 1.0, -1.0).double()
+    Y = torch.cat([signs, torch.zeros(4000, slots - k, dtype=torch.float64)], 1) @ D / 2
+    Y = Y + torch.randn(4000, slots, generator=g, dtype=torch.float64)
+    every = audit_lib.CanaryScores(Y @ D.T, gram)  # one row of scores per draw
+    present = audit_lib.CanaryScores(every.llr[:, :k], gram[:k, :k])
+    roles, null = audit_lib.in_role_scores(present, signs > 0), audit_lib.null_scores(every, k)
+    assert torch.allclose(roles.mean(0), torch.diagonal(D)[:k], atol=0.06)
+    assert torch.allclose(roles.var(0), torch.ones(k, dtype=torch.float64), atol=0.08)
+    assert torch.allclose(null.mean(0), torch.zeros(slots - k, dtype=torch.float64), atol=0.06)
+    assert torch.allclose(null.var(0), torch.ones(slots - k, dtype=torch.float64), atol=0.08)
+    overlap = gram.clone()
+    overlap[0, k] = overlap[k, 0] = 0.1
+    with pytest.raises(ValueError, match="orthogonal to every present canary"):
+        audit_lib.null_scores(audit_lib.CanaryScores(D @ Y[0], overlap), k)
+
+
+def test_null_slot_bound_finds_the_proven_mu_and_catches_halved_noise(monkeypatch):
+    """AltMin's W and b alone (the canaries move them by their full sensitivity) at d = 20: 5 canaries
+    and 15 empty slots per run, 12 runs. The null-slot Gaussian-score estimate is within 4 standard
+    errors of the proven μ on honest code; with σ halved (ledger unchanged) its lower bound exceeds it."""
+    cfg = altmin_cfg(epsilon=5.0, dim=20)
+    honest = audit_lib.audit(ALTMIN, cfg, 5, runs=12, releases=("W", "b"))
+    null = honest["gaussian_score_null"]
+    assert null["n_in"] == 60 and null["null_scores"] == 180
+    assert honest["canary_mu"] == pytest.approx(honest["proven_mu"])
+    assert abs(null["mu"] - honest["proven_mu"]) < 4 * (1 / 60 + 1 / 180) ** 0.5
+    assert "null-slot Gaussian-score bound" in audit_lib.format_audit(honest)
+    assert "empty slots" in audit_lib.headline(honest, "gaussian")
+    original = Privatizer._perturb
+
+    def perturb(self, release, value, noise):
+        return original(self, dataclasses.replace(release, noise_std=release.noise_std / 2), value, noise)
+
+    monkeypatch.setattr(Privatizer, "_perturb", perturb)
+    bugged = audit_lib.audit(ALTMIN, cfg, 5, runs=12, releases=("W", "b"))
+    assert bugged["gaussian_score_null"]["mu_lower"] > bugged["proven_mu"]
+
+
 @pytest.mark.slow
 def test_honest_random_placement_bounds_stay_below_proven():
     """Random placement, 100 canaries per run at d = 10, 1000 trials, 3 seeds: no bound (nor the
@@ -267,6 +313,19 @@ def test_planted_bug_raises_the_lower_bound_above_proven(bug, request):
     assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (bug, _bounds(result), result["proven_epsilon"])
     assert result["gaussian_score"]["mu_lower"] > result["proven_mu"], (bug, result["gaussian_score"])
     print(bug, _bounds(result), result["proven_epsilon"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["halved_noise", "no_label_clip", "no_cohort_filter"])
+def test_planted_bug_raises_the_null_slot_bound_above_proven(bug, request):
+    """The same planted bugs at d = 20 (10 canaries and 10 empty slots per run, 50 runs): the
+    null-slot Gaussian-score μ lower bound exceeds the proven μ."""
+    request.getfixturevalue(bug)
+    rounds = 8 if bug == "no_cohort_filter" else 2
+    cfg = altmin_cfg(epsilon=8.0, rounds=rounds, cohorts=Cohorts.DISJOINT, dim=20)
+    result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=0)
+    null = result["gaussian_score_null"]
+    assert null["null_scores"] == 500 and null["mu_lower"] > result["proven_mu"], (bug, null, result["proven_mu"])
 
 
 def test_canaries_reach_the_separation_their_design_promises():
@@ -379,8 +438,8 @@ def test_noisygd_canaries_reach_their_promised_separation():
     result = audit_lib.audit(NOISYGD, dataclasses.replace(cfg, steps=30), 12, runs=1)
     assert 0.8 * result["proven_mu"] < result["canary_mu"] <= result["proven_mu"] * (1 + 1e-5)
     assert "example" in result["neighbouring"]
-    with pytest.raises(ValueError, match="remedy"):
-        audit_lib.audit(NOISYGD, dataclasses.replace(cfg, remedy=Remedy.PCA), 4)
+    with pytest.raises(ValueError, match="cohorts/noise/clip_rule"):
+        audit_lib.audit(NOISYGD, dataclasses.replace(cfg, cohorts="cyclic", cycle=2), 4)
 
 
 @pytest.mark.slow
@@ -410,8 +469,43 @@ def test_dpals_canaries_reach_their_promised_separation():
     assert result["canary_mu"] == pytest.approx(float(expected), rel=1e-9)
     result = audit_lib.audit(DPALS, dataclasses.replace(cfg, steps=3), 20, runs=1)
     assert (3 / 8) ** 0.5 * result["proven_mu"] - 1e-9 <= result["canary_mu"] <= result["proven_mu"] / 2**0.5 + 1e-9
-    with pytest.raises(ValueError, match="private_center"):
+    with pytest.raises(ValueError, match=r"canaries must be in \[2, 1\]"):  # with round 0 a canary takes 2B = 40 items
         audit_lib.audit(DPALS, dataclasses.replace(cfg, private_center=True), 4)
+
+
+def test_noisygd_pca_remedy_is_audited_and_paired_canaries_reach_its_second_moments_mu():
+    """NoisyGD with the PCA remedy: a canary's second moment R²e_ie_iᵀ is sign-blind, so paired
+    canaries (e_a vs e_b) move the released Σ x xᵀ by its full √2·R² — their separation is that
+    release's own proven μ exactly; the whole run is audited too (the projection mixes the
+    canaries in the gradient steps: interference, so no empty slot is orthogonal to them)."""
+    cfg = config_lib.build(
+        NOISYGD.config_type, {"epsilon": 4.0, "remedy": "pca", "feature_dim": 20, "steps": 3, "accountant": "pld"}
+    )
+    alone = audit_lib.audit(NOISYGD, cfg, 5, runs=1, placement="paired", releases=("second_moment",))
+    assert alone["canary_mu"] == pytest.approx(alone["proven_mu"], rel=1e-6)
+    assert alone["proven_mu"] < alone["run_proven_mu"] and alone["gaussian_score_null"] is not None
+    whole = audit_lib.audit(NOISYGD, cfg, 10, runs=1)
+    assert 0 < whole["canary_mu"] < whole["proven_mu"] and "PCA remedy" in whole["canary_design"]
+
+
+def test_dpals_round0_canaries_move_the_sums_and_counts_by_their_promised_share():
+    """With round 0 (private centring): canary i rates a block of B items at +BIG or the next block at
+    −BIG, so its own share of round 0's (s, c) is exactly 1/2 of μ² (6/8 of s, 2/8 of c). The canaries
+    share s's total entry (gram_ij = μ²/4), which the scorer counts as interference:
+    separation = (μ²/2)/√(μ²/2 + (K − 1)μ⁴/64). Scoring round 0 alone compares with round 0's own
+    proven μ (the ledger's item_sums and item_counts releases)."""
+    dp = experiment("dpals")
+    cfg = config_lib.build(
+        dp.config_type,
+        {"epsilon": 4.0, "private_center": True, "n_items": 200, "steps": 1, "clip_embedding": 3.0, "clip_rating": 3.0},
+    )
+    r0 = audit_lib.audit(dp, cfg, 4, runs=1, releases=("s", "c"))
+    mu2 = r0["proven_mu"] ** 2
+    assert r0["canary_mu"] == pytest.approx((mu2 / 2) / (mu2 / 2 + 3 * mu2**2 / 64) ** 0.5, rel=1e-6)
+    assert r0["proven_mu"] < r0["run_proven_mu"] and "block" in r0["canary_design"]
+    assert r0["gaussian_score_null"] is None  # the shared total entry: no empty slot is orthogonal to the canaries
+    whole = audit_lib.audit(dp, cfg, 4, runs=1)
+    assert r0["canary_mu"] < whole["canary_mu"] < whole["proven_mu"]
 
 
 @pytest.mark.slow
@@ -464,3 +558,49 @@ def test_paired_and_steered_audits_stay_below_proven_and_catch_halved_noise(name
     bugged = audit_lib.audit(exp, cfg, k, runs=runs, placement=placement)
     assert bugged["gaussian_score"]["mu_lower"] > bugged["proven_mu"]
     assert bugged["independent_gdp"]["epsilon_lower"] > bugged["proven_epsilon"]
+
+
+def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
+    """The same audit (AltMin, W and b alone, 4 canaries and 6 empty slots × 2 runs, seed 0) through
+    the Flower runtime's server loop and ClientApp (an in-process Grid of 3 nodes: the canaries reach
+    the nodes inside the app) gives the local runtime's scores, bounds and proven ε."""
+    from fedpers.runtime.options import RuntimeOptions
+    from tests.flower_support import InProcessGrid
+
+    cfg = altmin_cfg(epsilon=4.0)
+    local = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"))
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3})
+    grids = []
+
+    def grid(app, nodes):
+        grids.append(InProcessGrid(app, nodes))
+        return grids[-1]
+
+    flower = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"), flower=opts, grid=grid)
+    assert len(grids) == 2 and all(len(g.contexts) == 3 and len(g.sent) >= 3 * 3 for g in grids)
+    assert flower["runtime"] == "flower" and local["runtime"] == "local"
+    assert "through the Flower runtime" in audit_lib.format_audit(flower)
+    assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(local["canary_mu"])
+    for key in ("gaussian_score", "gaussian_score_null"):
+        assert flower[key]["mu"] == pytest.approx(local[key]["mu"], rel=1e-5, abs=1e-6), key
+        assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
+    assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (local["one_run"]["guesses"], local["one_run"]["correct"])
+    assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
+    with pytest.raises(ValueError, match="steered"):
+        audit_lib.audit(experiment("fedrep"), config_lib.build(experiment("fedrep").config_type, {}), 2, placement="steered", flower=opts)
+
+
+@pytest.mark.slow
+def test_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bounds():
+    """The same audit through Flower's simulation engine on Ray (2 node actors; the canaries reach
+    them inside the ClientApp object) gives the local runtime's bounds for one seed."""
+    from fedpers.runtime.options import RuntimeOptions
+
+    cfg = altmin_cfg(epsilon=4.0)
+    local = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"))
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2, "client_cpus": 1.0})
+    flower = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"), flower=opts)
+    assert flower["runtime"] == "flower"
+    for key in ("gaussian_score", "gaussian_score_null"):
+        assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
+    assert _bounds(flower) == pytest.approx(_bounds(local), abs=1e-9)

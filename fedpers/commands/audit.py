@@ -127,6 +127,80 @@ def run_published(
     return Published(tuple(broadcasts), tuple(privatizer.published)), privatizer.ledger
 
 
+class _RecordingBroadcasts:
+    """``protocol`` for the server loop, keeping a copy of every broadcast it makes (what the server
+    publishes each round); everything else is the protocol's own."""
+
+    def __init__(self, protocol: Protocol, into: list[dict[str, Tensor]]) -> None:
+        self._protocol, self._into = protocol, into
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._protocol, name)
+
+    def broadcast(self, state: Any, round: int) -> Mapping[str, Tensor]:
+        out = self._protocol.broadcast(state, round)
+        self._into.append({k: v.detach().clone() for k, v in out.items()})
+        return out
+
+
+def canary_client_app(protocol: Protocol, units: Mapping[str, Tensor]) -> Any:
+    """A Flower ClientApp whose nodes hold the audit's canaries: the fedpers node side
+    (:func:`fedpers.runtime.flower.client.make_client_app`) with a node builder that returns
+    ``protocol`` and serves unit ids from ``units``. It lives in this process and reaches the
+    simulation's node actors inside the app object only: a deployed node builds its units from
+    its own config and data (:func:`fedpers.app.build_node`) and never holds canaries."""
+    from fedpers.runtime.flower.client import Node, make_client_app
+
+    held = {k: v.detach().clone() for k, v in units.items()}
+    count = int(held["ids"].shape[0])
+
+    def build(job: Any, data_file: str) -> Node:
+        if data_file:
+            raise ValueError("an audit's canary nodes read no data file")
+        return Node(protocol, lambda ids: {k: v[ids.to(v.device)] for k, v in held.items()}, num_units=count)
+
+    return make_client_app(build)
+
+
+def run_published_flower(
+    exp: Experiment,
+    cfg: Any,
+    protocol: Protocol,
+    units: Mapping[str, Tensor],
+    privatizer: PublishingPrivatizer,
+    options: Any,
+    nonce: int,
+    grid: Any = None,
+) -> tuple[Published, Ledger]:
+    """:func:`run_published` through the Flower runtime: the server loop of
+    :func:`fedpers.runtime.flower.simulation.run_flower` (a simulation on Ray, or ``grid`` when
+    given: ``grid(client_app, nodes)`` makes it), the canaries on its nodes (:func:`canary_client_app`). ``nonce`` makes this run's job
+    differ from the last one's, so a node process that served an earlier run (it caches its units
+    by job) loads this run's canaries."""
+    import dataclasses
+
+    from fedpers.app import flower_job
+    from fedpers.runtime.flower.simulation import run_flower
+
+    broadcasts: list[dict[str, Tensor]] = []
+    job = flower_job(exp, dataclasses.replace(cfg, seed=nonce), protocol, calibrations={})
+    count = int(units["ids"].shape[0])
+    run_options = dataclasses.replace(options, nodes=min(int(options.nodes), count), users_per_node=0)
+    server: Any = _RecordingBroadcasts(protocol, broadcasts)
+    app = canary_client_app(protocol, units)
+    run_flower(
+        job,
+        count,
+        server,
+        privatizer,
+        run_options,
+        progress=False,
+        grid=None if grid is None else grid(app, run_options.nodes),
+        client_app=app,
+    )
+    return Published(tuple(broadcasts), tuple(privatizer.published)), privatizer.ledger
+
+
 def _released_part(release: Release, value: Tensor) -> Tensor:
     """The coordinates that carry independent noise: the upper triangle of a symmetric release."""
     if release.mechanism == "symmetric_gaussian":
@@ -176,6 +250,7 @@ def canary_scores(
     canaries: Canaries,
     only: frozenset[str] | None = None,
     steer: Steer | None = None,
+    present: int | None = None,
 ) -> CanaryScores:
     """White-box scores: for release Y = S + N(0, σ²) the LLR of canary i is <Y − M, c⁺_i − c⁻_i>/σ²,
     summed over releases, with c^± the canary's contribution under each version (recomputed from the
@@ -184,7 +259,9 @@ def canary_scores(
     Each contribution is compared in the form it is released in
     (:attr:`~fedpers.experiments.hooks.Canaries.as_released`). ``only``: score just the releases of
     these statistic names (the others are left out of the LLR and the gram alike); ``steer``: each
-    round's canaries rebuilt from its published broadcast (what the run was given, see :func:`audit`)."""
+    round's canaries rebuilt from its published broadcast (what the run was given, see :func:`audit`);
+    ``present``: only the first ``present`` canaries are in the run (the rest are empty null slots,
+    see :func:`null_scores`), so only theirs enter M."""
     by_round: dict[int, list[tuple[Release, Tensor]]] = {}
     for release, value in published.releases:
         by_round.setdefault(release.round, []).append((release, value))
@@ -209,11 +286,68 @@ def canary_scores(
             minus = torch.stack(
                 [_released_part(release, canaries.as_released(spec.name, c[spec.name]).double()) for c in contrib["-"]]
             )
-            centred = _released_part(release, value.double()) - ((plus + minus) / 2).sum(0)
+            centred = _released_part(release, value.double()) - ((plus + minus) / 2)[:present].sum(0)
             diff = plus - minus
             llr += (diff @ centred) / release.noise_std**2
             gram += (diff @ diff.T) / release.noise_std**2
     return CanaryScores(llr, gram)
+
+
+# ----- null slots: the "left-out" law measured on empty coordinates ------------------------------
+NULL_SLOTS_PER_RUN = 1000
+"""At most this many empty canary slots are scored per run (the rest of the design's capacity)."""
+
+
+def with_null_slots(cans: Canaries, present: int) -> Canaries:
+    """``cans`` whose slots from ``present`` on are null slots: they carry the present canaries' ids in
+    turn (slot j: id j mod ``present``), so a slot's contributions — computed, never sent — fall in
+    the same cohorts and Poisson samples as a present canary's. Only the first ``present`` slots
+    enter the run (:func:`present_only`)."""
+    ids = cans.plus["ids"]
+    if ids.shape[0] == present:
+        return cans
+    mapped = ids.clone()
+    mapped[present:] = ids[torch.arange(present, ids.shape[0]) % present]
+    plus, minus = dict(cans.plus), dict(cans.minus)
+    plus["ids"], minus["ids"] = mapped, mapped.clone()
+    return Canaries(plus, minus, cans.design, cans.as_released)
+
+
+def present_only(cans: Canaries, present: int) -> Canaries:
+    """The first ``present`` canaries of ``cans`` (the run's population)."""
+    cut = {k: v[:present] for k, v in cans.plus.items()}, {k: v[:present] for k, v in cans.minus.items()}
+    return Canaries(cut[0], cut[1], cans.design, cans.as_released)
+
+
+def in_role_scores(scored: CanaryScores, included: Tensor) -> Tensor:
+    """Each canary's standardised score against the version it does NOT hold: ±standard_i + separation_i/2
+    (+ for "+"), i.e. ⟨Y − M₋ᵢ − c_i^other, c_i^held − c_i^other⟩/σ² over √v_i. Under the ledger's
+    Gaussian claim it is N(separation_i, 1) whichever version the canary holds, and it would be
+    N(0, 1) — the law of an empty slot's score — had the canary held the other one."""
+    sign = included.double() * 2 - 1
+    return sign * scored.standard + scored.separation / 2
+
+
+def null_scores(scored: CanaryScores, present: int) -> Tensor:
+    """Standardised scores of the empty slots past ``present`` (pure noise: nothing was placed there;
+    ``llr`` may carry leading batch dimensions).
+    Refused unless every slot is orthogonal to every present canary (then no canary's data reaches
+    a slot's score); a slot whose contributions are all zero is left out."""
+    gram = scored.gram
+    diag = torch.diagonal(gram)
+    cross = gram[:present, present:]
+    scale = torch.sqrt(diag[:present, None].clamp_min(0) * diag[None, present:].clamp_min(0))
+    if bool((cross.abs() > 1e-9 * scale.clamp_min(1e-300)).any()):
+        raise ValueError("null slots must be orthogonal to every present canary (no data of theirs reaches a slot)")
+    usable = diag[present:] > 0
+    return (scored.llr[..., present:] / diag[present:].clamp_min(1e-300).sqrt())[..., usable]
+
+
+NULL_SCORE_ASSUMPTION = (
+    "every release adds zero-mean Gaussian noise of one variance to each of its coordinates whatever the "
+    "data (the ledger's Gaussian mechanism), so a canary's score against the version it does not hold has "
+    "the law of an empty slot's score; both are Gaussian with one variance"
+)
 
 
 def proven_mu(ledger: Ledger) -> float | None:
@@ -239,6 +373,9 @@ def audit(
     privatizer_factory: Callable[[int], PublishingPrivatizer] = PublishingPrivatizer,
     placement: str = "auto",
     releases: tuple[str, ...] | None = None,
+    null_slots: bool = True,
+    flower: Any = None,
+    grid: Any = None,
 ) -> dict[str, Any]:
     """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε.
 
@@ -247,7 +384,12 @@ def audit(
     the capacity, random beyond) or ``paired`` (:func:`paired_canaries`: half the capacity; reaches
     a PSD release's full sensitivity). ``releases``: audit only the releases of these statistic names
     (e.g. AltMin's ``W`` and ``b``) against the proven ε/μ of those releases alone — a tight audit
-    of that sub-composition, not of the whole run (see docs/audit.md)."""
+    of that sub-composition, not of the whole run (see docs/audit.md). ``null_slots``: with orthogonal
+    placements, score the design's unused capacity as empty slots (up to :data:`NULL_SLOTS_PER_RUN`
+    per run) for the null-slot Gaussian-score bound (:func:`in_role_scores`, :func:`null_scores`).
+    ``flower``: runtime options (``runtime = flower``) to run every audit run through the Flower
+    runtime's server loop and ClientApp (:func:`run_published_flower`; a simulation on Ray, or
+    the Grid that ``grid(client_app, nodes)`` makes) instead of the local runtime."""
     design = exp.canary_design()
     if design is None:
         raise ValueError(f"algorithm: the audit has canaries for {', '.join(audited_algorithms())}; got {exp.name}")
@@ -261,6 +403,10 @@ def audit(
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
     if placement == "steered" and design.steer is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no steered placement")
+    if flower is not None and placement == "steered":
+        raise ValueError(
+            "placement: steered canaries change their data every round; the Flower runtime's nodes hold fixed data"
+        )
     if placement == "random" and design.random_canaries is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
     protocol = design.protocol(cfg, canaries)
@@ -294,6 +440,14 @@ def audit(
             random,
             only,
             placement,
+            0 if random or not null_slots else min(capacity - canaries, NULL_SLOTS_PER_RUN),
+            None
+            if flower is None
+            else (
+                lambda run, units, privatizer: run_published_flower(
+                    exp, cfg, protocol, units, privatizer, flower, derived_seed(seed, f"audit-flower-{run}"), grid
+                )
+            ),
         )
     finally:
         torch.set_num_threads(threads)
@@ -313,6 +467,8 @@ def _audit_runs(
     random: bool = False,
     only: frozenset[str] | None = None,
     placement: str = "orthogonal",
+    spare: int = 0,
+    through: Callable[[int, Mapping[str, Tensor], PublishingPrivatizer], tuple[Published, Ledger]] | None = None,
 ) -> dict[str, Any]:
     paired = placement == "paired"
     make = design.random_canaries if random and design.random_canaries is not None else design.canaries
@@ -324,27 +480,42 @@ def _audit_runs(
 
     coins = torch.Generator().manual_seed(derived_seed(seed, "audit-coins"))
     data = torch.Generator().manual_seed(derived_seed(seed, "audit-canaries"))
-    scores, standards, seps, truth = [], [], [], []
+    scores, standards, seps, truth, in_role, nulls = [], [], [], [], [], []
     ledger = Ledger()
     start = time.perf_counter()
     for run in range(runs):
-        cans = make(protocol, data, canaries)
+        slots = with_null_slots(make(protocol, data, canaries + spare), canaries)
+        cans = present_only(slots, canaries)
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
-        steer = _bound_steer(design, protocol, cans) if placement == "steered" else None
-        published, ledger = run_published(
-            protocol, cans.units(included), privatizer, None if steer is None else _steered_units(steer, included)
-        )
-        scored = canary_scores(protocol, published, cans, only, steer)
+        steer = _bound_steer(design, protocol, slots) if placement == "steered" else None
+        if through is not None:
+            published, ledger = through(run, cans.units(included), privatizer)
+        else:
+            published, ledger = run_published(
+                protocol,
+                cans.units(included),
+                privatizer,
+                None if steer is None else _steered_units(steer, included, canaries),
+            )
+        every = canary_scores(protocol, published, slots, only, steer, present=canaries)
+        scored = CanaryScores(every.llr[:canaries], every.gram[:canaries, :canaries])
         scores.append(scored.llr)
         standards.append(scored.standard)
         seps.append(scored.separation)
         truth.append(included)
+        if spare:
+            try:
+                nulls.append(null_scores(every, canaries))
+                in_role.append(in_role_scores(scored, included))
+            except ValueError:  # the design's slots share a coordinate (e.g. a total entry): no null-slot bound
+                spare, in_role, nulls = 0, [], []
     llr, standard, sep, included = torch.cat(scores), torch.cat(standards), torch.cat(seps), torch.cat(truth)
     accountant = getattr(cfg, "accountant", accountant_lib.Accountant.PLD)
     whole = ledger
     if only is not None:  # the proven values of the audited releases alone: what this audit can reach
-        ledger = Ledger([r for r in whole if r.name.rsplit(".", 1)[-1] in only])
+        names = _release_names_of(protocol, published, only)
+        ledger = Ledger([r for r in whole if r.name in names])
     proven = ledger_epsilon(ledger, delta, accountant)
     mu_proven = proven_mu(ledger)
     snj = audit_math.one_run_lower_bound(llr, included, delta, confidence)
@@ -352,6 +523,7 @@ def _audit_runs(
     mu_ind = audit_math.independent_gdp_lower_bound(standard, included, confidence)
     sides = min(int(included.sum()), int((~included).sum()))
     gauss = audit_math.gaussian_score_mu(standard, included, confidence) if sides >= 2 else None
+    gauss_null = _null_slot_bound(torch.cat(in_role), torch.cat(nulls), confidence) if spare else None
     return {
         "algorithm": exp.name,
         "neighbouring": design.neighbouring,
@@ -379,6 +551,14 @@ def _audit_runs(
             "epsilon_lower": _gdp_epsilon(gauss["mu_lower"], delta),
             "assumption": audit_math.GAUSSIAN_SCORE_ASSUMPTION,
         },
+        "gaussian_score_null": None
+        if gauss_null is None
+        else {
+            **gauss_null,
+            "epsilon": _gdp_epsilon(gauss_null["mu"], delta),
+            "epsilon_lower": _gdp_epsilon(gauss_null["mu_lower"], delta),
+            "assumption": NULL_SCORE_ASSUMPTION,
+        },
         "placement": "random directions (interference in the scores)"
         if random
         else ("orthogonal pairs (the same data on either coordinate)" if paired else "orthogonal")
@@ -386,6 +566,7 @@ def _audit_runs(
         "audited_releases": "all" if only is None else sorted(only),
         "run_proven_epsilon": proven if only is None else ledger_epsilon(whole, delta, accountant),
         "run_proven_mu": mu_proven if only is None else proven_mu(whole),
+        "runtime": "local" if through is None else "flower",
         "trials": runs * canaries,
         "seconds": time.perf_counter() - start,
         "noise_multiplier": float(getattr(protocol, "noise_multiplier", float("nan"))),
@@ -402,11 +583,36 @@ def _bound_steer(design: CanaryDesign, protocol: Protocol, cans: Canaries) -> St
     return at
 
 
-def _steered_units(steer: Steer, included: Tensor) -> Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]]:
+def _steered_units(
+    steer: Steer, included: Tensor, present: int
+) -> Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]]:
     def units(round: int, broadcast: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-        return steer(round, broadcast).units(included)
+        return present_only(steer(round, broadcast), present).units(included)
 
     return units
+
+
+def _null_slot_bound(in_role: Tensor, nulls: Tensor, confidence: float) -> dict[str, float] | None:
+    """The Gaussian-score bound with every canary's in-role score against the empty slots' scores
+    (:data:`NULL_SCORE_ASSUMPTION`), and the two samples' standard deviations for a reader to compare."""
+    if in_role.numel() < 2 or nulls.numel() < 2:
+        return None
+    both = torch.cat([in_role, nulls])
+    which = torch.cat([torch.ones(in_role.numel(), dtype=torch.bool), torch.zeros(nulls.numel(), dtype=torch.bool)])
+    out = audit_math.gaussian_score_mu(both, which, confidence)
+    return {**out, "null_scores": int(nulls.numel()), "sd_in": float(in_role.std()), "sd_null": float(nulls.std())}
+
+
+def _release_names_of(protocol: Protocol, published: Published, only: frozenset[str]) -> set[str]:
+    """The ledger names of the published releases of the statistics ``only`` names (a release's
+    ledger name, e.g. ``dpals.item_sums``, need not be its statistic's, ``s``)."""
+    names: set[str] = set()
+    by_round: dict[int, list[Release]] = {}
+    for release, _ in published.releases:
+        by_round.setdefault(release.round, []).append(release)
+    for r, released in by_round.items():
+        names |= {rel.name for spec, rel in zip(protocol.stat_specs(r), released) if spec.name in only}
+    return names
 
 
 def _release_names(protocol: Protocol, releases: tuple[str, ...] | None) -> frozenset[str] | None:
@@ -439,10 +645,16 @@ def headline(result: Mapping[str, Any], score: str = "threshold") -> str:
         raise ValueError(f"score must be one of {', '.join(SCORES)}; got {score!r}")
     proven = float(result["proven_epsilon"])
     if score == "gaussian":
-        gauss = result.get("gaussian_score")
+        null = result.get("gaussian_score_null")
+        gauss = null or result.get("gaussian_score")
         if gauss is None:
             return "  headline (Gaussian score): none (a side of the coins has fewer than 2 canaries)"
-        bound, what = float(gauss["epsilon_lower"]), "Gaussian score, assuming Gaussian scores"
+        bound = float(gauss["epsilon_lower"])
+        what = (
+            "Gaussian score against empty slots, assuming i.i.d. Gaussian noise"
+            if null
+            else "Gaussian score, assuming Gaussian scores"
+        )
     else:
         bound = max(
             float(result["epsilon_lower"]),
@@ -483,9 +695,18 @@ def format_audit(result: Mapping[str, Any], score: str = "threshold") -> str:
             f"  Gaussian-score bound, ASSUMING {gauss['assumption']}:\n    μ = {gauss['mu']:.4g} "
             f"[{gauss['confidence']:g} lower bound {gauss['mu_lower']:.4g}]: ε ≈ {gauss['epsilon']:.4g}, ε ≥ {gauss['epsilon_lower']:.4g}"
         )
+    null = result.get("gaussian_score_null")
+    if null is not None:
+        lines.append(
+            f"  null-slot Gaussian-score bound ({null['n_in']} canaries' scores against the version they do not hold, "
+            f"{null['null_scores']} empty slots' scores; sd {null['sd_in']:.3f} and {null['sd_null']:.3f}), "
+            f"ASSUMING {null['assumption']}:\n    μ = {null['mu']:.4g} [{null['confidence']:g} lower bound "
+            f"{null['mu_lower']:.4g}]: ε ≈ {null['epsilon']:.4g}, ε ≥ {null['epsilon_lower']:.4g}"
+        )
     if "placement" in result:
         lines.append(
             f"  placement: {result['placement']}; {result['trials']} canary trials in {result['seconds']:.1f} s"
+            + (" through the Flower runtime" if result.get("runtime") == "flower" else "")
         )
     return "\n".join(lines)
 

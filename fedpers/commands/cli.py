@@ -659,11 +659,12 @@ def _audit_flags() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--placement",
-        choices=["auto", "orthogonal", "random", "paired"],
+        choices=["auto", "orthogonal", "random", "paired", "steered"],
         default="auto",
         help="canary directions: one orthogonal coordinate each, random (any number; interference scored), "
         "or auto: orthogonal up to the design's capacity, random beyond (default); paired: the same data on one of "
-        "two orthogonal coordinates (a PSD release, e.g. altmin's A, moves by its full sensitivity)",
+        "two orthogonal coordinates (a PSD release, e.g. altmin's A, moves by its full sensitivity); steered: every "
+        "round's data rebuilt from its broadcast (fedrep)",
     )
     p.add_argument(
         "--releases",
@@ -723,8 +724,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"config: cannot read {algo_args.config}: {e}") from None
     values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
-    algo_values, _ = split_values(exp.config_type, values)
+    algo_values, runtime_values = split_values(exp.config_type, values)
     cfg = config_lib.build(exp.config_type, algo_values)
+    from fedpers.runner import Runtime, RuntimeOptions
+
+    runtime_flags, _ = split_values(RuntimeOptions, runtime_values)  # --runtime flower, --nodes, ...
+    options = config_lib.build(RuntimeOptions, runtime_flags)
     result = audit(
         exp,
         cfg,
@@ -734,6 +739,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         seed=own.audit_seed,
         placement=own.placement,
         releases=releases,
+        flower=options if options.runtime == Runtime.FLOWER else None,
     )
     print(dumps(result, indent=None) if algo_args.json else format_audit(result, score=own.score))
     return 0

@@ -244,10 +244,6 @@ def audit_protocol(cfg: NoisyGDConfig, k: int) -> NoisyGDProtocol:
             "cohorts/noise/clip_rule: the noisygd audit's canaries take part in every step with independent noise "
             "and a fixed clip; audit without --cohorts cyclic, --noise and --clip-rule adaptive"
         )
-    if cfg.remedy is Remedy.PCA:
-        raise ValueError(
-            "remedy: the noisygd audit's canaries sit on feature coordinates, which the PCA projection mixes; use --remedy none or center"
-        )
     return make_protocol(replace(cfg, examples=k, chunk_size=max(k, 1)))
 
 
@@ -257,12 +253,15 @@ def audit_canaries(protocol: NoisyGDProtocol, generator: torch.Generator, count:
     At step 1 (W = 0) the residual r is the same in both versions, so the clipped gradients are
     ±G_c r̂ e_iᵀ: 2G_c apart, the full replace-one sensitivity. Later steps: r(±W x) differs a
     little as W moves (lr·noise small: near-full). The centring remedy's feature sum sees ±R e_i
-    (clip R binds): full sensitivity too."""
+    (clip R binds): full sensitivity too. The PCA remedy's second moment R²e_ie_iᵀ is the same in both
+    versions (PSD, sign-blind: ``--placement paired`` puts "−" on e_j and moves it by its full
+    √2·R²), and its projection x P̂ mixes the canaries' coordinates in the gradient steps: they
+    overlap there, which the scorer counts as interference."""
     p = protocol
     if count > p.feature_dim:
         raise ValueError(f"canaries must be <= feature_dim={p.feature_dim}; got {count}")
     scale = LABEL_OVERSHOOT * p.grad_clip / math.sqrt(1.0 - 1.0 / p.classes)
-    if p.remedy.value == "center":
+    if p.remedy is not Remedy.NONE:
         scale = max(scale, LABEL_OVERSHOOT * p.feature_bound)
     x = scale * torch.eye(p.feature_dim, dtype=torch.float64)[:count]
     ids = torch.arange(count)
@@ -271,7 +270,12 @@ def audit_canaries(protocol: NoisyGDProtocol, generator: torch.Generator, count:
     return Canaries(
         {"ids": ids, "x": x.to(dtype), "y": y},
         {"ids": ids, "x": (-x).to(dtype), "y": y},
-        "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)",
+        "feature ±s·e_i per canary example; clipped gradient ±G_c r̂ e_iᵀ (2G_c apart at W = 0)"
+        + (
+            "; PCA remedy: second moment equal in both versions, gradients mixed by the projection (interference)"
+            if p.remedy is Remedy.PCA
+            else ""
+        ),
     )
 
 
@@ -279,7 +283,7 @@ CANARY_DESIGN = CanaryDesign(
     audit_protocol,
     lambda p: p.feature_dim,
     audit_canaries,
-    "every step's noisy clipped-gradient sum (and the centring remedy's feature sum)",
+    "every step's noisy clipped-gradient sum (and the remedy's release: the feature sum or the second moment)",
     "replace-one example (a canary's two versions are the same example with its feature negated)",
 )
 
