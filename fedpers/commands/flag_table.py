@@ -575,7 +575,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "31a5a5e791c4548636c1143d389c0bd4211e3188cfdac11c2991992f9521a44b",
+   "fingerprint": "3eea9858333ecc8e26cf439e45ce6b8fac8a5b98a73c0807dcacfbd575801201",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -1412,7 +1412,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "211b4c4b5f3c5f7912fb4d0da0e81bfd66a251744795d58c344415695b44a69d",
+   "fingerprint": "75e71789afd282063e25a6381759171f73f2b86390dd1ad3d19d46df5433fbc7",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
