@@ -901,6 +901,14 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "flag": "--noise-decay",
+     "meta": {
+      "le": 1.0
+     },
+     "name": "noise_decay",
+     "type": "float"
+    },
+    {
      "flag": "--clip-rule",
      "meta": {},
      "name": "clip_rule",
@@ -981,7 +989,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "c3c94970b1d7b468c1045b59872131e5671d7c8bdcaf3acd6f9053dc60d8b5a8",
+   "fingerprint": "6773b145b865bd2f7b7f41a80bb5d997756a8fb9d1c870ee4cb648ca42bfdfde",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1146,6 +1154,14 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "flag": "--noise-decay",
+     "meta": {
+      "le": 1.0
+     },
+     "name": "noise_decay",
+     "type": "float"
+    },
+    {
      "flag": "--clip-rule",
      "meta": {},
      "name": "clip_rule",
@@ -1226,7 +1242,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "e9f01db4f5da5838712b285d49ac42e678d4a4f2b373399a9e28896e5a33cfd0",
+   "fingerprint": "b26f2067ab554969388b40fbd3726f71c91e1058242b01d6cf6ab18b0d749836",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -1529,7 +1545,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "4c0a63b47a8bbcb47338a02f8d56b119905aef9cf1a963922cc39265d1a821d3",
+   "fingerprint": "215206da10f07698df1810a1b225db3a6114f80b08a34e784da6b5003a1364ec",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
