@@ -541,3 +541,13 @@ def test_noisygd_adaptive_clip_counts_are_accounted_and_move_by_at_most_their_se
         cohort = int(protocol.cohort_of(torch.tensor([j])))
         outcome = check_neighbour(protocol, units, j, {"x": -units["x"][j] * 1e3}, {ALL_UNITS, f"cohort:{cohort}"})
         assert max(ch for r, ch in outcome.changes if r.name.endswith(".below")) <= 1.0
+
+
+@pytest.mark.parametrize("noise", ["banded", "optimised", "blt"])
+def test_poisson_sampling_with_correlated_noise_is_refused_naming_noise_on_both_protocols_that_sample(noise):
+    """Amplified banded accounting is not implemented: a Poisson-sampled correlated run must not
+    start (composing its rounds as sampled independent Gaussians would overstate its privacy)."""
+    with pytest.raises(ValueError, match="noise: correlated noise with cohorts poisson"):
+        config.build(EXP.config_type, {**SMALL, "cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": noise})
+    with pytest.raises(ValueError, match="noise: correlated noise with cohorts poisson"):
+        config.build(NH.config_type, {**NH_SMALL, "mode": "rounds", "sampling_rate": 0.5, "noise": noise})
