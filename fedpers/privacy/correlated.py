@@ -20,13 +20,18 @@ Linear Operators on Adaptive Streams", NeurIPS 2022, Theorem 2.1).
 Strategies (docs/algorithms.md, "Correlated noise"):
 
 - ``independent``: C = I (one band), today's mechanism;
-- ``banded``: the square root of the prefix-sum matrix, c_k = binom(2k, k)/4ᵏ, truncated to
+- ``banded``: the square root of the workload matrix, c_k = binom(2k, k)/4ᵏ·λᵏ, truncated to
   b bands (Kalinin and Lampert, "Banded Square Root Matrix Factorization for Differentially
   Private Model Training", 2024);
-- ``optimised``: the b coefficients minimising the total squared error of the prefix sums
+- ``optimised``: the b coefficients minimising the total squared error of the workload
   times the squared sensitivity for the run's horizon and cycle (BandMF of Choquette-Choo et
   al., "(Amplified) Banded Matrix Factorization", NeurIPS 2023, here restricted to Toeplitz
-  C with non-negative coefficients and solved with torch's L-BFGS).
+  C with non-negative coefficients and solved with torch's L-BFGS);
+- ``blt``: a buffered linear Toeplitz C optimised for the same loss (McMahan et al., "Efficient
+  and Near-Optimal Noise Generation for Streaming Differential Privacy", 2024; jax_privacy's
+  ``BufferedToeplitz``), its noise generated from one buffer per decay.
+
+Both optimisers also compare with independent noise (feasible for both) and never return worse.
 """
 
 from __future__ import annotations
