@@ -142,6 +142,12 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
         "        elif True:",
         "tests/test_correlated.py",
     ),
+    "BLT noise that is not C⁻¹z (the buffers never take the new noise)": (
+        "fedpers/privacy/correlated.py",
+        "            self.history = [theta * beta + w for theta, beta in zip(self.buf_decay, buffers, strict=True)]",
+        "            self.history = [theta * beta for theta, beta in zip(self.buf_decay, buffers, strict=True)]",
+        "tests/test_correlated.py",
+    ),
 }
 
 

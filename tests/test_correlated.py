@@ -26,6 +26,8 @@ def strategies(horizon: int) -> list[cc.Strategy]:
     out = [cc.strategy("independent", horizon, 1, 1)]
     out += [cc.strategy("banded", horizon, b, b) for b in sorted({1, 2, 5, 17} & set(range(1, horizon + 1)))]
     out.append(cc.Strategy("optimised", cc.optimised_coefficients(min(horizon, 40), min(horizon, 4), 4, iterations=10)))
+    out.append(cc.Strategy("blt", (1.0,), (0.9, 0.5), (0.3, 0.2)))
+    out.append(cc.Strategy("blt", (1.0,), *cc.optimised_blt(min(horizon, 24), 3, 4, iterations=10)))
     return out
 
 
@@ -35,10 +37,10 @@ def test_each_round_noise_is_the_slice_of_dense_C_inverse_z(horizon):
     z = torch.randn(horizon, 3, 2, generator=g, dtype=torch.float64)
     for s in strategies(horizon):
         dense = torch.linalg.solve_triangular(s.matrix(horizon), z.reshape(horizon, -1), upper=False).reshape(z.shape)
-        rec = cc.NoiseRecurrence(s.coefficients)
+        rec = s.recurrence()
         rows = [rec.next(z[t]) for t in range(horizon)]
         torch.testing.assert_close(torch.stack(rows), dense, rtol=1e-10, atol=1e-10)
-        assert len(rec.history) <= s.bands - 1  # O(bands) vectors kept, never the history
+        assert len(rec.history) <= max(s.bands - 1, s.buffers)  # O(bands or buffers) vectors, never the history
 
 
 def test_privatizer_noise_is_the_recurrence_and_one_band_is_independent_noise_bit_for_bit():
@@ -148,6 +150,68 @@ def test_optimised_strategy_beats_the_square_root_and_independent_noise_on_its_l
     assert all(c >= 0 for c in opt) and opt[0] == 1.0
 
 
+def test_decayed_workload_is_the_contracting_iterate_and_its_error_is_dense():
+    """A_λ x = the iterates of x_t = λ·x_{t−1} + g_t, and prefix_error(λ) = ‖A_λ C⁻¹‖_F² densely."""
+    horizon, lam = 11, 0.6
+    g = torch.randn(horizon, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x, iterates = torch.zeros((), dtype=torch.float64), []
+    for t in range(horizon):
+        x = lam * x + g[t]
+        iterates.append(x)
+    torch.testing.assert_close(cc.decay_workload(horizon, lam) @ g, torch.stack(iterates), rtol=1e-12, atol=1e-12)
+    for s in (cc.Strategy("banded", cc.sqrt_coefficients(3)), cc.Strategy("blt", (1.0,), (0.9, 0.5), (0.3, 0.2))):
+        c, C = s.toeplitz_coefficients(horizon), s.matrix(horizon)
+        dense = float((cc.decay_workload(horizon, lam) @ torch.linalg.inv(C)).square().sum())
+        assert float(cc.prefix_error(c, horizon, lam)) == pytest.approx(dense, rel=1e-10)
+
+
+@pytest.mark.parametrize("horizon, cycle, lam", [(16, 4, 1.0), (12, 4, 0.5), (12, 1, 1.0), (16, 8, 0.3)])
+def test_optimised_strategies_are_never_worse_than_independent_noise_on_their_workload(horizon, cycle, lam):
+    """Independent noise is a feasible banded C and a feasible BLT (ω = 0): neither optimiser may
+    return a strategy whose loss (squared sensitivity × ‖A_λ C⁻¹‖_F²) is above it, nor above the
+    square root of A_λ; a decayed workload (what a contracting protocol pays for) lowers the gain."""
+    patterns = cc.cyclic_participation(horizon, cycle)
+    ind = float(cc.loss(torch.ones(1, dtype=torch.float64), horizon, patterns, lam))
+    b = max(cycle, 2)
+    banded = cc.mechanism("optimised", horizon, b, cycle, lam)
+    s = cc.Strategy("blt", (1.0,), *cc.optimised_blt(horizon, 3, cycle, iterations=30, decay=lam))
+    blt = cc.CorrelatedNoise(s, horizon, cc.sensitivity(s.matrix(horizon), patterns), cycle, lam)
+    sqrt = torch.tensor(cc.sqrt_decay_coefficients(b, lam), dtype=torch.float64)
+    for m in (banded, blt):
+        c = m.strategy.toeplitz_coefficients(horizon)
+        assert bool((c >= 0).all()) and m.sensitivity.rule != "absolute Gram bound (upper bound)"
+        value = float(cc.loss(c, horizon, patterns, lam))
+        assert value <= ind * (1 + 1e-12)
+        assert value == pytest.approx(m.sensitivity.value**2 * float(cc.prefix_error(c, horizon, lam)), rel=1e-9)
+    assert float(cc.loss(banded.strategy.toeplitz_coefficients(horizon), horizon, patterns, lam)) <= float(
+        cc.loss(sqrt, horizon, patterns, lam)) * (1 + 1e-12)
+    if cycle >= 4 and lam == 1.0:
+        assert float(cc.loss(banded.strategy.toeplitz_coefficients(horizon), horizon, patterns, lam)) < 0.5 * ind
+    assert banded.decay == lam and banded.params()["workload_decay"] == lam
+
+
+def test_privatizer_blt_noise_is_sigma_times_the_dense_slice():
+    horizon, cycle = 12, 3
+    s = cc.Strategy("blt", (1.0,), (0.95, 0.6, 0.2), (0.25, 0.1, 0.05))
+    m = cc.CorrelatedNoise(s, horizon, cc.sensitivity(s.matrix(horizon), cc.cyclic_participation(horizon, cycle)), cycle)
+    value = torch.randn(4, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    p = Privatizer(8)
+    noise = torch.stack([p.correlated_gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, noise=m,
+                                                   stream="G", step=t, name="g", round=t + 1) - value
+                         for t in range(horizon)])
+    gen = torch.Generator().manual_seed(8)
+    z = torch.stack([torch.randn(4, 2, generator=gen, dtype=torch.float64) for _ in range(horizon)])
+    dense = torch.linalg.solve_triangular(s.matrix(horizon), z.reshape(horizon, -1), upper=False)
+    torch.testing.assert_close(noise, m.noise_std(2.5, 0.7) * dense.reshape(z.shape), rtol=1e-9, atol=1e-9)
+    first = next(iter(p.ledger))
+    assert first.params["buffers"] == 3 and first.params["bands"] == 0
+    other = cc.CorrelatedNoise(cc.Strategy("blt", (1.0,), (0.95, 0.6, 0.2), (0.25, 0.1, 0.06)), horizon,
+                               m.sensitivity, cycle)
+    with pytest.raises(ValueError, match="own strategy"):  # a stream cannot switch strategy midway
+        p.correlated_gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, noise=other, stream="G",
+                                  step=horizon - 1, name="g", round=horizon)
+
+
 # ----- the protocols ----------------------------------------------------------------------------
 def setup(values: dict):
     cfg = config.build(EXP.config_type, values)
@@ -213,9 +277,9 @@ def test_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_sensitivi
     assert largest > 0.3  # the planted user reaches a good part of the joint sensitivity
 
 
-@pytest.mark.parametrize("noise", ["banded", pytest.param("optimised", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("noise", ["banded", pytest.param("optimised", marks=pytest.mark.slow), pytest.param("blt", marks=pytest.mark.slow)])
 def test_correlated_ledger_recomputed_from_the_config_gives_the_reported_epsilon(noise):
-    values = {**SMALL, "noise": noise, "rounds": 9, "epsilon": 3.0}
+    values = {**SMALL, "noise": noise, "rounds": 9, "epsilon": 3.0, **({"noise_decay": 0.6} if noise == "blt" else {})}
     cfg, protocol, units = setup(values)
     privatizer = Privatizer(5)
     run_local(protocol, units, privatizer, chunk_size=40, progress=False)
@@ -245,7 +309,9 @@ def test_one_band_gives_todays_independent_fedrep_bit_for_bit():
         ({"cohorts": "poisson", "sampling_rate": 0.5, "cycle": 1, "noise": "banded"}, "noise"),
         ({"cohorts": "all", "cycle": 4}, "cycle"),
         ({"cycle": 41}, "cycle"),
-        ({"noise": "blt"}, "noise"),
+        ({"noise": "toeplitz"}, "noise"),
+        ({"noise_decay": 0.5}, "noise_decay"),
+        ({"noise": "banded", "noise_decay": 1.5}, "noise_decay"),
         ({"noise": "banded", "bands": 8}, "bands"),
         ({"bands": 2}, "bands"),
     ],
@@ -354,9 +420,13 @@ def test_adaptive_clip_worst_case_neighbours_move_each_release_by_at_most_its_se
     assert moved_count == 1.0  # a user's indicator flips: the count's full sensitivity is reached
 
 
-def test_a_checkpointed_privatizer_continues_the_same_correlated_stream():
-    """The recurrence's last b − 1 vectors travel in the Privatizer's state (what a resumed run loads)."""
+@pytest.mark.parametrize("noise", ["banded", "blt"])
+def test_a_checkpointed_privatizer_continues_the_same_correlated_stream(noise):
+    """The recurrence's last b − 1 vectors (a BLT's buffers) travel in the Privatizer's state (what a resumed run loads)."""
     m = cc.mechanism("banded", 10, 4, 4)
+    if noise == "blt":
+        s = cc.Strategy("blt", (1.0,), (0.8, 0.3), (0.4, 0.1))
+        m = cc.CorrelatedNoise(s, 10, cc.sensitivity(s.matrix(10), cc.cyclic_participation(10, 4)), 4)
     value = torch.zeros(3, dtype=torch.float64)
 
     def release(p: Privatizer, t: int) -> torch.Tensor:
@@ -471,3 +541,13 @@ def test_noisygd_adaptive_clip_counts_are_accounted_and_move_by_at_most_their_se
         cohort = int(protocol.cohort_of(torch.tensor([j])))
         outcome = check_neighbour(protocol, units, j, {"x": -units["x"][j] * 1e3}, {ALL_UNITS, f"cohort:{cohort}"})
         assert max(ch for r, ch in outcome.changes if r.name.endswith(".below")) <= 1.0
+
+
+@pytest.mark.parametrize("noise", ["banded", "optimised", "blt"])
+def test_poisson_sampling_with_correlated_noise_is_refused_naming_noise_on_both_protocols_that_sample(noise):
+    """Amplified banded accounting is not implemented: a Poisson-sampled correlated run must not
+    start (composing its rounds as sampled independent Gaussians would overstate its privacy)."""
+    with pytest.raises(ValueError, match="noise: correlated noise with cohorts poisson"):
+        config.build(EXP.config_type, {**SMALL, "cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": noise})
+    with pytest.raises(ValueError, match="noise: correlated noise with cohorts poisson"):
+        config.build(NH.config_type, {**NH_SMALL, "mode": "rounds", "sampling_rate": 0.5, "noise": noise})

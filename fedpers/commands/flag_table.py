@@ -1019,17 +1019,26 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
-     "help": "noise across gradient rounds: independent, banded (square-root factorization, --bands) or optimised (banded, optimised for the horizon and cycle) (default: independent)",
+     "help": "noise across gradient rounds: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
      "meta": {},
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
-     "help": "b: bands of the correlated noise's C (0: K, the cycle) (default: 0)",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
      "meta": {},
      "name": "bands",
      "type": "int"
+    },
+    {
+     "flag": "--noise-decay",
+     "help": "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a declared per-round contraction, only the last ~1/(1 − λ) rounds' noise matters) (default: 1.0)",
+     "meta": {
+      "le": 1.0
+     },
+     "name": "noise_decay",
+     "type": "float"
     },
     {
      "flag": "--clip-rule",
@@ -1129,7 +1138,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "4416b376bb2a5c0b935e8c7e73a5b405a08214108aef0055dcd781e61ef92dde",
+   "fingerprint": "0919ad42174067886ef56454f37e179d3af6f6c2d59442aab9fd5dba8c4421eb",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1302,17 +1311,26 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
-     "help": "noise across steps: independent, banded (square-root factorization, --bands) or optimised (banded, optimised for the horizon and cycle) (default: independent)",
+     "help": "noise across steps: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
      "meta": {},
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
-     "help": "b: bands of the correlated noise's C (0: K, the cycle) (default: 0)",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
      "meta": {},
      "name": "bands",
      "type": "int"
+    },
+    {
+     "flag": "--noise-decay",
+     "help": "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a declared per-round contraction, only the last ~1/(1 − λ) rounds' noise matters) (default: 1.0)",
+     "meta": {
+      "le": 1.0
+     },
+     "name": "noise_decay",
+     "type": "float"
     },
     {
      "flag": "--clip-rule",
@@ -1412,7 +1430,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "75e71789afd282063e25a6381759171f73f2b86390dd1ad3d19d46df5433fbc7",
+   "fingerprint": "87101efc8e7ddae0fa77771891ed6febd7763595960ee4b533f87561f46b7fd5",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -1579,14 +1597,14 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
-     "help": "noise across steps: independent, banded (square-root factorization, --bands) or optimised (banded, optimised for the horizon and cycle) (default: independent)",
+     "help": "noise across steps: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
      "meta": {},
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
-     "help": "b: bands of the correlated noise's C (0: K, the cycle) (default: 0)",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
      "meta": {},
      "name": "bands",
      "type": "int"
@@ -1759,7 +1777,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "a2f396e842c9fdae31456dc6789a39ee7dc64634758f137a03b390d797f4053c",
+   "fingerprint": "5fbb6682c268fd0906f29b4308541b983a0f69cfa57d720a5ad54f1ff6da6758",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

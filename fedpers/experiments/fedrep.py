@@ -93,10 +93,17 @@ class FedRepConfig(DeviceRunConfig):
     cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic)", ge=1)
     noise: str = field(
         "independent",
-        "noise across gradient rounds: independent, banded (square-root factorization, --bands) or optimised "
-        "(banded, optimised for the horizon and cycle)",
+        "noise across gradient rounds: independent, banded (square-root factorization, --bands), optimised "
+        "(banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
     )
-    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle)", ge=0)
+    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
+    noise_decay: float = field(
+        1.0,
+        "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a "
+        "declared per-round contraction, only the last ~1/(1 − λ) rounds' noise matters)",
+        gt=0.0,
+        le=1.0,
+    )
     clip_rule: str = field(
         "fixed",
         "fixed: every round clips at --clip; adaptive: --clip is the first bound, moved each round toward the "
@@ -126,6 +133,7 @@ class FedRepConfig(DeviceRunConfig):
         if self.cohorts not in ("all", "poisson", "cyclic"):
             raise ValueError(f"cohorts must be all, poisson or cyclic; got {self.cohorts!r}")
         correlated.check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.rounds, self.n_users)
+        correlated.check_decay(self.noise, self.noise_decay)
         if self.cohorts == "poisson" and not self.sampling_rate < 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
         if self.cohorts == "all" and self.sampling_rate != 1.0:
@@ -212,7 +220,9 @@ def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -
     )
     proto = replace(proto, cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle))
     if cfg.noise != "independent":
-        proto = replace(proto, correlated=correlated.run_mechanism(cfg.noise, cfg.rounds, cfg.bands, proto.cycle))
+        proto = replace(
+            proto, correlated=correlated.run_mechanism(cfg.noise, cfg.rounds, cfg.bands, proto.cycle, cfg.noise_decay)
+        )
     if not private:
         return proto
     if cfg.clip_rule == "adaptive":
@@ -236,6 +246,8 @@ def correlated_summary(protocol: FedRepProtocol) -> dict[str, Any]:
     return {
         "noise": c.strategy.kind,
         "bands": c.strategy.bands,
+        "buffers": c.strategy.buffers,
+        "workload_decay": c.decay,
         "unit_sensitivity": c.sensitivity.value,
         "sensitivity_rule": c.sensitivity.rule,
         "participations": c.sensitivity.participations,

@@ -78,10 +78,17 @@ class NoisyGDConfig(DeviceRunConfig):
     cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic)", ge=1)
     noise: str = field(
         "independent",
-        "noise across steps: independent, banded (square-root factorization, --bands) or optimised "
-        "(banded, optimised for the horizon and cycle)",
+        "noise across steps: independent, banded (square-root factorization, --bands), optimised "
+        "(banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
     )
-    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle)", ge=0)
+    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
+    noise_decay: float = field(
+        1.0,
+        "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a "
+        "declared per-round contraction, only the last ~1/(1 − λ) rounds' noise matters)",
+        gt=0.0,
+        le=1.0,
+    )
     clip_rule: str = field(
         "fixed",
         "fixed: every step clips at --grad-clip; adaptive: --grad-clip is the first bound, moved each step toward "
@@ -114,6 +121,7 @@ class NoisyGDConfig(DeviceRunConfig):
         if self.cohorts not in ("all", "cyclic"):
             raise ValueError(f"cohorts must be all or cyclic; got {self.cohorts!r}")
         correlated.check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.steps, self.examples)
+        correlated.check_decay(self.noise, self.noise_decay)
         if self.clip_rule not in ("fixed", "adaptive"):
             raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
         self.check_device()
@@ -170,7 +178,9 @@ def make_protocol(
         cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle),
     )
     if cfg.noise != "independent":
-        proto = replace(proto, correlated=correlated.run_mechanism(cfg.noise, cfg.steps, cfg.bands, proto.cycle))
+        proto = replace(
+            proto, correlated=correlated.run_mechanism(cfg.noise, cfg.steps, cfg.bands, proto.cycle, cfg.noise_decay)
+        )
     if not private or math.isinf(cfg.epsilon):
         return proto
     z1 = calibrate_noise_multiplier(lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)

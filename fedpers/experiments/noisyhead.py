@@ -185,10 +185,10 @@ class NoisyHeadConfig(ApproxDpRunConfig):
     cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic; needs --mode rounds)", ge=1)
     noise: str = field(
         "independent",
-        "noise across steps: independent, banded (square-root factorization, --bands) or optimised "
-        "(banded, optimised for the horizon and cycle)",
+        "noise across steps: independent, banded (square-root factorization, --bands), optimised "
+        "(banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
     )
-    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle)", ge=0)
+    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
     label_noise: float = field(0.0, "τ, the label noise std (ν = 1 + τ²)", ge=0.0)
     kappa: float = field(1.0, "κ of Theorem 4.1", gt=0.0, le=1.0)
     clip_c: float = field(0.0, f"label clip C (0: Theorem 4.1; {DEMO.clip_c:g} in the demo regime)", ge=0.0)

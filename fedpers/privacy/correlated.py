@@ -1,7 +1,10 @@
 """Correlated (matrix-factorization) noise for a stream of per-round Gaussian sums.
 
 The workload is the prefix sums of the rounds' clipped sums x_1..x_T (A = lower-triangular
-ones: a constant step size only scales it). A factorization A = B·C with C lower-triangular
+ones: a constant step size only scales it), or with a declared decay λ < 1 the iterates of
+x_t = λ·x_{t−1} + g_t (A_λ, entries λ^(t−s)): a protocol that forgets a perturbation by λ per
+round (FedRep's re-fitted, re-orthonormalised U does) pays for noise in its last few rounds
+only, and a strategy chosen for prefix sums spends its budget on error it never sees. A factorization A = B·C with C lower-triangular
 releases B(Cx + z) = Ax + Bz; equivalently round t releases x_t + w_t with w = C⁻¹z, z
 Gaussian. C here is a banded Toeplitz matrix (c_0 = 1, c_1..c_{b−1}, then 0), so w solves
 C w = z by forward substitution, keeping the b − 1 last noise vectors and never the history
@@ -17,13 +20,18 @@ Linear Operators on Adaptive Streams", NeurIPS 2022, Theorem 2.1).
 Strategies (docs/algorithms.md, "Correlated noise"):
 
 - ``independent``: C = I (one band), today's mechanism;
-- ``banded``: the square root of the prefix-sum matrix, c_k = binom(2k, k)/4ᵏ, truncated to
+- ``banded``: the square root of the workload matrix, c_k = binom(2k, k)/4ᵏ·λᵏ, truncated to
   b bands (Kalinin and Lampert, "Banded Square Root Matrix Factorization for Differentially
   Private Model Training", 2024);
-- ``optimised``: the b coefficients minimising the total squared error of the prefix sums
+- ``optimised``: the b coefficients minimising the total squared error of the workload
   times the squared sensitivity for the run's horizon and cycle (BandMF of Choquette-Choo et
   al., "(Amplified) Banded Matrix Factorization", NeurIPS 2023, here restricted to Toeplitz
-  C with non-negative coefficients and solved with torch's L-BFGS).
+  C with non-negative coefficients and solved with torch's L-BFGS);
+- ``blt``: a buffered linear Toeplitz C optimised for the same loss (McMahan et al., "Efficient
+  and Near-Optimal Noise Generation for Streaming Differential Privacy", 2024; jax_privacy's
+  ``BufferedToeplitz``), its noise generated from one buffer per decay.
+
+Both optimisers also compare with independent noise (feasible for both) and never return worse.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import torch
 
 Tensor = torch.Tensor
 
-NOISE_KINDS = ("independent", "banded", "optimised")
+NOISE_KINDS = ("independent", "banded", "optimised", "blt")
 
 
 @dataclass(frozen=True)
@@ -50,30 +58,67 @@ class SensitivityResult:
 
 @dataclass(frozen=True)
 class Strategy:
-    """Public description of C: banded lower-triangular Toeplitz with ``coefficients`` (c_0 = 1)."""
+    """Public description of C: lower-triangular Toeplitz with c_0 = 1, either banded with
+    ``coefficients`` (c_0..c_{b−1}, then 0) or, for ``blt``, buffered linear Toeplitz with
+    c_k = Σ_i ω_i θ_i^(k−1) for k ≥ 1 (θ = ``buf_decay``, ω = ``output_scale``; ``coefficients`` = (1,))."""
 
     kind: str
     coefficients: tuple[float, ...]
+    buf_decay: tuple[float, ...] = ()
+    output_scale: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in NOISE_KINDS:
             raise ValueError(f"noise must be one of {', '.join(NOISE_KINDS)}; got {self.kind!r}")
         if not self.coefficients or self.coefficients[0] != 1.0:
             raise ValueError(f"a strategy's first coefficient must be 1; got {self.coefficients[:1]}")
-        if not all(math.isfinite(c) for c in self.coefficients):
+        if not all(math.isfinite(c) for c in (*self.coefficients, *self.buf_decay, *self.output_scale)):
             raise ValueError("a strategy's coefficients must be finite")
+        if len(self.buf_decay) != len(self.output_scale) or (self.kind == "blt") != bool(self.buf_decay):
+            raise ValueError("buf_decay and output_scale: one pair per buffer, for noise blt only")
+        if self.buf_decay and (len(self.coefficients) != 1 or not all(0.0 <= d < 1.0 for d in self.buf_decay)):
+            raise ValueError(f"a BLT's buf_decay must be in [0, 1) and its coefficients (1,); got {self.buf_decay}")
 
     @property
     def bands(self) -> int:
-        return len(self.coefficients)
+        """b for a banded C; 0 for a BLT (every coefficient may be non-zero)."""
+        return 0 if self.buf_decay else len(self.coefficients)
+
+    @property
+    def buffers(self) -> int:
+        return len(self.buf_decay)
+
+    def toeplitz_coefficients(self, horizon: int) -> Tensor:
+        """c_0..c_{T−1} (float64)."""
+        if not self.buf_decay:
+            return torch.tensor(self.coefficients, dtype=torch.float64)[:horizon]
+        return blt_coefficients(
+            torch.tensor(self.buf_decay, dtype=torch.float64),
+            torch.tensor(self.output_scale, dtype=torch.float64),
+            horizon,
+        )
 
     def matrix(self, horizon: int) -> Tensor:
         """C as a dense (T, T) float64 matrix."""
-        return toeplitz(torch.tensor(self.coefficients, dtype=torch.float64), horizon)
+        return toeplitz(self.toeplitz_coefficients(horizon), horizon)
+
+    def recurrence(self) -> NoiseRecurrence:
+        """A fresh generator of C⁻¹z's rows for this strategy."""
+        return NoiseRecurrence(self.coefficients, buf_decay=self.buf_decay, output_scale=self.output_scale)
 
     def digest(self) -> str:
-        """SHA-256 of the coefficients' float64 bytes (recorded per release)."""
-        return hashlib.sha256(torch.tensor(self.coefficients, dtype=torch.float64).numpy().tobytes()).hexdigest()
+        """SHA-256 of the coefficients' (and a BLT's θ, ω) float64 bytes (recorded per release)."""
+        values = (*self.coefficients, *self.buf_decay, *self.output_scale)
+        return hashlib.sha256(torch.tensor(values, dtype=torch.float64).numpy().tobytes()).hexdigest()
+
+
+def blt_coefficients(buf_decay: Tensor, output_scale: Tensor, horizon: int) -> Tensor:
+    """Toeplitz coefficients of a BLT: c_0 = 1, c_k = Σ_i ω_i θ_i^(k−1) (jax_privacy's
+    ``BufferedToeplitz.toeplitz_coefs``; McMahan et al., "Efficient and Near-Optimal Noise
+    Generation for Streaming Differential Privacy", 2024)."""
+    powers = torch.arange(max(horizon - 1, 0), dtype=buf_decay.dtype)
+    rest = (buf_decay[None, :] ** powers[:, None] * output_scale[None, :]).sum(1)
+    return torch.cat([torch.ones(1, dtype=buf_decay.dtype), rest])[:horizon]
 
 
 def toeplitz(coefficients: Tensor, horizon: int) -> Tensor:
@@ -142,32 +187,51 @@ def _rank(rule: str) -> int:
     return ("orthogonal columns", "non-negative Gram", "absolute Gram bound (upper bound)").index(rule)
 
 
-def prefix_error(coefficients: Tensor, horizon: int) -> Tensor:
-    """‖A C⁻¹‖_F²: total squared error of the T prefix sums per unit noise (A = prefix sums)."""
+def decay_workload(horizon: int, decay: float = 1.0, dtype: torch.dtype = torch.float64) -> Tensor:
+    """A_λ: lower-triangular Toeplitz with entries λ^(t−s), the iterates of x_t = λ·x_{t−1} + g_t
+    (λ = 1: prefix sums). A protocol whose iterate forgets a perturbation by a factor λ per round
+    (a declared contraction, public like the step size) has this workload."""
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"noise_decay must be in (0, 1]; got {decay}")
+    return toeplitz(decay ** torch.arange(horizon, dtype=dtype), horizon)
+
+
+def prefix_error(coefficients: Tensor, horizon: int, decay: float = 1.0) -> Tensor:
+    """‖A_λ C⁻¹‖_F²: total squared error of the T iterates per unit noise (λ = 1: prefix sums)."""
     e1 = torch.zeros(horizon, 1, dtype=coefficients.dtype)
     e1[0, 0] = 1.0
     r = torch.linalg.solve_triangular(toeplitz(coefficients, horizon), e1, upper=False).squeeze(1)
-    beta = torch.cumsum(r, 0)  # A C⁻¹ is Toeplitz with first column cumsum(C⁻¹ e_1)
+    if decay == 1.0:
+        beta = torch.cumsum(r, 0)  # A C⁻¹ is Toeplitz with first column cumsum(C⁻¹ e_1)
+    else:
+        beta = decay_workload(horizon, decay, coefficients.dtype) @ r  # A_λ C⁻¹'s first column
     weights = torch.arange(horizon, 0, -1, dtype=coefficients.dtype)
     return (weights * beta**2).sum()
 
 
-def loss(coefficients: Tensor, horizon: int, patterns: Tensor) -> Tensor:
-    """Squared sensitivity (non-negative C: max ‖C p‖²) × total squared prefix-sum error."""
+def loss(coefficients: Tensor, horizon: int, patterns: Tensor, decay: float = 1.0) -> Tensor:
+    """Squared sensitivity (non-negative C: max ‖C p‖²) × total squared error of the A_λ workload."""
     C = toeplitz(coefficients, horizon)
     sens2 = ((C @ patterns.transpose(0, 1)) ** 2).sum(0).max()
-    return sens2 * prefix_error(coefficients, horizon)
+    return sens2 * prefix_error(coefficients, horizon, decay)
 
 
-def optimised_coefficients(horizon: int, bands: int, cycle: int, iterations: int = 200) -> tuple[float, ...]:
+def sqrt_decay_coefficients(bands: int, decay: float = 1.0) -> tuple[float, ...]:
+    """binom(2k, k)/4ᵏ·λᵏ: the square root of A_λ (Toeplitz λ^k), truncated to ``bands``."""
+    return tuple(c * decay**k for k, c in enumerate(sqrt_coefficients(bands)))
+
+
+def optimised_coefficients(
+    horizon: int, bands: int, cycle: int, iterations: int = 200, decay: float = 1.0
+) -> tuple[float, ...]:
     """Non-negative banded Toeplitz coefficients (c_0 = 1) minimising :func:`loss` for the
-    horizon and the K-cycle's participation, from the square-root coefficients (L-BFGS on
-    log c_1..log c_{b−1}); never worse than the start it is given."""
-    start = torch.tensor(sqrt_coefficients(bands), dtype=torch.float64)
+    horizon, the K-cycle's participation and the A_λ workload, from the square root of A_λ
+    (L-BFGS on log c_1..log c_{b−1}). The result is the best of what L-BFGS found, its start
+    and independent noise (c = (1, 0, …, 0), always feasible): never worse than either on the loss."""
     bands = min(bands, horizon)
-    start = start[:bands]
     if bands == 1:
         return (1.0,)
+    start = torch.tensor(sqrt_decay_coefficients(bands, decay), dtype=torch.float64)
     patterns = cyclic_participation(horizon, cycle)
     theta = start[1:].log().clone().requires_grad_(True)
     one = torch.ones(1, dtype=torch.float64)
@@ -179,30 +243,87 @@ def optimised_coefficients(horizon: int, bands: int, cycle: int, iterations: int
 
     def closure() -> Tensor:
         opt.zero_grad()
-        value = torch.log(loss(coefs(), horizon, patterns))
+        value = torch.log(loss(coefs(), horizon, patterns, decay))
         value.backward()
         return value
 
     opt.step(closure)
     with torch.no_grad():
-        found = coefs()
-        if not bool(torch.isfinite(found).all()) or float(loss(found, horizon, patterns)) > float(
-            loss(start, horizon, patterns)
-        ):
-            found = start
+        identity = torch.cat([one, torch.zeros(bands - 1, dtype=torch.float64)])
+        candidates = [_public(c) for c in (coefs(), start) if bool(torch.isfinite(c).all())] + [identity]
+        found = min(candidates, key=lambda c: float(loss(c, horizon, patterns, decay)))
     return tuple(float(c) for c in found)
 
 
-def strategy(kind: str, horizon: int, bands: int, cycle: int) -> Strategy:
+def _public(values: Tensor, one_minus: bool = False) -> Tensor:
+    """``values`` rounded to 6 significant digits (of 1 − value with ``one_minus``): the optimisers'
+    last bits vary with the threads a process happens to use, and a strategy must be the same
+    wherever the configuration is read (server, ledger recomputation, resumed run)."""
+    x = 1.0 - values if one_minus else values
+    rounded = torch.tensor([float(f"{float(v):.6g}") for v in x], dtype=torch.float64)
+    return 1.0 - rounded if one_minus else rounded
+
+
+BLT_BUFFERS = 4
+"""Buffers of a BLT when --bands is 0 (jax_privacy's optimiser uses a handful; more add little)."""
+
+
+def optimised_blt(
+    horizon: int, buffers: int, cycle: int, iterations: int = 200, decay: float = 1.0
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(θ, ω) of a BLT with θ ∈ (0, 1), ω > 0 (so C ≥ 0 and the non-negative-Gram sensitivity is
+    exact) minimising :func:`loss` for the horizon, the K-cycle and the A_λ workload (L-BFGS on
+    logit θ, log ω, as jax_privacy's ``buffered_toeplitz.optimize`` for our loss). The start fits
+    ω to the square root of A_λ at geometrically spaced θ; the result is the best of what L-BFGS
+    found, its start and independent noise (ω = 0)."""
+    if buffers < 1:
+        raise ValueError(f"bands (a BLT's buffers) must be >= 1; got {buffers}")
+    theta0 = 1.0 - 0.5 ** (2.0 * torch.arange(1, buffers + 1, dtype=torch.float64) - 1.0)
+    if horizon == 1:  # C = (1) whatever θ, ω: independent noise
+        return tuple(float(t) for t in theta0.flip(0)), (0.0,) * buffers
+    patterns = cyclic_participation(horizon, cycle)
+    theta0 = 1.0 - 0.5 ** (2.0 * torch.arange(1, buffers + 1, dtype=torch.float64) - 1.0)
+    target = torch.tensor(sqrt_decay_coefficients(horizon, decay), dtype=torch.float64)[1:]
+    basis = theta0[None, :] ** torch.arange(horizon - 1, dtype=torch.float64)[:, None]
+    omega0 = torch.linalg.lstsq(basis, target[:, None]).solution.squeeze(1).clamp_min(1e-6)
+    a = torch.logit(theta0).clone().requires_grad_(True)
+    b = omega0.log().clone().requires_grad_(True)
+
+    def value(theta: Tensor, omega: Tensor) -> Tensor:
+        return loss(blt_coefficients(theta, omega, horizon), horizon, patterns, decay)
+
+    opt = torch.optim.LBFGS([a, b], lr=0.5, max_iter=iterations, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        out = torch.log(value(torch.sigmoid(a), b.exp()))
+        out.backward()
+        return out
+
+    opt.step(closure)
+    with torch.no_grad():
+        found = [(_public(t, one_minus=True), _public(w)) for t, w in ((torch.sigmoid(a), b.exp()), (theta0, omega0))]
+        candidates = [*found, (theta0, torch.zeros_like(omega0))]
+        ok = [c for c in candidates if bool(torch.isfinite(c[0]).all() & torch.isfinite(c[1]).all())]
+        ok = [c for c in ok if bool((c[0] < 1.0).all()) and bool(torch.isfinite(value(*c)))]
+        theta, omega = min(ok, key=lambda c: float(value(*c)))
+    order = torch.argsort(theta, descending=True)
+    return tuple(float(t) for t in theta[order]), tuple(float(w) for w in omega[order])
+
+
+def strategy(kind: str, horizon: int, bands: int, cycle: int, decay: float = 1.0) -> Strategy:
     """The public strategy a run uses (computed from its configuration alone)."""
     if kind == "independent":
         return Strategy(kind, (1.0,))
     if not 1 <= bands <= horizon:
         raise ValueError(f"bands must be in [1, rounds={horizon}]; got {bands}")
     if kind == "banded":
-        return Strategy(kind, sqrt_coefficients(bands))
+        return Strategy(kind, sqrt_decay_coefficients(bands, decay))
     if kind == "optimised":
-        return Strategy(kind, optimised_coefficients(horizon, bands, cycle))
+        return Strategy(kind, optimised_coefficients(horizon, bands, cycle, decay=decay))
+    if kind == "blt":
+        theta, omega = optimised_blt(horizon, bands, cycle, decay=decay)
+        return Strategy(kind, (1.0,), theta, omega)
     raise ValueError(f"noise must be one of {', '.join(NOISE_KINDS)}; got {kind!r}")
 
 
@@ -220,6 +341,8 @@ class CorrelatedNoise:
     horizon: int
     sensitivity: SensitivityResult
     cycle: int
+    decay: float = 1.0
+    """λ of the workload A_λ the strategy was chosen for (1: prefix sums); public, from the config."""
 
     def noise_std(self, noise_multiplier: float, clip: float) -> float:
         s, p = self.sensitivity.value, self.sensitivity.participations
@@ -229,33 +352,51 @@ class CorrelatedNoise:
         return {
             "noise": self.strategy.kind,
             "bands": self.strategy.bands,
+            "buffers": self.strategy.buffers,
             "strategy_digest": self.strategy.digest(),
             "horizon": self.horizon,
             "cycle": self.cycle,
+            "workload_decay": self.decay,
             "unit_sensitivity": self.sensitivity.value,
             "sensitivity_rule": self.sensitivity.rule,
             "participations": self.sensitivity.participations,
         }
 
 
-def mechanism(kind: str, horizon: int, bands: int, cycle: int) -> CorrelatedNoise:
-    """The strategy for (kind, horizon, bands, cycle) and its sensitivity under the K-cycle."""
-    s = strategy(kind, horizon, bands, cycle)
+def mechanism(kind: str, horizon: int, bands: int, cycle: int, decay: float = 1.0) -> CorrelatedNoise:
+    """The strategy for (kind, horizon, bands, cycle, λ) and its sensitivity under the K-cycle."""
+    s = strategy(kind, horizon, bands, cycle, decay)
     patterns = cyclic_participation(horizon, cycle)
-    return CorrelatedNoise(s, horizon, sensitivity(s.matrix(horizon), patterns), cycle)
+    return CorrelatedNoise(s, horizon, sensitivity(s.matrix(horizon), patterns), cycle, decay)
 
 
 @dataclass
 class NoiseRecurrence:
-    """w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0: round t's slice of C⁻¹z, keeping b − 1 vectors."""
+    """Round t's slice of C⁻¹z, by forward substitution of C w = z.
+
+    Banded: w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0, keeping the b − 1 last w. BLT (``buf_decay``
+    θ, ``output_scale`` ω): w_t = z_t − Σ_i ω_i β_i with buffers β_i = Σ_{k≥1} θ_i^(k−1) w_{t−k},
+    updated β_i ← θ_i β_i + w_t: one vector per buffer (jax_privacy's ``build_inverse``)."""
 
     coefficients: tuple[float, ...]
     step: int = 0
     history: list[Tensor] = field(default_factory=list)
-    """The last b − 1 noise vectors w, most recent first (float64)."""
+    """Banded: the last b − 1 noise vectors w, most recent first; BLT: the buffers β (float64)."""
+    buf_decay: tuple[float, ...] = ()
+    output_scale: tuple[float, ...] = ()
+
+    def spec(self) -> tuple[tuple[float, ...], ...]:
+        return (self.coefficients, self.buf_decay, self.output_scale)
 
     def next(self, z: Tensor) -> Tensor:
         w = z.clone()
+        if self.buf_decay:
+            buffers = self.history or [torch.zeros_like(z) for _ in self.buf_decay]
+            for omega, beta in zip(self.output_scale, buffers, strict=True):
+                w = w - omega * beta
+            self.history = [theta * beta + w for theta, beta in zip(self.buf_decay, buffers, strict=True)]
+            self.step += 1
+            return w
         for c, past in zip(self.coefficients[1:], self.history, strict=False):
             w = w - c * past
         w = w / self.coefficients[0]
@@ -283,11 +424,24 @@ def check_settings(cohorts: str, cycle: int, noise: str, bands: int, rounds: int
             "does not implement; use cohorts cyclic (or all) with correlated noise, or noise independent"
         )
     if noise == "independent" and bands not in (0, 1):
-        raise ValueError(f"bands needs noise banded or optimised; got bands {bands} with noise independent")
+        raise ValueError(f"bands needs noise banded, optimised or blt; got bands {bands} with noise independent")
     if bands > rounds:
         raise ValueError(f"bands must be in [0, rounds={rounds}]; got {bands}")
 
 
-def run_mechanism(noise: str, rounds: int, bands: int, cycle: int) -> CorrelatedNoise:
-    """The public strategy and its sensitivity under the run's cycle (bands 0: b = min(K, T))."""
-    return mechanism(noise, rounds, bands or min(cycle, rounds), cycle)
+def check_decay(noise: str, decay: float) -> None:
+    """Refuse a workload decay outside (0, 1], or one given with independent noise (it would choose nothing)."""
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"noise_decay must be in (0, 1]; got {decay}")
+    if decay != 1.0 and noise == "independent":
+        raise ValueError(
+            f"noise_decay needs noise banded, optimised or blt; got noise_decay {decay} with noise independent"
+        )
+
+
+def run_mechanism(noise: str, rounds: int, bands: int, cycle: int, decay: float = 1.0) -> CorrelatedNoise:
+    """The public strategy and its sensitivity under the run's cycle (bands 0: b = min(K, T); for a
+    BLT, bands is its number of buffers, 0: min(4, T)) for
+    the workload A_λ (``decay`` λ; 1: prefix sums)."""
+    default = min(BLT_BUFFERS, rounds) if noise == "blt" else min(cycle, rounds)
+    return mechanism(noise, rounds, bands or default, cycle, decay)

@@ -206,7 +206,13 @@ class Privatizer:
             out["sampling_generator"] = self.sampling_generator.get_state()
         if self.recurrences:
             out["recurrences"] = {
-                k: {"coefficients": list(r.coefficients), "step": r.step, "history": [h.clone() for h in r.history]}
+                k: {
+                    "coefficients": list(r.coefficients),
+                    "step": r.step,
+                    "history": [h.clone() for h in r.history],
+                    "buf_decay": list(r.buf_decay),
+                    "output_scale": list(r.output_scale),
+                }
                 for k, r in self.recurrences.items()
             }
         return out
@@ -224,6 +230,8 @@ class Privatizer:
                 tuple(float(c) for c in r["coefficients"]),
                 int(r["step"]),
                 [h.to("cpu", torch.float64) for h in r["history"]],
+                tuple(float(c) for c in r.get("buf_decay", [])),
+                tuple(float(c) for c in r.get("output_scale", [])),
             )
             for k, r in state.get("recurrences", {}).items()
         }
@@ -337,8 +345,8 @@ class Privatizer:
                 "(its floating-point-safe samplers add independent noise); use noise independent"
             )
         T = noise.horizon
-        rec = self.recurrences.setdefault(stream, correlated_module.NoiseRecurrence(noise.strategy.coefficients))
-        if rec.coefficients != noise.strategy.coefficients or rec.step != step or not 0 <= step < T:
+        rec = self.recurrences.setdefault(stream, noise.strategy.recurrence())
+        if rec.spec() != noise.strategy.recurrence().spec() or rec.step != step or not 0 <= step < T:
             raise ValueError(
                 f"release {name!r}: correlated stream {stream!r} expects step {rec.step} of {T} "
                 f"with its own strategy; got step {step}"
