@@ -12,14 +12,19 @@ os.environ.setdefault("FEDPERS_CALIBRATION_CACHE", "0")
 
 import pytest  # noqa: E402
 
+# Taken at import, before any fixture: a module-scoped fixture that runs ``fedpers`` in process
+# (tests/test_resume.py's reference runs) would otherwise set the variables before a per-test
+# snapshot and leave them to every later test.
+_SUITE_ENVIRONMENT = dict(os.environ)
+
 
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """Each test sees the environment the suite started with: an in-process ``fedpers`` command sets
     FLWR_LOG_LEVEL and PYTHONWARNINGS for its own Ray workers, and a later test's Flower processes
     (a SuperLink whose start-up line the loopback tests wait for) must not inherit them."""
-    saved = dict(os.environ)
     yield
-    if os.environ != saved:
+    current = {k: v for k, v in os.environ.items() if k.startswith("PYTEST_")}  # pytest's own, removed by pytest
+    if os.environ != {**_SUITE_ENVIRONMENT, **current}:
         os.environ.clear()
-        os.environ.update(saved)
+        os.environ.update({**_SUITE_ENVIRONMENT, **current})
