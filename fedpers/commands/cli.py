@@ -443,17 +443,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedpers.sweeps.run import run_sweep
     from fedpers.sweeps.sets import run_sweep_set, sweep_set
 
+    how = {
+        "out": args.out,
+        "repetitions": args.repetitions,
+        "progress": not args.quiet,
+        "workers": args.workers,
+        "ray_address": args.ray_address,
+    }
     if sweep_set(args.file) is not None:  # several sweeps (one algorithm each) run in turn
         if args.select is not None or args.private or args.track:
             raise ValueError("sweep: --select, --private and --track take one sweep file, not a sweep set")
-        run_sweep_set(
-            args.file,
-            out=args.out,
-            repetitions=args.repetitions,
-            progress=not args.quiet,
-            workers=args.workers,
-            ray_address=args.ray_address,
-        )
+        run_sweep_set(args.file, **how)
         return 0
     if args.select is not None or args.private:
         return cmd_select(args)
@@ -461,14 +461,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from fedpers.commands.tracking import check_uri
 
         check_uri(args.track, args.track_uri)  # a missing extra or an unusable URI is refused before any work
-    summary = run_sweep(
-        args.file,
-        out=args.out,
-        repetitions=args.repetitions,
-        progress=not args.quiet,
-        workers=args.workers,
-        ray_address=args.ray_address,
-    )
+    summary = run_sweep(args.file, **how)
     _track(args.track, args.track_uri, sweep_dir=summary.get("out"))
     return 0
 
