@@ -234,9 +234,20 @@ def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> RunResult:
     if isinstance(plan.privatizer, NodeSidePrivatizer):  # who added the noise, and its public parameters
         node_plan = plan.privatizer.plan
         privacy = {**privacy, "noise_multiplier": node_plan.noise_multiplier, "trust_model": node_plan.summary()}
+    final = {**final, **wrap_totals(plan.rounds)}
     result = RunResult.completed(plan.experiment.name, plan.options.runtime.value, privacy, final, seconds)
     warnings = plan.experiment.result_warnings(plan.cfg, result.to_dict())
     return result.with_warnings(warnings) if warnings else result
+
+
+WRAP_COUNTS = ("modular_wraps", "suspected_wraps")
+"""Round diagnostics of a modular sum (distributed DP) that a run totals in its result."""
+
+
+def wrap_totals(rounds: list[dict[str, Any]]) -> dict[str, int]:
+    """Each wrap count the rounds recorded, totalled over them (absent where no round records it:
+    central and local DP have no modular sum; the Flower runtime cannot know the exact count)."""
+    return {k: int(sum(r[k] for r in rounds if k in r)) for k in WRAP_COUNTS if any(k in r for r in rounds)}
 
 
 CHECKPOINT = "checkpoint.pt"

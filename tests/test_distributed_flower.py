@@ -3,6 +3,7 @@ the local runtime's simulated nodes for one seed (same U, same ledger)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -81,7 +82,6 @@ def test_flower_node_refuses_a_malformed_plan():
 
 # ----- sweeps that set runtime options ------------------------------------------------------------
 def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
-    import dataclasses
     from pathlib import Path
 
     from fedpers.sweeps.points import run_point_task
@@ -91,7 +91,7 @@ def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
     for algorithm in ("altmin", "fedrep"):
         spec = load_spec(root / f"trust_models_{algorithm}.toml")
         labels = {label for label, _ in spec.points()}
-        assert labels == {"central", "distributed b=12", "distributed b=16", "distributed b=20", "local"}
+        assert labels == {"central", *(f"distributed b={b}" for b in (8, 12, 16, 20)), "local", "non-private"}
     tiny = dataclasses.replace(
         load_spec(root / "trust_models_altmin.toml"),
         base={**SMALL, "nodes": 4},
@@ -107,31 +107,64 @@ def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
 
 
 def test_the_trust_model_sweep_set_runs_every_member_through_fedpers_sweep(tmp_path):
-    """`fedpers sweep simulations/trust_models.toml` is a sweep set of the two per-algorithm sweeps;
-    a tiny copy of it runs both members into OUT/<name> with the trust model each series names."""
+    """`fedpers sweep simulations/trust_models.toml` is a sweep set of the two per-algorithm sweeps; a tiny
+    copy of it runs both members into OUT/<name>: every series, the refused one (too few bits for n units)
+    recorded with its reason while the sweep goes on, the non-private reference line, the wrap counts as
+    columns (blank without a modular sum); simulations/trust_models.py makes the table from those records."""
     import csv
+    import importlib.util
+    import json
+    import math
     from pathlib import Path
 
     from fedpers.commands.cli import main
+    from fedpers.sweeps.points import run_point_task
     from fedpers.sweeps.sets import sweep_set
+    from fedpers.sweeps.spec import load_spec
 
     root = Path(__file__).resolve().parents[1] / "simulations"
     found = sweep_set(root / "trust_models.toml")
     assert found is not None and [f.name for f in found[1]] == ["trust_models_altmin.toml", "trust_models_fedrep.toml"]
+    for real in map(load_spec, found[1]):  # the figure's grid: b = 8, the non-private line, the wrap counts
+        assert {"central", "distributed b=8", "distributed b=16", "local"} <= set(real.series_values)
+        assert real.references == {"non-private": {"epsilon": math.inf}}
+        assert real.columns == ("modular_wraps", "suspected_wraps") and real.repetitions == 5
+        over = dict(real.points())["distributed b=8"]  # refused at n = 4000 before any release, not an error
+        rows, runs = run_point_task(dataclasses.replace(real, repetitions=1), over)
+        assert runs == {} and "bits=8 cannot hold a sum of 4000 units" in rows[0]["refused"]
     for algorithm, samples in (("altmin", 16), ("fedrep", 5)):
         (tmp_path / f"{algorithm}.toml").write_text(
-            f'name = "tiny_{algorithm}"\nalgorithm = "{algorithm}"\nx = "epsilon"\nseries = "trust_model"\n'
-            'metrics = ["subspace_error"]\n'
+            f'name = "trust_models_{algorithm}"\nalgorithm = "{algorithm}"\nx = "epsilon"\nseries = "trust_model"\n'
+            'metrics = ["subspace_error"]\ncolumns = ["modular_wraps", "suspected_wraps"]\n'
             f"[base]\nn_users = 120\ndim = 5\nrank = 2\nsamples_per_user = {samples}\nrounds = 1\n"
             'baselines = "none"\nnodes = 4\n[grid]\nepsilon = [2.0]\n[series_values]\n'
-            'central = { dp_model = "central" }\n"distributed b=16" = { dp_model = "distributed", bits = 16 }\n'
+            'central = { dp_model = "central" }\n"distributed b=6" = { dp_model = "distributed", bits = 6 }\n'
+            '"distributed b=16" = { dp_model = "distributed", bits = 16 }\n'
+            '[references]\n"non-private" = { epsilon = inf }\n'
         )
     (tmp_path / "set.toml").write_text('name = "tiny"\nsweeps = ["altmin.toml", "fedrep.toml"]\n')
-    assert main(["sweep", str(tmp_path / "set.toml"), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    out = tmp_path / "out"
+    assert main(["sweep", str(tmp_path / "set.toml"), "--out", str(out), "--quiet"]) == 0
     for algorithm in ("altmin", "fedrep"):
-        with (tmp_path / "out" / f"tiny_{algorithm}" / "table.csv").open() as f:
-            rows = list(csv.DictReader(f))
-        assert {r["trust_model"] for r in rows} == {"central", "distributed b=16"}
+        with (out / f"trust_models_{algorithm}" / "table.csv").open() as f:
+            rows = {r["trust_model"]: r for r in csv.DictReader(f)}
+        assert set(rows) == {"central", "distributed b=6", "distributed b=16", "non-private"}
+        assert "bits=6 cannot hold" in rows["distributed b=6"]["refused"] and rows["distributed b=6"]["subspace_error"] == ""
+        assert float(rows["distributed b=16"]["modular_wraps"]) == 0 == float(rows["distributed b=16"]["suspected_wraps"])
+        assert rows["central"]["modular_wraps"] == "" and rows["central"]["suspected_wraps"] == ""
+        assert rows["non-private"]["epsilon"] == "inf"
+        assert float(rows["non-private"]["subspace_error"]) < 0.5 * float(rows["central"]["subspace_error"])
+        summary = json.loads((out / f"trust_models_{algorithm}" / "sweep.json").read_text())
+        assert list(summary["refused"]) == ["distributed b=6"]
+    spec = importlib.util.spec_from_file_location("trust_models", root / "trust_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([str(out)])
+    table = (out / "table.md").read_text()
+    assert "| altmin | distributed b=16 | 2 | 1 |" in table and "| fedrep | non-private | inf | 1 |" in table
+    assert "altmin, distributed b=6: refused before any release: bits=6" in table
+    assert (out / "trust_models.png").stat().st_size > 0
     (tmp_path / "bad.toml").write_text('sweeps = ["altmin.toml", "missing.toml"]\n')
     with pytest.raises(ValueError, match="no such file"):
         sweep_set(tmp_path / "bad.toml")

@@ -38,6 +38,11 @@ def write(tmp_path, text: str):
         (lambda t: t + "[plot]\nxscale = \"logarithmic\"\n", "plot.xscale must be one of"),
         (lambda t: t.replace("dim = 4", "dimm = 4"), "base key 'dimm' is not a config field"),
         (lambda t: t.replace("epsilon = [1.0]", "epsilon = [1.0]\nrounds = [true]"), "rounds must be of type int"),
+        (lambda t: t + "[references]\nnp = 5\n", "references.np must be a table"),
+        (lambda t: t + "[references]\nnp = { epsilonn = 1.0 }\n", "epsilonn"),
+        (lambda t: t + '[series_values]\na = { dim = 5 }\n[references]\na = { dim = 6 }\n', "reuse series labels"),
+        (lambda t: 'columns = "modular_wraps"\n' + t, "columns must be a list"),
+        (lambda t: 'columns = ["modular_wrap"]\n' + t, r"column\(s\) \['modular_wrap'\] not in altmin's result"),
     ],
 )
 def test_bad_sweep_files_are_refused_naming_the_key(tmp_path, change, match):

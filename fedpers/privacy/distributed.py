@@ -52,6 +52,7 @@ from fedpers.privacy import secure as secure_module
 from fedpers.privacy.accountant import Calibrations, calibrate_noise_multiplier
 from fedpers.privacy.ledger import ALL_UNITS, Ledger, Release, SkellamDpEvent
 from fedpers.privacy.mechanisms import Privatizer
+from fedpers.privacy.refusal import RefusedBeforeRelease
 
 Tensor = torch.Tensor
 
@@ -312,9 +313,34 @@ def local_gaussian(x: Tensor, std: float, generator: torch.Generator, secure: bo
 
 
 # ----- choosing the scale, the bits and the noise --------------------------------------------------
-def wrap_tail(D: int) -> float:
-    """k with D·2·exp(−k²/2) = :data:`WRAP_PROBABILITY` (the sub-Gaussian tail, union over D)."""
-    return math.sqrt(2 * math.log(2 * D / WRAP_PROBABILITY))
+def wrap_tail(D: int, probability: float = WRAP_PROBABILITY) -> float:
+    """k with D·2·exp(−k²/2) = ``probability`` (the sub-Gaussian tail, union over D)."""
+    return math.sqrt(2 * math.log(2 * D / probability))
+
+
+SUSPECT_FALSE_ALARM = 1e-3
+"""At most this probability that an honest round's sum of one statistic has a coordinate flagged as a
+suspected wrap (:func:`suspected_wraps`), under the tail bound the scale was chosen by."""
+
+
+def suspect_threshold(enc: StatEncoding) -> float:
+    """τ = (2^(b−1) − 1)·k(:data:`SUSPECT_FALSE_ALARM`)/k(:data:`WRAP_PROBABILITY`), from public values.
+
+    The plan's scale is the largest at which k·σ of the honest sum (signal of all n units, their
+    rounding and every node's noise: :func:`sum_range`) equals 2^(b−1) − 1 (:func:`max_scale`, at a noise
+    multiplier no smaller than the final one), so an honest centred coordinate exceeds τ, i.e.
+    k(p_f)·σ, with probability below p_f over the D coordinates."""
+    half = 2.0 ** (enc.bits - 1) - 1
+    return half * wrap_tail(enc.padded, SUSPECT_FALSE_ALARM) / wrap_tail(enc.padded)
+
+
+def suspected_wraps(modular_sum: Tensor, enc: StatEncoding) -> int:
+    """Coordinates of a round's sum mod 2^b that the server alone flags as wrapped: centred, beyond
+    :func:`suspect_threshold`. A coordinate that wrapped by less than 2^(b−1) + 1 − τ lands beyond τ
+    (its centred value is the true one minus 2^b); a wrap that lands within τ is not seen, and an honest
+    round flags any coordinate with probability below :data:`SUSPECT_FALSE_ALARM`. A function of the
+    released sum and public values only: it costs no privacy."""
+    return int((centered(modular_sum, enc.bits).abs() > suspect_threshold(enc)).sum())
 
 
 def sum_range(scale: float, bound: float, D: int, units: int, z: float, nodes: int, min_nodes: int) -> float:
@@ -335,8 +361,8 @@ def max_scale(bound: float, D: int, units: int, z: float, nodes: int, min_nodes:
         return sum_range(s, bound, D, units, z, nodes, min_nodes) <= half
 
     lo, hi = 1e-12 / bound, 1.0 / bound
-    if not fits(lo):
-        raise ValueError(
+    if not fits(lo):  # decided on the declared bound, units, nodes and bits: no data is read
+        raise RefusedBeforeRelease(
             f"bits={bits} cannot hold a sum of {units} units in {D} coordinates with wrap probability "
             f"< {WRAP_PROBABILITY:g}; use more --bits"
         )
@@ -497,7 +523,7 @@ def plan_distributed(
                 DpModel.DISTRIBUTED, bits, nodes, min_nodes, z, {e.name: e for e in encs}, users_per_node
             )
         z_guess = z * 1.02
-    raise ValueError("dp_model distributed: the noise calibration did not settle; use more --bits")
+    raise RefusedBeforeRelease("dp_model distributed: the noise calibration did not settle; use more --bits")
 
 
 class RecordingCalibrations(Calibrations):

@@ -8,7 +8,8 @@ Gaussian added) and the vectors are summed as secure aggregation would (mod 2^b)
 decodes the sum and hands it to the protocol's ``server_update`` through the
 :class:`~fedpers.privacy.distributed.NodeSidePrivatizer`, which records the release. Modular
 wraps (known here only because the simulation also holds the unreduced integer sum) are counted
-in the round's record as ``modular_wraps``.
+in the round's record as ``modular_wraps``, beside ``suspected_wraps``: what the server alone can flag
+from the sum it decodes, as the Flower runtime records it.
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ class RoundSums:
     zeroed: int
     wraps: int
     survivors: int
+    suspected: int = 0
+    """Coordinates the server alone would flag as wrapped (:func:`~fedpers.privacy.distributed.suspected_wraps`)."""
 
 
 def node_round(
@@ -185,7 +188,7 @@ def node_round(
         )
     stats: dict[str, Tensor] = {}
     sums: dict[str, Tensor] = {}
-    wraps = 0
+    wraps = suspected = 0
     for s in specs:
         vectors = torch.stack([v[s.name] for v in sent])
         if plan.model == dist.DpModel.DISTRIBUTED:
@@ -196,12 +199,13 @@ def node_round(
             else:
                 modular = aggregate(round, s.name, reduced, enc.bits)
             wraps += int((dist.centered(modular, enc.bits) != vectors.sum(dim=0)).sum())
+            suspected += dist.suspected_wraps(modular, enc)
             value = dist.decode(modular, enc)
             sums[s.name] = modular
         else:
             value = dist.unflatten(vectors.sum(dim=0), s.shape, s.symmetric)
         stats[s.name] = value.to(dtype=protocol.dtype, device=source.device)
-    return RoundSums(stats, sums, count, zeroed, wraps, len(sent))
+    return RoundSums(stats, sums, count, zeroed, wraps, len(sent), suspected)
 
 
 def secagg_aggregate(degree: int | None = None, threshold: int | None = None, seed: int = 0) -> Aggregate:
@@ -253,7 +257,9 @@ def run_local_nodes(
         )
         for name, value in got.stats.items():
             privatizer.arrived(value, name, got.survivors, got.count)
-        privatizer.round_diagnostics = {"modular_wraps": float(got.wraps), "nodes_survived": float(got.survivors)}
+        privatizer.round_diagnostics = {"nodes_survived": float(got.survivors)}
+        if privatizer.plan.model is DpModel.DISTRIBUTED:  # only a modular sum can wrap
+            privatizer.round_diagnostics.update(modular_wraps=float(got.wraps), suspected_wraps=float(got.suspected))
         return [ClientReply("nodes", n, Message(got.stats, got.count, got.zeroed), aggregate=True)]
 
     def record_round(record: RoundRecord, state: Any) -> None:

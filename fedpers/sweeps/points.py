@@ -35,7 +35,10 @@ Executor = Callable[[Any, Sequence[Task]], Iterator[tuple[int, PointResult]]]
 
 
 def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> PointResult:
-    """All repetitions of one grid point (``threads`` > 0: torch's intra-op threads for this worker)."""
+    """All repetitions of one grid point (``threads`` > 0: torch's intra-op threads for this worker). A
+    repetition refused before any release on its declared values
+    (:class:`~fedpers.privacy.refusal.RefusedBeforeRelease`, e.g. too few bits for n units) is a row
+    ``{"repetition": r, "refused": why}`` without a run directory; any other error stops the sweep."""
     import torch
 
     from fedpers import config as config_lib
@@ -60,11 +63,17 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
         per = (time.perf_counter() - start) / max(len(rows), 1)
         check_metrics(spec, rows[0] if rows else {})
         return [{"repetition": r, "seconds": per, **row} for r, row in enumerate(rows)], {}
+    from fedpers.privacy.refusal import RefusedBeforeRelease
+
     rows, runs = [], {}
     for r in range(spec.repetitions):
         seeded = dataclasses.replace(cfg, seed=cfg.seed + r) if hasattr(cfg, "seed") else cfg
         with tempfile.TemporaryDirectory(prefix="fedpers-point-") as tmp:
-            result = execute(exp, seeded, options, out=Path(tmp) / "run", progress=False)
+            try:
+                result = execute(exp, seeded, options, out=Path(tmp) / "run", progress=False)
+            except RefusedBeforeRelease as e:  # decided on declared values before any release: a result
+                rows.append({"repetition": r, "refused": str(e)})
+                continue
             check_metrics(spec, result)
             runs[f"r{r}"] = {
                 p.name: p.read_bytes()

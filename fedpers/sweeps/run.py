@@ -12,6 +12,14 @@ TOML keys:
   (list of baseline names drawn dashed)
 - a key that names a runtime option (``dp_model``, ``bits``, ``min_nodes``, ``nodes``, ...) sets it for
   the point's runs, in ``[base]``, ``[grid]`` or ``[series_values]`` alike
+- ``[references]`` (optional): label -> table of config overrides of a point run once (not per grid
+  value) and drawn as a horizontal dashed line on every figure, e.g. ``"non-private" = { epsilon = inf }``
+- ``columns`` (optional): result keys recorded in the table beside the metrics but not plotted, blank
+  where a run has none (e.g. ``modular_wraps``: only a modular sum has it)
+
+A repetition refused before any release on its declared values alone (e.g. too few ``bits`` for the sum
+of n units) is recorded as a row with its ``refused`` reason, named in the figure's legend and in
+sweep.json's ``refused``; the sweep goes on. Any other error stops it.
 
 An experiment with ``sweep_point(cfg, repetitions)`` computes all repetitions of a point
 at once (vectorised); otherwise each repetition is a normal run with seed ``seed + r``.
@@ -67,7 +75,8 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
 
     fig, ax = _plt().subplots(figsize=(6, 4.2))
     slopes: dict[Any, float] = {}
-    for s, pts in summarise(rows, spec, metric).items():
+    lines = [r for r in rows if r.get(spec.series) not in spec.references]
+    for s, pts in summarise(lines, spec, metric).items():
         xs, ms, ses = (np.array(c) for c in zip(*pts))
         slopes[s] = loglog_slope(xs, ms)
         label = f"{spec.series}={s}" + (f" (slope {slopes[s]:.2f})" if math.isfinite(slopes[s]) else "")
@@ -81,13 +90,23 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
         )
     for b in spec.plot.get("baselines", []):
         key = f"baselines.{b}.{metric}"
-        for _, pts in summarise(rows, spec, key).items():
+        for _, pts in summarise(lines, spec, key).items():
             xs, ms, _ = (np.array(c) for c in zip(*pts))
             ax.plot(xs, ms, linestyle="--", marker=".", label=f"baseline: {b}")
             break
+    for label in spec.references:  # run once each: a horizontal line at its mean
+        values = [
+            v for r in rows if r.get(spec.series) == label and math.isfinite(v := summaries.number(r.get(metric)))
+        ]
+        if values:
+            ax.axhline(
+                float(np.mean(values)), color="k", linestyle="--", linewidth=1, label=f"{label} (mean of {len(values)})"
+            )
+    for label in refusals(rows, spec):  # a series refused before any release: said in the legend (why: sweep.json)
+        ax.plot([], [], linestyle="none", label=f"{spec.series}={label}: refused before any release")
     from fedpers.results.plots import grid_ticks, y_scale
 
-    xs_all = [float(r[spec.x]) for r in rows if isinstance(r.get(spec.x), (int, float))]
+    xs_all = [float(r[spec.x]) for r in lines if isinstance(r.get(spec.x), (int, float))]
     grid_ticks(ax, xs_all, spec.plot.get("xscale", "log"))
     ax.set_yscale(spec.plot.get("yscale") or y_scale(metric, [v for line in ax.lines for v in line.get_ydata()]))
     ax.set_xlabel(spec.x)
@@ -97,6 +116,18 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig, slopes
+
+
+def refusals(rows: list[dict[str, Any]], spec: SweepSpec) -> dict[Any, str]:
+    """Series label → why, for every series with a repetition refused before any release (its reasons,
+    distinct, joined)."""
+    out: dict[Any, list[str]] = {}
+    for r in rows:
+        if r.get("refused"):
+            reasons = out.setdefault(r.get(spec.series), [])
+            if r["refused"] not in reasons:
+                reasons.append(str(r["refused"]))
+    return {k: "; ".join(v) for k, v in out.items()}
 
 
 def run_sweep(
@@ -159,13 +190,15 @@ def summarise_sweep(
 
     if rows and not (out / "table.csv").exists():
         write_table(rows, out / "table.csv")
-    summary = {
+    refused = refusals(rows, spec)
+    summary: dict[str, Any] = {
         "spec": dataclasses.asdict(spec),
         "rows": len(rows),
         "points_run": ran,
         "points_reused": reused,
         "slopes": slopes,
         "figures": figures,
+        **({"refused": refused} if refused else {}),
         "table": "table.csv",
         "parquet": "table.parquet",
     }
@@ -174,6 +207,8 @@ def summarise_sweep(
     print(
         f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}"
     )
+    for label, why in refused.items():
+        print(f"  {spec.series}={label}: refused before any release: {why}")
     for metric, per in slopes.items():
         for s, slope in per.items():
             print(f"  log-log slope of {metric} vs {spec.x} at {spec.series}={s}: {slope:.3f}")

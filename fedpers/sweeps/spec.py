@@ -29,12 +29,23 @@ class SweepSpec:
     series_values: dict[str, dict[str, Any]]
     repetitions: int = 1
     plot: dict[str, Any] = dataclasses.field(default_factory=dict)
+    references: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """label → config overrides of a point run once (not per grid value), drawn as a horizontal line
+    on every figure (e.g. the non-private run: ``{ epsilon = inf }``)."""
+    columns: tuple[str, ...] = ()
+    """Result keys recorded in the table beside the metrics, not plotted; blank where a run has none
+    (e.g. ``modular_wraps``, which only a modular sum has)."""
 
     def identity(self) -> dict[str, Any]:
-        """What makes two sweeps the same one (its directory's spec.json)."""
+        """What makes two sweeps the same one (its directory's spec.json); ``references`` and
+        ``columns`` only where given, so a sweep without them keeps its identity."""
         from fedpers.results.rundir import dumps
 
-        return json.loads(dumps(dataclasses.asdict(self)))
+        fields = dataclasses.asdict(self)
+        for key in ("references", "columns"):
+            if not fields[key]:
+                del fields[key]
+        return json.loads(dumps(fields))
 
     def table(self, done: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """Rows of the finished points (index → its rows), in grid order, each tagged with its
@@ -50,15 +61,30 @@ class SweepSpec:
         return rows
 
     def points(self) -> list[tuple[str | None, dict[str, Any]]]:
-        """(series label, config overrides) for every grid point."""
+        """(series label, config overrides) for every grid point, then one per reference (last, so
+        adding references keeps the grid's point numbers)."""
         keys = list(self.grid)
         combos = [dict(zip(keys, vals)) for vals in itertools.product(*(self.grid[k] for k in keys))] or [{}]
+        refs: list[tuple[str | None, dict[str, Any]]] = [(label, dict(o)) for label, o in self.references.items()]
         if not self.series_values:
-            return [(None, c) for c in combos]
-        return [(label, {**c, **over}) for label, over in self.series_values.items() for c in combos]
+            return [(None, c) for c in combos] + refs
+        return [(label, {**c, **over}) for label, over in self.series_values.items() for c in combos] + refs
 
 
-TOP_KEYS = ("name", "algorithm", "x", "series", "metrics", "base", "grid", "series_values", "repetitions", "plot")
+TOP_KEYS = (
+    "name",
+    "algorithm",
+    "x",
+    "series",
+    "metrics",
+    "base",
+    "grid",
+    "series_values",
+    "repetitions",
+    "plot",
+    "references",
+    "columns",
+)
 PLOT_KEYS = ("xscale", "yscale", "baselines", "layout")
 SCALES = ("log", "linear")
 
@@ -79,7 +105,7 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
         raise ValueError(
             f'sweep: metrics must be a non-empty list of result keys, e.g. ["excess_risk"]; got {metrics!r}'
         )
-    for key in ("base", "grid", "series_values", "plot"):
+    for key in ("base", "grid", "series_values", "plot", "references"):
         if key in raw and not isinstance(raw[key], dict):
             raise ValueError(f"sweep: [{key}] must be a table; got {raw[key]!r}")
     for key, values in raw.get("grid", {}).items():
@@ -90,9 +116,16 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
     for key in raw.get("base", {}):
         if key not in fields:
             raise ValueError(f"sweep: base key {key!r} is not a config field; fields: {', '.join(sorted(fields))}")
-    for label, over in raw.get("series_values", {}).items():
-        if not isinstance(over, dict):
-            raise ValueError(f"sweep: series_values.{label} must be a table of config overrides; got {over!r}")
+    for section in ("series_values", "references"):
+        for label, over in raw.get(section, {}).items():
+            if not isinstance(over, dict):
+                raise ValueError(f"sweep: {section}.{label} must be a table of config overrides; got {over!r}")
+    clash = sorted(set(raw.get("references", {})) & set(raw.get("series_values", {})))
+    if clash:
+        raise ValueError(f"sweep: references {clash} reuse series labels; give each line its own label")
+    columns = raw.get("columns", [])
+    if not isinstance(columns, list) or not all(isinstance(c, str) and c for c in columns):
+        raise ValueError(f'sweep: columns must be a list of result keys, e.g. ["modular_wraps"]; got {columns!r}')
     if raw["x"] not in fields:
         raise ValueError(f"sweep: x = {raw['x']!r} is not a config field; fields: {', '.join(sorted(fields))}")
     if not raw.get("series_values") and raw["series"] not in fields:
@@ -158,6 +191,8 @@ def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
         series_values=dict(raw.get("series_values", {})),
         repetitions=reps,
         plot=dict(raw.get("plot", {})),
+        references={str(k): dict(v) for k, v in raw.get("references", {}).items()},
+        columns=tuple(raw.get("columns", [])),
     )
     exp = EXPERIMENTS[spec.algorithm]
     for _, over in spec.points():  # validate every point before any work
@@ -170,6 +205,10 @@ def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
 
 RUN_KEYS = ("epsilon", "delta", "noise_multiplier", "seconds")
 """Top-level result keys every run has beside its algorithm's metrics (runner.execute)."""
+
+SOME_RUNS_KEYS = ("modular_wraps", "suspected_wraps")
+"""Top-level result keys only some runs have (a modular sum's wrap counts, totalled over its rounds by
+runner.result_of): allowed as ``columns``, blank where a run has none."""
 
 
 def check_declared_metrics(spec: SweepSpec, result_keys: tuple[str, ...], baseline_names: tuple[str, ...]) -> None:
@@ -185,6 +224,12 @@ def check_declared_metrics(spec: SweepSpec, result_keys: tuple[str, ...], baseli
             return len(parts) == 2
         return len(parts) == 3 and parts[0] == "baselines" and parts[1] in baseline_names and parts[2] in result_keys
 
+    unknown = [c for c in spec.columns if not (known(c) or c in SOME_RUNS_KEYS)]
+    if unknown:
+        raise ValueError(
+            f"sweep: column(s) {unknown} not in {spec.algorithm}'s result; available: "
+            f"{', '.join(sorted({*result_keys, *RUN_KEYS, *SOME_RUNS_KEYS}))}"
+        )
     missing = [m for m in spec.metrics if not known(m)]
     if missing:
         raise ValueError(
@@ -212,6 +257,9 @@ def result_row(spec: SweepSpec, result: dict[str, Any]) -> dict[str, Any]:
     for key in spec.metrics:
         row[key] = _number(_lookup(result, key))
     row["epsilon_spent"] = _number(_lookup(result, "epsilon"))
+    for key in spec.columns:  # blank (None) where this run has no such key
+        value = _lookup(result, key)
+        row[key] = None if value is None else _number(value)
     for b in spec.plot.get("baselines", []):
         for m in spec.metrics:
             if "." not in m:

@@ -204,16 +204,20 @@ class NodeSideGather:
             )
         sums = self._sums(round, sent, specs)
         out: dict[str, Tensor] = {}
+        suspected = 0
         for s in specs:
             total = sums[s.name]
             if plan.model is DpModel.DISTRIBUTED:
                 enc = plan.encodings[s.name]
+                suspected += dist.suspected_wraps(dist.modular(total, enc.bits), enc)
                 value = dist.decode(dist.modular(total, enc.bits), enc)
             else:
                 value = dist.unflatten(total, s.shape, s.symmetric)
             out[s.name] = value.to(dtype=self.protocol.dtype, device=self.device)
             privatizer.arrived(out[s.name], s.name, len(sent), count)
         privatizer.round_diagnostics = {"nodes_survived": float(len(sent))}
+        if plan.model is DpModel.DISTRIBUTED:  # the exact wrap count needs the unreduced sum, which no one holds
+            privatizer.round_diagnostics["suspected_wraps"] = float(suspected)
         return [ClientReply("nodes", self.num_units, Message(out, count, zeroed), aggregate=True)]
 
     def _sums(self, round: int, sent: Mapping[int, Mapping[str, Tensor]], specs: Any) -> dict[str, Tensor]:
