@@ -292,3 +292,38 @@ def test_a_node_silent_at_unmasking_still_counts_its_masked_vector():
     torch.testing.assert_close(state_flower["U"], on_local(local)["U"], rtol=0, atol=1e-12)
     assert flower.privatizer.ledger == local.privatizer.ledger
     assert all(r.diagnostics["nodes_survived"] == 4 for r in records)
+    assert all(r.diagnostics["suspected_wraps"] == 0 for r in records)  # an honest run: no false alarm
+
+
+def test_the_server_flags_a_planted_wrap_from_the_sum_alone(monkeypatch):
+    """The server holds only the sum mod 2^b, so it counts *suspected* wraps: centred coordinates beyond
+    τ = (2^(b−1) − 1)·k(1e-3)/k(1e-6), where no honest sum lands but with probability 1e-3. One node adds
+    2^(b−1) to its vector of b in round 1: the sum wraps (the local runtime, holding the unreduced sum,
+    counts it), every coordinate of b lands beyond τ and the Flower server flags each, as the local runtime's
+    own suspected count does; round 0 and every other statistic flag nothing."""
+    from fedpers.privacy import distributed as dist
+
+    honest = local_nodes.node_vectors
+    planted: list[int] = []
+
+    def plant(rows: Any, ids: Any, specs: Any, privatizer: Any, round: int, generator: Any) -> Any:
+        out = honest(rows, ids, specs, privatizer, round, generator)
+        if round == 1 and len(planted) < 1:  # the first node of round 1, once per run
+            planted.append(1)
+            out["b"] = out["b"] + 2 ** (privatizer.plan.encodings["b"].bits - 1)
+        return out
+
+    enc = plan("local").privatizer.plan.encodings["b"]
+    tau = dist.suspect_threshold(enc)
+    assert 0.5 * 2**15 < tau < 2**15 - 1
+    assert dist.suspected_wraps(torch.tensor([int(tau), -int(tau), 0]), enc) == 0  # within τ: never flagged
+    assert dist.suspected_wraps(dist.modular(torch.tensor([2**15 + 3, -(2**15) - 3]), 16), enc) == 2  # wrapped
+    monkeypatch.setattr(local_nodes, "node_vectors", plant)
+    _, flower_records = on_flower(plan("flower"), DroppingGrid(4))
+    planted.clear()
+    local = plan("local")
+    _, local_records = run_local(local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False)
+    D = enc.padded
+    assert [r.diagnostics["suspected_wraps"] for r in flower_records] == [0, D]
+    assert [r.diagnostics["suspected_wraps"] for r in local_records] == [0, D]
+    assert local_records[0].diagnostics["modular_wraps"] == 0 < local_records[1].diagnostics["modular_wraps"] <= D
