@@ -107,6 +107,15 @@ def test_nonprivate_select_says_it_is_not_accounted(tmp_path: Path):
     out = tuning.select_nonprivate(tmp_path, "excess_risk", tuning.Goal.MIN)
     assert out["selected"] == {"clip_model": 1.0} and not out["private"] and "NOT accounted" in out["note"]
     assert tuning.select_nonprivate(tmp_path, "excess_risk", tuning.Goal.MAX)["selected"] == {"clip_model": 0.5}
+    # a reference line (e.g. the non-private run) is never a candidate, however good its metric
+    (tmp_path / "points" / "00002.json").write_text(json.dumps({"label": "np", "overrides": {"epsilon": "inf"}, "rows": [{"excess_risk": 0.0}]}))
+    (tmp_path / "spec.json").write_text(json.dumps({"references": {"np": {"epsilon": "inf"}}}))
+    assert tuning.select_nonprivate(tmp_path, "excess_risk", tuning.Goal.MIN)["selected"] == {"clip_model": 1.0}
+    spec = tmp_path / "s.toml"
+    spec.write_text('algorithm = "altmin"\nx = "epsilon"\nseries = "dim"\nmetrics = ["subspace_error"]\n[grid]\nepsilon = [1.0, 2.0]\n[references]\nnp = { epsilon = inf }\n')
+    loaded = load_spec(spec)
+    assert [o for _, o in loaded.grid_points()] == [{"epsilon": 1.0}, {"epsilon": 2.0}]
+    assert loaded.points()[-1] == ("np", {"epsilon": math.inf})
 
 
 def test_cli_private_needs_a_metric(tmp_path: Path, capsys):

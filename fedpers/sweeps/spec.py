@@ -63,12 +63,16 @@ class SweepSpec:
     def points(self) -> list[tuple[str | None, dict[str, Any]]]:
         """(series label, config overrides) for every grid point, then one per reference (last, so
         adding references keeps the grid's point numbers)."""
+        refs: list[tuple[str | None, dict[str, Any]]] = [(label, dict(o)) for label, o in self.references.items()]
+        return self.grid_points() + refs
+
+    def grid_points(self) -> list[tuple[str | None, dict[str, Any]]]:
+        """The grid's points alone (the candidates a selection chooses among; references are not)."""
         keys = list(self.grid)
         combos = [dict(zip(keys, vals)) for vals in itertools.product(*(self.grid[k] for k in keys))] or [{}]
-        refs: list[tuple[str | None, dict[str, Any]]] = [(label, dict(o)) for label, o in self.references.items()]
         if not self.series_values:
-            return [(None, c) for c in combos] + refs
-        return [(label, {**c, **over}) for label, over in self.series_values.items() for c in combos] + refs
+            return [(None, c) for c in combos]
+        return [(label, {**c, **over}) for label, over in self.series_values.items() for c in combos]
 
 
 TOP_KEYS = (

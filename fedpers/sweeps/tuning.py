@@ -60,8 +60,12 @@ def select_nonprivate(sweep_dir: Path, metric: str, goal: Goal) -> dict[str, Any
     """The grid point with the best mean ``metric`` over its repetitions, from the sweep's point
     records. The choice read non-private metrics: it is not accounted."""
     points = []
+    spec_file = Path(sweep_dir) / "spec.json"
+    references = set(json.loads(spec_file.read_text()).get("references", {})) if spec_file.exists() else set()
     for record in sorted((Path(sweep_dir) / "points").glob("[0-9]*.json")):
         data = json.loads(record.read_text())
+        if data.get("label") in references:  # a reference line is not a candidate
+            continue
         values = [
             r[metric] for r in data["rows"] if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])
         ]
@@ -214,7 +218,7 @@ def private_select(
     if validation_users < 1:
         raise ValueError(f"validation_users must be >= 1, got {validation_users}")
     score = scores[metric]
-    points = spec.points()
+    points = spec.grid_points()  # references are comparison lines, not candidates
     configs: list[Any] = [config_lib.build(exp.config_type, {**spec.base, **over}) for _, over in points]
     deltas = {float(c.delta) for c in configs}
     if len(deltas) != 1:
