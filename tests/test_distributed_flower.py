@@ -145,6 +145,7 @@ def test_the_trust_model_sweep_set_runs_every_member_through_fedpers_sweep(tmp_p
     (tmp_path / "set.toml").write_text('name = "tiny"\nsweeps = ["altmin.toml", "fedrep.toml"]\n')
     out = tmp_path / "out"
     assert main(["sweep", str(tmp_path / "set.toml"), "--out", str(out), "--quiet"]) == 0
+    assert (out / "subspace_error.png").stat().st_size > 0  # the set's figure: both algorithms side by side
     for algorithm in ("altmin", "fedrep"):
         with (out / f"trust_models_{algorithm}" / "table.csv").open() as f:
             rows = {r["trust_model"]: r for r in csv.DictReader(f)}

@@ -74,6 +74,14 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
     from fedpers.results.plots import _plt
 
     fig, ax = _plt().subplots(figsize=(6, 4.2))
+    slopes = draw_metric(ax, rows, spec, metric)
+    fig.tight_layout()
+    return fig, slopes
+
+
+def draw_metric(ax: Any, rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> dict[Any, float]:
+    """:func:`sweep_figure`'s panel on ``ax`` (a sweep set draws its members side by side); returns the
+    fitted log–log slopes."""
     slopes: dict[Any, float] = {}
     lines = [r for r in rows if r.get(spec.series) not in spec.references]
     for s, pts in summarise(lines, spec, metric).items():
@@ -114,8 +122,7 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
     ax.set_title(f"{spec.name}: {metric} (±2 s.e., B={spec.repetitions})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig, slopes
+    return slopes
 
 
 def refusals(rows: list[dict[str, Any]], spec: SweepSpec) -> dict[Any, str]:
@@ -204,6 +211,7 @@ def summarise_sweep(
     }
     write_atomic(out / "sweep.json", dumps(summary) + "\n")
     summary["out"] = str(out)  # where it went (not part of sweep.json: the directory may move)
+    summary["table_rows"] = rows  # in memory only, for a sweep set's combined figure
     print(
         f"sweep {spec.name}: {len(rows)} rows ({ran} points run, {reused} reused) -> {out / 'table.csv'} (and .parquet); figures: {', '.join(figures)}"
     )

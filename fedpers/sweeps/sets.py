@@ -4,7 +4,8 @@
     sweeps = ["trust_models_altmin.toml", "trust_models_fedrep.toml"]   # relative to this file
 
 ``fedpers sweep SET.toml --out OUT`` checks every member (:func:`~fedpers.sweeps.spec.load_spec`) before
-any point runs, then runs each into ``OUT/<member's name>`` (a rerun reuses the points already there).
+any point runs, then runs each into ``OUT/<member's name>`` (a rerun reuses the points already there), and
+draws ``OUT/<metric>.png`` for each metric every member has: the members' figures side by side.
 """
 
 from __future__ import annotations
@@ -59,4 +60,29 @@ def run_sweep_set(
     summaries = [
         run_sweep(f, out=root / s.name, repetitions=repetitions, **kw) for f, s in zip(files, specs, strict=True)
     ]
-    return {"out": str(root), "sweeps": summaries}
+    members = [(s, summary.pop("table_rows")) for s, summary in zip(specs, summaries, strict=True)]
+    figures = [combined_figure(members, m, root / (m.replace(".", "_") + ".png")) for m in shared_metrics(specs)]
+    if figures:
+        print(f"sweep set {name}: {', '.join(str(f) for f in figures)} (the members side by side)")
+    return {"out": str(root), "sweeps": summaries, "figures": [f.name for f in figures]}
+
+
+def shared_metrics(specs: list[Any]) -> list[str]:
+    """The metrics every member plots, in the first member's order."""
+    return [m for m in specs[0].metrics if all(m in s.metrics for s in specs)]
+
+
+def combined_figure(members: list[tuple[Any, list[dict[str, Any]]]], metric: str, path: Path) -> Path:
+    """One panel per member (its own sweep figure's lines, reference lines and refusals), one figure."""
+    from fedpers.results.plots import _plt
+    from fedpers.sweeps.run import draw_metric
+
+    fig, axes = _plt().subplots(1, len(members), figsize=(6 * len(members), 4.2), squeeze=False)
+    for ax, (spec, rows) in zip(axes[0], members, strict=True):
+        draw_metric(ax, rows, spec, metric)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    _plt().close(fig)
+    tmp.replace(path)
+    return path
