@@ -133,6 +133,32 @@ def test_modular_sum_equals_the_integer_sum_without_a_wrap_and_wraps_are_seen():
     assert int((dist.centered(modular, 10) != exact).sum()) > 0
 
 
+def test_no_suspected_wrap_on_honest_worst_case_sums():
+    """An honest sum at its largest (all n units at the bound in one direction, independent of the
+    rotation seed; every node's noise share, sized for fewer survivors) never reaches τ over 200 draws, while
+    reaching over a third of it (so τ is not far above what honest sums do); of a planted shift by 2^(b−1),
+    exactly the coordinates it moved beyond τ are flagged."""
+    shape = dist.StatShape("w", (9,), 1.0, False)
+    units, nodes, min_nodes, bits = 50, 5, 3, 12
+    (enc,) = dist._encodings([shape], units, 2.0, nodes, min_nodes, bits, seed=7)
+    tau = dist.suspect_threshold(enc)
+    g = torch.Generator().manual_seed(1)
+    largest = 0.0
+    for _ in range(200):
+        direction = torch.randn(9, generator=g, dtype=torch.float64)
+        x = (direction / torch.linalg.vector_norm(direction)).expand(units, 9)
+        total = dist.encode_units(x, enc, g) + sum(dist.noise_share(enc, min_nodes, g) for _ in range(nodes))
+        modular = dist.modular(total, bits)
+        assert dist.suspected_wraps(modular, enc) == 0
+        largest = max(largest, float(dist.centered(modular, bits).abs().max()) / tau)
+    assert 0.33 < largest < 1
+    # every coordinate shifted by half the range: a coordinate v lands at 2^(b−1) − |v| from 0, beyond τ
+    # exactly when the shift took it more than τ away (the wraps a server can see)
+    planted = dist.modular(total + 2 ** (bits - 1), bits)
+    seen = int((2 ** (bits - 1) - dist.centered(dist.modular(total, bits), bits).abs() > tau).sum())
+    assert dist.suspected_wraps(planted, enc) == seen > enc.padded // 2
+
+
 def test_skellam_shares_sum_to_the_declared_variance():
     g = torch.Generator().manual_seed(0)
     shares = torch.stack([dist.skellam_noise((20000,), 30.0 / 6, g) for _ in range(6)]).sum(0).double()
