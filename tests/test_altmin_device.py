@@ -69,7 +69,7 @@ def test_the_device_path_never_calls_the_host_generator(monkeypatch, dtype):
     assert result["subspace_error"] < 1 and devices and all(d.type == "cpu" for d in devices)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float64, marks=pytest.mark.slow)])
 def test_device_drawn_users_are_the_same_for_any_chunking_and_order(dtype):
     u = synthetic.subspace(0, 7, 2)
     whole = synthetic.altmin_users(9, torch.arange(3000), u, 12, 0.1, dtype, parts=True)

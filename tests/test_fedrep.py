@@ -132,6 +132,7 @@ def test_device_kernels_in_float64_on_cpu_give_the_host_run(extra):
         assert device[key] == pytest.approx(host[key], rel=1e-9), key
 
 
+@pytest.mark.slow
 def test_device_kernels_in_float32_draw_other_users_the_same_for_any_chunking():
     """float32: users drawn per (block, part) on the device, other than the host's float64 users, the same for any chunk size."""
     a = _run(kernels="device", dtype="float32", chunk_size=300)

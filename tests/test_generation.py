@@ -37,7 +37,9 @@ def _stats(proto, source: UnitSource, chunk: int) -> tuple[dict, list]:
     return state, stats
 
 
-@pytest.mark.parametrize("cohorts", ["disjoint", pytest.param("poisson", marks=pytest.mark.slow), "all"])  # poisson: ~20 s
+@pytest.mark.parametrize(  # poisson and all: 20-50 s on a busy machine; disjoint keeps the default suite covered
+    "cohorts", ["disjoint", pytest.param("poisson", marks=pytest.mark.slow), pytest.param("all", marks=pytest.mark.slow)]
+)
 def test_cohort_only_generation_gives_the_statistics_and_result_of_full_generation(cohorts):
     extra = {"sampling_rate": 0.4} if cohorts == "poisson" else {}
     cfg = config.build(AltMinConfig, dict(n_users=2600, dim=6, rank=2, samples_per_user=8, rounds=3, cohorts=cohorts, epsilon=8.0, **extra))
@@ -115,6 +117,7 @@ def test_pool_generation_equals_single_thread_bit_for_bit(dtype):
     assert pooled["x"].dtype == dtype
 
 
+@pytest.mark.slow
 def test_float32_users_are_the_same_for_any_chunking_order_and_halves():
     u = synthetic.subspace(0, 7, 2)
     whole = synthetic.altmin_users(9, torch.arange(3000), u, 12, 0.1, torch.float32)

@@ -26,6 +26,7 @@ def faults(mode: str, env: dict[str, str] | None = None) -> tuple[str, int]:
     return took, int(count)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_reusing_freed_memory_stops_refaulting_every_chunk():
     """20 allocations of 100 MB: glibc's default maps and faults each one in (~24k faults each);
