@@ -5,6 +5,7 @@ of the sensitivity (σ halved), a label clip removed, and the disjoint-cohort fi
 user in every round while the ledger charges one). Each must push a lower bound above the proven
 value; the honest code must stay below it at every seed tried.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ from fedpers.commands import audit as audit_lib
 from fedpers.experiments import experiment
 from fedpers.experiments.fedrep import fedrep_init_fraction
 from fedpers.privacy import Privatizer
+from fedpers.privacy.ledger import ALL_UNITS
 from fedpers.privacy import audit as audit_math
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
@@ -101,7 +103,9 @@ def test_scorer_receives_only_published_outputs():
     assert len(published.releases) == len(ledger) == 1 + 2 * protocol.rounds
     for release, value in published.releases:
         r = release.round
-        unnoised = client_message(protocol, r, published.broadcasts[r], units).stats[{"init.W": "W"}.get(release.name, release.name[-1])]
+        unnoised = client_message(protocol, r, published.broadcasts[r], units).stats[
+            {"init.W": "W"}.get(release.name, release.name[-1])
+        ]
         part = audit_lib._released_part(release, value - unnoised)
         z = part / release.noise_std
         assert 0.5 < float(z.std()) < 1.6 and abs(float(z.mean())) < 4 / part.numel() ** 0.5
@@ -157,7 +161,9 @@ def test_random_canaries_beyond_the_dimension_are_scored_with_their_interference
     for run in range(5):
         cans = design.random_canaries(protocol, torch.Generator().manual_seed(run), 40)
         included = torch.rand(40, generator=coins) < 0.5
-        published, _ = audit_lib.run_published(protocol, cans.units(included), audit_lib.PublishingPrivatizer(100 + run))
+        published, _ = audit_lib.run_published(
+            protocol, cans.units(included), audit_lib.PublishingPrivatizer(100 + run)
+        )
         scored = audit_lib.canary_scores(protocol, published, cans)
         sign = torch.where(included, 0.5, -0.5).double()
         centred.append(scored.standard - sign * scored.separation)
@@ -310,7 +316,11 @@ def test_planted_bug_raises_the_lower_bound_above_proven(bug, request):
     rounds = 8 if bug == "no_cohort_filter" else 2
     cfg = altmin_cfg(epsilon=8.0, rounds=rounds, cohorts=Cohorts.DISJOINT)
     result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=0)
-    assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (bug, _bounds(result), result["proven_epsilon"])
+    assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (
+        bug,
+        _bounds(result),
+        result["proven_epsilon"],
+    )
     assert result["gaussian_score"]["mu_lower"] > result["proven_mu"], (bug, result["gaussian_score"])
     print(bug, _bounds(result), result["proven_epsilon"])
 
@@ -335,10 +345,15 @@ def test_canaries_reach_the_separation_their_design_promises():
     result = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0), 4, runs=1)
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * (2 / 3) ** 0.5, rel=1e-6)
     nh = experiment("noisyhead")
-    cfg = config_lib.build(nh.config_type, {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3, "regime": "low-dim", "dim": 5})
+    cfg = config_lib.build(
+        nh.config_type,
+        {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3, "regime": "low-dim", "dim": 5},
+    )
     result = audit_lib.audit(nh, cfg, 9, runs=1)
     p = experiment("noisyhead").canary_design().protocol(cfg, 9)
-    assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
+    assert result["canary_mu"] == pytest.approx(
+        result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6
+    )
     assert "prompt" in result["neighbouring"]
     assert max(_bounds(result)) <= result["proven_epsilon"]
 
@@ -525,7 +540,12 @@ def test_audit_of_a_finished_run_directory_prints_its_ledger_and_reaches_the_rep
     from fedpers.commands.report import run_report
 
     run = tmp_path / "run"
-    assert main(["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--out", str(run)]) == 0
+    assert (
+        main(
+            ["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--out", str(run)]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["audit", str(run), "--canaries", "6", "--runs", "2"]) == 0
     out = capsys.readouterr().out
@@ -580,14 +600,25 @@ def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
     assert len(grids) == 2 and all(len(g.contexts) == 3 and len(g.sent) >= 3 * 3 for g in grids)
     assert flower["runtime"] == "flower" and local["runtime"] == "local"
     assert "through the Flower runtime" in audit_lib.format_audit(flower)
-    assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(local["canary_mu"])
+    assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(
+        local["canary_mu"]
+    )
     for key in ("gaussian_score", "gaussian_score_null"):
         assert flower[key]["mu"] == pytest.approx(local[key]["mu"], rel=1e-5, abs=1e-6), key
         assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
-    assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (local["one_run"]["guesses"], local["one_run"]["correct"])
+    assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (
+        local["one_run"]["guesses"],
+        local["one_run"]["correct"],
+    )
     assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
     with pytest.raises(ValueError, match="steered"):
-        audit_lib.audit(experiment("fedrep"), config_lib.build(experiment("fedrep").config_type, {}), 2, placement="steered", flower=opts)
+        audit_lib.audit(
+            experiment("fedrep"),
+            config_lib.build(experiment("fedrep").config_type, {}),
+            2,
+            placement="steered",
+            flower=opts,
+        )
 
 
 @pytest.mark.slow
@@ -604,3 +635,142 @@ def test_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bou
     for key in ("gaussian_score", "gaussian_score_null"):
         assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
     assert _bounds(flower) == pytest.approx(_bounds(local), abs=1e-9)
+
+
+# ----- distributed and local DP: the nodes add the noise -----------------------------------------
+def _node_options(model, **values):
+    from fedpers.runtime.options import RuntimeOptions
+
+    return config_lib.build(RuntimeOptions, {"dp_model": model, "bits": 16, "nodes": 4, **values})
+
+
+@pytest.mark.parametrize("model", ["distributed", "local"])
+def test_node_side_audit_scores_what_the_server_sees_and_reaches_the_nodes_mechanism(model):
+    """Under distributed DP the scorer gets each release's decoded modular sum (its noise: the nodes'
+    Skellam shares and rounding, std the recorded σ with 2 of 4 nodes' shares required, so shares sized
+    for all 4 would show at 1/√2); under local DP each canary's own node vector (one canary per node),
+    its own noise of σ = z·B (noise at half its scale would show). AltMin's W and b canaries then separate by
+    exactly the nodes' mechanism: local, the proven μ (the per-unit Gaussian of Δ = 2B, the central
+    z); distributed, sqrt(Σ (2·B·s)²/V), V the Skellam variance in integer units."""
+    from fedpers.privacy.distributed import flatten
+
+    cfg = altmin_cfg(epsilon=4.0, dim=20)
+    design = ALTMIN.canary_design()
+    options = _node_options(model, min_nodes=2 if model == "distributed" else 0)
+    protocol, _, make = audit_lib.node_side_plan(design, cfg, 8, options)
+    cans = design.canaries(protocol, torch.Generator().manual_seed(0), 8)
+    units = cans.units(torch.arange(8) % 2 == 0)
+    published, ledger = audit_lib.run_published_nodes(protocol, units, make(3))
+    assert len(published.releases) == len(ledger) == 1 + 2 * protocol.rounds
+    at: dict[int, int] = {}
+    expected: dict[str, float] = {}  # Σ (2·B·s)²/V over W and b, by the cohort a release touches
+    noises = []
+    for release, value in published.releases:
+        r = release.round
+        spec = protocol.stat_specs(r)[at.setdefault(r, 0)]
+        at[r] += 1
+        one = [
+            client_message(protocol, r, published.broadcasts[r], {k: v[i : i + 1] for k, v in units.items()})
+            for i in range(8)
+        ]
+        rows = torch.stack([flatten(m.stats[spec.name].unsqueeze(0), spec.shape, spec.symmetric)[0] for m in one])
+        if model == "local":
+            assert value.shape == rows.shape  # one noisy vector per node, none summed before the scorer
+            sent = torch.tensor([m.count > 0 for m in one])  # a node whose canary is not in the round's cohort sends 0
+            noise = (value - rows)[sent] / release.noise_std
+            assert release.mechanism == "local_gaussian" and release.noise_std == pytest.approx(
+                protocol_z(ledger) * spec.per_unit_bound
+            )
+        else:
+            noise = (flatten(value.unsqueeze(0), spec.shape, spec.symmetric)[0] - rows.sum(0)) / release.noise_std
+            assert release.mechanism == "skellam_distributed"
+            if spec.name in ("W", "b"):
+                term = (2 * release.per_unit_bound * release.params["scale"]) ** 2 / release.event.variance
+                expected[release.units] = expected.get(release.units, 0.0) + term
+        noises.append(noise.flatten())
+    assert 0.93 < float(torch.cat(noises).std()) < 1.07 and torch.cat(noises).numel() > 1500
+    result = audit_lib.audit(ALTMIN, cfg, 8, runs=1, releases=("W", "b"), node_side=options)
+    assert result["dp_model"] == model and f"trust model: {model} DP" in audit_lib.format_audit(result)
+    if model == "local":
+        assert result["canary_mu"] == pytest.approx(result["proven_mu"], rel=1e-9)
+    else:
+        every = expected.pop(ALL_UNITS)  # W: every canary; b: its own cohort's round only
+        assert result["proven_mu"] is None and result["canary_mu"] == pytest.approx(
+            (every + max(expected.values())) ** 0.5, rel=1e-9
+        )
+        assert result["canary_mu"] <= result["skellam_gaussian_mu"] <= 1.05 * result["canary_mu"]
+
+
+def protocol_z(ledger):
+    return next(iter(ledger)).event.noise_multiplier
+
+
+@pytest.mark.slow
+def test_local_dp_audit_finds_the_proven_mu_and_catches_noise_at_half_its_scale(monkeypatch):
+    """Local DP, AltMin's W and b (5 canaries, each on its node, 15 empty slots, 12 runs): the
+    null-slot estimate is within 4 standard errors of the proven μ; with each unit's local noise at
+    half its scale (ledger unchanged) its lower bound exceeds it."""
+    from fedpers.privacy import distributed as dist
+
+    cfg = altmin_cfg(epsilon=5.0, dim=20)
+    honest = audit_lib.audit(ALTMIN, cfg, 5, runs=12, releases=("W", "b"), node_side=_node_options("local"))
+    null = honest["gaussian_score_null"]
+    assert null["n_in"] == 60 and null["null_scores"] == 180
+    assert abs(null["mu"] - honest["proven_mu"]) < 4 * (1 / 60 + 1 / 180) ** 0.5
+    original = dist.local_gaussian
+    monkeypatch.setattr(dist, "local_gaussian", lambda x, std, g, secure: original(x, std / 2, g, secure))
+    bugged = audit_lib.audit(ALTMIN, cfg, 5, runs=12, releases=("W", "b"), node_side=_node_options("local"))
+    assert bugged["gaussian_score_null"]["mu_lower"] > bugged["proven_mu"]
+
+
+def test_node_side_audit_refuses_what_it_cannot_simulate():
+    with pytest.raises(ValueError, match="drop --runtime flower"):
+        audit_lib.audit(
+            ALTMIN, altmin_cfg(), 4, node_side=_node_options("local"), flower=_node_options("local", runtime="flower")
+        )
+    with pytest.raises(ValueError, match="node_dropout"):
+        audit_lib.audit(ALTMIN, altmin_cfg(), 4, node_side=_node_options("distributed", node_dropout=0.1))
+    with pytest.raises(ValueError, match="min_nodes must be at most"):
+        audit_lib.audit(ALTMIN, altmin_cfg(), 3, node_side=_node_options("distributed", min_nodes=4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["distributed", "local"])
+@pytest.mark.parametrize("name, k, runs, values", [("altmin", 10, 100, {"dim": 40}), ("fedrep", 8, 125, {})])
+def test_honest_node_side_audits_stay_below_proven(name, k, runs, values, model):
+    """1,000 trials at proven ε = 4, seed 0: no non-parametric bound and no Gaussian-score lower bound
+    (in/out or null-slot) exceeds the proven ε of the nodes' mechanism (Skellam: its RDP bound)."""
+    exp = experiment(name)
+    cfg = config_lib.build(exp.config_type, {"epsilon": 4.0, **values})
+    result = audit_lib.audit(exp, cfg, k, runs=runs, node_side=_node_options(model))
+    print(
+        name, model, _bounds(result), result["gaussian_score"], result["gaussian_score_null"], result["proven_epsilon"]
+    )
+    assert max(_bounds(result)) <= result["proven_epsilon"]
+    for key in ("gaussian_score", "gaussian_score_null"):
+        if result[key] is not None:
+            assert result[key]["epsilon_lower"] <= result["proven_epsilon"], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["shares_for_all_nodes", "local_half_scale"])
+def test_planted_node_side_mistake_raises_the_bound_above_proven(bug, monkeypatch):
+    """Skellam shares sized V/nodes while the ledger counts V/min_nodes per share (min_nodes = nodes/4:
+    a quarter of the recorded variance), or local noise at half its scale: AltMin at ε = 4, d = 20,
+    10 canaries and 10 empty slots × 30 runs — the null-slot Gaussian-score ε lower bound exceeds the
+    proven ε (and the non-parametric independent-GDP bound too)."""
+    from fedpers.privacy import distributed as dist
+
+    if bug == "shares_for_all_nodes":
+        options = _node_options("distributed", nodes=8, min_nodes=2)
+        monkeypatch.setattr(
+            dist, "noise_share", lambda enc, m, g: dist.skellam_noise((enc.padded,), enc.variance / 8, g)
+        )
+    else:
+        options = _node_options("local")
+        original = dist.local_gaussian
+        monkeypatch.setattr(dist, "local_gaussian", lambda x, std, g, secure: original(x, std / 2, g, secure))
+    result = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0, dim=20), 10, runs=30, node_side=options)
+    print(bug, _bounds(result), result["gaussian_score_null"], result["proven_epsilon"])
+    assert result["gaussian_score_null"]["epsilon_lower"] > result["proven_epsilon"]
+    assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"]
