@@ -5,7 +5,6 @@ of the sensitivity (σ halved), a label clip removed, and the disjoint-cohort fi
 user in every round while the ledger charges one). Each must push a lower bound above the proven
 value; the honest code must stay below it at every seed tried.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +19,8 @@ from fedpers.commands import audit as audit_lib
 from fedpers.experiments import experiment
 from fedpers.experiments.fedrep import fedrep_init_fraction
 from fedpers.privacy import Privatizer
-from fedpers.privacy.ledger import ALL_UNITS
 from fedpers.privacy import audit as audit_math
+from fedpers.privacy.ledger import ALL_UNITS
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
 
@@ -103,9 +102,7 @@ def test_scorer_receives_only_published_outputs():
     assert len(published.releases) == len(ledger) == 1 + 2 * protocol.rounds
     for release, value in published.releases:
         r = release.round
-        unnoised = client_message(protocol, r, published.broadcasts[r], units).stats[
-            {"init.W": "W"}.get(release.name, release.name[-1])
-        ]
+        unnoised = client_message(protocol, r, published.broadcasts[r], units).stats[{"init.W": "W"}.get(release.name, release.name[-1])]
         part = audit_lib._released_part(release, value - unnoised)
         z = part / release.noise_std
         assert 0.5 < float(z.std()) < 1.6 and abs(float(z.mean())) < 4 / part.numel() ** 0.5
@@ -161,9 +158,7 @@ def test_random_canaries_beyond_the_dimension_are_scored_with_their_interference
     for run in range(5):
         cans = design.random_canaries(protocol, torch.Generator().manual_seed(run), 40)
         included = torch.rand(40, generator=coins) < 0.5
-        published, _ = audit_lib.run_published(
-            protocol, cans.units(included), audit_lib.PublishingPrivatizer(100 + run)
-        )
+        published, _ = audit_lib.run_published(protocol, cans.units(included), audit_lib.PublishingPrivatizer(100 + run))
         scored = audit_lib.canary_scores(protocol, published, cans)
         sign = torch.where(included, 0.5, -0.5).double()
         centred.append(scored.standard - sign * scored.separation)
@@ -316,11 +311,7 @@ def test_planted_bug_raises_the_lower_bound_above_proven(bug, request):
     rounds = 8 if bug == "no_cohort_filter" else 2
     cfg = altmin_cfg(epsilon=8.0, rounds=rounds, cohorts=Cohorts.DISJOINT)
     result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=0)
-    assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (
-        bug,
-        _bounds(result),
-        result["proven_epsilon"],
-    )
+    assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (bug, _bounds(result), result["proven_epsilon"])
     assert result["gaussian_score"]["mu_lower"] > result["proven_mu"], (bug, result["gaussian_score"])
     print(bug, _bounds(result), result["proven_epsilon"])
 
@@ -345,15 +336,10 @@ def test_canaries_reach_the_separation_their_design_promises():
     result = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0), 4, runs=1)
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * (2 / 3) ** 0.5, rel=1e-6)
     nh = experiment("noisyhead")
-    cfg = config_lib.build(
-        nh.config_type,
-        {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3, "regime": "low-dim", "dim": 5},
-    )
+    cfg = config_lib.build(nh.config_type, {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3, "regime": "low-dim", "dim": 5})
     result = audit_lib.audit(nh, cfg, 9, runs=1)
     p = experiment("noisyhead").canary_design().protocol(cfg, 9)
-    assert result["canary_mu"] == pytest.approx(
-        result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6
-    )
+    assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
     assert "prompt" in result["neighbouring"]
     assert max(_bounds(result)) <= result["proven_epsilon"]
 
@@ -540,12 +526,7 @@ def test_audit_of_a_finished_run_directory_prints_its_ledger_and_reaches_the_rep
     from fedpers.commands.report import run_report
 
     run = tmp_path / "run"
-    assert (
-        main(
-            ["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--out", str(run)]
-        )
-        == 0
-    )
+    assert main(["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--out", str(run)]) == 0
     capsys.readouterr()
     assert main(["audit", str(run), "--canaries", "6", "--runs", "2"]) == 0
     out = capsys.readouterr().out
@@ -600,25 +581,14 @@ def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
     assert len(grids) == 2 and all(len(g.contexts) == 3 and len(g.sent) >= 3 * 3 for g in grids)
     assert flower["runtime"] == "flower" and local["runtime"] == "local"
     assert "through the Flower runtime" in audit_lib.format_audit(flower)
-    assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(
-        local["canary_mu"]
-    )
+    assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(local["canary_mu"])
     for key in ("gaussian_score", "gaussian_score_null"):
         assert flower[key]["mu"] == pytest.approx(local[key]["mu"], rel=1e-5, abs=1e-6), key
         assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
-    assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (
-        local["one_run"]["guesses"],
-        local["one_run"]["correct"],
-    )
+    assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (local["one_run"]["guesses"], local["one_run"]["correct"])
     assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
     with pytest.raises(ValueError, match="steered"):
-        audit_lib.audit(
-            experiment("fedrep"),
-            config_lib.build(experiment("fedrep").config_type, {}),
-            2,
-            placement="steered",
-            flower=opts,
-        )
+        audit_lib.audit(experiment("fedrep"), config_lib.build(experiment("fedrep").config_type, {}), 2, placement="steered", flower=opts)
 
 
 @pytest.mark.slow
