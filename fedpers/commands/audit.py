@@ -85,6 +85,11 @@ class PublishingPrivatizer(Privatizer):
         self.published.append((self.ledger.releases[-1], out.detach().clone()))
         return out
 
+    def correlated_gaussian_sum(self, value: Tensor, **kwargs: Any) -> Tensor:
+        out = super().correlated_gaussian_sum(value, **kwargs)
+        self.published.append((self.ledger.releases[-1], out.detach().clone()))
+        return out
+
 
 PLACEMENTS = ("auto", "orthogonal", "random", "paired", "steered")
 
@@ -372,6 +377,7 @@ def canary_scores(
     k = canaries.count
     llr = torch.zeros(k, dtype=torch.float64)
     gram = torch.zeros(k, k, dtype=torch.float64)
+    streams: dict[str, list[tuple[Release, Tensor, Tensor, Tensor]]] = {}
     for r, released in sorted(by_round.items()):
         specs = protocol.stat_specs(r)
         if len(specs) != len(released):
@@ -400,6 +406,11 @@ def canary_scores(
                         for c in contrib["-"]
                     ]
                 )
+            if release.mechanism == "correlated_gaussian":  # scored with the stream's other rounds, below
+                streams.setdefault(spec.name, []).append(
+                    (release, _released_part(release, value.double()), plus, minus)
+                )
+                continue
             diff = plus - minus
             if release.mechanism == "local_gaussian":
                 # one canary per node (unit id = node): canary i sees its own node's noisy vector, in which
@@ -417,7 +428,45 @@ def canary_scores(
             ) - ((plus + minus) / 2)[:present].sum(0)
             llr += (diff @ centred) / release.noise_std**2
             gram += (diff @ diff.T) / release.noise_std**2
+    for name, stream in streams.items():
+        stream_llr, stream_gram = _decorrelated_scores(protocol, name, stream, present)
+        llr += stream_llr
+        gram += stream_gram
     return CanaryScores(llr, gram)
+
+
+def _decorrelated_scores(
+    protocol: Protocol, name: str, stream: list[tuple[Release, Tensor, Tensor, Tensor]], present: int | None
+) -> tuple[Tensor, Tensor]:
+    """The LLR and gram of a correlated stream (:meth:`~fedpers.privacy.Privatizer.correlated_gaussian_sum`):
+    its T releases are Y = X + σ·C⁻¹Z (rounds stacked, Z i.i.d. N(0, 1)), so CY = CX + σZ is the
+    Gaussian mechanism on CX with independent noise, and the Neyman–Pearson score of canary i is
+    ⟨C(Y − M), C(G⁺_i − G⁻_i)⟩/σ² — the projection of the decorrelated releases on what the canary
+    moves CX by across the rounds it takes part in. (The prefix sums AY carry the same information
+    but correlated noise: projecting them, or the raw releases, without whitening is not the
+    likelihood ratio.) C is the protocol's public strategy, checked against the releases' digest."""
+    correlated = getattr(protocol, "correlated", None)
+    if correlated is None:
+        raise ValueError(f"stream {name!r}: correlated releases from a protocol without a correlated strategy")
+    stream = sorted(stream, key=lambda item: int(item[0].params["step"]))
+    first = stream[0][0]
+    T = int(first.params["horizon"])
+    if [int(item[0].params["step"]) for item in stream] != list(range(T)):
+        raise ValueError(f"stream {name!r}: the audit scores a whole stream; got steps of {T}")
+    if first.params["strategy_digest"] != correlated.strategy.digest():
+        raise ValueError(f"stream {name!r}: released with another strategy than the protocol's")
+    sigma = float(first.noise_std)
+    if sigma <= 0:
+        raise ValueError(f"release {first.name!r} has no noise: nothing to audit (epsilon must be finite)")
+    C = correlated.strategy.matrix(T).to(torch.float64)
+    Y = torch.stack([item[1] for item in stream])  # (T, d)
+    plus = torch.stack([item[2] for item in stream])  # (T, K, d)
+    minus = torch.stack([item[3] for item in stream])
+    centred = C @ (Y - ((plus + minus) / 2)[:, :present].sum(1))
+    diff = torch.einsum("ts,skd->tkd", C, plus - minus)
+    llr = torch.einsum("tkd,td->k", diff, centred) / sigma**2
+    gram = torch.einsum("tkd,tjd->kj", diff, diff) / sigma**2
+    return llr, gram
 
 
 # ----- null slots: the "left-out" law measured on empty coordinates ------------------------------
