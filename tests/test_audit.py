@@ -825,3 +825,19 @@ def test_planted_correlated_noise_mistake_raises_the_bound_above_proven(bug, mon
     result = audit_lib.audit(NOISYGD, _correlated_cfg(steps=12, feature_dim=40), 20, runs=50)
     print(bug, _bounds(result), result["gaussian_score_null"], result["proven_epsilon"])
     assert result["gaussian_score_null"]["epsilon_lower"] > result["proven_epsilon"]
+
+
+@pytest.mark.slow  # a run, then an audit of it
+def test_audit_of_a_local_dp_run_directory_audits_its_trust_model(tmp_path, capsys):
+    """A run made under --dp-model local is audited under local DP (its nodes' noise, as it ran), not
+    under the central mechanism its config would give without its runtime options."""
+    from fedpers.commands.cli import main
+
+    run = tmp_path / "run"
+    args = ["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--accountant", "rdp"]
+    assert main([*args, "--dp-model", "local", "--nodes", "4", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["audit", str(run), "--canaries", "6", "--runs", "2"]) == 0
+    assert "trust model: local DP" in capsys.readouterr().out
+    saved = __import__("json").loads((run / "audit.json").read_text())
+    assert saved["dp_model"] == "local" and saved["proven_epsilon"] == pytest.approx(3.0, rel=1e-2)

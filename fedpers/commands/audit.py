@@ -965,7 +965,8 @@ def audit_run_dir(
     releases: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Audit the configuration a finished run used (its canaries replace the population; everything
-    else as configured), beside the (ε, δ) its own ledger records; written to RUN_DIR/audit.json."""
+    else as configured, its trust model included, on the local runtime), beside the (ε, δ) its own
+    ledger records; written to RUN_DIR/audit.json."""
     import json
     from pathlib import Path
 
@@ -981,11 +982,19 @@ def audit_run_dir(
     name = saved.pop("algorithm", None)
     if name not in ALGORITHMS:
         raise ValueError(f"audit: {path}/config.json names algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
-    saved.pop("runtime", None)
+    options = config_lib.build(RuntimeOptions, saved.pop("runtime", None) or {})
     exp = experiment(name)
     cfg = config_lib.build(exp.config_type, saved)
     result = audit(
-        exp, cfg, canaries, runs=runs, confidence=confidence, seed=seed, placement=placement, releases=releases
+        exp,
+        cfg,
+        canaries,
+        runs=runs,
+        confidence=confidence,
+        seed=seed,
+        placement=placement,
+        releases=releases,
+        node_side=options,  # the run's trust model: distributed or local DP is audited as the nodes ran it
     )
     ledger = privacy_summary(path)
     result["run_dir"] = str(path)
