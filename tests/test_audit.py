@@ -587,8 +587,24 @@ def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
         assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
     assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (local["one_run"]["guesses"], local["one_run"]["correct"])
     assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
-    with pytest.raises(ValueError, match="steered"):
-        audit_lib.audit(experiment("fedrep"), config_lib.build(experiment("fedrep").config_type, {}), 2, placement="steered", flower=opts)
+
+
+
+def test_steered_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
+    """Steered FedRep canaries (each round's data rebuilt from its broadcast, on the nodes) through the
+    Flower runtime's ClientApp on an in-process Grid of 3 nodes: the local runtime's separation, scores
+    and bounds, and G still at its full sensitivity (the steering reached the nodes)."""
+    from fedpers.runtime.options import RuntimeOptions
+    from tests.flower_support import InProcessGrid
+
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3})
+    local = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",))
+    flower = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",), flower=opts, grid=InProcessGrid)
+    assert flower["runtime"] == "flower" and "steered" in flower["placement"]
+    assert flower["canary_mu"] == pytest.approx(local["canary_mu"]) == pytest.approx(local["proven_mu"], rel=1e-6)
+    assert flower["gaussian_score"]["mu"] == pytest.approx(local["gaussian_score"]["mu"], rel=1e-5, abs=1e-6)
+    assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
 
 
 @pytest.mark.slow

@@ -159,21 +159,51 @@ class _RecordingBroadcasts:
         return out
 
 
-def canary_client_app(protocol: Protocol, units: Mapping[str, Tensor]) -> Any:
+class _SteeredNode:
+    """``protocol`` on a node whose canaries' data are rebuilt every round from that round's broadcast
+    (steered placement): ``steered(round, broadcast)`` is the whole population's data for the round,
+    and each client update takes the rows of the units it is asked for. Its repr is the protocol's,
+    so the node's digest check compares the same public protocol; the server never sees this object."""
+
+    def __init__(
+        self, protocol: Protocol, steered: Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]]
+    ) -> None:
+        self._protocol, self._steered = protocol, steered
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._protocol, name)
+
+    def __repr__(self) -> str:
+        return repr(self._protocol)
+
+    def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Mapping[str, Tensor]) -> Any:
+        population = self._steered(round, broadcast)
+        rows = units["ids"].long().cpu()
+        now = {k: v[rows].to(units["ids"].device) for k, v in population.items()}
+        return self._protocol.client_update(round, broadcast, now)
+
+
+def canary_client_app(
+    protocol: Protocol,
+    units: Mapping[str, Tensor],
+    steered: Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]] | None = None,
+) -> Any:
     """A Flower ClientApp whose nodes hold the audit's canaries: the fedpers node side
     (:func:`fedpers.runtime.flower.client.make_client_app`) with a node builder that returns
     ``protocol`` and serves unit ids from ``units``. It lives in this process and reaches the
     simulation's node actors inside the app object only: a deployed node builds its units from
-    its own config and data (:func:`fedpers.app.build_node`) and never holds canaries."""
+    its own config and data (:func:`fedpers.app.build_node`) and never holds canaries.
+    ``steered``: the canaries' data rebuilt every round from its broadcast (:class:`_SteeredNode`)."""
     from fedpers.runtime.flower.client import Node, make_client_app
 
     held = {k: v.detach().clone() for k, v in units.items()}
     count = int(held["ids"].shape[0])
+    node_protocol: Any = protocol if steered is None else _SteeredNode(protocol, steered)
 
     def build(job: Any, data_file: str) -> Node:
         if data_file:
             raise ValueError("an audit's canary nodes read no data file")
-        return Node(protocol, lambda ids: {k: v[ids.to(v.device)] for k, v in held.items()}, num_units=count)
+        return Node(node_protocol, lambda ids: {k: v[ids.to(v.device)] for k, v in held.items()}, num_units=count)
 
     return make_client_app(build)
 
@@ -187,6 +217,7 @@ def run_published_flower(
     options: Any,
     nonce: int,
     grid: Any = None,
+    steered: Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]] | None = None,
 ) -> tuple[Published, Ledger]:
     """:func:`run_published` through the Flower runtime: the server loop of
     :func:`fedpers.runtime.flower.simulation.run_flower` (a simulation on Ray, or ``grid`` when
@@ -201,7 +232,7 @@ def run_published_flower(
     count = int(units["ids"].shape[0])
     run_options = dataclasses.replace(options, nodes=min(int(options.nodes), count), users_per_node=0)
     server: Any = _RecordingBroadcasts(protocol, broadcasts)
-    app = canary_client_app(protocol, units)
+    app = canary_client_app(protocol, units, steered)
     run_flower(
         job,
         count,
@@ -582,10 +613,6 @@ def audit(
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
     if placement == "steered" and design.steer is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no steered placement")
-    if flower is not None and placement == "steered":
-        raise ValueError(
-            "placement: steered canaries change their data every round; the Flower runtime's nodes hold fixed data"
-        )
     if placement == "random" and design.random_canaries is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
     if node_side is not None and node_side.dp_model is DpModel.CENTRAL:
@@ -631,13 +658,21 @@ def audit(
             only,
             placement,
             0 if random or not null_slots else min(capacity - canaries, NULL_SLOTS_PER_RUN),
-            (lambda run, units, privatizer: run_published_nodes(protocol, units, privatizer))
+            (lambda run, units, privatizer, steered: run_published_nodes(protocol, units, privatizer))
             if node_side is not None
             else None
             if flower is None
             else (
-                lambda run, units, privatizer: run_published_flower(
-                    exp, cfg, protocol, units, privatizer, flower, derived_seed(seed, f"audit-flower-{run}"), grid
+                lambda run, units, privatizer, steered: run_published_flower(
+                    exp,
+                    cfg,
+                    protocol,
+                    units,
+                    privatizer,
+                    flower,
+                    derived_seed(seed, f"audit-flower-{run}"),
+                    grid,
+                    steered,
                 )
             ),
             None if node_side is None else node_options,
@@ -661,7 +696,16 @@ def _audit_runs(
     only: frozenset[str] | None = None,
     placement: str = "orthogonal",
     spare: int = 0,
-    through: Callable[[int, Mapping[str, Tensor], PublishingPrivatizer], tuple[Published, Ledger]] | None = None,
+    through: Callable[
+        [
+            int,
+            Mapping[str, Tensor],
+            PublishingPrivatizer,
+            Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]] | None,
+        ],
+        tuple[Published, Ledger],
+    ]
+    | None = None,
     node_options: RuntimeOptions | None = None,
 ) -> dict[str, Any]:
     paired = placement == "paired"
@@ -683,15 +727,11 @@ def _audit_runs(
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
         steer = _bound_steer(design, protocol, slots) if placement == "steered" else None
+        steered = None if steer is None else _steered_units(steer, included, canaries)
         if through is not None:
-            published, ledger = through(run, cans.units(included), privatizer)
+            published, ledger = through(run, cans.units(included), privatizer, steered)
         else:
-            published, ledger = run_published(
-                protocol,
-                cans.units(included),
-                privatizer,
-                None if steer is None else _steered_units(steer, included, canaries),
-            )
+            published, ledger = run_published(protocol, cans.units(included), privatizer, steered)
         every = canary_scores(protocol, published, slots, only, steer, present=canaries)
         scored = CanaryScores(every.llr[:canaries], every.gram[:canaries, :canaries])
         scores.append(scored.llr)
