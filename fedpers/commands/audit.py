@@ -171,7 +171,10 @@ class _SteeredNode:
         self._protocol, self._steered = protocol, steered
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._protocol, name)
+        protocol = self.__dict__.get("_protocol")  # absent while unpickling on a node actor: no recursion
+        if protocol is None:
+            raise AttributeError(name)
+        return getattr(protocol, name)
 
     def __repr__(self) -> str:
         return repr(self._protocol)
