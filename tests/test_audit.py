@@ -854,3 +854,18 @@ def test_audit_of_a_local_dp_run_directory_audits_its_trust_model(tmp_path, caps
     assert "trust model: local DP" in capsys.readouterr().out
     saved = __import__("json").loads((run / "audit.json").read_text())
     assert saved["dp_model"] == "local" and saved["proven_epsilon"] == pytest.approx(3.0, rel=1e-2)
+
+
+@pytest.mark.slow
+def test_steered_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bounds():
+    """Steered FedRep canaries through Flower's simulation engine on Ray (2 node actors: the steering
+    object is pickled into them with the ClientApp) give the local runtime's bounds for one seed."""
+    from fedpers.runtime.options import RuntimeOptions
+
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
+    local = audit_lib.audit(FEDREP, cfg, 4, runs=1, placement="steered", releases=("G",))
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2, "client_cpus": 1.0})
+    flower = audit_lib.audit(FEDREP, cfg, 4, runs=1, placement="steered", releases=("G",), flower=opts)
+    assert flower["runtime"] == "flower"
+    assert flower["gaussian_score"]["mu"] == pytest.approx(local["gaussian_score"]["mu"], rel=1e-5, abs=1e-6)
+    assert _bounds(flower) == pytest.approx(_bounds(local), abs=1e-9)
