@@ -863,9 +863,9 @@ def test_steered_audit_through_the_flower_simulation_on_ray_gives_the_local_runt
     from fedpers.runtime.options import RuntimeOptions
 
     cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
-    local = audit_lib.audit(FEDREP, cfg, 4, runs=1, placement="steered", releases=("G",))
+    local = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",))
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2, "client_cpus": 1.0})
-    flower = audit_lib.audit(FEDREP, cfg, 4, runs=1, placement="steered", releases=("G",), flower=opts)
+    flower = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",), flower=opts)
     assert flower["runtime"] == "flower"
     assert flower["gaussian_score"]["mu"] == pytest.approx(local["gaussian_score"]["mu"], rel=1e-5, abs=1e-6)
     assert _bounds(flower) == pytest.approx(_bounds(local), abs=1e-9)
