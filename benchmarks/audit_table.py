@@ -5,7 +5,10 @@
 
 RELEASES: statistic names joined by "+" (e.g. W+b): only those releases are scored, against the
 proven ε of those releases alone ("" or "all": every release). KEY=VALUE: config fields (e.g.
-dim=40: more coordinates, so the design has empty slots for the null-slot bound).
+dim=40: more coordinates, so the design has empty slots for the null-slot bound), or runtime fields
+(dp_model=distributed, bits=16, nodes=8, min_nodes=2; dp_model=local): the nodes add the noise,
+simulated exactly. For Skellam releases the proven column gives the Gaussian of the same variance
+and sensitivity in brackets (μ_eq), the proven ε being the Skellam RDP bound's.
 
 Each row: ≈1,000 canary trials (canaries per run × runs), the algorithm's defaults otherwise,
 seed 0; wall time of the audit itself (one process, one thread). With ``--seeds A-B`` one row per
@@ -14,6 +17,7 @@ ratio to the proven ε."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -21,6 +25,9 @@ from typing import Any
 from fedpers import config as config_lib
 from fedpers.commands.audit import audit
 from fedpers.experiments import experiment
+from fedpers.runtime.options import RuntimeOptions
+
+RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeOptions)}
 
 DEFAULTS = {  # canaries per run (the design's orthogonal capacity at the defaults), runs
     "altmin": (10, 100, {}),
@@ -56,11 +63,14 @@ def audit_spec(spec: str, seed: int = 0) -> tuple[str, dict[str, Any], float]:
     releases = tuple(rest[3].split("+")) if len(rest) > 3 and rest[3] not in ("", "all") else None
     fields = dict(kv.split("=", 1) for kv in rest[4].split(",")) if len(rest) > 4 and rest[4] else {}
     exp = experiment(name)
+    runtime = {k_: _value(v) for k_, v in fields.items() if k_ in RUNTIME_FIELDS}
     cfg = config_lib.build(
-        exp.config_type, {**extra, **{k_: _value(v) for k_, v in fields.items()}, "epsilon": float(eps)}
+        exp.config_type,
+        {**extra, **{k_: _value(v) for k_, v in fields.items() if k_ not in RUNTIME_FIELDS}, "epsilon": float(eps)},
     )
+    options = config_lib.build(RuntimeOptions, runtime) if runtime else None
     start = time.perf_counter()
-    r = audit(exp, cfg, k, runs=runs, seed=seed, placement=placement, releases=releases)
+    r = audit(exp, cfg, k, runs=runs, seed=seed, placement=placement, releases=releases, node_side=options)
     took = time.perf_counter() - start
     label = name + (f" ({placement} placement)" if placement not in ("auto", "orthogonal") else "")
     if releases is not None:
@@ -75,8 +85,9 @@ def row(spec: str, seed: int = 0) -> tuple[str, float]:
     g, n = r["gaussian_score"], r.get("gaussian_score_null")
     null = "—" if n is None else f"{n['epsilon_lower']:.2f} (μ̂ {n['mu']:.3f}; {n['null_scores']} slots)"
     best = n or g
+    mu = f"μ {r['proven_mu']:.3f}" if r["proven_mu"] is not None else f"Skellam, μ_eq {r['skellam_gaussian_mu']:.3f}"
     line = (
-        f"| {label}{f' seed {seed}' if seed else ''} | {r['proven_epsilon']:.3g} (μ {r['proven_mu']:.3f}) | {r['canary_mu']:.3f} | "
+        f"| {label}{f' seed {seed}' if seed else ''} | {r['proven_epsilon']:.3g} ({mu}) | {r['canary_mu']:.3f} | "
         f"{r['epsilon_lower']:.2f} | {r['independent_gdp']['epsilon_lower']:.2f} | {g['epsilon']:.2f} (μ̂ {g['mu']:.3f}) | "
         f"{g['epsilon_lower']:.2f} | {null} | {r['trials']} ({r['canaries_per_run']} × {r['runs']}) | {took:.0f} s |"
     )

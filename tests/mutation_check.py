@@ -203,6 +203,21 @@ MUTATIONS.update({
         'tuner = Privatizer(derived_seed(seed, "tuning"))',
         "tests/test_tuning.py",
     ),
+    # ----- the nodes' noise (distributed and local DP), which the audit of those trust models scores -----
+    "Skellam noise shares sized for all nodes while min_nodes < nodes are required": (
+        "fedpers/runtime/distributed.py",
+        "dist.noise_share(enc, plan.min_nodes, generator)",
+        "dist.noise_share(enc, plan.nodes, generator)",
+        "tests/test_distributed.py",
+        "tests/test_audit.py",
+    ),
+    "local DP noise at half its scale": (
+        "fedpers/runtime/distributed.py",
+        "rows[s.name], plan.noise_multiplier * enc.bound, generator, privatizer.secure",
+        "rows[s.name], plan.noise_multiplier * enc.bound / 2, generator, privatizer.secure",
+        "tests/test_distributed.py",
+        "tests/test_audit.py",
+    ),
 })
 
 def failing_tests(tree: Path, first: tuple[str, ...] = ()) -> list[str]:

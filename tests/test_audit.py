@@ -20,6 +20,7 @@ from fedpers.experiments import experiment
 from fedpers.experiments.fedrep import fedrep_init_fraction
 from fedpers.privacy import Privatizer
 from fedpers.privacy import audit as audit_math
+from fedpers.privacy.ledger import ALL_UNITS
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
 
@@ -438,8 +439,8 @@ def test_noisygd_canaries_reach_their_promised_separation():
     result = audit_lib.audit(NOISYGD, dataclasses.replace(cfg, steps=30), 12, runs=1)
     assert 0.8 * result["proven_mu"] < result["canary_mu"] <= result["proven_mu"] * (1 + 1e-5)
     assert "example" in result["neighbouring"]
-    with pytest.raises(ValueError, match="cohorts/noise/clip_rule"):
-        audit_lib.audit(NOISYGD, dataclasses.replace(cfg, cohorts="cyclic", cycle=2), 4)
+    with pytest.raises(ValueError, match="clip_rule"):
+        audit_lib.audit(NOISYGD, dataclasses.replace(cfg, clip_rule="adaptive"), 4)
 
 
 @pytest.mark.slow
@@ -586,8 +587,24 @@ def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
         assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
     assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (local["one_run"]["guesses"], local["one_run"]["correct"])
     assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
-    with pytest.raises(ValueError, match="steered"):
-        audit_lib.audit(experiment("fedrep"), config_lib.build(experiment("fedrep").config_type, {}), 2, placement="steered", flower=opts)
+
+
+
+def test_steered_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
+    """Steered FedRep canaries (each round's data rebuilt from its broadcast, on the nodes) through the
+    Flower runtime's ClientApp on an in-process Grid of 3 nodes: the local runtime's separation, scores
+    and bounds, and G still at its full sensitivity (the steering reached the nodes)."""
+    from fedpers.runtime.options import RuntimeOptions
+    from tests.flower_support import InProcessGrid
+
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3})
+    local = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",))
+    flower = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",), flower=opts, grid=InProcessGrid)
+    assert flower["runtime"] == "flower" and "steered" in flower["placement"]
+    assert flower["canary_mu"] == pytest.approx(local["canary_mu"]) == pytest.approx(local["proven_mu"], rel=1e-6)
+    assert flower["gaussian_score"]["mu"] == pytest.approx(local["gaussian_score"]["mu"], rel=1e-5, abs=1e-6)
+    assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
 
 
 @pytest.mark.slow
@@ -603,4 +620,252 @@ def test_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bou
     assert flower["runtime"] == "flower"
     for key in ("gaussian_score", "gaussian_score_null"):
         assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
+    assert _bounds(flower) == pytest.approx(_bounds(local), abs=1e-9)
+
+
+# ----- distributed and local DP: the nodes add the noise -----------------------------------------
+def _node_options(model, **values):
+    from fedpers.runtime.options import RuntimeOptions
+
+    return config_lib.build(RuntimeOptions, {"dp_model": model, "bits": 16, "nodes": 4, **values})
+
+
+@pytest.mark.parametrize("model", ["distributed", "local"])
+def test_node_side_audit_scores_what_the_server_sees_and_reaches_the_nodes_mechanism(model):
+    """Under distributed DP the scorer gets each release's decoded modular sum (its noise: the nodes'
+    Skellam shares and rounding, std the recorded σ with 2 of 4 nodes' shares required, so shares sized
+    for all 4 would show at 1/√2); under local DP each canary's own node vector (one canary per node),
+    its own noise of σ = z·B (noise at half its scale would show). AltMin's W and b canaries then separate by
+    exactly the nodes' mechanism: local, the proven μ (the per-unit Gaussian of Δ = 2B, the central
+    z); distributed, sqrt(Σ (2·B·s)²/V), V the Skellam variance in integer units."""
+    from fedpers.privacy.distributed import flatten
+
+    cfg = altmin_cfg(epsilon=4.0, dim=20, accountant="rdp")  # RDP: the PLD accounting would take most of the time
+    design = ALTMIN.canary_design()
+    options = _node_options(model, min_nodes=2 if model == "distributed" else 0)
+    protocol, _, make = audit_lib.node_side_plan(design, cfg, 8, options)
+    cans = design.canaries(protocol, torch.Generator().manual_seed(0), 8)
+    units = cans.units(torch.arange(8) % 2 == 0)
+    published, ledger = audit_lib.run_published_nodes(protocol, units, make(3))
+    assert len(published.releases) == len(ledger) == 1 + 2 * protocol.rounds
+    at: dict[int, int] = {}
+    expected: dict[str, float] = {}  # Σ (2·B·s)²/V over W and b, by the cohort a release touches
+    noises = []
+    for release, value in published.releases:
+        r = release.round
+        spec = protocol.stat_specs(r)[at.setdefault(r, 0)]
+        at[r] += 1
+        one = [
+            client_message(protocol, r, published.broadcasts[r], {k: v[i : i + 1] for k, v in units.items()})
+            for i in range(8)
+        ]
+        rows = torch.stack([flatten(m.stats[spec.name].unsqueeze(0), spec.shape, spec.symmetric)[0] for m in one])
+        if model == "local":
+            assert value.shape == rows.shape  # one noisy vector per node, none summed before the scorer
+            sent = torch.tensor([m.count > 0 for m in one])  # a node whose canary is not in the round's cohort sends 0
+            noise = (value - rows)[sent] / release.noise_std
+            assert release.mechanism == "local_gaussian" and release.noise_std == pytest.approx(
+                protocol_z(ledger) * spec.per_unit_bound
+            )
+        else:
+            noise = (flatten(value.unsqueeze(0), spec.shape, spec.symmetric)[0] - rows.sum(0)) / release.noise_std
+            assert release.mechanism == "skellam_distributed"
+            if spec.name in ("W", "b"):
+                term = (2 * release.per_unit_bound * release.params["scale"]) ** 2 / release.event.variance
+                expected[release.units] = expected.get(release.units, 0.0) + term
+        noises.append(noise.flatten())
+    assert 0.93 < float(torch.cat(noises).std()) < 1.07 and torch.cat(noises).numel() > 1500
+    result = audit_lib.audit(ALTMIN, cfg, 8, runs=1, releases=("W", "b"), node_side=options)
+    assert result["dp_model"] == model and f"trust model: {model} DP" in audit_lib.format_audit(result)
+    if model == "local":
+        assert result["canary_mu"] == pytest.approx(result["proven_mu"], rel=1e-9)
+    else:
+        every = expected.pop(ALL_UNITS)  # W: every canary; b: its own cohort's round only
+        assert result["proven_mu"] is None and result["canary_mu"] == pytest.approx(
+            (every + max(expected.values())) ** 0.5, rel=1e-9
+        )
+        assert result["canary_mu"] <= result["skellam_gaussian_mu"] <= 1.05 * result["canary_mu"]
+
+
+def protocol_z(ledger):
+    return next(iter(ledger)).event.noise_multiplier
+
+
+@pytest.mark.slow
+def test_local_dp_audit_finds_the_proven_mu_and_catches_noise_at_half_its_scale(monkeypatch):
+    """Local DP, AltMin's W and b (5 canaries, each on its node, 15 empty slots, 12 runs): the
+    null-slot estimate is within 4 standard errors of the proven μ; with each unit's local noise at
+    half its scale (ledger unchanged) its lower bound exceeds it."""
+    from fedpers.privacy import distributed as dist
+
+    cfg = altmin_cfg(epsilon=5.0, dim=20)
+    honest = audit_lib.audit(ALTMIN, cfg, 5, runs=12, releases=("W", "b"), node_side=_node_options("local"))
+    null = honest["gaussian_score_null"]
+    assert null["n_in"] == 60 and null["null_scores"] == 180
+    assert abs(null["mu"] - honest["proven_mu"]) < 4 * (1 / 60 + 1 / 180) ** 0.5
+    original = dist.local_gaussian
+    monkeypatch.setattr(dist, "local_gaussian", lambda x, std, g, secure: original(x, std / 2, g, secure))
+    bugged = audit_lib.audit(ALTMIN, cfg, 5, runs=12, releases=("W", "b"), node_side=_node_options("local"))
+    assert bugged["gaussian_score_null"]["mu_lower"] > bugged["proven_mu"]
+
+
+def test_node_side_audit_refuses_what_it_cannot_simulate():
+    with pytest.raises(ValueError, match="drop --runtime flower"):
+        audit_lib.audit(
+            ALTMIN, altmin_cfg(), 4, node_side=_node_options("local"), flower=_node_options("local", runtime="flower")
+        )
+    with pytest.raises(ValueError, match="node_dropout"):
+        audit_lib.audit(ALTMIN, altmin_cfg(), 4, node_side=_node_options("distributed", node_dropout=0.1))
+    with pytest.raises(ValueError, match="min_nodes must be at most"):
+        audit_lib.audit(ALTMIN, altmin_cfg(), 3, node_side=_node_options("distributed", min_nodes=4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["distributed", "local"])
+@pytest.mark.parametrize("name, k, runs, values", [("altmin", 10, 100, {"dim": 40}), ("fedrep", 8, 125, {})])
+def test_honest_node_side_audits_stay_below_proven(name, k, runs, values, model):
+    """1,000 trials at proven ε = 4, seed 0: no non-parametric bound and no Gaussian-score lower bound
+    (in/out or null-slot) exceeds the proven ε of the nodes' mechanism (Skellam: its RDP bound)."""
+    exp = experiment(name)
+    cfg = config_lib.build(exp.config_type, {"epsilon": 4.0, **values})
+    result = audit_lib.audit(exp, cfg, k, runs=runs, node_side=_node_options(model))
+    print(
+        name, model, _bounds(result), result["gaussian_score"], result["gaussian_score_null"], result["proven_epsilon"]
+    )
+    assert max(_bounds(result)) <= result["proven_epsilon"]
+    for key in ("gaussian_score", "gaussian_score_null"):
+        if result[key] is not None:
+            assert result[key]["epsilon_lower"] <= result["proven_epsilon"], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["shares_for_all_nodes", "local_half_scale"])
+def test_planted_node_side_mistake_raises_the_bound_above_proven(bug, monkeypatch):
+    """Skellam shares sized V/nodes while the ledger counts V/min_nodes per share (min_nodes = nodes/4:
+    a quarter of the recorded variance), or local noise at half its scale: AltMin at ε = 4, d = 20,
+    10 canaries and 10 empty slots × 30 runs — the null-slot Gaussian-score ε lower bound exceeds the
+    proven ε (the non-parametric bounds need more trials than these 300). With 8 of 8 nodes surviving
+    the ledger records 4V, so the proven ε is ≈ 1.8 there."""
+    from fedpers.privacy import distributed as dist
+
+    if bug == "shares_for_all_nodes":
+        options = _node_options("distributed", nodes=8, min_nodes=2)
+        monkeypatch.setattr(
+            dist, "noise_share", lambda enc, m, g: dist.skellam_noise((enc.padded,), enc.variance / 8, g)
+        )
+    else:
+        options = _node_options("local")
+        original = dist.local_gaussian
+        monkeypatch.setattr(dist, "local_gaussian", lambda x, std, g, secure: original(x, std / 2, g, secure))
+    result = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0, dim=20), 10, runs=30, node_side=options)
+    print(bug, _bounds(result), result["gaussian_score_null"], result["proven_epsilon"])
+    assert result["gaussian_score_null"]["epsilon_lower"] > result["proven_epsilon"]
+
+
+# ----- correlated noise: a stream scored on its decorrelated releases -----------------------------
+def _correlated_cfg(**values):
+    base = {"epsilon": 4.0, "steps": 4, "cohorts": "cyclic", "cycle": 2, "noise": "banded", "feature_dim": 20, "classes": 4, "accountant": "rdp"}
+    return config_lib.build(NOISYGD.config_type, {**base, **values})
+
+
+def test_correlated_stream_is_scored_on_its_decorrelated_releases():
+    """NoisyGD with banded noise over 2 cyclic cohorts: the published steps carry noise σ·C⁻¹z, so the
+    raw steps' noise is correlated across steps while C·(Y − X)/σ is i.i.d. N(0, 1) — the form the
+    scorer projects on. The canaries (each in its cohort's steps) separate by at most the proven μ of
+    the joint mechanism on Cx and, their gradients keeping their direction, by nearly all of it."""
+    cfg = _correlated_cfg()
+    design = NOISYGD.canary_design()
+    protocol = design.protocol(cfg, 12)
+    cans = design.canaries(protocol, torch.Generator().manual_seed(0), 12)
+    units = cans.units(torch.arange(12) % 2 == 0)
+    published, ledger = audit_lib.run_published(protocol, units, audit_lib.PublishingPrivatizer(5))
+    stream = [(r, v) for r, v in published.releases if r.mechanism == "correlated_gaussian"]
+    assert [int(r.params["step"]) for r, _ in stream] == [0, 1, 2, 3]
+    noise = torch.stack(
+        [(v - client_message(protocol, r.round, published.broadcasts[r.round], units).stats["grad"]).double().flatten() for r, v in stream]
+    ) / stream[0][0].noise_std
+    C = protocol.correlated.strategy.matrix(4).double()
+    white = C @ noise
+    assert 0.9 < float(white.std()) < 1.1 and abs(float((white[0] * white[1]).mean())) < 0.2
+    assert float((noise[0] * noise[1]).mean()) < -0.2  # the raw steps' noise is not independent
+    result = audit_lib.audit(NOISYGD, cfg, 12, runs=1)
+    assert 0.8 * result["proven_mu"] < result["canary_mu"] <= result["proven_mu"] * (1 + 1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, noise", [("noisygd", "banded"), ("noisygd", "blt"), ("fedrep", "banded")])
+def test_honest_correlated_noise_audits_stay_below_proven(name, noise):
+    """About 1,000 trials at proven ε = 4 with 2 cyclic cohorts, seed 0: no bound exceeds the proven ε."""
+    if name == "noisygd":
+        cfg, k, runs = _correlated_cfg(noise=noise, steps=12, feature_dim=40), 20, 50
+    else:
+        cfg = config_lib.build(FEDREP.config_type, {"epsilon": 4.0, "cohorts": "cyclic", "cycle": 2, "noise": noise, "dim": 120})
+        k, runs = 10, 100
+    result = audit_lib.audit(experiment(name), cfg, k, runs=runs)
+    print(name, noise, _bounds(result), result["gaussian_score"], result["gaussian_score_null"], result["proven_epsilon"])
+    assert max(_bounds(result)) <= result["proven_epsilon"]
+    for key in ("gaussian_score", "gaussian_score_null"):
+        if result[key] is not None:
+            assert result[key]["epsilon_lower"] <= result["proven_epsilon"], key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["half_scale", "single_participation"])
+def test_planted_correlated_noise_mistake_raises_the_bound_above_proven(bug, monkeypatch):
+    """NoisyGD, banded noise over 2 cyclic cohorts, 12 steps, ε = 4, 20 canaries × 50 runs: with the
+    stream's noise at half its scale (ledger unchanged), or its sensitivity computed for one
+    participation while a user takes part in every other step, the null-slot ε lower bound exceeds
+    the proven ε."""
+    from fedpers.privacy import correlated
+
+    if bug == "half_scale":
+        original = Privatizer._perturb
+
+        def perturb(self, release, value, noise):
+            return original(self, dataclasses.replace(release, noise_std=release.noise_std / 2), value, noise)
+
+        monkeypatch.setattr(Privatizer, "_perturb", perturb)
+    else:
+        honest = correlated.sensitivity
+
+        def first_only(C, patterns):
+            one = torch.zeros_like(patterns)
+            first = patterns.float().argmax(dim=1)
+            one[torch.arange(patterns.shape[0]), first] = 1
+            return honest(C, one)
+
+        monkeypatch.setattr(correlated, "sensitivity", first_only)
+    result = audit_lib.audit(NOISYGD, _correlated_cfg(steps=12, feature_dim=40), 20, runs=50)
+    print(bug, _bounds(result), result["gaussian_score_null"], result["proven_epsilon"])
+    assert result["gaussian_score_null"]["epsilon_lower"] > result["proven_epsilon"]
+
+
+@pytest.mark.slow  # a run, then an audit of it
+def test_audit_of_a_local_dp_run_directory_audits_its_trust_model(tmp_path, capsys):
+    """A run made under --dp-model local is audited under local DP (its nodes' noise, as it ran), not
+    under the central mechanism its config would give without its runtime options."""
+    from fedpers.commands.cli import main
+
+    run = tmp_path / "run"
+    args = ["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--accountant", "rdp"]
+    assert main([*args, "--dp-model", "local", "--nodes", "4", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["audit", str(run), "--canaries", "6", "--runs", "2"]) == 0
+    assert "trust model: local DP" in capsys.readouterr().out
+    saved = __import__("json").loads((run / "audit.json").read_text())
+    assert saved["dp_model"] == "local" and saved["proven_epsilon"] == pytest.approx(3.0, rel=1e-2)
+
+
+@pytest.mark.slow
+def test_steered_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bounds():
+    """Steered FedRep canaries through Flower's simulation engine on Ray (2 node actors: the steering
+    object is pickled into them with the ClientApp) give the local runtime's bounds for one seed."""
+    from fedpers.runtime.options import RuntimeOptions
+
+    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
+    local = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",))
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2, "client_cpus": 1.0})
+    flower = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",), flower=opts)
+    assert flower["runtime"] == "flower"
+    assert flower["gaussian_score"]["mu"] == pytest.approx(local["gaussian_score"]["mu"], rel=1e-5, abs=1e-6)
     assert _bounds(flower) == pytest.approx(_bounds(local), abs=1e-9)

@@ -182,7 +182,7 @@ def audit_canaries(protocol: ToyMeanProtocol, generator: torch.Generator, count:
 
 
 CANARY_DESIGN = CanaryDesign(
-    protocol=lambda cfg, k: make_protocol(replace(cfg, n_users=k)),
+    protocol=lambda cfg, k, calibrations=None: make_protocol(replace(cfg, n_users=k), calibrations),
     capacity=lambda protocol: protocol.dim,
     canaries=audit_canaries,
     releases="every round's sum",

@@ -25,23 +25,34 @@ user with different data). See docs/audit.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import dp_accounting
 import torch
 
+from fedpers.config import DpModel
 from fedpers.data.units import UnitSource
 from fedpers.experiments.base import Experiment, derived_seed
 from fedpers.experiments.hooks import Canaries, CanaryDesign
 from fedpers.privacy import Ledger, Privatizer, Release, ledger_epsilon
 from fedpers.privacy import accountant as accountant_lib
 from fedpers.privacy import audit as audit_math
-from fedpers.protocols.base import Protocol, client_message
+from fedpers.privacy.distributed import (
+    DistributedPlan,
+    DistributedPrivatizer,
+    LocalPrivatizer,
+    NodeSidePrivatizer,
+    flatten,
+)
+from fedpers.privacy.ledger import SkellamDpEvent
+from fedpers.protocols.base import Protocol, StatSpec, client_message
 from fedpers.runtime.driver import ClientReply, drive
+from fedpers.runtime.options import RuntimeOptions
 
 Tensor = torch.Tensor
 
@@ -71,6 +82,11 @@ class PublishingPrivatizer(Privatizer):
 
     def symmetric_gaussian_sum(self, value: Tensor, **kwargs: Any) -> Tensor:
         out = super().symmetric_gaussian_sum(value, **kwargs)
+        self.published.append((self.ledger.releases[-1], out.detach().clone()))
+        return out
+
+    def correlated_gaussian_sum(self, value: Tensor, **kwargs: Any) -> Tensor:
+        out = super().correlated_gaussian_sum(value, **kwargs)
         self.published.append((self.ledger.releases[-1], out.detach().clone()))
         return out
 
@@ -143,21 +159,54 @@ class _RecordingBroadcasts:
         return out
 
 
-def canary_client_app(protocol: Protocol, units: Mapping[str, Tensor]) -> Any:
+class _SteeredNode:
+    """``protocol`` on a node whose canaries' data are rebuilt every round from that round's broadcast
+    (steered placement): ``steered(round, broadcast)`` is the whole population's data for the round,
+    and each client update takes the rows of the units it is asked for. Its repr is the protocol's,
+    so the node's digest check compares the same public protocol; the server never sees this object."""
+
+    def __init__(
+        self, protocol: Protocol, steered: Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]]
+    ) -> None:
+        self._protocol, self._steered = protocol, steered
+
+    def __getattr__(self, name: str) -> Any:
+        protocol = self.__dict__.get("_protocol")  # absent while unpickling on a node actor: no recursion
+        if protocol is None:
+            raise AttributeError(name)
+        return getattr(protocol, name)
+
+    def __repr__(self) -> str:
+        return repr(self._protocol)
+
+    def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Mapping[str, Tensor]) -> Any:
+        population = self._steered(round, broadcast)
+        rows = units["ids"].long().cpu()
+        now = {k: v[rows].to(units["ids"].device) for k, v in population.items()}
+        return self._protocol.client_update(round, broadcast, now)
+
+
+def canary_client_app(
+    protocol: Protocol,
+    units: Mapping[str, Tensor],
+    steered: Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]] | None = None,
+) -> Any:
     """A Flower ClientApp whose nodes hold the audit's canaries: the fedpers node side
     (:func:`fedpers.runtime.flower.client.make_client_app`) with a node builder that returns
     ``protocol`` and serves unit ids from ``units``. It lives in this process and reaches the
     simulation's node actors inside the app object only: a deployed node builds its units from
-    its own config and data (:func:`fedpers.app.build_node`) and never holds canaries."""
+    its own config and data (:func:`fedpers.app.build_node`) and never holds canaries.
+    ``steered``: the canaries' data rebuilt every round from its broadcast (:class:`_SteeredNode`)."""
     from fedpers.runtime.flower.client import Node, make_client_app
 
     held = {k: v.detach().clone() for k, v in units.items()}
     count = int(held["ids"].shape[0])
+    node_protocol: Any = protocol if steered is None else _SteeredNode(protocol, steered)
 
     def build(job: Any, data_file: str) -> Node:
         if data_file:
             raise ValueError("an audit's canary nodes read no data file")
-        return Node(protocol, lambda ids: {k: v[ids.to(v.device)] for k, v in held.items()}, num_units=count)
+        return Node(node_protocol, lambda ids: {k: v[ids.to(v.device)] for k, v in held.items()}, num_units=count)
 
     return make_client_app(build)
 
@@ -171,14 +220,13 @@ def run_published_flower(
     options: Any,
     nonce: int,
     grid: Any = None,
+    steered: Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]] | None = None,
 ) -> tuple[Published, Ledger]:
     """:func:`run_published` through the Flower runtime: the server loop of
     :func:`fedpers.runtime.flower.simulation.run_flower` (a simulation on Ray, or ``grid`` when
     given: ``grid(client_app, nodes)`` makes it), the canaries on its nodes (:func:`canary_client_app`). ``nonce`` makes this run's job
     differ from the last one's, so a node process that served an earlier run (it caches its units
     by job) loads this run's canaries."""
-    import dataclasses
-
     from fedpers.app import flower_job
     from fedpers.runtime.flower.simulation import run_flower
 
@@ -187,7 +235,7 @@ def run_published_flower(
     count = int(units["ids"].shape[0])
     run_options = dataclasses.replace(options, nodes=min(int(options.nodes), count), users_per_node=0)
     server: Any = _RecordingBroadcasts(protocol, broadcasts)
-    app = canary_client_app(protocol, units)
+    app = canary_client_app(protocol, units, steered)
     run_flower(
         job,
         count,
@@ -199,6 +247,101 @@ def run_published_flower(
         client_app=app,
     )
     return Published(tuple(broadcasts), tuple(privatizer.published)), privatizer.ledger
+
+
+# ----- distributed and local DP: the nodes add the noise ------------------------------------------
+NODE_SIDE_MECHANISMS = ("skellam_distributed", "local_gaussian")
+"""Ledger mechanisms of releases the nodes noised (:mod:`fedpers.privacy.distributed`)."""
+
+
+class PublishingDistributedPrivatizer(PublishingPrivatizer, DistributedPrivatizer):
+    """Distributed DP's server side, keeping a copy of each decoded sum it releases: the modular sum of
+    the nodes' rounded vectors and Skellam shares, centred, un-rotated and un-scaled — all that secure
+    aggregation lets the server see. The nodes' noise is theirs, unchanged."""
+
+    def __init__(self, seed: int, plan: DistributedPlan) -> None:
+        DistributedPrivatizer.__init__(self, seed, plan)
+        self.published = []
+
+
+class PublishingLocalPrivatizer(PublishingPrivatizer, LocalPrivatizer):
+    """Local DP's server side, keeping a copy of each summed release (the audit replaces it by the
+    nodes' own noisy vectors, which the server receives in the clear: :func:`run_published_nodes`)."""
+
+    def __init__(self, seed: int, plan: DistributedPlan) -> None:
+        LocalPrivatizer.__init__(self, seed, plan)
+        self.published = []
+
+
+def run_published_nodes(
+    protocol: Protocol, units: Mapping[str, Tensor], privatizer: PublishingPrivatizer
+) -> tuple[Published, Ledger]:
+    """:func:`run_published` with the nodes simulated exactly (:func:`fedpers.runtime.distributed.run_local_nodes`:
+    each unit's clipped contribution encoded and noised on its node). What is published is what the
+    server sees: under distributed DP each release's decoded modular sum; under local DP each node's
+    own noisy vector (a (nodes, d) tensor per release, in the statistic's flat form: the upper triangle
+    of a symmetric one), the sum of them being post-processing."""
+    from fedpers.runtime.distributed import run_local_nodes
+
+    if not isinstance(privatizer, NodeSidePrivatizer):
+        raise ValueError("run_published_nodes: the privatizer must be a node-side one (distributed or local DP)")
+    broadcasts: list[dict[str, Tensor]] = []
+    seen: dict[tuple[int, str], Tensor] = {}
+    total = privatizer.plan.nodes
+
+    def observe(round: int, name: str, vectors: Tensor, nodes: Sequence[int]) -> None:
+        rows = torch.full((total, vectors.shape[1]), float("nan"), dtype=torch.float64)
+        rows[torch.tensor(list(nodes), dtype=torch.long)] = vectors.double()
+        seen[(round, name)] = rows
+
+    server: Any = _RecordingBroadcasts(protocol, broadcasts)
+    run_local_nodes(server, dict(units), privatizer, progress=False, observe=observe)
+    releases: list[tuple[Release, Tensor]] = []
+    by_round: dict[int, int] = {}
+    for release, value in privatizer.published:
+        if release.mechanism == "local_gaussian":
+            at = by_round.get(release.round, 0)
+            by_round[release.round] = at + 1
+            value = seen[(release.round, protocol.stat_specs(release.round)[at].name)]
+        releases.append((release, value))
+    return Published(tuple(broadcasts), tuple(releases)), privatizer.ledger
+
+
+def node_side_plan(
+    design: CanaryDesign, cfg: Any, canaries: int, options: RuntimeOptions
+) -> tuple[Protocol, RuntimeOptions, Callable[[int], PublishingPrivatizer]]:
+    """The canary protocol under ``options.dp_model`` (distributed or local), the options its nodes run
+    with, and a factory of its publishing privatizers (one per run, by noise seed). The nodes'
+    mechanism is solved from the protocol's own calibration, as a run's is
+    (:func:`fedpers.runtime.distributed.node_side_privatizer`). Local DP puts one canary on each node,
+    so a node's noisy vector is that canary's own release; distributed DP splits the canaries over
+    ``min(nodes, canaries)`` nodes (their shares sum to the release's noise whatever the split)."""
+    from fedpers.privacy.distributed import RecordingCalibrations
+    from fedpers.runtime.distributed import node_side_privatizer, with_node_noise
+
+    if options.node_dropout > 0:
+        raise ValueError("node_dropout: an audit's nodes all reply (audit without --node-dropout)")
+    if options.dp_model is DpModel.LOCAL:
+        options = dataclasses.replace(options, nodes=canaries, users_per_node=1, min_nodes=0)
+    else:
+        nodes = min(int(options.nodes), canaries)
+        if options.min_nodes > nodes:
+            raise ValueError(
+                f"min_nodes must be at most the audit's nodes min(nodes, canaries) = {nodes}; got {options.min_nodes}"
+            )
+        options = dataclasses.replace(options, nodes=nodes, users_per_node=0)
+    recorded = RecordingCalibrations()
+    protocol = design.protocol(cfg, canaries, recorded)
+    template = node_side_privatizer(protocol, canaries, recorded, options, 0, derived_seed(int(cfg.seed), "rotation"))
+    protocol = with_node_noise(protocol, template, canaries)
+    plan = template.plan
+    kind = PublishingLocalPrivatizer if options.dp_model is DpModel.LOCAL else PublishingDistributedPrivatizer
+    return protocol, options, lambda seed: kind(seed, plan)
+
+
+def _flat(spec: StatSpec, stat: Tensor) -> Tensor:
+    """A statistic in the flat form the nodes encode it in (the upper triangle of a symmetric one)."""
+    return flatten(stat.unsqueeze(0), spec.shape, spec.symmetric)[0]
 
 
 def _released_part(release: Release, value: Tensor) -> Tensor:
@@ -268,6 +411,7 @@ def canary_scores(
     k = canaries.count
     llr = torch.zeros(k, dtype=torch.float64)
     gram = torch.zeros(k, k, dtype=torch.float64)
+    streams: dict[str, list[tuple[Release, Tensor, Tensor, Tensor]]] = {}
     for r, released in sorted(by_round.items()):
         specs = protocol.stat_specs(r)
         if len(specs) != len(released):
@@ -280,17 +424,83 @@ def canary_scores(
                 continue
             if release.noise_std <= 0:
                 raise ValueError(f"release {release.name!r} has no noise: nothing to audit (epsilon must be finite)")
-            plus = torch.stack(
-                [_released_part(release, canaries.as_released(spec.name, c[spec.name]).double()) for c in contrib["+"]]
-            )
-            minus = torch.stack(
-                [_released_part(release, canaries.as_released(spec.name, c[spec.name]).double()) for c in contrib["-"]]
-            )
-            centred = _released_part(release, value.double()) - ((plus + minus) / 2)[:present].sum(0)
+            if release.mechanism in NODE_SIDE_MECHANISMS:  # compared in the flat form the nodes noised
+                plus = torch.stack([_flat(spec, c[spec.name]) for c in contrib["+"]])
+                minus = torch.stack([_flat(spec, c[spec.name]) for c in contrib["-"]])
+            else:
+                plus = torch.stack(
+                    [
+                        _released_part(release, canaries.as_released(spec.name, c[spec.name]).double())
+                        for c in contrib["+"]
+                    ]
+                )
+                minus = torch.stack(
+                    [
+                        _released_part(release, canaries.as_released(spec.name, c[spec.name]).double())
+                        for c in contrib["-"]
+                    ]
+                )
+            if release.mechanism == "correlated_gaussian":  # scored with the stream's other rounds, below
+                streams.setdefault(spec.name, []).append(
+                    (release, _released_part(release, value.double()), plus, minus)
+                )
+                continue
             diff = plus - minus
+            if release.mechanism == "local_gaussian":
+                # one canary per node (unit id = node): canary i sees its own node's noisy vector, in which
+                # only the canaries of that node (a null slot shares a present canary's id) have data
+                ids = canaries.plus["ids"].long()
+                mids = torch.zeros_like(value, dtype=torch.float64)
+                mids.index_add_(0, ids[:present], ((plus + minus) / 2)[:present])
+                centred_rows = value.double()[ids] - mids[ids]
+                llr += (diff * centred_rows).sum(1) / release.noise_std**2
+                gram += (diff @ diff.T) * (ids[:, None] == ids[None, :]) / release.noise_std**2
+                continue
+            flat_value = _flat(spec, value.double()) if release.mechanism in NODE_SIDE_MECHANISMS else value.double()
+            centred = (
+                flat_value if release.mechanism in NODE_SIDE_MECHANISMS else _released_part(release, flat_value)
+            ) - ((plus + minus) / 2)[:present].sum(0)
             llr += (diff @ centred) / release.noise_std**2
             gram += (diff @ diff.T) / release.noise_std**2
+    for name, stream in streams.items():
+        stream_llr, stream_gram = _decorrelated_scores(protocol, name, stream, present)
+        llr += stream_llr
+        gram += stream_gram
     return CanaryScores(llr, gram)
+
+
+def _decorrelated_scores(
+    protocol: Protocol, name: str, stream: list[tuple[Release, Tensor, Tensor, Tensor]], present: int | None
+) -> tuple[Tensor, Tensor]:
+    """The LLR and gram of a correlated stream (:meth:`~fedpers.privacy.Privatizer.correlated_gaussian_sum`):
+    its T releases are Y = X + σ·C⁻¹Z (rounds stacked, Z i.i.d. N(0, 1)), so CY = CX + σZ is the
+    Gaussian mechanism on CX with independent noise, and the Neyman–Pearson score of canary i is
+    ⟨C(Y − M), C(G⁺_i − G⁻_i)⟩/σ² — the projection of the decorrelated releases on what the canary
+    moves CX by across the rounds it takes part in. (The prefix sums AY carry the same information
+    but correlated noise: projecting them, or the raw releases, without whitening is not the
+    likelihood ratio.) C is the protocol's public strategy, checked against the releases' digest."""
+    correlated = getattr(protocol, "correlated", None)
+    if correlated is None:
+        raise ValueError(f"stream {name!r}: correlated releases from a protocol without a correlated strategy")
+    stream = sorted(stream, key=lambda item: int(item[0].params["step"]))
+    first = stream[0][0]
+    T = int(first.params["horizon"])
+    if [int(item[0].params["step"]) for item in stream] != list(range(T)):
+        raise ValueError(f"stream {name!r}: the audit scores a whole stream; got steps of {T}")
+    if first.params["strategy_digest"] != correlated.strategy.digest():
+        raise ValueError(f"stream {name!r}: released with another strategy than the protocol's")
+    sigma = float(first.noise_std)
+    if sigma <= 0:
+        raise ValueError(f"release {first.name!r} has no noise: nothing to audit (epsilon must be finite)")
+    C = correlated.strategy.matrix(T).to(torch.float64)
+    Y = torch.stack([item[1] for item in stream])  # (T, d)
+    plus = torch.stack([item[2] for item in stream])  # (T, K, d)
+    minus = torch.stack([item[3] for item in stream])
+    centred = C @ (Y - ((plus + minus) / 2)[:, :present].sum(1))
+    diff = torch.einsum("ts,skd->tkd", C, plus - minus)
+    llr = torch.einsum("tkd,td->k", diff, centred) / sigma**2
+    gram = torch.einsum("tkd,tjd->kj", diff, diff) / sigma**2
+    return llr, gram
 
 
 # ----- null slots: the "left-out" law measured on empty coordinates ------------------------------
@@ -376,6 +586,7 @@ def audit(
     null_slots: bool = True,
     flower: Any = None,
     grid: Any = None,
+    node_side: RuntimeOptions | None = None,
 ) -> dict[str, Any]:
     """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε.
 
@@ -389,7 +600,9 @@ def audit(
     per run) for the null-slot Gaussian-score bound (:func:`in_role_scores`, :func:`null_scores`).
     ``flower``: runtime options (``runtime = flower``) to run every audit run through the Flower
     runtime's server loop and ClientApp (:func:`run_published_flower`; a simulation on Ray, or
-    the Grid that ``grid(client_app, nodes)`` makes) instead of the local runtime."""
+    the Grid that ``grid(client_app, nodes)`` makes) instead of the local runtime. ``node_side``:
+    runtime options whose ``dp_model`` is distributed or local — the nodes add the noise, simulated
+    exactly on the local runtime (:func:`node_side_plan`, :func:`run_published_nodes`)."""
     design = exp.canary_design()
     if design is None:
         raise ValueError(f"algorithm: the audit has canaries for {', '.join(audited_algorithms())}; got {exp.name}")
@@ -403,13 +616,20 @@ def audit(
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
     if placement == "steered" and design.steer is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no steered placement")
-    if flower is not None and placement == "steered":
-        raise ValueError(
-            "placement: steered canaries change their data every round; the Flower runtime's nodes hold fixed data"
-        )
     if placement == "random" and design.random_canaries is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
-    protocol = design.protocol(cfg, canaries)
+    if node_side is not None and node_side.dp_model is DpModel.CENTRAL:
+        node_side = None
+    if node_side is not None and flower is not None:
+        raise ValueError(
+            f"dp_model {node_side.dp_model.value}: the audit simulates the nodes on the local runtime; drop --runtime flower"
+        )
+    if node_side is not None and placement == "steered":
+        raise ValueError(f"placement: steered canaries are not offered under dp_model {node_side.dp_model.value}")
+    if node_side is not None:
+        protocol, node_options, privatizer_factory = node_side_plan(design, cfg, canaries, node_side)
+    else:
+        protocol = design.protocol(cfg, canaries)
     only = _release_names(protocol, releases)
     capacity = design.capacity(protocol) // (2 if placement == "paired" else 1)
     random = placement == "random" or (placement == "auto" and canaries > capacity)
@@ -441,13 +661,24 @@ def audit(
             only,
             placement,
             0 if random or not null_slots else min(capacity - canaries, NULL_SLOTS_PER_RUN),
-            None
+            (lambda run, units, privatizer, steered: run_published_nodes(protocol, units, privatizer))
+            if node_side is not None
+            else None
             if flower is None
             else (
-                lambda run, units, privatizer: run_published_flower(
-                    exp, cfg, protocol, units, privatizer, flower, derived_seed(seed, f"audit-flower-{run}"), grid
+                lambda run, units, privatizer, steered: run_published_flower(
+                    exp,
+                    cfg,
+                    protocol,
+                    units,
+                    privatizer,
+                    flower,
+                    derived_seed(seed, f"audit-flower-{run}"),
+                    grid,
+                    steered,
                 )
             ),
+            None if node_side is None else node_options,
         )
     finally:
         torch.set_num_threads(threads)
@@ -468,7 +699,17 @@ def _audit_runs(
     only: frozenset[str] | None = None,
     placement: str = "orthogonal",
     spare: int = 0,
-    through: Callable[[int, Mapping[str, Tensor], PublishingPrivatizer], tuple[Published, Ledger]] | None = None,
+    through: Callable[
+        [
+            int,
+            Mapping[str, Tensor],
+            PublishingPrivatizer,
+            Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]] | None,
+        ],
+        tuple[Published, Ledger],
+    ]
+    | None = None,
+    node_options: RuntimeOptions | None = None,
 ) -> dict[str, Any]:
     paired = placement == "paired"
     make = design.random_canaries if random and design.random_canaries is not None else design.canaries
@@ -489,15 +730,11 @@ def _audit_runs(
         included = torch.rand(canaries, generator=coins) < 0.5
         privatizer = privatizer_factory(derived_seed(seed, f"audit-noise-{run}"))
         steer = _bound_steer(design, protocol, slots) if placement == "steered" else None
+        steered = None if steer is None else _steered_units(steer, included, canaries)
         if through is not None:
-            published, ledger = through(run, cans.units(included), privatizer)
+            published, ledger = through(run, cans.units(included), privatizer, steered)
         else:
-            published, ledger = run_published(
-                protocol,
-                cans.units(included),
-                privatizer,
-                None if steer is None else _steered_units(steer, included, canaries),
-            )
+            published, ledger = run_published(protocol, cans.units(included), privatizer, steered)
         every = canary_scores(protocol, published, slots, only, steer, present=canaries)
         scored = CanaryScores(every.llr[:canaries], every.gram[:canaries, :canaries])
         scores.append(scored.llr)
@@ -566,11 +803,41 @@ def _audit_runs(
         "audited_releases": "all" if only is None else sorted(only),
         "run_proven_epsilon": proven if only is None else ledger_epsilon(whole, delta, accountant),
         "run_proven_mu": mu_proven if only is None else proven_mu(whole),
-        "runtime": "local" if through is None else "flower",
+        "runtime": "local" if through is None or node_options is not None else "flower",
+        "dp_model": "central" if node_options is None else node_options.dp_model.value,
+        "nodes": None if node_options is None else _node_summary(node_options, privatizer),
+        "skellam_gaussian_mu": skellam_gaussian_mu(ledger),
         "trials": runs * canaries,
         "seconds": time.perf_counter() - start,
         "noise_multiplier": float(getattr(protocol, "noise_multiplier", float("nan"))),
     }
+
+
+def skellam_gaussian_mu(ledger: Ledger) -> float | None:
+    """For a ledger of Skellam releases (distributed DP), the μ of Gaussian releases with the same
+    variance and L2 sensitivity, sqrt(Σ Δ₂²/V) for the worst-placed user: the reference a score test
+    approaches (Skellam tends to the Gaussian as V grows at fixed Δ₂/√V). Not a proven bound: the proven
+    ε is the Skellam RDP bound's, which lies above ε(μ) by the integer term and the RDP conversion."""
+    groups: list[str | None] = [*ledger.groups()] or [None]
+    worst, any_skellam = 0.0, False
+    for g in groups:
+        releases = ledger.touching(g) if g is not None else list(ledger)
+        total = 0.0
+        for r in releases:
+            if isinstance(r.event, SkellamDpEvent):
+                any_skellam = True
+                total += r.event.l2_sensitivity**2 / r.event.variance
+        worst = max(worst, total)
+    return math.sqrt(worst) if any_skellam else None
+
+
+def _node_summary(options: RuntimeOptions, privatizer: Any) -> dict[str, Any]:
+    plan = getattr(privatizer, "plan", None)
+    out: dict[str, Any] = {"nodes": options.nodes, "min_nodes": options.min_nodes or options.nodes}
+    if plan is not None:
+        out["bits"] = plan.bits
+        out["noise_multiplier"] = plan.noise_multiplier
+    return out
 
 
 def _bound_steer(design: CanaryDesign, protocol: Protocol, cans: Canaries) -> Steer:
@@ -703,6 +970,21 @@ def format_audit(result: Mapping[str, Any], score: str = "threshold") -> str:
             f"ASSUMING {null['assumption']}:\n    μ = {null['mu']:.4g} [{null['confidence']:g} lower bound "
             f"{null['mu_lower']:.4g}]: ε ≈ {null['epsilon']:.4g}, ε ≥ {null['epsilon_lower']:.4g}"
         )
+    if result.get("dp_model", "central") != "central":
+        nodes = result.get("nodes") or {}
+        where = (
+            "each canary alone on its node, scored on that node's own noisy vector (what the server receives)"
+            if result["dp_model"] == "local"
+            else f"{nodes.get('nodes')} nodes (min_nodes {nodes.get('min_nodes')}, {nodes.get('bits')} bits), scored on "
+            "the decoded modular sum (all that secure aggregation shows the server)"
+        )
+        lines.append(f"  trust model: {result['dp_model']} DP, the nodes' mechanism simulated exactly; {where}")
+    if result.get("skellam_gaussian_mu") is not None:
+        lines.append(
+            f"  Skellam releases: a Gaussian of the same variance and sensitivity would be μ = "
+            f"{result['skellam_gaussian_mu']:.4g} (ε = {_gdp_epsilon(result['skellam_gaussian_mu'], result['delta']):.4g}); "
+            "the proven ε is the Skellam RDP bound's"
+        )
     if "placement" in result:
         lines.append(
             f"  placement: {result['placement']}; {result['trials']} canary trials in {result['seconds']:.1f} s"
@@ -726,7 +1008,8 @@ def audit_run_dir(
     releases: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Audit the configuration a finished run used (its canaries replace the population; everything
-    else as configured), beside the (ε, δ) its own ledger records; written to RUN_DIR/audit.json."""
+    else as configured, its trust model included, on the local runtime), beside the (ε, δ) its own
+    ledger records; written to RUN_DIR/audit.json."""
     import json
     from pathlib import Path
 
@@ -742,11 +1025,19 @@ def audit_run_dir(
     name = saved.pop("algorithm", None)
     if name not in ALGORITHMS:
         raise ValueError(f"audit: {path}/config.json names algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
-    saved.pop("runtime", None)
+    options = config_lib.build(RuntimeOptions, saved.pop("runtime", None) or {})
     exp = experiment(name)
     cfg = config_lib.build(exp.config_type, saved)
     result = audit(
-        exp, cfg, canaries, runs=runs, confidence=confidence, seed=seed, placement=placement, releases=releases
+        exp,
+        cfg,
+        canaries,
+        runs=runs,
+        confidence=confidence,
+        seed=seed,
+        placement=placement,
+        releases=releases,
+        node_side=options,  # the run's trust model: distributed or local DP is audited as the nodes ran it
     )
     ledger = privacy_summary(path)
     result["run_dir"] = str(path)

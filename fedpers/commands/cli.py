@@ -733,6 +733,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         placement=own.placement,
         releases=releases,
         flower=options if options.runtime == Runtime.FLOWER else None,
+        node_side=options,
     )
     print(dumps(result, indent=None) if algo_args.json else format_audit(result, score=own.score))
     return 0

@@ -333,7 +333,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "9e0f0a0045ad9ca124e8bb42b7c8d784a69012186b875d6b809e4a4a55840006",
+   "fingerprint": "278c0b6f56da144f33f5ea9c38ce05dd240013ef9185a098e36238d6da0d9f24",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -709,7 +709,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "3eea9858333ecc8e26cf439e45ce6b8fac8a5b98a73c0807dcacfbd575801201",
+   "fingerprint": "b670532a6abe3bccbb446e2deea790d8e9e84c577e71db7463d19f8beaf6caf3",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -1403,7 +1403,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "0919ad42174067886ef56454f37e179d3af6f6c2d59442aab9fd5dba8c4421eb",
+   "fingerprint": "767d49c653aafea60c0539d793ac139ba1c4646e93c86d2e514a684337595988",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1762,7 +1762,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "87101efc8e7ddae0fa77771891ed6febd7763595960ee4b533f87561f46b7fd5",
+   "fingerprint": "f89baa07e9fc34ef7ff9c9ffa01ce29f7c7153244c5d373c0a8a3eeecea108a2",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2192,7 +2192,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "5fbb6682c268fd0906f29b4308541b983a0f69cfa57d720a5ad54f1ff6da6758",
+   "fingerprint": "db447a324bf1bc30107fd4dd3dc1f77912bcee1658231996e451899c564a0043",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

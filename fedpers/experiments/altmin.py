@@ -725,11 +725,11 @@ class AltMinEvaluator(Evaluator):
 
 
 # ----- optional hooks: audit canaries and the private validation score ------------------------
-def audit_protocol(cfg: AltMinConfig, k: int) -> AltMinProtocol:
+def audit_protocol(cfg: AltMinConfig, k: int, calibrations: Calibrations | None = None) -> AltMinProtocol:
     """The configured protocol for a population of ``k`` canary users (the audit's own population)."""
     if cfg.data is not None:
         raise ValueError("data: the audit's population is its canaries; drop --data")
-    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)), calibrations=calibrations)
 
 
 def audit_canaries(protocol: AltMinProtocol, generator: torch.Generator, count: int) -> Canaries:

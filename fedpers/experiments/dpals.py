@@ -389,14 +389,14 @@ class DpAlsEvaluator(Evaluator):
 
 
 # ----- optional hook: audit canaries -------------------------------------------------------------
-def audit_protocol(cfg: DpAlsConfig, k: int) -> DpAlsProtocol:
+def audit_protocol(cfg: DpAlsConfig, k: int, calibrations: Calibrations | None = None) -> DpAlsProtocol:
     """The configured protocol for ``k`` canary users on synthetic items (with round 0 when
     ``private_center``/``head_items`` ask for it: :func:`round0_canaries`)."""
     if cfg.ratings is not None or cfg.dataset:
         raise ValueError(
             "ratings/dataset: the audit's population is its canaries (synthetic items); drop --ratings/--dataset"
         )
-    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)), calibrations)
 
 
 def round0_canaries(protocol: DpAlsProtocol, generator: torch.Generator, count: int) -> Canaries:

@@ -384,14 +384,14 @@ every round whatever U is (at 1.5ζ it did not always). The init's label clip is
 norm check (a missing clip aborts the run) rather than by the audit."""
 
 
-def audit_protocol(cfg: FedRepConfig, k: int) -> FedRepProtocol:
-    """The configured protocol for a population of ``k`` canary users."""
-    if cfg.cohorts == "cyclic" or cfg.noise != "independent" or cfg.clip_rule != "fixed":
+def audit_protocol(cfg: FedRepConfig, k: int, calibrations: Calibrations | None = None) -> FedRepProtocol:
+    """The configured protocol for a population of ``k`` canary users (with cyclic cohorts a canary
+    takes part in its cohort's rounds; with correlated noise the scorer decorrelates the stream)."""
+    if cfg.clip_rule != "fixed":
         raise ValueError(
-            "cohorts/noise/clip_rule: the fedrep audit's canaries take part in every round with independent noise "
-            "and a fixed clip; audit without --cohorts cyclic, --noise and --clip-rule adaptive"
+            "clip_rule: the fedrep audit's canaries sit at a fixed clip; audit without --clip-rule adaptive"
         )
-    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)))
+    return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)), calibrations)
 
 
 def _canary_layout(p: FedRepProtocol) -> tuple[int, int]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from typing import Protocol as Interface
 
 import torch
 
+from fedpers.privacy import Calibrations
 from fedpers.protocols.base import Protocol
 
 Tensor = torch.Tensor
@@ -61,12 +63,19 @@ class Canaries:
         return {k: v[i : i + 1] for k, v in src.items()}
 
 
+class AuditProtocol(Interface):
+    """The configured protocol for a population of ``k`` canaries; ``calibrations`` records the
+    noise calibration (a node-side audit solves the nodes' mechanism for the same guarantee)."""
+
+    def __call__(self, cfg: Any, k: int, calibrations: Calibrations | None = None) -> Protocol: ...
+
+
 @dataclass(frozen=True)
 class CanaryDesign:
     """How to audit one algorithm: its protocol for a population of K canaries, the most
     canaries with mutually orthogonal contributions, and the canaries themselves."""
 
-    protocol: Callable[[Any, int], Protocol]
+    protocol: AuditProtocol
     capacity: Callable[[Any], int]
     canaries: Callable[[Any, torch.Generator, int], Canaries]
     releases: str

@@ -247,14 +247,15 @@ class NoisyGDEvaluator(Evaluator):
 
 
 # ----- optional hook: audit canaries -------------------------------------------------------------
-def audit_protocol(cfg: NoisyGDConfig, k: int) -> NoisyGDProtocol:
-    """The configured protocol for ``k`` canary examples (feature coordinates must stay unmixed)."""
-    if cfg.cohorts == "cyclic" or cfg.noise != "independent" or cfg.clip_rule != "fixed":
+def audit_protocol(cfg: NoisyGDConfig, k: int, calibrations: Calibrations | None = None) -> NoisyGDProtocol:
+    """The configured protocol for ``k`` canary examples (feature coordinates must stay unmixed; with
+    cyclic cohorts a canary takes part in its cohort's steps; with correlated noise the scorer
+    decorrelates the stream)."""
+    if cfg.clip_rule != "fixed":
         raise ValueError(
-            "cohorts/noise/clip_rule: the noisygd audit's canaries take part in every step with independent noise "
-            "and a fixed clip; audit without --cohorts cyclic, --noise and --clip-rule adaptive"
+            "clip_rule: the noisygd audit's canaries sit at a fixed clip; audit without --clip-rule adaptive"
         )
-    return make_protocol(replace(cfg, examples=k, chunk_size=max(k, 1)))
+    return make_protocol(replace(cfg, examples=k, chunk_size=max(k, 1)), calibrations=calibrations)
 
 
 def audit_canaries(protocol: NoisyGDProtocol, generator: torch.Generator, count: int) -> Canaries:

@@ -589,7 +589,7 @@ class NoisyHeadEvaluator(Evaluator):
 
 # ----- the experiment --------------------------------------------------------------------------
 # ----- optional hook: audit canaries -------------------------------------------------------------
-def audit_protocol(cfg: NoisyHeadConfig, k: int) -> NoisyHeadProtocol:
+def audit_protocol(cfg: NoisyHeadConfig, k: int, calibrations: Calibrations | None = None) -> NoisyHeadProtocol:
     """The configured protocol (its N, C, G, R and noise) in rounds mode: each step's gradient is a
     release the auditor sees, and statistics mode releases the same Γ̂ for the same noise."""
     if cfg.cohorts != "all" or cfg.noise != "independent":
@@ -598,7 +598,7 @@ def audit_protocol(cfg: NoisyHeadConfig, k: int) -> NoisyHeadProtocol:
         raise ValueError(
             "unit/sampling_rate: the noisyhead audit has prompt-level, unsampled canaries; use --unit prompt without --sampling-rate"
         )
-    return make_protocol(cfg, mode=Mode.ROUNDS)
+    return make_protocol(cfg, mode=Mode.ROUNDS, calibrations=calibrations)
 
 
 def audit_canaries(protocol: NoisyHeadProtocol, generator: torch.Generator, k: int) -> Canaries:

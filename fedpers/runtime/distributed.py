@@ -51,6 +51,11 @@ def dropouts(rate: float, seed: int) -> Callable[[int, int], bool]:
 Aggregate = Callable[[int, str, Tensor, int], Tensor]
 """(round, statistic, the nodes' vectors reduced mod 2^b (nodes, D), b) → their sum mod 2^b."""
 
+Observe = Callable[[int, str, Tensor, Sequence[int]], None]
+"""(round, statistic, the nodes' vectors (survivors, d), the survivors' node indices): what the server
+receives in the clear under local DP (each node's noisy vector). Never called under distributed DP,
+where secure aggregation shows the server the modular sum only."""
+
 
 def stat_shapes(protocol: Protocol) -> list[dist.StatShape]:
     """Every statistic the protocol sums, over all its rounds (the plan's input)."""
@@ -163,12 +168,15 @@ def node_round(
     chunk_size: int = 4096,
     survive: Callable[[int, int], bool] | None = None,
     aggregate: Aggregate | None = None,
+    observe: Observe | None = None,
 ) -> RoundSums:
-    """One round: every surviving node's vectors, their (secure) modular sum, decoded."""
+    """One round: every surviving node's vectors, their (secure) modular sum, decoded. ``observe``:
+    handed each statistic's node vectors under local DP (what the server sees of them)."""
     plan = privatizer.plan
     ids, samples = protocol.units_needed(round, broadcast)
     specs = protocol.stat_specs(round)
     sent: list[dict[str, Tensor]] = []
+    nodes: list[int] = []
     count = zeroed = 0
     for node, span in enumerate(unit_ranges(source.num_units, plan.nodes, plan.users_per_node)):
         members = torch.arange(span.start, span.stop)
@@ -180,6 +188,7 @@ def node_round(
         rows, unit_ids, c, zr = unit_rows(protocol, round, broadcast, parts, members, specs)
         generator = dist.node_generator(privatizer.noise_seed, round, node, privatizer.secure)
         sent.append(node_vectors(rows, unit_ids, specs, privatizer, round, generator))
+        nodes.append(node)
         count, zeroed = count + c, zeroed + zr
     if len(sent) < plan.min_nodes:
         raise RoundFailed(
@@ -203,6 +212,8 @@ def node_round(
             value = dist.decode(modular, enc)
             sums[s.name] = modular
         else:
+            if observe is not None:
+                observe(round, s.name, vectors.detach().clone(), tuple(nodes))
             value = dist.unflatten(vectors.sum(dim=0), s.shape, s.symmetric)
         stats[s.name] = value.to(dtype=protocol.dtype, device=source.device)
     return RoundSums(stats, sums, count, zeroed, wraps, len(sent), suspected)
@@ -232,12 +243,13 @@ def run_local_nodes(
     checkpoint: Checkpointer | None = None,
     survive: Callable[[int, int], bool] | None = None,
     aggregate: Aggregate | None = None,
+    observe: Observe | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Run ``protocol`` with ``privatizer.plan``'s nodes simulated. ``survive(round, node)``: whether
     a node's reply reaches the server (default: all do); a round with fewer than ``min_nodes``
     survivors is discarded before any release (:class:`RoundFailed`). ``aggregate``: how the nodes'
     reduced vectors are summed mod 2^b (default: in the clear, the simulation; :func:`secagg_aggregate`
-    runs real SecAgg+ over them and must give the same sum)."""
+    runs real SecAgg+ over them and must give the same sum); ``observe``: see :data:`Observe`."""
     source = UnitSource.of(units)
     n = source.num_units
     if survive is None and privatizer.dropout > 0:
@@ -254,6 +266,7 @@ def run_local_nodes(
             chunk_size=chunk_size,
             survive=survive,
             aggregate=aggregate,
+            observe=observe,
         )
         for name, value in got.stats.items():
             privatizer.arrived(value, name, got.survivors, got.count)
