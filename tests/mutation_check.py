@@ -5,7 +5,8 @@
 
 Not collected by pytest (it runs pytest itself, once per mutation). Each run stops at the first
 failing test (``-x``), the files most likely to catch the mutation first, so a caught mutation
-costs seconds to a few minutes; every file run is part of the default suite. One mistake is
+costs seconds to a few minutes; every file run is part of the default suite. The test that fails is
+then run on the real tree: one that fails there too caught nothing, and the mistake counts as uncaught. One mistake is
 planted per class of privacy-at-the-edges mistake: the public item universe, per-user failures, the sampled PSD
 bound, a statistic's bound applied to another kind, a release the calibration forgets, a refusal
 after a release, resume bookkeeping, the sampling rate and the estimator's divisor; and one per
@@ -231,6 +232,16 @@ def failing_tests(tree: Path, first: tuple[str, ...] = ()) -> list[str]:
     return [line[len("FAILED "):].split(" - ")[0] for line in out.splitlines() if line.startswith("FAILED ")]
 
 
+def passes_unmutated(test: str) -> bool:
+    """Whether ``test`` passes on the real tree: a test that fails without the planted mistake
+    catches nothing, so a mutation it "catches" counts as uncaught."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", test],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    ).returncode == 0
+
+
 def main(only: list[str]) -> int:
     uncaught = []
     for name, (path, old, new, *first) in MUTATIONS.items():
@@ -245,6 +256,10 @@ def main(only: list[str]) -> int:
             (tree / path).write_text(source.replace(old, new))
             start = time.perf_counter()
             failed = failing_tests(tree, tuple(first))
+        if failed and not passes_unmutated(failed[0]):
+            print(f"| {name} | {path} | NOT CAUGHT: {failed[0]} fails without the mistake too | |", flush=True)
+            uncaught.append(name)
+            continue
         print(f"| {name} | {path} | {'caught by ' + failed[0] if failed else 'NOT CAUGHT'} | {time.perf_counter() - start:.0f} s |", flush=True)
         if not failed:
             uncaught.append(name)
