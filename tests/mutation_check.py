@@ -48,8 +48,8 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "A noised with b's bound": (
         ALTMIN,
-        'summed.stats["A"],\n            per_unit_bound=self.a_bound,',
-        'summed.stats["A"],\n            per_unit_bound=self.b_bound,',
+        'summed.stats["A"],\n            per_unit_bound=a_bound,',
+        'summed.stats["A"],\n            per_unit_bound=b_bound,',
     ),
     "disjoint cohort filter removed": (
         ALTMIN,

@@ -161,6 +161,69 @@ TABLE = json.loads(
      "type": "enum"
     },
     {
+     "flag": "--clip-rule",
+     "help": "fixed: every round clips at η and ζ; adaptive: they are round 1's bounds, each moved every round toward its quantile (--clip-quantile, --label-clip-quantile) through a noisy count (accounted) (default: fixed)",
+     "meta": {
+      "words": {}
+     },
+     "name": "clip_rule",
+     "type": "str"
+    },
+    {
+     "flag": "--clip-quantile",
+     "help": "γ_η: target fraction of Q2 samples with ‖v_j‖‖x_ij‖ within the adaptive η (default: 0.5)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "clip_quantile",
+     "type": "float"
+    },
+    {
+     "flag": "--label-clip-quantile",
+     "help": "γ_ζ: target fraction of Q2 labels within the adaptive ζ (default: 0.9)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "label_clip_quantile",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-lr",
+     "help": "η_C: step of the adaptive bounds, η ← η·exp(−η_C(b̄ − γ_η)) (ζ alike) (default: 0.2)",
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
+     "name": "clip_lr",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-budget",
+     "help": "f_A: share of each round's privacy (of μ²) spent on the adaptive η's count (default: 0.05)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "clip_budget",
+     "type": "float"
+    },
+    {
+     "flag": "--label-clip-budget",
+     "help": "f_b: share of each round's privacy (of μ²) spent on the adaptive ζ's count (default: 0.05)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "label_clip_budget",
+     "type": "float"
+    },
+    {
      "choices": [
       "pld",
       "rdp",
@@ -333,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "9e0f0a0045ad9ca124e8bb42b7c8d784a69012186b875d6b809e4a4a55840006",
+   "fingerprint": "878ee49972c8276bc47c7e83fb2e3e0da48c4b09cf9443f79482a195ac18f418",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1762,7 +1825,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "87101efc8e7ddae0fa77771891ed6febd7763595960ee4b533f87561f46b7fd5",
+   "fingerprint": "a60f730bba92701ebd0c300e9d4e04b464397874f342b540b20ee5ddafc0ff62",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",

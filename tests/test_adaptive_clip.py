@@ -1,0 +1,98 @@
+"""Accounted adaptive clipping of AltMin's two bounds (η of A, ζ of b) and NoisyHead's rounds: the
+counts are releases in the ledger and in the total ε, the ledger recomputed from the config is the
+reported ε, the bounds follow from released counts and public sizes only, worst-case neighbours move
+each release by at most its recorded sensitivity, and bad settings are refused naming the field."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fedpers import config
+from fedpers.experiments import EXPERIMENTS
+from fedpers.privacy import ALL_UNITS, event_epsilon
+from fedpers.protocols.altmin import AltMinProtocol
+from fedpers.runtime.local import run_local
+from tests.neighbours import TapPrivatizer, adversaries, check_neighbour
+
+AM = EXPERIMENTS["altmin"]
+AM_ADAPTIVE = dict(n_users=60, dim=5, rank=2, samples_per_user=8, rounds=3, epsilon=3.0, clip_rule="adaptive",
+                   clip_quantile=0.5, label_clip_quantile=0.8, clip_lr=0.5, clip_budget=0.1, label_clip_budget=0.05,
+                   accountant="rdp")  # RDP composes Gaussians exactly too, and keeps these tests fast
+
+
+def setup(exp, values: dict):
+    cfg = config.build(exp.config_type, values)
+    protocol = exp.protocol(cfg)
+    units = exp.units(cfg, torch.arange(exp.num_units(cfg)))
+    return cfg, protocol, {k: v.clone() for k, v in units.items()}
+
+
+def released(privatizer: TapPrivatizer) -> dict[str, float]:
+    return {r.name: out for (r, _), out in zip(privatizer.values, privatizer.outputs)}
+
+
+@pytest.mark.parametrize("cohorts", ["disjoint", pytest.param("all", marks=pytest.mark.slow)])
+def test_altmin_adaptive_counts_are_in_the_ledger_and_the_total_epsilon_and_move_the_bounds(cohorts):
+    cfg, protocol, units = setup(AM, {**AM_ADAPTIVE, "cohorts": cohorts})
+    privatizer = TapPrivatizer(5)
+    state, _ = run_local(protocol, units, privatizer, chunk_size=25, progress=False)
+    z = protocol.noise_multiplier
+    names = [r.name for r in privatizer.ledger]
+    assert names == ["init.W"] + [f"round{t}.{s}" for t in (1, 2, 3) for s in ("A", "b", "below_eta", "below_zeta")]
+    for r in privatizer.ledger:
+        if r.name.endswith("below_eta"):
+            assert r.sensitivity == 1.0 and r.noise_multiplier == pytest.approx(z / math.sqrt(2 * 0.1))
+        elif r.name.endswith("below_zeta"):
+            assert r.sensitivity == 1.0 and r.noise_multiplier == pytest.approx(z / math.sqrt(2 * 0.05))
+        elif r.name != "init.W":  # A_j/η_t² and b_j/(η_t ζ_t): bound |Q2| whatever the round's bounds
+            assert r.per_unit_bound == 2.0 and r.noise_multiplier == pytest.approx(z / math.sqrt(1 - 0.15))
+    # the bounds follow from the released counts and public cohort sizes alone
+    out = released(privatizer)
+    eta, zeta = protocol.eta, protocol.zeta
+    for t in (1, 2, 3):
+        size = protocol.cohort_size(t)
+        assert size == (20 if cohorts == "disjoint" else 60)
+        eta *= math.exp(-0.5 * ((float(out[f"round{t}.below_eta"]) + size / 2) / size - 0.5))
+        zeta *= math.exp(-0.5 * ((float(out[f"round{t}.below_zeta"]) + size / 2) / size - 0.8))
+    assert float(state["eta"]) == pytest.approx(eta, rel=1e-12) and float(state["zeta"]) == pytest.approx(zeta, rel=1e-12)
+    # the ledger recomputed from the configuration alone gives the reported ε, within the target
+    again = AM.protocol(config.build(AM.config_type, {**AM_ADAPTIVE, "cohorts": cohorts}))
+    recomputed = event_epsilon(AltMinProtocol.user_event(again.noise_multiplier, again.releases_per_user(), 1.0,
+                                                         again.count_shares), cfg.delta, "rdp")
+    reported = AM.privacy_summary(cfg, protocol, privatizer.ledger)["epsilon"]
+    assert reported == pytest.approx(recomputed, rel=2e-3) and reported <= 3.0 * (1 + 2e-3)
+    # the counts are not free: leaving them out at A and b's multiplier would claim less
+    rounds_in = 1 if cohorts == "disjoint" else 3
+    without = AltMinProtocol.user_event(z / math.sqrt(0.85), 1 + 2 * rounds_in)
+    assert event_epsilon(without, cfg.delta, "rdp") < 0.97 * reported
+
+
+def test_altmin_adaptive_worst_case_neighbours_move_each_release_by_at_most_its_sensitivity():
+    _, protocol, units = setup(AM, AM_ADAPTIVE)
+    j = 13
+    cohort = int(protocol.cohort_of(torch.tensor([j])))
+    reach: dict[str, float] = {}
+    for label in ("zero x, huge y",):
+        new = adversaries(units["x"][j], units["y"][j], torch.float64)[label]
+        outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS, f"cohort:{cohort}"})
+        assert outcome.releases == 13, label
+        for r, moved in outcome.changes:
+            kind = r.name.split(".")[-1]
+            reach[kind] = max(reach.get(kind, 0.0), moved / r.sensitivity)
+    assert reach["below_eta"] > 0.3 and reach["below_zeta"] > 0.3  # one user's fraction moves its count a lot
+    assert reach["b"] > 0.1 and reach["A"] > 0.1
+
+
+def test_altmin_adaptive_bad_settings_are_refused_naming_the_field_and_range():
+    with pytest.raises(ValueError, match=r"clip_quantile must be > 0.0 and < 1.0; got 1.5"):
+        config.build(AM.config_type, {**AM_ADAPTIVE, "clip_quantile": 1.5})
+    with pytest.raises(ValueError, match=r"label_clip_quantile must be > 0.0 and < 1.0; got 0.0"):
+        config.build(AM.config_type, {**AM_ADAPTIVE, "label_clip_quantile": 0.0})
+    with pytest.raises(ValueError, match=r"clip_budget \+ label_clip_budget must be < 1"):
+        config.build(AM.config_type, {**AM_ADAPTIVE, "clip_budget": 0.6, "label_clip_budget": 0.5})
+    with pytest.raises(ValueError, match="clip_rule adaptive: calibration paper"):
+        config.build(AM.config_type, {**AM_ADAPTIVE, "calibration": "paper"})
+    with pytest.raises(ValueError, match="clip_rule"):
+        AM.canary_design().protocol(config.build(AM.config_type, AM_ADAPTIVE), 4)
