@@ -96,3 +96,66 @@ def test_altmin_adaptive_bad_settings_are_refused_naming_the_field_and_range():
         config.build(AM.config_type, {**AM_ADAPTIVE, "calibration": "paper"})
     with pytest.raises(ValueError, match="clip_rule"):
         AM.canary_design().protocol(config.build(AM.config_type, AM_ADAPTIVE), 4)
+
+
+# ----- NoisyHead: the rounds mode's per-unit gradient bound; statistics keeps the analytic bounds -----
+NH = EXPERIMENTS["noisyhead"]
+NH_ADAPTIVE = dict(prompts=60, dim=3, context=6, steps=5, epsilon=2.0, mode="rounds", unit="user", prompts_per_user=3,
+                   clip_rule="adaptive", clip_lr=0.5, clip_budget=0.2, accountant="rdp")
+
+
+def test_noisyhead_rounds_adaptive_counts_are_accounted_and_neighbours_move_each_release_by_at_most_its_sensitivity():
+    from fedpers.experiments.noisyhead import step_event
+
+    cfg, protocol, units = setup(NH, NH_ADAPTIVE)
+    privatizer = TapPrivatizer(4)
+    state, _ = run_local(protocol, units, privatizer, chunk_size=7, progress=False)
+    z = protocol.noise_multiplier
+    assert [r.name for r in privatizer.ledger] == [f"step{t}{s}" for t in range(5) for s in ("", ".below")]
+    for r in privatizer.ledger:
+        counted = r.name.endswith(".below")
+        assert r.sensitivity == (1.0 if counted else 2.0)  # clip(g_u; B_t)/B_t at bound 1, the count at 1/2
+        assert r.noise_multiplier == pytest.approx(z / math.sqrt(0.2 if counted else 0.8))
+    out = released(privatizer)
+    bound = protocol.grad_bound  # B_1: the analytic bound ρP·G(C + RG)
+    for t in range(5):
+        bound *= math.exp(-0.5 * ((float(out[f"step{t}.below"]) + 10) / 20 - 0.5))  # 20 users: public
+    assert float(state["clip"]) == pytest.approx(bound, rel=1e-12)
+    summary = NH.privacy_summary(cfg, protocol, privatizer.ledger)
+    recomputed = event_epsilon(step_event(z, 5, 1.0, 0.2), cfg.delta, "rdp")
+    assert summary["epsilon"] == pytest.approx(recomputed, rel=2e-3) and summary["epsilon"] <= 2.0 * (1 + 2e-3)
+    assert event_epsilon(step_event(z / math.sqrt(0.8), 5), cfg.delta, "rdp") < 0.97 * summary["epsilon"]
+    j = 3
+    new = adversaries(units["x"][j], units["y"][j], torch.float64)["huge x and y"]
+    outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS})
+    assert outcome.releases == 10
+    assert max(c for r, c in outcome.changes if r.name.endswith(".below")) == 1.0  # the user's indicator flips
+
+
+def test_noisyhead_adaptive_clip_and_noise_decay_refusals_name_the_field():
+    with pytest.raises(ValueError, match="clip_rule adaptive needs --mode rounds"):
+        config.build(NH.config_type, {**NH_ADAPTIVE, "mode": "statistics"})
+    with pytest.raises(ValueError, match=r"clip_quantile must be > 0.0 and < 1.0; got 1.0"):
+        config.build(NH.config_type, {**NH_ADAPTIVE, "clip_quantile": 1.0})
+    with pytest.raises(ValueError, match="noise_decay needs noise banded"):
+        config.build(NH.config_type, {**NH_ADAPTIVE, "noise_decay": 0.5})
+    with pytest.raises(ValueError, match=r"noise_decay must be in \[|noise_decay must be >= 0.0 and <= 1.0"):
+        config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "noise_decay": 1.5})
+    with pytest.raises(ValueError, match="noise_decay auto: GD's contraction"):
+        NH.protocol(config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "ridge_lambda": 1.0,
+                                                  "step_size": 0.75}))
+
+
+def test_noisyhead_correlated_noise_folds_in_gds_own_decay_unless_given():
+    from fedpers.experiments.noisyhead import resolve
+    from fedpers.privacy import correlated as cc
+
+    cfg = config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "bands": 3})
+    r = resolve(cfg)
+    decay = 1 - 2 * r.lam * r.eta
+    assert 0 < decay < 1
+    noise = NH.protocol(cfg).correlated
+    assert noise.decay == decay and noise.strategy.coefficients == cc.sqrt_decay_coefficients(3, decay)
+    given = NH.protocol(config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "bands": 3, "noise_decay": 1}))
+    assert given.correlated.decay == 1.0 and given.correlated.strategy.coefficients == cc.sqrt_decay_coefficients(3)
+    assert NH.protocol(config.build(NH.config_type, NH_ADAPTIVE)).correlated is None  # auto: nothing with independent noise

@@ -2042,6 +2042,60 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "flag": "--noise-decay",
+     "help": "λ_w: the correlated noise is chosen for the iterates of x_t = λ_w·x_{t−1} + g_t; auto (0): GD's own contraction 1 − 2λη₀ with correlated noise (1 with independent noise); 1: prefix sums (default: 0.0)",
+     "meta": {
+      "ge": 0.0,
+      "le": 1.0,
+      "words": {
+       "auto": 0.0
+      }
+     },
+     "name": "noise_decay",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-rule",
+     "help": "fixed: every step clips a unit's gradient at ρP·G(C + RG); adaptive (--mode rounds): that is the first bound, moved each step toward the --clip-quantile of units' gradient norms through a noisy count (accounted) (default: fixed)",
+     "meta": {
+      "words": {}
+     },
+     "name": "clip_rule",
+     "type": "str"
+    },
+    {
+     "flag": "--clip-quantile",
+     "help": "γ: target fraction of units under the adaptive bound (default: 0.5)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "clip_quantile",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-lr",
+     "help": "η_C: step of the adaptive bound, B ← B·exp(−η_C(b̄ − γ)) (default: 0.2)",
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
+     "name": "clip_lr",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-budget",
+     "help": "f: share of each step's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "clip_budget",
+     "type": "float"
+    },
+    {
      "flag": "--label-noise",
      "help": "τ, the label noise std (ν = 1 + τ²) (default: 0.0)",
      "meta": {
@@ -2255,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "5fbb6682c268fd0906f29b4308541b983a0f69cfa57d720a5ad54f1ff6da6758",
+   "fingerprint": "2aef86dd77744b328bccc8ae4b965f94e9ea3585f961e5a2d6ab4907f5ceed1d",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
