@@ -148,6 +148,12 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
         "            self.history = [theta * beta for theta, beta in zip(self.buf_decay, buffers, strict=True)]",
         "tests/test_correlated.py",
     ),
+    "optimiser not compared with independent noise (its result or the square root kept where C = I is better)": (
+        "fedpers/privacy/correlated.py",
+        "if bool(torch.isfinite(c).all())] + [identity]\n",
+        "if bool(torch.isfinite(c).all())]\n",
+        "tests/test_correlated.py",
+    ),
 }
 
 
