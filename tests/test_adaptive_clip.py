@@ -159,3 +159,19 @@ def test_noisyhead_correlated_noise_folds_in_gds_own_decay_unless_given():
     given = NH.protocol(config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "bands": 3, "noise_decay": 1}))
     assert given.correlated.decay == 1.0 and given.correlated.strategy.coefficients == cc.sqrt_decay_coefficients(3)
     assert NH.protocol(config.build(NH.config_type, NH_ADAPTIVE)).correlated is None  # auto: nothing with independent noise
+
+
+@pytest.mark.slow  # ~25 s: the Flower grid
+def test_adaptive_altmin_on_the_flower_grid_matches_local(tmp_path):
+    from fedpers.app import make_client_app
+    from fedpers.runner import Runtime, RuntimeOptions, execute
+    from tests.flower_support import InProcessGrid
+
+    cfg = config.build(AM.config_type, {**AM_ADAPTIVE, "n_users": 90, "baselines": "none", "seed": 1})
+    local = execute(AM, cfg, out=tmp_path / "local", progress=False)
+    grid = InProcessGrid(make_client_app(), 3)
+    flower = execute(AM, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False,
+                     grid=grid)
+    assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
+    torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)
+    assert float(flower["_state"]["eta"]) == pytest.approx(float(local["_state"]["eta"]), rel=1e-9)
