@@ -69,6 +69,23 @@ def test_altmin_adaptive_counts_are_in_the_ledger_and_the_total_epsilon_and_move
     assert event_epsilon(without, cfg.delta, "rdp") < 0.97 * reported
 
 
+def test_altmin_adaptive_statistics_scaled_back_are_the_fixed_bounds_statistics():
+    """Without noise and with a frozen step (η_C → 0) the adaptive run releases A_j/η², b_j/(ηζ) and scales
+    them back: the same U as the fixed-bound run, with clips that act (small c_η, c_ζ)."""
+    from fedpers.privacy import Privatizer
+
+    values = dict(n_users=60, dim=5, rank=2, samples_per_user=8, rounds=3, epsilon=math.inf, clip_lr=1e-12,
+                  clip_model=0.3, clip_label=0.5)
+    out = {}
+    for rule in ("fixed", "adaptive"):
+        _, protocol, units = setup(AM, {**values, "clip_rule": rule})
+        state, records = run_local(protocol, units, Privatizer(0), chunk_size=25, progress=False)
+        out[rule] = state["U"]
+    below = records[-1].diagnostics
+    assert 0 < below["noisy_fraction_below_eta"] < 0.5 and 0 < below["noisy_fraction_below_zeta"] < 1  # the clips act
+    assert float((out["adaptive"] - out["fixed"]).abs().max()) <= 1e-10  # (torch.testing would import seconds of code)
+
+
 def test_altmin_adaptive_worst_case_neighbours_move_each_release_by_at_most_its_sensitivity():
     _, protocol, units = setup(AM, AM_ADAPTIVE)
     j = 13
