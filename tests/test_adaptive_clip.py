@@ -192,3 +192,18 @@ def test_adaptive_altmin_on_the_flower_grid_matches_local(tmp_path):
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
     torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)
     assert float(flower["_state"]["eta"]) == pytest.approx(float(local["_state"]["eta"]), rel=1e-9)
+
+
+@pytest.mark.parametrize("model", ["distributed", "local"])
+def test_node_side_dp_refuses_adaptive_clipping_before_any_release(model):
+    """The counts are scalar sums the nodes' integer plan is not solved for (unrefused, a distributed
+    AltMin run spent ε 2.77 of a target 2): every protocol with an adaptive bound is refused at resolve."""
+    from fedpers.runner import resolve
+    from fedpers.runtime.options import RuntimeOptions
+
+    fedrep = dict(n_users=40, dim=5, rank=2, samples_per_user=8, rounds=2, epsilon=4.0, clip_rule="adaptive",
+                  accountant="rdp", baselines="none")
+    for exp, values in ((AM, AM_ADAPTIVE), (EXPERIMENTS["fedrep"], fedrep), (NH, NH_ADAPTIVE)):
+        cfg = config.build(exp.config_type, values)
+        with pytest.raises(ValueError, match=f"dp_model {model} does not support .* with adaptive clipping"):
+            resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 3, "dp_model": model}))
