@@ -49,8 +49,8 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "A noised with b's bound": (
         ALTMIN,
-        'summed.stats["A"],\n            per_unit_bound=self.a_bound,',
-        'summed.stats["A"],\n            per_unit_bound=self.b_bound,',
+        'summed.stats["A"],\n            per_unit_bound=a_bound,',
+        'summed.stats["A"],\n            per_unit_bound=b_bound,',
     ),
     "disjoint cohort filter removed": (
         ALTMIN,
@@ -147,6 +147,12 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
         "fedpers/privacy/correlated.py",
         "            self.history = [theta * beta + w for theta, beta in zip(self.buf_decay, buffers, strict=True)]",
         "            self.history = [theta * beta for theta, beta in zip(self.buf_decay, buffers, strict=True)]",
+        "tests/test_correlated.py",
+    ),
+    "optimiser not compared with independent noise (its result or the square root kept where C = I is better)": (
+        "fedpers/privacy/correlated.py",
+        "if bool(torch.isfinite(c).all())] + [identity]\n",
+        "if bool(torch.isfinite(c).all())]\n",
         "tests/test_correlated.py",
     ),
 }

@@ -553,3 +553,16 @@ def test_poisson_sampling_with_correlated_noise_is_refused_naming_noise_on_both_
         config.build(EXP.config_type, {**SMALL, "cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": noise})
     with pytest.raises(ValueError, match="noise: correlated noise with cohorts poisson"):
         config.build(NH.config_type, {**NH_SMALL, "mode": "rounds", "sampling_rate": 0.5, "noise": noise})
+
+
+@pytest.mark.parametrize("model", ["distributed", "local"])
+def test_node_side_dp_refuses_correlated_noise_on_every_protocol_before_any_release(model):
+    """Shares drawn per round cannot be correlated across rounds: unrefused, FedRep's correlated rounds
+    were noised by the server on sums it saw, under a model that promises it never sees them."""
+    from fedpers.runner import resolve
+    from fedpers.runtime.options import RuntimeOptions
+
+    for exp, values in ((EXP, {**SMALL, "noise": "banded", "accountant": "rdp"}), (GD, {**GD_SMALL, "noise": "banded"})):
+        cfg = config.build(exp.config_type, values)
+        with pytest.raises(ValueError, match=f"dp_model {model} does not support .* with correlated noise"):
+            resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 3, "dp_model": model}))

@@ -161,6 +161,69 @@ TABLE = json.loads(
      "type": "enum"
     },
     {
+     "flag": "--clip-rule",
+     "help": "fixed: every round clips at η and ζ; adaptive: they are round 1's bounds, each moved every round toward its quantile (--clip-quantile, --label-clip-quantile) through a noisy count (accounted) (default: fixed)",
+     "meta": {
+      "words": {}
+     },
+     "name": "clip_rule",
+     "type": "str"
+    },
+    {
+     "flag": "--clip-quantile",
+     "help": "γ_η: target fraction of Q2 samples with ‖v_j‖‖x_ij‖ within the adaptive η (default: 0.5)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "clip_quantile",
+     "type": "float"
+    },
+    {
+     "flag": "--label-clip-quantile",
+     "help": "γ_ζ: target fraction of Q2 labels within the adaptive ζ (default: 0.9)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "label_clip_quantile",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-lr",
+     "help": "η_C: step of the adaptive bounds, η ← η·exp(−η_C(b̄ − γ_η)) (ζ alike) (default: 0.2)",
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
+     "name": "clip_lr",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-budget",
+     "help": "f_A: share of each round's privacy (of μ²) spent on the adaptive η's count (default: 0.05)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "clip_budget",
+     "type": "float"
+    },
+    {
+     "flag": "--label-clip-budget",
+     "help": "f_b: share of each round's privacy (of μ²) spent on the adaptive ζ's count (default: 0.05)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "label_clip_budget",
+     "type": "float"
+    },
+    {
      "choices": [
       "pld",
       "rdp",
@@ -333,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "278c0b6f56da144f33f5ea9c38ce05dd240013ef9185a098e36238d6da0d9f24",
+   "fingerprint": "73f025cb4eb0860cc3a6b5502b743aa9e71e59f42d2efa9d15310136a1766132",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1762,7 +1825,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "f89baa07e9fc34ef7ff9c9ffa01ce29f7c7153244c5d373c0a8a3eeecea108a2",
+   "fingerprint": "b3aed86946cbb1804bb6880bdf7d999ef6de1dfec33591b6d52b57d6092863af",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -1979,6 +2042,60 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "flag": "--noise-decay",
+     "help": "λ_w: the correlated noise is chosen for the iterates of x_t = λ_w·x_{t−1} + g_t; auto (0): GD's own contraction 1 − 2λη₀ with correlated noise (1 with independent noise); 1: prefix sums (default: 0.0)",
+     "meta": {
+      "ge": 0.0,
+      "le": 1.0,
+      "words": {
+       "auto": 0.0
+      }
+     },
+     "name": "noise_decay",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-rule",
+     "help": "fixed: every step clips a unit's gradient at ρP·G(C + RG); adaptive (--mode rounds): that is the first bound, moved each step toward the --clip-quantile of units' gradient norms through a noisy count (accounted) (default: fixed)",
+     "meta": {
+      "words": {}
+     },
+     "name": "clip_rule",
+     "type": "str"
+    },
+    {
+     "flag": "--clip-quantile",
+     "help": "γ: target fraction of units under the adaptive bound (default: 0.5)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "clip_quantile",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-lr",
+     "help": "η_C: step of the adaptive bound, B ← B·exp(−η_C(b̄ − γ)) (default: 0.2)",
+     "meta": {
+      "gt": 0.0,
+      "words": {}
+     },
+     "name": "clip_lr",
+     "type": "float"
+    },
+    {
+     "flag": "--clip-budget",
+     "help": "f: share of each step's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
+     "meta": {
+      "gt": 0.0,
+      "lt": 1.0,
+      "words": {}
+     },
+     "name": "clip_budget",
+     "type": "float"
+    },
+    {
      "flag": "--label-noise",
      "help": "τ, the label noise std (ν = 1 + τ²) (default: 0.0)",
      "meta": {
@@ -2192,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "db447a324bf1bc30107fd4dd3dc1f77912bcee1658231996e451899c564a0043",
+   "fingerprint": "623dafd8fad1a1e2ace05249419073b4fcf9837735ec7797e4d35ffb46b46f7c",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

@@ -63,6 +63,22 @@ class AltMinConfig(DeviceRunConfig):
     clip_model: float = field(0.7, "c_η: model clip η = c_η √(dk)", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
     psd: PsdMethod = field(PsdMethod.EIGEN_FLOOR, "how noisy A is made positive definite")
+    clip_rule: str = field(
+        "fixed",
+        "fixed: every round clips at η and ζ; adaptive: they are round 1's bounds, each moved every round toward "
+        "its quantile (--clip-quantile, --label-clip-quantile) through a noisy count (accounted)",
+    )
+    clip_quantile: float = field(
+        0.5, "γ_η: target fraction of Q2 samples with ‖v_j‖‖x_ij‖ within the adaptive η", gt=0.0, lt=1.0
+    )
+    label_clip_quantile: float = field(0.9, "γ_ζ: target fraction of Q2 labels within the adaptive ζ", gt=0.0, lt=1.0)
+    clip_lr: float = field(0.2, "η_C: step of the adaptive bounds, η ← η·exp(−η_C(b̄ − γ_η)) (ζ alike)", gt=0.0)
+    clip_budget: float = field(
+        0.05, "f_A: share of each round's privacy (of μ²) spent on the adaptive η's count", gt=0.0, lt=1.0
+    )
+    label_clip_budget: float = field(
+        0.05, "f_b: share of each round's privacy (of μ²) spent on the adaptive ζ's count", gt=0.0, lt=1.0
+    )
     accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
     device: str = inherited()
@@ -139,6 +155,18 @@ class AltMinConfig(DeviceRunConfig):
                     raise ValueError(f"{name} applies to .parquet/.csv data files only (got data={self.data})")
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
+        if self.clip_rule not in ("fixed", "adaptive"):
+            raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
+        if self.clip_rule == "adaptive":
+            if not self.clip_budget + self.label_clip_budget < 1.0:
+                raise ValueError(
+                    "clip_budget + label_clip_budget must be < 1 (A and b keep the rest of each round's privacy); "
+                    f"got {self.clip_budget} + {self.label_clip_budget}"
+                )
+            if self.calibration is Calibration.PAPER:
+                raise ValueError(
+                    "clip_rule adaptive: calibration paper has no rule for the count releases; use calibration accountant"
+                )
         if self.cohorts is Cohorts.DISJOINT and self.n_users < self.rounds:
             raise ValueError(f"n_users must be >= rounds={self.rounds} for disjoint cohorts; got {self.n_users}")
         if self.cohorts is Cohorts.POISSON:
@@ -333,14 +361,22 @@ class AltMinPlan:
         )
         if not private:
             return proto
-        releases = proto.releases_per_user()
+        if cfg.clip_rule == "adaptive":
+            proto = replace(
+                proto,
+                clip_quantile=cfg.clip_quantile,
+                label_clip_quantile=cfg.label_clip_quantile,
+                clip_lr=cfg.clip_lr,
+                count_shares=(cfg.clip_budget, cfg.label_clip_budget),
+            )
+        releases, shares = proto.releases_per_user(), proto.count_shares
         if math.isinf(cfg.epsilon):
             z = 0.0
         elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
             z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
         else:
             z = calibrate_noise_multiplier(
-                lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate),
+                lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate, shares),
                 cfg.epsilon,
                 cfg.delta,
                 cfg.accountant,
@@ -729,6 +765,10 @@ def audit_protocol(cfg: AltMinConfig, k: int, calibrations: Calibrations | None 
     """The configured protocol for a population of ``k`` canary users (the audit's own population)."""
     if cfg.data is not None:
         raise ValueError("data: the audit's population is its canaries; drop --data")
+    if cfg.clip_rule != "fixed":
+        raise ValueError(
+            "clip_rule: the altmin audit's canaries sit at fixed clip bounds; audit without --clip-rule adaptive"
+        )
     return make_protocol(replace(cfg, n_users=k, chunk_size=max(k, 1)), calibrations=calibrations)
 
 
@@ -920,7 +960,15 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
             "releases_per_user": releases,
             "calibration": cfg.calibration.value,
             # Every release's σ = z·Δ/2 (its dp-accounting event is GaussianDpEvent(z)).
-            "paper_epsilon_same_noise": paper_epsilon(protocol.noise_multiplier / 2, (releases - 1) // 2, cfg.delta),
+            "paper_epsilon_same_noise": paper_epsilon(protocol.noise_multiplier / 2, protocol.rounds_in, cfg.delta),
+            **(
+                {
+                    "clip_rule": f"adaptive γ_η={protocol.clip_quantile}, γ_ζ={protocol.label_clip_quantile}, "
+                    f"η_C={protocol.clip_lr}, count shares f_A={protocol.count_shares[0]}, f_b={protocol.count_shares[1]}"
+                }
+                if protocol.adaptive
+                else {}
+            ),
         }
 
     def plot_keys(self) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ from fedpers.privacy.accountant import (
     get_accountant,
     sampling_accountants,
 )
+from fedpers.privacy.adaptive_clip import share_multiplier
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, Mode, NoisyHeadProtocol, RidgeScaling
 
@@ -189,6 +190,24 @@ class NoisyHeadConfig(ApproxDpRunConfig):
         "(banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
     )
     bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
+    noise_decay: float = field(
+        0.0,
+        "λ_w: the correlated noise is chosen for the iterates of x_t = λ_w·x_{t−1} + g_t; auto (0): GD's own "
+        "contraction 1 − 2λη₀ with correlated noise (1 with independent noise); 1: prefix sums",
+        ge=0.0,
+        le=1.0,
+        words={"auto": 0.0},
+    )
+    clip_rule: str = field(
+        "fixed",
+        "fixed: every step clips a unit's gradient at ρP·G(C + RG); adaptive (--mode rounds): that is the first "
+        "bound, moved each step toward the --clip-quantile of units' gradient norms through a noisy count (accounted)",
+    )
+    clip_quantile: float = field(0.5, "γ: target fraction of units under the adaptive bound", gt=0.0, lt=1.0)
+    clip_lr: float = field(0.2, "η_C: step of the adaptive bound, B ← B·exp(−η_C(b̄ − γ))", gt=0.0)
+    clip_budget: float = field(
+        0.1, "f: share of each step's privacy (of μ²) spent on the adaptive clip's count", gt=0.0, lt=1.0
+    )
     label_noise: float = field(0.0, "τ, the label noise std (ν = 1 + τ²)", ge=0.0)
     kappa: float = field(1.0, "κ of Theorem 4.1", gt=0.0, le=1.0)
     clip_c: float = field(0.0, f"label clip C (0: Theorem 4.1; {DEMO.clip_c:g} in the demo regime)", ge=0.0)
@@ -246,6 +265,22 @@ class NoisyHeadConfig(ApproxDpRunConfig):
             self.steps or 10**9,  # T from the regime's rule: bands are checked against it when it is resolved
             n // self.prompts_per_user if self.unit is Unit.USER else n,
         )
+        if self.noise_decay:  # given (not auto)
+            correlated.check_decay(self.noise, self.noise_decay)
+        if self.clip_rule not in ("fixed", "adaptive"):
+            raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
+        if self.clip_rule == "adaptive":
+            if self.mode is not Mode.ROUNDS:
+                raise ValueError(
+                    "clip_rule adaptive needs --mode rounds (the statistics mode keeps the analytic bounds, "
+                    "which never act there; that is what makes both modes release the same Γ̂)"
+                )
+            if self.calibration is not Calibration.ACCOUNTANT:
+                raise ValueError(
+                    "clip_rule adaptive needs calibration accountant (the paper's per-step rule has no count release)"
+                )
+            if self.attack_c > 0:
+                raise ValueError("clip_rule adaptive: the robustness attack replays statistics mode; use a fixed clip")
         if self.cohorts == "cyclic" and (self.mode is not Mode.ROUNDS or self.sampling_rate < 1):
             raise ValueError("cohorts cyclic needs --mode rounds and no --sampling-rate (each step reads its cohort)")
         if self.sampling_rate < 1:
@@ -351,8 +386,9 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
             "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))",
         )
     else:
+        share = cfg.clip_budget if cfg.clip_rule == "adaptive" else 0.0
         z = calibrate_noise_multiplier(
-            lambda z: step_event(z, steps_per_unit, cfg.sampling_rate),
+            lambda z: step_event(z, steps_per_unit, cfg.sampling_rate, share),
             cfg.epsilon,
             cfg.delta,
             cfg.accountant,
@@ -378,10 +414,21 @@ def _regime_steps(regime: Regime, n: int, lam: float, eta: float) -> int:
     return max(1, math.ceil(target / rate))
 
 
-def step_event(noise_multiplier: float, steps: int, sampling_rate: float = 1.0) -> dp_accounting.DpEvent:
+def step_event(
+    noise_multiplier: float, steps: int, sampling_rate: float = 1.0, count_share: float = 0.0
+) -> dp_accounting.DpEvent:
     """What one unit is touched by: T Gaussian releases with the same noise multiplier, each
-    Poisson-sampled at q when q < 1."""
-    g = dp_accounting.GaussianDpEvent(noise_multiplier)
+    Poisson-sampled at q when q < 1. With adaptive clipping (``count_share`` f > 0) a step is a gradient
+    release at z/√(1 − f) and a count at z/√f; on one Poisson sample the two are one sampled Gaussian z
+    (the ledger's accountant merges them so), so only the unsampled event changes."""
+    g: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if count_share > 0 and sampling_rate >= 1:
+        g = dp_accounting.ComposedDpEvent(
+            [
+                dp_accounting.GaussianDpEvent(share_multiplier(noise_multiplier, 1.0 - count_share)),
+                dp_accounting.GaussianDpEvent(share_multiplier(noise_multiplier, count_share)),
+            ]
+        )
     if sampling_rate < 1:
         g = dp_accounting.PoissonSampledDpEvent(sampling_rate, g)
     return dp_accounting.SelfComposedDpEvent(g, steps)
@@ -419,8 +466,27 @@ def make_protocol(
         cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle),
         correlated=None
         if cfg.noise == "independent"
-        else correlated.run_mechanism(cfg.noise, r.T, cfg.bands, cfg.cycle),
+        else correlated.run_mechanism(cfg.noise, r.T, cfg.bands, cfg.cycle, workload_decay(cfg, r)),
+        **(
+            {"clip_quantile": cfg.clip_quantile, "clip_lr": cfg.clip_lr, "count_share": cfg.clip_budget}
+            if cfg.clip_rule == "adaptive" and (mode or cfg.mode) is Mode.ROUNDS
+            else {}
+        ),
     )
+
+
+def workload_decay(cfg: NoisyHeadConfig, r: Resolved) -> float:
+    """λ_w of the correlated noise's workload: the one given, or (auto) GD's contraction 1 − 2λη₀ (the
+    step Γ ← (1 − 2λη₀)Γ − (η₀/N)(g + noise) carries past noise forward by that factor, the projection
+    aside); refused before any release when auto gives a value outside (0, 1]."""
+    if cfg.noise_decay:
+        return cfg.noise_decay
+    decay = 1.0 - 2.0 * r.lam * r.eta
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(
+            f"noise_decay auto: GD's contraction 1 − 2λη₀ = {decay:.4g} is not in (0, 1]; give --noise-decay in (0, 1]"
+        )
+    return decay
 
 
 # ----- data ------------------------------------------------------------------------------------
@@ -594,6 +660,10 @@ def audit_protocol(cfg: NoisyHeadConfig, k: int, calibrations: Calibrations | No
     release the auditor sees, and statistics mode releases the same Γ̂ for the same noise."""
     if cfg.cohorts != "all" or cfg.noise != "independent":
         raise ValueError("cohorts/noise: the noisyhead audit's canaries take part in every step with independent noise")
+    if cfg.clip_rule != "fixed":
+        raise ValueError(
+            "clip_rule: the noisyhead audit's canaries sit at the analytic bound; audit without --clip-rule adaptive"
+        )
     if cfg.unit.value != "prompt" or cfg.sampling_rate != 1.0:
         raise ValueError(
             "unit/sampling_rate: the noisyhead audit has prompt-level, unsampled canaries; use --unit prompt without --sampling-rate"
@@ -724,6 +794,12 @@ class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
             "noise_std_step": protocol.noise_std_step,
             "paper_epsilon_same_noise": nh.paper_epsilon(z, r.T, cfg.delta),
         }
+        if protocol.adaptive:
+            out["clip_rule"] = (
+                f"adaptive γ={protocol.clip_quantile}, η_C={protocol.clip_lr}, count share f={protocol.count_share}"
+            )
+        if protocol.correlated is not None:
+            out["workload_decay"] = protocol.correlated.decay
         if not math.isinf(cfg.epsilon):
             paper_z = nh.paper_noise_multiplier(r.T, cfg.epsilon, cfg.delta)
             tight_z = (

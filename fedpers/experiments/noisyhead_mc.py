@@ -386,6 +386,11 @@ def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]
             "cohorts/noise: cyclic cohorts and correlated noise are not simulated by the Monte-Carlo sweep engine; "
             "run the points with fedpers run (mode rounds)"
         )
+    if cfg.clip_rule != "fixed":
+        raise ValueError(
+            "clip_rule: adaptive clipping is not simulated by the Monte-Carlo sweep engine; "
+            "run the points with fedpers run (mode rounds)"
+        )
     cfg, noise_seed = split_seed(cfg)  # like a run: data from the public seed, noise from a secret one
     r = resolve(cfg)
     engine = "direct" if cfg.attack_c > 0 else engine_for(cfg, r)

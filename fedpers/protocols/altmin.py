@@ -20,6 +20,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
 from fedpers.privacy.mechanisms import psd_sensitivity
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
@@ -89,6 +90,16 @@ class AltMinProtocol(Protocol):
     """Disjoint cohorts permute runs of this many consecutive user ids (public, data-independent):
     1 permutes users; synthetic i.i.d. users use their generation block, so a round generates
     only its cohort's blocks (docs/benchmarks.md, "Synthetic users")."""
+    clip_quantile: float = 0.0
+    """γ_η > 0: adaptive clipping of η and ζ (Andrew et al. 2021; docs/algorithms.md §6): ``eta`` and
+    ``zeta`` are round 1's bounds; each round also releases two noisy counts (the part of each
+    user's Q2 samples within η_t, and within ζ_t) and moves each bound toward its quantile."""
+    label_clip_quantile: float = 0.0
+    """γ_ζ: the target fraction of Q2 labels with |y| ≤ ζ_t (adaptive clipping only)."""
+    clip_lr: float = 0.2
+    """η_C: the adaptive bounds' geometric step."""
+    count_shares: tuple[float, float] = (0.0, 0.0)
+    """(f_A, f_b): shares of each round's μ² spent on η's and ζ's counts; A and b take the rest."""
     _cohort_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     name = "altmin"
@@ -118,8 +129,12 @@ class AltMinProtocol(Protocol):
     @property
     def a_sensitivity(self) -> float:
         """√2·|Q2|η²: every A_j is PSD; 2·|Q2|η² when Poisson-sampled (see ``Privatizer.symmetric_gaussian_sum``)."""
+        return self.a_sensitivity_of(self.a_bound)
+
+    def a_sensitivity_of(self, bound: float) -> float:
+        """Δ of an A release whose users' A_j are PSD with ‖A_j‖_F ≤ ``bound``."""
         sampled = self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0
-        return psd_sensitivity(self.a_bound, self.sampling_rate if sampled else 1.0)
+        return psd_sensitivity(bound, self.sampling_rate if sampled else 1.0)
 
     @property
     def psd_statistics(self) -> tuple[str, ...]:
@@ -127,10 +142,40 @@ class AltMinProtocol(Protocol):
         (v̂v̂ᵀ) ⊗ Σ m²x̂x̂ᵀ; not under Poisson sampling): distributed DP keeps the tightening after rounding."""
         return () if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0 else ("A",)
 
-    def noise_std(self, bound: float, sensitivity: float | None = None) -> float:
-        """σ = z·Δ/2 with Δ = 2·bound unless given (0 without noise)."""
+    def noise_std(self, bound: float, sensitivity: float | None = None, multiplier: float | None = None) -> float:
+        """σ = z·Δ/2 with Δ = 2·bound unless given (0 without noise); ``multiplier`` in place of z."""
         delta = 2 * bound if sensitivity is None else sensitivity
-        return self.noise_multiplier * delta / 2 if self.noise_multiplier > 0 else 0.0
+        z = self.noise_multiplier if multiplier is None else multiplier
+        return z * delta / 2 if self.noise_multiplier > 0 else 0.0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.clip_quantile > 0
+
+    @property
+    def round_multiplier(self) -> float:
+        """Multiplier of A and of b: z/√(1 − f_A − f_b) (z itself with fixed bounds)."""
+        return share_multiplier(self.noise_multiplier, 1.0 - sum(self.count_shares))
+
+    def count_multiplier(self, statistic: str) -> float:
+        """Multiplier of η's (``A``) or ζ's (``b``) count: z/√(2f). A round's A, b and two counts
+        have μ² 2(1 − f_A − f_b)/z² + 2f_A/z² + 2f_b/z² = 2/z², a fixed-bound round's."""
+        f = self.count_shares[0 if statistic == "A" else 1]
+        return share_multiplier(self.noise_multiplier, 2 * f)
+
+    def round_bounds(self, state: Mapping[str, Tensor]) -> tuple[float, float]:
+        """(η_t, ζ_t) of a round: public state made from released counts, or the fixed bounds."""
+        if self.adaptive:
+            return float(state["eta"]), float(state["zeta"])
+        return self.eta, self.zeta
+
+    def cohort_size(self, round: int) -> float:
+        """Public number of users of round ``round`` ≥ 1: the disjoint cohort's size (from public n
+        and T), n with ``all``, the expected q·n when Poisson-sampled."""
+        n, T = self.n_users, self.rounds
+        if self.cohorts is Cohorts.DISJOINT:
+            return float(-(-round * n // T) - -(-(round - 1) * n // T))
+        return n * (self.sampling_rate if self.cohorts is Cohorts.POISSON else 1.0)
 
     def permutation(self) -> Tensor:
         """The public permutation of all n users that the disjoint cohorts cut into T parts:
@@ -170,23 +215,46 @@ class AltMinProtocol(Protocol):
         }[statistic]
         return {**common, "formula": formula}
 
+    @property
+    def rounds_in(self) -> int:
+        """Rounds one user may take part in: 1 with disjoint cohorts, else T."""
+        return 1 if self.cohorts is Cohorts.DISJOINT else self.rounds
+
     def releases_per_user(self) -> int:
-        """Gaussian releases that touch one user: init, plus (A, b) per round the user may be in."""
-        rounds_in = 1 if self.cohorts is Cohorts.DISJOINT else self.rounds
-        return 1 + 2 * rounds_in
+        """Gaussian releases that touch one user: init, plus (A, b) per round the user may be in,
+        and with adaptive bounds the round's two counts."""
+        return 1 + (4 if self.adaptive else 2) * self.rounds_in
 
     @staticmethod
-    def user_event(noise_multiplier: float, releases: int, sampling_rate: float = 1.0) -> dp_accounting.DpEvent:
-        """Init plus (A, b) pairs. With Poisson sampling (q < 1) a round's A and b are computed on
-        one sample, so they are one sampled mechanism: the pair of Gaussians (z each) is the
-        Gaussian z/√2, then Poisson-sampled at q (what the ledger's accountant merges them into)."""
+    def user_event(
+        noise_multiplier: float,
+        releases: int,
+        sampling_rate: float = 1.0,
+        count_shares: tuple[float, float] = (0.0, 0.0),
+    ) -> dp_accounting.DpEvent:
+        """Init plus (A, b) pairs; with count shares (f_A, f_b) > 0 a round is A and b at
+        z/√(1 − f_A − f_b) and η's and ζ's counts at z/√(2f_A), z/√(2f_b) (``releases`` then counts
+        4 per round). With Poisson sampling (q < 1) a round's releases are computed on one sample,
+        so they are one sampled mechanism: their Gaussians compose to z/√2 (the shares add up),
+        then Poisson-sampled at q (what the ledger's accountant merges them into)."""
         g = dp_accounting.GaussianDpEvent(noise_multiplier)
-        if sampling_rate >= 1.0:
+        adaptive = sum(count_shares) > 0
+        rounds_in = (releases - 1) // (4 if adaptive else 2)
+        if sampling_rate < 1.0:
+            pair = dp_accounting.PoissonSampledDpEvent(
+                sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(2.0))
+            )
+            return dp_accounting.ComposedDpEvent([g] + [pair] * rounds_in)
+        if not adaptive:
             return dp_accounting.ComposedDpEvent([g] * releases)
-        pair = dp_accounting.PoissonSampledDpEvent(
-            sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(2.0))
-        )
-        return dp_accounting.ComposedDpEvent([g] + [pair] * ((releases - 1) // 2))
+        f_a, f_b = count_shares
+        per_round = [
+            dp_accounting.GaussianDpEvent(share_multiplier(noise_multiplier, 1.0 - f_a - f_b)),
+            dp_accounting.GaussianDpEvent(share_multiplier(noise_multiplier, 1.0 - f_a - f_b)),
+            dp_accounting.GaussianDpEvent(share_multiplier(noise_multiplier, 2 * f_a)),
+            dp_accounting.GaussianDpEvent(share_multiplier(noise_multiplier, 2 * f_b)),
+        ]
+        return dp_accounting.ComposedDpEvent([g] + per_round * rounds_in)
 
     def group(self, round: int) -> str:
         if round == 0 or self.cohorts is not Cohorts.DISJOINT:
@@ -240,14 +308,25 @@ class AltMinProtocol(Protocol):
     def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
         if round == 0:
             return {}
+        out = {"U": state["U"]}
         if self.cohorts is Cohorts.POISSON:  # this round's membership (see docs/fedrep.md: who may see it)
-            return {"U": state["U"], "sampled": state["sampled"]}
-        return {"U": state["U"]}
+            out["sampled"] = state["sampled"]
+        if self.adaptive:  # η_t, ζ_t: public, made from released counts only
+            out["eta"], out["zeta"] = state["eta"], state["zeta"]
+        return out
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         d, k = self.dim, self.rank
         if round == 0:
             return (StatSpec("W", (d, d), self.init_bound, symmetric=True),)
+        if self.adaptive:
+            # A_j/η_t² and b_j/(η_t ζ_t) (bound |Q2| each) and the two counts: bounds that do not depend on the round
+            return (
+                StatSpec("A", (d * k, d * k), float(self.quarter), symmetric=True),
+                StatSpec("b", (d * k,), float(self.quarter)),
+                StatSpec("below_eta", (), COUNT_BOUND),
+                StatSpec("below_zeta", (), COUNT_BOUND),
+            )
         return (StatSpec("A", (d * k, d * k), self.a_bound, symmetric=True), StatSpec("b", (d * k,), self.b_bound))
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
@@ -264,6 +343,16 @@ class AltMinProtocol(Protocol):
             keep = broadcast["sampled"].to(ids.device)[ids] > 0
         if keep is not None and not bool(keep.all()):  # a chunk made for this round is all cohort: no copy
             x, y = x[keep], y[keep]
+        if self.adaptive:
+            eta, zeta = float(broadcast["eta"]), float(broadcast["zeta"])
+            A, b, within_eta, within_zeta = self.scaled_round_statistics(broadcast["U"].to(self.dtype), x, y, eta, zeta)
+            stats = {
+                "A": A,
+                "b": b,
+                "below_eta": below_statistic(within_eta, self.dtype),
+                "below_zeta": below_statistic(within_zeta, self.dtype),
+            }
+            return Message(stats, int(x.shape[0]))
         A, b = self.round_statistics(broadcast["U"].to(self.dtype), x, y)
         return Message({"A": A, "b": b}, int(x.shape[0]))
 
@@ -282,6 +371,9 @@ class AltMinProtocol(Protocol):
                 params=self.release_params("W"),
             )
             state = {"U": linalg.top_eigenvectors(M.double(), self.rank).to(M.dtype)}
+            if self.adaptive:  # round 1's bounds: the configured η and ζ
+                state["eta"] = torch.tensor(self.eta, dtype=torch.float64)
+                state["zeta"] = torch.tensor(self.zeta, dtype=torch.float64)
             return self._next_sample(state, privatizer), {"noise_std_W": self.noise_std(self.init_bound)}
         q = self.sampling_rate if self.cohorts is Cohorts.POISSON and z > 0 else 1.0
         shared = (
@@ -289,31 +381,67 @@ class AltMinProtocol(Protocol):
             if self.cohorts is Cohorts.POISSON
             else {}
         )
+        eta, zeta = self.round_bounds(state)
+        # adaptive: A_j/η_t² and b_j/(η_t ζ_t) are released (bound |Q2|) and scaled back by the public bounds
+        a_bound, b_bound = (float(self.quarter),) * 2 if self.adaptive else (self.a_bound, self.b_bound)
+        a_params, b_params = self.release_params("A"), self.release_params("b")
+        if self.adaptive:
+            a_params.update(eta=eta, formula=f"bound |Q2| on A_j/η_t², {a_params['formula'].split(', ', 1)[1]}; × η_t²")
+            b_params.update(eta=eta, zeta=zeta, formula="bound |Q2| on b_j/(η_t ζ_t), Δ = 2·bound; × η_t ζ_t")
+        z = self.round_multiplier
         A = privatizer.symmetric_gaussian_sum(
             summed.stats["A"],
-            per_unit_bound=self.a_bound,
+            per_unit_bound=a_bound,
             noise_multiplier=z,
             name=f"round{round}.A",
             round=round,
             units=group,
             psd_units=True,
-            params={**self.release_params("A"), **shared},
+            params={**a_params, **shared},
             sampling_probability=q,
         )
         b = privatizer.gaussian_sum(
             summed.stats["b"],
-            per_unit_bound=self.b_bound,
+            per_unit_bound=b_bound,
             noise_multiplier=z,
             name=f"round{round}.b",
             round=round,
             units=group,
-            params={**self.release_params("b"), **shared},
+            params={**b_params, **shared},
             sampling_probability=q,
         )
-        U, info = self.solve_subspace(A, b, noise_std_a=self.noise_std(self.a_bound, self.a_sensitivity))
+        new: dict[str, Tensor] = {}
+        counts: dict[str, float] = {}
+        if self.adaptive:
+            A, b = A * eta**2, b * (eta * zeta)
+            size = self.cohort_size(round)
+            for stat, bound, quantile, key in (
+                ("A", eta, self.clip_quantile, "eta"),
+                ("b", zeta, self.label_clip_quantile, "zeta"),
+            ):
+                what = "‖v_j‖‖x_ij‖ ≤ η_t" if key == "eta" else "|y_ij| ≤ ζ_t"
+                fraction, following = AdaptiveClip(quantile, self.clip_lr).release(
+                    privatizer,
+                    summed.stats[f"below_{key}"],
+                    bound=bound,
+                    size=size,
+                    noise_multiplier=self.count_multiplier(stat),
+                    name=f"round{round}.below_{key}",
+                    round=round,
+                    statistic=f"Σ_j (fraction of user j's Q2 samples with {what} − 1/2)",
+                    units=group,
+                    params=dict(shared),
+                    sampling_probability=q,
+                )
+                new[key] = torch.tensor(following, dtype=torch.float64)
+                counts[f"{key}_t"], counts[f"noisy_fraction_below_{key}"] = bound, fraction
+        # σ of A's noise after scaling back (the PSD floor is data-independent: public bounds only)
+        noise_std_a = self.noise_std(a_bound, self.a_sensitivity_of(a_bound), z) * (eta**2 if self.adaptive else 1.0)
+        U, info = self.solve_subspace(A, b, noise_std_a=noise_std_a)
+        info.update(counts)
         if self.cohorts is Cohorts.POISSON:
             info["sampled_users"] = float(summed.count)
-        return self._next_sample({"U": U}, privatizer), info
+        return self._next_sample({"U": U, **new}, privatizer), info
 
     def _next_sample(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
         """With Poisson cohorts, draw the next round's members now (the server's private
@@ -344,6 +472,53 @@ class AltMinProtocol(Protocol):
         """:meth:`local_solve` from the features x_ij U already formed."""
         return linalg.batched_ridge_solve(features, y, LOCAL_RIDGE)
 
+    def scaled_round_statistics(
+        self, U: Tensor, x: Tensor, y: Tensor, eta: float, zeta: float
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Adaptive bounds (η_t, ζ_t): (Σ_j A_j/η_t², Σ_j b_j/(η_t ζ_t), per-user fraction of Q2 samples
+        with ‖v_j‖‖x_ij‖ ≤ η_t, per-user fraction with |y_ij| ≤ ζ_t), for every finite input
+        ‖A_j/η_t²‖_F ≤ |Q2|, ‖b_j/(η_t ζ_t)‖ ≤ |Q2| and fractions in [0, 1].
+
+        The clip is taken at 1 on ‖v_j‖‖x_ij‖/η_t (log-norms, never overflowing) and the labels are
+        clip(y; ζ_t)/ζ_t, so the scaled statistics are bounded without dividing a clipped sum.
+        """
+        q, d, k = self.quarter, self.dim, self.rank
+        if x.shape[0] == 0:
+            zero = torch.zeros(0, dtype=x.dtype, device=x.device)
+            return (
+                torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device),
+                torch.zeros(d * k, dtype=x.dtype, device=x.device),
+                zero,
+                zero,
+            )
+        v_hat, log_v = self.v_directions(U, x[:, :q], y[:, :q])
+        x2, y2 = x[:, q : 2 * q], y[:, q : 2 * q]
+        A, b = linalg.kron_statistics(
+            v_hat,
+            x2,
+            log_v - math.log(eta),
+            1.0,
+            label=linalg.clip_scalar(y2, zeta) / zeta,
+            device_kernels=self.device_kernels,
+        )
+        # an overflowing norm (inf) counts as beyond the bound, a zero one (log −inf) as within it
+        log_x = torch.linalg.vector_norm(x2, dim=-1).double().log()
+        within_eta = (log_v.double().unsqueeze(-1) + log_x <= math.log(eta)).double().mean(-1)
+        within_zeta = (y2.abs() <= zeta).double().mean(-1)
+        return A, b, within_eta, within_zeta
+
+    def v_directions(self, U: Tensor, x1: Tensor, y1: Tensor) -> tuple[Tensor, Tensor]:
+        """(v̂_j, log‖v_j‖) of every user's local solve on Q1 (x1, y1), finite for every finite input:
+        where :func:`~fedpers.linalg.safe_norms` does not trust the features or labels, v_j is solved
+        on Q1 scaled by powers of two (exact) and its log-norm corrected."""
+        features = x1 @ U  # the local solve's only use of x1: check the k-dim features, not the d-dim x
+        if linalg.safe_norms(features) is not None and linalg.safe_norms(y1) is not None:
+            return linalg.directions(linalg.batched_ridge_solve(features, y1, LOCAL_RIDGE))
+        sx, sy = linalg.pow2_scale(x1, 2), linalg.pow2_scale(y1, 1)
+        v = self.local_solve(U, x1 / sx[:, None, None], y1 / sy[:, None])  # v_j · sx/sy
+        v_hat, log_v = linalg.directions(v)
+        return v_hat, log_v + sy.double().log() - sx.double().log()
+
     def round_statistics(self, U: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Σ_j A_j and Σ_j b_j (Algorithm 2) in Kronecker form, stable for every finite input.
 
@@ -359,15 +534,7 @@ class AltMinProtocol(Protocol):
             return torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device), torch.zeros(
                 d * k, dtype=x.dtype, device=x.device
             )
-        x1, y1 = x[:, :q], y[:, :q]
-        features = x1 @ U  # the local solve's only use of x1: check the k-dim features, not the d-dim x
-        if linalg.safe_norms(features) is not None and linalg.safe_norms(y1) is not None:
-            v_hat, log_v = linalg.directions(linalg.batched_ridge_solve(features, y1, LOCAL_RIDGE))
-        else:
-            sx, sy = linalg.pow2_scale(x1, 2), linalg.pow2_scale(y1, 1)
-            v = self.local_solve(U, x1 / sx[:, None, None], y1 / sy[:, None])  # v_j · sx/sy
-            v_hat, log_v = linalg.directions(v)
-            log_v = log_v + sy.double().log() - sx.double().log()
+        v_hat, log_v = self.v_directions(U, x[:, :q], y[:, :q])
         x2 = x[:, q : 2 * q]
         # one in-cache pass over Q2: norms, clip factors min(||v||, η/||x||), A and b together
         A, b = linalg.kron_statistics(

@@ -24,6 +24,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
 from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
@@ -98,12 +99,12 @@ class FedRepProtocol(Protocol):
     @property
     def round_multiplier(self) -> float:
         """z/√(1 − f): a gradient release's multiplier (z itself without adaptive clipping)."""
-        return self.noise_multiplier / math.sqrt(1.0 - self.count_share)
+        return share_multiplier(self.noise_multiplier, 1.0 - self.count_share)
 
     @property
     def count_multiplier(self) -> float:
         """z/√f: the count release's multiplier (μ² of the two add up to z's)."""
-        return self.noise_multiplier / math.sqrt(self.count_share) if self.count_share > 0 else math.inf
+        return share_multiplier(self.noise_multiplier, self.count_share)
 
     def releases_per_user(self) -> int:
         """Init + the rounds a user takes part in: ⌈T/K⌉ under a K-cycle (the largest cohort's count)."""
@@ -136,8 +137,8 @@ class FedRepProtocol(Protocol):
         g = dp_accounting.GaussianDpEvent(noise_multiplier)
         if count_share > 0:
             per_round: list[dp_accounting.DpEvent] = [
-                dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(1.0 - count_share)),
-                dp_accounting.GaussianDpEvent(noise_multiplier / math.sqrt(count_share)),
+                dp_accounting.GaussianDpEvent(share_multiplier(noise_multiplier, 1.0 - count_share)),
+                dp_accounting.GaussianDpEvent(share_multiplier(noise_multiplier, count_share)),
             ]
         else:
             per_round = [g]
@@ -179,7 +180,7 @@ class FedRepProtocol(Protocol):
             return (StatSpec("W", (d, d), self.init_bound, symmetric=True),)
         if self.adaptive:
             # G_j/C_t clipped to norm 1, and 1[‖G_j‖ ≤ C_t] − 1/2: bounds that do not depend on the round's C_t
-            return (StatSpec("G", (d, k), 1.0), StatSpec("below", (), 0.5))
+            return (StatSpec("G", (d, k), 1.0), StatSpec("below", (), COUNT_BOUND))
         return (StatSpec("G", (d, k), self.clip),)
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
@@ -196,7 +197,7 @@ class FedRepProtocol(Protocol):
         if self.adaptive:
             clip = float(broadcast["clip"])
             G, below = self.scaled_gradients(U, x, y, clip)
-            return Message({"G": G.sum(0), "below": (below.to(G.dtype) - 0.5).sum()}, int(x.shape[0]))
+            return Message({"G": G.sum(0), "below": below_statistic(below, G.dtype)}, int(x.shape[0]))
         G = self.clipped_gradients(U, x, y).sum(0)
         return Message({"G": G}, int(x.shape[0]))
 
@@ -270,22 +271,18 @@ class FedRepProtocol(Protocol):
         }
         new: dict[str, Tensor] = {"U": linalg.orthonormal_basis(U)}
         if self.adaptive:
-            below = privatizer.gaussian_sum(
+            fraction, next_clip = AdaptiveClip(self.clip_quantile, self.clip_lr).release(
+                privatizer,
                 summed.stats["below"],
-                per_unit_bound=0.5,
+                bound=clip,
+                size=divisor,  # the public cohort size
                 noise_multiplier=self.count_multiplier,
                 name=f"round{round}.below",
                 round=round,
+                statistic="Σ (1[‖G_j‖ ≤ C_t] − 1/2)",
                 units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
-                params={
-                    "statistic": "Σ (1[‖G_j‖ ≤ C_t] − 1/2)",
-                    "clip": clip,
-                    "formula": "bound 1/2, Δ = 1 (one user's indicator)",
-                },
                 sampling_probability=q if z > 0 else 1.0,
             )
-            fraction = (float(below) + divisor / 2) / divisor  # of the public cohort size
-            next_clip = clip * math.exp(-self.clip_lr * (fraction - self.clip_quantile))
             new["clip"] = torch.tensor(next_clip, dtype=torch.float64)
             info["clip"], info["noisy_fraction_below"] = clip, fraction
         if self.poisson:

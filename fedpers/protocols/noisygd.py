@@ -24,6 +24,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip
 from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
@@ -188,7 +189,7 @@ class NoisyGDProtocol(Protocol):
             )
         if self.adaptive:
             # Σ clip(∇ℓ_i; C_t)/C_t and Σ (1[‖∇ℓ_i‖ ≤ C_t] − 1/2): bounds that do not depend on C_t
-            return (StatSpec("grad", (self.classes, self.model_dim), 1.0), StatSpec("below", (), 0.5))
+            return (StatSpec("grad", (self.classes, self.model_dim), 1.0), StatSpec("below", (), COUNT_BOUND))
         return (StatSpec("grad", (self.classes, self.model_dim), self.grad_clip),)
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
@@ -281,20 +282,18 @@ class NoisyGDProtocol(Protocol):
         start, stop = self.cohort_range(cohort)
         if self.adaptive:
             g = g * clip
-            count = privatizer.gaussian_sum(
+            _, next_clip = AdaptiveClip(self.clip_quantile, self.clip_lr).release(
+                privatizer,
                 summed.stats["below"],
-                per_unit_bound=0.5,
+                bound=clip,
+                size=stop - start,  # public
                 noise_multiplier=self.count_multiplier,
                 name=f"step{step}.below",
                 round=round,
+                statistic="Σ (1[‖∇ℓ_i‖ ≤ C_t] − 1/2)",
                 units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
-                params={"statistic": "Σ (1[‖∇ℓ_i‖ ≤ C_t] − 1/2)", "C_t": clip, "formula": "bound 1/2, Δ = 1"},
             )
-            size = stop - start  # public
-            fraction = (float(count) + size / 2) / size
-            new["clip"] = torch.tensor(
-                clip * math.exp(-self.clip_lr * (fraction - self.clip_quantile)), dtype=torch.float64
-            )
+            new["clip"] = torch.tensor(next_clip, dtype=torch.float64)
         if self.cycle > 1:
             # the cohort's sum scaled to the full data by public sizes: n / |cohort|
             g = g * (self.examples / (stop - start))

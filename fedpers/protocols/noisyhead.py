@@ -38,6 +38,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
 from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
@@ -238,6 +239,14 @@ class NoisyHeadProtocol(Protocol):
     uses cohort t mod K and divides its noisy sum by the cohort's public prompt count."""
     correlated: CorrelatedNoise | None = None
     """Correlated noise across the T steps (None: independent Gaussian noise per step)."""
+    clip_quantile: float = 0.0
+    """γ > 0 (rounds mode): adaptive clipping of each unit's gradient (Andrew et al. 2021): the bound
+    B_t starts at ρP·G(C + RG) and moves toward the γ-quantile of ‖A_u vec Γ − b_u‖ through a noisy
+    count of the units within it (docs/algorithms.md §6)."""
+    clip_lr: float = 0.2
+    """η_C: the adaptive bound's geometric step."""
+    count_share: float = 0.0
+    """f: share of each step's μ² (1/z²) spent on the count (0 without adaptive clipping)."""
 
     name = "noisyhead"
 
@@ -254,6 +263,10 @@ class NoisyHeadProtocol(Protocol):
             raise ValueError("sampling_rate < 1 needs mode rounds (each step samples its units)")
         if self.cycle > 1 and (self.mode is not Mode.ROUNDS or self.sampling_rate < 1):
             raise ValueError("cycle > 1 needs mode rounds without Poisson sampling (each step reads its cohort)")
+        if self.adaptive and self.mode is not Mode.ROUNDS:
+            raise ValueError(
+                "clip_quantile > 0 (adaptive clipping) needs mode rounds (statistics keeps the analytic bounds)"
+            )
 
     # ----- cyclic cohorts (public) ----------------------------------------------------------
     def cohort_of(self, ids: Tensor) -> Tensor:
@@ -285,9 +298,30 @@ class NoisyHeadProtocol(Protocol):
             return torch.arange(*self.cohort_range(round % self.cycle)), None
         return None, None
 
+    def unit_divisor(self, t: int) -> float:
+        """Public number of units of step t: all, their expectation qU, or the cohort's (the count's divisor)."""
+        if self.cycle > 1:
+            start, stop = self.cohort_range(t % self.cycle)
+            return float(stop - start)
+        return self.units_total * self.sampling_rate
+
     @property
     def poisson(self) -> bool:
         return self.sampling_rate < 1
+
+    @property
+    def adaptive(self) -> bool:
+        return self.clip_quantile > 0
+
+    @property
+    def round_multiplier(self) -> float:
+        """z/√(1 − f): a step's gradient multiplier (z itself without adaptive clipping)."""
+        return share_multiplier(self.noise_multiplier, 1.0 - self.count_share)
+
+    @property
+    def count_multiplier(self) -> float:
+        """z/√f: the count's multiplier (μ² of the step's two releases add up to z's)."""
+        return share_multiplier(self.noise_multiplier, self.count_share)
 
     @property
     def units_total(self) -> int:
@@ -342,6 +376,8 @@ class NoisyHeadProtocol(Protocol):
         return linalg.clip_vectors(torch.tensor(self.gamma0, dtype=self.dtype), self.proj_r)
 
     def initial_state(self) -> dict[str, Tensor]:
+        if self.adaptive:  # B_1: the analytic bound
+            return {"gamma": self.initial_gamma(), "clip": torch.tensor(self.grad_bound, dtype=torch.float64)}
         return {"gamma": self.initial_gamma()}
 
     def server_start(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
@@ -355,14 +391,19 @@ class NoisyHeadProtocol(Protocol):
     def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
         if self.mode is Mode.STATISTICS:
             return {}
+        out = {"gamma": state["gamma"]}
         if self.poisson:  # this step's membership (see docs/fedrep.md: who may see it)
-            return {"gamma": state["gamma"], "sampled": state["sampled"]}
-        return {"gamma": state["gamma"]}
+            out["sampled"] = state["sampled"]
+        if self.adaptive:  # B_t: public, made from released counts only
+            out["clip"] = state["clip"]
+        return out
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         k = self.dim**2
         if self.mode is Mode.STATISTICS:
             return (StatSpec("A", (k, k), self.a_bound, symmetric=True), StatSpec("b", (k,), self.b_bound))
+        if self.adaptive:  # Σ clip(g_u; B_t)/B_t and Σ (1[‖g_u‖ ≤ B_t] − 1/2): bounds that do not depend on B_t
+            return (StatSpec("grad", (k,), 1.0), StatSpec("below", (), COUNT_BOUND))
         return (StatSpec("grad", (k,), self.grad_bound),)
 
     def features(self, units: Units) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
@@ -388,6 +429,8 @@ class NoisyHeadProtocol(Protocol):
             keep = self.cohort_of(units["ids"]) == round % self.cycle
             units = {k: v[keep] for k, v in units.items()}
         z, yq, wa, wb = self.features(units)
+        if self.adaptive and self.mode is Mode.ROUNDS:
+            return self.scaled_gradients(broadcast, z, yq, wa, wb, int(units["ids"].shape[0]))
         k = self.dim**2
         z, yq = z.reshape(-1, k), yq.reshape(-1)
         wa = None if wa is None else wa.reshape(-1)
@@ -400,33 +443,61 @@ class NoisyHeadProtocol(Protocol):
         gamma = linalg.clip_vectors(broadcast["gamma"].to(z.device, self.dtype), self.proj_r)
         return Message({"grad": gradient_sum(gamma, z, yq, wa, wb)}, count)
 
-    def noisy_step(self, t: int, gamma: Tensor, grad: Tensor, privatizer: Privatizer) -> tuple[Tensor, Tensor]:
+    def scaled_gradients(
+        self,
+        broadcast: Mapping[str, Tensor],
+        z: Tensor,
+        yq: Tensor,
+        wa: Tensor | None,
+        wb: Tensor | None,
+        count: int,
+    ) -> Message:
+        """Adaptive rounds: Σ_u clip(g_u; B_t)/B_t (each of norm ≤ 1) and Σ_u (1[‖g_u‖ ≤ B_t] − 1/2),
+        g_u = A_u vec Γ − b_u the unit's gradient (norm ≤ ρP·G(C + RG), so finite), clipped through
+        log-norms so nothing overflows for a small B_t."""
+        gamma = linalg.clip_vectors(broadcast["gamma"].to(z.device, self.dtype), self.proj_r)
+        g = gradient_sum(gamma, z, yq, wa, wb)  # (units, D²): one gradient per unit
+        log_clip = math.log(float(broadcast["clip"]))
+        g_hat, log_g = linalg.directions(g)
+        scaled = g_hat * linalg.clipped_magnitude(log_g - log_clip, 1.0).to(g.dtype).unsqueeze(-1)
+        return Message({"grad": scaled.sum(0), "below": below_statistic(log_g <= log_clip, self.dtype)}, count)
+
+    def noisy_step(
+        self, t: int, gamma: Tensor, grad: Tensor, privatizer: Privatizer, clip: float | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Release step t's gradient sum and descend. ``clip`` B_t (adaptive): ``grad`` is Σ clip(g_u; B_t)/B_t,
+        released at bound 1 with multiplier z/√(1 − f) and scaled back by the public B_t after the noise."""
+        bound = self.grad_bound if clip is None else 1.0
+        z = self.noise_multiplier if clip is None else self.round_multiplier
         if self.correlated is not None:
             noisy = privatizer.correlated_gaussian_sum(
                 grad,
-                per_unit_bound=self.grad_bound,
-                noise_multiplier=self.noise_multiplier,
+                per_unit_bound=bound,
+                noise_multiplier=z,
                 noise=self.correlated,
                 stream="grad",
                 step=t,
                 name=f"step{t}",
                 round=t,
-                params=self.step_params(t),
+                params=self.step_params(t, clip),
             )
         else:
             noisy = privatizer.gaussian_sum(
                 grad,
-                per_unit_bound=self.grad_bound,
-                noise_multiplier=self.noise_multiplier,
+                per_unit_bound=bound,
+                noise_multiplier=z,
                 name=f"step{t}",
                 round=t,
                 units=f"cohort:{t % self.cycle}" if self.cycle > 1 else ALL_UNITS,
-                params=self.step_params(t),
+                params=self.step_params(t, clip),
                 sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
             )
+        if clip is not None:
+            noisy = noisy * clip
         return descend(gamma, noisy, self.step_divisor(t), self.ridge_lambda, self.step_size, self.proj_r), noisy
 
-    def step_params(self, t: int) -> dict[str, Any]:
+    def step_params(self, t: int, clip: float | None = None) -> dict[str, Any]:
+        adaptive = {"B_t": clip, "formula": "bound 1 on clip(g_u; B_t)/B_t, Δ = 2; × B_t after noise"}
         return {
             "statistic": f"Σ_{self.unit_name} gradient",
             "C": self.clip_c,
@@ -437,6 +508,7 @@ class NoisyHeadProtocol(Protocol):
             "formula": "bound ρP·G(C + RG), Δ = 2·bound",
             **({"sampling": f"poisson q={self.sampling_rate}", "poisson_sample": f"step{t}"} if self.poisson else {}),
             **({"cohorts": f"cyclic K={self.cycle}, cohort {t % self.cycle}"} if self.cycle > 1 else {}),
+            **(adaptive if clip is not None else {}),
         }
 
     def server_update(
@@ -451,14 +523,41 @@ class NoisyHeadProtocol(Protocol):
                 gamma, _ = self.noisy_step(t, gamma, A @ gamma - b, privatizer)
                 projected += int(float(torch.linalg.vector_norm(gamma)) >= self.proj_r * (1 - 1e-12))
         else:
-            gamma, _ = self.noisy_step(round, gamma, summed.stats["grad"], privatizer)
+            clip = float(state["clip"]) if self.adaptive else None
+            gamma, _ = self.noisy_step(round, gamma, summed.stats["grad"], privatizer, clip)
             projected = int(float(torch.linalg.vector_norm(gamma)) >= self.proj_r * (1 - 1e-12))
+        new = {"gamma": gamma}
+        adaptive: dict[str, float] = {}
+        if self.adaptive and clip is not None:
+            fraction, next_clip = AdaptiveClip(self.clip_quantile, self.clip_lr).release(
+                privatizer,
+                summed.stats["below"],
+                bound=clip,
+                size=self.unit_divisor(round),  # public
+                noise_multiplier=self.count_multiplier,
+                name=f"step{round}.below",
+                round=round,
+                statistic=f"Σ_{self.unit_name} (1[‖A_u vec Γ − b_u‖ ≤ B_t] − 1/2)",
+                units=f"cohort:{round % self.cycle}" if self.cycle > 1 else ALL_UNITS,
+                params={"sampling": f"poisson q={self.sampling_rate}", "poisson_sample": f"step{round}"}
+                if self.poisson
+                else None,
+                sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
+            )
+            new["clip"] = torch.tensor(next_clip, dtype=torch.float64)
+            sigma = (
+                self.correlated.noise_std(self.round_multiplier, clip)
+                if self.correlated is not None
+                else self.round_multiplier * clip
+            )
+            adaptive = {"clip": clip, "noisy_fraction_below": fraction, "noise_std_sum": sigma}
         diagnostics = {
             "noise_std_sum": self.noise_std_sum,
             "noise_std_step": self.noise_std_step,
             "steps_at_radius_R": float(projected),
             "gamma_norm": float(torch.linalg.vector_norm(gamma)),
         }
+        diagnostics.update(adaptive)
         if self.poisson:
             diagnostics["sampled_units"] = float(summed.count)
-        return self._next_sample({"gamma": gamma}, privatizer), diagnostics
+        return self._next_sample(new, privatizer), diagnostics
