@@ -145,14 +145,16 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
     cfg, noise_seed = make_config(nodes, args, rounds=args.steady_rounds)
     protocol = EXP.protocol(cfg)
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": nodes, "users_per_node": 1, "round_timeout": 3600.0, **resources(args)})
-    fedpers_app, client, reply = make_client_app(), ClientApp(), bytes(reply_bytes)
+    # the reply's bytes are made in the actor: a closure holding them would be pickled with the app
+    # on every call of every kind (Ray ships the app with each call), inflating bare Flower too
+    fedpers_app, client = make_client_app(), ClientApp()
 
     @client.train()
     def _train(message: Message, context: Any) -> Message:
         bare = message.content.config_records.get(BARE)
         if bare is None:
             return fedpers_app(message, context)
-        return Message(RecordDict({"r": ConfigRecord({"b": reply})} if bare["b"] else {}), reply_to=message)
+        return Message(RecordDict({"r": ConfigRecord({"b": bytes(reply_bytes)})} if bare["b"] else {}), reply_to=message)
 
     @client.query()
     def _query(message: Message, context: Any) -> Message:

@@ -247,7 +247,8 @@ def test_app_hash_is_the_hash_of_the_fab_flwr_run_sends(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     assert forkserver.app_hash(str(root)) == hashlib.sha256(build_fab_from_disk(root)).hexdigest()
     app = tmp_path / "app"
-    shutil.copytree(root / "clients", app / "clients")
+    for part in ("clients", "server", "fedpers"):  # what the pyproject's fab-include names
+        shutil.copytree(root / part, app / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(root / "pyproject.toml", app / "pyproject.toml")
     first = forkserver.app_hash(str(app))
     assert forkserver.app_hash(str(app)) == first  # deterministic

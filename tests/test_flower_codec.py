@@ -281,3 +281,33 @@ def test_a_flower_without_run_simulation_is_refused_before_ray_starts(monkeypatc
     import ray
 
     assert not ray.is_initialized()
+
+
+def test_the_server_skips_only_the_symmetry_check_of_what_it_rebuilt_from_a_triangle():
+    """A packed statistic comes back symmetric whatever the node sent (each entry and its mirror
+    are one sent number), so its symmetry check is skipped; a full matrix is still checked, and
+    finiteness and the norm bound are checked on every statistic."""
+    from fedpers.protocols.base import StatSpec, verify_message
+
+    S = torch.randn(5, 5, dtype=torch.float64)  # any numbers: the node is not trusted
+    msg = Message({"A": S, "b": torch.ones(3, dtype=torch.float64)}, 2)
+    content = codec.encode_reply(msg, 0.1, 1, "d", symmetric=["A"])
+    back, rebuilt = codec.decode_reply_symmetric(content, expect=(1, "d"))
+    assert rebuilt == {"A"} and torch.equal(back.stats["A"], back.stats["A"].T)
+    assert torch.equal(back.stats["A"].triu(), S.triu())
+    full, none = codec.decode_reply_symmetric(codec.encode_reply(msg, 0.1, 1, "d"), expect=(1, "d"))
+    assert none == frozenset() and torch.equal(full.stats["A"], S)
+
+    specs = (StatSpec("A", (5, 5), 100.0, symmetric=True), StatSpec("b", (3,), 100.0))
+    assert "not symmetric" in verify_message(full, specs, 2, torch.float64).reason  # sent whole: checked
+    assert verify_message(full, specs, 2, torch.float64, frozenset({"A"})).accepted  # told rebuilt: skipped
+    assert verify_message(back, specs, 2, torch.float64, rebuilt).accepted
+    bad = Message({"A": back.stats["A"].clone(), "b": torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float64)}, 2)
+    assert "b: non-finite" in verify_message(bad, specs, 2, torch.float64, rebuilt).reason
+    bad.stats["b"] = torch.ones(3, dtype=torch.float64)
+    bad.stats["A"][0, 0] = float("nan")
+    assert "A: non-finite" in verify_message(bad, specs, 2, torch.float64, rebuilt).reason
+    huge = Message({"A": torch.full((5, 5), 1e200, dtype=torch.float64), "b": torch.ones(3, dtype=torch.float64)}, 2)
+    assert "norm" in verify_message(huge, specs, 2, torch.float64).reason  # finite entries, norm overflows: a norm refusal
+    unbounded = tuple(StatSpec(s.name, s.shape, math.inf, s.symmetric) for s in specs)
+    assert verify_message(huge, unbounded, 2, torch.float64).accepted  # as before: finite entries pass

@@ -64,3 +64,29 @@ def test_a_pythonpath_entry_with_another_fedpers_is_refused_even_behind_the_trus
     client.write_text(client.read_text() + "\nLEAKED = True\n")
     done = _check(fab, node, other)
     assert done.returncode != 0 and f"PYTHONPATH entry {other}" in done.stderr and "client.py" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_package_listing_is_every_importable_file_outside_pycache_as_rglob_finds_them(tmp_path: Path) -> None:
+    """The walk that replaced ``rglob`` lists the same files: sources, a sourceless .pyc, an
+    extension module, a symlinked file; nothing in ``__pycache__``; no symlinked directory entered."""
+    import hashlib
+    import importlib.machinery
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("integrity_walk", ROOT / "fedpers" / "deploy" / "integrity.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    pkg = tmp_path / "pkg"
+    (pkg / "sub" / "__pycache__").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for rel, text in {"__init__.py": "a", "sub/m.py": "b", "sub/old.pyc": "c", "sub/fast.abi3.so": "d", "sub/__pycache__/m.cpython-311.pyc": "e", "notes.txt": "f"}.items():
+        (pkg / rel).write_text(text)
+    (outside / "x.py").write_text("g")
+    (pkg / "linked.py").symlink_to(outside / "x.py")
+    (pkg / "linkdir").symlink_to(outside)
+    listed = m.package_files(pkg)
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    by_rglob = {p.relative_to(pkg).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(pkg.rglob("*")) if "__pycache__" not in p.parts and p.is_file() and p.name.endswith(suffixes)}
+    assert listed == by_rglob
+    assert set(listed) == {"__init__.py", "sub/m.py", "sub/old.pyc", "sub/fast.abi3.so", "linked.py"}

@@ -33,18 +33,30 @@ class ModifiedCode(RuntimeError):
     """The fedpers this process imports differs from the FAB's: the task is refused."""
 
 
-def _importable(path: Path) -> bool:
-    return path.is_file() and any(path.name.endswith(suffix) for suffix in importlib.machinery.all_suffixes())
-
-
 def package_files(root: Path) -> dict[str, str]:
     """{relative path: SHA-256} of every file under ``root`` that Python can import (``.py``, ``.pyc``,
-    extension modules; ``__pycache__`` excluded)."""
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if "__pycache__" not in p.parts and _importable(p)
-    }
+    extension modules; ``__pycache__`` excluded). Walks as ``Path.rglob`` does (symlinked
+    directories not followed) but never enters ``__pycache__`` and stats only importable names:
+    this runs in every ClientApp execution of a deployment."""
+    import os
+
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    found: dict[str, str] = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            path = Path(folder, name)
+            if name.endswith(suffixes) and path.is_file():
+                found[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return dict(sorted(found.items()))
+
+
+def _package_files_once(memo: dict[Path, dict[str, str]], root: Path) -> dict[str, str]:
+    """:func:`package_files` of ``root``, computed once per check (the FAB's package is compared twice)."""
+    key = root.resolve()
+    if key not in memo:
+        memo[key] = package_files(root)
+    return memo[key]
 
 
 def _installation() -> list[Path]:
@@ -58,7 +70,7 @@ def _installation() -> list[Path]:
     return sorted(found)
 
 
-def require_clean_startup(fab: Path, package: str = "fedpers") -> None:
+def require_clean_startup(fab: Path, package: str = "fedpers", memo: dict[Path, dict[str, str]] | None = None) -> None:
     """Refuse (:class:`ModifiedCode`) a ``sitecustomize``/``usercustomize`` from outside the
     interpreter's installation or from ``PYTHONPATH``, and a ``PYTHONPATH`` entry holding a
     ``package`` that differs from the FAB's ``fab/package``."""
@@ -77,13 +89,12 @@ def require_clean_startup(fab: Path, package: str = "fedpers") -> None:
             raise ModifiedCode(
                 f"{name} runs from {where} (outside this interpreter's installation); refusing to run the app"
             )
-    want: dict[str, str] | None = None
+    memo = {} if memo is None else memo
     for entry in entries:
         candidate = entry / package
         if not candidate.is_dir() or candidate.resolve() == fab.resolve():
             continue
-        want = package_files(fab) if want is None else want
-        have = package_files(candidate)
+        want, have = _package_files_once(memo, fab), _package_files_once(memo, candidate)
         if have != want:
             raise ModifiedCode(
                 f"PYTHONPATH entry {entry} holds a {package} that differs from the trusted app's "
@@ -110,11 +121,12 @@ def require_fab_code(app_dir: str | Path, package: str = "fedpers") -> None:
     """Refuse (:class:`ModifiedCode`) unless ``package`` as imported here has exactly the importable
     files of ``app_dir/package`` (the installed FAB) and nothing shadows it (:func:`require_clean_startup`)."""
     fab = (Path(app_dir) / package).resolve()
-    require_clean_startup(fab, package)
+    memo: dict[Path, dict[str, str]] = {}
+    require_clean_startup(fab, package, memo)
     used = imported_root(package)
     if used is None or used == fab:
         return
-    want, have = package_files(fab), package_files(used)
+    want, have = _package_files_once(memo, fab), _package_files_once(memo, used)
     if want != have:
         differ = _differ(want, have)
         raise ModifiedCode(

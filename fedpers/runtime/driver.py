@@ -36,6 +36,9 @@ class ClientReply:
     aggregate: bool = False
     """The message is already the noisy sum of every node (distributed or local DP): the server
     cannot check a unit bound on it, so only names, shapes, dtype, finiteness and count are checked."""
+    symmetric_by_construction: frozenset[str] = frozenset()
+    """Statistics the runtime rebuilt from one triangle of what the client sent: symmetric whatever
+    it sent, so verification skips only their symmetry check (see :func:`verify_message`)."""
 
 
 Gather = Callable[[int, Mapping[str, Tensor]], Sequence[ClientReply]]
@@ -141,7 +144,7 @@ def drive(
             checked = (
                 tuple(dataclasses.replace(s, per_unit_bound=math.inf) for s in specs) if reply.aggregate else specs
             )
-            verdict = verify_message(msg, checked, reply.max_units, protocol.dtype)
+            verdict = verify_message(msg, checked, reply.max_units, protocol.dtype, reply.symmetric_by_construction)
             if not verdict.accepted:
                 dropped[reply.client] = verdict.reason
                 continue

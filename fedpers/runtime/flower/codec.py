@@ -330,11 +330,19 @@ def _untriu(t: Tensor, name: str) -> Tensor:
         raise MalformedReply(
             f"{name}: a packed symmetric statistic must be a 1-D upper triangle; got shape {tuple(t.shape)}"
         )
+    # one gather: entry (i, j) and its mirror (j, i) both read the same sent number
+    return t.index_select(0, _triu_source(n).to(t.device)).view(n, n)
+
+
+@functools.lru_cache(maxsize=8)
+def _triu_source(n: int) -> Tensor:
+    """For each entry of an n×n matrix (row-major), its position in the packed upper triangle."""
     upper, lower = _triu_flat(n, n)
-    full = t.new_empty(n * n)  # the two writes cover every entry: upper with the diagonal, and its mirror
-    full.index_copy_(0, lower.to(t.device), t)
-    full.index_copy_(0, upper.to(t.device), t)
-    return full.view(n, n)
+    source = torch.empty(n * n, dtype=torch.long)
+    positions = torch.arange(upper.numel())
+    source[lower] = positions
+    source[upper] = positions  # upper and lower together cover every entry
+    return source
 
 
 def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> Message:
@@ -343,6 +351,14 @@ def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> 
     ``expect`` = (round, broadcast digest) of the task sent: a reply tagged otherwise (a
     replay of an earlier round, an answer to another broadcast) is refused.
     """
+    return decode_reply_symmetric(content, expect)[0]
+
+
+def decode_reply_symmetric(
+    content: RecordDict, expect: tuple[int, str] | None = None
+) -> tuple[Message, frozenset[str]]:
+    """:func:`decode_reply`, and the names of the statistics rebuilt from their sent upper
+    triangle: each entry and its mirror are one sent number, so they are exactly symmetric."""
     try:
         tag = content.config_records[TAG]
         tagged = (tag[ROUND], tag[DIGEST_OF_BROADCAST])
@@ -361,9 +377,10 @@ def decode_reply(content: RecordDict, expect: tuple[int, str] | None = None) -> 
     packed = str(tag.get(PACKED, "") or "")
     packed_names = set(packed.split(",")) if packed else set()
     stats = unpack(tag, content, "reply")
-    for name in packed_names & set(stats):
+    rebuilt = frozenset(packed_names & set(stats))
+    for name in rebuilt:
         stats[name] = _untriu(stats[name], name)
-    return Message(stats, count, zeroed)
+    return Message(stats, count, zeroed), rebuilt
 
 
 def encode_node(partition_id: int, num_partitions: int) -> RecordDict:

@@ -219,7 +219,8 @@ class GridGather:
         if reply.has_error():
             return ClientReply(label, max_units, None, f"client error: {reply.error.reason}")
         try:
-            return ClientReply(label, max_units, codec.decode_reply(reply.content, expect))
+            message, rebuilt = codec.decode_reply_symmetric(reply.content, expect)
+            return ClientReply(label, max_units, message, symmetric_by_construction=rebuilt)
         except codec.MalformedReply as e:
             return ClientReply(label, max_units, None, f"malformed reply: {e}")
 
