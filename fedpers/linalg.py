@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import overload
 
@@ -397,7 +398,7 @@ def _stream_sum(
     """
     if one_stream or torch.device(device).type != "cpu":
         return blocks_of(0, n)
-    threads = torch.get_num_threads()
+    threads, budget = torch.get_num_threads(), thread_budget()
     parts = max(1, min(KRON_STREAMS, n // (2 * block)))
     bounds = [round(n * i / parts / block) * block for i in range(parts)] + [n]
     torch.set_num_threads(1)
@@ -405,7 +406,7 @@ def _stream_sum(
         if parts == 1:
             return blocks_of(0, n)
         shares = list(
-            _pool(max(1, min(parts, threads))).map(lambda i: blocks_of(bounds[i], bounds[i + 1]), range(parts))
+            _pool(max(1, min(parts, budget))).map(lambda i: blocks_of(bounds[i], bounds[i + 1]), range(parts))
         )
     finally:
         torch.set_num_threads(threads)
@@ -438,7 +439,7 @@ def small_batched(
     if batched[0].device.type != "cpu":
         return fn(*batched)
     threads = torch.get_num_threads()
-    parts = max(1, min(KRON_STREAMS, threads, n // min_share))
+    parts = max(1, min(KRON_STREAMS, thread_budget(), n // min_share))
     bounds = [n * i // parts for i in range(parts + 1)]
     torch.set_num_threads(1)
     try:
@@ -460,6 +461,40 @@ DEVICE_BLOCK = 2048
 their d×d Gram matrices, 80 MB in float32 at d = 100, are one kernel's output."""
 
 from fedpers.pools import pool as _pool  # noqa: E402  (one pool per size, shared with data generation)
+
+_BUDGET = threading.local()
+
+
+def thread_budget() -> int:
+    """The threads this thread's work may use: torch's thread count, or inside :func:`serial_small_ops`
+    the count it set aside (for the single-threaded shares of :func:`_stream_sum` and
+    :func:`small_batched`)."""
+    return int(getattr(_BUDGET, "threads", 0)) or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def serial_small_ops(device: torch.device | str) -> Iterator[None]:
+    """Run a client computation's many small ops (norms, clip factors, a few thousand users' k×k
+    solves, the reassembly of a sum) on this thread alone, while its heavy parts still run as
+    :func:`thread_budget` single-threaded shares on the pool.
+
+    A small op split over torch's threads waits for every one of them: on a busy machine a thread
+    that is not scheduled stalls the op for a time slice (measured at load 8 on the 2-core machine:
+    a ``log`` of 4,096 values 24 ms, the round statistics' small ops together as long as their
+    GEMMs). The shares' sums are the same bits (their split depends on n alone); a reduction
+    over many entries outside them may add its partial sums in another order (float rounding).
+    Off the CPU, nothing changes. Nested uses keep the outermost budget."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    threads, outer = torch.get_num_threads(), getattr(_BUDGET, "threads", 0)
+    _BUDGET.threads = outer or threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _BUDGET.threads = outer
 
 
 def vec_to_matrix(u: Tensor, d: int, k: int) -> Tensor:

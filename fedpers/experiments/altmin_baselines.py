@@ -91,6 +91,10 @@ class NonPrivateAltMin:
 
     def add(self, units: Units) -> None:
         """One chunk of users (all of their samples: ``x`` (n, m, d), ``y`` (n, m))."""
+        with linalg.serial_small_ops(units["x"].device):  # many small ops; the heavy sums run in shares
+            self._add(units)
+
+    def _add(self, units: Units) -> None:
         x = units["x"]
         y = units["y"].to(x.dtype)
         if self.U is None:  # the spectral pass
@@ -185,8 +189,21 @@ def local_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:
     if m >= d:
         return linalg.batched_ridge_solve(x.double(), y.double(), ridge)
     if x.shape[0] < 512:
+        return _dual_ridge_blocks(x, y, ridge)
+    return linalg.small_batched(lambda a, b: _dual_ridge_blocks(a, b, ridge), x, y, min_share=256)
+
+
+DUAL_BLOCK = 64
+"""Users per :func:`_dual_ridge` call: their float64 copy, Grams and solves stay in cache (about 2×
+faster than a whole share at once at m = 40, d = 100; every user is independent: the same bits)."""
+
+
+def _dual_ridge_blocks(x: Tensor, y: Tensor, ridge: float) -> Tensor:
+    if x.shape[0] <= DUAL_BLOCK:
         return _dual_ridge(x, y, ridge)
-    return linalg.small_batched(lambda a, b: _dual_ridge(a, b, ridge), x, y, min_share=256)
+    return torch.cat(
+        [_dual_ridge(x[i : i + DUAL_BLOCK], y[i : i + DUAL_BLOCK], ridge) for i in range(0, x.shape[0], DUAL_BLOCK)]
+    )
 
 
 def _dual_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:
