@@ -441,3 +441,34 @@ def test_empty_chunks_and_users_without_ratings_give_zero_statistics(device_kern
         G, b = item_statistics(U, items, ratings, mask, 0.1, 5, 1.0, 1.0, device_kernels=device_kernels)
         assert G.shape == (7, 3, 3) and b.shape == (7, 3)
         assert float(G.abs().sum()) == 0.0 and float(b.abs().sum()) == 0.0
+
+
+def test_the_step_with_small_ops_on_one_thread_is_the_threaded_one():
+    """client_update and server_update run their small ops on one thread (linalg.serial_small_ops) and
+    their CSR products and item solves in the same shares: the same bits as the threaded path."""
+    from fedpers import linalg
+    from fedpers.privacy import Privatizer
+    from fedpers.protocols.base import Message
+    from fedpers.protocols.dpals import DpAlsProtocol
+
+    g = torch.Generator().manual_seed(5)
+    n_items, k, n, width = 300, 8, 700, 40
+    U = torch.randn(n_items, k, generator=g) / 3
+    proto = DpAlsProtocol(n_items=n_items, rank=k, steps=1, items_per_user=20, ridge_user=0.1, ridge_item=1.0,
+                          gram_bound=4.5, rhs_bound=20.0, noise_multiplier=3.0, initial_U=U, dtype_name="float32")
+    counts = torch.randint(1, width + 1, (n,), generator=g)
+    units = {"ids": torch.arange(n), "items": torch.randint(0, n_items, (n, width), generator=g),
+             "ratings": torch.randint(1, 6, (n, width), generator=g).float(),
+             "mask": torch.arange(width).unsqueeze(0) < counts.unsqueeze(1)}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        threaded = proto._client_update(0, {"U": U}, units)
+        step_threaded, _ = proto._server_update(0, {"U": U}, Message(threaded.stats, n), Privatizer(1))
+        serial = proto.client_update(0, {"U": U}, units)
+        step_serial, _ = proto.server_update(0, {"U": U}, Message(serial.stats, n), Privatizer(1))
+        assert torch.get_num_threads() == 2 and linalg.thread_budget() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(serial.stats[s], threaded.stats[s]) for s in ("G", "b"))
+    assert torch.equal(step_serial["U"], step_threaded["U"])

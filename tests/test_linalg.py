@@ -70,3 +70,56 @@ def test_float32_sums_with_float64_solves_track_the_float64_run() -> None:
     assert U["float32"].dtype == torch.float32 and U["float64"].dtype == torch.float64
     torch.testing.assert_close(U["float32"].double(), U["float64"], rtol=0, atol=1e-4)
     assert errors["float32"] == pytest.approx(errors["float64"], rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cache_sized_kron_blocks_equal_the_old_48_user_blocks(dtype: torch.dtype) -> None:
+    """At d = 100 the Gram matrices of 48 users spill out of L2, so blocks are smaller (24 float32, 12
+    float64): the clipped A and b equal the 48-user blocks' to float rounding and the exact per-sample
+    sums (float64) to 1e-12; below the cache bound nothing changes (d = 50, float32: 48)."""
+    assert (linalg.kron_block(100, 4), linalg.kron_block(100, 8), linalg.kron_block(50, 4)) == (24, 12, 48)
+    g = torch.Generator().manual_seed(7)
+    n, q, d, k = 150, 3, 100, 2
+    v = torch.randn(n, k, generator=g, dtype=torch.float64)
+    x = torch.randn(n, q, d, generator=g, dtype=torch.float64)
+    y = torch.randn(n, q, generator=g, dtype=torch.float64)
+    v_hat, log_v = linalg.directions(v)
+    eta = 8.0
+    new = linalg.kron_statistics(v_hat.to(dtype), x.to(dtype), log_v, eta, label=y.to(dtype))
+    old = linalg.kron_statistics(v_hat.to(dtype), x.to(dtype), log_v, eta, label=y.to(dtype), block=48)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for a, b in zip(new, old):
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol * float(b.abs().max()))
+    w = linalg.clip_vectors((v[:, None, :, None] * x[:, :, None, :]).reshape(n * q, k * d), eta)  # v ⊗ x per sample
+    exact = (w.T @ w, w.T @ y.reshape(-1))
+    for a, b in zip(new, exact):
+        torch.testing.assert_close(a.double(), b, rtol=tol * 10, atol=tol * 10 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_round_statistics_with_small_ops_on_one_thread_are_the_threaded_ones(dtype: torch.dtype) -> None:
+    """serial_small_ops runs the client math's small ops on one thread and its sums in the same
+    shares: the same bits as before, and torch's thread count is restored."""
+    from fedpers.protocols.altmin import AltMinProtocol, Cohorts
+
+    g = torch.Generator().manual_seed(1)
+    n, d, k, m = 600, 30, 3, 8
+    x, y = torch.randn(n, m, d, generator=g, dtype=dtype), torch.randn(n, m, generator=g, dtype=dtype)
+    p = AltMinProtocol(n_users=n, dim=d, rank=k, samples_per_user=m, rounds=1, eta=4.0, zeta=2.0, noise_multiplier=1.0,
+                       cohorts=Cohorts.ALL, dtype_name=str(dtype).removeprefix("torch."))
+    U = linalg.orthonormal_basis(torch.randn(d, k, generator=g, dtype=dtype))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        reference = p._round_statistics(U, x, y)  # the threaded path, without the context
+        assert linalg.thread_budget() == 2
+        with linalg.serial_small_ops("cpu"):
+            assert torch.get_num_threads() == 1 and linalg.thread_budget() == 2
+            with linalg.serial_small_ops("cpu"):
+                assert linalg.thread_budget() == 2
+            serial = p._round_statistics(U, x, y)
+        assert torch.get_num_threads() == 2 and linalg.thread_budget() == 2
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(serial, reference):
+        assert torch.equal(a, b)

@@ -154,17 +154,17 @@ def _draw_x(g: torch.Generator, m: int, d: int, halves: tuple[int, ...], keep: b
 _SCRATCH = threading.local()
 
 
-def _scratch(name: str, shape: tuple[int, ...]) -> Tensor:
-    """This thread's float64 buffer ``name`` of ``shape`` (made once per shape): valid until the
-    thread's next call, so only for blocks consumed before the thread draws another."""
-    key = (name, shape)
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float64) -> Tensor:
+    """This thread's CPU buffer ``name`` of ``shape`` and ``dtype`` (made once per shape): valid until
+    the thread's next call, so only for blocks consumed before the thread draws another."""
+    key = (name, shape, dtype)
     buf = getattr(_SCRATCH, "bufs", None)
     if buf is None:
         buf = _SCRATCH.bufs = {}
     if key not in buf:
         for old in [k for k in buf if k[0] == name]:
             del buf[old]
-        buf[key] = torch.empty(shape, dtype=torch.float64)
+        buf[key] = torch.empty(shape, dtype=dtype)
     return buf[key]
 
 
@@ -284,21 +284,33 @@ def altmin_users(
         local = ids[rows] - blk * BLOCK
         if parts:
             r0 = int(rows[0])
-            in_place = (
-                one_half
-                and rows.numel() == BLOCK
+            in_order = (
+                rows.numel() == BLOCK
                 and int(rows[-1]) - r0 == BLOCK - 1
                 and bool((local == torch.arange(BLOCK, device=device)).all())
-            )  # a whole block of sorted ids: drawn straight into its rows
+            )  # a whole block of sorted ids
+            in_place = one_half and in_order  # drawn straight into its rows
             into = {h: (x[r0 : r0 + BLOCK], y[r0 : r0 + BLOCK]) for h in halves} if in_place else None
+            if in_order and not one_half and device.type == "cpu":
+                # both halves: each drawn into this thread's reused buffers (the values of a fresh
+                # draw), then one strided copy into its rows: no fresh pages, no index gather
+                into = {
+                    h: (
+                        _scratch(f"x{h}", (BLOCK, b - a, d), dtype),
+                        _scratch(f"y{h}", (BLOCK, b - a), dtype),
+                    )
+                    for h in halves
+                    for a, b in (half_range(samples, h),)
+                }
             bv, drawn = _parts_block(seed, blk, local, u, samples, noise_std, halves, dtype, device, into)
-            v[rows] = bv
+            at: Tensor | slice = slice(r0, r0 + BLOCK) if in_order else rows
+            v[at] = bv
             for half, (hx, hy) in drawn.items():
                 if in_place:
                     continue
                 a, b = where(half)
-                x[rows, a:b] = hx
-                y[rows, a:b] = hy
+                x[at, a:b] = hx
+                y[at, a:b] = hy
             return
         xs, bv, bz = _user_block(
             seed, blk, samples, d, k, partial=keep_partial_blocks and rows.numel() < BLOCK, halves=halves

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fedpers import memory, metrics
+from fedpers import linalg, memory, metrics
 from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, device_path, field, inherited, run_config
 from fedpers.data import summary as data_summary
 from fedpers.data import synthetic
@@ -19,7 +19,7 @@ from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile, is_long_format
 from fedpers.data.prefetch import PrefetchSource
 from fedpers.data.units import UnitSource
-from fedpers.experiments.altmin_baselines import local_ridge, nonprivate_altmin
+from fedpers.experiments.altmin_baselines import NonPrivateAltMin, local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, LABEL_OVERSHOOT, Canaries, CanaryDesign, PrivateScore
 from fedpers.experiments.population import fresh_samples, population_mse
@@ -597,9 +597,8 @@ class AltMinEvaluator(Evaluator):
         # the evaluation reads the second half (the final local solve on Q3 ∪ Q4) unless
         # local_only is asked for (its ridge uses all m samples)
         h = self.cfg.samples_per_user // 2
-        self.eval_source = (
-            self.source if "local_only" in baseline_names(self.cfg.baselines) else plan.source(samples=(h, 2 * h))
-        )
+        self.second_half = plan.source(samples=(h, 2 * h))
+        self.eval_source = self.source if "local_only" in baseline_names(self.cfg.baselines) else self.second_half
         self.init_U: Tensor | None = None
         self.population = None
         if self.cfg.refit_samples:
@@ -644,45 +643,18 @@ class AltMinEvaluator(Evaluator):
         """Every user's final local solve on Q3∪Q4 with U (the billboard model's last step)."""
         return SubspaceFit(self.protocol, U)
 
-    def evaluate(self, fits: Mapping[str, tuple[Fit, Tensor | None]]) -> dict[str, dict[str, float | None]]:
-        """Metrics of several fits (name → (fit, its U or None)) in one pass over the users.
+    def evaluate(
+        self, fits: Mapping[str, tuple[Fit, Tensor | None]], source: UnitSource | None = None
+    ) -> dict[str, dict[str, float | None]]:
+        """Metrics of several fits (name → (fit, its U or None)) in one pass over the users
+        (``source``, default :attr:`eval_source`).
 
         Excess risk mean_j ||θ_j − θ*_j||² and test MSE are accumulated as sums per chunk.
         """
-        sums = {name: {"excess": 0.0, "test": 0.0} for name in fits}
-        users = test_values = 0
-        has_truth = has_test = False
-        u_star = None if self.u_star is None else self.u_star.double()
-        for units in self.eval_source.chunks(self.cfg.chunk_size):
-            users += int(units["ids"].shape[0])
-            theta_star = units["v_star"].double() @ u_star.T if u_star is not None and "v_star" in units else None
-            has_truth = theta_star is not None
-            has_test = "x_test" in units
-            if has_test:
-                test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
-            shared = SubspaceFit.together([f for f, _ in fits.values() if isinstance(f, SubspaceFit)], units)
-            for name, (fit, _) in fits.items():
-                theta = (shared[id(fit)] if id(fit) in shared else fit(units)).double()
-                theta = theta.squeeze(-1) if theta.dim() == 3 else theta
-                if theta_star is not None:
-                    sums[name]["excess"] += float(((theta - theta_star) ** 2).sum())
-                if has_test:
-                    pred = (units["x_test"].double() @ theta.unsqueeze(-1)).squeeze(-1)
-                    sums[name]["test"] += float(((pred - units["y_test"].double()) ** 2).sum())
-        out: dict[str, dict[str, float | None]] = {}
-        for name, (_, U) in fits.items():
-            row: dict[str, float | None] = {}
-            if u_star is not None and U is not None:
-                row["subspace_error"] = metrics.subspace_error(U, u_star)
-                row["subspace_error_spectral"] = metrics.subspace_error_spectral(U, u_star)
-            if has_truth:
-                excess = sums[name]["excess"] / max(users, 1)
-                row["excess_risk"] = excess
-                row["test_mse"] = excess + self.cfg.noise_std**2
-            if has_test:
-                row["test_mse"] = sums[name]["test"] / max(test_values, 1)
-            out[name] = row
-        return out
+        scores = Scores(self, fits)
+        for units in (self.eval_source if source is None else source).chunks(self.cfg.chunk_size):
+            scores.add(units)
+        return scores.result()
 
     @staticmethod
     def local_only_fit(units: Units) -> Tensor:
@@ -706,8 +678,12 @@ class AltMinEvaluator(Evaluator):
         error = ""
         fits: dict[str, tuple[Fit, Tensor | None]] = dict(private)
         try:
-            fits = {**private, **self.baseline_fits(), **(extra or {})}
-            results = self.evaluate(fits)
+            known, start = self.baseline_fits()
+            fits = {**private, **known, **(extra or {})}
+            if "nonprivate_altmin" in baseline_names(self.cfg.baselines):
+                fits, results = self.with_reference(fits, start)
+            else:
+                results = self.evaluate(fits)
         except (RuntimeError, MemoryError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
             fits = dict(private)
@@ -726,9 +702,11 @@ class AltMinEvaluator(Evaluator):
             out["skipped_metrics"] = {k: "the data has no true U*/v*" for k in skipped}
         return out
 
-    def baseline_fits(self) -> dict[str, tuple[Fit, Tensor | None]]:
-        """The baselines ``cfg.baselines`` asks for, on the same users (non-private AltMin runs its
-        rounds here, streamed like the private run). Shared with ``run expmech`` so tables compare."""
+    def baseline_fits(self) -> tuple[dict[str, tuple[Fit, Tensor | None]], Tensor | None]:
+        """The baselines ``cfg.baselines`` asks for whose U is known once the private run is done, on
+        the same users, and the non-private AltMin's start (clipped-no-noise's U, None when not
+        asked for): :meth:`with_reference` runs the reference and scores these in its first pass.
+        Shared with ``run expmech`` so tables compare."""
         wanted = baseline_names(self.cfg.baselines)
         fits: dict[str, tuple[Fit, Tensor | None]] = {}
         clipped_U = None
@@ -740,14 +718,6 @@ class AltMinEvaluator(Evaluator):
                     self.clipped_protocol(), self.source, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False
                 )
                 clipped_U = c_state["U"]
-        if "nonprivate_altmin" in wanted:
-            # warm-started from clipped-no-noise (a function of the users alone): fewer passes to
-            # the same fixed point than from a spectral pass of its own
-            U, self.nonprivate_rounds = nonprivate_altmin(
-                self.source, self.cfg.rank, self.cfg.chunk_size, start=clipped_U
-            )
-            U = U.to(getattr(torch, self.cfg.dtype))
-            fits["nonprivate_altmin"] = (self.subspace_fit(U), U)  # the same final local solve as every row
         if "clipped_no_noise" in wanted and clipped_U is not None:
             fits["clipped_no_noise"] = (self.subspace_fit(clipped_U), clipped_U)
         if "local_only" in wanted:
@@ -757,7 +727,86 @@ class AltMinEvaluator(Evaluator):
         if "oracle" in wanted and self.u_star is not None:
             oracle = self.u_star.to(getattr(torch, self.cfg.dtype))
             fits["oracle"] = (self.subspace_fit(oracle), oracle)
-        return fits
+        return fits, (clipped_U if "nonprivate_altmin" in wanted else None)
+
+    def with_reference(
+        self, fits: Mapping[str, tuple[Fit, Tensor | None]], start: Tensor | None
+    ) -> tuple[dict[str, tuple[Fit, Tensor | None]], dict[str, dict[str, float | None]]]:
+        """(every fit with the non-private AltMin's beside them, their metrics). The reference
+        (:func:`nonprivate_altmin`, warm-started from ``start``: clipped-no-noise's U, a function of
+        the users alone, so fewer passes to the same fixed point than from a spectral pass of its
+        own) reads every user with all samples in each round; ``fits``, all known by now, are
+        scored in its first round's pass (the same chunks the evaluation pass would read), so the
+        only pass of the evaluation's own is the reference fit's, on the second half of the samples.
+        The reference's U is :func:`nonprivate_altmin`'s alone, bit for bit (same chunks, same order)."""
+        steps = NonPrivateAltMin(self.cfg.rank, start)
+        scores = Scores(self, fits)
+        steps.begin()
+        for units in self.source.chunks(self.cfg.chunk_size):
+            steps.add(units)
+            scores.add(units)
+        steps.end()
+        U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size, resume=steps)
+        U = U.to(getattr(torch, self.cfg.dtype))
+        reference = {"nonprivate_altmin": (self.subspace_fit(U), U)}  # the same final local solve as every row
+        results = {**scores.result(), **self.evaluate(reference, self.second_half)}
+        order = [name for name in fits if name == "private"] + ["nonprivate_altmin"]
+        order += [name for name in fits if name not in order]
+        together = {**fits, **reference}
+        return {name: together[name] for name in order}, {name: results[name] for name in order}
+
+
+class Scores:
+    """:meth:`AltMinEvaluator.evaluate`'s sums, one chunk at a time (:meth:`add`), so another pass over
+    the same users (the reference's) can score fits on its chunks; :meth:`result` the metrics."""
+
+    def __init__(self, evaluator: AltMinEvaluator, fits: Mapping[str, tuple[Fit, Tensor | None]]) -> None:
+        self.evaluator, self.fits = evaluator, dict(fits)
+        self.sums = {name: {"excess": 0.0, "test": 0.0} for name in fits}
+        self.users = self.test_values = 0
+        self.has_truth = self.has_test = False
+        u_star = evaluator.u_star
+        self.u_star = None if u_star is None else u_star.double()
+
+    def add(self, units: Units) -> None:
+        """One chunk of users (the second half of their samples, or all of them when local-only is scored)."""
+        with linalg.serial_small_ops(units["ids"].device):  # many small ops; the heavy ones run in shares
+            self._add(units)
+
+    def _add(self, units: Units) -> None:
+        self.users += int(units["ids"].shape[0])
+        u_star, fits, sums = self.u_star, self.fits, self.sums
+        theta_star = units["v_star"].double() @ u_star.T if u_star is not None and "v_star" in units else None
+        self.has_truth = theta_star is not None
+        self.has_test = "x_test" in units
+        if self.has_test:
+            self.test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
+        shared = SubspaceFit.together([f for f, _ in fits.values() if isinstance(f, SubspaceFit)], units)
+        for name, (fit, _) in fits.items():
+            theta = (shared[id(fit)] if id(fit) in shared else fit(units)).double()
+            theta = theta.squeeze(-1) if theta.dim() == 3 else theta
+            if theta_star is not None:
+                sums[name]["excess"] += float(((theta - theta_star) ** 2).sum())
+            if self.has_test:
+                pred = (units["x_test"].double() @ theta.unsqueeze(-1)).squeeze(-1)
+                sums[name]["test"] += float(((pred - units["y_test"].double()) ** 2).sum())
+
+    def result(self) -> dict[str, dict[str, float | None]]:
+        out: dict[str, dict[str, float | None]] = {}
+        u_star, noise_std = self.u_star, self.evaluator.cfg.noise_std
+        for name, (_, U) in self.fits.items():
+            row: dict[str, float | None] = {}
+            if u_star is not None and U is not None:
+                row["subspace_error"] = metrics.subspace_error(U, u_star)
+                row["subspace_error_spectral"] = metrics.subspace_error_spectral(U, u_star)
+            if self.has_truth:
+                excess = self.sums[name]["excess"] / max(self.users, 1)
+                row["excess_risk"] = excess
+                row["test_mse"] = excess + noise_std**2
+            if self.has_test:
+                row["test_mse"] = self.sums[name]["test"] / max(self.test_values, 1)
+            out[name] = row
+        return out
 
 
 # ----- optional hooks: audit canaries and the private validation score ------------------------

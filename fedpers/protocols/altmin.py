@@ -330,6 +330,10 @@ class AltMinProtocol(Protocol):
         return (StatSpec("A", (d * k, d * k), self.a_bound, symmetric=True), StatSpec("b", (d * k,), self.b_bound))
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        with linalg.serial_small_ops(units["x"].device):  # many small ops; the heavy sums run in shares
+            return self._client_update(round, broadcast, units)
+
+    def _client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
         ids, h = units["ids"], 2 * self.quarter
         if round == 0:
             x, y = samples_of(units, h, 2 * h)
@@ -462,7 +466,8 @@ class AltMinProtocol(Protocol):
 
     def pair_statistic(self, x2: Tensor, y2: Tensor) -> Tensor:
         """:meth:`init_statistic` of the second half's samples x2, y2 alone."""
-        return linalg.pair_statistic(x2, y2, self.zeta, device_kernels=self.device_kernels)
+        with linalg.serial_small_ops(x2.device):
+            return linalg.pair_statistic(x2, y2, self.zeta, device_kernels=self.device_kernels)
 
     def local_solve(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """v_j = argmin_v Σ_i (y_ij − <Uᵀx_ij, v>)² for every user (tiny ridge for safety)."""
@@ -529,6 +534,10 @@ class AltMinProtocol(Protocol):
         scaled by powers of two (exact), so no intermediate overflows: ||A_j||_F ≤ |Q2|η²,
         ||b_j|| ≤ |Q2|ηζ.
         """
+        with linalg.serial_small_ops(x.device):  # many small ops; the heavy sums run in shares
+            return self._round_statistics(U, x, y)
+
+    def _round_statistics(self, U: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         q, d, k = self.quarter, self.dim, self.rank
         if x.shape[0] == 0:
             return torch.zeros(d * k, d * k, dtype=x.dtype, device=x.device), torch.zeros(

@@ -234,7 +234,7 @@ def _csr_products(
     crow32, col32 = crow.to(torch.int32), col.to(torch.int32)
     nnz = int(crow[-1])
     threads = torch.get_num_threads()
-    parts = max(1, min(linalg.KRON_STREAMS, threads, nnz // 4096))
+    parts = max(1, min(linalg.KRON_STREAMS, linalg.thread_budget(), nnz // 4096))
     cuts = [0] + [int(torch.searchsorted(crow, nnz * i // parts)) for i in range(1, parts)] + [n_rows]
 
     outs = [torch.empty(n_rows, d.shape[1], dtype=d.dtype) for d in dense]
@@ -397,6 +397,10 @@ class DpAlsProtocol(Protocol):
         )
 
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
+        with linalg.serial_small_ops(units["items"].device):  # many small ops; the heavy ones run in shares
+            return self._client_update(round, broadcast, units)
+
+    def _client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
         ratings, mask = units["ratings"].to(self.dtype), units["mask"]
         if self.is_prelude(round):
             s, c = item_counts(units["items"], ratings, mask, self.items_per_user, self.n_items, self.rating_bound)
@@ -469,6 +473,13 @@ class DpAlsProtocol(Protocol):
         return (state["item_sums"] + kappa * mu) / (state["item_counts"].clamp_min(0) + kappa)
 
     def server_update(
+        self, round: int, state: Mapping[str, Any], summed: Message, privatizer: Privatizer
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        # the item solves run in shares; the rest is small or memory-bound: one thread (no stalls)
+        with linalg.serial_small_ops(summed.stats[next(iter(summed.stats))].device):
+            return self._server_update(round, state, summed, privatizer)
+
+    def _server_update(
         self, round: int, state: Mapping[str, Any], summed: Message, privatizer: Privatizer
     ) -> tuple[dict[str, Any], dict[str, float]]:
         if self.is_prelude(round):
