@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "73f025cb4eb0860cc3a6b5502b743aa9e71e59f42d2efa9d15310136a1766132",
+   "fingerprint": "0684116239c75db0bdaec445ced44b976eed871b8c6924bc831f3d692fc5ba99",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
