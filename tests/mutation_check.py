@@ -182,8 +182,8 @@ MUTATIONS.update({
     ),
     "AltMin's b not tagged with the round's shared Poisson sample": (
         ALTMIN,
-        'params={**self.release_params("b"), **shared},',
-        'params={**self.release_params("b"), **{k: v for k, v in shared.items() if k != "poisson_sample"}},',
+        "params={**b_params, **shared},",
+        'params={**b_params, **{k: v for k, v in shared.items() if k != "poisson_sample"}},',
         "tests/test_poisson.py",
     ),
     "a new run in a reused out directory treated as already charged": (
