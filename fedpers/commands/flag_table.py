@@ -2309,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "623dafd8fad1a1e2ace05249419073b4fcf9837735ec7797e4d35ffb46b46f7c",
+   "fingerprint": "1149b53e2f01c4d32b3aeda236d8638f5834a5857617997418448b4d6b944ed2",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

@@ -32,6 +32,31 @@ def share_multiplier(noise_multiplier: float, share: float) -> float:
     return noise_multiplier / math.sqrt(share) if share > 0 else math.inf
 
 
+class SplitRoundBudget:
+    """For a protocol whose round is one gradient release plus, under adaptive clipping, one count:
+    the round's μ² (1/z²) splits 1 − f : f between them, so they compose to the fixed-clip round's z.
+    A mixin for frozen dataclasses that hold ``noise_multiplier`` z, ``count_share`` f and
+    ``clip_quantile`` γ (0: fixed clip)."""
+
+    noise_multiplier: float
+    count_share: float
+    clip_quantile: float
+
+    @property
+    def adaptive(self) -> bool:
+        return self.clip_quantile > 0
+
+    @property
+    def round_multiplier(self) -> float:
+        """z/√(1 − f): the gradient release's multiplier (z itself without adaptive clipping)."""
+        return share_multiplier(self.noise_multiplier, 1.0 - self.count_share)
+
+    @property
+    def count_multiplier(self) -> float:
+        """z/√f: the count release's multiplier."""
+        return share_multiplier(self.noise_multiplier, self.count_share)
+
+
 def below_statistic(within: Tensor, dtype: torch.dtype) -> Tensor:
     """Σ_j (b_j − 1/2) of the units' b_j ∈ [0, 1] (a 0-dim tensor): each term is within :data:`COUNT_BOUND`."""
     return (within.to(dtype) - 0.5).sum()

@@ -24,7 +24,13 @@ import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
-from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
+from fedpers.privacy.adaptive_clip import (
+    COUNT_BOUND,
+    AdaptiveClip,
+    SplitRoundBudget,
+    below_statistic,
+    share_multiplier,
+)
 from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
@@ -33,7 +39,7 @@ LOCAL_RIDGE = 1e-6
 
 
 @dataclass(frozen=True)
-class FedRepProtocol(Protocol):
+class FedRepProtocol(SplitRoundBudget, Protocol):
     """Public parameters of one (private) FedRep run: every user takes part in every round, a
     Poisson sample (``sampling_rate`` < 1), or the cohort of a public K-cycle (``cycle`` > 1)."""
 
@@ -91,20 +97,6 @@ class FedRepProtocol(Protocol):
         if self.correlated is not None:
             return self.correlated.noise_std(self.round_multiplier, c)
         return self.round_multiplier * c if self.round_multiplier > 0 else 0.0
-
-    @property
-    def adaptive(self) -> bool:
-        return self.clip_quantile > 0
-
-    @property
-    def round_multiplier(self) -> float:
-        """z/√(1 − f): a gradient release's multiplier (z itself without adaptive clipping)."""
-        return share_multiplier(self.noise_multiplier, 1.0 - self.count_share)
-
-    @property
-    def count_multiplier(self) -> float:
-        """z/√f: the count release's multiplier (μ² of the two add up to z's)."""
-        return share_multiplier(self.noise_multiplier, self.count_share)
 
     def releases_per_user(self) -> int:
         """Init + the rounds a user takes part in: ⌈T/K⌉ under a K-cycle (the largest cohort's count)."""

@@ -38,7 +38,12 @@ import torch
 
 from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
-from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
+from fedpers.privacy.adaptive_clip import (
+    COUNT_BOUND,
+    AdaptiveClip,
+    SplitRoundBudget,
+    below_statistic,
+)
 from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
@@ -212,7 +217,7 @@ def gamma_to_vec(g: Tensor) -> Tensor:
 
 # ----- the protocol -----------------------------------------------------------------------
 @dataclass(frozen=True)
-class NoisyHeadProtocol(Protocol):
+class NoisyHeadProtocol(SplitRoundBudget, Protocol):
     """Public parameters of one NoisyHead run (all data-independent)."""
 
     prompts: int
@@ -308,20 +313,6 @@ class NoisyHeadProtocol(Protocol):
     @property
     def poisson(self) -> bool:
         return self.sampling_rate < 1
-
-    @property
-    def adaptive(self) -> bool:
-        return self.clip_quantile > 0
-
-    @property
-    def round_multiplier(self) -> float:
-        """z/√(1 − f): a step's gradient multiplier (z itself without adaptive clipping)."""
-        return share_multiplier(self.noise_multiplier, 1.0 - self.count_share)
-
-    @property
-    def count_multiplier(self) -> float:
-        """z/√f: the count's multiplier (μ² of the step's two releases add up to z's)."""
-        return share_multiplier(self.noise_multiplier, self.count_share)
 
     @property
     def units_total(self) -> int:
