@@ -44,6 +44,7 @@ def test_the_default_altmin_run():
     assert ours == pytest.approx(theirs, rel=1e-3) and theirs == pytest.approx(4.0, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_fifty_step_composition_like_noisyhead():
     assert event_epsilon(gaussians(30.0, 50), 1e-5) == pytest.approx(prv_epsilon({30.0: 50}, 1e-5), rel=1e-3)
 

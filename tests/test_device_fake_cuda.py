@@ -72,7 +72,7 @@ ALTMIN = {
 @pytest.mark.parametrize(
     "extra",
     [
-        {"dtype": "float64", "baselines": "oracle"},
+        pytest.param({"dtype": "float64", "baselines": "oracle"}, marks=pytest.mark.slow),  # the cases below cover both dtypes
         {"dtype": "float32", "baselines": "oracle"},
         {"dtype": "float32", "baselines": "oracle", "cohorts": "poisson", "sampling_rate": 0.5, "epsilon": math.inf},
         {"dtype": "float64", "baselines": "oracle", "cohorts": "all", "refit_samples": 4, "test_samples": 8},

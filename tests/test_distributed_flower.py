@@ -106,6 +106,7 @@ def test_trust_model_sweeps_load_and_a_point_runs_with_its_runtime_options():
         run_point_task(tiny, {"epsilon": 2.0, "dp_model": "distributed", "bits": 40})
 
 
+@pytest.mark.slow
 def test_the_trust_model_sweep_set_runs_every_member_through_fedpers_sweep(tmp_path):
     """`fedpers sweep simulations/trust_models.toml` is a sweep set of the two per-algorithm sweeps; a tiny
     copy of it runs both members into OUT/<name>: every series, the refused one (too few bits for n units)

@@ -162,7 +162,8 @@ def test_resume_recorded_release_not_redrawn_is_accounted_by_settle():
 # ----- sampling: recorded rate = sampled rate ------------------------------------------------------
 @pytest.mark.parametrize("name, values", [
     ("fedrep", {**FEDREP, "n_users": 3000, "rounds": 6, "cohorts": "poisson", "sampling_rate": 0.1}),
-    ("altmin", {**ALTMIN, "n_users": 3000, "rounds": 4, "cohorts": "poisson", "sampling_rate": 0.15}),
+    pytest.param("altmin", {**ALTMIN, "n_users": 3000, "rounds": 4, "cohorts": "poisson", "sampling_rate": 0.15},
+                 marks=pytest.mark.slow),  # fedrep covers the same server-side sampling path in the default suite
 ])
 def test_ledger_sampling_rate_is_the_rate_the_server_sampled_at(name, values, tmp_path):
     """Pooled realised cohort sizes against Binomial(rounds·n, q_ledger): |z| < 5."""

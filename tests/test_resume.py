@@ -89,14 +89,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
 @pytest.mark.parametrize(
     "name, point, at",
     [
-        ("altmin", "release", 1),  # inside the private initialisation, before any checkpoint
+        pytest.param("altmin", "release", 1, marks=pytest.mark.slow),  # inside the private initialisation, before any checkpoint
         ("altmin", "release", 4),  # mid-round: a release drawn, its round not checkpointed
-        ("altmin", "checkpoint", 2),  # checkpoint written, its round line not yet
-        ("altmin", "round", 3),  # every round done
-        ("altmin", "final", 1),  # during evaluation
-        ("noisyhead", "release", 3),
+        pytest.param("altmin", "checkpoint", 2, marks=pytest.mark.slow),  # checkpoint written, its round line not yet
+        pytest.param("altmin", "round", 3, marks=pytest.mark.slow),  # every round done
+        pytest.param("altmin", "final", 1, marks=pytest.mark.slow),  # during evaluation
+        pytest.param("noisyhead", "release", 3, marks=pytest.mark.slow),
         ("noisyhead", "checkpoint", 4),
-        ("noisyhead", "final", 1),
+        pytest.param("noisyhead", "final", 1, marks=pytest.mark.slow),
     ],
 )
 def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, reference: dict, name: str, point: str, at: int) -> None:
@@ -133,6 +133,7 @@ def test_resume_gives_the_uninterrupted_result_baselines_included(tmp_path: Path
     assert resumed == whole  # identical apart from timing fields (seconds, run_dir, plots)
 
 
+@pytest.mark.slow  # two kills of one run: the one-kill cases in the default suite cover each kill point
 def test_resume_twice_after_two_kills(tmp_path: Path, reference: dict) -> None:
     run = _killed(tmp_path, ALTMIN, "release", 2, "altmin")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -93,6 +93,7 @@ def test_cli_track_mlflow_and_missing_extra(tmp_path, monkeypatch):
     assert not (tmp_path / "r2").exists()
 
 
+@pytest.mark.slow
 def test_sweep_points_grouped(tmp_path):
     mlflow = pytest.importorskip("mlflow")
     pytest.importorskip("tensorboard")

@@ -45,6 +45,7 @@ def test_tuning_epsilon_equals_an_independent_composition(shape, mean):
     assert got > alone  # the search costs something
 
 
+@pytest.mark.slow
 def test_private_select_reports_the_composition_of_its_own_ledgers(tmp_path: Path):
     """End to end on a 2-point grid: every trial is the candidate's 3 releases per user plus its
     score (4 Gaussians of the candidate's z), the final run 3; epsilon_total must equal the
