@@ -213,6 +213,10 @@ def device_path(device: str, kernels: str = "auto") -> bool:
     return kernels == "device" or (kernels == "auto" and device.startswith("cuda"))
 
 
+DECLARED_BY = "declared_by"
+"""Metadata key of a field taken with ``inherited(source)``: the class that declares it."""
+
+
 class _Inherited:
     """Marks a field a run config takes as declared elsewhere (see :func:`inherited`)."""
 
@@ -247,7 +251,10 @@ def run_config(cls: type[T]) -> type[T]:
             source = declared if mark.source is None else {f.name: f for f in dataclasses.fields(mark.source)}
             if name not in source:
                 raise TypeError(f"{cls.__name__}.{name} = inherited(): no base or source declares {name}")
-            setattr(cls, name, dataclasses.field(default=source[name].default, metadata=source[name].metadata))
+            metadata = dict(source[name].metadata)
+            if mark.source is not None:  # declared by a sibling: the flag snapshot follows its file (DECLARED_BY)
+                metadata[DECLARED_BY] = mark.source
+            setattr(cls, name, dataclasses.field(default=source[name].default, metadata=metadata))
     unlisted = [name for name in declared if name not in own]
     if unlisted:
         raise TypeError(

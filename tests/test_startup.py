@@ -124,6 +124,22 @@ def test_the_flag_snapshot_is_current() -> None:
     assert flags.TABLE_FILE.read_text() == flags.table_text(flags.build_table()), "run: python -m fedpers.commands.flags"
 
 
+def test_a_flag_declared_by_a_sibling_puts_its_file_in_the_snapshots_sources() -> None:
+    """FedRep, NoisyGD and NoisyHead take their shared flags from one declaration (the same help and
+    range in all three); an edit there changes all three snapshots' fingerprints, so none goes stale."""
+    from fedpers.commands import flags
+    from fedpers.experiments import experiment
+    from fedpers.experiments.gradient_fields import GradientRoundFields
+
+    shared = {f.name: f.metadata for f in dataclasses.fields(GradientRoundFields)}
+    for name in ("fedrep", "noisygd", "noisyhead"):
+        cls = experiment(name).config_type
+        taken = [f for f in dataclasses.fields(cls) if f.metadata.get("declared_by") is GradientRoundFields]
+        assert {"noise", "bands", "clip_quantile", "clip_budget"} <= {f.name for f in taken}
+        assert all(f.metadata["help"] == shared[f.name]["help"] for f in taken)
+        assert "experiments/gradient_fields.py" in flags._sources([cls])
+
+
 @pytest.mark.parametrize("flag, value", [("--delta", "1"), ("--delta", "0"), ("--epsilon", "0")])
 def test_the_early_check_names_the_whole_range_a_bound_of_zero_included(flag: str, value: str) -> None:
     """The snapshot's refusal says what the full validation says: a lower bound of 0 is a bound."""

@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "0684116239c75db0bdaec445ced44b976eed871b8c6924bc831f3d692fc5ba99",
+   "fingerprint": "d70ec8a9544f570809f845bc48247f7bc481efe2a50753b9c55b12bf06062bd0",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -772,7 +772,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "b670532a6abe3bccbb446e2deea790d8e9e84c577e71db7463d19f8beaf6caf3",
+   "fingerprint": "c6929298310c175b2002f3f9ba306e9c06e50801a3e6969956eda19c4c602b47",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -938,7 +938,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "43d3c02e39420184cac40a79e3d14dc02b2cd4cbf62ee9180971d77e9b9462ef",
+   "fingerprint": "d06dcbc437276e14ecf65ac91da1a2076a0f197e3c6c4accbb3717a8d43dc675",
    "module": "fedpers.experiments.dpattention",
    "sources": [
     "config.py",
@@ -1136,7 +1136,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "d888cab7477434f0d39c7795ba0f253661aeec1567c9227ceabc68796d7c0a6f",
+   "fingerprint": "1742894282257a68306cf2be495c5a0543728ad97ff6b834a2eba037fee1014c",
    "module": "fedpers.experiments.expmech",
    "sources": [
     "config.py",
@@ -1315,7 +1315,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
-     "help": "noise across gradient rounds: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
+     "help": "noise across gradient rounds (steps): independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
      "meta": {
       "words": {}
      },
@@ -1354,7 +1354,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-quantile",
-     "help": "γ: target fraction of users under the adaptive bound (default: 0.5)",
+     "help": "γ: target fraction of privacy units (users, examples or prompts) under the adaptive bound (default: 0.5)",
      "meta": {
       "gt": 0.0,
       "lt": 1.0,
@@ -1375,7 +1375,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-budget",
-     "help": "f: share of each round's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
+     "help": "f: share of each round's (step's) privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
      "meta": {
       "gt": 0.0,
       "lt": 1.0,
@@ -1466,12 +1466,13 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "767d49c653aafea60c0539d793ac139ba1c4646e93c86d2e514a684337595988",
+   "fingerprint": "7011ff0ff589a6b5c264cb57013949342af78c601e05d62035d7544e088ea90a",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
     "experiments/__init__.py",
     "experiments/fedrep.py",
+    "experiments/gradient_fields.py",
     "privacy/accountant.py",
     "runtime/options.py"
    ]
@@ -1675,7 +1676,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
-     "help": "noise across steps: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
+     "help": "noise across gradient rounds (steps): independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
      "meta": {
       "words": {}
      },
@@ -1714,7 +1715,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-quantile",
-     "help": "γ: target fraction of examples under the adaptive bound (default: 0.5)",
+     "help": "γ: target fraction of privacy units (users, examples or prompts) under the adaptive bound (default: 0.5)",
      "meta": {
       "gt": 0.0,
       "lt": 1.0,
@@ -1735,7 +1736,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-budget",
-     "help": "f: share of each step's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
+     "help": "f: share of each round's (step's) privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
      "meta": {
       "gt": 0.0,
       "lt": 1.0,
@@ -1825,12 +1826,13 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "b3aed86946cbb1804bb6880bdf7d999ef6de1dfec33591b6d52b57d6092863af",
+   "fingerprint": "81c761f15b2adbb825ccd643bfda1f2ac18413daf9eb83d2daa241032eedd652",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
     "data/neural_collapse.py",
     "experiments/__init__.py",
+    "experiments/gradient_fields.py",
     "experiments/noisygd.py",
     "privacy/accountant.py",
     "protocols/noisygd.py",
@@ -2024,7 +2026,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--noise",
-     "help": "noise across steps: independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
+     "help": "noise across gradient rounds (steps): independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
      "meta": {
       "words": {}
      },
@@ -2065,7 +2067,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-quantile",
-     "help": "γ: target fraction of units under the adaptive bound (default: 0.5)",
+     "help": "γ: target fraction of privacy units (users, examples or prompts) under the adaptive bound (default: 0.5)",
      "meta": {
       "gt": 0.0,
       "lt": 1.0,
@@ -2086,7 +2088,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--clip-budget",
-     "help": "f: share of each step's privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
+     "help": "f: share of each round's (step's) privacy (of μ²) spent on the adaptive clip's count (default: 0.1)",
      "meta": {
       "gt": 0.0,
       "lt": 1.0,
@@ -2309,12 +2311,13 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "1149b53e2f01c4d32b3aeda236d8638f5834a5857617997418448b4d6b944ed2",
+   "fingerprint": "06e5b7e529dee97bf3415208a3f4ed391363c04489bbf5508125b725583d218e",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
     "experiments/__init__.py",
     "experiments/base.py",
+    "experiments/gradient_fields.py",
     "experiments/noisyhead.py",
     "privacy/accountant.py",
     "protocols/noisyhead.py",

@@ -81,6 +81,8 @@ def _sources(classes: Sequence[type]) -> list[str]:
         for f in dataclasses.fields(cls):
             if callable(f.metadata.get("choices")):  # the registry's own module (its built-in names)
                 files.add(Path(inspect.getfile(f.metadata["choices"])).resolve())
+            if isinstance(f.metadata.get(config_lib.DECLARED_BY), type):  # ``inherited(source)``: its declaring file
+                files.add(Path(inspect.getfile(f.metadata[config_lib.DECLARED_BY])).resolve())
         for tp in config_lib.field_types(cls).values():
             for t in (tp, *typing.get_args(tp)):
                 if isinstance(t, type) and issubclass(t, enum.Enum):

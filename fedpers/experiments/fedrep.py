@@ -34,6 +34,7 @@ from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.gradient_fields import GradientRoundFields
 from fedpers.experiments.hooks import Canaries, CanaryDesign
 from fedpers.experiments.population import population_mse
 from fedpers.experiments.shared_passes import ReferenceRun, ShadowRun
@@ -90,30 +91,18 @@ class FedRepConfig(DeviceRunConfig):
         "all: every user every round; poisson: each round samples users independently with probability "
         "--sampling-rate; cyclic: K fixed cohorts by id blocks, round r uses cohort (r − 1) mod K (--cycle)",
     )
-    cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic)", ge=1)
-    noise: str = field(
-        "independent",
-        "noise across gradient rounds: independent, banded (square-root factorization, --bands), optimised "
-        "(banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
-    )
-    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
-    noise_decay: float = field(
-        1.0,
-        "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a "
-        "declared per-round contraction, only the last ~1/(1 − λ) rounds' noise matters)",
-        gt=0.0,
-        le=1.0,
-    )
+    cycle: int = inherited(GradientRoundFields)
+    noise: str = inherited(GradientRoundFields)
+    bands: int = inherited(GradientRoundFields)
+    noise_decay: float = inherited(GradientRoundFields)
     clip_rule: str = field(
         "fixed",
         "fixed: every round clips at --clip; adaptive: --clip is the first bound, moved each round toward the "
         "--clip-quantile of users' gradient norms through a noisy count (accounted)",
     )
-    clip_quantile: float = field(0.5, "γ: target fraction of users under the adaptive bound", gt=0.0, lt=1.0)
-    clip_lr: float = field(0.2, "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ))", gt=0.0)
-    clip_budget: float = field(
-        0.1, "f: share of each round's privacy (of μ²) spent on the adaptive clip's count", gt=0.0, lt=1.0
-    )
+    clip_quantile: float = inherited(GradientRoundFields)
+    clip_lr: float = inherited(GradientRoundFields)
+    clip_budget: float = inherited(GradientRoundFields)
     sampling_rate: float = field(
         1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
     )

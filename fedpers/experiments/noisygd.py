@@ -22,6 +22,7 @@ from fedpers.config import (
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.gradient_fields import GradientRoundFields
 from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import (
     ALL_UNITS,
@@ -75,30 +76,18 @@ class NoisyGDConfig(DeviceRunConfig):
     cohorts: str = field(
         "all", "all: every example every step; cyclic: K fixed cohorts by id blocks, step s uses cohort s mod K"
     )
-    cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic)", ge=1)
-    noise: str = field(
-        "independent",
-        "noise across steps: independent, banded (square-root factorization, --bands), optimised "
-        "(banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
-    )
-    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
-    noise_decay: float = field(
-        1.0,
-        "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a "
-        "declared per-round contraction, only the last ~1/(1 − λ) rounds' noise matters)",
-        gt=0.0,
-        le=1.0,
-    )
+    cycle: int = inherited(GradientRoundFields)
+    noise: str = inherited(GradientRoundFields)
+    bands: int = inherited(GradientRoundFields)
+    noise_decay: float = inherited(GradientRoundFields)
     clip_rule: str = field(
         "fixed",
         "fixed: every step clips at --grad-clip; adaptive: --grad-clip is the first bound, moved each step toward "
         "the --clip-quantile of per-example gradient norms through a noisy count (accounted)",
     )
-    clip_quantile: float = field(0.5, "γ: target fraction of examples under the adaptive bound", gt=0.0, lt=1.0)
-    clip_lr: float = field(0.2, "η_C: step of the adaptive bound, C ← C·exp(−η_C(b̄ − γ))", gt=0.0)
-    clip_budget: float = field(
-        0.1, "f: share of each step's privacy (of μ²) spent on the adaptive clip's count", gt=0.0, lt=1.0
-    )
+    clip_quantile: float = inherited(GradientRoundFields)
+    clip_lr: float = inherited(GradientRoundFields)
+    clip_budget: float = inherited(GradientRoundFields)
     accountant: str = accountant_field(
         Accountant.PLD, "pld: tight; zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's)"
     )

@@ -36,6 +36,7 @@ from fedpers.config import (
 )
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
+from fedpers.experiments.gradient_fields import GradientRoundFields
 from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import (
     Accountant,
@@ -184,12 +185,8 @@ class NoisyHeadConfig(ApproxDpRunConfig):
         "all", "all: every unit every step; cyclic: K fixed cohorts of units by id blocks, step t uses cohort t mod K"
     )
     cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic; needs --mode rounds)", ge=1)
-    noise: str = field(
-        "independent",
-        "noise across steps: independent, banded (square-root factorization, --bands), optimised "
-        "(banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
-    )
-    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
+    noise: str = inherited(GradientRoundFields)
+    bands: int = inherited(GradientRoundFields)
     noise_decay: float = field(
         0.0,
         "λ_w: the correlated noise is chosen for the iterates of x_t = λ_w·x_{t−1} + g_t; auto (0): GD's own "
@@ -203,11 +200,9 @@ class NoisyHeadConfig(ApproxDpRunConfig):
         "fixed: every step clips a unit's gradient at ρP·G(C + RG); adaptive (--mode rounds): that is the first "
         "bound, moved each step toward the --clip-quantile of units' gradient norms through a noisy count (accounted)",
     )
-    clip_quantile: float = field(0.5, "γ: target fraction of units under the adaptive bound", gt=0.0, lt=1.0)
+    clip_quantile: float = inherited(GradientRoundFields)
     clip_lr: float = field(0.2, "η_C: step of the adaptive bound, B ← B·exp(−η_C(b̄ − γ))", gt=0.0)
-    clip_budget: float = field(
-        0.1, "f: share of each step's privacy (of μ²) spent on the adaptive clip's count", gt=0.0, lt=1.0
-    )
+    clip_budget: float = inherited(GradientRoundFields)
     label_noise: float = field(0.0, "τ, the label noise std (ν = 1 + τ²)", ge=0.0)
     kappa: float = field(1.0, "κ of Theorem 4.1", gt=0.0, le=1.0)
     clip_c: float = field(0.0, f"label clip C (0: Theorem 4.1; {DEMO.clip_c:g} in the demo regime)", ge=0.0)
