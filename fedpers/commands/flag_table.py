@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "0684116239c75db0bdaec445ced44b976eed871b8c6924bc831f3d692fc5ba99",
+   "fingerprint": "eccee52fac2c20068e49d48bf65dcb4a33883c04b6fe3a6cca91806496fe161f",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "767d49c653aafea60c0539d793ac139ba1c4646e93c86d2e514a684337595988",
+   "fingerprint": "4d1539809a3d7d12760b86dae69b054353b8d04760d85475622f02631ded77f8",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1825,7 +1825,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "b3aed86946cbb1804bb6880bdf7d999ef6de1dfec33591b6d52b57d6092863af",
+   "fingerprint": "2722c7a7f220b186e72f4675482057432a137d48104a1d262f30b7d2e2dac0b0",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2309,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "1149b53e2f01c4d32b3aeda236d8638f5834a5857617997418448b4d6b944ed2",
+   "fingerprint": "ec0f65ddabc3ce40800906706cbc350dc9109e7b6da975ded84238bc97c2a381",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
