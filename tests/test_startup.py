@@ -222,3 +222,6 @@ def test_a_run_process_imports_its_libraries_with_the_collector_paused_then_runn
     with pytest.raises(ImportError):
         cli._as_process(argparse.Namespace(entry_point=True), lambda args: 0)
     assert calls[3:] == ["disable", "freeze", "enable"]
+    with pytest.raises(ImportError):  # a sweep process imports alike, before its sweep file is read
+        cli.cmd_sweep(argparse.Namespace(entry_point=True))
+    assert calls[6:] == ["disable", "freeze", "enable"]

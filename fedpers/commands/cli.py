@@ -381,7 +381,7 @@ def _import_run_libraries() -> None:
     collector paused, then move those objects to the permanent generation. Otherwise the
     collector walks all of them several times while they are created (0.2-0.3 s of full
     collections per process) and again in every later full collection; module objects live
-    as long as the process anyway. Only for a process of its own (see :func:`_as_process`)."""
+    as long as the process anyway. Only for a process of its own (a run, a resume, a sweep)."""
     import gc
 
     gc.disable()
@@ -457,6 +457,8 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    if getattr(args, "entry_point", False):
+        _import_run_libraries()
     from fedpers.sweeps.run import run_sweep
     from fedpers.sweeps.sets import run_sweep_set, sweep_set
 
