@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "eccee52fac2c20068e49d48bf65dcb4a33883c04b6fe3a6cca91806496fe161f",
+   "fingerprint": "ba97c2aed768c42c33d0343859c4a4c5a044fcd68cc6b09ed104b31289616929",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "4d1539809a3d7d12760b86dae69b054353b8d04760d85475622f02631ded77f8",
+   "fingerprint": "cb3e520a87fdcf03ddb017247056ec49f507cfea315d7079e8305033bcf013b2",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1825,7 +1825,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "2722c7a7f220b186e72f4675482057432a137d48104a1d262f30b7d2e2dac0b0",
+   "fingerprint": "0f63686475da3479c69628286750d0f2376d492dd9b501f056cff5b1085d377a",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2309,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "ec0f65ddabc3ce40800906706cbc350dc9109e7b6da975ded84238bc97c2a381",
+   "fingerprint": "7905bda671f1d7fa76909cf836695958320b05ea9c8f024814d38b5f8e8ece14",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

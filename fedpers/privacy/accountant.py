@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import hashlib
 import inspect
 import math
 import threading
@@ -438,8 +439,9 @@ def _remembered_epsilon(acc: PrivacyAccountant, event: dp_accounting.DpEvent, de
     return eps
 
 
-def _event_key(event: dp_accounting.DpEvent) -> tuple[str, tuple[str, ...]]:
-    """The event's text and the full names of every class in it (two classes may share a name)."""
+def _event_key(event: dp_accounting.DpEvent) -> tuple[bytes, tuple[str, ...]]:
+    """The SHA-256 of the event's text (a composition of thousands of releases stays 32 bytes in
+    the memo) and the full names of every class in it (two classes may share a name)."""
     kinds: set[str] = set()
     stack: list[Any] = [event]
     while stack:
@@ -449,7 +451,7 @@ def _event_key(event: dp_accounting.DpEvent) -> tuple[str, tuple[str, ...]]:
             stack.extend(e.events)
         elif isinstance(e, (dp_accounting.SelfComposedDpEvent, dp_accounting.PoissonSampledDpEvent)):
             stack.append(e.event)
-    return repr(event), tuple(sorted(kinds))
+    return hashlib.sha256(repr(event).encode()).digest(), tuple(sorted(kinds))
 
 
 def forget_epsilons() -> None:
