@@ -33,7 +33,7 @@ def ledger_of(*zs: float) -> Ledger:
 
 @pytest.fixture
 def counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The PLD accountant's computations (an empty memo, no calibration cache)."""
+    """The PLD accountant's computations (an empty memo, an empty calibration cache)."""
     from fedpers.privacy import calibration_cache
 
     monkeypatch.setenv(calibration_cache.DISABLE_ENV, "1")
@@ -67,7 +67,8 @@ def test_the_ledger_form_is_the_ledgers_own_fold_of_the_releases():
 
 
 def test_a_run_of_its_plan_reports_the_checked_epsilon_and_a_ledger_off_the_plan_is_computed(counted):
-    z = calibrate_noise_multiplier(plan, 2.0, 1e-5)
+    z = calibrate_noise_multiplier(plan, 2.0, 1e-5)  # solved, and cached
+    assert calibrate_noise_multiplier(plan, 2.0, 1e-5) == z  # a cache hit: checked in the ledger's form
     solved = len(counted)
     assert counted[-1] == repr(dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(G(z), 3)]))
 

@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "ba97c2aed768c42c33d0343859c4a4c5a044fcd68cc6b09ed104b31289616929",
+   "fingerprint": "a1c1fdead7ce9ac6f882ca2868cc607b0dd07960443a591368642d292a32f0cd",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "cb3e520a87fdcf03ddb017247056ec49f507cfea315d7079e8305033bcf013b2",
+   "fingerprint": "e0082351c8b9e7aa7f7b4107d17616d1e56d32c441c1167facca62b7ad0c0c73",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1825,7 +1825,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "0f63686475da3479c69628286750d0f2376d492dd9b501f056cff5b1085d377a",
+   "fingerprint": "8a305f63002f2da88983d30e0d5c94f0367cc430f47562e79068a8546c3be4d9",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2309,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "7905bda671f1d7fa76909cf836695958320b05ea9c8f024814d38b5f8e8ece14",
+   "fingerprint": "447317fa0d506826b1ed86b980c3b5a9d79a9a2669c5c88190aee4fdebafb4de",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
