@@ -109,3 +109,26 @@ def test_a_run_failing_before_its_first_release_leaves_no_directory(tmp_path, mo
     assert not out.exists()
     monkeypatch.undo()
     assert main(args) == 0 and (out / "result.json").is_file()
+
+
+def test_a_process_reads_its_code_version_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Provenance asks git and the package metadata once per process (a sweep's runs share the
+    answer); each run still gets its own copy, command and start time."""
+    import subprocess
+
+    from fedpers.results import provenance as prov
+
+    calls: list[list[str]] = []
+    real = subprocess.run
+    monkeypatch.setattr(prov.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or real(cmd, **kw))
+    prov._process_code.cache_clear()
+    try:
+        first = prov.provenance()
+        asked = len(calls)
+        assert asked in (1, 2)  # rev-parse, and status in a checkout
+        first["libraries"]["torch"] = "edited"
+        second = prov.provenance()
+        assert len(calls) == asked and second["libraries"]["torch"] != "edited"
+        assert second["git"] == first["git"] and second["fedpers"] == first["fedpers"]
+    finally:
+        prov._process_code.cache_clear()

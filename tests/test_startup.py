@@ -66,7 +66,10 @@ def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkey
 
 def test_a_mistyped_flag_value_is_refused_with_status_2() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "fedpers", "run", "altmin", "--n-users", "2x"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "fedpers", "run", "altmin", "--n-users", "2x"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2 and "n_users" in proc.stderr and "2x" in proc.stderr
 
@@ -121,7 +124,9 @@ def test_the_flag_snapshot_is_current() -> None:
     ``python -m fedpers.commands.flags`` after changing a config field)."""
     from fedpers.commands import flags
 
-    assert flags.TABLE_FILE.read_text() == flags.table_text(flags.build_table()), "run: python -m fedpers.commands.flags"
+    assert flags.TABLE_FILE.read_text() == flags.table_text(flags.build_table()), (
+        "run: python -m fedpers.commands.flags"
+    )
 
 
 def test_a_flag_declared_by_a_sibling_puts_its_file_in_the_snapshots_sources() -> None:
@@ -208,3 +213,31 @@ def test_a_failed_plot_worker_leaves_the_drawing_to_the_run(tmp_path) -> None:
     assert run_dir.plot_rounds(rounds, ["subspace_error"], "t") == ["subspace_error.png"]
     assert (tmp_path / "run" / "subspace_error.png").stat().st_size > 0 and not plots._WORKERS
     run_dir.close()
+
+
+def test_a_run_process_imports_its_libraries_with_the_collector_paused_then_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process's own run imports torch and the accounting libraries with the cyclic collector
+    off, freezes what they built and turns the collector back on, an import error included;
+    ``main(argv)`` from Python leaves the caller's collector alone."""
+    import argparse
+
+    from fedpers.results import plots
+
+    calls: list[str] = []
+    for name in ("disable", "freeze", "enable"):
+        monkeypatch.setattr(gc, name, lambda name=name: calls.append(name))
+    monkeypatch.setattr(plots, "start_worker", lambda: None)
+    monkeypatch.setattr(plots, "stop_worker", lambda: None)
+    monkeypatch.setattr(cli, "_ENDING", {})
+    assert cli._as_process(argparse.Namespace(entry_point=False), lambda args: 0) == 0 and calls == []
+    assert cli._as_process(argparse.Namespace(entry_point=True), lambda args: 0) == 0
+    assert calls == ["disable", "freeze", "enable"]
+    monkeypatch.setitem(sys.modules, "fedpers.runner", None)  # the import fails
+    with pytest.raises(ImportError):
+        cli._as_process(argparse.Namespace(entry_point=True), lambda args: 0)
+    assert calls[3:] == ["disable", "freeze", "enable"]
+    with pytest.raises(ImportError):  # a sweep process imports alike, before its sweep file is read
+        cli.cmd_sweep(argparse.Namespace(entry_point=True))
+    assert calls[6:] == ["disable", "freeze", "enable"]

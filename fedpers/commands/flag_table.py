@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "d70ec8a9544f570809f845bc48247f7bc481efe2a50753b9c55b12bf06062bd0",
+   "fingerprint": "3e8779c9dc5608ec9c6aafb55f97c3559373e7b65b45811db9fe6078ad2c6192",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "7011ff0ff589a6b5c264cb57013949342af78c601e05d62035d7544e088ea90a",
+   "fingerprint": "ed38bf9c5bd03ee1932f4e9eba90c79e7bd79a42957cb8d68a667de1e1ea933d",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1826,7 +1826,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "81c761f15b2adbb825ccd643bfda1f2ac18413daf9eb83d2daa241032eedd652",
+   "fingerprint": "8fec7c71a4a8636096d06aa024c02431898d680929052bae7e68814ba0d1d3f4",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2311,7 +2311,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "06e5b7e529dee97bf3415208a3f4ed391363c04489bbf5508125b725583d218e",
+   "fingerprint": "404b0f67a557815426b93bcae7dcb480b2372d8f3cb6b928dc53d0ad058e8c4e",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
