@@ -472,3 +472,28 @@ def test_the_step_with_small_ops_on_one_thread_is_the_threaded_one():
         torch.set_num_threads(threads)
     assert all(torch.equal(serial.stats[s], threaded.stats[s]) for s in ("G", "b"))
     assert torch.equal(step_serial["U"], step_threaded["U"])
+
+
+def test_user_embeddings_are_the_same_bits_in_any_blocks_and_shares(monkeypatch):
+    """The host path's users go in single-threaded shares, each in gather blocks: tiny blocks on 1, 2
+    and 4 threads give the bits of one block of every user on one thread (the device path's call)."""
+    from fedpers.protocols import dpals
+
+    g = torch.Generator().manual_seed(7)
+    n_items, k, n, width = 200, 6, 300, 25
+    U = torch.randn(n_items, k, generator=g)
+    items = torch.randint(0, n_items, (n, width), generator=g)
+    ratings = torch.randint(1, 6, (n, width), generator=g).float()
+    mask = torch.arange(width).unsqueeze(0) < torch.randint(0, width + 1, (n, 1), generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = dpals.user_embeddings(U, items, ratings, mask, 0.1, device_kernels=True)
+        monkeypatch.setattr(dpals, "GATHER_BUDGET", 7 * width * k)  # 7 users a block on one thread
+        for t in (1, 2, 4):
+            torch.set_num_threads(t)
+            got = dpals.user_embeddings(U, items, ratings, mask, 0.1)
+            assert all(torch.equal(a, b) for a, b in zip(got, whole)), t
+    finally:
+        torch.set_num_threads(threads)
+    assert bool((whole[1][mask.sum(1) == 0] == -math.inf).all()) and bool(torch.isfinite(whole[1][mask.sum(1) > 0]).all())

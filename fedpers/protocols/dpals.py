@@ -69,25 +69,32 @@ def user_embeddings(
     ratings or all-zero ratings get v = 0 (log-norm −inf). U_I is one gather from U with a zero
     row appended (padding reads it), the k×k systems one batched Cholesky (λ > 0 makes them
     positive definite; a failed factorisation falls back to LU for that user only). On the host
-    path (``device_kernels`` False) users go in blocks of at most :data:`GATHER_BUDGET` gathered
-    entries and the solves in single-threaded shares (:func:`fedpers.linalg.small_batched`); on the
-    device path each is one batched kernel."""
+    path (``device_kernels`` False) the users go as :func:`fedpers.linalg.small_batched`
+    single-threaded shares, each gathering, multiplying and solving its users in blocks of at most
+    :data:`GATHER_BUDGET` gathered entries per share; on the device path each is one batched
+    kernel. Every user's Gram matrix, right-hand side and solve are its own batch entry, so the
+    result is the same bits whatever the blocks and shares."""
     n_items, k = U.shape
     r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * mask.to(U.dtype))
     padded = torch.cat([U, U.new_zeros(1, k)])
     index = items.masked_fill(~mask, n_items)
     n, width = index.shape
-    step = max(1, n) if device_kernels else max(1, GATHER_BUDGET // max(1, width * k))
-    A = torch.empty(n, k, k, dtype=U.dtype, device=U.device)
-    rhs = torch.empty(n, k, dtype=U.dtype, device=U.device)
-    for lo in range(0, n, step):
-        block = index[lo : lo + step]
-        F = torch.index_select(padded, 0, block.reshape(-1)).view(*block.shape, k)  # (users, L, k)
-        Ft = F.transpose(1, 2)
-        torch.bmm(Ft, F, out=A[lo : lo + step])
-        rhs[lo : lo + step] = torch.bmm(r_unit[lo : lo + step].unsqueeze(1), F).squeeze(1)  # r̂ᵀF: 2× Fᵀr̂'s speed
-    A.diagonal(dim1=-2, dim2=-1).add_(ridge)
-    w = spd_solve(A, rhs) if device_kernels else linalg.small_batched(spd_solve, A, rhs)
+    shares = 1 if device_kernels else max(1, linalg.thread_budget())
+    step = max(1, n) if device_kernels else max(1, GATHER_BUDGET // max(1, width * k * shares))
+
+    def solved(index: Tensor, r_unit: Tensor) -> Tensor:
+        m = int(index.shape[0])
+        A = torch.empty(m, k, k, dtype=U.dtype, device=U.device)
+        rhs = torch.empty(m, k, dtype=U.dtype, device=U.device)
+        for lo in range(0, m, step):
+            block = index[lo : lo + step]
+            F = torch.index_select(padded, 0, block.reshape(-1)).view(*block.shape, k)  # (users, L, k)
+            torch.bmm(F.transpose(1, 2), F, out=A[lo : lo + step])
+            rhs[lo : lo + step] = torch.bmm(r_unit[lo : lo + step].unsqueeze(1), F).squeeze(1)  # r̂ᵀF: 2× Fᵀr̂'s speed
+        A.diagonal(dim1=-2, dim2=-1).add_(ridge)
+        return spd_solve(A, rhs)
+
+    w = solved(index, r_unit) if device_kernels else linalg.small_batched(solved, index, r_unit)
     v_unit, log_wn = linalg.directions(w)
     return v_unit, log_wn + log_rn
 
