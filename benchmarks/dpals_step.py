@@ -3,8 +3,8 @@
 138,000 users, 26,744 items, ≈20 M ratings (ragged: per-user counts log-uniform in
 [20, 1,000] scaled to the target total, items by power-law popularity), k = 32, B = 100. Measures
 the per-item statistics (what the local runtime runs per chunk: users' ridge solves and the
-per-item sums, ``client_message`` of each chunk, summed) and the whole step (statistics + two
-Gaussian releases + PSD repair + per-item solves), the peak memory, and the ratio to a plain GEMM
+per-item sums, ``client_message`` of each chunk, summed in place as the runtime sums them) and the
+whole step (statistics + two Gaussian releases + PSD repair + per-item solves), the peak memory, and the ratio to a plain GEMM
 of the same flop count timed in the same run on the same device.
 
     PYTHONPATH=$PWD python benchmarks/dpals_step.py [--users 13800 --ratings 2000000]
@@ -113,7 +113,8 @@ def main() -> None:
     summed = None
     for units in chunks:
         part = client_message(proto, 0, {"U": U}, units)
-        summed = part if summed is None else summed + part
+        # summed in place, as the local runtime sums a round's chunks (one copy, then Message.add_)
+        summed = part.copy() if summed is None else summed.add_(part)
     assert summed is not None
     sync(device)
     t_stats = time.perf_counter() - start
