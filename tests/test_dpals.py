@@ -498,3 +498,41 @@ def test_user_embeddings_are_the_same_bits_in_any_blocks_and_shares(monkeypatch)
         torch.set_num_threads(threads)
     empty = mask.sum(1) == 0
     assert bool((whole[1][empty] == -math.inf).all()) and bool(torch.isfinite(whole[1][~empty]).all())
+
+
+@pytest.mark.parametrize("pd_every", [3, 1, 10**6])  # mixed shares, every block PD, (almost) none PD
+def test_packed_item_solves_in_shares_are_the_unpacked_ones_and_the_full_floor(pd_every):
+    """solve_items on packed triangles, each share unpacking, testing and repairing its own blocks
+    on 1, 2 and 4 threads: the bits of the unpacked blocks solved as one batch on one thread, and
+    (PSD(G) + λI)⁻¹b for the full eigenvalue floor; triu_unpack is the symmetric scatter. k = 8 in
+    float64: every block starts on a 64-byte boundary whatever its batch, as at k = 32 (LAPACK's
+    eigh may round otherwise where a block's alignment moves)."""
+    from fedpers.protocols.dpals import solve_items, triu_unpack
+
+    g = torch.Generator().manual_seed(3)
+    k, n = 8, 400
+    G = torch.randn(n, k, k, generator=g, dtype=torch.float64)
+    G = G + G.transpose(1, 2)
+    pd = torch.arange(n) % pd_every == 0
+    G[pd] = G[pd] @ G[pd] + 0.5 * torch.eye(k, dtype=torch.float64)
+    b = torch.randn(n, k, generator=g, dtype=torch.float64)
+    i, j = torch.triu_indices(k, k)
+    packed = G[:, i, j]
+    scattered = torch.zeros_like(G)
+    scattered[:, i, j] = packed
+    scattered[:, j, i] = packed
+    assert torch.equal(triu_unpack(packed, k), scattered) and torch.equal(scattered, G)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = solve_items(G, b, 2.0, device_kernels=True, symmetric=True)
+        for t in (1, 2, 4):
+            torch.set_num_threads(t)
+            assert torch.equal(solve_items(packed, b, 2.0, packed=True), whole), t
+    finally:
+        torch.set_num_threads(threads)
+    vals, vecs = torch.linalg.eigh(G)
+    floor = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2)
+    ref = torch.linalg.solve(floor + 2.0 * torch.eye(k, dtype=torch.float64), b.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(whole, ref, rtol=1e-10, atol=1e-12)
+    assert int((vals.amin(-1) < 0).sum()) == (n - int(pd.sum()))  # the non-PD blocks took the repair
