@@ -101,8 +101,9 @@ def user_embeddings(
 
 GATHER_BUDGET = 1 << 20
 """Gathered entries U_I (users × L × k) held at once on the host path, shared by the thread shares
-(4 MiB in float32): a block that stays in cache while its Gram products read it (measured on the
-2-core machine on six chunks of MovieLens-20M's shape, one thread: 0.45 CPU s against 0.70 in 32 MiB blocks)."""
+(4 MiB in float32, an eighth of the earlier 32 MiB blocks): a block that stays in cache while its
+Gram products read it (six chunks at MovieLens-20M's shape, one thread, the command's malloc
+policy: 0.46–0.49 CPU s against 0.52 in 32 MiB blocks)."""
 
 
 def spd_solve(A: Tensor, rhs: Tensor) -> Tensor:
