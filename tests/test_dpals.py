@@ -472,3 +472,67 @@ def test_the_step_with_small_ops_on_one_thread_is_the_threaded_one():
         torch.set_num_threads(threads)
     assert all(torch.equal(serial.stats[s], threaded.stats[s]) for s in ("G", "b"))
     assert torch.equal(step_serial["U"], step_threaded["U"])
+
+
+def test_user_embeddings_are_the_same_bits_in_any_blocks_and_shares(monkeypatch):
+    """The host path's users go in single-threaded shares, each in gather blocks: tiny blocks on 1, 2
+    and 4 threads give the bits of one block of every user on one thread (the device path's call)."""
+    from fedpers.protocols import dpals
+
+    g = torch.Generator().manual_seed(7)
+    n_items, k, n, width = 200, 6, 300, 25
+    U = torch.randn(n_items, k, generator=g)
+    items = torch.randint(0, n_items, (n, width), generator=g)
+    ratings = torch.randint(1, 6, (n, width), generator=g).float()
+    mask = torch.arange(width).unsqueeze(0) < torch.randint(0, width + 1, (n, 1), generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = dpals.user_embeddings(U, items, ratings, mask, 0.1, device_kernels=True)
+        monkeypatch.setattr(dpals, "GATHER_BUDGET", 7 * width * k)  # 7 users a block on one thread
+        for t in (1, 2, 4):
+            torch.set_num_threads(t)
+            got = dpals.user_embeddings(U, items, ratings, mask, 0.1)
+            assert all(torch.equal(a, b) for a, b in zip(got, whole)), t
+    finally:
+        torch.set_num_threads(threads)
+    empty = mask.sum(1) == 0
+    assert bool((whole[1][empty] == -math.inf).all()) and bool(torch.isfinite(whole[1][~empty]).all())
+
+
+@pytest.mark.parametrize("pd_every", [3, 1, 10**6])  # mixed shares, every block PD, (almost) none PD
+def test_packed_item_solves_in_shares_are_the_unpacked_ones_and_the_full_floor(pd_every):
+    """solve_items on packed triangles, each share unpacking, testing and repairing its own blocks
+    on 1, 2 and 4 threads: the bits of the unpacked blocks solved as one batch on one thread, and
+    (PSD(G) + λI)⁻¹b for the full eigenvalue floor; triu_unpack is the symmetric scatter. k = 8 in
+    float64: every block starts on a 64-byte boundary whatever its batch, as at k = 32 (LAPACK's
+    eigh may round otherwise where a block's alignment moves)."""
+    from fedpers.protocols.dpals import solve_items, triu_unpack
+
+    g = torch.Generator().manual_seed(3)
+    k, n = 8, 400
+    G = torch.randn(n, k, k, generator=g, dtype=torch.float64)
+    G = G + G.transpose(1, 2)
+    pd = torch.arange(n) % pd_every == 0
+    G[pd] = G[pd] @ G[pd] + 0.5 * torch.eye(k, dtype=torch.float64)
+    b = torch.randn(n, k, generator=g, dtype=torch.float64)
+    i, j = torch.triu_indices(k, k)
+    packed = G[:, i, j]
+    scattered = torch.zeros_like(G)
+    scattered[:, i, j] = packed
+    scattered[:, j, i] = packed
+    assert torch.equal(triu_unpack(packed, k), scattered) and torch.equal(scattered, G)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = solve_items(G, b, 2.0, device_kernels=True, symmetric=True)
+        for t in (1, 2, 4):
+            torch.set_num_threads(t)
+            assert torch.equal(solve_items(packed, b, 2.0, packed=True), whole), t
+    finally:
+        torch.set_num_threads(threads)
+    vals, vecs = torch.linalg.eigh(G)
+    floor = (vecs * vals.clamp_min(0).unsqueeze(-2)) @ vecs.transpose(-1, -2)
+    ref = torch.linalg.solve(floor + 2.0 * torch.eye(k, dtype=torch.float64), b.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(whole, ref, rtol=1e-10, atol=1e-12)
+    assert int((vals.amin(-1) < 0).sum()) == (n - int(pd.sum()))  # the non-PD blocks took the repair

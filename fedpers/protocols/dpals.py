@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,31 +69,41 @@ def user_embeddings(
     ratings or all-zero ratings get v = 0 (log-norm −inf). U_I is one gather from U with a zero
     row appended (padding reads it), the k×k systems one batched Cholesky (λ > 0 makes them
     positive definite; a failed factorisation falls back to LU for that user only). On the host
-    path (``device_kernels`` False) users go in blocks of at most :data:`GATHER_BUDGET` gathered
-    entries and the solves in single-threaded shares (:func:`fedpers.linalg.small_batched`); on the
-    device path each is one batched kernel."""
+    path (``device_kernels`` False) the users go as :func:`fedpers.linalg.small_batched`
+    single-threaded shares, each gathering, multiplying and solving its users in blocks of at most
+    :data:`GATHER_BUDGET` gathered entries per share; on the device path each is one batched
+    kernel. Every user's Gram matrix, right-hand side and solve are its own batch entry, so the
+    result is the same bits whatever the blocks and shares."""
     n_items, k = U.shape
     r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * mask.to(U.dtype))
     padded = torch.cat([U, U.new_zeros(1, k)])
     index = items.masked_fill(~mask, n_items)
     n, width = index.shape
-    step = max(1, n) if device_kernels else max(1, GATHER_BUDGET // max(1, width * k))
-    A = torch.empty(n, k, k, dtype=U.dtype, device=U.device)
-    rhs = torch.empty(n, k, dtype=U.dtype, device=U.device)
-    for lo in range(0, n, step):
-        block = index[lo : lo + step]
-        F = torch.index_select(padded, 0, block.reshape(-1)).view(*block.shape, k)  # (users, L, k)
-        Ft = F.transpose(1, 2)
-        torch.bmm(Ft, F, out=A[lo : lo + step])
-        rhs[lo : lo + step] = torch.bmm(r_unit[lo : lo + step].unsqueeze(1), F).squeeze(1)  # r̂ᵀF: 2× Fᵀr̂'s speed
-    A.diagonal(dim1=-2, dim2=-1).add_(ridge)
-    w = spd_solve(A, rhs) if device_kernels else linalg.small_batched(spd_solve, A, rhs)
+    shares = 1 if device_kernels else max(1, linalg.thread_budget())
+    step = max(1, n) if device_kernels else max(1, GATHER_BUDGET // max(1, width * k * shares))
+
+    def solved(index: Tensor, r_unit: Tensor) -> Tensor:
+        m = int(index.shape[0])
+        A = torch.empty(m, k, k, dtype=U.dtype, device=U.device)
+        rhs = torch.empty(m, k, dtype=U.dtype, device=U.device)
+        for lo in range(0, m, step):
+            block = index[lo : lo + step]
+            F = torch.index_select(padded, 0, block.reshape(-1)).view(*block.shape, k)  # (users, L, k)
+            torch.bmm(F.transpose(1, 2), F, out=A[lo : lo + step])
+            rhs[lo : lo + step] = torch.bmm(r_unit[lo : lo + step].unsqueeze(1), F).squeeze(1)  # r̂ᵀF: 2× Fᵀr̂'s speed
+        A.diagonal(dim1=-2, dim2=-1).add_(ridge)
+        return spd_solve(A, rhs)
+
+    w = solved(index, r_unit) if device_kernels else linalg.small_batched(solved, index, r_unit)
     v_unit, log_wn = linalg.directions(w)
     return v_unit, log_wn + log_rn
 
 
-GATHER_BUDGET = 1 << 23
-"""Gathered entries U_I (users × L × k) held at once on the host path (32 MiB in float32)."""
+GATHER_BUDGET = 1 << 20
+"""Gathered entries U_I (users × L × k) held at once on the host path, shared by the thread shares
+(4 MiB in float32, an eighth of the earlier 32 MiB blocks): a block that stays in cache while its
+Gram products read it (six chunks at MovieLens-20M's shape, one thread, the command's malloc
+policy: 0.46–0.49 CPU s against 0.52 in 32 MiB blocks)."""
 
 
 def spd_solve(A: Tensor, rhs: Tensor) -> Tensor:
@@ -270,11 +280,17 @@ def triu_pack(G: Tensor) -> Tensor:
 
 
 def triu_unpack(t: Tensor, k: int) -> Tensor:
-    i, j = torch.triu_indices(k, k, device=t.device)
-    G = t.new_zeros(*t.shape[:-1], k, k)
-    G[..., i, j] = t
-    G[..., j, i] = t
-    return G
+    """The symmetric blocks (..., k, k) whose upper triangles :func:`triu_pack` gave: one gather."""
+    return t.index_select(-1, _triu_positions(k, t.device)).view(*t.shape[:-1], k, k)
+
+
+def _triu_positions(k: int, device: torch.device) -> Tensor:
+    """Entry (a, b) of a k×k block → its position in the packed upper triangle (min(a, b), max(a, b))."""
+    i, j = torch.triu_indices(k, k)
+    pos = torch.empty(k, k, dtype=torch.int64)
+    pos[i, j] = torch.arange(i.shape[0])
+    pos[j, i] = torch.arange(i.shape[0])
+    return pos.reshape(-1).to(device)
 
 
 def psd_floor(G: Tensor) -> tuple[Tensor, int]:
@@ -291,37 +307,53 @@ def psd_floor(G: Tensor) -> tuple[Tensor, int]:
 
 
 def solve_items(
-    G: Tensor, b: Tensor, ridge: float, psd_repair: bool = True, device_kernels: bool = False, symmetric: bool = False
+    G: Tensor,
+    b: Tensor,
+    ridge: float,
+    psd_repair: bool = True,
+    device_kernels: bool = False,
+    symmetric: bool = False,
+    packed: bool = False,
 ) -> Tensor:
-    """U_i = (PSD(G_i) + λI)⁻¹ b_i for every item (batched).
+    """U_i = (PSD(G_i) + λI)⁻¹ b_i for every item (batched); G (items, k, k), or with ``packed`` its
+    blocks' upper triangles (items, k(k+1)/2) (:func:`triu_pack`'s order; unpacked a share at a time).
 
     PSD(G_i) floors G_i's eigenvalues at 0. A batched Cholesky of G_i says which blocks are not
     positive definite (the floor would not move the others, solved by Cholesky of G_i + λI); only
     those go through the (costlier) eigendecomposition G_i = V Λ Vᵀ and are solved in its basis,
-    U_i = V (Λ₊ + λ)⁻¹ Vᵀ b_i. On the host path every LAPACK call runs single-threaded per share of
-    the items (:func:`fedpers.linalg.small_batched`): MKL's threaded path on thousands of k×k
-    blocks is what made the repair 94 % of a step; on the device path each is one batched kernel.
+    U_i = V (Λ₊ + λ)⁻¹ Vᵀ b_i. On the host path each share of the items
+    (:func:`fedpers.linalg.small_batched`) unpacks, tests, decomposes and solves its own blocks with
+    every LAPACK call single-threaded: MKL's threaded path on thousands of k×k blocks is what made
+    the repair 94 % of a step; on the device path each is one batched kernel. Every block is its own
+    batch entry: the same bits whatever the shares where each block fills whole 64-byte lines (k = 32;
+    otherwise LAPACK's eigh may round differently where a block's alignment moves).
     """
-    k = G.shape[-1]
-    G = G if symmetric else linalg.sym(G)  # ``symmetric``: exactly so already (unpacked triangles)
-    eye = torch.eye(k, dtype=G.dtype, device=G.device)
+    k = b.shape[-1]
+    eye = torch.eye(k, dtype=b.dtype, device=b.device)
 
-    def batched(fn: Callable[..., Any], *t: Tensor) -> Any:
-        return fn(*t) if device_kernels else linalg.small_batched(fn, *t)
+    def solve(g: Tensor, r: Tensor) -> Tensor:
+        # ``symmetric``: exactly so already (unpacked triangles)
+        g = triu_unpack(g, k) if packed else g if symmetric else linalg.sym(g)
+        if not psd_repair or not g.shape[0]:
+            return spd_solve(g + ridge * eye, r)
+        _, info = torch.linalg.cholesky_ex(g)
+        bad = (info != 0).nonzero(as_tuple=True)[0]
+        if not bad.numel():
+            return spd_solve(g + ridge * eye, r)
+        whole = bad.numel() == g.shape[0]  # under noise almost every block: no gathers
+        g_bad, r_bad = (g, r) if whole else (g[bad], r[bad])
+        vals, vecs = torch.linalg.eigh(g_bad)
+        coef = (vecs.transpose(-1, -2) @ r_bad.unsqueeze(-1)).squeeze(-1) / (vals.clamp_min(0) + ridge)
+        repaired = (vecs @ coef.unsqueeze(-1)).squeeze(-1)
+        if whole:
+            return repaired
+        U = torch.empty_like(r)
+        good = (info == 0).nonzero(as_tuple=True)[0]
+        U[good] = spd_solve(g[good] + ridge * eye, r[good])
+        U[bad] = repaired
+        return U
 
-    if not psd_repair:
-        return batched(lambda g, r: spd_solve(g + ridge * eye, r), G, b)
-    _, info = batched(lambda g: torch.linalg.cholesky_ex(g), G)
-    good = (info == 0).nonzero(as_tuple=True)[0]
-    bad = (info != 0).nonzero(as_tuple=True)[0]
-    U = torch.empty_like(b)
-    if good.numel():
-        U[good] = batched(lambda g, r: spd_solve(g + ridge * eye, r), G[good], b[good])
-    if bad.numel():
-        vals, vecs = batched(lambda g: torch.linalg.eigh(g), G[bad])
-        coef = (vecs.transpose(-1, -2) @ b[bad].unsqueeze(-1)).squeeze(-1) / (vals.clamp_min(0) + ridge)
-        U[bad] = (vecs @ coef.unsqueeze(-1)).squeeze(-1)
-    return U
+    return solve(G, b) if device_kernels else linalg.small_batched(solve, G, b)
 
 
 @dataclass(frozen=True)
@@ -501,9 +533,7 @@ class DpAlsProtocol(Protocol):
         b = privatizer.gaussian_sum(
             summed.stats["b"], per_unit_bound=b_bound, noise_multiplier=z, name="dpals.b", round=round, params=params
         )
-        U = solve_items(
-            triu_unpack(g, k), b, self.ridge_item, psd_repair=z > 0, device_kernels=self.device_kernels, symmetric=True
-        )
+        U = solve_items(g, b, self.ridge_item, psd_repair=z > 0, device_kernels=self.device_kernels, packed=True)
         if self.prelude:
             U = U * state["head"].to(U.device, U.dtype).unsqueeze(-1)
             return {**state, "U": U}, {"U_norm": float(torch.linalg.matrix_norm(U))}
