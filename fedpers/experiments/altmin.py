@@ -781,15 +781,21 @@ class Scores:
         self.has_test = "x_test" in units
         if self.has_test:
             self.test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
+        x_test = units["x_test"].double() if self.has_test else None  # once per chunk, not once per fit
+        y_test = units["y_test"].double() if self.has_test else None
         shared = SubspaceFit.together([f for f, _ in fits.values() if isinstance(f, SubspaceFit)], units)
         for name, (fit, _) in fits.items():
-            theta = (shared[id(fit)] if id(fit) in shared else fit(units)).double()
+            theta = shared[id(fit)] if id(fit) in shared else fit(units)
             theta = theta.squeeze(-1) if theta.dim() == 3 else theta
             if theta_star is not None:
-                sums[name]["excess"] += float(((theta - theta_star) ** 2).sum())
-            if self.has_test:
-                pred = (units["x_test"].double() @ theta.unsqueeze(-1)).squeeze(-1)
-                sums[name]["test"] += float(((pred - units["y_test"].double()) ** 2).sum())
+                # θ − θ* promoted to float64 in one op and squared in place: the bits of
+                # ((θ.double() − θ*)²).sum() (the conversion is exact, x² is x·x) without two copies
+                diff = torch.sub(theta, theta_star)
+                sums[name]["excess"] += float(diff.mul_(diff).sum())
+            if x_test is not None and y_test is not None:
+                pred = (x_test @ theta.double().unsqueeze(-1)).squeeze(-1)
+                residual = pred.sub_(y_test)
+                sums[name]["test"] += float(residual.mul_(residual).sum())
 
     def result(self) -> dict[str, dict[str, float | None]]:
         out: dict[str, dict[str, float | None]] = {}

@@ -223,7 +223,8 @@ def _dual_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:
     lam = ridge * (squares / d).clamp_min(1.0)
     # |Σ_i x_ai x_bi| ≤ Σ x²: the Gram is finite exactly when the sum of squares is
     bad = ~(torch.isfinite(squares) & torch.isfinite(y).all(-1))
-    if bool(bad.any()):
+    any_bad = bool(bad.any())
+    if any_bad:
         lam = torch.where(bad, torch.ones_like(lam), lam)
         x = torch.where(bad[:, None, None], torch.zeros((), dtype=x.dtype, device=x.device), x)
         y = torch.where(bad[:, None], torch.zeros((), dtype=y.dtype, device=y.device), y)
@@ -235,4 +236,4 @@ def _dual_ridge(x: Tensor, y: Tensor, ridge: float) -> Tensor:
     if failed[0].numel():  # per user, so the answer never depends on its batch-mates
         alpha[failed] = linalg.lstsq_rank_revealing(gram[failed], y[failed].unsqueeze(-1))
     theta = (x.transpose(-1, -2) @ alpha).squeeze(-1)
-    return torch.where(bad[:, None], torch.full_like(theta, math.nan), theta)
+    return torch.where(bad[:, None], torch.full_like(theta, math.nan), theta) if any_bad else theta
