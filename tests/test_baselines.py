@@ -145,3 +145,43 @@ def test_the_local_only_dual_ridge_equals_the_primal():
         assert dual[4].isnan().all() and dual[2].abs().max() == 0
     x_tall, y_tall = torch.randn(20, 40, 30, generator=g), torch.randn(20, 40, generator=g)  # m ≥ d: the primal, in float64
     torch.testing.assert_close(local_ridge(x_tall, y_tall, 1e-6), linalg.batched_ridge_solve(x_tall.double(), y_tall.double(), 1e-6))
+
+
+def test_the_scores_sums_are_the_plain_float64_formulas_bit_for_bit():
+    """Scores' excess-risk and test sums equal Σ((θ.double() − θ*)²) and Σ((x_test θ − y_test)²) in
+    float64, chunk by chunk, to the bit, for float32 and float64 fits and a fit returning (n, d, 1)."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from fedpers.experiments.altmin import AltMinEvaluator, Scores
+
+    g = torch.Generator().manual_seed(5)
+    d, k, t = 30, 3, 4
+    u_star = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))[0]
+    w32 = torch.randn(d, generator=g)
+    w64 = torch.randn(d, generator=g, dtype=torch.float64)
+    fits = {
+        "f32": (lambda u: u["v_star"].float() @ u_star.float().T + w32, None),
+        "f64": (lambda u: (u["v_star"] @ u_star.T + w64).unsqueeze(-1), None),
+    }
+    evaluator = SimpleNamespace(u_star=u_star, cfg=SimpleNamespace(noise_std=0.5))
+    scores = Scores(cast(AltMinEvaluator, evaluator), fits)  # only u_star and cfg.noise_std are read
+    plain = {name: [0.0, 0.0] for name in fits}
+    for n in (700, 300):
+        units = {
+            "ids": torch.arange(n),
+            "v_star": torch.randn(n, k, generator=g, dtype=torch.float64),
+            "x_test": torch.randn(n, t, d, generator=g),
+            "y_test": torch.randn(n, t, generator=g),
+        }
+        scores.add(units)
+        theta_star = units["v_star"] @ u_star.T
+        for name, (fit, _) in fits.items():
+            theta = fit(units).double().reshape(n, d)
+            plain[name][0] += float(((theta - theta_star) ** 2).sum())
+            pred = (units["x_test"].double() @ theta.unsqueeze(-1)).squeeze(-1)
+            plain[name][1] += float(((pred - units["y_test"].double()) ** 2).sum())
+    result = scores.result()
+    for name, (excess, test) in plain.items():
+        assert scores.sums[name] == {"excess": excess, "test": test}, name
+        assert result[name]["excess_risk"] == excess / 1000 and result[name]["test_mse"] == test / (1000 * t)
