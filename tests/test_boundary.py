@@ -101,3 +101,21 @@ def test_a_run_that_cannot_fit_is_refused_before_any_work():
         exp = EXPERIMENTS[name]
         with pytest.raises(ValueError, match=f"{name} needs about"):
             exp.protocol(config.build(exp.config_type, values))
+
+
+@pytest.mark.parametrize("accountant, delta", [("pld", 1e-20), ("pld", 4e-16), ("rdp", 1e-20)])
+def test_a_delta_the_accountant_cannot_resolve_is_refused_not_solved_forever(accountant, delta):
+    """dp-accounting's PLD holds ~5e-16 of mass at infinity at any noise: a smaller δ has ε = inf
+    for every z, and calibration used to raise z forever (`fedpers run altmin --delta 1e-20` hung)."""
+    import dp_accounting
+
+    from fedpers.privacy.accountant import calibrate_noise_multiplier
+
+    def event(z: float) -> dp_accounting.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), 3)
+
+    if accountant == "pld":
+        with pytest.raises(ValueError, match=r"delta must be >= 1e-15 with the pld accountant.*got"):
+            calibrate_noise_multiplier(event, 4.0, delta, accountant)
+    else:  # RDP resolves any δ > 0: the same target is solved
+        assert 0 < calibrate_noise_multiplier(event, 4.0, delta, accountant) < 20

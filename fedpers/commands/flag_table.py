@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "0684116239c75db0bdaec445ced44b976eed871b8c6924bc831f3d692fc5ba99",
+   "fingerprint": "669d78ba2092d6753740a7baf7caf17e84ccc08ecdb9eef57042159ac3f37c43",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "767d49c653aafea60c0539d793ac139ba1c4646e93c86d2e514a684337595988",
+   "fingerprint": "a34f01e80800839000feeeb3aed1b47f5351d26bda51ce4d5c979586ee6f5a57",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1825,7 +1825,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "b3aed86946cbb1804bb6880bdf7d999ef6de1dfec33591b6d52b57d6092863af",
+   "fingerprint": "12d90e4562204b7d9a5a874bd6c258c3e2ae29d7f0b2fdd527ea7ee2f4e7bafb",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2309,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "1149b53e2f01c4d32b3aeda236d8638f5834a5857617997418448b4d6b944ed2",
+   "fingerprint": "66291f1a794bf88a5bdc006bc804cb26378b75c931babf0834607833ab9c2596",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

@@ -246,6 +246,9 @@ class PrivacyAccountant(abc.ABC):
     """Relative step by which calibration raises a closed-form z until this accountant's ε meets the target."""
     coarse_discretisation: ClassVar[float | None] = None
     """A PLD grid calibration first solves on (then checks at :data:`PLD_DISCRETISATION`); None: none."""
+    min_delta: ClassVar[float] = 0.0
+    """The smallest δ this accountant can certify an ε at; calibration refuses a smaller target
+    before any release (a δ it cannot resolve has ε = inf at every noise: nothing to solve)."""
 
     @abc.abstractmethod
     def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
@@ -331,6 +334,9 @@ class PldAccountant(PrivacyAccountant):
     stated_events = True
     calibration_step = 1e-4
     coarse_discretisation = COARSE_DISCRETISATION
+    min_delta = 1e-15
+    # dp-accounting's PLD keeps about 5e-16 of probability mass at infinity (its truncated
+    # tails), whatever the noise: below that ε = inf; at 1e-15 a calibration takes ~10 s.
 
     def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
         pld = _PLDAccountant(pld_discretisation)
@@ -548,6 +554,11 @@ def _calibrate(
 ) -> float:
     _check_delta(target_delta)
     acc = get_accountant(accountant)
+    if target_delta < acc.min_delta:
+        raise ValueError(
+            f"delta must be >= {acc.min_delta:g} with the {acc.name} accountant (below it ε is infinite at "
+            f"any noise); got {target_delta:g} (another accountant, e.g. --accountant rdp, may take it)"
+        )
     if not target_epsilon > 0:
         raise ValueError(f"epsilon must be > 0, got {target_epsilon}")
     if math.isinf(target_epsilon):
