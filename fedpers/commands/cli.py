@@ -879,6 +879,14 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (:func:`_terminate`): the records are written by now
+        by = str(e) or "Ctrl-C"
+        print(
+            f"fedpers: interrupted ({by}); what was written is kept: a run directory with releases "
+            "continues with `fedpers resume RUN_DIR`, a sweep with the same command again",
+            file=sys.stderr,
+        )
+        return 143 if by == f"signal {signal.SIGTERM}" else 130
     except BrokenPipeError:  # `fedpers privacy RUN | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
