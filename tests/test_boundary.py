@@ -119,3 +119,14 @@ def test_a_delta_the_accountant_cannot_resolve_is_refused_not_solved_forever(acc
             calibrate_noise_multiplier(event, 4.0, delta, accountant)
     else:  # RDP resolves any δ > 0: the same target is solved
         assert 0 < calibrate_noise_multiplier(event, 4.0, delta, accountant) < 20
+
+
+@pytest.mark.parametrize("out", ["a_file", "a_file/run"])
+def test_an_out_path_blocked_by_a_file_is_refused_naming_out(tmp_path, out):
+    """`--out FILE` (or a path under a file) used to end in a FileExistsError / NotADirectoryError traceback."""
+    from fedpers.results.rundir import RunDirectory
+
+    (tmp_path / "a_file").write_text("mine\n")
+    with pytest.raises(ValueError, match=r"^out: cannot create the run directory .*a file is in the way"):
+        RunDirectory(tmp_path / out)
+    assert (tmp_path / "a_file").read_text() == "mine\n"

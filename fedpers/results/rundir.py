@@ -140,7 +140,11 @@ class RunDirectory:
                 f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)"
             )
         self._created = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file in the way, a read-only parent: refused before any release
+            why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+            raise ValueError(f"out: cannot create the run directory {self.path}: {why}; choose another --out") from None
         self._lock = self._lock or lock_directory(self.path)
         self._rounds = open(self.path / "rounds.jsonl", "a" if resume else "w")
         self._releases = open(self.path / LEDGER_LOG, "a" if resume else "w")
