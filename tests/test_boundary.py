@@ -130,3 +130,32 @@ def test_an_out_path_blocked_by_a_file_is_refused_naming_out(tmp_path, out):
     with pytest.raises(ValueError, match=r"^out: cannot create the run directory .*a file is in the way"):
         RunDirectory(tmp_path / out)
     assert (tmp_path / "a_file").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    "command, out, match",
+    [
+        ("report", "missing/r.html", "--out: the folder .*missing does not exist"),
+        ("report", "a_dir", "--out: .*a_dir is a directory"),
+        ("compare", "missing/c.png", "--out: the folder .*missing does not exist"),
+    ],
+)
+def test_an_output_file_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, command, out, match):
+    """`fedpers report/compare --out` into a missing folder or onto a directory ended in a traceback
+    (after the work; report left a `.NAME.tmp` behind)."""
+    import re
+
+    from fedpers.commands.cli import main
+
+    (tmp_path / "a_dir").mkdir()
+    assert main([command, str(tmp_path / "some_run"), "--out", str(tmp_path / out)]) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_write_atomic_leaves_no_temporary_file_when_it_fails(tmp_path):
+    from fedpers.results.rundir import write_atomic
+
+    (tmp_path / "a_dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_atomic(tmp_path / "a_dir", "text")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir"]

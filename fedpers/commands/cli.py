@@ -470,10 +470,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from fedpers.commands.compare import compare, figure_metrics, format_table
     from fedpers.results.rundir import dumps
 
-    rows, metrics, primary = compare(args.run_dirs)
     if args.out is not None:
         if args.out.suffix.lower() != ".png":
             raise ValueError(f"--out must name a .png file; got {args.out}")
+        _check_output_file(args.out)
+    rows, metrics, primary = compare(args.run_dirs)
+    if args.out is not None:
         from fedpers.results.plots import _plt, compare_figure, save
 
         fig = compare_figure(rows, figure_metrics(rows, metrics, primary))
@@ -539,9 +541,19 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_output_file(out: Path) -> None:
+    """Refuse an ``--out`` file that cannot be written (a directory, a missing folder) before any work."""
+    if out.is_dir():
+        raise ValueError(f"--out: {out} is a directory; name the file to write")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out: the folder {out.parent} does not exist (or is not a folder); create it first")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fedpers.commands.report import write_report
 
+    if args.out is not None:
+        _check_output_file(args.out)
     print(write_report(args.dir, args.out))
     return 0
 

@@ -46,8 +46,12 @@ def dumps(value: Any, indent: int | None = 1) -> str:
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # nothing half-written is left beside ``path``
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def default_run_dir(algorithm: str, seed: int) -> Path:
