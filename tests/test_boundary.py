@@ -159,3 +159,16 @@ def test_write_atomic_leaves_no_temporary_file_when_it_fails(tmp_path):
     with pytest.raises(IsADirectoryError):
         write_atomic(tmp_path / "a_dir", "text")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir"]
+
+
+def test_a_misspelt_config_file_key_is_named_as_such(tmp_path, capsys):
+    """A typo in `--config FILE` was reported as "unknown RuntimeOptions field(s): epsilonn; known:
+    bits, ..." (the runtime's fields only, where `epsilon` is not)."""
+    from fedpers.commands.cli import main
+
+    path = tmp_path / "c.toml"
+    path.write_text("n_users = 200\nepsilonn = 2.0\n")
+    assert main(["run", "altmin", "--config", str(path), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"config: {path}: unknown key(s) epsilonn (did you mean epsilon?)" in err and "RuntimeOptions" not in err
+    assert not (tmp_path / "run").exists()

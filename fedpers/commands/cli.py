@@ -390,6 +390,7 @@ def _run(args: argparse.Namespace) -> int:
             values.update(tomllib.loads(args.config.read_text()))
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"config: cannot read {args.config}: {e}") from None
+        _check_config_keys(exp.config_type, values, args.config)
     skip = {"command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri"}
     values.update({k: v for k, v in vars(args).items() if k not in skip})
     algo_values, runtime_values = split_values(exp.config_type, values)
@@ -409,6 +410,25 @@ def _run(args: argparse.Namespace) -> int:
     _print_result(result, args.json)
     _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
     return 0
+
+
+def _check_config_keys(cls: type, values: Mapping[str, Any], path: Path) -> None:
+    """Refuse a ``--config`` key that is neither a field of the algorithm nor a runtime option,
+    naming the file and the nearest field (it was reported as an unknown runtime option)."""
+    import difflib
+
+    from fedpers.runner import RuntimeOptions
+
+    known = {f.name for f in dataclasses.fields(cls)} | {f.name for f in dataclasses.fields(RuntimeOptions)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        hints = [
+            f"{k} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(k, known, 1)) else k
+            for k in unknown
+        ]
+        raise ValueError(
+            f"config: {path}: unknown key(s) {', '.join(hints)}; the keys are the fields `--help` lists as flags"
+        )
 
 
 def _print_result(result: Mapping[str, Any], as_json: bool) -> None:
