@@ -172,3 +172,20 @@ def test_a_misspelt_config_file_key_is_named_as_such(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"config: {path}: unknown key(s) epsilonn (did you mean epsilon?)" in err and "RuntimeOptions" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_poisson_cohort_is_released_as_noise_not_a_failed_round():
+    """With Poisson cohorts a round may sample no user ((1 - q)^n; 13 % per round at q = 0.01,
+    n = 200): the local runtime had no message and failed the run after round 0's release
+    ("0 of 1 clients answered acceptably"). The zero sum is released with its noise instead."""
+    from fedpers.experiments import experiment
+    from fedpers.runner import execute
+
+    exp = experiment("altmin")
+    cfg = config.build(
+        exp.config_type,
+        {"n_users": 40, "dim": 4, "rank": 2, "cohorts": "poisson", "sampling_rate": 1e-9, "baselines": "none"},
+    )
+    result = execute(exp, cfg, write=False, progress=False)
+    rounds = result["_rounds"]
+    assert [r["units"] for r in rounds[1:]] == [0, 0] and math.isfinite(result["epsilon"])
