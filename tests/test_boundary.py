@@ -189,3 +189,22 @@ def test_an_empty_poisson_cohort_is_released_as_noise_not_a_failed_round():
     result = execute(exp, cfg, write=False, progress=False)
     rounds = result["_rounds"]
     assert [r["units"] for r in rounds[1:]] == [0, 0] and math.isfinite(result["epsilon"])
+
+
+@pytest.mark.parametrize(
+    "out, hosts, match",
+    [
+        ("certs", [""], r"host must be a name or IP address of 1 to 64 characters, no spaces; got ''"),
+        ("certs", ["a", "b c"], r"host must be .*; got 'b c'"),
+        ("a_file", ["a"], r"dir: .*a_file is a file, not a directory"),
+    ],
+)
+def test_deploy_certs_refuses_a_bad_host_or_a_file_as_its_directory(tmp_path, out, hosts, match):
+    """`deploy certs DIR --host ''` failed inside cryptography ("Attribute's length must be >= 1");
+    `deploy certs FILE` ended in a NotADirectoryError traceback."""
+    from fedpers.deploy import make_certs
+
+    (tmp_path / "a_file").write_text("mine\n")
+    with pytest.raises(ValueError, match=match):
+        make_certs(tmp_path / out, hosts, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
