@@ -208,3 +208,16 @@ def test_deploy_certs_refuses_a_bad_host_or_a_file_as_its_directory(tmp_path, ou
     with pytest.raises(ValueError, match=match):
         make_certs(tmp_path / out, hosts, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_an_epsilon_below_the_accountants_grid_is_refused_not_solved_for_minutes():
+    """DPALS at ε = 1e-4: PLD's ε stays above the target at any nearby noise (its discretisation
+    is coarser), and calibration raised z by 1e-4 per step for minutes (`fedpers run dpals
+    --n-users 200 --epsilon 1e-4` ran > 2 min; noisygd alike)."""
+    from fedpers.experiments import experiment
+    from fedpers.privacy import Calibrations
+
+    exp = experiment("dpals")
+    cfg = config.build(exp.config_type, {"n_users": 200, "epsilon": 1e-4})
+    with pytest.raises(ValueError, match=r"epsilon 0.0001 is below what the pld accountant resolves .*--accountant rdp"):
+        exp.protocol(cfg, Calibrations())

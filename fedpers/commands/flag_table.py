@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "669d78ba2092d6753740a7baf7caf17e84ccc08ecdb9eef57042159ac3f37c43",
+   "fingerprint": "1979d28bc8193c482c67671fa98a96f1f253ac0e5d137fa3db90359dc1628668",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "a34f01e80800839000feeeb3aed1b47f5351d26bda51ce4d5c979586ee6f5a57",
+   "fingerprint": "c4dd6992066d6f27b7646a1f4d5e6eceddf9c62756f31cbfb1353f25be020dff",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1825,7 +1825,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "12d90e4562204b7d9a5a874bd6c258c3e2ae29d7f0b2fdd527ea7ee2f4e7bafb",
+   "fingerprint": "37270d60428f81f2ca6bb08a260c57e157b685494a28cfdf1d74e293fd5d3fad",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2309,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "66291f1a794bf88a5bdc006bc804cb26378b75c931babf0834607833ab9c2596",
+   "fingerprint": "2665085e5417a8007d516ba4d8a0b3b6f3b405baeb0b41abc75c14d9ab81d03d",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

@@ -61,6 +61,10 @@ COARSE_DISCRETISATION = 1e-3
 whose ε agrees with :data:`PLD_DISCRETISATION`'s to ~1e-6 relative); the result is then checked,
 and if need be re-solved, at :data:`PLD_DISCRETISATION`."""
 Z_MIN = 0.05
+CALIBRATION_STEPS = 2000
+"""The most steps of :attr:`PrivacyAccountant.calibration_step` calibration takes from the
+closed-form z: beyond them the accountant's ε cannot meet the target (PLD's discretisation, at
+ε near its grid) and the target is refused instead of raised for minutes."""
 
 
 class Accountant(str, enum.Enum):
@@ -607,8 +611,19 @@ def _solve_calibration(
     if unit is not None and all(z > 0 for z in unit):
         # Gaussian composition has a closed form (μ-GDP; zCDP's own): solve there, then confirm with the accountant.
         z = acc.closed_form_multiplier(unit, target_epsilon, target_delta)
+        steps = 0
         while eps_at(z) > target_epsilon:
             z *= 1.0 + acc.calibration_step
+            steps += 1
+            if steps == 50:  # still above: refuse if it would take CALIBRATION_STEPS more (minutes for PLD)
+                far = z * (1.0 + acc.calibration_step) ** CALIBRATION_STEPS
+                if eps_at(far) > target_epsilon:
+                    raise ValueError(
+                        f"epsilon {target_epsilon:g} is below what the {accountant} accountant resolves for this run "
+                        f"at delta {target_delta:g}: its ε stays above it even at {far / z:.3g}x the noise the exact "
+                        f"Gaussian bound needs (its grid is coarser than the target); raise --epsilon or use "
+                        f"--accountant rdp"
+                    )
         return z
 
     coarse = acc.coarse_discretisation
