@@ -221,3 +221,17 @@ def test_an_epsilon_below_the_accountants_grid_is_refused_not_solved_for_minutes
     cfg = config.build(exp.config_type, {"n_users": 200, "epsilon": 1e-4})
     with pytest.raises(ValueError, match=r"epsilon 0.0001 is below what the pld accountant resolves .*--accountant rdp"):
         exp.protocol(cfg, Calibrations())
+
+
+def test_a_tiny_epsilon_is_an_error_or_a_vacuous_bound_not_a_zero_division():
+    """ε = 1e-100 made DPCovariance's default k divide by t² = 0 (before any release, a traceback);
+    ε = 1e-300 made NoisyHead's Theorem 4.1 bound divide by (Nε)² = 0 after every release."""
+    from fedpers.experiments import experiment
+    from fedpers.privacy.mechanisms import dp_covariance_min_k
+    from fedpers.runner import execute
+
+    with pytest.raises(ValueError, match=r"epsilon 1e-100 is too small for DPCovariance's default k"):
+        dp_covariance_min_k(4, 1e-100, 0.1)
+    exp = experiment("noisyhead")
+    cfg = config.build(exp.config_type, {"prompts": 40, "steps": 1, "epsilon": 1e-300})
+    assert execute(exp, cfg, write=False, progress=False)["theorem41_bound"] == math.inf

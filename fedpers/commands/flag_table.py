@@ -2309,7 +2309,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "2665085e5417a8007d516ba4d8a0b3b6f3b405baeb0b41abc75c14d9ab81d03d",
+   "fingerprint": "9a3470a81e0830b34d399b6f6a9f56a673238e65aae8e6d9fe8ef48774a4c78e",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
