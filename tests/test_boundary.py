@@ -235,3 +235,24 @@ def test_a_tiny_epsilon_is_an_error_or_a_vacuous_bound_not_a_zero_division():
     exp = experiment("noisyhead")
     cfg = config.build(exp.config_type, {"prompts": 40, "steps": 1, "epsilon": 1e-300})
     assert execute(exp, cfg, write=False, progress=False)["theorem41_bound"] == math.inf
+
+
+@pytest.mark.parametrize(
+    "out, match",
+    [
+        ("a_file", r"out: cannot create the directory .*a_file: a file is in the way"),
+        ("a_file/sweep", r"out: cannot create the directory .*a_file/sweep: a file is in the way"),
+        ("a_run", r"out: .*a_run holds a run \(config.json\), not a sweep"),
+    ],
+)
+def test_a_sweep_out_that_is_a_file_or_a_run_is_refused(tmp_path, out, match):
+    """`fedpers sweep S --out FILE` ended in a FileExistsError traceback, and a sweep into a run's
+    directory wrote its table and points among the run's files."""
+    from fedpers.results.rundir import SweepDirectory
+
+    (tmp_path / "a_file").write_text("mine\n")
+    (tmp_path / "a_run").mkdir()
+    (tmp_path / "a_run" / "config.json").write_text("{}\n")
+    with pytest.raises(ValueError, match=match):
+        SweepDirectory(tmp_path / out, {"sweep": 1}, {})
+    assert sorted(p.name for p in (tmp_path / "a_run").iterdir()) == ["config.json"]

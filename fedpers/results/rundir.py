@@ -105,7 +105,11 @@ def lock_directory(path: Path) -> Any:
     import fcntl
 
     if not path.is_dir():
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file in the way, a read-only parent
+            why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+            raise ValueError(f"out: cannot create the directory {path}: {why}; choose another --out") from None
     handle = open(path / ".lock", "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -353,6 +357,8 @@ class SweepDirectory:
                 raise ValueError(f"out: {path} holds a different sweep (its spec.json differs); choose another --out")
         elif (path / "table.csv").exists():
             raise ValueError(f"out: {path} already holds a sweep; choose another --out")
+        elif (path / "config.json").exists():
+            raise ValueError(f"out: {path} holds a run (config.json), not a sweep; choose another --out")
         self._created = not path.exists()
         self._lock = lock_directory(path)  # a second sweep into the same directory is refused while this one runs
         self._recorded = 0
