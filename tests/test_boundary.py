@@ -121,15 +121,26 @@ def test_a_delta_the_accountant_cannot_resolve_is_refused_not_solved_forever(acc
         assert 0 < calibrate_noise_multiplier(event, 4.0, delta, accountant) < 20
 
 
-@pytest.mark.parametrize("out", ["a_file", "a_file/run"])
-def test_an_out_path_blocked_by_a_file_is_refused_naming_out(tmp_path, out):
-    """`--out FILE` (or a path under a file) used to end in a FileExistsError / NotADirectoryError traceback."""
+@pytest.mark.parametrize(
+    "out, match",
+    [
+        ("a_file", r"^out: cannot create the run directory .*a file is in the way"),
+        ("a_file/run", r"^out: cannot create the run directory .*a file is in the way"),
+        ("a_sweep", r"^out: .*a_sweep holds a sweep \(spec.json\), not a run"),
+    ],
+)
+def test_an_out_path_blocked_by_a_file_or_a_sweep_is_refused_naming_out(tmp_path, out, match):
+    """`--out FILE` (or a path under a file) used to end in a FileExistsError / NotADirectoryError
+    traceback; `--out SWEEP_DIR` overwrote the sweep's provenance.json and figures."""
     from fedpers.results.rundir import RunDirectory
 
     (tmp_path / "a_file").write_text("mine\n")
-    with pytest.raises(ValueError, match=r"^out: cannot create the run directory .*a file is in the way"):
+    (tmp_path / "a_sweep").mkdir()
+    (tmp_path / "a_sweep" / "spec.json").write_text("{}\n")
+    with pytest.raises(ValueError, match=match):
         RunDirectory(tmp_path / out)
     assert (tmp_path / "a_file").read_text() == "mine\n"
+    assert sorted(p.name for p in (tmp_path / "a_sweep").iterdir()) == ["spec.json"]
 
 
 @pytest.mark.parametrize(

@@ -147,6 +147,8 @@ class RunDirectory:
             raise ValueError(
                 f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)"
             )
+        elif (self.path / "spec.json").exists():  # a run's files would replace the sweep's (provenance, figures)
+            raise ValueError(f"out: {self.path} holds a sweep (spec.json), not a run; choose another --out")
         self._created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
