@@ -423,8 +423,7 @@ def _check_config_keys(cls: type, values: Mapping[str, Any], path: Path) -> None
     unknown = sorted(set(values) - known)
     if unknown:
         hints = [
-            f"{k} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(k, known, 1)) else k
-            for k in unknown
+            f"{k} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(k, known, 1)) else k for k in unknown
         ]
         raise ValueError(
             f"config: {path}: unknown key(s) {', '.join(hints)}; the keys are the fields `--help` lists as flags"

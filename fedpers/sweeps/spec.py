@@ -122,7 +122,9 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
             raise ValueError(f"sweep: base key {key!r} is not a config field; fields: {', '.join(sorted(fields))}")
     both = sorted(set(raw.get("base", {})) & set(raw.get("grid", {})))
     if both:
-        raise ValueError(f"sweep: {both} in both [base] and [grid] (the grid's values would replace the base's); keep one")
+        raise ValueError(
+            f"sweep: {both} in both [base] and [grid] (the grid's values would replace the base's); keep one"
+        )
     for section in ("series_values", "references"):
         for label, over in raw.get(section, {}).items():
             if not isinstance(over, dict):
@@ -140,7 +142,9 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
             f"sweep: series = {raw['series']!r} is not a config field (or give [series_values]); fields: {', '.join(sorted(fields))}"
         )
     if not raw.get("series_values") and raw["series"] == raw["x"]:
-        raise ValueError(f"sweep: x and series are both {raw['x']!r}; a figure's lines need another field than its axis")
+        raise ValueError(
+            f"sweep: x and series are both {raw['x']!r}; a figure's lines need another field than its axis"
+        )
     reps = raw.get("repetitions", 1)
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"sweep: repetitions must be an integer >= 1; got {reps!r}")
