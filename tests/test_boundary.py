@@ -267,3 +267,12 @@ def test_a_sweep_out_that_is_a_file_or_a_run_is_refused(tmp_path, out, match):
     with pytest.raises(ValueError, match=match):
         SweepDirectory(tmp_path / out, {"sweep": 1}, {})
     assert sorted(p.name for p in (tmp_path / "a_run").iterdir()) == ["config.json"]
+
+
+def test_a_rating_scale_of_one_value_is_refused():
+    """`--rating-min 3 --rating-max 3` ran: every kept rating equal, private test RMSE 58.6 against
+    the user-mean baseline's 0 (a warning, exit 0)."""
+    from fedpers.experiments.dpals import DpAlsConfig
+
+    with pytest.raises(ValueError, match=r"rating_min must be < rating_max \(3\); got 3"):
+        config.build(DpAlsConfig, {"ratings": "r.csv", "item_ids": "0:9", "rating_min": 3.0, "rating_max": 3.0})

@@ -772,7 +772,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "b670532a6abe3bccbb446e2deea790d8e9e84c577e71db7463d19f8beaf6caf3",
+   "fingerprint": "07ef068eb18c7c4ba4f19df2cc42f0b9e57f731e62e013de22d7e2a5ffe96516",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
