@@ -276,3 +276,15 @@ def test_a_rating_scale_of_one_value_is_refused():
 
     with pytest.raises(ValueError, match=r"rating_min must be < rating_max \(3\); got 3"):
         config.build(DpAlsConfig, {"ratings": "r.csv", "item_ids": "0:9", "rating_min": 3.0, "rating_max": 3.0})
+
+
+@pytest.mark.parametrize("argv", [["run", "altmin", "--out", ""], ["sweep", "s.toml", "--out", ""]])
+def test_an_empty_out_is_refused_not_the_current_directory(tmp_path, monkeypatch, capsys, argv):
+    """`--out ""` (an unset shell variable) was Path("") = ".": the run's files landed in the cwd."""
+    from fedpers.commands.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    assert ended.value.code == 2 and "argument --out: an empty path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -52,6 +52,14 @@ def _add_schema(parser: argparse.ArgumentParser | Any, fields: Sequence[Mapping[
         parser.add_argument(f["flag"], **kwargs)
 
 
+def out_directory(text: str) -> Path:
+    """An ``--out`` directory; an empty one is refused (``Path("")`` is the current directory,
+    where a run's files would land among whatever is there, e.g. from an unset shell variable)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name the directory to write")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser. It imports no algorithm: ``fedpers run ALGO ...`` hands the rest of
     the line to :func:`algorithm_parser`, built only for the algorithm asked for."""
@@ -81,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs=argparse.REMAINDER, help="the algorithm's flags (see fedpers run ALGO --help)")
     sw = sub.add_parser("sweep", help="run a grid from a TOML file; write a table and figures", allow_abbrev=False)
     sw.add_argument("file", type=Path)
-    sw.add_argument("--out", type=Path, help="output directory (default: runs/sweep-<name>-<time>)")
+    sw.add_argument("--out", type=out_directory, help="output directory (default: runs/sweep-<name>-<time>)")
     sw.add_argument("--repetitions", type=int, help="override the number of Monte-Carlo repetitions")
     sw.add_argument(
         "--workers", type=int, default=1, help="points run concurrently on Ray (default 1: one at a time, no Ray)"
@@ -273,7 +281,7 @@ def _algorithm_parser(
 
     p = SuggestingParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
     p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
-    p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
+    p.add_argument("--out", type=out_directory, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_tracking(p)
