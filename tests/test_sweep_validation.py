@@ -43,6 +43,8 @@ def write(tmp_path, text: str):
         (lambda t: t + '[series_values]\na = { dim = 5 }\n[references]\na = { dim = 6 }\n', "reuse series labels"),
         (lambda t: 'columns = "modular_wraps"\n' + t, "columns must be a list"),
         (lambda t: 'columns = ["modular_wrap"]\n' + t, r"column\(s\) \['modular_wrap'\] not in altmin's result"),
+        (lambda t: t.replace("dim = 4", "dim = 4\nepsilon = 2.0"), r"\['epsilon'\] in both \[base\] and \[grid\]"),
+        (lambda t: t.replace('x = "n_users"', 'x = "epsilon"'), "x and series are both 'epsilon'"),
     ],
 )
 def test_bad_sweep_files_are_refused_naming_the_key(tmp_path, change, match):

@@ -52,6 +52,14 @@ def _add_schema(parser: argparse.ArgumentParser | Any, fields: Sequence[Mapping[
         parser.add_argument(f["flag"], **kwargs)
 
 
+def out_directory(text: str) -> Path:
+    """An ``--out`` directory; an empty one is refused (``Path("")`` is the current directory,
+    where a run's files would land among whatever is there, e.g. from an unset shell variable)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name the directory to write")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser. It imports no algorithm: ``fedpers run ALGO ...`` hands the rest of
     the line to :func:`algorithm_parser`, built only for the algorithm asked for."""
@@ -81,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs=argparse.REMAINDER, help="the algorithm's flags (see fedpers run ALGO --help)")
     sw = sub.add_parser("sweep", help="run a grid from a TOML file; write a table and figures", allow_abbrev=False)
     sw.add_argument("file", type=Path)
-    sw.add_argument("--out", type=Path, help="output directory (default: runs/sweep-<name>-<time>)")
+    sw.add_argument("--out", type=out_directory, help="output directory (default: runs/sweep-<name>-<time>)")
     sw.add_argument("--repetitions", type=int, help="override the number of Monte-Carlo repetitions")
     sw.add_argument(
         "--workers", type=int, default=1, help="points run concurrently on Ray (default 1: one at a time, no Ray)"
@@ -273,7 +281,7 @@ def _algorithm_parser(
 
     p = SuggestingParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
     p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
-    p.add_argument("--out", type=Path, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
+    p.add_argument("--out", type=out_directory, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_tracking(p)
@@ -407,6 +415,7 @@ def _run(args: argparse.Namespace) -> int:
             values.update(tomllib.loads(args.config.read_text()))
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ValueError(f"config: cannot read {args.config}: {e}") from None
+        _check_config_keys(exp.config_type, values, args.config)
     skip = {"command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri"}
     values.update({k: v for k, v in vars(args).items() if k not in skip})
     algo_values, runtime_values = split_values(exp.config_type, values)
@@ -426,6 +435,24 @@ def _run(args: argparse.Namespace) -> int:
     _print_result(result, args.json)
     _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
     return 0
+
+
+def _check_config_keys(cls: type, values: Mapping[str, Any], path: Path) -> None:
+    """Refuse a ``--config`` key that is neither a field of the algorithm nor a runtime option,
+    naming the file and the nearest field (it was reported as an unknown runtime option)."""
+    import difflib
+
+    from fedpers.runner import RuntimeOptions
+
+    known = {f.name for f in dataclasses.fields(cls)} | {f.name for f in dataclasses.fields(RuntimeOptions)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        hints = [
+            f"{k} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(k, known, 1)) else k for k in unknown
+        ]
+        raise ValueError(
+            f"config: {path}: unknown key(s) {', '.join(hints)}; the keys are the fields `--help` lists as flags"
+        )
 
 
 def _print_result(result: Mapping[str, Any], as_json: bool) -> None:
@@ -489,10 +516,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from fedpers.commands.compare import compare, figure_metrics, format_table
     from fedpers.results.rundir import dumps
 
-    rows, metrics, primary = compare(args.run_dirs)
     if args.out is not None:
         if args.out.suffix.lower() != ".png":
             raise ValueError(f"--out must name a .png file; got {args.out}")
+        _check_output_file(args.out)
+    rows, metrics, primary = compare(args.run_dirs)
+    if args.out is not None:
         from fedpers.results.plots import _plt, compare_figure, save
 
         fig = compare_figure(rows, figure_metrics(rows, metrics, primary))
@@ -558,9 +587,19 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_output_file(out: Path) -> None:
+    """Refuse an ``--out`` file that cannot be written (a directory, a missing folder) before any work."""
+    if out.is_dir():
+        raise ValueError(f"--out: {out} is a directory; name the file to write")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out: the folder {out.parent} does not exist (or is not a folder); create it first")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fedpers.commands.report import write_report
 
+    if args.out is not None:
+        _check_output_file(args.out)
     print(write_report(args.dir, args.out))
     return 0
 
@@ -898,6 +937,14 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (:func:`_terminate`): the records are written by now
+        by = str(e) or "Ctrl-C"
+        print(
+            f"fedpers: interrupted ({by}); what was written is kept: a run directory with releases "
+            "continues with `fedpers resume RUN_DIR`, a sweep with the same command again",
+            file=sys.stderr,
+        )
+        return 143 if by == f"signal {signal.SIGTERM}" else 130
     except BrokenPipeError:  # `fedpers privacy RUN | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "3e8779c9dc5608ec9c6aafb55f97c3559373e7b65b45811db9fe6078ad2c6192",
+   "fingerprint": "80234d1b7b1f52dfbdc987277d915cc37bfa2b4b439e98cdd0c9581e54bae9b7",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -772,7 +772,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "c6929298310c175b2002f3f9ba306e9c06e50801a3e6969956eda19c4c602b47",
+   "fingerprint": "dacd8c837b98e8e30404816f8f5888d928937a283f724356800a7c8a371b49be",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "ed38bf9c5bd03ee1932f4e9eba90c79e7bd79a42957cb8d68a667de1e1ea933d",
+   "fingerprint": "c04bc00727fc8e536c24d813aceb41acc06a3cd48150583c130001450f7ace71",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1826,7 +1826,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "8fec7c71a4a8636096d06aa024c02431898d680929052bae7e68814ba0d1d3f4",
+   "fingerprint": "aacfd27aff08bac06c2a7f82c7fddd8a57922680e798d1278ba02e7ee62f003c",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2311,7 +2311,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "404b0f67a557815426b93bcae7dcb480b2372d8f3cb6b928dc53d0ad058e8c4e",
+   "fingerprint": "86e7fc26bdb38dc7c7eab97567a74cae49031605a7d7de2a43d744697b942eca",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

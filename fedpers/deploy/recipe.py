@@ -65,6 +65,9 @@ class Layout:
             raise ValueError(
                 "host: give at least one --host (the SuperLink's name or IP address as the SuperNodes reach it)"
             )
+        for host in self.hosts:  # the first is the certificate's common name: 1-64 characters
+            if not 1 <= len(host) <= 64 or any(c.isspace() for c in host):
+                raise ValueError(f"host must be a name or IP address of 1 to 64 characters, no spaces; got {host!r}")
         if self.supernodes < 1:
             raise ValueError(f"supernodes must be an integer >= 1; got {self.supernodes}")
         for name, port in (("port", self.port), ("link_port", self.link_port), ("node_port", self.node_port)):
@@ -152,6 +155,8 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     out = layout.out
     if not 1 <= days <= 3650:
         raise ValueError(f"days must be in 1..3650; got {days}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"dir: {out} is a file, not a directory; choose another directory")
     if out.exists() and any(out.iterdir()) and not force:
         raise ValueError(
             f"{out} exists and is not empty; choose another directory or pass --force to overwrite its keys"

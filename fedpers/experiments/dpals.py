@@ -134,8 +134,8 @@ class DpAlsConfig(DeviceRunConfig):
                 "--rating-max 5 (public, from the data's documentation: ratings outside it are dropped and counted)"
             )
         lo, hi = rating_scale(self)
-        if not lo <= hi:
-            raise ValueError(f"rating_min must be <= rating_max ({hi:g}); got {lo:g}")
+        if not lo < hi:  # a scale of one value: every kept rating equal, nothing to learn (and no clip width)
+            raise ValueError(f"rating_min must be < rating_max ({hi:g}); got {lo:g}")
 
 
 def table(cfg: DpAlsConfig) -> rating_files.RatingTable | None:

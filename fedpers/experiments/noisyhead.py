@@ -577,10 +577,13 @@ class NoisyHeadEvaluator(Evaluator):
         """Right side of (4.2): G₀²((1 − η₀λ)^T R² + σ²η₀²D T² log(2T/δ)/(N²ε²)), σ = 2G(C + RG)."""
         r, cfg = self.r, self.cfg
         sigma = 2 * r.G * (r.C + r.R * r.G)
+        scale = (r.N * cfg.epsilon) ** 2  # 0.0 once ε is so small that (Nε)² underflows: the bound is vacuous
         noise = (
             0.0
             if math.isinf(cfg.epsilon)
-            else sigma**2 * r.eta**2 * r.D * r.T**2 * math.log(2 * r.T / cfg.delta) / (r.N * cfg.epsilon) ** 2
+            else sigma**2 * r.eta**2 * r.D * r.T**2 * math.log(2 * r.T / cfg.delta) / scale
+            if scale > 0
+            else math.inf
         )
         return r.consts.G0**2 * ((1 - r.eta * r.lam) ** r.T * r.R**2 + noise)
 

@@ -63,6 +63,10 @@ COARSE_DISCRETISATION = 1e-3
 whose ε agrees with :data:`PLD_DISCRETISATION`'s to ~1e-6 relative); the result is then checked,
 and if need be re-solved, at :data:`PLD_DISCRETISATION`."""
 Z_MIN = 0.05
+CALIBRATION_STEPS = 2000
+"""The most steps of :attr:`PrivacyAccountant.calibration_step` calibration takes from the
+closed-form z: beyond them the accountant's ε cannot meet the target (PLD's discretisation, at
+ε near its grid) and the target is refused instead of raised for minutes."""
 
 
 class Accountant(str, enum.Enum):
@@ -248,6 +252,9 @@ class PrivacyAccountant(abc.ABC):
     """Relative step by which calibration raises a closed-form z until this accountant's ε meets the target."""
     coarse_discretisation: ClassVar[float | None] = None
     """A PLD grid calibration first solves on (then checks at :data:`PLD_DISCRETISATION`); None: none."""
+    min_delta: ClassVar[float] = 0.0
+    """The smallest δ this accountant can certify an ε at; calibration refuses a smaller target
+    before any release (a δ it cannot resolve has ε = inf at every noise: nothing to solve)."""
 
     @abc.abstractmethod
     def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
@@ -333,6 +340,9 @@ class PldAccountant(PrivacyAccountant):
     stated_events = True
     calibration_step = 1e-4
     coarse_discretisation = COARSE_DISCRETISATION
+    min_delta = 1e-15
+    # dp-accounting's PLD keeps about 5e-16 of probability mass at infinity (its truncated
+    # tails), whatever the noise: below that ε = inf; at 1e-15 a calibration takes ~10 s.
 
     def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
         pld = _PLDAccountant(pld_discretisation)
@@ -625,6 +635,11 @@ def _calibrate(
 ) -> float:
     _check_delta(target_delta)
     acc = get_accountant(accountant)
+    if target_delta < acc.min_delta:
+        raise ValueError(
+            f"delta must be >= {acc.min_delta:g} with the {acc.name} accountant (below it ε is infinite at "
+            f"any noise); got {target_delta:g} (another accountant, e.g. --accountant rdp, may take it)"
+        )
     if not target_epsilon > 0:
         raise ValueError(f"epsilon must be > 0, got {target_epsilon}")
     if math.isinf(target_epsilon):
@@ -680,8 +695,19 @@ def _solve_calibration(
     if unit is not None and all(z > 0 for z in unit):
         # Gaussian composition has a closed form (μ-GDP; zCDP's own): solve there, then confirm with the accountant.
         z = acc.closed_form_multiplier(unit, target_epsilon, target_delta)
+        steps = 0
         while eps_at(z) > target_epsilon:
             z *= 1.0 + acc.calibration_step
+            steps += 1
+            if steps == 50:  # still above: refuse if it would take CALIBRATION_STEPS more (minutes for PLD)
+                far = z * (1.0 + acc.calibration_step) ** CALIBRATION_STEPS
+                if eps_at(far) > target_epsilon:
+                    raise ValueError(
+                        f"epsilon {target_epsilon:g} is below what the {accountant} accountant resolves for this run "
+                        f"at delta {target_delta:g}: its ε stays above it even at {far / z:.3g}x the noise the exact "
+                        f"Gaussian bound needs (its grid is coarser than the target); raise --epsilon or use "
+                        f"--accountant rdp"
+                    )
         return z
 
     coarse = acc.coarse_discretisation

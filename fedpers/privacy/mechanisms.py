@@ -107,6 +107,8 @@ def dp_covariance_rho(rows: int, k: int, gamma: float) -> float:
 def dp_covariance_min_k(rows: int, epsilon: float, gamma: float) -> int:
     """The smallest k with ρ < 0.1ε (sqrt(q) + q < 0.1ε ⇔ sqrt(q) < (−1 + sqrt(1 + 0.4ε))/2)."""
     t = (-1 + math.sqrt(1 + 0.4 * epsilon)) / 2
+    if not t**2 > 0:  # 1 + 0.4ε rounds to 1 (ε below ~1e-15): no k reaches ρ < 0.1ε in floating point
+        raise ValueError(f"epsilon {epsilon:g} is too small for DPCovariance's default k (ρ < 0.1ε); raise --epsilon")
     k = max(1, math.floor((rows**2 + math.log(1 / gamma)) / t**2) + 1)
     while dp_covariance_rho(rows, k, gamma) >= 0.1 * epsilon:
         k += 1

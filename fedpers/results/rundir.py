@@ -46,8 +46,12 @@ def dumps(value: Any, indent: int | None = 1) -> str:
 
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # nothing half-written is left beside ``path``
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def default_run_dir(algorithm: str, seed: int) -> Path:
@@ -101,7 +105,11 @@ def lock_directory(path: Path) -> Any:
     import fcntl
 
     if not path.is_dir():
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file in the way, a read-only parent
+            why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+            raise ValueError(f"out: cannot create the directory {path}: {why}; choose another --out") from None
     handle = open(path / ".lock", "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -139,8 +147,14 @@ class RunDirectory:
             raise ValueError(
                 f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)"
             )
+        elif (self.path / "spec.json").exists():  # a run's files would replace the sweep's (provenance, figures)
+            raise ValueError(f"out: {self.path} holds a sweep (spec.json), not a run; choose another --out")
         self._created = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file in the way, a read-only parent: refused before any release
+            why = "a file is in the way" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+            raise ValueError(f"out: cannot create the run directory {self.path}: {why}; choose another --out") from None
         self._lock = self._lock or lock_directory(self.path)
         self._rounds = open(self.path / "rounds.jsonl", "a" if resume else "w")
         self._releases = open(self.path / LEDGER_LOG, "a" if resume else "w")
@@ -345,6 +359,8 @@ class SweepDirectory:
                 raise ValueError(f"out: {path} holds a different sweep (its spec.json differs); choose another --out")
         elif (path / "table.csv").exists():
             raise ValueError(f"out: {path} already holds a sweep; choose another --out")
+        elif (path / "config.json").exists():
+            raise ValueError(f"out: {path} holds a run (config.json), not a sweep; choose another --out")
         self._created = not path.exists()
         self._lock = lock_directory(path)  # a second sweep into the same directory is refused while this one runs
         self._recorded = 0

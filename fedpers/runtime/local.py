@@ -19,7 +19,7 @@ import torch
 from fedpers.data.units import UnitSource
 from fedpers.privacy import Privatizer
 from fedpers.privacy.distributed import NodeSidePrivatizer
-from fedpers.protocols.base import Message, Protocol, Units, client_message
+from fedpers.protocols.base import Message, Protocol, Units, client_message, zero_message
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundRecord, drive
 
@@ -175,6 +175,8 @@ def run_local(
         message, finite = one_pass(round, broadcast, checked=not defer)
         if not finite:  # some unit's contribution was not finite: the round again, chunk by chunk
             message, _ = one_pass(round, broadcast, checked=True)
+        if message is None:  # no unit in this round (an empty Poisson cohort): the zero sum, released with its noise
+            message = zero_message(protocol.stat_specs(round), protocol.dtype, source.device)
         return [ClientReply("local", n, message)]
 
     return drive(

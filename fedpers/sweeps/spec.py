@@ -120,6 +120,11 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
     for key in raw.get("base", {}):
         if key not in fields:
             raise ValueError(f"sweep: base key {key!r} is not a config field; fields: {', '.join(sorted(fields))}")
+    both = sorted(set(raw.get("base", {})) & set(raw.get("grid", {})))
+    if both:
+        raise ValueError(
+            f"sweep: {both} in both [base] and [grid] (the grid's values would replace the base's); keep one"
+        )
     for section in ("series_values", "references"):
         for label, over in raw.get(section, {}).items():
             if not isinstance(over, dict):
@@ -135,6 +140,10 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
     if not raw.get("series_values") and raw["series"] not in fields:
         raise ValueError(
             f"sweep: series = {raw['series']!r} is not a config field (or give [series_values]); fields: {', '.join(sorted(fields))}"
+        )
+    if not raw.get("series_values") and raw["series"] == raw["x"]:
+        raise ValueError(
+            f"sweep: x and series are both {raw['x']!r}; a figure's lines need another field than its axis"
         )
     reps = raw.get("repetitions", 1)
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
