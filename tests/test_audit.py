@@ -143,6 +143,25 @@ def test_cli_audit_prints_proven_and_lower_bounds(capsys):
         audit_lib.headline({"proven_epsilon": 1.0}, "median")
 
 
+def test_cli_audit_out_saves_the_result_once_and_refuses_a_file_or_a_second_audit(tmp_path, capsys):
+    """``--out DIR`` saves DIR/audit.json (the printed result); a file in its place or an earlier
+    audit there is refused (exit 2) before any audit run, never overwritten."""
+    import json
+
+    from fedpers.commands.cli import main
+
+    flags = ["--canaries", "4", "--runs", "1", "--epsilon", "3", "--n-users", "200", "--quiet"]
+    assert main(["audit", "altmin", *flags, "--out", str(tmp_path / "a")]) == 0
+    saved = json.loads((tmp_path / "a" / "audit.json").read_text())
+    assert saved["proven_epsilon"] == pytest.approx(3, rel=1e-3) and capsys.readouterr().out == ""  # --quiet: written, not printed
+    before = (tmp_path / "a" / "audit.json").read_bytes()
+    (tmp_path / "f").write_text("x")
+    for out in (tmp_path / "a", tmp_path / "f", tmp_path / "f" / "sub"):
+        assert main(["audit", "altmin", *flags, "--out", str(out)]) == 2
+        assert "out:" in capsys.readouterr().err
+    assert (tmp_path / "a" / "audit.json").read_bytes() == before
+
+
 # ----- many canaries per run: random directions, interference in the score ----------------------
 @pytest.mark.slow
 def test_random_canaries_beyond_the_dimension_are_scored_with_their_interference():

@@ -694,7 +694,8 @@ def cmd_select(args: argparse.Namespace) -> int:
 AUDIT_DESCRIPTION = (
     "K canary users (each holding one of two neighbouring data sets, by a fair coin) run through the real\n"
     "server path; each is scored from the broadcasts and noisy releases only; the guesses give lower\n"
-    "bounds on ε at the run's δ (docs/audit.md). `fedpers audit ALGO --canaries K [--runs R]` + ALGO's flags."
+    "bounds on ε at the run's δ (docs/audit.md). `fedpers audit ALGO --canaries K [--runs R]` + ALGO's flags;\n"
+    "--out DIR saves the result as DIR/audit.json (never over an earlier one), --quiet prints nothing."
 )
 
 
@@ -767,6 +768,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             f"audit: ALGO must be one of {', '.join(ALGORITHMS)} or a run directory; got {args.algorithm!r}"
         )
     algo_args = algorithm_parser(args.algorithm).parse_args(rest)
+    saved = _audit_file(algo_args.out)  # checked before any audit run: nothing is computed to be lost
     exp = experiment(args.algorithm)
     values: dict[str, Any] = {}
     if algo_args.config is not None:
@@ -793,8 +795,31 @@ def cmd_audit(args: argparse.Namespace) -> int:
         flower=options if options.runtime == Runtime.FLOWER else None,
         node_side=options,
     )
-    print(dumps(result, indent=None) if algo_args.json else format_audit(result, score=own.score))
+    if saved is not None:
+        from fedpers.results.rundir import write_atomic
+
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(saved, dumps(result))
+    if not algo_args.quiet:
+        print(dumps(result, indent=None) if algo_args.json else format_audit(result, score=own.score))
+    if saved is not None:
+        print(f"audit written to {saved}", file=sys.stderr)
     return 0
+
+
+def _audit_file(out: Path | None) -> Path | None:
+    """Where ``fedpers audit ALGO --out DIR`` saves its result (DIR/audit.json), refused before any
+    work when DIR is a file or already holds an audit (never overwritten)."""
+    if out is None:
+        return None
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: {out} is a file; name a directory for audit.json")
+    if (out / "audit.json").exists():
+        raise ValueError(f"out: {out} already holds an audit.json; name a new directory")
+    blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"out: {blocked} is a file, so {out} cannot be created")
+    return out / "audit.json"
 
 
 class _DropNotices:
