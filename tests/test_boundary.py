@@ -278,6 +278,16 @@ def test_a_rating_scale_of_one_value_is_refused():
         config.build(DpAlsConfig, {"ratings": "r.csv", "item_ids": "0:9", "rating_min": 3.0, "rating_max": 3.0})
 
 
+def test_one_column_in_two_roles_of_a_rating_file_is_refused():
+    """`--rating-column user` read the user ids as ratings and ran (nonsense, exit 0)."""
+    from fedpers.experiments.dpals import DpAlsConfig
+
+    base = {"ratings": "r.csv", "item_ids": "0:9", "rating_min": 1.0, "rating_max": 5.0}
+    for role in ({"rating_column": "user"}, {"item_column": "rating"}):
+        with pytest.raises(ValueError, match="must name three different columns"):
+            config.build(DpAlsConfig, {**base, **role})
+
+
 @pytest.mark.parametrize("argv", [["run", "altmin", "--out", ""], ["sweep", "s.toml", "--out", ""]])
 def test_an_empty_out_is_refused_not_the_current_directory(tmp_path, monkeypatch, capsys, argv):
     """`--out ""` (an unset shell variable) was Path("") = ".": the run's files landed in the cwd."""

@@ -772,7 +772,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "dacd8c837b98e8e30404816f8f5888d928937a283f724356800a7c8a371b49be",
+   "fingerprint": "496cc0db3cb4926a3cdc94ba58e1a77f1042ef4cb7507612c464b1ea29e9d80a",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",

@@ -133,6 +133,15 @@ class DpAlsConfig(DeviceRunConfig):
                 "rating_min / rating_max: a ratings file needs its declared rating scale, e.g. --rating-min 1 "
                 "--rating-max 5 (public, from the data's documentation: ratings outside it are dropped and counted)"
             )
+        columns = {
+            "user_column": self.user_column,
+            "item_column": self.item_column,
+            "rating_column": self.rating_column,
+        }
+        if len(set(columns.values())) < len(columns):  # one column read as two roles (e.g. user ids as ratings)
+            raise ValueError(
+                f"user_column, item_column and rating_column must name three different columns; got {columns}"
+            )
         lo, hi = rating_scale(self)
         if not lo < hi:  # a scale of one value: every kept rating equal, nothing to learn (and no clip width)
             raise ValueError(f"rating_min must be < rating_max ({hi:g}); got {lo:g}")
