@@ -240,19 +240,19 @@ def pair_statistic(
 
 
 def _block_norms(x: Tensor) -> Tensor | None:
-    """Norms over the last dim from the squared norms (one in-cache pass), or None where
+    """Norms over the last dim (one pass, strided x read in place), or None where
     :func:`safe_norms` would not trust them: some norm above 2⁴⁰ (or non-finite), below 2⁻⁴⁰
     without being exactly 0, or 0 on a vector that is not zero (its squares underflowed)."""
     if x.numel() == 0:
         return x.new_zeros(x.shape[:-1])
-    sq = torch.einsum("...i,...i->...", x, x)
-    low = sq < 2.0**-80
-    peak, any_low = torch.stack([sq.amax(), low.any().to(sq.dtype)]).tolist()  # one host read
-    if not peak <= 2.0**80:  # also false for NaN/inf
+    norm = torch.linalg.vector_norm(x, dim=-1)  # reads a strided x in place (an einsum copies it first)
+    low = norm < SAFE_RANGE[0]
+    peak, any_low = torch.stack([norm.amax(), low.any().to(norm.dtype)]).tolist()  # one host read
+    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
         return None
-    if any_low and (bool((sq[low] > 0).any()) or float(x[low].abs().amax()) > 0):
+    if any_low and (bool((norm[low] > 0).any()) or float(x[low].abs().amax()) > 0):
         return None
-    return sq.sqrt()
+    return norm
 
 
 def kron_gram_sum(v: Tensor, x: Tensor, block: int | None = None) -> Tensor:
@@ -366,6 +366,8 @@ def kron_statistics(
         acc = torch.zeros(rows.shape[0], d * d, dtype=x.dtype, device=x.device)
         bacc = torch.zeros(k, d, dtype=x.dtype, device=x.device)
         factors = share_factors(lo, hi)
+        if not device_kernels and (factors is not None or v_norm is None):
+            return _share_sums(acc, bacc, lo, hi, factors)
         for start in range(lo, hi, block):
             stop = min(start + block, hi)
             xb = scaled(start, stop) if factors is None else x[start:stop] * factors[start - lo : stop - lo]
@@ -373,6 +375,27 @@ def kron_statistics(
             if label is not None:
                 t = torch.bmm(label[start:stop].unsqueeze(1), xb).squeeze(1)
                 bacc.addmm_(v[start:stop].transpose(0, 1), t)
+        return (acc, bacc)
+
+    def _share_sums(acc: Tensor, bacc: Tensor, lo: int, hi: int, factors: Tensor | None) -> tuple[Tensor, ...]:
+        """A share whose clip factors are known (or need none): the label sums in one batched
+        product over the share (Σ_i (label_ij·f_ij) x_ij, then one GEMM with v), so the block loop
+        is three kernels — scale into a reused buffer, Gram into a reused buffer, one GEMM — with
+        no allocation. Equal to the per-block form to float rounding."""
+        xs = x[lo:hi]
+        if label is not None:
+            w = label[lo:hi] if factors is None else label[lo:hi] * factors.squeeze(-1)
+            bacc.addmm_(v[lo:hi].transpose(0, 1), torch.bmm(w.unsqueeze(1), xs).squeeze(1))
+        vv_t = vv[lo:hi].transpose(0, 1)
+        buf = torch.empty(block, *x.shape[1:], dtype=x.dtype, device=x.device) if factors is not None else None
+        gram = torch.empty(block, d, d, dtype=x.dtype, device=x.device)
+        for start in range(0, hi - lo, block):
+            stop = min(start + block, hi - lo)
+            xb = xs[start:stop]
+            if buf is not None and factors is not None:
+                xb = torch.mul(xb, factors[start:stop], out=buf[: stop - start])
+            g = torch.bmm(xb.transpose(1, 2), xb, out=gram[: stop - start])
+            acc.addmm_(vv_t[:, start:stop], g.view(-1, d * d))
         return (acc, bacc)
 
     blocks, bsum = _stream_sum(n, block, blocks_of, x.device, one_stream=device_kernels)
