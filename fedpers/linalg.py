@@ -399,11 +399,15 @@ def kron_statistics(
         return (acc, bacc)
 
     blocks, bsum = _stream_sum(n, block, blocks_of, x.device, one_stream=device_kernels)
-    full = torch.empty(k, k, d, d, dtype=x.dtype, device=x.device)
-    blocks = blocks.reshape(-1, d, d)
-    full[rows, cols] = blocks
-    full[cols, rows] = blocks.transpose(-1, -2)
-    return full.permute(0, 2, 1, 3).reshape(k * d, k * d), (bsum.reshape(k * d) if label is not None else None)
+    # block (a, b) of the result is rows a·d.., columns b·d..; (b, a) is its transpose, and a diagonal
+    # block is the transpose of its sum (as the earlier index_put wrote it); plain slice copies
+    full = torch.empty(k * d, k * d, dtype=x.dtype, device=x.device)
+    pairs = [(a, b) for a in range(k) for b in range(a, k)]  # torch.triu_indices' order
+    for (a, b), g in zip(pairs, blocks.view(-1, d, d)):
+        full[b * d : (b + 1) * d, a * d : (a + 1) * d] = g.transpose(0, 1)
+        if a != b:
+            full[a * d : (a + 1) * d, b * d : (b + 1) * d] = g
+    return full, (bsum.reshape(k * d) if label is not None else None)
 
 
 KRON_BLOCK = 48
