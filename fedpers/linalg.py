@@ -362,12 +362,12 @@ def kron_statistics(
         factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
         return factor.to(x.dtype).unsqueeze(-1)
 
-    def blocks_of(lo: int, hi: int) -> tuple[Tensor, ...]:
+    h = d // 2  # the Gram matrices' upper halves [x_1 x_2]ᵀ-blocks: G11, G12 as one (h, d) product, and G22
+
+    def device_blocks(lo: int, hi: int) -> tuple[Tensor, ...]:
         acc = torch.zeros(rows.shape[0], d * d, dtype=x.dtype, device=x.device)
         bacc = torch.zeros(k, d, dtype=x.dtype, device=x.device)
         factors = share_factors(lo, hi)
-        if not device_kernels and (factors is not None or v_norm is None):
-            return _share_sums(acc, bacc, lo, hi, factors)
         for start in range(lo, hi, block):
             stop = min(start + block, hi)
             xb = scaled(start, stop) if factors is None else x[start:stop] * factors[start - lo : stop - lo]
@@ -377,33 +377,55 @@ def kron_statistics(
                 bacc.addmm_(v[start:stop].transpose(0, 1), t)
         return (acc, bacc)
 
-    def _share_sums(acc: Tensor, bacc: Tensor, lo: int, hi: int, factors: Tensor | None) -> tuple[Tensor, ...]:
-        """A share whose clip factors are known (or need none): the label sums in one batched
-        product over the share (Σ_i (label_ij·f_ij) x_ij, then one GEMM with v), so the block loop
-        is three kernels — scale into a reused buffer, Gram into a reused buffer, one GEMM — with
-        no allocation. Equal to the per-block form to float rounding."""
-        xs = x[lo:hi]
-        if label is not None:
+    def host_blocks(lo: int, hi: int) -> tuple[Tensor, ...]:
+        """A share on the host, in three quarters of the flops: per block the rows [:h] of the Gram
+        matrices (G11 G12) and their block G22 (G21 = G12ᵀ is never formed), each one GEMM with the
+        products v_a v_b; blocks are scaled into and multiplied into reused buffers (no allocation).
+        Where the clip factors are known (or none are needed) the label sums are one batched
+        product over the share, Σ_i (label_ij·f_ij) x_ij, then one GEMM with v."""
+        top = torch.zeros(rows.shape[0], h * d, dtype=x.dtype, device=x.device)
+        low = torch.zeros(rows.shape[0], (d - h) ** 2, dtype=x.dtype, device=x.device)
+        bacc = torch.zeros(k, d, dtype=x.dtype, device=x.device)
+        factors = share_factors(lo, hi)
+        whole = factors is not None or v_norm is None  # else each block's own norms and factors
+        xs, vv_t = x[lo:hi], vv[lo:hi].transpose(0, 1)
+        if label is not None and whole:
             w = label[lo:hi] if factors is None else label[lo:hi] * factors.squeeze(-1)
             bacc.addmm_(v[lo:hi].transpose(0, 1), torch.bmm(w.unsqueeze(1), xs).squeeze(1))
-        vv_t = vv[lo:hi].transpose(0, 1)
-        buf = torch.empty(block, *x.shape[1:], dtype=x.dtype, device=x.device) if factors is not None else None
-        gram = torch.empty(block, d, d, dtype=x.dtype, device=x.device)
+        buf = torch.empty(block, *x.shape[1:], dtype=x.dtype, device=x.device)
+        g_top = torch.empty(block, h, d, dtype=x.dtype, device=x.device)
+        g_low = torch.empty(block, d - h, d - h, dtype=x.dtype, device=x.device)
         for start in range(0, hi - lo, block):
             stop = min(start + block, hi - lo)
             xb = xs[start:stop]
-            if buf is not None and factors is not None:
+            if factors is not None:
                 xb = torch.mul(xb, factors[start:stop], out=buf[: stop - start])
-            g = torch.bmm(xb.transpose(1, 2), xb, out=gram[: stop - start])
-            acc.addmm_(vv_t[:, start:stop], g.view(-1, d * d))
-        return (acc, bacc)
+            elif not whole:
+                xb = scaled(lo + start, lo + stop)
+                if label is not None:
+                    t = torch.bmm(label[lo + start : lo + stop].unsqueeze(1), xb).squeeze(1)
+                    bacc.addmm_(v[lo + start : lo + stop].transpose(0, 1), t)
+            xt = xb.transpose(1, 2)
+            top.addmm_(vv_t[:, start:stop], torch.bmm(xt[:, :h], xb, out=g_top[: stop - start]).view(stop - start, -1))
+            g = torch.bmm(xt[:, h:], xb[:, :, h:], out=g_low[: stop - start])
+            low.addmm_(vv_t[:, start:stop], g.view(stop - start, -1))
+        return (top, low, bacc)
 
-    blocks, bsum = _stream_sum(n, block, blocks_of, x.device, one_stream=device_kernels)
+    if device_kernels:
+        blocks, bsum = _stream_sum(n, block, device_blocks, x.device, one_stream=True)
+        grams = blocks.view(-1, d, d)
+    else:
+        top, low, bsum = _stream_sum(n, block, host_blocks, x.device)
+        grams = torch.empty(rows.shape[0], d, d, dtype=x.dtype, device=x.device)
+        upper = top.view(rows.shape[0], h, d)
+        grams[:, :h] = upper
+        grams[:, h:, :h] = upper[:, :, h:].transpose(1, 2)
+        grams[:, h:, h:] = low.view(rows.shape[0], d - h, d - h)
     # block (a, b) of the result is rows a·d.., columns b·d..; (b, a) is its transpose, and a diagonal
-    # block is the transpose of its sum (as the earlier index_put wrote it); plain slice copies
+    # block is the transpose of its sum (as an earlier index_put wrote it); plain slice copies
     full = torch.empty(k * d, k * d, dtype=x.dtype, device=x.device)
     pairs = [(a, b) for a in range(k) for b in range(a, k)]  # torch.triu_indices' order
-    for (a, b), g in zip(pairs, blocks.view(-1, d, d)):
+    for (a, b), g in zip(pairs, grams):
         full[b * d : (b + 1) * d, a * d : (a + 1) * d] = g.transpose(0, 1)
         if a != b:
             full[a * d : (a + 1) * d, b * d : (b + 1) * d] = g
@@ -411,18 +433,20 @@ def kron_statistics(
 
 
 KRON_BLOCK = 48
-"""Users per block of :func:`kron_statistics` where their d×d Gram matrices fit :data:`GRAM_CACHE`."""
+"""Users per block of :func:`kron_statistics` where their Gram halves fit :data:`GRAM_CACHE`."""
 GRAM_CACHE = 1 << 20
-"""Bytes of one block's Gram matrices that stay in a core's L2 cache between the batched product
-that writes them and the GEMM that reads them (1 MiB on the 2-core machine)."""
+"""Bytes of one block's Gram halves that stay in a core's L2 cache between the batched products
+that write them and the GEMMs that read them (1 MiB on the 2-core machine)."""
 
 
 def kron_block(d: int, itemsize: int) -> int:
     """Users per :func:`kron_statistics` block: :data:`KRON_BLOCK`, or fewer (a multiple of 4, at
-    least 8) where their Gram matrices would spill out of :data:`GRAM_CACHE` (d > 73 in float32,
-    d > 52 in float64; at d = 100 it is 24 and 12: measured 1.3–2× faster than 48 there). A
-    function of d and the dtype alone, so every runtime sums the same blocks."""
-    fits = GRAM_CACHE // (d * d * itemsize)
+    least 8) where the parts of their Gram matrices that are formed (rows [:d//2] and the lower-right
+    block: about 3d²/4 entries) would spill out of :data:`GRAM_CACHE` (d > 85 in float32, d > 60 in
+    float64; at d = 100 it is 32 and 16). A function of d and the dtype alone, so every runtime sums
+    the same blocks."""
+    h = d // 2
+    fits = GRAM_CACHE // ((h * d + (d - h) ** 2) * itemsize)
     return KRON_BLOCK if fits >= KRON_BLOCK else max(8, fits // 4 * 4)
 
 

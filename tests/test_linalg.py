@@ -77,7 +77,7 @@ def test_cache_sized_kron_blocks_equal_the_old_48_user_blocks(dtype: torch.dtype
     """At d = 100 the Gram matrices of 48 users spill out of L2, so blocks are smaller (24 float32, 12
     float64): the clipped A and b equal the 48-user blocks' to float rounding and the exact per-sample
     sums (float64) to 1e-12; below the cache bound nothing changes (d = 50, float32: 48)."""
-    assert (linalg.kron_block(100, 4), linalg.kron_block(100, 8), linalg.kron_block(50, 4)) == (24, 12, 48)
+    assert (linalg.kron_block(100, 4), linalg.kron_block(100, 8), linalg.kron_block(50, 4)) == (32, 16, 48)
     g = torch.Generator().manual_seed(7)
     n, q, d, k = 150, 3, 100, 2
     v = torch.randn(n, k, generator=g, dtype=torch.float64)
