@@ -311,12 +311,13 @@ def kron_statistics(
     contribution (``v`` then holds the directions v̂_j); without it x̃ = x. Index (a, p) of the
     result is a·d + p, which matches column-stacking vec(x vᵀ) = v ⊗ x.
 
-    Each block's scaling, X̃_jᵀX̃_j (block, d, d) and label sums happen in cache and are
-    consumed right away by one GEMM with the k(k+1)/2 products v_a v_b (a ≤ b; the rest by
-    symmetry), so x is read once and the n·d² Gram matrices never go through main memory:
-    about 2× faster than forming them all (benchmarks/altmin_round.py). The norms for the
-    clip are the in-cache squared norms when :func:`_block_norms` trusts them, else the exact
-    :func:`directions` of the block.
+    Each block's scaling and Gram matrices X̃_jᵀX̃_j happen in cache and are consumed right away
+    by a GEMM with the k(k+1)/2 products v_a v_b (a ≤ b; the rest by symmetry), so the n·d² Gram
+    matrices never go through main memory: about 2× faster than forming them all
+    (benchmarks/altmin_round.py). On the host only the Gram rows [:d//2] and the lower-right
+    (d − d//2)² block are formed (G21 = G12ᵀ: 3/4 of the flops), and the label sums are one
+    batched product per share. The norms for the clip are one pass per share when
+    :func:`_block_norms` trusts them, else each block takes the exact :func:`directions`.
 
     The block products are too small for torch's own threads, so on the CPU the users are cut
     into up to :data:`KRON_STREAMS` contiguous shares, each a single-threaded stream on one of
