@@ -192,7 +192,7 @@ def pair_statistic(
     each pair's term has Frobenius norm ≤ ζ² for every finite input (the private
     initialisation's statistic, Algorithm 3 of the personalization paper).
 
-    One pass over x, per block of users in cache: the squared norms, then one GEMM
+    The norms of a share in one pass, then per block of users in cache one GEMM
     Σ (w_i x_a,i) x_b,iᵀ with w_i = clip(y_a) clip(y_b)/(||x_a|| ||x_b||), so no unit vector is
     ever written out. A block whose norms are not :func:`safe_norms`-safe takes the exact
     :func:`directions` path. ``device_kernels``: blocks of :data:`DEVICE_BLOCK` users, one
