@@ -363,7 +363,7 @@ def kron_statistics(
         factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
         return factor.to(x.dtype).unsqueeze(-1)
 
-    h = d // 2  # the Gram matrices' upper halves [x_1 x_2]ᵀ-blocks: G11, G12 as one (h, d) product, and G22
+    h = d // 2  # x = [x_1 x_2] split at h: on the host the Gram's rows [:h] (G11 G12) and G22 are formed
 
     def device_blocks(lo: int, hi: int) -> tuple[Tensor, ...]:
         acc = torch.zeros(rows.shape[0], d * d, dtype=x.dtype, device=x.device)
@@ -393,7 +393,7 @@ def kron_statistics(
         if label is not None and whole:
             w = label[lo:hi] if factors is None else label[lo:hi] * factors.squeeze(-1)
             bacc.addmm_(v[lo:hi].transpose(0, 1), torch.bmm(w.unsqueeze(1), xs).squeeze(1))
-        buf = torch.empty(block, *x.shape[1:], dtype=x.dtype, device=x.device)
+        buf = torch.empty(block if factors is not None else 0, *x.shape[1:], dtype=x.dtype, device=x.device)
         g_top = torch.empty(block, h, d, dtype=x.dtype, device=x.device)
         g_low = torch.empty(block, d - h, d - h, dtype=x.dtype, device=x.device)
         for start in range(0, hi - lo, block):
