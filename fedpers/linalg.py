@@ -192,7 +192,7 @@ def pair_statistic(
     each pair's term has Frobenius norm ≤ ζ² for every finite input (the private
     initialisation's statistic, Algorithm 3 of the personalization paper).
 
-    One pass over x, per block of users in cache: the squared norms, then one GEMM
+    The norms of a share in one pass, then per block of users in cache one GEMM
     Σ (w_i x_a,i) x_b,iᵀ with w_i = clip(y_a) clip(y_b)/(||x_a|| ||x_b||), so no unit vector is
     ever written out. A block whose norms are not :func:`safe_norms`-safe takes the exact
     :func:`directions` path. ``device_kernels``: blocks of :data:`DEVICE_BLOCK` users, one
@@ -240,19 +240,19 @@ def pair_statistic(
 
 
 def _block_norms(x: Tensor) -> Tensor | None:
-    """Norms over the last dim from the squared norms (one in-cache pass), or None where
+    """Norms over the last dim (one pass, strided x read in place), or None where
     :func:`safe_norms` would not trust them: some norm above 2⁴⁰ (or non-finite), below 2⁻⁴⁰
     without being exactly 0, or 0 on a vector that is not zero (its squares underflowed)."""
     if x.numel() == 0:
         return x.new_zeros(x.shape[:-1])
-    sq = torch.einsum("...i,...i->...", x, x)
-    low = sq < 2.0**-80
-    peak, any_low = torch.stack([sq.amax(), low.any().to(sq.dtype)]).tolist()  # one host read
-    if not peak <= 2.0**80:  # also false for NaN/inf
+    norm = torch.linalg.vector_norm(x, dim=-1)  # reads a strided x in place (an einsum copies it first)
+    low = norm < SAFE_RANGE[0]
+    peak, any_low = torch.stack([norm.amax(), low.any().to(norm.dtype)]).tolist()  # one host read
+    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
         return None
-    if any_low and (bool((sq[low] > 0).any()) or float(x[low].abs().amax()) > 0):
+    if any_low and (bool((norm[low] > 0).any()) or float(x[low].abs().amax()) > 0):
         return None
-    return sq.sqrt()
+    return norm
 
 
 def kron_gram_sum(v: Tensor, x: Tensor, block: int | None = None) -> Tensor:
@@ -311,12 +311,13 @@ def kron_statistics(
     contribution (``v`` then holds the directions v̂_j); without it x̃ = x. Index (a, p) of the
     result is a·d + p, which matches column-stacking vec(x vᵀ) = v ⊗ x.
 
-    Each block's scaling, X̃_jᵀX̃_j (block, d, d) and label sums happen in cache and are
-    consumed right away by one GEMM with the k(k+1)/2 products v_a v_b (a ≤ b; the rest by
-    symmetry), so x is read once and the n·d² Gram matrices never go through main memory:
-    about 2× faster than forming them all (benchmarks/altmin_round.py). The norms for the
-    clip are the in-cache squared norms when :func:`_block_norms` trusts them, else the exact
-    :func:`directions` of the block.
+    Each block's scaling and Gram matrices X̃_jᵀX̃_j happen in cache and are consumed right away
+    by a GEMM with the k(k+1)/2 products v_a v_b (a ≤ b; the rest by symmetry), so the n·d² Gram
+    matrices never go through main memory: about 2× faster than forming them all
+    (benchmarks/altmin_round.py). On the host only the Gram rows [:d//2] and the lower-right
+    (d − d//2)² block are formed (G21 = G12ᵀ: 3/4 of the flops), and the label sums are one
+    batched product per share. The norms for the clip are one pass per share when
+    :func:`_block_norms` trusts them, else each block takes the exact :func:`directions`.
 
     The block products are too small for torch's own threads, so on the CPU the users are cut
     into up to :data:`KRON_STREAMS` contiguous shares, each a single-threaded stream on one of
@@ -362,7 +363,9 @@ def kron_statistics(
         factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
         return factor.to(x.dtype).unsqueeze(-1)
 
-    def blocks_of(lo: int, hi: int) -> tuple[Tensor, ...]:
+    h = d // 2  # x = [x_1 x_2] split at h: on the host the Gram's rows [:h] (G11 G12) and G22 are formed
+
+    def device_blocks(lo: int, hi: int) -> tuple[Tensor, ...]:
         acc = torch.zeros(rows.shape[0], d * d, dtype=x.dtype, device=x.device)
         bacc = torch.zeros(k, d, dtype=x.dtype, device=x.device)
         factors = share_factors(lo, hi)
@@ -375,27 +378,76 @@ def kron_statistics(
                 bacc.addmm_(v[start:stop].transpose(0, 1), t)
         return (acc, bacc)
 
-    blocks, bsum = _stream_sum(n, block, blocks_of, x.device, one_stream=device_kernels)
-    full = torch.empty(k, k, d, d, dtype=x.dtype, device=x.device)
-    blocks = blocks.reshape(-1, d, d)
-    full[rows, cols] = blocks
-    full[cols, rows] = blocks.transpose(-1, -2)
-    return full.permute(0, 2, 1, 3).reshape(k * d, k * d), (bsum.reshape(k * d) if label is not None else None)
+    def host_blocks(lo: int, hi: int) -> tuple[Tensor, ...]:
+        """A share on the host, in three quarters of the flops: per block the rows [:h] of the Gram
+        matrices (G11 G12) and their block G22 (G21 = G12ᵀ is never formed), each one GEMM with the
+        products v_a v_b; blocks are scaled into and multiplied into reused buffers (no allocation).
+        Where the clip factors are known (or none are needed) the label sums are one batched
+        product over the share, Σ_i (label_ij·f_ij) x_ij, then one GEMM with v."""
+        top = torch.zeros(rows.shape[0], h * d, dtype=x.dtype, device=x.device)
+        low = torch.zeros(rows.shape[0], (d - h) ** 2, dtype=x.dtype, device=x.device)
+        bacc = torch.zeros(k, d, dtype=x.dtype, device=x.device)
+        factors = share_factors(lo, hi)
+        whole = factors is not None or v_norm is None  # else each block's own norms and factors
+        xs, vv_t = x[lo:hi], vv[lo:hi].transpose(0, 1)
+        if label is not None and whole:
+            w = label[lo:hi] if factors is None else label[lo:hi] * factors.squeeze(-1)
+            bacc.addmm_(v[lo:hi].transpose(0, 1), torch.bmm(w.unsqueeze(1), xs).squeeze(1))
+        buf = torch.empty(block if factors is not None else 0, *x.shape[1:], dtype=x.dtype, device=x.device)
+        g_top = torch.empty(block, h, d, dtype=x.dtype, device=x.device)
+        g_low = torch.empty(block, d - h, d - h, dtype=x.dtype, device=x.device)
+        for start in range(0, hi - lo, block):
+            stop = min(start + block, hi - lo)
+            xb = xs[start:stop]
+            if factors is not None:
+                xb = torch.mul(xb, factors[start:stop], out=buf[: stop - start])
+            elif not whole:
+                xb = scaled(lo + start, lo + stop)
+                if label is not None:
+                    t = torch.bmm(label[lo + start : lo + stop].unsqueeze(1), xb).squeeze(1)
+                    bacc.addmm_(v[lo + start : lo + stop].transpose(0, 1), t)
+            xt = xb.transpose(1, 2)
+            top.addmm_(vv_t[:, start:stop], torch.bmm(xt[:, :h], xb, out=g_top[: stop - start]).view(stop - start, -1))
+            g = torch.bmm(xt[:, h:], xb[:, :, h:], out=g_low[: stop - start])
+            low.addmm_(vv_t[:, start:stop], g.view(stop - start, -1))
+        return (top, low, bacc)
+
+    if device_kernels:
+        blocks, bsum = _stream_sum(n, block, device_blocks, x.device, one_stream=True)
+        grams = blocks.view(-1, d, d)
+    else:
+        top, low, bsum = _stream_sum(n, block, host_blocks, x.device)
+        grams = torch.empty(rows.shape[0], d, d, dtype=x.dtype, device=x.device)
+        upper = top.view(rows.shape[0], h, d)
+        grams[:, :h] = upper
+        grams[:, h:, :h] = upper[:, :, h:].transpose(1, 2)
+        grams[:, h:, h:] = low.view(rows.shape[0], d - h, d - h)
+    # block (a, b) of the result is rows a·d.., columns b·d..; (b, a) is its transpose, and a diagonal
+    # block is the transpose of its sum (as an earlier index_put wrote it); plain slice copies
+    full = torch.empty(k * d, k * d, dtype=x.dtype, device=x.device)
+    pairs = [(a, b) for a in range(k) for b in range(a, k)]  # torch.triu_indices' order
+    for (a, b), g in zip(pairs, grams):
+        full[b * d : (b + 1) * d, a * d : (a + 1) * d] = g.transpose(0, 1)
+        if a != b:
+            full[a * d : (a + 1) * d, b * d : (b + 1) * d] = g
+    return full, (bsum.reshape(k * d) if label is not None else None)
 
 
 KRON_BLOCK = 48
-"""Users per block of :func:`kron_statistics` where their d×d Gram matrices fit :data:`GRAM_CACHE`."""
+"""Users per block of :func:`kron_statistics` where their Gram halves fit :data:`GRAM_CACHE`."""
 GRAM_CACHE = 1 << 20
-"""Bytes of one block's Gram matrices that stay in a core's L2 cache between the batched product
-that writes them and the GEMM that reads them (1 MiB on the 2-core machine)."""
+"""Bytes of one block's Gram halves that stay in a core's L2 cache between the batched products
+that write them and the GEMMs that read them (1 MiB on the 2-core machine)."""
 
 
 def kron_block(d: int, itemsize: int) -> int:
     """Users per :func:`kron_statistics` block: :data:`KRON_BLOCK`, or fewer (a multiple of 4, at
-    least 8) where their Gram matrices would spill out of :data:`GRAM_CACHE` (d > 73 in float32,
-    d > 52 in float64; at d = 100 it is 24 and 12: measured 1.3–2× faster than 48 there). A
-    function of d and the dtype alone, so every runtime sums the same blocks."""
-    fits = GRAM_CACHE // (d * d * itemsize)
+    least 8) where the parts of their Gram matrices that are formed (rows [:d//2] and the lower-right
+    block: about 3d²/4 entries) would spill out of :data:`GRAM_CACHE` (d > 85 in float32, d > 60 in
+    float64; at d = 100 it is 32 and 16). A function of d and the dtype alone, so every runtime sums
+    the same blocks."""
+    h = d // 2
+    fits = GRAM_CACHE // ((h * d + (d - h) ** 2) * itemsize)
     return KRON_BLOCK if fits >= KRON_BLOCK else max(8, fits // 4 * 4)
 
 

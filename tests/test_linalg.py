@@ -77,7 +77,7 @@ def test_cache_sized_kron_blocks_equal_the_old_48_user_blocks(dtype: torch.dtype
     """At d = 100 the Gram matrices of 48 users spill out of L2, so blocks are smaller (24 float32, 12
     float64): the clipped A and b equal the 48-user blocks' to float rounding and the exact per-sample
     sums (float64) to 1e-12; below the cache bound nothing changes (d = 50, float32: 48)."""
-    assert (linalg.kron_block(100, 4), linalg.kron_block(100, 8), linalg.kron_block(50, 4)) == (24, 12, 48)
+    assert (linalg.kron_block(100, 4), linalg.kron_block(100, 8), linalg.kron_block(50, 4)) == (32, 16, 48)
     g = torch.Generator().manual_seed(7)
     n, q, d, k = 150, 3, 100, 2
     v = torch.randn(n, k, generator=g, dtype=torch.float64)
@@ -134,3 +134,43 @@ def test_the_round_statistics_with_small_ops_on_one_thread_are_the_same_bits_at_
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for a, b in zip(serial[1], reference):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+
+
+@pytest.mark.parametrize(("d", "dtype"), [(1, torch.float64), (7, torch.float32), (7, torch.float64)])
+def test_the_host_gram_halves_equal_the_full_gram_loop_and_the_exact_sums(d: int, dtype: torch.dtype) -> None:
+    """On the host only the Gram rows [:d//2] and the lower-right block are formed, the label sums
+    are one product per share, and a share with untrusted norms (here: entries of 1e30, whose
+    squares overflow float32) takes per-block factors: A and b equal the device path's full-Gram
+    loop and the exact clipped per-sample sums to float rounding, with and without the clip, and
+    are the same bits at every thread count (the shares depend on n alone)."""
+    g = torch.Generator().manual_seed(d)
+    n, q, k, eta = 300, 3, 3, 2.0
+    v = torch.randn(n, k, generator=g, dtype=torch.float64)
+    x = torch.randn(n, q, d, generator=g, dtype=torch.float64)
+    x[:6] *= 1e30  # the first share's norms are not trusted in float32
+    y = torch.randn(n, q, generator=g, dtype=torch.float64)
+    v_hat, log_v = linalg.directions(v)
+    w = linalg.clip_vectors((v[:, None, :, None] * x[:, :, None, :]).reshape(n * q, k * d), eta)  # v ⊗ x per sample
+    raw = (v[:, None, :, None] * x[:, :, None, :]).reshape(n * q, k * d)[6 * q :]
+    cases = {
+        "clipped": ((v_hat.to(dtype), x.to(dtype), log_v, eta), (w.T @ w, w.T @ y.reshape(-1))),
+        "plain": ((v.to(dtype), x[6:].to(dtype), None), (raw.T @ raw, raw.T @ y[6:].reshape(-1))),
+    }
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    threads = torch.get_num_threads()
+    try:
+        for args, exact in cases.values():
+            label = y.to(dtype) if args[2] is not None else y[6:].to(dtype)
+            args = args if args[2] is not None else (args[0][6:], args[1])
+            runs = []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                runs.append(linalg.kron_statistics(*args, label=label, block=8))
+            full = linalg.kron_statistics(*args, label=label, block=8, device_kernels=True)
+            for a, b in zip(runs[0], runs[1]):
+                assert torch.equal(a, b)
+            for a, f, e in zip(runs[0], full, exact):
+                torch.testing.assert_close(a.double(), f.double(), rtol=tol, atol=tol * float(e.abs().max()))
+                torch.testing.assert_close(a.double(), e, rtol=tol * 10, atol=tol * 10 * float(e.abs().max()))
+    finally:
+        torch.set_num_threads(threads)

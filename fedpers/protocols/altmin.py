@@ -545,7 +545,7 @@ class AltMinProtocol(Protocol):
             )
         v_hat, log_v = self.v_directions(U, x[:, :q], y[:, :q])
         x2 = x[:, q : 2 * q]
-        # one in-cache pass over Q2: norms, clip factors min(||v||, η/||x||), A and b together
+        # Q2: one pass for the norms and clip factors min(||v||, η/||x||), then A and b per block in cache
         A, b = linalg.kron_statistics(
             v_hat,
             x2,
