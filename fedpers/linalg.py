@@ -461,9 +461,11 @@ def _stream_sum(
     """Σ of ``blocks_of(lo, hi)`` (a tuple of partial sums) over up to :data:`KRON_STREAMS`
     contiguous shares of n units, each single-threaded on the pool, added in a fixed order.
 
-    The split depends on n only (never on the thread count), so the sum is the same bits in
-    every process: a resumed run, a Ray worker and the local runtime agree exactly. Off the
-    CPU the whole range is one call (the device is parallel by itself).
+    The split depends on n only (never on the thread count), so in float64 (the default) the sum
+    is the same bits in every process: a resumed run, a Ray worker and the local runtime agree
+    exactly (tests/test_linalg.py). In float32 they agree to rounding: shares run concurrently
+    were seen to differ in the last bit between two calls on the same input. Off the CPU the
+    whole range is one call (the device is parallel by itself).
     """
     if one_stream or torch.device(device).type != "cpu":
         return blocks_of(0, n)

@@ -100,10 +100,12 @@ def test_cache_sized_kron_blocks_equal_the_old_48_user_blocks(dtype: torch.dtype
 def test_the_round_statistics_with_small_ops_on_one_thread_are_the_same_bits_at_every_thread_count(
     dtype: torch.dtype,
 ) -> None:
-    """Inside serial_small_ops the round statistics are the same bits whatever torch's thread count
-    (the property a Ray worker, a resumed run and the local runtime rely on); they equal the threaded
-    path up to float rounding (a threaded reduction may add partial sums in another order, which
-    differs between CPUs), and torch's thread count and the budget are restored."""
+    """Inside serial_small_ops the float64 round statistics are the same bits whatever torch's thread
+    count (the property a Ray worker, a resumed run and the local runtime rely on; float64 is the
+    default). float32 ones agree to float rounding only: float32 shares run concurrently on two pool
+    threads were seen to differ in the last bit between two calls on the same input, on this CPU and
+    on CI's (float64 never). Both equal the threaded path to rounding, and torch's thread count and
+    the budget are restored."""
     from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 
     g = torch.Generator().manual_seed(1)
@@ -128,10 +130,13 @@ def test_the_round_statistics_with_small_ops_on_one_thread_are_the_same_bits_at_
             assert torch.get_num_threads() == outer and linalg.thread_budget() == outer
     finally:
         torch.set_num_threads(threads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
     for outer in (2, 4):
         for a, b in zip(serial[outer], serial[1]):
-            assert torch.equal(a, b), f"{outer} threads changed the bits"
-    tol = 1e-5 if dtype == torch.float32 else 1e-12
+            if dtype == torch.float64:
+                assert torch.equal(a, b), f"{outer} threads changed the bits"
+            else:
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
     for a, b in zip(serial[1], reference):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
 
@@ -167,8 +172,11 @@ def test_the_host_gram_halves_equal_the_full_gram_loop_and_the_exact_sums(d: int
                 torch.set_num_threads(t)
                 runs.append(linalg.kron_statistics(*args, label=label, block=8))
             full = linalg.kron_statistics(*args, label=label, block=8, device_kernels=True)
-            for a, b in zip(runs[0], runs[1]):
-                assert torch.equal(a, b)
+            for a, b in zip(runs[0], runs[1]):  # float64: the same bits; float32: rounding (see the test above)
+                if dtype == torch.float64:
+                    assert torch.equal(a, b)
+                else:
+                    torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
             for a, f, e in zip(runs[0], full, exact):
                 torch.testing.assert_close(a.double(), f.double(), rtol=tol, atol=tol * float(e.abs().max()))
                 torch.testing.assert_close(a.double(), e, rtol=tol * 10, atol=tol * 10 * float(e.abs().max()))
