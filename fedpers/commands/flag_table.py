@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "80234d1b7b1f52dfbdc987277d915cc37bfa2b4b439e98cdd0c9581e54bae9b7",
+   "fingerprint": "28c2678b3d0f8752e77799cef6c0ecef625e49e9448612a2066c2eadc78254f3",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
