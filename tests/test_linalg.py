@@ -103,9 +103,9 @@ def test_the_round_statistics_with_small_ops_on_one_thread_are_the_same_bits_at_
     """Inside serial_small_ops the float64 round statistics are the same bits whatever torch's thread
     count (the property a Ray worker, a resumed run and the local runtime rely on; float64 is the
     default). float32 ones agree to float rounding only: float32 shares run concurrently on two pool
-    threads were seen to differ in the last bit between two calls on the same input, on this CPU and
-    on CI's (float64 never). Both equal the threaded path to rounding, and torch's thread count and
-    the budget are restored."""
+    threads were seen to differ in the last bit between two calls on the same input (float64 never).
+    Both equal the threaded path to rounding (CI's CPU orders a threaded float32 reduction otherwise),
+    and torch's thread count and the budget are restored."""
     from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 
     g = torch.Generator().manual_seed(1)
