@@ -396,7 +396,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "28c2678b3d0f8752e77799cef6c0ecef625e49e9448612a2066c2eadc78254f3",
+   "fingerprint": "f9d3a4366bc5cbd71eb7afed58b55acae7901a3db67eea3f5fc71aaeddb390a8",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "c04bc00727fc8e536c24d813aceb41acc06a3cd48150583c130001450f7ace71",
+   "fingerprint": "22075486c32451b3e2ec0c5587d4a859564869905b00110454a4b63d0fb2b841",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1826,7 +1826,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "aacfd27aff08bac06c2a7f82c7fddd8a57922680e798d1278ba02e7ee62f003c",
+   "fingerprint": "64e316acaaf14970e1a700c5e9b7f72900fefdba7556ee5b353a08c2b1de656d",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2311,7 +2311,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "86e7fc26bdb38dc7c7eab97567a74cae49031605a7d7de2a43d744697b942eca",
+   "fingerprint": "89892608e6933a5edae1ac8e2b5724a1f6d8dd9f5afa8e74385cb4cb0f35f28f",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
