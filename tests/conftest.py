@@ -28,3 +28,21 @@ def _environment_restored():
     if os.environ != {**_SUITE_ENVIRONMENT, **current}:
         os.environ.clear()
         os.environ.update({**_SUITE_ENVIRONMENT, **current})
+
+
+@pytest.fixture
+def statistical_errors(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every standard error the non-private reference's stopping rule computes, in order (the
+    function itself still answers): the yardstick tests of tests/test_baselines.py and
+    tests/test_shared_passes.py read the last one."""
+    import fedpers.experiments.altmin_baselines as baselines
+
+    seen: list[float] = []
+    original = baselines.statistical_error
+
+    def spy(*args):  # noqa: ANN002, ANN202
+        seen.append(original(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(baselines, "statistical_error", spy)
+    return seen

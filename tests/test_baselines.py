@@ -75,7 +75,7 @@ STOP = dict(n_users=6000, dim=20, rank=3, samples_per_user=12, seed=4)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_the_statistical_stopping_rule_keeps_the_30_round_reference(monkeypatch, dtype):
+def test_the_statistical_stopping_rule_keeps_the_30_round_reference(monkeypatch, statistical_errors, dtype):
     """Stopped at half of its statistical error (PRECISION), with products in the users' dtype, the
     reference is the 30-round one computed in float64 on the same users within that: ‖P − P₃₀‖_F ≤
     PRECISION × its last standard error, its subspace error within 1%, in fewer rounds than the old
@@ -83,16 +83,8 @@ def test_the_statistical_stopping_rule_keeps_the_30_round_reference(monkeypatch,
     import fedpers.experiments.altmin_baselines as baselines
     from fedpers.metrics import subspace_error
 
-    seen: list[float] = []
-    original = baselines.statistical_error
-
-    def spy(*args):
-        seen.append(original(*args))
-        return seen[-1]
-
-    monkeypatch.setattr(baselines, "statistical_error", spy)
     U, rounds, u_star = _reference({**STOP, "dtype": dtype})
-    se, precision = seen[-1], baselines.PRECISION
+    se, precision = statistical_errors[-1], baselines.PRECISION
     monkeypatch.setattr(baselines, "TOLERANCE", 1e-6)
     monkeypatch.setattr(baselines, "PRECISION", 0.0)
     U_old, rounds_old, _ = _reference({**STOP, "dtype": dtype}, float64=True)
@@ -104,24 +96,13 @@ def test_the_statistical_stopping_rule_keeps_the_30_round_reference(monkeypatch,
     assert float((U @ U.T - U_30 @ U_30.T).norm()) <= precision * se
 
 
-def test_the_statistical_error_estimate_matches_the_actual_error():
+def test_the_statistical_error_estimate_matches_the_actual_error(statistical_errors):
     """The stopping rule's yardstick: the U step's standard error is within a factor 2 of the fixed
     point's actual distance to U* (a lower bound by construction, so not far below it)."""
-    import fedpers.experiments.altmin_baselines as baselines
     from fedpers.metrics import subspace_error
 
-    seen: list[float] = []
-    original = baselines.statistical_error
-
-    def spy(*args):
-        seen.append(original(*args))
-        return seen[-1]
-
-    baselines.statistical_error = spy
-    try:
-        U, _, u_star = _reference(STOP)
-    finally:
-        baselines.statistical_error = original
+    U, _, u_star = _reference(STOP)
+    seen = statistical_errors
     assert seen and 0.5 <= seen[-1] / subspace_error(U, u_star) <= 2.0, (seen, subspace_error(U, u_star))
 
 

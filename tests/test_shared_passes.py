@@ -125,7 +125,7 @@ def test_a_default_run_reads_the_users_one_and_a_half_times_plus_the_reference_r
     assert synthetic.passes(8192) == pytest.approx(1.0 + rounds[0] + 0.5)
 
 
-def test_the_warm_started_reference_is_todays_within_its_statistical_error(monkeypatch):
+def test_the_warm_started_reference_is_todays_within_its_statistical_error(monkeypatch, statistical_errors):
     """Started from clipped-no-noise and stopped at half its statistical error, the non-private AltMin
     is, within its own standard error (the last round's), the reference the earlier rule (a twentieth
     of it) stopped at, the one it reaches from its own spectral pass and a 12-round one, in no more
@@ -133,14 +133,6 @@ def test_the_warm_started_reference_is_todays_within_its_statistical_error(monke
     the rule in both dtypes)."""
     from fedpers.metrics import subspace_error
 
-    seen: list[float] = []
-    original = altmin_baselines.statistical_error
-
-    def spy(*args):
-        seen.append(original(*args))
-        return seen[-1]
-
-    monkeypatch.setattr(altmin_baselines, "statistical_error", spy)
     values = dict(n_users=4000, dim=20, rank=3, samples_per_user=12, seed=4, dtype="float32")
     cfg = am.resolve(config.build(EXP.config_type, values))
     plan = am.resolve_plan(cfg)
@@ -148,7 +140,7 @@ def test_the_warm_started_reference_is_todays_within_its_statistical_error(monke
     clipped, _ = run_local(ev.clipped_protocol(), ev.source, Privatizer(0), chunk_size=cfg.chunk_size, progress=False)
     u_star = plan.u_star.double()
     warm, warm_rounds = altmin_baselines.nonprivate_altmin(ev.source, cfg.rank, cfg.chunk_size, start=clipped["U"])
-    se = seen[-1]
+    se = statistical_errors[-1]
     spectral, spectral_rounds = altmin_baselines.nonprivate_altmin(ev.source, cfg.rank, cfg.chunk_size)
     monkeypatch.setattr(altmin_baselines, "PRECISION", 0.05)
     before, before_rounds = altmin_baselines.nonprivate_altmin(ev.source, cfg.rank, cfg.chunk_size, start=clipped["U"])
