@@ -12,11 +12,15 @@ count. Users with fewer than ``min_samples`` kept rows contribute nothing (they 
 the number of users and the cohorts stay public) and are counted.
 
 A malformed *file* is refused before any work: unreadable, a named column missing, no rows, or
-a label/feature column that is not numeric — refused naming the column, the first offending
-row and its value (with the default feature columns too: a column is never silently left
-out). A problem in one user's rows never refuses the file (the failure would reveal the
-user): a row with a missing user id or a missing, NaN or infinite label or feature is
-dropped and counted per reason in :meth:`LongFormatFile.summary` (see docs/data.md).
+(Parquet) a label/feature column whose declared type is not numeric — refused naming the column,
+the first offending row and its value (with the default feature columns too: a column is never
+silently left out). A CSV declares no types: every column is read as text and the run's flags
+declare the label and features numeric, so a cell that does not read as a number is a problem of
+its row, not of the file. A problem in one user's rows never refuses the file (the failure would
+reveal the user): a row with a missing user id, a missing, NaN, infinite or (CSV) non-numeric
+label or feature, or (CSV) the wrong number of cells is dropped and counted per reason in
+:meth:`LongFormatFile.summary` (see docs/data.md). CSV user ids that all read as integers are
+numbered in integer order, as a Parquet integer column is; otherwise in text order.
 
 A Flower node reads only its users' rows (a Parquet scan with a pushed-down ``isin`` filter,
 not a full copy); a local run loads the columns once, after a memory check.
@@ -125,8 +129,14 @@ class LongFormatFile:
             seed,
         )
         fmt = "csv" if path.suffix.lower() == ".csv" else "parquet"
+        self.is_csv = fmt == "csv"
+        self._bad_csv_rows: set[int] = set()
         try:
-            self._dataset = ds.dataset(str(path), format=fmt)
+            if self.is_csv:  # every column as text: the flags declare the types, never a cell (docs/data.md)
+                header = ds.dataset(str(path), format=self._csv_format(None)).schema.names
+                self._dataset = ds.dataset(str(path), format=self._csv_format(header))
+            else:
+                self._dataset = ds.dataset(str(path), format=fmt)
             schema = self._dataset.schema
         except Exception as e:
             raise ValueError(f"data: cannot read {path.name} as {fmt} ({e})") from None
@@ -146,7 +156,7 @@ class LongFormatFile:
                     f"feature_columns: {path.name} has no column besides {user_column!r} and {label_column!r}"
                 )
         for flag, col in (("label_column", label_column), *(("feature_columns", c) for c in feature_columns)):
-            if not _numeric(schema.field(col).type):
+            if not self.is_csv and not _numeric(schema.field(col).type):
                 hint = (
                     ""
                     if named or flag == "label_column"
@@ -176,6 +186,25 @@ class LongFormatFile:
 
     u_star = None
 
+    def _csv_format(self, names: list[str] | None) -> Any:
+        """CSV read with every column of ``names`` as text (empty and the usual null spellings read
+        as missing; None: the header alone is wanted) and a row with the wrong number of cells
+        skipped, its line number recorded."""
+        import pyarrow as pa
+        import pyarrow.csv as pcsv
+        import pyarrow.dataset as ds
+
+        def skip(row: Any) -> str:
+            self._bad_csv_rows.add(-1 - len(self._bad_csv_rows) if row.number is None else int(row.number))
+            return "skip"
+
+        return ds.CsvFileFormat(
+            convert_options=pcsv.ConvertOptions(
+                column_types={n: pa.string() for n in names or ()}, strings_can_be_null=True
+            ),
+            parse_options=pcsv.ParseOptions(invalid_row_handler=skip),
+        )
+
     def _first_non_number(self, col: str) -> str:
         """'row R holds V' for the first cell of ``col`` that is not a number (rows 1-based, after
         any header), and how many such cells there are."""
@@ -194,23 +223,35 @@ class LongFormatFile:
 
     def _valid(self, batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Rows of a (user, label, features...) batch that a user keeps, and per reason the rows
-        dropped: a missing user id, or a missing/NaN/infinite label or feature (first reason wins)."""
+        dropped: a missing user id, a label or feature that is not a number (CSV), or one that is
+        missing, NaN or infinite (first reason wins)."""
         u = batch.column(0)
         ok = ~np.asarray(u.is_null().to_numpy(zero_copy_only=False), dtype=bool)
         reasons = {"missing user id": ~ok}
         for i, col in enumerate((self.label_column, *self.feature_columns), start=1):
-            values = batch.column(i).cast("float64").fill_null(math.nan).to_numpy(zero_copy_only=False)
-            bad = ok & ~np.isfinite(values)
+            values, not_number = _floats(batch.column(i))
             kind = "label" if col == self.label_column else "feature"
+            if not_number is not None:
+                reasons[f"{kind} {col!r} not a number"] = bad = ok & not_number
+                ok = ok & ~bad
+            bad = ok & ~np.isfinite(values)
             reasons[f"{kind} {col!r} missing, NaN or infinite"] = bad
             ok = ok & ~bad
         return ok, reasons
+
+    def _ids(self, column: Any) -> np.ndarray:
+        """User ids as :attr:`users` holds them (CSV text read as integers when every id is one)."""
+        if self._int_ids:
+            column = column.cast("int64")
+        return column.to_numpy(zero_copy_only=False)
 
     def _index(self) -> tuple[np.ndarray, np.ndarray, int]:
         """Users (sorted unique ids of every row with one) and kept rows per user, in one
         streamed pass (never the whole file in memory); dropped rows counted per reason."""
         users_parts, kept_parts, label_parts, total = [], [], [], 0
         self.rows_dropped: dict[str, int] = {}
+        self._int_ids = False
+        self._bad_csv_rows.clear()
         for batch in self._dataset.to_batches(columns=[self.user_column, self.label_column, *self.feature_columns]):
             total += batch.num_rows
             ok, reasons = self._valid(batch)
@@ -218,15 +259,19 @@ class LongFormatFile:
                 if bad.any():
                     self.rows_dropped[reason] = self.rows_dropped.get(reason, 0) + int(bad.sum())
             u = batch.column(0)
-            users_parts.append(u.drop_null().to_numpy(zero_copy_only=False))
-            kept_parts.append(u.filter(ok).to_numpy(zero_copy_only=False))
-            label_parts.append(batch.column(1).filter(ok).cast("float64").to_numpy(zero_copy_only=False))
+            users_parts.append(u.drop_null())
+            kept_parts.append(u.filter(ok))
+            label_parts.append(_floats(batch.column(1))[0][ok])
+        if self._bad_csv_rows:
+            self.rows_dropped["wrong number of cells"] = len(self._bad_csv_rows)
+            total += len(self._bad_csv_rows)
         if total == 0:
             raise ValueError(f"data: {self.path.name} has no rows")
-        users = np.unique(np.concatenate(users_parts))
+        self._int_ids = self.is_csv and bool(users_parts) and all(_integer_text(part) for part in users_parts)
+        users = np.unique(np.concatenate([self._ids(part) for part in users_parts]))
         if len(users) == 0:
             raise ValueError(f"user_column: no row of {self.path.name} has a user id")
-        kept = np.concatenate(kept_parts)
+        kept = np.concatenate([self._ids(part) for part in kept_parts])
         labels = np.concatenate(label_parts)
         self.label_range = summary.robust_range(labels)
         self.labels_beyond = int(((labels < self.label_range[0]) | (labels > self.label_range[1])).sum())
@@ -252,18 +297,17 @@ class LongFormatFile:
                 )
             table = self._dataset.to_table(columns=columns)
         else:
+            field = pc.field(self.user_column)
             table = self._dataset.to_table(
-                columns=columns, filter=pc.field(self.user_column).isin(list(self.users[users]))
+                columns=columns, filter=(field.cast("int64") if self._int_ids else field).isin(list(self.users[users]))
             )
         import pyarrow as pa
 
         table = table.filter(pa.array(self._valid(table)[0]))  # the rows _index counted
-        index = np.searchsorted(self.users, table.column(0).to_numpy(zero_copy_only=False))
+        index = np.searchsorted(self.users, self._ids(table.column(0)))
         order = np.argsort(index, kind="stable")
-        features = np.stack(
-            [table.column(c).cast("float64").to_numpy(zero_copy_only=False) for c in self.feature_columns], axis=1
-        )
-        label = table.column(self.label_column).cast("float64").to_numpy(zero_copy_only=False)
+        features = np.stack([_floats(table.column(c))[0] for c in self.feature_columns], axis=1)
+        label = _floats(table.column(self.label_column))[0]
         index = index[order]
         present = np.unique(index)
         starts = np.searchsorted(index, present)
@@ -380,6 +424,42 @@ def _is_number(v: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _floats(column: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """(float64 values, missing as NaN; for a text column (CSV) the cells that are not a number,
+    as NaN too, and their mask, else None). Text reads as Python's ``float`` does, whatever the
+    other cells of the batch hold."""
+    import pyarrow as pa
+    import pyarrow.types as pt
+
+    if not (pt.is_string(column.type) or pt.is_large_string(column.type)):
+        return column.cast("float64").fill_null(math.nan).to_numpy(zero_copy_only=False), None
+    try:
+        values = column.cast(pa.float64()).fill_null(math.nan).to_numpy(zero_copy_only=False)
+        return values, np.zeros(len(values), dtype=bool)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        cells = column.to_pylist()
+        values = np.full(len(cells), math.nan)
+        not_number = np.zeros(len(cells), dtype=bool)
+        for i, v in enumerate(cells):
+            if v is None:
+                continue
+            try:
+                values[i] = float(v)
+            except ValueError:
+                not_number[i] = True
+        return values, not_number
+
+
+def _integer_text(ids: Any) -> bool:
+    """Whether every id of a text array (no nulls) reads as an int64 (an array not of text: False)."""
+    import pyarrow.compute as pc
+    import pyarrow.types as pt
+
+    if not pt.is_string(ids.type):
+        return False
+    return pc.all(pc.match_substring_regex(ids, r"^-?[0-9]{1,18}$")).as_py() is not False
 
 
 def _numeric(dtype: pa.DataType) -> bool:

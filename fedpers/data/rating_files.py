@@ -10,10 +10,12 @@ The item universe is public, never read off the data (docs/data.md): it is decla
 published catalogue. Were it derived from the file, one user rating a new item would change
 the shape of every release (U, G, b) and shift every later index — a certain leak.
 
-A malformed *file* (unreadable, a declared column missing, no rows) is refused before any
-work. A problem in one user's rows never refuses the file (that failure would reveal the
-user): the row is dropped and counted per reason in :attr:`RatingTable.summary` —
-a missing user or item id, a NaN/infinite rating, a rating outside
+A malformed *file* (unreadable, a declared column missing, no rows, a Parquet rating column
+declared non-numeric) is refused before any work. A problem in one user's rows never refuses
+the file (that failure would reveal the user): the row is dropped and counted per reason in
+:attr:`RatingTable.summary` — a text line with too many cells, a missing user or item id, a
+rating that is not a number (a CSV declares no types: the rating column is numeric by the
+run's declaration, never by its cells), a NaN/infinite rating, a rating outside
 ``[rating_min, rating_max]``, a repeat of a (user, item) pair (the first in file order is
 kept), an item outside the universe. Users are every id with a row, so a user whose every
 row is dropped stays a unit and contributes nothing.
@@ -27,8 +29,10 @@ out as its test ratings; a per-user cap keeps only the first ``cap`` (in that or
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -117,17 +121,43 @@ def read_frame(path: Path, fmt: str, user_column: str, item_column: str, rating_
         raise ValueError(f"ratings: cannot read {path.name} ({e})") from None
 
 
+WRONG_CELLS = "wrong number of cells"
+"""The drop reason of a text line with more cells than the header (``frame.attrs`` carries the
+count from :func:`read_frame` to :func:`clean`; a line with fewer reads as missing cells)."""
+
+
+def _read_text(pd, path: Path, **options: Any):
+    """``pd.read_csv`` with each line holding too many cells skipped and counted, never refusing the
+    file (one user's bad line would otherwise decide whether the run happens)."""
+    if options.get("engine") == "python":
+        bad: list[int] = []
+        frame = pd.read_csv(path, on_bad_lines=lambda line: bad.append(1), **options)  # None: skip the line
+        skipped = len(bad)
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            frame = pd.read_csv(path, on_bad_lines="warn", **options)
+        skipped = 0
+        for w in caught:
+            if issubclass(w.category, pd.errors.ParserWarning) and "Skipping line" in str(w.message):
+                skipped += str(w.message).count("Skipping line")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    frame.attrs[WRONG_CELLS] = skipped
+    return frame
+
+
 def _read_frame(pd, path: Path, fmt: str, user_column: str, item_column: str, rating_column: str):
     if fmt == "movielens":
         if path.suffix == ".dat":
-            frame = pd.read_csv(
-                path, sep="::", engine="python", header=None, names=["userId", "movieId", "rating", "timestamp"]
+            frame = _read_text(
+                pd, path, sep="::", engine="python", header=None, names=["userId", "movieId", "rating", "timestamp"]
             )
         else:
-            frame = pd.read_csv(path)
+            frame = _read_text(pd, path)
         user_column, item_column, rating_column = "userId", "movieId", "rating"
     elif fmt == "csv":
-        frame = pd.read_csv(path)
+        frame = _read_text(pd, path)
     elif fmt == "parquet":
         try:
             frame = pd.read_parquet(path, columns=[c for c in (user_column, item_column, rating_column)])
@@ -135,9 +165,20 @@ def _read_frame(pd, path: Path, fmt: str, user_column: str, item_column: str, ra
             if isinstance(e, ImportError):
                 raise ValueError("reading Parquet needs pyarrow: pip install pyarrow") from e
             raise ValueError(f"ratings: {e}") from e
+        if rating_column in frame.columns and not _numeric_column(frame[rating_column]):
+            # Parquet declares its types: a text rating column is the file's schema, whatever its cells
+            raise ValueError(
+                f"rating_column: column {rating_column!r} of {path.name} is declared {frame[rating_column].dtype}, "
+                "not numeric; fix the file or choose another column"
+            )
     else:
         raise ValueError(f"format must be one of auto, movielens, csv, parquet; got {fmt!r}")
-    return select_columns(frame, user_column, item_column, rating_column)
+    skipped = int(frame.attrs.get(WRONG_CELLS, 0))
+    out = select_columns(frame, user_column, item_column, rating_column)
+    if out["user"].dtype == object:  # text ids, or integers and text mixed across parse chunks
+        out["user"] = out["user"].map(lambda v: v if v is None or (isinstance(v, float) and v != v) else str(v))
+    out.attrs[WRONG_CELLS] = skipped
+    return out
 
 
 def select_columns(frame, user_column: str, item_column: str, rating_column: str):
@@ -198,10 +239,11 @@ def item_universe(items_file: str | Path | None, item_ids: str) -> tuple:
 def clean(frame, universe: tuple, rating_min: float, rating_max: float):
     """The rows every user keeps and the count of rows dropped per reason (a per-user problem
     drops the row, never the file). Refuses only a file with no rows."""
-    n = len(frame)
+    skipped = int(frame.attrs.get(WRONG_CELLS, 0))
+    n = len(frame) + skipped
     if n == 0:
         raise ValueError("ratings: the data has no rows")
-    dropped: dict[str, int] = {}
+    dropped: dict[str, int] = {WRONG_CELLS: skipped} if skipped else {}
 
     def drop(reason: str, bad: np.ndarray) -> None:
         nonlocal frame
@@ -213,10 +255,14 @@ def clean(frame, universe: tuple, rating_min: float, rating_max: float):
     drop("missing user id", frame["user"].isna().to_numpy())
     users = np.unique(frame["user"].to_numpy())  # every user with a row stays a unit
     drop("missing item id", frame["item"].isna().to_numpy())
-    if not _numeric_column(frame["rating"]):
-        refuse_non_numeric(frame["rating"], "rating_column", frame.index)
-    frame = frame.assign(rating=frame["rating"].to_numpy(dtype=np.float64, na_value=np.nan))
-    drop("rating missing, NaN, infinite or not a number", ~np.isfinite(frame["rating"].to_numpy()))
+    rating = frame["rating"]
+    if not _numeric_column(rating):  # text (a CSV declares no types): a cell that is not a number drops its row
+        coerced = _pandas().to_numeric(rating, errors="coerce")
+        frame = frame.assign(rating=coerced.to_numpy(dtype=np.float64, na_value=np.nan))
+        drop("rating not a number", (coerced.isna() & rating.notna()).to_numpy())
+    else:
+        frame = frame.assign(rating=rating.to_numpy(dtype=np.float64, na_value=np.nan))
+    drop("rating missing, NaN or infinite", ~np.isfinite(frame["rating"].to_numpy()))
     r = frame["rating"].to_numpy()
     drop(
         f"rating outside [rating_min, rating_max] = [{rating_min:g}, {rating_max:g}]",
@@ -231,20 +277,6 @@ def clean(frame, universe: tuple, rating_min: float, rating_max: float):
 
 def _numeric_column(column) -> bool:
     return column.dtype.kind in "biuf"
-
-
-def refuse_non_numeric(column, flag: str, rows) -> None:
-    """A declared numeric column holding a non-number is a malformed file: refused naming the
-    column, the first offending row (1-based, after the header) and its value."""
-    pd = _pandas()
-    values = pd.to_numeric(column, errors="coerce")
-    bad = np.flatnonzero(values.isna().to_numpy() & column.notna().to_numpy())
-    if len(bad):
-        row = int(rows[bad[0]]) + 1 if rows is not None else int(bad[0]) + 1
-        raise ValueError(
-            f"{flag}: column {column.name!r} must be numeric but row {row} holds {column.iloc[bad[0]]!r} "
-            f"({len(bad)} such row(s)); fix the file or choose another column"
-        )
 
 
 def _positions(items, universe: tuple) -> np.ndarray:
