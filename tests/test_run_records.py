@@ -53,6 +53,29 @@ def test_sigterm_leaves_the_records_ctrl_c_leaves(tmp_path):
     assert privacy_summary(out)["releases"] >= 1
 
 
+def test_a_signal_during_the_imports_waits_for_them_then_ends_the_run():
+    """A KeyboardInterrupt inside torch's import aborted the process (pybind11's terminate, exit
+    -6) or left torch half-imported (a 38-line ImportError): Ctrl-C and SIGTERM in the first
+    second of a run. Now the signal waits for the imports, then ends the run as anywhere else."""
+    code = (
+        "import builtins, os, signal, sys\n"
+        "from fedpers.commands import cli\n"
+        "real = builtins.__import__\n"
+        "def spy(name, *a, **k):\n"
+        "    if name == 'torch' and 'torch' not in sys.modules:\n"
+        "        os.kill(os.getpid(), getattr(signal, sys.argv[1]))\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = spy\n"
+        "try:\n"
+        "    cli._import_run_libraries()\n"
+        "except KeyboardInterrupt as e:\n"
+        "    print('deferred', repr(str(e)), float(sys.modules['torch'].ones(2).sum()))\n"
+    )
+    for name, said in (("SIGINT", "''"), ("SIGTERM", "'signal 15'")):
+        done = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (0, f"deferred {said} 2.0"), done.stderr[-500:]
+
+
 def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     paths: list[Path] = []

@@ -389,15 +389,33 @@ def _import_run_libraries() -> None:
     collector paused, then move those objects to the permanent generation. Otherwise the
     collector walks all of them several times while they are created (0.2-0.3 s of full
     collections per process) and again in every later full collection; module objects live
-    as long as the process anyway. Only for a process of its own (a run, a resume, a sweep)."""
-    import gc
+    as long as the process anyway. Only for a process of its own (a run, a resume, a sweep).
 
+    Ctrl-C and SIGTERM wait for the imports to finish: torch aborts the process (pybind11's
+    terminate) or cannot be imported again when a KeyboardInterrupt lands inside its import.
+    The signal then ends the run as it would at any later point."""
+    import gc
+    import signal
+    import threading
+
+    pending: list[int] = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if main_thread:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, lambda received, frame: pending.append(received))
     gc.disable()
     try:
         import fedpers.runner  # noqa: F401
     finally:
         gc.freeze()
         gc.enable()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if signal.SIGTERM in pending:
+        _terminate(signal.SIGTERM, None)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def _run(args: argparse.Namespace) -> int:
