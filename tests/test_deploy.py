@@ -56,6 +56,13 @@ def test_certs_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["deploy", "certs", str(out), "--host", "h", "--force"]) == 0 and (out / "ca" / "ca.key").read_bytes() != before
 
 
+def test_deploy_run_refuses_a_timeout_that_is_not_seconds(capsys: pytest.CaptureFixture) -> None:
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(["deploy", "run", "deployment", "--timeout", bad])
+        assert e.value.code == 2 and f"--timeout: must be a number of seconds >= 0; got '{bad}'" in capsys.readouterr().err
+
+
 def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_node(tmp_path: Path) -> None:
     """The CA key is in ca/ only; the SuperLink's directory holds no private key but its
     own TLS key; node I's directory holds node I's key only; every directory is 0700 and every file

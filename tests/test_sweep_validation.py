@@ -45,6 +45,7 @@ def write(tmp_path, text: str):
         (lambda t: 'columns = ["modular_wrap"]\n' + t, r"column\(s\) \['modular_wrap'\] not in altmin's result"),
         (lambda t: t.replace("dim = 4", "dim = 4\nepsilon = 2.0"), r"\['epsilon'\] in both \[base\] and \[grid\]"),
         (lambda t: t.replace('x = "n_users"', 'x = "epsilon"'), "x and series are both 'epsilon'"),
+        (lambda t: t.replace("n_users = [200, 400]", "n_users = [200, 400, 200]"), "grid.n_users lists 200 more than once"),
     ],
 )
 def test_bad_sweep_files_are_refused_naming_the_key(tmp_path, change, match):

@@ -60,6 +60,19 @@ def out_directory(text: str) -> Path:
     return Path(text)
 
 
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (argparse refuses anything else, naming the flag)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0; got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0; got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser. It imports no algorithm: ``fedpers run ALGO ...`` hands the rest of
     the line to :func:`algorithm_parser`, built only for the algorithm asked for."""
@@ -166,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("superlink", help="the flwr SuperLink connection name (e.g. deployment)")
     dr.add_argument("--app", default=".", help="the Flower app directory (default: .)")
     dr.add_argument("--run-config", default="", help="passed to flwr run --run-config")
-    dr.add_argument("--timeout", type=float, default=0.0, help="give up waiting after this many seconds (0: never)")
+    dr.add_argument("--timeout", type=_seconds, default=0.0, help="give up waiting after this many seconds (0: never)")
     se = dsub.add_parser(
         "superexec",
         help="flower-superexec (same flags) for a SuperNode with --isolation process, forking warm ClientApp processes",

@@ -117,6 +117,13 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
             raise ValueError(f"sweep: grid key {key!r} is not a config field; fields: {', '.join(sorted(fields))}")
         if isinstance(values, list) and not values:
             raise ValueError(f"sweep: grid.{key} is an empty list; give at least one value")
+        if isinstance(values, list):
+            repeated = [v for i, v in enumerate(values) if any(v == w for w in values[:i])]
+            if repeated:
+                raise ValueError(
+                    f"sweep: grid.{key} lists {repeated[0]!r} more than once (each value would run again as its own "
+                    "point); give each value once (repeat runs with --repetitions)"
+                )
     for key in raw.get("base", {}):
         if key not in fields:
             raise ValueError(f"sweep: base key {key!r} is not a config field; fields: {', '.join(sorted(fields))}")
