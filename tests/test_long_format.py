@@ -238,20 +238,23 @@ def test_a_text_cell_in_a_csv_drops_its_row_the_neighbour_runs_alike(tmp_path, f
     assert torch.equal(ra["x"][others], rb["x"][others]) and torch.equal(ra["y"][others], rb["y"][others])
 
 
-def test_a_csv_row_with_the_wrong_number_of_cells_is_dropped_and_counted(tmp_path):
-    """A ragged line (a cell too many or too few) used to refuse the whole file."""
+def test_a_csv_row_with_the_wrong_number_of_cells_or_a_bad_byte_is_dropped_and_counted(tmp_path):
+    """A ragged line (a cell too many or too few) or a byte that is not UTF-8 used to refuse the whole file."""
     rng = np.random.default_rng(4)
     users, x, y = ragged(rng, 5, 8, 8)
     clean = write(tmp_path / "clean.csv", users, x, y)
     lines = clean.read_text().splitlines()
     lines[3] += ",7"
     lines[12] = ",".join(lines[12].split(",")[:-1])
+    lines[20] = lines[20][:-1] + "\udcff"  # a byte that is not UTF-8, in a feature
+    lines[30] = "\udcfe" + lines[30]  # and in a user id: another user (a unit), as any other id
     path = tmp_path / "d.csv"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
     f = LongFormatFile(path, "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
     s = f.summary()
-    assert s["rows_dropped"] == {"wrong number of cells": 2} and (s["rows"], s["rows_kept"], f.n) == (40, 38, 5)
-    assert torch.isfinite(f.rows(torch.arange(5))["x"]).all()
+    assert s["rows_dropped"] == {"wrong number of cells": 2, "feature 'f5' not a number": 1}
+    assert (s["rows"], s["rows_kept"], f.n) == (40, 37, 6)
+    assert torch.isfinite(f.rows(torch.arange(6))["x"]).all()
 
 
 def test_csv_user_ids_are_numbered_like_parquet_ids_and_one_text_id_refuses_nothing(tmp_path):

@@ -116,10 +116,11 @@ def test_a_text_rating_or_a_ragged_line_drops_its_row_and_the_neighbour_runs_ali
     text = [f"{u},{i},{r}" for u, i, r in ROWS]
     text[1] = "10,7,four"
     text[3] = "3,9,5.0,extra"
-    bad.write_text("user,item,rating\n" + "\n".join(text) + "\n")
+    text[4] = "3,7,2\udcff"  # a byte that is not UTF-8
+    bad.write_bytes(("user,item,rating\n" + "\n".join(text) + "\n").encode("utf-8", "surrogateescape"))
     a, b = load(clean), load(bad)
-    assert b.summary["rows_dropped"] == {"rating not a number": 1, "wrong number of cells": 1}
-    assert (b.summary["rows"], b.summary["rows_kept"], b.n_users, b.n_items) == (6, 4, 3, a.n_items)
+    assert b.summary["rows_dropped"] == {"rating not a number": 2, "wrong number of cells": 1}
+    assert (b.summary["rows"], b.summary["rows_kept"], b.n_users, b.n_items) == (6, 3, 3, a.n_items)
     wa, wb = whole(a), whole(b)
     for key in ("items", "ratings", "mask"):  # user 42 (index 2), its one rating
         assert torch.equal(wa[key][2, :1], wb[key][2, :1]) and int(wb["mask"][2].sum()) == 1

@@ -187,9 +187,10 @@ class LongFormatFile:
     u_star = None
 
     def _csv_format(self, names: list[str] | None) -> Any:
-        """CSV read with every column of ``names`` as text (empty and the usual null spellings read
-        as missing; None: the header alone is wanted) and a row with the wrong number of cells
-        skipped, its line number recorded."""
+        """CSV read with every column of ``names`` as raw bytes (empty and the usual null spellings
+        read as missing; a byte that is not UTF-8 is only a cell that is not a number; None: the
+        header alone is wanted) and a row with the wrong number of cells skipped, its line number
+        recorded."""
         import pyarrow as pa
         import pyarrow.csv as pcsv
         import pyarrow.dataset as ds
@@ -200,7 +201,7 @@ class LongFormatFile:
 
         return ds.CsvFileFormat(
             convert_options=pcsv.ConvertOptions(
-                column_types={n: pa.string() for n in names or ()}, strings_can_be_null=True
+                column_types={n: pa.binary() for n in names or ()}, strings_can_be_null=True, check_utf8=False
             ),
             parse_options=pcsv.ParseOptions(invalid_row_handler=skip),
         )
@@ -242,7 +243,9 @@ class LongFormatFile:
     def _ids(self, column: Any) -> np.ndarray:
         """User ids as :attr:`users` holds them (CSV text read as integers when every id is one)."""
         if self._int_ids:
-            column = column.cast("int64")
+            import pyarrow as pa
+
+            column = column.cast(pa.int64())
         return column.to_numpy(zero_copy_only=False)
 
     def _index(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -427,13 +430,13 @@ def _is_number(v: Any) -> bool:
 
 
 def _floats(column: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    """(float64 values, missing as NaN; for a text column (CSV) the cells that are not a number,
-    as NaN too, and their mask, else None). Text reads as Python's ``float`` does, whatever the
-    other cells of the batch hold."""
+    """(float64 values, missing as NaN; for a column of text or bytes (CSV) the cells that are not
+    a number, as NaN too, and their mask, else None). A cell reads as Python's ``float`` reads it,
+    whatever the other cells of the batch hold."""
     import pyarrow as pa
     import pyarrow.types as pt
 
-    if not (pt.is_string(column.type) or pt.is_large_string(column.type)):
+    if not (pt.is_string(column.type) or pt.is_large_string(column.type) or pt.is_binary(column.type)):
         return column.cast("float64").fill_null(math.nan).to_numpy(zero_copy_only=False), None
     try:
         values = column.cast(pa.float64()).fill_null(math.nan).to_numpy(zero_copy_only=False)
@@ -453,11 +456,11 @@ def _floats(column: Any) -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def _integer_text(ids: Any) -> bool:
-    """Whether every id of a text array (no nulls) reads as an int64 (an array not of text: False)."""
+    """Whether every id of a CSV's array of ids (bytes, no nulls) reads as an int64 (other arrays: False)."""
     import pyarrow.compute as pc
     import pyarrow.types as pt
 
-    if not pt.is_string(ids.type):
+    if not pt.is_binary(ids.type):
         return False
     return pc.all(pc.match_substring_regex(ids, r"^-?[0-9]{1,18}$")).as_py() is not False
 

@@ -127,8 +127,10 @@ count from :func:`read_frame` to :func:`clean`; a line with fewer reads as missi
 
 
 def _read_text(pd, path: Path, **options: Any):
-    """``pd.read_csv`` with each line holding too many cells skipped and counted, never refusing the
-    file (one user's bad line would otherwise decide whether the run happens)."""
+    """``pd.read_csv`` with each line holding too many cells skipped and counted, and a byte that is
+    not UTF-8 read as U+FFFD (a cell that is not a number, or an id of its own): neither refuses
+    the file (one user's bad line would otherwise decide whether the run happens)."""
+    options.setdefault("encoding_errors", "replace")
     if options.get("engine") == "python":
         bad: list[int] = []
         frame = pd.read_csv(path, on_bad_lines=lambda line: bad.append(1), **options)  # None: skip the line
