@@ -53,6 +53,53 @@ def rmse(model, rows) -> float:
     return float(np.sqrt(np.mean((model(u, i) - r) ** 2)))
 
 
+def test_the_reference_fit_sums_each_rows_pairs_as_per_row_solves_do():
+    """``rating_baselines.fit`` forms each item's (user's) outer product once and sums it over the
+    row's rated pairs through a sparse matrix; it must equal ALS written row by row (the same
+    seeded start), and give the same bits at any torch thread count."""
+    from fedpers.experiments import rating_baselines
+
+    g = torch.Generator().manual_seed(3)
+    n, m, n_i, rank, lam, steps = 40, 9, 12, 3, 3.0, 4
+    items = torch.randint(0, n_i, (n, m), generator=g)
+    ratings = 1 + 4 * torch.rand(n, m, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, m, generator=g) < 0.7
+    mask[5] = False  # a user without ratings
+    for u in range(n):  # one rating per (user, item), as the loaders keep
+        seen: set[int] = set()
+        for j in range(m):
+            if mask[u, j] and int(items[u, j]) in seen:
+                mask[u, j] = False
+            seen.add(int(items[u, j]))
+    mu, P, c, V, b = rating_baselines.fit(items, ratings, mask, n_i, rank, lam, steps, seed=7)
+    user, slot = mask.nonzero(as_tuple=True)
+    item, r = items[user, slot], ratings[user, slot]
+    P0 = 0.1 * torch.randn(n_i, rank, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    Pr, cr = P0.numpy().copy(), np.zeros(n_i)
+    Vr, br = np.zeros((n, rank)), np.zeros(n)
+    eye = lam * np.eye(rank + 1)
+    for _ in range(steps):
+        for u in range(n):
+            at = (user == u).numpy()
+            X = np.hstack([Pr[item.numpy()[at]], np.ones((at.sum(), 1))])
+            w = np.linalg.solve(X.T @ X + eye, X.T @ (r.numpy()[at] - float(r.mean()) - cr[item.numpy()[at]]))
+            Vr[u], br[u] = w[:rank], w[rank]
+        for i in range(n_i):
+            at = (item == i).numpy()
+            X = np.hstack([Vr[user.numpy()[at]], np.ones((at.sum(), 1))])
+            w = np.linalg.solve(X.T @ X + eye, X.T @ (r.numpy()[at] - float(r.mean()) - br[user.numpy()[at]]))
+            Pr[i], cr[i] = w[:rank], w[rank]
+    for mine, theirs in ((P, Pr), (c, cr), (V, Vr), (b, br)):
+        np.testing.assert_allclose(mine.numpy(), theirs, rtol=1e-10, atol=1e-12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        again = rating_baselines.fit(items, ratings, mask, n_i, rank, lam, steps, seed=7)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(x, y) for x, y in zip((P, c, V, b), again[1:]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["movielens-small", "insteval"])
 def test_the_non_private_reference_is_a_tuned_biased_als(dataset):

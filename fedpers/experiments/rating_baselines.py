@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedpers import linalg
 from fedpers.protocols.dpals import spd_solve
 
 Tensor = torch.Tensor
@@ -24,48 +25,69 @@ RIDGES = (1.0, 3.0, 10.0, 30.0)
 """λ tried on the validation split (the same λ for factors and biases)."""
 
 
-def _grouping(index: Tensor, size: int) -> Tensor:
-    """The (size × nnz) 0/1 CSR matrix summing the rows of a (nnz, ·) matrix by ``index``."""
-    crow = torch.zeros(size + 1, dtype=torch.int64)
-    crow[1:] = torch.cumsum(torch.bincount(index, minlength=size), 0)
-    col = torch.sort(index, stable=True).indices
-    with warnings.catch_warnings():  # "sparse CSR support is in beta": the product used here is stable
-        warnings.simplefilter("ignore", UserWarning)
-        ones = torch.ones(index.shape[0], dtype=torch.float64)
-        return torch.sparse_csr_tensor(crow, col, ones, (size, index.shape[0]), check_invariants=False)
+class _Pairs:
+    """The rated (row, column) pairs as a CSR matrix (rows × columns) whose entries are the pairs
+    in a fixed order (each row's pairs in the order of ``order``), for sums over a row's pairs of
+    a per-column vector: ``ones @ F`` is Σ F[column] and :meth:`weighted` ``(w) @ F`` is Σ w F[column]."""
+
+    def __init__(self, row: Tensor, column: Tensor, rows: int, columns: int) -> None:
+        self.order = torch.sort(row, stable=True).indices  # each row's pairs in their given order
+        self.crow = torch.zeros(rows + 1, dtype=torch.int64)
+        self.crow[1:] = torch.cumsum(torch.bincount(row, minlength=rows), 0)
+        self.col = column[self.order]
+        self.shape = (rows, columns)
+        self.ones = self.weighted(torch.ones(row.shape[0], dtype=torch.float64))
+
+    def weighted(self, w: Tensor) -> Tensor:
+        """The CSR matrix with entry w[p] at pair p (w in the pairs' given order)."""
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": the product used here is stable
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(self.crow, self.col, w[self.order], self.shape, check_invariants=False)
 
 
-def _solve_groups(S: Tensor, X: Tensor, y: Tensor, ridge: float) -> Tensor:
-    """Per group g of ``S``: (Σ x xᵀ + λI)⁻¹ Σ y x over its rows (one sparse product, one batched
-    Cholesky; λ > 0 makes every system positive definite)."""
-    nnz, d = X.shape
+def _solve_pairs(pairs: _Pairs, X: Tensor, y: Tensor, ridge: float) -> Tensor:
+    """Per row g of ``pairs``: (Σ x xᵀ + λI)⁻¹ Σ y x over its pairs, x = X[column] (X (columns, d),
+    y per pair). The outer products x xᵀ are formed once per column, not once per pair: the same
+    products summed in the same order as over per-pair copies, at a fraction of the memory traffic.
+    λ > 0 makes every system positive definite."""
+    d = X.shape[1]
+    outer = (X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(-1, d * d)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        sums = S @ torch.cat([(X.unsqueeze(-1) * X.unsqueeze(-2)).reshape(nnz, d * d), X * y.unsqueeze(-1)], 1)
-    A = sums[:, : d * d].reshape(-1, d, d)
+        A = (pairs.ones @ outer).reshape(-1, d, d)
+        rhs = pairs.weighted(y) @ X
     A.diagonal(dim1=-2, dim2=-1).add_(ridge)
-    return spd_solve(A, sums[:, d * d :])
+    return linalg.small_batched(spd_solve, A, rhs, min_share=1024)
 
 
 def fit(
     items: Tensor, ratings: Tensor, mask: Tensor, n_items: int, rank: int, ridge: float, steps: int, seed: int
 ) -> tuple[float, Tensor, Tensor, Tensor, Tensor]:
-    """(μ, P (items, k), c (items,), V (users, k), b (users,)) of biased ALS on the masked ratings."""
+    """(μ, P (items, k), c (items,), V (users, k), b (users,)) of biased ALS on the masked ratings
+    (many small ops: on this thread alone, the users' k×k solves in single-threaded shares)."""
+    with linalg.serial_small_ops(items.device):
+        return _fit(items, ratings, mask, n_items, rank, ridge, steps, seed)
+
+
+def _fit(
+    items: Tensor, ratings: Tensor, mask: Tensor, n_items: int, rank: int, ridge: float, steps: int, seed: int
+) -> tuple[float, Tensor, Tensor, Tensor, Tensor]:
     user, slot = mask.nonzero(as_tuple=True)
     item, r = items[user, slot], ratings.double()[user, slot]
     n = items.shape[0]
-    by_user, by_item = _grouping(user, n), _grouping(item, n_items)
+    by_user, by_item = _Pairs(user, item, n, n_items), _Pairs(item, user, n_items, n)
     mu = float(r.mean()) if r.numel() else 0.0
     g = torch.Generator().manual_seed(seed)
     P = 0.1 * torch.randn(n_items, rank, generator=g, dtype=torch.float64)
     c = torch.zeros(n_items, dtype=torch.float64)
     V = torch.zeros(n, rank, dtype=torch.float64)
     b = torch.zeros(n, dtype=torch.float64)
-    one = torch.ones(r.shape[0], 1, dtype=torch.float64)
     for _ in range(steps):
-        sol = _solve_groups(by_user, torch.cat([P[item], one], 1), r - mu - c[item], ridge)
+        sol = _solve_pairs(
+            by_user, torch.cat([P, torch.ones(n_items, 1, dtype=torch.float64)], 1), r - mu - c[item], ridge
+        )
         V, b = sol[:, :rank], sol[:, rank]
-        sol = _solve_groups(by_item, torch.cat([V[user], one], 1), r - mu - b[user], ridge)
+        sol = _solve_pairs(by_item, torch.cat([V, torch.ones(n, 1, dtype=torch.float64)], 1), r - mu - b[user], ridge)
         P, c = sol[:, :rank], sol[:, rank]
     return mu, P, c, V, b
 
