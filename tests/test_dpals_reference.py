@@ -98,6 +98,8 @@ def test_the_reference_fit_sums_each_rows_pairs_as_per_row_solves_do():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(x, y) for x, y in zip((P, c, V, b), again[1:]))
+    errors = [mu + b[u] + c[items[u, j]] + P[items[u, j]] @ V[u] - ratings[u, j] for u, j in zip(user, slot)]
+    assert math.isclose(rating_baselines.rmse((mu, P, c, V, b), items, ratings, mask), float(torch.stack(errors).pow(2).mean().sqrt()), rel_tol=1e-12)
 
 
 @pytest.mark.slow

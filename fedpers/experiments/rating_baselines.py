@@ -93,10 +93,13 @@ def _fit(
 
 
 def rmse(fitted: tuple[float, Tensor, Tensor, Tensor, Tensor], items: Tensor, ratings: Tensor, where: Tensor) -> float:
-    """RMSE of the fitted model on the ratings selected by ``where`` (NaN if none)."""
+    """RMSE of the fitted model on the ratings selected by ``where`` (NaN if none); predicted at
+    those ratings alone."""
     mu, P, c, V, b = fitted
-    pred = mu + b.unsqueeze(1) + c[items] + (P[items] * V.unsqueeze(1)).sum(-1)
-    err = (pred - ratings.double())[where]
+    user, slot = where.nonzero(as_tuple=True)
+    item = items[user, slot]
+    pred = mu + b[user] + c[item] + (P[item] * V[user]).sum(-1)
+    err = pred - ratings.double()[user, slot]
     return float(err.pow(2).mean().sqrt()) if err.numel() else math.nan
 
 
