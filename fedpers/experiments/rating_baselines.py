@@ -126,7 +126,13 @@ class Tuned:
 
 def tuned(units: dict[str, Tensor], n_items: int, rank: int, steps: int = 10, seed: int = 0) -> Tuned:
     """λ chosen from :data:`RIDGES` on a 10 % validation split of the training ratings (the test
-    ratings are never looked at), then the model refitted on all training ratings."""
+    ratings are never looked at), then the model refitted on all training ratings (many small
+    ops: on this thread alone, see :func:`fit`)."""
+    with linalg.serial_small_ops(units["items"].device):
+        return _tuned(units, n_items, rank, steps, seed)
+
+
+def _tuned(units: dict[str, Tensor], n_items: int, rank: int, steps: int, seed: int) -> Tuned:
     items, ratings, mask, test = units["items"], units["ratings"], units["mask"], units["test"]
     fit_mask, val_mask = validation_split(mask, 0.1, seed)
     scores = {
