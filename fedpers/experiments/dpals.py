@@ -302,8 +302,8 @@ def _host_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
     t = table(cfg)
     if t is not None:
         return t.units(ids, getattr(torch, cfg.dtype), center(cfg))
-    key = (cfg.seed, cfg.n_items, cfg.true_rank, cfg.min_count, cfg.max_count, cfg.popularity, cfg.noise_std)
-    key += (cfg.test_fraction, cfg.dtype)
+    key: tuple[Any, ...] = (cfg.seed, cfg.n_items, cfg.true_rank, cfg.min_count, cfg.max_count, cfg.popularity)
+    key += (cfg.noise_std, cfg.test_fraction, cfg.dtype)
     with _LAST_SYNTHETIC_LOCK:
         for known, known_ids, units in _LAST_SYNTHETIC:
             if known == key and torch.equal(known_ids, ids):
