@@ -75,15 +75,41 @@ def _install_trusted_once(install: Any) -> Any:
     return installed
 
 
-def _warm() -> None:
-    """Import, once, everything a ClientApp execution would otherwise import in each fork:
-    torch, the Runtime API's HTTP stack (httpcore pulls in trio: ~0.75 s), every fedpers algorithm."""
-    import httpcore  # noqa: F401
-    import torch  # noqa: F401
+WARM_MODULES = (
+    "httpcore",  # the Runtime API's HTTP stack (httpcore pulls in trio: ~0.75 s)
+    "torch",
+    "torch.utils.serialization",  # torch.save / torch.load of the node cache
+    "fedpers.app",
+    "fedpers.runtime.flower.client",  # the runtime the ClientApp is built from ...
+    "fedpers.runtime.flower.secaggplus",  # ... which it imports when the app is built,
+    "fedpers.runtime.flower.policy",  # ... and when a task arrives
+    "fedpers.runtime.flower.nodeside",
+    "fedpers.runtime.flower.nodeplan",
+    "fedpers.runtime.distributed",
+    "fedpers.results.securefs",
+)
+"""What the fork server imports once: everything a ClientApp execution would otherwise import in
+each fork (compiled again from source where bytecode is not written: 20-40 ms a fork here)."""
 
-    import fedpers.app
-    import fedpers.runtime.flower.client  # noqa: F401 - ... and the runtime it builds the ClientApp from
-    from fedpers.experiments import EXPERIMENTS  # noqa: F401 - imports every algorithm's module
+
+def _warm() -> None:
+    """Import :data:`WARM_MODULES` and every registered algorithm's module once (the registry
+    itself imports them lazily), and set up OpenSSL once (each fork's Runtime API client makes an
+    SSL context, even over plain HTTP: its first one in a process costs OpenSSL's set-up).
+    Nothing here runs a torch operation or opens a connection."""
+    import importlib
+    import ssl
+
+    from fedpers.experiments import ALGORITHMS
+
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+    for module, _, _ in ALGORITHMS.values():
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an optional dependency missing: that algorithm's tasks fail in their fork, as before
+            pass
+    ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # a throwaway context: no certificates, never used
 
 
 def serve() -> None:
