@@ -366,3 +366,23 @@ def test_a_warm_fork_imports_no_module_for_a_clientapp_execution(tmp_path: Path)
     done = subprocess.run([sys.executable, "-c", _ONE_EXECUTION], input=pickle.dumps((task.content, node_config)), env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert done.stdout.decode().split() == [], done.stdout.decode()
+
+
+def test_warm_clientapps_send_no_flower_telemetry_unless_the_operator_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server (every ClientApp execution) runs with FLWR_TELEMETRY_ENABLED=0 by default; an
+    operator's own setting wins; the rest of the environment is the SuperExec's."""
+    started: list[dict] = []
+
+    def popen(cmd: list[str], **kwargs: object) -> object:
+        started.append(kwargs["env"])  # type: ignore[arg-type]
+        return types.SimpleNamespace(stdout=io.StringIO("ready\n"))
+
+    monkeypatch.setattr(forkserver.subprocess, "Popen", popen)
+    monkeypatch.delenv(forkserver.TELEMETRY_ENV, raising=False)
+    monkeypatch.setenv("FEDPERS_NODE_CACHE", "/somewhere")
+    forkserver.ForkServerExecutor._start()
+    monkeypatch.setenv(forkserver.TELEMETRY_ENV, "1")
+    forkserver.ForkServerExecutor._start()
+    assert started[0][forkserver.TELEMETRY_ENV] == "0" and started[0]["FEDPERS_NODE_CACHE"] == "/somewhere"
+    assert started[1][forkserver.TELEMETRY_ENV] == "1"
+    assert os.environ[forkserver.TELEMETRY_ENV] == "1"  # the SuperExec's own environment is not changed

@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from fedpers.deploy.flower import require_flower
@@ -153,6 +154,19 @@ def serve() -> None:
                 os._exit(code)
 
 
+TELEMETRY_ENV = "FLWR_TELEMETRY_ENABLED"
+
+
+def fork_server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The fork server's environment: the SuperExec's, with Flower's public ``FLWR_TELEMETRY_ENABLED``
+    set to ``0`` unless the operator set it. Otherwise every ClientApp execution sends two telemetry
+    events to flower.ai (run enter and leave: the node's platform, the exit code and, by their
+    timing, each round this data-holding node takes part in) and builds them in its fork
+    (``platform.architecture()`` starts a ``file`` process; the exit waits up to 4 s for the send):
+    0.05–0.15 s of a loopback round here. The SuperNode's and SuperExec's own events are untouched."""
+    return {**environ, TELEMETRY_ENV: environ.get(TELEMETRY_ENV, "0")}
+
+
 class ForkServerExecutor:
     """Flower's executor interface: ClientApp tasks go to the fork server (restarted if it died),
     others to Flower's default — except with ``$FEDPERS_TRUSTED_APPS`` set, where other task types
@@ -170,6 +184,7 @@ class ForkServerExecutor:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=fork_server_env(os.environ),
         )
         ready = server.stdout.readline().strip() if server.stdout else ""
         if ready != "ready":
