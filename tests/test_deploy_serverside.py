@@ -172,3 +172,53 @@ def test_a_deployment_refuses_node_noise_drawn_from_the_runs_seed() -> None:
             refuse_seeded_node_noise(seeded)
         secure = dataclasses.replace(job, options=dataclasses.replace(job.options, dp_model=model, secure_noise=True))
         refuse_seeded_node_noise(secure)
+
+
+def _polled(grid_type: type, reply_at: float) -> tuple[list[float], float]:
+    """The pauses of ``exchange`` on a grid whose one reply is there from ``reply_at`` s on (a fake
+    clock), and how long after ``reply_at`` it was seen."""
+    from fedpers.runtime.flower import server
+
+    clock = {"now": 0.0}
+    pauses: list[float] = []
+    reply = SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="task"))
+    grid = grid_type(SimpleNamespace(push_messages=lambda m: ["task"], pull_messages=lambda ids: [reply] if clock["now"] >= reply_at else []))
+
+    def sleep(s: float) -> None:
+        pauses.append(s)
+        clock["now"] += s
+
+    fake = SimpleNamespace(monotonic=lambda: clock["now"], sleep=sleep)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server, "time", fake)
+        assert server.exchange(grid, ["task"], timeout=60.0) == [reply]
+    return pauses, clock["now"] - reply_at
+
+
+def test_a_deployed_round_sees_its_last_reply_within_a_tenth_of_its_wait() -> None:
+    """The deployed grid (BoundedGrid) polls every tenth of the time waited (5 ms to 0.1 s); any other
+    grid (a simulation's) keeps the geometric polls."""
+    from fedpers.runtime.flower import server
+
+    class Plain:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def push_messages(self, m: object) -> object:
+            return self.inner.push_messages(m)  # type: ignore[attr-defined]
+
+        def pull_messages(self, ids: object) -> object:
+            return self.inner.pull_messages(ids)  # type: ignore[attr-defined]
+
+    def deployed(inner: object) -> BoundedGrid:
+        return BoundedGrid(inner, deadline=float("inf"), alive=lambda: True)
+
+    for reply_at in (0.003, 0.05, 0.3, 0.6, 2.0, 10.0):
+        pauses, late = _polled(deployed, reply_at)
+        assert late <= max(server.POLL_FIRST, min(0.1 * reply_at * 1.0001, server.POLL_MAX)) + 1e-9
+        assert all(server.POLL_FIRST <= p <= server.POLL_MAX for p in pauses)
+    geometric, plain_late = _polled(Plain, 0.6)
+    assert geometric[:3] == pytest.approx([server.POLL_FIRST, server.POLL_FIRST * 1.5, server.POLL_FIRST * 2.25])
+    assert max(geometric) == server.POLL_MAX
+    pauses, late = _polled(deployed, 0.6)
+    assert late <= 0.06 and len(pauses) <= 45  # bounded pulls: 10 at 5 ms, then 10% more time per pull

@@ -107,8 +107,34 @@ def test_supernode_waits_are_capped_network_at_poll_local_shorter(monkeypatch: p
     monkeypatch.setattr(clock, "_time", types.SimpleNamespace(sleep=slept.append, monotonic=lambda: 5.0))
     clock.sleep(3)  # no message pulled: a network poll
     clock.sleep(0.5)  # a reply pending in the node's own state
-    clock.sleep(0.01)
-    assert slept == [0.2, supernode.LOCAL_WAIT, 0.01] and clock.monotonic() == 5.0
+    clock.sleep(0.001)
+    assert slept == [0.2, supernode.LOCAL_WAIT, 0.001] and clock.monotonic() == 5.0
+
+
+def test_supernode_polls_soon_after_a_message_then_backs_off_to_the_idle_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    clock = supernode._PollingTime(0.2)
+    monkeypatch.setattr(clock, "_time", types.SimpleNamespace(sleep=slept.append))
+    clock.sleep(3)
+    clock.sleep(3)  # idle since start: every pull waits the full poll
+    assert slept == [0.2, 0.2]
+    slept.clear()
+    clock.sleep(0.5)  # the node waited for a ClientApp's reply: it just worked on a message
+    for _ in range(14):
+        clock.sleep(3)
+    polls = slept[1:]
+    assert polls[0] == supernode.BUSY_POLL and polls[-1] == 0.2 and polls == sorted(polls)
+    assert all(b == pytest.approx(min(a * supernode.POLL_GROWTH, 0.2)) for a, b in zip(polls, polls[1:]))
+    assert sum(p < 0.2 for p in polls) <= 11  # back at the idle poll within about a second
+    slept.clear()
+    clock.sleep(0.5)  # the next message: soon again
+    clock.sleep(3)
+    assert slept == [supernode.LOCAL_WAIT, supernode.BUSY_POLL]
+    slow = supernode._PollingTime(0.01)  # an idle poll below the busy one is never lengthened
+    monkeypatch.setattr(slow, "_time", types.SimpleNamespace(sleep=slept.append))
+    slow.sleep(0.5)
+    slow.sleep(3)
+    assert slept[-1] == 0.01
 
 
 def test_the_supernode_starts_fedpers_superexec_and_nothing_else_is_rewritten(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,3 +316,73 @@ def test_a_deployed_serverapp_on_an_unchecked_series_keeps_flowers_pulls(monkeyp
     monkeypatch.setitem(sys.modules, "fake_grid_module", module)
     assert pulls.quick_grid_pulls(grid_type()) is False
     assert module.pull_objects is original and "1.43.0" in caplog.text
+
+
+_ONE_EXECUTION = """
+import pickle, sys
+from flwr.supercore.tls import validate_and_resolve_root_certificates  # what serve() imports, then _warm()
+from flwr.supernode.runtime import run_clientapp
+from fedpers.deploy import forkserver
+
+forkserver._warm()
+warm = set(sys.modules)
+from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+from fedpers.app import make_client_app
+
+TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1  # as run_clientapp's pull sets them
+content, node_config = pickle.loads(sys.stdin.buffer.read())
+for _ in range(2):  # the node cache is written, then read
+    context = Context(run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
+    reply = make_client_app()(Message(content, 1, MessageType.TRAIN), context)
+    assert not reply.has_error(), reply.error
+print(" ".join(sorted(m for m in set(sys.modules) - warm if m.split(".")[0] in ("fedpers", "torch", "flwr", "cryptography", "numpy"))))
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_fork_imports_no_module_for_a_clientapp_execution(tmp_path: Path) -> None:
+    """What the fork server imports (``_warm``) covers a ClientApp execution's own imports — building
+    the app, the policy, node-side and SecAgg+ modules, the node cache — so no fork compiles them again."""
+    import pickle
+    import subprocess
+
+    from fedpers import config as config_lib
+    from fedpers.app import make_client_app, run_flower
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.privacy import Privatizer
+    from fedpers.runtime.options import RuntimeOptions
+    from tests.flower_support import InProcessGrid
+
+    exp = EXPERIMENTS["altmin"]
+    cfg = config_lib.build(exp.config_type, {"n_users": 40, "dim": 4, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 1, "cohorts": "all"})
+    grid = InProcessGrid(make_client_app(), 1)
+    options = config_lib.build(RuntimeOptions, {"runtime": "flower", "round_timeout": 5.0})
+    run_flower(exp, cfg, exp.protocol(cfg), Privatizer(1), options, grid=grid, progress=False)
+    task = next(m for m in reversed(grid.sent) if m.metadata.message_type == "train")
+    node_config = dict(next(iter(grid.contexts.values())).node_config)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "FEDPERS_NODE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _ONE_EXECUTION], input=pickle.dumps((task.content, node_config)), env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert done.stdout.decode().split() == [], done.stdout.decode()
+
+
+def test_warm_clientapps_send_no_flower_telemetry_unless_the_operator_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server (every ClientApp execution) runs with FLWR_TELEMETRY_ENABLED=0 by default; an
+    operator's own setting wins; the rest of the environment is the SuperExec's."""
+    started: list[dict] = []
+
+    def popen(cmd: list[str], **kwargs: object) -> object:
+        started.append(kwargs["env"])  # type: ignore[arg-type]
+        return types.SimpleNamespace(stdout=io.StringIO("ready\n"))
+
+    monkeypatch.setattr(forkserver.subprocess, "Popen", popen)
+    monkeypatch.delenv(forkserver.TELEMETRY_ENV, raising=False)
+    monkeypatch.setenv("FEDPERS_NODE_CACHE", "/somewhere")
+    forkserver.ForkServerExecutor._start()
+    monkeypatch.setenv(forkserver.TELEMETRY_ENV, "1")
+    forkserver.ForkServerExecutor._start()
+    assert started[0][forkserver.TELEMETRY_ENV] == "0" and started[0]["FEDPERS_NODE_CACHE"] == "/somewhere"
+    assert started[1][forkserver.TELEMETRY_ENV] == "1"
+    assert os.environ[forkserver.TELEMETRY_ENV] == "1"  # the SuperExec's own environment is not changed

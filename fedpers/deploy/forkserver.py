@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from fedpers.deploy.flower import require_flower
@@ -75,15 +76,41 @@ def _install_trusted_once(install: Any) -> Any:
     return installed
 
 
-def _warm() -> None:
-    """Import, once, everything a ClientApp execution would otherwise import in each fork:
-    torch, the Runtime API's HTTP stack (httpcore pulls in trio: ~0.75 s), every fedpers algorithm."""
-    import httpcore  # noqa: F401
-    import torch  # noqa: F401
+WARM_MODULES = (
+    "httpcore",  # the Runtime API's HTTP stack (httpcore pulls in trio: ~0.75 s)
+    "torch",
+    "torch.utils.serialization",  # torch.save / torch.load of the node cache
+    "fedpers.app",
+    "fedpers.runtime.flower.client",  # the runtime the ClientApp is built from ...
+    "fedpers.runtime.flower.secaggplus",  # ... which it imports when the app is built,
+    "fedpers.runtime.flower.policy",  # ... and when a task arrives
+    "fedpers.runtime.flower.nodeside",
+    "fedpers.runtime.flower.nodeplan",
+    "fedpers.runtime.distributed",
+    "fedpers.results.securefs",
+)
+"""What the fork server imports once: everything a ClientApp execution would otherwise import in
+each fork (compiled again from source where bytecode is not written: 20-40 ms a fork here)."""
 
-    import fedpers.app
-    import fedpers.runtime.flower.client  # noqa: F401 - ... and the runtime it builds the ClientApp from
-    from fedpers.experiments import EXPERIMENTS  # noqa: F401 - imports every algorithm's module
+
+def _warm() -> None:
+    """Import :data:`WARM_MODULES` and every registered algorithm's module once (the registry
+    itself imports them lazily), and set up OpenSSL once (each fork's Runtime API client makes an
+    SSL context, even over plain HTTP: its first one in a process costs OpenSSL's set-up).
+    Nothing here runs a torch operation or opens a connection."""
+    import importlib
+    import ssl
+
+    from fedpers.experiments import ALGORITHMS
+
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+    for module, _, _ in ALGORITHMS.values():
+        try:
+            importlib.import_module(module)
+        except ImportError:  # an optional dependency missing: that algorithm's tasks fail in their fork, as before
+            pass
+    ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # a throwaway context: no certificates, never used
 
 
 def serve() -> None:
@@ -127,6 +154,19 @@ def serve() -> None:
                 os._exit(code)
 
 
+TELEMETRY_ENV = "FLWR_TELEMETRY_ENABLED"
+
+
+def fork_server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The fork server's environment: the SuperExec's, with Flower's public ``FLWR_TELEMETRY_ENABLED``
+    set to ``0`` unless the operator set it. Otherwise every ClientApp execution sends two telemetry
+    events to flower.ai (run enter and leave: the node's platform, the exit code and, by their
+    timing, each round this data-holding node takes part in) and builds them in its fork
+    (``platform.architecture()`` starts a ``file`` process; the exit waits up to 4 s for the send):
+    0.05–0.15 s of a loopback round here. The SuperNode's and SuperExec's own events are untouched."""
+    return {**environ, TELEMETRY_ENV: environ.get(TELEMETRY_ENV, "0")}
+
+
 class ForkServerExecutor:
     """Flower's executor interface: ClientApp tasks go to the fork server (restarted if it died),
     others to Flower's default — except with ``$FEDPERS_TRUSTED_APPS`` set, where other task types
@@ -144,6 +184,7 @@ class ForkServerExecutor:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=fork_server_env(os.environ),
         )
         ready = server.stdout.readline().strip() if server.stdout else ""
         if ready != "ready":

@@ -31,6 +31,11 @@ log = logging.getLogger("fedpers.flower")
 POLL_FIRST, POLL_MAX = 0.005, 0.1
 """Seconds between pulls for replies, growing geometrically (Grid.send_and_receive sleeps 3 s on a SuperLink)."""
 
+REPLY_POLL_SHARE = "reply_poll_share"
+"""A grid with this attribute (a fraction, e.g. 0.1) is polled for replies every that fraction of
+the time already waited (at least :data:`POLL_FIRST`, at most :data:`POLL_MAX` s): a reply then waits at
+most that share of the round to be seen, without more pulls than that share allows."""
+
 
 class Stopped(RuntimeError):
     """The Flower runtime under this ServerApp stopped (e.g. the simulation engine crashed)."""
@@ -45,20 +50,24 @@ def exchange(
     grid: Grid, messages: Iterable[FlowerMessage], timeout: float, stop: Callable[[], bool] | None = None
 ) -> list[FlowerMessage]:
     """Push ``messages`` and pull replies until all arrived, ``timeout`` seconds passed, or ``stop()``."""
+    share: float | None = getattr(grid, REPLY_POLL_SHARE, None)
     pending = set(grid.push_messages(list(messages)))
-    deadline = time.monotonic() + timeout
+    pushed = time.monotonic()
+    deadline = pushed + timeout
     replies: list[FlowerMessage] = []
     pause = POLL_FIRST
     while pending:
         got = list(grid.pull_messages(pending))
         replies.extend(got)
         pending.difference_update(m.metadata.reply_to_message_id for m in got)
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if not pending or left <= 0:
             break
         _check(stop)
         time.sleep(min(pause, left))
-        pause = min(pause * 1.5, POLL_MAX)
+        grown = pause * 1.5 if share is None else share * (now - pushed)
+        pause = min(max(grown, POLL_FIRST), POLL_MAX)
     return replies
 
 
