@@ -772,7 +772,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "496cc0db3cb4926a3cdc94ba58e1a77f1042ef4cb7507612c464b1ea29e9d80a",
+   "fingerprint": "d46c43a2e0354db6cc97afa5fde10c7a72c657b363619aa2721dbdc1d4f7637b",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
