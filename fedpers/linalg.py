@@ -332,6 +332,10 @@ def kron_statistics(
     block = kron_block(d, x.element_size()) if block is None else block
     if device_kernels:
         block = max(block, DEVICE_BLOCK)
+    if n == 1 and not device_kernels:  # a node of one user, every round: a handful of ops
+        one = _one_unit_statistics(v, x, log_v, eta, label)
+        if one is not None:
+            return one
     k = v.shape[-1]
     rows, cols = torch.triu_indices(k, k, device=v.device)
     vv = v[:, rows] * v[:, cols]
@@ -431,6 +435,31 @@ def kron_statistics(
         if a != b:
             full[a * d : (a + 1) * d, b * d : (b + 1) * d] = g
     return full, (bsum.reshape(k * d) if label is not None else None)
+
+
+def _one_unit_statistics(
+    v: Tensor, x: Tensor, log_v: Tensor | None, eta: float, label: Tensor | None
+) -> tuple[Tensor, Tensor | None] | None:
+    """:func:`kron_statistics` of one unit (n = 1) in a few ops instead of the blocked path's
+    dozens: X̃ᵀX̃ as one product, A = (v vᵀ) ⊗ X̃ᵀX̃ and b = v ⊗ Σ_i (label_i·f_i) x_i as Kronecker
+    products. The clip factors f_i and the label sum are formed as the blocked path forms them
+    (the same bits); the Gram's entries may be summed in another order (float rounding). None
+    where :func:`_block_norms` does not trust the norms: the blocked path then takes the exact
+    :func:`directions`, as it does for any n."""
+    xb, w = x[0], None if label is None else label[0]
+    if log_v is not None:
+        norm = _block_norms(xb)
+        if norm is None:
+            return None
+        nd = norm.double()
+        vn = log_v[0].double().exp()  # inf beyond float64: then min(·) takes η/||x||
+        factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd)).to(x.dtype)
+        w = None if w is None else w * factor  # the label sum reads the unscaled x, as the blocked path's does
+        scaled = xb * factor.unsqueeze(-1)
+    else:
+        scaled = xb
+    A = torch.kron(torch.outer(v[0], v[0]), scaled.transpose(0, 1) @ scaled)
+    return A, (None if w is None else torch.kron(v[0], w @ xb))
 
 
 KRON_BLOCK = 48

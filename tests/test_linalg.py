@@ -182,3 +182,48 @@ def test_the_host_gram_halves_equal_the_full_gram_loop_and_the_exact_sums(d: int
                 torch.testing.assert_close(a.double(), e, rtol=tol * 10, atol=tol * 10 * float(e.abs().max()))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 1e-25, 1e25])
+def test_one_unit_statistics_equal_the_blocked_path_and_the_per_sample_sums(
+    dtype: torch.dtype, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node of one user takes kron_statistics' one-unit path every round: A and b equal the
+    blocked path's (the same user beside an all-zero one, which adds exact zeros) to float rounding,
+    b to the bit, and the per-sample clipped sums; norms it cannot trust (1e±25 overflow or
+    underflow float32 squares) still take the exact directions, and a non-finite user gives what
+    the blocked path gives."""
+    g = torch.Generator().manual_seed(3)
+    q, d, k, eta = 20, 50, 3, 1.5
+    v = torch.randn(1, k, generator=g, dtype=torch.float64)
+    x = torch.randn(1, q, d, generator=g, dtype=torch.float64) * scale
+    x[0, 4] = 0.0  # a zero sample: clip factor 0
+    y = torch.randn(1, q, generator=g, dtype=torch.float64)
+    v_hat, log_v = linalg.directions(v)
+    args = (v_hat.to(dtype), x.to(dtype), log_v, eta)
+    taken: list[bool] = []
+    one_unit = linalg._one_unit_statistics
+    monkeypatch.setattr(linalg, "_one_unit_statistics", lambda *a: taken.append(True) or one_unit(*a))
+    one = linalg.kron_statistics(*args, label=y.to(dtype))
+    assert taken == [True]  # n = 1 on the host: the one-unit path (it may hand back to the blocked one)
+    pair = linalg.kron_statistics(
+        *(torch.cat([a, torch.zeros_like(a)]) for a in args[:3]), eta, label=torch.cat([y, y]).to(dtype)
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-13
+    torch.testing.assert_close(one[0], pair[0], rtol=tol, atol=tol * float(pair[0].abs().max()))
+    if scale == 1.0:  # on the fast path: the label sum is formed exactly as the blocked path forms it
+        assert torch.equal(one[1], pair[1])
+    w = linalg.clip_vectors((v[:, None, :, None] * x[:, :, None, :]).reshape(q, k * d), eta)
+    for got, exact in zip(one, (w.T @ w, w.T @ y.reshape(-1))):
+        if dtype == torch.float32 and scale < 1:  # products of 1e-25 entries underflow float32 on every path
+            break
+        torch.testing.assert_close(got.double(), exact, rtol=tol * 10, atol=tol * 10 * float(exact.abs().max()))
+    bad = x.clone()
+    bad[0, 2, 1] = float("nan")
+    nan_one = linalg.kron_statistics(v_hat, bad, log_v, eta, label=y)
+    nan_pair = linalg.kron_statistics(
+        torch.cat([v_hat, v_hat * 0]), torch.cat([bad, bad * 0]), torch.cat([log_v, log_v]), eta, label=torch.cat([y, y])
+    )
+    for a, b in zip(nan_one, nan_pair):
+        assert torch.equal(a.isnan(), b.isnan())
