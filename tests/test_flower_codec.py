@@ -69,6 +69,27 @@ def test_task_round_trip():
     torch.testing.assert_close(task.broadcast["U"], torch.eye(3, 2, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_rounds_tasks_copied_from_one_checked_record_equal_tasks_built_alone(inline, monkeypatch):
+    """GridGather builds a round's tasks from one TaskEncoder: each node's task carries exactly the
+    entries (and the shared broadcast Array, above INLINE_BYTES) of a task built alone, its own
+    range only, and no task's range leaks into the shared record or another task."""
+    if not inline:
+        monkeypatch.setattr(codec, "INLINE_BYTES", 100)
+    job = codec.Job("altmin", '{"seed": 1}', "abc", '{"z": 1.5}')
+    packed = codec.broadcast_record({"U": torch.randn(50, 3, dtype=torch.float64)})
+    encode = codec.TaskEncoder(job, 4, packed)
+    tasks = [encode(r) for r in (range(0, 3), range(3, 7), range(7, 8))]
+    for r, content in zip((range(0, 3), range(3, 7), range(7, 8)), tasks):
+        alone = codec.encode_task(job, 4, r, packed)
+        assert dict(content[codec.JOB]) == dict(alone[codec.JOB]) and set(content) == set(alone)
+        assert content.array_records.keys() == alone.array_records.keys()
+        task = codec.decode_task(content)
+        assert (task.job, task.round, task.start, task.stop) == (job, 4, r.start, r.stop)
+    assert codec.UNIT_START not in encode.record and codec.UNIT_STOP not in encode.record
+    assert (tasks[0][codec.JOB][codec.UNIT_START], tasks[0][codec.JOB][codec.UNIT_STOP]) == (0, 3)
+
+
 def _tag(**extra) -> ConfigRecord:
     return ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: "[]", codec.BLOB: b"", **extra})
 
