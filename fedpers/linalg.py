@@ -145,15 +145,18 @@ def _ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
     """
     # the products in the working dtype, the k×k systems in float64 (cheap; float32 Grams of
     # nearly collinear features lose the solve otherwise)
-    gram = (features.transpose(-1, -2) @ features).double()
-    k = gram.shape[-1]
-    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True).clamp_min(1.0)
-    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    gram = gram + (ridge * scale).unsqueeze(-1) * eye
-    rhs = (features.transpose(-1, -2) @ targets.unsqueeze(-1)).squeeze(-1).double()
-    bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(rhs).all(-1))
-    if gram.device.type != "cpu" or bool(bad.any()):  # on a GPU the where costs less than reading bad
-        gram = torch.where(bad[..., None, None], eye, gram)
+    ft = features.transpose(-1, -2)
+    gram = (ft @ features).double()
+    diagonal = gram.diagonal(dim1=-2, dim2=-1)
+    # the ridge on the diagonal in place: off it, adding ridge·scale·0 changed nothing (a non-finite
+    # scale comes from a non-finite diagonal, and such a problem is replaced below either way)
+    diagonal.add_(ridge * diagonal.mean(-1, keepdim=True).clamp_min(1.0))
+    rhs = (ft @ targets.unsqueeze(-1)).squeeze(-1).double()
+    # on the host one read decides whether any problem is non-finite (then each is found); on a GPU
+    # the where costs less than reading anything
+    if gram.device.type != "cpu" or not bool(torch.isfinite(gram).all() & torch.isfinite(rhs).all()):
+        bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(rhs).all(-1))
+        gram = torch.where(bad[..., None, None], torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device), gram)
         rhs = torch.where(bad[..., None], torch.full_like(rhs, math.nan), rhs)
     chol, info = torch.linalg.cholesky_ex(gram)
     out = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)

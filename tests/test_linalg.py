@@ -227,3 +227,26 @@ def test_one_unit_statistics_equal_the_blocked_path_and_the_per_sample_sums(
     )
     for a, b in zip(nan_one, nan_pair):
         assert torch.equal(a.isnan(), b.isnan())
+
+
+def test_ridge_solve_equals_the_normal_equations_and_a_non_finite_problem_spoils_only_itself() -> None:
+    """batched_ridge_solve: (FᵀF + ridge·mean(diag)·I) v = Fᵀy per problem (float64), a problem with
+    a NaN or inf gets a NaN solution while its batch-mates' solutions are the bits they get alone,
+    and a rank-deficient one (Cholesky refuses it) still gets its least-squares solution."""
+    g = torch.Generator().manual_seed(5)
+    f, y = torch.randn(4, 20, 3, generator=g, dtype=torch.float64), torch.randn(4, 20, generator=g, dtype=torch.float64)
+    ridge = 1e-3
+    gram = f.transpose(1, 2) @ f
+    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1.0)
+    want = torch.linalg.solve(gram + (ridge * scale)[:, None, None] * torch.eye(3), (f.transpose(1, 2) @ y[..., None])[..., 0])
+    torch.testing.assert_close(linalg.batched_ridge_solve(f, y, ridge), want, rtol=1e-12, atol=1e-12)
+    alone = [linalg.batched_ridge_solve(f[i : i + 1], y[i : i + 1], ridge) for i in range(4)]
+    bad_f, bad_y = f.clone(), y.clone()
+    bad_f[1, 2, 0], bad_y[2, 5] = float("nan"), float("inf")
+    got = linalg.batched_ridge_solve(bad_f, bad_y, ridge)
+    assert got[1].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[0], alone[0][0]) and torch.equal(got[3], alone[3][0])
+    flat = torch.zeros(1, 20, 3, dtype=torch.float64)
+    flat[0, :, 0] = 1.0  # rank one: FᵀF + ridge·I is singular only without the ridge; zero ridge forces lstsq
+    v = linalg.batched_ridge_solve(flat, torch.ones(1, 20, dtype=torch.float64), 0.0)
+    torch.testing.assert_close(v, torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64))
