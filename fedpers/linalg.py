@@ -64,13 +64,23 @@ def safe_norms(x: Tensor) -> Tensor | None:
     if x.numel() == 0:
         return torch.linalg.vector_norm(x, dim=-1)
     norm = torch.linalg.vector_norm(x, dim=-1)
-    small = norm < SAFE_RANGE[0]
-    peak, any_small = torch.stack([norm.amax(), small.any().to(norm.dtype)]).tolist()  # one host read
-    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
-        return None
-    if any_small and (bool((norm[small] > 0).any()) or float(x[small].abs().amax()) > 0):
+    if _untrusted(x, norm):
         return None
     return norm
+
+
+def _untrusted(x: Tensor, norm: Tensor) -> bool:
+    """Whether some norm of x (non-empty) is above 2⁴⁰ or non-finite, or below 2⁻⁴⁰ without
+    being exactly 0 on a zero vector: one host read of the norms' minimum and maximum, and a
+    closer look only where the minimum is below 2⁻⁴⁰ (a NaN makes both NaN: refused first)."""
+    low, peak = torch.stack(torch.aminmax(norm)).tolist()  # one host read
+    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
+        return True
+    if low < SAFE_RANGE[0]:  # some norm may be small, as the norms' dtype compares it
+        small = norm < SAFE_RANGE[0]
+        if bool(small.any()) and (bool((norm[small] > 0).any()) or float(x[small].abs().amax()) > 0):
+            return True
+    return False
 
 
 def directions(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -249,13 +259,7 @@ def _block_norms(x: Tensor) -> Tensor | None:
     if x.numel() == 0:
         return x.new_zeros(x.shape[:-1])
     norm = torch.linalg.vector_norm(x, dim=-1)  # reads a strided x in place (an einsum copies it first)
-    low = norm < SAFE_RANGE[0]
-    peak, any_low = torch.stack([norm.amax(), low.any().to(norm.dtype)]).tolist()  # one host read
-    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
-        return None
-    if any_low and (bool((norm[low] > 0).any()) or float(x[low].abs().amax()) > 0):
-        return None
-    return norm
+    return None if _untrusted(x, norm) else norm
 
 
 def kron_gram_sum(v: Tensor, x: Tensor, block: int | None = None) -> Tensor:

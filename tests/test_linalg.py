@@ -250,3 +250,26 @@ def test_ridge_solve_equals_the_normal_equations_and_a_non_finite_problem_spoils
     flat[0, :, 0] = 1.0  # rank one: FᵀF + ridge·I is singular only without the ridge; zero ridge forces lstsq
     v = linalg.batched_ridge_solve(flat, torch.ones(1, 20, dtype=torch.float64), 0.0)
     torch.testing.assert_close(v, torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_block_norms_and_safe_norms_make_the_same_decision_on_zero_tiny_huge_and_non_finite_vectors(dtype: torch.dtype) -> None:
+    """Both read the norms' minimum and maximum once and look closer only below 2⁻⁴⁰: a zero vector
+    is trusted (its norm is exactly 0), a vector whose squares underflow, a huge one, NaN and inf
+    are not, in every dtype (float16 cannot hold 2⁻⁴⁰: its comparison is the dtype's own)."""
+    base = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(2)).to(dtype)
+    cases = {"plain": base.clone(), "zero": base.clone(), "nan": base.clone(), "inf": base.clone(), "huge": base.clone()}
+    cases["zero"][1, 2] = 0
+    cases["nan"][0, 1, 1] = float("nan")
+    cases["inf"][2, 0, 4] = float("inf")
+    cases["huge"][3, 1] = 2.0**60 if dtype != torch.float16 else float("inf")
+    if dtype in (torch.float32, torch.float64, torch.bfloat16):
+        cases["tiny"] = base.clone()
+        cases["tiny"][1, 1] = 2.0**-70  # squares underflow (float32, bfloat16) or the norm is below 2⁻⁴⁰
+    for name, x in cases.items():
+        trusted = name in ("plain", "zero")
+        for f in (linalg.safe_norms, linalg._block_norms):
+            got = f(x)
+            assert (got is not None) == trusted, (name, f.__name__)
+            if got is not None:
+                assert torch.equal(got, torch.linalg.vector_norm(x, dim=-1))
