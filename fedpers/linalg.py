@@ -64,13 +64,23 @@ def safe_norms(x: Tensor) -> Tensor | None:
     if x.numel() == 0:
         return torch.linalg.vector_norm(x, dim=-1)
     norm = torch.linalg.vector_norm(x, dim=-1)
-    small = norm < SAFE_RANGE[0]
-    peak, any_small = torch.stack([norm.amax(), small.any().to(norm.dtype)]).tolist()  # one host read
-    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
-        return None
-    if any_small and (bool((norm[small] > 0).any()) or float(x[small].abs().amax()) > 0):
+    if _untrusted(x, norm):
         return None
     return norm
+
+
+def _untrusted(x: Tensor, norm: Tensor) -> bool:
+    """Whether some norm of x (non-empty) is above 2⁴⁰ or non-finite, or below 2⁻⁴⁰ without
+    being exactly 0 on a zero vector: one host read of the norms' minimum and maximum, and a
+    closer look only where the minimum is below 2⁻⁴⁰ (a NaN makes both NaN: refused first)."""
+    low, peak = torch.stack(torch.aminmax(norm)).tolist()  # one host read
+    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
+        return True
+    if low < SAFE_RANGE[0]:  # some norm may be small, as the norms' dtype compares it
+        small = norm < SAFE_RANGE[0]
+        if bool(small.any()) and (bool((norm[small] > 0).any()) or float(x[small].abs().amax()) > 0):
+            return True
+    return False
 
 
 def directions(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -145,15 +155,18 @@ def _ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
     """
     # the products in the working dtype, the k×k systems in float64 (cheap; float32 Grams of
     # nearly collinear features lose the solve otherwise)
-    gram = (features.transpose(-1, -2) @ features).double()
-    k = gram.shape[-1]
-    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1, keepdim=True).clamp_min(1.0)
-    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    gram = gram + (ridge * scale).unsqueeze(-1) * eye
-    rhs = (features.transpose(-1, -2) @ targets.unsqueeze(-1)).squeeze(-1).double()
-    bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(rhs).all(-1))
-    if gram.device.type != "cpu" or bool(bad.any()):  # on a GPU the where costs less than reading bad
-        gram = torch.where(bad[..., None, None], eye, gram)
+    ft = features.transpose(-1, -2)
+    gram = (ft @ features).double()
+    diagonal = gram.diagonal(dim1=-2, dim2=-1)
+    # the ridge on the diagonal in place: off it, adding ridge·scale·0 changed nothing (a non-finite
+    # scale comes from a non-finite diagonal, and such a problem is replaced below either way)
+    diagonal.add_(ridge * diagonal.mean(-1, keepdim=True).clamp_min(1.0))
+    rhs = (ft @ targets.unsqueeze(-1)).squeeze(-1).double()
+    # on the host one read decides whether any problem is non-finite (then each is found); on a GPU
+    # the where costs less than reading anything
+    if gram.device.type != "cpu" or not bool(torch.isfinite(gram).all() & torch.isfinite(rhs).all()):
+        bad = ~(torch.isfinite(gram).flatten(-2).all(-1) & torch.isfinite(rhs).all(-1))
+        gram = torch.where(bad[..., None, None], torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device), gram)
         rhs = torch.where(bad[..., None], torch.full_like(rhs, math.nan), rhs)
     chol, info = torch.linalg.cholesky_ex(gram)
     out = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
@@ -246,13 +259,7 @@ def _block_norms(x: Tensor) -> Tensor | None:
     if x.numel() == 0:
         return x.new_zeros(x.shape[:-1])
     norm = torch.linalg.vector_norm(x, dim=-1)  # reads a strided x in place (an einsum copies it first)
-    low = norm < SAFE_RANGE[0]
-    peak, any_low = torch.stack([norm.amax(), low.any().to(norm.dtype)]).tolist()  # one host read
-    if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
-        return None
-    if any_low and (bool((norm[low] > 0).any()) or float(x[low].abs().amax()) > 0):
-        return None
-    return norm
+    return None if _untrusted(x, norm) else norm
 
 
 def kron_gram_sum(v: Tensor, x: Tensor, block: int | None = None) -> Tensor:
@@ -332,6 +339,10 @@ def kron_statistics(
     block = kron_block(d, x.element_size()) if block is None else block
     if device_kernels:
         block = max(block, DEVICE_BLOCK)
+    if n == 1 and not device_kernels:  # a node of one user, every round: a handful of ops
+        one = _one_unit_statistics(v, x, log_v, eta, label)
+        if one is not None:
+            return one
     k = v.shape[-1]
     rows, cols = torch.triu_indices(k, k, device=v.device)
     vv = v[:, rows] * v[:, cols]
@@ -431,6 +442,31 @@ def kron_statistics(
         if a != b:
             full[a * d : (a + 1) * d, b * d : (b + 1) * d] = g
     return full, (bsum.reshape(k * d) if label is not None else None)
+
+
+def _one_unit_statistics(
+    v: Tensor, x: Tensor, log_v: Tensor | None, eta: float, label: Tensor | None
+) -> tuple[Tensor, Tensor | None] | None:
+    """:func:`kron_statistics` of one unit (n = 1) in a few ops instead of the blocked path's
+    dozens: X̃ᵀX̃ as one product, A = (v vᵀ) ⊗ X̃ᵀX̃ and b = v ⊗ Σ_i (label_i·f_i) x_i as Kronecker
+    products. The clip factors f_i and the label sum are formed as the blocked path forms them
+    (the same bits); the Gram's entries may be summed in another order (float rounding). None
+    where :func:`_block_norms` does not trust the norms: the blocked path then takes the exact
+    :func:`directions`, as it does for any n."""
+    xb, w = x[0], None if label is None else label[0]
+    if log_v is not None:
+        norm = _block_norms(xb)
+        if norm is None:
+            return None
+        nd = norm.double()
+        vn = log_v[0].double().exp()  # inf beyond float64: then min(·) takes η/||x||
+        factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd)).to(x.dtype)
+        w = None if w is None else w * factor  # the label sum reads the unscaled x, as the blocked path's does
+        scaled = xb * factor.unsqueeze(-1)
+    else:
+        scaled = xb
+    A = torch.kron(torch.outer(v[0], v[0]), scaled.transpose(0, 1) @ scaled)
+    return A, (None if w is None else torch.kron(v[0], w @ xb))
 
 
 KRON_BLOCK = 48

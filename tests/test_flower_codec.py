@@ -69,6 +69,27 @@ def test_task_round_trip():
     torch.testing.assert_close(task.broadcast["U"], torch.eye(3, 2, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_rounds_tasks_copied_from_one_checked_record_equal_tasks_built_alone(inline, monkeypatch):
+    """GridGather builds a round's tasks from one TaskEncoder: each node's task carries exactly the
+    entries (and the shared broadcast Array, above INLINE_BYTES) of a task built alone, its own
+    range only, and no task's range leaks into the shared record or another task."""
+    if not inline:
+        monkeypatch.setattr(codec, "INLINE_BYTES", 100)
+    job = codec.Job("altmin", '{"seed": 1}', "abc", '{"z": 1.5}')
+    packed = codec.broadcast_record({"U": torch.randn(50, 3, dtype=torch.float64)})
+    encode = codec.TaskEncoder(job, 4, packed)
+    tasks = [encode(r) for r in (range(0, 3), range(3, 7), range(7, 8))]
+    for r, content in zip((range(0, 3), range(3, 7), range(7, 8)), tasks):
+        alone = codec.encode_task(job, 4, r, packed)
+        assert dict(content[codec.JOB]) == dict(alone[codec.JOB]) and set(content) == set(alone)
+        assert content.array_records.keys() == alone.array_records.keys()
+        task = codec.decode_task(content)
+        assert (task.job, task.round, task.start, task.stop) == (job, 4, r.start, r.stop)
+    assert codec.UNIT_START not in encode.record and codec.UNIT_STOP not in encode.record
+    assert (tasks[0][codec.JOB][codec.UNIT_START], tasks[0][codec.JOB][codec.UNIT_STOP]) == (0, 3)
+
+
 def _tag(**extra) -> ConfigRecord:
     return ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: "[]", codec.BLOB: b"", **extra})
 
@@ -311,3 +332,25 @@ def test_the_server_skips_only_the_symmetry_check_of_what_it_rebuilt_from_a_tria
     assert "norm" in verify_message(huge, specs, 2, torch.float64).reason  # finite entries, norm overflows: a norm refusal
     unbounded = tuple(StatSpec(s.name, s.shape, math.inf, s.symmetric) for s in specs)
     assert verify_message(huge, unbounded, 2, torch.float64).accepted  # as before: finite entries pass
+
+
+def test_a_layout_is_parsed_once_a_refused_one_every_time_and_a_long_one_never_cached():
+    """unpack reads a short layout through a per-process cache (a pure function of its text): the
+    same tensors as parsing it afresh; a malformed layout is refused on every message (a refusal is
+    not cached); a layout above LAYOUT_CACHE_CHARS is parsed each time and never held."""
+    codec._cached_layout.cache_clear()
+    msg = Message({"A": torch.randn(3, 3, dtype=torch.float64), "b": torch.arange(4, dtype=torch.int32)}, 1)
+    for _ in range(3):
+        back = codec.decode_reply(codec.encode_reply(msg, 0.1, 1, "d", symmetric=[]), expect=(1, "d"))
+        assert all(torch.equal(back.stats[k], v) for k, v in msg.stats.items())
+    assert codec._cached_layout.cache_info().misses == 1 and codec._cached_layout.cache_info().hits == 2
+    for _ in range(2):
+        with pytest.raises(codec.MalformedReply, match="bad tensor layout"):
+            codec.decode_reply(RecordDict({codec.TAG: _tag(**{codec.LAYOUT: F8(-1)})}))
+    assert codec._cached_layout.cache_info().currsize == 1  # only the good layout is held
+    many = {f"t{i:04d}": torch.tensor([float(i)]) for i in range(200)}  # a layout of ~4.6k characters
+    content = codec.encode_reply(Message(many, 1), 0.1, 1, "d")
+    assert len(str(content.config_records[codec.TAG][codec.LAYOUT])) > codec.LAYOUT_CACHE_CHARS
+    back = codec.decode_reply(content, expect=(1, "d"))
+    assert all(torch.equal(back.stats[k], v) for k, v in many.items())
+    assert codec._cached_layout.cache_info().currsize == 1

@@ -182,3 +182,94 @@ def test_the_host_gram_halves_equal_the_full_gram_loop_and_the_exact_sums(d: int
                 torch.testing.assert_close(a.double(), e, rtol=tol * 10, atol=tol * 10 * float(e.abs().max()))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [1.0, 1e-25, 1e25])
+def test_one_unit_statistics_equal_the_blocked_path_and_the_per_sample_sums(
+    dtype: torch.dtype, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node of one user takes kron_statistics' one-unit path every round: A and b equal the
+    blocked path's (the same user beside an all-zero one, which adds exact zeros) to float rounding,
+    b to the bit, and the per-sample clipped sums; norms it cannot trust (1e±25 overflow or
+    underflow float32 squares) still take the exact directions, and a non-finite user gives what
+    the blocked path gives."""
+    g = torch.Generator().manual_seed(3)
+    q, d, k, eta = 20, 50, 3, 1.5
+    v = torch.randn(1, k, generator=g, dtype=torch.float64)
+    x = torch.randn(1, q, d, generator=g, dtype=torch.float64) * scale
+    x[0, 4] = 0.0  # a zero sample: clip factor 0
+    y = torch.randn(1, q, generator=g, dtype=torch.float64)
+    v_hat, log_v = linalg.directions(v)
+    args = (v_hat.to(dtype), x.to(dtype), log_v, eta)
+    taken: list[bool] = []
+    one_unit = linalg._one_unit_statistics
+    monkeypatch.setattr(linalg, "_one_unit_statistics", lambda *a: taken.append(True) or one_unit(*a))
+    one = linalg.kron_statistics(*args, label=y.to(dtype))
+    assert taken == [True]  # n = 1 on the host: the one-unit path (it may hand back to the blocked one)
+    pair = linalg.kron_statistics(
+        *(torch.cat([a, torch.zeros_like(a)]) for a in args[:3]), eta, label=torch.cat([y, y]).to(dtype)
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-13
+    torch.testing.assert_close(one[0], pair[0], rtol=tol, atol=tol * float(pair[0].abs().max()))
+    if scale == 1.0:  # on the fast path: the label sum is formed exactly as the blocked path forms it
+        assert torch.equal(one[1], pair[1])
+    w = linalg.clip_vectors((v[:, None, :, None] * x[:, :, None, :]).reshape(q, k * d), eta)
+    for got, exact in zip(one, (w.T @ w, w.T @ y.reshape(-1))):
+        if dtype == torch.float32 and scale < 1:  # products of 1e-25 entries underflow float32 on every path
+            break
+        torch.testing.assert_close(got.double(), exact, rtol=tol * 10, atol=tol * 10 * float(exact.abs().max()))
+    bad = x.clone()
+    bad[0, 2, 1] = float("nan")
+    nan_one = linalg.kron_statistics(v_hat, bad, log_v, eta, label=y)
+    nan_pair = linalg.kron_statistics(
+        torch.cat([v_hat, v_hat * 0]), torch.cat([bad, bad * 0]), torch.cat([log_v, log_v]), eta, label=torch.cat([y, y])
+    )
+    for a, b in zip(nan_one, nan_pair):
+        assert torch.equal(a.isnan(), b.isnan())
+
+
+def test_ridge_solve_equals_the_normal_equations_and_a_non_finite_problem_spoils_only_itself() -> None:
+    """batched_ridge_solve: (FᵀF + ridge·mean(diag)·I) v = Fᵀy per problem (float64), a problem with
+    a NaN or inf gets a NaN solution while its batch-mates' solutions are the bits they get alone,
+    and a rank-deficient one (Cholesky refuses it) still gets its least-squares solution."""
+    g = torch.Generator().manual_seed(5)
+    f, y = torch.randn(4, 20, 3, generator=g, dtype=torch.float64), torch.randn(4, 20, generator=g, dtype=torch.float64)
+    ridge = 1e-3
+    gram = f.transpose(1, 2) @ f
+    scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1.0)
+    want = torch.linalg.solve(gram + (ridge * scale)[:, None, None] * torch.eye(3), (f.transpose(1, 2) @ y[..., None])[..., 0])
+    torch.testing.assert_close(linalg.batched_ridge_solve(f, y, ridge), want, rtol=1e-12, atol=1e-12)
+    alone = [linalg.batched_ridge_solve(f[i : i + 1], y[i : i + 1], ridge) for i in range(4)]
+    bad_f, bad_y = f.clone(), y.clone()
+    bad_f[1, 2, 0], bad_y[2, 5] = float("nan"), float("inf")
+    got = linalg.batched_ridge_solve(bad_f, bad_y, ridge)
+    assert got[1].isnan().all() and got[2].isnan().all()
+    assert torch.equal(got[0], alone[0][0]) and torch.equal(got[3], alone[3][0])
+    flat = torch.zeros(1, 20, 3, dtype=torch.float64)
+    flat[0, :, 0] = 1.0  # rank one: FᵀF + ridge·I is singular only without the ridge; zero ridge forces lstsq
+    v = linalg.batched_ridge_solve(flat, torch.ones(1, 20, dtype=torch.float64), 0.0)
+    torch.testing.assert_close(v, torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_block_norms_and_safe_norms_make_the_same_decision_on_zero_tiny_huge_and_non_finite_vectors(dtype: torch.dtype) -> None:
+    """Both read the norms' minimum and maximum once and look closer only below 2⁻⁴⁰: a zero vector
+    is trusted (its norm is exactly 0), a vector whose squares underflow, a huge one, NaN and inf
+    are not, in every dtype (float16 cannot hold 2⁻⁴⁰: its comparison is the dtype's own)."""
+    base = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(2)).to(dtype)
+    cases = {"plain": base.clone(), "zero": base.clone(), "nan": base.clone(), "inf": base.clone(), "huge": base.clone()}
+    cases["zero"][1, 2] = 0
+    cases["nan"][0, 1, 1] = float("nan")
+    cases["inf"][2, 0, 4] = float("inf")
+    cases["huge"][3, 1] = 2.0**60 if dtype != torch.float16 else float("inf")
+    if dtype in (torch.float32, torch.float64, torch.bfloat16):
+        cases["tiny"] = base.clone()
+        cases["tiny"][1, 1] = 2.0**-70  # squares underflow (float32, bfloat16) or the norm is below 2⁻⁴⁰
+    for name, x in cases.items():
+        trusted = name in ("plain", "zero")
+        for f in (linalg.safe_norms, linalg._block_norms):
+            got = f(x)
+            assert (got is not None) == trusted, (name, f.__name__)
+            if got is not None:
+                assert torch.equal(got, torch.linalg.vector_norm(x, dim=-1))

@@ -22,6 +22,22 @@ def test_is_finite_agrees_with_the_full_mask(dtype: torch.dtype, bad: float | No
         assert Message(stats, 1).is_finite() is expected
 
 
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf")])
+def test_is_finite_of_statistics_of_mixed_dtypes_and_complex_ones_agrees_with_the_full_mask(bad: float | None) -> None:
+    """Statistics of one dtype are checked through one stack of their minima and maxima; mixed
+    dtypes and complex statistics each on their own: the same answer as a full mask either way."""
+    for stats in (
+        {"A": torch.randn(4, 4), "b": torch.randn(3, dtype=torch.float64), "n": torch.arange(3)},
+        {"A": torch.randn(4, 4, dtype=torch.float64), "z": torch.randn(3, dtype=torch.complex128)},
+    ):
+        for name in [k for k, v in stats.items() if v.is_floating_point() or v.is_complex()]:
+            case = {k: v.clone() for k, v in stats.items()}
+            if bad is not None:
+                case[name].view(-1)[1] = bad
+            expected = all(bool(torch.isfinite(v).all()) for v in case.values())
+            assert Message(case, 1).is_finite() is expected
+
+
 def test_empty_and_integer_statistics_are_finite() -> None:
     assert Message({"e": torch.empty(0), "i": torch.arange(4)}, 0).is_finite()
 

@@ -64,11 +64,13 @@ class Message:
     def finite_flag(self) -> Tensor | None:
         """:meth:`is_finite` as a 0-dim bool tensor where the statistics are, read by nobody yet: a
         runtime on a GPU ANDs a round's flags and reads them once (None: no floating statistic)."""
-        flags = [
-            _finite_flag(v) for v in self.stats.values() if v.numel() and (v.is_floating_point() or v.is_complex())
-        ]
-        if not flags:
+        floats = [v for v in self.stats.values() if v.numel() and (v.is_floating_point() or v.is_complex())]
+        if not floats:
             return None
+        if len(floats) > 1 and not floats[0].is_complex() and all(v.dtype == floats[0].dtype for v in floats):
+            # one stack of every statistic's min and max, one isfinite: a few ops a message, not a few per statistic
+            return torch.isfinite(torch.stack([m for v in floats for m in torch.aminmax(v)])).all()
+        flags = [_finite_flag(v) for v in floats]
         return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
     def copy(self) -> Message:

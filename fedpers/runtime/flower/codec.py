@@ -164,7 +164,7 @@ def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tenso
     """Tensors packed by :func:`pack`; raises :class:`MalformedReply` on any inconsistency
     (unknown dtype, negative or mismatched shapes, bytes missing or left over, repeated names)."""
     try:
-        layout = json.loads(str(rec[LAYOUT]))
+        text = str(rec[LAYOUT])
         data: bytes | np.ndarray
         if BLOB in rec:
             inline = rec[BLOB]
@@ -183,10 +183,42 @@ def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tenso
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise MalformedReply(f"{what} lacks its tensors ({type(e).__name__}: {e})") from None
-    if not isinstance(layout, list):
-        raise MalformedReply(f"{what}: the tensor layout must be a list")
     out: dict[str, Tensor] = {}
     offset = 0
+    for name, dtype, shape, count, size in _layout(text, what):
+        if offset + size > len(data):
+            raise MalformedReply(f"{what}: {name} needs {size} bytes at offset {offset}; only {len(data)} sent")
+        out[name] = torch.from_numpy(np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy())
+        offset += size
+    if offset != len(data):
+        raise MalformedReply(f"{what}: {len(data) - offset} bytes beyond its tensor layout")
+    return out
+
+
+LayoutEntries = tuple[tuple[str, np.dtype, tuple[int, ...], int, int], ...]
+LAYOUT_CACHE_CHARS = 4096
+"""Layouts up to this length are parsed once per process (a run sends a few, each on every message);
+longer ones, which no fedpers protocol sends, are parsed each time, so a sender cannot make the cache
+hold more than 64 × this many characters."""
+
+
+def _layout(text: str, what: str) -> LayoutEntries:
+    """A packed layout's entries (name, dtype, shape, count, bytes), checked: JSON of a list of
+    [name, dtype, shape] with a known dtype, non-negative int dims, no repeated name; raises
+    :class:`MalformedReply`. A pure function of the text: a short one is parsed once per process
+    (every task of a round, every reply of a protocol share one); a refused layout is never
+    cached (an exception is not a result), so it is refused on every message."""
+    return _cached_layout(text, what) if len(text) <= LAYOUT_CACHE_CHARS else _parse_layout(text, what)
+
+
+def _parse_layout(text: str, what: str) -> LayoutEntries:
+    try:
+        layout = json.loads(text)
+    except ValueError as e:
+        raise MalformedReply(f"{what} lacks its tensors ({type(e).__name__}: {e})") from None
+    if not isinstance(layout, list):
+        raise MalformedReply(f"{what}: the tensor layout must be a list")
+    entries, names = [], set()
     for entry in layout:
         ok = (
             isinstance(entry, list)
@@ -198,19 +230,17 @@ def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tenso
         if (
             not ok
             or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in entry[2])
-            or entry[0] in out
+            or entry[0] in names
         ):
             raise MalformedReply(f"{what}: bad tensor layout entry {str(entry)[:80]}")
-        name, dtype, shape = entry[0], np.dtype(entry[1]), tuple(entry[2])
+        names.add(entry[0])
+        dtype, shape = np.dtype(entry[1]), tuple(entry[2])
         count = math.prod(shape)
-        size = count * dtype.itemsize
-        if offset + size > len(data):
-            raise MalformedReply(f"{what}: {name} needs {size} bytes at offset {offset}; only {len(data)} sent")
-        out[name] = torch.from_numpy(np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy())
-        offset += size
-    if offset != len(data):
-        raise MalformedReply(f"{what}: {len(data) - offset} bytes beyond its tensor layout")
-    return out
+        entries.append((entry[0], dtype, shape, count, count * dtype.itemsize))
+    return tuple(entries)
+
+
+_cached_layout = functools.lru_cache(maxsize=64)(_parse_layout)
 
 
 def broadcast_record(broadcast: Mapping[str, Tensor]) -> Packed:
@@ -219,11 +249,25 @@ def broadcast_record(broadcast: Mapping[str, Tensor]) -> Packed:
 
 
 def encode_task(job: Job, round: int, units: range, broadcast: Packed) -> RecordDict:
-    rec = job_record(job)
-    rec[ROUND], rec[UNIT_START], rec[UNIT_STOP] = int(round), int(units.start), int(units.stop)
-    content: dict[str, Any] = {JOB: rec}
-    broadcast.into(rec, content)
-    return RecordDict(content)
+    return TaskEncoder(job, round, broadcast)(units)
+
+
+class TaskEncoder:
+    """A round's tasks, one per node's unit range: the job, round and broadcast entries are checked
+    by Flower once per round (``ConfigRecord`` type-checks every entry it is given) and copied per
+    node with ``ConfigRecord.copy`` (a shallow copy of immutable str/bytes/int values), so a task
+    costs two checked entries, not nine; every task carries the same entries as one built alone."""
+
+    def __init__(self, job: Job, round: int, broadcast: Packed) -> None:
+        self.record = job_record(job)
+        self.record[ROUND] = int(round)
+        self.content: dict[str, Any] = {}
+        broadcast.into(self.record, self.content)
+
+    def __call__(self, units: range) -> RecordDict:
+        rec = self.record.copy()
+        rec[UNIT_START], rec[UNIT_STOP] = int(units.start), int(units.stop)
+        return RecordDict({JOB: rec, **self.content})
 
 
 def decode_task(content: RecordDict) -> Task:

@@ -191,8 +191,8 @@ class GridGather:
         self.extra: Callable[[int], Any] | None = None
         """Partition → a ConfigRecord added to its task (the node-side plan under distributed or local DP)."""
 
-    def _task(self, p: int, round: int, shared: codec.Packed) -> Any:
-        content = codec.encode_task(self.job, round, self.federation.ranges[p], shared)
+    def _task(self, p: int, encode: codec.TaskEncoder) -> Any:
+        content = encode(self.federation.ranges[p])
         if self.extra is not None:
             from fedpers.runtime.flower.nodeside import NODE_SIDE
 
@@ -201,9 +201,10 @@ class GridGather:
 
     def __call__(self, round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
         fed = self.federation
-        shared = codec.broadcast_record(broadcast)
+        encode = codec.TaskEncoder(self.job, round, codec.broadcast_record(broadcast))
+        group = str(round)
         messages = [
-            FlowerMessage(self._task(p, round, shared), node, MessageType.TRAIN, group_id=str(round))
+            FlowerMessage(self._task(p, encode), node, MessageType.TRAIN, group_id=group)
             for p, node in sorted(fed.nodes.items())
         ]
         by_node = {m.metadata.src_node_id: m for m in exchange(self.grid, messages, self.timeout, self.stop)}
