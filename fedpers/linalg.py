@@ -353,11 +353,8 @@ def kron_statistics(
         if log_v is None or v_norm is None:  # both or neither
             return xb
         norm = _block_norms(xb)
-        vn = v_norm[start:stop].unsqueeze(-1)
         if norm is not None:
-            nd = norm.double()
-            factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
-            return xb * factor.to(x.dtype).unsqueeze(-1)
+            return xb * _clip_factors(norm, v_norm[start:stop].unsqueeze(-1), eta).to(x.dtype).unsqueeze(-1)
         x_hat, log_x = directions(xb)
         return x_hat * clipped_magnitude(log_v[start:stop].unsqueeze(-1) + log_x, eta).to(x.dtype).unsqueeze(-1)
 
@@ -369,10 +366,7 @@ def kron_statistics(
         norm = _block_norms(x[lo:hi])
         if norm is None:
             return None
-        nd = norm.double()
-        vn = v_norm[lo:hi].unsqueeze(-1)
-        factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
-        return factor.to(x.dtype).unsqueeze(-1)
+        return _clip_factors(norm, v_norm[lo:hi].unsqueeze(-1), eta).to(x.dtype).unsqueeze(-1)
 
     h = d // 2  # x = [x_1 x_2] split at h: on the host the Gram's rows [:h] (G11 G12) and G22 are formed
 
@@ -444,6 +438,13 @@ def kron_statistics(
     return full, (bsum.reshape(k * d) if label is not None else None)
 
 
+def _clip_factors(norm: Tensor, v_norm: Tensor, eta: float) -> Tensor:
+    """min(||v_j||, η/||x_ij||) in float64 from trusted norms (0 where x_ij = 0): the factor that
+    clips ||v_j|| x_ij to η, the same ops wherever kron_statistics forms it."""
+    nd = norm.double()
+    return torch.where(nd > 0, torch.minimum(v_norm, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd))
+
+
 def _one_unit_statistics(
     v: Tensor, x: Tensor, log_v: Tensor | None, eta: float, label: Tensor | None
 ) -> tuple[Tensor, Tensor | None] | None:
@@ -458,9 +459,8 @@ def _one_unit_statistics(
         norm = _block_norms(xb)
         if norm is None:
             return None
-        nd = norm.double()
         vn = log_v[0].double().exp()  # inf beyond float64: then min(·) takes η/||x||
-        factor = torch.where(nd > 0, torch.minimum(vn, eta / nd.clamp_min(1e-300)), torch.zeros_like(nd)).to(x.dtype)
+        factor = _clip_factors(norm, vn, eta).to(x.dtype)
         w = None if w is None else w * factor  # the label sum reads the unscaled x, as the blocked path's does
         scaled = xb * factor.unsqueeze(-1)
     else:
