@@ -222,15 +222,18 @@ class LongFormatFile:
             return "no cell holds a number"
         return f"row {first[0]} holds {first[1]!r} ({count} non-numeric cell(s))"
 
-    def _valid(self, batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Rows of a (user, label, features...) batch that a user keeps, and per reason the rows
-        dropped: a missing user id, a label or feature that is not a number (CSV), or one that is
-        missing, NaN or infinite (first reason wins)."""
+    def _valid(self, batch: pa.RecordBatch | pa.Table) -> tuple[np.ndarray, dict[str, np.ndarray], list[np.ndarray]]:
+        """Rows of a (user, label, features...) batch that a user keeps, per reason the rows
+        dropped (a missing user id, a label or feature that is not a number (CSV), or one that is
+        missing, NaN or infinite; first reason wins), and the label's and features' float64
+        values (every row), each column read once."""
         u = batch.column(0)
         ok = ~np.asarray(u.is_null().to_numpy(zero_copy_only=False), dtype=bool)
         reasons = {"missing user id": ~ok}
+        columns = []
         for i, col in enumerate((self.label_column, *self.feature_columns), start=1):
             values, not_number = _floats(batch.column(i))
+            columns.append(values)
             kind = "label" if col == self.label_column else "feature"
             if not_number is not None:
                 reasons[f"{kind} {col!r} not a number"] = bad = ok & not_number
@@ -238,7 +241,7 @@ class LongFormatFile:
             bad = ok & ~np.isfinite(values)
             reasons[f"{kind} {col!r} missing, NaN or infinite"] = bad
             ok = ok & ~bad
-        return ok, reasons
+        return ok, reasons, columns
 
     def _ids(self, column: Any) -> np.ndarray:
         """User ids as :attr:`users` holds them (CSV text read as integers when every id is one)."""
@@ -257,14 +260,14 @@ class LongFormatFile:
         self._bad_csv_rows.clear()
         for batch in self._dataset.to_batches(columns=[self.user_column, self.label_column, *self.feature_columns]):
             total += batch.num_rows
-            ok, reasons = self._valid(batch)
+            ok, reasons, values = self._valid(batch)
             for reason, bad in reasons.items():
                 if bad.any():
                     self.rows_dropped[reason] = self.rows_dropped.get(reason, 0) + int(bad.sum())
             u = batch.column(0)
             users_parts.append(u.drop_null())
             kept_parts.append(u.filter(ok))
-            label_parts.append(_floats(batch.column(1))[0][ok])
+            label_parts.append(values[0][ok])
         if self._bad_csv_rows:
             self.rows_dropped["wrong number of cells"] = len(self._bad_csv_rows)
             total += len(self._bad_csv_rows)
@@ -306,11 +309,11 @@ class LongFormatFile:
             )
         import pyarrow as pa
 
-        table = table.filter(pa.array(self._valid(table)[0]))  # the rows _index counted
-        index = np.searchsorted(self.users, self._ids(table.column(0)))
+        ok, _, values = self._valid(table)  # the rows _index counted
+        index = np.searchsorted(self.users, self._ids(table.column(0).filter(pa.array(ok))))
         order = np.argsort(index, kind="stable")
-        features = np.stack([_floats(table.column(c))[0] for c in self.feature_columns], axis=1)
-        label = _floats(table.column(self.label_column))[0]
+        features = np.stack(values[1:], axis=1)[ok]
+        label = values[0][ok]
         index = index[order]
         present = np.unique(index)
         starts = np.searchsorted(index, present)
