@@ -772,7 +772,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "d46c43a2e0354db6cc97afa5fde10c7a72c657b363619aa2721dbdc1d4f7637b",
+   "fingerprint": "ea2c21656ab4c783182eebdab441ccbad320724786a983fedcb6f02c237a41eb",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",

@@ -292,9 +292,10 @@ def load_units(cfg: DpAlsConfig, ids: Tensor, device: str | None = None) -> dict
     return {k: v.to(cfg.device if device is None else device) for k, v in _host_units(cfg, ids).items()}
 
 
-_LAST_SYNTHETIC: list[tuple[tuple[Any, ...], Tensor, dict[str, Tensor]]] = []
-"""The last synthetic users made in this process (key, ids, units): a run's runtime and its
-evaluator each ask for every user, and drawing them (a Python loop per user) is done once."""
+_LAST_SYNTHETIC: dict[str, Any] = {}
+"""The last synthetic users made in this process ("key": the generator's arguments, "ids",
+"units"): a run's runtime and its evaluator each ask for every user, and drawing them (a Python
+loop per user) is done once."""
 _LAST_SYNTHETIC_LOCK = threading.Lock()
 
 
@@ -302,22 +303,9 @@ def _host_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
     t = table(cfg)
     if t is not None:
         return t.units(ids, getattr(torch, cfg.dtype), center(cfg))
-    key: tuple[Any, ...] = (cfg.seed, cfg.n_items, cfg.true_rank, cfg.min_count, cfg.max_count, cfg.popularity)
-    key += (cfg.noise_std, cfg.test_fraction, cfg.dtype)
-    with _LAST_SYNTHETIC_LOCK:
-        for known, known_ids, units in _LAST_SYNTHETIC:
-            if known == key and torch.equal(known_ids, ids):
-                return {k: v.clone() for k, v in units.items()}  # a copy: no caller shares another's tensors
-    units = _synthetic_units(cfg, ids)
-    with _LAST_SYNTHETIC_LOCK:
-        _LAST_SYNTHETIC[:] = [(key, ids.clone(), units)]
-    return {k: v.clone() for k, v in units.items()}
-
-
-def _synthetic_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
-    return data.synthetic_users(
+    # every argument of the draw but the ids: the key is what the users are a function of
+    key = (
         derived_seed(cfg.seed, "data"),
-        ids,
         cfg.n_items,
         cfg.true_rank,
         cfg.min_count,
@@ -327,6 +315,15 @@ def _synthetic_units(cfg: DpAlsConfig, ids: Tensor) -> dict[str, Tensor]:
         cfg.test_fraction,
         getattr(torch, cfg.dtype),
     )
+    with _LAST_SYNTHETIC_LOCK:
+        last = dict(_LAST_SYNTHETIC)
+    if last.get("key") == key and torch.equal(last["ids"], ids):
+        units = last["units"]
+    else:
+        units = data.synthetic_users(key[0], ids, *key[1:])
+        with _LAST_SYNTHETIC_LOCK:
+            _LAST_SYNTHETIC.update(key=key, ids=ids.clone(), units=units)
+    return {k: v.clone() for k, v in units.items()}  # a copy: no caller shares another's tensors
 
 
 def test_rmse(U: Tensor, units: dict[str, Tensor], ridge: float, mu: float = 0.0, user_bias: float = 0.0) -> float:
