@@ -16,7 +16,8 @@ CPU of three with one thread each.
     PYTHONPATH=. python benchmarks/deployment_round.py [--users 30000 --rounds 2 --nodes 3 --node-threads 0 --variants cold,warm,cached,poll --no-simulation]
 
 The deployment/local ratio as a curve (the issue's goal: a steady deployment round <= 1.5x the local
-round): ``--variants poll --no-simulation --rounds 3 --users N`` for N = 3000, 30000, 100000.
+round): ``--variants poll --no-simulation --rounds 3 --users N`` for N = 30000, 100000, 200000 (it meets 1.5x from
+about 200,000 users on the 2-core machine: docs/benchmarks.md).
 
 SecAgg+'s cost in a deployment (``--trust-models central,distributed``: a cold deployment per trust model,
 side by side): ``--users 300 --dim 5 --rank 2 --samples 16 --variants cold --trust-models central,distributed``.
