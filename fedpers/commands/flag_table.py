@@ -1466,7 +1466,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "22075486c32451b3e2ec0c5587d4a859564869905b00110454a4b63d0fb2b841",
+   "fingerprint": "a56946076e316bd67a60c08cadb02ad59773bd305639b043c5f5f45a17a97ef9",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",

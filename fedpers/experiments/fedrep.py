@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fedpers import metrics
+from fedpers import linalg, metrics
 from fedpers.config import (
     DEFAULT_DELTA,
     MAX_EPSILON,
@@ -472,7 +472,7 @@ def steer_canaries(p: FedRepProtocol, round: int, broadcast: Mapping[str, Tensor
         X = x[i]
         XU = X @ U
         t = X @ torch.randn(X.shape[1], generator=public, dtype=torch.float64)
-        perp = t - XU @ torch.linalg.lstsq(XU, t.unsqueeze(-1)).solution.squeeze(-1)
+        perp = t - XU @ linalg.lstsq(XU, t.unsqueeze(-1)).squeeze(-1)
         perp = perp * (label * math.sqrt(m) / torch.linalg.vector_norm(perp).clamp_min(1e-300))
         v0 = torch.randn(U.shape[1], generator=public, dtype=torch.float64)
         v0 = v0 * (label / torch.linalg.vector_norm(v0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fedpers import linalg
 from fedpers.data import synthetic
 from fedpers.data.units import UnitSource
 
@@ -38,7 +39,7 @@ def population_mse(
         x, y, xt, yt = (units[k].double() for k in keys)
         for name, U in Us.items():
             Ud = U.double().to(x.device)
-            v = torch.linalg.lstsq(x @ Ud, y.unsqueeze(-1)).solution
+            v = linalg.lstsq(x @ Ud, y.unsqueeze(-1))
             pred = ((xt @ Ud) @ v).squeeze(-1)
             totals[name] += float(((pred - yt) ** 2).mean(-1).sum())
         users += int(units["ids"].shape[0])

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedpers import linalg
+
 Tensor = torch.Tensor
 
 NOISE_KINDS = ("independent", "banded", "optimised", "blt")
@@ -285,7 +287,7 @@ def optimised_blt(
     theta0 = 1.0 - 0.5 ** (2.0 * torch.arange(1, buffers + 1, dtype=torch.float64) - 1.0)
     target = torch.tensor(sqrt_decay_coefficients(horizon, decay), dtype=torch.float64)[1:]
     basis = theta0[None, :] ** torch.arange(horizon - 1, dtype=torch.float64)[:, None]
-    omega0 = torch.linalg.lstsq(basis, target[:, None]).solution.squeeze(1).clamp_min(1e-6)
+    omega0 = linalg.lstsq(basis, target[:, None]).squeeze(1).clamp_min(1e-6)
     a = torch.logit(theta0).clone().requires_grad_(True)
     b = omega0.log().clone().requires_grad_(True)
 
