@@ -18,8 +18,15 @@ code) cannot catch the errors a real GPU run hits first. Inside :func:`fake_cuda
   type for generator but found 'cpu'" (or the reverse).
 * ``.numpy()`` (and so ``np.asarray``, scipy) of a tagged tensor raises CUDA's TypeError "can't
   convert cuda:0 device type tensor to numpy".
-* Host→device and device→host copies, and reads that synchronise with the device (``item``,
-  ``float``, ``bool``, ``tolist``), are counted in :class:`Traffic` with the fedpers line that made them.
+* Host→device and device→host copies are counted in :class:`Traffic` with the fedpers line that made
+  them, and so is every point where the host waits for the device (a *sync*): a read (``item``,
+  ``float``, ``bool``, ``tolist``, ``.cpu()``, any device→host copy), a blocking host→device copy
+  (PyTorch's ``memcpy_and_sync``: anything but a ``non_blocking`` copy from pinned memory), and the
+  device ops whose result size or error check the host must see (:data:`SYNCING`: ``nonzero``,
+  a boolean-mask index, ``torch.equal``, ``unique``, LAPACK-style error checks, ...).
+* Kernel launches: every op run on the device other than views and allocations (:data:`NO_KERNEL`),
+  counted in :class:`Traffic` by op (a fused CUDA op may launch a few kernels, a decomposed one
+  appears as its parts: an approximation of the launch count, exact in how it grows with the data).
 * Thread-pool workers (``concurrent.futures``) run under the fake too: torch's modes are per thread.
 
 What it cannot check:
@@ -127,19 +134,25 @@ def _generator_device(g: torch.Generator) -> str:
 
 @dataclass
 class Traffic:
-    """Copies between host and device, and reads that wait for the device, with where fedpers made them."""
+    """Copies between host and device, points where the host waits for the device (syncs), and kernel
+    launches, with where fedpers made them."""
 
     h2d: int = 0
     d2h: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     syncs: int = 0
+    launches: int = 0
     sites: Counter = field(default_factory=Counter)
     site_bytes: Counter = field(default_factory=Counter)
+    ops: Counter = field(default_factory=Counter)
+    """Launches by aten op name."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, kind: str, t: Tensor | None = None) -> None:
+    def add(self, kind: str, t: Tensor | None = None, waits: bool = False) -> None:
+        """One copy (``h2d``, ``d2h``) or sync (``sync``); ``waits``: a copy the host waits for (also a sync)."""
         size = 0 if t is None else t.numel() * t.element_size()
+        site = _caller()
         with self.lock:
             if kind == "h2d":
                 self.h2d += 1
@@ -147,17 +160,34 @@ class Traffic:
             elif kind == "d2h":
                 self.d2h += 1
                 self.d2h_bytes += size
-            else:
+            if kind == "sync" or waits:
                 self.syncs += 1
-            site = (kind, _caller())
-            self.sites[site] += 1
-            self.site_bytes[site] += size
+            self.sites[(kind, site)] += 1
+            self.site_bytes[(kind, site)] += size
+            if kind != "sync" and waits:
+                self.sites[("sync", site)] += 1
+
+    def launch(self, func: Any) -> None:
+        with self.lock:
+            self.launches += 1
+            self.ops[func.__name__] += 1
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """(syncs, launches, h2d, d2h) so far: differences of two are what ran between them."""
+        with self.lock:
+            return self.syncs, self.launches, self.h2d, self.d2h
+
+    def sync_sites(self) -> Counter:
+        """Syncs by fedpers line."""
+        with self.lock:
+            return Counter({site: n for (kind, site), n in self.sites.items() if kind == "sync"})
 
     def reset(self) -> None:
         with self.lock:
-            self.h2d = self.d2h = self.h2d_bytes = self.d2h_bytes = self.syncs = 0
+            self.h2d = self.d2h = self.h2d_bytes = self.d2h_bytes = self.syncs = self.launches = 0
             self.sites.clear()
             self.site_bytes.clear()
+            self.ops.clear()
 
     def report(self) -> str:
         """One line per (kind, fedpers line), most frequent first: count, bytes, kind, where."""
@@ -213,12 +243,22 @@ def _to_target(args: tuple, kwargs: dict) -> tuple[torch.device | None, dict]:
     return (None if device is None else _target(device)), {k: v for k, v in keep.items() if v is not None}
 
 
+_PINNED = "_fake_pinned"
+
+
+def _pinned(t: Tensor) -> bool:
+    return bool(getattr(t, _PINNED, False))
+
+
 def _move(traffic: Traffic, t: Tensor, device: bool, **kwargs: Any) -> Tensor:
-    """``t`` on the (fake) device or the host: a copy when it changes sides, counted."""
+    """``t`` on the (fake) device or the host: a copy when it changes sides, counted. The host waits
+    for every copy to it, and for a copy to the device unless it is ``non_blocking`` from pinned
+    memory (PyTorch's blocking copies end in a stream synchronisation: ``memcpy_and_sync``)."""
     if on_device(t) == device:
         out = Tensor.to(t, **kwargs)
     else:
-        traffic.add("h2d" if device else "d2h", t)
+        waits = not device or not (kwargs.get("non_blocking") and _pinned(t))
+        traffic.add("h2d" if device else "d2h", t, waits=waits)
         out = Tensor.to(t, **{**kwargs, "copy": True})
     _mark(out, device)
     return out
@@ -266,14 +306,15 @@ class _Functions(TorchFunctionMode):
             Tensor.cpu: lambda t, *a, **k: _move(self.traffic, t, False, **k),
             Tensor.cuda: self._cuda,
             Tensor.to: self._to,
-            Tensor.pin_memory: lambda t, *a, **k: t.clone() if not on_device(t) else self._pin_device(t),
-            Tensor.is_pinned: lambda t, *a, **k: False,
+            Tensor.pin_memory: lambda t, *a, **k: self._pin(t),
+            Tensor.is_pinned: lambda t, *a, **k: _pinned(t),
+            torch.nn.functional.one_hot: self._one_hot,
         }
 
     def _numpy(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def numpy(t: Tensor, *args: Any, force: bool = False, **kwargs: Any) -> Any:
             if on_device(t) and force and real is Tensor.numpy:  # numpy(force=True) copies to the host
-                self.traffic.add("d2h", t)
+                self.traffic.add("d2h", t, waits=True)
             elif on_device(t):  # torch/csrc/utils/tensor_numpy.cpp
                 raise TypeError(
                     "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to host memory first."
@@ -284,7 +325,7 @@ class _Functions(TorchFunctionMode):
 
     def _tolist(self, t: Tensor) -> Any:
         if on_device(t):
-            self.traffic.add("d2h", t)
+            self.traffic.add("d2h", t, waits=True)
         return Tensor.tolist(t)
 
     def _cuda(self, t: Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> Tensor:
@@ -298,8 +339,22 @@ class _Functions(TorchFunctionMode):
         return _move(self.traffic, t, device.type == "cuda", **rest)
 
     @staticmethod
-    def _pin_device(t: Tensor) -> Tensor:
-        raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
+    def _one_hot(t: Tensor, num_classes: int = -1) -> Tensor:
+        """CUDA's ``one_hot`` with ``num_classes`` given reads nothing on the host (a bad class is a device
+        assert of its scatter); the CPU kernel's range checks (``min().item()``) would count as syncs."""
+        if not on_device(t) or num_classes < 0:
+            return torch.nn.functional.one_hot(t, num_classes)
+        out = t.new_zeros(*t.shape, num_classes, dtype=torch.int64)  # (the ops inside a handler bypass this mode)
+        return out.scatter_(-1, t.unsqueeze(-1), 1)
+
+    @staticmethod
+    def _pin(t: Tensor) -> Tensor:
+        """A pinned copy of a host tensor (tagged: a ``non_blocking`` copy of it to the device does not wait)."""
+        if on_device(t):
+            raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
+        out = t.clone()
+        setattr(out, _PINNED, True)
+        return out
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -317,9 +372,9 @@ class _Functions(TorchFunctionMode):
             if func in _FROM_DATA and args:
                 data = [t for t in pytree.tree_leaves(args[0]) if isinstance(t, Tensor)]
                 if on and not (data and all(on_device(t) for t in data)):
-                    self.traffic.add("h2d", data[0] if data else None)
+                    self.traffic.add("h2d", data[0] if data else None, waits=True)
                 elif not on and any(on_device(t) for t in data):
-                    self.traffic.add("d2h", data[0])
+                    self.traffic.add("d2h", data[0], waits=True)
         else:
             on = any(on_device(t) for t in tensors)
         with _ambient_as(on):
@@ -377,11 +432,13 @@ def _check_devices(func: Any, args: tuple, kwargs: dict, tensors: list[Tensor], 
         if on_device(self):
             for t in indices:
                 if not on_device(t):
-                    traffic.add("h2d", t)
+                    traffic.add("h2d", t, waits=True)
         if func in _INDEX_PUT and on_device(args[2]) != on_device(self):
             if args[2].dim() != 0:
                 raise _mixing(func)
-            traffic.add("h2d" if on_device(self) else "d2h", args[2])
+            # a 0-dim host value is mostly a Python scalar (``x[i] = 1.0``), which CUDA's indexing makes on
+            # the device with a fill kernel (no copy, no wait): counted as a copy, a wait only to the host
+            traffic.add("h2d" if on_device(self) else "d2h", args[2], waits=not on_device(self))
         return on_device(self)
     written = _written(func, args, kwargs)
     host = [t for t in tensors if not on_device(t)]
@@ -437,6 +494,57 @@ def _check_cuda_kernels(func: Any, args: tuple, kwargs: dict) -> dict:
     return kwargs
 
 
+SYNCING = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.bincount.default,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim_consecutive.default,
+    aten._linalg_check_errors.default,
+    aten._linalg_eigh.default,
+    aten._linalg_svd.default,
+    aten.linalg_lstsq.default,
+    aten.linalg_eig.default,
+}
+"""Device ops after which the host waits: an output whose size depends on the values (``nonzero`` and
+what uses it), a bool the host gets (``equal``), or a LAPACK-style ``info`` check that CUDA reads on the
+host (``_linalg_check_errors``: what ``solve``, ``cholesky``, ``inv`` without ``_ex`` call; ``eigh``,
+``svd``, ``lstsq`` check inside their kernels). ``repeat_interleave`` without ``output_size``, an index
+by a boolean mask and ``histc`` without a range are checked by :func:`_syncs_on_device`."""
+
+NO_KERNEL = {
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.empty_like.default,
+    aten._local_scalar_dense.default,
+    aten._unsafe_view.default,
+    aten.resize_.default,
+    aten.set_.source_Storage_storage_offset,
+    aten.set_.source_Tensor,
+}
+"""Ops run on the device that launch no kernel (allocations, reads) besides the views."""
+
+
+def _syncs_on_device(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a device op makes the host wait (:data:`SYNCING`, and the cases decided by arguments)."""
+    if func in SYNCING:
+        return True
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    if func is aten.histc.default:
+        lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+        hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+        return lo == hi
+    if func in _INDEX or func in _INDEX_PUT:  # a boolean mask becomes indices through nonzero
+        return any(isinstance(t, Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1] if t is not None)
+    return False
+
+
 class _Aten(TorchDispatchMode):
     """Checks every aten op's devices, counts cross-device copies, and tags what a device op makes."""
 
@@ -449,13 +557,19 @@ class _Aten(TorchDispatchMode):
         if func is aten.copy_.default:  # a copy across devices is allowed (and counted)
             dst, src = args[0], args[1]
             if on_device(dst) != on_device(src):
-                self.traffic.add("h2d" if on_device(dst) else "d2h", src)
+                non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+                waits = not on_device(dst) or not (non_blocking and _pinned(src))
+                self.traffic.add("h2d" if on_device(dst) else "d2h", src, waits=waits)
+            elif on_device(dst):
+                self.traffic.launch(func)
             return func(*args, **kwargs)
         if func is aten._to_copy.default and kwargs.get("device") is not None:
             # the Python layer moved what the code moved; a C++ ``to`` passes the real (host) device here
             on = on_device(args[0]) or _target(kwargs["device"]).type == "cuda"
             if on and not on_device(args[0]):
-                self.traffic.add("h2d", args[0])
+                self.traffic.add("h2d", args[0], waits=not (kwargs.get("non_blocking") and _pinned(args[0])))
+            elif on:
+                self.traffic.launch(func)
             out = func(*args, **{**kwargs, "device": CPU})
             _mark(out, on)
             return out
@@ -468,10 +582,15 @@ class _Aten(TorchDispatchMode):
         )
         if tagged:
             kwargs = _check_cuda_kernels(func, args, kwargs)
+        on = device or (not tensors and _ambient())
         if func is aten._local_scalar_dense.default and tagged:  # item(), float(), bool(): the host waits
             self.traffic.add("sync")
+        elif on and _syncs_on_device(func, args, kwargs):
+            self.traffic.add("sync")
+        if on and not func.is_view and func not in NO_KERNEL:
+            self.traffic.launch(func)
         out = func(*args, **kwargs)
-        if device or (not tensors and _ambient()):
+        if on:
             _mark(out, True, tuple(tensors))
         return out
 

@@ -157,17 +157,66 @@ def test_what_cuda_kernels_lack_raises():
 def test_copies_and_syncs_are_counted_with_the_fedpers_line_that_made_them():
     u = synthetic.subspace(0, 5, 2)
     with fake_cuda() as fc:
-        dev = u.to("cuda")
-        assert (fc.traffic.h2d, fc.traffic.d2h, fc.traffic.h2d_bytes) == (1, 0, u.numel() * 8)
+        dev = u.to("cuda")  # a blocking copy: PyTorch synchronises the stream after it
+        assert (fc.traffic.h2d, fc.traffic.d2h, fc.traffic.h2d_bytes, fc.traffic.syncs) == (1, 0, u.numel() * 8, 1)
         assert metrics.subspace_error(dev, dev) < 1e-12  # float(): the host waits for the device
-        assert fc.traffic.syncs == 1 and ("sync", "fedpers/metrics.py:13 subspace_error") in fc.traffic.sites
+        assert fc.traffic.syncs == 2 and ("sync", "fedpers/metrics.py:13 subspace_error") in fc.traffic.sites
         dev.cpu()
         dev[torch.tensor([0])]
-        assert (fc.traffic.h2d, fc.traffic.d2h) == (2, 1)
+        assert (fc.traffic.h2d, fc.traffic.d2h, fc.traffic.syncs) == (2, 1, 4)
         assert "fedpers/metrics.py:13 subspace_error" in fc.traffic.report()
         fc.traffic.reset()
         linalg.orthonormal_basis(dev)
-        assert fc.traffic.h2d == fc.traffic.d2h == 0
+        assert fc.traffic.h2d == fc.traffic.d2h == fc.traffic.syncs == 0 and fc.traffic.launches > 0
+
+
+def test_every_read_of_the_device_is_a_sync_and_a_pinned_non_blocking_copy_is_not():
+    """What makes the host wait on a GPU: reads of values, ops whose output size or error check the
+    host needs, blocking copies; what does not: kernels queued on the device, a non-blocking copy from
+    pinned memory."""
+    x = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    spd = x @ x.T + torch.eye(6, dtype=torch.float64)
+    with fake_cuda() as fc:
+        dev, a = x.to("cuda"), spd.to("cuda")
+        waits = {
+            "item": lambda: dev.sum().item(),
+            "bool": lambda: bool(dev.sum() > 0),
+            "tolist": lambda: dev[0].tolist(),
+            "cpu": lambda: dev.cpu(),
+            "nonzero": lambda: (dev > 0).nonzero(),
+            "mask index": lambda: dev[dev > 0],
+            "mask assign": lambda: dev.clone().__setitem__(dev > 0, 1.0),
+            "equal": lambda: torch.equal(dev, dev),
+            "unique": lambda: torch.unique(dev),
+            "repeat_interleave": lambda: torch.repeat_interleave(torch.ones(3, dtype=torch.int64, device="cuda")),
+            "eigh": lambda: torch.linalg.eigh(a),
+            "solve": lambda: torch.linalg.solve(a, dev),
+            "cholesky": lambda: torch.linalg.cholesky(a),
+            "host index": lambda: dev[torch.tensor([0, 1])],
+            "blocking copy": lambda: x.to("cuda"),
+            "copy from unpinned memory": lambda: x.to("cuda", non_blocking=True),
+        }
+        for name, op in waits.items():
+            before = fc.traffic.syncs
+            op()
+            assert fc.traffic.syncs == before + 1, name
+        before = fc.traffic.counts()
+        free = [
+            lambda: dev @ dev,
+            lambda: torch.linalg.cholesky_ex(a),
+            lambda: torch.where(dev > 0, dev, 0.0),
+            lambda: dev[torch.arange(2, device="cuda")],
+            lambda: torch.repeat_interleave(torch.ones(3, dtype=torch.int64, device="cuda"), output_size=3),
+            lambda: x.pin_memory().to("cuda", non_blocking=True),
+        ]
+        for op in free:
+            op()
+        syncs, launches, h2d, _ = fc.traffic.counts()
+        assert syncs == before[0] and h2d == before[2] + 1 and launches >= before[1] + 5
+        before = fc.traffic.launches
+        dev.T.reshape(-1)[:3].unsqueeze(0)  # views and a copy of one: one kernel
+        torch.empty(4, device="cuda")  # an allocation: none
+        assert fc.traffic.launches == before + 1
 
 
 def test_the_rank_revealing_fallback_solves_on_the_host_what_cuda_cannot():
