@@ -24,7 +24,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fedpers.linalg",),
     ("fedpers.data",),  # loaders and generators of units
     # bottom: run records and leaf helpers
-    ("fedpers", "fedpers.results", "fedpers.config", "fedpers.metrics", "fedpers.seeds", "fedpers.memory", "fedpers.pools"),
+    (
+        "fedpers",
+        "fedpers.results",
+        "fedpers.config",
+        "fedpers.metrics",
+        "fedpers.seeds",
+        "fedpers.memory",
+        "fedpers.pools",
+        "fedpers.devices",
+    ),
 )
 """Top to bottom; a module may import its own layer and the layers below it. Every module of fedpers/ must
 be named here, itself or through its package: the root ``fedpers`` names only ``fedpers/__init__.py``."""
