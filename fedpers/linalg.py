@@ -14,6 +14,8 @@ from typing import overload
 
 import torch
 
+from fedpers.devices import pending
+
 Tensor = torch.Tensor
 
 
@@ -72,7 +74,18 @@ def safe_norms(x: Tensor) -> Tensor | None:
 def _untrusted(x: Tensor, norm: Tensor) -> bool:
     """Whether some norm of x (non-empty) is above 2⁴⁰ or non-finite, or below 2⁻⁴⁰ without
     being exactly 0 on a zero vector: one host read of the norms' minimum and maximum, and a
-    closer look only where the minimum is below 2⁻⁴⁰ (a NaN makes both NaN: refused first)."""
+    closer look only where the minimum is below 2⁻⁴⁰ (a NaN makes both NaN: refused first).
+
+    With checks deferred (:func:`fedpers.devices.pending`) nothing is read: the same decision is
+    recorded on the device and the norms are taken as trusted (a round where they were not is made
+    again with the checks read)."""
+    checks = pending()
+    if checks is not None:
+        small = norm < SAFE_RANGE[0]
+        # as below: a small norm is trusted only if it is exactly 0 on a vector that is exactly 0
+        bad_small = (small & ((norm > 0) | (torch.linalg.vector_norm(x, ord=math.inf, dim=-1) > 0))).any()
+        checks.expect((norm.amax() <= SAFE_RANGE[1]) & ~bad_small)
+        return False
     low, peak = torch.stack(torch.aminmax(norm)).tolist()  # one host read
     if not peak <= SAFE_RANGE[1]:  # also false for NaN/inf
         return True
@@ -170,6 +183,10 @@ def _ridge_solve(features: Tensor, targets: Tensor, ridge: float) -> Tensor:
         rhs = torch.where(bad[..., None], torch.full_like(rhs, math.nan), rhs)
     chol, info = torch.linalg.cholesky_ex(gram)
     out = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
+    checks = pending()
+    if checks is not None:  # no failure, or the round is made again with this read
+        checks.expect((info == 0).all())
+        return out.to(features.dtype)
     failed = (info != 0).nonzero(as_tuple=True)
     if failed[0].numel():  # per problem, so the answer never depends on its batch-mates
         out[failed] = lstsq_rank_revealing(gram[failed], rhs[failed].unsqueeze(-1)).squeeze(-1)

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from fedpers.devices import to_device
+
 Tensor = torch.Tensor
 BLOCK = 1024
 _STREAM_TRUTH, _STREAM_USERS, _STREAM_PARTS = 1, 2, 3
@@ -177,7 +179,7 @@ def half_range(samples: int, half: int) -> tuple[int, int]:
 def _parts_block(
     seed: int,
     blk: int,
-    local: Tensor,
+    local: Tensor | None,
     u: Tensor,
     samples: int,
     noise_std: float,
@@ -186,17 +188,18 @@ def _parts_block(
     device: torch.device,
     into: dict[int, tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, dict[int, tuple[Tensor, Tensor]]]:
-    """float32/device scheme: v* and the asked-for halves' (x, y) of users ``local`` of block ``blk``,
-    drawn on ``device`` in ``dtype`` from one generator per (block, part).
+    """float32/device scheme: v* and the asked-for halves' (x, y) of users ``local`` (on ``device``;
+    None: the whole block in order) of block ``blk``, drawn on ``device`` in ``dtype`` from one
+    generator per (block, part).
 
     ``into`` (whole blocks only): contiguous (BLOCK, m/2, d) and (BLOCK, m/2) destinations per
     half, drawn into in place (the same values as a fresh draw: no copy)."""
     d, k = u.shape
-    whole = local.numel() == BLOCK and bool((local == torch.arange(BLOCK, device=local.device)).all())
+    whole = local is None
     v = torch.randn(
         BLOCK, k, generator=_generator(seed, _STREAM_PARTS, blk, 0, device=device), dtype=dtype, device=device
     )
-    if not whole:
+    if local is not None:
         v = v[local]
     out: dict[int, tuple[Tensor, Tensor]] = {}
     for half in halves:
@@ -211,7 +214,7 @@ def _parts_block(
         else:
             bx = torch.randn(BLOCK, b - a, d, generator=g, dtype=dtype, device=device)
             bz = torch.randn(BLOCK, b - a, generator=g, dtype=dtype, device=device)
-            if not whole:
+            if local is not None:
                 bx, bz = bx[local], bz[local]
             y = torch.baddbmm(noise_std * bz.unsqueeze(-1), bx @ u, v.unsqueeze(-1)).squeeze(-1)
         out[half] = (bx, y)
@@ -257,7 +260,10 @@ def altmin_users(
     halves = tuple(sorted({int(h) for h in halves}))
     if not set(halves) <= set(HALVES):
         raise ValueError(f"halves must be a subset of {HALVES}; got {halves}")
-    ids = ids.to(device, torch.int64)
+    # the grouping into blocks is bookkeeping on the host's copy of the ids (no device read); the
+    # device gets the ids, and the index of a partly asked-for block, by copies it does not wait for
+    host = ids.to(torch.int64) if ids.device.type == "cpu" else ids.to(torch.int64).cpu()
+    ids = to_device(host, device) if ids.device.type == "cpu" else ids.to(device, torch.int64)
     d, k = u_star.shape
     n = int(ids.shape[0])
     one_half = compact and len(halves) == 1
@@ -269,26 +275,23 @@ def altmin_users(
     v = torch.empty(n, k, dtype=dtype, device=device)
     if n == 0:
         return {"ids": ids, "x": x, "y": y, "v_star": v}
-    blocks = ids // BLOCK
+    blocks = host // BLOCK
     order = torch.argsort(blocks, stable=True)
     uniq, counts = torch.unique_consecutive(blocks[order], return_counts=True)
     groups = list(zip(uniq.tolist(), torch.split(order, counts.tolist())))
     parts = uses_parts_scheme(dtype, device) if parts is None else parts
-    u = u_star.to(device, dtype if parts else torch.float64)
+    u = to_device(u_star, device).to(dtype if parts else torch.float64)
 
     def where(half: int) -> tuple[int, int]:
         return (0, width) if one_half else half_range(samples, half)
 
     def one(group: tuple[int, Tensor]) -> None:
         blk, rows = group
-        local = ids[rows] - blk * BLOCK
+        local = host[rows] - blk * BLOCK
         if parts:
             r0 = int(rows[0])
-            in_order = (
-                rows.numel() == BLOCK
-                and int(rows[-1]) - r0 == BLOCK - 1
-                and bool((local == torch.arange(BLOCK, device=device)).all())
-            )  # a whole block of sorted ids
+            whole = local.numel() == BLOCK and bool((local == torch.arange(BLOCK)).all())  # the block, in order
+            in_order = whole and rows.numel() == BLOCK and int(rows[-1]) - r0 == BLOCK - 1  # ... in consecutive rows
             in_place = one_half and in_order  # drawn straight into its rows
             into = {h: (x[r0 : r0 + BLOCK], y[r0 : r0 + BLOCK]) for h in halves} if in_place else None
             if in_order and not one_half and device.type == "cpu":
@@ -302,8 +305,18 @@ def altmin_users(
                     for h in halves
                     for a, b in (half_range(samples, h),)
                 }
-            bv, drawn = _parts_block(seed, blk, local, u, samples, noise_std, halves, dtype, device, into)
-            at: Tensor | slice = slice(r0, r0 + BLOCK) if in_order else rows
+            # sorted ids (every chunk a pass makes) are consecutive rows of the chunk: slices of the device's
+            # ids, no index to send
+            span = rows.numel() == 1 or bool((rows[1:] - rows[:-1] == 1).all())
+            at: Tensor | slice = slice(r0, r0 + rows.numel()) if span else to_device(rows, device)
+            picked: Tensor | None = None  # the block's users asked for (None: all of them, in order)
+            if not whole:
+                picked = (
+                    ids[r0 : r0 + rows.numel()] - blk * BLOCK
+                    if span and device.type != "cpu"
+                    else to_device(local, device)
+                )
+            bv, drawn = _parts_block(seed, blk, picked, u, samples, noise_std, halves, dtype, device, into)
             v[at] = bv
             for half, (hx, hy) in drawn.items():
                 if in_place:

@@ -19,6 +19,7 @@ from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile, is_long_format
 from fedpers.data.prefetch import PrefetchSource
 from fedpers.data.units import UnitSource
+from fedpers.devices import to_device
 from fedpers.experiments.altmin_baselines import NonPrivateAltMin, local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, LABEL_OVERSHOOT, Canaries, CanaryDesign, PrivateScore
@@ -631,17 +632,19 @@ class AltMinEvaluator(Evaluator):
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if round == 0:
             self.init_U = state["U"]
-        if self.u_star is None:
+        if self.plan.u_star is None:
             return {}
-        U = state["U"]
+        # the server's state is on the host already: a public U against the host's U*, no device read
+        U = state["U"].cpu()
         return {
-            "subspace_error": metrics.subspace_error(U, self.u_star),
-            "subspace_error_spectral": metrics.subspace_error_spectral(U, self.u_star),
+            "subspace_error": metrics.subspace_error(U, self.plan.u_star),
+            "subspace_error_spectral": metrics.subspace_error_spectral(U, self.plan.u_star),
         }
 
     def subspace_fit(self, U: Tensor) -> Fit:
-        """Every user's final local solve on Q3∪Q4 with U (the billboard model's last step)."""
-        return SubspaceFit(self.protocol, U)
+        """Every user's final local solve on Q3∪Q4 with U (the billboard model's last step), U put
+        where the users are."""
+        return SubspaceFit(self.protocol, to_device(U, self.cfg.device))
 
     def evaluate(
         self, fits: Mapping[str, tuple[Fit, Tensor | None]], source: UnitSource | None = None
@@ -739,7 +742,7 @@ class AltMinEvaluator(Evaluator):
         scored in its first round's pass (the same chunks the evaluation pass would read), so the
         only pass of the evaluation's own is the reference fit's, on the second half of the samples.
         The reference's U is :func:`nonprivate_altmin`'s alone, bit for bit (same chunks, same order)."""
-        steps = NonPrivateAltMin(self.cfg.rank, start)
+        steps = NonPrivateAltMin(self.cfg.rank, None if start is None else to_device(start, self.cfg.device))
         scores = Scores(self, fits)
         steps.begin()
         for units in self.source.chunks(self.cfg.chunk_size):
@@ -767,6 +770,7 @@ class Scores:
         self.has_truth = self.has_test = False
         u_star = evaluator.u_star
         self.u_star = None if u_star is None else u_star.double()
+        self.u_star_host = None if self.u_star is None else self.u_star.cpu()  # beside the released Us (on the host)
 
     def add(self, units: Units) -> None:
         """One chunk of users (the second half of their samples, or all of them when local-only is scored)."""
@@ -799,12 +803,12 @@ class Scores:
 
     def result(self) -> dict[str, dict[str, float | None]]:
         out: dict[str, dict[str, float | None]] = {}
-        u_star, noise_std = self.u_star, self.evaluator.cfg.noise_std
+        u_star, noise_std = self.u_star_host, self.evaluator.cfg.noise_std
         for name, (_, U) in self.fits.items():
             row: dict[str, float | None] = {}
-            if u_star is not None and U is not None:
-                row["subspace_error"] = metrics.subspace_error(U, u_star)
-                row["subspace_error_spectral"] = metrics.subspace_error_spectral(U, u_star)
+            if u_star is not None and U is not None:  # on the host, beside the host's U*
+                row["subspace_error"] = metrics.subspace_error(U.cpu(), u_star)
+                row["subspace_error_spectral"] = metrics.subspace_error_spectral(U.cpu(), u_star)
             if self.has_truth:
                 excess = self.sums[name]["excess"] / max(self.users, 1)
                 row["excess_risk"] = excess

@@ -29,6 +29,7 @@ from fedpers.config import (
 )
 from fedpers.data import synthetic
 from fedpers.data.units import UnitSource
+from fedpers.devices import to_device
 from fedpers.experiments.altmin import AltMinConfig
 from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
@@ -162,8 +163,8 @@ def load_all(cfg: FedRepConfig, ids: Tensor, test: bool = True) -> dict[str, Ten
     dtype = getattr(torch, cfg.dtype)
     on_device = device_path(cfg.device, cfg.kernels)
     draw = {"dtype": dtype, "device": cfg.device} if on_device else {}
-    ids = ids.to(torch.int64).to(cfg.device if on_device else "cpu")
-    u = truth(cfg).to(ids.device)
+    ids = ids.to(torch.int64)  # on the host: the generator groups them there and copies them to the device
+    u = to_device(truth(cfg), cfg.device if on_device else "cpu")
     out = synthetic.altmin_users(derived_seed(cfg.seed, "data"), ids, u, m + r, cfg.noise_std, **draw)
     x, y, v = out["x"], out["y"], out["v_star"]
     if cfg.v_star is VStar.SPHERE:
@@ -172,7 +173,7 @@ def load_all(cfg: FedRepConfig, ids: Tensor, test: bool = True) -> dict[str, Ten
         norm = torch.linalg.vector_norm(v, dim=-1, keepdim=True).clamp_min(torch.finfo(v.dtype).tiny)
         v = v / norm
         y = y - signal + signal / norm
-    split = {"ids": ids, "v_star": v, "x": x[:, :m], "y": y[:, :m], "x_refit": x[:, m:], "y_refit": y[:, m:]}
+    split = {"ids": out["ids"], "v_star": v, "x": x[:, :m], "y": y[:, :m], "x_refit": x[:, m:], "y_refit": y[:, m:]}
     if test:
         # y = 0·x + 1·z with U = 0: the test x and a standard normal z per sample
         noise = synthetic.altmin_users(
@@ -181,7 +182,10 @@ def load_all(cfg: FedRepConfig, ids: Tensor, test: bool = True) -> dict[str, Ten
         xt = noise["x"]
         split["x_test"] = xt
         split["y_test"] = ((xt @ u.to(xt.dtype)) @ v.unsqueeze(-1)).squeeze(-1) + cfg.noise_std * noise["y"]
-    return {k: (t.to(cfg.device, dtype) if t.is_floating_point() else t.to(cfg.device)) for k, t in split.items()}
+    return {
+        k: (to_device(t, cfg.device).to(dtype) if t.is_floating_point() else to_device(t, cfg.device))
+        for k, t in split.items()
+    }
 
 
 def source(cfg: FedRepConfig, keys: tuple[str, ...] | None = None) -> UnitSource:
@@ -245,7 +249,7 @@ def correlated_summary(protocol: FedRepProtocol) -> dict[str, Any]:
 
 class FedRepEvaluator(Evaluator):
     def __init__(self, cfg: FedRepConfig) -> None:
-        self.cfg, self.u_star = cfg, truth(cfg).to(cfg.device)  # beside the released U it is compared with
+        self.cfg, self.u_star = cfg, truth(cfg)  # on the host, beside the server's state it is compared with
         self.source = source(cfg, ("ids", "x_refit", "y_refit", "x_test", "y_test"))
         self.init_U: Tensor | None = None
         self.shadow: ShadowRun | None = None
@@ -260,7 +264,7 @@ class FedRepEvaluator(Evaluator):
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if round == 0:
             self.init_U = state["U"]
-        return {"subspace_error": metrics.subspace_error(state["U"], self.u_star)}
+        return {"subspace_error": metrics.subspace_error(state["U"].cpu(), self.u_star)}
 
     def companions(self) -> list[Companion]:
         """Both baselines in the private run's passes, when every round reads every user with all
@@ -301,7 +305,7 @@ class FedRepEvaluator(Evaluator):
             extra["nonprivate_altmin"] = {"rounds": rounds}
         mse = population_mse(self.source, Us, self.cfg.chunk_size)
         rows = {
-            name: {"subspace_error": metrics.subspace_error(U, self.u_star), "population_mse": mse[name]}
+            name: {"subspace_error": metrics.subspace_error(U.cpu(), self.u_star), "population_mse": mse[name]}
             for name, U in Us.items()
         }
         out: dict[str, Any] = rows.pop("private")

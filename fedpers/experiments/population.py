@@ -13,6 +13,7 @@ import torch
 from fedpers import linalg
 from fedpers.data import synthetic
 from fedpers.data.units import UnitSource
+from fedpers.devices import to_device
 
 Tensor = torch.Tensor
 KEYS = ("x_refit", "y_refit", "x_test", "y_test")
@@ -35,10 +36,13 @@ def population_mse(
     """name → mean over users of the test MSE after refitting v_j on the refit samples with that
     U (least squares), every U in one pass over the users."""
     totals, users = {name: 0.0 for name in Us}, 0
+    on: dict[str, Tensor] = {}
     for units in source.chunks(chunk_size):
         x, y, xt, yt = (units[k].double() for k in keys)
         for name, U in Us.items():
-            Ud = U.double().to(x.device)
+            if name not in on or on[name].device != x.device:  # each U copied to the users' device once
+                on[name] = to_device(U.double(), x.device)
+            Ud = on[name]
             v = linalg.lstsq(x @ Ud, y.unsqueeze(-1))
             pred = ((xt @ Ud) @ v).squeeze(-1)
             totals[name] += float(((pred - yt) ** 2).mean(-1).sum())

@@ -6,7 +6,8 @@ them as the private run reads them instead of generating every user again. Where
 clients are sent the same broadcast (AltMin's round 0) their messages are the same, so the
 shadow sums the private run's message for that chunk rather than computing it twice: its sum is
 the private run's sum before noise. Its own server steps use its own privatizer, ledger and
-state; nothing of it reaches the private run's releases.
+state; nothing of it reaches the private run's releases. Like the run's, its server steps and state
+are on the host, its clients' work where the units are.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fedpers.devices import to_device, to_host
 from fedpers.experiments.altmin_baselines import NonPrivateAltMin
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Message, Protocol, Units, client_message, zero_message
@@ -62,6 +64,8 @@ class ShadowRun(Companion):
         self.next_round = 0
         self.same_client, self.units_map = same_client, units_map
         self._broadcast: dict[str, Tensor] = {}
+        self._sent: dict[str, Tensor] = {}
+        self._sent_to: torch.device | None = None
         self._reuse = False
         self._active = False
         self._total: Message | None = None
@@ -77,6 +81,7 @@ class ShadowRun(Companion):
         if round != self.next_round:
             raise RuntimeError(f"shadow run: round {round} began before round {self.next_round} (a resumed run)")
         self._broadcast = self.protocol.broadcast(self.state, round)
+        self._sent, self._sent_to = {}, None
         self._reuse = self.same_client and _same_broadcast(self._broadcast, broadcast)
         self._total = None
 
@@ -87,25 +92,26 @@ class ShadowRun(Companion):
             own = message
         else:
             mine = units if self.units_map is None else self.units_map(units)
-            own = client_message(self.protocol, round, self._broadcast, mine)
+            device = mine["ids"].device
+            if self._sent_to != device:  # the broadcast where the units are, copied once a round
+                self._sent = {k: to_device(v, device) for k, v in self._broadcast.items()}
+                self._sent_to = device
+            own = client_message(self.protocol, round, self._sent, mine)
         self._total = own.copy() if self._total is None else self._total.add_(own)
 
     def end_round(self, round: int) -> None:
         if not self._active:
             return
         p = self.protocol
-        # as the local runtime's round: a zero message plus the one summed reply
-        total = zero_message(p.stat_specs(round), p.dtype, self._device())
+        # as the local runtime's round: the one summed reply on the host, plus a zero message
+        total = zero_message(p.stat_specs(round), p.dtype, torch.device("cpu"))
         if self._total is not None:
-            total = total + self._total
+            names = list(self._total.stats)
+            host = to_host([self._total.stats[k] for k in names])
+            total = total + Message(dict(zip(names, host)), self._total.count, self._total.zeroed)
         self.state, _ = p.server_update(round, self.state, total, self.privatizer)
         self._total = None
         self.next_round += 1
-
-    def _device(self) -> torch.device:
-        if self._total is not None:
-            return next(iter(self._total.stats.values())).device
-        return torch.device("cpu")
 
 
 class ReferenceRun(Companion):

@@ -19,10 +19,11 @@ import dp_accounting
 import torch
 
 from fedpers import linalg
+from fedpers.devices import to_device
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
 from fedpers.privacy.mechanisms import psd_sensitivity
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units, all_take_part
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-8
@@ -268,7 +269,7 @@ class AltMinProtocol(Protocol):
             perm = self.permutation()
             position = torch.empty_like(perm)
             position[perm] = torch.arange(self.n_users)
-            self._cohort_cache[key] = (position * self.rounds // self.n_users + 1).to(ids.device)
+            self._cohort_cache[key] = to_device(position * self.rounds // self.n_users + 1, ids.device)
         return self._cohort_cache[key][ids]
 
     # ----- protocol ------------------------------------------------------------------
@@ -345,7 +346,8 @@ class AltMinProtocol(Protocol):
             keep = self.cohort_of(ids) == round
         elif self.cohorts is Cohorts.POISSON:
             keep = broadcast["sampled"].to(ids.device)[ids] > 0
-        if keep is not None and not bool(keep.all()):  # a chunk made for this round is all cohort: no copy
+        # a chunk made for this round is all cohort: no copy (and, on a GPU, no read)
+        if keep is not None and not all_take_part(keep) and not bool(keep.all()):
             x, y = x[keep], y[keep]
         if self.adaptive:
             eta, zeta = float(broadcast["eta"]), float(broadcast["zeta"])

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fedpers.data.units import Units
+from fedpers.devices import pending
 from fedpers.privacy import Privatizer
 
 Tensor = torch.Tensor
@@ -162,6 +163,19 @@ def verify_message(
         if norm > limit:
             return Verdict(False, f"{spec.name}: norm {norm:.4g} > count × per-unit bound = {limit:.4g}", norms)
     return Verdict(True, "", norms)
+
+
+def all_take_part(keep: Tensor) -> bool:
+    """Whether a client may use its chunk as it is instead of selecting the rows ``keep`` marks as
+    taking part in the round. True only under deferred checks (the local runtime on a GPU, whose
+    chunks hold just the round's units: :meth:`Protocol.units_needed`): then ``keep.all()`` is
+    recorded (:func:`fedpers.devices.pending`) rather than read, and a round where it did not hold is
+    made again with the rows selected. Otherwise False, and the caller selects as it always did."""
+    checks = pending()
+    if checks is None:
+        return False
+    checks.expect(keep.all())
+    return True
 
 
 def zero_message(specs: tuple[StatSpec, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Message:

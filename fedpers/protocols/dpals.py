@@ -53,6 +53,7 @@ import scipy.sparse
 import torch
 
 from fedpers import linalg
+from fedpers.devices import pending
 from fedpers.pools import pool
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
@@ -111,6 +112,10 @@ def spd_solve(A: Tensor, rhs: Tensor) -> Tensor:
     with LU for the problems whose factorisation fails (so no answer depends on its batch-mates)."""
     chol, info = torch.linalg.cholesky_ex(A)
     out = torch.cholesky_solve(rhs.unsqueeze(-1), chol).squeeze(-1)
+    checks = pending()
+    if checks is not None:  # no failure, or the round is made again with this read
+        checks.expect((info == 0).all())
+        return out
     failed = (info != 0).nonzero(as_tuple=True)[0]
     if failed.numel():
         out[failed] = torch.linalg.solve(A[failed], rhs[failed].unsqueeze(-1)).squeeze(-1)
@@ -152,13 +157,18 @@ def item_counts(
     sel = selected(mask, items_per_user)
     r_unit, log_rn = linalg.directions(ratings * sel.to(ratings.dtype))
     r = r_unit * linalg.clipped_magnitude(log_rn, rating_bound).to(ratings.dtype).unsqueeze(-1)
-    flat = items[sel]
     root_b = math.sqrt(items_per_user)
-    s = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device).index_add_(0, flat, r[sel])
-    c = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device).index_add_(
-        0, flat, torch.ones_like(r[sel])
-    )
-    s[n_items] = (r.sum(1) / root_b).sum()
+    s = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device)
+    c = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device)
+    if ratings.device.type == "cpu":
+        flat = items[sel]
+        s.index_add_(0, flat, r[sel])
+        c.index_add_(0, flat, torch.ones_like(r[sel]))
+    else:  # no selection by a mask (a host read): every entry added, the unselected ones into the totals' slot
+        flat = items.masked_fill(~sel, n_items).reshape(-1)
+        s.index_add_(0, flat, r.masked_fill(~sel, 0).reshape(-1))
+        c.index_add_(0, flat, sel.to(ratings.dtype).reshape(-1))
+    s[n_items] = (r.sum(1) / root_b).sum()  # (overwrites what the unselected entries added there)
     c[n_items] = (sel.sum(1).to(ratings.dtype) / root_b).sum()
     return s, c
 
@@ -200,14 +210,22 @@ def item_statistics(
     rows, cols = torch.triu_indices(k, k, device=U.device)
     outer = v_unit.index_select(1, rows) * v_unit.index_select(1, cols)  # (n, k(k+1)/2): triu of v̂ v̂ᵀ
     width = sel.shape[1]
-    where = sel.reshape(-1).nonzero().squeeze(1)  # the selected ratings, user-major
-    flat_items = items.reshape(-1).index_select(0, where)
+    if items.device.type != "cpu":
+        # every entry kept (how many are selected is not read): the unselected ones go to an extra item
+        # n_items, dropped after the products; each real item's row holds what the selection would give it
+        where = torch.arange(sel.numel(), device=items.device)
+        flat_items = items.masked_fill(~sel, n_items).reshape(-1)
+        rows = n_items + 1
+    else:
+        where = sel.reshape(-1).nonzero().squeeze(1)  # the selected ratings, user-major
+        flat_items = items.reshape(-1).index_select(0, where)
+        rows = n_items
     users = torch.div(where, width, rounding_mode="floor")
-    crow, order = _item_major(flat_items, users, per_user, n_items, device_kernels)
+    crow, order = _item_major(flat_items, users, per_user, rows, device_kernels)
     users = users.index_select(0, order)
     g_vals = g_mag.index_select(0, users)
     b_vals = r_unit.reshape(-1).index_select(0, where.index_select(0, order)) * b_mag.index_select(0, users)
-    G = _csr_products(crow, users, (g_vals, b_vals), (outer, v_unit), device_kernels)
+    G = [t[:n_items] for t in _csr_products(crow, users, (g_vals, b_vals), (outer, v_unit), device_kernels)]
     return (G[0] if packed else triu_unpack(G[0], k)), G[1]
 
 
@@ -218,10 +236,10 @@ def _item_major(
     users ascending within each item)."""
     if device_kernels or flat_items.device.type != "cpu":
         # stable: a user rating an item twice keeps its ratings' order, as the counting sort does
-        order = torch.sort(flat_items * per_user.shape[0] + users, stable=True).indices
-        crow = torch.zeros(n_items + 1, dtype=torch.int64, device=flat_items.device)
-        crow[1:] = torch.cumsum(torch.bincount(flat_items, minlength=n_items), 0)
-        return crow, order
+        keys, order = torch.sort(flat_items * per_user.shape[0] + users, stable=True)
+        # row i starts at the first key of item i: the counts' cumulative sum, without bincount's read of the maximum
+        starts = torch.arange(n_items + 1, dtype=torch.int64, device=flat_items.device) * per_user.shape[0]
+        return torch.searchsorted(keys, starts), order
     nnz = int(flat_items.shape[0])
     n = int(per_user.shape[0])
     user_ptr = torch.zeros(n + 1, dtype=torch.int64)
@@ -437,8 +455,10 @@ class DpAlsProtocol(Protocol):
         if self.is_prelude(round):
             s, c = item_counts(units["items"], ratings, mask, self.items_per_user, self.n_items, self.rating_bound)
             return Message({"s": s, "c": c}, int(units["ids"].shape[0]))
-        if self.prelude:
-            ratings = (ratings - broadcast["mu"].to(ratings.device, self.dtype)) * (mask | units["test"]).to(self.dtype)
+        if self.prelude:  # μ̂: a public scalar (a 0-dim host tensor enters a device kernel as a number)
+            mu = broadcast["mu"]
+            mu = mu.to(self.dtype) if mu.dim() == 0 else mu.to(ratings.device, self.dtype)
+            ratings = (ratings - mu) * (mask | units["test"]).to(self.dtype)
         if self.user_bias > 0:  # over all of the user's training ratings, before the head restriction
             ratings = residuals(ratings, user_offsets(ratings, mask, self.user_bias))
         if self.prelude:

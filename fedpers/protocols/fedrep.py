@@ -32,7 +32,7 @@ from fedpers.privacy.adaptive_clip import (
     share_multiplier,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units, all_take_part
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-6
@@ -146,6 +146,8 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
     def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
         if round >= 1 and self.cycle > 1:
             return torch.arange(*self.cohort_range(self.round_cohort(round))), None
+        if round >= 1 and self.poisson:  # the server's sample, sent with the broadcast
+            return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), None
         return None, None
 
     # ----- protocol ------------------------------------------------------------------
@@ -181,10 +183,12 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
             return Message({"W": self.init_statistic(x, y)}, int(ids.shape[0]))
         if self.poisson:
             keep = broadcast["sampled"].to(ids.device)[ids] > 0
-            x, y = x[keep], y[keep]
+            if not all_take_part(keep):
+                x, y = x[keep], y[keep]
         if self.cycle > 1:
             keep = self.cohort_of(ids) == self.round_cohort(round)
-            x, y = x[keep], y[keep]
+            if not all_take_part(keep):
+                x, y = x[keep], y[keep]
         U = broadcast["U"].to(self.dtype)
         if self.adaptive:
             clip = float(broadcast["clip"])

@@ -26,7 +26,7 @@ from fedpers import linalg
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units, all_take_part
 
 Tensor = torch.Tensor
 
@@ -43,8 +43,9 @@ class Loss(str, enum.Enum):
 
 
 # ----- the math ---------------------------------------------------------------------------
-def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Loss) -> tuple[Tensor, int]:
-    """Σ_i clip(r_i x_iᵀ; G) without forming per-example gradients (||r xᵀ||_F = ||r||·||x||); and how many were clipped.
+def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Loss) -> tuple[Tensor, Tensor]:
+    """Σ_i clip(r_i x_iᵀ; G) without forming per-example gradients (||r xᵀ||_F = ||r||·||x||); and how
+    many were clipped (a 0-dim int64 where the sum is: nothing is read on the host).
 
     Each term is m_i r̂_i x̂_iᵀ with m_i = min(||r_i||·||x_i||, G) from log-norms, and x is
     scaled per example by an exact power of two before W x, so every finite input gives a
@@ -62,7 +63,7 @@ def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Los
     x_hat, log_x = linalg.directions(x)
     log_norm = log_r + log_scale + log_x
     m = linalg.clipped_magnitude(log_norm, clip).to(x.dtype)
-    return (r_hat * m.unsqueeze(-1)).transpose(0, 1) @ x_hat, int((log_norm > math.log(clip)).sum())
+    return (r_hat * m.unsqueeze(-1)).transpose(0, 1) @ x_hat, (log_norm > math.log(clip)).sum()
 
 
 @dataclass(frozen=True)
@@ -202,14 +203,16 @@ class NoisyGDProtocol(Protocol):
             return Message({"second_moment": linalg.sym(xc.transpose(0, 1) @ xc)}, n)  # Σ x xᵀ: PSD per unit
         if self.cycle > 1:
             keep = self.cohort_of(units["ids"]).to(x.device) == self.step_cohort(round)
-            x, y = x[keep], y[keep]
-            n = int(x.shape[0])
+            if not all_take_part(keep):
+                x, y = x[keep], y[keep]
+                n = int(x.shape[0])
         clip = float(broadcast["clip"]) if self.adaptive else self.grad_clip
         grad, clipped = clipped_gradient_sum(
             broadcast["W"].to(x.device, self.dtype), self.transform(broadcast, x), y, clip, self.loss
         )
         if self.adaptive:
-            below = torch.tensor((n - clipped) - n / 2, dtype=self.dtype, device=grad.device)
+            # (n − clipped) − n/2 in float64 (exact: small integers), then the dtype: the value the host formed
+            below = ((n - clipped).double() - n / 2).to(self.dtype)
             return Message({"grad": grad / clip, "below": below}, n)
         return Message({"grad": grad}, n)
 

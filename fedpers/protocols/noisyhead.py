@@ -45,7 +45,7 @@ from fedpers.privacy.adaptive_clip import (
     below_statistic,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, Protocol, StatSpec, Units, all_take_part
 
 Tensor = torch.Tensor
 
@@ -301,6 +301,8 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
     def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
         if self.cycle > 1:
             return torch.arange(*self.cohort_range(round % self.cycle)), None
+        if self.poisson and "sampled" in broadcast:  # the server's sample, sent with the broadcast
+            return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), None
         return None, None
 
     def unit_divisor(self, t: int) -> float:
@@ -415,10 +417,12 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
     def client_update(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> Message:
         if self.poisson:
             keep = broadcast["sampled"].to(units["ids"].device)[units["ids"]] > 0
-            units = {k: v[keep] for k, v in units.items()}
+            if not all_take_part(keep):
+                units = {k: v[keep] for k, v in units.items()}
         if self.cycle > 1:
             keep = self.cohort_of(units["ids"]) == round % self.cycle
-            units = {k: v[keep] for k, v in units.items()}
+            if not all_take_part(keep):
+                units = {k: v[keep] for k, v in units.items()}
         z, yq, wa, wb = self.features(units)
         if self.adaptive and self.mode is Mode.ROUNDS:
             return self.scaled_gradients(broadcast, z, yq, wa, wb, int(units["ids"].shape[0]))

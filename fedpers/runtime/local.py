@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fedpers.data.units import UnitSource
+from fedpers.devices import Checks, deferring, to_device, to_host
 from fedpers.privacy import Privatizer
 from fedpers.privacy.distributed import NodeSidePrivatizer
 from fedpers.protocols.base import Message, Protocol, Units, client_message, zero_message
@@ -33,7 +34,9 @@ class Companion(abc.ABC):
     It sees each chunk's units and the run's message for that chunk, never changes either (the
     run's message is summed and released exactly as without it), and runs on the simulator only:
     the Flower runtime has no companions. One that raises is dropped with its error kept in
-    :attr:`error`, and the run goes on: a baseline cannot stop a private run."""
+    :attr:`error`, and the run goes on: a baseline cannot stop a private run. A round may begin
+    twice (``start_round`` again before its ``end_round``) when the runtime makes it again with every
+    check read (``run_local(defer_checks=…)``): what the first attempt summed is dropped."""
 
     error: str = ""
 
@@ -109,11 +112,20 @@ def run_local(
     """Run ``protocol`` over all ``units`` as one client, computing statistics ``chunk_size`` units at a time;
     each of ``companions`` sees every chunk of every round as it is read (:class:`Companion`).
 
-    ``defer_checks`` (default: on a GPU, not on the CPU): the per-unit rule's finiteness check of
-    each chunk's message is not read chunk by chunk (a device sync each) but once per round; a
-    round where some message was not finite is made again chunk by chunk under the rule (the
-    same sum as without deferring, bit for bit), so nothing non-finite is ever summed into a
-    release. On the CPU a read costs nothing, and a data set with a bad unit pays no second pass."""
+    The server (verification, the privatised release, ``server_update``) runs on the host, the
+    clients where the units are: a round's summed message comes to the host in one copy, the
+    broadcast goes to the units' device without the host waiting (:mod:`fedpers.devices`), so the
+    state the run returns is on the host (a 0-dim tensor of the broadcast, a public scalar the clients
+    read as a number, stays there).
+
+    ``defer_checks`` (default: off the CPU): the checks a client computation would read on the host
+    chunk by chunk (a device sync each: finiteness of each chunk's message, norms in the trusted
+    range, Cholesky failures, chunks holding only the round's units) are assumed to hold, recorded
+    as one flag on the device (:class:`fedpers.devices.Checks`) and read once per round, with the
+    summed message; a round where one did not hold is made again chunk by chunk with every check read
+    as it comes, under the per-unit rule (the same sum as without deferring, bit for bit), so nothing
+    non-finite is ever summed into a release. On the CPU a read costs nothing, and a data set with a
+    bad unit pays no second pass."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if isinstance(privatizer, NodeSidePrivatizer):  # distributed or local DP: the nodes add the noise
@@ -136,49 +148,70 @@ def run_local(
 
     defer = source.device.type != "cpu" if defer_checks is None else defer_checks
 
-    def one_pass(round: int, broadcast: Mapping[str, Tensor], checked: bool) -> tuple[Message | None, bool]:
-        """The round's chunks summed; ``checked``: each message under the per-unit rule as made
-        (:func:`client_message`, a host read per chunk); else the finiteness flags are ANDed on the
-        device and read once at the end (False: some chunk's message was not finite)."""
+    def one_pass(
+        round: int, published: Mapping[str, Tensor], broadcast: Mapping[str, Tensor], checked: bool
+    ) -> tuple[Message | None, Checks | None]:
+        """The round's chunks summed (on the units' device): ``published`` is the broadcast as the
+        server made it (on the host: which units take part, what companions see), ``broadcast`` the
+        same on the units' device (what clients compute with). ``checked``: each message under the
+        per-unit rule as made (:func:`client_message`, host reads per chunk); else every check is
+        deferred into the returned :class:`Checks` (read by the caller)."""
         message: Message | None = None
-        flags: list[Tensor] = []
-        ids, samples = protocol.units_needed(round, broadcast)
+        checks = None if checked else Checks()
+        ids, samples = protocol.units_needed(round, published)
         chunks = max(1, -(-(n if ids is None else int(ids.numel())) // chunk_size))  # this round's, not all n's
         parts: Any = source.needed_chunks(chunk_size, ids, samples)
         if progress and chunks >= 4 and estimated[0]:  # a long round shows its chunks (with tqdm's time left)
             from tqdm.auto import tqdm
 
             parts = tqdm(parts, total=chunks, desc=f"round {round}", unit="chunk", leave=False, mininterval=1.0)
-        _call(beside, "start_round", round, broadcast)
-        for i, part_units in enumerate(parts):
-            start = time.perf_counter()
-            part = client_message(protocol, round, broadcast, part_units) if checked else None
-            if part is None:
-                try:
-                    part = protocol.client_update(round, broadcast, part_units)
-                except torch.linalg.LinAlgError:  # numerics that failed: the per-unit rule, now
-                    part = client_message(protocol, round, broadcast, part_units)
-                flag = part.finite_flag()
-                if flag is not None:
-                    flags.append(flag)
-            message = part.copy() if message is None else message.add_(part)  # ``part`` itself stays as computed
-            if progress and i == 0 and not estimated[0]:
-                estimated[0] = True
-                _estimate(protocol, time.perf_counter() - start, chunk_size, n, round)
-            _call(beside, "chunk", round, part_units, part)
-        finite = not flags or bool(torch.stack(flags).all())  # the round's one host read of its checks
-        if finite:
-            _call(beside, "end_round", round)
-        return message, finite
+        _call(beside, "start_round", round, published)
+        with deferring(checks):
+            for i, part_units in enumerate(parts):
+                start = time.perf_counter()
+                part = client_message(protocol, round, broadcast, part_units) if checks is None else None
+                if part is None:
+                    try:
+                        part = protocol.client_update(round, broadcast, part_units)
+                    except torch.linalg.LinAlgError:  # numerics that failed: the per-unit rule, now
+                        with deferring(None):
+                            part = client_message(protocol, round, broadcast, part_units)
+                    flag = part.finite_flag()
+                    if flag is not None and checks is not None:
+                        checks.expect(flag)
+                message = part.copy() if message is None else message.add_(part)  # ``part`` itself stays as computed
+                if progress and i == 0 and not estimated[0]:
+                    estimated[0] = True
+                    _estimate(protocol, time.perf_counter() - start, chunk_size, n, round)
+                _call(beside, "chunk", round, part_units, part)
+        return message, checks
 
     def gather(round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
-        message, finite = one_pass(round, broadcast, checked=not defer)
-        if not finite:  # some unit's contribution was not finite: the round again, chunk by chunk
-            message, _ = one_pass(round, broadcast, checked=True)
-        if message is None:  # no unit in this round (an empty Poisson cohort): the zero sum, released with its noise
-            message = zero_message(protocol.stat_specs(round), protocol.dtype, source.device)
-        return [ClientReply("local", n, message)]
+        # to the units' device without the host waiting; public scalars (a clip bound) stay numbers on the host
+        sent = {k: v if v.dim() == 0 else to_device(v, source.device) for k, v in broadcast.items()}
+        message, checks = one_pass(round, broadcast, sent, checked=not defer)
+        reply, held = _on_host(message, checks)  # the round's one wait: its sum and its checks together
+        if not held:  # some assumption of the round did not hold: the round again, every check read as made
+            message, _ = one_pass(round, broadcast, sent, checked=True)
+            reply, _ = _on_host(message, None)
+        _call(beside, "end_round", round)
+        if reply is None:  # no unit in this round (an empty Poisson cohort): the zero sum, released with its noise
+            reply = zero_message(protocol.stat_specs(round), protocol.dtype, HOST)
+        return [ClientReply("local", n, reply)]
 
-    return drive(
-        protocol, gather, privatizer, on_round=on_round, progress=progress, device=source.device, checkpoint=checkpoint
-    )
+    return drive(protocol, gather, privatizer, on_round=on_round, progress=progress, device=HOST, checkpoint=checkpoint)
+
+
+HOST = torch.device("cpu")
+
+
+def _on_host(message: Message | None, checks: Checks | None) -> tuple[Message | None, bool]:
+    """(``message`` on the host, whether every deferred check held), in one device→host copy."""
+    flag = None if checks is None else checks.flag
+    if message is None:
+        return None, True if flag is None else bool(flag)
+    names = list(message.stats)
+    tensors = [message.stats[k] for k in names] + ([] if flag is None else [flag])
+    host = to_host(tensors)
+    held = True if flag is None else bool(host[-1])
+    return Message(dict(zip(names, host[: len(names)])), message.count, message.zeroed), held
