@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ def execute(
     write: bool = True,
     grid: Any = None,
     resume: bool = False,
+    reuse: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg`` and return its result (also written to ``out`` unless ``write`` is false): the
     :class:`RunResult`'s dict (what result.json holds), with the round records under ``_rounds``
@@ -88,12 +90,16 @@ def execute(
     (:meth:`RunDirectory.finish <fedpers.results.rundir.RunDirectory.finish>`). ``grid``: a Flower Grid
     (inside a ServerApp started by ``flwr run``) to run on instead of starting a simulation; only
     with the flower runtime. ``resume``: continue the killed run in ``out`` from its last
-    checkpoint (see :func:`resume_run`).
+    checkpoint (see :func:`resume_run`). ``reuse``: rows of the experiment's shared baselines computed
+    by another run with the same :meth:`~fedpers.experiments.base.Experiment.baseline_key` (a sweep's),
+    reported as given instead of computed again (the result lists them under ``baselines_reused``).
     """
     start = time.perf_counter()
     if resume and not (write and out):
         raise ValueError("resume needs the run directory (out) to continue")
     plan = resolve(experiment, cfg, options, flower_grid=grid is not None)
+    if reuse:
+        plan.evaluator.reuse_baselines(reuse)
     run_dir, checkpointer = open_run_directory(plan, out, resume) if write else (None, None)
     try:
         state = drive(plan, run_dir, checkpointer, grid=grid, progress=progress)

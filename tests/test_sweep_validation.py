@@ -59,7 +59,7 @@ def test_a_misspelt_metric_is_refused_before_any_point_and_leaves_nothing_behind
     import fedpers.sweeps.points as points
 
     real, calls = points.run_point_task, []
-    monkeypatch.setattr(points, "run_point_task", lambda spec, o, threads=0: calls.append(o) or real(spec, o))
+    monkeypatch.setattr(points, "run_point_task", lambda spec, o, threads=0, reuse=None: calls.append(o) or real(spec, o, reuse=reuse))
     for wrong, match in (('"subspace_eror"', r"metric\(s\) \['subspace_eror'\] not in altmin's result; available: .*subspace_error"),
                          ('"baselines.oracl.subspace_error"', r"baselines.NAME.METRIC with NAME in nonprivate_altmin, .*oracle")):
         with pytest.raises(ValueError, match=match):
@@ -72,7 +72,7 @@ def test_a_misspelt_metric_is_refused_before_any_point_and_leaves_nothing_behind
 def test_a_sweep_failing_at_its_first_point_leaves_nothing_behind(tmp_path, monkeypatch):
     import fedpers.sweeps.points as points
 
-    def fails(spec, overrides, threads=0):
+    def fails(spec, overrides, threads=0, reuse=None):
         raise ValueError("sweep: metric(s) ['excess_risk'] not in this point's result")
 
     monkeypatch.setattr(points, "run_point_task", fails)
@@ -101,16 +101,18 @@ def test_an_interrupted_sweep_resumes_running_only_missing_points(tmp_path, monk
     path = write(tmp_path, GOOD.replace("n_users = [200, 400]", "n_users = [200, 300, 400]"))
     real, calls = sweep.run_point_task, []
 
-    def dies_at_third(spec, overrides, threads=0):
+    def dies_at_third(spec, overrides, threads=0, reuse=None):
         calls.append(overrides["n_users"])
         if len(calls) == 3:
             raise KeyboardInterrupt  # the sweep is killed during its third point
-        return real(spec, overrides)
+        return real(spec, overrides, reuse=reuse)
 
     monkeypatch.setattr(sweep, "run_point_task", dies_at_third)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(path, out=tmp_path / "out", progress=False)
-    monkeypatch.setattr(sweep, "run_point_task", lambda spec, o, threads=0: calls.append(o["n_users"]) or real(spec, o))
+    monkeypatch.setattr(
+        sweep, "run_point_task", lambda spec, o, threads=0, reuse=None: calls.append(o["n_users"]) or real(spec, o, reuse=reuse)
+    )
     summary = run_sweep(path, out=tmp_path / "out", progress=False)
     assert calls == [200, 300, 400, 400] and summary["points_run"] == 1 and summary["points_reused"] == 2
     with open(tmp_path / "out" / "table.csv") as f:

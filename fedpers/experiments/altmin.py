@@ -194,6 +194,15 @@ LONG_FORMAT_FIELDS = (
     "test_fraction",
 )
 BASELINES = ("nonprivate_altmin", "clipped_no_noise", "local_only", "private_init_only", "oracle")
+SHARED_BASELINES = ("nonprivate_altmin", "clipped_no_noise", "local_only", "oracle")
+"""The baselines that depend on the users, the seed and their own parameters alone: the private run's
+clip bounds without its noise, or no privacy at all (a sweep computes them once per data set and seed)."""
+
+
+def shared_baselines(cfg: AltMinConfig) -> tuple[str, ...]:
+    """The asked-for baselines that do not depend on (ε, δ) or the noise: every one but the private
+    initialisation (the private run's round 0)."""
+    return tuple(n for n in baseline_names(cfg.baselines) if n in SHARED_BASELINES)
 
 
 def baseline_names(text: str, allowed: tuple[str, ...] = BASELINES) -> tuple[str, ...]:
@@ -595,17 +604,33 @@ class AltMinEvaluator(Evaluator):
         # on the run's device, beside the released U and the users it scores
         self.u_star = None if plan.u_star is None else plan.u_star.to(self.cfg.device)
         self.source = plan.source()
-        # the evaluation reads the second half (the final local solve on Q3 ∪ Q4) unless
-        # local_only is asked for (its ridge uses all m samples)
         h = self.cfg.samples_per_user // 2
         self.second_half = plan.source(samples=(h, 2 * h))
-        self.eval_source = self.source if "local_only" in baseline_names(self.cfg.baselines) else self.second_half
         self.init_U: Tensor | None = None
         self.population = None
         if self.cfg.refit_samples:
             self.population = UnitSource(self.cfg.n_users, lambda a, b: plan.population_units(torch.arange(a, b)))
         self.shadow: ShadowRun | None = None
         self.nonprivate_rounds = 0
+        self.reused: dict[str, dict[str, Any]] = {}
+        """Rows of shared baselines taken as computed by another run of the same data and seed (a sweep's)."""
+
+    def reuse_baselines(self, rows: Mapping[str, Mapping[str, Any]]) -> None:
+        shared = shared_baselines(self.cfg)
+        unknown = sorted(set(rows) - set(shared))
+        if unknown:
+            raise ValueError(f"reuse_baselines: {unknown} are not shared baselines of this run ({shared})")
+        self.reused = {name: dict(row) for name, row in rows.items()}
+
+    def wanted(self) -> tuple[str, ...]:
+        """The baselines this run computes: those asked for, but the ones it reuses."""
+        return tuple(n for n in baseline_names(self.cfg.baselines) if n not in self.reused)
+
+    @property
+    def eval_source(self) -> UnitSource:
+        """What the evaluation pass reads: the second half of the samples (the final local solve on
+        Q3 ∪ Q4), or all of them when local-only is computed here (its ridge uses all m)."""
+        return self.source if "local_only" in self.wanted() else self.second_half
 
     def clipped_protocol(self) -> AltMinProtocol:
         """The private run's protocol with its clip bounds and no noise (the clipped-no-noise baseline)."""
@@ -617,7 +642,7 @@ class AltMinEvaluator(Evaluator):
         the clipped protocol reads the same chunks in the same rounds, and its round-0 message is
         the private run's (its sum is the private run's before noise). Not with Poisson cohorts (the
         private sample is the private run's; a separate clipped run draws its own, as before)."""
-        wanted = baseline_names(self.cfg.baselines)
+        wanted = self.wanted()
         if self.cfg.cohorts is Cohorts.POISSON or not {"clipped_no_noise", "nonprivate_altmin"} & set(wanted):
             return []
         self.shadow = ShadowRun(self.clipped_protocol(), Privatizer(0))
@@ -683,7 +708,7 @@ class AltMinEvaluator(Evaluator):
         try:
             known, start = self.baseline_fits()
             fits = {**private, **known, **(extra or {})}
-            if "nonprivate_altmin" in baseline_names(self.cfg.baselines):
+            if "nonprivate_altmin" in self.wanted():
                 fits, results = self.with_reference(fits, start)
             else:
                 results = self.evaluate(fits)
@@ -695,10 +720,16 @@ class AltMinEvaluator(Evaluator):
             Us = {name: U for name, (_, U) in fits.items() if U is not None and name in results}
             for name, mse in population_mse(self.population, Us, self.cfg.chunk_size).items():
                 results[name]["population_mse"] = mse
+        if self.reused:  # in the order a run computing them all reports them
+            merged = {**results, **self.reused}
+            order = ["private", *(n for n in BASELINES if n in merged), *(n for n in results if n not in BASELINES)]
+            results = {name: merged[name] for name in dict.fromkeys(order) if name in merged}
         out: dict[str, Any] = results.pop("private")
         skipped = [k for k in ("subspace_error", "excess_risk") if k not in out or out[k] is None]
         out["baselines"] = results
         out["baselines_skipped"] = sorted(set(BASELINES) - set(results))
+        if self.reused:
+            out["baselines_reused"] = sorted(self.reused)
         if error:
             out["baselines_error"] = error
         if skipped:
@@ -710,7 +741,7 @@ class AltMinEvaluator(Evaluator):
         the same users, and the non-private AltMin's start (clipped-no-noise's U, None when not
         asked for): :meth:`with_reference` runs the reference and scores these in its first pass.
         Shared with ``run expmech`` so tables compare."""
-        wanted = baseline_names(self.cfg.baselines)
+        wanted = self.wanted()
         fits: dict[str, tuple[Fit, Tensor | None]] = {}
         clipped_U = None
         if {"clipped_no_noise", "nonprivate_altmin"} & set(wanted):
@@ -987,10 +1018,14 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
     name = "altmin"
     result_keys = ("subspace_error", "subspace_error_spectral", "excess_risk", "test_mse", "population_mse")
     baseline_names = BASELINES
+    privacy_fields = ("epsilon", "delta", "accountant", "calibration")
     config_type = AltMinConfig
 
     def protocol(self, cfg: AltMinConfig, calibrations: Calibrations | None = None) -> AltMinProtocol:
         return resolve_plan(cfg).protocol(calibrations=calibrations)
+
+    def shared_baselines(self, cfg: AltMinConfig) -> tuple[str, ...]:
+        return shared_baselines(cfg)
 
     def num_units(self, cfg: AltMinConfig) -> int:
         return resolve_plan(cfg).cfg.n_users

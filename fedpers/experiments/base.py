@@ -12,10 +12,12 @@ import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
+from fedpers import config as config_lib
 from fedpers.config import RunConfig
 from fedpers.data.units import UnitSource
 from fedpers.experiments.hooks import CanaryDesign, PrivateScore
@@ -62,6 +64,13 @@ class Evaluator(abc.ABC):
         them chunk by chunk; see :class:`~fedpers.runtime.local.Companion`); :meth:`final` computes
         whatever they did not complete on its own. Default: none."""
         return ()
+
+    def reuse_baselines(self, rows: Mapping[str, Mapping[str, Any]]) -> None:
+        """Take ``rows`` (name → the row :meth:`final` reports under ``baselines``) of some of the
+        run's :meth:`Experiment.shared_baselines` as computed by another run with the same
+        :meth:`Experiment.baseline_key`: :meth:`final` reports them as given and computes only the others."""
+        if rows:
+            raise ValueError(f"{type(self).__name__} shares no baselines; got {sorted(rows)}")
 
 
 class Calibration(str, enum.Enum):
@@ -191,6 +200,10 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
     before any point runs."""
     baseline_names: tuple[str, ...] = ()
     """Every baseline ``final`` may report under ``baselines`` (each with ``result_keys``)."""
+    privacy_fields: tuple[str, ...] = ()
+    """Config fields that change only the private run (ε, δ, the accountant, how the noise is
+    calibrated), never a baseline of :meth:`Evaluator.shared_baselines`. Empty: the experiment shares
+    no baselines between runs (:meth:`baseline_key`)."""
 
     @abc.abstractmethod
     def protocol(self, cfg: ConfigT, calibrations: Calibrations | None = None) -> ProtocolT:
@@ -254,6 +267,29 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
         """Lines the CLI prints before the run starts (sizes, memory). Raise ``ValueError`` to
         refuse a run that cannot fit, naming what it needs; :meth:`protocol` must refuse it too."""
         return []
+
+    def shared_baselines(self, cfg: ConfigT) -> tuple[str, ...]:
+        """The baselines of a run of ``cfg`` whose rows depend on the data, the seed and their own
+        parameters alone, never on :attr:`privacy_fields`: a sweep computes them once per
+        :meth:`baseline_key` and hands them to its other points (:meth:`Evaluator.reuse_baselines`).
+        Default: none."""
+        return ()
+
+    def baseline_key(self, cfg: ConfigT) -> dict[str, Any] | None:
+        """What ``cfg``'s shared baselines (:meth:`Evaluator.shared_baselines`) depend on: the algorithm
+        and every config field but :attr:`privacy_fields` (the data, the seed, each baseline's own
+        parameters, and whatever else is not known to be privacy-only). Two configs with equal keys
+        have the same shared baselines; None: the experiment shares none."""
+        if not self.privacy_fields:
+            return None
+        values = config_lib.to_dict(cfg)
+        key = {"algorithm": self.name, **{k: v for k, v in values.items() if k not in self.privacy_fields}}
+        for name in values:  # a data file stands for its contents: a changed file is another key
+            path = getattr(cfg, name)
+            if isinstance(path, Path) and path.is_file():
+                stat = path.stat()
+                key[f"{name}:file"] = {"bytes": stat.st_size, "modified_ns": stat.st_mtime_ns}
+        return key
 
     # ----- optional hooks: each default means "not supported by this algorithm" -----
     def canary_design(self) -> CanaryDesign | None:

@@ -30,15 +30,23 @@ Task = tuple[int, dict[str, Any]]
 PointResult = tuple[list[dict[str, Any]], dict[str, dict[str, bytes]]]
 """(rows, run directory name -> file name -> bytes)."""
 
-Executor = Callable[[Any, Sequence[Task]], Iterator[tuple[int, PointResult]]]
+Reuse = dict[int, dict[str, dict[str, Any]]]
+"""Repetition → the rows of its shared baselines, computed by an earlier point (:mod:`fedpers.sweeps.baselines`)."""
+
+Start = Callable[[int, dict[str, Any]], "Reuse | None"]
+"""Called as a point is about to start: the baselines it reuses, or None while another point in
+flight computes some it needs (it waits for that one)."""
+
+Executor = Callable[[Any, Sequence[Task], Start], Iterator[tuple[int, PointResult]]]
 """Runs tasks of a sweep spec, yielding each point's result as it finishes."""
 
 
-def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> PointResult:
+def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0, reuse: Reuse | None = None) -> PointResult:
     """All repetitions of one grid point (``threads`` > 0: torch's intra-op threads for this worker). A
     repetition refused before any release on its declared values
     (:class:`~fedpers.privacy.refusal.RefusedBeforeRelease`, e.g. too few bits for n units) is a row
-    ``{"repetition": r, "refused": why}`` without a run directory; any other error stops the sweep."""
+    ``{"repetition": r, "refused": why}`` without a run directory; any other error stops the sweep.
+    ``reuse``: each repetition's shared baselines computed by another point (reported, not recomputed)."""
     import torch
 
     from fedpers import config as config_lib
@@ -70,7 +78,9 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
         seeded = dataclasses.replace(cfg, seed=cfg.seed + r) if hasattr(cfg, "seed") else cfg
         with tempfile.TemporaryDirectory(prefix="fedpers-point-") as tmp:
             try:
-                result = execute(exp, seeded, options, out=Path(tmp) / "run", progress=False)
+                result = execute(
+                    exp, seeded, options, out=Path(tmp) / "run", progress=False, reuse=(reuse or {}).get(r)
+                )
             except RefusedBeforeRelease as e:  # decided on declared values before any release: a result
                 rows.append({"repetition": r, "refused": str(e)})
                 continue
@@ -86,18 +96,27 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
 
 def run_points(spec: SweepSpec, sweep_dir: SweepDirectory, run: Executor, progress: bool = True) -> tuple[int, int]:
     """Run every point ``sweep_dir`` has no record of, recording each (and the table so far) as
-    it finishes; returns (points run, points reused)."""
+    it finishes; returns (points run, points reused). Points that share data and seed share their
+    non-private baselines: the first computes them, the others reuse them
+    (:class:`~fedpers.sweeps.baselines.SharedBaselines`, kept in the sweep directory)."""
     from tqdm.auto import tqdm
 
     from fedpers.results.rundir import write_table
+    from fedpers.sweeps.baselines import SharedBaselines
 
     points = spec.points()
     done = sweep_dir.done()
     reused = len(done)
+    shared = SharedBaselines(spec, sweep_dir.path)
     tasks = [(index, overrides) for index, (_, overrides) in enumerate(points) if index not in done]
+
+    def start(index: int, overrides: dict[str, Any]) -> Reuse | None:
+        return None if shared.blocked(index, overrides) else shared.claim(index, overrides)
+
     bar = tqdm(total=len(points), initial=reused, desc=f"sweep {spec.name}", unit="point", disable=not progress)
-    for index, (point_rows, runs) in run(spec, tasks):
+    for index, (point_rows, runs) in run(spec, tasks, start):
         label, overrides = points[index]
+        shared.record(index, overrides, runs)
         sweep_dir.record_point(index, label, overrides, point_rows, runs)
         done[index] = point_rows
         write_table(spec.table(done), sweep_dir.path / "table.csv")
@@ -106,13 +125,17 @@ def run_points(spec: SweepSpec, sweep_dir: SweepDirectory, run: Executor, progre
     return len(tasks), reused
 
 
-def serial(spec: Any, tasks: Sequence[Task]) -> Iterator[tuple[int, PointResult]]:
+def serial(spec: Any, tasks: Sequence[Task], start: Start | None = None) -> Iterator[tuple[int, PointResult]]:
     for index, overrides in tasks:
-        yield index, run_point_task(spec, overrides)
+        reuse = start(index, overrides) if start is not None else None
+        yield index, run_point_task(spec, overrides, reuse=reuse)
 
 
-def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") -> Iterator[tuple[int, PointResult]]:
-    """At most ``workers`` points in flight on a new local Ray (``address`` empty) or a cluster."""
+def on_ray(
+    spec: Any, tasks: Sequence[Task], workers: int, address: str = "", start: Start | None = None
+) -> Iterator[tuple[int, PointResult]]:
+    """At most ``workers`` points in flight on a new local Ray (``address`` empty) or a cluster; a point
+    whose shared baselines another point in flight is computing waits for it (``start``)."""
     import ray
 
     from fedpers.runtime.flower.simulation import CHECKOUT
@@ -135,8 +158,16 @@ def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") ->
         running: dict[Any, int] = {}
         while pending or running:
             while pending and len(running) < workers:
-                index, overrides = pending.pop(0)
-                running[remote.remote(spec_ref, overrides, threads)] = index
+                ready = None
+                for i, (index, overrides) in enumerate(pending):
+                    reuse = start(index, overrides) if start is not None else {}
+                    if reuse is not None:
+                        ready = i, reuse
+                        break
+                if ready is None:  # every pending point waits for one in flight
+                    break
+                index, overrides = pending.pop(ready[0])
+                running[remote.remote(spec_ref, overrides, threads, ready[1])] = index
             done, _ = ray.wait(list(running), num_returns=1)
             index = running.pop(done[0])
             try:
@@ -155,4 +186,4 @@ def executor(workers: int, address: str) -> Executor:
         raise ValueError(f"workers must be an integer >= 1; got {workers}")
     if workers == 1 and not address:
         return serial
-    return lambda spec, tasks: on_ray(spec, tasks, workers, address)
+    return lambda spec, tasks, start: on_ray(spec, tasks, workers, address, start)
