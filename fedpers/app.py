@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedpers import config as config_lib
 from fedpers.config import RunConfig
-from fedpers.runtime.options import Runtime, RuntimeOptions
+from fedpers.configs.runtime import Runtime, RuntimeOptions
 
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp
@@ -265,9 +265,9 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
     def node_side_plan(sent: Any) -> Any:
         """The distributed/local plan this node derives from the job alone, for ``sent``'s trust model
         and node counts (what the server sent must equal it: a node never noises by the server's word)."""
+        from fedpers.configs.runtime import RuntimeOptions
         from fedpers.privacy.distributed import RecordingCalibrations
         from fedpers.runtime.distributed import node_side_privatizer
-        from fedpers.runtime.options import RuntimeOptions
         from fedpers.seeds import derived_seed
 
         recording = RecordingCalibrations(json.loads(job.calibrations_json))

@@ -134,7 +134,7 @@ def test_a_flag_declared_by_a_sibling_puts_its_file_in_the_snapshots_sources() -
     range in all three); an edit there changes all three snapshots' fingerprints, so none goes stale."""
     from fedpers.commands import flags
     from fedpers.experiments import experiment
-    from fedpers.experiments.gradient_fields import GradientRoundFields
+    from fedpers.configs.gradient_rounds import GradientRoundFields
 
     shared = {f.name: f.metadata for f in dataclasses.fields(GradientRoundFields)}
     for name in ("fedrep", "noisygd", "noisyhead"):
@@ -142,7 +142,7 @@ def test_a_flag_declared_by_a_sibling_puts_its_file_in_the_snapshots_sources() -
         taken = [f for f in dataclasses.fields(cls) if f.metadata.get("declared_by") is GradientRoundFields]
         assert {"noise", "bands", "clip_quantile", "clip_budget"} <= {f.name for f in taken}
         assert all(f.metadata["help"] == shared[f.name]["help"] for f in taken)
-        assert "experiments/gradient_fields.py" in flags._sources([cls])
+        assert "configs/gradient_rounds.py" in flags._sources([cls])
 
 
 @pytest.mark.parametrize("flag, value", [("--delta", "1"), ("--delta", "0"), ("--epsilon", "0")])

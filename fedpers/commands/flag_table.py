@@ -396,16 +396,16 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "f9d3a4366bc5cbd71eb7afed58b55acae7901a3db67eea3f5fc71aaeddb390a8",
+   "fingerprint": "de068973795003d072ba6bb73ae6dc904495fc241ec6628d143293a6a1b79b2c",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
+    "configs/runtime.py",
     "experiments/__init__.py",
     "experiments/altmin.py",
     "experiments/base.py",
     "privacy/accountant.py",
-    "protocols/altmin.py",
-    "runtime/options.py"
+    "protocols/altmin.py"
    ]
   },
   "dpals": {
@@ -772,13 +772,13 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "ea2c21656ab4c783182eebdab441ccbad320724786a983fedcb6f02c237a41eb",
+   "fingerprint": "6a76ade3c1cff3b471f83655232263a3e4563cb8b9fbc8782edb686e23c7d23b",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
+    "configs/runtime.py",
     "experiments/__init__.py",
-    "experiments/dpals.py",
-    "runtime/options.py"
+    "experiments/dpals.py"
    ]
   },
   "dpattention": {
@@ -938,14 +938,14 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "d06dcbc437276e14ecf65ac91da1a2076a0f197e3c6c4accbb3717a8d43dc675",
+   "fingerprint": "40a92aa5788f6254158e80e9a4fce75dc6608eadaa288978201b58cc63eab726",
    "module": "fedpers.experiments.dpattention",
    "sources": [
     "config.py",
+    "configs/runtime.py",
     "experiments/__init__.py",
     "experiments/dpattention.py",
-    "protocols/dpattention.py",
-    "runtime/options.py"
+    "protocols/dpattention.py"
    ]
   },
   "expmech": {
@@ -1136,14 +1136,14 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "1742894282257a68306cf2be495c5a0543728ad97ff6b834a2eba037fee1014c",
+   "fingerprint": "7b09f1d8f3a6749875bd27b604b7cf291f89be177e241e1377af9a302bc59c57",
    "module": "fedpers.experiments.expmech",
    "sources": [
     "config.py",
+    "configs/runtime.py",
     "experiments/__init__.py",
     "experiments/expmech.py",
-    "protocols/expmech.py",
-    "runtime/options.py"
+    "protocols/expmech.py"
    ]
   },
   "fedrep": {
@@ -1466,15 +1466,15 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "a56946076e316bd67a60c08cadb02ad59773bd305639b043c5f5f45a17a97ef9",
+   "fingerprint": "0829ea60beed0fa5bf8b7115bb0a27af8a6278fa2578ad9f3150034a2718f80f",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
+    "configs/gradient_rounds.py",
+    "configs/runtime.py",
     "experiments/__init__.py",
     "experiments/fedrep.py",
-    "experiments/gradient_fields.py",
-    "privacy/accountant.py",
-    "runtime/options.py"
+    "privacy/accountant.py"
    ]
   },
   "noisygd": {
@@ -1826,17 +1826,17 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "64e316acaaf14970e1a700c5e9b7f72900fefdba7556ee5b353a08c2b1de656d",
+   "fingerprint": "3f8baccd8f26f3dd632aa3f7c03f13374e9c68691be20ee1e67eaf3f3b642aa9",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
+    "configs/gradient_rounds.py",
+    "configs/runtime.py",
     "data/neural_collapse.py",
     "experiments/__init__.py",
-    "experiments/gradient_fields.py",
     "experiments/noisygd.py",
     "privacy/accountant.py",
-    "protocols/noisygd.py",
-    "runtime/options.py"
+    "protocols/noisygd.py"
    ]
   },
   "noisyhead": {
@@ -2311,17 +2311,17 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "89892608e6933a5edae1ac8e2b5724a1f6d8dd9f5afa8e74385cb4cb0f35f28f",
+   "fingerprint": "52d6bb657faaf94ca4808d89483803568c640db5f45402cbf9df5e37fd6dbf69",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
+    "configs/gradient_rounds.py",
+    "configs/runtime.py",
     "experiments/__init__.py",
     "experiments/base.py",
-    "experiments/gradient_fields.py",
     "experiments/noisyhead.py",
     "privacy/accountant.py",
-    "protocols/noisyhead.py",
-    "runtime/options.py"
+    "protocols/noisyhead.py"
    ]
   }
  },

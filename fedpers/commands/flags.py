@@ -104,8 +104,8 @@ def fingerprint(sources: Sequence[str]) -> str:
 
 def build_table() -> dict[str, Any]:
     """The snapshot of every built-in algorithm (imports them all: seconds)."""
+    from fedpers.configs.runtime import RuntimeOptions
     from fedpers.experiments import ALGORITHMS, experiment
-    from fedpers.runtime.options import RuntimeOptions
 
     table: dict[str, Any] = {"runtime": field_schema(RuntimeOptions), "algorithms": {}}
     for name in sorted(n for n, (module, _, _) in ALGORITHMS.items() if module.startswith("fedpers.")):

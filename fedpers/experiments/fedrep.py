@@ -27,6 +27,7 @@ from fedpers.config import (
     inherited,
     run_config,
 )
+from fedpers.configs.gradient_rounds import GradientRoundFields
 from fedpers.data import synthetic
 from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin import AltMinConfig
@@ -34,7 +35,6 @@ from fedpers.experiments.altmin import baseline_names as altmin_baseline_names
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
 from fedpers.experiments.altmin_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
-from fedpers.experiments.gradient_fields import GradientRoundFields
 from fedpers.experiments.hooks import Canaries, CanaryDesign
 from fedpers.experiments.population import population_mse
 from fedpers.experiments.shared_passes import ReferenceRun, ShadowRun

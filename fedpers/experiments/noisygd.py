@@ -19,10 +19,10 @@ from fedpers.config import (
     inherited,
     run_config,
 )
+from fedpers.configs.gradient_rounds import GradientRoundFields
 from fedpers.data import neural_collapse as nc
 from fedpers.data.neural_collapse import Collapse
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
-from fedpers.experiments.gradient_fields import GradientRoundFields
 from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import (
     ALL_UNITS,

@@ -34,9 +34,9 @@ from fedpers.config import (
     inherited,
     run_config,
 )
+from fedpers.configs.gradient_rounds import GradientRoundFields
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Calibration, Evaluator, Experiment, Trivial, derived_seed
-from fedpers.experiments.gradient_fields import GradientRoundFields
 from fedpers.experiments.hooks import LABEL_OVERSHOOT, Canaries, CanaryDesign
 from fedpers.privacy import (
     Accountant,
