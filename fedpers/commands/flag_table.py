@@ -396,16 +396,14 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "de068973795003d072ba6bb73ae6dc904495fc241ec6628d143293a6a1b79b2c",
+   "fingerprint": "71be721ba50355c6ede3e959d45b66fad457b1982c6f082bd1a7d476954d2b3b",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
+    "configs/altmin.py",
+    "configs/privacy.py",
     "configs/runtime.py",
-    "experiments/__init__.py",
-    "experiments/altmin.py",
-    "experiments/base.py",
-    "privacy/accountant.py",
-    "protocols/altmin.py"
+    "experiments/__init__.py"
    ]
   },
   "dpals": {
@@ -772,13 +770,13 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "6a76ade3c1cff3b471f83655232263a3e4563cb8b9fbc8782edb686e23c7d23b",
+   "fingerprint": "4d0b9f52e4c1889d07dbf9045dd728e276eccde2c3d6b3f8a032061db6d0ce5b",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
+    "configs/dpals.py",
     "configs/runtime.py",
-    "experiments/__init__.py",
-    "experiments/dpals.py"
+    "experiments/__init__.py"
    ]
   },
   "dpattention": {
@@ -938,14 +936,13 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "40a92aa5788f6254158e80e9a4fce75dc6608eadaa288978201b58cc63eab726",
+   "fingerprint": "5e50ddf03ef4756afe08386bf2f6771b545a35366c464960ba2d1c5311a58e95",
    "module": "fedpers.experiments.dpattention",
    "sources": [
     "config.py",
+    "configs/dpattention.py",
     "configs/runtime.py",
-    "experiments/__init__.py",
-    "experiments/dpattention.py",
-    "protocols/dpattention.py"
+    "experiments/__init__.py"
    ]
   },
   "expmech": {
@@ -1136,14 +1133,13 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "7b09f1d8f3a6749875bd27b604b7cf291f89be177e241e1377af9a302bc59c57",
+   "fingerprint": "09b76825c1710e6de26967cc9f17ffc5001b554d7396775699774f88bdc6e99e",
    "module": "fedpers.experiments.expmech",
    "sources": [
     "config.py",
+    "configs/expmech.py",
     "configs/runtime.py",
-    "experiments/__init__.py",
-    "experiments/expmech.py",
-    "protocols/expmech.py"
+    "experiments/__init__.py"
    ]
   },
   "fedrep": {
@@ -1466,15 +1462,15 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "0829ea60beed0fa5bf8b7115bb0a27af8a6278fa2578ad9f3150034a2718f80f",
+   "fingerprint": "093ac77901a999881793d6b4ce258a865b1026baa368ec0b58164484a46bcc4f",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
+    "configs/fedrep.py",
     "configs/gradient_rounds.py",
+    "configs/privacy.py",
     "configs/runtime.py",
-    "experiments/__init__.py",
-    "experiments/fedrep.py",
-    "privacy/accountant.py"
+    "experiments/__init__.py"
    ]
   },
   "noisygd": {
@@ -1826,17 +1822,15 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "3f8baccd8f26f3dd632aa3f7c03f13374e9c68691be20ee1e67eaf3f3b642aa9",
+   "fingerprint": "0d166dd9a5067f0e5776cbb84c980bd8c13abcfc3026995f346d9722bde241d4",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
     "configs/gradient_rounds.py",
+    "configs/noisygd.py",
+    "configs/privacy.py",
     "configs/runtime.py",
-    "data/neural_collapse.py",
-    "experiments/__init__.py",
-    "experiments/noisygd.py",
-    "privacy/accountant.py",
-    "protocols/noisygd.py"
+    "experiments/__init__.py"
    ]
   },
   "noisyhead": {
@@ -2311,17 +2305,15 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "52d6bb657faaf94ca4808d89483803568c640db5f45402cbf9df5e37fd6dbf69",
+   "fingerprint": "91f9b1e9dc70a2afe1906805ab72bfdfefcd1881a87686f2b14ecfbfbceabced",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
     "configs/gradient_rounds.py",
+    "configs/noisyhead.py",
+    "configs/privacy.py",
     "configs/runtime.py",
-    "experiments/__init__.py",
-    "experiments/base.py",
-    "experiments/noisyhead.py",
-    "privacy/accountant.py",
-    "protocols/noisyhead.py"
+    "experiments/__init__.py"
    ]
   }
  },
