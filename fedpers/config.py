@@ -215,10 +215,6 @@ def device_path(device: str, kernels: str = "auto") -> bool:
     return kernels == "device" or (kernels == "auto" and device.startswith("cuda"))
 
 
-DECLARED_BY = "declared_by"
-"""Metadata key of a field taken with ``inherited(source)``: the class that declares it."""
-
-
 class _Inherited:
     """Marks a field a run config takes as declared elsewhere (see :func:`inherited`)."""
 
@@ -254,8 +250,6 @@ def run_config(cls: type[T]) -> type[T]:
             if name not in source:
                 raise TypeError(f"{cls.__name__}.{name} = inherited(): no base or source declares {name}")
             metadata = dict(source[name].metadata)
-            if mark.source is not None:  # declared by a sibling: the flag snapshot follows its file (DECLARED_BY)
-                metadata[DECLARED_BY] = mark.source
             setattr(cls, name, dataclasses.field(default=source[name].default, metadata=metadata))
     unlisted = [name for name in declared if name not in own]
     if unlisted:

@@ -2,10 +2,11 @@
 cyclic cohorts, correlated noise across rounds and the adaptive clip.
 
 Each field is declared once here (default, help text, range); a config lists it with
-``name: type = inherited(GradientRoundFields)``, so the three ``--help`` texts cannot drift apart,
-and the flag snapshot follows this file (:func:`fedpers.commands.flags._sources`). A flag whose
-meaning differs between the algorithms (NoisyHead's cycle needs ``--mode rounds``, its noise decay
-defaults to GD's own contraction, its bound is B) stays declared by that algorithm."""
+``name: type = inherited(GradientRoundFields)``, so the three ``--help`` texts cannot drift apart.
+A flag whose meaning differs between the algorithms (NoisyHead's cycle needs ``--mode rounds``, its
+noise decay defaults to GD's own contraction, its bound is B) stays declared by that algorithm.
+The checks across these fields (:func:`check_settings`, :func:`check_decay`) live here too: pure
+Python, so every bad value is refused before torch is imported."""
 
 from __future__ import annotations
 
