@@ -8,7 +8,6 @@ own), an evaluator for per-round and final metrics, and the privacy summary.
 from __future__ import annotations
 
 import abc
-import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,14 +70,6 @@ class Evaluator(abc.ABC):
         :meth:`Experiment.baseline_key`: :meth:`final` reports them as given and computes only the others."""
         if rows:
             raise ValueError(f"{type(self).__name__} shares no baselines; got {sorted(rows)}")
-
-
-class Calibration(str, enum.Enum):
-    """How the noise is chosen for a target (ε, δ): the paper's own rule, or the smallest noise
-    the accountant certifies (the ledger's ε is reported either way)."""
-
-    PAPER = "paper"
-    ACCOUNTANT = "accountant"
 
 
 @dataclass(frozen=True)

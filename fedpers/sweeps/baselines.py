@@ -91,7 +91,7 @@ def _configs(spec: Any, overrides: Mapping[str, Any]) -> tuple[Any, list[Any], A
     evaluate nothing the server could share (vectorised Monte-Carlo points, no server data)."""
     from fedpers import config as config_lib
     from fedpers.experiments import EXPERIMENTS
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
     from fedpers.sweeps.spec import split_options
 
     exp = EXPERIMENTS[spec.algorithm]
