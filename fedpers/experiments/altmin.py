@@ -22,7 +22,7 @@ from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile
 from fedpers.data.prefetch import PrefetchSource
 from fedpers.data.units import UnitSource
-from fedpers.devices import to_device
+from fedpers.devices import Checks, deferring, to_device, to_host
 from fedpers.experiments.altmin_baselines import NonPrivateAltMin, local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, LABEL_OVERSHOOT, Canaries, CanaryDesign, PrivateScore
@@ -508,10 +508,18 @@ class AltMinEvaluator(Evaluator):
 
         Excess risk mean_j ||θ_j − θ*_j||² and test MSE are accumulated as sums per chunk.
         """
-        scores = Scores(self, fits)
-        for units in (self.eval_source if source is None else source).chunks(self.cfg.chunk_size):
-            scores.add(units)
+        for defer in (self.on_device, False):  # off the CPU first with its checks read once, again if one failed
+            scores = Scores(self, fits, defer=defer)
+            for units in (self.eval_source if source is None else source).chunks(self.cfg.chunk_size):
+                scores.add(units)
+            if scores.held():
+                break
         return scores.result()
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the users are scored off the CPU (then a pass's checks are read once, with its sums)."""
+        return torch.device(self.cfg.device).type != "cpu"
 
     @staticmethod
     def local_only_fit(units: Units) -> Tensor:
@@ -603,16 +611,17 @@ class AltMinEvaluator(Evaluator):
         only pass of the evaluation's own is the reference fit's, on the second half of the samples.
         The reference's U is :func:`nonprivate_altmin`'s alone, bit for bit (same chunks, same order)."""
         steps = NonPrivateAltMin(self.cfg.rank, None if start is None else to_device(start, self.cfg.device))
-        scores = Scores(self, fits)
+        scores = Scores(self, fits, defer=self.on_device)
         steps.begin()
         for units in self.source.chunks(self.cfg.chunk_size):
             steps.add(units)
             scores.add(units)
         steps.end()
+        scored = scores.result() if scores.held() else self.evaluate(fits, self.source)  # a check failed: its own pass
         U, self.nonprivate_rounds = nonprivate_altmin(self.source, self.cfg.rank, self.cfg.chunk_size, resume=steps)
         U = U.to(getattr(torch, self.cfg.dtype))
         reference = {"nonprivate_altmin": (self.subspace_fit(U), U)}  # the same final local solve as every row
-        results = {**scores.result(), **self.evaluate(reference, self.second_half)}
+        results = {**scored, **self.evaluate(reference, self.second_half)}
         order = [name for name in fits if name == "private"] + ["nonprivate_altmin"]
         order += [name for name in fits if name not in order]
         together = {**fits, **reference}
@@ -621,21 +630,55 @@ class AltMinEvaluator(Evaluator):
 
 class Scores:
     """:meth:`AltMinEvaluator.evaluate`'s sums, one chunk at a time (:meth:`add`), so another pass over
-    the same users (the reference's) can score fits on its chunks; :meth:`result` the metrics."""
+    the same users (the reference's) can score fits on its chunks; :meth:`result` the metrics.
 
-    def __init__(self, evaluator: AltMinEvaluator, fits: Mapping[str, tuple[Fit, Tensor | None]]) -> None:
+    The sums are 0-dim float64 tensors where the users are (each chunk's sum added to them as a float
+    would be: the same bits) and are read once, in :meth:`held`. ``defer``: the checks the fits'
+    solves would read chunk by chunk are deferred into one flag read with them
+    (:class:`fedpers.devices.Checks`); :meth:`held` False means one failed and the pass must be made
+    again without deferring."""
+
+    def __init__(
+        self, evaluator: AltMinEvaluator, fits: Mapping[str, tuple[Fit, Tensor | None]], defer: bool = False
+    ) -> None:
         self.evaluator, self.fits = evaluator, dict(fits)
-        self.sums = {name: {"excess": 0.0, "test": 0.0} for name in fits}
-        self.users = self.test_values = 0
+        self.sums: dict[str, dict[str, float | Tensor]] = {name: {"excess": 0.0, "test": 0.0} for name in fits}
+        self.users = 0
+        self.test_values: int | Tensor = 0
         self.has_truth = self.has_test = False
         u_star = evaluator.u_star
         self.u_star = None if u_star is None else u_star.double()
         self.u_star_host = None if self.u_star is None else self.u_star.cpu()  # beside the released Us (on the host)
+        self.checks = Checks() if defer else None
+        self._held: bool | None = None
 
     def add(self, units: Units) -> None:
         """One chunk of users (the second half of their samples, or all of them when local-only is scored)."""
-        with linalg.serial_small_ops(units["ids"].device):  # many small ops; the heavy ones run in shares
+        with (
+            linalg.serial_small_ops(units["ids"].device),
+            deferring(self.checks),
+        ):  # many small ops; heavy ones in shares
             self._add(units)
+
+    def held(self) -> bool:
+        """Read the sums (and the deferred checks) to the host in one copy; False: a deferred check did not hold."""
+        if self._held is None:
+            where, read = [], []
+            for name, per in self.sums.items():
+                for k, v in per.items():
+                    if isinstance(v, Tensor):
+                        where.append((name, k))
+                        read.append(v)
+            if isinstance(self.test_values, Tensor):
+                read.append(self.test_values)
+            flag = None if self.checks is None else self.checks.flag
+            host = to_host(read if flag is None else [*read, flag])
+            for (name, k), value in zip(where, host):
+                self.sums[name][k] = float(value)
+            if isinstance(self.test_values, Tensor):
+                self.test_values = int(host[len(where)])
+            self._held = flag is None or bool(host[-1])
+        return self._held
 
     def _add(self, units: Units) -> None:
         self.users += int(units["ids"].shape[0])
@@ -644,7 +687,9 @@ class Scores:
         self.has_truth = theta_star is not None
         self.has_test = "x_test" in units
         if self.has_test:
-            self.test_values += int(units["test_count"].sum()) if "test_count" in units else units["y_test"].numel()
+            self.test_values = self.test_values + (
+                units["test_count"].sum() if "test_count" in units else units["y_test"].numel()
+            )
         x_test = units["x_test"].double() if self.has_test else None  # once per chunk, not once per fit
         y_test = units["y_test"].double() if self.has_test else None
         shared = SubspaceFit.together([f for f, _ in fits.values() if isinstance(f, SubspaceFit)], units)
@@ -655,13 +700,14 @@ class Scores:
                 # θ − θ* promoted to float64 in one op and squared in place: the bits of
                 # ((θ.double() − θ*)²).sum() (the conversion is exact, x² is x·x) without two copies
                 diff = torch.sub(theta, theta_star)
-                sums[name]["excess"] += float(diff.mul_(diff).sum())
+                sums[name]["excess"] = sums[name]["excess"] + diff.mul_(diff).sum()
             if x_test is not None and y_test is not None:
                 pred = (x_test @ theta.double().unsqueeze(-1)).squeeze(-1)
                 residual = pred.sub_(y_test)
-                sums[name]["test"] += float(residual.mul_(residual).sum())
+                sums[name]["test"] = sums[name]["test"] + residual.mul_(residual).sum()
 
     def result(self) -> dict[str, dict[str, float | None]]:
+        self.held()
         out: dict[str, dict[str, float | None]] = {}
         u_star, noise_std = self.u_star_host, self.evaluator.cfg.noise_std
         for name, (_, U) in self.fits.items():
@@ -670,11 +716,11 @@ class Scores:
                 row["subspace_error"] = metrics.subspace_error(U.cpu(), u_star)
                 row["subspace_error_spectral"] = metrics.subspace_error_spectral(U.cpu(), u_star)
             if self.has_truth:
-                excess = self.sums[name]["excess"] / max(self.users, 1)
+                excess = float(self.sums[name]["excess"]) / max(self.users, 1)
                 row["excess_risk"] = excess
                 row["test_mse"] = excess + noise_std**2
             if self.has_test:
-                row["test_mse"] = self.sums[name]["test"] / max(self.test_values, 1)
+                row["test_mse"] = float(self.sums[name]["test"]) / max(int(self.test_values), 1)
             out[name] = row
         return out
 

@@ -85,12 +85,14 @@ class NonPrivateAltMin:
         self._total: Tensor | None = None
         self._A: Tensor | None = None
         self._b: Tensor | None = None
-        self._yy, self._samples, self._users = 0.0, 0, 0
+        self._yy: float | Tensor = 0.0
+        self._samples, self._users = 0, 0
 
     def begin(self) -> None:
         """A new pass over every user begins (anything summed by an unfinished pass is dropped)."""
         self._total = self._A = self._b = None
-        self._yy, self._samples, self._users = 0.0, 0, 0
+        self._yy = 0.0
+        self._samples, self._users = 0, 0
 
     def add(self, units: Units) -> None:
         """One chunk of users (all of their samples: ``x`` (n, m, d), ``y`` (n, m))."""
@@ -114,7 +116,7 @@ class NonPrivateAltMin:
         self._A += gram.double()
         assert label_sum is not None  # a label was given: kron_statistics returns its sum
         self._b += label_sum.double()
-        self._yy += float((y.double() ** 2).sum())
+        self._yy = self._yy + (y.double() ** 2).sum()  # where the users are: read once, when the pass ends
         self._samples, self._users = self._samples + y.numel(), self._users + y.shape[0]
 
     def end(self) -> None:
@@ -149,7 +151,7 @@ class NonPrivateAltMin:
             return
         rho, self._previous = moved / self._previous, moved  # 0 after round 1: no contraction measured yet
         if 0 < rho < 1 and moved * rho / (1 - rho) <= PRECISION * statistical_error(
-            A, b, self._yy, u, self._samples, self._users * rank + d * rank
+            A, b, float(self._yy), u, self._samples, self._users * rank + d * rank
         ):
             self.done = True
 

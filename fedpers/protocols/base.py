@@ -191,10 +191,18 @@ def client_message(protocol: Protocol, round: int, broadcast: Mapping[str, Tenso
     compute their statistics in forms that stay finite and bounded for every finite input;
     this catches what is left (data that is not finite in the working dtype, e.g. 1e39 in
     float32). The halving search costs O(bad units × log units) extra calls and only runs
-    when a sum is non-finite.
+    when a sum is non-finite. Under deferred checks (:func:`fedpers.devices.pending`) the message is
+    returned as made and its finiteness recorded, not read: a round where it fails is made again
+    with this rule applied.
     """
+    checks = pending()
     try:
         message = protocol.client_update(round, broadcast, units)
+        if checks is not None:  # deferred (a GPU round): finite, or the round is made again under this rule
+            flag = message.finite_flag()
+            if flag is not None:
+                checks.expect(flag)
+            return message
         if message.is_finite():
             return message
     except torch.linalg.LinAlgError:

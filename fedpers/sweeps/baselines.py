@@ -90,8 +90,8 @@ def _configs(spec: Any, overrides: Mapping[str, Any]) -> tuple[Any, list[Any], A
     """(experiment, each repetition's config, runtime options) of a point, or None where its runs
     evaluate nothing the server could share (vectorised Monte-Carlo points, no server data)."""
     from fedpers import config as config_lib
-    from fedpers.experiments import EXPERIMENTS
     from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.experiments import EXPERIMENTS
     from fedpers.sweeps.spec import split_options
 
     exp = EXPERIMENTS[spec.algorithm]
