@@ -26,6 +26,7 @@ import time
 import torch
 
 from fedpers.config import device_path
+from fedpers.devices import Checks, deferring, to_host
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Message, client_message
 from fedpers.protocols.dpals import DpAlsProtocol
@@ -80,7 +81,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     k = a.rank
     mean_count = a.ratings / a.users
-    U = (torch.randn(a.items, k, generator=g) / math.sqrt(k)).to(device)
+    U_host = torch.randn(a.items, k, generator=g) / math.sqrt(k)
+    U = U_host.to(device)
     root_b = math.sqrt(a.items_per_user)
     proto = DpAlsProtocol(
         n_items=a.items,
@@ -92,7 +94,7 @@ def main() -> None:
         gram_bound=root_b,
         rhs_bound=5 * root_b,
         noise_multiplier=5.0,
-        initial_U=U,
+        initial_U=U_host,
         dtype_name="float32",
         device_kernels=kernels,
     )
@@ -111,15 +113,23 @@ def main() -> None:
     cpu0, main0 = _cpu_seconds(), time.thread_time()
     start = time.perf_counter()
     summed = None
-    for units in chunks:
-        part = client_message(proto, 0, {"U": U}, units)
-        # summed in place, as the local runtime sums a round's chunks (one copy, then Message.add_)
-        summed = part.copy() if summed is None else summed.add_(part)
+    # as the local runtime's round: off the CPU each chunk's checks are deferred into one flag, read once
+    # with the summed message (fedpers.devices); on the CPU each message is checked as it is made
+    checks = Checks() if device.type != "cpu" else None
+    with deferring(checks):
+        for units in chunks:
+            part = client_message(proto, 0, {"U": U}, units)
+            # summed in place, as the local runtime sums a round's chunks (one copy, then Message.add_)
+            summed = part.copy() if summed is None else summed.add_(part)
     assert summed is not None
+    names = list(summed.stats)
+    host = to_host([summed.stats[k] for k in names] + ([checks.flag] if checks and checks.flag is not None else []))
+    assert checks is None or checks.flag is None or bool(host[-1]), "a deferred check failed: the round is made again"
     sync(device)
     t_stats = time.perf_counter() - start
     cpu_stats, main_stats = _cpu_seconds() - cpu0, time.thread_time() - main0
-    state, _ = proto.server_update(0, {"U": U}, Message(summed.stats, a.users), Privatizer(1))
+    # the server step on the host, as the local runtime makes it
+    state, _ = proto.server_update(0, {"U": U_host}, Message(dict(zip(names, host)), a.users), Privatizer(1))
     sync(device)
     t_step = time.perf_counter() - start
     cpu_step, main_step = _cpu_seconds() - cpu0, time.thread_time() - main0
