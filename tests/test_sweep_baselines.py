@@ -134,3 +134,45 @@ def test_a_data_file_that_changes_is_another_key(tmp_path):
     key = exp.baseline_key(cfg)
     np.savez(data, x=g.normal(size=(40, 8, 4)), y=g.normal(size=(40, 8)) + 1.0)
     assert exp.baseline_key(cfg) != key
+
+
+SMALL = {
+    "fedrep": {"n_users": 400, "dim": 4, "rank": 2, "rounds": 2, "cohorts": "all"},
+    "noisygd": {"examples": 600, "feature_dim": 12, "steps": 3},
+    "dpals": {"n_users": 200, "n_items": 30, "rank": 3, "true_rank": 3, "steps": 2, "head_items": 20},
+    "expmech": {"n_users": 300, "dim": 3, "rank": 1},
+}
+
+
+def _close(a, b, where=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    elif isinstance(a, float):
+        assert b == pytest.approx(a, rel=1e-12, abs=1e-15), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_every_sharing_experiment_reports_what_it_would_compute(name):
+    """FedRep's reference, NoisyGD's non-private GD, DPALS's tuned ALS, ExpMech's AltMin baselines:
+    handed over from a run at another ε, they are what the run computes alone, and its own figures
+    (the private ones) are unchanged."""
+    exp = EXPERIMENTS[name]
+    runs = {
+        eps: execute(exp, config.build(exp.config_type, {**SMALL[name], "epsilon": eps, "seed": 2}), write=False, progress=False)
+        for eps in (1.0, 4.0)
+    }
+    cfg = config.build(exp.config_type, {**SMALL[name], "epsilon": 4.0, "seed": 2})
+    rows = exp.shared_rows(cfg, runs[1.0])
+    assert rows and set(rows) == set(exp.shared_baselines(cfg))
+    given = execute(exp, cfg, write=False, progress=False, reuse=rows)
+    assert given["baselines_reused"] == sorted(rows)
+    alone = {k: v for k, v in runs[4.0].items() if not k.startswith("_") and k not in ("seconds", "run_dir")}
+    got = {k: v for k, v in given.items() if not k.startswith("_") and k not in ("seconds", "run_dir", "baselines_reused")}
+    _close(alone, got)
+    assert exp.baseline_key(cfg) == exp.baseline_key(replace(cfg, epsilon=1.0))

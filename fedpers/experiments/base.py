@@ -266,6 +266,15 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
         Default: none."""
         return ()
 
+    def shared_rows(self, cfg: ConfigT, result: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
+        """The rows of :meth:`shared_baselines` in a finished run's ``result`` (what
+        :meth:`Evaluator.reuse_baselines` takes back), or None when it lacks one (a baseline that
+        failed: the next run computes it). Default: the rows under ``result["baselines"]``."""
+        names, rows = self.shared_baselines(cfg), result.get("baselines", {})
+        if not names or result.get("baselines_error") or any(n not in rows for n in names):
+            return None
+        return {n: dict(rows[n]) for n in names}
+
     def baseline_key(self, cfg: ConfigT) -> dict[str, Any] | None:
         """What ``cfg``'s shared baselines (:meth:`Evaluator.shared_baselines`) depend on: the algorithm
         and every config field but :attr:`privacy_fields` (the data, the seed, each baseline's own

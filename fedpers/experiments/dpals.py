@@ -233,11 +233,22 @@ def subspace_distance(U: Tensor, U_star: Tensor) -> float:
     return float(torch.linalg.matrix_norm(Q - Qs @ (Qs.T @ Q), ord=2))
 
 
+ALS_KEYS = ("als_rmse", "als_ridge", "als_subspace_distance")
+"""What the tuned non-private ALS reports (at the top of the result): the shared baseline ``als``."""
+
+
 class DpAlsEvaluator(Evaluator):
     def __init__(self, cfg: DpAlsConfig, protocol: DpAlsProtocol) -> None:
         self.cfg, self.protocol = cfg, protocol
         self.units = load_units(cfg, torch.arange(n_users(cfg)), "cpu")
         self.synthetic = table(cfg) is None
+        self.reused: dict[str, dict[str, Any]] = {}
+
+    def reuse_baselines(self, rows: Mapping[str, Mapping[str, Any]]) -> None:
+        unknown = sorted(set(rows) - {"als"})
+        if unknown:
+            raise ValueError(f"reuse_baselines: {unknown} are not shared baselines of this run (als)")
+        self.reused = {name: dict(row) for name, row in rows.items()}
 
     def final_phase(self) -> str:
         return (
@@ -254,13 +265,18 @@ class DpAlsEvaluator(Evaluator):
         mu = float(state["mu"]) if "mu" in state else 0.0
         # the competent non-private bar: biased ALS of the same rank on every training rating, its λ
         # chosen on a validation split of the training ratings (never on the test ratings)
-        als = rating_baselines.tuned(u, n_items(cfg), cfg.rank, seed=derived_seed(cfg.seed, "als"))
+        # (computed by another run of these ratings and seed when a sweep hands it over: "als" reused)
+        als = (
+            None
+            if "als" in self.reused
+            else rating_baselines.tuned(u, n_items(cfg), cfg.rank, seed=derived_seed(cfg.seed, "als"))
+        )
         out: dict[str, Any] = {
             "test_rmse": test_rmse(state["U"], u, cfg.ridge_user, mu, cfg.user_bias),
             "global_mean_rmse": float((test - mean).pow(2).mean().sqrt()),
             "user_mean_rmse": user_mean_rmse(u, mean, cfg.user_bias or USER_MEAN_PRIOR),
-            "als_rmse": als.test_rmse,
-            "als_ridge": als.ridge,
+            "als_rmse": self.reused["als"]["als_rmse"] if als is None else als.test_rmse,
+            "als_ridge": self.reused["als"]["als_ridge"] if als is None else als.ridge,
             "train_ratings": int(u["mask"].sum()),
             "test_ratings": int(u["test"].sum()),
         }
@@ -283,7 +299,15 @@ class DpAlsEvaluator(Evaluator):
                 if cfg.rank == cfg.true_rank
                 else math.nan
             )
-            out["als_subspace_distance"] = subspace_distance(als.P, U_star) if cfg.rank == cfg.true_rank else math.nan
+            out["als_subspace_distance"] = (
+                self.reused["als"]["als_subspace_distance"]
+                if als is None
+                else subspace_distance(als.P, U_star)
+                if cfg.rank == cfg.true_rank
+                else math.nan
+            )
+        if self.reused:
+            out["baselines_reused"] = sorted(self.reused)
         return out
 
 
@@ -378,6 +402,17 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
     """DPALS on synthetic ragged rating data."""
 
     name = "dpals"
+    privacy_fields = ("epsilon", "delta")
+
+    def shared_baselines(self, cfg: DpAlsConfig) -> tuple[str, ...]:
+        """The tuned non-private ALS (its figures at the top of the result, :data:`ALS_KEYS`)."""
+        return ("als",)
+
+    def shared_rows(self, cfg: DpAlsConfig, result: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
+        if "als_rmse" not in result:
+            return None
+        return {"als": {k: result[k] for k in ALS_KEYS if k in result}}
+
     result_keys = (
         "test_rmse",
         "global_mean_rmse",

@@ -129,6 +129,11 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
         """None: the private run's passes are the exponential mechanism's, not AltMin's."""
         return []
 
+    @property
+    def eval_source(self) -> UnitSource:
+        """Every sample of every user: the candidates' fits index the second half of all m samples."""
+        return self.source
+
     def candidate_fit(self, U: Tensor) -> altmin.Fit:
         """Users fit v with ||v|| ≤ C on their second half (Algorithm 4, step 4)."""
         return lambda units: U.to(self.expmech.dtype) @ self.expmech.personalize(U, units).unsqueeze(-1)
@@ -152,6 +157,12 @@ class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
     data hooks and round axis (:data:`ALTMIN`), its own protocol, evaluation and privacy."""
 
     name = "expmech"
+    privacy_fields = ("epsilon",)
+
+    def shared_baselines(self, cfg: ExpMechConfig) -> tuple[str, ...]:
+        """AltMin's shared baselines of the same users (the candidates' nearest is this run's own)."""
+        return altmin.shared_baselines(altmin_config(cfg))
+
     round_axis = altmin.AltMinExperiment.round_axis
     result_keys = (*altmin.AltMinExperiment.result_keys, "candidates")
     baseline_names = (*altmin.BASELINES, "nearest_candidate")

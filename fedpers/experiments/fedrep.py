@@ -150,6 +150,13 @@ def correlated_summary(protocol: FedRepProtocol) -> dict[str, Any]:
     }
 
 
+def shared_baselines(cfg: FedRepConfig) -> tuple[str, ...]:
+    """The non-private reference, when asked for: the one baseline that depends on the users, the seed
+    and its own parameters alone (Priv-AltMin runs at the run's (ε, δ); the oracle and the private
+    initialisation cost nothing apart)."""
+    return ("nonprivate_altmin",) if "nonprivate_altmin" in baseline_names(cfg.baselines) else ()
+
+
 class FedRepEvaluator(Evaluator):
     def __init__(self, cfg: FedRepConfig) -> None:
         self.cfg, self.u_star = cfg, truth(cfg)  # on the host, beside the server's state it is compared with
@@ -157,6 +164,13 @@ class FedRepEvaluator(Evaluator):
         self.init_U: Tensor | None = None
         self.shadow: ShadowRun | None = None
         self.reference: ReferenceRun | None = None
+        self.reused: dict[str, dict[str, Any]] = {}
+
+    def reuse_baselines(self, rows: Mapping[str, Mapping[str, Any]]) -> None:
+        unknown = sorted(set(rows) - set(shared_baselines(self.cfg)))
+        if unknown:
+            raise ValueError(f"reuse_baselines: {unknown} are not shared baselines of this run")
+        self.reused = {name: dict(row) for name, row in rows.items()}
 
     def state_dict(self) -> dict[str, Tensor]:
         return {} if self.init_U is None else {"init_U": self.init_U}
@@ -184,7 +198,7 @@ class FedRepEvaluator(Evaluator):
             proto, privatizer, _, quarters = setup
             self.shadow = ShadowRun(proto, privatizer, same_client=False, units_map=quarters)
             out.append(self.shadow)
-        if "nonprivate_altmin" in wanted:
+        if "nonprivate_altmin" in wanted and "nonprivate_altmin" not in self.reused:
             self.reference = ReferenceRun(self.cfg.rank)
             out.append(self.reference)
         return out
@@ -200,7 +214,9 @@ class FedRepEvaluator(Evaluator):
             U, extra["priv_altmin"] = self.priv_altmin(train)
             if U is not None:
                 Us["priv_altmin"] = U
-        if "nonprivate_altmin" in wanted:
+        if "nonprivate_altmin" in self.reused:  # computed by another run of these users and seed (a sweep's)
+            extra["nonprivate_altmin"] = self.reused["nonprivate_altmin"]
+        elif "nonprivate_altmin" in wanted:
             ridden = self.reference if self.reference is not None and self.reference.usable else None
             Us["nonprivate_altmin"], rounds = nonprivate_altmin(
                 train, self.cfg.rank, self.cfg.chunk_size, resume=None if ridden is None else ridden.steps
@@ -213,6 +229,8 @@ class FedRepEvaluator(Evaluator):
         }
         out: dict[str, Any] = rows.pop("private")
         out["baselines"] = {name: {**rows.get(name, {}), **info} for name, info in extra.items()}
+        if self.reused:
+            out["baselines_reused"] = sorted(self.reused)
         return out
 
     def _priv_altmin_setup(
@@ -422,6 +440,11 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
     name = "fedrep"
     result_keys = ("subspace_error", "population_mse")
     baseline_names = ("oracle", "private_init_only", *BASELINES)
+    privacy_fields = ("epsilon", "delta", "accountant", "noise", "bands", "noise_decay")
+
+    def shared_baselines(self, cfg: FedRepConfig) -> tuple[str, ...]:
+        return shared_baselines(cfg)
+
     config_type = FedRepConfig
     primary_metric = "population_mse"
 

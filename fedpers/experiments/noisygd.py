@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -128,10 +129,22 @@ def accuracy(protocol: NoisyGDProtocol, state: Any, test: dict[str, Tensor], cla
     return {"accuracy": float(correct.mean()), "balanced_accuracy": sum(per_class) / len(per_class)}
 
 
+def shared_baselines(cfg: NoisyGDConfig) -> tuple[str, ...]:
+    """Non-private GD on the same data, when asked for (the chance row costs nothing)."""
+    return ("nonprivate_gd",) if cfg.baselines else ()
+
+
 class NoisyGDEvaluator(Evaluator):
     def __init__(self, cfg: NoisyGDConfig, protocol: NoisyGDProtocol) -> None:
         self.cfg, self.protocol = cfg, protocol
         self.test = load_units(cfg, torch.arange(cfg.test_examples), test=True)
+        self.reused: dict[str, dict[str, Any]] = {}
+
+    def reuse_baselines(self, rows: Mapping[str, Mapping[str, Any]]) -> None:
+        unknown = sorted(set(rows) - set(shared_baselines(self.cfg)))
+        if unknown:
+            raise ValueError(f"reuse_baselines: {unknown} are not shared baselines of this run")
+        self.reused = {name: dict(row) for name, row in rows.items()}
 
     def round_metrics(self, round: int, state: Any) -> dict[str, float]:
         if round < self.protocol.remedy_rounds:
@@ -146,7 +159,10 @@ class NoisyGDEvaluator(Evaluator):
         out["baselines"] = {
             "chance": {"accuracy": majority, "balanced_accuracy": 1.0 / self.cfg.classes}
         }  # always the most frequent class
-        if self.cfg.baselines:
+        if "nonprivate_gd" in self.reused:  # computed by another run of this data and seed (a sweep's)
+            out["baselines"]["nonprivate_gd"] = self.reused["nonprivate_gd"]
+            out["baselines_reused"] = ["nonprivate_gd"]
+        elif self.cfg.baselines:
             nonprivate = make_protocol(self.cfg, private=False)
             units = load_units(self.cfg, torch.arange(self.cfg.examples))
             np_state, _ = run_local(nonprivate, units, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
@@ -213,6 +229,11 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
     round_axis = "round (the remedy's release first if --remedy is set, then gradient steps)"
 
     name = "noisygd"
+    privacy_fields = ("epsilon", "delta", "accountant", "noise", "bands", "noise_decay")
+
+    def shared_baselines(self, cfg: NoisyGDConfig) -> tuple[str, ...]:
+        return shared_baselines(cfg)
+
     result_keys = ("accuracy", "balanced_accuracy")
     baseline_names = ("nonprivate_gd", "chance")
     config_type = NoisyGDConfig

@@ -39,7 +39,7 @@ class SharedBaselines:
         """Digest → the point index computing it now (a point that needs it waits, or computes it too)."""
         for record in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
             kept = json.loads(record.read_text())
-            self.rows[record.stem] = kept["rows"]
+            self.rows[record.stem] = _numbers(kept["rows"])
         self._keys: dict[str, dict[int, tuple[str, dict[str, Any]]]] = {}
 
     def keys(self, overrides: Mapping[str, Any]) -> dict[int, tuple[str, dict[str, Any]]]:
@@ -75,7 +75,7 @@ class SharedBaselines:
             files = runs.get(f"r{r}", {})
             if digest in self.rows or "result.json" not in files:
                 continue
-            rows = _shared_rows(self.spec, overrides, r, json.loads(files["result.json"]))
+            rows = _shared_rows(self.spec, overrides, r, _numbers(json.loads(files["result.json"])))
             if rows is None:
                 continue
             self.dir.mkdir(exist_ok=True)
@@ -123,14 +123,21 @@ def _keys(spec: Any, overrides: Mapping[str, Any]) -> dict[int, tuple[str, dict[
 
 
 def _shared_rows(spec: Any, overrides: Mapping[str, Any], repetition: int, result: Mapping[str, Any]) -> Rows | None:
-    """The shared baselines' rows of a finished run's result, or None when it has not all of them
-    (a baseline that failed is computed again by the next point)."""
+    """The shared baselines' rows of a finished run's result (None: it has not all of them)."""
     made = _configs(spec, overrides)
-    if made is None or result.get("baselines_error"):
+    if made is None:
         return None
     exp, seeded, _ = made
-    names = exp.shared_baselines(seeded[repetition])
-    rows = result.get("baselines", {})
-    if not names or any(n not in rows for n in names):
-        return None
-    return {n: rows[n] for n in names}
+    return exp.shared_rows(seeded[repetition], result)
+
+
+def _numbers(value: Any) -> Any:
+    """A record read back from JSON with its non-finite numbers as floats again (run directories write
+    them as the strings "inf", "-inf", "nan": a reused row must hold what the run computed)."""
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    if value in ("inf", "-inf", "nan"):
+        return float(value)
+    return value
