@@ -21,7 +21,7 @@ from fedpers import config
 from fedpers.commands.cli import main
 from fedpers.data import synthetic
 from fedpers.experiments import EXPERIMENTS, altmin
-from fedpers.experiments import noisyhead_mc as mc
+from fedpers.experiments.noisyhead import montecarlo as noisyhead_mc as mc
 from fedpers.runner import execute
 from tests.fake_cuda import fake_cuda
 

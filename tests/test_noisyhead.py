@@ -12,7 +12,7 @@ import torch
 from fedpers import config as config_lib
 from fedpers.commands.cli import main
 from fedpers.experiments import EXPERIMENTS
-from fedpers.experiments import noisyhead_mc as mc
+from fedpers.experiments.noisyhead import montecarlo as noisyhead_mc as mc
 from fedpers.experiments.noisyhead import NoisyHeadConfig, make_protocol, resolve, sherman_morrison_replace
 from fedpers.privacy import Privatizer, ledger_epsilon
 from fedpers.protocols import noisyhead as nh

@@ -40,7 +40,7 @@ def test_baselines_in_shared_passes_equal_the_baselines_computed_on_their_own(mo
 def test_the_shadow_run_is_the_clipped_run_and_a_resumed_one_is_refused():
     """ShadowRun's U is run_local's on the clipped protocol (same chunks, same order); a shadow that
     did not see round 0 is not complete, so the evaluator computes the baseline on its own."""
-    from fedpers.experiments.shared_passes import ShadowRun
+    from fedpers.experiments.common.shared_passes import ShadowRun
 
     cfg = am.resolve(config.build(EXP.config_type, dict(n_users=2000, dim=6, rank=2, samples_per_user=8, chunk_size=300)))
     plan = am.resolve_plan(cfg)

@@ -22,11 +22,11 @@ from fedpers.data.files import AltMinFile
 from fedpers.data.long_format import LongFormatFile
 from fedpers.data.prefetch import PrefetchSource
 from fedpers.data.units import UnitSource
-from fedpers.experiments.altmin_baselines import NonPrivateAltMin, local_ridge, nonprivate_altmin
+from fedpers.experiments.common.lowrank_baselines import NonPrivateAltMin, local_ridge, nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, LABEL_OVERSHOOT, Canaries, CanaryDesign, PrivateScore
-from fedpers.experiments.population import fresh_samples, population_mse
-from fedpers.experiments.shared_passes import ShadowRun
+from fedpers.experiments.common.population import fresh_samples, population_mse
+from fedpers.experiments.common.shared_passes import ShadowRun
 from fedpers.privacy import Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.altmin import AltMinProtocol, samples_of
 from fedpers.protocols.base import Units

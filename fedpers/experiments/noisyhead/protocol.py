@@ -5,9 +5,9 @@ derives C, G, G₀, R, σ from Theorem 4.1 unless given, calibrates the noise (t
 (ε/T, δ/T) classical Gaussian, or the tight PLD accountant), and reports the test excess risk
 against the ridge solution Γ*, the non-private GD after the same T, test MSEs and the privacy.
 Monte-Carlo sweeps (``fedpers sweep simulations/noisyhead_*.toml``) go through
-:meth:`~fedpers.experiments.noisyhead_mc.NoisyHeadMonteCarloExperiment.sweep_point` (the registered
+:meth:`~fedpers.experiments.noisyhead.montecarlo.NoisyHeadMonteCarloExperiment.sweep_point` (the registered
 experiment), which batches all repetitions
-(:mod:`fedpers.experiments.noisyhead_mc`).
+(:mod:`fedpers.experiments.noisyhead.montecarlo`).
 """
 
 from __future__ import annotations

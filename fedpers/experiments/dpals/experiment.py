@@ -26,7 +26,7 @@ from fedpers.config import (
 from fedpers.configs.dpals import DATASET_SCALES, DpAlsConfig, rating_scale
 from fedpers.data import rating_files, summary
 from fedpers.data import ratings as data
-from fedpers.experiments import rating_baselines
+from fedpers.experiments.dpals import baselines as rating_baselines
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign
 from fedpers.privacy import Calibrations, Ledger, calibrate_noise_multiplier, ledger_epsilon

@@ -26,11 +26,11 @@ from fedpers.data import synthetic
 from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin import AltMinConfig
 from fedpers.experiments.altmin import make_protocol as altmin_protocol
-from fedpers.experiments.altmin_baselines import nonprivate_altmin
+from fedpers.experiments.common.lowrank_baselines import nonprivate_altmin
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import Canaries, CanaryDesign
-from fedpers.experiments.population import population_mse
-from fedpers.experiments.shared_passes import ReferenceRun, ShadowRun
+from fedpers.experiments.common.population import population_mse
+from fedpers.experiments.common.shared_passes import ReferenceRun, ShadowRun
 from fedpers.privacy import (
     Calibrations,
     Ledger,

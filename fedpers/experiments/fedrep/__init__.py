@@ -1,0 +1,3 @@
+"""fedrep (moving into a package)."""
+
+from fedpers.experiments.fedrep.evaluation import *  # noqa: F403

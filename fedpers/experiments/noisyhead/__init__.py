@@ -1,0 +1,3 @@
+"""noisyhead (moving into a package)."""
+
+from fedpers.experiments.noisyhead.protocol import *  # noqa: F403
