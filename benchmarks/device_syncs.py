@@ -104,8 +104,30 @@ def per_round(name: str, values: dict[str, Any], chunk: int) -> list[tuple[int, 
     return out
 
 
+WHOLE_RUN = {"n_users": 8192, **SMALL, "dtype": "float32", "baselines": "none"}
+"""The README's GPU command at a small size: AltMin, init + 2 rounds, evaluation, no baselines."""
+
+
+def whole_run(chunk: int) -> tuple[int, int]:
+    """(syncs, launches) of a whole ``fedpers run altmin --device cuda --baselines none`` (``execute``:
+    set-up, rounds, per-round metrics, evaluation)."""
+    from fedpers import config
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runner import execute
+
+    fake_cuda = _fake_cuda()
+    exp = EXPERIMENTS["altmin"]
+    with fake_cuda() as fc:
+        cfg = config.build(exp.config_type, {**WHOLE_RUN, "chunk_size": chunk, "device": "cuda"})
+        fc.traffic.reset()
+        execute(exp, cfg, write=False, progress=False)
+        return fc.traffic.syncs, getattr(fc.traffic, "launches", 0)
+
+
 def measure() -> dict[str, dict[int, list[tuple[int, int, int]]]]:
-    return {label: {c: per_round(name, values, c) for c in CHUNKS} for label, (name, values) in PATHS.items()}
+    out: dict[str, Any] = {label: {c: per_round(name, values, c) for c in CHUNKS} for label, (name, values) in PATHS.items()}
+    out["whole run"] = {c: [list(whole_run(c))] for c in CHUNKS}
+    return out
 
 
 def _against(tree: str) -> dict[str, Any]:
@@ -151,6 +173,14 @@ def main() -> None:
                 _, old_syncs, old_launches = _summary(before[label][c])
                 syncs, launches = f"{old_syncs} → {syncs}", f"{old_launches} → {launches}"
             print(f"| {label} | {c} | {chunks} | {syncs} | {launches} |")
+    print(f"\nwhole run: fedpers run altmin {WHOLE_RUN} --device cuda (set-up, 3 rounds, metrics, evaluation)")
+    for c in CHUNKS:
+        syncs, launches = now["whole run"][c][0]
+        if before is not None:
+            old = before["whole run"][c][0]
+            print(f"  chunk {c}: host syncs {old[0]} → {syncs}, launches {old[1]} → {launches}")
+        else:
+            print(f"  chunk {c}: host syncs {syncs}, launches {launches}")
 
 
 if __name__ == "__main__":
