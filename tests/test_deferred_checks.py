@@ -25,8 +25,8 @@ VALUES = dict(n_users=500, dim=4, rank=2, samples_per_user=8, cohorts="all", dty
 SYNCS_PER_ROUND = 1
 """A round's host syncs on the device path: the one copy of its summed message and checks to the host."""
 LAUNCHES_PER_CHUNK = 200
-"""Kernel launches a chunk of up to 1,024 units may cost on any device path (measured: 46 to 166;
-benchmarks/device_syncs.py prints them)."""
+"""Kernel launches a chunk of up to 1,024 units may cost on any device path (benchmarks/device_syncs.py
+measures 33 to 164 a chunk, docs/benchmarks.md)."""
 LAUNCHES_PER_ROUND = 120
 """Launches a round may cost besides its chunks (the checks' flag, the copy of its sum)."""
 
