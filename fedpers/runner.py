@@ -288,7 +288,9 @@ def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Checkpoint
             f"resume: {run_dir.path}/config.json differs from the configuration given; a run resumes only with its own"
         )
     ckpt = (
-        checkpoint_lib.load(run_dir.path / CHECKPOINT, plan.cfg.device)
+        checkpoint_lib.load(
+            run_dir.path / CHECKPOINT
+        )  # on the host: the runtime's server puts the state where it keeps it
         if (run_dir.path / CHECKPOINT).exists()
         else None
     )
@@ -305,7 +307,7 @@ def resume_directory(plan: Plan, run_dir: RunDirectory, checkpointer: Checkpoint
     plan.privatizer.ledger = Ledger([Release.from_dict(d) for d in lines[:done]])
     plan.privatizer.ledger.expect(lines[done:], lambda r: json.loads(dumps(r.to_dict(), indent=None)))
     next_round = ckpt.next_round if ckpt is not None else 0
-    plan.evaluator.load_state_dict(run_dir.evaluator_state(plan.cfg.device))
+    plan.evaluator.load_state_dict(run_dir.evaluator_state())  # the server's memory, on the host
     kept = [r for r in run_dir.recorded_rounds() if int(r.get("round", -1)) < next_round]
     if ckpt is not None and len(kept) < next_round:  # killed between the checkpoint and its round line
         last = RoundRecord.from_dict(ckpt.records[-1])

@@ -187,3 +187,30 @@ def test_expmech_on_cuda_scores_and_evaluates_on_the_device(monkeypatch):
         on_gpu = _run("expmech", {**values, "device": "cuda"})
     monkeypatch.setattr(altmin_plan, "device_path", lambda device, kernels="auto": True)  # where the plan reads it
     _assert_same(_run("expmech", values), on_gpu, 1e-9)
+
+
+def test_a_cuda_run_resumes_with_its_server_state_on_the_host(tmp_path, monkeypatch):
+    """A checkpoint is read onto the run's device; the local runtime's server keeps its state on the
+    host, so a resumed GPU run moves it back before its next server step (FedRep's step reads U)."""
+    from fedpers.runner import resume_run
+    from fedpers.runtime import checkpoint
+
+    values = {**FEDREP, "dtype": "float32", "chunk_size": 700, "device": "cuda"}
+    exp = EXPERIMENTS["fedrep"]
+    with fake_cuda():
+        whole = execute(exp, config.build(exp.config_type, values), out=tmp_path / "whole", progress=False)
+    real, saves = checkpoint.Checkpointer.save, [0]
+
+    def stops_after_two(self, ckpt):
+        real(self, ckpt)
+        saves[0] += 1
+        if saves[0] == 2:
+            raise KeyboardInterrupt  # killed after round 1's checkpoint
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", stops_after_two)
+    with fake_cuda(), pytest.raises(KeyboardInterrupt):
+        execute(exp, config.build(exp.config_type, values), out=tmp_path / "cut", progress=False)
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", real)
+    with fake_cuda():
+        resumed = resume_run(tmp_path / "cut", progress=False)
+    _assert_same(whole, resumed, 1e-6)

@@ -85,6 +85,16 @@ class RoundRecord:
         )
 
 
+def _placed(state: Any, device: torch.device) -> Any:
+    """A resumed state with its tensors on the server's ``device`` (a checkpoint is read onto the run's
+    device; the local runtime's server is on the host)."""
+    if isinstance(state, Tensor):
+        return state if state.device.type == device.type else state.to(device)
+    if isinstance(state, dict):
+        return {k: _placed(v, device) for k, v in state.items()}
+    return state
+
+
 class RoundFailed(RuntimeError):
     """Too few clients answered acceptably; the run stops and keeps what it has."""
 
@@ -111,7 +121,7 @@ def drive(
         raise ValueError(f"min_fraction must be in (0, 1], got {min_fraction}")
     resume = checkpoint.resume if checkpoint is not None else None
     if resume is not None:
-        state, first = resume.state, resume.next_round
+        state, first = _placed(resume.state, torch.device(device)), resume.next_round  # where this server keeps it
         privatizer.load_state_dict(resume.privatizer)
     else:
         state, first = protocol.server_start(protocol.initial_state(), privatizer), 0
