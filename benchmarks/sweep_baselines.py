@@ -1,14 +1,14 @@
 """An ε sweep with every baseline against what it must cost: its private runs plus one baseline pass.
 
 The sweep (``fedpers sweep``: AltMin, every baseline, ``--points`` values of ε at one data set and
-seed) is timed in this process against, interleaved with it, ``--points`` private runs with
+seed; by default the shape of the speed figures, d = 100, k = 5, m = 40, float32) is timed in this process against, interleaved with it, ``--points`` private runs with
 ``--baselines none`` at the same values of ε plus one baseline pass (a run with every baseline minus
 a run without, at one ε): the floor of a sweep that computes each non-private baseline once. Every
 run writes its run directory, as a sweep's points do; a small sweep and run first pay the imports.
 With ``--against OLD_TREE`` the same sweep is also timed on another tree (its fedpers, in a
 subprocess, after the same warm-up), beside this one.
 
-    PYTHONPATH=$PWD python benchmarks/sweep_baselines.py [--users 100000 --points 8]
+    PYTHONPATH=$PWD python benchmarks/sweep_baselines.py [--users 100000 --points 8 --dim 100 --rank 5 --samples 40]
     PYTHONPATH=$PWD python benchmarks/sweep_baselines.py --against OLD_TREE
 
 Prints one JSON line: the seconds of each part (the minimum over ``--repeats``) and the ratios
@@ -81,9 +81,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--users", type=int, default=100_000)
     p.add_argument("--points", type=int, default=8)
-    p.add_argument("--dim", type=int, default=10)
-    p.add_argument("--rank", type=int, default=2)
-    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--dim", type=int, default=100)
+    p.add_argument("--rank", type=int, default=5)
+    p.add_argument("--samples", type=int, default=40)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--against", default="", help="another tree whose sweep is timed beside this one's")
     p.add_argument("--only-sweep", action="store_true", help="time the sweep alone (what --against runs)")
