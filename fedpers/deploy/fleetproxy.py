@@ -180,6 +180,8 @@ def main(argv: list[str]) -> int:
     """``fedpers deploy fleet-proxy --listen HOST:PORT --superlink 127.0.0.1:PORT --ssl-certfile ...``."""
     import uvicorn
 
+    from fedpers.deploy.isolation import reexec_isolated
+
     parser = argparse.ArgumentParser(prog="fedpers deploy fleet-proxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--listen", required=True, help="HOST:PORT SuperNodes connect to (the network address)")
     parser.add_argument(
@@ -212,6 +214,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"--superlink must be a loopback address (the SuperLink's Control API stays off the network); got {up_host!r}"
         )
+    reexec_isolated(["fedpers", "deploy", "fleet-proxy", *argv])
     app = make_app(f"https://{up_host}:{up_port}", args.ssl_ca_certfile, max_body=int(args.max_body_mib * 2**20))
     uvicorn.run(
         app,

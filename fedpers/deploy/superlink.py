@@ -164,15 +164,16 @@ def _host(argv: list[str]) -> str:
 
 def superlink(argv: list[str]) -> int:
     """``flower-superlink ARGV`` whose port answers only this uid and ``--allow-uid`` ones (see the module docstring)."""
-    reexec_isolated(["fedpers", "deploy", "superlink", *argv])
     require_flower("superlink")
-    allowed, argv = allowed_uids(argv)
-    host = _host(argv)
+    allowed, rest = allowed_uids(argv)
+    host = _host(rest)
     if host not in LOOPBACK_HOSTS:
         raise SystemExit(
             f"--host must be a loopback address ({', '.join(LOOPBACK_HOSTS[:3])}); got {host!r}: the SuperLink answers "
             "only local uids, and SuperNodes reach its Fleet API through fedpers deploy fleet-proxy"
         )
+    reexec_isolated(["fedpers", "deploy", "superlink", *argv])
+    argv = rest
     if _socket_pair_uid() != os.getuid():
         raise SystemExit(
             f"fedpers deploy superlink: the owner of a local connection cannot be read from {' or '.join(TCP_TABLES)} "
