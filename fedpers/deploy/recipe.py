@@ -7,7 +7,8 @@ at the same path, and nowhere else; every directory is 0700, every private file 
   issue certificates: keep it offline. No machine of the deployment reads it.
 - ``superlink/``: ``superlink.crt``/``.key`` (TLS, for the hosts given), ``ca.crt``,
   ``superexec.secret`` (the SuperExec shared secret), ``policy.toml`` (the lab's privacy policy),
-  ``supernode-I.pub`` (to register), ``flwr/config.toml`` (the ``flwr`` connection, loopback).
+  ``supernode-I.pub`` (to register), ``flwr/config.toml`` (the ``flwr`` connection, loopback),
+  ``configs/`` (empty: the only place a run's ``config-file`` is read from).
 - ``supernode-I/``: ``supernode-I.key`` (its OpenSSH EC P-384 key, Flower's SuperNode
   authentication), ``ca.crt``, ``policy.toml``.
 - ``commands.txt``: the recipe, one command per line group, in order; the README's recipe.
@@ -214,6 +215,9 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     put(layout.link, "superexec.secret", secrets.token_hex(32).encode())
     put(layout.link, "policy.toml", policy.encode())
     put(layout.link / "flwr", "config.toml", connection_toml(layout).encode(), "superlink/flwr/config.toml")
+    from fedpers.deploy.serverside import CONFIG_DIR
+
+    private_dir(layout.link / CONFIG_DIR)  # the only place a run's config-file is read from
     for i in range(layout.supernodes):
         key = ec.generate_private_key(ec.SECP384R1())
         put(
