@@ -211,6 +211,11 @@ class ForkServerExecutor:
         ready = server.stdout.readline().strip() if server.stdout else ""
         if ready != "ready":
             raise RuntimeError(f"fedpers fork server did not start (said {ready!r})")
+        print(
+            f"fedpers superexec: fork server ready, fedpers pinned at {installed_root()} (each fork checks it against the FAB)",
+            file=sys.stderr,
+            flush=True,
+        )
         return server
 
     def launch(self, spec: Any) -> Any:
