@@ -1,11 +1,12 @@
 """A slow-body attacker on the fleet proxy (test tooling, run as its own process).
 
-``python tests/slow_bodies.py PORT CA_FILE CONNECTIONS SECONDS REPORT_JSON``: keeps CONNECTIONS TLS
-connections open to 127.0.0.1:PORT for SECONDS (or until it is stopped), each from one of CONNECTIONS/8 loopback addresses
-(127.0.8.1, 127.0.8.2, ...: 8 connections each, under any per-address cap), each sending full headers
-of a 6 MiB ``push-object`` request and then 100 bytes of its body a second; a connection the proxy
-cuts is opened again at once. Writes what it managed to REPORT_JSON every second: connections opened,
-cut, open now and the most open at once.
+``python tests/slow_bodies.py PORT CA_FILE CONNECTIONS SECONDS REPORT_JSON [FIRST_BYTES]``: keeps
+CONNECTIONS TLS connections open to 127.0.0.1:PORT for SECONDS (or until it is stopped), each from one of
+CONNECTIONS/8 loopback addresses (127.0.8.1, 127.0.8.2, ...: 8 connections each, under any per-address
+cap), each sending full headers of a 6 MiB ``push-object`` request (every other one FIRST_BYTES of its
+body at once, default 0) and then 100 bytes a second; a connection the proxy cuts is opened again at
+once. Writes what it managed to REPORT_JSON every second: connections opened, cut, open now and the
+most open at once.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ BODY = 6 * 1024 * 1024 - 4096  # just under the proxy's body limit: not refused 
 HEAD = b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Type: application/protobuf\r\nContent-Length: %d\r\n\r\n" % BODY
 
 
-async def attacker(index: int, port: int, context: ssl.SSLContext, until: float, stats: dict[str, int]) -> None:
+async def attacker(index: int, port: int, context: ssl.SSLContext, until: float, stats: dict[str, int], first: int) -> None:
     source = f"127.0.8.{1 + index // 8}"
     while time.monotonic() < until:
         writer = None
@@ -32,7 +33,7 @@ async def attacker(index: int, port: int, context: ssl.SSLContext, until: float,
             stats["open"] += 1
             stats["most_open"] = max(stats["most_open"], stats["open"])
             try:
-                writer.write(HEAD)
+                writer.write(HEAD + b"x" * (first if index % 2 == 0 else 0))
                 await writer.drain()
                 while time.monotonic() < until:
                     await asyncio.sleep(1.0)
@@ -52,7 +53,7 @@ async def attacker(index: int, port: int, context: ssl.SSLContext, until: float,
             await asyncio.sleep(0.1)
 
 
-async def main(port: int, ca: str, connections: int, seconds: float, report: str) -> None:
+async def main(port: int, ca: str, connections: int, seconds: float, report: str, first: int) -> None:
     context = ssl.create_default_context(cafile=ca)
     stats = {"opened": 0, "open": 0, "most_open": 0, "cut": 0}
     until = time.monotonic() + seconds
@@ -65,9 +66,9 @@ async def main(port: int, ca: str, connections: int, seconds: float, report: str
             await asyncio.sleep(1.0)
 
     reporter = asyncio.create_task(write_report())
-    await asyncio.gather(*(attacker(i, port, context, until, stats) for i in range(connections)))
+    await asyncio.gather(*(attacker(i, port, context, until, stats, first) for i in range(connections)))
     reporter.cancel()
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]))
+    asyncio.run(main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5], int(sys.argv[6]) if len(sys.argv) > 6 else 0))

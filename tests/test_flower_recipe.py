@@ -442,15 +442,15 @@ PROXY_RSS_MIB = 256
 
 
 def test_an_honest_run_completes_beside_520_slow_body_connections(recipe):
-    """520 connections from 65 loopback addresses each send a 6 MiB request's headers and then 100 bytes a
-    second, reconnecting as soon as they are cut; SuperNode 1 is restarted in the middle of it (it needs new
+    """520 connections from 65 loopback addresses each send a 6 MiB request's headers (every other one 5 MiB of
+    its body at once: what the proxy must buffer) and then 100 bytes a second, reconnecting as soon as they are cut; SuperNode 1 is restarted in the middle of it (it needs new
     connections through the full proxy). The lab's run completes with all three nodes accepted in every
     round, and the proxy's resident memory (sampled, and its peak) stays under its stated bound."""
     import threading
 
     proxy = next(p for p in recipe.procs.procs if "fleet-proxy" in p.args)
     report = recipe.work / "slow-bodies.json"
-    attack, _ = recipe.procs.start("slow-bodies", [sys.executable, str(ROOT / "tests" / "slow_bodies.py"), str(recipe.port), str(recipe.link / "ca.crt"), "520", "900", str(report)])
+    attack, _ = recipe.procs.start("slow-bodies", [sys.executable, str(ROOT / "tests" / "slow_bodies.py"), str(recipe.port), str(recipe.link / "ca.crt"), "520", "900", str(report), str(5 << 20)])
     samples: list[float] = []
     done_flag = threading.Event()
 
