@@ -463,7 +463,7 @@ def test_an_honest_run_completes_beside_520_slow_body_connections(recipe):
     sampler.start()
     try:
         deadline = time.monotonic() + 120
-        while not (report.is_file() and json.loads(report.read_text() or "{}").get("open", 0) >= 500):
+        while not (report.is_file() and json.loads(report.read_text() or "{}").get("opened", 0) >= 1040):  # each came twice
             assert attack.poll() is None and time.monotonic() < deadline, report.read_text() if report.is_file() else "no report"
             time.sleep(0.5)
         _restart_node(recipe, 1, "supernode-1-restarted")
@@ -480,7 +480,7 @@ def test_an_honest_run_completes_beside_520_slow_body_connections(recipe):
     print(f"SLOW-BODIES attack {stats}; proxy RSS max {max(samples):.1f} MiB, peak (VmHWM) {peak:.1f} MiB over {len(samples)} samples")
     assert done.returncode == 0 and "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert _accepted(out) == [3, 3], _accepted(out)
-    assert stats["most_open"] >= 500 and stats["cut"] >= 500, stats  # the attack held the slots and was cut and came back
+    assert stats["most_open"] >= 400 and stats["cut"] >= 1000, stats  # the attack held the slots, was cut and came back
     assert max(samples) < PROXY_RSS_MIB and peak < PROXY_RSS_MIB, (max(samples), peak)
 
 
