@@ -93,12 +93,15 @@ class Recipe:
             done = subprocess.run(argv, cwd=ROOT, env={**self.procs.env, **env}, check=False, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0 and "registered successfully" in done.stdout, done.stdout + done.stderr
             self.node_ids.append(int(re.search(r"(\d{6,})", done.stdout).group(1)))
+        started = []
         for machine, command in self.steps:
             if machine.startswith("supernode-"):
                 env, argv = _argv(command)
                 i = int(machine.split("-")[1])
                 self.node_procs[i] = (argv, env)
-                self.procs.start(machine, argv, **env)
+                started.append(self.procs.start(machine, argv, **env))
+        for proc, log in started:  # each node re-executed isolated, its SuperExec and fork server up
+            wait_for_log(log, "fork server ready", proc, timeout=300)
         self.job_env, self.job_argv = _argv(superlink[-1])
 
     def run(self, run_config: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -187,23 +190,30 @@ def test_an_existing_out_directory_is_refused_before_the_charge(recipe):
 def test_no_process_on_the_superlink_side_shows_a_task_token(recipe):
     """While a run goes on, every process the lab's SuperExec started is polled through /proc (what a
     neighbour process sees): the ServerApp runs (its guard's command line says its token came on a pipe)
-    and no command line holds a task token."""
+    and no command line holds a task token. Every process of the SuperExec and of SuperNode 0 (the
+    SuperExec, the fork server, its forks, the ServerApp) runs as `python -I`, with no PYTHON* variable and
+    with Flower's telemetry off in its environment."""
     import threading
 
     from fedpers.deploy.appguard import TOKEN_STDIN
     from tests.flower_support import descendants
 
     superexec = next(p for p in recipe.procs.procs if list(p.args[3:5]) == ["deploy", "superexec"])
+    node = next(p for p in recipe.procs.procs if list(p.args[3:5]) == ["deploy", "supernode"])
     seen: list[str] = []
+    environments: dict[str, list[str]] = {}
     done_flag = threading.Event()
 
     def watch() -> None:
         while not done_flag.is_set():
-            for pid in descendants(superexec.pid):
+            for pid in [superexec.pid, node.pid, *descendants(superexec.pid), *descendants(node.pid)]:
                 try:
-                    seen.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
                 except OSError:
-                    pass
+                    continue
+                seen.append(cmdline)
+                environments[cmdline] = environ
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -216,6 +226,10 @@ def test_no_process_on_the_superlink_side_shows_a_task_token(recipe):
     assert "finished:completed" in done.stdout, done.stdout[-3000:]
     assert any(TOKEN_STDIN in c for c in seen), sorted(set(seen))[:10]
     assert not any("--token " in c for c in seen), [c for c in seen if "--token " in c][:3]
+    assert any("fedpers.deploy.appguard" in c for c in environments) and any("-I -c" in c for c in environments), list(environments)
+    for cmdline, environ in environments.items():  # the ServerApp, the fork server and its forks among them
+        assert "python" not in cmdline.split()[0] or cmdline.split()[1] == "-I", cmdline
+        assert "FLWR_TELEMETRY_ENABLED=0" in environ and not [v for v in environ if v.startswith("PYTHON")], (cmdline, environ)
 
 
 def test_control_api_is_not_on_the_network_address(recipe):
