@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedpers.deploy import superlink
-from tests.flower_support import free_port
+from tests.flower_support import can_switch_uid, free_port
 
 NOBODY = 65534
 
@@ -121,7 +121,7 @@ def _get_as(uid: int, port: int) -> bytes:
     return b"" if got == b"-" else got
 
 
-needs_root = pytest.mark.skipif(os.getuid() != 0, reason="switching to another uid needs root (the tests run as root in CI)")
+needs_root = pytest.mark.skipif(not can_switch_uid(NOBODY), reason="this process cannot switch to another uid (the tests run as root in CI)")
 
 
 @needs_root

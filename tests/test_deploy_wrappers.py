@@ -291,7 +291,7 @@ def test_the_gate_knows_the_checked_series(version: str, ok: bool) -> None:
     assert flower.supported(version) is ok
 
 
-@pytest.mark.parametrize("command", ["superexec", "supernode"])
+@pytest.mark.parametrize("command", ["superexec", "supernode", "superlink"])
 def test_an_unchecked_flower_series_is_refused_with_what_to_do(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before anything of Flower is patched: the message names the version, Flower's own command and the pip range."""
     import flwr
@@ -413,3 +413,20 @@ def test_reexec_isolated_replaces_the_process_with_python_i_in_a_clean_environme
     monkeypatch.setattr(isolation.os, "environ", isolation.isolated_env(os.environ))
     isolation.reexec_isolated(["fedpers", "deploy", "supernode"])
     assert len(calls) == 1
+
+
+def test_an_isolated_process_never_imports_a_fedpers_from_its_working_directory(tmp_path: Path) -> None:
+    """A `fedpers` package in the working directory: `python -m fedpers` imports it, the isolated command
+    every fedpers process on a node is started with (`python -I`) imports the installed one."""
+    import subprocess
+
+    from fedpers.deploy.isolation import isolated_env, python
+
+    (tmp_path / "fedpers").mkdir()
+    (tmp_path / "fedpers" / "__init__.py").write_text("")
+    (tmp_path / "fedpers" / "__main__.py").write_text("print('PLANTED')\n")
+    env = isolated_env(os.environ)
+    plain = subprocess.run([sys.executable, "-m", "fedpers", "--version"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    isolated = subprocess.run(python("-m", "fedpers", "--version"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert plain.stdout.strip() == "PLANTED"  # what the fork server's `python -m fedpers.deploy.forkserver` was exposed to
+    assert isolated.returncode == 0 and "PLANTED" not in isolated.stdout and isolated.stdout.strip(), isolated.stdout + isolated.stderr

@@ -29,7 +29,7 @@ from fedpers.data.files import save_altmin_npz
 from fedpers.deploy.recipe import steps
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import truth
-from tests.flower_support import Processes, free_port, wait_for_log
+from tests.flower_support import Processes, can_switch_uid, free_port, wait_for_log
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,7 +258,7 @@ def test_control_api_is_not_on_the_network_address(recipe):
 
 
 NOBODY = 65534
-needs_root = pytest.mark.skipif(os.getuid() != 0, reason="switching to another uid needs root (the tests run as root in CI)")
+needs_root = pytest.mark.skipif(not can_switch_uid(NOBODY), reason="this process cannot switch to another uid (the tests run as root in CI)")
 
 
 def _control_calls(port: int, ca: bytes, run_id: int, node_id: int, key: bytes) -> dict[str, str]:

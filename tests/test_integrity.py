@@ -101,6 +101,7 @@ PINNED = (
     "import _fedpers_pin\n"
     "_fedpers_pin.require_fab_code(sys.argv[2])\n"
     "print('accepted', flush=True)\n"
+    "sys.stdin.readline()\n"  # the test changes files here
     "import fedpers.deploy.appguard\n"  # a module first imported after the check
     "print('imported later', flush=True)\n"
 )
@@ -123,7 +124,7 @@ def _pinned(installed: Path, fab: Path, between: object = None, after: object = 
         if after is not None:
             assert proc.stdout.readline().strip() == "accepted", proc.stderr.read()[-2000:]
             after()
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate("\n", timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
