@@ -157,7 +157,9 @@ def _close(a, b, where=""):
         assert a == b, where
 
 
-@pytest.mark.parametrize("name", sorted(SMALL))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n != "expmech" else n for n in sorted(SMALL)]
+)  # expmech's in the default suite: its candidates score every sample, whatever a reuse leaves out
 def test_every_sharing_experiment_reports_what_it_would_compute(name):
     """FedRep's reference, NoisyGD's non-private GD, DPALS's tuned ALS, ExpMech's AltMin baselines:
     handed over from a run at another ε, they are what the run computes alone, and its own figures
