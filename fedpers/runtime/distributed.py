@@ -203,6 +203,14 @@ def node_round(
             f"round {round}: {len(sent)} of {plan.nodes} nodes survived, below min_nodes={plan.min_nodes}; "
             "the round is discarded before any release"
         )
+    if plan.model == dist.DpModel.DISTRIBUTED and len(sent) < plan.nodes:  # as SecAgg+'s nodes would refuse
+        why = secagg.unmaskable(
+            nodes, secagg.plus_graph(plan.nodes, round), secagg.plus_threshold(plan.nodes), plan.min_nodes
+        )
+        if why is not None:
+            raise RoundFailed(
+                f"round {round}: SecAgg+ would not unmask ({why}); the round is discarded before any release"
+            )
     stats: dict[str, Tensor] = {}
     sums: dict[str, Tensor] = {}
     wraps = suspected = 0
