@@ -17,7 +17,9 @@ from fedpers.privacy.secagg import ProtocolViolation, SecAggNode
 TAG = b"adversary-round!"
 
 
-def honest_round(n: int, round: int = 0, threshold: int | None = None) -> tuple[dict[int, SecAggNode], dict[int, list[int]]]:
+def honest_round(
+    n: int, round: int = 0, threshold: int | None = None
+) -> tuple[dict[int, SecAggNode], dict[int, list[int]]]:
     """n nodes of the planner's graph for ``round`` that advertised, shared and masked honestly."""
     graph = secagg.plus_graph(n, round)
     t = secagg.plus_threshold(n) if threshold is None else threshold
@@ -39,7 +41,9 @@ def signatures(nodes: Mapping[int, SecAggNode], view: Sequence[int]) -> dict[int
     return {i: node._g_key.sign(message) for i, node in nodes.items()}
 
 
-def reveals(node: SecAggNode, view: Sequence[int], sigs: Mapping[int, bytes], min_nodes: int, graph: Mapping[int, Sequence[int]]) -> dict[int, str]:
+def reveals(
+    node: SecAggNode, view: Sequence[int], sigs: Mapping[int, bytes], min_nodes: int, graph: Mapping[int, Sequence[int]]
+) -> dict[int, str]:
     """What ``node`` (a copy: a node reveals once a round) reveals on ``view``: id → 'b' or 's' ({} if it refuses)."""
     copy = SecAggNode.restore(node.export())
     copy._signed = sorted(view)  # it signed this view (the adversary told it this set)
@@ -52,7 +56,9 @@ def reveals(node: SecAggNode, view: Sequence[int], sigs: Mapping[int, bytes], mi
     return {i: kind for i, (kind, _) in got.items()}
 
 
-def both_shares_schedule(n: int, round: int, min_nodes: int, threshold: int | None = None) -> tuple[int, list[int]] | None:
+def both_shares_schedule(
+    n: int, round: int, min_nodes: int, threshold: int | None = None
+) -> tuple[int, list[int]] | None:
     """A schedule revealing ≥ t shares of b_v and ≥ t of s_v^sk for some node v, or None.
 
     Each holder of v's shares (v's closed neighbourhood) answers one unmask a round, on one survivor set the
