@@ -396,9 +396,9 @@ class ShareLost(InProcessGrid):
             if part == 2 and self.forge and m.metadata.message_type == "train":
                 task = codec.decode_task(m.content)
                 plan_ = nodeside.read_plan(str(m.content.config_records[nodeside.NODE_SIDE][nodeside.PLAN]))
-                stats = {
-                    k: torch.randint(0, 2**e.bits, (e.padded,), dtype=torch.int64) for k, e in plan_.encodings.items()
-                }
+                names = [spec.name for spec in build_node(task.job).protocol.stat_specs(task.round)]
+                encs = {k: plan_.encodings[k] for k in names}
+                stats = {k: torch.randint(0, 2**e.bits, (e.padded,), dtype=torch.int64) for k, e in encs.items()}
                 reply = codec.encode_reply(Message(stats, task.stop - task.start), 0.0, task.round, task.digest)
                 self._replies[m.metadata.message_id] = FlowerMessage(reply, reply_to=m)
         return ids
