@@ -167,13 +167,14 @@ def refused_rules(store: Path) -> list[str]:
 
 
 # ----- findings 1 and 3: a plain task, a server-chosen seed, a weaker plan -----------------------------
-def test_a_distributed_run_never_gets_a_plain_answer_or_a_seed_from_a_message(store: Path) -> None:
-    """Node 0 of a distributed run, sent the run's own task stripped of its node-side record, the same task
-    relabelled central, a task setting a seed and secure=false, or one whose plan asks for a quarter of the
+@pytest.mark.parametrize("model", ["distributed", "local"])
+def test_a_node_side_run_never_gets_a_plain_answer_or_a_seed_from_a_message(store: Path, model: str) -> None:
+    """Node 0 of a distributed or local run, sent the run's own task stripped of its node-side record, the same task
+    relabelled central, a task setting a seed and secure=false, or one whose plan asks for half the
     noise: each refused with its rule before any computation (no reply: nothing of node 0's sum leaves it),
     nothing charged to node 0's users; a ClientApp whose own config seeds its noise is refused by a policy
     that requires OS entropy; and without a seed two runs' noise differs (the node draws its own)."""
-    p = plan(3, min_nodes=2)
+    p = plan(3, min_nodes=2) if model == "distributed" else plan(3, dp_model="local", bits=0)
     grid = RecordingGrid(make_client_app(), 3)
     on_flower(p, grid)  # the honest run (every node's own noise), so the attacks below reuse its task
     honest = first_task(grid).content
@@ -185,10 +186,7 @@ def test_a_distributed_run_never_gets_a_plain_answer_or_a_seed_from_a_message(st
     central = codec.encode_task(dataclasses.replace(job, trust_json="{}"), 0, range(0, 40), codec.broadcast_record({}))
     assert send(grid, 0, central) == "trust-model"  # its users require distributed: a central job is refused
     assert send(grid, 0, copy_content(honest, **{nodeside.SEED: 1234, nodeside.SECURE: False})) == "node-noise"
-    weaker = p.privatizer.plan
-    weaker = dataclasses.replace(
-        weaker, encodings={k: dataclasses.replace(e, variance=e.variance / 4) for k, e in weaker.encodings.items()}
-    )
+    weaker = dataclasses.replace(p.privatizer.plan, noise_multiplier=p.privatizer.plan.noise_multiplier / 2)
     assert send(grid, 0, copy_content(honest, plan=nodeside.plan_json(weaker))) == "plan-noise"
     seeded = nodeside.NodeSettings(noise_seed=7)
     assert send(grid, 0, honest, settings=seeded) == "require-secure-noise"
@@ -320,7 +318,7 @@ def chosen(round: int, like: dict[str, torch.Tensor]) -> Any:
     return {k: torch.linalg.qr(torch.randn(v.shape, dtype=v.dtype, generator=g))[0] for k, v in like.items()}
 
 
-@pytest.mark.parametrize("model", ["distributed", "central"])
+@pytest.mark.parametrize("model", ["distributed", "local", "central"])
 def test_a_stolen_session_gets_no_future_round_no_chosen_U_and_repeats_from_the_store(
     store: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: str
 ) -> None:
@@ -329,10 +327,11 @@ def test_a_stolen_session_gets_no_future_round_no_chosen_U_and_repeats_from_the_
     is answered from the node's store with the honest reply's bytes, and the honest run completes with every
     node in every round. Under distributed DP a chosen U for the next round is refused too (the node derives
     U from round 0's release); under central DP the node pins the first broadcast of a round, so a thief's
-    round-1 task that comes first is answered and the honest one is refused, reported to the server."""
+    round-1 task that comes first is answered and the honest one is refused, reported to the server. Local DP
+    is checked as distributed (without SecAgg+, the node derives U the same way)."""
     (tmp_path / "policy.toml").write_text(policy_text(model))
     cfg = {**SMALL, "rounds": 3}
-    p = plan(4, cfg=cfg) if model == "distributed" else plan(4, cfg=cfg, dp_model="central", min_fraction=0.5)
+    p = plan(4, cfg=cfg, dp_model=model) if model != "central" else plan(4, cfg=cfg, dp_model=model, min_fraction=0.5)
     grid = RecordingGrid(make_client_app(), 4)
     outcome: dict[str, Any] = {}
 
@@ -345,7 +344,7 @@ def test_a_stolen_session_gets_no_future_round_no_chosen_U_and_repeats_from_the_
             forged = codec.encode_task(
                 task0.job, round, range(task0.start, task0.stop), codec.broadcast_record(chosen(round, U))
             )
-            if model == "distributed":
+            if model != "central":
                 forged[nodeside.NODE_SIDE] = honest0.config_records[nodeside.NODE_SIDE].copy()
             outcome[f"round {round}"] = send(grid, 0, forged, context)
         repeat = send(grid, 0, honest0, context)
@@ -355,7 +354,7 @@ def test_a_stolen_session_gets_no_future_round_no_chosen_U_and_repeats_from_the_
         next_round = codec.encode_task(
             task0.job, 1, range(task0.start, task0.stop), codec.broadcast_record(chosen(1, U))
         )
-        if model == "distributed":
+        if model != "central":
             next_round[nodeside.NODE_SIDE] = honest0.config_records[nodeside.NODE_SIDE].copy()
         got = send(grid, 0, next_round, context)
         outcome["chosen next"] = got if isinstance(got, str) else "answered"
@@ -367,7 +366,7 @@ def test_a_stolen_session_gets_no_future_round_no_chosen_U_and_repeats_from_the_
     honest_reply = grid.replies("train")[0][0]
     assert outcome["repeat"] == bytes(honest_reply.content.config_records[codec.TAG][codec.BLOB])
     assert len(records) == 4  # the honest run completed
-    if model == "distributed":
+    if model != "central":
         assert outcome["chosen next"] == "plan-broadcast"
         assert all(r.diagnostics["nodes_survived"] == 4 for r in records)
     else:
