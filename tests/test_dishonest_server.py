@@ -36,7 +36,7 @@ from fedpers.runtime.flower.client import handle_train
 from fedpers.runtime.flower.nodeplan import NODE_STORE_ENV, NodeLedger
 from fedpers.runtime.flower.policy import POLICY_ENV, PolicyRefused
 from fedpers.runtime.local import run_local
-from fedpers.runtime.options import RuntimeOptions
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.seeds import split_seed
 from tests.flower_support import InProcessGrid
 

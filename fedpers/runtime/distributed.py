@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fedpers.config import DpModel
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.data.units import UnitSource
 from fedpers.privacy import distributed as dist
 from fedpers.privacy import secagg
@@ -30,7 +31,6 @@ from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units,
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
 from fedpers.runtime.flower.partition import unit_ranges
-from fedpers.runtime.options import RuntimeOptions
 
 Tensor = torch.Tensor
 
