@@ -170,3 +170,19 @@ def test_without_a_policy_nothing_is_enforced_or_written(tmp_path: Path, monkeyp
     cfg, protocol = _setup()
     _honest_run(InProcessGrid(make_client_app(), 2), cfg, protocol)
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize(("asked", "ok"), [((0, 100), True), ((0, 99), False), ((0, 101), False), ((1, 100), False)])
+def test_the_unit_range_rule_at_its_boundary(node_policy: Path, asked: tuple[int, int], ok: bool) -> None:
+    """Partition 0 of 2 over 200 units holds exactly [0, 100): one unit more or less at either end is refused."""
+    from fedpers.runtime.flower.nodeplan import node_gate, plan_units
+    from fedpers.runtime.flower.policy import load_policy
+
+    policy = load_policy(node_policy.parent / "policy.toml")
+    gate = node_gate(policy, run="9", round=0, asked=range(*asked), partition=0)
+    fields = dict(run="9", round=0, asked=range(*asked), num_units=200, partition=0, partitions=2, num_rounds=2)
+    if ok:
+        assert plan_units(gate, **fields, job="j", config={"epsilon": 1.0, "delta": 1e-6}, digest="d").units == range(0, 100)
+    else:
+        with pytest.raises(PolicyRefused, match="rule 'plan-units'"):
+            plan_units(gate, **fields, job="j", config={"epsilon": 1.0, "delta": 1e-6}, digest="d")
