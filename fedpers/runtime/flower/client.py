@@ -289,8 +289,6 @@ def _train(
         raise PolicyRefused("plan-job", str(e)) from None
     rec = message.content.config_records.get(NODE_SIDE)
     node_side = trust.dp_model != "central"
-    partitions = int(_node_config(context, codec.NUM_PARTITIONS))
-    partition = int(_node_config(context, codec.PARTITION_ID))
     if not node_side and rec is not None:
         raise PolicyRefused("trust-model", "a central run's task carries a node-side record")
     if node_side:  # every check a node makes of the trust model comes before anything is computed
@@ -307,7 +305,7 @@ def _train(
                 f"the task sets {taken}: this node takes neither its noise nor its identity from a message (it draws "
                 "from its own OS entropy, or from the seed its own configuration names in a simulation)",
             )
-        if trust.nodes != partitions:
+        if trust.nodes != (partitions := int(_node_config(context, codec.NUM_PARTITIONS))):
             raise PolicyRefused(
                 "plan-nodes",
                 f"the run's noise shares are sized for {trust.nodes} nodes; this node's config says {partitions}",
@@ -333,8 +331,8 @@ def _train(
             round=task.round,
             asked=range(task.start, task.stop),
             num_units=node.node.num_units,
-            partition=partition,
-            partitions=partitions,
+            partition=int(_node_config(context, codec.PARTITION_ID)),
+            partitions=int(_node_config(context, codec.NUM_PARTITIONS)),
             users_per_node=int(context.node_config.get(USERS_PER_NODE, 0)),
             num_rounds=node.protocol.num_rounds,
             job=job.key,
@@ -364,9 +362,10 @@ def _train(
     if side is not None and side.plan.model.value == "distributed":
         from fedpers.runtime.flower.secaggplus import RELAY_IDS, receive_relays
 
-        if RELAY_IDS not in rec:  # type: ignore[operator]
+        assert rec is not None  # a node-side run's task without its record was refused above
+        if RELAY_IDS not in rec:
             raise PolicyRefused("secagg-relays", "a distributed-DP vector leaves this node only masked by SecAgg+")
-        secagg_node = receive_relays(rec, context, task.round, side.plan)  # type: ignore[arg-type]
+        secagg_node = receive_relays(rec, context, task.round, side.plan)
     if gate is not None and gate.admit():  # charged and recorded last; a repeat that raced this one
         return _stored(gate, message, task)
     device = units["ids"].device
@@ -374,6 +373,7 @@ def _train(
     if side is not None:
         from fedpers.runtime.flower.nodeside import node_message
 
+        partition = int(_node_config(context, codec.PARTITION_ID))
         mine = node_message(
             node.protocol, task.round, on_device, units, task.start, task.stop, side.plan, partition, settings
         )

@@ -166,7 +166,7 @@ def node_message(
     from fedpers.runtime.distributed import node_vectors, unit_rows
 
     secure = settings.noise_seed is None
-    seed = 0 if secure else int(settings.noise_seed)  # type: ignore[arg-type]
+    seed = 0 if settings.noise_seed is None else int(settings.noise_seed)
     privatizer: dist.NodeSidePrivatizer = (
         dist.DistributedPrivatizer(seed, plan, secure=secure)
         if plan.model is DpModel.DISTRIBUTED
