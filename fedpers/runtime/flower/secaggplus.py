@@ -156,6 +156,9 @@ def record_refusal(context: Context, round: int, error: PolicyRefused, stage: st
 
     policy = active_policy()
     if policy is None:
+        import logging
+
+        logging.getLogger("fedpers.flower").warning("refused SecAgg+ %s of round %s: %s", stage, round, error)
         return
     ledger = NodeLedger(node_store(policy), policy.federation)
     partition = int(str(context.node_config.get(codec.PARTITION_ID, -1)))
