@@ -15,11 +15,11 @@ import torch
 
 from fedpers import config as config_lib
 from fedpers import linalg
-from fedpers.commands import audit as audit_lib
+from fedpers.audit import run as audit_lib
 from fedpers.experiments import experiment
 from fedpers.experiments.fedrep import fedrep_init_fraction
 from fedpers.privacy import Privatizer
-from fedpers.privacy import audit as audit_math
+from fedpers.audit import bounds as audit_math
 from fedpers.privacy.ledger import ALL_UNITS
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message

@@ -14,6 +14,7 @@ ROOT = Path(fedpers.__file__).parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("fedpers.__main__", "fedpers.commands"),  # top: what a user types (cli, audit, compare, report, privacy, tracking)
+    ("fedpers.audit",),  # canary designs, published runs on every runtime, scores and bounds
     ("fedpers.sweeps",),  # grids of runs and private selection over them
     ("fedpers.deploy",),  # optional: every piece of a deployment; the only code touching Flower's private internals
     ("fedpers.runner", "fedpers.app"),  # a config becomes a plan, the plan a run on a runtime (app: Flower run-config)

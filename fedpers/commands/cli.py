@@ -779,7 +779,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     own, rest = _audit_flags().parse_known_args(args.args)
     releases = None if own.releases is None else tuple(n.strip() for n in own.releases.split(","))
     if Path(args.algorithm).is_dir():
-        from fedpers.commands.audit import audit_run_dir, format_run_audit
+        from fedpers.audit.run import audit_run_dir, format_run_audit
 
         if rest:
             raise ValueError(f"audit RUN_DIR: the run's own configuration is audited; unexpected flags {rest}")
@@ -803,7 +803,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     algo_args = algorithm_parser(args.algorithm).parse_args(rest)
     saved = _audit_file(algo_args.out)  # checked before any audit run: nothing is computed to be lost
     cfg, options = run_settings(args.algorithm, algo_args)  # every bad value refused before the audit's libraries load
-    from fedpers.commands.audit import audit, format_audit
+    from fedpers.audit.run import audit, format_audit
     from fedpers.configs.runtime import Runtime
     from fedpers.experiments import experiment
 

@@ -2,7 +2,7 @@
 
 :func:`gdp_lower_bound`: a bound on μ (μ-GDP) from many releases on two neighbouring inputs.
 :func:`one_run_lower_bound`: a bound on ε from canaries scored on one run's outputs
-(Steinke, Nasr & Jagielski 2023), used by ``fedpers audit`` (:mod:`fedpers.commands.audit`).
+(Steinke, Nasr & Jagielski 2023), used by ``fedpers audit`` (:mod:`fedpers.audit.run`).
 
 Run a release many times on neighbours D and D', project each output on the direction
 that separates them, threshold, and bound TPR from below and FPR from above with

@@ -9,7 +9,7 @@ ledger record — is all the scorer receives (:class:`Published`): never a summe
 before noise. For each canary and release the scorer computes, from the broadcast and the
 canary's two candidate data sets, what the canary adds to the sum under each version, and
 scores the log-likelihood ratio of "+" against "−" (the Neyman–Pearson test for a Gaussian
-release). Guesses from the scores give three lower bounds (:mod:`fedpers.privacy.audit`):
+release). Guesses from the scores give three lower bounds (:mod:`fedpers.audit.bounds`):
 
 - ``epsilon_lower``: ε at δ, valid for any mechanism, one run (Steinke, Nasr & Jagielski 2023);
 - ``one_run_gdp``: μ (then ε at δ) that the guesses reject for a μ-GDP claim, one run
@@ -35,6 +35,7 @@ from typing import Any
 import dp_accounting
 import torch
 
+from fedpers.audit import bounds as audit_math
 from fedpers.config import DpModel
 from fedpers.configs.runtime import RuntimeOptions
 from fedpers.data.units import UnitSource
@@ -42,7 +43,6 @@ from fedpers.experiments.base import Experiment, derived_seed
 from fedpers.experiments.hooks import Canaries, CanaryDesign
 from fedpers.privacy import Ledger, Privatizer, Release, ledger_epsilon
 from fedpers.privacy import accountant as accountant_lib
-from fedpers.privacy import audit as audit_math
 from fedpers.privacy.distributed import (
     DistributedPlan,
     DistributedPrivatizer,

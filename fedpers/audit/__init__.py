@@ -1,0 +1,1 @@
+"""The audit as a library (see :mod:`fedpers.audit.run`)."""
