@@ -73,7 +73,7 @@ def _audit_section(path: Path) -> str:
     """``fedpers audit RUN_DIR``'s result, where one was written: proven beside empirical."""
     import json
 
-    from fedpers.audit.run import AUDIT_FILE
+    from fedpers.commands.audit import AUDIT_FILE
 
     if not (path / AUDIT_FILE).is_file():
         return ""
