@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from fedpers.data.units import Units
-from fedpers.privacy import Privatizer
+from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.correlated import CorrelatedNoise
 
 Tensor = torch.Tensor
 
@@ -194,6 +195,49 @@ def client_message(protocol: Protocol, round: int, broadcast: Mapping[str, Tenso
     first = {k: v[:half] for k, v in units.items()}
     second = {k: v[half:] for k, v in units.items()}
     return client_message(protocol, round, broadcast, first) + client_message(protocol, round, broadcast, second)
+
+
+def round_release(
+    privatizer: Privatizer,
+    value: Tensor,
+    *,
+    correlated: CorrelatedNoise | None,
+    per_unit_bound: float,
+    noise_multiplier: float,
+    stream: str,
+    step: int,
+    name: str,
+    round: int,
+    units: str = ALL_UNITS,
+    params: dict[str, Any] | None = None,
+    sampling_probability: float = 1.0,
+) -> Tensor:
+    """One round's release of a gradient stream (FedRep's G, NoisyGD's and NoisyHead's gradient sums):
+    step ``step`` of the stream's correlated noise when the run has a correlated strategy, else an
+    independent Gaussian touching ``units`` (the round's cohort), Poisson-sampled at
+    ``sampling_probability``. One place decides between the two, so the protocols cannot drift apart."""
+    if correlated is not None:
+        return privatizer.correlated_gaussian_sum(
+            value,
+            per_unit_bound=per_unit_bound,
+            noise_multiplier=noise_multiplier,
+            noise=correlated,
+            stream=stream,
+            step=step,
+            name=name,
+            round=round,
+            params=params,
+        )
+    return privatizer.gaussian_sum(
+        value,
+        per_unit_bound=per_unit_bound,
+        noise_multiplier=noise_multiplier,
+        name=name,
+        round=round,
+        units=units,
+        params=params,
+        sampling_probability=sampling_probability,
+    )
 
 
 class Protocol(abc.ABC):
