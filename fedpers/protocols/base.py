@@ -24,6 +24,9 @@ from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.correlated import CorrelatedNoise
 
 Tensor = torch.Tensor
+State = dict[str, Tensor]
+"""A protocol's server state: named tensors (public parameters and what the releases produced), what
+``server_update`` returns, a checkpoint saves and an evaluator reads."""
 
 
 @dataclass(frozen=True)
@@ -251,16 +254,16 @@ class Protocol(abc.ABC):
         """Number of client→server rounds."""
 
     @abc.abstractmethod
-    def initial_state(self) -> Any:
+    def initial_state(self) -> State:
         """Server state before round 0 (public)."""
 
-    def server_start(self, state: Any, privatizer: Any) -> Any:
+    def server_start(self, state: State, privatizer: Privatizer) -> State:
         """Server-side additions to the initial state drawn from the Privatizer's private
         generators (e.g. round 0's Poisson sample), once per fresh run. Default: none."""
         return state
 
     @abc.abstractmethod
-    def broadcast(self, state: Any, round: int) -> dict[str, Tensor]:
+    def broadcast(self, state: State, round: int) -> dict[str, Tensor]:
         """Public tensors sent to every client in ``round``."""
 
     @abc.abstractmethod
@@ -273,8 +276,8 @@ class Protocol(abc.ABC):
 
     @abc.abstractmethod
     def server_update(
-        self, round: int, state: Any, summed: Message, privatizer: Privatizer
-    ) -> tuple[Any, dict[str, float]]:
+        self, round: int, state: State, summed: Message, privatizer: Privatizer
+    ) -> tuple[State, dict[str, float]]:
         """Privatise the summed message (through ``privatizer`` only) and return (new state, diagnostics)."""
 
     def unit_keys(self) -> tuple[str, ...]:
