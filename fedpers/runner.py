@@ -15,7 +15,7 @@ from fedpers.configs.runtime import Runtime, RuntimeOptions
 from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
 from fedpers.privacy.distributed import NodeSidePrivatizer, RecordingCalibrations
-from fedpers.protocols.base import Protocol
+from fedpers.protocols.base import Protocol, State
 from fedpers.results.run_result import RunResult
 from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.checkpoint import Checkpointer
@@ -61,7 +61,7 @@ class NoServerData(Evaluator):
     def final_phase(self) -> str:
         return "nothing (the server holds no user data)"
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         return {
             "evaluation": "unavailable: the server holds no user data (a deployment); the private release is in "
             "final_state.npz and its privacy below"
