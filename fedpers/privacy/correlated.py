@@ -390,6 +390,29 @@ class NoiseRecurrence:
     def spec(self) -> tuple[tuple[float, ...], ...]:
         return (self.coefficients, self.buf_decay, self.output_scale)
 
+    def offset(self, shape: tuple[int, ...]) -> Tensor:
+        """w_t − z_t/c_0 (float64, CPU): the part of round t's noise the earlier rounds fix
+        (−Σ_j c_j w_{t−j}/c_0, or −Σ_i ω_i β_i). With it, round t's noise is an independent
+        Gaussian draw plus this offset, which is how ``secure_noise`` draws it (:meth:`push`)."""
+        out = torch.zeros(shape, dtype=torch.float64)
+        if self.buf_decay:
+            for omega, beta in zip(self.output_scale, self.history, strict=False):
+                out = out - omega * beta
+            return out
+        for c, past in zip(self.coefficients[1:], self.history, strict=False):
+            out = out - c * past
+        return out / self.coefficients[0]
+
+    def push(self, w: Tensor) -> None:
+        """Record round t's noise w_t (float64) as drawn elsewhere (z_t/c_0 + :meth:`offset`) and step on."""
+        w = w.to("cpu", torch.float64)
+        if self.buf_decay:
+            buffers = self.history or [torch.zeros_like(w) for _ in self.buf_decay]
+            self.history = [theta * beta + w for theta, beta in zip(self.buf_decay, buffers, strict=True)]
+        else:
+            self.history = [w, *self.history][: len(self.coefficients) - 1]
+        self.step += 1
+
     def next(self, z: Tensor) -> Tensor:
         w = z.clone()
         if self.buf_decay:

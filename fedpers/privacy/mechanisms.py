@@ -339,13 +339,14 @@ class Privatizer:
         round is recorded with units ``all``, sensitivity Δ/√T and the same σ: the T records
         compose to exactly the joint mechanism in every accountant (Gaussian μ² add). One band
         (C = I) draws exactly ``gaussian_sum``'s noise. The steps must come in order.
+
+        ``secure``: round t's noise σ·w_t is σ·z_t plus σ times the recurrence's offset (a function of
+        the earlier rounds' noise only). The floating-point-safe sampler draws σ·z_t from OS entropy
+        around value + σ·offset, and w_t is read back as (release − value)/σ: the recurrence then holds
+        the noise actually released, which exists only in this process's memory (and the server's
+        checkpoint), never in anything a seed could recompute.
         """
         self._check(value, per_unit_bound, noise_multiplier, name)
-        if self.secure:
-            raise ValueError(
-                f"release {name!r}: correlated noise is not available with secure_noise "
-                "(its floating-point-safe samplers add independent noise); use noise independent"
-            )
         T = noise.horizon
         rec = self.recurrences.setdefault(stream, noise.strategy.recurrence())
         if rec.spec() != noise.strategy.recurrence().spec() or rec.step != step or not 0 <= step < T:
@@ -376,6 +377,15 @@ class Privatizer:
         )
         self.ledger.append(release)
 
+        if self.secure:
+            if sigma == 0:
+                rec.push(torch.zeros(tuple(value.shape), dtype=torch.float64))
+                return value.clone()
+            shift = rec.offset(tuple(value.shape)).to(device=value.device, dtype=torch.float64)
+            base = value.to(torch.float64) + sigma * shift
+            out = self._perturb(release, base.to(value.dtype), lambda: torch.zeros_like(base))
+            rec.push((out.to(torch.float64) - value.to(torch.float64)) / sigma)
+            return out
         # the recurrence advances here, whatever _perturb does with the draw (the stream stays in step)
         z = (
             torch.randn(tuple(value.shape), generator=self.generator, dtype=torch.float64)
