@@ -18,7 +18,7 @@ from typing import Any
 import dp_accounting
 import torch
 
-from fedpers.config import MAX_EPSILON, ApproxDpRunConfig, field, inherited, run_config
+from fedpers.config import MAX_EPSILON, ApproxDpRunConfig, Neighbours, field, inherited, run_config
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign, PrivateScore
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
@@ -93,9 +93,10 @@ class ToyMeanConfig(ApproxDpRunConfig):
     accountant: str = accountant_field(Accountant.PLD, "privacy accountant")
     seed: int = inherited()
     chunk_size: int = inherited()
+    neighbours: Neighbours = inherited()
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
 
 
 TRUE_MEAN = 0.5
@@ -104,7 +105,7 @@ TRUE_MEAN = 0.5
 
 def make_protocol(cfg: ToyMeanConfig, calibrations: Calibrations | None = None) -> ToyMeanProtocol:
     z = calibrate_noise_multiplier(
-        lambda z: user_event(z, cfg.rounds), cfg.epsilon, cfg.delta, cfg.accountant, calibrations
+        lambda z: user_event(z, cfg.rounds), cfg.epsilon, cfg.delta, cfg.accountant, calibrations, cfg.neighbours
     )
     return ToyMeanProtocol(cfg.n_users, cfg.dim, cfg.rounds, cfg.clip, z)
 

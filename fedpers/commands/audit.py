@@ -35,7 +35,7 @@ from typing import Any
 import dp_accounting
 import torch
 
-from fedpers.config import DpModel
+from fedpers.config import DpModel, Neighbours
 from fedpers.data.units import UnitSource
 from fedpers.experiments.base import Experiment, derived_seed
 from fedpers.experiments.hooks import Canaries, CanaryDesign
@@ -569,7 +569,8 @@ def proven_mu(ledger: Ledger) -> float | None:
         zs = accountant_lib.gaussian_multipliers(dp_accounting.ComposedDpEvent([r.event for r in releases]))
         if zs is None:
             return None
-        worst = max(worst, accountant_lib.gaussian_mu([z / 2 for z in zs]))
+        factor = accountant_lib.ledger_neighbours(ledger).sensitivity_factor  # μ = κ/z per release
+        worst = max(worst, accountant_lib.gaussian_mu([z / factor for z in zs]))
     return worst
 
 
@@ -612,6 +613,11 @@ def audit(
         raise ValueError(f"confidence must be in (0.5, 1), got {confidence}")
     if math.isinf(cfg.epsilon):
         raise ValueError("epsilon must be finite: a run without noise has no guarantee to audit")
+    if getattr(cfg, "neighbours", Neighbours.REPLACE_ONE) is not Neighbours.REPLACE_ONE:
+        raise ValueError(
+            "neighbours must be replace-one for the canary audit (a canary's two versions are a replace-one pair); "
+            f"got {cfg.neighbours.value}"
+        )
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
     if placement == "steered" and design.steer is None:

@@ -248,6 +248,19 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "choices": [
+      "replace-one",
+      "add-remove"
+     ],
+     "flag": "--neighbours",
+     "help": "neighbouring data sets: replace-one (a unit's data swapped, the papers' notion: Δ = 2·bound) or add-remove (a unit added or removed: Δ = bound; what Flower, pfl, Opacus and jax_privacy report) (default: replace-one)",
+     "meta": {
+      "words": {}
+     },
+     "name": "neighbours",
+     "type": "enum"
+    },
+    {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {
@@ -396,7 +409,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "f9d3a4366bc5cbd71eb7afed58b55acae7901a3db67eea3f5fc71aaeddb390a8",
+   "fingerprint": "3659bb56f198d8a3e111caaa5ae572dd7c5d829c2c01d6b4594269ba70a4ebb2",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -735,6 +748,19 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "choices": [
+      "replace-one",
+      "add-remove"
+     ],
+     "flag": "--neighbours",
+     "help": "neighbouring data sets: replace-one (a unit's data swapped, the papers' notion: Δ = 2·bound) or add-remove (a unit added or removed: Δ = bound; what Flower, pfl, Opacus and jax_privacy report) (default: replace-one)",
+     "meta": {
+      "words": {}
+     },
+     "name": "neighbours",
+     "type": "enum"
+    },
+    {
      "flag": "--dtype",
      "help": "float64 or float32 for the client statistics (default: float64)",
      "meta": {
@@ -772,7 +798,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "ea2c21656ab4c783182eebdab441ccbad320724786a983fedcb6f02c237a41eb",
+   "fingerprint": "03462ecb3ab5d1762bcdc8308ea0835e44c3508bee620a5a2b91f65696b1a513",
    "module": "fedpers.experiments.dpals",
    "sources": [
     "config.py",
@@ -919,6 +945,19 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "choices": [
+      "replace-one",
+      "add-remove"
+     ],
+     "flag": "--neighbours",
+     "help": "neighbouring data sets: replace-one (a unit's data swapped, the papers' notion: Δ = 2·bound) or add-remove (a unit added or removed: Δ = bound; what Flower, pfl, Opacus and jax_privacy report) (default: replace-one)",
+     "meta": {
+      "words": {}
+     },
+     "name": "neighbours",
+     "type": "enum"
+    },
+    {
      "flag": "--dtype",
      "help": "float64 or float32 for the client statistics (default: float64)",
      "meta": {
@@ -938,7 +977,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "d06dcbc437276e14ecf65ac91da1a2076a0f197e3c6c4accbb3717a8d43dc675",
+   "fingerprint": "dd42fa7ff33a308ad3775cd8d8354535327d1fc5be6e638c5f40344812f57ea9",
    "module": "fedpers.experiments.dpattention",
    "sources": [
     "config.py",
@@ -1097,6 +1136,19 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "choices": [
+      "replace-one",
+      "add-remove"
+     ],
+     "flag": "--neighbours",
+     "help": "neighbouring data sets: replace-one (a unit's data swapped, the papers' notion: Δ = 2·bound) or add-remove (a unit added or removed: Δ = bound; what Flower, pfl, Opacus and jax_privacy report) (default: replace-one)",
+     "meta": {
+      "words": {}
+     },
+     "name": "neighbours",
+     "type": "enum"
+    },
+    {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {
@@ -1136,7 +1188,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "1742894282257a68306cf2be495c5a0543728ad97ff6b834a2eba037fee1014c",
+   "fingerprint": "75cb4ac3723e3d3300cc29da048469a9de5c916540c429309575f65481089465",
    "module": "fedpers.experiments.expmech",
    "sources": [
     "config.py",
@@ -1420,6 +1472,19 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "choices": [
+      "replace-one",
+      "add-remove"
+     ],
+     "flag": "--neighbours",
+     "help": "neighbouring data sets: replace-one (a unit's data swapped, the papers' notion: Δ = 2·bound) or add-remove (a unit added or removed: Δ = bound; what Flower, pfl, Opacus and jax_privacy report) (default: replace-one)",
+     "meta": {
+      "words": {}
+     },
+     "name": "neighbours",
+     "type": "enum"
+    },
+    {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {
@@ -1466,7 +1531,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "a56946076e316bd67a60c08cadb02ad59773bd305639b043c5f5f45a17a97ef9",
+   "fingerprint": "50be41de9ce110191d2be6a32ff9d5830af9aa3a3d8c376bbd571914c472f363",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1789,6 +1854,19 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "choices": [
+      "replace-one",
+      "add-remove"
+     ],
+     "flag": "--neighbours",
+     "help": "neighbouring data sets: replace-one (a unit's data swapped, the papers' notion: Δ = 2·bound) or add-remove (a unit added or removed: Δ = bound; what Flower, pfl, Opacus and jax_privacy report) (default: replace-one)",
+     "meta": {
+      "words": {}
+     },
+     "name": "neighbours",
+     "type": "enum"
+    },
+    {
      "flag": "--device",
      "help": "torch device: cpu or cuda (default: cpu)",
      "meta": {
@@ -1826,7 +1904,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "64e316acaaf14970e1a700c5e9b7f72900fefdba7556ee5b353a08c2b1de656d",
+   "fingerprint": "e3cbc97e8f7ea8a0936ebfe931b87c7eaa39c297d4764e71db1d52771f53e535",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2283,6 +2361,19 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "choices": [
+      "replace-one",
+      "add-remove"
+     ],
+     "flag": "--neighbours",
+     "help": "neighbouring data sets: replace-one (a unit's data swapped, the papers' notion: Δ = 2·bound) or add-remove (a unit added or removed: Δ = bound; what Flower, pfl, Opacus and jax_privacy report) (default: replace-one)",
+     "meta": {
+      "words": {}
+     },
+     "name": "neighbours",
+     "type": "enum"
+    },
+    {
      "flag": "--chunk-size",
      "help": "units per batch on the local runtime (bounds memory) (default: 4096)",
      "meta": {
@@ -2311,7 +2402,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "89892608e6933a5edae1ac8e2b5724a1f6d8dd9f5afa8e74385cb4cb0f35f28f",
+   "fingerprint": "d37ff109860b9220581768e12b9c91b6049f3ee87da1f8865bf85cffbcd3d81e",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",

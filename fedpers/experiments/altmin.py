@@ -12,7 +12,16 @@ from typing import Any
 import torch
 
 from fedpers import linalg, memory, metrics
-from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, device_path, field, inherited, run_config
+from fedpers.config import (
+    DEFAULT_DELTA,
+    MAX_EPSILON,
+    DeviceRunConfig,
+    Neighbours,
+    device_path,
+    field,
+    inherited,
+    run_config,
+)
 from fedpers.data import summary as data_summary
 from fedpers.data import synthetic
 from fedpers.data.files import AltMinFile
@@ -81,6 +90,7 @@ class AltMinConfig(DeviceRunConfig):
     )
     accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
+    neighbours: Neighbours = inherited()
     device: str = inherited()
     dtype: str = inherited()
     kernels: str = inherited()
@@ -126,8 +136,13 @@ class AltMinConfig(DeviceRunConfig):
     test_samples: int = field(0, "S fresh test samples per user for population_mse (as run fedrep reports it)", ge=0)
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
         baseline_names(self.baselines)
+        if self.calibration is Calibration.PAPER and self.neighbours is not Neighbours.REPLACE_ONE:
+            raise ValueError(
+                "calibration paper: Theorem 4.2's rule is stated for replace-one neighbours; use calibration "
+                f"accountant with neighbours {self.neighbours.value}"
+            )
         if (self.refit_samples > 0) != (self.test_samples > 0):
             raise ValueError(
                 f"refit_samples and test_samples go together (population_mse needs both); got {self.refit_samples} and {self.test_samples}"
@@ -172,7 +187,7 @@ class AltMinConfig(DeviceRunConfig):
         if self.cohorts is Cohorts.POISSON:
             if not self.sampling_rate < 1.0:
                 raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
-            check_poisson_accountant(self.accountant, "cohorts poisson")
+            check_poisson_accountant(self.accountant, "cohorts poisson", self.neighbours)
             if self.calibration is Calibration.PAPER:
                 raise ValueError(
                     "calibration paper has no rule for Poisson sampling; use calibration accountant with cohorts poisson"
@@ -381,6 +396,7 @@ class AltMinPlan:
                 cfg.delta,
                 cfg.accountant,
                 calibrations,
+                cfg.neighbours,
             )
         return replace(proto, noise_multiplier=z)
 
@@ -1010,12 +1026,21 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": accountant_name(cfg.accountant),
-            "neighbouring": "replace-one user",
+            "neighbouring": f"{cfg.neighbours.value} user",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": releases,
             "calibration": cfg.calibration.value,
-            # Every release's σ = z·Δ/2 (its dp-accounting event is GaussianDpEvent(z)).
-            "paper_epsilon_same_noise": paper_epsilon(protocol.noise_multiplier / 2, protocol.rounds_in, cfg.delta),
+            # Every release's σ = z·Δ/2 (its dp-accounting event is GaussianDpEvent(z)); the paper's rule is replace-one
+            **(
+                {
+                    "paper_epsilon_same_noise": paper_epsilon(
+                        protocol.noise_multiplier / 2, protocol.rounds_in, cfg.delta
+                    )
+                }
+                if cfg.neighbours is Neighbours.REPLACE_ONE
+                else {}
+            ),
             **(
                 {
                     "clip_rule": f"adaptive γ_η={protocol.clip_quantile}, γ_ζ={protocol.label_clip_quantile}, "
@@ -1042,7 +1067,11 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
             "zeta_formula": "c_ζ √(k + σ_F²)",
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_init": protocol.noise_std(protocol.init_bound),
-            "noise_std_A": protocol.noise_std(protocol.a_bound, protocol.a_sensitivity),
+            "noise_std_A": protocol.noise_std(
+                protocol.a_bound,
+                protocol.a_sensitivity_of(protocol.a_bound, cfg.neighbours),
+                neighbours=cfg.neighbours,
+            ),
             "noise_std_b": protocol.noise_std(protocol.b_bound),
             "psd_method": protocol.psd.value,
             "chunk_size": resolve_plan(cfg).cfg.chunk_size,

@@ -24,6 +24,7 @@ from fedpers import linalg
 from fedpers.config import (
     MAX_EPSILON,
     DeviceRunConfig,
+    Neighbours,
     device_path,
     field,
     inherited,
@@ -110,6 +111,7 @@ class DpAlsConfig(DeviceRunConfig):
         ge=0,
     )
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
+    neighbours: Neighbours = inherited()
     dtype: str = inherited()
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
     device: str = inherited()
@@ -256,7 +258,9 @@ def make_protocol(cfg: DpAlsConfig, calibrations: Calibrations | None = None) ->
     if math.isfinite(cfg.epsilon):
         if not (math.isfinite(g) and math.isfinite(b)):
             raise ValueError("clip_embedding and clip_rating must be finite for a finite epsilon")
-        z = calibrate_noise_multiplier(lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta, calibrations=calibrations)
+        z = calibrate_noise_multiplier(
+            lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta, calibrations=calibrations, neighbours=cfg.neighbours
+        )
     return DpAlsProtocol(
         n_items=n_items(cfg),
         rank=cfg.rank,
@@ -597,11 +601,13 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": "pld",
-            "neighbouring": "replace one user (all of its ratings)",
+            "neighbouring": f"{cfg.neighbours.value} user (all of its ratings)",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": protocol.noise_multiplier,
             "gram_bound": protocol.gram_bound,
             "rhs_bound": protocol.rhs_bound,
-            "sensitivity": "2·Γ per statistic (replace-one; the √2 PSD bound is not claimed)",
+            "sensitivity": f"{cfg.neighbours.sensitivity_factor:g}·Γ per statistic ({cfg.neighbours.value}; "
+            "the √2 PSD bound is not claimed)",
         }
 
     def plan(self, cfg: DpAlsConfig) -> list[str]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fedpers import memory, metrics
-from fedpers.config import MAX_EPSILON, DeviceRunConfig, RunConfig, field, inherited, run_config
+from fedpers.config import MAX_EPSILON, DeviceRunConfig, Neighbours, RunConfig, field, inherited, run_config
 from fedpers.data.units import UnitSource
 from fedpers.experiments import altmin
 from fedpers.experiments.base import Experiment, Trivial, derived_seed
@@ -53,6 +53,7 @@ class ExpMechConfig(RunConfig):
         0.0, "refuse runs needing more memory than this (0: what the machine has available)", ge=0.0
     )
     seed: int = field(0, "run seed (data, candidates and DP noise use separate generators derived from it)", ge=0)
+    neighbours: Neighbours = inherited()
     device: str = inherited(DeviceRunConfig)
     dtype: str = inherited(DeviceRunConfig)
     data: Path | None = field(None, "per-user data file (.npz, the altmin schema) instead of synthetic data")
@@ -78,6 +79,7 @@ def altmin_config(cfg: ExpMechConfig) -> altmin.AltMinConfig:
         epsilon=cfg.epsilon,
         clip_label=cfg.clip_label,
         seed=cfg.seed,
+        neighbours=cfg.neighbours,
         device=cfg.device,
         dtype=cfg.dtype,
         data=cfg.data,
@@ -250,10 +252,11 @@ class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
             "delta": 0.0,
             "target_epsilon": cfg.epsilon,
             "accountant": "pure ε-DP composition" if pure else "pld",
-            "neighbouring": "replace-one user",
+            "neighbouring": f"{cfg.neighbours.value} user",
+            "neighbours": cfg.neighbours.value,
             "mechanism": "exponential (Gumbel-max)",
             "sensitivity": protocol.sensitivity,
-            "sensitivity_formula": "ζ² (each user's score lies in [0, ζ²])",
+            "sensitivity_formula": "ζ² (each user's score lies in [0, ζ²]: the change of replacing, adding or removing one)",
             "paper_sensitivity": protocol.paper_sensitivity,
         }
 

@@ -22,6 +22,7 @@ from fedpers.config import (
     DEFAULT_DELTA,
     MAX_EPSILON,
     DeviceRunConfig,
+    Neighbours,
     device_path,
     field,
     inherited,
@@ -108,6 +109,7 @@ class FedRepConfig(DeviceRunConfig):
     )
     accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = inherited()
+    neighbours: Neighbours = inherited()
     device: str = inherited()
     kernels: str = inherited()
     dtype: str = inherited()
@@ -117,7 +119,7 @@ class FedRepConfig(DeviceRunConfig):
     )
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
         baseline_names(self.baselines)
         if self.cohorts not in ("all", "poisson", "cyclic"):
             raise ValueError(f"cohorts must be all, poisson or cyclic; got {self.cohorts!r}")
@@ -128,7 +130,7 @@ class FedRepConfig(DeviceRunConfig):
         if self.cohorts == "all" and self.sampling_rate != 1.0:
             raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
         if self.cohorts == "poisson":
-            check_poisson_accountant(self.accountant, "cohorts poisson")
+            check_poisson_accountant(self.accountant, "cohorts poisson", self.neighbours)
         if self.clip_rule not in ("fixed", "adaptive"):
             raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
         if self.rank >= self.dim:
@@ -223,6 +225,7 @@ def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -
         cfg.delta,
         cfg.accountant,
         calibrations,
+        cfg.neighbours,
     )
     return replace(proto, noise_multiplier=z)
 
@@ -328,6 +331,7 @@ class FedRepEvaluator(Evaluator):
             rounds=cfg.rounds,
             accountant=cfg.accountant,
             seed=cfg.seed,
+            neighbours=cfg.neighbours,
             dtype=cfg.dtype,
             device=cfg.device,
             kernels=cfg.kernels,
@@ -335,7 +339,7 @@ class FedRepEvaluator(Evaluator):
             baselines="none",
         )
         ledger = Ledger()
-        privatizer = Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger)
+        privatizer = Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger, neighbours=cfg.neighbours)
 
         def quarters(units: Units) -> Units:
             return {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in units.items()}
@@ -542,7 +546,8 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": accountant_name(cfg.accountant),
-            "neighbouring": "replace-one user",
+            "neighbouring": f"{cfg.neighbours.value} user",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": protocol.releases_per_user(),
             "clip_rule": f"adaptive γ={protocol.clip_quantile}, η_C={protocol.clip_lr}, count share f={protocol.count_share}"

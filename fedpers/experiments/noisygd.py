@@ -14,6 +14,7 @@ from fedpers.config import (
     DEFAULT_DELTA,
     MAX_EPSILON,
     DeviceRunConfig,
+    Neighbours,
     device_path,
     field,
     inherited,
@@ -94,13 +95,14 @@ class NoisyGDConfig(DeviceRunConfig):
     test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
     baselines: bool = field(True, "also run non-private GD (no clip, no noise) on the same data")
     seed: int = inherited()
+    neighbours: Neighbours = inherited()
     device: str = inherited()
     kernels: str = inherited()
     dtype: str = field("float32", "float32 or float64 for features and W")
     chunk_size: int = field(4096, "examples per batch on the local runtime (bounds memory)", ge=1)
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
         if self.feature_dim < self.classes:
             raise ValueError(
                 f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}"
@@ -172,7 +174,9 @@ def make_protocol(
         )
     if not private or math.isinf(cfg.epsilon):
         return proto
-    z1 = calibrate_noise_multiplier(lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
+    z1 = calibrate_noise_multiplier(
+        lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant, calibrations, cfg.neighbours
+    )
     a, b = budget_split(cfg)
     if cfg.clip_rule == "adaptive":
         # each step's μ² splits 1 − f : f between the gradient sum and the count (same total as a·z₁)
@@ -340,7 +344,11 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
         groups = [
             dp_accounting.ComposedDpEvent([r.event for r in ledger.touching(g)]) for g in ledger.groups() or [ALL_UNITS]
         ]
-        rho = math.nan if any(skellam.contains_skellam(e) for e in groups) else max(zcdp_rho(e) for e in groups)
+        rho = (
+            math.nan
+            if any(skellam.contains_skellam(e) for e in groups)
+            else max(zcdp_rho(e, cfg.neighbours) for e in groups)
+        )
         name = accountant_name(cfg.accountant)
         by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
         if name not in by_accountant:  # a registered accountant beside the built-in ones
@@ -350,13 +358,15 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": name,
-            "neighbouring": "replace-one example",
+            "neighbouring": f"{cfg.neighbours.value} example",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_grad": protocol.noise_std(),
             "rho": rho,
             "noise": protocol.correlated.strategy.kind if protocol.correlated else "independent",
             "steps_per_example": protocol.participations(),
-            "rho_per_step": (2.0 / protocol.noise_multiplier**2) * (1 / (1 - protocol.count_share))
+            "rho_per_step": (cfg.neighbours.sensitivity_factor**2 / (2.0 * protocol.noise_multiplier**2))
+            * (1 / (1 - protocol.count_share))
             if protocol.noise_multiplier > 0
             else math.inf,
             "epsilon_zcdp": by_accountant["zcdp"],
@@ -367,7 +377,7 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
         }
         if cfg.remedy is not Remedy.NONE:
             out["remedy_noise_multiplier"] = protocol.remedy_noise_multiplier
-            out["remedy_noise_std"] = protocol.remedy_noise_std()
+            out["remedy_noise_std"] = protocol.remedy_noise_std(cfg.neighbours)
         return out
 
     def plot_keys(self) -> tuple[str, ...]:
@@ -383,7 +393,7 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
             "remedy": protocol.remedy.value,
             "feature_bound": protocol.feature_bound,
             "remedy_noise_multiplier": protocol.remedy_noise_multiplier,
-            "remedy_noise_std": protocol.remedy_noise_std(),
+            "remedy_noise_std": protocol.remedy_noise_std(cfg.neighbours),
             "model_dim": protocol.model_dim,
         }
 

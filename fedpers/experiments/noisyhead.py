@@ -27,6 +27,7 @@ from fedpers.config import (
     MAX_EPSILON,
     ApproxDpRunConfig,
     DeviceRunConfig,
+    Neighbours,
     check_device_and_dtype,
     check_kernels,
     device_path,
@@ -230,12 +231,18 @@ class NoisyHeadConfig(ApproxDpRunConfig):
     )
     engine: Engine = field(Engine.AUTO, "sweeps: Monte-Carlo engine (auto: direct for D ≤ 16, else spectral)")
     seed: int = field(0, "run seed (data, test data, init and DP noise use separate generators derived from it)", ge=0)
+    neighbours: Neighbours = inherited()
     chunk_size: int = inherited()
     device: str = field("cpu", "torch device: cpu or cuda[:i] (prompts, statistics and steps live there)")
     kernels: str = inherited(DeviceRunConfig)
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
+        if self.calibration is Calibration.PAPER and self.neighbours is not Neighbours.REPLACE_ONE:
+            raise ValueError(
+                "calibration paper: the per-step (ε/T, δ/T) rule is stated for replace-one neighbours; use "
+                f"calibration accountant with neighbours {self.neighbours.value}"
+            )
         check_device_and_dtype(self.device, "float64")
         check_kernels(self.kernels)
         n = self.prompts
@@ -283,9 +290,13 @@ class NoisyHeadConfig(ApproxDpRunConfig):
                 raise ValueError(
                     "sampling_rate < 1 needs mode rounds (each step samples its units; the statistics mode sends them once)"
                 )
-            if self.calibration is not Calibration.ACCOUNTANT or not get_accountant(self.accountant).poisson_sampling:
+            if (
+                self.calibration is not Calibration.ACCOUNTANT
+                or self.neighbours.value not in get_accountant(self.accountant).poisson_relations
+            ):
                 raise ValueError(
-                    f"sampling_rate < 1 needs calibration accountant and accountant {' or '.join(sampling_accountants())} "
+                    "sampling_rate < 1 needs calibration accountant and accountant "
+                    f"{' or '.join(sampling_accountants(self.neighbours))} "
                     "(the paper's per-step rule has no sampling)"
                 )
             if self.attack_c > 0:
@@ -388,6 +399,7 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
             cfg.delta,
             cfg.accountant,
             calibrations,
+            cfg.neighbours,
         )
         sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
         formulas["noise_multiplier"] = (
@@ -639,10 +651,10 @@ class NoisyHeadEvaluator(Evaluator):
         # with the attacked run's noise (shared) or with independent noise.
         proto = replace(self.protocol, mode=Mode.STATISTICS)
         seed = derived_seed(cfg.seed, "robustness-noise")
-        clean, _ = run_local(proto, group_units(x, y, r.P), Privatizer(seed), progress=False)
+        clean, _ = run_local(proto, group_units(x, y, r.P), Privatizer(seed, neighbours=cfg.neighbours), progress=False)
         if cfg.attack_noise is not AttackNoise.SHARED:
             seed = derived_seed(cfg.seed, "robustness-noise-attacked")
-        state, _ = run_local(proto, units, Privatizer(seed), progress=False)
+        state, _ = run_local(proto, units, Privatizer(seed, neighbours=cfg.neighbours), progress=False)
         return {
             "robust_noisyhead": self.excess(clean["gamma"], state["gamma"]),
             "robust_ridge": self.excess(self.gamma_star, ridge_bad),
@@ -781,24 +793,26 @@ class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
             "target_epsilon": cfg.epsilon,
             "accountant": accountant_name(cfg.accountant),
             "calibration": cfg.calibration.value,
-            "neighbouring": "replace-one prompt"
+            "neighbouring": f"{cfg.neighbours.value} prompt"
             if r.P == 1
-            else f"replace-one user ({r.P} prompts, statistics clipped per user)",
+            else f"{cfg.neighbours.value} user ({r.P} prompts, statistics clipped per user)",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": z,
             "releases": len(ledger),
             "per_unit_bound": protocol.grad_bound,
-            "sensitivity": 2 * protocol.grad_bound,
+            "sensitivity": cfg.neighbours.sensitivity_factor * protocol.grad_bound,
             "noise_std_sum": protocol.noise_std_sum,
             "noise_std_step": protocol.noise_std_step,
-            "paper_epsilon_same_noise": nh.paper_epsilon(z, r.T, cfg.delta),
         }
+        if cfg.neighbours is Neighbours.REPLACE_ONE:  # the paper's per-step rule is stated for replace-one
+            out["paper_epsilon_same_noise"] = nh.paper_epsilon(z, r.T, cfg.delta)
         if protocol.adaptive:
             out["clip_rule"] = (
                 f"adaptive γ={protocol.clip_quantile}, η_C={protocol.clip_lr}, count share f={protocol.count_share}"
             )
         if protocol.correlated is not None:
             out["workload_decay"] = protocol.correlated.decay
-        if not math.isinf(cfg.epsilon):
+        if not math.isinf(cfg.epsilon) and cfg.neighbours is Neighbours.REPLACE_ONE:
             paper_z = nh.paper_noise_multiplier(r.T, cfg.epsilon, cfg.delta)
             tight_z = (
                 z

@@ -416,17 +416,13 @@ class NoiseRecurrence:
     def next(self, z: Tensor) -> Tensor:
         w = z.clone()
         if self.buf_decay:
-            buffers = self.history or [torch.zeros_like(z) for _ in self.buf_decay]
-            for omega, beta in zip(self.output_scale, buffers, strict=True):
+            for omega, beta in zip(self.output_scale, self.history, strict=False):
                 w = w - omega * beta
-            self.history = [theta * beta + w for theta, beta in zip(self.buf_decay, buffers, strict=True)]
-            self.step += 1
-            return w
-        for c, past in zip(self.coefficients[1:], self.history, strict=False):
-            w = w - c * past
-        w = w / self.coefficients[0]
-        self.history = [w, *self.history][: len(self.coefficients) - 1]
-        self.step += 1
+        else:
+            for c, past in zip(self.coefficients[1:], self.history, strict=False):
+                w = w - c * past
+            w = w / self.coefficients[0]
+        self.push(w)
         return w
 
 

@@ -5,12 +5,14 @@ see its seed) and the ledger. Every method validates its arguments, draws the no
 and appends one :class:`~fedpers.privacy.ledger.Release` before returning the release.
 
 Conventions: ``per_unit_bound`` is the norm bound (L2, Frobenius for matrices) of one
-unit's contribution to the sum; neighbours are replace-one, so the L2 sensitivity Δ is
-``2 * per_unit_bound`` — or ``√2 * per_unit_bound`` when every unit's contribution is a PSD
-matrix (``psd_units=True``; proof at :meth:`Privatizer.symmetric_gaussian_sum`).
-``noise_multiplier`` z is dp-accounting's convention for replace-one Gaussians: the
-release is ``GaussianDpEvent(z)`` (privacy loss μ = 2/z) and ``noise_std`` σ = z·Δ/2, which
-is z·per_unit_bound in the general case.
+unit's contribution to the sum. The Privatizer's neighbouring relation (``neighbours``, the run's
+declared one) turns it into the L2 sensitivity Δ: replace-one, Δ = ``2 * per_unit_bound`` — or
+``√2 * per_unit_bound`` when every unit's contribution is a PSD matrix and the release is not
+sampled (``psd_units=True``; proof at :meth:`Privatizer.symmetric_gaussian_sum`); add-remove,
+Δ = ``per_unit_bound`` (a unit's whole contribution is its distance from absent). ``noise_multiplier``
+z is dp-accounting's convention: the release is ``GaussianDpEvent(z)`` under the relation (privacy
+loss μ = κ/z with κ = 2 replace-one, 1 add-remove) and ``noise_std`` σ = z·Δ/κ, which is
+z·per_unit_bound in the general case. Every release names its relation in the ledger.
 
 Every noise draw meets its value in :meth:`Privatizer._perturb` (Gaussian releases),
 :meth:`Privatizer._select` (exponential mechanism) or :meth:`Privatizer._sample_covariance`;
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 from fedpers import linalg
+from fedpers.config import Neighbours, neighbours_of
 from fedpers.privacy import correlated as correlated_module
 from fedpers.privacy import secure as secure_module
 from fedpers.privacy.ledger import ALL_UNITS, EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
@@ -163,9 +166,15 @@ class CovarianceRelease:
         return [f"{c.text}: {c.value:.4g} vs {c.bound:.4g}" for c in self.conditions if not c.holds]
 
 
-def psd_sensitivity(per_unit_bound: float, sampling_probability: float = 1.0) -> float:
-    """Δ of a sum of PSD unit contributions of norm ≤ bound: √2·bound, or 2·bound when
-    Poisson-sampled (proof at :meth:`Privatizer.symmetric_gaussian_sum`)."""
+def psd_sensitivity(
+    per_unit_bound: float, sampling_probability: float = 1.0, neighbours: Neighbours | str = Neighbours.REPLACE_ONE
+) -> float:
+    """Δ of a sum of PSD unit contributions of norm ≤ bound: replace-one √2·bound, or 2·bound when
+    Poisson-sampled (proof at :meth:`Privatizer.symmetric_gaussian_sum`); add-remove bound (a PSD
+    unit is its full norm from absent: nothing to tighten)."""
+    relation = neighbours_of(neighbours)
+    if relation is Neighbours.ADD_REMOVE:
+        return float(per_unit_bound)
     return (math.sqrt(2.0) if sampling_probability >= 1.0 else 2.0) * float(per_unit_bound)
 
 
@@ -186,8 +195,17 @@ def check_psd_sum(value: Tensor, name: str) -> None:
 class Privatizer:
     """Server-side mechanisms with a private generator and the ledger they append to."""
 
-    def __init__(self, seed: int, ledger: Ledger | None = None, *, secure: bool = False) -> None:
+    def __init__(
+        self,
+        seed: int,
+        ledger: Ledger | None = None,
+        *,
+        secure: bool = False,
+        neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
+    ) -> None:
         self.secure = bool(secure)
+        self.neighbours = neighbours_of(neighbours)
+        """The run's declared neighbouring relation: every sensitivity here is Δ under it, every release names it."""
         self.generator = torch.Generator(device="cpu").manual_seed(
             secure_module.os_seed() if self.secure else int(seed)
         )
@@ -266,17 +284,48 @@ class Privatizer:
         params: dict[str, Any] | None = None,
         sampling_probability: float = 1.0,
     ) -> Release:
-        sensitivity = 2.0 * float(bound) if sensitivity is None else float(sensitivity)
-        noise_std = z * sensitivity / 2 if z > 0 else 0.0
+        factor = self.neighbours.sensitivity_factor
+        sensitivity = factor * float(bound) if sensitivity is None else float(sensitivity)
+        noise_std = z * sensitivity / factor if z > 0 else 0.0
         event = dp_accounting.GaussianDpEvent(z) if z > 0 else dp_accounting.NonPrivateDpEvent()
         if z > 0 and sampling_probability < 1.0:
             # units entered independently with this probability (Poisson), from a generator they cannot predict
             event = dp_accounting.PoissonSampledDpEvent(float(sampling_probability), event)
         release = Release(
-            round, name, mechanism, float(bound), sensitivity, float(noise_std), units, event, dict(params or {})
+            round,
+            name,
+            mechanism,
+            float(bound),
+            sensitivity,
+            float(noise_std),
+            units,
+            event,
+            dict(params or {}),
+            self.neighbours.value,
         )
         self.ledger.append(release)
         return release
+
+    def noise_std(
+        self,
+        per_unit_bound: float,
+        noise_multiplier: float,
+        *,
+        psd_units: bool = False,
+        sampling_probability: float = 1.0,
+    ) -> float:
+        """σ a Gaussian release at this bound and multiplier gets (z·Δ/κ under the relation; PSD
+        units tighten only unsampled replace-one): what a protocol's data-independent post-processing
+        (a PSD floor) and its diagnostics use, so they follow the release."""
+        if not noise_multiplier > 0:
+            return 0.0
+        factor = self.neighbours.sensitivity_factor
+        delta = (
+            psd_sensitivity(per_unit_bound, sampling_probability, self.neighbours)
+            if psd_units
+            else factor * float(per_unit_bound)
+        )
+        return float(noise_multiplier) * delta / factor
 
     def _perturb(self, release: Release, value: Tensor, noise: Callable[[], Tensor]) -> Tensor:
         """The one place a Gaussian release's value meets its noise: value + σ·noise()."""
@@ -355,8 +404,9 @@ class Privatizer:
                 f"with its own strategy; got step {step}"
             )
         sigma = noise.noise_std(noise_multiplier, per_unit_bound)
-        joint = 2.0 * float(per_unit_bound) * noise.sensitivity.value
-        z_round = 2.0 * sigma * math.sqrt(T) / joint if sigma > 0 else 0.0
+        factor = self.neighbours.sensitivity_factor
+        joint = factor * float(per_unit_bound) * noise.sensitivity.value
+        z_round = factor * sigma * math.sqrt(T) / joint if sigma > 0 else 0.0
         event = dp_accounting.GaussianDpEvent(z_round) if sigma > 0 else dp_accounting.NonPrivateDpEvent()
         release = Release(
             round,
@@ -372,8 +422,9 @@ class Privatizer:
                 **noise.params(),
                 "step": step,
                 "joint_sensitivity": joint,
-                "accounting": "joint Gaussian on Cx (Δ = 2·bound·s, σ = z·bound·s/√P) split evenly over T rounds",
+                "accounting": "joint Gaussian on Cx (Δ = κ·bound·s, σ = z·bound·s/√P) split evenly over T rounds",
             },
+            self.neighbours.value,
         )
         self.ledger.append(release)
 
@@ -468,6 +519,9 @@ class Privatizer:
         any rounding of a sum of PSD matrices): a statistic that is not a sum of PSD
         contributions must not get the √2 bound. The check is made before anything is recorded.
 
+        Add-remove neighbours: Δ = B for any units, PSD or not (the tightening compares two units;
+        adding or removing one moves the sum by its own norm, up to B).
+
         Only the upper triangle of ``value`` is released (mirrored): were the lower one used,
         any asymmetry of the sum (rounding included) would come out exactly, noise-free.
         """
@@ -478,12 +532,19 @@ class Privatizer:
             raise ValueError(f"release {name!r}: sampling_probability must be in (0, 1], got {sampling_probability}")
         if psd_units:
             check_psd_sum(value, name)
-        tighten = psd_units and sampling_probability >= 1.0
-        sensitivity = (math.sqrt(2.0) if tighten else 2.0) * float(per_unit_bound)
+        add_remove = self.neighbours is Neighbours.ADD_REMOVE
+        tighten = psd_units and sampling_probability >= 1.0 and not add_remove
+        sensitivity = (
+            psd_sensitivity(per_unit_bound, sampling_probability, self.neighbours)
+            if psd_units
+            else self.neighbours.sensitivity_factor * float(per_unit_bound)
+        )
         if psd_units and not tighten:
             params = {
                 **(params or {}),
-                "psd_tightening": "not applied: Poisson-sampled, a unit is a full bound from absent (Δ = 2·bound)",
+                "psd_tightening": "not applicable: add-remove, a unit's distance from absent is its bound (Δ = bound)"
+                if add_remove
+                else "not applied: Poisson-sampled, a unit is a full bound from absent (Δ = 2·bound)",
             }
         release = self._record(
             round,
@@ -517,7 +578,9 @@ class Privatizer:
     ) -> int:
         """Index drawn with P(i) ∝ exp(−ε·score_i/(2Δ)) (low score is good), by Gumbel-max.
 
-        ``sensitivity`` Δ is the replace-one change of any score. ε = ∞ returns the argmin.
+        ``sensitivity`` Δ is the change of any score between neighbours under the Privatizer's relation
+        (the caller's: a score whose per-unit terms lie in [0, B] has Δ = B under either). ε = ∞ returns
+        the argmin.
         """
         if scores.dim() != 1 or scores.numel() == 0:
             raise ValueError(f"release {name!r}: scores must be a non-empty vector, got shape {tuple(scores.shape)}")
@@ -531,12 +594,13 @@ class Privatizer:
             round,
             name,
             "exponential",
-            sensitivity / 2,
+            sensitivity / self.neighbours.sensitivity_factor,
             sensitivity,
             0.0,
             units,
             PureDpEvent(float(epsilon)),
             dict(params or {}),
+            self.neighbours.value,
         )
         self.ledger.append(release)
 
@@ -568,6 +632,11 @@ class Privatizer:
         Σ g gᵀ = S W Sᵀ with W ~ Wishart(k, I_n). For k ≥ n, W is drawn exactly by the
         Bartlett decomposition in O(n²) instead of O(k n²); for k < n the k vectors are drawn.
         """
+        if self.neighbours is not Neighbours.REPLACE_ONE:
+            raise ValueError(
+                f"release {name!r}: neighbours {self.neighbours.value}: DPCovariance's (ε, δ) is stated for the "
+                "paper's relation (one column moved by at most β), not for adding or removing a column"
+            )
         n = params.rows
         if A.dim() != 2 or tuple(A.shape) != (n, n):
             raise ValueError(f"release {name!r}: expected an ({n}, {n}) matrix, got shape {tuple(A.shape)}")
@@ -608,6 +677,7 @@ class Privatizer:
                 "k": params.k,
                 "sensitivity_formula": "2αβ√n/η",
             },
+            self.neighbours.value,
         )
         self.ledger.append(release)
         B = self._sample_covariance(release, A, lambda: self._wishart_draw(A, params))

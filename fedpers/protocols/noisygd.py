@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fedpers import linalg
+from fedpers.config import Neighbours, neighbours_of
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip
 from fedpers.privacy.correlated import CorrelatedNoise
@@ -137,11 +138,11 @@ class NoisyGDProtocol(Protocol):
             return torch.arange(*self.cohort_range(self.step_cohort(round))), None
         return None, None
 
-    def remedy_noise_std(self) -> float:
-        """σ = z·Δ/2: Δ = 2R for the mean, √2·R² for the PSD second moment."""
-        if self.remedy is Remedy.PCA:
+    def remedy_noise_std(self, neighbours: Neighbours | str = Neighbours.REPLACE_ONE) -> float:
+        """σ = z·Δ/κ: replace-one Δ = 2R for the mean, √2·R² for the PSD second moment; add-remove Δ = R, R²."""
+        if self.remedy is Remedy.PCA and neighbours_of(neighbours) is Neighbours.REPLACE_ONE:
             return self.remedy_noise_multiplier * self.feature_bound**2 / math.sqrt(2.0)
-        return self.remedy_noise_multiplier * self.feature_bound
+        return self.remedy_noise_multiplier * self.feature_bound ** (2 if self.remedy is Remedy.PCA else 1)
 
     # ----- feature transform (public once released) -----------------------------------------
     def transform(self, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
@@ -227,8 +228,8 @@ class NoisyGDProtocol(Protocol):
                     round=round,
                     params={"statistic": "Σ x", "R": self.feature_bound, "formula": "bound R, Δ = 2·bound"},
                 )
-                new["mu"] = total / self.examples  # n is public under replace-one neighbours
-                return new, {"noise_std_mean": self.remedy_noise_std()}
+                new["mu"] = total / self.examples  # the declared n (public): under add-remove not the data's count
+                return new, {"noise_std_mean": self.remedy_noise_std(privatizer.neighbours)}
             S = privatizer.symmetric_gaussian_sum(
                 summed.stats["second_moment"],
                 per_unit_bound=self.feature_bound**2,
@@ -243,7 +244,7 @@ class NoisyGDProtocol(Protocol):
                 },
             )
             new["P"] = linalg.top_eigenvectors(S.double(), self.classes - 1).to(self.dtype)
-            return new, {"noise_std_second_moment": self.remedy_noise_std()}
+            return new, {"noise_std_second_moment": self.remedy_noise_std(privatizer.neighbours)}
         step = round - self.remedy_rounds + 1
         params: dict[str, Any] = {
             "statistic": "Σ clip(∇ℓ_i; G_c)",
