@@ -19,12 +19,24 @@ class GradientRoundFields:
     """Declarations only: no run config is one (see :func:`fedpers.config.inherited`)."""
 
     cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic)", ge=1)
+    sampling_rate: float = field(
+        1.0,
+        "q: Poisson inclusion probability per round (with --cohorts poisson): the expected share of units in a "
+        "round; with banded or optimised noise the units form b id blocks taken in turn, each sampled at q·b",
+        gt=0.0,
+        le=1.0,
+    )
     noise: str = field(
         "independent",
         "noise across gradient rounds (steps): independent, banded (square-root factorization, --bands), "
         "optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
     )
-    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
+    bands: int = field(
+        0,
+        "b: bands of the correlated noise's C (0: K, the cycle; with cohorts poisson the b groups, 0: chosen for "
+        "the run's ε); with blt its buffers (0: the fewest of 1..4 the optimiser needs)",
+        ge=0,
+    )
     noise_decay: float = field(
         1.0,
         "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a "

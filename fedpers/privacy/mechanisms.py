@@ -389,6 +389,11 @@ class Privatizer:
         compose to exactly the joint mechanism in every accountant (Gaussian μ² add). One band
         (C = I) draws exactly ``gaussian_sum``'s noise. The steps must come in order.
 
+        Amplified (``noise.sampling_rate`` < 1: b groups sampled in turn, b-banded C): each round is
+        recorded as a Poisson-sampled Gaussian of the round's group (units ``cohort:g``), sensitivity
+        κ·bound·(max column norm) and the same σ = z·bound·(max column norm); a group's ⌈T/b⌉ records
+        compose to jax_privacy's ``amplified_bandmf_event`` (Choquette-Choo et al. 2023, Theorem 4).
+
         ``secure``: round t's noise σ·w_t is σ·z_t plus σ times the recurrence's offset (a function of
         the earlier rounds' noise only). The floating-point-safe sampler draws σ·z_t from OS entropy
         around value + σ·offset, and w_t is read back as (release − value)/σ: the recurrence then holds
@@ -406,23 +411,40 @@ class Privatizer:
         sigma = noise.noise_std(noise_multiplier, per_unit_bound)
         factor = self.neighbours.sensitivity_factor
         joint = factor * float(per_unit_bound) * noise.sensitivity.value
-        z_round = factor * sigma * math.sqrt(T) / joint if sigma > 0 else 0.0
-        event = dp_accounting.GaussianDpEvent(z_round) if sigma > 0 else dp_accounting.NonPrivateDpEvent()
+        if noise.amplified:
+            # one participation moves only its own columns' rows of Cx (b bands, ≥ b rounds apart): each round
+            # is a Poisson-sampled Gaussian on its group, of multiplier σ/(bound·max column norm)
+            z_round = factor * sigma / joint if sigma > 0 else 0.0
+            event: dp_accounting.DpEvent = (
+                dp_accounting.PoissonSampledDpEvent(noise.sampling_rate, dp_accounting.GaussianDpEvent(z_round))
+                if sigma > 0
+                else dp_accounting.NonPrivateDpEvent()
+            )
+            sensitivity, units = joint, f"cohort:{noise.group(step)}" if noise.cycle > 1 else ALL_UNITS
+            accounting = (
+                "amplified banded MF (Choquette-Choo et al. 2023, Theorem 4): per group ⌈T/b⌉ Poisson-sampled "
+                "Gaussians, Δ = κ·bound·(max column norm), σ = z·bound·(max column norm)"
+            )
+        else:
+            z_round = factor * sigma * math.sqrt(T) / joint if sigma > 0 else 0.0
+            event = dp_accounting.GaussianDpEvent(z_round) if sigma > 0 else dp_accounting.NonPrivateDpEvent()
+            sensitivity, units = joint / math.sqrt(T), ALL_UNITS
+            accounting = "joint Gaussian on Cx (Δ = κ·bound·s, σ = z·bound·s/√P) split evenly over T rounds"
         release = Release(
             round,
             name,
             "correlated_gaussian",
             float(per_unit_bound),
-            joint / math.sqrt(T),
+            sensitivity,
             float(sigma),
-            ALL_UNITS,
+            units,
             event,
             {
                 **(params or {}),
                 **noise.params(),
                 "step": step,
                 "joint_sensitivity": joint,
-                "accounting": "joint Gaussian on Cx (Δ = κ·bound·s, σ = z·bound·s/√P) split evenly over T rounds",
+                "accounting": accounting,
             },
             self.neighbours.value,
         )
