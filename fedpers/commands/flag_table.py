@@ -409,7 +409,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "3659bb56f198d8a3e111caaa5ae572dd7c5d829c2c01d6b4594269ba70a4ebb2",
+   "fingerprint": "615505ad463314ca366fa4d8fcf37a71d577e69e8352f9dafd341b14eabdb4af",
    "module": "fedpers.experiments.altmin",
    "sources": [
     "config.py",
@@ -1376,7 +1376,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--bands",
-     "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle; with cohorts poisson the b groups, 0: chosen for the run's ε); with blt its buffers (0: the fewest of 1..4 the optimiser needs) (default: 0)",
      "meta": {
       "ge": 0,
       "words": {}
@@ -1438,7 +1438,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--sampling-rate",
-     "help": "q: Poisson inclusion probability per round (with --cohorts poisson) (default: 1.0)",
+     "help": "q: Poisson inclusion probability per round (with --cohorts poisson): the expected share of units in a round; with banded or optimised noise the units form b id blocks taken in turn, each sampled at q·b (default: 1.0)",
      "meta": {
       "gt": 0.0,
       "le": 1.0,
@@ -1531,7 +1531,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "50be41de9ce110191d2be6a32ff9d5830af9aa3a3d8c376bbd571914c472f363",
+   "fingerprint": "a0fc1b4ae01da206fecbc0d80bcccd4a84c5868f585d0ee5b453d6cc3ebea662",
    "module": "fedpers.experiments.fedrep",
    "sources": [
     "config.py",
@@ -1722,7 +1722,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--cohorts",
-     "help": "all: every example every step; cyclic: K fixed cohorts by id blocks, step s uses cohort s mod K (default: all)",
+     "help": "all: every example every step; poisson: each step samples examples independently with probability --sampling-rate; cyclic: K fixed cohorts by id blocks, step s uses cohort s mod K (default: all)",
      "meta": {
       "words": {}
      },
@@ -1740,6 +1740,17 @@ TABLE = json.loads(
      "type": "int"
     },
     {
+     "flag": "--sampling-rate",
+     "help": "q: Poisson inclusion probability per round (with --cohorts poisson): the expected share of units in a round; with banded or optimised noise the units form b id blocks taken in turn, each sampled at q·b (default: 1.0)",
+     "meta": {
+      "gt": 0.0,
+      "le": 1.0,
+      "words": {}
+     },
+     "name": "sampling_rate",
+     "type": "float"
+    },
+    {
      "flag": "--noise",
      "help": "noise across gradient rounds (steps): independent, banded (square-root factorization, --bands), optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised) (default: independent)",
      "meta": {
@@ -1750,7 +1761,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--bands",
-     "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle; with cohorts poisson the b groups, 0: chosen for the run's ε); with blt its buffers (0: the fewest of 1..4 the optimiser needs) (default: 0)",
      "meta": {
       "ge": 0,
       "words": {}
@@ -1904,7 +1915,7 @@ TABLE = json.loads(
      "type": "int"
     }
    ],
-   "fingerprint": "e3cbc97e8f7ea8a0936ebfe931b87c7eaa39c297d4764e71db1d52771f53e535",
+   "fingerprint": "62da62dd9e59a1048f7928bad8c86b63e7a79d24be19de65997faa5808d802aa",
    "module": "fedpers.experiments.noisygd",
    "sources": [
     "config.py",
@@ -2113,7 +2124,7 @@ TABLE = json.loads(
     },
     {
      "flag": "--bands",
-     "help": "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4) (default: 0)",
+     "help": "b: bands of the correlated noise's C (0: K, the cycle; with cohorts poisson the b groups, 0: chosen for the run's ε); with blt its buffers (0: the fewest of 1..4 the optimiser needs) (default: 0)",
      "meta": {
       "ge": 0,
       "words": {}
@@ -2402,7 +2413,7 @@ TABLE = json.loads(
      "type": "str"
     }
    ],
-   "fingerprint": "d37ff109860b9220581768e12b9c91b6049f3ee87da1f8865bf85cffbcd3d81e",
+   "fingerprint": "969c46dc3aeae2700e31a8b7340cac1ac3e282a9956dc7a4e04cf55beacdaf67",
    "module": "fedpers.experiments.noisyhead_mc",
    "sources": [
     "config.py",
