@@ -25,7 +25,7 @@ from typing import Any
 from fedpers import config as config_lib
 from fedpers.commands.audit import audit
 from fedpers.experiments import experiment
-from fedpers.runtime.options import RuntimeOptions
+from fedpers.configs.runtime import RuntimeOptions
 
 RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeOptions)}
 

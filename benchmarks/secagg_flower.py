@@ -29,7 +29,7 @@ from fedpers.app import run_flower
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy.accountant import Calibrations
 from fedpers.runner import resolve
-from fedpers.runtime.options import RuntimeOptions
+from fedpers.configs.runtime import RuntimeOptions
 
 EXP = EXPERIMENTS["altmin"]
 MODELS = ("central", "local", "distributed")

@@ -4,12 +4,13 @@ The Flower runtime (:mod:`fedpers.runtime.flower`) never looks an algorithm up; 
 does it for it:
 
 - :func:`from_run_config`: what ``flwr run .`` hands the fedpers ServerApp
-  (``context.run_config``) → experiment, config, options. Flower only accepts run-config keys
-  declared in ``[tool.flwr.app.config]`` of ``pyproject.toml``, so every built-in algorithm's
-  fields are declared there as flat keys (``n-users``, ``epsilon``, …; "" = the algorithm's
-  default; the block is written by :func:`write_flat_keys` from the config classes), beside one
-  string (``config='n_users=2000 rounds=2 cohorts="all"'``) and a TOML file (``config-file``),
-  exactly like ``fedpers run ALGO --config FILE`` and its flags.
+  (``context.run_config``) → experiment, config, options. An algorithm's fields travel in one
+  string (``config='n_users=2000 rounds=2 cohorts="all"'``) or a TOML file (``config-file``),
+  exactly like ``fedpers run ALGO --config FILE`` and its flags. Flower refuses a run-config key
+  that ``[tool.flwr.app.config]`` of ``pyproject.toml`` does not declare, and the app declares only
+  its own keys there; a field may still arrive as a flat key (``n-users``, ``epsilon``, …; "" = the
+  algorithm's default) where a run config carries it (an in-process run, or an app whose pyproject
+  declares it by hand): :func:`flat_keys` derives them from the config classes when asked.
 - :func:`build_node`: the node builder injected into the ClientApp (job → protocol + units);
   :func:`make_client_app` is the ClientApp with it (``clients/client_app.py``).
 - :func:`flower_job` and :func:`run_flower`: an experiment's run on the Flower runtime (what
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedpers import config as config_lib
 from fedpers.config import RunConfig
-from fedpers.runtime.options import Runtime, RuntimeOptions
+from fedpers.configs.runtime import Runtime, RuntimeOptions
 
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp
@@ -98,43 +99,21 @@ def parse_pairs(text: str) -> dict[str, Any]:
 
 
 UNSET = ""
-"""A flat key's value in ``[tool.flwr.app.config]`` when it is not given: the algorithm's default."""
-FLAT_BEGIN = (
-    '# --- the algorithms\' fields as flat keys: written by `python -m fedpers.commands.flags`; "" = the default ---'
-)
-FLAT_END = "# --- end of the algorithms' fields ---"
+"""A flat key's value when it is not given: the algorithm's default."""
 
 
 def flat_keys() -> dict[str, list[str]]:
-    """Every built-in algorithm's config field as a run-config key (``n_users`` → ``n-users``),
-    with the algorithms that have it."""
+    """Every registered algorithm's config field as a run-config key (``n_users`` → ``n-users``),
+    with the algorithms that have it (read from the config classes: :mod:`fedpers.configs`)."""
     from dataclasses import fields
 
-    from fedpers.experiments import EXPERIMENTS
+    from fedpers.experiments import ALGORITHMS, config_type
 
     out: dict[str, list[str]] = {}
-    for name in sorted(EXPERIMENTS):
-        for f in fields(EXPERIMENTS[name].config_type):
+    for name in sorted(ALGORITHMS):
+        for f in fields(config_type(name)):
             out.setdefault(f.name.replace("_", "-"), []).append(name)
     return dict(sorted(out.items()))
-
-
-def flat_keys_block() -> str:
-    """The flat keys' lines of ``[tool.flwr.app.config]`` (between :data:`FLAT_BEGIN` and :data:`FLAT_END`)."""
-    lines = [FLAT_BEGIN]
-    for key, algorithms in flat_keys().items():
-        lines.append(f'{key} = ""  # {", ".join(algorithms)}')
-    return "\n".join([*lines, FLAT_END])
-
-
-def write_flat_keys(pyproject: Path) -> bool:
-    """Rewrite the flat keys' block of ``pyproject`` from the config classes; True if it changed."""
-    text = pyproject.read_text()
-    begin, end = text.index(FLAT_BEGIN), text.index(FLAT_END) + len(FLAT_END)
-    new = text[:begin] + flat_keys_block() + text[end:]
-    if new != text:
-        pyproject.write_text(new)
-    return new != text
 
 
 def flat_values(run_config: Mapping[str, Any], experiment: Any, algorithm: str) -> dict[str, Any]:
@@ -265,9 +244,9 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
     def node_side_plan(sent: Any) -> Any:
         """The distributed/local plan this node derives from the job alone, for ``sent``'s trust model
         and node counts (what the server sent must equal it: a node never noises by the server's word)."""
+        from fedpers.configs.runtime import RuntimeOptions
         from fedpers.privacy.distributed import RecordingCalibrations
         from fedpers.runtime.distributed import node_side_privatizer
-        from fedpers.runtime.options import RuntimeOptions
         from fedpers.seeds import derived_seed
 
         recording = RecordingCalibrations(json.loads(job.calibrations_json))

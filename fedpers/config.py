@@ -183,15 +183,17 @@ def to_dict(cfg: DataclassInstance) -> dict[str, Any]:
 
 
 def check_device_and_dtype(device: str, dtype: str) -> None:
-    """Refuse a device other than cpu/cuda[:i] (or cuda without a GPU) and a dtype other than float32/float64."""
-    import torch
-
+    """Refuse a device other than cpu/cuda[:i] (or cuda without a GPU) and a dtype other than float32/float64.
+    Only a cuda device imports torch (to ask for one): a config's check stays light on the CPU."""
     if dtype not in ("float64", "float32"):
         raise ValueError(f"dtype must be float64 or float32; got {dtype!r}")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"device must be cpu or cuda[:i]; got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but no CUDA device is available")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but no CUDA device is available")
 
 
 KERNELS = ("auto", "device", "host")
@@ -211,10 +213,6 @@ def device_path(device: str, kernels: str = "auto") -> bool:
     """Whether a run takes the device code path (see ``KERNELS``)."""
     check_kernels(kernels)
     return kernels == "device" or (kernels == "auto" and device.startswith("cuda"))
-
-
-DECLARED_BY = "declared_by"
-"""Metadata key of a field taken with ``inherited(source)``: the class that declares it."""
 
 
 class _Inherited:
@@ -252,8 +250,6 @@ def run_config(cls: type[T]) -> type[T]:
             if name not in source:
                 raise TypeError(f"{cls.__name__}.{name} = inherited(): no base or source declares {name}")
             metadata = dict(source[name].metadata)
-            if mark.source is not None:  # declared by a sibling: the flag snapshot follows its file (DECLARED_BY)
-                metadata[DECLARED_BY] = mark.source
             setattr(cls, name, dataclasses.field(default=source[name].default, metadata=metadata))
     unlisted = [name for name in declared if name not in own]
     if unlisted:

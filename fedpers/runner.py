@@ -10,6 +10,7 @@ from typing import Any
 
 from fedpers import config as config_lib
 from fedpers.config import DpModel, Neighbours, RunConfig
+from fedpers.configs.runtime import Runtime, RuntimeOptions
 from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
 from fedpers.privacy.distributed import NodeSidePrivatizer, RecordingCalibrations
@@ -18,7 +19,6 @@ from fedpers.results.run_result import RunResult
 from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import RoundRecord
-from fedpers.runtime.options import Runtime, RuntimeOptions
 from fedpers.runtime.progress import phase
 from fedpers.seeds import derived_seed, split_seed
 

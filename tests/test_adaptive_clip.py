@@ -199,7 +199,7 @@ def test_node_side_dp_refuses_adaptive_clipping_before_any_release(model):
     """The counts are scalar sums the nodes' integer plan is not solved for (unrefused, a distributed
     AltMin run spent ε 2.77 of a target 2): every protocol with an adaptive bound is refused at resolve."""
     from fedpers.runner import resolve
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     fedrep = dict(n_users=40, dim=5, rank=2, samples_per_user=8, rounds=2, epsilon=4.0, clip_rule="adaptive",
                   accountant="rdp", baselines="none")

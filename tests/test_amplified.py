@@ -256,7 +256,7 @@ def test_a_user_of_a_sampled_group_moves_only_its_groups_releases_by_at_most_the
 
 def test_secure_noise_runs_correlated_noise_with_the_same_accounting(tmp_path):
     from fedpers.runner import execute
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     values = {**SMALL, "cohorts": "cyclic", "cycle": 2, "sampling_rate": 1.0}
     cfg = config.build(FEDREP.config_type, values)
@@ -269,7 +269,7 @@ def test_secure_noise_runs_correlated_noise_with_the_same_accounting(tmp_path):
 def test_a_refused_combination_releases_nothing(tmp_path):
     """Refused before the first release: no ledger entry, no run directory, nothing charged."""
     from fedpers.runner import execute
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     with pytest.raises(ValueError, match="noise: blt with cohorts poisson"):
         config.build(FEDREP.config_type, {**SMALL, "noise": "blt", "bands": 0})

@@ -584,7 +584,7 @@ def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
     """The same audit (AltMin, W and b alone, 4 canaries and 6 empty slots × 2 runs, seed 0) through
     the Flower runtime's server loop and ClientApp (an in-process Grid of 3 nodes: the canaries reach
     the nodes inside the app) gives the local runtime's scores, bounds and proven ε."""
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
     from tests.flower_support import InProcessGrid
 
     cfg = altmin_cfg(epsilon=4.0)
@@ -613,7 +613,7 @@ def test_steered_audit_through_the_flower_runtime_gives_the_local_runtimes_bound
     """Steered FedRep canaries (each round's data rebuilt from its broadcast, on the nodes) through the
     Flower runtime's ClientApp on an in-process Grid of 3 nodes: the local runtime's separation, scores
     and bounds, and G still at its full sensitivity (the steering reached the nodes)."""
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
     from tests.flower_support import InProcessGrid
 
     cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
@@ -630,7 +630,7 @@ def test_steered_audit_through_the_flower_runtime_gives_the_local_runtimes_bound
 def test_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bounds():
     """The same audit through Flower's simulation engine on Ray (2 node actors; the canaries reach
     them inside the ClientApp object) gives the local runtime's bounds for one seed."""
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     cfg = altmin_cfg(epsilon=4.0)
     local = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"))
@@ -644,7 +644,7 @@ def test_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bou
 
 # ----- distributed and local DP: the nodes add the noise -----------------------------------------
 def _node_options(model, **values):
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     return config_lib.build(RuntimeOptions, {"dp_model": model, "bits": 16, "nodes": 4, **values})
 
@@ -879,7 +879,7 @@ def test_audit_of_a_local_dp_run_directory_audits_its_trust_model(tmp_path, caps
 def test_steered_audit_through_the_flower_simulation_on_ray_gives_the_local_runtimes_bounds():
     """Steered FedRep canaries through Flower's simulation engine on Ray (2 node actors: the steering
     object is pickled into them with the ClientApp) give the local runtime's bounds for one seed."""
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
     local = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",))

@@ -580,7 +580,7 @@ def test_node_side_dp_refuses_correlated_noise_on_every_protocol_before_any_rele
     """Shares drawn per round cannot be correlated across rounds: unrefused, FedRep's correlated rounds
     were noised by the server on sums it saw, under a model that promises it never sees them."""
     from fedpers.runner import resolve
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     for exp, values in ((EXP, {**SMALL, "noise": "banded", "accountant": "rdp"}), (GD, {**GD_SMALL, "noise": "banded"})):
         cfg = config.build(exp.config_type, values)

@@ -351,7 +351,7 @@ def test_a_warm_fork_imports_no_module_for_a_clientapp_execution(tmp_path: Path)
     from fedpers.app import make_client_app, run_flower
     from fedpers.experiments import EXPERIMENTS
     from fedpers.privacy import Privatizer
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
     from tests.flower_support import InProcessGrid
 
     exp = EXPERIMENTS["altmin"]

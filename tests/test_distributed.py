@@ -25,7 +25,7 @@ from fedpers.runner import resolve
 from fedpers.runtime.distributed import run_local_nodes
 from fedpers.runtime.driver import RoundFailed
 from fedpers.runtime.local import run_local
-from fedpers.runtime.options import RuntimeOptions
+from fedpers.configs.runtime import RuntimeOptions
 
 
 # ----- transforms ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from fedpers.runtime.driver import RoundFailed
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.nodeside import NODE_SIDE, plan_json, read_plan
 from fedpers.runtime.local import run_local
-from fedpers.runtime.options import RuntimeOptions
+from fedpers.configs.runtime import RuntimeOptions
 from tests.flower_support import InProcessGrid
 
 SMALL = dict(n_users=120, dim=5, rank=2, samples_per_user=16, rounds=2, baselines="none", epsilon=2.0)

@@ -199,34 +199,43 @@ def flwr_run_config(override: str) -> dict:
 
 
 def test_flat_keys_give_the_config_the_config_string_gives():
-    flat = from_run_config(flwr_run_config("algorithm='dpals' n-users=300 epsilon=4 steps=2 center=3.5 private-center=false"))
+    """A run config that carries fields as flat keys (an in-process run, or an app whose pyproject
+    declares them) builds the config that `flwr run . --run-config "config='...'"` builds."""
+    flat = from_run_config({"algorithm": "dpals", "n-users": 300, "epsilon": 4, "steps": 2, "center": 3.5, "private-center": False})
     string = from_run_config(flwr_run_config(
         "algorithm='dpals' config='n_users=300 epsilon=4 steps=2 center=3.5 private_center=false'"
     ))
     assert flat.cfg == string.cfg and (flat.cfg.n_users, flat.cfg.steps, flat.cfg.private_center) == (300, 2, False)
     defaults = from_run_config(flwr_run_config("algorithm='dpals'")).cfg
-    assert defaults == config_lib.build(EXPERIMENTS["dpals"].config_type, {})  # "" leaves every default
-    assert from_run_config(flwr_run_config("algorithm='altmin' epsilon=inf")).cfg.epsilon == math.inf
+    assert defaults == config_lib.build(EXPERIMENTS["dpals"].config_type, {})  # nothing given: every default
+    assert from_run_config({"algorithm": "altmin", "epsilon": "", "rank": ""}).cfg == config_lib.build(
+        EXPERIMENTS["altmin"].config_type, {}
+    )  # "" leaves a flat key's default
+    assert from_run_config(flwr_run_config("algorithm='altmin' config='epsilon=inf'")).cfg.epsilon == math.inf
 
 
 def test_an_unknown_or_foreign_flat_key_is_refused_naming_it():
-    with pytest.raises(ValueError, match="n-user"):  # Flower refuses a key pyproject does not declare
-        flwr_run_config("algorithm='dpals' n-user=300")
+    with pytest.raises(ValueError, match="n-users"):  # Flower refuses a key pyproject does not declare
+        flwr_run_config("algorithm='dpals' n-users=300")
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['n-user'\]"):  # and so does the ServerApp
         from_run_config({"algorithm": "dpals", "n-user": 300})
     with pytest.raises(ValueError, match="cohorts is not a field of dpals"):  # an AltMin field given to DPALS
-        from_run_config(flwr_run_config("algorithm='dpals' cohorts='all'"))
+        from_run_config({"algorithm": "dpals", "cohorts": "all"})
     with pytest.raises(ValueError, match="given both as flat keys and in config"):
-        from_run_config(flwr_run_config("algorithm='dpals' n-users=300 config='n_users=400'"))
+        from_run_config({"algorithm": "dpals", "n-users": 300, "config": "n_users=400"})
     with pytest.raises(ValueError, match="its own configuration"):
-        from_run_config(flwr_run_config("resume='runs/x' epsilon=2"))
+        from_run_config({"resume": "runs/x", "epsilon": 2})
 
 
-def test_the_pyproject_declares_every_algorithm_field_as_a_flat_key():
-    """Written from the config classes by `python -m fedpers.commands.flags`: run it after adding a field."""
-    from fedpers.app import flat_keys_block
+def test_the_pyproject_declares_the_apps_own_keys_only():
+    """Nothing generated: `[tool.flwr.app.config]` holds the app's hand-written keys, every one of
+    which the ServerApp reads; an algorithm's fields travel in `config` / `config-file`."""
+    from flwr.common.config import flatten_dict, get_project_config
 
-    assert flat_keys_block() in (ROOT / "pyproject.toml").read_text()
+    from fedpers.app import KNOWN
+
+    declared = flatten_dict(get_project_config(ROOT)["tool"]["flwr"]["app"]["config"])
+    assert set(declared) == set(KNOWN)
 
 
 def test_ray_backend_starts_its_own_ray_unless_told_to_attach(monkeypatch):

@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fedpers.privacy",),  # the one place noise is added
     ("fedpers.linalg",),
     ("fedpers.data",),  # loaders and generators of units
+    ("fedpers.configs",),  # every algorithm's config class and the runtime options: no torch, no accounting library
     # bottom: run records and leaf helpers
     ("fedpers", "fedpers.results", "fedpers.config", "fedpers.metrics", "fedpers.seeds", "fedpers.memory", "fedpers.pools"),
 )
@@ -237,7 +238,7 @@ def test_a_flower_run_and_the_apps_import_no_deploy_code() -> None:
     code = (
         "import sys; sys.path.insert(0, 'tests'); import torch; "
         "from fedpers import config; from fedpers.app import make_client_app, run_flower; from fedpers.experiments import experiment; "
-        "from fedpers.privacy import Privatizer; from fedpers.runtime.options import RuntimeOptions; from flower_support import InProcessGrid; "
+        "from fedpers.privacy import Privatizer; from fedpers.configs.runtime import RuntimeOptions; from flower_support import InProcessGrid; "
         "import server.server_app, clients.client_app; "
         "e = experiment('altmin'); cfg = config.build(e.config_type, {'n_users': 200, 'rounds': 1}); "
         "run_flower(e, cfg, e.protocol(cfg), Privatizer(0), RuntimeOptions(runtime='flower'), grid=InProcessGrid(make_client_app(), 2), progress=False); "

@@ -16,9 +16,9 @@ from fedpers.config import Neighbours
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Ledger, Privatizer, Release, calibrate_noise_multiplier, event_epsilon, ledger_epsilon
 from fedpers.privacy import correlated as cc
-from fedpers.privacy.accountant import check_poisson_accountant
+from fedpers.configs.privacy import check_poisson_accountant
 from fedpers.runner import execute, resolve
-from fedpers.runtime.options import RuntimeOptions
+from fedpers.configs.runtime import RuntimeOptions
 from tests.neighbours import check_neighbour
 
 PEERS = [

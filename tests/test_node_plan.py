@@ -21,7 +21,7 @@ from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.client import handle_train
 from fedpers.runtime.flower.nodeplan import NODE_STORE_ENV, NodeLedger, planned_range
 from fedpers.runtime.flower.policy import POLICY_ENV, PolicyRefused
-from fedpers.runtime.options import RuntimeOptions
+from fedpers.configs.runtime import RuntimeOptions
 from tests.flower_support import InProcessGrid
 
 EXP = EXPERIMENTS["altmin"]

@@ -22,7 +22,7 @@ from fedpers.runtime import distributed as local_nodes
 from fedpers.runtime.driver import RoundFailed
 from fedpers.runtime.flower import codec, secaggplus
 from fedpers.runtime.local import run_local
-from fedpers.runtime.options import RuntimeOptions
+from fedpers.configs.runtime import RuntimeOptions
 from tests.flower_support import InProcessGrid
 
 SMALL = dict(n_users=120, dim=5, rank=2, samples_per_user=16, rounds=1, baselines="none", epsilon=2.0)

@@ -31,17 +31,36 @@ def test_help_imports_no_torch() -> None:
     assert proc.stdout.strip().splitlines()[-1] == "False False False"
 
 
-def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``fedpers run ALGO --help`` (and ``fedpers audit ALGO --help``) is answered from the flag
-    snapshot: no torch, no accounting library, and for every built-in algorithm the text the
-    experiment's own parser prints."""
+def test_the_configs_layer_imports_neither_torch_nor_an_accounting_library() -> None:
+    """Every module of fedpers/configs (and the registry that names them) imports no torch, no
+    dp-accounting, no numpy or scipy: the CLI reads flags and checks values from them alone."""
+    from pathlib import Path
+
+    import fedpers.configs
+
+    names = sorted(p.stem for p in Path(fedpers.configs.__file__).parent.glob("*.py") if p.stem != "__init__")
+    assert {"altmin", "runtime", "privacy"} <= set(names)
+    code = (
+        "import importlib, sys\nimport fedpers.experiments\n"
+        "for name in sys.argv[1:]:\n    importlib.import_module('fedpers.configs.' + name)\n"
+        "for name in fedpers.experiments.ALGORITHMS:\n    fedpers.experiments.config_type(name)\n"
+        "print(sorted(m for m in ('torch', 'dp_accounting', 'numpy', 'scipy') if m in sys.modules))"
+    )
+    proc = _run(code, *names)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_algorithm_help_imports_no_torch_and_lists_every_field() -> None:
+    """``fedpers run ALGO --help`` (and ``fedpers audit ALGO --help``) is built from the config classes:
+    no torch, no accounting library, and every field of the algorithm and of the runtime options
+    has its flag there."""
     import os
 
-    from fedpers.commands import flags
+    from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.experiments import ALGORITHMS, config_type
 
-    table = flags._load()
-    assert table is not None
-    names = sorted(table["algorithms"])
+    names = sorted(ALGORITHMS)
     code = (
         "import contextlib, io, json, sys\nfrom fedpers.commands.cli import main\ntexts = {}\n"
         "for name in sys.argv[1:]:\n    out = io.StringIO()\n"
@@ -51,7 +70,6 @@ def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkey
         "texts['audit'] = out.getvalue()\n"
         "print(json.dumps([texts, 'torch' in sys.modules, 'dp_accounting' in sys.modules]))"
     )
-    monkeypatch.setenv("COLUMNS", "97")  # argparse wraps to the terminal's width: the same in both processes
     proc = subprocess.run(
         [sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=300, env=dict(os.environ)
     )
@@ -59,9 +77,74 @@ def test_algorithm_help_imports_no_torch_and_prints_the_full_parsers_text(monkey
     texts, torch, accounting = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (torch, accounting) == (False, False)
     assert len(names) >= 7
+    runtime = [f.name for f in dataclasses.fields(RuntimeOptions)]
     for name in names:
-        assert texts[name] == cli.algorithm_parser(name).format_help(), name
-    assert texts["audit"].endswith(cli.algorithm_parser("altmin").format_help())  # `fedpers audit ALGO --help` too
+        for field in [f.name for f in dataclasses.fields(config_type(name))] + runtime:
+            assert "--" + field.replace("_", "-") + " " in texts[name], (name, field)
+    assert "--canaries" in texts["audit"] and "--n-users" in texts["audit"]  # the audit's flags and ALGO's
+
+
+def _bad_values(cls: type) -> list[tuple[str, str]]:
+    """(flag, value) just outside each field's declared range, and a word no enum field takes."""
+    import enum
+    import typing
+
+    from fedpers import config as config_lib
+
+    out = []
+    types = config_lib.field_types(cls)
+    for f in dataclasses.fields(cls):
+        flag, m = "--" + f.name.replace("_", "-"), f.metadata
+        tp = next((a for a in typing.get_args(types[f.name]) if a is not type(None)), types[f.name])
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            out.append((flag, "no-such-choice"))
+        elif m.get("ge") is not None:
+            out.append((flag, str(m["ge"] - (1 if tp is int else 1e-9 * max(1.0, abs(m["ge"]))))))
+        elif m.get("gt") is not None:
+            out.append((flag, str(m["gt"])))
+        elif m.get("le") is not None and not m.get("inf_ok"):
+            out.append((flag, str(m["le"] * 2 + 1)))
+        elif m.get("lt") is not None:
+            out.append((flag, str(m["lt"])))
+        elif tp in (int, float):
+            out.append((flag, "nan" if tp is float else "x1"))
+    return out
+
+
+def test_every_bad_value_of_every_field_is_refused_before_torch_is_imported() -> None:
+    """Each field's value just outside its range (an enum field: a word it does not take), values only
+    a rule across fields refuses (rank >= dim, a noise strategy misspelt, a cycle of 0, an accountant
+    without Poisson sampling for Poisson cohorts), for every built-in algorithm: each is refused
+    with status 2, naming the field, and the process never imports torch or dp-accounting."""
+    from fedpers.experiments import CONFIGS, config_type
+
+    cases = [[name, flag, value] for name in sorted(CONFIGS) for flag, value in _bad_values(config_type(name))]
+    cases += [
+        ["altmin", "--rank", "20"],
+        ["fedrep", "--noise", "bandd"],
+        ["noisyhead", "--noise", "bandd"],
+        ["noisygd", "--cycle", "0"],
+        ["altmin", "--cohorts", "poisson", "--sampling-rate", "0.5", "--accountant", "rdp"],
+        ["dpals", "--min-count", "9", "--max-count", "8"],
+        ["altmin", "--runtime", "flower", "--nodes", "0"],
+    ]
+    assert len(cases) > 100
+    code = (
+        "import contextlib, io, json, sys\nfrom fedpers.commands.cli import main\nout = []\n"
+        "for case in json.loads(sys.argv[1]):\n    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n        try:\n"
+        "            status = main(['run', case[0], *case[1:], '--quiet'])\n"
+        "        except SystemExit as e:\n            status = e.code\n"
+        "    out.append([status, err.getvalue()])\n"
+        "print(json.dumps([out, 'torch' in sys.modules, 'dp_accounting' in sys.modules]))"
+    )
+    proc = _run(code, json.dumps(cases))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers, torch, accounting = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case, (status, err) in zip(cases, answers, strict=True):
+        field = case[-2][2:].replace("-", "_")
+        assert status == 2 and (field in err or case[-2] in err), (case, status, err)
+    assert (torch, accounting) == (False, False)
 
 
 def test_a_mistyped_flag_value_is_refused_with_status_2() -> None:
@@ -96,9 +179,10 @@ def test_only_the_process_entry_point_freezes_the_heap(monkeypatch: pytest.Monke
     assert cli.main() == 0 and frozen == [1]
 
 
-def test_a_misspelt_flag_is_answered_with_a_suggestion_as_fast_as_help() -> None:
-    """``--epsilonn`` is refused with ``did you mean --epsilon`` and status 2, importing no torch;
-    its wall time is measured against ``fedpers --help``'s in the same conditions."""
+def test_a_misspelt_flag_and_a_bad_value_are_answered_as_fast_as_help() -> None:
+    """``--epsilonn`` is refused with ``did you mean --epsilon`` and status 2, importing no torch, and so
+    is a noise strategy misspelt; their wall times are measured against ``fedpers --help``'s in the same
+    conditions."""
     import time
 
     def timed(*args: str) -> tuple[float, subprocess.CompletedProcess[str]]:
@@ -110,68 +194,30 @@ def test_a_misspelt_flag_is_answered_with_a_suggestion_as_fast_as_help() -> None
     typo_s, proc = timed("run", "altmin", "--epsilonn", "4")
     assert proc.returncode == 2 and "did you mean --epsilon" in proc.stderr, proc.stderr
     assert typo_s < help_s + 0.5, (typo_s, help_s)
+    value_s, proc = timed("run", "fedrep", "--noise", "bandd")  # a value only the config's own check refuses
+    assert proc.returncode == 2 and "noise must be one of" in proc.stderr, proc.stderr
+    assert value_s < help_s + 0.5, (value_s, help_s)
     code = (
         "import sys\nfrom fedpers.commands.cli import main\n"
-        "status = main(['run', 'noisyhead', '--regime', 'low-dimm'])\n"
-        "print(status, 'torch' in sys.modules)"
+        "try:\n    main(['run', 'noisyhead', '--regime', 'low-dimm'])\nexcept SystemExit as e:\n"
+        "    print(e.code, 'torch' in sys.modules)"
     )
     proc2 = _run(code)
     assert proc2.stdout.strip().splitlines()[-1] == "2 False" and "low-dim" in proc2.stderr
 
 
-def test_the_flag_snapshot_is_current() -> None:
-    """The snapshot the early check reads equals what the config classes give now (regenerate with
-    ``python -m fedpers.commands.flags`` after changing a config field)."""
-    from fedpers.commands import flags
-
-    assert flags.TABLE_FILE.read_text() == flags.table_text(flags.build_table()), (
-        "run: python -m fedpers.commands.flags"
-    )
-
-
-def test_a_flag_declared_by_a_sibling_puts_its_file_in_the_snapshots_sources() -> None:
-    """FedRep, NoisyGD and NoisyHead take their shared flags from one declaration (the same help and
-    range in all three); an edit there changes all three snapshots' fingerprints, so none goes stale."""
-    from fedpers.commands import flags
-    from fedpers.experiments import experiment
-    from fedpers.experiments.gradient_fields import GradientRoundFields
+def test_the_gradient_round_flags_are_declared_once() -> None:
+    """FedRep, NoisyGD and NoisyHead take their shared flags from one declaration: the same help and
+    range in all three."""
+    from fedpers.configs.gradient_rounds import GradientRoundFields
+    from fedpers.experiments import config_type
 
     shared = {f.name: f.metadata for f in dataclasses.fields(GradientRoundFields)}
     for name in ("fedrep", "noisygd", "noisyhead"):
-        cls = experiment(name).config_type
-        taken = [f for f in dataclasses.fields(cls) if f.metadata.get("declared_by") is GradientRoundFields]
-        assert {"noise", "bands", "clip_quantile", "clip_budget"} <= {f.name for f in taken}
-        assert all(f.metadata["help"] == shared[f.name]["help"] for f in taken)
-        assert "experiments/gradient_fields.py" in flags._sources([cls])
-
-
-@pytest.mark.parametrize("flag, value", [("--delta", "1"), ("--delta", "0"), ("--epsilon", "0")])
-def test_the_early_check_names_the_whole_range_a_bound_of_zero_included(flag: str, value: str) -> None:
-    """The snapshot's refusal says what the full validation says: a lower bound of 0 is a bound."""
-    from fedpers import config as config_lib
-    from fedpers.commands import flags
-    from fedpers.experiments.altmin import AltMinConfig
-
-    name = flag[2:]
-    meta = {f.name: f.metadata for f in dataclasses.fields(AltMinConfig)}[name]
-    with pytest.raises(ValueError) as full:
-        config_lib.check_range(name, float(value), meta)
-    with pytest.raises(ValueError) as early:
-        flags.precheck("altmin", [flag, value])
-    assert str(early.value) == str(full.value) and " and " in str(early.value)
-
-
-def test_a_stale_snapshot_defers_to_the_full_parser(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A snapshot whose sources changed checks nothing (the experiment's own parser answers)."""
-    from fedpers.commands import flags
-
-    with pytest.raises(ValueError, match="did you mean --epsilon"):
-        flags.precheck("altmin", ["--epsilonn", "4"])
-    monkeypatch.setattr(flags, "fingerprint", lambda sources: "changed")
-    flags.precheck("altmin", ["--epsilonn", "4"])  # deferred: no error here
-    assert cli.snapshot_parser("altmin") is None  # --help then comes from the full parser
-    with pytest.raises(SystemExit):
-        cli.algorithm_parser("altmin").parse_args(["--epsilonn", "4"])
+        taken = {f.name: f.metadata for f in dataclasses.fields(config_type(name)) if f.name in shared}
+        assert {"noise", "bands", "clip_quantile", "clip_budget"} <= set(taken)
+        for field in ("noise", "bands", "clip_quantile", "clip_budget"):
+            assert taken[field] == shared[field], (name, field)
 
 
 def test_a_run_process_draws_its_plots_in_a_worker_the_same_files_and_imports_no_matplotlib(tmp_path) -> None:

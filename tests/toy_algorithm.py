@@ -22,7 +22,7 @@ from fedpers.config import MAX_EPSILON, ApproxDpRunConfig, Neighbours, field, in
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign, PrivateScore
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
-from fedpers.privacy.accountant import accountant_field, check_accountant
+from fedpers.configs.privacy import accountant_field, check_accountant
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor

@@ -36,6 +36,7 @@ import dp_accounting
 import torch
 
 from fedpers.config import DpModel, Neighbours
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.data.units import UnitSource
 from fedpers.experiments.base import Experiment, derived_seed
 from fedpers.experiments.hooks import Canaries, CanaryDesign
@@ -52,7 +53,6 @@ from fedpers.privacy.distributed import (
 from fedpers.privacy.ledger import SkellamDpEvent
 from fedpers.protocols.base import Protocol, StatSpec, client_message
 from fedpers.runtime.driver import ClientReply, drive
-from fedpers.runtime.options import RuntimeOptions
 
 Tensor = torch.Tensor
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import sys
 import tomllib
 import typing
@@ -15,17 +16,18 @@ from typing import TYPE_CHECKING, Any
 from fedpers import config as config_lib
 
 if TYPE_CHECKING:
+    from fedpers.configs.runtime import RuntimeOptions
     from fedpers.results.run_result import RunResult
 
 RUNTIME_FLAGS = "runtime options (every algorithm)"
 
 
 class RegisteredAccountants:
-    """The ``--accountant`` choices: the accountant registry's names, read when a line is parsed or
-    help is printed (so building the parser imports no accounting library)."""
+    """The ``--accountant`` choices: the registered accountants' names, read when a line is parsed or
+    help is printed (:mod:`fedpers.configs.privacy`: no accounting library is imported)."""
 
     def _names(self) -> tuple[str, ...]:
-        from fedpers.privacy.accountant import accountant_names
+        from fedpers.configs.privacy import accountant_names
 
         return accountant_names()
 
@@ -36,20 +38,29 @@ class RegisteredAccountants:
         return name in self._names()
 
 
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def _add_schema(parser: argparse.ArgumentParser | Any, fields: Sequence[Mapping[str, Any]]) -> None:
-    """One flag per field of a :func:`fedpers.commands.flags.field_schema` (read from the config
-    class, or from the snapshot: the same parser either way)."""
-    for f in fields:
-        kwargs: dict[str, Any] = {"dest": f["name"], "default": argparse.SUPPRESS, "help": f["help"]}
-        if "choices" in f:  # an enum's values, or a registry's names as listed when the schema was read
-            kwargs["choices"] = list(f["choices"])
+def _add_fields(parser: argparse.ArgumentParser | Any, cls: type) -> None:
+    """One flag per field of the config dataclass ``cls`` (``--name-with-dashes`` unless the field
+    names its ``flag``): the value stays a string (the config's own :func:`fedpers.config.build`
+    coerces and checks it, naming the field); an enum's values, or a registry's names as registered
+    now, are its choices; the help ends with the default."""
+    types = config_lib.field_types(cls)
+    for f in dataclasses.fields(cls):
+        tp = types[f.name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0] if args else tp
+        default = f.default.value if isinstance(f.default, enum.Enum) else f.default
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": f"{f.metadata.get('help', '')} (default: {default})",
+        }
+        if callable(f.metadata.get("choices")):  # names a registry may extend at run time
+            kwargs["choices"] = list(f.metadata["choices"]())
+        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+            kwargs["choices"] = [e.value for e in tp]
         else:
-            kwargs["metavar"] = f["name"].upper()
-        parser.add_argument(f["flag"], **kwargs)
+            kwargs["metavar"] = f.name.upper()
+        parser.add_argument(f.metadata.get("flag") or "--" + f.name.replace("_", "-"), **kwargs)
 
 
 def out_directory(text: str) -> Path:
@@ -253,44 +264,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def suggestion(flag: str, known: Sequence[str]) -> str:
+    """``; did you mean --x?`` for the closest known flag(s), or an empty string."""
+    import difflib  # only an unknown flag pays for it
+
+    close = difflib.get_close_matches(flag, known, n=2, cutoff=0.75)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
 class SuggestingParser(argparse.ArgumentParser):
-    """An argument parser that answers a misspelt flag with the closest known one(s)."""
+    """An algorithm's argument parser: a misspelt flag is answered with the closest known one(s), and
+    an error in one line (status 2) instead of the usage of every flag."""
 
     def error(self, message: str) -> typing.NoReturn:
-        if message.startswith("unrecognized arguments:"):
-            from fedpers.commands.flags import suggestion
-
+        flags = [a.partition("=")[0] for a in message.split(":", 1)[-1].split() if a.startswith("-")]
+        if message.startswith("unrecognized arguments:") and flags:
             known = list(self._option_string_actions)
-            flags = [a.partition("=")[0] for a in message.split(":", 1)[1].split() if a.startswith("-")]
-            message += "".join(suggestion(f, known) for f in flags)
-        super().error(message)
+            message = "; ".join(f"unknown flag {f}{suggestion(f, known)}" for f in flags)
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
 
 
 def algorithm_parser(name: str) -> argparse.ArgumentParser:
-    """Flags of ``fedpers run NAME``: the algorithm's config fields and the runtime options."""
-    from fedpers.commands.flags import field_schema
-    from fedpers.experiments import experiment
-    from fedpers.runner import RuntimeOptions
-
-    return _algorithm_parser(name, field_schema(experiment(name).config_type), field_schema(RuntimeOptions))
-
-
-def snapshot_parser(name: str) -> argparse.ArgumentParser | None:
-    """:func:`algorithm_parser` built from the flag snapshot (no algorithm imported: milliseconds),
-    or None where the snapshot is not current for ``name``."""
-    from fedpers.commands.flags import current
-
-    found = current(name)
-    if found is None:
-        return None
-    table, entry = found
-    return _algorithm_parser(name, entry["fields"], table["runtime"])
-
-
-def _algorithm_parser(
-    name: str, fields: Sequence[Mapping[str, Any]], runtime: Sequence[Mapping[str, Any]]
-) -> argparse.ArgumentParser:
-    from fedpers.experiments import ALGORITHMS
+    """Flags of ``fedpers run NAME``: the algorithm's config fields and the runtime options, read from
+    their classes (:func:`fedpers.experiments.config_type`: for a built-in algorithm a module of
+    :mod:`fedpers.configs`, which imports no torch)."""
+    from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.experiments import ALGORITHMS, config_type
 
     p = SuggestingParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
     p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
@@ -298,9 +297,33 @@ def _algorithm_parser(
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_tracking(p)
-    _add_schema(p.add_argument_group(f"{name} options"), fields)
-    _add_schema(p.add_argument_group(RUNTIME_FLAGS), runtime)
+    _add_fields(p.add_argument_group(f"{name} options"), config_type(name))
+    _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
     return p
+
+
+OWN_FLAGS = ("command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri")
+"""What an algorithm's parsed line holds beside config fields and runtime options."""
+
+
+def run_settings(name: str, parsed: argparse.Namespace) -> tuple[Any, RuntimeOptions]:
+    """The config of algorithm ``name`` and the runtime options of a parsed line (``--config FILE``,
+    then the flags over it), each coerced and checked by its class: every bad value is refused here
+    (ValueError naming the field), before anything heavy is imported."""
+    from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.experiments import config_type
+
+    cls = config_type(name)
+    values: dict[str, Any] = {}
+    if parsed.config is not None:
+        try:
+            values.update(tomllib.loads(parsed.config.read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"config: cannot read {parsed.config}: {e}") from None
+        _check_config_keys(cls, values, parsed.config)
+    values.update({k: v for k, v in vars(parsed).items() if k not in OWN_FLAGS})
+    algo_values, runtime_values = split_values(cls, values)
+    return config_lib.build(cls, algo_values), config_lib.build(RuntimeOptions, runtime_values)
 
 
 def _add_tracking(p: argparse.ArgumentParser) -> None:
@@ -369,14 +392,17 @@ def _run_result(result: Mapping[str, Any] | RunResult) -> RunResult:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedpers.commands.flags import asks_for_help
+    """``fedpers run ALGO ...``: the line is parsed once and the config and runtime options built
+    from their classes (:func:`run_settings`, no torch), so ``--help``, a mistyped flag and any bad
+    value are answered before the run's libraries are imported; then the run."""
+    parsed = algorithm_parser(args.algorithm).parse_args(args.args)
+    parsed.algorithm = args.algorithm
+    parsed.settings = run_settings(args.algorithm, parsed)
+    if parsed.track:
+        from fedpers.commands.tracking import check_uri
 
-    # main() has refused a mistyped flag or value already, before torch is imported
-    if asks_for_help(args.args):  # answered from the snapshot where it is current (argparse exits)
-        quick = snapshot_parser(args.algorithm)
-        if quick is not None:
-            quick.parse_args(args.args)
-    return _as_process(args, _run)
+        check_uri(parsed.track, parsed.track_uri)  # a missing extra or an unusable URI is refused before any work
+    return _as_process(args, lambda _: _run(parsed))
 
 
 def _as_process(args: argparse.Namespace, body: typing.Callable[[argparse.Namespace], int]) -> int:
@@ -433,33 +459,11 @@ def _import_run_libraries() -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from fedpers.experiments import experiment
-    from fedpers.runner import RuntimeOptions, execute
-
-    algorithm = args.algorithm
-    args = algorithm_parser(algorithm).parse_args(args.args)
-    args.algorithm = algorithm
-
-    exp = experiment(args.algorithm)
-    values: dict[str, Any] = {}
-    if args.config is not None:
-        try:
-            values.update(tomllib.loads(args.config.read_text()))
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"config: cannot read {args.config}: {e}") from None
-        _check_config_keys(exp.config_type, values, args.config)
-    skip = {"command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri"}
-    values.update({k: v for k, v in vars(args).items() if k not in skip})
-    algo_values, runtime_values = split_values(exp.config_type, values)
-    cfg = config_lib.build(exp.config_type, algo_values)
-    options = config_lib.build(RuntimeOptions, runtime_values)
-    if args.track:
-        from fedpers.commands.tracking import check_uri
-
-        check_uri(
-            args.track, args.track_uri
-        )  # a missing extra or an unusable URI is refused before any work  # a missing extra is refused before any work
+    from fedpers.runner import execute
     from fedpers.seeds import split_seed
 
+    exp = experiment(args.algorithm)
+    cfg, options = args.settings
     for line in exp.plan(split_seed(cfg)[0]):  # the config the run trains on (its public seed splits the data)
         print(line, file=sys.stderr, flush=True)
     result = execute(exp, cfg, options, out=args.out, progress=not (args.quiet or args.json))
@@ -473,7 +477,7 @@ def _check_config_keys(cls: type, values: Mapping[str, Any], path: Path) -> None
     naming the file and the nearest field (it was reported as an unknown runtime option)."""
     import difflib
 
-    from fedpers.runner import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     known = {f.name for f in dataclasses.fields(cls)} | {f.name for f in dataclasses.fields(RuntimeOptions)}
     unknown = sorted(set(values) - known)
@@ -766,12 +770,10 @@ def _audit_flags() -> argparse.ArgumentParser:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    if {"-h", "--help"} & set(args.args):  # from the flag snapshot where it is current (no torch)
+    if {"-h", "--help"} & set(args.args):  # read from the config classes (no torch)
         print(_audit_flags().format_help())
-        (snapshot_parser(args.algorithm) or algorithm_parser(args.algorithm)).print_help()
+        algorithm_parser(args.algorithm).print_help()
         return 0
-    from fedpers.commands.audit import audit, format_audit
-    from fedpers.experiments import experiment
     from fedpers.results.rundir import dumps
 
     own, rest = _audit_flags().parse_known_args(args.args)
@@ -800,22 +802,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
         )
     algo_args = algorithm_parser(args.algorithm).parse_args(rest)
     saved = _audit_file(algo_args.out)  # checked before any audit run: nothing is computed to be lost
-    exp = experiment(args.algorithm)
-    values: dict[str, Any] = {}
-    if algo_args.config is not None:
-        try:
-            values.update(tomllib.loads(algo_args.config.read_text()))
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"config: cannot read {algo_args.config}: {e}") from None
-    values.update({k: v for k, v in vars(algo_args).items() if k not in {"config", "out", "json", "quiet"}})
-    algo_values, runtime_values = split_values(exp.config_type, values)
-    cfg = config_lib.build(exp.config_type, algo_values)
-    from fedpers.runner import Runtime, RuntimeOptions
+    cfg, options = run_settings(args.algorithm, algo_args)  # every bad value refused before the audit's libraries load
+    from fedpers.commands.audit import audit, format_audit
+    from fedpers.configs.runtime import Runtime
+    from fedpers.experiments import experiment
 
-    runtime_flags, _ = split_values(RuntimeOptions, runtime_values)  # --runtime flower, --nodes, ...
-    options = config_lib.build(RuntimeOptions, runtime_flags)
     result = audit(
-        exp,
+        experiment(args.algorithm),
         cfg,
         own.canaries,
         runs=own.runs,
@@ -968,10 +961,6 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     args.entry_point = entry_point
     try:
-        if args.command == "run":  # a mistyped flag or value is refused before anything is set up
-            from fedpers.commands.flags import precheck
-
-            precheck(args.algorithm, args.args)
         signal.signal(signal.SIGTERM, _terminate)
         if args.command != "deploy":  # `deploy run` streams Flower's own log: left as Flower prints it
             quiet_third_party(verbose)

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from fedpers.commands.summary import LEDGER_COLUMNS, label, ledger_rows, text_table
+from fedpers.configs.privacy import check_accountant
 from fedpers.privacy import Ledger, ledger_epsilon
-from fedpers.privacy.accountant import check_accountant
 from fedpers.privacy.ledger import SkellamDpEvent
 from fedpers.results.rundir import read_run
 

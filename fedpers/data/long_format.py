@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 Tensor = torch.Tensor
-SUFFIXES = (".parquet", ".pq", ".csv")
 
 
 class LongFormatSummary(TypedDict):
@@ -86,10 +85,6 @@ class _Table(TypedDict):
     test_counts: NotRequired[np.ndarray]
     x0: NotRequired[np.ndarray]
     y0: NotRequired[np.ndarray]
-
-
-def is_long_format(path: str | Path) -> bool:
-    return Path(path).suffix.lower() in SUFFIXES
 
 
 def quarter_sizes(count: int) -> list[int]:

@@ -10,23 +10,17 @@ laid out class by class, so example ``i``'s label is a function of ``i`` alone.
 
 from __future__ import annotations
 
-import enum
 import math
 
 import numpy as np
 import torch
 
+from fedpers.configs.noisygd import Collapse
 from fedpers.data.synthetic import _generator
 
 Tensor = torch.Tensor
 BLOCK = 1024
 _STREAM_ETF, _STREAM_OFFSET, _STREAM_TRAIN, _STREAM_TEST, _STREAM_TEST_PERTURBATION = 11, 12, 13, 14, 15
-
-
-class Collapse(str, enum.Enum):
-    PERFECT = "perfect"
-    OFFSET = "offset"
-    RANDOM = "random"
 
 
 def etf(

@@ -2,9 +2,11 @@
 
 ``ALGORITHMS`` names every algorithm and where it lives without importing it (so
 ``fedpers --help`` starts in a fraction of a second); ``EXPERIMENTS`` and
-:func:`experiment` import what is asked for. An algorithm outside this package (a plugin, a
-test's toy) joins with :func:`register`: the entry is a module path and a class name, so a
-Flower node process rebuilds it by importing the module itself (:func:`fedpers.app.make_client_app`
+:func:`experiment` import what is asked for. ``CONFIGS`` names where each built-in algorithm's
+config class lives in the light :mod:`fedpers.configs` layer, so :func:`config_type` gives a
+run's flags and checks its values without importing torch. An algorithm outside this package (a
+plugin, a test's toy) joins with :func:`register`: the entry is a module path and a class name, so
+a Flower node process rebuilds it by importing the module itself (:func:`fedpers.app.make_client_app`
 carries the entry of the algorithm it runs).
 """
 
@@ -55,12 +57,28 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
 }
 """name → (module, class, one-line description)."""
 
+CONFIGS: dict[str, tuple[str, str]] = {
+    "altmin": ("fedpers.configs.altmin", "AltMinConfig"),
+    "noisyhead": ("fedpers.configs.noisyhead", "NoisyHeadConfig"),
+    "expmech": ("fedpers.configs.expmech", "ExpMechConfig"),
+    "noisygd": ("fedpers.configs.noisygd", "NoisyGDConfig"),
+    "fedrep": ("fedpers.configs.fedrep", "FedRepConfig"),
+    "dpattention": ("fedpers.configs.dpattention", "DpAttentionConfig"),
+    "dpals": ("fedpers.configs.dpals", "DpAlsConfig"),
+}
+"""name → (module, class) of the algorithm's config where it can be imported without the experiment
+(a module of :mod:`fedpers.configs`: no torch); an algorithm missing here has its experiment's
+``config_type`` read instead (:func:`config_type`)."""
+
 _loaded: dict[str, Experiment[Any, Any]] = {}
 
 
-def register(name: str, module: str, cls: str, description: str) -> None:
+def register(name: str, module: str, cls: str, description: str, *, config: tuple[str, str] | None = None) -> None:
     """Add algorithm ``name``: class ``cls`` (an :class:`~fedpers.experiments.base.Experiment`) of the
     importable ``module``, described by ``description`` (one line, shown by ``fedpers run --help``).
+    ``config``: (module, class) of its config where that module imports nothing heavy, so a bad flag
+    or value is refused before the experiment's module is imported (default: the experiment's
+    ``config_type``, read by importing ``module``).
 
     Registering the same entry again does nothing; another entry under a registered name is
     refused (ValueError), so a plugin cannot silently replace an algorithm. Nothing is imported
@@ -68,17 +86,32 @@ def register(name: str, module: str, cls: str, description: str) -> None:
     entry = (module, cls, description)
     if not name.isidentifier() or not module or not cls:
         raise ValueError(f"register: name must be an identifier and module/cls non-empty; got {name!r}, {entry[:2]}")
-    if ALGORITHMS.get(name, entry) != entry:
+    if ALGORITHMS.get(name, entry) != entry or (config is not None and CONFIGS.get(name, config) != config):
         raise ValueError(
             f"register: algorithm {name!r} is already registered as {ALGORITHMS[name][:2]}; got {entry[:2]}"
         )
     ALGORITHMS[name] = entry
+    if config is not None:
+        CONFIGS[name] = config
 
 
 def unregister(name: str) -> None:
     """Remove algorithm ``name`` (a plugin unloading, a test cleaning up); unknown names are ignored."""
     ALGORITHMS.pop(name, None)
+    CONFIGS.pop(name, None)
     _loaded.pop(name, None)
+
+
+def config_type(name: str) -> type[Any]:
+    """The config class of algorithm ``name``: from :data:`CONFIGS` where it is named there (imports
+    no torch), else its experiment's ``config_type``."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {name!r}")
+    if name in CONFIGS:
+        module, cls = CONFIGS[name]
+        found: type[Any] = getattr(importlib.import_module(module), cls)
+        return found
+    return experiment(name).config_type
 
 
 def experiment(name: str) -> Experiment[Any, Any]:
@@ -101,4 +134,14 @@ def __getattr__(attr: str) -> Any:
     raise AttributeError(attr)
 
 
-__all__ = ["ALGORITHMS", "EXPERIMENTS", "Evaluator", "Experiment", "experiment", "register", "unregister"]
+__all__ = [
+    "ALGORITHMS",
+    "CONFIGS",
+    "EXPERIMENTS",
+    "Evaluator",
+    "Experiment",
+    "config_type",
+    "experiment",
+    "register",
+    "unregister",
+]

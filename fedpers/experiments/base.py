@@ -8,7 +8,6 @@ own), an evaluator for per-round and final metrics, and the privacy summary.
 from __future__ import annotations
 
 import abc
-import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,14 +61,6 @@ class Evaluator(abc.ABC):
         them chunk by chunk; see :class:`~fedpers.runtime.local.Companion`); :meth:`final` computes
         whatever they did not complete on its own. Default: none."""
         return ()
-
-
-class Calibration(str, enum.Enum):
-    """How the noise is chosen for a target (ε, δ): the paper's own rule, or the smallest noise
-    the accountant certifies (the ledger's ε is reported either way)."""
-
-    PAPER = "paper"
-    ACCOUNTANT = "accountant"
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,11 @@ from typing import Any
 import torch
 
 from fedpers.config import device_path
+from fedpers.configs.noisyhead import AttackNoise, DataSource, Engine, NoisyHeadConfig, Unit
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.noisyhead import (
-    AttackNoise,
-    DataSource,
-    Engine,
-    NoisyHeadConfig,
     NoisyHeadExperiment,
     Resolved,
-    Unit,
     attack_prompt,
     initial_gamma,
     resolve,

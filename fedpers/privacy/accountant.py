@@ -41,8 +41,6 @@ lists the registry. :class:`Accountant` names the built-in ones.
 from __future__ import annotations
 
 import abc
-import dataclasses
-import enum
 import hashlib
 import inspect
 import math
@@ -57,7 +55,14 @@ from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
-from fedpers.config import Neighbours, meta, neighbours_of
+from fedpers.config import Neighbours, neighbours_of
+from fedpers.configs.privacy import (
+    Accountant,
+    accountant_name,
+    check_relation,
+    declare_accountant,
+    forget_accountant,
+)
 from fedpers.privacy import calibration_cache, skellam
 from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
@@ -75,20 +80,6 @@ CALIBRATION_STEPS = 2000
 """The most steps of :attr:`PrivacyAccountant.calibration_step` calibration takes from the
 closed-form z: beyond them the accountant's ε cannot meet the target (PLD's discretisation, at
 ε near its grid) and the target is refused instead of raised for minutes."""
-
-
-class Accountant(str, enum.Enum):
-    """The built-in accountants' names (each registered in :data:`ACCOUNTANTS`; a registered
-    accountant is named by its string, see :func:`accountant_names`)."""
-
-    PLD = "pld"
-    RDP = "rdp"
-    ZCDP = "zcdp"
-
-
-def accountant_name(accountant: Accountant | str) -> str:
-    """The registry key of ``accountant`` (an :class:`Accountant` or a registered name)."""
-    return accountant.value if isinstance(accountant, Accountant) else str(accountant)
 
 
 class UnsupportedEvent(ValueError):
@@ -332,6 +323,9 @@ def register_accountant(cls: A) -> A:
         raise ValueError(f"register_accountant: {cls.__name__}.name must be an identifier; got {name!r}")
     if ACCOUNTANTS.get(name, cls) is not cls:
         raise ValueError(f"register_accountant: {name!r} is already {ACCOUNTANTS[name].__name__}; got {cls.__name__}")
+    declare_accountant(
+        name, cls.relations, cls.poisson_relations
+    )  # what a config's check reads (fedpers.configs.privacy)
     ACCOUNTANTS[name] = cls
     return cls
 
@@ -341,6 +335,7 @@ def unregister_accountant(name: str) -> None:
     if name in {a.value for a in Accountant}:
         raise ValueError(f"unregister_accountant: {name!r} is built in")
     ACCOUNTANTS.pop(name, None)
+    forget_accountant(name)
 
 
 def accountant_names() -> tuple[str, ...]:
@@ -354,48 +349,6 @@ def get_accountant(accountant: Accountant | str) -> PrivacyAccountant:
     if name not in ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}; got {name!r}")
     return ACCOUNTANTS[name]()
-
-
-def check_accountant(accountant: Accountant | str, neighbours: Neighbours | str | None = None) -> None:
-    """Refuse a config's ``accountant`` that is not registered (naming the registered ones), or that
-    does not account its ``neighbours`` relation (when given)."""
-    get_accountant(accountant)
-    if neighbours is not None:
-        check_relation(accountant, neighbours)
-
-
-def accountant_field(default: Accountant, help: str) -> Any:
-    """A config field naming a registered accountant: ``fedpers run``'s flag lists the registry at
-    parse time (``choices``); the config's ``check`` calls :func:`check_accountant`."""
-    return dataclasses.field(default=default.value, metadata={**meta(help), "choices": accountant_names})
-
-
-def sampling_accountants(neighbours: Neighbours | str = Neighbours.REPLACE_ONE) -> tuple[str, ...]:
-    """The registered accountants that account Poisson-sampled releases under ``neighbours``."""
-    relation = neighbours_of(neighbours).value
-    return tuple(name for name, cls in ACCOUNTANTS.items() if relation in cls.poisson_relations)
-
-
-def check_poisson_accountant(
-    accountant: Accountant | str, where: str, neighbours: Neighbours | str = Neighbours.REPLACE_ONE
-) -> None:
-    """Refuse an accountant without Poisson sampling under ``neighbours`` for a run that samples
-    (``where``: its setting)."""
-    relation = neighbours_of(neighbours).value
-    if relation not in get_accountant(accountant).poisson_relations:
-        raise ValueError(
-            f"accountant must be {' or '.join(sampling_accountants(relation))} with {where} (the sampled {relation} "
-            f"accountant); got {accountant_name(accountant)}"
-        )
-
-
-def check_relation(accountant: Accountant | str, neighbours: Neighbours | str) -> None:
-    """Refuse (before any release) a neighbouring relation the accountant does not account."""
-    acc, relation = get_accountant(accountant), neighbours_of(neighbours).value
-    if relation not in acc.relations:
-        raise ValueError(
-            f"neighbours must be one of {', '.join(acc.relations)} with the {acc.name} accountant; got {relation}"
-        )
 
 
 @register_accountant

@@ -44,10 +44,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fedpers import linalg
+from fedpers.configs.gradient_rounds import NOISE_KINDS
 
 Tensor = torch.Tensor
-
-NOISE_KINDS = ("independent", "banded", "optimised", "blt")
 
 
 @dataclass(frozen=True)
@@ -667,42 +666,6 @@ def sampling_text(cohorts: str, rate: float, cycle: int, group_rate: float) -> s
 def cycle_of(cohorts: str, cycle: int) -> int:
     """K of a run: --cycle with cohorts cyclic, else 1 (every user, or Poisson, every round)."""
     return cycle if cohorts == "cyclic" else 1
-
-
-def check_settings(
-    cohorts: str, cycle: int, noise: str, bands: int, rounds: int, units: int, sampling_rate: float = 1.0
-) -> None:
-    """Refuse (before any release) a cycle or noise setting the run cannot account."""
-    if cohorts != "cyclic" and cycle != 1:
-        raise ValueError(f"cycle needs cohorts cyclic; got cycle {cycle} with cohorts {cohorts}")
-    if cohorts == "cyclic" and not 1 <= cycle <= units:
-        raise ValueError(f"cycle must be in [1, {units}] (the number of units); got {cycle}")
-    if noise not in NOISE_KINDS:
-        raise ValueError(f"noise must be one of {', '.join(NOISE_KINDS)}; got {noise!r}")
-    if noise == "blt" and cohorts == "poisson":
-        raise ValueError(
-            "noise: blt with cohorts poisson: the amplified analysis (Choquette-Choo et al. 2023) covers banded C "
-            "only, and a BLT's C is not banded; use noise banded or optimised (amplified), or cohorts cyclic"
-        )
-    if noise != "independent" and cohorts == "poisson" and bands and sampling_rate * bands > 1.0 + 1e-9:
-        raise ValueError(
-            f"bands must be <= 1/sampling_rate = {1.0 / sampling_rate:.6g} with cohorts poisson (each of the b "
-            f"groups is sampled at sampling_rate × b); got {bands}"
-        )
-    if noise == "independent" and bands not in (0, 1):
-        raise ValueError(f"bands needs noise banded, optimised or blt; got bands {bands} with noise independent")
-    if bands > rounds:
-        raise ValueError(f"bands must be in [0, rounds={rounds}]; got {bands}")
-
-
-def check_decay(noise: str, decay: float) -> None:
-    """Refuse a workload decay outside (0, 1], or one given with independent noise (it would choose nothing)."""
-    if not 0.0 < decay <= 1.0:
-        raise ValueError(f"noise_decay must be in (0, 1]; got {decay}")
-    if decay != 1.0 and noise == "independent":
-        raise ValueError(
-            f"noise_decay needs noise banded, optimised or blt; got noise_decay {decay} with noise independent"
-        )
 
 
 def run_mechanism(noise: str, rounds: int, bands: int, cycle: int, decay: float = 1.0) -> CorrelatedNoise:

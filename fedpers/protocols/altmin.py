@@ -8,7 +8,6 @@ solve for U. The final v_j solve on Q3∪Q4 is local (:meth:`AltMinProtocol.pers
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import math
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ import torch
 
 from fedpers import linalg
 from fedpers.config import Neighbours, neighbours_of
+from fedpers.configs.altmin import Cohorts, PsdMethod
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
 from fedpers.privacy.mechanisms import psd_sensitivity
@@ -50,19 +50,6 @@ def cohort_permutation(seed: int, n: int, block: int = 1) -> Tensor:
     runs = torch.randperm(-(-n // block), generator=g)
     perm = (runs.unsqueeze(1) * block + torch.arange(block)).flatten()
     return perm[perm < n]
-
-
-class Cohorts(str, enum.Enum):
-    DISJOINT = "disjoint"
-    ALL = "all"
-    POISSON = "poisson"
-
-
-class PsdMethod(str, enum.Enum):
-    """How a noisy (possibly indefinite) A is made positive definite before the solve."""
-
-    EIGEN_FLOOR = "eigen_floor"
-    RIDGE = "ridge"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ D(B)⁻¹f(B), f ∈ {exp, cosh} entrywise, D(B) = diag(f(B)1).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,15 +17,11 @@ from typing import Any
 import torch
 
 from fedpers import linalg
+from fedpers.configs.dpattention import AttentionFn
 from fedpers.privacy import DpCovarianceParams, Privatizer
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
-
-
-class AttentionFn(str, enum.Enum):
-    EXP = "exp"
-    COSH = "cosh"
 
 
 def attention_matrix(A: Tensor, f: AttentionFn) -> Tensor:

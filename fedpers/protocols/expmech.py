@@ -13,7 +13,6 @@ by Gumbel-max. Users then fit v on their second half, locally (:meth:`personaliz
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from functools import lru_cache
 import torch
 
 from fedpers import linalg
+from fedpers.configs.expmech import CandidateKind
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
@@ -29,11 +29,6 @@ Tensor = torch.Tensor
 NEWTON_STEPS = 50
 NEWTON_TOL = 1e-13
 NET_GRID_BLOCK = 1 << 18
-
-
-class CandidateKind(str, enum.Enum):
-    NET = "net"
-    RANDOM = "random"
 
 
 # ----- candidate sets (public, data-independent) ---------------------------------------

@@ -14,7 +14,6 @@ transform is public and applies to test features too.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,23 +23,13 @@ import torch
 
 from fedpers import linalg
 from fedpers.config import Neighbours, neighbours_of
+from fedpers.configs.noisygd import Loss, Remedy
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip
 from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
-
-
-class Remedy(str, enum.Enum):
-    NONE = "none"
-    CENTER = "center"
-    PCA = "pca"
-
-
-class Loss(str, enum.Enum):
-    CE = "ce"
-    SQUARED = "squared"
 
 
 # ----- the math ---------------------------------------------------------------------------

@@ -28,7 +28,6 @@ repetitions) and vectorises Γ by stacking columns: ``vec(x sᵀ) = s ⊗ x``.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 
 from fedpers import linalg
+from fedpers.configs.noisyhead import Mode, RidgeScaling
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import (
     COUNT_BOUND,
@@ -48,22 +48,6 @@ from fedpers.privacy.correlated import CorrelatedNoise
 from fedpers.protocols.base import Message, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
-
-
-class Mode(str, enum.Enum):
-    STATISTICS = "statistics"
-    ROUNDS = "rounds"
-
-
-class RidgeScaling(str, enum.Enum):
-    """Γ*'s ridge: ``matched`` = 2λN (the minimiser of what GD descends), ``paper`` = λN (eq. 2.7)."""
-
-    MATCHED = "matched"
-    PAPER = "paper"
-
-    @property
-    def factor(self) -> float:
-        return 2.0 if self is RidgeScaling.MATCHED else 1.0
 
 
 # ----- Theorem 4.1 ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 
 from fedpers.config import DpModel
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.data.units import UnitSource
 from fedpers.privacy import distributed as dist
 from fedpers.privacy import secagg
@@ -31,7 +32,6 @@ from fedpers.protocols.base import Message, Protocol, StatSpec, Units, client_me
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
 from fedpers.runtime.flower.partition import unit_ranges
-from fedpers.runtime.options import RuntimeOptions
 
 Tensor = torch.Tensor
 

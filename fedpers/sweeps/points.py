@@ -48,7 +48,7 @@ def run_point_task(spec: Any, overrides: dict[str, Any], threads: int = 0) -> Po
 
     if threads > 0:
         torch.set_num_threads(threads)
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
     from fedpers.sweeps.spec import split_options
 
     exp = EXPERIMENTS[spec.algorithm]

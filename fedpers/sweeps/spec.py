@@ -165,7 +165,7 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
 
 
 def _runtime_options() -> Any:
-    from fedpers.runtime.options import RuntimeOptions
+    from fedpers.configs.runtime import RuntimeOptions
 
     return RuntimeOptions
 
