@@ -32,8 +32,8 @@ FEDREP = {
     "noise_std": 0.01, "delta": 1e-6, "rounds": 16, "learning_rate": 2.5, "clip": 0.5, "baselines": "none",
 }  # fmt: skip
 NOISYGD = {
-    "classes": 10, "feature_dim": 20, "examples": 4000, "steps": 32, "collapse": "random", "beta": 0.3,
-    "delta": 1e-5, "test_examples": 1000, "baselines": False,
+    "classes": 10, "feature_dim": 20, "examples": 2000, "steps": 32, "collapse": "random", "beta": 0.3,
+    "delta": 1e-5, "test_examples": 500, "baselines": False,
 }  # fmt: skip
 BASES = {"fedrep": FEDREP, "noisygd": NOISYGD}
 METRIC = {"fedrep": "population_mse", "noisygd": "accuracy"}

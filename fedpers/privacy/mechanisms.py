@@ -306,27 +306,6 @@ class Privatizer:
         self.ledger.append(release)
         return release
 
-    def noise_std(
-        self,
-        per_unit_bound: float,
-        noise_multiplier: float,
-        *,
-        psd_units: bool = False,
-        sampling_probability: float = 1.0,
-    ) -> float:
-        """σ a Gaussian release at this bound and multiplier gets (z·Δ/κ under the relation; PSD
-        units tighten only unsampled replace-one): what a protocol's data-independent post-processing
-        (a PSD floor) and its diagnostics use, so they follow the release."""
-        if not noise_multiplier > 0:
-            return 0.0
-        factor = self.neighbours.sensitivity_factor
-        delta = (
-            psd_sensitivity(per_unit_bound, sampling_probability, self.neighbours)
-            if psd_units
-            else factor * float(per_unit_bound)
-        )
-        return float(noise_multiplier) * delta / factor
-
     def _perturb(self, release: Release, value: Tensor, noise: Callable[[], Tensor]) -> Tensor:
         """The one place a Gaussian release's value meets its noise: value + σ·noise()."""
         if release.noise_std == 0:
