@@ -71,7 +71,9 @@ def run_grid(out: Path, algorithms: list[str], seeds: int, epsilons: tuple[float
         protocols: dict[Any, Any] = {}
         build = exp.protocol
 
-        def cached(cfg: Any, calibrations: Any = None, build: Any = build, protocols: dict[Any, Any] = protocols) -> Any:
+        def cached(
+            cfg: Any, calibrations: Any = None, build: Any = build, protocols: dict[Any, Any] = protocols
+        ) -> Any:
             point = dataclasses.replace(cfg, seed=0)  # the protocol is the same for every seed of a point
             if point not in protocols:
                 protocols[point] = build(cfg, calibrations)
@@ -126,13 +128,24 @@ def summarise(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str, float], t
     return out
 
 
+def ratio(note: str | None) -> str:
+    """The modelled error ratio a strategy note states ("… 0.7× the error of independent Poisson noise …")."""
+    import re
+
+    found = re.search(r"([0-9.]+)× the error", note or "")
+    return f"{found.group(1)}×" if found else "?"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     stats = summarise(rows)
     eps = sorted({r["epsilon"] for r in rows})
     lines = []
     for name in sorted({r["algorithm"] for r in rows}):
         metric = METRIC[name]
-        lines += [f"### {name}: {metric} (mean ± s.e. [median]; {'higher' if metric == 'accuracy' else 'lower'} is better)", ""]
+        lines += [
+            f"### {name}: {metric} (mean ± s.e. [median]; {'higher' if metric == 'accuracy' else 'lower'} is better)",
+            "",
+        ]
         lines += ["| K | mechanism | " + " | ".join(f"ε = {e:g}" for e in eps) + " |", "|---|---|" + "---|" * len(eps)]
         for K in CYCLES:
             for label in series(K):
@@ -141,8 +154,60 @@ def table(rows: list[dict[str, Any]]) -> str:
                     s = stats.get((name, K, label, e))
                     cells.append("–" if s is None else f"{s[0]:.4g} ± {s[1]:.2g} [{s[2]:.4g}]")
                 lines.append(f"| {K} | {label} | " + " | ".join(cells) + " |")
-        chosen = sorted({(r["K"], r["epsilon"], r["groups"]) for r in rows if r["algorithm"] == name and "amplified" in r["series"]})
-        lines += ["", "Groups b the amplified strategy chose (K, ε: b): " + ", ".join(f"{k}, {e:g}: {b}" for k, e, b in chosen), ""]
+        chosen = sorted(
+            {(r["K"], r["epsilon"], r["groups"] or 1, ratio(r["strategy_note"])) for r in rows
+             if r["algorithm"] == name and "amplified" in r["series"]}
+        )  # fmt: skip
+        lines += [
+            "",
+            "Groups b the amplified strategy chose, and its modelled error against independent Poisson noise "
+            "(K, ε: b, ratio): " + ", ".join(f"{k}, {e:g}: {b}, {x}" for k, e, b, x in chosen),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """Per (algorithm, K, ε): the amplified series against independent Poisson noise and the best cyclic
+    series, as the mean over seeds of the paired (same seed, so the same data) difference ± its standard
+    error, signed so that > 0 means the amplified series is better."""
+    value = {(r["algorithm"], r["K"], r["epsilon"], r["series"], r["seed"]): float(r["value"]) for r in rows}
+    stats = summarise(rows)
+    lines = [
+        "| algorithm | K | ε | b | amplified − independent Poisson | amplified − best cyclic (which) | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, K, eps in sorted({(r["algorithm"], r["K"], r["epsilon"]) for r in rows}):
+        sign = 1.0 if METRIC[name] == "accuracy" else -1.0
+        cyclic = [lab for lab in series(K) if lab.startswith("cyclic") and (name, K, lab, eps) in stats]
+        if not cyclic or (name, K, "Poisson, amplified optimised", eps) not in stats:
+            continue
+        best = max(cyclic, key=lambda lab: sign * stats[(name, K, lab, eps)][0])
+
+        def paired(
+            other: str, name: str = name, K: int = K, eps: float = eps, sign: float = sign
+        ) -> tuple[float, float]:
+            d = [
+                sign * (value[(name, K, eps, "Poisson, amplified optimised", s)] - value[(name, K, eps, other, s)])
+                for s in range(100)
+                if (name, K, eps, other, s) in value and (name, K, eps, "Poisson, amplified optimised", s) in value
+            ]
+            se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+            return statistics.fmean(d), se
+
+        b = {
+            r["groups"] or 1
+            for r in rows
+            if (r["algorithm"], r["K"], r["epsilon"]) == (name, K, eps) and "amplified" in r["series"]
+        }
+        (dp, sp), (dc, sc) = paired("Poisson, independent"), paired(best)
+        tied = dp == 0.0 and sp == 0.0
+        both = dp > 2 * sp and dc > 2 * sc
+        word = "ties independent Poisson (b = 1 chosen)" if tied else ("beats both" if both else "not resolved / loses")
+        lines.append(
+            f"| {name} | {K} | {eps:g} | {'/'.join(map(str, sorted(b)))} | {dp:+.4g} ± {sp:.2g} | {dc:+.4g} ± {sc:.2g} "
+            f"({best}) | {word} |"
+        )
     return "\n".join(lines)
 
 
@@ -178,7 +243,9 @@ def plot(rows: list[dict[str, Any]], path: Path, seeds: int) -> None:
             ax.grid(True, which="both", alpha=0.3)
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
-    fig.suptitle(f"amplified correlated noise vs independent Poisson vs cyclic; mean ± 2 s.e. of {seeds} seeds", fontsize=10)
+    fig.suptitle(
+        f"amplified correlated noise vs independent Poisson vs cyclic; mean ± 2 s.e. of {seeds} seeds", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -196,9 +263,10 @@ def main() -> None:
         eps = tuple(float(e) for e in args.epsilons.split(","))
         run_grid(args.out, args.algorithms.split(","), args.seeds, eps)
     rows = read_rows(args.out / "runs.jsonl")
-    (args.out / "table.md").write_text(table(rows) + "\n")
+    (args.out / "table.md").write_text(table(rows) + "\n\n" + verdict(rows) + "\n")
     plot(rows, args.out / "amplified_correlated.png", max(r["seed"] for r in rows) + 1)
     print(table(rows))
+    print(verdict(rows))
 
 
 if __name__ == "__main__":
