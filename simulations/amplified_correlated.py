@@ -11,6 +11,7 @@ run to OUT/runs.jsonl (a run already there is skipped, so the grid can be resume
 
     PYTHONPATH=$PWD python simulations/amplified_correlated.py OUT [--seeds 10] [--algorithms fedrep,noisygd]
     PYTHONPATH=$PWD python simulations/amplified_correlated.py OUT --plot-only     # table and figure from OUT/runs.jsonl
+    PYTHONPATH=$PWD python simulations/amplified_correlated.py OUT --model         # each b's z and modelled error
 
 The protocol of a configuration (its calibration and strategy) does not depend on the seed: it is built
 once per point and reused for the point's seeds (the runs are otherwise the runner's own).
@@ -213,6 +214,7 @@ def verdict(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path, seeds: int) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -235,6 +237,7 @@ def plot(rows: list[dict[str, Any]], path: Path, seeds: int) -> None:
                 )  # fmt: skip
             ax.set_xscale("log")
             ax.set_xticks(EPSILONS, [f"{e:g}" for e in EPSILONS])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             if METRIC[name] == "population_mse":
                 ax.set_yscale("log")
             ax.set_xlabel("ε")
@@ -250,6 +253,31 @@ def plot(rows: list[dict[str, Any]], path: Path, seeds: int) -> None:
     fig.savefig(path, dpi=130)
 
 
+def model(algorithms: list[str], epsilons: tuple[float, ...]) -> str:
+    """For each point, every number of groups b the amplified strategy could take: the noise multiplier
+    the run's (ε, δ) needs with b groups and the modelled error (σ² times the A_λ error) against
+    independent Poisson noise (b = 1), as the run's own chooser computes them (``--bands b``)."""
+    from fedpers import config
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.privacy import correlated
+
+    lines = ["| algorithm | K | ε | b: z, modelled error ÷ independent Poisson's |", "|---|---|---|---|"]
+    for name in algorithms:
+        exp = EXPERIMENTS[name]
+        horizon = BASES[name].get("rounds", BASES[name].get("steps"))
+        for K in CYCLES:
+            for eps in epsilons:
+                cells = []
+                for b in correlated.sampled_groups(1.0 / K, int(horizon)):
+                    values = {**BASES[name], **series(K)["Poisson, amplified optimised"], "bands": b, "epsilon": eps}
+                    protocol = exp.protocol(config.build(exp.config_type, values))
+                    assert protocol.correlated is not None
+                    z = protocol.noise_multiplier
+                    cells.append(f"{b}: {z:.3g}, {ratio(protocol.correlated.note)}")
+                lines.append(f"| {name} | {K} | {eps:g} | " + "; ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
@@ -257,7 +285,11 @@ def main() -> None:
     parser.add_argument("--algorithms", default="fedrep,noisygd")
     parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS))
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--model", action="store_true", help="print each candidate b's z and modelled error, then stop")
     args = parser.parse_args()
+    if args.model:
+        print(model(args.algorithms.split(","), tuple(float(e) for e in args.epsilons.split(","))))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot_only:
         eps = tuple(float(e) for e in args.epsilons.split(","))
