@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from fedpers import config as config_lib
-from fedpers.experiments import EXPERIMENTS, noisyhead_mc
+from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments.noisyhead import montecarlo, sweep
 from fedpers.runner import execute
 
 TOML = Path(__file__).resolve().parent.parent / "simulations" / "noisyhead_lowdim.toml"
@@ -73,7 +74,7 @@ def main() -> None:
     print(f"machine: {machine(args.device)}")
     exp.sweep_point(cfg_for(Ns[0], 1.0, paths[0], seed=999), 2)  # warm-up: imports, first calls, CUDA context
     accounting = [0.0]  # the PLD accountant's share (CPU, the same on every path and device)
-    ledger_epsilon = noisyhead_mc.ledger_epsilon
+    ledger_epsilon = sweep.ledger_epsilon
 
     def timed_epsilon(*a, **k):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
@@ -82,12 +83,12 @@ def main() -> None:
         finally:
             accounting[0] += time.perf_counter() - t
 
-    noisyhead_mc.ledger_epsilon = timed_epsilon  # type: ignore[assignment]
+    sweep.ledger_epsilon = timed_epsilon  # type: ignore[assignment]
     totals = dict.fromkeys(paths, 0.0)
     accounted = dict.fromkeys(paths, 0.0)
     for n in Ns:  # the paths take turns at each N, so both see the same load
         for kernels in paths:
-            noisyhead_mc._CACHE.clear()
+            montecarlo._CACHE.clear()
             sync()
             t0, a0 = time.perf_counter(), accounting[0]
             for eps in epsilons:
@@ -122,7 +123,7 @@ def main() -> None:
                 if name == "execute":
                     execute(exp, cfg, write=False, progress=False)
                 else:
-                    noisyhead_mc._CACHE.clear()
+                    montecarlo._CACHE.clear()
                     exp.sweep_point(cfg, 1)
             per_rep = (time.perf_counter() - t0) / args.loop_reps
             loops[name] += per_rep * len(epsilons) * B  # projected time of this N's grid points

@@ -30,12 +30,17 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    job = from_run_config(context.run_config)
+    deployment = type(grid).__name__ == "HttpGrid"  # a deployment, never a simulation
+    run_config = dict(context.run_config)
+    if deployment:  # a config-file only from the lab's directory on this machine
+        from fedpers.deploy.serverside import confine_config_file, lab_config_dir
+
+        run_config = confine_config_file(run_config, lab_config_dir())
+    job = from_run_config(run_config)
     # The lab's policy ($FEDPERS_POLICY) before any work: the run is charged to the federation's ledger.
     from fedpers.runtime.flower.policy import active_policy, admit_run
 
     policy = active_policy()
-    deployment = type(grid).__name__ == "HttpGrid"  # a deployment, never a simulation
     if deployment:  # no user data on this machine; every check before the charge (fedpers/deploy/serverside.py)
         from fedpers.deploy.pulls import quick_grid_pulls
         from fedpers.deploy.serverside import (

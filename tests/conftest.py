@@ -35,7 +35,7 @@ def statistical_errors(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Every standard error the non-private reference's stopping rule computes, in order (the
     function itself still answers): the yardstick tests of tests/test_baselines.py and
     tests/test_shared_passes.py read the last one."""
-    import fedpers.experiments.altmin_baselines as baselines
+    import fedpers.experiments.common.lowrank_baselines as baselines
 
     seen: list[float] = []
     original = baselines.statistical_error

@@ -284,3 +284,20 @@ def start_loopback_federation(procs: "Processes", work: Path, nodes: int, *, war
             procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"],
                         FLWR_HOME=str(work / f"node{i}-home"))
     return port
+
+
+def can_switch_uid(uid: int = 65534) -> bool:
+    """Whether a forked child of this process can become ``uid`` (root with CAP_SETUID: the tests' CI);
+    tests that play another local user skip where it cannot."""
+    pid = os.fork()
+    if pid == 0:  # the child never returns into the caller
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -101,13 +101,13 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
         "tests/test_privacy_e2e.py",
     ),
     "calibration forgets DPALS's round 0": (
-        "fedpers/experiments/dpals.py",
+        "fedpers/experiments/dpals/protocol.py",
         "    return 2 * cfg.steps + 2 * int(prelude(cfg))",
         "    return 2 * cfg.steps",
         "tests/test_privacy_bookkeeping.py",
     ),
     "config refused after round 0 has released": (
-        "fedpers/experiments/dpals.py",
+        "fedpers/experiments/dpals/protocol.py",
         "        if not (math.isfinite(g) and math.isfinite(b)):\n            raise ValueError(\"clip_embedding and clip_rating must be finite for a finite epsilon\")",
         "        pass",
         "tests/test_privacy_bookkeeping.py",

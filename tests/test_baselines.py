@@ -60,7 +60,7 @@ def _reference(values: dict, float64: bool = False, **kw):
     (U, rounds, U*) from altmin_baselines directly."""
     from fedpers.data.units import UnitSource
     from fedpers.experiments import altmin as am
-    from fedpers.experiments.altmin_baselines import nonprivate_altmin
+    from fedpers.experiments.common.lowrank_baselines import nonprivate_altmin
 
     cfg = am.resolve(config.build(EXP.config_type, values))
     source = am.unit_source(cfg)
@@ -80,7 +80,7 @@ def test_the_statistical_stopping_rule_keeps_the_30_round_reference(monkeypatch,
     reference is the 30-round one computed in float64 on the same users within that: ‖P − P₃₀‖_F ≤
     PRECISION × its last standard error, its subspace error within 1%, in fewer rounds than the old
     10⁻⁶ rule."""
-    import fedpers.experiments.altmin_baselines as baselines
+    import fedpers.experiments.common.lowrank_baselines as baselines
     from fedpers.metrics import subspace_error
 
     U, rounds, u_star = _reference({**STOP, "dtype": dtype})
@@ -109,7 +109,7 @@ def test_the_statistical_error_estimate_matches_the_actual_error(statistical_err
 def test_the_local_only_dual_ridge_equals_the_primal():
     """m < d: θ = Xᵀ(XXᵀ + λI)⁻¹y is the d-dimensional ridge's θ (float64, same λ); a user with a NaN gets NaN."""
     from fedpers import linalg
-    from fedpers.experiments.altmin_baselines import local_ridge
+    from fedpers.experiments.common.lowrank_baselines import local_ridge
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(50, 12, 30, generator=g, dtype=torch.float64)

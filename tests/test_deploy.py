@@ -81,7 +81,7 @@ def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_nod
     from fedpers.deploy.recipe import steps
 
     lines = steps(text)
-    link = [c for m, c in lines if c.startswith("flower-superlink")][0]
+    link = [c for m, c in lines if c.startswith("fedpers deploy superlink")][0]  # the uid-gated SuperLink
     assert "--host 127.0.0.1 --port 7002" in link and "--isolation process" in link and "--superexec-auth-secret-file" in link and "0.0.0.0" not in link
     assert any("fleet-proxy --listen 0.0.0.0:7001 --superlink 127.0.0.1:7002" in c for _, c in lines)
     nodes = [(m, c) for m, c in lines if "deploy supernode" in c]

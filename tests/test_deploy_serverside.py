@@ -19,7 +19,9 @@ from fedpers.data.files import save_altmin_npz
 from fedpers.deploy.serverside import (
     BoundedGrid,
     RunStopped,
+    confine_config_file,
     deployed,
+    lab_config_dir,
     preflight,
     private_files,
     refuse_seeded_node_noise,
@@ -222,3 +224,29 @@ def test_a_deployed_round_sees_its_last_reply_within_a_tenth_of_its_wait() -> No
     assert max(geometric) == server.POLL_MAX
     pauses, late = _polled(deployed, 0.6)
     assert late <= 0.06 and len(pauses) <= 45  # bounded pulls: 10 at 5 ms, then 10% more time per pull
+
+
+def test_a_deployment_reads_a_config_file_only_from_the_labs_directory(tmp_path: Path) -> None:
+    """configs/ beside $FEDPERS_POLICY: a relative name is read from there; an absolute path elsewhere, a `..`
+    escape, a symbolic link out of it, or any config file without a policy is refused before it is opened,
+    naming the key and the allowed place (the ServerApp used to read any TOML and echo its key names)."""
+    lab = tmp_path / "superlink"
+    (lab / "configs").mkdir(parents=True)
+    (lab / "policy.toml").write_text(POLICY)
+    (lab / "configs" / "job.toml").write_text("rank = 2\nepsilon = 4.0\n")
+    secret = tmp_path / "elsewhere.toml"
+    secret.write_text("private-key-name = 1\n")
+    (lab / "configs" / "link.toml").symlink_to(secret)
+    where = lab_config_dir({"FEDPERS_POLICY": str(lab / "policy.toml")})
+    assert where == (lab / "configs").resolve() and lab_config_dir({}) is None
+    run_config = {"algorithm": "altmin", "config-file": "job.toml"}
+    confined = confine_config_file(run_config, where)
+    assert confined["config-file"] == str(where / "job.toml") and run_config["config-file"] == "job.toml"
+    assert from_run_config(confined).cfg.rank == 2
+    for given in (str(secret), "../policy.toml", "link.toml", str(where / ".." / "configs" / ".." / "policy.toml"), "."):
+        with pytest.raises(ValueError, match=rf"config-file: .* is outside the lab's config directory {where}; put the TOML file there") as refused:
+            confine_config_file({**run_config, "config-file": given}, where)
+        assert "private-key-name" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"config-file: a deployment reads config files only from the lab's directory \(configs/ beside \$FEDPERS_POLICY\)"):
+        confine_config_file(run_config, None)
+    assert confine_config_file({"algorithm": "altmin", "config-file": ""}, None) == {"algorithm": "altmin", "config-file": ""}

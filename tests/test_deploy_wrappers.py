@@ -143,7 +143,7 @@ def test_the_supernode_starts_fedpers_superexec_and_nothing_else_is_rewritten(mo
     launcher = supernode._WarmSuperExecLauncher()
     launcher.Popen(["flower-superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"])
     launcher.Popen(["flwr-clientapp", "--token", "t"])
-    assert started[0] == [sys.executable, "-m", "fedpers", "deploy", "superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"]
+    assert started[0] == [sys.executable, "-I", "-m", "fedpers", "deploy", "superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"]
     assert started[1] == ["flwr-clientapp", "--token", "t"]
     assert launcher.DEVNULL is supernode.subprocess.DEVNULL
 
@@ -238,7 +238,7 @@ def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_g
     from fedpers.deploy.appguard import TOKEN_STDIN
 
     # the ServerApp's token travels on its stdin, never on its command line (/proc/PID/cmdline)
-    assert started == [[sys.executable, "-m", "fedpers.deploy.appguard", TOKEN_STDIN], ["flwr-clientapp", "--token", "t"]]
+    assert started == [[sys.executable, "-I", "-m", "fedpers.deploy.appguard", TOKEN_STDIN], ["flwr-clientapp", "--token", "t"]]
     assert piped == [True, False]
 
 
@@ -291,7 +291,7 @@ def test_the_gate_knows_the_checked_series(version: str, ok: bool) -> None:
     assert flower.supported(version) is ok
 
 
-@pytest.mark.parametrize("command", ["superexec", "supernode"])
+@pytest.mark.parametrize("command", ["superexec", "supernode", "superlink"])
 def test_an_unchecked_flower_series_is_refused_with_what_to_do(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before anything of Flower is patched: the message names the version, Flower's own command and the pip range."""
     import flwr
@@ -368,21 +368,65 @@ def test_a_warm_fork_imports_no_module_for_a_clientapp_execution(tmp_path: Path)
     assert done.stdout.decode().split() == [], done.stdout.decode()
 
 
-def test_warm_clientapps_send_no_flower_telemetry_unless_the_operator_asks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fork server (every ClientApp execution) runs with FLWR_TELEMETRY_ENABLED=0 by default; an
-    operator's own setting wins; the rest of the environment is the SuperExec's."""
-    started: list[dict] = []
+def test_every_process_started_on_a_node_or_for_a_serverapp_is_isolated_and_sends_no_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server (every ClientApp execution) and the ServerApp guard run as `python -I` in an environment
+    without PYTHON* variables and with FLWR_TELEMETRY_ENABLED=0, even where the operator set 1; the rest of
+    the environment is the SuperExec's, which itself is left unchanged."""
+    import subprocess
 
-    def popen(cmd: list[str], **kwargs: object) -> object:
-        started.append(kwargs["env"])  # type: ignore[arg-type]
-        return types.SimpleNamespace(stdout=io.StringIO("ready\n"))
+    from fedpers.deploy.appguard import _GuardedLauncher
+    from fedpers.deploy.isolation import TELEMETRY_ENV
 
-    monkeypatch.setattr(forkserver.subprocess, "Popen", popen)
-    monkeypatch.delenv(forkserver.TELEMETRY_ENV, raising=False)
+    started: list[tuple[list[str], dict]] = []
+
+    def popen(cmd: list[str], *args: object, **kwargs: object) -> object:
+        started.append((cmd, kwargs["env"]))  # type: ignore[arg-type]
+        return types.SimpleNamespace(stdout=io.StringIO("ready\n"), stdin=open(os.devnull, "wb"))
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setenv(TELEMETRY_ENV, "1")
+    monkeypatch.setenv("PYTHONPATH", "/planted")
     monkeypatch.setenv("FEDPERS_NODE_CACHE", "/somewhere")
     forkserver.ForkServerExecutor._start()
-    monkeypatch.setenv(forkserver.TELEMETRY_ENV, "1")
-    forkserver.ForkServerExecutor._start()
-    assert started[0][forkserver.TELEMETRY_ENV] == "0" and started[0]["FEDPERS_NODE_CACHE"] == "/somewhere"
-    assert started[1][forkserver.TELEMETRY_ENV] == "1"
-    assert os.environ[forkserver.TELEMETRY_ENV] == "1"  # the SuperExec's own environment is not changed
+    _GuardedLauncher().Popen(["flwr-serverapp", "--token", "t"])
+    (server, server_env), (guard, guard_env) = started
+    assert server == [sys.executable, "-I", "-c", forkserver.BOOT, forkserver.installed_root()] and guard[:2] == [sys.executable, "-I"]
+    for env in (server_env, guard_env):
+        assert env[TELEMETRY_ENV] == "0" and env["FEDPERS_NODE_CACHE"] == "/somewhere"
+        assert not [k for k in env if k.startswith("PYTHON")]
+    assert os.environ[TELEMETRY_ENV] == "1" and os.environ["PYTHONPATH"] == "/planted"  # the SuperExec's own: unchanged
+
+
+def test_reexec_isolated_replaces_the_process_with_python_i_in_a_clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `fedpers deploy` command started from the operator's shell re-executes itself as `python -I -m fedpers ...`
+    with the PYTHON* variables dropped and telemetry off; one already started so returns."""
+    from fedpers.deploy import isolation
+
+    calls: list = []
+    monkeypatch.setattr(isolation.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
+    monkeypatch.setenv("PYTHONPATH", "/planted")
+    isolation.reexec_isolated(["fedpers", "deploy", "supernode", "--insecure"])
+    (exe, argv, env), = calls
+    assert exe == sys.executable and argv == [sys.executable, "-I", "-m", "fedpers", "deploy", "supernode", "--insecure"]
+    assert "PYTHONPATH" not in env and env[isolation.TELEMETRY_ENV] == "0"
+    monkeypatch.setattr(isolation.sys, "flags", types.SimpleNamespace(isolated=1))
+    monkeypatch.setattr(isolation.os, "environ", isolation.isolated_env(os.environ))
+    isolation.reexec_isolated(["fedpers", "deploy", "supernode"])
+    assert len(calls) == 1
+
+
+def test_an_isolated_process_never_imports_a_fedpers_from_its_working_directory(tmp_path: Path) -> None:
+    """A `fedpers` package in the working directory: `python -m fedpers` imports it, the isolated command
+    every fedpers process on a node is started with (`python -I`) imports the installed one."""
+    import subprocess
+
+    from fedpers.deploy.isolation import isolated_env, python
+
+    (tmp_path / "fedpers").mkdir()
+    (tmp_path / "fedpers" / "__init__.py").write_text("")
+    (tmp_path / "fedpers" / "__main__.py").write_text("print('PLANTED')\n")
+    env = isolated_env(os.environ)
+    plain = subprocess.run([sys.executable, "-m", "fedpers", "--version"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    isolated = subprocess.run(python("-m", "fedpers", "--version"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert plain.stdout.strip() == "PLANTED"  # what the fork server's `python -m fedpers.deploy.forkserver` was exposed to
+    assert isolated.returncode == 0 and "PLANTED" not in isolated.stdout and isolated.stdout.strip(), isolated.stdout + isolated.stderr

@@ -21,7 +21,9 @@ from fedpers import config
 from fedpers.commands.cli import main
 from fedpers.data import synthetic
 from fedpers.experiments import EXPERIMENTS, altmin
-from fedpers.experiments import noisyhead_mc as mc
+from fedpers.experiments.altmin import plan as altmin_plan
+from fedpers.experiments.noisyhead import montecarlo as mc
+from fedpers.experiments.noisyhead import sweep
 from fedpers.runner import execute
 from tests.fake_cuda import fake_cuda
 
@@ -129,11 +131,11 @@ def test_noisyhead_monte_carlo_sweep_on_cuda_is_the_cpu_device_path(engine):
         {"prompts": 300, "dim": 3, "epsilon": 0.5, "engine": engine, "init": "gaussian", "attack_c": 1.0},
     )
     mc._CACHE.clear()
-    host_side = mc.sweep_point(replace(cfg, kernels="device"), 16)
+    host_side = sweep.sweep_point(replace(cfg, kernels="device"), 16)
     mc._CACHE.clear()
     try:
         with fake_cuda():
-            on_gpu = mc.sweep_point(replace(cfg, device="cuda"), 16)
+            on_gpu = sweep.sweep_point(replace(cfg, device="cuda"), 16)
     finally:
         mc._CACHE.clear()
     assert len(on_gpu) == len(host_side) == 16
@@ -182,5 +184,5 @@ def test_expmech_on_cuda_scores_and_evaluates_on_the_device(monkeypatch):
     values = {"n_users": 2000, "dim": 3, "rank": 1}
     with fake_cuda():
         on_gpu = _run("expmech", {**values, "device": "cuda"})
-    monkeypatch.setattr(altmin, "device_path", lambda device, kernels="auto": True)
+    monkeypatch.setattr(altmin_plan, "device_path", lambda device, kernels="auto": True)  # where the plan reads it
     _assert_same(_run("expmech", values), on_gpu, 1e-9)

@@ -2,7 +2,7 @@
 
 A plain biased ALS (μ + b_u + c_i + p_iᵀv_u, per-row ridge solves in numpy, λ tuned on a
 validation split of the training ratings) is written here independently of
-fedpers.experiments.rating_baselines; the run's ``als_rmse`` must be within 0.02 of it, and
+fedpers.experiments.dpals.baselines; the run's ``als_rmse`` must be within 0.02 of it, and
 both well below the global mean's RMSE. The test ratings are never used to tune either."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_the_reference_fit_sums_each_rows_pairs_as_per_row_solves_do():
     """``rating_baselines.fit`` forms each item's (user's) outer product once and sums it over the
     row's rated pairs through a sparse matrix; it must equal ALS written row by row (the same
     seeded start), and give the same bits at any torch thread count."""
-    from fedpers.experiments import rating_baselines
+    from fedpers.experiments.dpals import baselines as rating_baselines
 
     g = torch.Generator().manual_seed(3)
     n, m, n_i, rank, lam, steps = 40, 9, 12, 3, 3.0, 4

@@ -1,7 +1,9 @@
 """The fleet proxy (the deployment's only network face) bounds what an unauthenticated client can make
-it hold: a 200 MiB body is refused before it is read, slow headers are cut, an honest request is
-answered beside 200 slow connections. The proxy runs as `fedpers deploy fleet-proxy` (TLS) with an
-unreachable SuperLink behind it (its honest answer is then 502)."""
+it hold: a 200 MiB body is refused before it is read, slow headers and slow bodies are cut, one address
+holds few connections, a full proxy lets a new connection in in place of the longest waiting one, and the
+bytes it buffers stay under its bound. The proxy runs as `fedpers deploy fleet-proxy` (TLS) with an
+unreachable SuperLink behind it (its honest answer is then 502). Attackers connect from other loopback
+addresses (127.0.x.y: all of 127/8 is loopback on Linux), the honest client from 127.0.0.1."""
 from __future__ import annotations
 
 import socket
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fedpers.deploy import make_certs
-from fedpers.deploy.fleetproxy import MAX_BODY
+from fedpers.deploy.fleetproxy import MAX_BODY, Limits, Occupancy, address_key
 from tests.flower_support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,19 +31,70 @@ def test_the_body_limit_holds_every_object_a_fedpers_run_sends() -> None:
     assert MAX_BODY <= 8 << 20
 
 
+def test_the_default_bound_is_at_most_256_mib_and_limits_are_checked() -> None:
+    assert Limits().bound() <= 256 << 20
+    for bad in ({"max_buffered": 1 << 20}, {"min_body_rate": 0.0}, {"max_per_address": 0}, {"body_grace": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Limits(**bad)
+
+
+def test_addresses_are_counted_per_ipv4_address_and_per_ipv6_64() -> None:
+    assert address_key("192.0.2.7") == "192.0.2.7" and address_key("::ffff:192.0.2.7") == "192.0.2.7"
+    assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:bbbb::9") == "2001:db8:1:2::/64"
+    assert address_key("2001:db8:1:3::1") != address_key("2001:db8:1:2::1")
+
+
+class _Conn:
+    def __init__(self, host: str, port: int) -> None:
+        self.client, self.aborted = (host, port), False
+        self.transport = self
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_occupancy_caps_each_address_and_lets_a_new_connection_replace_the_longest_waiting_one() -> None:
+    """At the address cap a new connection is refused; at the total cap the connection waiting longest is
+    aborted for it — never one that is forwarding — and only when every connection forwards is it refused."""
+    held = Occupancy(Limits(max_connections=4, max_per_address=2))
+    a = [_Conn("10.0.0.1", p) for p in range(3)]
+    assert held.admit(a[0], a[0].client, 0.0) and held.admit(a[1], a[1].client, 1.0)
+    assert not held.admit(a[2], a[2].client, 2.0)  # a third from 10.0.0.1
+    b = [_Conn(f"10.0.1.{i}", 1) for i in range(3)]
+    assert held.admit(b[0], b[0].client, 3.0) and held.admit(b[1], b[1].client, 4.0)
+    held.forwarding(a[0].client, True, 5.0)  # a[0] forwards: not a victim, though it came first
+    assert held.admit(b[2], b[2].client, 6.0)
+    assert a[1].aborted and not a[0].aborted and held.evicted == 1 and len(held.key) == 4
+    for c in (b[0], b[1], b[2]):
+        held.forwarding(c.client, True, 7.0)
+    late = _Conn("10.0.2.1", 1)
+    assert not held.admit(late, late.client, 8.0)  # every connection forwards
+    held.forwarding(b[1].client, False, 9.0)
+    assert held.admit(late, late.client, 10.0) and b[1].aborted
+    for c in (a[0], b[0], b[2], late, b[1]):
+        held.leave(c)
+        held.leave(c)  # idempotent
+    assert held.key == {} and held.per_address == {} and held.waiting_since == {} and held.by_peer == {}
+
+
+def test_buffered_bytes_never_pass_the_limit() -> None:
+    held = Occupancy(Limits(max_buffered=MAX_BODY))
+    assert held.reserve(MAX_BODY - 10) and not held.reserve(11) and held.reserve(10)
+    held.release(MAX_BODY)
+    assert held.buffered == 0
+
+
 def _rss_kib(pid: int) -> int:
     return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS")))
 
 
-@pytest.fixture(scope="module")
-def proxy(tmp_path_factory):
-    work = tmp_path_factory.mktemp("proxy")
+def _start_proxy(work: Path, *flags: str):
     make_certs(work / "certs", ["127.0.0.1"], 1)
     link = work / "certs" / "superlink"
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "fedpers", "deploy", "fleet-proxy", "--listen", f"127.0.0.1:{port}", "--superlink", f"127.0.0.1:{free_port()}",
                              "--ssl-certfile", str(link / "superlink.crt"), "--ssl-keyfile", str(link / "superlink.key"), "--ssl-ca-certfile", str(link / "ca.crt"),
-                             "--header-timeout", "2"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             *flags], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     context = ssl.create_default_context(cafile=str(link / "ca.crt"))
     deadline = time.monotonic() + 60
     while True:
@@ -50,14 +103,41 @@ def proxy(tmp_path_factory):
                 break
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
+    return proc, port, context
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory):
+    proc, port, context = _start_proxy(tmp_path_factory.mktemp("proxy"), "--header-timeout", "2", "--body-grace", "2", "--min-body-rate-kib", "64")
     yield proc, port, context
     proc.terminate()
     proc.wait(timeout=30)
 
 
-def _connect(port: int, context: ssl.SSLContext, timeout: float = 30.0) -> ssl.SSLSocket:
-    raw = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+@pytest.fixture(scope="module")
+def small_proxy(tmp_path_factory):
+    """A proxy with small caps: 16 connections, 4 per address, 6 MiB of bodies and responses held at once."""
+    proc, port, context = _start_proxy(tmp_path_factory.mktemp("small"), "--max-connections", "16", "--max-per-address", "4", "--max-buffered-mib", "6",
+                                       "--body-grace", "30")
+    yield proc, port, context
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _connect(port: int, context: ssl.SSLContext, timeout: float = 30.0, source: str = "127.0.0.1") -> ssl.SSLSocket:
+    raw = socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0))
     return context.wrap_socket(raw, server_hostname="127.0.0.1")
+
+
+def _closed(sock: ssl.SSLSocket, timeout: float = 5.0) -> bool:
+    """Whether the proxy has closed ``sock`` (reading gives end-of-stream or an error within ``timeout``)."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
 
 
 def _status(sock: ssl.SSLSocket) -> int:
@@ -103,8 +183,8 @@ def test_a_200_mib_body_is_refused_before_it_is_read(proxy) -> None:
 def test_slow_headers_are_cut_and_an_honest_request_is_answered_beside_200_of_them(proxy) -> None:
     proc, port, context = proxy
     slow = []
-    for _ in range(200):
-        s = _connect(port, context)
+    for i in range(200):  # 25 addresses, 8 connections each (under the per-address cap)
+        s = _connect(port, context, source=f"127.0.1.{1 + i // 8}")
         s.sendall(b"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: x\r\n")  # headers never finished
         slow.append(s)
     assert _fleet_request(port, context) == 502  # forwarded (to an unreachable SuperLink) at once
@@ -119,5 +199,74 @@ def test_slow_headers_are_cut_and_an_honest_request_is_answered_beside_200_of_th
             closed += 1
         s.close()
     assert closed == 200
-    fds = len(list(Path(f"/proc/{proc.pid}/fd").iterdir()))
+    deadline = time.monotonic() + 10  # each cut TLS connection's descriptor goes once its close is done
+    while (fds := len(list(Path(f"/proc/{proc.pid}/fd").iterdir()))) >= 60 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert fds < 60, fds
+
+
+def _slow_body(port: int, context: ssl.SSLContext, source: str, declared: int = 1 << 20) -> ssl.SSLSocket:
+    s = _connect(port, context, source=source)
+    s.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % declared + b"x" * 100)
+    return s
+
+
+def test_a_body_below_the_minimum_rate_is_cut_and_a_fast_one_forwarded(proxy) -> None:
+    """--body-grace 2 --min-body-rate-kib 64: 100 bytes of a 1 MiB body then 100 bytes a second is answered 408
+    within about 2 s; 1 MiB sent at once is forwarded (502 from the unreachable SuperLink)."""
+    _, port, context = proxy
+    slow = _slow_body(port, context, "127.0.4.1")
+    started = time.monotonic()
+    status = 0
+    while status == 0 and time.monotonic() - started < 10:
+        slow.settimeout(1.0)
+        try:
+            data = slow.recv(4096)
+            status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else -1
+        except TimeoutError:
+            slow.sendall(b"x" * 100)
+    slow.close()
+    assert status == 408 and time.monotonic() - started < 5, (status, time.monotonic() - started)
+    with _connect(port, context) as s:
+        s.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 20) + b"x" * (1 << 20))
+        assert _status(s) == 502
+
+
+def test_one_address_holds_at_most_its_cap_and_a_full_proxy_lets_a_new_connection_in(small_proxy) -> None:
+    """--max-per-address 4: a fifth connection from one address is closed at once. --max-connections 16: with
+    16 slow-body connections from four addresses open, an honest request from a fifth is answered, and the
+    connection that had waited longest is the one closed for it."""
+    proc, port, context = small_proxy
+    same = [_slow_body(port, context, "127.0.5.1") for _ in range(5)]
+    assert _closed(same[4], 5.0) and not any(_closed(s, 0.2) for s in same[:4])
+    for s in same:
+        s.close()
+    time.sleep(0.5)
+    slow = [_slow_body(port, context, f"127.0.6.{1 + i // 4}") for i in range(16)]
+    time.sleep(0.5)
+    assert _fleet_request(port, context) == 502
+    assert _closed(slow[0], 5.0) and not any(_closed(s, 0.2) for s in slow[1:])
+    for s in slow:
+        s.close()
+
+
+def test_bodies_past_the_buffered_bytes_are_answered_busy_and_memory_stays_bounded(small_proxy) -> None:
+    """--max-buffered-mib 6: one connection holds 4 MiB of an unfinished 5 MiB body; a second sending 3 MiB is
+    answered 503 with Retry-After once its bytes would pass 6 MiB; the proxy's memory stays within its bound."""
+    proc, port, context = small_proxy
+    before = _rss_kib(proc.pid)
+    first = _connect(port, context, source="127.0.7.1")
+    first.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (5 << 20) + b"a" * (4 << 20))
+    time.sleep(1.0)
+    second = _connect(port, context, source="127.0.7.2")
+    second.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (5 << 20))
+    try:
+        second.sendall(b"b" * (3 << 20))
+    except OSError:
+        pass  # answered and cut while sending
+    second.settimeout(10)
+    data = second.recv(4096)
+    assert data.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in data.lower(), data[:200]
+    first.close()
+    second.close()
+    assert _rss_kib(proc.pid) - before < 64 << 10

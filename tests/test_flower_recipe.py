@@ -29,7 +29,7 @@ from fedpers.data.files import save_altmin_npz
 from fedpers.deploy.recipe import steps
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import truth
-from tests.flower_support import Processes, free_port
+from tests.flower_support import Processes, can_switch_uid, free_port, wait_for_log
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,12 +93,15 @@ class Recipe:
             done = subprocess.run(argv, cwd=ROOT, env={**self.procs.env, **env}, check=False, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0 and "registered successfully" in done.stdout, done.stdout + done.stderr
             self.node_ids.append(int(re.search(r"(\d{6,})", done.stdout).group(1)))
+        started = []
         for machine, command in self.steps:
             if machine.startswith("supernode-"):
                 env, argv = _argv(command)
                 i = int(machine.split("-")[1])
                 self.node_procs[i] = (argv, env)
-                self.procs.start(machine, argv, **env)
+                started.append(self.procs.start(machine, argv, **env))
+        for proc, log in started:  # each node re-executed isolated, its SuperExec and fork server up
+            wait_for_log(log, "fork server ready", proc, timeout=300)
         self.job_env, self.job_argv = _argv(superlink[-1])
 
     def run(self, run_config: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -187,23 +190,30 @@ def test_an_existing_out_directory_is_refused_before_the_charge(recipe):
 def test_no_process_on_the_superlink_side_shows_a_task_token(recipe):
     """While a run goes on, every process the lab's SuperExec started is polled through /proc (what a
     neighbour process sees): the ServerApp runs (its guard's command line says its token came on a pipe)
-    and no command line holds a task token."""
+    and no command line holds a task token. Every process of the SuperExec and of SuperNode 0 (the
+    SuperExec, the fork server, its forks, the ServerApp) runs as `python -I`, with no PYTHON* variable and
+    with Flower's telemetry off in its environment."""
     import threading
 
     from fedpers.deploy.appguard import TOKEN_STDIN
     from tests.flower_support import descendants
 
     superexec = next(p for p in recipe.procs.procs if list(p.args[3:5]) == ["deploy", "superexec"])
+    node = next(p for p in recipe.procs.procs if list(p.args[3:5]) == ["deploy", "supernode"])
     seen: list[str] = []
+    environments: dict[str, list[str]] = {}
     done_flag = threading.Event()
 
     def watch() -> None:
         while not done_flag.is_set():
-            for pid in descendants(superexec.pid):
+            for pid in [superexec.pid, node.pid, *descendants(superexec.pid), *descendants(node.pid)]:
                 try:
-                    seen.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
                 except OSError:
-                    pass
+                    continue
+                seen.append(cmdline)
+                environments[cmdline] = environ
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -216,6 +226,10 @@ def test_no_process_on_the_superlink_side_shows_a_task_token(recipe):
     assert "finished:completed" in done.stdout, done.stdout[-3000:]
     assert any(TOKEN_STDIN in c for c in seen), sorted(set(seen))[:10]
     assert not any("--token " in c for c in seen), [c for c in seen if "--token " in c][:3]
+    assert any("fedpers.deploy.appguard" in c for c in environments) and any("-I -c" in c for c in environments), list(environments)
+    for cmdline, environ in environments.items():  # the ServerApp, the fork server and its forks among them
+        assert "python" not in cmdline.split()[0] or cmdline.split()[1] == "-I", cmdline
+        assert "FLWR_TELEMETRY_ENABLED=0" in environ and not [v for v in environ if v.startswith("PYTHON")], (cmdline, environ)
 
 
 def test_control_api_is_not_on_the_network_address(recipe):
@@ -241,6 +255,86 @@ def test_control_api_is_not_on_the_network_address(recipe):
     lab = subprocess.run([flwr, "supernode", "ls", "deployment", "--format", "json"], env={**recipe.procs.env, **recipe.job_env}, check=False, capture_output=True, text=True, timeout=120)
     for node in recipe.node_ids:  # the lab's nodes are all still registered
         assert str(node) in lab.stdout, lab.stdout + lab.stderr
+
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(not can_switch_uid(NOBODY), reason="this process cannot switch to another uid (the tests run as root in CI)")
+
+
+def _control_calls(port: int, ca: bytes, run_id: int, node_id: int, key: bytes) -> dict[str, str]:
+    """Each Control API call `flwr ls`, `flwr stop`, `flwr supernode ls/unregister/register` makes, through
+    Flower's own client with the public CA certificate: what came back ("answered ..." or "refused: ERROR")."""
+    from flwr.proto.control_pb2 import ListNodesRequest, ListRunsRequest, RegisterNodeRequest, StopRunRequest, UnregisterNodeRequest
+    from flwr.supercore.control.control_http_client import ControlHttpClient
+
+    client = ControlHttpClient.from_server_address(f"127.0.0.1:{port}", insecure=False, root_certificates=ca, interceptors=[])
+    calls = {
+        "ls": lambda: client.ListRuns(ListRunsRequest()),
+        "stop": lambda: client.StopRun(StopRunRequest(run_id=run_id)),
+        "supernode ls": lambda: client.ListNodes(ListNodesRequest()),
+        "unregister": lambda: client.UnregisterNode(UnregisterNodeRequest(node_id=node_id)),
+        "register": lambda: client.RegisterNode(RegisterNodeRequest(public_key=key)),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            out[name] = f"answered {str(call())[:120]!r}"
+        except Exception as e:  # noqa: BLE001 - any failure is a refusal here
+            out[name] = f"refused: {type(e).__name__}: {str(e)[:120]}"
+    return out
+
+
+def _as_uid(uid: int, work: object) -> dict[str, str]:
+    """``work()`` in a forked child running as ``uid`` (no groups), its answer back as JSON on a pipe."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(write, json.dumps(work()).encode())  # type: ignore[operator]
+        except BaseException as e:  # noqa: BLE001
+            os.write(write, json.dumps({"child": f"{type(e).__name__}: {e}"}).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as r:
+        got = r.read()
+    os.waitpid(pid, 0)
+    return json.loads(got)
+
+
+@needs_root
+def test_the_control_api_answers_only_the_labs_uid(recipe):
+    """As uid `nobody` with the public ca.crt, on the SuperLink machine: list runs, stop the latest run, list
+    nodes, unregister node 2 and register a key are each cut before the request is read (`fedpers deploy
+    superlink` checks the connecting socket's owner); the lab's uid still lists every run and node, and
+    nothing changed."""
+    ca = (recipe.link / "ca.crt").read_bytes()
+    key = (recipe.link / "supernode-0.pub").read_bytes()
+    lab = _control_calls(recipe.link_port, ca, 0, 0, b"")
+    assert lab["ls"].startswith("answered") and lab["supernode ls"].startswith("answered"), lab
+    from flwr.proto.control_pb2 import ListRunsRequest
+    from flwr.supercore.control.control_http_client import ControlHttpClient
+
+    client = ControlHttpClient.from_server_address(f"127.0.0.1:{recipe.link_port}", insecure=False, root_certificates=ca, interceptors=[])
+    runs = client.ListRuns(ListRunsRequest()).run_dict
+    latest = max(runs, key=lambda r: runs[r].pending_at)
+    before = {r: runs[r].status.status + runs[r].status.sub_status for r in runs}
+    other = _as_uid(NOBODY, lambda: _control_calls(recipe.link_port, ca, latest, recipe.node_ids[2], key))
+    print("NOBODY", other)
+    assert set(other) == {"ls", "stop", "supernode ls", "unregister", "register"}, other
+    cut = ("RemoteProtocolError", "ReadError", "WriteError", "ConnectError")  # the connection cut, no HTTP answer
+    assert all(v.startswith("refused") and any(e in v for e in cut) for v in other.values()), other
+    after = client.ListRuns(ListRunsRequest()).run_dict
+    assert {r: after[r].status.status + after[r].status.sub_status for r in before} == before  # nothing stopped
+    listed = subprocess.run([shutil.which("flwr") or "flwr", "supernode", "ls", "deployment", "--format", "json"], env={**recipe.procs.env, **recipe.job_env},
+                            check=False, capture_output=True, text=True, timeout=120)
+    for node in recipe.node_ids:  # none unregistered
+        assert str(node) in listed.stdout, listed.stdout + listed.stderr
+    assert "refused a connection from uid 65534" in (recipe.work / "superlink.log").read_text()
 
 
 def test_foreign_app_serverapp_never_executes(recipe):
@@ -336,27 +430,142 @@ def test_nodes_refuse_a_task_below_min_units_even_if_the_serverapp_allows_it(rec
         assert "rule 'min-units'" in (recipe.work / f"supernode-{i}.log").read_text()
 
 
-def test_a_node_with_a_modified_fedpers_refuses(recipe):
-    """SuperNode 2 restarted with its commands.txt line but a modified fedpers first on its
-    PYTHONPATH: it refuses every ClientApp (ModifiedCode), so the run cannot complete with it."""
-    import signal
+def _restart_node(recipe: Recipe, i: int, name: str, argv: list[str] | None = None, **env: str) -> tuple[subprocess.Popen, Path]:
+    """SuperNode ``i`` stopped (with its SuperExec and forks) and started again as ``name``: its commands.txt
+    line, ``argv`` in place of its interpreter and module if given, ``env`` added."""
+    from tests.flower_support import stop_processes
 
-    from tests.flower_support import descendants, stop_processes
+    line, line_env = recipe.node_procs[i]
+    running = [p for p in recipe.procs.procs if p.args[3:] == line[3:] and p.poll() is None]
+    stop_processes(running)
+    return recipe.procs.start(name, [*(argv or line[:3]), *line[3:]], **{**line_env, **env})
 
-    argv, env = recipe.node_procs[2]
-    old = next(p for p in recipe.procs.procs if p.args == argv)
-    stop_processes([old])
-    modified = recipe.work / "modified"
-    shutil.copytree(ROOT / "fedpers", modified / "fedpers", ignore=shutil.ignore_patterns("__pycache__"))
-    client = modified / "fedpers" / "runtime" / "flower" / "client.py"
-    client.write_text(client.read_text() + "\nLEAKED = True  # a node operator's change\n")
-    del signal, descendants
-    recipe.procs.start("supernode-2-modified", argv, **{**env, "PYTHONPATH": str(modified)})
-    time.sleep(5)
-    done = recipe.run(honest(recipe, recipe.work / "runs" / "modified", epsilon="0.5"), timeout=200)
-    assert "finished:completed" not in done.stdout, done.stdout[-3000:]
-    text = (recipe.work / "supernode-2-modified.log").read_text()
-    assert "ModifiedCode" in text and "runtime/flower/client.py" in text, text[-3000:]
+
+def _accepted(out: Path) -> list[int]:
+    return [json.loads(line)["clients_accepted"] for line in (out / "rounds.jsonl").read_text().splitlines()]
+
+
+def _rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of ``pid`` in MiB: its resident memory now and at its peak."""
+    fields = {line.split(":")[0]: line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith(("VmRSS", "VmHWM"))}
+    return int(fields["VmRSS"]) / 1024, int(fields["VmHWM"]) / 1024
+
+
+PROXY_RSS_MIB = 256
+"""The fleet proxy's stated memory bound (docs/flower.md): its buffers (fleetproxy.Limits.bound()) and the interpreter."""
+
+
+def test_an_honest_run_completes_beside_520_slow_body_connections(recipe):
+    """520 connections from 65 loopback addresses each send a 6 MiB request's headers (every other one 5 MiB of
+    its body at once: what the proxy must buffer) and then 100 bytes a second, reconnecting as soon as they are cut; SuperNode 1 is restarted in the middle of it (it needs new
+    connections through the full proxy). The lab's run completes with all three nodes accepted in every
+    round, and the proxy's resident memory (sampled, and its peak) stays under its stated bound."""
+    import threading
+
+    proxy = next(p for p in recipe.procs.procs if "fleet-proxy" in p.args)
+    report = recipe.work / "slow-bodies.json"
+    attack, _ = recipe.procs.start("slow-bodies", [sys.executable, str(ROOT / "tests" / "slow_bodies.py"), str(recipe.port), str(recipe.link / "ca.crt"), "520", "900", str(report), str(5 << 20)])
+    samples: list[float] = []
+    done_flag = threading.Event()
+
+    def sample() -> None:
+        while not done_flag.is_set():
+            samples.append(_rss_mib(proxy.pid)[0])
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (report.is_file() and json.loads(report.read_text() or "{}").get("opened", 0) >= 1040):  # each came twice
+            assert attack.poll() is None and time.monotonic() < deadline, report.read_text() if report.is_file() else "no report"
+            time.sleep(0.5)
+        _restart_node(recipe, 1, "supernode-1-restarted")
+        out = recipe.work / "runs" / "slow-bodies"
+        done = recipe.run(honest(recipe, out, epsilon="0.05"))
+        stats = json.loads(report.read_text())
+    finally:
+        done_flag.set()
+        sampler.join()
+        from tests.flower_support import stop_processes
+
+        stop_processes([attack])
+    peak = _rss_mib(proxy.pid)[1]
+    print(f"SLOW-BODIES attack {stats}; proxy RSS max {max(samples):.1f} MiB, peak (VmHWM) {peak:.1f} MiB over {len(samples)} samples")
+    assert done.returncode == 0 and "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _accepted(out) == [3, 3], _accepted(out)
+    assert stats["most_open"] >= 400 and stats["cut"] >= 1000, stats  # the attack held the slots, was cut and came back
+    assert max(samples) < PROXY_RSS_MIB and peak < PROXY_RSS_MIB, (max(samples), peak)
+
+
+SELF_ERASING = """import os, sys
+with open({marker!r}, "a") as f:
+    f.write(f"{{os.getpid()}} isolated={{sys.flags.isolated}} {{' '.join(sys.argv)}}\\n")
+import types
+sys.modules["sitecustomize"] = types.ModuleType("sitecustomize")  # erases itself: no file for a check that looks later
+"""
+
+
+def test_a_node_started_with_a_planted_environment_runs_only_the_installed_code(recipe):
+    """SuperNode 2 restarted with a PYTHONPATH holding a self-erasing sitecustomize (it records each process it
+    runs in, then replaces its sys.modules entry by an empty module, leaving no file for a check to find) and a
+    modified fedpers first: `fedpers deploy supernode` re-executes itself as `python -I` without PYTHON*
+    variables, so the planted code runs in no process that handles data — only in the shell's first
+    interpreter, before the re-execution (without isolation PYTHONPATH would reach the SuperExec and the fork
+    server, and each would record itself) — and the node answers with the installed code: the run completes
+    with all three nodes."""
+    planted = recipe.work / "planted"
+    shutil.copytree(ROOT / "fedpers", planted / "fedpers", ignore=shutil.ignore_patterns("__pycache__"))
+    client = planted / "fedpers" / "runtime" / "flower" / "client.py"
+    client.write_text(client.read_text() + "\nraise RuntimeError('the planted fedpers was imported')\n")
+    marker = recipe.work / "sitecustomize-ran.txt"
+    (planted / "sitecustomize.py").write_text(SELF_ERASING.format(marker=str(marker)))
+    _, log = _restart_node(recipe, 2, "supernode-2-planted", PYTHONPATH=str(planted))
+    wait_for_log(log, "fork server ready", recipe.procs.procs[-1])
+    out = recipe.work / "runs" / "planted"
+    done = recipe.run(honest(recipe, out, epsilon="0.05"))
+    assert done.returncode == 0 and "finished:completed" in done.stdout, done.stdout[-3000:]
+    assert _accepted(out) == [3, 3], _accepted(out)
+    ran = marker.read_text().splitlines()
+    assert len(ran) == 1 and "isolated=0" in ran[0] and "deploy supernode" in ran[0], ran  # the shell's interpreter only
+    text = log.read_text()
+    isolated = next(line for line in text.splitlines() if "running isolated (python -I); ignoring" in line)
+    assert "PYTHONPATH" in isolated and "planted fedpers was imported" not in text and "Error in sitecustomize" not in text
+
+
+def _node_installation(recipe: Recipe, name: str) -> tuple[Path, Path]:
+    """A Python environment of its own for a SuperNode: a venv whose fedpers is a copy (returned with the
+    venv's python), everything else this environment's packages."""
+    import sysconfig
+
+    base = recipe.work / name
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")], check=True, timeout=300)
+    shutil.copytree(ROOT / "fedpers", base / "installed" / "fedpers", ignore=shutil.ignore_patterns("__pycache__"))
+    python = base / "venv" / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "fedpers-node.pth").write_text(f"{base / 'installed'}\n{sysconfig.get_paths()['purelib']}\n")
+    return python, base / "installed" / "fedpers"
+
+
+def test_a_node_on_code_swapped_around_its_fork_servers_start_refuses(recipe):
+    """SuperNode 2 with its own installation: client.py modified before its fork server starts and restored once
+    the server is ready (the files on disk equal the FAB again). The fork server compiled the modified bytes;
+    each fork compares what it compiled with the FAB and refuses (ModifiedCode), so the run goes on without
+    node 2's releases (min-fraction 0.6) — the unpinned check compared the restored files and let it run."""
+    python, installed = _node_installation(recipe, "node-2-install")
+    client = installed / "runtime" / "flower" / "client.py"
+    honest_code = client.read_text()
+    client.write_text(honest_code + "\nLEAKED = True  # swapped in for the fork server's start\n")
+    proc, log = _restart_node(recipe, 2, "supernode-2-swapped", [str(python), "-m", "fedpers"])
+    wait_for_log(log, "fork server ready", proc)
+    client.write_text(honest_code)  # restored: the disk is the FAB's again
+    assert f"fedpers pinned at {installed}" in log.read_text()
+    out = recipe.work / "runs" / "swapped"
+    done = recipe.run(honest(recipe, out, epsilon="0.05") + " min-fraction=0.6")
+    assert "finished:completed" in done.stdout, done.stdout[-3000:]
+    assert _accepted(out) == [2, 2] and all("partition-2" in json.loads(line)["dropped"] for line in (out / "rounds.jsonl").read_text().splitlines())
+    text = log.read_text()
+    assert "ModifiedCode" in text and "runtime/flower/client.py" in text and "as read when it started" in text, text[-3000:]
 
 
 def test_a_stopped_run_sends_no_further_round_and_its_serverapp_exits(recipe):

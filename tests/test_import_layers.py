@@ -143,6 +143,40 @@ def test_no_circles_of_imports() -> None:
     assert not gone, f"known circles that are gone (delete them from KNOWN_CYCLES): {gone}"
 
 
+def faces_crossed(edges: dict[str, set[str]], root: Path = ROOT) -> list[str]:
+    """Imports of an algorithm package's inner module (``fedpers.experiments.altmin.plan``) from outside
+    that package: another algorithm shares what it shares through the package's face
+    (``fedpers.experiments.altmin``) or ``fedpers.experiments.common``, never another's internals."""
+    experiments = root / "experiments"
+    packages = [
+        f"fedpers.experiments.{d.name}"
+        for d in sorted(experiments.iterdir())
+        if (d / "__init__.py").is_file() and d.name != "common"
+    ]
+    bad = []
+    for a, targets in edges.items():
+        for b in targets:
+            owner = next((p for p in packages if b.startswith(p + ".")), None)
+            if owner is not None and a != owner and not a.startswith(owner + "."):
+                bad.append(f"{a} -> {b}")
+    return sorted(bad)
+
+
+def test_algorithms_share_through_faces_and_common_never_internals() -> None:
+    bad = faces_crossed(graph())
+    assert not bad, "imports of another algorithm package's internals (use its face or experiments/common):\n  " + "\n  ".join(bad)
+
+
+def test_the_face_check_catches_a_sibling_reaching_inside(tmp_path: Path) -> None:
+    pkg = tmp_path / "fedpers"
+    for rel in ("__init__.py", "experiments/__init__.py", "experiments/a/__init__.py", "experiments/a/plan.py", "experiments/b.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("")
+    (pkg / "experiments/a/__init__.py").write_text("from fedpers.experiments.a.plan import x\n")
+    (pkg / "experiments/b.py").write_text("from fedpers.experiments.a.plan import x\nfrom fedpers.experiments.a import y\n")
+    assert faces_crossed(graph(pkg), pkg) == ["fedpers.experiments.b -> fedpers.experiments.a.plan"]
+
+
 def test_the_checks_catch_an_upward_import_a_circle_and_an_unlisted_module(tmp_path: Path) -> None:
     """A planted upward import (runtime → experiments), a planted circle and a planted module that no
     layer names (beside the root package, which names only its own ``__init__``) all fail the checks."""

@@ -12,7 +12,8 @@ import torch
 from fedpers import config as config_lib
 from fedpers.commands.cli import main
 from fedpers.experiments import EXPERIMENTS
-from fedpers.experiments import noisyhead_mc as mc
+from fedpers.experiments.noisyhead import montecarlo as mc
+from fedpers.experiments.noisyhead import sweep
 from fedpers.experiments.noisyhead import NoisyHeadConfig, make_protocol, resolve, sherman_morrison_replace
 from fedpers.privacy import Privatizer, ledger_epsilon
 from fedpers.protocols import noisyhead as nh
@@ -253,7 +254,7 @@ def test_batched_engine_is_the_protocol_arithmetic():
     r = resolve(cfg)
     st = mc.statistics(cfg, 1, "direct")
     gamma0 = make_protocol(cfg).initial_gamma()
-    batched = mc.noisy_gd_direct(st.At, st.bt, gamma0, r, Privatizer(11))[0]
+    batched = sweep.noisy_gd_direct(st.At, st.bt, gamma0, r, Privatizer(11))[0]
     proto = make_protocol(cfg)
     state, _ = proto.server_update(0, proto.initial_state(), Message({"A": st.At[0], "b": st.bt[0]}, 300), Privatizer(11))
     assert torch.allclose(batched, state["gamma"], rtol=0, atol=1e-10)
@@ -262,12 +263,12 @@ def test_batched_engine_is_the_protocol_arithmetic():
 def test_direct_and_spectral_engines_agree():
     rows = {}
     for engine in ("direct", "spectral"):
-        rows[engine] = mc.sweep_point(build(prompts=400, dim=3, epsilon="inf", steps=15, engine=engine), 4)
+        rows[engine] = sweep.sweep_point(build(prompts=400, dim=3, epsilon="inf", steps=15, engine=engine), 4)
     for a, b in zip(rows["direct"], rows["spectral"]):
         for key in ("excess_risk", "gd_excess_risk", "test_mse", "ridge_test_mse", "gd_test_mse"):
             assert a[key] == pytest.approx(b[key], rel=1e-7, abs=1e-14), key
     # With noise the two engines draw it in different bases: equal in distribution only.
-    noisy = {e: np.mean([row["excess_risk"] for row in mc.sweep_point(build(prompts=400, dim=3, epsilon=1.0, steps=15, engine=e), 200)]) for e in ("direct", "spectral")}
+    noisy = {e: np.mean([row["excess_risk"] for row in sweep.sweep_point(build(prompts=400, dim=3, epsilon=1.0, steps=15, engine=e), 200)]) for e in ("direct", "spectral")}
     assert noisy["direct"] == pytest.approx(noisy["spectral"], rel=0.15)
 
 
@@ -284,12 +285,12 @@ def test_sweep_point_rows_and_privacy():
     other = EXP.sweep_point(replace(cfg, seed=1), 6)
     assert other[0]["excess_risk"] != rows[0]["excess_risk"]
     with pytest.raises(ValueError, match="engine=direct needs D"):
-        mc.sweep_point(build(prompts=400, dim=17, engine="direct"), 1)
+        sweep.sweep_point(build(prompts=400, dim=17, engine="direct"), 1)
 
 
 def test_robustness_point_small():
     cfg = build(prompts=400, context=40, dim=3, regime="robustness", epsilon=0.5, delta=1e-2, attack_c=2.0, attack_p=2.0)
-    rows = mc.sweep_point(cfg, 5)
+    rows = sweep.sweep_point(cfg, 5)
     for row in rows:
         assert row["robust_ridge"] > 10 * row["robust_noisyhead"]
         assert row["attack_alpha"] == pytest.approx(2 * 400**2)
@@ -392,12 +393,12 @@ def test_device_sweep_is_the_host_arithmetic_on_the_same_data(monkeypatch):
     for engine in ("direct", "spectral"):
         cfg = build(prompts=300, dim=3, epsilon=0.5, engine=engine, init="gaussian")
         mc._CACHE.clear()
-        device_rows = mc.sweep_point(replace(cfg, kernels="device"), 10)
-        r = resolve(mc.split_seed(cfg)[0])
-        draws = mc._device_draws(mc.split_seed(cfg)[0], r, 0, 10, torch.device("cpu"))
+        device_rows = sweep.sweep_point(replace(cfg, kernels="device"), 10)
+        r = resolve(sweep.split_seed(cfg)[0])
+        draws = mc._device_draws(sweep.split_seed(cfg)[0], r, 0, 10, torch.device("cpu"))
         monkeypatch.setattr(mc, "_host_draws", lambda *a, **k: draws)
         mc._CACHE.clear()
-        host_rows = mc.sweep_point(replace(cfg, kernels="host"), 10)
+        host_rows = sweep.sweep_point(replace(cfg, kernels="host"), 10)
         mc._CACHE.clear()
         monkeypatch.undo()
         for a, b in zip(host_rows, device_rows):
@@ -409,10 +410,10 @@ def test_device_sweep_draws_no_host_data_and_matches_the_host_in_distribution(mo
     """Other data sets than the host path's (documented), the same distribution: mean risks within 4 s.e."""
     cfg = build(prompts=400, dim=3, epsilon=1.0, steps=15)
     mc._CACHE.clear()
-    host = np.array([row["excess_risk"] for row in mc.sweep_point(cfg, 200)])
+    host = np.array([row["excess_risk"] for row in sweep.sweep_point(cfg, 200)])
     made = _no_host_draws(monkeypatch)
     mc._CACHE.clear()
-    device = np.array([row["excess_risk"] for row in mc.sweep_point(replace(cfg, kernels="device"), 200)])
+    device = np.array([row["excess_risk"] for row in sweep.sweep_point(replace(cfg, kernels="device"), 200)])
     mc._CACHE.clear()
     assert made and all(d is not None for d in made)
     assert not np.allclose(host[:5], device[:5])  # the device path draws its own data sets

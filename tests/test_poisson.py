@@ -229,7 +229,7 @@ def test_noisyhead_poisson_config_is_checked():
         config.build(NOISYHEAD.config_type, {**NH_USER, "mode": "statistics", "sampling_rate": 0.5})
     with pytest.raises(ValueError, match="calibration accountant"):
         config.build(NOISYHEAD.config_type, {**NH_USER, "calibration": "paper", "sampling_rate": 0.5})
-    from fedpers.experiments.noisyhead_mc import sweep_point
+    from fedpers.experiments.noisyhead.sweep import sweep_point
 
     with pytest.raises(ValueError, match="Monte-Carlo sweep engine"):
         sweep_point(config.build(NOISYHEAD.config_type, {**NH_USER, "sampling_rate": 0.5}), 2)

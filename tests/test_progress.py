@@ -7,7 +7,8 @@ import sys
 
 from fedpers import config
 from fedpers.app import make_client_app
-from fedpers.experiments import EXPERIMENTS, rating_baselines
+from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments.dpals import baselines as rating_baselines
 from fedpers.runner import Runtime, RuntimeOptions, execute
 from tests.flower_support import InProcessGrid
 

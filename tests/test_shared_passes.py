@@ -6,8 +6,10 @@ import torch
 
 from fedpers import config
 from fedpers.data import synthetic
-from fedpers.experiments import EXPERIMENTS, altmin_baselines
+from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments.common import lowrank_baselines as altmin_baselines
 from fedpers.experiments import altmin as am
+from fedpers.experiments.altmin import evaluation as altmin_evaluation
 from fedpers.privacy import Privatizer
 from fedpers.runner import execute
 from fedpers.runtime.local import run_local
@@ -40,7 +42,7 @@ def test_baselines_in_shared_passes_equal_the_baselines_computed_on_their_own(mo
 def test_the_shadow_run_is_the_clipped_run_and_a_resumed_one_is_refused():
     """ShadowRun's U is run_local's on the clipped protocol (same chunks, same order); a shadow that
     did not see round 0 is not complete, so the evaluator computes the baseline on its own."""
-    from fedpers.experiments.shared_passes import ShadowRun
+    from fedpers.experiments.common.shared_passes import ShadowRun
 
     cfg = am.resolve(config.build(EXP.config_type, dict(n_users=2000, dim=6, rank=2, samples_per_user=8, chunk_size=300)))
     plan = am.resolve_plan(cfg)
@@ -116,7 +118,7 @@ def test_a_default_run_reads_the_users_one_and_a_half_times_plus_the_reference_r
         rounds.append(out[1])
         return out
 
-    monkeypatch.setattr(am, "nonprivate_altmin", counted)
+    monkeypatch.setattr(altmin_evaluation, "nonprivate_altmin", counted)  # where AltMin's evaluator calls it
     values = dict(n_users=8192, dim=6, rank=2, samples_per_user=8, rounds=2, dtype="float32", cohort_block=1024)
     synthetic.reset_counts()
     result = run(values)
@@ -188,17 +190,19 @@ def test_a_default_fedrep_run_reads_the_training_users_once_a_round_plus_the_ref
     the run (Priv-AltMin's T + 1 rounds and the reference's first T + 1 passes riding along) and
     max(0, R − T) times by the reference alone (R rounds after its spectral pass); on their own the
     baselines read them (T + 1) + (R + 1) times more."""
-    from fedpers.experiments import fedrep
+    from fedpers.experiments.fedrep import experiment as fedrep_experiment
+    from fedpers.experiments.fedrep import plan as fedrep_plan
 
     loads: list[int] = []
-    original = fedrep.load_all
+    original = fedrep_plan.load_all
 
     def counted(cfg, ids, test=True):
         if not test:
             loads.append(int(ids.numel()))
         return original(cfg, ids, test)
 
-    monkeypatch.setattr(fedrep, "load_all", counted)
+    monkeypatch.setattr(fedrep_plan, "load_all", counted)  # the source's chunks
+    monkeypatch.setattr(fedrep_experiment, "load_all", counted)  # a node's units
     n, T = 1000, 2
     result = run_fedrep(dict(n_users=n, dim=8, rank=2, samples_per_user=5, rounds=T, chunk_size=500, seed=1, accountant="rdp"))
     R = result["baselines"]["nonprivate_altmin"]["rounds"]

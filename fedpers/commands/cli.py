@@ -9,7 +9,7 @@ import enum
 import sys
 import tomllib
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -210,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
         "flower_args",
         nargs=argparse.REMAINDER,
         help="[--poll S] [--trust-app SHA256 ...] and flower-supernode's flags; --trust-app: run only the apps with these FAB hashes",
+    )
+    sl = dsub.add_parser(
+        "superlink",
+        help="flower-superlink (same flags) answering only this uid and --allow-uid ones (the Control API included)",
+        allow_abbrev=False,
+    )
+    sl.add_argument(
+        "flower_args",
+        nargs=argparse.REMAINDER,
+        help="[--allow-uid UID ...] and flower-superlink's flags, e.g. --host 127.0.0.1 --port 9093 --ssl-certfile ...",
     )
     fp = dsub.add_parser(
         "fleet-proxy",
@@ -570,6 +580,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+FLOWER_WRAPPERS = ("superexec", "supernode", "superlink")
+"""``fedpers deploy`` commands that take Flower's own flags (each wraps Flower's command of that name)."""
+
+
+def _flower_wrapper(command: str) -> Callable[[list[str]], int]:
+    """``fedpers deploy superexec|supernode|superlink``: Flower's command of that name, wrapped (fedpers/deploy)."""
+    from fedpers.deploy import forkserver, superlink, supernode
+
+    wrappers = {"superexec": forkserver.superexec, "supernode": supernode.supernode, "superlink": superlink.superlink}
+    return wrappers[command]
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     from fedpers.deploy import make_certs, run_and_wait
 
@@ -584,12 +606,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         from fedpers.deploy.fleetproxy import main as proxy
 
         return proxy(list(args.proxy_args))
-    if args.deploy_command in ("superexec", "supernode"):  # reached only without flags (main() passes flags through)
-        from fedpers.deploy import forkserver, supernode
-
-        return (forkserver.superexec if args.deploy_command == "superexec" else supernode.supernode)(
-            list(args.flower_args)
-        )
+    if args.deploy_command in FLOWER_WRAPPERS:  # reached only without flags (main() passes flags through)
+        return _flower_wrapper(args.deploy_command)(list(args.flower_args))
 
     from fedpers.runtime.flower.policy import load_policy
 
@@ -951,12 +969,9 @@ def _main(argv: Sequence[str] | None) -> int:
         from fedpers.deploy.fleetproxy import main as proxy
 
         return proxy(argv[2:])
-    if argv[:2] in (["deploy", "superexec"], ["deploy", "supernode"]) and not {"-h", "--help"} & set(
-        argv[2:]
-    ):  # Flower's own flags, untouched
-        from fedpers.deploy import forkserver, supernode
-
-        return (forkserver.superexec if argv[1] == "superexec" else supernode.supernode)(argv[2:])
+    flower_flags = argv[:1] == ["deploy"] and argv[1:2] and argv[1] in FLOWER_WRAPPERS
+    if flower_flags and not {"-h", "--help"} & set(argv[2:]):  # Flower's own flags, untouched
+        return _flower_wrapper(argv[1])(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     args.entry_point = entry_point

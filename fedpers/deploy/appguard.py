@@ -66,8 +66,12 @@ class _GuardedLauncher:
         import subprocess
 
         if command and command[0] == "flwr-serverapp":
-            hidden, token = hide_token([sys.executable, "-m", "fedpers.deploy.appguard", *command[1:]])
-            return start_with_token(hidden, token, *args, **kwargs)
+            from fedpers.deploy.isolation import isolated_env, python
+
+            hidden, token = hide_token(python("-m", "fedpers.deploy.appguard", *command[1:]))
+            return start_with_token(
+                hidden, token, *args, **{**kwargs, "env": isolated_env(kwargs.get("env") or os.environ)}
+            )
         return subprocess.Popen(command, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -3,9 +3,11 @@
 What is patched (all of it in this package): ``run_superexec.get_executor`` and
 ``run_clientapp.run_clientapp`` / ``install_from_fab`` (:mod:`.forkserver`), the ``time`` and
 ``subprocess`` modules of ``start_client_internal`` (:mod:`.supernode`), the keyword defaults of
-``pull_objects`` / ``pull_and_inflate_object_from_tree`` (:mod:`.pulls`). These were read in the
+``pull_objects`` / ``pull_and_inflate_object_from_tree`` (:mod:`.pulls`), the ``uvicorn`` module of
+``flwr.superlink.cli.flower_superlink`` (its ``run`` gets an HTTP protocol that checks each peer's uid:
+:mod:`.superlink`). These were read in the
 sources of each series below (1.42.0 changed none of them) and are exercised by
-``tests/test_deploy_wrappers.py`` and ``tests/test_flower_deploy.py``. A new series is added here
+``tests/test_deploy_wrappers.py``, ``tests/test_deploy_superlink.py`` and ``tests/test_flower_deploy.py``. A new series is added here
 only after reading its sources and running those tests against it.
 """
 

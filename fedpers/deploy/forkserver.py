@@ -28,9 +28,27 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedpers.deploy.flower import require_flower
+from fedpers.deploy.isolation import isolated_env, python, reexec_isolated
 from fedpers.deploy.pulls import quick_object_pulls
 
 POLL_INTERVAL = "0.05"
+
+PIN = (
+    "import sys, types\n"
+    "path = sys.argv[1] + '/deploy/integrity.py'\n"
+    "with open(path, 'rb') as f:\n"
+    "    own = f.read()\n"
+    "integrity = types.ModuleType('_fedpers_pin')\n"
+    "integrity.__file__ = path\n"
+    "sys.modules[integrity.__name__] = integrity\n"
+    "exec(compile(own, path, 'exec', dont_inherit=True), integrity.__dict__)\n"
+    "integrity.pin_package(sys.argv[1], own)\n"
+)
+"""The first code the fork server runs (``python -I -c PIN... ROOT``): it compiles ``ROOT/deploy/integrity.py``
+from the bytes it reads and pins the ``fedpers`` package at ROOT (:func:`fedpers.deploy.integrity.pin_package`),
+so every fedpers module the server and its forks run is recorded by the hash of the bytes compiled."""
+BOOT = PIN + "import fedpers.deploy.forkserver\nfedpers.deploy.forkserver.serve()\n"
+"""The fork server's whole command (after :data:`PIN`): import the server through the pin and serve."""
 
 
 from fedpers.deploy.trust import TRUSTED_APPS_ENV, UntrustedApp, trusted_apps  # noqa: E402  (re-exported)
@@ -154,17 +172,21 @@ def serve() -> None:
                 os._exit(code)
 
 
-TELEMETRY_ENV = "FLWR_TELEMETRY_ENABLED"
-
-
 def fork_server_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The fork server's environment: the SuperExec's, with Flower's public ``FLWR_TELEMETRY_ENABLED``
-    set to ``0`` unless the operator set it. Otherwise every ClientApp execution sends two telemetry
-    events to flower.ai (run enter and leave: the node's platform, the exit code and, by their
-    timing, each round this data-holding node takes part in) and builds them in its fork
-    (``platform.architecture()`` starts a ``file`` process; the exit waits up to 4 s for the send):
-    0.05–0.15 s of a loopback round here. The SuperNode's and SuperExec's own events are untouched."""
-    return {**environ, TELEMETRY_ENV: environ.get(TELEMETRY_ENV, "0")}
+    """The fork server's environment: the SuperExec's, isolated (:func:`fedpers.deploy.isolation.isolated_env`:
+    no ``PYTHON*`` variable) and with Flower's public ``FLWR_TELEMETRY_ENABLED=0`` whatever the operator set.
+    Otherwise every ClientApp execution sends two telemetry events to flower.ai (run enter and leave: the
+    node's platform, the exit code and, by their timing, each round this data-holding node takes part in)
+    and builds them in its fork (``platform.architecture()`` starts a ``file`` process; the exit waits up
+    to 4 s for the send): 0.05–0.15 s of a loopback round here."""
+    return isolated_env(environ)
+
+
+def installed_root() -> str:
+    """The directory of the fedpers this process runs (the SuperExec's, isolated: the installed one)."""
+    import fedpers
+
+    return os.path.dirname(os.path.abspath(fedpers.__file__))
 
 
 class ForkServerExecutor:
@@ -180,7 +202,7 @@ class ForkServerExecutor:
     @staticmethod
     def _start() -> subprocess.Popen[str]:
         server = subprocess.Popen(
-            [sys.executable, "-m", "fedpers.deploy.forkserver"],
+            python("-c", BOOT, installed_root()),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -189,6 +211,11 @@ class ForkServerExecutor:
         ready = server.stdout.readline().strip() if server.stdout else ""
         if ready != "ready":
             raise RuntimeError(f"fedpers fork server did not start (said {ready!r})")
+        print(
+            f"fedpers superexec: fork server ready, fedpers pinned at {installed_root()} (each fork checks it against the FAB)",
+            file=sys.stderr,
+            flush=True,
+        )
         return server
 
     def launch(self, spec: Any) -> Any:
@@ -271,6 +298,7 @@ def superexec(argv: list[str]) -> int:
     import importlib
 
     require_flower("superexec")
+    reexec_isolated(["fedpers", "deploy", "superexec", *argv])
     argv = take_trusted(argv)
     cli = importlib.import_module("flwr.supercore.cli.flower_superexec")
     loop = importlib.import_module("flwr.supercore.superexec.run_superexec")
@@ -280,7 +308,3 @@ def superexec(argv: list[str]) -> int:
     sys.argv = ["flower-superexec", *argv]
     cli.flower_superexec()
     return 0
-
-
-if __name__ == "__main__":
-    serve()

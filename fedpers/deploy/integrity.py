@@ -14,9 +14,17 @@ start unless
 - no ``sitecustomize``/``usercustomize`` runs from a ``PYTHONPATH`` entry, the user's site
   directory or anywhere outside the interpreter's own installation (code that runs before any check).
 
-Standard library only. This is drift protection, not a defence against the node's operator, who
-controls the node's interpreter (docs/flower.md, Security: what bounds a node operator). Bytecode
-in ``__pycache__`` is not compared (Python checks it against its source's size and time only).
+In a warm fork server (:mod:`fedpers.deploy.forkserver`) the code that runs was imported when the
+server started, before any FAB was seen, so comparing files on disk at each fork would miss code
+swapped in for the server's start and restored afterwards. The fork server therefore imports fedpers
+through :class:`PinnedPackage`: every module is compiled from the very bytes whose SHA-256 it records
+(never from ``__pycache__``), and the installed package is hashed when the server starts; each fork
+compares both against the FAB's files, and a module imported later must equal the FAB's file.
+
+Standard library only. This is drift and swap protection, not a defence against the node's operator,
+who controls the node's interpreter (docs/flower.md, the threat table: what an operator with root on
+their own node can still do). Bytecode in ``__pycache__`` is not compared where fedpers is imported the
+usual way (Python checks it against its source's size and time only); a pinned fork server never reads it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 
 class ModifiedCode(RuntimeError):
@@ -117,12 +126,108 @@ def imported_root(package: str = "fedpers") -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
+class PinnedPackage:
+    """A ``sys.meta_path`` finder for ``package`` (and its modules) under ``root``: each module is compiled
+    from the bytes read once, whose SHA-256 is recorded in :attr:`loaded` (``__pycache__`` never read).
+    :attr:`installed` is every importable file under ``root`` hashed when the pin was made; once
+    :attr:`expected` is set (a FAB's files), a module whose bytes differ from it is refused at import."""
+
+    def __init__(self, package: str, root: str | Path) -> None:
+        self.package, self.root = package, Path(root).resolve()
+        self.installed = package_files(self.root)
+        self.loaded: dict[str, str] = {}
+        self.expected: dict[str, str] | None = None
+
+    def record(self, path: Path, data: bytes) -> None:
+        """Note the bytes of ``path`` about to be compiled; refuse them if they differ from :attr:`expected`."""
+        rel = path.resolve().relative_to(self.root).as_posix()
+        digest = hashlib.sha256(data).hexdigest()
+        if self.expected is not None and self.expected.get(rel) != digest:
+            raise ModifiedCode(f"{self.package}/{rel} differs from the trusted app's; refusing to import it")
+        self.loaded[rel] = digest
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name != self.package and not name.startswith(self.package + "."):
+            return None
+        where = [str(self.root.parent)] if name == self.package else path
+        found = importlib.machinery.PathFinder.find_spec(name, where)  # type: ignore[arg-type]
+        if found is None:
+            return None
+        origin = Path(found.origin).resolve() if found.origin else None
+        if origin is None or origin.suffix != ".py" or not origin.is_relative_to(self.root):
+            raise ModifiedCode(
+                f"{name} would be imported from {found.origin}, not from a source file under {self.root}"
+            )
+        return importlib.util.spec_from_file_location(
+            name,
+            origin,
+            loader=_HashingLoader(name, str(origin), self),
+            submodule_search_locations=found.submodule_search_locations,
+        )
+
+    def compare(self, fab: dict[str, str]) -> None:
+        """Refuse (:class:`ModifiedCode`) unless the installed package (as hashed at the pin) and every module
+        loaded since equal the FAB's files ``fab``; from now on every module imported must equal them too."""
+        loaded = sorted(rel for rel, digest in self.loaded.items() if fab.get(rel) != digest)
+        if loaded:
+            raise ModifiedCode(
+                f"this process runs {self.package} modules that differ from the trusted app's ({loaded[:5]}), "
+                "as read when it started; refusing to run them under the app's hash"
+            )
+        if self.installed != fab:
+            differ = _differ(fab, self.installed)
+            raise ModifiedCode(
+                f"the {self.package} installed at {self.root} when this process started differs from the trusted "
+                f"app's ({len(differ)} files: {differ[:5]}); refusing to run it under the app's hash"
+            )
+        self.expected = fab
+
+
+class _HashingLoader(importlib.machinery.SourceFileLoader):
+    """A source loader that compiles exactly the bytes its :class:`PinnedPackage` recorded."""
+
+    def __init__(self, fullname: str, path: str, pin: PinnedPackage) -> None:
+        super().__init__(fullname, path)
+        self.pin = pin
+
+    def get_code(self, fullname: str) -> Any:
+        path = self.get_filename(fullname)
+        data = self.get_data(path)
+        self.pin.record(Path(path), data)
+        return self.source_to_code(data, path)
+
+
+def pin_package(root: str | Path, own: bytes, package: str = "fedpers") -> PinnedPackage:
+    """Import ``package`` from ``root`` only through a :class:`PinnedPackage` (first on ``sys.meta_path``);
+    ``own``: the bytes this module was compiled from (it was loaded by path, before the pin)."""
+    if package in sys.modules:
+        raise ModifiedCode(f"{package} was imported before the pin: its modules' bytes were not recorded")
+    pin = PinnedPackage(package, root)
+    pin.record(pin.root / "deploy" / "integrity.py", own)
+    sys.meta_path.insert(0, pin)
+    return pin
+
+
+def active_pin(package: str = "fedpers") -> PinnedPackage | None:
+    """The :class:`PinnedPackage` this process imports ``package`` through, if any (a warm fork server's)."""
+    for finder in sys.meta_path:
+        if type(finder).__name__ == PinnedPackage.__name__ and getattr(finder, "package", None) == package:
+            return finder  # type: ignore[return-value]  # the class of another load of this file
+    return None
+
+
 def require_fab_code(app_dir: str | Path, package: str = "fedpers") -> None:
     """Refuse (:class:`ModifiedCode`) unless ``package`` as imported here has exactly the importable
-    files of ``app_dir/package`` (the installed FAB) and nothing shadows it (:func:`require_clean_startup`)."""
+    files of ``app_dir/package`` (the installed FAB) and nothing shadows it (:func:`require_clean_startup`).
+    In a pinned process (a warm fork server's fork) the comparison is with what the pin recorded when
+    the process started and what it has loaded since (:meth:`PinnedPackage.compare`), not with the disk."""
     fab = (Path(app_dir) / package).resolve()
     memo: dict[Path, dict[str, str]] = {}
     require_clean_startup(fab, package, memo)
+    pin = active_pin(package)
+    if pin is not None:
+        pin.compare(_package_files_once(memo, fab))
+        return
     used = imported_root(package)
     if used is None or used == fab:
         return

@@ -7,7 +7,8 @@ at the same path, and nowhere else; every directory is 0700, every private file 
   issue certificates: keep it offline. No machine of the deployment reads it.
 - ``superlink/``: ``superlink.crt``/``.key`` (TLS, for the hosts given), ``ca.crt``,
   ``superexec.secret`` (the SuperExec shared secret), ``policy.toml`` (the lab's privacy policy),
-  ``supernode-I.pub`` (to register), ``flwr/config.toml`` (the ``flwr`` connection, loopback).
+  ``supernode-I.pub`` (to register), ``flwr/config.toml`` (the ``flwr`` connection, loopback),
+  ``configs/`` (empty: the only place a run's ``config-file`` is read from).
 - ``supernode-I/``: ``supernode-I.key`` (its OpenSSH EC P-384 key, Flower's SuperNode
   authentication), ``ca.crt``, ``policy.toml``.
 - ``commands.txt``: the recipe, one command per line group, in order; the README's recipe.
@@ -214,6 +215,9 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     put(layout.link, "superexec.secret", secrets.token_hex(32).encode())
     put(layout.link, "policy.toml", policy.encode())
     put(layout.link / "flwr", "config.toml", connection_toml(layout).encode(), "superlink/flwr/config.toml")
+    from fedpers.deploy.serverside import CONFIG_DIR
+
+    private_dir(layout.link / CONFIG_DIR)  # the only place a run's config-file is read from
     for i in range(layout.supernodes):
         key = ec.generate_private_key(ec.SECP384R1())
         put(
@@ -255,8 +259,9 @@ def commands(layout: Layout) -> str:
         f"# keep {layout.root}/ca offline. --trust-app: the FAB hash of the lab's checkout (`fedpers deploy app-hash DIR`; recompute after",
         "# every code change, on every machine). Edit superlink/policy.toml before the first run and copy it to every SuperNode.",
         "",
-        f"{STEP}1. superlink: the SuperLink, on loopback only (Flower serves its Control and Runtime APIs on the same port as the Fleet API)",
-        f"flower-superlink --host 127.0.0.1 --port {layout.link_port} --ssl-ca-certfile {L}/ca.crt --ssl-certfile {L}/superlink.crt \\",
+        f"{STEP}1. superlink: the SuperLink, on loopback only, answering only this uid (Flower serves its Control and Runtime APIs on",
+        "#    the same port as the Fleet API; --allow-uid UID lets a lab member's own uid in, e.g. through ssh -L)",
+        f"fedpers deploy superlink --host 127.0.0.1 --port {layout.link_port} --ssl-ca-certfile {L}/ca.crt --ssl-certfile {L}/superlink.crt \\",
         f"    --ssl-keyfile {L}/superlink.key --enable-supernode-auth --isolation process --superexec-auth-secret-file {L}/superexec.secret \\",
         "    --disable-runtime-dependency-installation",
         "",
@@ -268,8 +273,8 @@ def commands(layout: Layout) -> str:
         f"fedpers deploy fleet-proxy --listen {layout.listen}:{layout.port} --superlink 127.0.0.1:{layout.link_port} --ssl-certfile {L}/superlink.crt \\",
         f"    --ssl-keyfile {L}/superlink.key --ssl-ca-certfile {L}/ca.crt",
         "",
-        f"{STEP}4. superlink: register every SuperNode's key (flwr reaches the loopback SuperLink: run it there, or through",
-        f"#    `ssh -N -L {layout.link_port}:127.0.0.1:{layout.link_port} SUPERLINK-MACHINE`); note the node ids printed",
+        f"{STEP}4. superlink: register every SuperNode's key (flwr reaches the loopback SuperLink as the lab's uid: run it there, or through",
+        f"#    `ssh -N -L {layout.link_port}:127.0.0.1:{layout.link_port} SUPERLINK-MACHINE` as an --allow-uid user); note the node ids printed",
         *[f"{flwr_home} flwr supernode register {L}/supernode-{i}.pub {CONNECTION}" for i in range(n)],
         "",
     ]

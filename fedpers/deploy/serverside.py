@@ -14,7 +14,9 @@ runs on the SuperLink machine, which holds no user's data:
 - :class:`BoundedGrid`: the Grid the run uses, which sends no round's tasks (so nothing more is
   released) once the policy's ``max-seconds`` have passed or the run was stopped (``flwr stop``:
   the Runtime API's heartbeat says so before each round and while replies are awaited);
-- :func:`private_files`: run files only this user can read (umask 077: directories 0700, files 0600).
+- :func:`private_files`: run files only this user can read (umask 077: directories 0700, files 0600);
+- :func:`confine_config_file`: a run-config's ``config-file`` is read only from the lab's directory
+  (:func:`lab_config_dir`: ``configs/`` beside the lab's policy), never from anywhere else on the machine.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from fedpers.runtime.flower.policy import Policy, PolicyRefused
+
+CONFIG_DIR = "configs"
+"""The lab's directory for run-config files on the SuperLink machine: this name beside ``$FEDPERS_POLICY``
+(``fedpers deploy certs`` creates ``superlink/configs/``, 0700)."""
 
 HEARTBEAT_EVERY = 0.2
 """Seconds between the BoundedGrid's checks of the run's status while it waits for replies."""
@@ -62,6 +69,39 @@ def refuse_seeded_node_noise(job: Any) -> None:
             f"secure_noise: a deployment with dp_model={model} must set secure_noise=true (the nodes' noise would "
             "otherwise follow the run's seed, which the server knows)"
         )
+
+
+def lab_config_dir(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``configs/`` beside the lab's policy (``$FEDPERS_POLICY``); None when this process has no policy."""
+    from fedpers.runtime.flower.policy import POLICY_ENV
+
+    policy = (os.environ if environ is None else environ).get(POLICY_ENV, "")
+    return Path(policy).resolve().parent / CONFIG_DIR if policy else None
+
+
+def confine_config_file(run_config: Mapping[str, Any], config_dir: Path | None) -> dict[str, Any]:
+    """``run_config`` with its ``config-file`` resolved inside ``config_dir`` (a relative name is read from
+    there); a path that leads anywhere else (``..``, a symbolic link out, another directory) or a
+    config file without a lab directory is refused before the file is opened, so the ServerApp reads,
+    and echoes key names of, no TOML file but the lab's."""
+    from fedpers.app import CONFIG_FILE
+
+    given = str(run_config.get(CONFIG_FILE, ""))
+    if not given:
+        return dict(run_config)
+    if config_dir is None:
+        raise ValueError(
+            f"run config: {CONFIG_FILE}: a deployment reads config files only from the lab's directory ({CONFIG_DIR}/ "
+            "beside $FEDPERS_POLICY), and this ServerApp has no policy; give the fields in config= or as flat keys"
+        )
+    where = config_dir.resolve()
+    path = (where / given).resolve()  # an absolute name replaces the directory; symbolic links are followed
+    if not path.is_relative_to(where) or path == where:
+        raise ValueError(
+            f"run config: {CONFIG_FILE}: {given!r} is outside the lab's config directory {where}; put the TOML file "
+            "there (a relative name is read from there)"
+        )
+    return {**run_config, CONFIG_FILE: str(path)}
 
 
 def deployed(job: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 
 from fedpers.deploy.flower import require_flower
 from fedpers.deploy.forkserver import TRUSTED_APPS_ENV, take_trusted
+from fedpers.deploy.isolation import python, reexec_isolated
 from fedpers.deploy.pulls import quick_object_pulls
 
 SUPERNODE_POLL = 0.2
@@ -67,7 +68,7 @@ class _WarmSuperExecLauncher:
 
     def Popen(self, command: list[str], *args: Any, **kwargs: Any) -> subprocess.Popen:
         if command and command[0] == "flower-superexec":
-            command = [sys.executable, "-m", "fedpers", "deploy", "superexec", *command[1:]]
+            command = python("-m", "fedpers", "deploy", "superexec", *command[1:])
         return subprocess.Popen(command, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -81,6 +82,7 @@ def supernode(argv: list[str]) -> int:
     (:class:`_PollingTime`); with ``--isolation subprocess`` (the default) its
     SuperExec is ``fedpers deploy superexec``."""
     require_flower("supernode")
+    reexec_isolated(["fedpers", "deploy", "supernode", *argv])
     argv = take_trusted(argv)
     if os.environ.get(TRUSTED_APPS_ENV) and "process" in argv and argv[argv.index("process") - 1] == "--isolation":
         print(

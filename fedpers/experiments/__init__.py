@@ -25,7 +25,7 @@ ALGORITHMS: dict[str, tuple[str, str, str]] = {
         "User-level private alternating minimisation with private initialisation (docs/algorithms.md §1)",
     ),
     "noisyhead": (
-        "fedpers.experiments.noisyhead_mc",
+        "fedpers.experiments.noisyhead",
         "NoisyHeadMonteCarloExperiment",
         "NoisyHead: DP pretraining of a linear attention head (docs/algorithms.md §2)",
     ),

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fedpers.experiments.altmin_baselines import NonPrivateAltMin
+from fedpers.experiments.common.lowrank_baselines import NonPrivateAltMin
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Message, Protocol, Units, client_message, zero_message
 from fedpers.runtime.local import Companion
@@ -109,7 +109,7 @@ class ShadowRun(Companion):
 
 
 class ReferenceRun(Companion):
-    """The non-private AltMin reference (:class:`~fedpers.experiments.altmin_baselines.NonPrivateAltMin`)
+    """The non-private AltMin reference (:class:`~fedpers.experiments.common.lowrank_baselines.NonPrivateAltMin`)
     advanced one pass per round of a run that reads every user, with all of its samples, in each
     round, in the chunks the reference's own passes read: its spectral pass in the run's round 0,
     its round r in the run's round r, so its first passes cost no generation of their own. Its

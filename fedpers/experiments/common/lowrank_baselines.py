@@ -70,7 +70,7 @@ def statistical_error(A: Tensor, b: Tensor, yy: float, u: Tensor, samples: int, 
 
 class NonPrivateAltMin:
     """:func:`nonprivate_altmin` one pass at a time, for a caller that reads the users itself (a
-    private run's passes, :class:`~fedpers.experiments.shared_passes.ReferenceRun`): :meth:`begin`,
+    private run's passes, :class:`~fedpers.experiments.common.shared_passes.ReferenceRun`): :meth:`begin`,
     :meth:`add` of every chunk in order, :meth:`end`; until :attr:`done`. Fed the chunks
     :func:`nonprivate_altmin` reads, in its order, it computes the same U bit for bit.
 

@@ -1,0 +1,2 @@
+"""Building blocks several algorithms share: the low-rank regression baselines, population metrics and
+the baselines that ride a private run's passes."""
