@@ -509,7 +509,10 @@ def _remembered_epsilon(
     with _epsilon_memo_lock:
         if key in _epsilon_memo:
             return _epsilon_memo[key]
-    eps = acc.epsilon(event, delta, pld_discretisation=grid, neighbours=neighbours)
+    # the relation is passed only when it is not the default: an accountant that declares replace-one alone
+    # (its ``relations``) keeps the signature it was written with
+    extra = {} if neighbours is Neighbours.REPLACE_ONE else {"neighbours": neighbours}
+    eps = acc.epsilon(event, delta, pld_discretisation=grid, **extra)
     with _epsilon_memo_lock:
         _epsilon_memo[key] = eps
         while len(_epsilon_memo) > EPSILON_MEMO_SIZE:
