@@ -241,47 +241,58 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
         cfg, Calibrations(json.loads(job.calibrations_json))
     )  # the server's z: no accountant here
 
-    def node_side_plan(sent: Any) -> Any:
-        """The distributed/local plan this node derives from the job alone, for ``sent``'s trust model
-        and node counts (what the server sent must equal it: a node never noises by the server's word)."""
+    def node_side(trust: Any) -> Any:
+        """The distributed/local plan this node derives from the job alone for the job's trust model, and the
+        protocol the server updates with (what the server sends must equal the plan: a node never noises by
+        the server's word, and it derives each round's broadcast with that protocol from the releases)."""
+        from fedpers.config import DpModel
         from fedpers.configs.runtime import RuntimeOptions
         from fedpers.privacy.distributed import RecordingCalibrations
-        from fedpers.runtime.distributed import node_side_privatizer
+        from fedpers.runtime.distributed import node_side_privatizer, with_node_noise
+        from fedpers.runtime.flower.nodeside import NodeSidePlan
         from fedpers.seeds import derived_seed
 
         recording = RecordingCalibrations(json.loads(job.calibrations_json))
         public = experiment.protocol(cfg, recording)
         options = RuntimeOptions(
-            dp_model=sent.model,
-            nodes=sent.nodes,
-            min_nodes=sent.min_nodes,
-            bits=sent.bits,
-            users_per_node=sent.users_per_node,
+            dp_model=DpModel(trust.dp_model),
+            nodes=trust.nodes,
+            min_nodes=trust.min_nodes,
+            bits=trust.bits,
+            users_per_node=trust.users_per_node,
         )
         rotation = derived_seed(cfg.seed, "rotation")
-        return node_side_privatizer(public, experiment.num_units(cfg), recording, options, 0, rotation).plan
+        units = experiment.num_units(cfg)
+        privatizer = node_side_privatizer(public, units, recording, options, 0, rotation)
+        return NodeSidePlan(privatizer.plan, with_node_noise(public, privatizer, units))
 
     return Node(
         protocol,
         lambda ids: experiment.units(cfg, ids),
         num_units=experiment.num_units(cfg),
-        node_side_plan=node_side_plan,
+        node_side=node_side,
     )
 
 
-def make_client_app(entries: Mapping[str, tuple[str, str, str]] | None = None) -> ClientApp:
+def make_client_app(
+    entries: Mapping[str, tuple[str, str, str]] | None = None, *, noise_seed: int | None = None
+) -> ClientApp:
     """The fedpers ClientApp: the Flower runtime's node side with :func:`build_node` injected.
 
     ``entries`` (registry entries, see :func:`fedpers.experiments.register`) travel inside the
     app to the simulation's node processes (Ray actors), which register them before the lookup;
-    the names on the wire are only ever looked up, never imported."""
+    the names on the wire are only ever looked up, never imported. ``noise_seed``: the seeded noise
+    stream of the nodes under distributed or local DP in a simulation, set by the lab that builds this
+    app (the local runtime's bits); None, each node's OS entropy. A node never takes a seed from a message."""
     from functools import partial
 
     from fedpers.runtime.flower.client import make_client_app as runtime_client_app
+    from fedpers.runtime.flower.nodeside import NodeSettings
 
+    settings = NodeSettings(noise_seed)
     if not entries:
-        return runtime_client_app(build_node)
-    return runtime_client_app(partial(build_node, entries=dict(entries)))
+        return runtime_client_app(build_node, settings)
+    return runtime_client_app(partial(build_node, entries=dict(entries)), settings)
 
 
 def flower_job(
@@ -289,11 +300,13 @@ def flower_job(
     cfg: RunConfig,
     protocol: Protocol,
     calibrations: Mapping[str, float] | None = None,
+    options: Any = None,
 ) -> Job:
-    """What the nodes rebuild ``protocol`` from: algorithm name, config, protocol digest, and the
+    """What the nodes rebuild ``protocol`` from: algorithm name, config, protocol digest, the
     noise calibrations the server's accountant chose (nodes rebuild the protocol without one):
-    ``calibrations`` if given, else recorded by building the protocol once more."""
-    from fedpers.runtime.flower.codec import Job
+    ``calibrations`` if given, else recorded by building the protocol once more, and the run's trust
+    model from the runtime ``options`` (central when None), which every node pins."""
+    from fedpers.runtime.flower.codec import Job, Trust
 
     if calibrations is None:
         from fedpers.privacy.accountant import Calibrations
@@ -301,7 +314,7 @@ def flower_job(
         recorded = Calibrations()
         experiment.protocol(cfg, recorded)
         calibrations = recorded.table
-    return Job.of(experiment.name, cfg, protocol, calibrations)
+    return Job.of(experiment.name, cfg, protocol, calibrations, None if options is None else Trust.of(options))
 
 
 def run_flower(
@@ -324,10 +337,12 @@ def run_flower(
 
     if kwargs.get("grid") is None and client_app is None:
         from fedpers.experiments import ALGORITHMS
+        from fedpers.privacy.distributed import NodeSidePrivatizer
 
         entry = ALGORITHMS.get(experiment.name)
-        client_app = make_client_app({experiment.name: entry} if entry is not None else None)
-    job = flower_job(experiment, cfg, node_protocol if node_protocol is not None else protocol, calibrations)
+        seed = privatizer.noise_seed if isinstance(privatizer, NodeSidePrivatizer) and not privatizer.secure else None
+        client_app = make_client_app({experiment.name: entry} if entry is not None else None, noise_seed=seed)
+    job = flower_job(experiment, cfg, node_protocol if node_protocol is not None else protocol, calibrations, options)
     return run(
         job,
         experiment.num_units(cfg),

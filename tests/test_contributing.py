@@ -110,7 +110,34 @@ def test_toy_on_an_in_process_flower_grid_equals_local(toy, tmp_path):
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
 
 
-@pytest.mark.slow  # a Ray head and two node actors: ~30 s
+
+def test_toy_runs_under_distributed_and_local_dp_by_declaring_node_side(toy, tmp_path):
+    """The toy declares ``node_side()`` (docs/contributing.md, Trust models) and nothing else: under
+    distributed DP its sums are Skellam releases within its target, on Flower (SecAgg+, an in-process grid
+    of two nodes seeded by the lab) equal to the local runtime's; under local DP each unit's own Gaussian."""
+    from fedpers.app import make_client_app
+    from fedpers.privacy.ledger import SkellamDpEvent
+    from fedpers.runner import resolve
+    from tests.flower_support import InProcessGrid
+
+    cfg = small(toy)
+    opts = {"nodes": 2, "dp_model": "distributed", "bits": 16}
+    local = execute(toy, cfg, config_lib.build(RuntimeOptions, opts), out=tmp_path / "local", progress=False)
+    grid = InProcessGrid(make_client_app({"toymean": ALGORITHMS["toymean"]}, noise_seed=split_seed(cfg)[1]), 2)
+    options = config_lib.build(RuntimeOptions, {**opts, "runtime": "flower"})
+    flower = execute(toy, cfg, options, out=tmp_path / "flower", progress=False, grid=grid)
+    assert flower["mean_error"] == local["mean_error"]
+    assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
+    p = resolve(toy, cfg, config_lib.build(RuntimeOptions, opts))
+    run_local(p.protocol, toy.units(p.cfg, torch.arange(cfg.n_users)), p.privatizer, progress=False)
+    assert len(p.privatizer.ledger.releases) == cfg.rounds
+    assert all(isinstance(r.event, SkellamDpEvent) for r in p.privatizer.ledger.releases)
+    assert ledger_epsilon(p.privatizer.ledger, cfg.delta) <= cfg.epsilon * (1 + 1e-9)
+    q = resolve(toy, cfg, config_lib.build(RuntimeOptions, {"nodes": 2, "dp_model": "local"}))
+    run_local(q.protocol, toy.units(q.cfg, torch.arange(cfg.n_users)), q.privatizer, progress=False)
+    assert {r.mechanism for r in q.privatizer.ledger.releases} == {"local_gaussian"}
+
+
 def test_toy_on_the_flower_simulation_equals_local(toy, tmp_path):
     """2 nodes in Flower's simulation engine (Ray actors: separate processes that import the toy themselves)."""
     import os

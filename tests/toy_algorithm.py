@@ -23,7 +23,7 @@ from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_see
 from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign, PrivateScore
 from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.configs.privacy import accountant_field, check_accountant
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
 
@@ -74,6 +74,10 @@ class ToyMeanProtocol(Protocol):
         )
         mean = (state["mean"] * round + noisy / self.n_users) / (round + 1)  # average of the rounds' estimates
         return {"mean": mean}, {}
+
+    def node_side(self) -> NodeSide | str:
+        """Its one release a round is a Gaussian sum of clipped units at z: the nodes can add that noise."""
+        return NodeSide(self.noise_multiplier)
 
 
 def user_event(noise_multiplier: float, rounds: int) -> dp_accounting.DpEvent:

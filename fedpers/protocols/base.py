@@ -12,10 +12,11 @@ algorithm.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -196,6 +197,20 @@ def client_message(protocol: Protocol, round: int, broadcast: Mapping[str, Tenso
     return client_message(protocol, round, broadcast, first) + client_message(protocol, round, broadcast, second)
 
 
+@dataclass(frozen=True)
+class NodeSide:
+    """A protocol's declaration that it can run under distributed or local DP (docs/contributing.md,
+    "Trust models"): every release in ``server_update`` is ``privatizer.gaussian_sum`` or
+    ``symmetric_gaussian_sum`` of a statistic exactly as summed (``summed.stats[name]``, untransformed),
+    each at one noise multiplier z calibrated by the accountant, so each node can add its share of that
+    noise to its own sum and the server only adds. The runtime derives the nodes' plan from this alone."""
+
+    noise_multiplier: float
+    """z of every sum release (0: no noise)."""
+    psd_statistics: tuple[str, ...] = ()
+    """Statistics whose every unit's contribution is a PSD matrix (its √2 replace-one bound survives rounding)."""
+
+
 class Protocol(abc.ABC):
     """An algorithm of the billboard model. Subclasses are plain data plus pure functions."""
 
@@ -236,6 +251,19 @@ class Protocol(abc.ABC):
     def unit_keys(self) -> tuple[str, ...]:
         """Names of the per-unit tensors ``client_update`` reads (besides ``ids``)."""
         return ()
+
+    def node_side(self) -> NodeSide | str:
+        """Distributed and local DP: this configuration's :class:`NodeSide` declaration, or why its releases
+        cannot be noised on the nodes (a reason the runtime's refusal quotes). Default: not declared."""
+        return f"{self.name} (it declares no node-side releases: see docs/contributing.md, Trust models)"
+
+    def with_noise_multiplier(self, noise_multiplier: float) -> Protocol:
+        """This protocol assuming ``noise_multiplier`` after its releases (its PSD floor, its noise
+        diagnostics: public post-processing), as distributed and local DP set it to the nodes' noise. Default:
+        the dataclass field ``noise_multiplier`` replaced (a protocol declaring :class:`NodeSide` has one)."""
+        if not dataclasses.is_dataclass(self) or "noise_multiplier" not in {f.name for f in dataclasses.fields(self)}:
+            raise TypeError(f"{self.name}: with_noise_multiplier needs a dataclass field noise_multiplier")
+        return cast(Protocol, dataclasses.replace(cast(Any, self), noise_multiplier=noise_multiplier))
 
     def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
         """(ids, samples) ``client_update`` reads in ``round``: the units that take part (None: all)

@@ -32,7 +32,7 @@ from fedpers.privacy.adaptive_clip import (
     share_multiplier,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-6
@@ -150,6 +150,16 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
         return None, None
 
     # ----- protocol ------------------------------------------------------------------
+    def node_side(self) -> NodeSide | str:
+        """The init's W and each round's gradient sum G are Gaussian sums at z (independent noise, fixed clip)."""
+        if self.adaptive:
+            return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
+        if self.correlated is not None:
+            return f"{self.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
+        if self.poisson:
+            return f"{self.name} with Poisson cohorts (sampling_rate < 1)"
+        return NodeSide(self.noise_multiplier)
+
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 

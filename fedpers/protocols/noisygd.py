@@ -27,7 +27,7 @@ from fedpers.configs.noisygd import Loss, Remedy
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
 
@@ -164,6 +164,16 @@ class NoisyGDProtocol(Protocol):
         return (self.transform(state, x.to(self.dtype)) @ W.transpose(0, 1)).argmax(-1)
 
     # ----- protocol ---------------------------------------------------------------------------
+    def node_side(self) -> NodeSide | str:
+        """Each step's gradient sum is a Gaussian sum at z (independent noise, fixed clip, no remedy)."""
+        if self.adaptive:
+            return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
+        if self.correlated is not None:
+            return f"{self.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
+        if self.remedy_noise_multiplier > 0:
+            return f"{self.name} with a remedy (its feature releases take a second noise multiplier; use --remedy none)"
+        return NodeSide(self.noise_multiplier)
+
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 

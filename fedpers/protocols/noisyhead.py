@@ -45,7 +45,7 @@ from fedpers.privacy.adaptive_clip import (
     below_statistic,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
 
@@ -347,6 +347,23 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         return self.step_size / self.prompts * 2 * self.grad_bound
 
     # ----- protocol ------------------------------------------------------------------
+    def node_side(self) -> NodeSide | str:
+        """``--mode rounds`` releases each step's gradient sum at z; the statistics mode releases A·Γ_t − b, a
+        transform the server computes from the sums at each of its T steps (node-side it would be the gradient
+        of every step: the rounds mode)."""
+        if self.mode is Mode.STATISTICS:
+            return (
+                "noisyhead --mode statistics (it releases A·Γ − b, a transform of the sums computed on the server "
+                "at every step; use --mode rounds, whose every release is a gradient sum)"
+            )
+        if self.adaptive:
+            return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
+        if self.correlated is not None:
+            return f"{self.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
+        if self.poisson:
+            return f"{self.name} with Poisson sampling (sampling_rate < 1)"
+        return NodeSide(self.noise_multiplier)
+
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 
