@@ -48,6 +48,10 @@ PATHS: dict[str, tuple[str, dict[str, Any]]] = {
         "noisygd",
         {"examples": 4096, "feature_dim": 40, "steps": 3, "remedy": "center", "cycle": 3, "cohorts": "cyclic", "clip_rule": "adaptive"},
     ),
+    "noisygd, poisson cohorts": (
+        "noisygd",
+        {"examples": 4096, "feature_dim": 40, "steps": 2, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.5},
+    ),
     "dpals": ("dpals", {"n_users": 2048, "n_items": 200, "rank": 4, "true_rank": 4, "steps": 2, "head_items": 150, "dtype": "float32"}),
     "noisyhead, statistics": ("noisyhead", {"prompts": 4096, "dim": 4}),
     "noisyhead, rounds": ("noisyhead", {"prompts": 4096, "dim": 4, "mode": "rounds", "steps": 3}),

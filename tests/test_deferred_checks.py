@@ -98,6 +98,10 @@ DEVICE_PATHS = {
         "noisygd",
         {"examples": 1100, "feature_dim": 20, "steps": 3, "remedy": "center", "cycle": 3, "cohorts": "cyclic", "clip_rule": "adaptive"},
     ),
+    "noisygd poisson": (
+        "noisygd",
+        {"examples": 1100, "feature_dim": 20, "steps": 2, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.5},
+    ),
     "dpals": ("dpals", {"n_users": 300, "n_items": 25, "rank": 3, "true_rank": 3, "steps": 2, "head_items": 20, "dtype": "float32"}),
     "noisyhead statistics": ("noisyhead", {"prompts": 400, "dim": 3}),
     "noisyhead rounds": ("noisyhead", {"prompts": 400, "dim": 3, "mode": "rounds", "steps": 3}),

@@ -143,6 +143,8 @@ class NoisyGDProtocol(Protocol):
     def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
         if round >= self.remedy_rounds and self.cycle > 1:
             return torch.arange(*self.cohort_range(self.step_cohort(round))), None
+        if round >= self.remedy_rounds and self.poisson:  # the server's sample, sent with the broadcast
+            return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), None
         return None, None
 
     def remedy_noise_std(self, neighbours: Neighbours | str = Neighbours.REPLACE_ONE) -> float:
