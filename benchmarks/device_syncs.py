@@ -43,6 +43,10 @@ PATHS: dict[str, tuple[str, dict[str, Any]]] = {
         "fedrep",
         {"n_users": 4096, **SMALL, "rounds": 2, "dtype": "float32", "cohorts": "poisson", "sampling_rate": 0.5, "epsilon": "inf"},
     ),
+    "fedrep, poisson cohorts, banded noise (amplified)": (
+        "fedrep",
+        {"n_users": 4096, **SMALL, "rounds": 4, "dtype": "float32", "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2, "epsilon": 4.0},
+    ),
     "noisygd, pca remedy": ("noisygd", {"examples": 4096, "feature_dim": 40, "steps": 2, "epsilon": 0.5, "remedy": "pca"}),
     "noisygd, cyclic cohorts, adaptive clip": (
         "noisygd",
@@ -51,6 +55,10 @@ PATHS: dict[str, tuple[str, dict[str, Any]]] = {
     "noisygd, poisson cohorts": (
         "noisygd",
         {"examples": 4096, "feature_dim": 40, "steps": 2, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.5},
+    ),
+    "noisygd, poisson cohorts, banded noise (amplified)": (
+        "noisygd",
+        {"examples": 4096, "feature_dim": 40, "steps": 4, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2},
     ),
     "dpals": ("dpals", {"n_users": 2048, "n_items": 200, "rank": 4, "true_rank": 4, "steps": 2, "head_items": 150, "dtype": "float32"}),
     "noisyhead, statistics": ("noisyhead", {"prompts": 4096, "dim": 4}),

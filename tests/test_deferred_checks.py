@@ -26,7 +26,7 @@ SYNCS_PER_ROUND = 1
 """A round's host syncs on the device path: the one copy of its summed message and checks to the host."""
 LAUNCHES_PER_CHUNK = 200
 """Kernel launches a chunk of up to 1,024 units may cost on any device path (benchmarks/device_syncs.py
-measures 33 to 164 a chunk, docs/benchmarks.md)."""
+measures 33 to 171 a chunk, docs/benchmarks.md)."""
 LAUNCHES_PER_ROUND = 120
 """Launches a round may cost besides its chunks (the checks' flag, the copy of its sum)."""
 
@@ -93,6 +93,10 @@ DEVICE_PATHS = {
         "fedrep",
         {"n_users": 1100, **SMALL, "rounds": 2, "dtype": "float32", "cohorts": "poisson", "sampling_rate": 0.5, "epsilon": "inf"},
     ),
+    "fedrep poisson, banded (amplified: a block of ids a round, sampled)": (
+        "fedrep",
+        {"n_users": 1100, **SMALL, "rounds": 4, "dtype": "float32", "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2, "epsilon": 4.0},
+    ),
     "noisygd pca": ("noisygd", {"examples": 1100, "feature_dim": 20, "steps": 2, "epsilon": 0.5, "remedy": "pca"}),
     "noisygd cyclic, adaptive": (
         "noisygd",
@@ -101,6 +105,10 @@ DEVICE_PATHS = {
     "noisygd poisson": (
         "noisygd",
         {"examples": 1100, "feature_dim": 20, "steps": 2, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.5},
+    ),
+    "noisygd poisson, banded (amplified)": (
+        "noisygd",
+        {"examples": 1100, "feature_dim": 20, "steps": 4, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2},
     ),
     "dpals": ("dpals", {"n_users": 300, "n_items": 25, "rank": 3, "true_rank": 3, "steps": 2, "head_items": 20, "dtype": "float32"}),
     "noisyhead statistics": ("noisyhead", {"prompts": 400, "dim": 3}),

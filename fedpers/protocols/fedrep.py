@@ -145,10 +145,12 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
         return int(units["ids"].shape[0])
 
     def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
-        if round >= 1 and self.cycle > 1:
-            return torch.arange(*self.cohort_range(self.round_cohort(round))), None
-        if round >= 1 and self.poisson:  # the server's sample, sent with the broadcast
-            return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), None
+        if round >= 1 and (self.cycle > 1 or self.poisson):
+            # the round's block of ids (cycle), of which the server's sample (Poisson, sent with the broadcast)
+            ids = torch.arange(*self.cohort_range(self.round_cohort(round)))
+            if self.poisson:
+                ids = ids[broadcast["sampled"].cpu()[ids] > 0]
+            return ids, None
         return None, None
 
     # ----- protocol ------------------------------------------------------------------
