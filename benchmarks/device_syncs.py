@@ -63,6 +63,10 @@ PATHS: dict[str, tuple[str, dict[str, Any]]] = {
     "dpals": ("dpals", {"n_users": 2048, "n_items": 200, "rank": 4, "true_rank": 4, "steps": 2, "head_items": 150, "dtype": "float32"}),
     "noisyhead, statistics": ("noisyhead", {"prompts": 4096, "dim": 4}),
     "noisyhead, rounds": ("noisyhead", {"prompts": 4096, "dim": 4, "mode": "rounds", "steps": 3}),
+    "noisyhead, rounds, poisson cohorts, banded noise (amplified)": (
+        "noisyhead",
+        {"prompts": 4096, "dim": 4, "mode": "rounds", "steps": 4, "sampling_rate": 0.25, "noise": "banded", "bands": 2},
+    ),
     "expmech": ("expmech", {"n_users": 4096, "dim": 3, "rank": 1}),
 }
 CHUNKS = (1024, 256)

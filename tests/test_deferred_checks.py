@@ -113,6 +113,10 @@ DEVICE_PATHS = {
     "dpals": ("dpals", {"n_users": 300, "n_items": 25, "rank": 3, "true_rank": 3, "steps": 2, "head_items": 20, "dtype": "float32"}),
     "noisyhead statistics": ("noisyhead", {"prompts": 400, "dim": 3}),
     "noisyhead rounds": ("noisyhead", {"prompts": 400, "dim": 3, "mode": "rounds", "steps": 3}),
+    "noisyhead rounds, poisson, banded (amplified)": (
+        "noisyhead",
+        {"prompts": 400, "dim": 3, "mode": "rounds", "steps": 4, "sampling_rate": 0.25, "noise": "banded", "bands": 2},
+    ),
     "expmech": ("expmech", {"n_users": 1100, "dim": 3, "rank": 1}),
 }
 

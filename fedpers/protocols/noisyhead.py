@@ -288,10 +288,13 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         return int(units["ids"].shape[0])
 
     def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
-        if self.cycle > 1:
-            return torch.arange(*self.cohort_range(round % self.cycle)), None
-        if self.poisson and "sampled" in broadcast:  # the server's sample, sent with the broadcast
-            return (broadcast["sampled"].cpu() > 0).nonzero().squeeze(1), None
+        sampled = self.poisson and "sampled" in broadcast  # the server's sample, sent with the broadcast
+        if self.cycle > 1 or sampled:
+            # the round's block of ids (cycle), of which the sampled ones (Poisson)
+            ids = torch.arange(*self.cohort_range(round % self.cycle))
+            if sampled:
+                ids = ids[broadcast["sampled"].cpu()[ids] > 0]
+            return ids, None
         return None, None
 
     def unit_divisor(self, t: int) -> float:
