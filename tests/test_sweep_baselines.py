@@ -79,10 +79,15 @@ def test_points_that_share_data_compute_the_baselines_once_and_reuse_them_after_
 
 def test_reused_baselines_are_what_the_point_computes_alone():
     """A point handed the shared rows reports what it would have computed itself: the rows depend on
-    the data and the seed, not on ε (the private fit and the private initialisation are its own)."""
+    the data and the seed, not on ε or the neighbouring relation (the private fit and the private
+    initialisation are its own)."""
     exp = EXPERIMENTS["altmin"]
     values = {"n_users": 300, "dim": 4, "rank": 2, "samples_per_user": 8, "seed": 5}
-    alone = {eps: execute(exp, config.build(exp.config_type, {**values, "epsilon": eps}), write=False, progress=False) for eps in (1.0, 8.0)}
+    relation = {1.0: "add-remove", 8.0: "replace-one"}
+    alone = {
+        eps: execute(exp, config.build(exp.config_type, {**values, "epsilon": eps, "neighbours": relation[eps]}), write=False, progress=False)
+        for eps in (1.0, 8.0)
+    }
     rows = {k: alone[1.0]["baselines"][k] for k in am.SHARED_BASELINES}
     cfg = config.build(exp.config_type, {**values, "epsilon": 8.0})
     given = execute(exp, cfg, write=False, progress=False, reuse=rows)
@@ -95,7 +100,7 @@ def test_reused_baselines_are_what_the_point_computes_alone():
 
 
 def test_the_key_is_every_field_but_the_privacy_ones():
-    """Change ε, δ, the accountant or the calibration: the same key (reused). Change any data field,
+    """Change ε, δ, the accountant, the neighbouring relation or the calibration: the same key (reused). Change any data field,
     the seed or a baseline's own parameter: another key (computed again)."""
     exp = EXPERIMENTS["altmin"]
     base = config.build(exp.config_type, {"n_users": 300, "dim": 4, "rank": 2})
@@ -105,6 +110,7 @@ def test_the_key_is_every_field_but_the_privacy_ones():
         {"epsilon": math.inf},
         {"delta": 1e-6},
         {"accountant": "rdp"},
+        {"neighbours": "add-remove"},
         {"calibration": "paper"},
     ]
     for change in same:

@@ -200,8 +200,8 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
     baseline_names: tuple[str, ...] = ()
     """Every baseline ``final`` may report under ``baselines`` (each with ``result_keys``)."""
     privacy_fields: tuple[str, ...] = ()
-    """Config fields that change only the private run (ε, δ, the accountant, how the noise is
-    calibrated), never a baseline of :meth:`Evaluator.shared_baselines`. Empty: the experiment shares
+    """Config fields that change only the private run (ε, δ, the accountant, the neighbouring
+    relation, how the noise is calibrated), never a baseline of :meth:`Evaluator.shared_baselines`. Empty: the experiment shares
     no baselines between runs (:meth:`baseline_key`)."""
 
     @abc.abstractmethod

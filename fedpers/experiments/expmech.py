@@ -158,7 +158,7 @@ class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
     data hooks and round axis (:data:`ALTMIN`), its own protocol, evaluation and privacy."""
 
     name = "expmech"
-    privacy_fields = ("epsilon",)
+    privacy_fields = ("epsilon", "neighbours")
 
     def shared_baselines(self, cfg: ExpMechConfig) -> tuple[str, ...]:
         """AltMin's shared baselines of the same users (the candidates' nearest is this run's own)."""

@@ -262,7 +262,7 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
     round_axis = "round (the remedy's release first if --remedy is set, then gradient steps)"
 
     name = "noisygd"
-    privacy_fields = ("epsilon", "delta", "accountant", "noise", "bands", "noise_decay")
+    privacy_fields = ("epsilon", "delta", "accountant", "neighbours", "noise", "bands", "noise_decay")
 
     def shared_baselines(self, cfg: NoisyGDConfig) -> tuple[str, ...]:
         return shared_baselines(cfg)

@@ -47,7 +47,7 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
     name = "altmin"
     result_keys = ("subspace_error", "subspace_error_spectral", "excess_risk", "test_mse", "population_mse")
     baseline_names = BASELINES
-    privacy_fields = ("epsilon", "delta", "accountant", "calibration")
+    privacy_fields = ("epsilon", "delta", "accountant", "neighbours", "calibration")
     config_type = AltMinConfig
 
     def protocol(self, cfg: AltMinConfig, calibrations: Calibrations | None = None) -> AltMinProtocol:

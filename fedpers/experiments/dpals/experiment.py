@@ -32,7 +32,7 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
     """DPALS on synthetic ragged rating data."""
 
     name = "dpals"
-    privacy_fields = ("epsilon", "delta")
+    privacy_fields = ("epsilon", "delta", "neighbours")
 
     def shared_baselines(self, cfg: DpAlsConfig) -> tuple[str, ...]:
         """The tuned non-private ALS (its figures at the top of the result, :data:`ALS_KEYS`)."""

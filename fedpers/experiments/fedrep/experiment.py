@@ -49,7 +49,7 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
     name = "fedrep"
     result_keys = ("subspace_error", "population_mse")
     baseline_names = ("oracle", "private_init_only", *BASELINES)
-    privacy_fields = ("epsilon", "delta", "accountant", "noise", "bands", "noise_decay")
+    privacy_fields = ("epsilon", "delta", "accountant", "neighbours", "noise", "bands", "noise_decay")
 
     def shared_baselines(self, cfg: FedRepConfig) -> tuple[str, ...]:
         return shared_baselines(cfg)
