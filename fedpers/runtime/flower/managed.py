@@ -62,6 +62,16 @@ def _python(code: str, *args: str) -> list[str]:
     return [sys.executable, "-I", "-c", code, *args]
 
 
+def _die_with_parent() -> None:
+    """In a child before it runs its program: the kernel sends it SIGTERM when this process dies, however
+    it dies (SIGKILL included), so a run's SuperLink never outlives the process that owns the run (its
+    SuperExec and simulation follow it: each watches its parent)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+
+
 def superlink_command(app_dir: Path, port: int) -> list[str]:
     """``fedpers deploy superlink --simulation`` on 127.0.0.1:``port``, run from the app's own copy of
     fedpers (the code the run ships in its FAB), without runtime dependency installation."""
@@ -262,6 +272,7 @@ def run_app(
                     stdin=subprocess.DEVNULL,
                     cwd=os.getcwd(),  # the simulation's ServerApp resolves relative paths (out) as this process does
                     start_new_session=True,  # Ctrl-C reaches this process, which stops the run's processes
+                    preexec_fn=_die_with_parent,
                 )
             procs.append(link)
             try:
@@ -281,7 +292,14 @@ def run_app(
             *federation_args(federation_config),
         )
         with open(flower_log, "wb") as out:
-            runner = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            runner = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
         procs.append(runner)
         shown = 0
         while runner.poll() is None:

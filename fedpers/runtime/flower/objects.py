@@ -10,17 +10,16 @@ app, and they run the objects:
 
 - ``server.pkl``: a callable ``(grid, context) -> result``; its result is written to ``result.pkl``, an
   exception it raises to ``error.pkl`` (then raised again, so Flower marks the run failed);
-- ``client.pkl``: a ClientApp, to which every message a node receives is handed.
+- ``client.pkl``: the ClientApp itself (:data:`client_app`, loaded when Flower imports this module).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Message
+from flwr.app import Context
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
@@ -53,14 +52,6 @@ def dump(name: str, value: Any) -> None:
     os.replace(tmp, path)
 
 
-@functools.cache
-def _client() -> ClientApp:
-    app = load(CLIENT)
-    if not isinstance(app, ClientApp):
-        raise TypeError(f"{CLIENT} holds a {type(app).__name__}, not a ClientApp")
-    return app
-
-
 server_app = ServerApp()
 
 
@@ -77,11 +68,16 @@ def _main(grid: Grid, context: Context) -> None:
     dump(RESULT, result)
 
 
-class _Delegate(ClientApp):
-    """A ClientApp that hands every message, of any type and action, to the pickled one."""
+def _client_app() -> ClientApp:
+    """The pickled ClientApp, loaded where Flower loads the app's components (the simulation's process),
+    which hands this object to its node actors with every message (they may run on a Ray cluster
+    started elsewhere, without this run's environment). Outside such a run: an empty ClientApp."""
+    if not os.environ.get(OBJECTS):
+        return ClientApp()
+    app = load(CLIENT)
+    if not isinstance(app, ClientApp):
+        raise TypeError(f"{CLIENT} holds a {type(app).__name__}, not a ClientApp")
+    return app
 
-    def __call__(self, message: Message, context: Context) -> Message:
-        return _client()(message, context)
 
-
-client_app = _Delegate()
+client_app = _client_app()
