@@ -393,7 +393,9 @@ def run_flower(
         return state, records, privatizer
 
     check_engine_and_split(options, num_units, str(device))
-    state, records, drawn = simulate_objects(server, client_app, options, extra=extra)
+    state, records, drawn = simulate_objects(
+        server, client_app, options, entries=plugin_entries(experiment.name), extra=extra
+    )
     privatizer.__dict__.update(drawn.__dict__)  # the ledger and generators the simulation's server left
     return state, records
 
@@ -635,14 +637,16 @@ def simulate_objects(
     client_app: ClientApp,
     options: RuntimeOptions,
     *,
+    entries: Mapping[str, tuple[str, str, str]] | None = None,
     extra: Mapping[str, Path] | None = None,
     echo: bool = False,
 ) -> Any:
     """``server(grid, context)`` as the ServerApp and ``client_app`` on ``options.nodes`` nodes, through
     Flower's supported simulation path (a private simulation SuperLink and ``flwr run``): both are
     pickled into the run's private directory and run by :mod:`fedpers.runtime.flower.objects`, which
-    this fedpers, staged as the app with ``extra`` (name in the app → file or folder: modules the
-    objects' code imports), names as its components. Returns what ``server`` returned; raises what it
+    this fedpers, staged as the app with the packages of ``entries`` (algorithms registered from
+    outside fedpers) and ``extra`` (name in the app → file or folder: modules the objects' code
+    imports), names as its components. Returns what ``server`` returned; raises what it
     raised."""
     import cloudpickle
 
@@ -655,7 +659,7 @@ def simulate_objects(
         for name, value in ((objects.SERVER, server), (objects.CLIENT, client_app)):
             with open(where / name, "wb") as f:
                 cloudpickle.dump(value, f)
-        app = stage_app(home / "app", components=OBJECT_COMPONENTS, extra=extra)
+        app = stage_app(home / "app", entries, components=OBJECT_COMPONENTS, extra=extra)
         failure: BaseException | None = None
         try:
             managed.run_app(

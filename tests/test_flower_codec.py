@@ -250,7 +250,7 @@ def test_the_simulation_starts_its_own_ray_unless_told_to_attach(monkeypatch):
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 5, "client_cpus": 2.0, "client_gpus": 0.25, "sim_gpus": 1})
     assert ray_address(opts) == "local"
     assert federation_config(opts) == {
-        "num-supernodes": 5, "client-resources-num-cpus": 2, "client-resources-num-gpus": 0.25,
+        "num-supernodes": 5, "client-resources-num-cpus": 2, "client-resources-num-gpus": 0.25,  # exact in 32 bits
         "init-args-logging-level": "error", "init-args-log-to-driver": True, "init-args-num-gpus": 1,
     }
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")

@@ -101,7 +101,7 @@ def federation_config(options: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "num-supernodes": int(options.nodes),
         "client-resources-num-cpus": int(options.client_cpus),
-        "client-resources-num-gpus": float(options.client_gpus),
+        "client-resources-num-gpus": float32_at_most(float(options.client_gpus)),
         "init-args-logging-level": "error",
         "init-args-log-to-driver": True,
     }
@@ -109,6 +109,18 @@ def federation_config(options: Any) -> dict[str, Any]:
     if gpus is not None:  # Ray refuses resource counts when it joins an existing cluster
         out["init-args-num-gpus"] = gpus
     return out
+
+
+def float32_at_most(share: float) -> float:
+    """The largest 32-bit float not above ``share``: Flower's simulation settings hold a node actor's GPU
+    share as a 32-bit float, and the nearest one to 0.1 is 0.10000000149, of which one GPU holds only 9
+    (Flower's pool: int(1 / share); Ray: 10 of them exceed the GPU). Rounded down, 0.1 still packs ten."""
+    import numpy as np
+
+    near = np.float32(share)
+    if float(near) > share:
+        near = np.nextafter(near, np.float32(0))
+    return float(near)
 
 
 def ray_address(options: Any) -> str:
