@@ -6,8 +6,8 @@ user in each round, ε = 2) on Flower's Ray simulation, one after the other in t
 - central: each node sends its clipped sums, the server adds them and the noise (``--dp-model central``);
 - local: each node noises its units and sends its noisy sum (``--dp-model local``: node-side encoding,
   no secure aggregation);
-- distributed: each node encodes, noises and masks its integer vector, in four Message stages per
-  round (advertise keys, share keys, masked task, unmask; ``--dp-model distributed --bits 16``).
+- distributed: each node encodes, noises and masks its integer vector, in five Message stages per
+  round (advertise keys, share keys, masked task, consistency, unmask; ``--dp-model distributed --bits 16``).
 
 Timed: the steady round (the last of the run's rounds, from its record: the Ray start-up and the
 nodes' first data loading fall in earlier ones), and the ratio of each to central's, measured side

@@ -7,9 +7,10 @@ this process (the wall time of every node and the server together, no network):
 - central: the server sums the nodes' float vectors (what --dp-model central aggregates);
 - modular: the same as integers mod 2^b (what the local runtime simulates for --dp-model distributed);
 - SecAgg+: fedpers.privacy.secagg.secure_sum — key agreement, Shamir shares of the mask seeds,
-  AES-GCM share exchange, AES-CTR masks, unmasking — with each node joined to 2⌈log₂ n⌉ neighbours
-  (all others when n is small: SecAgg), threshold a majority of each neighbourhood;
-- SecAgg+ with 10 % of nodes dropping after masking (their masks rebuilt from shares).
+  AES-GCM share exchange, AES-CTR masks, the consistency round (Ed25519 signatures on the survivor set),
+  unmasking — with each node joined to 2⌈log₂ n⌉ neighbours (all others when n is small: SecAgg),
+  threshold more than half of each neighbourhood;
+- SecAgg+ with 10 % of nodes silent after masking and signing (their self masks rebuilt from shares).
 
     python benchmarks/secagg_round.py [--nodes 10,100,1000] [--dim 1024] [--bits 16]
 """
@@ -61,7 +62,7 @@ def main() -> None:
         out = secure_sum(ints, a.bits, degree=degree, threshold=threshold)
         secure = time.perf_counter() - start
         assert np.array_equal(out, expect)
-        drop = {i: "masked" for i in range(0, n, 10)}
+        drop = {i: "consistency" for i in range(0, n, 10)}
         start = time.perf_counter()
         out = secure_sum(ints, a.bits, degree=degree, threshold=threshold, drop_after=drop)
         dropped = time.perf_counter() - start

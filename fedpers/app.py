@@ -14,7 +14,8 @@ does it for it:
 - :func:`build_node`: the node builder injected into the ClientApp (job → protocol + units);
   :func:`make_client_app` is the ClientApp with it (``clients/client_app.py``).
 - :func:`flower_job` and :func:`run_flower`: an experiment's run on a ServerApp's Grid (what
-  :func:`fedpers.runner.execute` calls inside the fedpers ServerApp);
+  :func:`fedpers.runner.execute` calls inside the fedpers ServerApp), or on Flower's simulation with
+  the server loop and the nodes handed over as objects (:func:`simulate_objects`);
 - :func:`simulate`: a run through Flower's supported simulation path (this fedpers staged as a Flower
   app, :func:`stage_app`, and run by ``flwr run`` on a private simulation SuperLink), what
   ``fedpers run --runtime flower`` does.
@@ -22,16 +23,27 @@ does it for it:
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedpers import config as config_lib
-from fedpers.config import RunConfig
+from fedpers import experiments
+from fedpers.config import DpModel, RunConfig
 from fedpers.configs.runtime import Runtime, RuntimeOptions
+from fedpers.privacy.accountant import Calibrations
+from fedpers.privacy.distributed import NodeSidePrivatizer, RecordingCalibrations
+from fedpers.runtime.distributed import node_side_privatizer, with_node_noise
+from fedpers.runtime.flower.client import Node
+from fedpers.runtime.flower.client import make_client_app as runtime_client_app
+from fedpers.runtime.flower.codec import DATA_FILE, Job, Trust
+from fedpers.runtime.flower.nodeside import NodeSettings, NodeSidePlan
+from fedpers.seeds import derived_seed
 
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp
@@ -40,8 +52,6 @@ if TYPE_CHECKING:
     from fedpers.privacy import Privatizer
     from fedpers.protocols.base import Protocol
     from fedpers.runtime.driver import RoundRecord
-    from fedpers.runtime.flower.client import Node
-    from fedpers.runtime.flower.codec import Job
 
 ALGORITHM = "algorithm"
 CONFIG = "config"
@@ -113,13 +123,9 @@ UNSET = ""
 def flat_keys() -> dict[str, list[str]]:
     """Every registered algorithm's config field as a run-config key (``n_users`` → ``n-users``),
     with the algorithms that have it (read from the config classes: :mod:`fedpers.configs`)."""
-    from dataclasses import fields
-
-    from fedpers.experiments import ALGORITHMS, config_type
-
     out: dict[str, list[str]] = {}
-    for name in sorted(ALGORITHMS):
-        for f in fields(config_type(name)):
+    for name in sorted(experiments.ALGORITHMS):
+        for f in fields(experiments.config_type(name)):
             out.setdefault(f.name.replace("_", "-"), []).append(name)
     return dict(sorted(out.items()))
 
@@ -127,8 +133,6 @@ def flat_keys() -> dict[str, list[str]]:
 def flat_values(run_config: Mapping[str, Any], experiment: Any, algorithm: str) -> dict[str, Any]:
     """The config fields given as flat keys (any value but :data:`UNSET`), as field names; a
     field the algorithm does not have is refused, naming the key."""
-    from dataclasses import fields
-
     own = {f.name for f in fields(experiment.config_type)}
     out: dict[str, Any] = {}
     for key, value in run_config.items():
@@ -143,8 +147,7 @@ def flat_values(run_config: Mapping[str, Any], experiment: Any, algorithm: str) 
 
 def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
     """Build the job from a Flower run config; every problem is a ValueError naming the key."""
-    from fedpers.experiments import EXPERIMENTS
-
+    registered = experiments.EXPERIMENTS  # every registered algorithm, imported now
     unknown = sorted(set(run_config) - set(KNOWN) - set(flat_keys()))
     if unknown:
         raise ValueError(
@@ -163,9 +166,9 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
             raise ValueError(f"run config: {RESUME} continues {resume!r} with its own configuration; drop {given}")
         return ServerJob(None, None, None, None, Path(resume))
     algorithm = str(run_config.get(ALGORITHM, ""))
-    if algorithm not in EXPERIMENTS:
-        raise ValueError(f"run config: {ALGORITHM} must be one of {sorted(EXPERIMENTS)}; got {algorithm!r}")
-    experiment = EXPERIMENTS[algorithm]
+    if algorithm not in registered:
+        raise ValueError(f"run config: {ALGORITHM} must be one of {sorted(registered)}; got {algorithm!r}")
+    experiment = registered[algorithm]
     values: dict[str, Any] = {}
     config_file = str(run_config.get(CONFIG_FILE, ""))
     if config_file:
@@ -201,10 +204,6 @@ def from_job_file(run_config: Mapping[str, Any], path: Path) -> ServerJob:
     """The job a ``job`` file holds: a run's ``config.json`` (its algorithm, its fields and its runtime
     options, as :func:`simulate` writes it for the simulation's ServerApp); only ``out`` may be given
     beside it (any other key away from its default is refused, naming it: the file holds the whole run)."""
-    import json
-
-    from fedpers.experiments import ALGORITHMS, experiment
-
     given = sorted(
         k
         for k, v in run_config.items()
@@ -220,9 +219,11 @@ def from_job_file(run_config: Mapping[str, Any], path: Path) -> ServerJob:
         raise ValueError(f"run config: {JOB}: {str(path)!r} must hold a JSON object as a run's config.json does")
     saved = dict(saved)
     algorithm = saved.pop("algorithm", None)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"run config: {JOB}: algorithm must be one of {sorted(ALGORITHMS)}; got {algorithm!r}")
-    found = experiment(str(algorithm))
+    if algorithm not in experiments.ALGORITHMS:
+        raise ValueError(
+            f"run config: {JOB}: algorithm must be one of {sorted(experiments.ALGORITHMS)}; got {algorithm!r}"
+        )
+    found = experiments.experiment(str(algorithm))
     runtime = {**saved.pop("runtime", {}), "runtime": Runtime.FLOWER}
     cfg = config_lib.build(found.config_type, saved)
     options = config_lib.build(RuntimeOptions, runtime)
@@ -261,20 +262,13 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
     ``data_file`` (node config) replaces the config's data path. ``entries``: registry entries
     (name → module, class, description) the node registers first: an algorithm registered in
     the driving process is unknown to a node process until it imports the module itself."""
-    import json
-    from dataclasses import fields
-
-    from fedpers.experiments import ALGORITHMS, register
-    from fedpers.experiments import experiment as registered
-    from fedpers.privacy.accountant import Calibrations
-    from fedpers.runtime.flower.client import Node
-    from fedpers.runtime.flower.codec import DATA_FILE
-
     if entries and job.algorithm in entries:
-        register(job.algorithm, *entries[job.algorithm])
-    if job.algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(ALGORITHMS)}")
-    experiment = registered(job.algorithm)
+        experiments.register(job.algorithm, *entries[job.algorithm])
+    if job.algorithm not in experiments.ALGORITHMS:
+        raise ValueError(
+            f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(experiments.ALGORITHMS)}"
+        )
+    experiment = experiments.experiment(job.algorithm)
     values = json.loads(job.config_json)
     if data_file:
         if "data" not in {f.name for f in fields(experiment.config_type)}:
@@ -285,47 +279,46 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
         cfg, Calibrations(json.loads(job.calibrations_json))
     )  # the server's z: no accountant here
 
-    def node_side_plan(sent: Any) -> Any:
-        """The distributed/local plan this node derives from the job alone, for ``sent``'s trust model
-        and node counts (what the server sent must equal it: a node never noises by the server's word)."""
-        from fedpers.configs.runtime import RuntimeOptions
-        from fedpers.privacy.distributed import RecordingCalibrations
-        from fedpers.runtime.distributed import node_side_privatizer
-        from fedpers.seeds import derived_seed
-
+    def node_side(trust: Any) -> Any:
+        """The distributed/local plan this node derives from the job alone for the job's trust model, and the
+        protocol the server updates with (what the server sends must equal the plan: a node never noises by
+        the server's word, and it derives each round's broadcast with that protocol from the releases)."""
         recording = RecordingCalibrations(json.loads(job.calibrations_json))
         public = experiment.protocol(cfg, recording)
         options = RuntimeOptions(
-            dp_model=sent.model,
-            nodes=sent.nodes,
-            min_nodes=sent.min_nodes,
-            bits=sent.bits,
-            users_per_node=sent.users_per_node,
+            dp_model=DpModel(trust.dp_model),
+            nodes=trust.nodes,
+            min_nodes=trust.min_nodes,
+            bits=trust.bits,
+            users_per_node=trust.users_per_node,
         )
         rotation = derived_seed(cfg.seed, "rotation")
-        return node_side_privatizer(public, experiment.num_units(cfg), recording, options, 0, rotation).plan
+        units = experiment.num_units(cfg)
+        privatizer = node_side_privatizer(public, units, recording, options, 0, rotation)
+        return NodeSidePlan(privatizer.plan, with_node_noise(public, privatizer, units))
 
     return Node(
         protocol,
         lambda ids: experiment.units(cfg, ids),
         num_units=experiment.num_units(cfg),
-        node_side_plan=node_side_plan,
+        node_side=node_side,
     )
 
 
-def make_client_app(entries: Mapping[str, tuple[str, str, str]] | None = None) -> ClientApp:
+def make_client_app(
+    entries: Mapping[str, tuple[str, str, str]] | None = None, *, noise_seed: int | None = None
+) -> ClientApp:
     """The fedpers ClientApp: the Flower runtime's node side with :func:`build_node` injected.
 
     ``entries`` (registry entries, see :func:`fedpers.experiments.register`) travel inside the
     app to the simulation's node processes (Ray actors), which register them before the lookup;
-    the names on the wire are only ever looked up, never imported."""
-    from functools import partial
-
-    from fedpers.runtime.flower.client import make_client_app as runtime_client_app
-
+    the names on the wire are only ever looked up, never imported. ``noise_seed``: the seeded noise
+    stream of the nodes under distributed or local DP in a simulation, set by the lab that builds this
+    app (the local runtime's bits); None, each node's OS entropy. A node never takes a seed from a message."""
+    settings = NodeSettings(noise_seed)
     if not entries:
-        return runtime_client_app(build_node)
-    return runtime_client_app(partial(build_node, entries=dict(entries)))
+        return runtime_client_app(build_node, settings)
+    return runtime_client_app(partial(build_node, entries=dict(entries)), settings)
 
 
 def flower_job(
@@ -333,19 +326,17 @@ def flower_job(
     cfg: RunConfig,
     protocol: Protocol,
     calibrations: Mapping[str, float] | None = None,
+    options: Any = None,
 ) -> Job:
-    """What the nodes rebuild ``protocol`` from: algorithm name, config, protocol digest, and the
+    """What the nodes rebuild ``protocol`` from: algorithm name, config, protocol digest, the
     noise calibrations the server's accountant chose (nodes rebuild the protocol without one):
-    ``calibrations`` if given, else recorded by building the protocol once more."""
-    from fedpers.runtime.flower.codec import Job
-
+    ``calibrations`` if given, else recorded by building the protocol once more, and the run's trust
+    model from the runtime ``options`` (central when None), which every node pins."""
     if calibrations is None:
-        from fedpers.privacy.accountant import Calibrations
-
         recorded = Calibrations()
         experiment.protocol(cfg, recorded)
         calibrations = recorded.table
-    return Job.of(experiment.name, cfg, protocol, calibrations)
+    return Job.of(experiment.name, cfg, protocol, calibrations, None if options is None else Trust.of(options))
 
 
 def run_flower(
@@ -371,9 +362,9 @@ def run_flower(
     there: they would run in the simulation's process. ``calibrations``: the noise multipliers
     ``protocol`` was built with (see :func:`flower_job`); ``node_protocol``: what the nodes build from
     them, when the server's differs (distributed or local DP)."""
-    from fedpers.runtime.flower.simulation import run_flower as run
+    from fedpers.runtime.flower.simulation import run_flower as run  # Ray: a node process never imports it
 
-    job = flower_job(experiment, cfg, node_protocol if node_protocol is not None else protocol, calibrations)
+    job = flower_job(experiment, cfg, node_protocol if node_protocol is not None else protocol, calibrations, options)
     if grid is not None:
         return run(
             job, experiment.num_units(cfg), protocol, privatizer, options, grid=grid, device=cfg.device, **kwargs
@@ -385,7 +376,7 @@ def run_flower(
             "return what you need from a server function (fedpers.app.simulate_objects)"
         )
     if client_app is None:
-        client_app = make_client_app(plugin_entries(experiment.name))
+        client_app = make_client_app(plugin_entries(experiment.name), noise_seed=node_noise_seed(privatizer))
     num_units, device = experiment.num_units(cfg), cfg.device
 
     def server(grid: Any, context: Any) -> tuple[Any, list[RoundRecord], Privatizer]:
@@ -428,11 +419,9 @@ def app_entries(app_dir: Path) -> dict[str, tuple[str, str, str]]:
 
 def register_app_entries(app_dir: Path) -> dict[str, tuple[str, str, str]]:
     """Register :func:`app_entries` of ``app_dir`` (an entry already registered alike is left as it is)."""
-    from fedpers.experiments import register
-
     entries = app_entries(app_dir)
     for name, (module, cls, description) in entries.items():
-        register(name, module, cls, description)
+        experiments.register(name, module, cls, description)
     return entries
 
 
@@ -503,12 +492,18 @@ def stage_app(
     return dest
 
 
+def node_noise_seed(privatizer: Any) -> int | None:
+    """The seed of the nodes' noise a lab gives its simulation's nodes under distributed or local DP with
+    seeded noise (the local runtime's bits); None otherwise (each node's OS entropy)."""
+    if isinstance(privatizer, NodeSidePrivatizer) and not privatizer.secure:
+        return int(privatizer.noise_seed)
+    return None
+
+
 def plugin_entries(name: str) -> dict[str, tuple[str, str, str]]:
     """``{name: entry}`` when algorithm ``name`` is registered from outside fedpers (its module must
     ship in the Flower app), else nothing."""
-    from fedpers.experiments import ALGORITHMS
-
-    entry = ALGORITHMS.get(name)
+    entry = experiments.ALGORITHMS.get(name)
     return {name: entry} if entry is not None and not entry[0].startswith("fedpers.") else {}
 
 
@@ -517,16 +512,12 @@ ERROR_LINE = "fedpers error: "
 
 
 def error_line(error: BaseException) -> str:
-    import json
-
     return ERROR_LINE + json.dumps({"type": type(error).__name__, "message": str(error)})
 
 
 def raise_logged_error(log: str) -> None:
     """Raise the last error the ServerApp logged (:func:`error_line`) as its own kind: a ValueError stays a
     ValueError (a refused input), a failed round a :class:`~fedpers.runtime.driver.RoundFailed`."""
-    import json
-
     from fedpers.runtime.driver import RoundFailed
 
     found = None
@@ -559,15 +550,18 @@ def simulate(
     final_phase: str,
     progress: bool = True,
     echo: bool = False,
+    noise_seed: int | None = None,
 ) -> None:
     """Run ``saved`` (a run's ``config.json``: algorithm, fields, runtime options) through Flower's
     supported simulation path: this fedpers staged as a Flower app, run by ``flwr run`` on a private
-    simulation SuperLink (:func:`fedpers.runtime.flower.managed.run_app`), whose ServerApp writes the
-    run directory ``out`` (``resume``: continues the run there) exactly as a run in this process would.
-    Progress is read from ``out`` as it grows; an error of the ServerApp is raised here as its own kind;
+    simulation SuperLink (:func:`fedpers.runtime.flower.managed.run_app`), whose ServerApp (the fedpers
+    one, ``server/server_app.py``) writes the run directory ``out`` (``resume``: continues the run there)
+    exactly as a run in this process would. The nodes run the ClientApp this process builds
+    (:func:`make_client_app`, handed over as an object: :mod:`fedpers.runtime.flower.objects`), with the
+    lab's seed of the nodes' noise under distributed or local DP (``noise_seed``; None: each node's OS
+    entropy), as the lab builds a simulation's nodes. Progress is read from ``out`` as it grows; an
+    error of the ServerApp is raised here as its own kind;
     every process of the simulation is stopped before this returns or raises."""
-    import json
-
     from fedpers.results.provenance import LAUNCHED_BY, launch_record
     from fedpers.runtime.flower import managed
     from fedpers.runtime.flower.simulation import federation_config, ray_address
@@ -584,8 +578,18 @@ def simulate(
         final=f"{experiment.name}: evaluating {final_phase}",
         enabled=progress,
     )
+    import cloudpickle
+
+    from fedpers.runtime.flower import objects
+
+    entries = plugin_entries(experiment.name)
     with managed.private_home() as home:
-        app = stage_app(home / "app", plugin_entries(experiment.name))
+        where = home / "objects"
+        where.mkdir(mode=0o700)
+        with open(where / objects.CLIENT, "wb") as f:
+            cloudpickle.dump(make_client_app(entries, noise_seed=noise_seed), f)
+        components = {**COMPONENTS, "clientapp": OBJECT_COMPONENTS["clientapp"]}
+        app = stage_app(home / "app", entries, components=components)
         if resume:
             run_config: dict[str, Any] = {RESUME: str(out)}
         else:
@@ -600,7 +604,7 @@ def simulate(
                 ray_address=ray_address(options),
                 watch=follow,
                 echo=echo,
-                env={LAUNCHED_BY: launch_record()},  # provenance.json names this command, not Flower's process
+                env={LAUNCHED_BY: launch_record(), objects.OBJECTS: str(where)},  # provenance: this command
             )
         except managed.SimulationFailed as e:
             raise_logged_error(managed.read_log(home))

@@ -14,7 +14,7 @@ from fedpers.configs.runtime import Runtime, RuntimeOptions
 from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
 from fedpers.privacy.distributed import NodeSidePrivatizer, RecordingCalibrations
-from fedpers.protocols.base import Protocol
+from fedpers.protocols.base import Protocol, State
 from fedpers.results.run_result import RunResult
 from fedpers.results.rundir import LEDGER_LOG, RunDirectory, default_run_dir
 from fedpers.runtime.checkpoint import Checkpointer
@@ -60,7 +60,7 @@ class NoServerData(Evaluator):
     def final_phase(self) -> str:
         return "nothing (the server holds no user data)"
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         return {
             "evaluation": "unavailable: the server holds no user data (a deployment); the private release is in "
             "final_state.npz and its privacy below"
@@ -124,7 +124,7 @@ def simulated(plan: Plan, out: str | Path | None, *, resume: bool, write: bool, 
     import numpy as np
     import torch
 
-    from fedpers.app import simulate
+    from fedpers.app import node_noise_seed, simulate
     from fedpers.results.rundir import check_free
 
     scratch = Path(tempfile.mkdtemp(prefix="fedpers-run-")) if not write else None
@@ -146,6 +146,7 @@ def simulated(plan: Plan, out: str | Path | None, *, resume: bool, write: bool, 
             rounds=plan.protocol.num_rounds,
             final_phase=plan.evaluator.final_phase(),
             progress=progress,
+            noise_seed=node_noise_seed(plan.privatizer),
         )
         result = json.loads((path / "result.json").read_text())
         rounds = [json.loads(line) for line in (path / "rounds.jsonl").read_text().splitlines() if line.strip()]

@@ -130,14 +130,15 @@ def test_every_process_of_a_run_is_stopped_and_no_other(tmp_path):
     from fedpers.runtime.flower import managed
 
     marker = uuid.uuid4().hex
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    ready = tmp_path / "ready"
+    stubborn = f"import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); pathlib.Path({str(ready)!r}).touch(); time.sleep(120)"
     middle = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {stubborn!r}]); time.sleep(120)"
     tree = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {middle!r}], start_new_session=True); time.sleep(120)"
     marked = subprocess.Popen([sys.executable, "-c", tree], env={**os.environ, managed.MARKER: marker})
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         deadline = time.monotonic() + 60
-        while len(managed.marked_processes(marker)) < 3:
+        while len(managed.marked_processes(marker)) < 3 or not ready.exists():
             assert time.monotonic() < deadline, managed.marked_processes(marker)
             time.sleep(0.1)
         killed = managed.stop_marked(marker, [marked], grace=3.0)

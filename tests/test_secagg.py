@@ -31,14 +31,21 @@ def test_masks_cancel_exactly_secagg_and_secagg_plus():
 
 def test_a_node_dropping_after_masking_is_unmasked_from_its_shares():
     x = inputs(6, 200, 16)
-    # its masked input arrived, then it went silent: its self mask is rebuilt from its neighbours' shares
-    assert np.array_equal(secure_sum(x, 16, drop_after={3: "masked"}), plain(x, 16))
+    # its masked input arrived and it signed the survivor set, then it went silent: its self mask is
+    # rebuilt from its neighbours' shares
+    assert np.array_equal(secure_sum(x, 16, drop_after={3: "consistency"}), plain(x, 16))
+    # silent between its masked input and the consistency stage: no survivor may reveal on a set one of its
+    # members did not sign, so the round ends with nothing released
+    with pytest.raises(AggregationAborted, match="did not sign"):
+        secure_sum(x, 16, drop_after={3: "masked"})
 
 
 def test_a_node_dropping_before_masking_has_its_pair_masks_removed():
     x = inputs(6, 200, 16)
-    out = secure_sum(x, 16, degree=4, threshold=2, drop_after={2: "share", 5: "advertise"})
+    out = secure_sum(x, 16, degree=4, threshold=3, drop_after={2: "share", 5: "advertise"})
     assert np.array_equal(out, plain(x, 16, without=(2, 5)))
+    with pytest.raises(ValueError, match="threshold must be in"):  # 2 of 5 holders: two views could reach it
+        secure_sum(x, 16, degree=4, threshold=2)
 
 
 def test_fewer_survivors_than_the_threshold_release_nothing():

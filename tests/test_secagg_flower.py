@@ -33,7 +33,10 @@ class DroppingGrid(InProcessGrid):
     reply never reaches the server (a node dropping after masking); every reply is kept."""
 
     def __init__(self, partitions: int, lost: Iterable[int] = (), lost_unmask: Iterable[int] = (), **kw: Any) -> None:
-        super().__init__(make_client_app(), partitions, **kw)
+        from fedpers.seeds import split_seed
+
+        seed = split_seed(config.build(AltMinConfig, SMALL))[1]  # the lab seeds the simulation's nodes
+        super().__init__(make_client_app(noise_seed=seed), partitions, **kw)
         self.lost, self.lost_unmask = set(lost), set(lost_unmask)
         self.received: list[tuple[int, FlowerMessage]] = []
 
@@ -104,12 +107,12 @@ def test_a_dropped_node_is_recovered_from_shares_and_equals_the_local_runtime(wh
 
 
 def test_fewer_survivors_than_the_threshold_release_nothing():
-    """4 nodes (3 neighbours each, threshold 2), noise sized for 1 survivor: 3 drop after masking,
-    the one survivor's neighbourhood is below the threshold, the nodes reveal nothing and the round is
-    discarded with an empty ledger."""
-    assert secaggplus.threshold(4) == 2
+    """4 nodes (3 neighbours each, threshold 3: more than half of the 4 holders of a node's shares), noise
+    sized for 1 survivor: 3 drop after masking, the one survivor's neighbourhood is below the threshold,
+    the nodes reveal nothing and the round is discarded with an empty ledger."""
+    assert secaggplus.threshold(4) == 3
     p = plan("flower", min_nodes=1, round_timeout=0.5)
-    with pytest.raises(RoundFailed, match="SecAgg\\+ aborted"):
+    with pytest.raises(RoundFailed, match="SecAgg\\+ aborted|did not sign the survivor set"):
         on_flower(p, DroppingGrid(4, lost={0, 1, 3}))
     assert len(p.privatizer.ledger.releases) == 0
     q = plan("flower", min_nodes=3, round_timeout=0.5)  # the server's own min_nodes rule stops it before unmasking
@@ -126,17 +129,17 @@ def test_the_server_receives_only_masked_vectors_uniform_mod_2b(monkeypatch):
 
     plain: dict[int, np.ndarray] = {}
     masked: dict[int, np.ndarray] = {}
-    real = secaggplus.masked_message
+    real = secaggplus.mask
 
-    def spy(mine: Any, rec: Any, context: Context, round: int, plan: Any) -> Any:
-        out = real(mine, rec, context, round, plan)
+    def spy(node: Any, mine: Any, context: Context, round: int) -> Any:
+        out = real(node, mine, context, round)
         if round == 0:
             names = sorted(mine.stats)
             part = int(context.node_config[codec.PARTITION_ID])
             plain[part], masked[part] = secaggplus.concat(mine.stats, names), secaggplus.concat(out.stats, names)
         return out
 
-    monkeypatch.setattr(secaggplus, "masked_message", spy)
+    monkeypatch.setattr(secaggplus, "mask", spy)
     p = plan("flower")
     grid = DroppingGrid(4)
     on_flower(p, grid)
@@ -178,7 +181,7 @@ def test_secagg_stages_must_come_in_order_once_each():
 
     reply = ask(stage="advertise", round=0, nodes=4, **{"min-nodes": 2, "bits": 16})
     assert len(bytes(reply.content.config_records[secaggplus.SECAGG]["c-pk"])) == 32
-    with pytest.raises(ValueError, match="must follow 'masked'"):
+    with pytest.raises(ValueError, match="must follow 'consistency'"):
         ask(stage="unmask", round=0, ids=[0, 1, 2, 3])
     with pytest.raises(ValueError, match="must follow 'advertise' of that round"):
         ask(stage="share", round=1, ids=[], **{"c-pk": [], "s-pk": []})
@@ -273,14 +276,20 @@ def test_a_three_node_loopback_deployment_runs_distributed_dp_through_secagg(tmp
 
 def test_declared_node_dropout_on_flower_equals_the_local_runtime():
     """``--node-dropout q`` on Flower discards each dropped node's masked vector (a drop after masking,
-    unmasked from shares); the run equals the local runtime's under the same public dropout draws."""
-    flower = plan("flower", min_nodes=2, node_dropout=0.3)
+    unmasked from shares); the run equals the local runtime's under the same public dropout draws. A round
+    where SecAgg+ cannot unmask (2 of 4 survive, below its threshold of 3) is discarded on both runtimes."""
+    flower = plan("flower", min_nodes=2, node_dropout=0.1)
     state_flower, records = on_flower(flower, DroppingGrid(4))
-    local = plan("local", min_nodes=2, node_dropout=0.3)
+    local = plan("local", min_nodes=2, node_dropout=0.1)
     torch.testing.assert_close(state_flower["U"], on_local(local)["U"], rtol=0, atol=1e-12)
     assert flower.privatizer.ledger == local.privatizer.ledger
     survived = [r.diagnostics["nodes_survived"] for r in records]
     assert min(survived) < 4, survived  # the draws do drop a node here
+    for runtime in ("flower", "local"):  # q = 0.3: round 1 keeps nodes 2 and 3 only
+        p = plan(runtime, min_nodes=2, node_dropout=0.3)
+        with pytest.raises(RoundFailed, match="below the SecAgg\\+ threshold|did not sign"):
+            on_flower(p, DroppingGrid(4)) if runtime == "flower" else on_local(p)
+        assert [r.name for r in p.privatizer.ledger.releases] == ["init.W"]  # round 0 only: nothing of round 1
 
 
 def test_a_node_silent_at_unmasking_still_counts_its_masked_vector():

@@ -19,7 +19,7 @@ from fedpers.config import RunConfig
 from fedpers.data.units import UnitSource
 from fedpers.experiments.hooks import CanaryDesign, PrivateScore
 from fedpers.privacy import Calibrations, Ledger
-from fedpers.protocols.base import Protocol, Units
+from fedpers.protocols.base import Protocol, State, Units
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ ProtocolT = TypeVar("ProtocolT", bound=Protocol)
 class Evaluator(abc.ABC):
     """Measures a run against the truth the simulator knows (the runtime never sees it)."""
 
-    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+    def round_metrics(self, round: int, state: State) -> dict[str, float]:
         return {}
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -49,7 +49,7 @@ class Evaluator(abc.ABC):
             raise ValueError(f"{type(self).__name__} keeps no state between rounds; got {sorted(state)}")
 
     @abc.abstractmethod
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         """Final metrics (and baselines) for the final server state."""
 
     def final_phase(self) -> str:

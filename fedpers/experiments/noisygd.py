@@ -29,6 +29,7 @@ from fedpers.privacy import (
     zcdp_rho,
     zcdp_rho_for,
 )
+from fedpers.protocols.base import State
 from fedpers.protocols.noisygd import NoisyGDProtocol
 from fedpers.runtime.local import run_local
 
@@ -133,12 +134,12 @@ class NoisyGDEvaluator(Evaluator):
         self.cfg, self.protocol = cfg, protocol
         self.test = load_units(cfg, torch.arange(cfg.test_examples), test=True)
 
-    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+    def round_metrics(self, round: int, state: State) -> dict[str, float]:
         if round < self.protocol.remedy_rounds:
             return {}
         return accuracy(self.protocol, state, self.test, self.cfg.classes)
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         out: dict[str, Any] = accuracy(self.protocol, state, self.test, self.cfg.classes)
         majority = float(torch.bincount(self.test["y"].long().cpu(), minlength=self.cfg.classes).max()) / max(
             int(self.test["y"].numel()), 1

@@ -572,24 +572,20 @@ class NodeSidePrivatizer(Privatizer):
         self._arrived = []
 
     def arrived(self, value: Tensor, name: str, survivors: int, units: int) -> None:
-        """``value`` is the server's decoded sum of statistic ``name`` from ``survivors`` nodes."""
-        self._arrived.append((value.detach().clone(), name, survivors, units))
+        """``value`` is the server's decoded sum of statistic ``name`` from ``survivors`` nodes: the very
+        tensor the runtime hands ``server_update`` (its handle: a release is matched to it by identity)."""
+        self._arrived.append((value, name, survivors, units))
 
     def _take(
         self, value: Tensor, per_unit_bound: float, release: str, sampling_probability: float
     ) -> tuple[str, int, int]:
-        """The arrived sum ``value`` is (compared exactly: the runtime's sum of one message is the message)."""
-        found = next(
-            (
-                i
-                for i, (v, *_) in enumerate(self._arrived)
-                if v.shape == value.shape and v.dtype == value.dtype and torch.equal(v, value.detach().to(v.device))
-            ),
-            None,
-        )
+        """The arrived sum that ``value`` is: the registered tensor itself, never one found by comparing values
+        (two statistics may hold equal numbers; a transform of a sum is not a sum the nodes noised)."""
+        found = next((i for i, (v, *_) in enumerate(self._arrived) if v is value), None)
         if found is None:
             raise ValueError(
-                f"release {release!r}: dp_model {self.model.value} releases only sums that arrived noised from the nodes"
+                f"release {release!r}: dp_model {self.model.value} releases only sums that arrived noised from the "
+                "nodes, each the tensor the runtime handed server_update (summed.stats[name], untransformed)"
             )
         entry = self._arrived.pop(found)
         if sampling_probability < 1.0:

@@ -1,25 +1,34 @@
-"""SecAgg+ (Bell et al. 2020; Bonawitz et al. 2017): the server learns Σ x_i mod 2^b of the nodes that
-survived, and nothing else about any x_i, as long as fewer than ``threshold`` neighbours of a node collude
-with it.
+"""SecAgg+ (Bell et al. 2020; Bonawitz et al. 2017) against an active server: the server learns Σ x_i
+mod 2^b of one set S of surviving nodes that every one of them signed, and nothing else about any x_i, as
+long as fewer than ``threshold`` neighbours of a node collude with it and the server relays public keys
+unaltered (it is trusted to deliver keys, not to follow the rest of the protocol).
 
-Every primitive is a library's: X25519 key agreement, HKDF-SHA256 and AES-GCM from ``cryptography``;
-the mask stream is AES-256-CTR (``cryptography``) keyed by an HKDF-derived seed; Shamir secret sharing is
-Flower's (``flwr.common.secure_aggregation.crypto.shamir``, on PyCryptodome). Flower's own
-``pseudo_rand_gen`` is not used: it folds the seed to 32 bits and draws from ``[0, range − 1)``, so its
+Every primitive is a library's: X25519 key agreement, Ed25519 signatures, HKDF-SHA256 and AES-GCM from
+``cryptography``; the mask stream is AES-256-CTR (``cryptography``) keyed by an HKDF-derived seed; Shamir
+secret sharing is Flower's (``flwr.common.secure_aggregation.crypto.shamir``, on PyCryptodome). Flower's
+own ``pseudo_rand_gen`` is not used: it folds the seed to 32 bits and draws from ``[0, range − 1)``, so its
 masks are neither secret enough nor uniform.
 
-The protocol, one instance per round (public: the node ids, the neighbour graph, the threshold):
+The protocol, one instance per round (public: the node ids, the neighbour graph, the threshold
+t = ⌊(d + 1)/2⌋ + 1 of a degree-d neighbourhood, so that 2t > d + 1):
 
-1. **advertise keys** — node i publishes two X25519 public keys, c_i (to encrypt) and s_i (to mask);
+1. **advertise keys** — node i publishes three public keys: X25519 c_i (to encrypt), X25519 s_i (to mask)
+   and Ed25519 g_i (to sign);
 2. **share keys** — node i draws a self-mask seed b_i and Shamir-shares b_i and its mask secret key
-   s_i^sk among its neighbours and itself (degree + 1 shares, threshold t), each neighbour's share encrypted for its recipient with AES-GCM under
-   HKDF(X25519(c_i^sk, c_j)), the pair (i, j) bound as associated data; the server relays ciphertexts;
-3. **masked input** — node i sends y_i = x_i + PRG(b_i) + Σ_{j ∈ N(i)} ±PRG(s_ij) mod 2^b, with
+   s_i^sk among its neighbours and itself (degree + 1 shares, threshold t), each neighbour's share encrypted
+   for its recipient with AES-GCM under HKDF(X25519(c_i^sk, c_j)), the pair (i, j) bound as associated
+   data; the server relays ciphertexts;
+3. **masked input** — node i masks only if it holds the shares of at least t − 1 neighbours (H_i, the
+   ones the server relayed): y_i = x_i + PRG(b_i) + Σ_{j ∈ H_i} ±PRG(s_ij) mod 2^b, with
    s_ij = HKDF(X25519(s_i^sk, s_j)) and + for j > i, − for j < i (the pairwise masks cancel in the sum);
-4. **unmask** — the server names the survivors (nodes whose y arrived). Each surviving node reveals, for
-   each neighbour, the share of b (if that neighbour survived) or of s^sk (if it dropped) — never both
-   for one node — and its own share of its own b. With fewer than ``threshold`` survivors the round ends with nothing released; otherwise
-   the server rebuilds every survivor's b and every dropped neighbour's s^sk, and removes their masks.
+4. **consistency** — the server names the survivors S (nodes whose y arrived). Node i signs S with g_i
+   only if i ∈ S, |S| ≥ min_nodes, S ∩ N(i) ⊆ H_i (it masked with every neighbour said to survive),
+   |S ∩ N[i]| ≥ t, and i's connected component in the public graph restricted to S has at least min_nodes
+   nodes (the server can unmask no sum over fewer); it signs one set per round;
+5. **unmask** — node i, given S and its neighbours' signatures, reveals only if S is the set it signed and
+   every neighbour in S signed S too; then, for each neighbour whose shares it holds, the share of b (that
+   neighbour in S) or of s^sk (not in S) — never both for one node, once per round — and its own share of
+   b_i. Since 2t > d + 1, no two views of who survived can each reach t holders of one node's shares.
 
 Nodes and the server are objects that exchange only bytes and integer vectors (what a message carries);
 :func:`secure_sum` runs one round in process, with a declared set of nodes that drop after any stage.
@@ -36,26 +45,55 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 
-STAGES = ("advertise", "share", "masked", "unmask")
+STAGES = ("advertise", "share", "masked", "consistency", "unmask")
 
 
 class AggregationAborted(RuntimeError):
-    """Too few nodes survived to unmask the sum: nothing is released."""
+    """The round cannot be unmasked (too few survivors or shares): nothing is released."""
 
 
-def _raw_public(key: X25519PublicKey) -> bytes:
+class ProtocolViolation(AggregationAborted):
+    """A node refuses a stage because what the server sent breaks a rule that protects its input (too few
+    relayed shares, a survivor set it must not sign or reveal on, a missing or forged signature, a stage
+    repeated). ``rule`` names the rule; nothing of the node's secrets is revealed."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(f"secagg rule {rule!r}: {message}")
+        self.rule = rule
+
+
+def _raw_public(key: X25519PublicKey | Ed25519PublicKey) -> bytes:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def _raw_private(key: X25519PrivateKey) -> bytes:
+def _raw_private(key: X25519PrivateKey | Ed25519PrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption())
+
+
+def survivors_message(round_tag: bytes, survivors: Sequence[int]) -> bytes:
+    """What a node signs in the consistency stage: the round's tag and the sorted survivor set."""
+    ids = sorted({int(i) for i in survivors})
+    return b"fedpers-secagg-survivors" + round_tag + b"".join(i.to_bytes(8, "little") for i in ids)
+
+
+def component(graph: Mapping[int, Sequence[int]], inside: set[int], start: int) -> set[int]:
+    """``start``'s connected component in ``graph`` restricted to the nodes ``inside``."""
+    seen, todo = {start}, [start]
+    while todo:
+        for j in graph.get(todo.pop(), ()):
+            if j in inside and j not in seen:
+                seen.add(j)
+                todo.append(j)
+    return seen
 
 
 def _kdf(secret: bytes, info: bytes) -> bytes:
@@ -99,7 +137,8 @@ def neighbour_graph(nodes: Sequence[int], degree: int, seed: int) -> dict[int, l
 @dataclass
 class SecAggNode:
     """One node's side of a round. Its secrets (x, the secret keys, b) never leave it except as Shamir
-    shares encrypted for a neighbour and as the masked vector."""
+    shares encrypted for a neighbour and as the masked vector; every rule that protects them is checked
+    here, before anything is revealed (:class:`ProtocolViolation`)."""
 
     node: int
     neighbours: list[int]
@@ -109,21 +148,33 @@ class SecAggNode:
     _c_key: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
     _s_key: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
     _b: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
-    _keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
+    _g_key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate, repr=False)
+    _keys: dict[int, tuple[bytes, ...]] = field(default_factory=dict, repr=False)
     _held: dict[int, tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
+    _masked_with: list[int] | None = field(default=None, repr=False)
+    """H_i: the neighbours whose pair masks the masked vector holds (None: not masked yet)."""
+    _signed: list[int] | None = field(default=None, repr=False)
+    """The survivor set this node signed (None: none yet)."""
+    _revealed: bool = field(default=False, repr=False)
 
-    def advertise(self) -> tuple[bytes, bytes]:
-        """Stage 1: (encryption public key, mask public key)."""
-        return _raw_public(self._c_key.public_key()), _raw_public(self._s_key.public_key())
+    def advertise(self) -> tuple[bytes, bytes, bytes]:
+        """Stage 1: (encryption public key, mask public key, signing public key)."""
+        return (
+            _raw_public(self._c_key.public_key()),
+            _raw_public(self._s_key.public_key()),
+            _raw_public(self._g_key.public_key()),
+        )
 
     def _channel(self, other: int) -> AESGCM:
         lo, hi = sorted((self.node, other))
         info = b"fedpers-secagg-channel" + self.round_tag + lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
         return AESGCM(agree(self._c_key, self._keys[other][0], info))
 
-    def share(self, keys: Mapping[int, tuple[bytes, bytes]]) -> dict[int, bytes]:
+    def share(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, bytes]:
         """Stage 2: given the neighbours' public keys, the encrypted shares of (s^sk, b) for each."""
-        self._keys = {j: keys[j] for j in self.neighbours if j in keys}
+        if self._keys or self._held:
+            raise ProtocolViolation("secagg-once", f"node {self.node}: keys were already shared this round")
+        self._keys = {j: tuple(keys[j]) for j in self.neighbours if j in keys}
         if len(self._keys) + 1 < self.threshold:
             raise AggregationAborted(f"node {self.node}: {len(self._keys)} neighbours advertised keys, below threshold")
         holders = sorted(self._keys)
@@ -142,13 +193,30 @@ class SecAggNode:
 
     def receive(self, ciphertexts: Mapping[int, bytes]) -> None:
         """Stage 2, receiving end: decrypt and keep each neighbour's shares (a forged one fails AES-GCM)."""
+        if self._masked_with is not None:
+            raise ProtocolViolation("secagg-once", f"node {self.node}: its input was already masked this round")
         for i, blob in ciphertexts.items():
-            if i not in self._keys:
+            if i not in self._keys or i == self.node:
                 continue
             aad = i.to_bytes(8, "little") + self.node.to_bytes(8, "little") + self.round_tag
             plain = self._channel(i).decrypt(blob[:12], blob[12:], aad)
             n = int.from_bytes(plain[:4], "little")
             self._held[i] = (plain[4 : 4 + n], plain[4 + n :])
+
+    @property
+    def relayed(self) -> list[int]:
+        """The neighbours whose shares this node holds."""
+        return sorted(j for j in self._held if j != self.node)
+
+    def check_relays(self) -> None:
+        """The masking rule: at least threshold − 1 neighbours' shares held, or the node masks nothing (with
+        fewer, the survivors' shares of b and the dropped ones' of s^sk could unmask x alone)."""
+        if len(self.relayed) + 1 < self.threshold:
+            raise ProtocolViolation(
+                "secagg-relays",
+                f"node {self.node}: the server relayed the shares of {len(self.relayed)} neighbours; masking needs "
+                f"threshold - 1 = {self.threshold - 1}",
+            )
 
     def _pair_seed(self, other: int) -> bytes:
         lo, hi = sorted((self.node, other))
@@ -156,22 +224,97 @@ class SecAggNode:
         return agree(self._s_key, self._keys[other][1], info)
 
     def masked(self, x: np.ndarray) -> np.ndarray:
-        """Stage 3: y = x + PRG(b) + Σ ±PRG(s_ij) mod 2^b over the neighbours whose shares it holds
-        (those the server can rebuild a mask key for, should they drop)."""
+        """Stage 3: y = x + PRG(b) + Σ ±PRG(s_ij) mod 2^b over the neighbours whose shares it holds (those the
+        server can rebuild a mask key for, should they drop); refused below the masking rule, or twice."""
+        if self._masked_with is not None:
+            raise ProtocolViolation("secagg-once", f"node {self.node}: its input was already masked this round")
+        self.check_relays()
         m = 1 << self.bits
         y = np.remainder(np.asarray(x, dtype=np.int64), m)
         y = y + _self_mask(self._b, self.round_tag, y.size, self.bits)
-        for j in sorted(j for j in self._held if j != self.node):
+        for j in self.relayed:
             pair = mask(self._pair_seed(j), y.size, self.bits)
             y = y + pair if j > self.node else y - pair
+        self._masked_with = self.relayed
         return np.remainder(y, m)
 
-    def unmask(self, survivors: Sequence[int]) -> dict[int, tuple[str, bytes]]:
-        """Stage 4: for each neighbour whose shares it holds, the share of b (survived) or of s^sk
-        (dropped); refuses a survivor list that would reveal both for one node."""
-        alive = set(survivors)
+    def check_view(self, survivors: Sequence[int], min_nodes: int, graph: Mapping[int, Sequence[int]]) -> list[int]:
+        """The survivor set ``survivors`` as this node may sign or reveal on it (sorted), or a
+        :class:`ProtocolViolation`: it must hold this node, have at least ``min_nodes`` nodes, name among
+        this node's neighbours only ones it masked with, hold ``threshold`` of its closed neighbourhood, and
+        leave its component of the public ``graph`` at least ``min_nodes`` nodes."""
+        alive = {int(i) for i in survivors}
+        if self._masked_with is None:
+            raise ProtocolViolation("secagg-order", f"node {self.node}: no masked input this round")
         if self.node not in alive:
-            raise AggregationAborted(f"node {self.node}: not among the survivors it was told")
+            raise ProtocolViolation("secagg-survivors", f"node {self.node}: not among the survivors it was told")
+        if len(alive) < min_nodes:
+            raise ProtocolViolation(
+                "secagg-survivors", f"{len(alive)} survivors, below min_nodes={min_nodes}; nothing is revealed"
+            )
+        unmasked = sorted(alive.intersection(self.neighbours) - set(self._masked_with))
+        if unmasked:
+            raise ProtocolViolation(
+                "secagg-survivors",
+                f"node {self.node}: survivors {unmasked} are neighbours it did not mask with (their shares were not "
+                "relayed to it); revealing would unmask its input alone",
+            )
+        closed = len(alive.intersection([*self.neighbours, self.node]))
+        if closed < self.threshold:
+            raise ProtocolViolation(
+                "secagg-survivors",
+                f"node {self.node}: {closed} survivors in its neighbourhood, below threshold {self.threshold}",
+            )
+        reach = component(graph, alive, self.node)
+        if len(reach) < min_nodes:
+            raise ProtocolViolation(
+                "secagg-survivors",
+                f"node {self.node}: the survivors connected to it are {len(reach)}, below min_nodes={min_nodes} (a "
+                "separate sum over them could be unmasked)",
+            )
+        return sorted(alive)
+
+    def sign(self, survivors: Sequence[int], min_nodes: int, graph: Mapping[int, Sequence[int]]) -> bytes:
+        """Stage 4: this node's Ed25519 signature on the survivor set it was told, after :meth:`check_view`;
+        one set per round (asked again for the same set it signs it again, for another it refuses)."""
+        view = self.check_view(survivors, min_nodes, graph)
+        if self._signed is not None and self._signed != view:
+            raise ProtocolViolation(
+                "secagg-consistency",
+                f"node {self.node}: it signed the survivor set {self._signed} this round; it signs no other ({view})",
+            )
+        self._signed = view
+        return self._g_key.sign(survivors_message(self.round_tag, view))
+
+    def unmask(
+        self,
+        survivors: Sequence[int],
+        signatures: Mapping[int, bytes],
+        min_nodes: int,
+        graph: Mapping[int, Sequence[int]],
+    ) -> dict[int, tuple[str, bytes]]:
+        """Stage 5: for each neighbour whose shares it holds, the share of b (survived) or of s^sk (dropped),
+        once per round, and only on the set it signed with every surviving neighbour's valid signature on it
+        (the consistency check: a server that told nodes different survivor sets gets nothing)."""
+        if self._revealed:
+            raise ProtocolViolation("secagg-once", f"node {self.node}: it already revealed its shares this round")
+        view = self.check_view(survivors, min_nodes, graph)
+        if self._signed != view:
+            raise ProtocolViolation(
+                "secagg-consistency",
+                f"node {self.node}: asked to reveal on survivors {view}, it signed {self._signed}",
+            )
+        message = survivors_message(self.round_tag, view)
+        for j in sorted(set(view).intersection(self.neighbours)):
+            try:
+                Ed25519PublicKey.from_public_bytes(self._keys[j][2]).verify(bytes(signatures[j]), message)
+            except (KeyError, IndexError, TypeError, ValueError, InvalidSignature):
+                raise ProtocolViolation(
+                    "secagg-consistency",
+                    f"node {self.node}: no valid signature of neighbour {j} on the survivor set {view}",
+                ) from None
+        self._revealed = True
+        alive = set(view)
         return {i: ("b", b) if i in alive else ("s", s) for i, (s, b) in self._held.items()}
 
     def export(self) -> dict[str, int | bytes | list[int] | list[bytes]]:
@@ -186,13 +329,20 @@ class SecAggNode:
             "round-tag": self.round_tag,
             "c-sk": _raw_private(self._c_key),
             "s-sk": _raw_private(self._s_key),
+            "g-sk": _raw_private(self._g_key),
             "b": self._b,
             "key-ids": keys,
             "c-pk": [self._keys[j][0] for j in keys],
             "s-pk": [self._keys[j][1] for j in keys],
+            "g-pk": [self._keys[j][2] for j in keys],
             "held-ids": held,
             "held-s": [self._held[j][0] for j in held],
             "held-b": [self._held[j][1] for j in held],
+            "masked-with": [] if self._masked_with is None else list(self._masked_with),
+            "masked": int(self._masked_with is not None),
+            "signed": [] if self._signed is None else list(self._signed),
+            "has-signed": int(self._signed is not None),
+            "revealed": int(self._revealed),
         }
 
     @classmethod
@@ -214,9 +364,14 @@ class SecAggNode:
             X25519PrivateKey.from_private_bytes(bytes(state["c-sk"])),
             X25519PrivateKey.from_private_bytes(bytes(state["s-sk"])),
             bytes(state["b"]),
+            Ed25519PrivateKey.from_private_bytes(bytes(state["g-sk"])),
         )
-        node._keys = dict(zip(ints("key-ids"), zip(blobs("c-pk"), blobs("s-pk"), strict=True), strict=True))
+        keys = zip(blobs("c-pk"), blobs("s-pk"), blobs("g-pk"), strict=True)
+        node._keys = dict(zip(ints("key-ids"), keys, strict=True))
         node._held = dict(zip(ints("held-ids"), zip(blobs("held-s"), blobs("held-b"), strict=True), strict=True))
+        node._masked_with = ints("masked-with") if int(state["masked"]) else None
+        node._signed = ints("signed") if int(state["has-signed"]) else None
+        node._revealed = bool(int(state["revealed"]))
         return node
 
 
@@ -239,7 +394,7 @@ class SecAggServer:
     threshold: int
     bits: int
     round_tag: bytes
-    keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    keys: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
     sharers: set[int] = field(default_factory=set)
 
     def unmasked_sum(
@@ -279,9 +434,45 @@ class SecAggServer:
         return total
 
 
+def plus_graph(nodes: int, round: int) -> dict[int, list[int]]:
+    """The public SecAgg+ neighbour graph of a round over nodes 0..nodes−1 (every party derives it)."""
+    return neighbour_graph(list(range(nodes)), plus_degree(nodes), seed=int(round))
+
+
+def plus_threshold(nodes: int) -> int:
+    """The SecAgg+ threshold among ``nodes``: :func:`default_threshold` of :func:`plus_degree`."""
+    return default_threshold(plus_degree(nodes))
+
+
+def unmaskable(
+    survivors: Sequence[int], graph: Mapping[int, Sequence[int]], threshold: int, min_nodes: int
+) -> str | None:
+    """Why honest nodes would refuse to unmask a sum over ``survivors`` (None: they would not), by the
+    survivor-set rules of :meth:`SecAggNode.check_view` every survivor applies: at least ``min_nodes`` of
+    them, ``threshold`` in each survivor's closed neighbourhood, each survivor's component of the graph
+    restricted to them at least ``min_nodes``. What the local runtime simulates of SecAgg+'s dropouts."""
+    alive = set(survivors)
+    if len(alive) < min_nodes:
+        return f"{len(alive)} survivors, below min_nodes={min_nodes}"
+    for i in sorted(alive):
+        closed = len(alive.intersection([*graph[i], i]))
+        if closed < threshold:
+            return f"node {i} has {closed} survivors in its neighbourhood, below the SecAgg+ threshold {threshold}"
+        if len(component(graph, alive, i)) < min_nodes:
+            return f"node {i}'s survivors connected to it are fewer than min_nodes={min_nodes}"
+    return None
+
+
 def default_threshold(degree: int) -> int:
-    """t = ⌊degree/2⌋ + 1 of a node's degree + 1 holders: a majority of each neighbourhood."""
-    return degree // 2 + 1
+    """t = ⌊(degree + 1)/2⌋ + 1 of a node's degree + 1 share holders: more than half of them, so two disjoint
+    groups of holders (one told the node survived, one told it dropped) cannot both reach t."""
+    return (degree + 1) // 2 + 1 if degree > 0 else 1
+
+
+def safe_threshold(degree: int, threshold: int) -> bool:
+    """Whether ``threshold`` of ``degree`` + 1 holders makes revealing both shares of one node impossible:
+    2t > degree + 1 (each holder reveals one kind of share per node and round), and t ≤ degree + 1."""
+    return degree + 1 < 2 * threshold <= 2 * (degree + 1)
 
 
 def secure_sum(
@@ -294,13 +485,15 @@ def secure_sum(
     round_tag: bytes = b"",
     drop_after: Mapping[int, str] | None = None,
     keep: dict[str, object] | None = None,
+    min_nodes: int = 1,
 ) -> np.ndarray:
     """One SecAgg+ round in process over ``inputs`` (node id → int64 vector, all one length).
 
-    ``drop_after``: node → the stage after which it stops answering ("advertise", "share",
-    "masked"). ``degree``: neighbours per node (default: all, plain SecAgg); ``threshold``: shares
-    needed (default :func:`default_threshold`). Raises :class:`AggregationAborted` when too few
-    survive; ``keep`` (a dict) receives the server's view (the masked vectors) for tests."""
+    ``drop_after``: node → the stage after which it stops answering (one of :data:`STAGES` but the last).
+    ``degree``: neighbours per node (default: all, plain SecAgg); ``threshold``: shares needed (default
+    :func:`default_threshold`; refused unless :func:`safe_threshold`). Raises :class:`AggregationAborted` when
+    too few survive, or when a node whose input arrived did not sign the survivor set (every survivor signs
+    it before any share is revealed); ``keep`` (a dict) receives the server's view (the masked vectors)."""
     ids = sorted(inputs)
     lengths = {int(np.asarray(v).size) for v in inputs.values()}
     if len(lengths) != 1:
@@ -308,8 +501,11 @@ def secure_sum(
     length = lengths.pop()
     degree = len(ids) - 1 if degree is None else min(degree, len(ids) - 1)
     threshold = default_threshold(degree) if threshold is None else threshold
-    if not 1 <= threshold <= degree + 1:
-        raise ValueError(f"threshold must be in [1, degree + 1 = {degree + 1}]; got {threshold}")
+    if not safe_threshold(degree, threshold):
+        raise ValueError(
+            f"threshold must be in ((degree + 1)/2, degree + 1] = ({(degree + 1) / 2:g}, {degree + 1}] so that no "
+            f"two views of who survived both reach it; got {threshold}"
+        )
     drop = dict(drop_after or {})
     tag = hashlib.sha256(round_tag).digest()[:16]
     graph = neighbour_graph(ids, degree, seed)
@@ -333,5 +529,11 @@ def secure_sum(
     masked = {i: nodes[i].masked(inputs[i]) for i in sorted(server.sharers) if alive(i, "masked")}
     if keep is not None:
         keep["masked"] = masked
-    revealed = {j: nodes[j].unmask(sorted(masked)) for j in masked if alive(j, "unmask")}
+    survivors = sorted(masked)
+    signatures = {i: nodes[i].sign(survivors, min_nodes, graph) for i in survivors if alive(i, "consistency")}
+    if set(signatures) != set(survivors):
+        raise AggregationAborted(
+            f"nodes {sorted(set(survivors) - set(signatures))} sent masked inputs but did not sign the survivor set"
+        )
+    revealed = {j: nodes[j].unmask(survivors, signatures, min_nodes, graph) for j in masked if alive(j, "unmask")}
     return server.unmasked_sum(masked, revealed, length)

@@ -22,7 +22,7 @@ from fedpers.configs.altmin import Cohorts, PsdMethod
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
 from fedpers.privacy.mechanisms import psd_sensitivity
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-8
@@ -259,6 +259,14 @@ class AltMinProtocol(Protocol):
         return self._cohort_cache[key][ids]
 
     # ----- protocol ------------------------------------------------------------------
+    def node_side(self) -> NodeSide | str:
+        """Every release is a Gaussian sum (W, A, b) at z; adaptive bounds' counts and Poisson cohorts are not."""
+        if self.adaptive:
+            return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
+        if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0:
+            return f"{self.name} with Poisson cohorts (sampling_rate < 1)"
+        return NodeSide(self.noise_multiplier, self.psd_statistics)
+
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 

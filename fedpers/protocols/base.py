@@ -12,17 +12,22 @@ algorithm.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from fedpers.data.units import Units
-from fedpers.privacy import Privatizer
+from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.correlated import CorrelatedNoise
 
 Tensor = torch.Tensor
+State = dict[str, Tensor]
+"""A protocol's server state: named tensors (public parameters and what the releases produced), what
+``server_update`` returns, a checkpoint saves and an evaluator reads."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +201,63 @@ def client_message(protocol: Protocol, round: int, broadcast: Mapping[str, Tenso
     return client_message(protocol, round, broadcast, first) + client_message(protocol, round, broadcast, second)
 
 
+@dataclass(frozen=True)
+class NodeSide:
+    """A protocol's declaration that it can run under distributed or local DP (docs/contributing.md,
+    "Trust models"): every release in ``server_update`` is ``privatizer.gaussian_sum`` or
+    ``symmetric_gaussian_sum`` of a statistic exactly as summed (``summed.stats[name]``, untransformed),
+    each at one noise multiplier z calibrated by the accountant, so each node can add its share of that
+    noise to its own sum and the server only adds. The runtime derives the nodes' plan from this alone."""
+
+    noise_multiplier: float
+    """z of every sum release (0: no noise)."""
+    psd_statistics: tuple[str, ...] = ()
+    """Statistics whose every unit's contribution is a PSD matrix (its √2 replace-one bound survives rounding)."""
+
+
+def round_release(
+    privatizer: Privatizer,
+    value: Tensor,
+    *,
+    correlated: CorrelatedNoise | None,
+    per_unit_bound: float,
+    noise_multiplier: float,
+    stream: str,
+    step: int,
+    name: str,
+    round: int,
+    units: str = ALL_UNITS,
+    params: dict[str, Any] | None = None,
+    sampling_probability: float = 1.0,
+) -> Tensor:
+    """One round's release of a gradient stream (FedRep's G, NoisyGD's and NoisyHead's gradient sums):
+    step ``step`` of the stream's correlated noise when the run has a correlated strategy, else an
+    independent Gaussian touching ``units`` (the round's cohort), Poisson-sampled at
+    ``sampling_probability``. One place decides between the two, so the protocols cannot drift apart."""
+    if correlated is not None:
+        return privatizer.correlated_gaussian_sum(
+            value,
+            per_unit_bound=per_unit_bound,
+            noise_multiplier=noise_multiplier,
+            noise=correlated,
+            stream=stream,
+            step=step,
+            name=name,
+            round=round,
+            params=params,
+        )
+    return privatizer.gaussian_sum(
+        value,
+        per_unit_bound=per_unit_bound,
+        noise_multiplier=noise_multiplier,
+        name=name,
+        round=round,
+        units=units,
+        params=params,
+        sampling_probability=sampling_probability,
+    )
+
+
 class Protocol(abc.ABC):
     """An algorithm of the billboard model. Subclasses are plain data plus pure functions."""
 
@@ -207,16 +269,16 @@ class Protocol(abc.ABC):
         """Number of client→server rounds."""
 
     @abc.abstractmethod
-    def initial_state(self) -> Any:
+    def initial_state(self) -> State:
         """Server state before round 0 (public)."""
 
-    def server_start(self, state: Any, privatizer: Any) -> Any:
+    def server_start(self, state: State, privatizer: Privatizer) -> State:
         """Server-side additions to the initial state drawn from the Privatizer's private
         generators (e.g. round 0's Poisson sample), once per fresh run. Default: none."""
         return state
 
     @abc.abstractmethod
-    def broadcast(self, state: Any, round: int) -> dict[str, Tensor]:
+    def broadcast(self, state: State, round: int) -> dict[str, Tensor]:
         """Public tensors sent to every client in ``round``."""
 
     @abc.abstractmethod
@@ -229,13 +291,26 @@ class Protocol(abc.ABC):
 
     @abc.abstractmethod
     def server_update(
-        self, round: int, state: Any, summed: Message, privatizer: Privatizer
-    ) -> tuple[Any, dict[str, float]]:
+        self, round: int, state: State, summed: Message, privatizer: Privatizer
+    ) -> tuple[State, dict[str, float]]:
         """Privatise the summed message (through ``privatizer`` only) and return (new state, diagnostics)."""
 
     def unit_keys(self) -> tuple[str, ...]:
         """Names of the per-unit tensors ``client_update`` reads (besides ``ids``)."""
         return ()
+
+    def node_side(self) -> NodeSide | str:
+        """Distributed and local DP: this configuration's :class:`NodeSide` declaration, or why its releases
+        cannot be noised on the nodes (a reason the runtime's refusal quotes). Default: not declared."""
+        return f"{self.name} (it declares no node-side releases: see docs/contributing.md, Trust models)"
+
+    def with_noise_multiplier(self, noise_multiplier: float) -> Protocol:
+        """This protocol assuming ``noise_multiplier`` after its releases (its PSD floor, its noise
+        diagnostics: public post-processing), as distributed and local DP set it to the nodes' noise. Default:
+        the dataclass field ``noise_multiplier`` replaced (a protocol declaring :class:`NodeSide` has one)."""
+        if not dataclasses.is_dataclass(self) or "noise_multiplier" not in {f.name for f in dataclasses.fields(self)}:
+            raise TypeError(f"{self.name}: with_noise_multiplier needs a dataclass field noise_multiplier")
+        return cast(Protocol, dataclasses.replace(cast(Any, self), noise_multiplier=noise_multiplier))
 
     def units_needed(self, round: int, broadcast: Mapping[str, Tensor]) -> tuple[Tensor | None, tuple[int, int] | None]:
         """(ids, samples) ``client_update`` reads in ``round``: the units that take part (None: all)

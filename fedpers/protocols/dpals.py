@@ -55,7 +55,7 @@ import torch
 from fedpers import linalg
 from fedpers.pools import pool
 from fedpers.privacy import Privatizer
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
 
 Tensor = torch.Tensor
 
@@ -457,6 +457,10 @@ class DpAlsProtocol(Protocol):
             packed=True,
         )
         return Message({"G": G, "b": b}, int(units["ids"].shape[0]))
+
+    def node_side(self) -> NodeSide | str:
+        """Every release (the prelude's s and c, each round's G and b) is a Gaussian sum at z."""
+        return NodeSide(self.noise_multiplier)
 
     def unit_keys(self) -> tuple[str, ...]:
         return ("items", "ratings", "mask", "test") if self.prelude else ("items", "ratings", "mask")

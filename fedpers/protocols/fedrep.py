@@ -32,7 +32,7 @@ from fedpers.privacy.adaptive_clip import (
     share_multiplier,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, round_release
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-6
@@ -149,6 +149,16 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
         return None, None
 
     # ----- protocol ------------------------------------------------------------------
+    def node_side(self) -> NodeSide | str:
+        """The init's W and each round's gradient sum G are Gaussian sums at z (independent noise, fixed clip)."""
+        if self.adaptive:
+            return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
+        if self.correlated is not None:
+            return f"{self.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
+        if self.poisson:
+            return f"{self.name} with Poisson cohorts (sampling_rate < 1)"
+        return NodeSide(self.noise_multiplier)
+
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 
@@ -229,29 +239,20 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
         if self.adaptive:
             params.update(statistic="G/C_t", clip=clip, formula="bound 1 on G_j/C_t, Δ = 2; × C_t after noise")
         z = self.round_multiplier
-        if self.correlated is not None:
-            G = privatizer.correlated_gaussian_sum(
-                summed.stats["G"],
-                per_unit_bound=bound,
-                noise_multiplier=z,
-                noise=self.correlated,
-                stream="G",
-                step=round - 1,
-                name=f"round{round}.G",
-                round=round,
-                params=params,
-            )
-        else:
-            G = privatizer.gaussian_sum(
-                summed.stats["G"],
-                per_unit_bound=bound,
-                noise_multiplier=z,
-                name=f"round{round}.G",
-                round=round,
-                units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
-                params=params,
-                sampling_probability=q if z > 0 else 1.0,
-            )
+        G = round_release(
+            privatizer,
+            summed.stats["G"],
+            correlated=self.correlated,
+            per_unit_bound=bound,
+            noise_multiplier=z,
+            stream="G",
+            step=round - 1,
+            name=f"round{round}.G",
+            round=round,
+            units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
+            params=params,
+            sampling_probability=q if z > 0 else 1.0,
+        )
         # divide by the public expected cohort: q·n (Poisson) or the cycle's cohort size, never by a sampled count
         divisor = q * self.n_users if self.poisson else self.cohort_size(round)
         if self.adaptive:

@@ -26,7 +26,7 @@ from fedpers.configs.noisygd import Loss, Remedy
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, round_release
 
 Tensor = torch.Tensor
 
@@ -146,6 +146,16 @@ class NoisyGDProtocol(Protocol):
         return (self.transform(state, x.to(self.dtype)) @ W.transpose(0, 1)).argmax(-1)
 
     # ----- protocol ---------------------------------------------------------------------------
+    def node_side(self) -> NodeSide | str:
+        """Each step's gradient sum is a Gaussian sum at z (independent noise, fixed clip, no remedy)."""
+        if self.adaptive:
+            return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
+        if self.correlated is not None:
+            return f"{self.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
+        if self.remedy_noise_multiplier > 0:
+            return f"{self.name} with a remedy (its feature releases take a second noise multiplier; use --remedy none)"
+        return NodeSide(self.noise_multiplier)
+
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 
@@ -246,28 +256,19 @@ class NoisyGDProtocol(Protocol):
         bound = 1.0 if self.adaptive else self.grad_clip
         if self.adaptive:
             params.update(statistic="Σ clip(∇ℓ_i; C_t)/C_t", C_t=clip, formula="bound 1, Δ = 2; × C_t after noise")
-        if self.correlated is not None:
-            g = privatizer.correlated_gaussian_sum(
-                summed.stats["grad"],
-                per_unit_bound=bound,
-                noise_multiplier=self.noise_multiplier,
-                noise=self.correlated,
-                stream="grad",
-                step=step - 1,
-                name=f"step{step}.grad",
-                round=round,
-                params=params,
-            )
-        else:
-            g = privatizer.gaussian_sum(
-                summed.stats["grad"],
-                per_unit_bound=bound,
-                noise_multiplier=self.noise_multiplier,
-                name=f"step{step}.grad",
-                round=round,
-                units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
-                params=params,
-            )
+        g = round_release(
+            privatizer,
+            summed.stats["grad"],
+            correlated=self.correlated,
+            per_unit_bound=bound,
+            noise_multiplier=self.noise_multiplier,
+            stream="grad",
+            step=step - 1,
+            name=f"step{step}.grad",
+            round=round,
+            units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
+            params=params,
+        )
         start, stop = self.cohort_range(cohort)
         if self.adaptive:
             g = g * clip

@@ -45,7 +45,7 @@ from fedpers.privacy.adaptive_clip import (
     below_statistic,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, round_release
 
 Tensor = torch.Tensor
 
@@ -342,6 +342,23 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         return self.step_size / self.prompts * 2 * self.grad_bound
 
     # ----- protocol ------------------------------------------------------------------
+    def node_side(self) -> NodeSide | str:
+        """``--mode rounds`` releases each step's gradient sum at z; the statistics mode releases A·Γ_t − b, a
+        transform the server computes from the sums at each of its T steps (node-side it would be the gradient
+        of every step: the rounds mode)."""
+        if self.mode is Mode.STATISTICS:
+            return (
+                "noisyhead --mode statistics (it releases A·Γ − b, a transform of the sums computed on the server "
+                "at every step; use --mode rounds, whose every release is a gradient sum)"
+            )
+        if self.adaptive:
+            return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
+        if self.correlated is not None:
+            return f"{self.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
+        if self.poisson:
+            return f"{self.name} with Poisson sampling (sampling_rate < 1)"
+        return NodeSide(self.noise_multiplier)
+
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")
 
@@ -444,29 +461,20 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         released at bound 1 with multiplier z/√(1 − f) and scaled back by the public B_t after the noise."""
         bound = self.grad_bound if clip is None else 1.0
         z = self.noise_multiplier if clip is None else self.round_multiplier
-        if self.correlated is not None:
-            noisy = privatizer.correlated_gaussian_sum(
-                grad,
-                per_unit_bound=bound,
-                noise_multiplier=z,
-                noise=self.correlated,
-                stream="grad",
-                step=t,
-                name=f"step{t}",
-                round=t,
-                params=self.step_params(t, clip),
-            )
-        else:
-            noisy = privatizer.gaussian_sum(
-                grad,
-                per_unit_bound=bound,
-                noise_multiplier=z,
-                name=f"step{t}",
-                round=t,
-                units=f"cohort:{t % self.cycle}" if self.cycle > 1 else ALL_UNITS,
-                params=self.step_params(t, clip),
-                sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
-            )
+        noisy = round_release(
+            privatizer,
+            grad,
+            correlated=self.correlated,
+            per_unit_bound=bound,
+            noise_multiplier=z,
+            stream="grad",
+            step=t,
+            name=f"step{t}",
+            round=t,
+            units=f"cohort:{t % self.cycle}" if self.cycle > 1 else ALL_UNITS,
+            params=self.step_params(t, clip),
+            sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
+        )
         if clip is not None:
             noisy = noisy * clip
         return descend(gamma, noisy, self.step_divisor(t), self.ridge_lambda, self.step_size, self.proj_r), noisy

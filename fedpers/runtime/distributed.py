@@ -14,12 +14,11 @@ from the sum it decodes, as the Flower runtime records it.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -28,7 +27,7 @@ from fedpers.configs.runtime import RuntimeOptions
 from fedpers.data.units import UnitSource
 from fedpers.privacy import distributed as dist
 from fedpers.privacy import secagg
-from fedpers.protocols.base import Message, Protocol, StatSpec, Units, client_message
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, client_message
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
 from fedpers.runtime.flower.partition import unit_ranges
@@ -57,9 +56,18 @@ receives in the clear under local DP (each node's noisy vector). Never called un
 where secure aggregation shows the server the modular sum only."""
 
 
+def declared(protocol: Protocol, model: DpModel = DpModel.DISTRIBUTED) -> NodeSide:
+    """The protocol's own :class:`~fedpers.protocols.base.NodeSide` declaration; a ValueError quoting its
+    refusal reason when this configuration cannot be noised on the nodes (before any work)."""
+    found = protocol.node_side()
+    if isinstance(found, str):
+        raise ValueError(f"dp_model {model.value} does not support {found} (or use --dp-model central)")
+    return found
+
+
 def stat_shapes(protocol: Protocol) -> list[dist.StatShape]:
     """Every statistic the protocol sums, over all its rounds (the plan's input)."""
-    psd = set(getattr(protocol, "psd_statistics", ()))
+    psd = set(declared(protocol).psd_statistics)
     return [
         dist.StatShape(s.name, tuple(s.shape), float(s.per_unit_bound), bool(s.symmetric), s.name in psd)
         for r in range(protocol.num_rounds)
@@ -90,7 +98,7 @@ def unit_rows(
     """One node's per-unit contributions, (U, d) float64 per statistic (units of ``members`` only,
     those taking part in the round), the units' ids (one per row), the unit count and the zeroed count."""
     rows: dict[str, list[Tensor]] = {s.name: [] for s in specs}
-    psd = set(getattr(protocol, "psd_statistics", ()))
+    psd = set(declared(protocol).psd_statistics)
     ids: list[int] = []
     counts = [0, 0]
     threads = torch.get_num_threads()
@@ -195,6 +203,14 @@ def node_round(
             f"round {round}: {len(sent)} of {plan.nodes} nodes survived, below min_nodes={plan.min_nodes}; "
             "the round is discarded before any release"
         )
+    if plan.model == dist.DpModel.DISTRIBUTED and len(sent) < plan.nodes:  # as SecAgg+'s nodes would refuse
+        why = secagg.unmaskable(
+            nodes, secagg.plus_graph(plan.nodes, round), secagg.plus_threshold(plan.nodes), plan.min_nodes
+        )
+        if why is not None:
+            raise RoundFailed(
+                f"round {round}: SecAgg+ would not unmask ({why}); the round is discarded before any release"
+            )
     stats: dict[str, Tensor] = {}
     sums: dict[str, Tensor] = {}
     wraps = suspected = 0
@@ -291,35 +307,6 @@ def run_local_nodes(
     )
 
 
-NODE_SIDE_PROTOCOLS = ("altmin", "fedrep", "noisygd", "dpals", "noisyhead")
-"""Protocols whose every release is a Gaussian sum of per-unit-clipped statistics passed to the
-Privatizer as summed (what the nodes can noise): the others are refused under distributed or local DP."""
-
-
-def node_side_refusal(protocol: Protocol) -> str | None:
-    """Why a protocol's configuration cannot be noised by the nodes (None: it can). NoisyHead: only
-    ``--mode rounds`` with independent noise releases sums (each step's gradient Σ_u ∇_u(Γ_t)); its
-    statistics mode releases A·Γ_t − b, a transform the server computes from the sums at each of its T
-    steps (node-side it would be the gradient of every step: the rounds mode), and correlated noise
-    correlates each release's noise across steps, which shares drawn per round cannot (on every
-    protocol: FedRep and NoisyGD's correlated rounds were noised by the server, on sums it saw). Adaptive
-    clipping (any protocol): its counts are scalar sums of b_j − 1/2 whose rounding to the nodes'
-    integer grid the plan, solved for the calibrated multiplier, does not cover (measured: ε 2.77 for a
-    target of 2 on AltMin, 5.36 for 4 on FedRep)."""
-    if getattr(protocol, "adaptive", False):
-        return f"{protocol.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
-    if getattr(protocol, "correlated", None) is not None:  # else the server would add it to a sum it sees
-        return f"{protocol.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
-    if protocol.name != "noisyhead":
-        return None
-    if str(getattr(getattr(protocol, "mode", None), "value", "")) == "statistics":
-        return (
-            "noisyhead --mode statistics (it releases A·Γ − b, a transform of the sums computed on the server "
-            "at every step; use --mode rounds, whose every release is a gradient sum)"
-        )
-    return None
-
-
 def node_side_privatizer(
     protocol: Protocol,
     num_units: int,
@@ -329,21 +316,16 @@ def node_side_privatizer(
     rotation_seed: int,
 ) -> dist.NodeSidePrivatizer:
     """The Privatizer of a distributed or local DP run, its plan solved from the protocol's own
-    calibration. Refuses, before any release, what the nodes cannot privatise."""
+    calibration. Refuses, before any release, what the nodes cannot privatise: a protocol whose
+    :meth:`~fedpers.protocols.base.Protocol.node_side` gives a reason (its own declaration), or one whose
+    noise the accountant calibrated more than once (the plan solves one multiplier)."""
     model = options.dp_model
-    if protocol.name not in NODE_SIDE_PROTOCOLS:
-        raise ValueError(
-            f"dp_model {model.value} supports {', '.join(NODE_SIDE_PROTOCOLS)}; got {protocol.name} (use --dp-model central)"
-        )
-    if (why := node_side_refusal(protocol)) is not None:
-        raise ValueError(f"dp_model {model.value} does not support {why} (or use --dp-model central)")
-    if float(getattr(protocol, "sampling_rate", 1.0)) < 1.0:
-        raise ValueError(f"dp_model {model.value} does not support Poisson sampling (sampling_rate < 1)")
+    side = declared(protocol, model)
     if len(calibrations.asked) > 1:
         raise ValueError(
             f"dp_model {model.value} needs one calibrated noise multiplier; {protocol.name} asked for more"
         )
-    z = float(getattr(protocol, "noise_multiplier", 0.0))
+    z = side.noise_multiplier
     if z > 0 and not calibrations.asked:  # the plan solves the calibrated guarantee: never plan without one
         raise ValueError(
             f"dp_model {model.value}: {protocol.name}'s noise multiplier was not calibrated by the accountant "
@@ -383,11 +365,12 @@ def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num
     Distributed: each statistic's noise std is z·Δ₂/(2s) in its own units; local: the sum of up to n units'
     own noise has std √n·z·B; against the protocol's z·B (z·B/√2 for a PSD statistic): the largest ratio
     is taken. Spends no privacy: the ledger records what the nodes did, whatever this says."""
-    z = float(getattr(protocol, "noise_multiplier", 0.0))
-    if z == 0 or not dataclasses.is_dataclass(protocol):
+    side = declared(protocol, privatizer.plan.model)
+    z = side.noise_multiplier
+    if z == 0:
         return protocol
     plan = privatizer.plan
-    psd = set(getattr(protocol, "psd_statistics", ()))
+    psd = set(side.psd_statistics)
     # each statistic's noise std over the protocol's z·Δ/2 (Δ = 2B, or √2B for a PSD one centrally)
     central = {e.name: z * (math.sqrt(2.0) if e.name in psd else 2.0) * e.bound / 2 for e in plan.encodings.values()}
     if plan.model is DpModel.LOCAL:
@@ -395,4 +378,4 @@ def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num
     else:
         actual = {e.name: plan.noise_multiplier * e.l2_sensitivity / 2 / e.scale for e in plan.encodings.values()}
     factor = max(actual[k] / central[k] for k in actual)
-    return cast(Protocol, dataclasses.replace(cast(Any, protocol), noise_multiplier=z * factor))
+    return protocol.with_noise_multiplier(z * factor)

@@ -148,7 +148,10 @@ def drive(
             if not verdict.accepted:
                 dropped[reply.client] = verdict.reason
                 continue
-            total.add_(msg)  # in place: total owns its tensors (zero_message), one allocation per round
+            if reply.aggregate and len(replies) == 1:  # the runtime's whole sum: handed on as it arrived, so a
+                total = msg  # NodeSidePrivatizer knows each release by the tensor it registered (never by value)
+            else:
+                total.add_(msg)  # in place: total owns its tensors (zero_message), one allocation per round
         accepted = len(replies) - len(dropped)
         if not replies or accepted < min_fraction * len(replies):
             raise RoundFailed(

@@ -14,8 +14,8 @@ import functools
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from flwr.app import Context
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
-from fedpers.protocols.base import Protocol, Units, client_message
+from fedpers.protocols.base import Message, Protocol, Units, client_message
 from fedpers.runtime.flower import codec
 
 UNIT_CACHE_BYTES = 1 << 30
@@ -43,9 +43,9 @@ class Node:
     units: Callable[[torch.Tensor], Units]
     num_units: int = 0
     """How many units the run's plan has, as this node computes it from its config and data (0: unknown)."""
-    node_side_plan: Callable[[Any], Any] | None = None
-    """Sent plan → the plan this node derives from the job for the same trust model and node counts
-    (distributed or local DP: a node refuses any other); None: this node refuses node-side plans."""
+    node_side: Callable[[codec.Trust], Any] | None = None
+    """The job's trust model → the :class:`~fedpers.runtime.flower.nodeside.NodeSidePlan` this node derives
+    from the job for it (distributed or local DP); None: this node runs no node-side plan."""
 
 
 NodeBuilder = Callable[[codec.Job, str], Node]
@@ -57,10 +57,25 @@ this node cannot build (unknown algorithm, a data file the algorithm does not re
 class NodeJob:
     node: Node
     digest: str
+    sides: dict[str, Any] = field(default_factory=dict)
+    """Trust model (JSON) → the node-side plan derived for it (once per process: it solves a calibration)."""
 
     @property
     def protocol(self) -> Protocol:
         return self.node.protocol
+
+    def side(self, trust: codec.Trust) -> Any:
+        """The :class:`~fedpers.runtime.flower.nodeside.NodeSidePlan` this node derives for ``trust``."""
+        if self.node.node_side is None:
+            from fedpers.runtime.flower.policy import PolicyRefused
+
+            raise PolicyRefused(
+                "trust-model", "this node cannot derive a node-side plan; it noises nothing on the server's word"
+            )
+        key = trust.to_json()
+        if key not in self.sides:
+            self.sides[key] = self.node.node_side(trust)
+        return self.sides[key]
 
 
 _jobs: dict[tuple[str, str, str, str], NodeJob] = {}
@@ -211,72 +226,206 @@ def handle_query(message: FlowerMessage, context: Context) -> FlowerMessage:
     return FlowerMessage(content, reply_to=message)
 
 
-def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder) -> FlowerMessage:
-    """One round: the protocol's statistics summed over this node's units."""
+def handle_train(message: FlowerMessage, context: Context, build: NodeBuilder, settings: Any = None) -> FlowerMessage:
+    """One round: the protocol's statistics summed over this node's units, after every check the node makes
+    itself (its lab policy from ``$FEDPERS_POLICY``, the run's trust model, its plan and, under distributed or
+    local DP, the broadcast it derives from the run's releases). A refusal is a
+    :class:`~fedpers.runtime.flower.policy.PolicyRefused` naming its rule, raised before any computation and
+    logged (in the node's store when it has a policy); ``settings``: the node's own
+    :class:`~fedpers.runtime.flower.nodeside.NodeSettings` (its noise seed in the simulation)."""
+    from fedpers.runtime.flower.nodeside import NodeSettings
+    from fedpers.runtime.flower.policy import PolicyRefused, active_policy
+
     start = time.perf_counter()
     task = codec.decode_task(message.content)
-    data_file = str(context.node_config.get(codec.DATA_FILE, "") or "")
-    # The lab's policy ($FEDPERS_POLICY) is checked on every task before any computation.
-    from fedpers.runtime.flower.policy import active_policy, check_task
-
     policy = active_policy()
-    if policy is not None:  # the range asked for, before any user is loaded
-        check_task(policy, task.job.algorithm, json.loads(task.job.config_json), task.stop - task.start)
-    node = node_job(task.job, data_file, build)
-    if policy is not None:  # the node's own units under the run's plan, never the server's word
-        _enforce(policy, context, task, node, admit=False)
-    units = node_units(task.job, data_file, node, task.start, task.stop)
-    if policy is not None:  # the users this round's message would be computed over (a cohort may be fewer)
-        check_task(
-            policy,
-            task.job.algorithm,
-            json.loads(task.job.config_json),
-            node.protocol.units_in_round(task.round, units),
-        )
-        _enforce(policy, context, task, node, admit=True)  # charged and recorded last
-    device = units["ids"].device
-    broadcast = {k: v.to(device) for k, v in task.broadcast.items()}
-    digest = task.digest
-    from fedpers.runtime.flower.nodeside import NODE_SIDE, node_message
+    gate: Any = None
+    if policy is not None:
+        from fedpers.runtime.flower.nodeplan import node_gate
 
-    if NODE_SIDE in message.content.config_records:  # distributed or local DP: this node noises its own sum
-        rec = message.content.config_records[NODE_SIDE]
-        mine = node_message(
-            node.protocol, task.round, broadcast, units, task.start, task.stop, rec, node.node.node_side_plan, context
+        partition = int(context.node_config.get(codec.PARTITION_ID, -1))
+        gate = node_gate(
+            policy, run=str(context.run_id), round=task.round, asked=range(task.start, task.stop), partition=partition
         )
-        return FlowerMessage(
-            codec.encode_reply(mine, time.perf_counter() - start, task.round, digest), reply_to=message
-        )
-    reply = client_message(node.protocol, task.round, broadcast, units)
-    symmetric = [spec.name for spec in node.protocol.stat_specs(task.round) if spec.symmetric]
-    return FlowerMessage(
-        codec.encode_reply(reply, time.perf_counter() - start, task.round, digest, symmetric), reply_to=message
+    try:
+        return _train(message, context, build, settings or NodeSettings(), task, policy, gate, start)
+    except PolicyRefused as e:
+        if gate is not None:
+            gate.refuse(e)
+        else:
+            import logging
+
+            logging.getLogger("fedpers.flower").warning("refused task of round %s: %s", task.round, e)
+        raise
+
+
+def _train(
+    message: FlowerMessage,
+    context: Context,
+    build: NodeBuilder,
+    settings: Any,
+    task: codec.Task,
+    policy: Any,
+    gate: Any,
+    start: float,
+) -> FlowerMessage:
+    from fedpers.runtime.flower.nodeside import (
+        NODE,
+        NODE_SIDE,
+        PLAN,
+        SECURE,
+        SEED,
+        check_broadcast,
+        check_plan,
+        derive_broadcast,
+        read_plan,
     )
-
-
-def _enforce(policy: Any, context: Context, task: codec.Task, node: NodeJob, *, admit: bool) -> None:
-    """:func:`fedpers.runtime.flower.nodeplan.enforce_plan` for this task (deployments with a policy)."""
-    from fedpers.runtime.flower.nodeplan import enforce_plan
+    from fedpers.runtime.flower.policy import PolicyRefused, check_bits, check_task, check_trust
 
     job = task.job
-    enforce_plan(
-        policy,
-        run=str(context.run_id),
-        round=task.round,
-        asked=range(task.start, task.stop),
-        num_units=node.node.num_units,
-        partition=int(_node_config(context, codec.PARTITION_ID)),
-        partitions=int(_node_config(context, codec.NUM_PARTITIONS)),
-        users_per_node=int(context.node_config.get(USERS_PER_NODE, 0)),
-        num_rounds=node.protocol.num_rounds,
-        job=f"{job.algorithm}|{job.digest}|{job.config_json}|{job.calibrations_json}",
-        config=json.loads(job.config_json),
-        admit=admit,
+    try:
+        trust = job.trust
+    except ValueError as e:
+        raise PolicyRefused("plan-job", str(e)) from None
+    rec = message.content.config_records.get(NODE_SIDE)
+    node_side = trust.dp_model != "central"
+    if not node_side and rec is not None:
+        raise PolicyRefused("trust-model", "a central run's task carries a node-side record")
+    if node_side:  # every check a node makes of the trust model comes before anything is computed
+        if rec is None:
+            raise PolicyRefused(
+                "trust-model",
+                f"the run's dp_model is {trust.dp_model}: a task without its node-side record would release this "
+                "node's exact sum",
+            )
+        taken = [k for k in (SEED, SECURE, NODE) if k in rec]
+        if taken:
+            raise PolicyRefused(
+                "node-noise",
+                f"the task sets {taken}: this node takes neither its noise nor its identity from a message (it draws "
+                "from its own OS entropy, or from the seed its own configuration names in a simulation)",
+            )
+        if trust.nodes != (partitions := int(_node_config(context, codec.NUM_PARTITIONS))):
+            raise PolicyRefused(
+                "plan-nodes",
+                f"the run's noise shares are sized for {trust.nodes} nodes; this node's config says {partitions}",
+            )
+    config = json.loads(job.config_json)
+    if policy is not None:
+        check_trust(policy, trust.dp_model, trust.min_nodes)
+        if node_side and settings.noise_seed is not None and policy.require_secure_noise:
+            raise PolicyRefused(
+                "require-secure-noise", "this node's own configuration seeds its noise, which its lab policy forbids"
+            )
+        check_task(
+            policy, job.algorithm, config, task.stop - task.start
+        )  # the range asked for, before any user is loaded
+    data_file = str(context.node_config.get(codec.DATA_FILE, "") or "")
+    node = node_job(job, data_file, build)
+    if gate is not None:  # the node's own units under the run's plan, never the server's word
+        from fedpers.runtime.flower.nodeplan import plan_units
+
+        plan_units(
+            gate,
+            run=str(context.run_id),
+            round=task.round,
+            asked=range(task.start, task.stop),
+            num_units=node.node.num_units,
+            partition=int(_node_config(context, codec.PARTITION_ID)),
+            partitions=int(_node_config(context, codec.NUM_PARTITIONS)),
+            users_per_node=int(context.node_config.get(USERS_PER_NODE, 0)),
+            num_rounds=node.protocol.num_rounds,
+            job=job.key,
+            config=config,
+            digest=task.digest,
+        )
+        if gate.check():  # an identical repeat: the stored reply, or nothing (never computed twice)
+            return _stored(gate, message, task)
+    broadcast: Mapping[str, torch.Tensor] = task.broadcast
+    side: Any = None
+    if node_side:
+        assert rec is not None
+        side = node.side(trust)
+        try:
+            sent_plan = read_plan(str(rec[PLAN]))
+        except (KeyError, ValueError) as e:
+            raise PolicyRefused("plan-noise", str(e)) from None
+        check_plan(str(rec[PLAN]), sent_plan, side.plan)
+        if policy is not None and side.plan.model.value == "distributed":
+            check_bits(policy, side.plan.bits)
+        broadcast = derive_broadcast(context, job, side, task.round, rec, message.content)
+        check_broadcast(broadcast, task.broadcast, task.round)
+    units = node_units(job, data_file, node, task.start, task.stop)
+    if policy is not None:  # the users this round's message would be computed over (a cohort may be fewer)
+        check_task(policy, job.algorithm, config, node.protocol.units_in_round(task.round, units))
+    secagg_node: Any = None
+    if side is not None and side.plan.model.value == "distributed":
+        from fedpers.runtime.flower.secaggplus import RELAY_IDS, receive_relays
+
+        assert rec is not None  # a node-side run's task without its record was refused above
+        if RELAY_IDS not in rec:
+            raise PolicyRefused("secagg-relays", "a distributed-DP vector leaves this node only masked by SecAgg+")
+        secagg_node = receive_relays(rec, context, task.round, side.plan)
+    if gate is not None and gate.admit():  # charged and recorded last; a repeat that raced this one
+        return _stored(gate, message, task)
+    device = units["ids"].device
+    on_device = {k: v.to(device) for k, v in broadcast.items()}
+    if side is not None:
+        from fedpers.runtime.flower.nodeside import node_message
+
+        partition = int(_node_config(context, codec.PARTITION_ID))
+        mine = node_message(
+            node.protocol, task.round, on_device, units, task.start, task.stop, side.plan, partition, settings
+        )
+        if secagg_node is not None:
+            from fedpers.runtime.flower.secaggplus import mask
+
+            mine = mask(secagg_node, mine, context, task.round)
+        symmetric: list[str] = []
+    else:
+        mine = client_message(node.protocol, task.round, on_device, units)
+        symmetric = [spec.name for spec in node.protocol.stat_specs(task.round) if spec.symmetric]
+    seconds = time.perf_counter() - start
+    if gate is not None:
+        gate.store(_dump_reply(mine, seconds, symmetric))
+    return FlowerMessage(codec.encode_reply(mine, seconds, task.round, task.digest, symmetric), reply_to=message)
+
+
+def _dump_reply(message: Message, seconds: float, symmetric: list[str]) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    stats = {k: v.detach().cpu() for k, v in message.stats.items()}
+    torch.save(
+        {"stats": stats, "count": message.count, "zeroed": message.zeroed, "seconds": seconds, "symmetric": symmetric},
+        buffer,
     )
+    return buffer.getvalue()
 
 
-def make_client_app(build: NodeBuilder) -> ClientApp:
-    """The fedpers ClientApp: ``query`` for discovery, ``train`` for protocol rounds of the nodes ``build`` makes."""
+def _stored(gate: Any, message: FlowerMessage, task: codec.Task) -> FlowerMessage:
+    """The stored reply to an identical repeat of this node's latest round (refused: an older round)."""
+    import io
+
+    from fedpers.runtime.flower.policy import PolicyRefused
+
+    body = gate.stored()
+    if body is None:
+        raise PolicyRefused(
+            "plan-once",
+            f"round {task.round} was already computed; each unit's statistic is released once a round (only the "
+            "latest round's reply is kept to answer a repeat)",
+        )
+    kept = torch.load(io.BytesIO(body), weights_only=True)
+    reply = Message(kept["stats"], int(kept["count"]), int(kept["zeroed"]))
+    content = codec.encode_reply(reply, float(kept["seconds"]), task.round, task.digest, list(kept["symmetric"]))
+    return FlowerMessage(content, reply_to=message)
+
+
+def make_client_app(build: NodeBuilder, settings: Any = None) -> ClientApp:
+    """The fedpers ClientApp: ``query`` for discovery, ``train`` for protocol rounds of the nodes ``build``
+    makes, ``query.secagg`` for SecAgg+ stages. ``settings``: the nodes' own
+    :class:`~fedpers.runtime.flower.nodeside.NodeSettings` (None: noise from OS entropy)."""
     app = ClientApp()
     app.query()(handle_query)
     from fedpers.runtime.flower.secaggplus import ACTION, handle_stage
@@ -285,6 +434,6 @@ def make_client_app(build: NodeBuilder) -> ClientApp:
 
     @app.train()
     def train(message: FlowerMessage, context: Context) -> FlowerMessage:
-        return handle_train(message, context, build)
+        return handle_train(message, context, build, settings)
 
     return app

@@ -29,6 +29,7 @@ from flwr.common.constant import SType
 
 from fedpers import config as config_lib
 from fedpers.protocols.base import Message, Protocol
+from fedpers.runtime.flower.policy import TRUST_MODELS
 
 Tensor = torch.Tensor
 
@@ -71,6 +72,41 @@ class MalformedReply(ValueError):
 
 
 @dataclass(frozen=True)
+class Trust:
+    """The run's trust model as every node pins it with the job: who adds the noise and, under distributed
+    or local DP, the node count, the fewest survivors whose noise shares must reach a sum (``min_nodes``), the
+    bits of the modular sum (0: chosen from the plan) and the run's users per node (0: the even split). A node
+    derives its noise plan from these and the public job, never from the server's plan."""
+
+    dp_model: str = "central"
+    nodes: int = 0
+    min_nodes: int = 0
+    bits: int = 0
+    users_per_node: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dp_model not in TRUST_MODELS:
+            raise ValueError(f"trust model {self.dp_model!r} is not one of {list(TRUST_MODELS)}")
+        numbers = (self.nodes, self.min_nodes, self.bits, self.users_per_node)
+        if not all(_is_int(n) and n >= 0 for n in numbers):
+            raise ValueError(f"trust: nodes, min_nodes, bits, users_per_node must be integers >= 0; got {numbers}")
+        if self.dp_model != "central" and not 1 <= self.min_nodes <= self.nodes:
+            raise ValueError(f"trust: min_nodes must be in [1, nodes={self.nodes}]; got {self.min_nodes}")
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @staticmethod
+    def of(options: Any) -> Trust:
+        """The trust model of runtime options (``dp_model``, ``nodes``, ``min_nodes`` 0 for all, ``bits``)."""
+        model = str(getattr(options.dp_model, "value", options.dp_model))
+        if model == "central":
+            return Trust()
+        nodes = int(options.nodes)
+        return Trust(model, nodes, int(options.min_nodes) or nodes, int(options.bits), int(options.users_per_node))
+
+
+@dataclass(frozen=True)
 class Job:
     """What every node needs to rebuild the public protocol: never the noise seed."""
 
@@ -79,15 +115,45 @@ class Job:
     digest: str
     calibrations_json: str = "{}"
     """The server's noise calibrations (public: key → noise multiplier), so nodes need no accountant."""
+    trust_json: str = "{}"
+    """The run's :class:`Trust` (``{}``: central DP), pinned with the rest of the job by every node."""
 
     @staticmethod
-    def of(algorithm: str, cfg: Any, protocol: Protocol, calibrations: Mapping[str, float] | None = None) -> Job:
+    def of(
+        algorithm: str,
+        cfg: Any,
+        protocol: Protocol,
+        calibrations: Mapping[str, float] | None = None,
+        trust: Trust | None = None,
+    ) -> Job:
         return Job(
             algorithm,
             json.dumps(config_lib.to_dict(cfg), sort_keys=True),
             protocol_digest(protocol),
             json.dumps(dict(calibrations or {}), sort_keys=True),
+            "{}" if trust is None or trust == Trust() else trust.to_json(),
         )
+
+    @property
+    def trust(self) -> Trust:
+        """The job's :class:`Trust`; a ValueError for one that is not (the node refuses the task)."""
+        return _read_trust(self.trust_json)
+
+    @property
+    def key(self) -> str:
+        """Everything a node pins of a run's job, as one string."""
+        return "|".join((self.algorithm, self.digest, self.config_json, self.calibrations_json, self.trust_json))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_trust(text: str) -> Trust:
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise TypeError("not an object")
+        return Trust(**raw)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"job: malformed trust model {text[:120]!r} ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -109,17 +175,27 @@ def protocol_digest(protocol: Protocol) -> str:
 
 
 CALIBRATIONS = "calibrations"
+TRUST = "trust"
 
 
 def job_record(job: Job) -> ConfigRecord:
-    return ConfigRecord(
+    rec = ConfigRecord(
         {ALGORITHM: job.algorithm, CONFIG: job.config_json, DIGEST: job.digest, CALIBRATIONS: job.calibrations_json}
     )
+    if job.trust_json != "{}":
+        rec[TRUST] = job.trust_json
+    return rec
 
 
 def read_job(content: RecordDict) -> Job:
     rec = content[JOB]
-    return Job(str(rec[ALGORITHM]), str(rec[CONFIG]), str(rec[DIGEST]), str(rec.get(CALIBRATIONS, "{}") or "{}"))
+    return Job(
+        str(rec[ALGORITHM]),
+        str(rec[CONFIG]),
+        str(rec[DIGEST]),
+        str(rec.get(CALIBRATIONS, "{}") or "{}"),
+        str(rec.get(TRUST, "{}") or "{}"),
+    )
 
 
 @dataclass(frozen=True)
@@ -130,12 +206,13 @@ class Packed:
     layout: str
     payload: bytes | ArrayRecord
 
-    def into(self, rec: ConfigRecord, content: dict[str, Any]) -> None:
+    def into(self, rec: ConfigRecord, content: dict[str, Any], array: str = TENSORS) -> None:
+        """Into ``rec`` (layout, inline bytes) or, above :data:`INLINE_BYTES`, ``content[array]``."""
         rec[LAYOUT] = self.layout
         if isinstance(self.payload, bytes):
             rec[BLOB] = self.payload
         else:
-            content[TENSORS] = self.payload
+            content[array] = self.payload
 
 
 NUMPY_STYPE = SType.NUMPY
@@ -160,7 +237,7 @@ def pack(tensors: Mapping[str, Tensor]) -> Packed:
     return Packed(text, ArrayRecord({BLOB: Array(dtype="|u1", shape=(size,), stype=NUMPY_STYPE, data=npy)}))
 
 
-def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tensor]:
+def unpack(rec: ConfigRecord, content: RecordDict, what: str, array: str = TENSORS) -> dict[str, Tensor]:
     """Tensors packed by :func:`pack`; raises :class:`MalformedReply` on any inconsistency
     (unknown dtype, negative or mismatched shapes, bytes missing or left over, repeated names)."""
     try:
@@ -172,9 +249,9 @@ def unpack(rec: ConfigRecord, content: RecordDict, what: str) -> dict[str, Tenso
                 raise MalformedReply(f"{what}: {BLOB} must be bytes")
             data = inline
         else:
-            array = content.array_records[TENSORS][BLOB]
+            packed = content.array_records[array][BLOB]
             try:
-                data = array.numpy()
+                data = packed.numpy()
             except Exception as e:
                 raise MalformedReply(f"{what}: cannot decode its tensors ({type(e).__name__}: {e})") from None
             if data.dtype != np.uint8 or data.ndim != 1:

@@ -1,40 +1,98 @@
 """Distributed and local DP on the Flower runtime: each node noises its own sum, the server only adds.
 
-The server sends every node the public plan (:class:`~fedpers.privacy.distributed.DistributedPlan`:
-scales, rotation seed, bounds, noise variance, bits) beside its task. The node computes each of its
-units' contribution alone, encodes them exactly as the local runtime's simulated nodes do
+The run's trust model (dp_model, nodes, min_nodes, bits) is part of the job every node pins
+(:class:`~fedpers.runtime.flower.codec.Trust`). A node derives the public plan
+(:class:`~fedpers.privacy.distributed.DistributedPlan`: scales, rotation seed, bounds, noise variance,
+bits) from the job itself and refuses a task whose plan differs (:func:`check_plan`); it never takes
+its noise from a message: in a deployment it draws from its own OS entropy, and only the simulation's
+ClientApp, built by the lab that runs both sides, may seed it (:class:`NodeSettings`). It computes each
+of its units' contribution alone, encodes them exactly as the local runtime's simulated nodes do
 (:func:`fedpers.runtime.distributed.node_vectors`: distributed, scaled, rotated, conditionally rounded,
 summed, its Skellam share added, reduced mod 2^b; local, each unit's own Gaussian added) and replies
 with that vector only. The server sums the vectors (mod 2^b), decodes the sum and hands it to the
 protocol through the :class:`~fedpers.privacy.distributed.NodeSidePrivatizer`, which records the release.
 
+Broadcasts follow from releases: the server's update is then a deterministic function of the released
+sums, so each task carries the previous round's released sums and the node derives the broadcast
+itself (:func:`derive_broadcast`: its own copy of the server's state, advanced one round at a time in
+``context.state``), refuses a task whose broadcast differs from the one it derives, and computes on its
+own. A round is reachable only after the round before it: a stolen session can neither choose U nor ask
+round 150 of 300.
+
 What the server receives under distributed DP: each node's vector *masked* by SecAgg+
-(:mod:`fedpers.runtime.flower.secaggplus`, four Message stages per round), from which it recovers
-only the survivors' sum mod 2^b; under local DP, each node's noisy float sum in the clear. Noise seeds: with ``secure`` the nodes draw from
-OS entropy and no seed travels; otherwise (reproducible simulation, equal to the local runtime) the
-plan carries the run's noise seed, which the server knows as well. A node derives the plan itself
-from the public job and refuses any other (:func:`check_plan`).
+(:mod:`fedpers.runtime.flower.secaggplus`, five Message stages per round), from which it recovers
+only the sum mod 2^b of the survivors that signed one survivor set; under local DP, each node's noisy
+float sum in the clear.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Context, RecordDict
 
 from fedpers.config import DpModel
 from fedpers.privacy import distributed as dist
 from fedpers.protocols.base import Message, Protocol, Units
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord
+from fedpers.runtime.flower import codec
+from fedpers.runtime.flower.policy import PolicyRefused
 
 Tensor = torch.Tensor
 NODE_SIDE = "fedpers.node-side"
-"""Task record key: the public plan a node noises its sum with (absent under central DP)."""
-PLAN, NODE, SEED, SECURE = "plan", "node", "noise-seed", "secure"
+"""Task record key: the public plan a node noises its sum with, and the previous round's release (absent
+under central DP)."""
+RELEASED = "fedpers.released"
+"""Task ArrayRecord key of the previous round's released sums when they exceed :data:`codec.INLINE_BYTES`."""
+PLAN = "plan"
+RELEASE_ROUND, RELEASE_COUNT, RELEASE_ZEROED, RELEASE_NODES = (
+    "release-round",
+    "release-count",
+    "release-zeroed",
+    "release-nodes",
+)
+SEED, SECURE, NODE = "noise-seed", "secure", "node"
+"""Fields a node never takes from a message (its noise and its identity are its own): a task carrying one
+is refused (rule ``node-noise``)."""
+CHAIN = "fedpers.chain"
+"""``context.state`` record: the server state this node derived for the run's latest round it reached."""
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """What a node's own configuration, never a message, says of its noise. ``noise_seed``: the seeded
+    stream of the Flower simulation (the lab runs both sides and wants the local runtime's bits); None,
+    the node's OS entropy (a deployment's ClientApp always)."""
+
+    noise_seed: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeSidePlan:
+    """What a node derives from the job for its trust model: the noise plan and the protocol the server
+    updates with (its noise assumed after releases: :func:`fedpers.runtime.distributed.with_node_noise`)."""
+
+    plan: dist.DistributedPlan
+    server_protocol: Protocol
+
+
+@dataclass(frozen=True)
+class Released:
+    """One round's released sums as the server decoded them, and what the nodes replay them with."""
+
+    round: int
+    stats: dict[str, Tensor]
+    count: int
+    zeroed: int
+    nodes: int
 
 
 def plan_json(plan: dist.DistributedPlan) -> str:
@@ -62,36 +120,32 @@ def read_plan(text: str) -> dist.DistributedPlan:
         raise ValueError(f"{NODE_SIDE}: malformed plan ({type(e).__name__}: {e})") from None
 
 
-def task_record(privatizer: dist.NodeSidePrivatizer, node: int, secure: Any = None) -> ConfigRecord:
-    """What partition ``node`` needs beside its task to noise its own sum (and, under distributed DP,
-    the SecAgg+ ciphertexts relayed to it: ``secure`` is the round's
-    :class:`~fedpers.runtime.flower.secaggplus.SecAggRounds`)."""
-    rec = ConfigRecord({PLAN: plan_json(privatizer.plan), NODE: int(node), SECURE: bool(privatizer.secure)})
-    if not privatizer.secure:  # reproducible simulation only: the server knows this seed too
-        rec[SEED] = int(privatizer.noise_seed)
+def task_record(
+    privatizer: dist.NodeSidePrivatizer, node: int, secure: Any = None, released: Released | None = None
+) -> dict[str, Any]:
+    """What partition ``node``'s task carries beside the job: the plan, the previous round's released sums
+    (the node derives the broadcast from them) and, under distributed DP, the SecAgg+ ciphertexts relayed
+    to it (``secure``: the round's :class:`~fedpers.runtime.flower.secaggplus.SecAggRounds`). No noise seed
+    and no node identity: a node takes neither from a message."""
+    rec = ConfigRecord({PLAN: plan_json(privatizer.plan), RELEASE_ROUND: -1})
+    content: dict[str, Any] = {NODE_SIDE: rec}
+    if released is not None:
+        rec[RELEASE_ROUND], rec[RELEASE_COUNT] = int(released.round), int(released.count)
+        rec[RELEASE_ZEROED], rec[RELEASE_NODES] = int(released.zeroed), int(released.nodes)
+        codec.pack(released.stats).into(rec, content, RELEASED)
     if secure is not None:
         for key, value in secure.task_fields(node).items():
             rec[key] = value
-    return rec
+    return content
 
 
-_checked: dict[str, bool] = {}
-"""Plans (as sent) this process has already derived from their job and found equal."""
-
-
-def check_plan(text: str, plan: dist.DistributedPlan, derive: Callable[[Any], Any] | None) -> None:
-    """Refuse a plan the node does not derive itself from the public job (noise, scales, bounds, bits,
-    rotation): a server cannot lower the noise a node adds, whatever it sends."""
-    if text in _checked:
-        return
-    if derive is None:
-        raise ValueError(
-            f"{NODE_SIDE}: this node cannot derive a node-side plan; it noises nothing on the server's word"
+def check_plan(text: str, plan: dist.DistributedPlan, derived: dist.DistributedPlan) -> None:
+    """Refuse a plan that differs from the one the node derives from the public job (noise, scales, bounds,
+    bits, rotation): a server cannot lower the noise a node adds, whatever it sends."""
+    if plan_json(derived) != plan_json(plan):
+        raise PolicyRefused(
+            "plan-noise", f"{NODE_SIDE}: the plan sent differs from the one this node derives from the job"
         )
-    expected = derive(plan)
-    if plan_json(expected) != plan_json(plan):
-        raise ValueError(f"{NODE_SIDE}: the plan sent differs from the one this node derives from the job; refused")
-    _checked[text] = True
 
 
 def node_message(
@@ -101,25 +155,18 @@ def node_message(
     units: Units,
     start: int,
     stop: int,
-    rec: Any,
-    derive: Callable[[Any], Any] | None = None,
-    context: Any = None,
+    plan: dist.DistributedPlan,
+    partition: int,
+    settings: NodeSettings,
 ) -> Message:
-    """Node side: this node's vector per statistic (distributed: int64 mod 2^b; local: its units' noisy
-    sum), computed unit by unit as :func:`fedpers.runtime.distributed.node_round` does, after checking
-    the plan against the one ``derive`` gives from the job (:func:`check_plan`). Under distributed DP
-    the vector leaves only masked by SecAgg+ (``context`` holds the node's SecAgg+ round state): a
-    task without the SecAgg+ ciphertexts is refused, never answered in the clear."""
+    """Node side: this node's vector per statistic (distributed: int64 mod 2^b, still to be masked; local:
+    its units' noisy sum), computed unit by unit as :func:`fedpers.runtime.distributed.node_round` does,
+    from the plan the node derived and with noise from its own settings (OS entropy unless its own config
+    seeds it)."""
     from fedpers.runtime.distributed import node_vectors, unit_rows
 
-    text = str(rec[PLAN])
-    plan = read_plan(text)
-    check_plan(text, plan, derive)
-    secure = bool(rec.get(SECURE, True))
-    if not secure and SEED not in rec:
-        raise ValueError(f"{NODE_SIDE}: a reproducible (not secure) plan needs its {SEED}")
-    node = int(rec[NODE])
-    seed = int(rec[SEED]) if not secure else 0
+    secure = settings.noise_seed is None
+    seed = 0 if settings.noise_seed is None else int(settings.noise_seed)
     privatizer: dist.NodeSidePrivatizer = (
         dist.DistributedPrivatizer(seed, plan, secure=secure)
         if plan.model is DpModel.DISTRIBUTED
@@ -131,23 +178,179 @@ def node_message(
         members = members[torch.isin(members, ids.cpu())]
     specs = protocol.stat_specs(round)
     rows, unit_ids, count, zeroed = unit_rows(protocol, round, broadcast, [units], members, specs)
-    generator = dist.node_generator(seed, round, node, secure)
+    generator = dist.node_generator(seed, round, partition, secure)
     vectors = node_vectors(rows, unit_ids, specs, privatizer, round, generator)
-    if plan.model is not DpModel.DISTRIBUTED:
-        return Message(vectors, count, zeroed)
-    from fedpers.runtime.flower.secaggplus import RELAY_IDS, masked_message
-
-    if RELAY_IDS not in rec or context is None:
-        raise ValueError(f"{NODE_SIDE}: a distributed-DP vector leaves this node only masked by SecAgg+; refused")
-    vectors = {k: dist.modular(v, plan.encodings[k].bits) for k, v in vectors.items()}
-    return masked_message(Message(vectors, count, zeroed), rec, context, round, plan)
+    if plan.model is DpModel.DISTRIBUTED:
+        vectors = {k: dist.modular(v, plan.encodings[k].bits) for k, v in vectors.items()}
+    return Message(vectors, count, zeroed)
 
 
+# ----- broadcasts follow from releases -------------------------------------------------------------
+_derived: OrderedDict[tuple[str, int, str], bytes] = OrderedDict()
+"""(job key, round, chain digest) → the state derived for it, serialised: nodes in one process share it."""
+DERIVED_CACHE = 8
+
+
+def _dump(state: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _load_state(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _refuse(rule: str, message: str) -> PolicyRefused:
+    return PolicyRefused(rule, f"{NODE_SIDE}: {message}")
+
+
+def _int(rec: ConfigRecord, key: str, default: int | None = None) -> int:
+    value = rec.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer; got {type(value).__name__}")
+    return value
+
+
+def _blob(rec: ConfigRecord, key: str) -> bytes:
+    value = rec[key]
+    if not isinstance(value, bytes):
+        raise ValueError(f"{key} must be bytes; got {type(value).__name__}")
+    return value
+
+
+def _release(rec: ConfigRecord, content: RecordDict) -> tuple[int, dict[str, Tensor], int, int, int, str]:
+    """(round, sums, count, zeroed, nodes, digest) of the release a task carries (round −1: none)."""
+    try:
+        round = _int(rec, RELEASE_ROUND, -1)
+        if round < 0:
+            return -1, {}, 0, 0, 0, ""
+        stats = codec.unpack(rec, content, "release", RELEASED)
+        count, zeroed, nodes = _int(rec, RELEASE_COUNT), _int(rec, RELEASE_ZEROED), _int(rec, RELEASE_NODES)
+    except (codec.MalformedReply, KeyError, TypeError, ValueError) as e:
+        raise _refuse("plan-broadcast", f"malformed release ({type(e).__name__}: {e})") from None
+    h = hashlib.sha256(f"release:{round}:{count}:{zeroed}:{nodes}".encode())
+    for name in sorted(stats):
+        h.update(f";{name}:{stats[name].dtype}:{tuple(stats[name].shape)}:".encode())
+        h.update(stats[name].contiguous().numpy().tobytes())
+    return round, stats, count, zeroed, nodes, h.hexdigest()
+
+
+def _replay(
+    side: NodeSidePlan, round: int, state: Any, stats: dict[str, Tensor], count: int, zeroed: int, nodes: int
+) -> Any:
+    """The server's update of ``round`` from the released sums alone (its privatizer adds nothing)."""
+    protocol, plan = side.server_protocol, side.plan
+    specs = {s.name: s for s in protocol.stat_specs(round)}
+    if set(stats) != set(specs) or any(tuple(stats[k].shape) != tuple(specs[k].shape) for k in specs):
+        raise _refuse(
+            "plan-broadcast", f"the release of round {round} is not the protocol's statistics {sorted(specs)}"
+        )
+    privatizer: dist.NodeSidePrivatizer = (
+        dist.DistributedPrivatizer(0, plan) if plan.model is DpModel.DISTRIBUTED else dist.LocalPrivatizer(0, plan)
+    )
+    privatizer.begin_round()
+    summed = {k: v.to(protocol.dtype) for k, v in stats.items()}
+    for name, value in summed.items():
+        privatizer.arrived(value, name, nodes, count)
+    try:
+        new, _ = protocol.server_update(round, state, Message(summed, count, zeroed), privatizer)
+    except Exception as e:  # a release the protocol cannot update from is no release of this run
+        raise _refuse("plan-broadcast", f"the release of round {round} does not update the state ({e})") from None
+    return new
+
+
+def derive_broadcast(
+    context: Context, job: codec.Job, side: NodeSidePlan, round: int, rec: ConfigRecord, content: RecordDict
+) -> dict[str, Tensor]:
+    """The broadcast of ``round`` as the protocol derives it from the run's public releases: round 0's from
+    the public initial state, round r's from the state this node derived for round r − 1 and the release of
+    round r − 1 the task carries. The state advances one round at a time in ``context.state`` (refused:
+    a round not reachable from it, or a round already derived from another release)."""
+    key = hashlib.sha256(job.key.encode()).hexdigest()[:32]
+    held = context.state.config_records.get(CHAIN)
+    release_round, stats, count, zeroed, nodes, digest = _release(rec, content)
+    protocol = side.server_protocol
+    if round == 0:
+        if release_round != -1:
+            raise _refuse("plan-broadcast", "round 0 follows no release")
+        chain = hashlib.sha256(f"start:{key}".encode()).hexdigest()
+        found = _derived.get((key, 0, chain))
+        state = (
+            protocol.server_start(protocol.initial_state(), dist.DistributedPrivatizer(0, side.plan))
+            if found is None
+            else _load_state(found)
+        )
+    else:
+        if release_round != round - 1:
+            raise _refuse("plan-broadcast", f"the task for round {round} must carry round {round - 1}'s release")
+        if held is None or str(held.get("job", "")) != key:
+            raise _refuse(
+                "plan-reachable",
+                f"round {round} is not reachable: this node derived no state of this run (a run starts at round 0)",
+            )
+        at = int(str(held["round"]))
+        if at == round:  # derived already (a repeated task): only from the same release
+            if str(held["release"]) != digest:
+                raise _refuse(
+                    "plan-broadcast", f"round {round}'s state was derived from another release of round {round - 1}"
+                )
+            chain, state = str(held["chain"]), _load_state(_blob(held, "state"))
+        elif at == round - 1:
+            chain = hashlib.sha256(f"{held['chain']!s}:{digest}".encode()).hexdigest()
+            found = _derived.get((key, round, chain))
+            if found is None:
+                state = _replay(side, round - 1, _load_state(_blob(held, "state")), stats, count, zeroed, nodes)
+            else:
+                state = _load_state(found)
+        else:
+            raise _refuse(
+                "plan-reachable", f"round {round} is not reachable: this node derived the state of round {at}"
+            )
+    data = _dump(state)
+    _derived[(key, round, chain)] = data
+    _derived.move_to_end((key, round, chain))
+    while len(_derived) > DERIVED_CACHE:
+        _derived.popitem(last=False)
+    context.state.config_records[CHAIN] = ConfigRecord(
+        {"job": key, "round": int(round), "chain": chain, "release": digest, "state": data}
+    )
+    return protocol.broadcast(state, round)
+
+
+def check_broadcast(derived: Mapping[str, Tensor], sent: Mapping[str, Tensor], round: int) -> None:
+    """Refuse a task whose broadcast is not the one the node derives: names, shapes and dtypes equal, values
+    equal up to the rounding of another machine's floating point (each tensor within 10³ machine epsilons
+    of its largest entry)."""
+    if set(derived) != set(sent):
+        raise _refuse(
+            "plan-broadcast", f"round {round}'s broadcast names {sorted(sent)}, the protocol derives {sorted(derived)}"
+        )
+    for name, mine in derived.items():
+        theirs = sent[name]
+        if tuple(theirs.shape) != tuple(mine.shape) or theirs.dtype != mine.dtype:
+            raise _refuse("plan-broadcast", f"round {round}'s broadcast {name!r} is not the one this node derives")
+        a, b = mine.detach().cpu(), theirs.detach().cpu()
+        if a.is_floating_point():
+            scale = float(a.abs().max()) if a.numel() else 0.0
+            tolerance = 1e3 * torch.finfo(a.dtype).eps * max(scale, 1.0)
+            same = bool(torch.isfinite(b).all()) and (a.numel() == 0 or float((a - b).abs().max()) <= tolerance)
+        else:
+            same = torch.equal(a, b)
+        if not same:
+            raise _refuse(
+                "plan-broadcast",
+                f"round {round}'s broadcast {name!r} differs from the one the protocol derives from the run's releases",
+            )
+
+
+# ----- server side ---------------------------------------------------------------------------------
 class NodeSideGather:
     """``gather`` for :func:`~fedpers.runtime.driver.drive` when the nodes noise their sums: the
     inner Grid gather's replies (each a node's vector) summed mod 2^b and decoded into one aggregate
     reply. A reply that is missing, failed or malformed counts as a dropped node; fewer than the plan's
-    ``min_nodes`` survivors discard the round before any release."""
+    ``min_nodes`` nodes summed discard the round before any release. The release records, and counts,
+    only the nodes the sum holds (under distributed DP: the survivors SecAgg+ unmasked)."""
 
     def __init__(
         self,
@@ -163,6 +366,8 @@ class NodeSideGather:
         """:class:`~fedpers.runtime.flower.secaggplus.SecAggRounds` (distributed DP): the vectors arrive
         masked and their sum is unmasked by SecAgg+; None (local DP): they are summed as they arrive."""
         self.num_units, self.device = num_units, device
+        self.released: Released | None = None
+        """The latest round's release, which the next round's tasks carry."""
         self.survive: Callable[[int, int], bool] | None = None
         if privatizer.dropout > 0:
             from fedpers.runtime.distributed import dropouts
@@ -185,7 +390,7 @@ class NodeSideGather:
         if self.secure is not None:  # SecAgg+ advertise and share, before the task
             self.secure.setup(round)
         sent: dict[int, dict[str, Tensor]] = {}
-        count = zeroed = 0
+        counts: dict[int, tuple[int, int]] = {}
         for node, reply in enumerate(self.inner(round, broadcast)):
             if reply.message is None or (self.survive is not None and not self.survive(round, node)):
                 continue
@@ -196,13 +401,20 @@ class NodeSideGather:
             if any(v is None for v in vectors.values()) or not 0 <= reply.message.count <= reply.max_units:
                 continue
             sent[node] = {k: v for k, v in vectors.items() if v is not None}
-            count, zeroed = count + reply.message.count, zeroed + reply.message.zeroed
+            counts[node] = (reply.message.count, reply.message.zeroed)
         if len(sent) < plan.min_nodes:
             raise RoundFailed(
                 f"round {round}: {len(sent)} of {plan.nodes} nodes answered, below min_nodes={plan.min_nodes}; "
                 "the round is discarded before any release"
             )
-        sums = self._sums(round, sent, specs)
+        sums, summed = self._sums(round, sent, specs)
+        if len(summed) < plan.min_nodes:  # the nodes whose input and noise the sum holds, not those that answered
+            raise RoundFailed(
+                f"round {round}: the sum holds {len(summed)} of {plan.nodes} nodes, below min_nodes={plan.min_nodes}; "
+                "the round is discarded before any release"
+            )
+        count = sum(counts[p][0] for p in summed)
+        zeroed = sum(counts[p][1] for p in summed)
         out: dict[str, Tensor] = {}
         suspected = 0
         for s in specs:
@@ -214,24 +426,27 @@ class NodeSideGather:
             else:
                 value = dist.unflatten(total, s.shape, s.symmetric)
             out[s.name] = value.to(dtype=self.protocol.dtype, device=self.device)
-            privatizer.arrived(out[s.name], s.name, len(sent), count)
-        privatizer.round_diagnostics = {"nodes_survived": float(len(sent))}
+            privatizer.arrived(out[s.name], s.name, len(summed), count)
+        self.released = Released(round, {k: v.detach().cpu() for k, v in out.items()}, count, zeroed, len(summed))
+        privatizer.round_diagnostics = {"nodes_survived": float(len(summed))}
         if plan.model is DpModel.DISTRIBUTED:  # the exact wrap count needs the unreduced sum, which no one holds
             privatizer.round_diagnostics["suspected_wraps"] = float(suspected)
         return [ClientReply("nodes", self.num_units, Message(out, count, zeroed), aggregate=True)]
 
-    def _sums(self, round: int, sent: Mapping[int, Mapping[str, Tensor]], specs: Any) -> dict[str, Tensor]:
-        """The statistics' sums over the nodes in ``sent``: unmasked by SecAgg+ (the server never adds
-        or sees an unmasked node vector), or plainly added (local DP)."""
+    def _sums(
+        self, round: int, sent: Mapping[int, Mapping[str, Tensor]], specs: Any
+    ) -> tuple[dict[str, Tensor], list[int]]:
+        """The statistics' sums, and the nodes they hold: unmasked by SecAgg+ over the survivors that signed
+        (the server never adds or sees an unmasked node vector), or plainly added (local DP)."""
         if self.secure is None:
-            return {s.name: torch.stack([v[s.name] for v in sent.values()]).sum(dim=0) for s in specs}
+            return {s.name: torch.stack([v[s.name] for v in sent.values()]).sum(dim=0) for s in specs}, sorted(sent)
         from fedpers.runtime.flower.secaggplus import concat
 
         names = sorted(s.name for s in specs)
         sizes = [self.privatizer.plan.encodings[k].padded for k in names]
         masked = {p: concat(v, names) for p, v in sent.items()}
-        total = torch.from_numpy(self.secure.unmask(round, masked, sum(sizes)))
-        return dict(zip(names, torch.split(total, sizes), strict=True))
+        total, summed = self.secure.unmask(round, masked, sum(sizes))
+        return dict(zip(names, torch.split(torch.from_numpy(total), sizes), strict=True)), summed
 
     def on_round(self, on_round: Callable[[RoundRecord, Any], None] | None) -> Callable[[RoundRecord, Any], None]:
         """``on_round`` with each round's node diagnostics added to its record."""

@@ -14,6 +14,10 @@ not the submitter's::
     max-seconds = 86400.0             # no round starts after this many seconds of a run (default: a day)
     ledger = "budget.json"            # the federation's budget ledger (relative to this file;
                                       # default: FEDERATION-budget.json beside it)
+    trust-model = "distributed"       # nodes: the weakest trust model their users accept (central <
+                                      # distributed < local; default central)
+    min-nodes = 3                     # nodes: the fewest survivors a distributed plan may size shares for
+    bits = [16, 20, 24, 32]           # nodes: the bits of a distributed plan they accept (default: any)
 
 Runs compose by basic composition (ε and δ add up): a user's spent budget is the sum of the
 (target) ε, δ of every run that included them, unit ids naming the same users across the runs of
@@ -50,11 +54,18 @@ _KEYS = (
     "ledger",
     "max-rounds",
     "max-seconds",
+    "trust-model",
+    "min-nodes",
+    "bits",
 )
+TRUST_MODELS = ("central", "distributed", "local")
+"""The trust models, weakest first: a node whose policy requires one accepts it or a stronger one."""
 
 
 class PolicyRefused(ValueError):
-    """A run or a task outside the lab's policy; ``rule`` is the policy key it breaks."""
+    """A run or a task refused by the lab's policy or by a node's own rules; ``rule`` names the rule it breaks
+    (a policy key, ``plan-*`` for the run's public plan, ``trust-model``/``node-noise`` for the node's trust
+    model, ``secagg-*`` for SecAgg+)."""
 
     def __init__(self, rule: str, message: str) -> None:
         super().__init__(f"lab policy, rule {rule!r}: {message}")
@@ -74,6 +85,13 @@ class Policy:
     ledger: Path | None = None
     max_rounds: int = 1000
     max_seconds: float = 86400.0
+    trust_model: str = "central"
+    """The weakest trust model this node's users accept (:data:`TRUST_MODELS`)."""
+    min_nodes: int = 1
+    """The fewest survivors a distributed plan may size its noise shares for (a smaller one puts more of
+    the noise on each node's share the server could learn with fewer colluders)."""
+    bits: tuple[int, ...] = ()
+    """The bits of a distributed plan this node accepts (empty: any)."""
 
     def __post_init__(self) -> None:
         if not self.federation or not self.federation.replace("-", "").replace("_", "").isalnum():
@@ -92,6 +110,12 @@ class Policy:
             raise ValueError(f"policy max-rounds must be an integer >= 1; got {self.max_rounds}")
         if not (self.max_seconds > 0 and math.isfinite(self.max_seconds)):
             raise ValueError(f"policy max-seconds must be finite and > 0; got {self.max_seconds}")
+        if self.trust_model not in TRUST_MODELS:
+            raise ValueError(f"policy trust-model must be one of {list(TRUST_MODELS)}; got {self.trust_model!r}")
+        if self.min_nodes < 1:
+            raise ValueError(f"policy min-nodes must be an integer >= 1; got {self.min_nodes}")
+        if not all(4 <= b <= 32 for b in self.bits):
+            raise ValueError(f"policy bits must list integers in [4, 32]; got {list(self.bits)}")
 
 
 def load_policy(path: str | Path) -> Policy:
@@ -108,6 +132,9 @@ def load_policy(path: str | Path) -> Policy:
     algorithms = raw["algorithms"]
     if not isinstance(algorithms, list) or not all(isinstance(a, str) for a in algorithms):
         raise ValueError(f"policy algorithms must be a list of names; got {algorithms!r}")
+    bits = raw.get("bits", [])
+    if not isinstance(bits, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in bits):
+        raise ValueError(f"policy bits must be a list of integers in [4, 32]; got {bits!r}")
     for key, kind in (
         ("max-epsilon", (int, float)),
         ("max-delta", (int, float)),
@@ -117,6 +144,8 @@ def load_policy(path: str | Path) -> Policy:
         ("require-secure-noise", bool),
         ("federation", str),
         ("ledger", str),
+        ("trust-model", str),
+        ("min-nodes", int),
     ):
         if key in raw and (not isinstance(raw[key], kind) or (kind is int and isinstance(raw[key], bool))):
             raise ValueError(f"policy {key} has the wrong type: {raw[key]!r}")
@@ -131,6 +160,9 @@ def load_policy(path: str | Path) -> Policy:
         ledger=(path.parent / (ledger or f"{raw['federation']}-budget.json")).resolve(),
         max_rounds=raw.get("max-rounds", 1000),
         max_seconds=float(raw.get("max-seconds", 86400.0)),
+        trust_model=raw.get("trust-model", "central"),
+        min_nodes=raw.get("min-nodes", 1),
+        bits=tuple(bits),
     )
 
 
@@ -193,6 +225,32 @@ def check_task(policy: Policy, algorithm: str, config: Mapping[str, Any], units:
         )
 
 
+def check_trust(policy: Policy, dp_model: str, min_nodes: int) -> None:
+    """A node's check of the run's trust model (the job's, pinned for the run) against its own policy, before
+    any computation: a model weaker than the one its users require, or a distributed plan sized for fewer
+    survivors than its ``min-nodes``, is refused."""
+    if TRUST_MODELS.index(dp_model) < TRUST_MODELS.index(policy.trust_model):
+        raise PolicyRefused(
+            "trust-model",
+            f"the run's dp_model is {dp_model}; this node's users require {policy.trust_model} or stronger "
+            f"({' < '.join(TRUST_MODELS)})",
+        )
+    if dp_model == "distributed" and min_nodes < policy.min_nodes:
+        raise PolicyRefused(
+            "min-nodes",
+            f"the run's noise shares are sized for min_nodes={min_nodes} survivors; this node accepts no fewer "
+            f"than {policy.min_nodes}",
+        )
+
+
+def check_bits(policy: Policy, bits: int) -> None:
+    """A node's check of a distributed plan's bits (as the node derives the plan) against its policy."""
+    if policy.bits and bits not in policy.bits:
+        raise PolicyRefused(
+            "bits", f"the run's distributed plan has bits={bits}; this node accepts {list(policy.bits)}"
+        )
+
+
 def check_partitions(policy: Policy, sizes: Mapping[int, int]) -> None:
     """The ServerApp's check of the split (partition → number of units) before the first round."""
     small = {p: n for p, n in sorted(sizes.items()) if n < policy.min_units}
@@ -220,79 +278,108 @@ class Charge:
         )
 
 
-class BudgetLedger:
-    """The per-user budget a federation has spent, one JSON file the ServerApp's user alone may write.
+class BudgetStore:
+    """The one store of a federation's spent budget, and the one budget check: a JSON file
+    ``{federation, composition, charges, ...}`` that the federation's ledger (:class:`BudgetLedger`, on the
+    ServerApp's side) and every node's ledger (:class:`~fedpers.runtime.flower.nodeplan.NodeLedger`) are
+    views of. Read and rewritten whole under an exclusive lock (0600 files in a 0700 directory): two
+    charges at once cannot both take the last of a user's budget, and a refused one writes nothing."""
 
-    ``charge`` is atomic (an exclusive lock, a complete new file or none): two runs started at once
-    cannot both take the last of a user's budget."""
+    def __init__(self, path: str | Path, federation: str, what: str = "budget ledger") -> None:
+        self.path, self.federation, self.what = Path(path), federation, what
 
-    def __init__(self, path: str | Path, federation: str) -> None:
-        self.path, self.federation = Path(path), federation
-
-    def charges(self) -> list[Charge]:
+    def read(self) -> dict[str, Any]:
+        """The file's content (an empty store when there is none); a ValueError naming the file when it is
+        not one of this federation's (no charge can be made until it is repaired)."""
         if not self.path.exists():
-            return []
+            return {"federation": self.federation, "composition": COMPOSITION, "charges": []}
         try:
             raw = json.loads(self.path.read_text())
-            if raw.get("federation") != self.federation:
-                raise ValueError(f"it belongs to federation {raw.get('federation')!r}, not {self.federation!r}")
-            return [Charge.from_json(c) for c in raw["charges"]]
+            if not isinstance(raw, dict) or raw.get("federation") != self.federation:
+                found = raw.get("federation") if isinstance(raw, dict) else None
+                raise ValueError(f"it belongs to federation {found!r}, not {self.federation!r}")
+            if not isinstance(raw.get("charges"), list):
+                raise ValueError("its charges are missing")
+            self.charges_of(raw)
+            return raw
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise ValueError(
-                f"budget ledger {self.path}: unreadable ({e}); no run can be charged until it is repaired"
+                f"{self.what} {self.path}: unreadable ({e}); no run can be charged until it is repaired"
             ) from None
+
+    @staticmethod
+    def charges_of(raw: Mapping[str, Any]) -> list[Charge]:
+        return [Charge.from_json(c) for c in raw["charges"]]
+
+    def charges(self) -> list[Charge]:
+        return self.charges_of(self.read())
 
     def spent(self, units: tuple[int, int]) -> tuple[float, float]:
         """The most (ε, δ) any user with id in ``[units[0], units[1])`` has spent (ε and δ each maximised)."""
         return _max_over(self.charges(), units)
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def transaction(self) -> Iterator[dict[str, Any]]:
+        """The store's content under the lock; what the block leaves in it is written (atomically) when it
+        ends without an exception, nothing otherwise."""
         import fcntl
 
-        from fedpers.results.securefs import private_dir
+        from fedpers.results.securefs import private_dir, write_private
 
         private_dir(self.path.parent)
         fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            raw = self.read()
+            yield raw
+            write_private(self.path, (json.dumps(raw, indent=1) + "\n").encode())
         finally:
             os.close(fd)
+
+    def check(
+        self, policy: Policy, raw: Mapping[str, Any], units: tuple[int, int], epsilon: float, delta: float, who: str
+    ) -> None:
+        """The budget check: a charge of (``epsilon``, ``delta``) to users ``units`` that would take any of them
+        past the policy, or that is not a finite number, is refused (:class:`PolicyRefused`) naming ``who``."""
+        eps, dl = _max_over(self.charges_of(raw), units)
+        where = f"federation {self.federation!r}: users in {list(units)}"
+        if not (math.isfinite(epsilon) and epsilon >= 0 and eps + epsilon <= policy.max_epsilon * (1 + 1e-12)):
+            raise PolicyRefused(
+                "max-epsilon",
+                f"{where} have spent epsilon={eps:g}; {who}'s {epsilon:g} would exceed the lab's {policy.max_epsilon:g}",
+            )
+        if not (math.isfinite(delta) and delta >= 0 and dl + delta <= policy.max_delta * (1 + 1e-12)):
+            raise PolicyRefused(
+                "max-delta",
+                f"{where} have spent delta={dl:g}; {who}'s {delta:g} would exceed the lab's {policy.max_delta:g}",
+            )
+
+    @staticmethod
+    def record(raw: dict[str, Any], run: str, units: tuple[int, int], epsilon: float, delta: float) -> Charge:
+        """Append a checked charge to ``raw`` (inside :meth:`transaction`)."""
+        new = Charge(run, epsilon, delta, units, time.time())
+        raw["charges"].append(new.__dict__ | {"units": list(new.units)})
+        return new
+
+
+COMPOSITION = "basic (epsilon and delta add up)"
+
+
+class BudgetLedger(BudgetStore):
+    """The federation's view (the ServerApp's user alone may write it): one charge per run, before its
+    first release, refused if any user would exceed the policy; a charged run is never refunded."""
 
     def charge(self, policy: Policy, run: str, units: tuple[int, int], epsilon: float, delta: float) -> Charge:
         """Record ``run``'s (ε, δ) for users ``units``; refused (nothing written) if any of them would
         exceed the policy. A run already charged (a resumed run) is not charged again."""
         if units[0] < 0 or units[1] <= units[0]:
             raise ValueError(f"units must be a non-empty range of ids; got {units}")
-        with self._locked():
-            charges = self.charges()
-            for c in charges:
+        with self.transaction() as raw:
+            for c in self.charges_of(raw):
                 if c.run == run:
                     return c
-            eps, dl = _max_over(charges, units)
-            if not eps + epsilon <= policy.max_epsilon * (1 + 1e-12):
-                raise PolicyRefused(
-                    "max-epsilon",
-                    f"federation {self.federation!r}: users in {list(units)} have spent epsilon={eps:g}; "
-                    f"this run's {epsilon:g} would exceed the lab's {policy.max_epsilon:g}",
-                )
-            if not dl + delta <= policy.max_delta * (1 + 1e-12):
-                raise PolicyRefused(
-                    "max-delta",
-                    f"federation {self.federation!r}: users in {list(units)} have spent delta={dl:g}; "
-                    f"this run's {delta:g} would exceed the lab's {policy.max_delta:g}",
-                )
-            new = Charge(run, epsilon, delta, units, time.time())
-            from fedpers.results.securefs import write_private
-
-            body = {
-                "federation": self.federation,
-                "composition": "basic (epsilon and delta add up)",
-                "charges": [c.__dict__ | {"units": list(c.units)} for c in [*charges, new]],
-            }
-            write_private(self.path, (json.dumps(body, indent=1) + "\n").encode())
-            return new
+            self.check(policy, raw, units, epsilon, delta, f"run {run}")
+            return self.record(raw, run, units, epsilon, delta)
 
 
 def _max_over(charges: list[Charge], units: tuple[int, int]) -> tuple[float, float]:

@@ -188,15 +188,14 @@ class GridGather:
     ) -> None:
         self.grid, self.job, self.federation, self.timeout, self.stop = grid, job, federation, timeout, stop
         self.protocol = protocol
-        self.extra: Callable[[int], Any] | None = None
-        """Partition → a ConfigRecord added to its task (the node-side plan under distributed or local DP)."""
+        self.extra: Callable[[int], Mapping[str, Any]] | None = None
+        """Partition → records added to its task (the node-side plan and release under distributed or local DP)."""
 
     def _task(self, p: int, encode: codec.TaskEncoder) -> Any:
         content = encode(self.federation.ranges[p])
         if self.extra is not None:
-            from fedpers.runtime.flower.nodeside import NODE_SIDE
-
-            content[NODE_SIDE] = self.extra(p)
+            for name, record in self.extra(p).items():
+                content[name] = record
         return content
 
     def __call__(self, round: int, broadcast: Mapping[str, Tensor]) -> list[ClientReply]:
@@ -287,11 +286,16 @@ def run_on_grid(
                 f"nodes={privatizer.plan.nodes} under dp_model {privatizer.plan.model.value}, but the federation has "
                 f"{federation.num_partitions} partitions; set nodes to the number of SuperNodes (nothing was released)"
             )
+        if checkpoint is not None and checkpoint.resume is not None:  # the nodes derive each round's state
+            raise ValueError(  # from every release since round 0, which a resumed run's new session never sent them
+                f"dp_model {privatizer.plan.model.value} on Flower cannot resume a run: each node derives the broadcast "
+                "from the run's releases since round 0 (start the run again; nothing was released)"
+            )
         secure = (
             SecAggRounds(gather, privatizer.plan, exchange) if privatizer.plan.model is DpModel.DISTRIBUTED else None
         )
-        gather.extra = lambda p: task_record(privatizer, p, secure)
         nodes_gather = NodeSideGather(gather, protocol, privatizer, num_units, device, secure)
+        gather.extra = lambda p: task_record(privatizer, p, secure, nodes_gather.released)
         return drive(
             protocol,
             nodes_gather,
