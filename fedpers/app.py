@@ -474,7 +474,7 @@ def stage_app(
             shutil.copy2(source, dest / name)
     include = sorted(f"{name}/**" if (dest / name).is_dir() else name for name in sources)
     project: dict[str, Any] = {
-        "project": {"name": "fedpers", "version": fedpers.__version__},
+        "project": {"name": "fedpers", "version": fedpers.__version__, "description": "fedpers as a Flower app"},
         "tool": {
             "flwr": {
                 "app": {
