@@ -136,4 +136,4 @@ def test_fractional_gpu_simulation_equals_the_local_runtime(monkeypatch):
     for gpus, used, cpus in seen:
         actors = actor_capacity(1.0, 0.1, cpus, gpus)
         assert gpus == 1.0 and 1 <= actors <= 10
-        assert used == pytest.approx(0.1 * actors)  # every actor holds its 0.1 share of the one GPU
+        assert used == pytest.approx(0.1 * actors, abs=1e-3)  # each actor holds its 0.1 share (Ray keeps 4 decimals)

@@ -90,7 +90,10 @@ class _RecordingBroadcasts:
         self._protocol, self._into = protocol, into
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._protocol, name)
+        protocol = self.__dict__.get("_protocol")  # absent while unpickling in the simulation: no recursion
+        if protocol is None:
+            raise AttributeError(name)
+        return getattr(protocol, name)
 
     def broadcast(self, state: Any, round: int) -> Mapping[str, Tensor]:
         out = self._protocol.broadcast(state, round)
