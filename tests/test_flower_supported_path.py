@@ -221,6 +221,7 @@ def test_flwr_run_from_a_fresh_clone_equals_fedpers_run(tmp_path):
         done = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         assert "uv sync" not in done.stdout + done.stderr  # no dependency installation
+        assert "DEPRECATED" not in done.stdout + done.stderr  # Flower's supported path: no deprecation notice
         assert (out / "result.json").is_file(), (done.stdout + done.stderr)[-4000:]
     finally:
         _stop_flowers_local_superlink(home)
