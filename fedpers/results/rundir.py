@@ -211,12 +211,15 @@ class RunDirectory:
             return {k: torch.from_numpy(kept[k]).to(device) for k in kept.files}
 
     def keep_private_result(self, ledger: Any, state: Any) -> None:
-        """The ledger and the final state, written before any evaluation can fail."""
+        """The ledger and the final state's tensors (final_state.npz), written before any evaluation can fail.
+        A state's other entries (flags, notes such as DPAttention's ``dp_claimed``) are not arrays: the run's
+        result carries what it reports of them. A simulation's caller reads its state back from this file."""
         import torch
 
         self.write_json("ledger.json", [r.to_dict() for r in ledger])
-        if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
-            self.write_arrays("final_state.npz", state)
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
+        if tensors:
+            self.write_arrays("final_state.npz", tensors)
 
     def fail(self, ledger: Any, error: BaseException, rounds_completed: int) -> None:
         """A run that failed keeps every release it made and says why (error.json). One that
