@@ -138,11 +138,12 @@ def on_ray(
     whose shared baselines another point in flight is computing waits for it (``start``)."""
     import ray
 
-    from fedpers.runtime.flower.simulation import CHECKOUT
+    import fedpers
 
+    checkout = str(Path(fedpers.__file__).resolve().parents[1])  # Ray workers import this fedpers
     local = not address
     threads = max(1, (os.cpu_count() or 1) // workers) if local else 1
-    path = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         address="local" if local else address,
         num_cpus=workers if local else None,
