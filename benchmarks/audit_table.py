@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from fedpers import config as config_lib
-from fedpers.commands.audit import audit
+from fedpers.audit import audit
 from fedpers.experiments import experiment
 from fedpers.configs.runtime import RuntimeOptions
 

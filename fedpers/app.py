@@ -19,16 +19,27 @@ does it for it:
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedpers import config as config_lib
-from fedpers.config import RunConfig
+from fedpers import experiments
+from fedpers.config import DpModel, RunConfig
 from fedpers.configs.runtime import Runtime, RuntimeOptions
+from fedpers.privacy.accountant import Calibrations
+from fedpers.privacy.distributed import NodeSidePrivatizer, RecordingCalibrations
+from fedpers.runtime.distributed import node_side_privatizer, with_node_noise
+from fedpers.runtime.flower.client import Node
+from fedpers.runtime.flower.client import make_client_app as runtime_client_app
+from fedpers.runtime.flower.codec import DATA_FILE, Job, Trust
+from fedpers.runtime.flower.nodeside import NodeSettings, NodeSidePlan
+from fedpers.seeds import derived_seed
 
 if TYPE_CHECKING:
     from flwr.clientapp import ClientApp
@@ -37,8 +48,6 @@ if TYPE_CHECKING:
     from fedpers.privacy import Privatizer
     from fedpers.protocols.base import Protocol
     from fedpers.runtime.driver import RoundRecord
-    from fedpers.runtime.flower.client import Node
-    from fedpers.runtime.flower.codec import Job
 
 ALGORITHM = "algorithm"
 CONFIG = "config"
@@ -105,13 +114,9 @@ UNSET = ""
 def flat_keys() -> dict[str, list[str]]:
     """Every registered algorithm's config field as a run-config key (``n_users`` → ``n-users``),
     with the algorithms that have it (read from the config classes: :mod:`fedpers.configs`)."""
-    from dataclasses import fields
-
-    from fedpers.experiments import ALGORITHMS, config_type
-
     out: dict[str, list[str]] = {}
-    for name in sorted(ALGORITHMS):
-        for f in fields(config_type(name)):
+    for name in sorted(experiments.ALGORITHMS):
+        for f in fields(experiments.config_type(name)):
             out.setdefault(f.name.replace("_", "-"), []).append(name)
     return dict(sorted(out.items()))
 
@@ -119,8 +124,6 @@ def flat_keys() -> dict[str, list[str]]:
 def flat_values(run_config: Mapping[str, Any], experiment: Any, algorithm: str) -> dict[str, Any]:
     """The config fields given as flat keys (any value but :data:`UNSET`), as field names; a
     field the algorithm does not have is refused, naming the key."""
-    from dataclasses import fields
-
     own = {f.name for f in fields(experiment.config_type)}
     out: dict[str, Any] = {}
     for key, value in run_config.items():
@@ -135,8 +138,7 @@ def flat_values(run_config: Mapping[str, Any], experiment: Any, algorithm: str) 
 
 def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
     """Build the job from a Flower run config; every problem is a ValueError naming the key."""
-    from fedpers.experiments import EXPERIMENTS
-
+    registered = experiments.EXPERIMENTS  # every registered algorithm, imported now
     unknown = sorted(set(run_config) - set(KNOWN) - set(flat_keys()))
     if unknown:
         raise ValueError(
@@ -152,9 +154,9 @@ def from_run_config(run_config: Mapping[str, Any]) -> ServerJob:
             raise ValueError(f"run config: {RESUME} continues {resume!r} with its own configuration; drop {given}")
         return ServerJob(None, None, None, None, Path(resume))
     algorithm = str(run_config.get(ALGORITHM, ""))
-    if algorithm not in EXPERIMENTS:
-        raise ValueError(f"run config: {ALGORITHM} must be one of {sorted(EXPERIMENTS)}; got {algorithm!r}")
-    experiment = EXPERIMENTS[algorithm]
+    if algorithm not in registered:
+        raise ValueError(f"run config: {ALGORITHM} must be one of {sorted(registered)}; got {algorithm!r}")
+    experiment = registered[algorithm]
     values: dict[str, Any] = {}
     config_file = str(run_config.get(CONFIG_FILE, ""))
     if config_file:
@@ -217,20 +219,13 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
     ``data_file`` (node config) replaces the config's data path. ``entries``: registry entries
     (name → module, class, description) the node registers first: an algorithm registered in
     the driving process is unknown to a node process until it imports the module itself."""
-    import json
-    from dataclasses import fields
-
-    from fedpers.experiments import ALGORITHMS, register
-    from fedpers.experiments import experiment as registered
-    from fedpers.privacy.accountant import Calibrations
-    from fedpers.runtime.flower.client import Node
-    from fedpers.runtime.flower.codec import DATA_FILE
-
     if entries and job.algorithm in entries:
-        register(job.algorithm, *entries[job.algorithm])
-    if job.algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(ALGORITHMS)}")
-    experiment = registered(job.algorithm)
+        experiments.register(job.algorithm, *entries[job.algorithm])
+    if job.algorithm not in experiments.ALGORITHMS:
+        raise ValueError(
+            f"algorithm {job.algorithm!r} is unknown on this node; known: {sorted(experiments.ALGORITHMS)}"
+        )
+    experiment = experiments.experiment(job.algorithm)
     values = json.loads(job.config_json)
     if data_file:
         if "data" not in {f.name for f in fields(experiment.config_type)}:
@@ -245,13 +240,6 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
         """The distributed/local plan this node derives from the job alone for the job's trust model, and the
         protocol the server updates with (what the server sends must equal the plan: a node never noises by
         the server's word, and it derives each round's broadcast with that protocol from the releases)."""
-        from fedpers.config import DpModel
-        from fedpers.configs.runtime import RuntimeOptions
-        from fedpers.privacy.distributed import RecordingCalibrations
-        from fedpers.runtime.distributed import node_side_privatizer, with_node_noise
-        from fedpers.runtime.flower.nodeside import NodeSidePlan
-        from fedpers.seeds import derived_seed
-
         recording = RecordingCalibrations(json.loads(job.calibrations_json))
         public = experiment.protocol(cfg, recording)
         options = RuntimeOptions(
@@ -284,11 +272,6 @@ def make_client_app(
     the names on the wire are only ever looked up, never imported. ``noise_seed``: the seeded noise
     stream of the nodes under distributed or local DP in a simulation, set by the lab that builds this
     app (the local runtime's bits); None, each node's OS entropy. A node never takes a seed from a message."""
-    from functools import partial
-
-    from fedpers.runtime.flower.client import make_client_app as runtime_client_app
-    from fedpers.runtime.flower.nodeside import NodeSettings
-
     settings = NodeSettings(noise_seed)
     if not entries:
         return runtime_client_app(build_node, settings)
@@ -306,11 +289,7 @@ def flower_job(
     noise calibrations the server's accountant chose (nodes rebuild the protocol without one):
     ``calibrations`` if given, else recorded by building the protocol once more, and the run's trust
     model from the runtime ``options`` (central when None), which every node pins."""
-    from fedpers.runtime.flower.codec import Job, Trust
-
     if calibrations is None:
-        from fedpers.privacy.accountant import Calibrations
-
         recorded = Calibrations()
         experiment.protocol(cfg, recorded)
         calibrations = recorded.table
@@ -333,13 +312,10 @@ def run_flower(
     ``grid=`` if given, else a simulation whose nodes run ``client_app`` or :func:`make_client_app`);
     ``calibrations``: the noise multipliers ``protocol`` was built with (see :func:`flower_job`);
     ``node_protocol``: what the nodes build from them, when the server's differs (distributed or local DP)."""
-    from fedpers.runtime.flower.simulation import run_flower as run
+    from fedpers.runtime.flower.simulation import run_flower as run  # Ray: a node process never imports it
 
     if kwargs.get("grid") is None and client_app is None:
-        from fedpers.experiments import ALGORITHMS
-        from fedpers.privacy.distributed import NodeSidePrivatizer
-
-        entry = ALGORITHMS.get(experiment.name)
+        entry = experiments.ALGORITHMS.get(experiment.name)
         seed = privatizer.noise_seed if isinstance(privatizer, NodeSidePrivatizer) and not privatizer.secure else None
         client_app = make_client_app({experiment.name: entry} if entry is not None else None, noise_seed=seed)
     job = flower_job(experiment, cfg, node_protocol if node_protocol is not None else protocol, calibrations, options)

@@ -8,7 +8,7 @@ from fedpers import config, linalg
 from fedpers.data import synthetic
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment, make_protocol
 from fedpers.privacy import Privatizer
-from fedpers.privacy.audit import gdp_lower_bound
+from fedpers.audit.bounds import gdp_lower_bound
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.runner import execute
 from fedpers.runtime.local import run_local

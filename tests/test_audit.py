@@ -15,11 +15,13 @@ import torch
 
 from fedpers import config as config_lib
 from fedpers import linalg
-from fedpers.commands import audit as audit_lib
+import fedpers.audit as audit_lib
+from fedpers.audit.scores import released_part
+from fedpers.commands.audit import format_audit, headline
 from fedpers.experiments import experiment
 from fedpers.experiments.fedrep import fedrep_init_fraction
 from fedpers.privacy import Privatizer
-from fedpers.privacy import audit as audit_math
+from fedpers.audit import bounds as audit_math
 from fedpers.privacy.ledger import ALL_UNITS
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
@@ -103,7 +105,7 @@ def test_scorer_receives_only_published_outputs():
     for release, value in published.releases:
         r = release.round
         unnoised = client_message(protocol, r, published.broadcasts[r], units).stats[{"init.W": "W"}.get(release.name, release.name[-1])]
-        part = audit_lib._released_part(release, value - unnoised)
+        part = released_part(release, value - unnoised)
         z = part / release.noise_std
         assert 0.5 < float(z.std()) < 1.6 and abs(float(z.mean())) < 4 / part.numel() ** 0.5
 
@@ -140,7 +142,7 @@ def test_cli_audit_prints_proven_and_lower_bounds(capsys):
     out = capsys.readouterr().out
     assert "headline (Gaussian score" in out and "for the audited releases W, b alone (the whole run: ε = 3" in out
     with pytest.raises(ValueError, match="score must be one of threshold, gaussian"):
-        audit_lib.headline({"proven_epsilon": 1.0}, "median")
+        headline({"proven_epsilon": 1.0}, "median")
 
 
 def test_cli_audit_out_saves_the_result_once_and_refuses_a_file_or_a_second_audit(tmp_path, capsys):
@@ -242,8 +244,8 @@ def test_null_slot_bound_finds_the_proven_mu_and_catches_halved_noise(monkeypatc
     assert null["n_in"] == 60 and null["null_scores"] == 180
     assert honest["canary_mu"] == pytest.approx(honest["proven_mu"])
     assert abs(null["mu"] - honest["proven_mu"]) < 4 * (1 / 60 + 1 / 180) ** 0.5
-    assert "null-slot Gaussian-score bound" in audit_lib.format_audit(honest)
-    assert "empty slots" in audit_lib.headline(honest, "gaussian")
+    assert "null-slot Gaussian-score bound" in format_audit(honest)
+    assert "empty slots" in headline(honest, "gaussian")
     original = Privatizer._perturb
 
     def perturb(self, release, value, noise):
@@ -599,7 +601,7 @@ def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
     flower = audit_lib.audit(ALTMIN, cfg, 4, runs=2, releases=("W", "b"), flower=opts, grid=grid)
     assert len(grids) == 2 and all(len(g.contexts) == 3 and len(g.sent) >= 3 * 3 for g in grids)
     assert flower["runtime"] == "flower" and local["runtime"] == "local"
-    assert "through the Flower runtime" in audit_lib.format_audit(flower)
+    assert "through the Flower runtime" in format_audit(flower)
     assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(local["canary_mu"])
     for key in ("gaussian_score", "gaussian_score_null"):
         assert flower[key]["mu"] == pytest.approx(local[key]["mu"], rel=1e-5, abs=1e-6), key
@@ -695,7 +697,7 @@ def test_node_side_audit_scores_what_the_server_sees_and_reaches_the_nodes_mecha
         noises.append(noise.flatten())
     assert 0.93 < float(torch.cat(noises).std()) < 1.07 and torch.cat(noises).numel() > 1500
     result = audit_lib.audit(ALTMIN, cfg, 8, runs=1, releases=("W", "b"), node_side=options)
-    assert result["dp_model"] == model and f"trust model: {model} DP" in audit_lib.format_audit(result)
+    assert result["dp_model"] == model and f"trust model: {model} DP" in format_audit(result)
     if model == "local":
         assert result["canary_mu"] == pytest.approx(result["proven_mu"], rel=1e-9)
     else:

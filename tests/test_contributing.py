@@ -1,7 +1,8 @@
-"""docs/contributing.md's worked example runs: a toy algorithm (tests/toy_algorithm.py) added through the
-documented extension points only — ``fedpers.experiments.register`` and its Experiment's hooks — runs on
-the local runtime, on Flower, through ``fedpers audit`` and through a private sweep; an accountant
-registered by one decorator is offered by the CLI and accounts a ledger."""
+"""docs/contributing.md's worked example runs: a toy algorithm (tests/toy_config.py, tests/toy_algorithm.py)
+added through the documented extension points only — ``fedpers.experiments.register`` and its Experiment's
+hooks — refuses a bad flag before torch is imported, runs on the local runtime, on Flower, under every trust
+model it qualifies for, through ``fedpers audit`` and through a private sweep; an accountant registered by
+one decorator is offered by the CLI and accounts a ledger."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from fedpers import config as config_lib
 from fedpers.commands import cli
-from fedpers.experiments import ALGORITHMS, experiment, register, unregister
+from fedpers.experiments import ALGORITHMS, CONFIGS, config_type, experiment, register, unregister
 from fedpers.privacy import Accountant, Ledger, Privatizer, Release, ledger_epsilon
 from fedpers.privacy.accountant import PldAccountant, RdpAccountant, register_accountant, unregister_accountant
 from fedpers.runner import RuntimeOptions, execute, split_seed
@@ -28,13 +29,20 @@ from fedpers.sweeps.spec import load_spec
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "contributing.md"
 TOY = ROOT / "tests" / "toy_algorithm.py"
+TOY_CONFIG = ROOT / "tests" / "toy_config.py"
 SMALL = {"n_users": 60, "dim": 4, "rounds": 2, "epsilon": 4.0, "seed": 3}
 
 
 @pytest.fixture
 def toy():
     """The toy algorithm, registered as docs/contributing.md says (and removed afterwards)."""
-    register("toymean", "tests.toy_algorithm", "ToyMeanExperiment", "A private mean of per-user vectors (docs/contributing.md)")
+    register(
+        "toymean",
+        "tests.toy_algorithm",
+        "ToyMeanExperiment",
+        "A private mean of per-user vectors (docs/contributing.md)",
+        config=("tests.toy_config", "ToyMeanConfig"),
+    )
     try:
         yield experiment("toymean")
     finally:
@@ -46,19 +54,21 @@ def small(exp, **over):
 
 
 def test_the_docs_code_is_the_toy_that_runs():
-    """Every code block of docs/contributing.md is a verbatim piece of tests/toy_algorithm.py or of this file."""
+    """Every code block of docs/contributing.md is a verbatim piece of tests/toy_config.py,
+    tests/toy_algorithm.py or this file."""
     def solid(text: str) -> str:  # blank lines dropped: a block may leave out the ones around it
         return "\n".join(line for line in text.splitlines() if line.strip())
 
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
     assert len(blocks) >= 10
-    sources = solid(TOY.read_text()) + "\n" + solid(Path(__file__).read_text())
+    sources = "\n".join(solid(f.read_text()) for f in (TOY_CONFIG, TOY, Path(__file__)))
     for block in blocks:
         assert solid(block) in sources, block
 
 
 def test_registration_is_one_call_and_refuses_a_clash(toy):
     assert ALGORITHMS["toymean"][:2] == ("tests.toy_algorithm", "ToyMeanExperiment")
+    assert CONFIGS["toymean"] == ("tests.toy_config", "ToyMeanConfig") and config_type("toymean") is toy.config_type
     run = cli.build_parser()._subparsers._group_actions[0].choices["run"]
     assert "toymean" in [a for a in run._actions if a.dest == "algorithm"][0].choices
     register("toymean", "tests.toy_algorithm", "ToyMeanExperiment", ALGORITHMS["toymean"][2])  # the same entry: no-op
@@ -66,6 +76,25 @@ def test_registration_is_one_call_and_refuses_a_clash(toy):
         register("toymean", "tests.other", "Other", "x")
     with pytest.raises(ValueError, match="already registered"):
         register("altmin", "tests.toy_algorithm", "ToyMeanExperiment", "x")
+
+
+def test_a_bad_toy_flag_or_value_is_refused_before_torch_is_imported():
+    """The toy's config lives in a light module (registered with ``config=``): ``fedpers run toymean``
+    lists its flags and refuses a misspelt flag or a bad value with status 2, importing no torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom fedpers.experiments import register\nfrom fedpers.commands.cli import main\n"
+        "register('toymean', 'tests.toy_algorithm', 'ToyMeanExperiment', 'toy', config=('tests.toy_config', 'ToyMeanConfig'))\n"
+        "def status(*flags):\n    try:\n        return main(['run', 'toymean', *flags])\n    except SystemExit as e:\n        return e.code\n"
+        "statuses = [status('--dim', '0'), status('--accountant', 'nope'), status('--dimm', '3')]\n"
+        "print(statuses, 'torch' in sys.modules, 'dp_accounting' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.stdout.strip().splitlines()[-1] == "[2, 2, 2] False False", out.stderr[-2000:]
+    assert "dim must be >= 1" in out.stderr and "invalid choice: 'nope'" in out.stderr
+    assert "unknown flag --dimm; did you mean --dim?" in out.stderr
 
 
 def test_toy_runs_locally_with_the_expected_ledger(toy, tmp_path):
@@ -110,7 +139,6 @@ def test_toy_on_an_in_process_flower_grid_equals_local(toy, tmp_path):
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
 
 
-
 def test_toy_runs_under_distributed_and_local_dp_by_declaring_node_side(toy, tmp_path):
     """The toy declares ``node_side()`` (docs/contributing.md, Trust models) and nothing else: under
     distributed DP its sums are Skellam releases within its target, on Flower (SecAgg+, an in-process grid
@@ -138,6 +166,27 @@ def test_toy_runs_under_distributed_and_local_dp_by_declaring_node_side(toy, tmp
     assert {r.mechanism for r in q.privatizer.ledger.releases} == {"local_gaussian"}
 
 
+@pytest.mark.parametrize("model", ["central", "distributed", "local"])
+def test_toy_under_every_trust_model_it_qualifies_for(toy, tmp_path, model):
+    """Each trust model runs the toy on the local runtime's nodes with the guarantee it was calibrated
+    for, or (a protocol that does not declare it can be noised by the nodes) is refused before any
+    release: no run directory holds a release it could not account."""
+    cfg = small(toy, n_users=400)
+    options = config_lib.build(RuntimeOptions, {"dp_model": model, "nodes": 4})
+    try:
+        result = execute(toy, cfg, options, out=tmp_path / model, progress=False)
+    except ValueError as refused:
+        assert model != "central" and "dp_model" in str(refused)
+        assert isinstance(toy.protocol(cfg).node_side(), str) or "supports" in str(refused)
+        ledger = tmp_path / model / "ledger.json"
+        assert not ledger.exists() or len(Ledger.from_json(ledger.read_text())) == 0
+        return
+    assert 4.0 * (1 - 1e-2) <= result["epsilon"] <= 4.0
+    assert result["mean_error"] < result["baselines"]["zero"]["mean_error"]
+    assert len(Ledger.from_json((tmp_path / model / "ledger.json").read_text())) == cfg.rounds
+
+
+@pytest.mark.slow  # a Ray head and two node actors: ~30 s
 def test_toy_on_the_flower_simulation_equals_local(toy, tmp_path):
     """2 nodes in Flower's simulation engine (Ray actors: separate processes that import the toy themselves)."""
     import os

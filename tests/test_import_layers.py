@@ -1,4 +1,4 @@
-"""The import graph of fedpers/ points down the layers of docs/architecture (DESIGN) and has no circles.
+"""The import graph of fedpers/ points down the layers of docs/architecture.md and has no circles.
 
 The layer order is written once, in ``LAYERS``; every import (module level, inside functions, or
 under ``TYPE_CHECKING``) counts. Same-layer imports are allowed; a circle between any modules is not.
@@ -14,6 +14,7 @@ ROOT = Path(fedpers.__file__).parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("fedpers.__main__", "fedpers.commands"),  # top: what a user types (cli, audit, compare, report, privacy, tracking)
+    ("fedpers.audit",),  # canary designs, published runs on every runtime, scores and bounds
     ("fedpers.sweeps",),  # grids of runs and private selection over them
     ("fedpers.deploy",),  # optional: every piece of a deployment; the only code touching Flower's private internals
     ("fedpers.runner", "fedpers.app"),  # a config becomes a plan, the plan a run on a runtime (app: Flower run-config)
@@ -281,3 +282,79 @@ def test_a_flower_run_and_the_apps_import_no_deploy_code() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def named_in_backticks(text: str) -> set[str]:
+    """Every ``fedpers.x.y`` or ``fedpers/x/y.py`` (``clients/``, ``server/`` too) written in backticks."""
+    import re
+
+    names = set()
+    for span in re.findall(r"`([^`]+)`", text):
+        for token in re.findall(r"(?:fedpers|clients|server)(?:[./][A-Za-z_][A-Za-z0-9_]*)+(?:\.py)?", span):
+            names.add(token)
+    return names
+
+
+def missing_names(names: set[str], root: Path = ROOT.parent) -> list[str]:
+    """The names that are neither a file, a module or package, nor a name a module defines at top level
+    (or a class's attribute: ``fedpers.privacy.mechanisms.Privatizer.gaussian_sum``)."""
+    missing = []
+    for name in sorted(names):
+        if "/" in name:
+            if not (root / name).exists():
+                missing.append(name)
+            continue
+        parts = name.split(".")
+        found = False
+        for cut in range(len(parts), 0, -1):
+            base = root.joinpath(*parts[:cut])
+            module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+            if not module.is_file():
+                continue
+            rest = parts[cut:]
+            if not rest:
+                found = True
+            else:
+                tree = ast.parse(module.read_text())
+                defined: dict[str, ast.AST] = {}
+                for node in tree.body:
+                    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                        defined[node.name] = node
+                    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                            if isinstance(target, ast.Name):
+                                defined[target.id] = node
+                    elif isinstance(node, ast.ImportFrom):
+                        defined.update({a.asname or a.name: node for a in node.names})
+                    elif isinstance(node, ast.Import):
+                        defined.update({(a.asname or a.name).split(".")[0]: node for a in node.names})
+                target = defined.get(rest[0])
+                if target is not None and len(rest) == 1:
+                    found = True
+                elif isinstance(target, ast.ClassDef) and len(rest) == 2:
+                    found = any(getattr(n, "name", None) == rest[1] for n in target.body)
+            break
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def test_the_architecture_names_only_modules_that_exist() -> None:
+    """docs/architecture.md (what docs/contributing.md and this test's docstring point to) names real
+    modules and names: a move that leaves it stale fails here."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    names = named_in_backticks(text)
+    assert len(names) > 40
+    assert not missing_names(names), f"docs/architecture.md names what does not exist: {missing_names(names)}"
+    for names_of_layer in LAYERS:  # and every layer is on the page
+        for name in names_of_layer:
+            assert f"`{name}`" in text or name in ("fedpers",), f"docs/architecture.md does not name the layer {name}"
+
+
+def test_the_architecture_check_catches_a_stale_name(tmp_path: Path) -> None:
+    (tmp_path / "fedpers" / "a").mkdir(parents=True)
+    (tmp_path / "fedpers" / "__init__.py").write_text("")
+    (tmp_path / "fedpers" / "a" / "__init__.py").write_text("")
+    (tmp_path / "fedpers" / "a" / "b.py").write_text("class C:\n    def m(self): ...\n\ndef f(): ...\n")
+    text = "`fedpers.a.b.f`, `fedpers.a.b.C.m`, `fedpers/a/b.py`; gone: `fedpers.a.c`, `fedpers.a.b.g`, `fedpers.a.b.C.n`"
+    assert missing_names(named_in_backticks(text), tmp_path) == ["fedpers.a.b.C.n", "fedpers.a.b.g", "fedpers.a.c"]

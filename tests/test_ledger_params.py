@@ -23,7 +23,7 @@ from tests.synthetic_support import cohort_permutation_from_config
 def run_ledger(name: str, values: dict, tmp_path) -> tuple[object, Ledger, int]:
     exp = EXPERIMENTS[name]
     cfg = config.build(exp.config_type, values)
-    result = execute(exp, cfg, out=tmp_path / name, progress=False)
+    execute(exp, cfg, out=tmp_path / name, progress=False)
     ledger = Ledger.from_json((tmp_path / name / "ledger.json").read_text())
     return cfg, ledger, derived_seed(cfg.seed, "public")
 

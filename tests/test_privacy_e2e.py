@@ -237,7 +237,7 @@ def test_pca_second_moment_sensitivity_is_reached():
 def test_audit_of_the_A_release_through_the_server_path():
     """μ lower bound for round 1's A (noise z·√2·bound/2) on neighbours at exactly its sensitivity:
     released by drive → server_update → Privatizer, 1000 runs per neighbour."""
-    from fedpers.privacy.audit import gdp_lower_bound
+    from fedpers.audit.bounds import gdp_lower_bound
 
     cfg, protocol, units = setup("altmin", {**ALTMIN, "n_users": 10, "cohorts": "all", "rounds": 1, "epsilon": 6.0})
     U = first_round_U(protocol, units).unsqueeze(-1)

@@ -3,7 +3,8 @@
 A private mean of per-user vectors: every round each user sends its vector clipped to norm C,
 the server releases the sum through one Gaussian release of the Privatizer, and the published
 estimate is the average of the rounds' noisy means. It is registered by
-``fedpers.experiments.register`` (tests/test_contributing.py), never by an edit of fedpers, and
+``fedpers.experiments.register`` (tests/test_contributing.py), never by an edit of fedpers, with its
+config in a module of its own (tests/toy_config.py: no torch, so a bad flag is refused at once), and
 runs locally, on Flower, through ``fedpers audit`` and a private sweep. The code blocks of
 docs/contributing.md are copied from this file; the test suite checks that they still match.
 """
@@ -18,12 +19,11 @@ from typing import Any
 import dp_accounting
 import torch
 
-from fedpers.config import MAX_EPSILON, ApproxDpRunConfig, field, inherited, run_config
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.experiments.hooks import BIG, Canaries, CanaryDesign, PrivateScore
-from fedpers.privacy import Accountant, Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
-from fedpers.configs.privacy import accountant_field, check_accountant
+from fedpers.privacy import Calibrations, Ledger, Privatizer, calibrate_noise_multiplier, ledger_epsilon
 from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
+from tests.toy_config import ToyMeanConfig
 
 Tensor = torch.Tensor
 
@@ -85,30 +85,14 @@ def user_event(noise_multiplier: float, rounds: int) -> dp_accounting.DpEvent:
     return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier), rounds)
 
 
-# ----- the experiment (experiments/X.py): config, data, protocol, evaluation -----------------------
-@run_config
-class ToyMeanConfig(ApproxDpRunConfig):
-    n_users: int = field(200, "users n", ge=1)
-    dim: int = field(4, "vector dimension d", ge=1)
-    rounds: int = field(2, "rounds (one Gaussian release each)", ge=1)
-    clip: float = field(2.0, "per-user clip C of the vector", gt=0.0)
-    epsilon: float = field(4.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
-    delta: float = field(1e-5, "user-level δ", gt=0.0, lt=1.0)
-    accountant: str = accountant_field(Accountant.PLD, "privacy accountant")
-    seed: int = inherited()
-    chunk_size: int = inherited()
-
-    def check(self) -> None:
-        check_accountant(self.accountant)
-
-
+# ----- the experiment (experiments/X.py): protocol calibrated, data, evaluation ---------------------
 TRUE_MEAN = 0.5
 """Every coordinate of the population mean (public: the simulator's truth)."""
 
 
 def make_protocol(cfg: ToyMeanConfig, calibrations: Calibrations | None = None) -> ToyMeanProtocol:
     z = calibrate_noise_multiplier(
-        lambda z: user_event(z, cfg.rounds), cfg.epsilon, cfg.delta, cfg.accountant, calibrations
+        lambda z: user_event(z, cfg.rounds), cfg.epsilon, cfg.delta, cfg.accountant, calibrations, cfg.neighbours
     )
     return ToyMeanProtocol(cfg.n_users, cfg.dim, cfg.rounds, cfg.clip, z)
 

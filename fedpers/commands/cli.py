@@ -4,71 +4,23 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import enum
 import sys
-import tomllib
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedpers import config as config_lib
+from fedpers.commands import audit as audit_command
+from fedpers.commands.parsers import (
+    RegisteredAccountants,
+    add_tracking,
+    algorithm_parser,
+    out_directory,
+    run_settings,
+)
 
 if TYPE_CHECKING:
-    from fedpers.configs.runtime import RuntimeOptions
     from fedpers.results.run_result import RunResult
-
-RUNTIME_FLAGS = "runtime options (every algorithm)"
-
-
-class RegisteredAccountants:
-    """The ``--accountant`` choices: the registered accountants' names, read when a line is parsed or
-    help is printed (:mod:`fedpers.configs.privacy`: no accounting library is imported)."""
-
-    def _names(self) -> tuple[str, ...]:
-        from fedpers.configs.privacy import accountant_names
-
-        return accountant_names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names()
-
-
-def _add_fields(parser: argparse.ArgumentParser | Any, cls: type) -> None:
-    """One flag per field of the config dataclass ``cls`` (``--name-with-dashes`` unless the field
-    names its ``flag``): the value stays a string (the config's own :func:`fedpers.config.build`
-    coerces and checks it, naming the field); an enum's values, or a registry's names as registered
-    now, are its choices; the help ends with the default."""
-    types = config_lib.field_types(cls)
-    for f in dataclasses.fields(cls):
-        tp = types[f.name]
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        tp = args[0] if args else tp
-        default = f.default.value if isinstance(f.default, enum.Enum) else f.default
-        kwargs: dict[str, Any] = {
-            "dest": f.name,
-            "default": argparse.SUPPRESS,
-            "help": f"{f.metadata.get('help', '')} (default: {default})",
-        }
-        if callable(f.metadata.get("choices")):  # names a registry may extend at run time
-            kwargs["choices"] = list(f.metadata["choices"]())
-        elif isinstance(tp, type) and issubclass(tp, enum.Enum):
-            kwargs["choices"] = [e.value for e in tp]
-        else:
-            kwargs["metavar"] = f.name.upper()
-        parser.add_argument(f.metadata.get("flag") or "--" + f.name.replace("_", "-"), **kwargs)
-
-
-def out_directory(text: str) -> Path:
-    """An ``--out`` directory; an empty one is refused (``Path("")`` is the current directory,
-    where a run's files would land among whatever is there, e.g. from an unset shell variable)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path; name the directory to write")
-    return Path(text)
 
 
 def _seconds(text: str) -> float:
@@ -125,14 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sw.add_argument("--quiet", action="store_true")
     _add_select_flags(sw)
-    _add_tracking(sw)
+    add_tracking(sw)
     rs = sub.add_parser(
         "resume", help="continue a killed run from its last checkpoint (same result, same ledger)", allow_abbrev=False
     )
     rs.add_argument("run_dir", type=Path)
     rs.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
     rs.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_tracking(rs)
+    add_tracking(rs)
     cp = sub.add_parser(
         "compare", help="runs side by side: ε spent, noise, primary metrics, time; optional figure", allow_abbrev=False
     )
@@ -241,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         "audit",
         help="empirical lower bound on ε from canary users, beside the proven ε",
         allow_abbrev=False,
-        description=AUDIT_DESCRIPTION,
+        description=audit_command.AUDIT_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     au.add_argument(
@@ -274,83 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def suggestion(flag: str, known: Sequence[str]) -> str:
-    """``; did you mean --x?`` for the closest known flag(s), or an empty string."""
-    import difflib  # only an unknown flag pays for it
-
-    close = difflib.get_close_matches(flag, known, n=2, cutoff=0.75)
-    return f"; did you mean {' or '.join(close)}?" if close else ""
-
-
-class SuggestingParser(argparse.ArgumentParser):
-    """An algorithm's argument parser: a misspelt flag is answered with the closest known one(s), and
-    an error in one line (status 2) instead of the usage of every flag."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        flags = [a.partition("=")[0] for a in message.split(":", 1)[-1].split() if a.startswith("-")]
-        if message.startswith("unrecognized arguments:") and flags:
-            known = list(self._option_string_actions)
-            message = "; ".join(f"unknown flag {f}{suggestion(f, known)}" for f in flags)
-        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
-
-
-def algorithm_parser(name: str) -> argparse.ArgumentParser:
-    """Flags of ``fedpers run NAME``: the algorithm's config fields and the runtime options, read from
-    their classes (:func:`fedpers.experiments.config_type`: for a built-in algorithm a module of
-    :mod:`fedpers.configs`, which imports no torch)."""
-    from fedpers.configs.runtime import RuntimeOptions
-    from fedpers.experiments import ALGORITHMS, config_type
-
-    p = SuggestingParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
-    p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
-    p.add_argument("--out", type=out_directory, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
-    p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_tracking(p)
-    _add_fields(p.add_argument_group(f"{name} options"), config_type(name))
-    _add_fields(p.add_argument_group(RUNTIME_FLAGS), RuntimeOptions)
-    return p
-
-
-OWN_FLAGS = ("command", "algorithm", "config", "out", "json", "quiet", "track", "track_uri")
-"""What an algorithm's parsed line holds beside config fields and runtime options."""
-
-
-def run_settings(name: str, parsed: argparse.Namespace) -> tuple[Any, RuntimeOptions]:
-    """The config of algorithm ``name`` and the runtime options of a parsed line (``--config FILE``,
-    then the flags over it), each coerced and checked by its class: every bad value is refused here
-    (ValueError naming the field), before anything heavy is imported."""
-    from fedpers.configs.runtime import RuntimeOptions
-    from fedpers.experiments import config_type
-
-    cls = config_type(name)
-    values: dict[str, Any] = {}
-    if parsed.config is not None:
-        try:
-            values.update(tomllib.loads(parsed.config.read_text()))
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ValueError(f"config: cannot read {parsed.config}: {e}") from None
-        _check_config_keys(cls, values, parsed.config)
-    values.update({k: v for k, v in vars(parsed).items() if k not in OWN_FLAGS})
-    algo_values, runtime_values = split_values(cls, values)
-    return config_lib.build(cls, algo_values), config_lib.build(RuntimeOptions, runtime_values)
-
-
-def _add_tracking(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--track",
-        choices=["tensorboard", "mlflow"],
-        help="also log the run (config, per-round metrics, ε after each release, final metrics, baselines, "
-        "figures) to TensorBoard or MLflow (pip install 'fedpers[track]')",
-    )
-    p.add_argument(
-        "--track-uri",
-        default=None,
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else MLflow's default sqlite:///mlflow.db); "
-        "TensorBoard: the log directory (default: RUN_DIR/tensorboard)",
-    )
-
-
 def _track(kind: str | None, uri: str | None, *, run_dir: str | None = None, sweep_dir: str | None = None) -> None:
     if not kind:
         return
@@ -370,11 +245,6 @@ def _track(kind: str | None, uri: str | None, *, run_dir: str | None = None, swe
         print(
             f"tracked in {kind}: " + ", ".join(f"{k} {v}" for k, v in where.items() if k != "tracker"), file=sys.stderr
         )
-
-
-def split_values(cls: type, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in names}, {k: v for k, v in values.items() if k not in names}
 
 
 def print_summary(result: Mapping[str, Any] | RunResult, out: typing.TextIO | None = None) -> None:
@@ -480,24 +350,6 @@ def _run(args: argparse.Namespace) -> int:
     _print_result(result, args.json)
     _track(args.track, args.track_uri, run_dir=result.get("run_dir"))
     return 0
-
-
-def _check_config_keys(cls: type, values: Mapping[str, Any], path: Path) -> None:
-    """Refuse a ``--config`` key that is neither a field of the algorithm nor a runtime option,
-    naming the file and the nearest field (it was reported as an unknown runtime option)."""
-    import difflib
-
-    from fedpers.configs.runtime import RuntimeOptions
-
-    known = {f.name for f in dataclasses.fields(cls)} | {f.name for f in dataclasses.fields(RuntimeOptions)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        hints = [
-            f"{k} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(k, known, 1)) else k for k in unknown
-        ]
-        raise ValueError(
-            f"config: {path}: unknown key(s) {', '.join(hints)}; the keys are the fields `--help` lists as flags"
-        )
 
 
 def _print_result(result: Mapping[str, Any], as_json: bool) -> None:
@@ -744,126 +596,6 @@ def cmd_select(args: argparse.Namespace) -> int:
     return 0
 
 
-AUDIT_DESCRIPTION = (
-    "K canary users (each holding one of two neighbouring data sets, by a fair coin) run through the real\n"
-    "server path; each is scored from the broadcasts and noisy releases only; the guesses give lower\n"
-    "bounds on ε at the run's δ (docs/audit.md). `fedpers audit ALGO --canaries K [--runs R]` + ALGO's flags;\n"
-    "--out DIR saves the result as DIR/audit.json (never over an earlier one), --quiet prints nothing."
-)
-
-
-def _audit_flags() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedpers audit ALGO", add_help=False, allow_abbrev=False)
-    p.add_argument(
-        "--canaries", type=int, required=True, help="canary users per run (orthogonal: at most the design's capacity)"
-    )
-    p.add_argument("--runs", type=int, default=1, help="independent runs, K canaries each (default 1)")
-    p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds (default 0.95)")
-    p.add_argument(
-        "--audit-seed", type=int, default=0, help="seed of the coins, canaries and noise of the audit runs (default 0)"
-    )
-    p.add_argument(
-        "--placement",
-        choices=["auto", "orthogonal", "random", "paired", "steered"],
-        default="auto",
-        help="canary directions: one orthogonal coordinate each, random (any number; interference scored), "
-        "or auto: orthogonal up to the design's capacity, random beyond (default); paired: the same data on one of "
-        "two orthogonal coordinates (a PSD release, e.g. altmin's A, moves by its full sensitivity); steered: every "
-        "round's data rebuilt from its broadcast (fedrep)",
-    )
-    p.add_argument(
-        "--releases",
-        default=None,
-        help="comma-separated statistic names (e.g. W,b for altmin): score only those releases, against the proven "
-        "ε of those releases alone (default: every release, against the run's proven ε)",
-    )
-    p.add_argument(
-        "--score",
-        choices=["threshold", "gaussian"],
-        default="threshold",
-        help="which bound the report leads with: threshold (non-parametric, any mechanism; default) or gaussian "
-        "(Gaussian-score μ, labelled with its assumption); both are always printed",
-    )
-    return p
-
-
-def cmd_audit(args: argparse.Namespace) -> int:
-    if {"-h", "--help"} & set(args.args):  # read from the config classes (no torch)
-        print(_audit_flags().format_help())
-        algorithm_parser(args.algorithm).print_help()
-        return 0
-    from fedpers.results.rundir import dumps
-
-    own, rest = _audit_flags().parse_known_args(args.args)
-    releases = None if own.releases is None else tuple(n.strip() for n in own.releases.split(","))
-    if Path(args.algorithm).is_dir():
-        from fedpers.commands.audit import audit_run_dir, format_run_audit
-
-        if rest:
-            raise ValueError(f"audit RUN_DIR: the run's own configuration is audited; unexpected flags {rest}")
-        done = audit_run_dir(
-            args.algorithm,
-            own.canaries,
-            own.runs,
-            own.confidence,
-            own.audit_seed,
-            placement=own.placement,
-            releases=releases,
-        )
-        print(format_run_audit(done, score=own.score))
-        return 0
-    from fedpers.experiments import ALGORITHMS
-
-    if args.algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"audit: ALGO must be one of {', '.join(ALGORITHMS)} or a run directory; got {args.algorithm!r}"
-        )
-    algo_args = algorithm_parser(args.algorithm).parse_args(rest)
-    saved = _audit_file(algo_args.out)  # checked before any audit run: nothing is computed to be lost
-    cfg, options = run_settings(args.algorithm, algo_args)  # every bad value refused before the audit's libraries load
-    from fedpers.commands.audit import audit, format_audit
-    from fedpers.configs.runtime import Runtime
-    from fedpers.experiments import experiment
-
-    result = audit(
-        experiment(args.algorithm),
-        cfg,
-        own.canaries,
-        runs=own.runs,
-        confidence=own.confidence,
-        seed=own.audit_seed,
-        placement=own.placement,
-        releases=releases,
-        flower=options if options.runtime == Runtime.FLOWER else None,
-        node_side=options,
-    )
-    if saved is not None:
-        from fedpers.results.rundir import write_atomic
-
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(saved, dumps(result))
-    if not algo_args.quiet:
-        print(dumps(result, indent=None) if algo_args.json else format_audit(result, score=own.score))
-    if saved is not None:
-        print(f"audit written to {saved}", file=sys.stderr)
-    return 0
-
-
-def _audit_file(out: Path | None) -> Path | None:
-    """Where ``fedpers audit ALGO --out DIR`` saves its result (DIR/audit.json), refused before any
-    work when DIR is a file or already holds an audit (never overwritten)."""
-    if out is None:
-        return None
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out: {out} is a file; name a directory for audit.json")
-    if (out / "audit.json").exists():
-        raise ValueError(f"out: {out} already holds an audit.json; name a new directory")
-    blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise ValueError(f"out: {blocked} is a file, so {out} cannot be created")
-    return out / "audit.json"
-
-
 class _DropNotices:
     """A logging filter: Flower's "DEPRECATED FEATURE" notices and its actor-shutdown chatter,
     which a user of ``fedpers`` cannot act on (fedpers, not the user, calls Flower)."""
@@ -990,7 +722,7 @@ def _main(argv: Sequence[str] | None) -> int:
             "compare": cmd_compare,
             "deploy": cmd_deploy,
             "privacy": cmd_privacy,
-            "audit": cmd_audit,
+            "audit": audit_command.cmd_audit,
             "report": cmd_report,
         }
         return commands[args.command](args)

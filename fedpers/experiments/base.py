@@ -19,7 +19,7 @@ from fedpers.config import RunConfig
 from fedpers.data.units import UnitSource
 from fedpers.experiments.hooks import CanaryDesign, PrivateScore
 from fedpers.privacy import Calibrations, Ledger
-from fedpers.protocols.base import Protocol, Units
+from fedpers.protocols.base import Protocol, State, Units
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ ProtocolT = TypeVar("ProtocolT", bound=Protocol)
 class Evaluator(abc.ABC):
     """Measures a run against the truth the simulator knows (the runtime never sees it)."""
 
-    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+    def round_metrics(self, round: int, state: State) -> dict[str, float]:
         return {}
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -49,7 +49,7 @@ class Evaluator(abc.ABC):
             raise ValueError(f"{type(self).__name__} keeps no state between rounds; got {sorted(state)}")
 
     @abc.abstractmethod
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         """Final metrics (and baselines) for the final server state."""
 
     def final_phase(self) -> str:
@@ -166,6 +166,14 @@ def outlier_warnings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def strategy_warnings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A warning when the run's correlated-noise strategy is worse than independent noise on its own
+    loss (a strategy it was given, e.g. ``--noise banded`` with more bands than help): never silent."""
+    privacy = result.get("privacy")
+    text = privacy.get("strategy_warning") if isinstance(privacy, Mapping) else None
+    return [{"metric": "noise", "text": text}] if isinstance(text, str) and text else []
+
+
 class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
     """One algorithm: its config type ``ConfigT`` and the protocol type ``ProtocolT`` it builds
     (``class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol])``); every hook takes the
@@ -231,7 +239,7 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
         the same metric of a trivial baseline (the declared ones, and every other metric those
         baselines report: real data has test_mse where synthetic data has excess_risk)."""
         found = non_finite_warnings(self.result_keys, result, lambda m: self.non_finite_cause(cfg, result, m))
-        found += outlier_warnings(result)
+        found += outlier_warnings(result) + strategy_warnings(result)
         return found + check_trivial(every_shared_metric(self.trivial_baselines(cfg), self.result_keys, result), result)
 
     def non_finite_cause(self, cfg: ConfigT, result: Mapping[str, Any], metric: str) -> str:

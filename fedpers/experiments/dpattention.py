@@ -14,6 +14,7 @@ from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, DpCovarianceParams, Ledger, ledger_epsilon
 from fedpers.privacy.mechanisms import dp_covariance_min_k
+from fedpers.protocols.base import State
 from fedpers.protocols.dpattention import DpAttentionProtocol, attention_matrix, entrywise_max_norm
 
 Tensor = torch.Tensor
@@ -58,7 +59,7 @@ class DpAttentionEvaluator(Evaluator):
         norms = torch.linalg.vector_norm(units["x"].double(), dim=-1)
         self.columns_clipped = int((norms > protocol.params.alpha * (1 + 1e-12)).sum())
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         p = self.protocol.params
         A, B = self.A, state["B"].double()
         error = entrywise_max_norm(attention_matrix(A, self.protocol.f) - attention_matrix(B, self.protocol.f))

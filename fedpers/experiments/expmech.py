@@ -18,6 +18,7 @@ from fedpers.data.units import UnitSource
 from fedpers.experiments import altmin
 from fedpers.experiments.base import Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, PureDpEvent, ledger_epsilon
+from fedpers.protocols.base import State
 from fedpers.protocols.expmech import ExpMechProtocol, estimate_net_size, net_grid_size
 from fedpers.runtime.local import Companion
 
@@ -116,7 +117,7 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
         super().__init__(a, a.protocol(private=False))
         self.expmech = protocol
 
-    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+    def round_metrics(self, round: int, state: State) -> dict[str, float]:
         if self.u_star is None:
             return {}
         U = state["U"].to(self.u_star.device)  # the candidates live on the host, U* and the users on the run's device
@@ -133,7 +134,7 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
         """Users fit v with ||v|| ≤ C on their second half (Algorithm 4, step 4)."""
         return lambda units: U.to(self.expmech.dtype) @ self.expmech.personalize(U, units).unsqueeze(-1)
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         extra = {}
         device = self.cfg.device  # where the users are scored (the candidates live on the host)
         if self.u_star is not None:
@@ -191,10 +192,11 @@ class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
             "delta": 0.0,
             "target_epsilon": cfg.epsilon,
             "accountant": "pure ε-DP composition" if pure else "pld",
-            "neighbouring": "replace-one user",
+            "neighbouring": f"{cfg.neighbours.value} user",
+            "neighbours": cfg.neighbours.value,
             "mechanism": "exponential (Gumbel-max)",
             "sensitivity": protocol.sensitivity,
-            "sensitivity_formula": "ζ² (each user's score lies in [0, ζ²])",
+            "sensitivity_formula": "ζ² (each user's score lies in [0, ζ²]: the change of replacing, adding or removing one)",
             "paper_sensitivity": protocol.paper_sensitivity,
         }
 

@@ -21,9 +21,13 @@ from typing import Any, cast
 import torch
 
 from fedpers.data.units import Units
-from fedpers.privacy import Privatizer
+from fedpers.privacy import ALL_UNITS, Privatizer
+from fedpers.privacy.correlated import CorrelatedNoise
 
 Tensor = torch.Tensor
+State = dict[str, Tensor]
+"""A protocol's server state: named tensors (public parameters and what the releases produced), what
+``server_update`` returns, a checkpoint saves and an evaluator reads."""
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,49 @@ class NodeSide:
     """Statistics whose every unit's contribution is a PSD matrix (its √2 replace-one bound survives rounding)."""
 
 
+def round_release(
+    privatizer: Privatizer,
+    value: Tensor,
+    *,
+    correlated: CorrelatedNoise | None,
+    per_unit_bound: float,
+    noise_multiplier: float,
+    stream: str,
+    step: int,
+    name: str,
+    round: int,
+    units: str = ALL_UNITS,
+    params: dict[str, Any] | None = None,
+    sampling_probability: float = 1.0,
+) -> Tensor:
+    """One round's release of a gradient stream (FedRep's G, NoisyGD's and NoisyHead's gradient sums):
+    step ``step`` of the stream's correlated noise when the run has a correlated strategy, else an
+    independent Gaussian touching ``units`` (the round's cohort), Poisson-sampled at
+    ``sampling_probability``. One place decides between the two, so the protocols cannot drift apart."""
+    if correlated is not None:
+        return privatizer.correlated_gaussian_sum(
+            value,
+            per_unit_bound=per_unit_bound,
+            noise_multiplier=noise_multiplier,
+            noise=correlated,
+            stream=stream,
+            step=step,
+            name=name,
+            round=round,
+            params=params,
+        )
+    return privatizer.gaussian_sum(
+        value,
+        per_unit_bound=per_unit_bound,
+        noise_multiplier=noise_multiplier,
+        name=name,
+        round=round,
+        units=units,
+        params=params,
+        sampling_probability=sampling_probability,
+    )
+
+
 class Protocol(abc.ABC):
     """An algorithm of the billboard model. Subclasses are plain data plus pure functions."""
 
@@ -311,16 +358,16 @@ class Protocol(abc.ABC):
         """Number of client→server rounds."""
 
     @abc.abstractmethod
-    def initial_state(self) -> Any:
+    def initial_state(self) -> State:
         """Server state before round 0 (public)."""
 
-    def server_start(self, state: Any, privatizer: Any) -> Any:
+    def server_start(self, state: State, privatizer: Privatizer) -> State:
         """Server-side additions to the initial state drawn from the Privatizer's private
         generators (e.g. round 0's Poisson sample), once per fresh run. Default: none."""
         return state
 
     @abc.abstractmethod
-    def broadcast(self, state: Any, round: int) -> dict[str, Tensor]:
+    def broadcast(self, state: State, round: int) -> dict[str, Tensor]:
         """Public tensors sent to every client in ``round``."""
 
     @abc.abstractmethod
@@ -333,8 +380,8 @@ class Protocol(abc.ABC):
 
     @abc.abstractmethod
     def server_update(
-        self, round: int, state: Any, summed: Message, privatizer: Privatizer
-    ) -> tuple[Any, dict[str, float]]:
+        self, round: int, state: State, summed: Message, privatizer: Privatizer
+    ) -> tuple[State, dict[str, float]]:
         """Privatise the summed message (through ``privatizer`` only) and return (new state, diagnostics)."""
 
     def unit_keys(self) -> tuple[str, ...]:

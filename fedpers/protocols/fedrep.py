@@ -32,7 +32,7 @@ from fedpers.privacy.adaptive_clip import (
     share_multiplier,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, round_release
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-6
@@ -54,7 +54,8 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
     noise_multiplier: float
     dtype_name: str = "float64"
     sampling_rate: float = 1.0
-    """q < 1: Poisson user sampling in rounds 1..T (the init uses every user)."""
+    """q < 1: Poisson user sampling in rounds 1..T (the init uses every user); with ``cycle`` K > 1 too,
+    round r samples only its cohort, at q (block-cyclic Poisson: amplified correlated noise)."""
     cycle: int = 1
     """K > 1: K fixed cohorts by id blocks (user i in cohort ⌊iK/n⌋); round r ≥ 1 uses cohort (r − 1) mod K."""
     correlated: CorrelatedNoise | None = None
@@ -189,11 +190,12 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
         x, y, ids = units["x"].to(self.dtype), units["y"].to(self.dtype), units["ids"]
         if round == 0:
             return Message({"W": self.init_statistic(x, y)}, int(ids.shape[0]))
-        if self.poisson:
-            keep = broadcast["sampled"].to(ids.device)[ids] > 0
-            x, y = x[keep], y[keep]
-        if self.cycle > 1:
-            keep = self.cohort_of(ids) == self.round_cohort(round)
+        if self.poisson or self.cycle > 1:
+            keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+            if self.poisson:
+                keep &= broadcast["sampled"].to(ids.device)[ids] > 0
+            if self.cycle > 1:
+                keep &= self.cohort_of(ids) == self.round_cohort(round)
             x, y = x[keep], y[keep]
         U = broadcast["U"].to(self.dtype)
         if self.adaptive:
@@ -239,31 +241,23 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
         if self.adaptive:
             params.update(statistic="G/C_t", clip=clip, formula="bound 1 on G_j/C_t, Δ = 2; × C_t after noise")
         z = self.round_multiplier
-        if self.correlated is not None:
-            G = privatizer.correlated_gaussian_sum(
-                summed.stats["G"],
-                per_unit_bound=bound,
-                noise_multiplier=z,
-                noise=self.correlated,
-                stream="G",
-                step=round - 1,
-                name=f"round{round}.G",
-                round=round,
-                params=params,
-            )
-        else:
-            G = privatizer.gaussian_sum(
-                summed.stats["G"],
-                per_unit_bound=bound,
-                noise_multiplier=z,
-                name=f"round{round}.G",
-                round=round,
-                units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
-                params=params,
-                sampling_probability=q if z > 0 else 1.0,
-            )
-        # divide by the public expected cohort: q·n (Poisson) or the cycle's cohort size, never by a sampled count
-        divisor = q * self.n_users if self.poisson else self.cohort_size(round)
+        G = round_release(
+            privatizer,
+            summed.stats["G"],
+            correlated=self.correlated,
+            per_unit_bound=bound,
+            noise_multiplier=z,
+            stream="G",
+            step=round - 1,
+            name=f"round{round}.G",
+            round=round,
+            units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
+            params=params,
+            sampling_probability=q if z > 0 else 1.0,
+        )
+        # divide by the public expected cohort: q·(cohort size) (Poisson; the cohort is all n users without a
+        # cycle) or the cycle's cohort size, never by a sampled count
+        divisor = q * self.cohort_size(round) if self.poisson else self.cohort_size(round)
         if self.adaptive:
             G = G * clip
         U = state["U"].to(G.dtype) - self.learning_rate * G / divisor

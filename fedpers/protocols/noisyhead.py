@@ -45,7 +45,7 @@ from fedpers.privacy.adaptive_clip import (
     below_statistic,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, round_release
 
 Tensor = torch.Tensor
 
@@ -250,8 +250,12 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
             raise ValueError(f"sampling_rate must be in (0, 1]; got {self.sampling_rate}")
         if self.sampling_rate < 1 and self.mode is not Mode.ROUNDS:
             raise ValueError("sampling_rate < 1 needs mode rounds (each step samples its units)")
-        if self.cycle > 1 and (self.mode is not Mode.ROUNDS or self.sampling_rate < 1):
-            raise ValueError("cycle > 1 needs mode rounds without Poisson sampling (each step reads its cohort)")
+        if self.cycle > 1 and self.mode is not Mode.ROUNDS:
+            raise ValueError("cycle > 1 needs mode rounds (each step reads its cohort)")
+        if self.cycle > 1 and self.sampling_rate < 1 and (self.correlated is None or not self.correlated.amplified):
+            raise ValueError(
+                "cycle > 1 with Poisson sampling is the amplified correlated noise's block-cyclic schedule only"
+            )
         if self.adaptive and self.mode is not Mode.ROUNDS:
             raise ValueError(
                 "clip_quantile > 0 (adaptive clipping) needs mode rounds (statistics keeps the analytic bounds)"
@@ -271,10 +275,11 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         return -(-self.steps // self.cycle)
 
     def step_divisor(self, t: int) -> float:
-        """Public N of step t: all prompts, their expectation qN, or the cohort's prompts."""
+        """Public N of step t: all prompts, their expectation qN, or the cohort's prompts (times q when a
+        cohort is Poisson-sampled: the amplified block-cyclic schedule)."""
         if self.cycle > 1:
             start, stop = self.cohort_range(t % self.cycle)
-            return float((stop - start) * self.prompts_per_unit)
+            return float((stop - start) * self.prompts_per_unit) * self.sampling_rate
         return self.prompts * self.sampling_rate
 
     def units_in_round(self, round: int, units: Units) -> int:
@@ -291,7 +296,7 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         """Public number of units of step t: all, their expectation qU, or the cohort's (the count's divisor)."""
         if self.cycle > 1:
             start, stop = self.cohort_range(t % self.cycle)
-            return float(stop - start)
+            return float(stop - start) * self.sampling_rate
         return self.units_total * self.sampling_rate
 
     @property
@@ -461,29 +466,20 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         released at bound 1 with multiplier z/√(1 − f) and scaled back by the public B_t after the noise."""
         bound = self.grad_bound if clip is None else 1.0
         z = self.noise_multiplier if clip is None else self.round_multiplier
-        if self.correlated is not None:
-            noisy = privatizer.correlated_gaussian_sum(
-                grad,
-                per_unit_bound=bound,
-                noise_multiplier=z,
-                noise=self.correlated,
-                stream="grad",
-                step=t,
-                name=f"step{t}",
-                round=t,
-                params=self.step_params(t, clip),
-            )
-        else:
-            noisy = privatizer.gaussian_sum(
-                grad,
-                per_unit_bound=bound,
-                noise_multiplier=z,
-                name=f"step{t}",
-                round=t,
-                units=f"cohort:{t % self.cycle}" if self.cycle > 1 else ALL_UNITS,
-                params=self.step_params(t, clip),
-                sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
-            )
+        noisy = round_release(
+            privatizer,
+            grad,
+            correlated=self.correlated,
+            per_unit_bound=bound,
+            noise_multiplier=z,
+            stream="grad",
+            step=t,
+            name=f"step{t}",
+            round=t,
+            units=f"cohort:{t % self.cycle}" if self.cycle > 1 else ALL_UNITS,
+            params=self.step_params(t, clip),
+            sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
+        )
         if clip is not None:
             noisy = noisy * clip
         return descend(gamma, noisy, self.step_divisor(t), self.ridge_lambda, self.step_size, self.proj_r), noisy

@@ -19,7 +19,7 @@ from fedpers.experiments.common.population import population_mse
 from fedpers.experiments.common.shared_passes import ShadowRun
 from fedpers.privacy import Privatizer
 from fedpers.protocols.altmin import AltMinProtocol, samples_of
-from fedpers.protocols.base import Units
+from fedpers.protocols.base import State, Units
 from fedpers.runtime.local import Companion, run_local
 
 Tensor = torch.Tensor
@@ -103,7 +103,7 @@ class AltMinEvaluator(Evaluator):
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         self.init_U = state.get("init_U", self.init_U)
 
-    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+    def round_metrics(self, round: int, state: State) -> dict[str, float]:
         if round == 0:
             self.init_U = state["U"]
         if self.u_star is None:
@@ -136,7 +136,7 @@ class AltMinEvaluator(Evaluator):
         """Each user alone: ridge in d dimensions on all of its m samples."""
         return local_ridge(units["x"], units["y"], LOCAL_ONLY_RIDGE)
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         private = {"private": (self.subspace_fit(state["U"]), state["U"])}
         out = self.with_baselines(private)
         if self.plan.file is not None:

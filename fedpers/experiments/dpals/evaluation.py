@@ -14,6 +14,7 @@ from fedpers.data import ratings as data
 from fedpers.experiments.base import Evaluator, derived_seed
 from fedpers.experiments.dpals import baselines as rating_baselines
 from fedpers.experiments.dpals.data import center, data_summary, load_units, n_items, n_users, table
+from fedpers.protocols.base import State
 from fedpers.protocols.dpals import DpAlsProtocol, residuals, user_embeddings, user_offsets
 
 Tensor = torch.Tensor
@@ -65,7 +66,7 @@ class DpAlsEvaluator(Evaluator):
             f"{len(rating_baselines.RIDGES)} ridges on a validation split, then a refit)"
         )
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         cfg, u = self.cfg, self.units
         state = {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in state.items()}
         train = u["ratings"].double()[u["mask"]]

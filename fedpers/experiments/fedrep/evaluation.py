@@ -25,7 +25,7 @@ from fedpers.privacy import (
     ledger_epsilon,
 )
 from fedpers.protocols.altmin import AltMinProtocol
-from fedpers.protocols.base import Units
+from fedpers.protocols.base import State, Units
 from fedpers.runtime.local import Companion, run_local
 
 Tensor = torch.Tensor
@@ -45,7 +45,7 @@ class FedRepEvaluator(Evaluator):
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         self.init_U = state.get("init_U", self.init_U)
 
-    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+    def round_metrics(self, round: int, state: State) -> dict[str, float]:
         if round == 0:
             self.init_U = state["U"]
         return {"subspace_error": metrics.subspace_error(state["U"], self.u_star)}
@@ -70,7 +70,7 @@ class FedRepEvaluator(Evaluator):
             out.append(self.reference)
         return out
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         Us = {"private": state["U"], "oracle": self.u_star.to(state["U"].dtype)}
         extra: dict[str, dict[str, Any]] = {"oracle": {}}
         if self.init_U is not None:
@@ -116,6 +116,7 @@ class FedRepEvaluator(Evaluator):
             rounds=cfg.rounds,
             accountant=cfg.accountant,
             seed=cfg.seed,
+            neighbours=cfg.neighbours,
             dtype=cfg.dtype,
             device=cfg.device,
             kernels=cfg.kernels,
@@ -123,7 +124,7 @@ class FedRepEvaluator(Evaluator):
             baselines="none",
         )
         ledger = Ledger()
-        privatizer = Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger)
+        privatizer = Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger, neighbours=cfg.neighbours)
 
         def quarters(units: Units) -> Units:
             return {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in units.items()}

@@ -22,6 +22,7 @@ from fedpers.privacy import (
     Privatizer,
 )
 from fedpers.protocols import noisyhead as nh
+from fedpers.protocols.base import State
 from fedpers.protocols.noisyhead import NoisyHeadProtocol
 
 Tensor = torch.Tensor
@@ -48,7 +49,7 @@ class NoisyHeadEvaluator(Evaluator):
     def mse(self, gamma: Tensor) -> float:
         return float(((self.y_test - self.z_test @ gamma.to(self.z_test)) ** 2).mean())
 
-    def round_metrics(self, round: int, state: Any) -> dict[str, float]:
+    def round_metrics(self, round: int, state: State) -> dict[str, float]:
         return {"excess_risk": self.excess(state["gamma"])}
 
     def theorem_bound(self) -> float:
@@ -65,7 +66,7 @@ class NoisyHeadEvaluator(Evaluator):
         )
         return r.consts.G0**2 * ((1 - r.eta * r.lam) ** r.T * r.R**2 + noise)
 
-    def final(self, state: Any) -> dict[str, Any]:
+    def final(self, state: State) -> dict[str, Any]:
         gamma = state["gamma"].to(self.z_test)
         r = self.r
         gamma0 = self.protocol.initial_gamma().to(self.z_test)
@@ -117,10 +118,10 @@ class NoisyHeadEvaluator(Evaluator):
         # with the attacked run's noise (shared) or with independent noise.
         proto = replace(self.protocol, mode=Mode.STATISTICS)
         seed = derived_seed(cfg.seed, "robustness-noise")
-        clean, _ = run_local(proto, group_units(x, y, r.P), Privatizer(seed), progress=False)
+        clean, _ = run_local(proto, group_units(x, y, r.P), Privatizer(seed, neighbours=cfg.neighbours), progress=False)
         if cfg.attack_noise is not AttackNoise.SHARED:
             seed = derived_seed(cfg.seed, "robustness-noise-attacked")
-        state, _ = run_local(proto, units, Privatizer(seed), progress=False)
+        state, _ = run_local(proto, units, Privatizer(seed, neighbours=cfg.neighbours), progress=False)
         return {
             "robust_noisyhead": self.excess(clean["gamma"], state["gamma"]),
             "robust_ridge": self.excess(self.gamma_star, ridge_bad),

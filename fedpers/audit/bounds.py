@@ -2,7 +2,7 @@
 
 :func:`gdp_lower_bound`: a bound on μ (μ-GDP) from many releases on two neighbouring inputs.
 :func:`one_run_lower_bound`: a bound on ε from canaries scored on one run's outputs
-(Steinke, Nasr & Jagielski 2023), used by ``fedpers audit`` (:mod:`fedpers.commands.audit`).
+(Steinke, Nasr & Jagielski 2023), used by ``fedpers audit`` (:mod:`fedpers.audit.run`).
 
 Run a release many times on neighbours D and D', project each output on the direction
 that separates them, threshold, and bound TPR from below and FPR from above with
@@ -59,7 +59,6 @@ def gdp_lower_bound(
     return max(0.0, float(stats.norm.ppf(tpr_lo) - stats.norm.ppf(fpr_hi)))
 
 
-# ----- one-run auditing (Steinke, Nasr & Jagielski 2023) ------------------------------------
 GUESS_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 1.0)
 """Fractions of the canaries the auditor guesses on (the most extreme scores, half at each end).
 Fixed before any score is seen; the confidence is split over them (Bonferroni)."""
@@ -220,7 +219,6 @@ def independent_gdp_lower_bound(
     return max(0.0, float(stats.norm.ppf(tpr_lo) - stats.norm.ppf(fpr_hi)))
 
 
-# ----- the Gaussian-score bound (an assumption, beside the non-parametric bounds) ------------------
 GAUSSIAN_SCORE_ASSUMPTION = (
     "the scores of included and left-out canaries are Gaussian with one variance (the score test's "
     "trade-off is then G_μ); not valid for every mechanism"
