@@ -22,6 +22,15 @@ from fedpers.runtime.distributed import run_local_nodes
 
 NODE_SIDE = {
     "altmin": {"n_users": 300, "dim": 5, "rank": 2, "samples_per_user": 16, "rounds": 2},
+    "fedrep": {
+        "n_users": 300,
+        "dim": 5,
+        "rank": 2,
+        "samples_per_user": 8,
+        "rounds": 3,
+        "cohorts": "cyclic",
+        "cycle": 2,
+    },
 }
 
 
@@ -55,6 +64,19 @@ def test_batched_runs_equal_the_per_unit_path_bit_for_bit(name, model):
     assert out[True][1] == out[False][1] and len(out[True][1]) > 0
     assert _equal(out[True][0], out[False][0])
     assert out[True][2] == out[False][2]
+
+
+@pytest.mark.parametrize("name", sorted(NODE_SIDE))
+def test_every_node_side_algorithm_provides_the_batched_path(name):
+    """The bit-for-bit test above is only worth something if the batched path is taken: each algorithm's
+    ``unit_statistics`` answers (not None) for its first and a later round."""
+    p = _plan(name, "distributed")
+    units = p.experiment.units(p.cfg, torch.arange(64))
+    U = torch.linalg.qr(torch.randn(p.cfg.dim, p.cfg.rank, dtype=torch.float64))[0] if hasattr(p.cfg, "rank") else None
+    state = p.protocol.server_start(p.protocol.initial_state(), p.privatizer) if U is None else {"U": U}
+    for round in (0, 1):
+        broadcast = p.protocol.broadcast(state, round) if U is None else ({} if round == 0 else {"U": U})
+        assert p.protocol.unit_statistics(round, broadcast, units) is not None, (name, round)
 
 
 def _adversarial_altmin(p: Any) -> dict[str, torch.Tensor]:
