@@ -83,11 +83,26 @@ def _untrusted(x: Tensor, norm: Tensor) -> bool:
     return False
 
 
+ROW_BLOCK = 4096
+"""Rows per block of :func:`row_products` (bounds its (rows, k, d) temporary)."""
+
+
+def row_products(x: Tensor, W: Tensor) -> Tensor:
+    """x @ Wᵀ for x (n, d), W (k, d), each row's bits independent of n: a matrix product's kernel depends
+    on its shape (one row takes another summation order than many), so a unit's products alone and in a
+    batch would differ in the last bit; an elementwise product summed over d does not."""
+    if x.shape[0] <= ROW_BLOCK:
+        return (x.unsqueeze(1) * W.unsqueeze(0)).sum(-1)
+    return torch.cat([row_products(x[i : i + ROW_BLOCK], W) for i in range(0, x.shape[0], ROW_BLOCK)])
+
+
 def trusted_rows(x: Tensor) -> Tensor:
     """(U,) bool: for each unit x[j] (leading dim), whether :func:`safe_norms` would trust the norms over
     its last dim were it called on x[j] alone — the decision each unit's own ``client_update`` takes, so
     a batch computes the trusted units as each would alone and leaves the others to be computed alone."""
     units = x.shape[0]
+    if units == 0:
+        return torch.ones(0, dtype=torch.bool, device=x.device)
     norm = torch.linalg.vector_norm(x, dim=-1).reshape(units, -1)
     if norm.shape[1] == 0:
         return torch.ones(units, dtype=torch.bool, device=x.device)

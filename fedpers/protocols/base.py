@@ -236,7 +236,7 @@ def unit_contributions(
         return _one_by_one(protocol, round, broadcast, units)
     bad = torch.zeros(got.ids.shape[0], dtype=torch.bool)
     for value in got.stats.values():
-        flat = value.reshape(value.shape[0], -1)
+        flat = value.flatten(1) if value.dim() > 1 else value.unsqueeze(1)
         if flat.shape[0] and flat.shape[1]:
             bad |= ~torch.isfinite(torch.stack(torch.aminmax(flat, dim=1))).all(0).cpu()
     zeroed = int(bad.sum())
