@@ -23,6 +23,17 @@ from fedpers.runtime.distributed import run_local_nodes
 NODE_SIDE = {
     "altmin": {"n_users": 300, "dim": 5, "rank": 2, "samples_per_user": 16, "rounds": 2},
     "noisygd": {"examples": 300, "feature_dim": 12, "classes": 4, "steps": 3, "cohorts": "cyclic", "cycle": 2},
+    "noisyhead": {
+        "prompts": 240,
+        "dim": 3,
+        "context": 4,
+        "steps": 3,
+        "mode": "rounds",
+        "unit": "user",
+        "prompts_per_user": 2,
+        "cohorts": "cyclic",
+        "cycle": 2,
+    },
     "fedrep": {
         "n_users": 300,
         "dim": 5,
