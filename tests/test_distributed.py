@@ -439,3 +439,28 @@ def test_noise_that_reaches_the_sum_is_the_recorded_variance():
                 z.append(diff / math.sqrt(2 * total_variance))
     ratio = float(torch.cat(z).var())
     assert 0.75 < ratio < 1.3, ratio
+
+
+def test_collusion_sizes_the_shares_so_the_honest_survivors_carry_the_recorded_noise():
+    """--collusion c: a server that colludes with c nodes knows their shares and subtracts them, so each
+    share is Sk(V/(m − c)) and a release records the other survivors' shares only: m − c honest survivors
+    carry exactly V. Without it the same m − c shares carry (m − c)/m of V, which is what the option fixes."""
+    p = resolved(2.0, dp_model="distributed", bits=16, min_nodes=3, collusion=2)
+    plan = p.privatizer.plan
+    assert (plan.min_nodes, plan.collusion, plan.honest) == (3, 2, 1)
+    for enc in plan.encodings.values():
+        assert enc.event(3, 3, 2).variance == pytest.approx(enc.variance)  # m − c honest survivors: V
+        assert enc.event(4, 3, 2).variance == pytest.approx(2 * enc.variance)
+    g = torch.Generator().manual_seed(0)
+    plain = resolved(2.0, dp_model="distributed", bits=16, min_nodes=3).privatizer.plan
+    for sized, expected in ((plan, 1.0), (plain, 1 / 3)):
+        enc = sized.encodings["b"]
+        one_honest = torch.cat([dist.noise_share(enc, sized.honest, g) for _ in range(400)]).double()
+        assert abs(float(one_honest.var()) / (expected * enc.variance) - 1) < 0.05
+    p, _, _ = ran(2.0, dp_model="distributed", bits=16, min_nodes=3, collusion=2)
+    assert ledger_epsilon(p.privatizer.ledger, 1e-5) <= 2.0
+    assert all(r.params["collusion"] == 2 and r.params["nodes_survived"] == 4 for r in p.privatizer.ledger)
+    with pytest.raises(ValueError, match="collusion must be in"):
+        config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "min_nodes": 2, "collusion": 2})
+    with pytest.raises(ValueError, match="collusion needs --dp-model distributed"):
+        config.build(RuntimeOptions, {"nodes": 4, "dp_model": "local", "collusion": 1})

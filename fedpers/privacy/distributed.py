@@ -417,11 +417,13 @@ class StatEncoding:
         l2 = self.l2_sensitivity
         return min(plain, l2 * min(math.sqrt(self.padded), l2))
 
-    def event(self, survivors: int, min_nodes: int) -> dp_accounting.DpEvent:
-        """The release's event when ``survivors`` nodes' noise shares reached the sum."""
+    def event(self, survivors: int, min_nodes: int, collusion: int = 0) -> dp_accounting.DpEvent:
+        """The release's event when ``survivors`` nodes' noise shares reached the sum, against a server that
+        also knows the shares of ``collusion`` of them: the other survivors − c shares, each V/(m − c)."""
         if self.variance <= 0:
             return dp_accounting.NonPrivateDpEvent()
-        return SkellamDpEvent(self.variance * survivors / min_nodes, self.l2_sensitivity, self.l1_sensitivity)
+        honest = (survivors - collusion) / (min_nodes - collusion)
+        return SkellamDpEvent(self.variance * honest, self.l2_sensitivity, self.l1_sensitivity)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -453,9 +455,10 @@ def encode_units(x: Tensor, enc: StatEncoding, generator: Randomness) -> Tensor:
     return rounded.to(torch.int64).sum(dim=0)
 
 
-def noise_share(enc: StatEncoding, min_nodes: int, generator: torch.Generator) -> Tensor:
-    """Node side: this node's share Sk(V/min_nodes) of the noise, (D,) int64."""
-    return skellam_noise((enc.padded,), enc.variance / min_nodes, generator)
+def noise_share(enc: StatEncoding, honest: int, generator: torch.Generator) -> Tensor:
+    """Node side: this node's share Sk(V/h) of the noise, (D,) int64, h = min_nodes − collusion
+    (:attr:`DistributedPlan.honest`): any h shares sum to Sk(V)."""
+    return skellam_noise((enc.padded,), enc.variance / honest, generator)
 
 
 def decode(modular_sum: Tensor, enc: StatEncoding) -> Tensor:
@@ -565,6 +568,14 @@ class DistributedPlan:
     """z: each statistic's variance is V = (z·Δ₂/2)², σ = z·Δ₂/2 in integer units."""
     encodings: dict[str, StatEncoding]
     users_per_node: int = 0
+    collusion: int = 0
+    """c: nodes that may collude with the server (they know their own noise shares and can subtract them);
+    each share is sized so that any min_nodes − c of them carry the recorded variance."""
+
+    @property
+    def honest(self) -> int:
+        """h = min_nodes − c: the fewest honest survivors whose shares must carry the variance V."""
+        return self.min_nodes - self.collusion
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -572,6 +583,7 @@ class DistributedPlan:
             "bits": self.bits,
             "nodes": self.nodes,
             "min_nodes": self.min_nodes,
+            "collusion": self.collusion,
             "noise_multiplier": self.noise_multiplier,
             "statistics": {k: {**e.to_dict(), "variance_integer": e.variance} for k, e in self.encodings.items()}
             if self.model is DpModel.DISTRIBUTED
@@ -651,14 +663,19 @@ def plan_distributed(
     central_z: float,
     users_per_node: int = 0,
     release_ratio: float = 1.0,
+    collusion: int = 0,
 ) -> DistributedPlan:
     """Scales, bits and the noise multiplier of a distributed run. ``calibration`` is the
     protocol's own (make_event, ε, δ, accountant), or None without noise (ε = ∞); ``release_ratio``: each
     release's noise multiplier over make_event's argument (the protocol's z over its calibrated one). z is solved so
     that the dominating Skellam composition meets the target; scales are chosen for a z at least as
-    large, so the wrap bound holds at the final one."""
+    large, so the wrap bound holds at the final one. ``collusion`` c: shares sized for min_nodes − c honest
+    survivors (each Sk(V/(m − c))), so the wrap bound counts nodes/(m − c) of V."""
     if not 1 <= min_nodes <= nodes:
         raise ValueError(f"min_nodes must be in [1, nodes={nodes}]; got {min_nodes}")
+    if not 0 <= collusion < min_nodes:
+        raise ValueError(f"collusion must be in [0, min_nodes={min_nodes}); got {collusion}")
+    honest = min_nodes - collusion
     merged: dict[str, StatShape] = {}
     for st in stats:
         if not (st.bound > 0 and math.isfinite(st.bound)):
@@ -668,17 +685,17 @@ def plan_distributed(
     shapes = list(merged.values())
     z_guess = central_z * 1.02
     if bits == 0:
-        bits = choose_bits(shapes, units, z_guess, nodes, min_nodes)
+        bits = choose_bits(shapes, units, z_guess, nodes, honest)
     if not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits must be 0 (auto) or in [{MIN_BITS}, {MAX_BITS}]; got {bits}")
     if calibration is None or central_z == 0:
-        encs = _encodings(shapes, units, 0.0, nodes, min_nodes, bits, seed)
+        encs = _encodings(shapes, units, 0.0, nodes, honest, bits, seed)
         return DistributedPlan(
-            DpModel.DISTRIBUTED, bits, nodes, min_nodes, 0.0, {e.name: e for e in encs}, users_per_node
+            DpModel.DISTRIBUTED, bits, nodes, min_nodes, 0.0, {e.name: e for e in encs}, users_per_node, collusion
         )
     make_event, epsilon, delta, _ = calibration
     for _ in range(20):
-        encs = _encodings(shapes, units, z_guess, nodes, min_nodes, bits, seed)
+        encs = _encodings(shapes, units, z_guess, nodes, honest, bits, seed)
         # a composition holding a Skellam release is accounted in RDP (event_epsilon) whatever the run's accountant;
         # "pld" only routes calibration through event_epsilon (zcdp would ask Skellam for a ρ it has not)
         # release_ratio: each release's multiplier over make_event's argument (its Gaussians are z·ratio)
@@ -686,7 +703,7 @@ def plan_distributed(
         if z <= z_guess:
             encs = [dataclasses.replace(e, variance=(z * e.l2_sensitivity / 2) ** 2) for e in encs]
             return DistributedPlan(
-                DpModel.DISTRIBUTED, bits, nodes, min_nodes, z, {e.name: e for e in encs}, users_per_node
+                DpModel.DISTRIBUTED, bits, nodes, min_nodes, z, {e.name: e for e in encs}, users_per_node, collusion
             )
         z_guess = z * 1.02
     raise RefusedBeforeRelease("dp_model distributed: the noise calibration did not settle; use more --bits")
@@ -835,7 +852,7 @@ class DistributedPrivatizer(NodeSidePrivatizer):
     ) -> Tensor:
         stat, survivors, _ = self._take(value, per_unit_bound, name, sampling_probability)
         enc = self.plan.encodings[stat]
-        event = enc.event(survivors, self.plan.min_nodes)
+        event = enc.event(survivors, self.plan.min_nodes, self.plan.collusion)
         variance = event.variance if isinstance(event, SkellamDpEvent) else 0.0
         release = Release(
             round,
@@ -856,6 +873,7 @@ class DistributedPrivatizer(NodeSidePrivatizer):
                 "variance_integer": variance,
                 "nodes_survived": survivors,
                 "min_nodes": self.plan.min_nodes,
+                "collusion": self.plan.collusion,
             },
         )
         self.ledger.append(release)

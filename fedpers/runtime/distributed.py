@@ -173,9 +173,7 @@ def node_vectors(
     plan = privatizer.plan
     if plan.model != dist.DpModel.DISTRIBUTED:
         return dict(encoded)
-    return {
-        s.name: encoded[s.name] + dist.noise_share(plan.encodings[s.name], plan.min_nodes, generator) for s in specs
-    }
+    return {s.name: encoded[s.name] + dist.noise_share(plan.encodings[s.name], plan.honest, generator) for s in specs}
 
 
 SHARE_UNITS = 256
@@ -498,6 +496,7 @@ def node_side_privatizer(
         calibration=calibrations.asked[0] if calibrations.asked and z > 0 else None,
         central_z=z,
         users_per_node=options.users_per_node,
+        collusion=options.collusion,
         release_ratio=z / next(iter(calibrations.table.values())) if len(calibrations.table) == 1 and z > 0 else 1.0,
     )
     privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
