@@ -464,3 +464,37 @@ def test_collusion_sizes_the_shares_so_the_honest_survivors_carry_the_recorded_n
         config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "min_nodes": 2, "collusion": 2})
     with pytest.raises(ValueError, match="collusion needs --dp-model distributed"):
         config.build(RuntimeOptions, {"nodes": 4, "dp_model": "local", "collusion": 1})
+
+
+def test_local_dp_noises_every_unit_fully_however_many_units_a_node_holds():
+    """Local DP's guarantee is per unit: each of a node's u units carries its own N(0, (zB)²), so a node's
+    vector (what the server sees) holds u·(zB)² of noise and each unit's is the ledger's. Measured through
+    the nodes (two noise seeds, same data: the difference is two draws of the node's noise) at 10 units
+    per node (one per node: the audit's tests); a noise scale divided by √u (a node-level mechanism passed
+    off as per-unit: multiplier z/√u) fails at 10 by a factor 10."""
+    from fedpers.data.units import UnitSource
+    from fedpers.runtime.distributed import node_round
+
+    users_per_node = 10
+    cfg = config.build(AltMinConfig, {**SMALL, "n_users": 40, "epsilon": 2.0, "cohorts": "all"})
+    nodes = 40 // users_per_node
+    opts = {"nodes": nodes, "dp_model": "local", "users_per_node": users_per_node}
+    p = resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, opts))
+    source = UnitSource.of({k: v.clone() for k, v in p.experiment.units(p.cfg, torch.arange(40)).items()})
+    U = torch.linalg.qr(torch.randn(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+    z = []
+    for seed in range(10):
+        seen: list[dict[str, torch.Tensor]] = [{}, {}]
+        for i, offset in enumerate((0, 1000)):
+            p.privatizer.noise_seed = seed + offset
+
+            def keep(round: int, name: str, vectors: torch.Tensor, survivors: Any, i: int = i) -> None:
+                seen[i][name] = vectors
+
+            node_round(p.protocol, 1, {"U": U}, source, p.privatizer, observe=keep)
+        for name, vectors in seen[0].items():
+            assert vectors.shape[0] == nodes  # one vector per node, in the clear
+            std = p.privatizer.plan.noise_multiplier * p.privatizer.plan.encodings[name].bound
+            z.append(((vectors - seen[1][name]) / math.sqrt(2 * users_per_node * std**2)).flatten())
+    ratio = float(torch.cat(z).var())
+    assert 0.8 < ratio < 1.25, ratio  # ≥ 2,600 draws: 7σ either side; a √u-scaled noise gives 0.1
