@@ -8,6 +8,10 @@ DP, and one SecAgg+ round against a central round, each pair timed interleaved i
 Runs: the default AltMin config at ``--users`` (d = 10, k = 2, m = 16, T = 2, 8 nodes), ``--baselines
 none``, in this process (``execute(write=False)``: the run's own work, start-up excluded), the three
 models in turn ``--repeats`` times; medians and their ratios to central's median.
+
+``--secagg N ...``: one SecAgg+ round (:func:`fedpers.privacy.secagg.secure_sum`, every node's work in
+this process, degree 2⌈log₂ n⌉, D = 1,024, 16 bits) against central's aggregation of the same nodes'
+vectors (a float sum), per round. No Flower: the simulation's per-message cost is in neither side.
 """
 
 from __future__ import annotations
@@ -48,11 +52,42 @@ def run_ratios(users: int, repeats: int) -> dict[str, float]:
     return {**{f"{m}_s": v for m, v in med.items()}, **{f"{m}/central": med[m] / med["central"] for m in MODELS[1:]}}
 
 
+def secagg_rounds(nodes: list[int], dim: int = 1024, bits: int = 16) -> list[tuple[int, float, float]]:
+    """(n, seconds of one SecAgg+ round, seconds of central's float sum) per node count, in this process."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from fedpers.privacy.secagg import default_threshold, secure_sum
+
+    rng = np.random.default_rng(0)
+    out = []
+    for n in nodes:
+        ints = {i: rng.integers(0, 2**bits, dim) for i in range(n)}
+        floats = torch.randn(n, dim, dtype=torch.float64)
+        t = time.perf_counter()
+        floats.sum(0)
+        central = time.perf_counter() - t
+        degree = min(n - 1, 2 * math.ceil(math.log2(n)))
+        t = time.perf_counter()
+        got = secure_sum(ints, bits, degree=degree, threshold=default_threshold(degree))
+        secure = time.perf_counter() - t
+        assert np.array_equal(got, np.remainder(sum(ints.values()), 2**bits))
+        out.append((n, secure, central))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.trust_models", description=__doc__)
     ap.add_argument("--users", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--secagg", type=int, nargs="*", default=None, help="SecAgg+ rounds at these node counts")
     a = ap.parse_args(argv)
+    if a.secagg:
+        for n, secure, central in secagg_rounds(a.secagg):
+            print(f"SecAgg+ {n:,} nodes: {secure:.3f} s a round, central {central:.2e} s ({secure / central:,.0f}×)")
+        return 0
     from fedpers.memory import reuse_freed_memory
 
     reuse_freed_memory()  # the fedpers command's malloc policy, so runs here cost what a run costs
