@@ -66,6 +66,7 @@ NODE_PARTITIONS = "node-partitions"
 DP_MODEL = "dp-model"
 BITS = "bits"
 MIN_NODES = "min-nodes"
+COLLUSION = "collusion"
 NODES = "nodes"
 JOB = "job"
 RUN_CONFIG_DEFAULTS: dict[str, Any] = {
@@ -82,6 +83,7 @@ RUN_CONFIG_DEFAULTS: dict[str, Any] = {
     DP_MODEL: "central",
     BITS: 0,
     MIN_NODES: 0,
+    COLLUSION: 0,
     NODES: 0,
     JOB: "",
 }
@@ -232,7 +234,7 @@ def from_job_file(run_config: Mapping[str, Any], path: Path) -> ServerJob:
 
 
 def _trust_model(run_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The trust model's options from the run config: ``dp-model``, ``bits``, ``min-nodes`` and ``nodes``
+    """The trust model's options from the run config: ``dp-model``, ``bits``, ``min-nodes``, ``collusion`` and ``nodes``
     (the SuperNodes holding partitions; 0: as many as ``node-partitions`` lists). The nodes derive the
     plan they noise with from these and the job, as in the simulation."""
     model = str(run_config.get(DP_MODEL, "central") or "central")
@@ -240,6 +242,7 @@ def _trust_model(run_config: Mapping[str, Any]) -> dict[str, Any]:
         "dp_model": model,
         "bits": run_config.get(BITS, 0),
         "min_nodes": run_config.get(MIN_NODES, 0),
+        "collusion": run_config.get(COLLUSION, 0),
     }
     nodes = run_config.get(NODES, 0)
     if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes == 0:
@@ -291,6 +294,7 @@ def build_node(job: Job, data_file: str = "", entries: Mapping[str, tuple[str, s
             min_nodes=trust.min_nodes,
             bits=trust.bits,
             users_per_node=trust.users_per_node,
+            collusion=trust.collusion,
         )
         rotation = derived_seed(cfg.seed, "rotation")
         units = experiment.num_units(cfg)

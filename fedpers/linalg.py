@@ -96,6 +96,35 @@ def _untrusted(x: Tensor, norm: Tensor) -> bool:
     return False
 
 
+ROW_BLOCK = 4096
+"""Rows per block of :func:`row_products` (bounds its (rows, k, d) temporary)."""
+
+
+def row_products(x: Tensor, W: Tensor) -> Tensor:
+    """x @ Wᵀ for x (n, d), W (k, d), each row's bits independent of n: a matrix product's kernel depends
+    on its shape (one row takes another summation order than many), so a unit's products alone and in a
+    batch would differ in the last bit; an elementwise product summed over d does not."""
+    if x.shape[0] <= ROW_BLOCK:
+        return (x.unsqueeze(1) * W.unsqueeze(0)).sum(-1)
+    return torch.cat([row_products(x[i : i + ROW_BLOCK], W) for i in range(0, x.shape[0], ROW_BLOCK)])
+
+
+def trusted_rows(x: Tensor) -> Tensor:
+    """(U,) bool: for each unit x[j] (leading dim), whether :func:`safe_norms` would trust the norms over
+    its last dim were it called on x[j] alone — the decision each unit's own ``client_update`` takes, so
+    a batch computes the trusted units as each would alone and leaves the others to be computed alone."""
+    units = x.shape[0]
+    if units == 0:
+        return torch.ones(0, dtype=torch.bool, device=x.device)
+    norm = torch.linalg.vector_norm(x, dim=-1).reshape(units, -1)
+    if norm.shape[1] == 0:
+        return torch.ones(units, dtype=torch.bool, device=x.device)
+    ok = (norm <= SAFE_RANGE[1]).all(1)  # also false for NaN/inf
+    small = norm < SAFE_RANGE[0]
+    nonzero = x.abs().amax(-1).reshape(units, -1) > 0 if x.shape[-1] else torch.zeros_like(small)
+    return ok & ~(small & ((norm > 0) | nonzero)).any(1)
+
+
 def directions(x: Tensor) -> tuple[Tensor, Tensor]:
     """(x/||x||, log||x||) over the last dim without overflow or underflow, for any finite x.
 
@@ -279,6 +308,17 @@ def pair_statistic(
 
     (total,) = _stream_sum(x.shape[0], block, blocks_of, x.device, one_stream=device_kernels)
     return sym(total)
+
+
+def pair_statistics(x: Tensor, y: Tensor, label_clip: float = math.inf) -> Tensor:
+    """:func:`pair_statistic` of each unit alone, (U, d, d): what it returns for x[j : j + 1] when that
+    unit's norms are trusted (:func:`trusted_rows` of x[:, 0::2] and x[:, 1::2]; the caller computes the
+    others alone), the same ops on a batch (per-unit weights, one batched product, :func:`sym`)."""
+    coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)
+    xa, xb = x[:, 0::2], x[:, 1::2]
+    na, nb = torch.linalg.vector_norm(xa, dim=-1), torch.linalg.vector_norm(xb, dim=-1)
+    w = torch.where((na > 0) & (nb > 0), coef / (na * nb).clamp_min(torch.finfo(x.dtype).tiny), torch.zeros_like(coef))
+    return sym(torch.bmm((xa * w.unsqueeze(-1)).transpose(1, 2), xb))
 
 
 def _block_norms(x: Tensor) -> Tensor | None:
@@ -496,6 +536,24 @@ def _one_unit_statistics(
         scaled = xb
     A = torch.kron(torch.outer(v[0], v[0]), scaled.transpose(0, 1) @ scaled)
     return A, (None if w is None else torch.kron(v[0], w @ xb))
+
+
+def kron_unit_statistics(v: Tensor, x: Tensor, log_v: Tensor, eta: float, label: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`kron_statistics` of each unit alone, ((U, dk, dk), (U, dk)): what it returns for unit j alone
+    when x[j]'s norms are trusted (:func:`trusted_rows`; the caller computes the others alone), the ops of
+    :func:`_one_unit_statistics` on a batch: clip factors, X̃ᵀX̃ as one batched product, A_j = (v_j v_jᵀ) ⊗
+    X̃_jᵀX̃_j and b_j = v_j ⊗ Σ_i (label_ij·f_ij) x_ij as broadcast products."""
+    n, _, d = x.shape
+    k = v.shape[-1]
+    norm = torch.linalg.vector_norm(x, dim=-1)
+    factor = _clip_factors(norm, log_v.double().exp().unsqueeze(-1), eta).to(x.dtype)
+    w = label * factor  # the label sum reads the unscaled x, as the blocked path's does
+    scaled = x * factor.unsqueeze(-1)
+    gram = torch.bmm(scaled.transpose(1, 2), scaled)
+    outer = v.unsqueeze(-1) * v.unsqueeze(-2)
+    A = torch.einsum("uab,uij->uaibj", outer, gram).reshape(n, k * d, k * d)  # one product an entry, as kron's
+    t = torch.bmm(w.unsqueeze(1), x).squeeze(1)
+    return A, torch.einsum("ua,ui->uai", v, t).reshape(n, k * d)
 
 
 KRON_BLOCK = 48

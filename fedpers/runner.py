@@ -14,6 +14,7 @@ from fedpers.config import DpModel, Neighbours, RunConfig
 from fedpers.configs.runtime import Runtime, RuntimeOptions
 from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
+from fedpers.privacy.accountant import how_accounted
 from fedpers.privacy.distributed import NodeSidePrivatizer, RecordingCalibrations
 from fedpers.protocols.base import Protocol, State
 from fedpers.results.run_result import RunResult
@@ -298,14 +299,45 @@ def drive(
 def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> RunResult:
     """The run's result: the algorithm's metrics with the (ε, δ) the accountant gives its ledger,
     and a warning for each trivial baseline the private result does not beat."""
-    privacy = plan.experiment.privacy_summary(plan.cfg, plan.protocol, plan.privatizer.ledger)
+    ledger = plan.privatizer.ledger
+    privacy = plan.experiment.privacy_summary(plan.cfg, plan.protocol, ledger)
+    # every view names the trust model, bits, the accountant that gave ε and the composition
+    accounted = how_accounted(ledger, str(privacy.get("accountant", "pld")))
+    privacy = {**privacy, **{k: v for k, v in accounted.items() if v is not None}}
+    privacy["dp_model"] = plan.options.dp_model.value
     if isinstance(plan.privatizer, NodeSidePrivatizer):  # who added the noise, and its public parameters
         node_plan = plan.privatizer.plan
         privacy = {**privacy, "noise_multiplier": node_plan.noise_multiplier, "trust_model": node_plan.summary()}
+        if node_plan.model is DpModel.DISTRIBUTED:
+            privacy["bits"] = node_plan.bits
+        else:  # the paper calibrates a central Gaussian sum: no comparison for each unit's own noise
+            privacy.pop("paper_epsilon_same_noise", None)
     final = {**final, **wrap_totals(plan.rounds)}
     result = RunResult.completed(plan.experiment.name, plan.options.runtime.value, privacy, final, seconds)
     warnings = plan.experiment.result_warnings(plan.cfg, result.to_dict())
+    cause = trust_model_cause(privacy, final)
+    if cause:  # a metric's warning names the trust model where it is the likely cause
+        warnings = [
+            {**w, "text": f"{w['text']} ({cause})"} if isinstance(w, dict) and w.get("metric") else w for w in warnings
+        ]
     return result.with_warnings(warnings) if warnings else result
+
+
+def trust_model_cause(privacy: dict[str, Any], final: dict[str, Any]) -> str | None:
+    """How the run's trust model degrades its metrics, where it does: local DP's per-unit noise, or a
+    distributed run's wrapped sums (its Skellam noise is central's variance, so not a cause by itself)."""
+    model = privacy.get("dp_model")
+    if model == "local":
+        return (
+            "trust model local: every unit carries its own noise, so a sum of U units holds √U× the central "
+            "noise; compare --dp-model central or distributed"
+        )
+    if model == "distributed" and int(final.get("modular_wraps", 0) or 0) > 0:
+        return (
+            f"trust model distributed: {int(final['modular_wraps'])} coordinates wrapped mod 2^{privacy.get('bits')}; "
+            "use more --bits"
+        )
+    return None
 
 
 WRAP_COUNTS = ("modular_wraps", "suspected_wraps")

@@ -39,8 +39,14 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "init label clip removed": (
         "fedpers/linalg.py",
-        "coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)",
-        "coef = y[:, 0::2] * y[:, 1::2]",
+        "        block = max(block, DEVICE_BLOCK)\n    coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)",
+        "        block = max(block, DEVICE_BLOCK)\n    coef = y[:, 0::2] * y[:, 1::2]",
+    ),
+    "init label clip removed on the nodes' batched path": (
+        "fedpers/linalg.py",
+        ":func:`sym`).\"\"\"\n    coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)",
+        ":func:`sym`).\"\"\"\n    coef = y[:, 0::2] * y[:, 1::2]",
+        "tests/test_node_batched.py",
     ),
     "b label clip removed": (
         ALTMIN,
@@ -225,15 +231,15 @@ MUTATIONS.update({
     # ----- the nodes' noise (distributed and local DP), which the audit of those trust models scores -----
     "Skellam noise shares sized for all nodes while min_nodes < nodes are required": (
         "fedpers/runtime/distributed.py",
-        "dist.noise_share(enc, plan.min_nodes, generator)",
-        "dist.noise_share(enc, plan.nodes, generator)",
+        "dist.noise_share(plan.encodings[s.name], plan.honest, generator)",
+        "dist.noise_share(plan.encodings[s.name], plan.nodes, generator)",
         "tests/test_distributed.py",
         "tests/test_audit.py",
     ),
     "local DP noise at half its scale": (
         "fedpers/runtime/distributed.py",
-        "rows[s.name], plan.noise_multiplier * enc.bound, generator, privatizer.secure",
-        "rows[s.name], plan.noise_multiplier * enc.bound / 2, generator, privatizer.secure",
+        "rows[s.name], plan.noise_multiplier * enc.bound, draws, privatizer.secure",
+        "rows[s.name], plan.noise_multiplier * enc.bound / 2, draws, privatizer.secure",
         "tests/test_distributed.py",
         "tests/test_audit.py",
     ),

@@ -430,7 +430,8 @@ def test_a_lost_share_reply_gives_the_local_run_without_that_node(monkeypatch: p
 
 def test_the_node_side_rules_of_the_policy_at_their_boundaries(tmp_path: Path) -> None:
     """min-nodes: a plan sized for exactly the policy's minimum is accepted, one fewer refused; trust-model:
-    distributed accepts distributed and local, refuses central; bits: only the listed ones."""
+    distributed accepts distributed and local, refuses central; bits: only the listed ones; collusion: shares
+    that tolerate fewer colluders than the policy requires are refused."""
     from fedpers.runtime.flower.policy import check_bits, check_trust, load_policy
 
     (tmp_path / "p.toml").write_text(policy_text() + "bits = [16, 20]\n")
@@ -448,3 +449,8 @@ def test_the_node_side_rules_of_the_policy_at_their_boundaries(tmp_path: Path) -
     (tmp_path / "bad.toml").write_text(policy_text().replace('"distributed"', '"secure"'))
     with pytest.raises(ValueError, match="trust-model must be one of"):
         load_policy(tmp_path / "bad.toml")
+    (tmp_path / "c.toml").write_text(policy_text() + "collusion = 1\n")
+    policy = load_policy(tmp_path / "c.toml")
+    check_trust(policy, "distributed", 2, 1)  # shares that tolerate exactly the policy's colluders
+    with pytest.raises(PolicyRefused, match="rule 'collusion'"):
+        check_trust(policy, "distributed", 4, 0)

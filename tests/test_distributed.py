@@ -113,8 +113,8 @@ def test_psd_units_move_the_rounded_sum_by_at_most_the_tightened_bound():
     for a, b in pairs:
         x, y = (dist.flatten(m.unsqueeze(0), (n, n), True) for m in (a, b))
         for t in range(200):
-            ga, gb = torch.Generator().manual_seed(2 * t), torch.Generator().manual_seed(2 * t + 1)
-            move = (dist.encode_units(x, enc, [ga]) - dist.encode_units(y, enc, [gb])).double()
+            ka, kb = torch.tensor([2 * t]), torch.tensor([2 * t + 1])  # each row's own key
+            move = (dist.encode_units(x, enc, ka) - dist.encode_units(y, enc, kb)).double()
             assert float(torch.linalg.vector_norm(move)) <= enc.l2_sensitivity
             assert float(move.abs().sum()) <= enc.l1_sensitivity
             largest = max(largest, float(torch.linalg.vector_norm(move)) / enc.l2_sensitivity)
@@ -439,3 +439,62 @@ def test_noise_that_reaches_the_sum_is_the_recorded_variance():
                 z.append(diff / math.sqrt(2 * total_variance))
     ratio = float(torch.cat(z).var())
     assert 0.75 < ratio < 1.3, ratio
+
+
+def test_collusion_sizes_the_shares_so_the_honest_survivors_carry_the_recorded_noise():
+    """--collusion c: a server that colludes with c nodes knows their shares and subtracts them, so each
+    share is Sk(V/(m − c)) and a release records the other survivors' shares only: m − c honest survivors
+    carry exactly V. Without it the same m − c shares carry (m − c)/m of V, which is what the option fixes."""
+    p = resolved(2.0, dp_model="distributed", bits=16, min_nodes=3, collusion=2)
+    plan = p.privatizer.plan
+    assert (plan.min_nodes, plan.collusion, plan.honest) == (3, 2, 1)
+    for enc in plan.encodings.values():
+        assert enc.event(3, 3, 2).variance == pytest.approx(enc.variance)  # m − c honest survivors: V
+        assert enc.event(4, 3, 2).variance == pytest.approx(2 * enc.variance)
+    g = torch.Generator().manual_seed(0)
+    plain = resolved(2.0, dp_model="distributed", bits=16, min_nodes=3).privatizer.plan
+    for sized, expected in ((plan, 1.0), (plain, 1 / 3)):
+        enc = sized.encodings["b"]
+        one_honest = torch.cat([dist.noise_share(enc, sized.honest, g) for _ in range(400)]).double()
+        assert abs(float(one_honest.var()) / (expected * enc.variance) - 1) < 0.05
+    p, _, _ = ran(2.0, dp_model="distributed", bits=16, min_nodes=3, collusion=2)
+    assert ledger_epsilon(p.privatizer.ledger, 1e-5) <= 2.0
+    assert all(r.params["collusion"] == 2 and r.params["nodes_survived"] == 4 for r in p.privatizer.ledger)
+    with pytest.raises(ValueError, match="collusion must be in"):
+        config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "min_nodes": 2, "collusion": 2})
+    with pytest.raises(ValueError, match="collusion needs --dp-model distributed"):
+        config.build(RuntimeOptions, {"nodes": 4, "dp_model": "local", "collusion": 1})
+
+
+def test_local_dp_noises_every_unit_fully_however_many_units_a_node_holds():
+    """Local DP's guarantee is per unit: each of a node's u units carries its own N(0, (zB)²), so a node's
+    vector (what the server sees) holds u·(zB)² of noise and each unit's is the ledger's. Measured through
+    the nodes (two noise seeds, same data: the difference is two draws of the node's noise) at 10 units
+    per node (one per node: the audit's tests); a noise scale divided by √u (a node-level mechanism passed
+    off as per-unit: multiplier z/√u) fails at 10 by a factor 10."""
+    from fedpers.data.units import UnitSource
+    from fedpers.runtime.distributed import node_round
+
+    users_per_node = 10
+    cfg = config.build(AltMinConfig, {**SMALL, "n_users": 40, "epsilon": 2.0, "cohorts": "all"})
+    nodes = 40 // users_per_node
+    opts = {"nodes": nodes, "dp_model": "local", "users_per_node": users_per_node}
+    p = resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, opts))
+    source = UnitSource.of({k: v.clone() for k, v in p.experiment.units(p.cfg, torch.arange(40)).items()})
+    U = torch.linalg.qr(torch.randn(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+    z = []
+    for seed in range(10):
+        seen: list[dict[str, torch.Tensor]] = [{}, {}]
+        for i, offset in enumerate((0, 1000)):
+            p.privatizer.noise_seed = seed + offset
+
+            def keep(round: int, name: str, vectors: torch.Tensor, survivors: Any, i: int = i) -> None:
+                seen[i][name] = vectors
+
+            node_round(p.protocol, 1, {"U": U}, source, p.privatizer, observe=keep)
+        for name, vectors in seen[0].items():
+            assert vectors.shape[0] == nodes  # one vector per node, in the clear
+            std = p.privatizer.plan.noise_multiplier * p.privatizer.plan.encodings[name].bound
+            z.append(((vectors - seen[1][name]) / math.sqrt(2 * users_per_node * std**2)).flatten())
+    ratio = float(torch.cat(z).var())
+    assert 0.8 < ratio < 1.25, ratio  # ≥ 2,600 draws: 7σ either side; a √u-scaled noise gives 0.1

@@ -315,8 +315,8 @@ def test_the_server_flags_a_planted_wrap_from_the_sum_alone(monkeypatch):
     honest = local_nodes.node_vectors
     planted: list[int] = []
 
-    def plant(rows: Any, ids: Any, specs: Any, privatizer: Any, round: int, generator: Any) -> Any:
-        out = honest(rows, ids, specs, privatizer, round, generator)
+    def plant(encoded: Any, specs: Any, privatizer: Any, round: int, generator: Any) -> Any:
+        out = honest(encoded, specs, privatizer, round, generator)
         if round == 1 and len(planted) < 1:  # the first node of round 1, once per run
             planted.append(1)
             out["b"] = out["b"] + 2 ** (privatizer.plan.encodings["b"].bits - 1)

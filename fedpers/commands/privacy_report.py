@@ -8,7 +8,7 @@ from typing import Any
 from fedpers.commands.summary import LEDGER_COLUMNS, label, ledger_rows, text_table
 from fedpers.configs.privacy import check_accountant
 from fedpers.privacy import Ledger, ledger_epsilon
-from fedpers.privacy.accountant import ledger_neighbours
+from fedpers.privacy.accountant import how_accounted, ledger_neighbours
 from fedpers.privacy.ledger import SkellamDpEvent
 from fedpers.results.rundir import read_run
 
@@ -29,6 +29,7 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
     acc = _accountant(accountant, cfg)
     relation = ledger_neighbours(ledger).value  # what the releases were accounted for, complete run or not
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", f"{relation} user")
+    accounted = how_accounted(ledger, acc)
     return {
         "run_dir": str(run_dir),
         "algorithm": cfg.get("algorithm"),
@@ -36,7 +37,11 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
         "releases": len(ledger),
         "epsilon": ledger_epsilon(ledger, delta, acc),
         "delta": delta,
-        "accountant": acc,
+        "accountant": accounted["accountant"],
+        "accountant_asked": acc,
+        "dp_model": accounted["dp_model"],
+        "bits": accounted["bits"],
+        "composition": accounted["composition"],
         "neighbouring": neighbours,
         "neighbours": relation,
         "groups": len(ledger.groups()),
@@ -59,10 +64,14 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     eps = ledger_epsilon(ledger, delta, acc)
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", f"{ledger_neighbours(ledger).value} user")
     level = next((f"{unit}-level" for unit in ("prompt", "example", "column") if unit in neighbours), "user-level")
-    lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc} accountant, {neighbours} neighbours"]
-    if any(isinstance(r.event, SkellamDpEvent) for r in ledger):
+    accounted = how_accounted(ledger, acc)
+    by = accounted["accountant"]
+    lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {by} accountant, {neighbours} neighbours"]
+    bits = f", {accounted['bits']}-bit sums" if accounted["bits"] is not None else ""
+    lines.append(f"  trust model: {accounted['dp_model']}{bits}; {accounted['composition']}")
+    if any(isinstance(r.event, SkellamDpEvent) for r in ledger) and acc != by:
         lines.append(
-            "  (distributed DP: the Skellam releases have an RDP bound only, so the composition is accounted in RDP)"
+            f"  (asked for {acc}: a Skellam release has no {acc} bound, so the whole ledger is accounted in RDP)"
         )
     if len(ledger.groups()) > 1:
         lines.append(f"  (parallel composition over {len(ledger.groups())} disjoint groups; worst group reported)")

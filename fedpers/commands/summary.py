@@ -86,14 +86,40 @@ def epsilon_delta(p: Privacy) -> str:
     return f"(ε, δ) = ({fmt(p.epsilon)}, {fmt(p.delta)})"
 
 
+TRUST_MODELS: dict[str, str] = {
+    "central": "the server adds the noise to the nodes' exact sums",
+    "distributed": "each node adds a share of Skellam noise; the server sees only the modular sum (SecAgg+)",
+    "local": "each unit's own Gaussian, added on its node; the server sees each node's noisy sum",
+}
+"""What each trust model means, in the words every view uses."""
+
+
+def trust_line(p: Privacy) -> str | None:
+    """``trust model: …, bits, composition``: who added the noise and how the (ε, δ) was composed."""
+    if p.dp_model is None and p.composition is None:
+        return None
+    model = p.dp_model or "central"
+    text = f"trust model: {model} ({TRUST_MODELS.get(model, model)})"
+    plan = p.details.get("trust_model") if isinstance(p.details.get("trust_model"), Mapping) else None
+    if p.bits is not None:
+        text += f"; {p.bits}-bit sums"
+    if plan is not None and model == "distributed":
+        text += f", {plan.get('nodes')} nodes, min {plan.get('min_nodes')}, collusion {plan.get('collusion', 0)}"
+    if p.composition:
+        text += f"; {p.composition}"
+    return text
+
+
 def noise_phrases(p: Privacy) -> list[str]:
     """The target and the run's noise, each as ``label = value`` (those the run recorded)."""
     return [phrase(k, getattr(p, k)) for k in ("target_epsilon", "noise_multiplier") if getattr(p, k) is not None]
 
 
 def privacy_lines(p: Privacy) -> list[str]:
-    """What the paper's calibration would claim and what other accountants give, for the same noise."""
-    lines = []
+    """The trust model (who added the noise, bits, composition), what the paper's calibration would claim
+    and what other accountants give, for the same noise."""
+    trust = trust_line(p)
+    lines = [trust] if trust else []
     if p.paper_epsilon_same_noise is not None:
         lines.append(f"the paper's calibration would claim ε = {fmt(p.paper_epsilon_same_noise)} for the same noise")
     others = {k: v for k, v in (p.epsilon_by_accountant or {}).items() if k != p.accountant}

@@ -71,6 +71,12 @@ class RuntimeOptions:
         "survivors is discarded before any release",
         ge=0,
     )
+    collusion: int = field(
+        0,
+        "dp_model distributed: nodes that may collude with the server (knowing their own noise shares); each share "
+        "is sized so that any min_nodes - collusion honest survivors carry the accounted noise (0: the server alone)",
+        ge=0,
+    )
 
     node_dropout: float = field(
         0.0,
@@ -89,6 +95,13 @@ class RuntimeOptions:
             raise ValueError(f"bits must be 0 (auto) or in [4, 32]; got {self.bits}")
         if self.min_nodes > self.nodes:
             raise ValueError(f"min_nodes must be in [0, nodes={self.nodes}]; got {self.min_nodes}")
+        if self.collusion and not self.collusion < (self.min_nodes or self.nodes):
+            raise ValueError(
+                f"collusion must be in [0, min_nodes={self.min_nodes or self.nodes}) (some survivor must be honest); "
+                f"got {self.collusion}"
+            )
+        if self.collusion and DpModel(self.dp_model) is not DpModel.DISTRIBUTED:
+            raise ValueError("collusion needs --dp-model distributed (it sizes the nodes' Skellam noise shares)")
         # Ray packs fractional shares on one GPU but never spreads one actor over part of several
         share = float(self.client_gpus)
         if share > 1.0 and not share.is_integer():

@@ -57,6 +57,7 @@ from scipy import optimize, special, stats
 
 from fedpers.config import Neighbours, neighbours_of
 from fedpers.configs.privacy import (
+    CAPABILITIES,
     Accountant,
     accountant_name,
     check_relation,
@@ -569,6 +570,31 @@ def ledger_neighbours(ledger: Ledger) -> Neighbours:
             f"a ledger's releases must share one neighbouring relation; got {', '.join(sorted(relations))}"
         )
     return neighbours_of(relations.pop()) if relations else Neighbours.REPLACE_ONE
+
+
+SKELLAM_COMPOSITION = (
+    "RDP composition (the Skellam releases have an RDP bound only, so every release is accounted in RDP)"
+)
+"""How a ledger holding a Skellam (distributed DP) release is composed, whatever the run's accountant."""
+
+
+def how_accounted(ledger: Ledger, accountant: Accountant | str) -> dict[str, Any]:
+    """What every view of a run names of how its releases were noised and accounted, read off the ledger:
+    ``dp_model`` (who added the noise: each release records it; none recorded: central), ``bits`` (the
+    modular sum's, distributed only), ``accountant`` (the one that gives the reported ε: RDP for a ledger
+    holding a Skellam release, whatever was asked) and ``composition``."""
+    models = sorted({str(r.params.get("dp_model", "central")) for r in ledger}) or ["central"]
+    bits = sorted({int(r.params["bits"]) for r in ledger if "bits" in r.params and "dp_model" in r.params})
+    name = accountant.value if isinstance(accountant, Accountant) else str(accountant)
+    skellam_ledger = any(skellam.contains_skellam(r.event) for r in ledger)
+    return {
+        "dp_model": "+".join(models),
+        "bits": bits[0] if len(bits) == 1 else (bits or None),
+        "accountant": "rdp" if skellam_ledger else name,
+        "composition": SKELLAM_COMPOSITION
+        if skellam_ledger
+        else (f"{name} composition of the releases" if name in CAPABILITIES else name),
+    }
 
 
 def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant | str = Accountant.PLD) -> float:

@@ -82,11 +82,23 @@ def flat_dim(shape: Sequence[int], symmetric: bool) -> int:
 
 def flatten(value: Tensor, shape: Sequence[int], symmetric: bool) -> Tensor:
     """(U, *shape) → (U, d) float64: the upper triangle (with diagonal) of a symmetric statistic."""
-    v = value.to(dtype=torch.float64).reshape(value.shape[0], *shape)
+    v = value.to(dtype=torch.float64).reshape(value.shape[0], -1)
     if symmetric:
-        i, j = torch.triu_indices(int(shape[0]), int(shape[0]), device=v.device)
-        return v[:, i, j]
-    return v.reshape(v.shape[0], -1)
+        return v.index_select(1, _triangle(int(shape[0]), v.device))
+    return v
+
+
+_TRIANGLES: dict[tuple[int, str], Tensor] = {}
+
+
+def _triangle(n: int, device: torch.device) -> Tensor:
+    """Flat indices i·n + j of the upper triangle (with diagonal) of an n × n matrix, in
+    ``torch.triu_indices`` order (cached)."""
+    key = (n, str(device))
+    if key not in _TRIANGLES:
+        i, j = torch.triu_indices(n, n)
+        _TRIANGLES[key] = (i * n + j).to(device)
+    return _TRIANGLES[key]
 
 
 def unflatten(vector: Tensor, shape: Sequence[int], symmetric: bool) -> Tensor:
@@ -101,19 +113,54 @@ def unflatten(vector: Tensor, shape: Sequence[int], symmetric: bool) -> Tensor:
 
 
 def hadamard(x: Tensor) -> Tensor:
-    """Orthonormal Walsh–Hadamard transform H/√D along the last dimension (D a power of two):
-    log₂D butterfly passes, O(D log D). H/√D is symmetric and its own inverse."""
+    """Orthonormal Walsh–Hadamard transform H/√D along the last dimension (D a power of two).
+
+    Sylvester's H_D is a Kronecker product of smaller Sylvester matrices, H_D = H_a ⊗ H_b ⊗ …, so the
+    transform is one small GEMM per factor (each factor ≤ :data:`HADAMARD_FACTOR`): O(D·Σ factors) per
+    vector in a few large kernels, 10–20× the speed of log₂D butterfly passes on a batch of units.
+    H/√D is symmetric and its own inverse."""
     D = x.shape[-1]
     if D & (D - 1):
         raise ValueError(f"the Walsh–Hadamard transform needs a power-of-two length, got {D}")
     lead = x.shape[:-1]
+    factors = _hadamard_factors(D)
     y = x.reshape(-1, D)
-    h = 1
-    while h < D:
-        y = y.reshape(-1, D // (2 * h), 2, h)
-        y = torch.cat((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
-        h *= 2
+    rows = y.shape[0]
+    if len(factors) == 1:
+        y = y @ _sylvester(D, y.dtype, y.device)
+    elif len(factors) == 2:  # (H_a ⊗ H_b)·vec(Y) = vec(H_a Y H_b) for Y the row-major a × b view
+        a, b = factors
+        y = torch.matmul(_sylvester(a, y.dtype, y.device), y.reshape(rows, a, b) @ _sylvester(b, y.dtype, y.device))
+    else:
+        # index i = (i_1, …, i_m) in the factors' mixed radix: each step transforms the last digit and moves
+        # it to the front, so after m steps every digit was transformed once and the order is the original one
+        for f in reversed(factors):
+            y = (y.reshape(rows, D // f, f) @ _sylvester(f, y.dtype, y.device)).transpose(1, 2).reshape(rows, D)
     return y.reshape(*lead, D) / math.sqrt(D)
+
+
+HADAMARD_FACTOR = 128
+"""Largest Sylvester factor :func:`hadamard` multiplies by (D ≤ 128 is one GEMM)."""
+_SYLVESTER: dict[tuple[int, torch.dtype, str], Tensor] = {}
+
+
+def _hadamard_factors(D: int) -> list[int]:
+    """D = 2^p as the fewest powers of two ≤ :data:`HADAMARD_FACTOR`, as even as they go."""
+    p = D.bit_length() - 1
+    top = HADAMARD_FACTOR.bit_length() - 1
+    parts = max(1, -(-p // top))
+    return [1 << (p // parts + (1 if i < p % parts else 0)) for i in range(parts)]
+
+
+def _sylvester(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Sylvester's n × n Hadamard matrix (entries ±1, H_2n = [[H, H], [H, −H]]), cached per dtype and device."""
+    key = (n, dtype, str(device))
+    if key not in _SYLVESTER:
+        h = torch.ones(1, 1, dtype=dtype)
+        while h.shape[0] < n:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        _SYLVESTER[key] = h.to(device)
+    return _SYLVESTER[key]
 
 
 def rotation_signs(seed: int, D: int) -> Tensor:
@@ -123,9 +170,29 @@ def rotation_signs(seed: int, D: int) -> Tensor:
 
 
 def rotate(x: Tensor, seed: int, D: int) -> Tensor:
-    """(U, d) → (U, D): zero-padded to D, signs flipped, Walsh–Hadamard transformed (norms kept)."""
-    padded = torch.nn.functional.pad(x.to(torch.float64), (0, D - x.shape[-1]))
-    return hadamard(padded * rotation_signs(seed, D).to(x.device))
+    """(U, d) → (U, D): zero-padded to D, signs flipped, Walsh–Hadamard transformed (norms kept). Where
+    D is one Sylvester factor (≤ :data:`HADAMARD_FACTOR`), one GEMM with the d × D matrix diag(ε)·H[:d]/√D
+    (the padding and the signs folded in)."""
+    d = x.shape[-1]
+    if D <= HADAMARD_FACTOR:
+        return x.to(torch.float64) @ _rotation_matrix(seed, d, D, x.device)
+    padded = torch.zeros(*x.shape[:-1], D, dtype=torch.float64, device=x.device)
+    torch.mul(x.to(torch.float64), rotation_signs(seed, D)[:d].to(x.device), out=padded[..., :d])
+    return hadamard(padded)
+
+
+_ROTATIONS: dict[tuple[int, int, int, str], Tensor] = {}
+
+
+def _rotation_matrix(seed: int, d: int, D: int, device: torch.device) -> Tensor:
+    """diag(ε)·H[:d, :]/√D, the rotation of a zero-padded row as one matrix (a few kept)."""
+    key = (int(seed), d, D, str(device))
+    if key not in _ROTATIONS:
+        if len(_ROTATIONS) >= 16:
+            _ROTATIONS.pop(next(iter(_ROTATIONS)))
+        h = _sylvester(D, torch.float64, torch.device("cpu"))[:d] / math.sqrt(D)
+        _ROTATIONS[key] = (rotation_signs(seed, D)[:d].unsqueeze(1) * h).to(device)
+    return _ROTATIONS[key]
 
 
 def unrotate(y: Tensor, seed: int, d: int) -> Tensor:
@@ -142,25 +209,53 @@ def rounded_bound(c: float, D: int, beta: float = ROUNDING_BETA) -> float:
     return min(c + math.sqrt(D), math.sqrt(squared))
 
 
-def conditional_round(x: Tensor, bound: float, generator: torch.Generator) -> Tensor:
+Randomness = torch.Generator | Tensor
+"""Where a batch of units' rounding (or local noise) draws from: one generator for every row (OS-seeded
+under ``secure``), or each row's own key (:func:`unit_keys`), whose stream depends on that unit alone."""
+
+
+def conditional_round(x: Tensor, bound: float, generator: Randomness) -> Tensor:
     """(U, D) float64 → (U, D) int64 with every row's norm ≤ ``bound``: randomized rounding (up with
     probability the fraction), each row re-drawn until it meets the bound; a row still over after
     :data:`MAX_ROUNDING_TRIES` draws is rounded toward zero (norm ≤ its input's). The bound is
-    checked in exact integer arithmetic (Σ r² ≤ ⌊bound²⌋)."""
-    floor = torch.floor(x)
-    frac = x - floor
+    checked in exact integer arithmetic (Σ r² ≤ ⌊bound²⌋). ``generator``: a torch generator, or (U,)
+    keys: row j's draw t is :func:`keyed_coins` of its key, so its rounding is the same whatever
+    other rows it is batched with."""
+    return _rounded(x, bound, generator).to(torch.int64)
+
+
+def _rounded(x: Tensor, bound: float, generator: Randomness) -> Tensor:
+    """:func:`conditional_round` as float64 integers: r = ⌊x + u⌋ (u uniform in [0, 1): up exactly when
+    u ≥ 1 − frac(x), with probability frac(x)). Where (bound + √D)² < 2^52 every r_i² and Σ r_i² is an
+    integer float64 holds exactly, so the check is exact in float64; above, in int64."""
+    rows, D = x.shape
+    if isinstance(generator, Tensor) and generator.shape != (rows,):
+        raise ValueError(f"conditional_round: {tuple(generator.shape)} keys for {rows} rows")
+    exact = (bound + math.sqrt(D)) ** 2 < 2.0**52
     limit = math.floor(bound**2 + 1e-9)
-    out = torch.empty(x.shape, dtype=torch.int64, device=x.device)
-    todo = torch.arange(x.shape[0], device=x.device)
-    for _ in range(MAX_ROUNDING_TRIES):
-        if todo.numel() == 0:
-            return out
-        u = torch.rand(frac[todo].shape, generator=generator, dtype=torch.float64).to(x.device)
-        r = (floor[todo] + (u < frac[todo]).to(torch.float64)).to(torch.int64)
-        ok = (r * r).sum(dim=1) <= limit
+    out = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+    todo: Tensor | None = None  # None: every row
+    for draw in range(MAX_ROUNDING_TRIES):
+        some = x if todo is None else x[todo]
+        if isinstance(generator, Tensor):
+            r = keyed_coins(generator if todo is None else generator[todo], draw, D).to(x.device).add_(some)
+        else:
+            r = torch.rand(some.shape, generator=generator, dtype=torch.float64).to(x.device).add_(some)
+        r = r.floor_()
+        if exact:
+            ok = torch.einsum("ij,ij->i", r, r) <= limit
+        else:
+            whole = r.to(torch.int64)
+            ok = (whole * whole).sum(dim=1) <= limit
+        if todo is None:
+            if bool(ok.all()):
+                return r
+            out, todo = r, torch.arange(rows, device=x.device)
         out[todo[ok]] = r[ok]
         todo = todo[~ok]
-    out[todo] = torch.trunc(x[todo]).to(torch.int64)
+        if todo.numel() == 0:
+            return out
+    out[todo] = torch.trunc(x[todo])
     return out
 
 
@@ -196,12 +291,82 @@ def node_generator(seed: int, round: int, node: int, secure: bool) -> torch.Gene
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
 
 
-def unit_generator(seed: int, round: int, statistic: str, unit: int, secure: bool) -> torch.Generator:
-    """The generator one unit's rounding draws from in a round (OS entropy with ``secure``)."""
+# ----- each unit's own random stream, batched -----------------------------------------------------
+_GOLDEN = -0x61C8864680B583EB
+"""2^64/φ as a signed 64-bit integer: SplitMix64's increment (Steele, Lea & Flood, OOPSLA 2014)."""
+_MIX1, _MIX2 = -0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15
+"""SplitMix64's finaliser multipliers 0xBF58476D1CE4E5B9 and 0x94D049BB133111EB, signed."""
+
+
+def _shift(z: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 values (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(z: Tensor) -> Tensor:
+    """SplitMix64's output function on int64 (multiplication wraps mod 2^64), in place on ``z``: a
+    bijection of 64-bit words whose outputs on consecutive inputs pass BigCrush. Simulation randomness,
+    not cryptography: a deployment's node draws from OS entropy (``secure``)."""
+    z ^= _shift(z, 30)
+    z *= _MIX1
+    z ^= _shift(z, 27)
+    z *= _MIX2
+    z ^= _shift(z, 31)
+    return z
+
+
+def stream_key(tag: str) -> int:
+    """A 64-bit signed key from a text tag (its SHA-256)."""
+    return int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little", signed=True)
+
+
+def unit_keys(seed: int, round: int, statistic: str, ids: Tensor, purpose: str = "rounding") -> Tensor:
+    """(U,) int64: each unit's key for one statistic of one round, from (seed, round, statistic, unit id)
+    alone, so replacing one unit moves only that unit's draws and a unit draws the same whatever node,
+    chunk or batch it is computed in."""
+    base = stream_key(f"fedpers-unit-{purpose}:{int(seed)}:{int(round)}:{statistic}")
+    return mix64(ids.to(device="cpu", dtype=torch.int64).add(1).mul(_GOLDEN).add(base))
+
+
+def keyed_words(keys: Tensor, draw: int, width: int) -> Tensor:
+    """(U, width) int64: entry (j, i) is the SplitMix64 output of key j at counter ``draw``·width + i + 1,
+    a function of (key, draw, i) alone."""
+    counter = torch.arange(draw * width + 1, (draw + 1) * width + 1, dtype=torch.int64).mul_(_GOLDEN)
+    return mix64(keys.to(torch.int64).unsqueeze(1) + counter)
+
+
+def keyed_uniforms(keys: Tensor, draw: int, width: int) -> Tensor:
+    """(U, width) float64 uniforms in [0, 1) of 53 bits, each row from its own key (:func:`keyed_words`)."""
+    return _shift(keyed_words(keys, draw, width), 11).to(torch.float64).mul_(2.0**-53)
+
+
+def keyed_coins(keys: Tensor, draw: int, width: int) -> Tensor:
+    """(U, width) float64 uniforms on the grid 2^-32·{0, …, 2^32 − 1}, two from each 64-bit word of
+    :func:`keyed_words` (its 32-bit halves; half the work): what a randomized rounding compares a
+    fraction with, biased by under 2^-32 (the rounding's norm bound, which the privacy rests on, is
+    enforced exactly whatever the draws)."""
+    words = keyed_words(keys, draw, -(-width // 2)).view(torch.int32)[:, :width]
+    return words.to(torch.float64).add_(2.0**31).mul_(2.0**-32)
+
+
+def keyed_normals(keys: Tensor, width: int) -> Tensor:
+    """(U, width) float64 standard normals, each row from its own key: Box–Muller on 53-bit uniforms
+    (draw 0: radii, draw 1: angles), both of each pair's normals used."""
+    half = -(-width // 2)
+    radius = keyed_uniforms(keys, 0, half).neg_().log1p_().mul_(-2.0).sqrt_()
+    angle = keyed_uniforms(keys, 1, half).mul_(2.0 * math.pi)
+    return torch.cat((radius * torch.cos(angle), radius * torch.sin(angle)), dim=1)[:, :width]
+
+
+def unit_randomness(
+    seed: int, round: int, statistic: str, ids: Tensor, secure: bool, purpose: str = "rounding"
+) -> Randomness:
+    """Where a batch of units ``ids`` draws its rounding (or local noise) in a round: each unit's own key
+    (:func:`unit_keys`); with ``secure``, one generator seeded from OS entropy for the batch (nothing to
+    reproduce, and every unit's draws are fresh)."""
     if secure:
         return torch.Generator().manual_seed(secure_module.os_seed())
-    tag = f"fedpers-unit-rounding:{int(seed)}:{int(round)}:{statistic}:{int(unit)}"
-    return torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little") % 2**63)
+    return unit_keys(seed, round, statistic, ids, purpose)
 
 
 # ----- one statistic's public encoding ------------------------------------------------------------
@@ -252,11 +417,13 @@ class StatEncoding:
         l2 = self.l2_sensitivity
         return min(plain, l2 * min(math.sqrt(self.padded), l2))
 
-    def event(self, survivors: int, min_nodes: int) -> dp_accounting.DpEvent:
-        """The release's event when ``survivors`` nodes' noise shares reached the sum."""
+    def event(self, survivors: int, min_nodes: int, collusion: int = 0) -> dp_accounting.DpEvent:
+        """The release's event when ``survivors`` nodes' noise shares reached the sum, against a server that
+        also knows the shares of ``collusion`` of them: the other survivors − c shares, each V/(m − c)."""
         if self.variance <= 0:
             return dp_accounting.NonPrivateDpEvent()
-        return SkellamDpEvent(self.variance * survivors / min_nodes, self.l2_sensitivity, self.l1_sensitivity)
+        honest = (survivors - collusion) / (min_nodes - collusion)
+        return SkellamDpEvent(self.variance * honest, self.l2_sensitivity, self.l1_sensitivity)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -271,29 +438,27 @@ class StatEncoding:
         }
 
 
-def encode_units(x: Tensor, enc: StatEncoding, generator: torch.Generator | Sequence[torch.Generator]) -> Tensor:
+def encode_units(x: Tensor, enc: StatEncoding, generator: Randomness) -> Tensor:
     """Node side: (U, d) float contributions → (D,) int64 sum of their scaled, rotated,
     conditionally rounded vectors (each re-clipped to B first, so c̃ holds for every input).
-    ``generator``: one for all rows, or one per row (then a row's rounding depends on that row alone)."""
+    ``generator``: one for all rows, or each row's key (:func:`unit_keys`: a row's rounding then depends
+    on that row alone)."""
     if x.shape[0] == 0:
         return torch.zeros(enc.padded, dtype=torch.int64)
     x = x.to(device="cpu", dtype=torch.float64)
     norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
     x = x * torch.clamp(enc.bound / torch.clamp(norms, min=1e-300), max=1.0)
     y = rotate(x * enc.scale, enc.rotation_seed, enc.padded)
-    if isinstance(generator, torch.Generator):
-        return conditional_round(y, enc.rounded_bound, generator).sum(dim=0)
-    if len(generator) != y.shape[0]:
-        raise ValueError(f"encode_units: {len(generator)} generators for {y.shape[0]} units")
-    out = torch.zeros(enc.padded, dtype=torch.int64)
-    for row, g in zip(y, generator, strict=True):
-        out += conditional_round(row.unsqueeze(0), enc.rounded_bound, g)[0]
-    return out
+    rounded = _rounded(y, enc.rounded_bound, generator)
+    if (enc.rounded_bound + math.sqrt(enc.padded)) * rounded.shape[0] < 2.0**52:  # the float sum is exact
+        return rounded.sum(dim=0).to(torch.int64)
+    return rounded.to(torch.int64).sum(dim=0)
 
 
-def noise_share(enc: StatEncoding, min_nodes: int, generator: torch.Generator) -> Tensor:
-    """Node side: this node's share Sk(V/min_nodes) of the noise, (D,) int64."""
-    return skellam_noise((enc.padded,), enc.variance / min_nodes, generator)
+def noise_share(enc: StatEncoding, honest: int, generator: torch.Generator) -> Tensor:
+    """Node side: this node's share Sk(V/h) of the noise, (D,) int64, h = min_nodes − collusion
+    (:attr:`DistributedPlan.honest`): any h shares sum to Sk(V)."""
+    return skellam_noise((enc.padded,), enc.variance / honest, generator)
 
 
 def decode(modular_sum: Tensor, enc: StatEncoding) -> Tensor:
@@ -302,13 +467,17 @@ def decode(modular_sum: Tensor, enc: StatEncoding) -> Tensor:
     return unflatten(unrotate(y, enc.rotation_seed, enc.dim) / enc.scale, enc.shape, enc.symmetric)
 
 
-def local_gaussian(x: Tensor, std: float, generator: torch.Generator, secure: bool) -> Tensor:
-    """Local DP, node side: each unit's row released with its own N(0, std²) noise, then summed."""
+def local_gaussian(x: Tensor, std: float, generator: Randomness, secure: bool) -> Tensor:
+    """Local DP, node side: each unit's row released with its own N(0, std²) noise, then summed.
+    ``generator``: each row's key (:func:`unit_keys`: its noise depends on that unit alone) or one
+    generator; ``secure``: OpenDP's sampler from OS entropy."""
     x = x.to(device="cpu", dtype=torch.float64)
     if std <= 0 or x.shape[0] == 0:
         return x.sum(dim=0)
     if secure:
         return secure_module.gaussian(x, std).sum(dim=0)
+    if isinstance(generator, Tensor):
+        return (x + std * keyed_normals(generator, x.shape[1])).sum(dim=0)
     return (x + std * torch.randn(x.shape, generator=generator, dtype=torch.float64)).sum(dim=0)
 
 
@@ -399,6 +568,14 @@ class DistributedPlan:
     """z: each statistic's variance is V = (z·Δ₂/2)², σ = z·Δ₂/2 in integer units."""
     encodings: dict[str, StatEncoding]
     users_per_node: int = 0
+    collusion: int = 0
+    """c: nodes that may collude with the server (they know their own noise shares and can subtract them);
+    each share is sized so that any min_nodes − c of them carry the recorded variance."""
+
+    @property
+    def honest(self) -> int:
+        """h = min_nodes − c: the fewest honest survivors whose shares must carry the variance V."""
+        return self.min_nodes - self.collusion
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -406,6 +583,7 @@ class DistributedPlan:
             "bits": self.bits,
             "nodes": self.nodes,
             "min_nodes": self.min_nodes,
+            "collusion": self.collusion,
             "noise_multiplier": self.noise_multiplier,
             "statistics": {k: {**e.to_dict(), "variance_integer": e.variance} for k, e in self.encodings.items()}
             if self.model is DpModel.DISTRIBUTED
@@ -485,14 +663,19 @@ def plan_distributed(
     central_z: float,
     users_per_node: int = 0,
     release_ratio: float = 1.0,
+    collusion: int = 0,
 ) -> DistributedPlan:
     """Scales, bits and the noise multiplier of a distributed run. ``calibration`` is the
     protocol's own (make_event, ε, δ, accountant), or None without noise (ε = ∞); ``release_ratio``: each
     release's noise multiplier over make_event's argument (the protocol's z over its calibrated one). z is solved so
     that the dominating Skellam composition meets the target; scales are chosen for a z at least as
-    large, so the wrap bound holds at the final one."""
+    large, so the wrap bound holds at the final one. ``collusion`` c: shares sized for min_nodes − c honest
+    survivors (each Sk(V/(m − c))), so the wrap bound counts nodes/(m − c) of V."""
     if not 1 <= min_nodes <= nodes:
         raise ValueError(f"min_nodes must be in [1, nodes={nodes}]; got {min_nodes}")
+    if not 0 <= collusion < min_nodes:
+        raise ValueError(f"collusion must be in [0, min_nodes={min_nodes}); got {collusion}")
+    honest = min_nodes - collusion
     merged: dict[str, StatShape] = {}
     for st in stats:
         if not (st.bound > 0 and math.isfinite(st.bound)):
@@ -502,17 +685,17 @@ def plan_distributed(
     shapes = list(merged.values())
     z_guess = central_z * 1.02
     if bits == 0:
-        bits = choose_bits(shapes, units, z_guess, nodes, min_nodes)
+        bits = choose_bits(shapes, units, z_guess, nodes, honest)
     if not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits must be 0 (auto) or in [{MIN_BITS}, {MAX_BITS}]; got {bits}")
     if calibration is None or central_z == 0:
-        encs = _encodings(shapes, units, 0.0, nodes, min_nodes, bits, seed)
+        encs = _encodings(shapes, units, 0.0, nodes, honest, bits, seed)
         return DistributedPlan(
-            DpModel.DISTRIBUTED, bits, nodes, min_nodes, 0.0, {e.name: e for e in encs}, users_per_node
+            DpModel.DISTRIBUTED, bits, nodes, min_nodes, 0.0, {e.name: e for e in encs}, users_per_node, collusion
         )
     make_event, epsilon, delta, _ = calibration
     for _ in range(20):
-        encs = _encodings(shapes, units, z_guess, nodes, min_nodes, bits, seed)
+        encs = _encodings(shapes, units, z_guess, nodes, honest, bits, seed)
         # a composition holding a Skellam release is accounted in RDP (event_epsilon) whatever the run's accountant;
         # "pld" only routes calibration through event_epsilon (zcdp would ask Skellam for a ρ it has not)
         # release_ratio: each release's multiplier over make_event's argument (its Gaussians are z·ratio)
@@ -520,7 +703,7 @@ def plan_distributed(
         if z <= z_guess:
             encs = [dataclasses.replace(e, variance=(z * e.l2_sensitivity / 2) ** 2) for e in encs]
             return DistributedPlan(
-                DpModel.DISTRIBUTED, bits, nodes, min_nodes, z, {e.name: e for e in encs}, users_per_node
+                DpModel.DISTRIBUTED, bits, nodes, min_nodes, z, {e.name: e for e in encs}, users_per_node, collusion
             )
         z_guess = z * 1.02
     raise RefusedBeforeRelease("dp_model distributed: the noise calibration did not settle; use more --bits")
@@ -669,7 +852,7 @@ class DistributedPrivatizer(NodeSidePrivatizer):
     ) -> Tensor:
         stat, survivors, _ = self._take(value, per_unit_bound, name, sampling_probability)
         enc = self.plan.encodings[stat]
-        event = enc.event(survivors, self.plan.min_nodes)
+        event = enc.event(survivors, self.plan.min_nodes, self.plan.collusion)
         variance = event.variance if isinstance(event, SkellamDpEvent) else 0.0
         release = Release(
             round,
@@ -690,6 +873,7 @@ class DistributedPrivatizer(NodeSidePrivatizer):
                 "variance_integer": variance,
                 "nodes_survived": survivors,
                 "min_nodes": self.plan.min_nodes,
+                "collusion": self.plan.collusion,
             },
         )
         self.ledger.append(release)

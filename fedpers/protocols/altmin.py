@@ -24,7 +24,7 @@ from fedpers.devices import to_device
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
 from fedpers.privacy.mechanisms import psd_sensitivity
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, all_take_part
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, UnitStatistics, all_take_part
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-8
@@ -365,6 +365,43 @@ class AltMinProtocol(Protocol):
             return Message(stats, int(x.shape[0]))
         A, b = self.round_statistics(broadcast["U"].to(self.dtype), x, y)
         return Message({"A": A, "b": b}, int(x.shape[0]))
+
+    def unit_statistics(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> UnitStatistics | None:
+        """Each user's own W_j (round 0) or (A_j, b_j), batched: the ops :meth:`client_update` runs on one
+        user (its pair statistic, its local solve, :func:`~fedpers.linalg._one_unit_statistics`) on every
+        user of the batch at once. A user whose norms that path would not trust as computed
+        (:func:`~fedpers.linalg.trusted_rows`: it takes the exact power-of-two branch alone) is left to be
+        computed alone. Fixed bounds on the host path only (the device path's one-user statistics are its
+        blocked kernels; adaptive bounds are not node-side)."""
+        if self.adaptive or self.device_kernels:
+            return None
+        ids, h, q = units["ids"], 2 * self.quarter, self.quarter
+        everyone = torch.arange(int(ids.shape[0]), device=ids.device)
+        if round == 0:
+            x, y = samples_of(units, h, 2 * h)
+            x, y = x.to(self.dtype), y.to(self.dtype)
+            ok = linalg.trusted_rows(x[:, 0::2]) & linalg.trusted_rows(x[:, 1::2])
+            W = linalg.pair_statistics(x[ok], y[ok], self.zeta)
+            return UnitStatistics(ids[ok], {"W": W}, everyone[~ok])
+        x, y = samples_of(units, 0, h)
+        x, y = x.to(self.dtype), y.to(self.dtype)
+        if self.cohorts is Cohorts.DISJOINT:
+            taking = (self.cohort_of(ids) == round).nonzero().squeeze(1)
+        elif self.cohorts is Cohorts.POISSON:
+            taking = (broadcast["sampled"].to(ids.device)[ids] > 0).nonzero().squeeze(1)
+        else:
+            taking = everyone
+        x, y, ids = x[taking], y[taking], ids[taking]
+        U = broadcast["U"].to(self.dtype)
+        features = x[:, :q] @ U
+        ok = linalg.trusted_rows(features) & linalg.trusted_rows(y[:, :q]) & linalg.trusted_rows(x[:, q : 2 * q])
+        v = linalg.batched_ridge_solve(features[ok], y[ok, :q], LOCAL_RIDGE)
+        fine = linalg.trusted_rows(v)  # its directions: the plain branch (each user's own check alone)
+        ok[ok.clone()] = fine
+        v_hat, log_v = linalg.directions(v[fine])
+        x2, y2 = x[ok, q : 2 * q], y[ok, q : 2 * q]
+        A, b = linalg.kron_unit_statistics(v_hat, x2, log_v, self.eta, linalg.clip_scalar(y2, self.zeta))
+        return UnitStatistics(ids[ok], {"A": A, "b": b}, taking[~ok])
 
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer

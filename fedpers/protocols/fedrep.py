@@ -32,7 +32,16 @@ from fedpers.privacy.adaptive_clip import (
     share_multiplier,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, all_take_part, round_release
+from fedpers.protocols.base import (
+    Message,
+    NodeSide,
+    Protocol,
+    StatSpec,
+    Units,
+    UnitStatistics,
+    all_take_part,
+    round_release,
+)
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-6
@@ -210,6 +219,32 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
         G = self.clipped_gradients(U, x, y).sum(0)
         return Message({"G": G}, int(x.shape[0]))
 
+    def unit_statistics(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> UnitStatistics | None:
+        """Each user's own W_j (round 0) or clipped G_j, batched: the ops :meth:`client_update` runs on one
+        user, on every user of the batch at once; a user whose norms that path would not trust as computed
+        (:func:`~fedpers.linalg.trusted_rows`) is left to be computed alone. Fixed clip only."""
+        if self.adaptive:
+            return None
+        x, y, ids = units["x"].to(self.dtype), units["y"].to(self.dtype), units["ids"]
+        everyone = torch.arange(int(ids.shape[0]), device=ids.device)
+        if round == 0:
+            p = self.pairs
+            xs = x[:, : 2 * p]
+            ok = linalg.trusted_rows(xs[:, 0::2]) & linalg.trusted_rows(xs[:, 1::2])
+            W = linalg.pair_statistics(xs[ok], y[ok, : 2 * p], self.zeta)
+            return UnitStatistics(ids[ok], {"W": W}, everyone[~ok])
+        keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+        if self.poisson:
+            keep &= broadcast["sampled"].to(ids.device)[ids] > 0
+        if self.cycle > 1:
+            keep &= self.cohort_of(ids) == self.round_cohort(round)
+        taking = everyone[keep]
+        x, y, ids = x[taking], y[taking], ids[taking]
+        g, v, sy = self._gradient_factors(broadcast["U"].to(self.dtype), x, y)
+        ok = linalg.trusted_rows(g) & linalg.trusted_rows(v)  # their directions: the plain branch, as alone
+        G, _ = self._clip_factors(g[ok], v[ok], sy[ok], self.clip)
+        return UnitStatistics(ids[ok], {"G": G}, taking[~ok])
+
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
     ) -> tuple[dict[str, Tensor], dict[str, float]]:
@@ -326,19 +361,31 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
 
     def _clipped(self, U: Tensor, x: Tensor, y: Tensor, clip: float, log_scale: float = 0.0) -> tuple[Tensor, Tensor]:
         """clip(G_j·e^{−log_scale}; clip) per user and log‖G_j‖ (float64)."""
-        n, m, d = x.shape
+        n, _, d = x.shape
         k = U.shape[1]
         if n == 0:
             return x.new_zeros(0, d, k), torch.zeros(0, dtype=torch.float64, device=x.device)
+        g, v, sy = self._gradient_factors(U, x, y)
+        return self._clip_factors(g, v, sy, clip, log_scale)
+
+    def _gradient_factors(self, U: Tensor, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(g_j, v_j, s_y) with G_j = g_j v_jᵀ·s_y², on each user's data scaled by exact powers of two."""
+        m = x.shape[1]
         sx, sy = linalg.pow2_scale(x, 2), linalg.pow2_scale(y, 1)
         xs, ys = x / sx[:, None, None], y / sy[:, None]
         v = self.local_solve(U, xs, ys)
         r = ((xs @ U) @ v.unsqueeze(-1)).squeeze(-1) - ys
         g = (2.0 / m) * (xs * r.unsqueeze(-1)).sum(1)  # (n, d): G'_j = g_j v_jᵀ
+        return g, v, sy
+
+    def _clip_factors(
+        self, g: Tensor, v: Tensor, sy: Tensor, clip: float, log_scale: float = 0.0
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`_clipped` from :meth:`_gradient_factors`."""
         g_hat, log_g = linalg.directions(g)
         v_hat, log_v = linalg.directions(v)
         log_norm = log_g + log_v + 2 * sy.double().log()
-        mag = linalg.clipped_magnitude(log_norm - log_scale, clip).to(x.dtype)
+        mag = linalg.clipped_magnitude(log_norm - log_scale, clip).to(g.dtype)
         return (g_hat * mag.unsqueeze(-1)).unsqueeze(-1) * v_hat.unsqueeze(-2), log_norm
 
     def gradients(self, U: Tensor, x: Tensor, y: Tensor) -> Tensor:

@@ -27,7 +27,16 @@ from fedpers.configs.noisygd import Loss, Remedy
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, all_take_part, round_release
+from fedpers.protocols.base import (
+    Message,
+    NodeSide,
+    Protocol,
+    StatSpec,
+    Units,
+    UnitStatistics,
+    all_take_part,
+    round_release,
+)
 
 Tensor = torch.Tensor
 
@@ -41,8 +50,14 @@ def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Los
     scaled per example by an exact power of two before W x, so every finite input gives a
     finite term of norm ≤ G (an overflowing logit only saturates the softmax).
     """
+    r_scaled, x_hat, log_norm = _gradient_factors(W, x, y, clip, loss)
+    return r_scaled.transpose(0, 1) @ x_hat, (log_norm > math.log(clip)).sum()
+
+
+def _gradient_factors(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Loss) -> tuple[Tensor, Tensor, Tensor]:
+    """(m_i r̂_i, x̂_i, log‖r_i x_iᵀ‖): example i's clipped gradient is the outer product of the first two."""
     scale = linalg.pow2_scale(x)
-    t = (x / scale.unsqueeze(-1)) @ W.transpose(0, 1)
+    t = linalg.row_products(x / scale.unsqueeze(-1), W)  # one example's bits alone or in a batch
     onehot = torch.nn.functional.one_hot(y, W.shape[0]).to(t.dtype)
     if loss is Loss.CE:
         shifted = (t - t.amax(-1, keepdim=True)) * scale.unsqueeze(-1)
@@ -53,7 +68,7 @@ def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Los
     x_hat, log_x = linalg.directions(x)
     log_norm = log_r + log_scale + log_x
     m = linalg.clipped_magnitude(log_norm, clip).to(x.dtype)
-    return (r_hat * m.unsqueeze(-1)).transpose(0, 1) @ x_hat, (log_norm > math.log(clip)).sum()
+    return r_hat * m.unsqueeze(-1), x_hat, log_norm
 
 
 @dataclass(frozen=True)
@@ -242,6 +257,34 @@ class NoisyGDProtocol(Protocol):
             below = ((n - clipped).double() - n / 2).to(self.dtype)
             return Message({"grad": grad / clip, "below": below}, n)
         return Message({"grad": grad}, n)
+
+    def unit_statistics(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> UnitStatistics | None:
+        """Each example's own clipped gradient, batched: the ops :meth:`client_update` runs on one example,
+        on every example of the batch at once (its residual and features' norms not trusted as computed:
+        computed alone). Fixed clip, no remedy (a remedy is not node-side)."""
+        if self.adaptive or self.remedy is not Remedy.NONE:
+            return None  # a remedy's transform is a matrix product whose bits depend on the batch
+        x, y, ids = units["x"].to(self.dtype), units["y"].to(torch.int64), units["ids"].to(units["x"].device)
+        keep = torch.ones(ids.shape[0], dtype=torch.bool, device=x.device)
+        if self.poisson:
+            keep &= broadcast["sampled"].to(x.device)[ids] > 0
+        if self.cycle > 1:
+            keep &= self.cohort_of(ids) == self.step_cohort(round)
+        taking = keep.nonzero().squeeze(1)
+        x, y, ids = x[taking], y[taking], ids[taking]
+        W = broadcast["W"].to(x.device, self.dtype)
+        xt = self.transform(broadcast, x)
+        scale = linalg.pow2_scale(xt)
+        t = linalg.row_products(xt / scale.unsqueeze(-1), W)
+        onehot = torch.nn.functional.one_hot(y, W.shape[0]).to(t.dtype)
+        if self.loss is Loss.CE:
+            r = torch.softmax((t - t.amax(-1, keepdim=True)) * scale.unsqueeze(-1), dim=-1) - onehot
+        else:
+            r = t - onehot / scale.unsqueeze(-1)
+        ok = linalg.trusted_rows(r) & linalg.trusted_rows(xt)  # directions: the plain branch, as alone
+        r_scaled, x_hat, _ = _gradient_factors(W, xt[ok], y[ok], self.grad_clip, self.loss)
+        grad = r_scaled.unsqueeze(-1) * x_hat.unsqueeze(-2)  # a one-example sum: the outer product exactly
+        return UnitStatistics(ids[ok], {"grad": grad}, taking[~ok])
 
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer

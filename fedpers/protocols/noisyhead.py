@@ -45,7 +45,16 @@ from fedpers.privacy.adaptive_clip import (
     below_statistic,
 )
 from fedpers.privacy.correlated import CorrelatedNoise
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, all_take_part, round_release
+from fedpers.protocols.base import (
+    Message,
+    NodeSide,
+    Protocol,
+    StatSpec,
+    Units,
+    UnitStatistics,
+    all_take_part,
+    round_release,
+)
 
 Tensor = torch.Tensor
 
@@ -162,6 +171,15 @@ def gradient_sum(gamma: Tensor, z: Tensor, yq: Tensor, wa: Tensor | None = None,
     pred = (z @ gamma.unsqueeze(-1)).squeeze(-1)
     resid = (pred if wa is None else wa * pred) - (yq if wb is None else wb * yq)
     return (resid.unsqueeze(-2) @ z).squeeze(-2)
+
+
+def unit_gradients(gamma: Tensor, z: Tensor, yq: Tensor, wa: Tensor | None = None, wb: Tensor | None = None) -> Tensor:
+    """:func:`gradient_sum` per unit, z (U, P, D²) → (U, D²), each unit's bits those of its prompts alone:
+    elementwise products summed, since a matrix product's kernel (its summation order) depends on how many
+    rows it is given."""
+    pred = (z * gamma).sum(-1)
+    resid = (pred if wa is None else wa * pred) - (yq if wb is None else wb * yq)
+    return (resid.unsqueeze(-1) * z).sum(-2)
 
 
 def descend(gamma: Tensor, noisy_grad_sum: Tensor, n: float, lam: float, eta: float, radius: float) -> Tensor:
@@ -445,7 +463,37 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
             return Message({"A": A, "b": b}, count)
         # A client never trusts Γ to be in the ball: its contribution's bound depends on it.
         gamma = linalg.clip_vectors(broadcast["gamma"].to(z.device, self.dtype), self.proj_r)
+        if count == 1:  # one unit (the nodes' per-unit path): the batched path's bits (unit_statistics)
+            one = unit_gradients(
+                gamma, z.unsqueeze(0), yq.unsqueeze(0), *(None if w is None else w.unsqueeze(0) for w in (wa, wb))
+            )
+            return Message({"grad": one[0]}, count)
         return Message({"grad": gradient_sum(gamma, z, yq, wa, wb)}, count)
+
+    def unit_statistics(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> UnitStatistics | None:
+        """Each unit's own gradient, batched (``--mode rounds``, fixed clip): its prompts' features and
+        gradient as :meth:`client_update` forms them for the unit alone, for every unit at once; a unit whose
+        norms that path would not trust as computed (:func:`~fedpers.linalg.trusted_rows`) is left alone."""
+        if self.mode is not Mode.ROUNDS or self.adaptive or self.poisson:
+            return None
+        ids = units["ids"]
+        taking = torch.arange(int(ids.shape[0]), device=ids.device)
+        if self.cycle > 1:
+            taking = taking[self.cohort_of(ids) == round % self.cycle]
+        x, y = units["x"][taking].to(self.dtype), units["y"][taking].to(self.dtype)
+        ok = torch.ones(int(taking.shape[0]), dtype=torch.bool, device=ids.device)
+        if not math.isinf(self.proj_g) and x.shape[0]:
+            L = x.shape[-2] - 1
+            context = x[..., :L, :]
+            scale = linalg.pow2_scale(context, 2)
+            yc = linalg.clip_scalar(y[..., :L], self.clip_c)
+            s_vec = (yc.unsqueeze(-1) * (context / scale[..., None, None])).sum(-2) / L
+            ok = linalg.trusted_rows(s_vec) & linalg.trusted_rows(x[..., L, :])  # directions: as alone
+        part = {"x": units["x"][taking[ok]], "y": units["y"][taking[ok]]}
+        z, yq, wa, wb = self.features(part)
+        gamma = linalg.clip_vectors(broadcast["gamma"].to(z.device, self.dtype), self.proj_r)
+        grad = unit_gradients(gamma, z, yq, wa, wb)
+        return UnitStatistics(ids[taking[ok]], {"grad": grad}, taking[~ok])
 
     def scaled_gradients(
         self,

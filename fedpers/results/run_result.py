@@ -66,6 +66,10 @@ def _str(v: Any) -> Any:
     return v if isinstance(v, str) else _NOT
 
 
+def _int(v: Any) -> Any:
+    return v if isinstance(v, int) and not isinstance(v, bool) else _NOT
+
+
 def _strs(v: Any) -> Any:
     return tuple(v) if isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v) else _NOT
 
@@ -137,6 +141,12 @@ class Privacy:
     accountant: str | None = None
     neighbouring: str | None = None
     calibration: str | None = None
+    dp_model: str | None = None
+    """Who added the noise: central (the server), distributed (the nodes' Skellam shares), local (each unit)."""
+    bits: int | None = None
+    """Distributed DP: the bits of the modular sum."""
+    composition: str | None = None
+    """How the releases were composed into the reported (ε, δ)."""
     noise_multiplier: float | None = None
     noise_std: float | None = None
     sensitivity: float | None = None
@@ -156,6 +166,9 @@ class Privacy:
         "accountant": _str,
         "neighbouring": _str,
         "calibration": _str,
+        "dp_model": _str,
+        "bits": _int,
+        "composition": _str,
         "noise_multiplier": _float,
         "noise_std": _float,
         "sensitivity": _float,

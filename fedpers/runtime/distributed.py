@@ -1,10 +1,12 @@
 """The local runtime under distributed or local DP: nodes simulated exactly, without the cryptography.
 
 Units are split over the nodes as the Flower runtime splits them (:func:`unit_ranges`). In each
-round every node computes each of its units' contribution (``client_message`` on that unit
-alone), encodes them with :mod:`fedpers.privacy.distributed` (distributed: scaled, rotated,
-conditionally rounded, summed, its Skellam share added, reduced mod 2^b; local: each unit's own
-Gaussian added) and the vectors are summed as secure aggregation would (mod 2^b). The server
+round every node computes each of its units' own contribution, a chunk of units at a time
+(:meth:`~fedpers.protocols.base.Protocol.unit_statistics`, batched, where the protocol provides it;
+else ``client_message`` on each unit alone), encodes them with :mod:`fedpers.privacy.distributed`
+(distributed: scaled, rotated, conditionally rounded, summed, its Skellam share added, reduced mod
+2^b; local: each unit's own Gaussian added) and the vectors are summed as secure aggregation would
+(mod 2^b). The server
 decodes the sum and hands it to the protocol's ``server_update`` through the
 :class:`~fedpers.privacy.distributed.NodeSidePrivatizer`, which records the release. Modular
 wraps (known here only because the simulation also holds the unreduced integer sum) are counted
@@ -16,23 +18,25 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from fedpers import linalg, pools
 from fedpers.config import DpModel
 from fedpers.configs.runtime import RuntimeOptions
 from fedpers.data.units import UnitSource
 from fedpers.privacy import distributed as dist
 from fedpers.privacy import secagg
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, client_message
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, unit_contributions
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
 from fedpers.runtime.flower.partition import unit_ranges
 
 Tensor = torch.Tensor
+_T = TypeVar("_T")
 
 
 def dropouts(rate: float, seed: int) -> Callable[[int, int], bool]:
@@ -75,80 +79,203 @@ def stat_shapes(protocol: Protocol) -> list[dist.StatShape]:
     ]
 
 
-def psd_part(matrix: Tensor) -> Tensor:
-    """A unit's contribution declared PSD, projected onto the PSD cone in float64 (negative eigenvalues
-    set to 0): a no-op up to rounding for the protocol's statistics (PSD by construction), and what keeps
-    the √2 bound's premise exact for float32 statistics and for any bug. The projection never raises
-    the Frobenius norm, so the unit stays within its bound."""
-    m = matrix.detach().to(device="cpu", dtype=torch.float64)
-    if m.numel() == 0 or not bool(torch.isfinite(m).all()):
+PSD_SLACK = 1e-12
+"""A unit's declared-PSD matrix passes as it is when it plus ``PSD_SLACK``·‖A‖_F·I has a Cholesky factor:
+its eigenvalues are ≥ −(1e-12 + 5e-15)·‖A‖_F, which moves the inner product of two units' triangles by
+< 1e-11·√n·‖A‖‖A'‖ — far inside the (1 + 1e-9) the tightened Δ₂ allows (:attr:`StatEncoding.l2_sensitivity`)."""
+
+
+def psd_rows(matrices: Tensor) -> Tensor:
+    """(U, n, n) finite units' contributions declared PSD → (U, n, n) float64, each the symmetric matrix of
+    its upper triangle (what is encoded), PSD to within :data:`PSD_SLACK`: a batched Cholesky check, and
+    the units it fails (none, for the protocol's statistics: PSD by construction) projected onto the PSD
+    cone (negative eigenvalues set to 0), which never raises the Frobenius norm, so a unit stays within
+    its bound. What keeps the √2 bound's premise for float32 statistics and for any bug."""
+    m = matrices.detach().to(device="cpu", dtype=torch.float64)
+    if m.numel() == 0:
         return m
-    lam, vec = torch.linalg.eigh((m + m.T) / 2)
-    return (vec * lam.clamp_min(0.0)) @ vec.T
+    n = m.shape[-1]
+    upper = torch.ones(n, n, dtype=torch.bool).triu()
+    m = torch.where(upper, m, m.transpose(1, 2))
+    shifted = m.clone()
+    shifted.diagonal(dim1=1, dim2=2).add_((PSD_SLACK * torch.linalg.matrix_norm(m)).unsqueeze(1))
+    fails = (torch.linalg.cholesky_ex(shifted).info != 0).nonzero().squeeze(1)
+    if fails.numel():
+        lam, vec = torch.linalg.eigh(m[fails])
+        m[fails] = (vec * lam.clamp_min(0.0).unsqueeze(1)) @ vec.transpose(1, 2)
+    return m
 
 
 def unit_rows(
     protocol: Protocol,
     round: int,
     broadcast: Mapping[str, Tensor],
-    parts: Any,
+    part: Units,
     members: Tensor,
     specs: Sequence[StatSpec],
-) -> tuple[dict[str, Tensor], list[int], int, int]:
-    """One node's per-unit contributions, (U, d) float64 per statistic (units of ``members`` only,
-    those taking part in the round), the units' ids (one per row), the unit count and the zeroed count."""
-    rows: dict[str, list[Tensor]] = {s.name: [] for s in specs}
+    *,
+    batched: bool = True,
+) -> tuple[dict[str, Tensor], Tensor, int]:
+    """One chunk's per-unit contributions of the units in ``members`` (sorted ids) that take part in the round, (U, d)
+    float64 per statistic (flattened as encoded; a PSD statistic's units by :func:`psd_rows`), their ids
+    (U,) and how many were zeroed (:func:`~fedpers.protocols.base.unit_contributions`; ``batched`` False:
+    ``client_update`` unit by unit, the reference)."""
+    ids = part["ids"].cpu()
+    at = torch.searchsorted(members, ids).clamp_(max=max(int(members.numel()) - 1, 0))
+    inside = members[at] == ids if members.numel() else torch.zeros_like(ids, dtype=torch.bool)
+    if not bool(inside.all()):
+        part = {k: v[inside.to(v.device)] for k, v in part.items()}
+    if int(part["ids"].shape[0]) == 0:
+        return (
+            {s.name: torch.zeros(0, dist.flat_dim(s.shape, s.symmetric)) for s in specs},
+            torch.zeros(0, dtype=torch.int64),
+            0,
+        )
+    got, zeroed = unit_contributions(protocol, round, broadcast, part, batched=batched)
     psd = set(declared(protocol).psd_statistics)
-    ids: list[int] = []
-    counts = [0, 0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one unit's statistics are tiny: threads only add their start-up, on a busy machine 10×
-    try:
-        for part in parts:
-            inside = torch.isin(part["ids"].cpu(), members)
-            for i in inside.nonzero().squeeze(1).tolist():
-                one: Units = {k: v[i : i + 1] for k, v in part.items()}
-                msg = client_message(protocol, round, broadcast, one)
-                if msg.count == 0:
-                    continue
-                ids.append(int(part["ids"][i]))
-                counts[0], counts[1] = counts[0] + msg.count, counts[1] + msg.zeroed
-                for s in specs:
-                    value = psd_part(msg.stats[s.name]) if s.name in psd else msg.stats[s.name]
-                    rows[s.name].append(dist.flatten(value.unsqueeze(0), s.shape, s.symmetric))
-    finally:
-        torch.set_num_threads(threads)
-    out = {
-        s.name: torch.cat(rows[s.name]) if rows[s.name] else torch.zeros(0, dist.flat_dim(s.shape, s.symmetric))
+    rows = {
+        s.name: dist.flatten(psd_rows(got.stats[s.name]) if s.name in psd else got.stats[s.name], s.shape, s.symmetric)
         for s in specs
     }
-    return out, ids, counts[0], counts[1]
+    return rows, got.ids.cpu(), zeroed
 
 
-def node_vectors(
-    rows: Mapping[str, Tensor],
-    ids: Sequence[int],
-    specs: Sequence[StatSpec],
-    privatizer: dist.NodeSidePrivatizer,
-    round: int,
-    generator: torch.Generator,
+def encode_rows(
+    rows: Mapping[str, Tensor], ids: Tensor, specs: Sequence[StatSpec], privatizer: dist.NodeSidePrivatizer, round: int
 ) -> dict[str, Tensor]:
-    """What one node sends for each statistic: distributed, its integer sum plus its noise share
-    (not yet reduced: the simulation counts wraps); local, its units' noisy sum. Each unit is rounded
-    with its own generator (:func:`~fedpers.privacy.distributed.unit_generator`), so replacing one unit
-    moves only that unit's rounded vector; the node's noise share comes from ``generator``."""
+    """What a batch of one node's units adds to its vectors: distributed, the sum of their scaled, rotated,
+    conditionally rounded rows (int64); local, the sum of their rows each with its own Gaussian. Each unit
+    draws from its own key (:func:`~fedpers.privacy.distributed.unit_keys`, OS entropy with ``secure``),
+    so replacing one unit moves only that unit's encoded row, and a unit's draws do not depend on the
+    chunk or node it is computed in."""
     plan = privatizer.plan
     out = {}
     for s in specs:
         enc = plan.encodings[s.name]
         if plan.model == dist.DpModel.DISTRIBUTED:
-            units = [dist.unit_generator(privatizer.noise_seed, round, s.name, u, privatizer.secure) for u in ids]
-            out[s.name] = dist.encode_units(rows[s.name], enc, units) + dist.noise_share(enc, plan.min_nodes, generator)
+            draws = dist.unit_randomness(privatizer.noise_seed, round, s.name, ids, privatizer.secure)
+            out[s.name] = dist.encode_units(rows[s.name], enc, draws)
         else:
-            out[s.name] = dist.local_gaussian(
-                rows[s.name], plan.noise_multiplier * enc.bound, generator, privatizer.secure
-            )
+            draws = dist.unit_randomness(privatizer.noise_seed, round, s.name, ids, privatizer.secure, "noise")
+            out[s.name] = dist.local_gaussian(rows[s.name], plan.noise_multiplier * enc.bound, draws, privatizer.secure)
     return out
+
+
+def node_vectors(
+    encoded: Mapping[str, Tensor],
+    specs: Sequence[StatSpec],
+    privatizer: dist.NodeSidePrivatizer,
+    round: int,
+    generator: torch.Generator,
+) -> dict[str, Tensor]:
+    """What one node sends for each statistic, from its units' :func:`encode_rows` summed: distributed,
+    plus its noise share from ``generator`` (not yet reduced: the simulation counts wraps); local, as is."""
+    plan = privatizer.plan
+    if plan.model != dist.DpModel.DISTRIBUTED:
+        return dict(encoded)
+    return {s.name: encoded[s.name] + dist.noise_share(plan.encodings[s.name], plan.honest, generator) for s in specs}
+
+
+SHARE_UNITS = 256
+"""Fewest units per share of a chunk in :func:`in_shares`."""
+
+
+def in_shares(work: Callable[[Units], _T], units: Units) -> list[_T]:
+    """``work`` on up to :data:`~fedpers.linalg.KRON_STREAMS` contiguous shares of ``units`` (at least
+    :data:`SHARE_UNITS` each), each on a pool thread with torch single-threaded, results in the shares'
+    order. A node's per-unit work is many ops on a chunk that threads split and then wait for (on a busy
+    2-core machine one unscheduled thread stalls every op: a chunk's hashing measured 1.4–95 ms threaded,
+    2.6–9.7 ms on one thread); the split depends on the chunk's size alone, so every path sums the same
+    shares in the same order."""
+    n = int(units["ids"].shape[0])
+    parts = max(1, min(linalg.KRON_STREAMS, linalg.thread_budget(), n // SHARE_UNITS))
+    bounds = [n * i // parts for i in range(parts + 1)]
+
+    def one(i: int) -> _T:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return work({k: v[bounds[i] : bounds[i + 1]] for k, v in units.items()})
+        finally:
+            torch.set_num_threads(threads)
+
+    if parts == 1:
+        return [one(0)]
+    return list(pools.pool(parts).map(one, range(parts)))
+
+
+class NodeEncoder:
+    """One node's round, its units added a part at a time (:meth:`add`), then its message (:meth:`message`):
+    each unit's own contribution (:func:`unit_rows`) encoded (:func:`encode_rows`) at most ``chunk_size``
+    units at a time in :func:`in_shares`, no more than a chunk of units' rows ever held, summed; the
+    node's noise share added last (:func:`node_vectors`). Every runtime's node goes through here."""
+
+    def __init__(
+        self,
+        protocol: Protocol,
+        round: int,
+        broadcast: Mapping[str, Tensor],
+        privatizer: dist.NodeSidePrivatizer,
+        node: int,
+        members: Tensor,
+        *,
+        batched: bool = True,
+        chunk_size: int = 4096,
+    ) -> None:
+        self.protocol, self.round, self.broadcast, self.privatizer = protocol, round, broadcast, privatizer
+        self.node, self.members, self.batched, self.chunk_size = node, members, batched, chunk_size
+        self.specs = protocol.stat_specs(round)
+        distributed = privatizer.plan.model == dist.DpModel.DISTRIBUTED
+        self.total: dict[str, Tensor] = {
+            s.name: torch.zeros(
+                privatizer.plan.encodings[s.name].padded if distributed else dist.flat_dim(s.shape, s.symmetric),
+                dtype=torch.int64 if distributed else torch.float64,
+            )
+            for s in self.specs
+        }
+        self.count = self.zeroed = 0
+
+    def _encoded(self, piece: Units) -> tuple[dict[str, Tensor], int, int]:
+        rows, ids, zr = unit_rows(
+            self.protocol, self.round, self.broadcast, piece, self.members, self.specs, batched=self.batched
+        )
+        if ids.numel() == 0:
+            return {}, 0, 0
+        return encode_rows(rows, ids, self.specs, self.privatizer, self.round), int(ids.numel()), zr
+
+    def add(self, part: Units) -> None:
+        """Add the units of ``part`` that are this node's ``members`` and take part in the round."""
+        for start in range(0, int(part["ids"].shape[0]), self.chunk_size):
+            piece = {k: v[start : start + self.chunk_size] for k, v in part.items()}
+            for values, c, zr in in_shares(self._encoded, piece):
+                for name, value in values.items():
+                    self.total[name] += value
+                self.count, self.zeroed = self.count + c, self.zeroed + zr
+
+    def message(self) -> Message:
+        """The node's vectors (not yet reduced mod 2^b), its unit count and zeroed count."""
+        p = self.privatizer
+        generator = dist.node_generator(p.noise_seed, self.round, self.node, p.secure)
+        return Message(node_vectors(self.total, self.specs, p, self.round, generator), self.count, self.zeroed)
+
+
+def encode_node(
+    protocol: Protocol,
+    round: int,
+    broadcast: Mapping[str, Tensor],
+    parts: Iterable[Units],
+    members: Tensor,
+    privatizer: dist.NodeSidePrivatizer,
+    node: int,
+    *,
+    batched: bool = True,
+    chunk_size: int = 4096,
+) -> Message:
+    """One node's message of a round from its ``parts`` (:class:`NodeEncoder`)."""
+    encoder = NodeEncoder(protocol, round, broadcast, privatizer, node, members, batched=batched, chunk_size=chunk_size)
+    for part in parts:
+        encoder.add(part)
+    return encoder.message()
 
 
 @dataclass
@@ -177,27 +304,42 @@ def node_round(
     survive: Callable[[int, int], bool] | None = None,
     aggregate: Aggregate | None = None,
     observe: Observe | None = None,
+    batched: bool = True,
 ) -> RoundSums:
     """One round: every surviving node's vectors, their (secure) modular sum, decoded. ``observe``:
-    handed each statistic's node vectors under local DP (what the server sees of them)."""
+    handed each statistic's node vectors under local DP (what the server sees of them); ``batched``
+    False: each unit's contribution by ``client_update`` on it alone (the reference path)."""
     plan = privatizer.plan
     ids, samples = protocol.units_needed(round, broadcast)
     specs = protocol.stat_specs(round)
-    sent: list[dict[str, Tensor]] = []
-    nodes: list[int] = []
-    count = zeroed = 0
+    encoders: list[NodeEncoder] = []
+    spans = []
     for node, span in enumerate(unit_ranges(source.num_units, plan.nodes, plan.users_per_node)):
+        if survive is not None and not survive(round, node):
+            continue
         members = torch.arange(span.start, span.stop)
         if ids is not None:
             members = members[torch.isin(members, ids.cpu())]
-        if survive is not None and not survive(round, node):
-            continue
-        parts = source.needed_chunks(chunk_size, members, samples) if members.numel() else []
-        rows, unit_ids, c, zr = unit_rows(protocol, round, broadcast, parts, members, specs)
-        generator = dist.node_generator(privatizer.noise_seed, round, node, privatizer.secure)
-        sent.append(node_vectors(rows, unit_ids, specs, privatizer, round, generator))
-        nodes.append(node)
-        count, zeroed = count + c, zeroed + zr
+        encoders.append(
+            NodeEncoder(protocol, round, broadcast, privatizer, node, members, batched=batched, chunk_size=chunk_size)
+        )
+        spans.append(span)
+    # one pass over the round's units, as a central round reads them (the source draws each chunk once and
+    # the next one ahead), each chunk's units routed to the nodes whose ranges hold them
+    needed = [e.members for e in encoders]
+    wanted = None if ids is None and len(encoders) == plan.nodes else torch.cat(needed) if needed else None
+    if wanted is None or wanted.numel():
+        bounds = torch.tensor([[span.start, span.stop] for span in spans], dtype=torch.int64).reshape(-1, 2)
+        for part in source.needed_chunks(chunk_size, wanted, samples):
+            part_ids = part["ids"].cpu()  # ascending, as every source yields them
+            at = torch.searchsorted(part_ids, bounds).tolist()
+            for encoder, (lo, hi) in zip(encoders, at, strict=True):
+                if hi > lo:
+                    encoder.add({k: v[lo:hi] for k, v in part.items()})
+    messages = [e.message() for e in encoders]
+    sent = [m.stats for m in messages]
+    nodes = [e.node for e in encoders]
+    count, zeroed = sum(m.count for m in messages), sum(m.zeroed for m in messages)
     if len(sent) < plan.min_nodes:
         raise RoundFailed(
             f"round {round}: {len(sent)} of {plan.nodes} nodes survived, below min_nodes={plan.min_nodes}; "
@@ -260,12 +402,14 @@ def run_local_nodes(
     survive: Callable[[int, int], bool] | None = None,
     aggregate: Aggregate | None = None,
     observe: Observe | None = None,
+    batched: bool = True,
 ) -> tuple[Any, list[RoundRecord]]:
     """Run ``protocol`` with ``privatizer.plan``'s nodes simulated. ``survive(round, node)``: whether
     a node's reply reaches the server (default: all do); a round with fewer than ``min_nodes``
     survivors is discarded before any release (:class:`RoundFailed`). ``aggregate``: how the nodes'
     reduced vectors are summed mod 2^b (default: in the clear, the simulation; :func:`secagg_aggregate`
-    runs real SecAgg+ over them and must give the same sum); ``observe``: see :data:`Observe`."""
+    runs real SecAgg+ over them and must give the same sum); ``observe``: see :data:`Observe`; ``batched``
+    False: each unit's contribution by ``client_update`` on it alone (the reference path, for tests)."""
     source = UnitSource.of(units)
     n = source.num_units
     if survive is None and privatizer.dropout > 0:
@@ -283,6 +427,7 @@ def run_local_nodes(
             survive=survive,
             aggregate=aggregate,
             observe=observe,
+            batched=batched,
         )
         for name, value in got.stats.items():
             privatizer.arrived(value, name, got.survivors, got.count)
@@ -351,6 +496,7 @@ def node_side_privatizer(
         calibration=calibrations.asked[0] if calibrations.asked and z > 0 else None,
         central_z=z,
         users_per_node=options.users_per_node,
+        collusion=options.collusion,
         release_ratio=z / next(iter(calibrations.table.values())) if len(calibrations.table) == 1 and z > 0 else 1.0,
     )
     privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)

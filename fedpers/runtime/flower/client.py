@@ -312,7 +312,7 @@ def _train(
             )
     config = json.loads(job.config_json)
     if policy is not None:
-        check_trust(policy, trust.dp_model, trust.min_nodes)
+        check_trust(policy, trust.dp_model, trust.min_nodes, trust.collusion)
         if node_side and settings.noise_seed is not None and policy.require_secure_noise:
             raise PolicyRefused(
                 "require-secure-noise", "this node's own configuration seeds its noise, which its lab policy forbids"

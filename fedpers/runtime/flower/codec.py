@@ -83,15 +83,23 @@ class Trust:
     min_nodes: int = 0
     bits: int = 0
     users_per_node: int = 0
+    collusion: int = 0
+    """Nodes that may collude with the server: shares sized for min_nodes − collusion honest survivors."""
 
     def __post_init__(self) -> None:
         if self.dp_model not in TRUST_MODELS:
             raise ValueError(f"trust model {self.dp_model!r} is not one of {list(TRUST_MODELS)}")
-        numbers = (self.nodes, self.min_nodes, self.bits, self.users_per_node)
+        numbers = (self.nodes, self.min_nodes, self.bits, self.users_per_node, self.collusion)
         if not all(_is_int(n) and n >= 0 for n in numbers):
-            raise ValueError(f"trust: nodes, min_nodes, bits, users_per_node must be integers >= 0; got {numbers}")
+            raise ValueError(
+                f"trust: nodes, min_nodes, bits, users_per_node, collusion must be integers >= 0; got {numbers}"
+            )
         if self.dp_model != "central" and not 1 <= self.min_nodes <= self.nodes:
             raise ValueError(f"trust: min_nodes must be in [1, nodes={self.nodes}]; got {self.min_nodes}")
+        if self.collusion and not (self.dp_model == "distributed" and self.collusion < self.min_nodes):
+            raise ValueError(
+                f"trust: collusion must be in [0, min_nodes={self.min_nodes}) under distributed DP; got {self.collusion}"
+            )
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -103,7 +111,10 @@ class Trust:
         if model == "central":
             return Trust()
         nodes = int(options.nodes)
-        return Trust(model, nodes, int(options.min_nodes) or nodes, int(options.bits), int(options.users_per_node))
+        collusion = int(getattr(options, "collusion", 0))
+        return Trust(
+            model, nodes, int(options.min_nodes) or nodes, int(options.bits), int(options.users_per_node), collusion
+        )
 
 
 @dataclass(frozen=True)

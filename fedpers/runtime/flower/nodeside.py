@@ -6,8 +6,8 @@ The run's trust model (dp_model, nodes, min_nodes, bits) is part of the job ever
 bits) from the job itself and refuses a task whose plan differs (:func:`check_plan`); it never takes
 its noise from a message: in a deployment it draws from its own OS entropy, and only the simulation's
 ClientApp, built by the lab that runs both sides, may seed it (:class:`NodeSettings`). It computes each
-of its units' contribution alone, encodes them exactly as the local runtime's simulated nodes do
-(:func:`fedpers.runtime.distributed.node_vectors`: distributed, scaled, rotated, conditionally rounded,
+of its units' own contribution, encodes them exactly as the local runtime's simulated nodes do
+(:func:`fedpers.runtime.distributed.encode_node`: distributed, scaled, rotated, conditionally rounded,
 summed, its Skellam share added, reduced mod 2^b; local, each unit's own Gaussian added) and replies
 with that vector only. The server sums the vectors (mod 2^b), decodes the sum and hands it to the
 protocol through the :class:`~fedpers.privacy.distributed.NodeSidePrivatizer`, which records the release.
@@ -160,10 +160,10 @@ def node_message(
     settings: NodeSettings,
 ) -> Message:
     """Node side: this node's vector per statistic (distributed: int64 mod 2^b, still to be masked; local:
-    its units' noisy sum), computed unit by unit as :func:`fedpers.runtime.distributed.node_round` does,
-    from the plan the node derived and with noise from its own settings (OS entropy unless its own config
-    seeds it)."""
-    from fedpers.runtime.distributed import node_vectors, unit_rows
+    its units' noisy sum), each unit's contribution encoded on its own as the local runtime's nodes do
+    (:func:`fedpers.runtime.distributed.encode_node`), from the plan the node derived and with noise from
+    its own settings (OS entropy unless its own config seeds it)."""
+    from fedpers.runtime.distributed import encode_node
 
     secure = settings.noise_seed is None
     seed = 0 if settings.noise_seed is None else int(settings.noise_seed)
@@ -176,13 +176,11 @@ def node_message(
     members = torch.arange(start, stop)
     if ids is not None:
         members = members[torch.isin(members, ids.cpu())]
-    specs = protocol.stat_specs(round)
-    rows, unit_ids, count, zeroed = unit_rows(protocol, round, broadcast, [units], members, specs)
-    generator = dist.node_generator(seed, round, partition, secure)
-    vectors = node_vectors(rows, unit_ids, specs, privatizer, round, generator)
+    message = encode_node(protocol, round, broadcast, [units], members, privatizer, partition)
     if plan.model is DpModel.DISTRIBUTED:
-        vectors = {k: dist.modular(v, plan.encodings[k].bits) for k, v in vectors.items()}
-    return Message(vectors, count, zeroed)
+        reduced = {k: dist.modular(v, plan.encodings[k].bits) for k, v in message.stats.items()}
+        return Message(reduced, message.count, message.zeroed)
+    return message
 
 
 # ----- broadcasts follow from releases -------------------------------------------------------------

@@ -17,6 +17,8 @@ not the submitter's::
     trust-model = "distributed"       # nodes: the weakest trust model their users accept (central <
                                       # distributed < local; default central)
     min-nodes = 3                     # nodes: the fewest survivors a distributed plan may size shares for
+    collusion = 1                     # nodes: the fewest colluding nodes a distributed plan's shares tolerate
+                                      # (default 0)
     bits = [16, 20, 24, 32]           # nodes: the bits of a distributed plan they accept (default: any)
 
 Runs compose by basic composition (ε and δ add up): a user's spent budget is the sum of the
@@ -56,6 +58,7 @@ _KEYS = (
     "max-seconds",
     "trust-model",
     "min-nodes",
+    "collusion",
     "bits",
 )
 TRUST_MODELS = ("central", "distributed", "local")
@@ -92,6 +95,9 @@ class Policy:
     the noise on each node's share the server could learn with fewer colluders)."""
     bits: tuple[int, ...] = ()
     """The bits of a distributed plan this node accepts (empty: any)."""
+    collusion: int = 0
+    """The fewest colluding nodes a distributed plan's noise shares must tolerate (shares sized for
+    min_nodes − collusion honest survivors)."""
 
     def __post_init__(self) -> None:
         if not self.federation or not self.federation.replace("-", "").replace("_", "").isalnum():
@@ -114,6 +120,8 @@ class Policy:
             raise ValueError(f"policy trust-model must be one of {list(TRUST_MODELS)}; got {self.trust_model!r}")
         if self.min_nodes < 1:
             raise ValueError(f"policy min-nodes must be an integer >= 1; got {self.min_nodes}")
+        if not (isinstance(self.collusion, int) and self.collusion >= 0):
+            raise ValueError(f"policy collusion must be an integer >= 0; got {self.collusion}")
         if not all(4 <= b <= 32 for b in self.bits):
             raise ValueError(f"policy bits must list integers in [4, 32]; got {list(self.bits)}")
 
@@ -146,6 +154,7 @@ def load_policy(path: str | Path) -> Policy:
         ("ledger", str),
         ("trust-model", str),
         ("min-nodes", int),
+        ("collusion", int),
     ):
         if key in raw and (not isinstance(raw[key], kind) or (kind is int and isinstance(raw[key], bool))):
             raise ValueError(f"policy {key} has the wrong type: {raw[key]!r}")
@@ -162,6 +171,7 @@ def load_policy(path: str | Path) -> Policy:
         max_seconds=float(raw.get("max-seconds", 86400.0)),
         trust_model=raw.get("trust-model", "central"),
         min_nodes=raw.get("min-nodes", 1),
+        collusion=raw.get("collusion", 0),
         bits=tuple(bits),
     )
 
@@ -225,7 +235,7 @@ def check_task(policy: Policy, algorithm: str, config: Mapping[str, Any], units:
         )
 
 
-def check_trust(policy: Policy, dp_model: str, min_nodes: int) -> None:
+def check_trust(policy: Policy, dp_model: str, min_nodes: int, collusion: int = 0) -> None:
     """A node's check of the run's trust model (the job's, pinned for the run) against its own policy, before
     any computation: a model weaker than the one its users require, or a distributed plan sized for fewer
     survivors than its ``min-nodes``, is refused."""
@@ -240,6 +250,12 @@ def check_trust(policy: Policy, dp_model: str, min_nodes: int) -> None:
             "min-nodes",
             f"the run's noise shares are sized for min_nodes={min_nodes} survivors; this node accepts no fewer "
             f"than {policy.min_nodes}",
+        )
+    if dp_model == "distributed" and collusion < policy.collusion:
+        raise PolicyRefused(
+            "collusion",
+            f"the run's noise shares tolerate collusion={collusion} nodes colluding with the server; this node "
+            f"requires at least {policy.collusion}",
         )
 
 

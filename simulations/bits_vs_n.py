@@ -1,0 +1,148 @@
+"""Bits of the modular sum as a function of n (docs/privacy.md, "Bits as a function of n, d, ε"): AltMin under
+distributed DP with the bits chosen automatically (``--bits 0``) and at fixed 12, 16 and 20 bits, against
+central, at each n, the median subspace error over seeds and its ratio to central's.
+
+    PYTHONPATH=$PWD python simulations/bits_vs_n.py run [--users 1000 10000 100000] [--seeds 3]
+    PYTHONPATH=$PWD python simulations/bits_vs_n.py draw     # docs/figures/bits_vs_n.png and the table
+
+``run`` appends one JSON line per run to docs/data/bits_vs_n_runs.jsonl (a refused run records its reason:
+too few bits for n is refused before any release); ``draw`` reads that file only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data" / "bits_vs_n_runs.jsonl"
+FIGURE = ROOT / "docs" / "figures" / "bits_vs_n.png"
+BASE = {"dim": 10, "rank": 2, "samples_per_user": 16, "rounds": 2, "epsilon": 2.0, "baselines": "none"}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "central": {"dp_model": "central"},
+    "auto": {"dp_model": "distributed", "nodes": 8, "bits": 0},
+    "12 bits": {"dp_model": "distributed", "nodes": 8, "bits": 12},
+    "16 bits": {"dp_model": "distributed", "nodes": 8, "bits": 16},
+    "20 bits": {"dp_model": "distributed", "nodes": 8, "bits": 20},
+}
+
+
+def run(users: list[int], seeds: int) -> None:
+    from fedpers import config
+    from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runner import execute
+
+    exp = EXPERIMENTS["altmin"]
+    DATA.parent.mkdir(parents=True, exist_ok=True)
+    for n in users:
+        for seed in range(seeds):
+            for name, options in VARIANTS.items():
+                cfg = config.build(exp.config_type, {**BASE, "n_users": n, "seed": seed})
+                row: dict[str, Any] = {"n_users": n, "seed": seed, "variant": name, **BASE}
+                try:
+                    r = execute(exp, cfg, config.build(RuntimeOptions, options), write=False, progress=False)
+                except ValueError as e:  # refused before any release (too few bits for n)
+                    row["refused"] = str(e)
+                else:
+                    priv = r["privacy"]
+                    row.update(
+                        subspace_error=r["subspace_error"],
+                        epsilon_spent=r["epsilon"],
+                        bits=priv.get("bits"),
+                        modular_wraps=r.get("modular_wraps", 0),
+                        seconds=r.get("seconds"),
+                    )
+                with DATA.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+
+
+def table(rows: list[dict[str, Any]]) -> tuple[list[int], dict[str, dict[int, Any]], dict[int, list[int]]]:
+    """(users, median error per variant and n or the refusal, the auto choice's bits per n)."""
+    users = sorted({r["n_users"] for r in rows})
+    med: dict[str, dict[int, Any]] = {v: {} for v in VARIANTS}
+    auto_bits: dict[int, list[int]] = {}
+    for v in VARIANTS:
+        for n in users:
+            group = [r for r in rows if r["variant"] == v and r["n_users"] == n]
+            done = [r["subspace_error"] for r in group if "subspace_error" in r]
+            if done:
+                med[v][n] = (statistics.median(done), len(done))
+            elif group:
+                med[v][n] = "refused"
+            if v == "auto":
+                auto_bits[n] = sorted({r["bits"] for r in group if r.get("bits") is not None})
+    return users, med, auto_bits
+
+
+def draw() -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    users, med, auto_bits = table(rows)
+    lines = [
+        "| n | auto bits | " + " | ".join(f"{v} error (×central)" for v in VARIANTS if v != "central") + " | central error |",
+        "|---|---|" + "---|" * (len(VARIANTS) - 1) + "---|",
+    ]
+    for n in users:
+        central = med["central"].get(n)
+        cells = []
+        for v in VARIANTS:
+            if v == "central":
+                continue
+            got = med[v].get(n)
+            if got == "refused":
+                cells.append("refused")
+            elif got is None or not isinstance(central, tuple):
+                cells.append("-")
+            else:
+                cells.append(f"{got[0]:.4g} ({got[0] / central[0]:.3f}×, {got[1]} seeds)")
+        c = f"{central[0]:.4g} ({central[1]} seeds)" if isinstance(central, tuple) else "-"
+        lines.append(f"| {n:,} | {'/'.join(map(str, auto_bits.get(n, []))) or '-'} | " + " | ".join(cells) + f" | {c} |")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(users, [max(auto_bits.get(n, [0]) or [0]) for n in users], "o-")
+    a.set_xscale("log")
+    a.set_xlabel("users n")
+    a.set_ylabel("bits chosen (--bits 0)")
+    a.set_title("automatic bits vs n (d = 10, k = 2, ε = 2)")
+    for v in VARIANTS:
+        xs = [n for n in users if isinstance(med[v].get(n), tuple) and isinstance(med["central"].get(n), tuple)]
+        ys = [med[v][n][0] / med["central"][n][0] for n in xs]
+        if xs and v != "central":
+            b.plot(xs, ys, "o-", label=v)
+    b.axhline(1.1, color="grey", ls="--", lw=0.8, label="1.1 × central")
+    b.set_xscale("log")
+    b.set_yscale("log")
+    b.set_xlabel("users n")
+    b.set_ylabel("median subspace error / central's")
+    b.set_title("distributed error against central")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    FIGURE.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(FIGURE, dpi=120)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--users", type=int, nargs="+", default=[1000, 10000, 100000])
+    r.add_argument("--seeds", type=int, default=3)
+    sub.add_parser("draw")
+    a = ap.parse_args()
+    if a.cmd == "run":
+        run(a.users, a.seeds)
+    else:
+        print(draw())
+
+
+if __name__ == "__main__":
+    main()
