@@ -33,6 +33,13 @@ Accounting is PLD by default everywhere (``DEFAULT_ACCOUNTANT``); a flag asks fo
 DEFAULT_ACCOUNTANT = "pld"
 """The default accountant of every algorithm that offers a choice (exact for Gaussian mechanisms)."""
 
+
+class PreconditionFailed(RuntimeError):
+    """A precondition of a run's privacy guarantee that only the data decide failed, so the release
+    it guards was not made: the run fails (``fedpers`` exits 3) instead of publishing a result
+    without its DP claim. One the declared values decide is refused before any work (ValueError)."""
+
+
 MAX_EPSILON = 100.0
 """Largest finite ε a run accepts: beyond it no meaningful guarantee remains, and the PLD
 accountant's discretisation of the tiny noise it calibrates takes minutes (ε = 300: 55 s and

@@ -18,6 +18,7 @@ from fedpers.commands.parsers import (
     out_directory,
     run_settings,
 )
+from fedpers.config import PreconditionFailed
 
 if TYPE_CHECKING:
     from fedpers.results.run_result import RunResult
@@ -729,6 +730,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
+    except PreconditionFailed as e:  # decided on the data after work began: a failure, never a result
+        print(f"fedpers: failed: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (:func:`_terminate`): the records are written by now
         by = str(e) or "Ctrl-C"
         print(

@@ -2,47 +2,23 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import dp_accounting
 import torch
 
 from fedpers import linalg, memory
-from fedpers.configs.dpattention import DpAttentionConfig
+from fedpers.configs.dpattention import DpAttentionConfig, data_norm, theorem_params
 from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
-from fedpers.privacy import Calibrations, DpCovarianceParams, Ledger, ledger_epsilon
-from fedpers.privacy.mechanisms import dp_covariance_min_k
+from fedpers.privacy import Calibrations, Ledger, ledger_epsilon
 from fedpers.protocols.base import State
 from fedpers.protocols.dpattention import DpAttentionProtocol, attention_matrix, entrywise_max_norm
 
 Tensor = torch.Tensor
 
 
-def data_norm(cfg: DpAttentionConfig) -> float:
-    """The synthetic columns' norm: E[XXᵀ] = d·norm²/n·I = s·I."""
-    return math.sqrt(cfg.data_scale * cfg.rows / cfg.columns)
-
-
-def params(cfg: DpAttentionConfig) -> DpCovarianceParams:
-    alpha = cfg.alpha if cfg.alpha > 0 else data_norm(cfg)
-    eta = cfg.eta if cfg.eta > 0 else cfg.data_scale * max(0.0, 1 - math.sqrt(cfg.rows / cfg.columns)) ** 2 / 2
-    if eta <= 0:
-        raise ValueError(f"eta: the default needs columns > rows (got d={cfg.columns}, n={cfg.rows}); set --eta")
-    k = cfg.k if cfg.k > 0 else dp_covariance_min_k(cfg.rows, cfg.epsilon, cfg.gamma)
-    return DpCovarianceParams(
-        rows=cfg.rows,
-        columns=cfg.columns,
-        k=k,
-        epsilon=cfg.epsilon,
-        delta=cfg.delta,
-        alpha=alpha,
-        beta=cfg.beta,
-        eta=eta,
-        r=cfg.r,
-        gamma=cfg.gamma,
-    )
+params = theorem_params
+"""The theorem's parameters of a config (:func:`fedpers.configs.dpattention.theorem_params`)."""
 
 
 def load_units(cfg: DpAttentionConfig, ids: Tensor) -> dict[str, Tensor]:
@@ -75,8 +51,6 @@ class DpAttentionEvaluator(Evaluator):
             "rho": p.rho,
             "within_1_pm_rho": bool(float((eig_rel - 1).abs().max()) <= p.rho),
             "k": p.k,
-            "dp_claimed": bool(state["dp_claimed"]),
-            "refused_because": list(state["refused_because"]),
             "conditions": state["conditions"],
             "columns_clipped": self.columns_clipped,
             "baselines": {
@@ -102,7 +76,6 @@ class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
         "rho",
         "within_1_pm_rho",
         "k",
-        "dp_claimed",
         "columns_clipped",
     )
     config_type = DpAttentionConfig
@@ -136,14 +109,12 @@ class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
 
     def privacy_summary(self, cfg: DpAttentionConfig, protocol: DpAttentionProtocol, ledger: Ledger) -> dict[str, Any]:
         p = protocol.params
-        claimed = bool(len(ledger)) and not any(isinstance(r.event, dp_accounting.NonPrivateDpEvent) for r in ledger)
         return {
             "epsilon": ledger_epsilon(ledger, cfg.delta),
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": "pld (the (ε, δ) stated by Theorem 3.1)",
             "neighbouring": f"β-close column (one column moved by at most β = {cfg.beta:g})",
-            "dp_claimed": claimed,
             "mechanism": "DPCovariance: B = (1/k) Σ g gᵀ, g ~ N(0, A)",
             "k": p.k,
             "Delta": p.Delta,
