@@ -3,6 +3,7 @@ linear accuracies) and `fedpers compare` puts runs side by side."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -72,11 +73,15 @@ def test_compare_table_json_and_figure(runs: dict[str, Path], tmp_path: Path, ca
     assert rows["altmin"]["epsilon"] == pytest.approx(json.loads((runs["altmin"] / "result.json").read_text())["epsilon"])
     assert "accuracy" not in rows["altmin"] and rows["noisygd"]["accuracy"] >= 0.0
     assert rows["altmin"]["status"] == "completed" and (tmp_path / "c.png").stat().st_size > 0
+    assert [r["trust_model"] for r in out["rows"]] == ["central", "central"]
     fig = compare_figure(out["rows"], ["excess_risk", "accuracy"])
-    assert [ax.get_title() for ax in fig.axes] == ["excess risk", "accuracy"] and fig.axes[1].get_yscale() == "linear"
+    assert [ax.get_title() for ax in fig.axes] == ["excess risk (lower is better)", "accuracy (higher is better)"]
+    assert fig.axes[1].get_yscale() == "linear"
     assert main(["compare", str(runs["altmin"])]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:5] == ["run", "algorithm", "runtime", "status", "epsilon"] and len(table) == 2
+    assert table[0].split()[:3] == ["run", "ε", "spent"] and "excess risk" in table[0]
+    details = table[table.index("") + 1]
+    assert details.split()[:5] == ["run", "algorithm", "trust", "model", "runtime"] and len(table) == table.index("") + 3
 
 
 def test_compare_refuses_what_is_not_a_run(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -103,13 +108,15 @@ def test_compare_shows_a_killed_run_as_incomplete_with_its_releases(runs: dict[s
 def test_compare_across_algorithms_is_one_block_each_with_its_own_metrics(runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     assert main(["compare", str(runs["altmin"]), str(runs["noisygd"])]) == 0
     text = capsys.readouterr().out
-    altmin, noisygd = text.split("\n\n")
+    altmin, noisygd = re.split(r"\n\n(?=noisygd \(1 run\):)", text)
     assert altmin.startswith("altmin (1 run):") and noisygd.startswith("noisygd (1 run):")
-    assert "excess_risk" in altmin and "accuracy" not in altmin
-    assert "accuracy" in noisygd and "excess_risk" not in noisygd
-    for block in (altmin, noisygd):  # no column is blank for every run of its block
-        header, row = block.splitlines()[1:3]
-        assert len(header.split()) == len(row.split()) and "-" not in row.split()[4:]
+    assert "excess risk" in altmin and "accuracy" not in altmin
+    assert "accuracy" in noisygd and "excess risk" not in noisygd
+    for block in (altmin, noisygd):  # no column is blank for every run of its block, in either table
+        lines = block.splitlines()
+        details = lines.index("") + 1
+        for header, row in ((lines[1], lines[2]), (lines[details], lines[details + 1])):
+            assert len(re.split(r"\s{2,}", header.strip())) == len(row.split()) and "-" not in row.split()
 
 
 def test_a_flat_or_single_value_figure_has_plain_readable_ticks() -> None:
@@ -176,7 +183,8 @@ def test_figures_keep_every_text_inside_the_canvas_and_draw_linear_bars():
     rows = [{"run": f"a-very-long-run-directory-name-{i}", "epsilon": float(i), "excess_risk": 10.0 ** -i, "accuracy": 0.5}
             for i in range(6)]
     bars = compare_figure(rows, ["excess_risk", "accuracy"])
-    assert all(ax.get_yscale() == "linear" for ax in bars.axes) and not bars._suptitle
+    # excess risk spans five decades: a log axis; accuracy is a score in [0, 1]: linear
+    assert [ax.get_yscale() for ax in bars.axes] == ["log", "linear"] and "spent" in bars._suptitle.get_text()
     for fig in (flat, one, bars):
         assert _texts_outside_canvas(fig) == []
         plt.close(fig)

@@ -420,9 +420,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _check_output_file(args.out)
     rows, metrics, primary = compare(args.run_dirs)
     if args.out is not None:
+        from fedpers.commands.summary import quantities_of
         from fedpers.results.plots import _plt, compare_figure, save
 
-        fig = compare_figure(rows, figure_metrics(rows, metrics, primary))
+        own: dict[str, Any] = {}
+        for name in dict.fromkeys(str(r.get("algorithm")) for r in rows):
+            own = {**quantities_of(name), **own}
+        fig = compare_figure(rows, figure_metrics(rows, metrics, primary), own)
         save(fig, args.out)
         _plt().close(fig)
     print(

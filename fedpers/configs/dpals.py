@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from fedpers.config import MAX_EPSILON, DeviceRunConfig, field, inherited, run_config
+from fedpers.configs.shared import parse_baselines
 
 
 @run_config
@@ -78,6 +79,11 @@ class DpAlsConfig(DeviceRunConfig):
         "H > 0: learn only the H items with the largest noisy counts from round 0 (implies --private-center); the rest are predicted by the private mean",
         ge=0,
     )
+    baselines: str = field(
+        "all",
+        "baselines on the same users: all, none, or a comma list of "
+        + ", ".join(("global_mean", "user_mean", "nonprivate_als", "private_mean", "private_item_means")),
+    )
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
     dtype: str = inherited()
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
@@ -86,6 +92,7 @@ class DpAlsConfig(DeviceRunConfig):
 
     def check(self) -> None:
         self.check_device()
+        baseline_names(self.baselines)
         if self.min_count > self.max_count:
             raise ValueError(f"min_count must be <= max_count ({self.max_count}); got {self.min_count}")
         declared = self.items is not None or bool(self.item_ids)
@@ -129,3 +136,13 @@ def rating_scale(cfg: DpAlsConfig) -> tuple[float, float]:
         lo if cfg.rating_min is None else cfg.rating_min,
         hi if cfg.rating_max is None else cfg.rating_max,
     )
+
+
+BASELINES = ("global_mean", "user_mean", "nonprivate_als", "private_mean", "private_item_means")
+"""What a DPALS run is measured against: the training mean, each user's own mean, a tuned non-private
+biased ALS, and (with ``private_center``) the private mean and private item means of round 0."""
+
+
+def baseline_names(text: str) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+    return parse_baselines(text, BASELINES)

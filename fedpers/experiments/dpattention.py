@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -13,6 +14,7 @@ from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_see
 from fedpers.privacy import Calibrations, Ledger, ledger_epsilon
 from fedpers.protocols.base import State
 from fedpers.protocols.dpattention import DpAttentionProtocol, attention_matrix, entrywise_max_norm
+from fedpers.results.quantities import Kind, Quantity
 
 Tensor = torch.Tensor
 
@@ -80,6 +82,23 @@ class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
     )
     config_type = DpAttentionConfig
     primary_metric = "attention_error"
+    quantities: ClassVar[Mapping[str, Quantity]] = {
+        "attention_error": Quantity(
+            "attention error", "max_ij |D(A)⁻¹f(A) − D(B)⁻¹f(B)|_ij: the released attention's largest entrywise error"
+        ),
+        "relative_error": Quantity("relative error", "‖A^{-1/2} B A^{-1/2} − I‖_F: B's error relative to A"),
+        "utility_bound": Quantity(
+            "Theorem 3.1 bound",
+            "4(1 + ε + 2r)r: the attention error's bound, with probability 1 − γ",
+            Kind.BOUND,
+            bounds="attention_error",
+        ),
+        "bound_holds": Quantity("attention error within the bound", kind=Kind.DETAIL),
+        "within_1_pm_rho": Quantity("(1 − ρ)A ⪯ B ⪯ (1 + ρ)A", kind=Kind.DETAIL),
+        "rho": Quantity("ρ", "sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k", Kind.DETAIL),
+        "k": Quantity("Gaussian samples k", "DPCovariance's samples (the smallest with ρ < 0.1ε)", Kind.DETAIL),
+        "columns_clipped": Quantity("columns clipped to α", kind=Kind.DETAIL),
+    }
 
     def trivial_baselines(self, cfg: DpAttentionConfig) -> list[Trivial]:
         why = (

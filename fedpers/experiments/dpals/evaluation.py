@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fedpers import linalg
-from fedpers.configs.dpals import DpAlsConfig
+from fedpers.configs.dpals import BASELINES, DpAlsConfig, baseline_names
 from fedpers.data import ratings as data
 from fedpers.experiments.base import Evaluator, derived_seed
 from fedpers.experiments.dpals import baselines as rating_baselines
@@ -61,9 +61,11 @@ class DpAlsEvaluator(Evaluator):
         self.synthetic = table(cfg) is None
 
     def final_phase(self) -> str:
-        return (
-            "the private result, the global mean and the non-private reference (biased ALS: "
-            f"{len(rating_baselines.RIDGES)} ridges on a validation split, then a refit)"
+        return "the private result and its baselines" + (
+            f" (the non-private reference, biased ALS: {len(rating_baselines.RIDGES)} ridges on a validation "
+            "split, then a refit)"
+            if "nonprivate_als" in baseline_names(self.cfg.baselines)
+            else ""
         )
 
     def final(self, state: State) -> dict[str, Any]:
@@ -75,23 +77,32 @@ class DpAlsEvaluator(Evaluator):
         mu = float(state["mu"]) if "mu" in state else 0.0
         # the competent non-private bar: biased ALS of the same rank on every training rating, its λ
         # chosen on a validation split of the training ratings (never on the test ratings)
-        als = rating_baselines.tuned(u, n_items(cfg), cfg.rank, seed=derived_seed(cfg.seed, "als"))
+        wanted = baseline_names(cfg.baselines)
+        als = (
+            rating_baselines.tuned(u, n_items(cfg), cfg.rank, seed=derived_seed(cfg.seed, "als"))
+            if "nonprivate_als" in wanted
+            else None
+        )
         out: dict[str, Any] = {
             "test_rmse": test_rmse(state["U"], u, cfg.ridge_user, mu, cfg.user_bias),
-            "global_mean_rmse": float((test - mean).pow(2).mean().sqrt()),
-            "user_mean_rmse": user_mean_rmse(u, mean, cfg.user_bias or USER_MEAN_PRIOR),
-            "als_rmse": als.test_rmse,
-            "als_ridge": als.ridge,
             "train_ratings": int(u["mask"].sum()),
             "test_ratings": int(u["test"].sum()),
         }
+        baselines: dict[str, dict[str, Any]] = {
+            "global_mean": {"test_rmse": float((test - mean).pow(2).mean().sqrt())},
+            "user_mean": {"test_rmse": user_mean_rmse(u, mean, cfg.user_bias or USER_MEAN_PRIOR)},
+        }
+        if als is not None:
+            baselines["nonprivate_als"] = {"test_rmse": als.test_rmse, "ridge": als.ridge}
         if "mu" in state:  # round 0's private releases, post-processed
             out["private_mean"] = mu + center(cfg)
-            out["private_mean_rmse"] = float((test - mu).pow(2).mean().sqrt())
             means = self.protocol.item_means(state)
-            out["private_item_means_rmse"] = float(
-                (u["ratings"].double()[u["test"]] - means[u["items"][u["test"]]]).pow(2).mean().sqrt()
-            )
+            baselines["private_mean"] = {"test_rmse": float((test - mu).pow(2).mean().sqrt())}
+            baselines["private_item_means"] = {
+                "test_rmse": float(
+                    (u["ratings"].double()[u["test"]] - means[u["items"][u["test"]]]).pow(2).mean().sqrt()
+                )
+            }
             out["head_items"] = int(state["head"].sum())
         t = table(cfg)
         if t is not None:
@@ -104,5 +115,10 @@ class DpAlsEvaluator(Evaluator):
                 if cfg.rank == cfg.true_rank
                 else math.nan
             )
-            out["als_subspace_distance"] = subspace_distance(als.P, U_star) if cfg.rank == cfg.true_rank else math.nan
+            if als is not None:
+                baselines["nonprivate_als"]["subspace_distance"] = (
+                    subspace_distance(als.P, U_star) if cfg.rank == cfg.true_rank else math.nan
+                )
+        out["baselines"] = {name: row for name, row in baselines.items() if name in wanted}
+        out["baselines_skipped"] = [name for name in BASELINES if name not in wanted]
         return out
