@@ -271,16 +271,48 @@ def run_config(cls: type[T]) -> type[T]:
     return out
 
 
+class Neighbours(str, enum.Enum):
+    """Which data sets are neighbours (``--neighbours``), the relation every (ε, δ) of a run is for.
+
+    ``replace-one``: one privacy unit's whole data swapped for arbitrary other data (the papers'
+    user-level notion, fedpers's default), so an L2 sensitivity is 2× the per-unit bound.
+    ``add-remove``: one unit added or removed, so 1×; what Flower, pfl, Opacus and jax_privacy
+    report. Without sampling, replace-one at noise multiplier z is add-remove at z/2; with Poisson
+    sampling there is no such identity, and each is accounted exactly (docs/accounting.md)."""
+
+    REPLACE_ONE = "replace-one"
+    ADD_REMOVE = "add-remove"
+
+    @property
+    def sensitivity_factor(self) -> float:
+        """Δ of a sum per unit of the per-unit norm bound: 2 (replace-one) or 1 (add-remove)."""
+        return 2.0 if self is Neighbours.REPLACE_ONE else 1.0
+
+
+def neighbours_of(value: Neighbours | str) -> Neighbours:
+    """``value`` as a :class:`Neighbours`; a ValueError naming the allowed relations otherwise."""
+    try:
+        return Neighbours(value.value if isinstance(value, Neighbours) else value)
+    except ValueError:
+        allowed = ", ".join(n.value for n in Neighbours)
+        raise ValueError(f"neighbours must be one of {allowed}; got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """What every run has, declared once: its seed, its ε and the units per chunk of the local
-    runtime. An algorithm's config inherits it (through :class:`ApproxDpRunConfig` or
+    """What every run has, declared once: its seed, its ε, the units per chunk of the local
+    runtime and the neighbouring relation its (ε, δ) is for. An algorithm's config inherits it (through :class:`ApproxDpRunConfig` or
     :class:`DeviceRunConfig` where it has those fields) and re-declares a field to change its
     default or help; the runner, the runtimes and the Flower apps read these fields typed."""
 
     seed: int = field(0, "run seed (data and DP noise use separate generators derived from it)", ge=0)
     epsilon: float = field(1.0, "ε of the whole run (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     chunk_size: int = field(4096, "units per batch on the local runtime (bounds memory)", ge=1)
+    neighbours: Neighbours = field(
+        Neighbours.REPLACE_ONE,
+        "neighbouring data sets: replace-one (a unit's data swapped, the papers' notion: Δ = 2·bound) or "
+        "add-remove (a unit added or removed: Δ = bound; what Flower, pfl, Opacus and jax_privacy report)",
+    )
 
     @property
     def device(self) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpers import config as config_lib
-from fedpers.config import DpModel, RunConfig
+from fedpers.config import DpModel, Neighbours, RunConfig
 from fedpers.configs.runtime import Runtime, RuntimeOptions
 from fedpers.experiments.base import Evaluator, Experiment
 from fedpers.privacy import Calibrations, Privatizer
@@ -124,10 +124,15 @@ def resolve(
         raise ValueError("runtime must be flower when a Flower grid is given")
     run_cfg, noise_seed = split_seed(cfg)
     central = options.dp_model is DpModel.CENTRAL
+    if not central and run_cfg.neighbours is not Neighbours.REPLACE_ONE:
+        raise ValueError(
+            f"neighbours {run_cfg.neighbours.value} needs dp_model central: the nodes' integer (Skellam) mechanism "
+            "and local DP are accounted for replace-one neighbours only"
+        )
     calibrations = Calibrations() if central else RecordingCalibrations()
     protocol = experiment.protocol(run_cfg, calibrations)
     if central:
-        privatizer = Privatizer(noise_seed, secure=options.secure_noise)
+        privatizer = Privatizer(noise_seed, secure=options.secure_noise, neighbours=run_cfg.neighbours)
     else:  # distributed or local DP: the nodes add the noise (fedpers.runtime.distributed)
         from fedpers.runtime.distributed import node_side_privatizer, with_node_noise
 

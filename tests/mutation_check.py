@@ -155,6 +155,18 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
         "if bool(torch.isfinite(c).all())]\n",
         "tests/test_correlated.py",
     ),
+    "amplified correlated noise without the max column norm (σ of one participation too small)": (
+        "fedpers/privacy/correlated.py",
+        "(s if self.amplified else s / math.sqrt(p))",
+        "(1.0 if self.amplified else s / math.sqrt(p))",
+        "tests/test_amplified.py",
+    ),
+    "add-remove noise at the replace-one scale (σ halved: the sensitivity read as 2·bound)": (
+        MECHANISMS,
+        "        noise_std = z * sensitivity / factor if z > 0 else 0.0\n",
+        "        noise_std = z * sensitivity / 2 if z > 0 else 0.0\n",
+        "tests/test_neighbours_relation.py",
+    ),
 }
 
 

@@ -25,8 +25,8 @@ class TapPrivatizer(Privatizer):
     """Records (release, pre-noise value) per release; with ``replay`` returns those outputs
     instead of drawing (a ``None`` entry, or a release past the list's end, draws afresh)."""
 
-    def __init__(self, seed: int, replay: list[Any] | None = None) -> None:
-        super().__init__(seed)
+    def __init__(self, seed: int, replay: list[Any] | None = None, neighbours: str = "replace-one") -> None:
+        super().__init__(seed, neighbours=neighbours)
         self.values: list[tuple[Release, Any]] = []
         self.outputs: list[Any] = []
         self.replay = replay
@@ -77,17 +77,18 @@ class NeighbourOutcome:
 
 def check_neighbour(
     protocol: Protocol, units: dict[str, Tensor], j: int, new: dict[str, Tensor], groups: set[str], seed: int = 3,
-    rel_tol: float = 1e-9,
+    rel_tol: float = 1e-9, neighbours: str = "replace-one",
 ) -> NeighbourOutcome:
     """Assert (a) every release moves by ≤ the sensitivity its ledger entry records, (b) only
     releases of ``groups`` (the unit's cohort and ``all``) move, (c) the run completes on the
-    neighbour with the same number of releases. Returns what moved, for reach tests."""
-    reference = TapPrivatizer(seed)
+    neighbour with the same number of releases. Returns what moved, for reach tests. Under
+    ``neighbours`` add-remove, ``new`` is the unit's data that contributes nothing (its absence)."""
+    reference = TapPrivatizer(seed, neighbours=neighbours)
     run(protocol, units, reference)
     neighbour = replace_unit(units, j, new)
-    replayed = TapPrivatizer(seed, replay=reference.outputs)
+    replayed = TapPrivatizer(seed, replay=reference.outputs, neighbours=neighbours)
     _, records = run(protocol, neighbour, replayed)
-    fresh = TapPrivatizer(seed)
+    fresh = TapPrivatizer(seed, neighbours=neighbours)
     run(protocol, neighbour, fresh)  # (c): the neighbour's own run, its own noise
     assert len(fresh.ledger) == len(reference.ledger) == len(replayed.ledger)
     changes = []

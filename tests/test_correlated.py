@@ -306,7 +306,9 @@ def test_one_band_gives_todays_independent_fedrep_bit_for_bit():
 @pytest.mark.parametrize(
     "values, field_name",
     [
-        ({"cohorts": "poisson", "sampling_rate": 0.5, "cycle": 1, "noise": "banded"}, "noise"),
+        ({"cohorts": "poisson", "sampling_rate": 0.5, "cycle": 1, "noise": "blt"}, "noise: blt with cohorts poisson"),
+        ({"cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": "banded", "bands": 5}, "bands must be <= 1/sampling_rate"),
+        ({"cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": "banded", "clip_rule": "adaptive"}, "clip_rule adaptive"),
         ({"cohorts": "all", "cycle": 4}, "cycle"),
         ({"cycle": 41}, "cycle"),
         ({"noise": "toeplitz"}, "noise"),
@@ -321,13 +323,28 @@ def test_unaccountable_cohort_or_noise_settings_are_refused_naming_the_field(val
         config.build(EXP.config_type, {**SMALL, **values})
 
 
-def test_secure_noise_refuses_correlated_noise_before_releasing():
-    m = cc.mechanism("banded", 4, 2, 2)
+@pytest.mark.parametrize("noise", ["banded", "blt"])
+def test_secure_noise_draws_the_correlated_stream_from_os_entropy(noise):
+    """With secure_noise the released noise σ·w (read back as release − value) satisfies C·w = z with z
+    i.i.d. N(0, 1): each round's fresh draw is independent, its offset the earlier rounds' noise. Dropping
+    the offset (w = z) gives Var((Cw)_t) = Σ c_k² (1.49 for the 4-band square root), far outside."""
+    T, dim = 60, 40
+    m = cc.mechanism(noise, T, 4, 4)
     p = Privatizer(0, secure=True)
-    with pytest.raises(ValueError, match="secure_noise"):
-        p.correlated_gaussian_sum(torch.zeros(2), per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G",
-                                  step=0, name="g", round=1)
-    assert len(p.ledger) == 0
+    value = torch.linspace(-3.0, 3.0, dim, dtype=torch.float64)
+    sigma = m.noise_std(1.0, 1.0)
+    w = torch.stack([
+        (p.correlated_gaussian_sum(value, per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G", step=t,
+                                   name=f"g{t}", round=t + 1) - value) / sigma
+        for t in range(T)
+    ])
+    assert len(p.ledger) == T and "generator" not in p.state_dict()
+    z = m.strategy.matrix(T) @ w  # (T, dim): should be i.i.d. standard normal
+    assert abs(float(z.mean())) < 5 / math.sqrt(z.numel())
+    assert float(z.var()) == pytest.approx(1.0, abs=0.1)
+    lag = float((z[1:] * z[:-1]).mean())
+    assert abs(lag) < 5 / math.sqrt(z[1:].numel())
+    assert sum(c**2 for c in m.strategy.toeplitz_coefficients(T)) > 1.3  # the mistake the variance check catches
 
 
 # ----- NoisyGD (example-level units) -------------------------------------------------------------
@@ -545,14 +562,17 @@ def test_noisygd_adaptive_clip_counts_are_accounted_and_move_by_at_most_their_se
         assert max(ch for r, ch in outcome.changes if r.name.endswith(".below")) <= 1.0
 
 
-@pytest.mark.parametrize("noise", ["banded", "optimised", "blt"])
-def test_poisson_sampling_with_correlated_noise_is_refused_naming_noise_on_both_protocols_that_sample(noise):
-    """Amplified banded accounting is not implemented: a Poisson-sampled correlated run must not
-    start (composing its rounds as sampled independent Gaussians would overstate its privacy)."""
-    with pytest.raises(ValueError, match="noise: correlated noise with cohorts poisson"):
-        config.build(EXP.config_type, {**SMALL, "cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": noise})
-    with pytest.raises(ValueError, match="noise: correlated noise with cohorts poisson"):
-        config.build(NH.config_type, {**NH_SMALL, "mode": "rounds", "sampling_rate": 0.5, "noise": noise})
+def test_poisson_sampling_with_a_blt_is_refused_naming_noise_on_every_protocol_that_samples():
+    """The amplified analysis covers banded C only: a Poisson-sampled BLT must not start (composing its
+    rounds as sampled independent Gaussians would overstate its privacy); banded and optimised run amplified."""
+    for exp, values in (
+        (EXP, {**SMALL, "cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25}),
+        (GD, {**GD_SMALL, "cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25}),
+        (NH, {**NH_SMALL, "mode": "rounds", "sampling_rate": 0.5}),
+    ):
+        with pytest.raises(ValueError, match="noise: blt with cohorts poisson"):
+            config.build(exp.config_type, {**values, "noise": "blt"})
+        config.build(exp.config_type, {**values, "noise": "banded"})
 
 
 @pytest.mark.parametrize("model", ["distributed", "local"])

@@ -76,8 +76,9 @@ def test_poisson_calibration_falls_back_to_the_full_grid_when_the_coarse_one_is_
 
     real = accountant.event_epsilon
 
-    def off(event, delta, acc=accountant.Accountant.PLD, *, pld_discretisation=accountant.PLD_DISCRETISATION):
-        eps = real(event, delta, acc, pld_discretisation=pld_discretisation)
+    def off(event, delta, acc=accountant.Accountant.PLD, *, pld_discretisation=accountant.PLD_DISCRETISATION,
+            neighbours="replace-one"):
+        eps = real(event, delta, acc, pld_discretisation=pld_discretisation, neighbours=neighbours)
         return eps * 1.05 if pld_discretisation == accountant.COARSE_DISCRETISATION else eps
 
     monkeypatch.setattr(accountant, "event_epsilon", off)
@@ -162,8 +163,9 @@ def test_coarse_grid_calibration_is_stepped_up_to_the_target_at_full_resolution(
 
     real = acc_lib.event_epsilon
 
-    def skewed(event, delta, accountant=acc_lib.Accountant.PLD, *, pld_discretisation=acc_lib.PLD_DISCRETISATION):  # noqa: ANN001, ANN202
-        eps = real(event, delta, accountant, pld_discretisation=pld_discretisation)
+    def skewed(event, delta, accountant=acc_lib.Accountant.PLD, *, pld_discretisation=acc_lib.PLD_DISCRETISATION,  # noqa: ANN001, ANN202
+               neighbours="replace-one"):
+        eps = real(event, delta, accountant, pld_discretisation=pld_discretisation, neighbours=neighbours)
         return eps * (1 - 5e-4) if pld_discretisation == acc_lib.COARSE_DISCRETISATION else eps
 
     monkeypatch.setattr(acc_lib, "event_epsilon", skewed)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from fedpers import config as config_lib
-from fedpers.config import ApproxDpRunConfig, DeviceRunConfig, RunConfig, field, inherited, run_config
+from fedpers.config import ApproxDpRunConfig, DeviceRunConfig, Neighbours, RunConfig, field, inherited, run_config
 from fedpers.experiments import ALGORITHMS, experiment
 
 
@@ -38,6 +38,7 @@ def test_fields_keep_the_order_the_class_lists_and_inherited_ones_their_base_hel
         device: str = inherited()
         dtype: str = field("float32", "toy dtype")
         chunk_size: int = inherited()
+        neighbours: Neighbours = inherited()
 
     assert [f.name for f in dataclasses.fields(Toy)] == [
         "size",
@@ -48,6 +49,7 @@ def test_fields_keep_the_order_the_class_lists_and_inherited_ones_their_base_hel
         "device",
         "dtype",
         "chunk_size",
+        "neighbours",
     ]
     fields = {f.name: f for f in dataclasses.fields(Toy)}
     base = {f.name: f for f in dataclasses.fields(DeviceRunConfig)}

@@ -92,7 +92,7 @@ TRUE_MEAN = 0.5
 
 def make_protocol(cfg: ToyMeanConfig, calibrations: Calibrations | None = None) -> ToyMeanProtocol:
     z = calibrate_noise_multiplier(
-        lambda z: user_event(z, cfg.rounds), cfg.epsilon, cfg.delta, cfg.accountant, calibrations
+        lambda z: user_event(z, cfg.rounds), cfg.epsilon, cfg.delta, cfg.accountant, calibrations, cfg.neighbours
     )
     return ToyMeanProtocol(cfg.n_users, cfg.dim, cfg.rounds, cfg.clip, z)
 

@@ -4,7 +4,7 @@ toymean`` lists its flags and refuses a bad value before anything heavy is impor
 
 from __future__ import annotations
 
-from fedpers.config import MAX_EPSILON, ApproxDpRunConfig, field, inherited, run_config
+from fedpers.config import MAX_EPSILON, ApproxDpRunConfig, Neighbours, field, inherited, run_config
 from fedpers.configs.privacy import Accountant, accountant_field, check_accountant
 
 
@@ -19,6 +19,7 @@ class ToyMeanConfig(ApproxDpRunConfig):
     accountant: str = accountant_field(Accountant.PLD, "privacy accountant")
     seed: int = inherited()
     chunk_size: int = inherited()
+    neighbours: Neighbours = inherited()
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)

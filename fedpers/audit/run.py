@@ -57,7 +57,7 @@ from fedpers.audit.scores import (
     skellam_gaussian_mu,
     with_null_slots,
 )
-from fedpers.config import DpModel
+from fedpers.config import DpModel, Neighbours
 from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments.base import Experiment, derived_seed
 from fedpers.experiments.hooks import Canaries, CanaryDesign
@@ -107,6 +107,11 @@ def audit(
         raise ValueError(f"confidence must be in (0.5, 1), got {confidence}")
     if math.isinf(cfg.epsilon):
         raise ValueError("epsilon must be finite: a run without noise has no guarantee to audit")
+    if getattr(cfg, "neighbours", Neighbours.REPLACE_ONE) is not Neighbours.REPLACE_ONE:
+        raise ValueError(
+            "neighbours must be replace-one for the canary audit (a canary's two versions are a replace-one pair); "
+            f"got {cfg.neighbours.value}"
+        )
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
     if placement == "steered" and design.steer is None:

@@ -256,7 +256,8 @@ def proven_mu(ledger: Ledger) -> float | None:
         zs = accountant_lib.gaussian_multipliers(dp_accounting.ComposedDpEvent([r.event for r in releases]))
         if zs is None:
             return None
-        worst = max(worst, accountant_lib.gaussian_mu([z / 2 for z in zs]))
+        factor = accountant_lib.ledger_neighbours(ledger).sensitivity_factor  # μ = κ/z per release
+        worst = max(worst, accountant_lib.gaussian_mu([z / factor for z in zs]))
     return worst
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from fedpers.commands.summary import LEDGER_COLUMNS, label, ledger_rows, text_table
 from fedpers.configs.privacy import check_accountant
 from fedpers.privacy import Ledger, ledger_epsilon
+from fedpers.privacy.accountant import ledger_neighbours
 from fedpers.privacy.ledger import SkellamDpEvent
 from fedpers.results.rundir import read_run
 
@@ -26,7 +27,8 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
     ledger = Ledger.from_json(run["ledger_text"])
     delta = float(cfg.get("delta", 1e-5))
     acc = _accountant(accountant, cfg)
-    neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
+    relation = ledger_neighbours(ledger).value  # what the releases were accounted for, complete run or not
+    neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", f"{relation} user")
     return {
         "run_dir": str(run_dir),
         "algorithm": cfg.get("algorithm"),
@@ -36,6 +38,7 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
         "delta": delta,
         "accountant": acc,
         "neighbouring": neighbours,
+        "neighbours": relation,
         "groups": len(ledger.groups()),
         "paper_epsilon_same_noise": run.get("result", {}).get("privacy", {}).get("paper_epsilon_same_noise"),
         "error": run.get("error", {}).get("error"),
@@ -54,7 +57,7 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     header = [label(c) for c in LEDGER_COLUMNS]  # the report's ledger has the same columns and labels
     lines += text_table(header, ledger_rows(ledger), left=(1, 2, 3))
     eps = ledger_epsilon(ledger, delta, acc)
-    neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", "replace-one user")
+    neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", f"{ledger_neighbours(ledger).value} user")
     level = next((f"{unit}-level" for unit in ("prompt", "example", "column") if unit in neighbours), "user-level")
     lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc} accountant, {neighbours} neighbours"]
     if any(isinstance(r.event, SkellamDpEvent) for r in ledger):

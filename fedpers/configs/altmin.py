@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from pathlib import Path
 
-from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, field, inherited, run_config
+from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, Neighbours, field, inherited, run_config
 from fedpers.configs.privacy import (
     Accountant,
     Calibration,
@@ -77,6 +77,7 @@ class AltMinConfig(DeviceRunConfig):
     )
     accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = field(0, "run seed (data, cohorts and DP noise use separate generators derived from it)", ge=0)
+    neighbours: Neighbours = inherited()
     device: str = inherited()
     dtype: str = inherited()
     kernels: str = inherited()
@@ -122,7 +123,12 @@ class AltMinConfig(DeviceRunConfig):
     test_samples: int = field(0, "S fresh test samples per user for population_mse (as run fedrep reports it)", ge=0)
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
+        if self.calibration is Calibration.PAPER and self.neighbours is not Neighbours.REPLACE_ONE:
+            raise ValueError(
+                "calibration paper: Theorem 4.2's rule is stated for replace-one neighbours; use calibration "
+                f"accountant with neighbours {self.neighbours.value}"
+            )
         baseline_names(self.baselines)
         if (self.refit_samples > 0) != (self.test_samples > 0):
             raise ValueError(
@@ -168,7 +174,7 @@ class AltMinConfig(DeviceRunConfig):
         if self.cohorts is Cohorts.POISSON:
             if not self.sampling_rate < 1.0:
                 raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
-            check_poisson_accountant(self.accountant, "cohorts poisson")
+            check_poisson_accountant(self.accountant, "cohorts poisson", self.neighbours)
             if self.calibration is Calibration.PAPER:
                 raise ValueError(
                     "calibration paper has no rule for Poisson sampling; use calibration accountant with cohorts poisson"

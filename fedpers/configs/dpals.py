@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from fedpers.config import MAX_EPSILON, DeviceRunConfig, field, inherited, run_config
+from fedpers.config import MAX_EPSILON, DeviceRunConfig, Neighbours, field, inherited, run_config
 from fedpers.configs.shared import parse_baselines
 
 
@@ -85,6 +85,7 @@ class DpAlsConfig(DeviceRunConfig):
         + ", ".join(("global_mean", "user_mean", "nonprivate_als", "private_mean", "private_item_means")),
     )
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
+    neighbours: Neighbours = inherited()
     dtype: str = inherited()
     chunk_size: int = field(4096, "users per batch on the local runtime", ge=1)
     device: str = inherited()

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fedpers.config import DEFAULT_DELTA, ApproxDpRunConfig, DeviceRunConfig, field, inherited, run_config
+from fedpers.config import DEFAULT_DELTA, ApproxDpRunConfig, DeviceRunConfig, Neighbours, field, inherited, run_config
 
 
 class AttentionFn(str, enum.Enum):
@@ -44,12 +44,18 @@ class DpAttentionConfig(ApproxDpRunConfig):
     data_scale: float = field(0.025, "s: the synthetic columns are uniform on a sphere with E[XXᵀ] = s·I", gt=0.0)
     gamma: float = field(0.1, "γ: the utility bound holds with probability 1 − γ", gt=0.0, lt=1.0)
     seed: int = inherited()
+    neighbours: Neighbours = inherited()
     dtype: str = inherited(DeviceRunConfig)
     chunk_size: int = field(65536, "columns per batch on the local runtime", ge=1)
 
     def check(self) -> None:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64; got {self.dtype!r}")
+        if self.neighbours is not Neighbours.REPLACE_ONE:
+            raise ValueError(
+                f"neighbours must be replace-one for dpattention (DPCovariance's (ε, δ) is stated for one column "
+                f"moved by at most β, not for adding or removing a column); got {self.neighbours.value}"
+            )
         failed = [c for c in public_conditions(theorem_params(self)) if not c.holds]
         if failed:
             raise ValueError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from pathlib import Path
 
-from fedpers.config import MAX_EPSILON, DeviceRunConfig, RunConfig, field, inherited, run_config
+from fedpers.config import MAX_EPSILON, DeviceRunConfig, Neighbours, RunConfig, field, inherited, run_config
 from fedpers.configs.altmin import AltMinConfig
 
 
@@ -41,6 +41,7 @@ class ExpMechConfig(RunConfig):
         0.0, "refuse runs needing more memory than this (0: what the machine has available)", ge=0.0
     )
     seed: int = field(0, "run seed (data, candidates and DP noise use separate generators derived from it)", ge=0)
+    neighbours: Neighbours = inherited()
     device: str = inherited(DeviceRunConfig)
     dtype: str = inherited(DeviceRunConfig)
     data: Path | None = field(None, "per-user data file (.npz, the altmin schema) instead of synthetic data")
@@ -66,6 +67,7 @@ def altmin_config(cfg: ExpMechConfig) -> AltMinConfig:
         epsilon=cfg.epsilon,
         clip_label=cfg.clip_label,
         seed=cfg.seed,
+        neighbours=cfg.neighbours,
         device=cfg.device,
         dtype=cfg.dtype,
         data=cfg.data,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, field, inherited, run_config
+from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, Neighbours, field, inherited, run_config
 from fedpers.configs.gradient_rounds import GradientRoundFields, check_decay, check_settings
 from fedpers.configs.privacy import Accountant, accountant_field, check_accountant, check_poisson_accountant
 from fedpers.configs.shared import parse_baselines
@@ -57,11 +57,10 @@ class FedRepConfig(DeviceRunConfig):
     clip_quantile: float = inherited(GradientRoundFields)
     clip_lr: float = inherited(GradientRoundFields)
     clip_budget: float = inherited(GradientRoundFields)
-    sampling_rate: float = field(
-        1.0, "q: Poisson inclusion probability per round (with --cohorts poisson)", gt=0.0, le=1.0
-    )
+    sampling_rate: float = inherited(GradientRoundFields)
     accountant: str = accountant_field(Accountant.PLD, "privacy accountant (pld is exact for Gaussians; rdp is looser)")
     seed: int = inherited()
+    neighbours: Neighbours = inherited()
     device: str = inherited()
     kernels: str = inherited()
     dtype: str = inherited()
@@ -71,20 +70,25 @@ class FedRepConfig(DeviceRunConfig):
     )
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
         baseline_names(self.baselines)
         if self.cohorts not in ("all", "poisson", "cyclic"):
             raise ValueError(f"cohorts must be all, poisson or cyclic; got {self.cohorts!r}")
-        check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.rounds, self.n_users)
+        check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.rounds, self.n_users, self.sampling_rate)
         check_decay(self.noise, self.noise_decay)
         if self.cohorts == "poisson" and not self.sampling_rate < 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
         if self.cohorts == "all" and self.sampling_rate != 1.0:
             raise ValueError(f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts all")
         if self.cohorts == "poisson":
-            check_poisson_accountant(self.accountant, "cohorts poisson")
+            check_poisson_accountant(self.accountant, "cohorts poisson", self.neighbours)
         if self.clip_rule not in ("fixed", "adaptive"):
             raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
+        if self.clip_rule == "adaptive" and self.cohorts == "poisson" and self.noise != "independent":
+            raise ValueError(
+                "clip_rule adaptive with cohorts poisson and correlated noise is not implemented (the count "
+                "releases are not in the amplified analysis); use clip_rule fixed or noise independent"
+            )
         if self.rank >= self.dim:
             raise ValueError(f"rank must be < dim={self.dim}; got {self.rank}")
         self.check_device()

@@ -20,12 +20,24 @@ class GradientRoundFields:
     """Declarations only: no run config is one (see :func:`fedpers.config.inherited`)."""
 
     cycle: int = field(1, "K: number of cyclic cohorts (with --cohorts cyclic)", ge=1)
+    sampling_rate: float = field(
+        1.0,
+        "q: Poisson inclusion probability per round (with --cohorts poisson): the expected share of units in a "
+        "round; with banded or optimised noise the units form b id blocks taken in turn, each sampled at q·b",
+        gt=0.0,
+        le=1.0,
+    )
     noise: str = field(
         "independent",
         "noise across gradient rounds (steps): independent, banded (square-root factorization, --bands), "
         "optimised (banded, optimised for the horizon and cycle), or blt (buffered linear Toeplitz, optimised)",
     )
-    bands: int = field(0, "b: bands of the correlated noise's C (0: K, the cycle); with blt its buffers (0: 4)", ge=0)
+    bands: int = field(
+        0,
+        "b: bands of the correlated noise's C (0: K, the cycle; with cohorts poisson the b groups, 0: chosen for "
+        "the run's ε); with blt its buffers (0: the fewest of 1..4 the optimiser needs)",
+        ge=0,
+    )
     noise_decay: float = field(
         1.0,
         "λ: the correlated noise is chosen for the iterates of x_t = λ·x_{t−1} + g_t (1: prefix sums; < 1: a "
@@ -46,7 +58,9 @@ NOISE_KINDS = ("independent", "banded", "optimised", "blt")
 """The strategies of correlated noise across rounds (fedpers.privacy.correlated)."""
 
 
-def check_settings(cohorts: str, cycle: int, noise: str, bands: int, rounds: int, units: int) -> None:
+def check_settings(
+    cohorts: str, cycle: int, noise: str, bands: int, rounds: int, units: int, sampling_rate: float = 1.0
+) -> None:
     """Refuse (before any release) a cycle or noise setting the run cannot account."""
     if cohorts != "cyclic" and cycle != 1:
         raise ValueError(f"cycle needs cohorts cyclic; got cycle {cycle} with cohorts {cohorts}")
@@ -54,10 +68,15 @@ def check_settings(cohorts: str, cycle: int, noise: str, bands: int, rounds: int
         raise ValueError(f"cycle must be in [1, {units}] (the number of units); got {cycle}")
     if noise not in NOISE_KINDS:
         raise ValueError(f"noise must be one of {', '.join(NOISE_KINDS)}; got {noise!r}")
-    if noise != "independent" and cohorts == "poisson":
+    if noise == "blt" and cohorts == "poisson":
         raise ValueError(
-            "noise: correlated noise with cohorts poisson needs the amplified banded analysis, which fedpers "
-            "does not implement; use cohorts cyclic (or all) with correlated noise, or noise independent"
+            "noise: blt with cohorts poisson: the amplified analysis (Choquette-Choo et al. 2023) covers banded C "
+            "only, and a BLT's C is not banded; use noise banded or optimised (amplified), or cohorts cyclic"
+        )
+    if noise != "independent" and cohorts == "poisson" and bands and sampling_rate * bands > 1.0 + 1e-9:
+        raise ValueError(
+            f"bands must be <= 1/sampling_rate = {1.0 / sampling_rate:.6g} with cohorts poisson (each of the b "
+            f"groups is sampled at sampling_rate × b); got {bands}"
         )
     if noise == "independent" and bands not in (0, 1):
         raise ValueError(f"bands needs noise banded, optimised or blt; got bands {bands} with noise independent")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import enum
 
-from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, field, inherited, run_config
+from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, Neighbours, field, inherited, run_config
 from fedpers.configs.gradient_rounds import GradientRoundFields, check_decay, check_settings
-from fedpers.configs.privacy import Accountant, accountant_field, check_accountant
+from fedpers.configs.privacy import Accountant, accountant_field, check_accountant, check_poisson_accountant
 
 
 class Remedy(str, enum.Enum):
@@ -58,9 +58,12 @@ class NoisyGDConfig(DeviceRunConfig):
         0.0, "R: feature clip for the remedy's release (0: 1 + √p·β, the bound the data model implies)", ge=0.0
     )
     cohorts: str = field(
-        "all", "all: every example every step; cyclic: K fixed cohorts by id blocks, step s uses cohort s mod K"
+        "all",
+        "all: every example every step; poisson: each step samples examples independently with probability "
+        "--sampling-rate; cyclic: K fixed cohorts by id blocks, step s uses cohort s mod K",
     )
     cycle: int = inherited(GradientRoundFields)
+    sampling_rate: float = inherited(GradientRoundFields)
     noise: str = inherited(GradientRoundFields)
     bands: int = inherited(GradientRoundFields)
     noise_decay: float = inherited(GradientRoundFields)
@@ -78,23 +81,37 @@ class NoisyGDConfig(DeviceRunConfig):
     test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
     baselines: bool = field(True, "also run non-private GD (no clip, no noise) on the same data")
     seed: int = inherited()
+    neighbours: Neighbours = inherited()
     device: str = inherited()
     kernels: str = inherited()
     dtype: str = field("float32", "float32 or float64 for features and W")
     chunk_size: int = field(4096, "examples per batch on the local runtime (bounds memory)", ge=1)
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
         if self.feature_dim < self.classes:
             raise ValueError(
                 f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}"
             )
         if self.examples < self.classes:
             raise ValueError(f"examples must be >= classes={self.classes}; got {self.examples}")
-        if self.cohorts not in ("all", "cyclic"):
-            raise ValueError(f"cohorts must be all or cyclic; got {self.cohorts!r}")
-        check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.steps, self.examples)
+        if self.cohorts not in ("all", "cyclic", "poisson"):
+            raise ValueError(f"cohorts must be all, cyclic or poisson; got {self.cohorts!r}")
+        check_settings(self.cohorts, self.cycle, self.noise, self.bands, self.steps, self.examples, self.sampling_rate)
         check_decay(self.noise, self.noise_decay)
         if self.clip_rule not in ("fixed", "adaptive"):
             raise ValueError(f"clip_rule must be fixed or adaptive; got {self.clip_rule!r}")
+        if self.cohorts == "poisson":
+            if not self.sampling_rate < 1.0:
+                raise ValueError(f"sampling_rate must be in (0, 1) with cohorts poisson; got {self.sampling_rate}")
+            check_poisson_accountant(self.accountant, "cohorts poisson", self.neighbours)
+            if self.clip_rule == "adaptive":
+                raise ValueError(
+                    "clip_rule adaptive with cohorts poisson is not implemented for noisygd (its count releases "
+                    "are not accounted on the sample); use clip_rule fixed"
+                )
+        elif self.sampling_rate != 1.0:
+            raise ValueError(
+                f"sampling_rate needs cohorts poisson; got {self.sampling_rate} with cohorts {self.cohorts}"
+            )
         self.check_device()

@@ -12,6 +12,7 @@ from fedpers.config import (
     MAX_EPSILON,
     ApproxDpRunConfig,
     DeviceRunConfig,
+    Neighbours,
     check_device_and_dtype,
     check_kernels,
     field,
@@ -189,12 +190,18 @@ class NoisyHeadConfig(ApproxDpRunConfig):
     )
     engine: Engine = field(Engine.AUTO, "sweeps: Monte-Carlo engine (auto: direct for D ≤ 16, else spectral)")
     seed: int = field(0, "run seed (data, test data, init and DP noise use separate generators derived from it)", ge=0)
+    neighbours: Neighbours = inherited()
     chunk_size: int = inherited()
     device: str = field("cpu", "torch device: cpu or cuda[:i] (prompts, statistics and steps live there)")
     kernels: str = inherited(DeviceRunConfig)
 
     def check(self) -> None:
-        check_accountant(self.accountant)
+        check_accountant(self.accountant, self.neighbours)
+        if self.calibration is Calibration.PAPER and self.neighbours is not Neighbours.REPLACE_ONE:
+            raise ValueError(
+                "calibration paper: the per-step (ε/T, δ/T) rule is stated for replace-one neighbours; use "
+                f"calibration accountant with neighbours {self.neighbours.value}"
+            )
         check_device_and_dtype(self.device, "float64")
         check_kernels(self.kernels)
         n = self.prompts
@@ -218,7 +225,13 @@ class NoisyHeadConfig(ApproxDpRunConfig):
             self.bands,
             self.steps or 10**9,  # T from the regime's rule: bands are checked against it when it is resolved
             n // self.prompts_per_user if self.unit is Unit.USER else n,
+            self.sampling_rate,
         )
+        if self.sampling_rate < 1 and self.noise != "independent" and self.clip_rule == "adaptive":
+            raise ValueError(
+                "clip_rule adaptive with sampling_rate < 1 and correlated noise is not implemented (the count "
+                "releases are not in the amplified analysis); use clip_rule fixed or noise independent"
+            )
         if self.noise_decay:  # given (not auto)
             check_decay(self.noise, self.noise_decay)
         if self.clip_rule not in ("fixed", "adaptive"):
@@ -242,9 +255,12 @@ class NoisyHeadConfig(ApproxDpRunConfig):
                 raise ValueError(
                     "sampling_rate < 1 needs mode rounds (each step samples its units; the statistics mode sends them once)"
                 )
-            if self.calibration is not Calibration.ACCOUNTANT or self.accountant not in sampling_accountants():
+            if self.calibration is not Calibration.ACCOUNTANT or self.accountant not in sampling_accountants(
+                self.neighbours
+            ):
                 raise ValueError(
-                    f"sampling_rate < 1 needs calibration accountant and accountant {' or '.join(sampling_accountants())} "
+                    "sampling_rate < 1 needs calibration accountant and accountant "
+                    f"{' or '.join(sampling_accountants(self.neighbours))} "
                     "(the paper's per-step rule has no sampling)"
                 )
             if self.attack_c > 0:

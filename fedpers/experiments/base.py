@@ -166,6 +166,14 @@ def outlier_warnings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def strategy_warnings(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A warning when the run's correlated-noise strategy is worse than independent noise on its own
+    loss (a strategy it was given, e.g. ``--noise banded`` with more bands than help): never silent."""
+    privacy = result.get("privacy")
+    text = privacy.get("strategy_warning") if isinstance(privacy, Mapping) else None
+    return [{"metric": "noise", "text": text}] if isinstance(text, str) and text else []
+
+
 class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
     """One algorithm: its config type ``ConfigT`` and the protocol type ``ProtocolT`` it builds
     (``class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol])``); every hook takes the
@@ -235,7 +243,7 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
         the same metric of a trivial baseline (the declared ones, and every other metric those
         baselines report: real data has test_mse where synthetic data has excess_risk)."""
         found = non_finite_warnings(self.result_keys, result, lambda m: self.non_finite_cause(cfg, result, m))
-        found += outlier_warnings(result)
+        found += outlier_warnings(result) + strategy_warnings(result)
         return found + check_trivial(every_shared_metric(self.trivial_baselines(cfg), self.result_keys, result), result)
 
     def non_finite_cause(self, cfg: ConfigT, result: Mapping[str, Any], metric: str) -> str:

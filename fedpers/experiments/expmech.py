@@ -192,10 +192,11 @@ class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
             "delta": 0.0,
             "target_epsilon": cfg.epsilon,
             "accountant": "pure ε-DP composition" if pure else "pld",
-            "neighbouring": "replace-one user",
+            "neighbouring": f"{cfg.neighbours.value} user",
+            "neighbours": cfg.neighbours.value,
             "mechanism": "exponential (Gumbel-max)",
             "sensitivity": protocol.sensitivity,
-            "sensitivity_formula": "ζ² (each user's score lies in [0, ζ²])",
+            "sensitivity_formula": "ζ² (each user's score lies in [0, ζ²]: the change of replacing, adding or removing one)",
             "paper_sensitivity": protocol.paper_sensitivity,
         }
 

@@ -23,6 +23,7 @@ from fedpers.privacy import (
     Calibrations,
     Ledger,
     Privatizer,
+    UnsupportedEvent,
     calibrate_noise_multiplier,
     correlated,
     ledger_epsilon,
@@ -44,11 +45,12 @@ def feature_bound(cfg: NoisyGDConfig) -> float:
     return 1.0 + math.sqrt(cfg.feature_dim) * beta
 
 
-def budget_split(cfg: NoisyGDConfig) -> tuple[float, float]:
+def budget_split(cfg: NoisyGDConfig, steps: int | None = None) -> tuple[float, float]:
     """Unit-free factors (a, b): GD steps get multiplier a·z₁, the remedy b·z₁, so that
     T/a² + 1/b² = 1/z₁² (Gaussian μ² and zCDP ρ both add as 1/z²): z₁ is the single-release
-    multiplier the whole budget would buy; the remedy gets the share ``remedy_budget``."""
-    steps = participations(cfg)
+    multiplier the whole budget would buy; the remedy gets the share ``remedy_budget``. ``steps``: the
+    steps an example takes part in (default :func:`participations`)."""
+    steps = participations(cfg) if steps is None else steps
     if cfg.remedy is Remedy.NONE:
         return math.sqrt(steps), 0.0
     f = cfg.remedy_budget
@@ -60,9 +62,15 @@ def participations(cfg: NoisyGDConfig) -> int:
     return -(-cfg.steps // correlated.cycle_of(cfg.cohorts, cfg.cycle))
 
 
-def run_event(z1: float, cfg: NoisyGDConfig) -> dp_accounting.DpEvent:
-    a, b = budget_split(cfg)
-    events: list[dp_accounting.DpEvent] = [dp_accounting.GaussianDpEvent(a * z1)] * participations(cfg)
+def run_event(z1: float, cfg: NoisyGDConfig, steps: int | None = None, rate: float = 1.0) -> dp_accounting.DpEvent:
+    """What one example is touched by: its ``steps`` (default :func:`participations`) gradient releases,
+    each Poisson-sampled at ``rate`` < 1, and the remedy's release."""
+    steps = participations(cfg) if steps is None else steps
+    a, b = budget_split(cfg, steps)
+    step: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(a * z1)
+    if rate < 1.0:
+        step = dp_accounting.PoissonSampledDpEvent(rate, step)
+    events: list[dp_accounting.DpEvent] = [step] * steps
     if b:
         events.append(dp_accounting.GaussianDpEvent(b * z1))
     return dp_accounting.ComposedDpEvent(events)
@@ -85,15 +93,39 @@ def make_protocol(
         loss=cfg.loss,
         dtype_name=cfg.dtype,
         cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle),
+        sampling_rate=cfg.sampling_rate if cfg.cohorts == "poisson" else 1.0,
     )
-    if cfg.noise != "independent":
+    noisy = private and not math.isinf(cfg.epsilon)
+
+    def calibrated(steps: int, rate: float) -> float:
+        return calibrate_noise_multiplier(
+            lambda z: run_event(z, cfg, steps, rate),
+            cfg.epsilon,
+            cfg.delta,
+            cfg.accountant,
+            calibrations,
+            cfg.neighbours,
+        )
+
+    if cfg.noise != "independent" and cfg.cohorts == "poisson":
+        # b public id blocks taken in turn, each sampled at q·b (b = 1: plain Poisson); amplified accounting.
+        # The choice weighs each candidate by its step multiplier a·z₁ (the remedy's share fixed).
+        def step_multiplier(b: int) -> float:
+            steps = -(-cfg.steps // b)
+            return budget_split(cfg, steps)[0] * calibrated(steps, min(1.0, cfg.sampling_rate * b)) if noisy else 1.0
+
+        noise = correlated.sampled_mechanism(
+            cfg.noise, cfg.steps, cfg.bands, cfg.sampling_rate, step_multiplier, cfg.noise_decay
+        )
+        proto = replace(proto, cycle=noise.cycle, sampling_rate=noise.sampling_rate, correlated=noise)
+    elif cfg.noise != "independent":
         proto = replace(
             proto, correlated=correlated.run_mechanism(cfg.noise, cfg.steps, cfg.bands, proto.cycle, cfg.noise_decay)
         )
-    if not private or math.isinf(cfg.epsilon):
+    if not noisy:
         return proto
-    z1 = calibrate_noise_multiplier(lambda z: run_event(z, cfg), cfg.epsilon, cfg.delta, cfg.accountant, calibrations)
-    a, b = budget_split(cfg)
+    z1 = calibrated(proto.participations(), proto.sampling_rate)
+    a, b = budget_split(cfg, proto.participations())
     if cfg.clip_rule == "adaptive":
         # each step's μ² splits 1 − f : f between the gradient sum and the count (same total as a·z₁)
         f = cfg.clip_budget
@@ -260,34 +292,49 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
         groups = [
             dp_accounting.ComposedDpEvent([r.event for r in ledger.touching(g)]) for g in ledger.groups() or [ALL_UNITS]
         ]
-        rho = math.nan if any(skellam.contains_skellam(e) for e in groups) else max(zcdp_rho(e) for e in groups)
+        sampled = protocol.poisson  # zCDP has no amplification: no ρ for a sampled run
+        rho = (
+            math.nan
+            if sampled or any(skellam.contains_skellam(e) for e in groups)
+            else max(zcdp_rho(e, cfg.neighbours) for e in groups)
+        )
         name = accountant_name(cfg.accountant)
-        by_accountant = {a.value: ledger_epsilon(ledger, cfg.delta, a) for a in Accountant}
-        if name not in by_accountant:  # a registered accountant beside the built-in ones
-            by_accountant[name] = ledger_epsilon(ledger, cfg.delta, name)
+        by_accountant: dict[str, float] = {}
+        for a in [*(a.value for a in Accountant), name]:
+            try:  # every built-in accountant that accounts this ledger (a sampled one: pld; rdp under add-remove)
+                by_accountant.setdefault(a, ledger_epsilon(ledger, cfg.delta, a))
+            except UnsupportedEvent:
+                if a == name:
+                    raise
         out = {
             "epsilon": by_accountant[name],
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": name,
-            "neighbouring": "replace-one example",
+            "neighbouring": f"{cfg.neighbours.value} example",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_grad": protocol.noise_std(),
             "rho": rho,
-            "noise": protocol.correlated.strategy.kind if protocol.correlated else "independent",
+            "noise": "independent",
             "steps_per_example": protocol.participations(),
-            "rho_per_step": (2.0 / protocol.noise_multiplier**2) * (1 / (1 - protocol.count_share))
+            "rho_per_step": (cfg.neighbours.sensitivity_factor**2 / (2.0 * protocol.noise_multiplier**2))
+            * (1 / (1 - protocol.count_share))
             if protocol.noise_multiplier > 0
             else math.inf,
-            "epsilon_zcdp": by_accountant["zcdp"],
+            "epsilon_zcdp": by_accountant.get("zcdp", math.nan),
             "epsilon_pld": by_accountant["pld"],
+            "sampling": correlated.sampling_text(
+                cfg.cohorts, cfg.sampling_rate, protocol.cycle, protocol.sampling_rate
+            ),
+            **({} if protocol.correlated is None else correlated.summary(protocol.correlated)),
             "epsilon_by_accountant": by_accountant,
             "zcdp_conversion": "ε = ρ + 2·sqrt(ρ·log(1/δ)) (Bun & Steinke 2016, Prop. 1.3)",
             "zcdp_rho_for_target": zcdp_rho_for(cfg.epsilon, cfg.delta) if math.isfinite(cfg.epsilon) else math.inf,
         }
         if cfg.remedy is not Remedy.NONE:
             out["remedy_noise_multiplier"] = protocol.remedy_noise_multiplier
-            out["remedy_noise_std"] = protocol.remedy_noise_std()
+            out["remedy_noise_std"] = protocol.remedy_noise_std(cfg.neighbours)
         return out
 
     def plot_keys(self) -> tuple[str, ...]:
@@ -303,7 +350,7 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
             "remedy": protocol.remedy.value,
             "feature_bound": protocol.feature_bound,
             "remedy_noise_multiplier": protocol.remedy_noise_multiplier,
-            "remedy_noise_std": protocol.remedy_noise_std(),
+            "remedy_noise_std": protocol.remedy_noise_std(cfg.neighbours),
             "model_dim": protocol.model_dim,
         }
 

@@ -1,8 +1,11 @@
 """Turns a ledger into (ε, δ), and calibrates noise to a target before a run.
 
-User-level guarantee for replace-one neighbours: a unit is touched by the ``all``
-releases and by the releases of its own disjoint group (parallel composition across
-groups), so ε is the worst case over groups of the composition of what touches it.
+User-level guarantee: a unit is touched by the ``all`` releases and by the releases of its own
+disjoint group (parallel composition across groups), so ε is the worst case over groups of the
+composition of what touches it. Every guarantee is for a declared neighbouring relation
+(:class:`~fedpers.config.Neighbours`): replace-one (the default, the papers' notion) or add-remove
+(what the peers report). A ledger names its relation in each release; an accountant accounts the
+relations it declares (``relations``, ``poisson_relations``) and refuses the others.
 
 Each accountant is dp-accounting's wherever it computes the same thing:
 
@@ -14,9 +17,11 @@ Each accountant is dp-accounting's wherever it computes the same thing:
   constructors.
 - **rdp**: dp-accounting's ``RdpAccountant``. Its Gaussian ignores ``REPLACE_ONE``, so we
   convert: replace-one with noise multiplier z is add/remove with z/2 (the sensitivity
-  doubles). Its Poisson sampling is add/remove only: a Poisson-sampled release is refused.
+  doubles). Its Poisson sampling is add/remove only: a Poisson-sampled release is refused under
+  replace-one and accounted under add-remove.
 - **zcdp** (Bun & Steinke 2016), because papers calibrate with it: a replace-one Gaussian with
-  noise multiplier z is ρ = 2/z² zCDP (sensitivity 2·bound, σ = z·bound, ρ = Δ²/2σ²), ρ's add
+  noise multiplier z is ρ = 2/z² zCDP (sensitivity 2·bound, σ = z·bound, ρ = Δ²/2σ²; add-remove:
+  ρ = 1/(2z²)), ρ's add
   under composition, and ρ-zCDP gives ε = ρ + 2·sqrt(ρ·log(1/δ)) (their Proposition 1.3).
   dp-accounting has no zCDP accountant (its RDP accountant takes ``ZCDpEvent`` but converts
   with RDP's tighter bound, not the papers'), so this one is hand-written. zCDP has no
@@ -28,7 +33,7 @@ rest by basic composition. An event an accountant cannot account is refused with
 
 Each accountant is one :class:`PrivacyAccountant` subclass registered by
 :func:`register_accountant` in :data:`ACCOUNTANTS`, declaring what it can account
-(``poisson_sampling``, ``stated_events``) and how calibration solves with it; everything that
+(``relations``, ``poisson_relations``, ``stated_events``) and how calibration solves with it; everything that
 offers a choice of accountant (the CLI's ``--accountant``, the configs' ``accountant`` field)
 lists the registry. :class:`Accountant` names the built-in ones.
 """
@@ -50,9 +55,11 @@ from dp_accounting.pld.common import DifferentialPrivacyParameters
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize, special, stats
 
+from fedpers.config import Neighbours, neighbours_of
 from fedpers.configs.privacy import (
     Accountant,
     accountant_name,
+    check_relation,
     declare_accountant,
     forget_accountant,
 )
@@ -60,6 +67,9 @@ from fedpers.privacy import calibration_cache, skellam
 from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
+ADD_OR_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+RELATIONS = {Neighbours.REPLACE_ONE: REPLACE_ONE, Neighbours.ADD_REMOVE: ADD_OR_REMOVE}
+"""Each declared neighbouring relation as dp-accounting's ``NeighboringRelation``."""
 PLD_DISCRETISATION = 1e-4
 COARSE_DISCRETISATION = 1e-3
 """The PLD grid a calibration first solves on (about 10× faster for Poisson-sampled events,
@@ -86,7 +96,7 @@ def _kind(event: dp_accounting.DpEvent) -> str:
     return f"a {type(event).__name__}"
 
 
-POISSON_REFUSAL = "it has no amplification-by-sampling bound for replace-one neighbours; use --accountant pld"
+POISSON_REFUSAL = "it has no amplification-by-sampling bound; use --accountant pld"
 
 
 def _map_leaves(
@@ -115,9 +125,12 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
     library (tests/test_accountant_library.py).
     """
 
-    def __init__(self, discretisation: float = PLD_DISCRETISATION) -> None:
-        super().__init__(REPLACE_ONE, value_discretization_interval=discretisation)
+    def __init__(
+        self, discretisation: float = PLD_DISCRETISATION, neighbours: Neighbours = Neighbours.REPLACE_ONE
+    ) -> None:
+        super().__init__(RELATIONS[neighbours], value_discretization_interval=discretisation)
         self.discretisation = discretisation
+        self.relation = RELATIONS[neighbours]
 
     def _maybe_compose(self, event: dp_accounting.DpEvent, count: int, do_compose: bool) -> Any:
         if not isinstance(event, (PureDpEvent, EpsilonDeltaDpEvent)):
@@ -134,7 +147,7 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
                 noise_parameter=keep_odds,
                 num_buckets=2,
                 value_discretization_interval=self.discretisation,
-                neighboring_relation=REPLACE_ONE,
+                neighboring_relation=self.relation,
             )
         else:
             one = pld_lib.from_privacy_parameters(
@@ -142,6 +155,25 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
             )
         self._pld: pld_lib.PrivacyLossDistribution = self._pld.compose(one.self_compose(count) if count > 1 else one)
         return None
+
+
+def _rdp_add_remove_leaf(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """An add-remove mechanism as dp-accounting's RDP accountant (add/remove) takes it: the events
+    themselves, pure ε as (ε²/2)-zCDP (Bun & Steinke 2016, Prop. 1.4)."""
+    if isinstance(event, PureDpEvent):
+        return dp_accounting.ZCDpEvent(event.epsilon**2 / 2)
+    if isinstance(
+        event,
+        (
+            dp_accounting.GaussianDpEvent,
+            dp_accounting.PoissonSampledDpEvent,
+            dp_accounting.ZCDpEvent,
+            dp_accounting.NonPrivateDpEvent,
+            dp_accounting.NoOpDpEvent,
+        ),
+    ):
+        return event
+    raise UnsupportedEvent(Accountant.RDP, event, "no add-remove RDP bound is implemented for it; use --accountant pld")
 
 
 def _rdp_leaf(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
@@ -164,10 +196,12 @@ def _rdp_leaf(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
     )
 
 
-def zcdp_rho(event: dp_accounting.DpEvent) -> float:
-    """ρ (zCDP) of an event under replace-one neighbours; ∞ for a non-private one."""
+def zcdp_rho(event: dp_accounting.DpEvent, neighbours: Neighbours | str = Neighbours.REPLACE_ONE) -> float:
+    """ρ (zCDP) of an event under ``neighbours`` (replace-one: a Gaussian of multiplier z is 2/z²;
+    add-remove: 1/(2z²)); ∞ for a non-private one."""
+    factor = neighbours_of(neighbours).sensitivity_factor
     if isinstance(event, dp_accounting.GaussianDpEvent):
-        return math.inf if event.noise_multiplier == 0 else 2.0 / event.noise_multiplier**2
+        return math.inf if event.noise_multiplier == 0 else factor**2 / (2.0 * event.noise_multiplier**2)
     if isinstance(event, PureDpEvent):
         return event.epsilon**2 / 2  # ε-DP implies (ε²/2)-zCDP (Bun & Steinke 2016, Prop. 1.4)
     if isinstance(event, dp_accounting.ZCDpEvent):
@@ -177,9 +211,9 @@ def zcdp_rho(event: dp_accounting.DpEvent) -> float:
             )
         return event.rho
     if isinstance(event, dp_accounting.ComposedDpEvent):
-        return sum(zcdp_rho(e) for e in event.events)
+        return sum(zcdp_rho(e, neighbours) for e in event.events)
     if isinstance(event, dp_accounting.SelfComposedDpEvent):
-        return event.count * zcdp_rho(event.event)
+        return event.count * zcdp_rho(event.event, neighbours)
     if isinstance(event, dp_accounting.NonPrivateDpEvent):
         return math.inf
     if isinstance(event, dp_accounting.NoOpDpEvent):
@@ -225,15 +259,18 @@ def _split_epsilon_delta(event: dp_accounting.DpEvent) -> tuple[list[dp_accounti
 
 # ----- the accountants, one class each, registered in one place -------------------------------
 class PrivacyAccountant(abc.ABC):
-    """One accountant: ε at δ of a replace-one event, what it can account, and how calibration
-    solves with it. Subclass, set the class attributes, and decorate with :func:`register_accountant`."""
+    """One accountant: ε at δ of an event under a neighbouring relation, what it can account, and how
+    calibration solves with it. Subclass, set the class attributes, and decorate with :func:`register_accountant`."""
 
     name: ClassVar[str]
     """The registry key (what ``--accountant`` and a config's ``accountant`` field take)."""
     description: ClassVar[str] = ""
-    poisson_sampling: ClassVar[bool] = False
-    """Accounts Poisson-sampled releases (amplification by sampling, replace-one neighbours);
-    a run with Poisson cohorts needs such an accountant, the others refuse those releases."""
+    relations: ClassVar[tuple[str, ...]] = (Neighbours.REPLACE_ONE.value,)
+    """The neighbouring relations it accounts (:class:`~fedpers.config.Neighbours` values); a run
+    under another is refused before any release."""
+    poisson_relations: ClassVar[tuple[str, ...]] = ()
+    """The relations under which it accounts Poisson-sampled releases (amplification by sampling); a
+    run with Poisson cohorts needs an accountant that does under its relation, the others refuse them."""
     stated_events: ClassVar[bool] = False
     """Accounts an :class:`EpsilonDeltaDpEvent` itself; False: its stated (ε, δ) is added to the
     rest's ε by basic composition."""
@@ -246,15 +283,31 @@ class PrivacyAccountant(abc.ABC):
     before any release (a δ it cannot resolve has ε = inf at every noise: nothing to solve)."""
 
     @abc.abstractmethod
-    def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
-        """ε at ``delta`` of ``event`` (its stated (ε, δ) parts already removed unless ``stated_events``).
+    def epsilon(
+        self,
+        event: dp_accounting.DpEvent,
+        delta: float,
+        *,
+        pld_discretisation: float,
+        neighbours: Neighbours = Neighbours.REPLACE_ONE,
+    ) -> float:
+        """ε at ``delta`` of ``event`` under ``neighbours`` (its stated (ε, δ) parts already removed
+        unless ``stated_events``; ``neighbours`` is one of :attr:`relations`).
 
         Raises :class:`UnsupportedEvent` for an event it cannot account."""
 
-    def closed_form_multiplier(self, unit: Sequence[float], target_epsilon: float, target_delta: float) -> float:
+    def closed_form_multiplier(
+        self,
+        unit: Sequence[float],
+        target_epsilon: float,
+        target_delta: float,
+        neighbours: Neighbours = Neighbours.REPLACE_ONE,
+    ) -> float:
         """A first z for a Gaussian-only event whose multipliers at z = 1 are ``unit``: exact for
-        μ-GDP (Gaussian composition); calibration then raises it by :attr:`calibration_step`."""
-        return gaussian_mu([u / 2 for u in unit]) / analytic_gaussian_mu(target_epsilon, target_delta)
+        μ-GDP (Gaussian composition: μ = κ/z per release, κ the relation's sensitivity factor);
+        calibration then raises it by :attr:`calibration_step`."""
+        factor = neighbours_of(neighbours).sensitivity_factor
+        return gaussian_mu([u / factor for u in unit]) / analytic_gaussian_mu(target_epsilon, target_delta)
 
 
 ACCOUNTANTS: dict[str, type[PrivacyAccountant]] = {}
@@ -270,7 +323,9 @@ def register_accountant(cls: A) -> A:
         raise ValueError(f"register_accountant: {cls.__name__}.name must be an identifier; got {name!r}")
     if ACCOUNTANTS.get(name, cls) is not cls:
         raise ValueError(f"register_accountant: {name!r} is already {ACCOUNTANTS[name].__name__}; got {cls.__name__}")
-    declare_accountant(name, cls.poisson_sampling)  # what a config's check reads (fedpers.configs.privacy)
+    declare_accountant(
+        name, cls.relations, cls.poisson_relations
+    )  # what a config's check reads (fedpers.configs.privacy)
     ACCOUNTANTS[name] = cls
     return cls
 
@@ -302,7 +357,8 @@ class PldAccountant(PrivacyAccountant):
 
     name = Accountant.PLD.value
     description = "privacy loss distributions: exact for Gaussian composition, Poisson sampling included"
-    poisson_sampling = True
+    relations = (Neighbours.REPLACE_ONE.value, Neighbours.ADD_REMOVE.value)
+    poisson_relations = relations
     stated_events = True
     calibration_step = 1e-4
     coarse_discretisation = COARSE_DISCRETISATION
@@ -310,12 +366,21 @@ class PldAccountant(PrivacyAccountant):
     # dp-accounting's PLD keeps about 5e-16 of probability mass at infinity (its truncated
     # tails), whatever the noise: below that ε = inf; at 1e-15 a calibration takes ~10 s.
 
-    def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
-        pld = _PLDAccountant(pld_discretisation)
+    def epsilon(
+        self,
+        event: dp_accounting.DpEvent,
+        delta: float,
+        *,
+        pld_discretisation: float,
+        neighbours: Neighbours = Neighbours.REPLACE_ONE,
+    ) -> float:
+        pld = _PLDAccountant(pld_discretisation, neighbours_of(neighbours))
 
         def pld_leaf(leaf: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
             if not pld.supports(leaf):
-                raise UnsupportedEvent(self.name, leaf, "dp-accounting has no replace-one PLD for it")
+                raise UnsupportedEvent(
+                    self.name, leaf, f"dp-accounting has no {neighbours_of(neighbours).value} PLD for it"
+                )
             return leaf
 
         pld.compose(_map_leaves(event, pld_leaf))
@@ -327,13 +392,21 @@ class RdpAccountant(PrivacyAccountant):
     """dp-accounting's RDP accountant on the add/remove events of the same privacy loss (:func:`_rdp_leaf`)."""
 
     name = Accountant.RDP.value
-    description = "Rényi DP (dp-accounting); looser than pld, no Poisson sampling for replace-one"
+    description = "Rényi DP (dp-accounting); looser than pld, Poisson sampling under add-remove only"
+    relations = (Neighbours.REPLACE_ONE.value, Neighbours.ADD_REMOVE.value)
+    poisson_relations = (Neighbours.ADD_REMOVE.value,)
 
-    def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
-        rdp = rdp_privacy_accountant.RdpAccountant(
-            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-        )
-        rdp.compose(_map_leaves(event, _rdp_leaf))
+    def epsilon(
+        self,
+        event: dp_accounting.DpEvent,
+        delta: float,
+        *,
+        pld_discretisation: float,
+        neighbours: Neighbours = Neighbours.REPLACE_ONE,
+    ) -> float:
+        rdp = rdp_privacy_accountant.RdpAccountant(neighboring_relation=ADD_OR_REMOVE)
+        add_remove = neighbours_of(neighbours) is Neighbours.ADD_REMOVE
+        rdp.compose(_map_leaves(event, _rdp_add_remove_leaf if add_remove else _rdp_leaf))
         return float(rdp.get_epsilon(delta))
 
 
@@ -343,14 +416,29 @@ class ZcdpAccountant(PrivacyAccountant):
 
     name = Accountant.ZCDP.value
     description = "zero-concentrated DP (Bun & Steinke 2016), the papers' calibration; no Poisson sampling"
+    relations = (Neighbours.REPLACE_ONE.value, Neighbours.ADD_REMOVE.value)
     calibration_step = 1e-9
 
-    def epsilon(self, event: dp_accounting.DpEvent, delta: float, *, pld_discretisation: float) -> float:
-        return zcdp_epsilon(zcdp_rho(event), delta)
+    def epsilon(
+        self,
+        event: dp_accounting.DpEvent,
+        delta: float,
+        *,
+        pld_discretisation: float,
+        neighbours: Neighbours = Neighbours.REPLACE_ONE,
+    ) -> float:
+        return zcdp_epsilon(zcdp_rho(event, neighbours), delta)
 
-    def closed_form_multiplier(self, unit: Sequence[float], target_epsilon: float, target_delta: float) -> float:
-        """Σ 2/(z·u)² = ρ_target in closed form (calibration's loop only guards the floating point)."""
-        return math.sqrt(sum(2.0 / u**2 for u in unit) / zcdp_rho_for(target_epsilon, target_delta))
+    def closed_form_multiplier(
+        self,
+        unit: Sequence[float],
+        target_epsilon: float,
+        target_delta: float,
+        neighbours: Neighbours = Neighbours.REPLACE_ONE,
+    ) -> float:
+        """Σ κ²/(2(z·u)²) = ρ_target in closed form (calibration's loop only guards the floating point)."""
+        factor = neighbours_of(neighbours).sensitivity_factor
+        return math.sqrt(sum(factor**2 / (2.0 * u**2) for u in unit) / zcdp_rho_for(target_epsilon, target_delta))
 
 
 def event_epsilon(
@@ -359,16 +447,22 @@ def event_epsilon(
     accountant: Accountant | str = Accountant.PLD,
     *,
     pld_discretisation: float = PLD_DISCRETISATION,
+    neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
 ) -> float:
-    """ε at ``delta`` of one (composed) event, replace-one neighbours (``pld_discretisation``: the
+    """ε at ``delta`` of one (composed) event under ``neighbours`` (``pld_discretisation``: the
     PLD accountant's grid; only calibration's first solve uses another).
 
-    Raises :class:`UnsupportedEvent` (a ValueError) for an event ``accountant`` cannot account.
+    Raises :class:`UnsupportedEvent` (a ValueError) for an event ``accountant`` cannot account, and a
+    ValueError for a relation it does not account.
     """
     _check_delta(delta)
+    relation = neighbours_of(neighbours)
     if skellam.contains_skellam(event):
         # distributed DP: the Skellam mechanism has an RDP bound only, so the whole composition is accounted in RDP
+        if relation is not Neighbours.REPLACE_ONE:
+            raise ValueError("neighbours: the Skellam (distributed DP) bound is implemented for replace-one only")
         return skellam.rdp_epsilon(event, delta)
+    check_relation(accountant, relation)
     acc = get_accountant(accountant)
     if not acc.stated_events:
         rest, eps_stated, delta_stated = _split_epsilon_delta(event)
@@ -382,12 +476,13 @@ def event_epsilon(
                     delta - delta_stated,
                     accountant,
                     pld_discretisation=pld_discretisation,
+                    neighbours=relation,
                 )
                 if rest
                 else 0.0
             )
             return rest_eps + eps_stated
-    return _remembered_epsilon(acc, event, delta, pld_discretisation)
+    return _remembered_epsilon(acc, event, delta, pld_discretisation, relation)
 
 
 EPSILON_MEMO_SIZE = 256
@@ -396,18 +491,28 @@ _epsilon_memo: dict[tuple[Any, ...], float] = {}
 _epsilon_memo_lock = threading.Lock()
 
 
-def _remembered_epsilon(acc: PrivacyAccountant, event: dp_accounting.DpEvent, delta: float, grid: float) -> float:
+def _remembered_epsilon(
+    acc: PrivacyAccountant,
+    event: dp_accounting.DpEvent,
+    delta: float,
+    grid: float,
+    neighbours: Neighbours = Neighbours.REPLACE_ONE,
+) -> float:
     """``acc.epsilon(event, delta)``, computed once per process for one exact event: a run's
     reported ε is the ε its calibration already checked when the ledger's releases compose to
     the same event (:func:`ledger_form`), and the runs of a sweep share their PLDs. The key is
     everything the answer depends on: the accountant's class and its ``epsilon`` method (a new
-    or patched one misses), the event's exact text (floats round-trip) and node types, δ and
-    the grid; any other event, a ledger that differs from the plan included, is computed."""
-    key = (type(acc), type(acc).epsilon, _event_key(event), float(delta), float(grid))
+    or patched one misses), the event's exact text (floats round-trip) and node types, δ, the
+    grid and the neighbouring relation; any other event, a ledger that differs from the plan
+    included, is computed."""
+    key = (type(acc), type(acc).epsilon, _event_key(event), float(delta), float(grid), neighbours.value)
     with _epsilon_memo_lock:
         if key in _epsilon_memo:
             return _epsilon_memo[key]
-    eps = acc.epsilon(event, delta, pld_discretisation=grid)
+    # the relation is passed only when it is not the default: an accountant that declares replace-one alone
+    # (its ``relations``) keeps the signature it was written with
+    extra = {} if neighbours is Neighbours.REPLACE_ONE else {"neighbours": neighbours}
+    eps = acc.epsilon(event, delta, pld_discretisation=grid, **extra)
     with _epsilon_memo_lock:
         _epsilon_memo[key] = eps
         while len(_epsilon_memo) > EPSILON_MEMO_SIZE:
@@ -455,11 +560,24 @@ def ledger_form(event: dp_accounting.DpEvent) -> dp_accounting.ComposedDpEvent:
     return dp_accounting.ComposedDpEvent(fold_repeats([e for e, _ in leaves], [t for _, t in leaves]))
 
 
+def ledger_neighbours(ledger: Ledger) -> Neighbours:
+    """The neighbouring relation every release of ``ledger`` names (replace-one for an empty ledger);
+    a ValueError for a ledger whose releases name two (no single guarantee holds for it)."""
+    relations = {r.neighbours for r in ledger}
+    if len(relations) > 1:
+        raise ValueError(
+            f"a ledger's releases must share one neighbouring relation; got {', '.join(sorted(relations))}"
+        )
+    return neighbours_of(relations.pop()) if relations else Neighbours.REPLACE_ONE
+
+
 def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant | str = Accountant.PLD) -> float:
-    """Worst-case ε over disjoint groups, for the releases each group's units are touched by.
+    """Worst-case ε over disjoint groups, for the releases each group's units are touched by, under
+    the neighbouring relation the releases name (:func:`ledger_neighbours`).
 
     Raises :class:`UnsupportedEvent` (a ValueError) for a release ``accountant`` cannot account.
     """
+    relation = ledger_neighbours(ledger)
     groups: list[str | None] = [*ledger.groups()] or [None]
     seen: dict[tuple[str, ...], float] = {}
     for g in groups:
@@ -467,7 +585,9 @@ def ledger_epsilon(ledger: Ledger, delta: float, accountant: Accountant | str = 
         events = shared_sample_events(releases)
         key = tuple(sorted(repr(e) for e in events))
         if releases and key not in seen:
-            seen[key] = event_epsilon(dp_accounting.ComposedDpEvent(fold_repeats(events)), delta, accountant)
+            seen[key] = event_epsilon(
+                dp_accounting.ComposedDpEvent(fold_repeats(events)), delta, accountant, neighbours=relation
+            )
     return max(seen.values(), default=0.0)
 
 
@@ -543,10 +663,11 @@ class Calibrations:
         target_epsilon: float,
         target_delta: float,
         accountant: Accountant | str = Accountant.PLD,
+        neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
     ) -> float:
-        key = calibration_key(make_event, target_epsilon, target_delta, accountant)
+        key = calibration_key(make_event, target_epsilon, target_delta, accountant, neighbours)
         if key not in self.table:
-            self.table[key] = _calibrate(make_event, target_epsilon, target_delta, accountant)
+            self.table[key] = _calibrate(make_event, target_epsilon, target_delta, accountant, neighbours)
         return self.table[key]
 
 
@@ -555,8 +676,11 @@ def calibration_key(
     target_epsilon: float,
     target_delta: float,
     accountant: Accountant | str,
+    neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
 ) -> str:
-    """What a calibration depends on: the event's shape (at z = 1 and 2), the target and the accountant."""
+    """What a calibration depends on: the event's shape (at z = 1 and 2), the target, the accountant
+    and (when not replace-one, whose keys predate the choice) the neighbouring relation."""
+    relation = neighbours_of(neighbours)
     return repr(
         (
             repr(make_event(1.0)),
@@ -564,6 +688,7 @@ def calibration_key(
             float(target_epsilon),
             float(target_delta),
             accountant_name(accountant),
+            *(() if relation is Neighbours.REPLACE_ONE else (relation.value,)),
         )
     )
 
@@ -574,16 +699,22 @@ def calibrate_noise_multiplier(
     target_delta: float,
     accountant: Accountant | str = Accountant.PLD,
     calibrations: Calibrations | None = None,
+    neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
 ) -> float:
-    """Smallest noise multiplier z whose event meets (ε, δ); ``make_event(z)`` is what one unit is touched by.
+    """Smallest noise multiplier z whose event meets (ε, δ) under ``neighbours``; ``make_event(z)`` is
+    what one unit is touched by (z = σ / per-unit bound in every relation: the event is the same, its
+    privacy loss is the relation's).
 
     Returns 0 for ε = ∞ (no noise). The accountant's ε at the result is ≤ the target and
     within 0.1% of it (Gaussian-only events) or within the bisection tolerance.
     ``calibrations``: look the result up there (and record it), see :class:`Calibrations`.
     """
+    relation = neighbours_of(neighbours)
     if calibrations is not None:
-        return calibrations(make_event, target_epsilon, target_delta, accountant)
-    return _calibrate(make_event, target_epsilon, target_delta, accountant)
+        if relation is Neighbours.REPLACE_ONE:  # the default: a table that predates the choice is asked as before
+            return calibrations(make_event, target_epsilon, target_delta, accountant)
+        return calibrations(make_event, target_epsilon, target_delta, accountant, relation)
+    return _calibrate(make_event, target_epsilon, target_delta, accountant, relation)
 
 
 def check_rule_meets_target(
@@ -613,8 +744,11 @@ def _calibrate(
     target_epsilon: float,
     target_delta: float,
     accountant: Accountant | str,
+    neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
 ) -> float:
     _check_delta(target_delta)
+    relation = neighbours_of(neighbours)
+    check_relation(accountant, relation)
     acc = get_accountant(accountant)
     if target_delta < acc.min_delta:
         raise ValueError(
@@ -627,20 +761,20 @@ def _calibrate(
         return 0.0
 
     def eps_at(z: float) -> float:
-        return event_epsilon(make_event(z), target_delta, accountant)
+        return event_epsilon(make_event(z), target_delta, accountant, neighbours=relation)
 
     def checked(z: float) -> bool:
         # first on the event as the ledger composes the plan's releases: the ε a run of the plan
         # reports is this one, computed once (the two forms' ε differ by ~1e-11 from rounding)
-        return event_epsilon(ledger_form(make_event(z)), target_delta, accountant) <= target_epsilon or (
-            eps_at(z) <= target_epsilon
-        )
+        return event_epsilon(
+            ledger_form(make_event(z)), target_delta, accountant, neighbours=relation
+        ) <= target_epsilon or (eps_at(z) <= target_epsilon)
 
-    key = _cache_key(make_event, target_epsilon, target_delta, acc)
+    key = _cache_key(make_event, target_epsilon, target_delta, acc, relation)
     cached = calibration_cache.lookup(key) if key is not None else None
     if cached is not None and checked(cached):
         return cached  # what the solve below returned for this key; its ε still checked at full resolution
-    z = _solve_calibration(make_event, target_epsilon, target_delta, acc, eps_at)
+    z = _solve_calibration(make_event, target_epsilon, target_delta, acc, eps_at, relation)
     if key is not None:
         calibration_cache.store(key, z)
     return z
@@ -651,6 +785,7 @@ def _cache_key(
     target_epsilon: float,
     target_delta: float,
     acc: PrivacyAccountant,
+    neighbours: Neighbours = Neighbours.REPLACE_ONE,
 ) -> str | None:
     """The calibration cache's key for this solve (None: the accountant's code cannot be read, so
     a cached answer could outlive a change to it)."""
@@ -658,7 +793,7 @@ def _cache_key(
         sources = sorted({__file__, inspect.getfile(type(acc))})
         settings = (PLD_DISCRETISATION, COARSE_DISCRETISATION, Z_MIN, acc.calibration_step, acc.coarse_discretisation)
         return calibration_cache.entry_key(
-            calibration_key(make_event, target_epsilon, target_delta, acc.name), settings, sources
+            calibration_key(make_event, target_epsilon, target_delta, acc.name, neighbours), settings, sources
         )
     except (OSError, TypeError):
         return None
@@ -670,12 +805,13 @@ def _solve_calibration(
     target_delta: float,
     acc: PrivacyAccountant,
     eps_at: Callable[[float], float],
+    neighbours: Neighbours = Neighbours.REPLACE_ONE,
 ) -> float:
     accountant = acc.name
     unit = gaussian_multipliers(make_event(1.0))
     if unit is not None and all(z > 0 for z in unit):
         # Gaussian composition has a closed form (μ-GDP; zCDP's own): solve there, then confirm with the accountant.
-        z = acc.closed_form_multiplier(unit, target_epsilon, target_delta)
+        z = acc.closed_form_multiplier(unit, target_epsilon, target_delta, neighbours)
         steps = 0
         while eps_at(z) > target_epsilon:
             z *= 1.0 + acc.calibration_step
@@ -696,7 +832,9 @@ def _solve_calibration(
         # solve on the coarse grid, then check at full resolution; re-solve there only if the
         # coarse answer is not within 0.1% of the target (Poisson-sampled events: ~10× faster)
         z = _solve(
-            lambda z: event_epsilon(make_event(z), target_delta, accountant, pld_discretisation=coarse),
+            lambda z: event_epsilon(
+                make_event(z), target_delta, accountant, pld_discretisation=coarse, neighbours=neighbours
+            ),
             target_epsilon,
             target_delta,
         )

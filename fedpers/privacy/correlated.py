@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -50,11 +51,13 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class SensitivityResult:
-    """Sensitivity per unit clip (max over users of the norm they move Cx by) and the rule used."""
+    """Sensitivity per unit clip (max over users of the norm they move Cx by), the rule used and
+    the participation schedules it holds for (``scope``)."""
 
     value: float
     rule: str
     participations: int
+    scope: str = ""
 
 
 @dataclass(frozen=True)
@@ -223,17 +226,23 @@ def sqrt_decay_coefficients(bands: int, decay: float = 1.0) -> tuple[float, ...]
 
 
 def optimised_coefficients(
-    horizon: int, bands: int, cycle: int, iterations: int = 200, decay: float = 1.0
+    horizon: int,
+    bands: int,
+    cycle: int,
+    iterations: int = 200,
+    decay: float = 1.0,
+    patterns: Tensor | None = None,
 ) -> tuple[float, ...]:
     """Non-negative banded Toeplitz coefficients (c_0 = 1) minimising :func:`loss` for the
-    horizon, the K-cycle's participation and the A_λ workload, from the square root of A_λ
-    (L-BFGS on log c_1..log c_{b−1}). The result is the best of what L-BFGS found, its start
+    horizon, the K-cycle's participation (or the given ``patterns``: one participation for the
+    amplified analysis, :func:`single_participation`) and the A_λ workload, from the square root
+    of A_λ (L-BFGS on log c_1..log c_{b−1}). The result is the best of what L-BFGS found, its start
     and independent noise (c = (1, 0, …, 0), always feasible): never worse than either on the loss."""
     bands = min(bands, horizon)
     if bands == 1:
         return (1.0,)
     start = torch.tensor(sqrt_decay_coefficients(bands, decay), dtype=torch.float64)
-    patterns = cyclic_participation(horizon, cycle)
+    patterns = cyclic_participation(horizon, cycle) if patterns is None else patterns
     theta = start[1:].log().clone().requires_grad_(True)
     one = torch.ones(1, dtype=torch.float64)
 
@@ -266,7 +275,10 @@ def _public(values: Tensor, one_minus: bool = False) -> Tensor:
 
 
 BLT_BUFFERS = 4
-"""Buffers of a BLT when --bands is 0 (jax_privacy's optimiser uses a handful; more add little)."""
+"""The most buffers a BLT gets when --bands is 0 (jax_privacy's optimiser uses a handful; more add
+little); :func:`chosen_blt` takes the fewest whose loss is within :data:`BLT_TOLERANCE` of the best."""
+BLT_TOLERANCE = 1e-6
+"""Relative loss a BLT buffer may add and still be dropped: a buffer is noise state per coordinate."""
 
 
 def optimised_blt(
@@ -312,10 +324,32 @@ def optimised_blt(
     return tuple(float(t) for t in theta[order]), tuple(float(w) for w in omega[order])
 
 
+def chosen_blt(
+    horizon: int, cycle: int, decay: float = 1.0, most: int = BLT_BUFFERS
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The BLT with the fewest buffers (1..``most``) whose loss is within :data:`BLT_TOLERANCE` of the
+    best of them (each optimised by :func:`optimised_blt`): a 4-buffer optimum that a 1-buffer BLT
+    matches to 1e-9 keeps 1 buffer, a quarter of the noise state."""
+    patterns = cyclic_participation(horizon, cycle)
+    found = []
+    for buffers in range(1, max(1, min(most, horizon)) + 1):
+        theta, omega = optimised_blt(horizon, buffers, cycle, decay=decay)
+        coefs = blt_coefficients(
+            torch.tensor(theta, dtype=torch.float64), torch.tensor(omega, dtype=torch.float64), horizon
+        )
+        found.append((float(loss(coefs, horizon, patterns, decay)), theta, omega))
+    best = min(f[0] for f in found)
+    _, theta, omega = next(f for f in found if f[0] <= best * (1.0 + BLT_TOLERANCE))
+    return theta, omega
+
+
 def strategy(kind: str, horizon: int, bands: int, cycle: int, decay: float = 1.0) -> Strategy:
-    """The public strategy a run uses (computed from its configuration alone)."""
+    """The public strategy a run uses (computed from its configuration alone; a BLT with ``bands``
+    0 takes the buffer count :func:`chosen_blt` finds)."""
     if kind == "independent":
         return Strategy(kind, (1.0,))
+    if kind == "blt" and bands == 0:
+        return Strategy(kind, (1.0,), *chosen_blt(horizon, cycle, decay))
     if not 1 <= bands <= horizon:
         raise ValueError(f"bands must be in [1, rounds={horizon}]; got {bands}")
     if kind == "banded":
@@ -332,10 +366,18 @@ def strategy(kind: str, horizon: int, bands: int, cycle: int, decay: float = 1.0
 class CorrelatedNoise:
     """A run's correlated mechanism: the strategy, its horizon T and the participation's sensitivity.
 
-    Accounting: the T rounds are one Gaussian mechanism on Cx with Δ = 2·clip·s (s =
-    ``sensitivity.value``). With P = max participations and the run's per-participation
-    multiplier z (calibrated exactly as P independent releases would be), the noise std is
-    σ = z·clip·s/√P, so the joint multiplier is z/√P: the same guarantee as P Gaussians of z.
+    Accounting without sampling (``sampling_rate`` 1): the T rounds are one Gaussian mechanism on Cx
+    with Δ = κ·clip·s (s = ``sensitivity.value``, κ the relation's factor). With P = max
+    participations and the run's per-participation multiplier z (calibrated exactly as P independent
+    releases would be), the noise std is σ = z·clip·s/√P, so the joint multiplier is z/√P: the same
+    guarantee as P Gaussians of z.
+
+    Amplified (``sampling_rate`` q_g < 1, :func:`amplified_mechanism`): the units are ``cycle`` = b
+    public groups, round t samples group t mod b with probability q_g, and C has at most b bands.
+    A unit's participations are then ≥ b rounds apart, so each moves its own columns' rows of Cx
+    (disjoint for a b-banded C), and the whole stream is dominated by ⌈T/b⌉ Poisson-sampled Gaussians
+    of multiplier z with σ = z·clip·(max column norm of C) (Choquette-Choo et al. 2023, Theorem 4;
+    jax_privacy's ``amplified_bandmf_event``).
     """
 
     strategy: Strategy
@@ -344,10 +386,27 @@ class CorrelatedNoise:
     cycle: int
     decay: float = 1.0
     """λ of the workload A_λ the strategy was chosen for (1: prefix sums); public, from the config."""
+    sampling_rate: float = 1.0
+    """q_g < 1: block-cyclic Poisson sampling within ``cycle`` groups, accounted by amplification."""
+    note: str = ""
+    """How the strategy was chosen (the groups under Poisson sampling), for the run's privacy summary."""
+    warning: str = ""
+    """Set when the strategy is worse than independent noise on its own loss (a choice the run was
+    given, never made silently): the run's result carries it as a warning."""
+
+    @property
+    def amplified(self) -> bool:
+        return self.sampling_rate < 1.0
+
+    def group(self, step: int) -> int:
+        """The group (public id block) round ``step`` (0-based) samples: step mod b."""
+        return step % self.cycle
 
     def noise_std(self, noise_multiplier: float, clip: float) -> float:
         s, p = self.sensitivity.value, self.sensitivity.participations
-        return noise_multiplier * clip * (s / math.sqrt(p)) if noise_multiplier > 0 else 0.0
+        if noise_multiplier <= 0:
+            return 0.0
+        return noise_multiplier * clip * (s if self.amplified else s / math.sqrt(p))
 
     def params(self) -> dict[str, object]:
         return {
@@ -360,7 +419,9 @@ class CorrelatedNoise:
             "workload_decay": self.decay,
             "unit_sensitivity": self.sensitivity.value,
             "sensitivity_rule": self.sensitivity.rule,
+            "sensitivity_scope": self.sensitivity.scope,
             "participations": self.sensitivity.participations,
+            **({"sampling_rate": self.sampling_rate, "groups": self.cycle} if self.amplified else {}),
         }
 
 
@@ -368,7 +429,143 @@ def mechanism(kind: str, horizon: int, bands: int, cycle: int, decay: float = 1.
     """The strategy for (kind, horizon, bands, cycle, λ) and its sensitivity under the K-cycle."""
     s = strategy(kind, horizon, bands, cycle, decay)
     patterns = cyclic_participation(horizon, cycle)
-    return CorrelatedNoise(s, horizon, sensitivity(s.matrix(horizon), patterns), cycle, decay)
+    found = sensitivity(s.matrix(horizon), patterns)
+    scope = (
+        f"this run's fixed {cycle}-cycle (cohort k in the rounds t ≡ k mod {cycle}); also any participation "
+        f"at least {s.bands} rounds apart in at most {found.participations} rounds, within √P·max column norm"
+        if found.rule == "orthogonal columns"
+        else f"this run's fixed {cycle}-cycle only (cohort k in the rounds t ≡ k mod {cycle}): another schedule "
+        "needs its own sensitivity"
+    )
+    noise = CorrelatedNoise(s, horizon, replace(found, scope=scope), cycle, decay)
+    if kind == "banded":
+        ratio = error(noise) / error(independent_cycle(horizon, cycle, decay))
+        if ratio > 1.0 + 1e-9:
+            return replace(
+                noise,
+                warning=f"noise banded ({s.bands} bands, cycle {cycle}): {ratio:.4g}× the error of independent "
+                "noise on its own workload (σ² times the A_λ error); noise optimised is never worse than independent",
+            )
+    return noise
+
+
+def independent_cycle(horizon: int, cycle: int, decay: float = 1.0) -> CorrelatedNoise:
+    """Independent noise (C = I) on the K-cycle as a :class:`CorrelatedNoise` (to compare errors with)."""
+    s = Strategy("independent", (1.0,))
+    return CorrelatedNoise(
+        s, horizon, sensitivity(s.matrix(horizon), cyclic_participation(horizon, cycle)), cycle, decay
+    )
+
+
+def error(noise: CorrelatedNoise, noise_multiplier: float = 1.0) -> float:
+    """Total squared error of the A_λ iterates per unit clip: σ²·‖A_λ C⁻¹‖_F² at ``noise_multiplier``
+    (σ as the run draws it: z·s/√P on a cycle, z·max column norm amplified)."""
+    T = noise.horizon
+    coefficients = noise.strategy.toeplitz_coefficients(T)
+    return noise.noise_std(noise_multiplier, 1.0) ** 2 * float(prefix_error(coefficients, T, noise.decay))
+
+
+def single_participation(horizon: int) -> Tensor:
+    """(1, T): one participation in round 0, whose column of a Toeplitz C is the longest (its norm is
+    the max column norm the amplified analysis needs)."""
+    out = torch.zeros(1, horizon, dtype=torch.float64)
+    out[0, 0] = 1.0
+    return out
+
+
+def amplified_mechanism(kind: str, horizon: int, groups: int, rate: float, decay: float = 1.0) -> CorrelatedNoise:
+    """Banded C with b = ``groups`` bands for block-cyclic Poisson sampling: b public groups, round t
+    samples group t mod b with probability ``rate``. At rate 1 it is the b-cycle itself (exact
+    cyclic sensitivity, :func:`mechanism`). Below 1 the sensitivity is the max column norm and the
+    stream is accounted as ⌈T/b⌉ Poisson-sampled Gaussians (:class:`CorrelatedNoise`); ``optimised``
+    minimises max column norm² × the A_λ error (one participation: jax_privacy's ``amplified_bandmf_loss``)."""
+    if kind not in ("banded", "optimised"):
+        raise ValueError(
+            f"noise {kind} with cohorts poisson: the amplified analysis (Choquette-Choo et al. 2023) covers banded "
+            "C only (a BLT's C is not banded); use noise banded or optimised"
+        )
+    if not 1 <= groups <= horizon:
+        raise ValueError(f"bands must be in [1, rounds={horizon}] with cohorts poisson; got {groups}")
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"sampling_rate × bands must be in (0, 1]; got {rate}")
+    if rate >= 1.0:
+        return mechanism(kind, horizon, groups, groups, decay)
+    if kind == "banded":
+        s = Strategy(kind, sqrt_decay_coefficients(groups, decay))
+    else:
+        s = Strategy(
+            kind, optimised_coefficients(horizon, groups, groups, decay=decay, patterns=single_participation(horizon))
+        )
+    column = math.sqrt(float((s.matrix(horizon) ** 2).sum(0).max()))
+    found = SensitivityResult(
+        column,
+        "max column norm (amplified: b-min-separated participation, Choquette-Choo et al. 2023, Theorem 4)",
+        -(-horizon // groups),
+        f"block-cyclic Poisson: {groups} public id blocks, block g sampled at q = {rate:.6g} in the rounds "
+        f"t ≡ g mod {groups}; any participation at least {groups} rounds apart, at most ⌈T/b⌉ = "
+        f"{-(-horizon // groups)} times",
+    )
+    return CorrelatedNoise(s, horizon, found, groups, decay, sampling_rate=rate)
+
+
+def sampled_groups(rate: float, horizon: int) -> list[int]:
+    """Candidate group counts b under Poisson sampling at expected rate q: the divisors of T (every group
+    gets the same number of rounds) with q·b ≤ 1 (b = 1: plain Poisson sampling, independent noise)."""
+    most = min(horizon, math.floor(1.0 / rate + 1e-9))
+    return [b for b in range(1, most + 1) if horizon % b == 0]
+
+
+def poisson_independent(horizon: int, rate: float, decay: float = 1.0) -> CorrelatedNoise:
+    """Plain Poisson sampling at q with independent noise (one group, C = I) as a :class:`CorrelatedNoise`:
+    its stream draws exactly the noise of independent releases, each a Poisson-sampled Gaussian."""
+    found = SensitivityResult(1.0, "one band (C = I)", horizon, "any Poisson-sampled participation")
+    return CorrelatedNoise(Strategy("independent", (1.0,)), horizon, found, 1, decay, sampling_rate=rate)
+
+
+def sampled_mechanism(
+    kind: str,
+    horizon: int,
+    bands: int,
+    rate: float,
+    multiplier: Callable[[int], float],
+    decay: float = 1.0,
+) -> CorrelatedNoise:
+    """The correlated mechanism of a Poisson-sampled run at expected rate q (each round takes q·n units in
+    expectation, whatever b): b groups sampled at q·b (:func:`amplified_mechanism`). ``bands`` b > 0 is
+    used as given (and noted when independent Poisson noise would do better); 0 chooses b among
+    :func:`sampled_groups` by the error the run would have: ``multiplier(b)``² (the per-participation z
+    the run's (ε, δ) needs with b groups) times the strategy's :func:`error` at z = 1 — the amplified
+    trade-off (fewer bands, more amplification; more bands, more correlation). b = 1 is plain Poisson
+    sampling with independent noise (:func:`poisson_independent`)."""
+    if bands and rate * bands > 1.0 + 1e-9:
+        raise ValueError(
+            f"bands must be <= 1/sampling_rate = {1.0 / rate:.6g} with cohorts poisson (each of the b groups is "
+            f"sampled at sampling_rate × b); got {bands}"
+        )
+    options = [bands] if bands else sampled_groups(rate, horizon)
+
+    def candidate(b: int) -> tuple[float, CorrelatedNoise]:
+        noise = (
+            poisson_independent(horizon, rate, decay)
+            if b == 1
+            else amplified_mechanism(kind, horizon, b, min(1.0, rate * b), decay)
+        )
+        return error(noise, multiplier(b)), noise
+
+    scored = [candidate(b) for b in options]
+    value, noise = min(scored, key=lambda c: c[0])
+    plain = scored[0][0] if options[0] == 1 else candidate(1)[0]
+    b = noise.cycle if noise.strategy.kind != "independent" else 1
+    what = (
+        f"{b} groups sampled at {min(1.0, rate * b):.6g} with {kind} noise"
+        if b > 1
+        else "independent noise with plain Poisson sampling"
+    )
+    text = f"{what}: {value / plain:.4g}× the error of independent Poisson noise (σ² times the A_λ error)"
+    if bands and value > plain * (1.0 + 1e-9):
+        warning = f"noise {kind} with bands {bands} under cohorts poisson: {text}; bands 0 chooses b"
+        return replace(noise, note=text, warning=warning)
+    return replace(noise, note=f"chose {text}, b among {', '.join(map(str, options))}" if not bands else text)
 
 
 @dataclass
@@ -389,21 +586,81 @@ class NoiseRecurrence:
     def spec(self) -> tuple[tuple[float, ...], ...]:
         return (self.coefficients, self.buf_decay, self.output_scale)
 
+    def offset(self, shape: tuple[int, ...]) -> Tensor:
+        """w_t − z_t/c_0 (float64, CPU): the part of round t's noise the earlier rounds fix
+        (−Σ_j c_j w_{t−j}/c_0, or −Σ_i ω_i β_i). With it, round t's noise is an independent
+        Gaussian draw plus this offset, which is how ``secure_noise`` draws it (:meth:`push`)."""
+        out = torch.zeros(shape, dtype=torch.float64)
+        if self.buf_decay:
+            for omega, beta in zip(self.output_scale, self.history, strict=False):
+                out = out - omega * beta
+            return out
+        for c, past in zip(self.coefficients[1:], self.history, strict=False):
+            out = out - c * past
+        return out / self.coefficients[0]
+
+    def push(self, w: Tensor) -> None:
+        """Record round t's noise w_t (float64) as drawn elsewhere (z_t/c_0 + :meth:`offset`) and step on."""
+        w = w.to("cpu", torch.float64)
+        if self.buf_decay:
+            buffers = self.history or [torch.zeros_like(w) for _ in self.buf_decay]
+            self.history = [theta * beta + w for theta, beta in zip(self.buf_decay, buffers, strict=True)]
+        else:
+            self.history = [w, *self.history][: len(self.coefficients) - 1]
+        self.step += 1
+
     def next(self, z: Tensor) -> Tensor:
         w = z.clone()
         if self.buf_decay:
-            buffers = self.history or [torch.zeros_like(z) for _ in self.buf_decay]
-            for omega, beta in zip(self.output_scale, buffers, strict=True):
+            for omega, beta in zip(self.output_scale, self.history, strict=False):
                 w = w - omega * beta
-            self.history = [theta * beta + w for theta, beta in zip(self.buf_decay, buffers, strict=True)]
-            self.step += 1
-            return w
-        for c, past in zip(self.coefficients[1:], self.history, strict=False):
-            w = w - c * past
-        w = w / self.coefficients[0]
-        self.history = [w, *self.history][: len(self.coefficients) - 1]
-        self.step += 1
+        else:
+            for c, past in zip(self.coefficients[1:], self.history, strict=False):
+                w = w - c * past
+            w = w / self.coefficients[0]
+        self.push(w)
         return w
+
+
+def summary(noise: CorrelatedNoise) -> dict[str, object]:
+    """A run's correlated mechanism for its privacy summary: the strategy, its sensitivity, the
+    schedules that sensitivity holds for, the accounting, and how it was chosen."""
+    out: dict[str, object] = {
+        "noise": noise.strategy.kind,
+        "bands": noise.strategy.bands,
+        "buffers": noise.strategy.buffers,
+        "workload_decay": noise.decay,
+        "unit_sensitivity": noise.sensitivity.value,
+        "sensitivity_rule": noise.sensitivity.rule,
+        "sensitivity_scope": noise.sensitivity.scope,
+        "participations": noise.sensitivity.participations,
+        "correlated_accounting": "amplified: per group ⌈T/b⌉ Poisson-sampled Gaussians (Choquette-Choo et al. 2023)"
+        if noise.amplified
+        else "one Gaussian on Cx (joint multiplier z/√P)",
+    }
+    if noise.amplified:
+        out.update(groups=noise.cycle, group_sampling_rate=noise.sampling_rate)
+    if noise.note:
+        out["strategy_note"] = noise.note
+    if noise.warning:
+        out["strategy_warning"] = noise.warning
+    return out
+
+
+def sampling_text(cohorts: str, rate: float, cycle: int, group_rate: float) -> str:
+    """Who takes part in each round, as run (``cycle`` and ``group_rate``: the protocol's)."""
+    if cohorts == "poisson" and cycle > 1:
+        if group_rate >= 1.0:
+            return f"the {cycle}-cycle of id blocks (cohorts poisson at q = {rate:g} with b = {cycle}: q·b = 1)"
+        return (
+            f"block-cyclic poisson: {cycle} id blocks taken in turn, each sampled at q·b = {group_rate:g} "
+            f"(expected share q = {rate:g})"
+        )
+    if cohorts == "poisson":
+        return f"poisson q={rate}"
+    if cohorts == "cyclic":
+        return f"cyclic: {cycle} cohorts by id blocks, round r uses cohort (r − 1) mod {cycle}"
+    return "all units every round"
 
 
 def cycle_of(cohorts: str, cycle: int) -> int:
@@ -413,7 +670,7 @@ def cycle_of(cohorts: str, cycle: int) -> int:
 
 def run_mechanism(noise: str, rounds: int, bands: int, cycle: int, decay: float = 1.0) -> CorrelatedNoise:
     """The public strategy and its sensitivity under the run's cycle (bands 0: b = min(K, T); for a
-    BLT, bands is its number of buffers, 0: min(4, T)) for
-    the workload A_λ (``decay`` λ; 1: prefix sums)."""
-    default = min(BLT_BUFFERS, rounds) if noise == "blt" else min(cycle, rounds)
+    BLT, bands is its number of buffers, 0: the fewest of 1..4 the optimiser needs, :func:`chosen_blt`)
+    for the workload A_λ (``decay`` λ; 1: prefix sums)."""
+    default = 0 if noise == "blt" else min(cycle, rounds)
     return mechanism(noise, rounds, bands or default, cycle, decay)

@@ -540,10 +540,11 @@ class RecordingCalibrations(Calibrations):
         target_epsilon: float,
         target_delta: float,
         accountant: Any = "pld",
+        neighbours: Any = "replace-one",
     ) -> float:
         name = accountant.value if hasattr(accountant, "value") else str(accountant)
         self.asked.append((make_event, float(target_epsilon), float(target_delta), name))
-        return super().__call__(make_event, target_epsilon, target_delta, accountant)
+        return super().__call__(make_event, target_epsilon, target_delta, accountant, neighbours)
 
 
 # ----- the server's side: records what the nodes' noise made, adds none ----------------------------

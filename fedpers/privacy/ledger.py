@@ -48,10 +48,12 @@ class EpsilonDeltaDpEvent(dp_accounting.DpEvent):
 class Release:
     """One noisy release. ``units`` is ``"all"`` or the label of a disjoint group (e.g. ``"cohort:3"``).
 
-    ``sensitivity`` is the replace-one L2 sensitivity (2 × ``per_unit_bound`` in general,
-    √2 × for a sum of PSD per-unit matrices). ``params`` holds the public inputs the bound was
+    ``sensitivity`` is the L2 sensitivity under ``neighbours``, the relation the release is
+    accounted for: replace-one (2 × ``per_unit_bound`` in general, √2 × for an unsampled sum of PSD
+    per-unit matrices) or add-remove (1 ×). ``params`` holds the public inputs the bound was
     computed from (clip constants, the bound's formula, the cohort permutation's digest), so
-    a reader can recompute every sensitivity from the configuration alone.
+    a reader can recompute every sensitivity from the configuration alone. A ledger written before
+    the relation was recorded reads as replace-one, the only relation fedpers had.
     """
 
     round: int
@@ -63,6 +65,7 @@ class Release:
     units: str
     event: dp_accounting.DpEvent
     params: dict[str, Any] = dataclasses.field(default_factory=dict, compare=True)
+    neighbours: str = "replace-one"
 
     @property
     def noise_multiplier(self) -> float:

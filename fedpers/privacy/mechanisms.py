@@ -5,12 +5,14 @@ see its seed) and the ledger. Every method validates its arguments, draws the no
 and appends one :class:`~fedpers.privacy.ledger.Release` before returning the release.
 
 Conventions: ``per_unit_bound`` is the norm bound (L2, Frobenius for matrices) of one
-unit's contribution to the sum; neighbours are replace-one, so the L2 sensitivity Δ is
-``2 * per_unit_bound`` — or ``√2 * per_unit_bound`` when every unit's contribution is a PSD
-matrix (``psd_units=True``; proof at :meth:`Privatizer.symmetric_gaussian_sum`).
-``noise_multiplier`` z is dp-accounting's convention for replace-one Gaussians: the
-release is ``GaussianDpEvent(z)`` (privacy loss μ = 2/z) and ``noise_std`` σ = z·Δ/2, which
-is z·per_unit_bound in the general case.
+unit's contribution to the sum. The Privatizer's neighbouring relation (``neighbours``, the run's
+declared one) turns it into the L2 sensitivity Δ: replace-one, Δ = ``2 * per_unit_bound`` — or
+``√2 * per_unit_bound`` when every unit's contribution is a PSD matrix and the release is not
+sampled (``psd_units=True``; proof at :meth:`Privatizer.symmetric_gaussian_sum`); add-remove,
+Δ = ``per_unit_bound`` (a unit's whole contribution is its distance from absent). ``noise_multiplier``
+z is dp-accounting's convention: the release is ``GaussianDpEvent(z)`` under the relation (privacy
+loss μ = κ/z with κ = 2 replace-one, 1 add-remove) and ``noise_std`` σ = z·Δ/κ, which is
+z·per_unit_bound in the general case. Every release names its relation in the ledger.
 
 Every noise draw meets its value in :meth:`Privatizer._perturb` (Gaussian releases),
 :meth:`Privatizer._select` (exponential mechanism) or :meth:`Privatizer._sample_covariance`;
@@ -35,7 +37,7 @@ import numpy as np
 import torch
 
 from fedpers import linalg
-from fedpers.config import PreconditionFailed
+from fedpers.config import Neighbours, PreconditionFailed, neighbours_of
 from fedpers.configs.dpattention import (
     Condition,
     DpCovarianceParams,
@@ -76,9 +78,15 @@ class CovarianceRelease:
     conditions: tuple[Condition, ...]
 
 
-def psd_sensitivity(per_unit_bound: float, sampling_probability: float = 1.0) -> float:
-    """Δ of a sum of PSD unit contributions of norm ≤ bound: √2·bound, or 2·bound when
-    Poisson-sampled (proof at :meth:`Privatizer.symmetric_gaussian_sum`)."""
+def psd_sensitivity(
+    per_unit_bound: float, sampling_probability: float = 1.0, neighbours: Neighbours | str = Neighbours.REPLACE_ONE
+) -> float:
+    """Δ of a sum of PSD unit contributions of norm ≤ bound: replace-one √2·bound, or 2·bound when
+    Poisson-sampled (proof at :meth:`Privatizer.symmetric_gaussian_sum`); add-remove bound (a PSD
+    unit is its full norm from absent: nothing to tighten)."""
+    relation = neighbours_of(neighbours)
+    if relation is Neighbours.ADD_REMOVE:
+        return float(per_unit_bound)
     return (math.sqrt(2.0) if sampling_probability >= 1.0 else 2.0) * float(per_unit_bound)
 
 
@@ -99,8 +107,17 @@ def check_psd_sum(value: Tensor, name: str) -> None:
 class Privatizer:
     """Server-side mechanisms with a private generator and the ledger they append to."""
 
-    def __init__(self, seed: int, ledger: Ledger | None = None, *, secure: bool = False) -> None:
+    def __init__(
+        self,
+        seed: int,
+        ledger: Ledger | None = None,
+        *,
+        secure: bool = False,
+        neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
+    ) -> None:
         self.secure = bool(secure)
+        self.neighbours = neighbours_of(neighbours)
+        """The run's declared neighbouring relation: every sensitivity here is Δ under it, every release names it."""
         self.generator = torch.Generator(device="cpu").manual_seed(
             secure_module.os_seed() if self.secure else int(seed)
         )
@@ -179,14 +196,24 @@ class Privatizer:
         params: dict[str, Any] | None = None,
         sampling_probability: float = 1.0,
     ) -> Release:
-        sensitivity = 2.0 * float(bound) if sensitivity is None else float(sensitivity)
-        noise_std = z * sensitivity / 2 if z > 0 else 0.0
+        factor = self.neighbours.sensitivity_factor
+        sensitivity = factor * float(bound) if sensitivity is None else float(sensitivity)
+        noise_std = z * sensitivity / factor if z > 0 else 0.0
         event = dp_accounting.GaussianDpEvent(z) if z > 0 else dp_accounting.NonPrivateDpEvent()
         if z > 0 and sampling_probability < 1.0:
             # units entered independently with this probability (Poisson), from a generator they cannot predict
             event = dp_accounting.PoissonSampledDpEvent(float(sampling_probability), event)
         release = Release(
-            round, name, mechanism, float(bound), sensitivity, float(noise_std), units, event, dict(params or {})
+            round,
+            name,
+            mechanism,
+            float(bound),
+            sensitivity,
+            float(noise_std),
+            units,
+            event,
+            dict(params or {}),
+            self.neighbours.value,
         )
         self.ledger.append(release)
         return release
@@ -252,13 +279,19 @@ class Privatizer:
         round is recorded with units ``all``, sensitivity Δ/√T and the same σ: the T records
         compose to exactly the joint mechanism in every accountant (Gaussian μ² add). One band
         (C = I) draws exactly ``gaussian_sum``'s noise. The steps must come in order.
+
+        Amplified (``noise.sampling_rate`` < 1: b groups sampled in turn, b-banded C): each round is
+        recorded as a Poisson-sampled Gaussian of the round's group (units ``cohort:g``), sensitivity
+        κ·bound·(max column norm) and the same σ = z·bound·(max column norm); a group's ⌈T/b⌉ records
+        compose to jax_privacy's ``amplified_bandmf_event`` (Choquette-Choo et al. 2023, Theorem 4).
+
+        ``secure``: round t's noise σ·w_t is σ·z_t plus σ times the recurrence's offset (a function of
+        the earlier rounds' noise only). The floating-point-safe sampler draws σ·z_t from OS entropy
+        around value + σ·offset, and w_t is read back as (release − value)/σ: the recurrence then holds
+        the noise actually released, which exists only in this process's memory (and the server's
+        checkpoint), never in anything a seed could recompute.
         """
         self._check(value, per_unit_bound, noise_multiplier, name)
-        if self.secure:
-            raise ValueError(
-                f"release {name!r}: correlated noise is not available with secure_noise "
-                "(its floating-point-safe samplers add independent noise); use noise independent"
-            )
         T = noise.horizon
         rec = self.recurrences.setdefault(stream, noise.strategy.recurrence())
         if rec.spec() != noise.strategy.recurrence().spec() or rec.step != step or not 0 <= step < T:
@@ -267,28 +300,56 @@ class Privatizer:
                 f"with its own strategy; got step {step}"
             )
         sigma = noise.noise_std(noise_multiplier, per_unit_bound)
-        joint = 2.0 * float(per_unit_bound) * noise.sensitivity.value
-        z_round = 2.0 * sigma * math.sqrt(T) / joint if sigma > 0 else 0.0
-        event = dp_accounting.GaussianDpEvent(z_round) if sigma > 0 else dp_accounting.NonPrivateDpEvent()
+        factor = self.neighbours.sensitivity_factor
+        joint = factor * float(per_unit_bound) * noise.sensitivity.value
+        if noise.amplified:
+            # one participation moves only its own columns' rows of Cx (b bands, ≥ b rounds apart): each round
+            # is a Poisson-sampled Gaussian on its group, of multiplier σ/(bound·max column norm)
+            z_round = factor * sigma / joint if sigma > 0 else 0.0
+            event: dp_accounting.DpEvent = (
+                dp_accounting.PoissonSampledDpEvent(noise.sampling_rate, dp_accounting.GaussianDpEvent(z_round))
+                if sigma > 0
+                else dp_accounting.NonPrivateDpEvent()
+            )
+            sensitivity, units = joint, f"cohort:{noise.group(step)}" if noise.cycle > 1 else ALL_UNITS
+            accounting = (
+                "amplified banded MF (Choquette-Choo et al. 2023, Theorem 4): per group ⌈T/b⌉ Poisson-sampled "
+                "Gaussians, Δ = κ·bound·(max column norm), σ = z·bound·(max column norm)"
+            )
+        else:
+            z_round = factor * sigma * math.sqrt(T) / joint if sigma > 0 else 0.0
+            event = dp_accounting.GaussianDpEvent(z_round) if sigma > 0 else dp_accounting.NonPrivateDpEvent()
+            sensitivity, units = joint / math.sqrt(T), ALL_UNITS
+            accounting = "joint Gaussian on Cx (Δ = κ·bound·s, σ = z·bound·s/√P) split evenly over T rounds"
         release = Release(
             round,
             name,
             "correlated_gaussian",
             float(per_unit_bound),
-            joint / math.sqrt(T),
+            sensitivity,
             float(sigma),
-            ALL_UNITS,
+            units,
             event,
             {
                 **(params or {}),
                 **noise.params(),
                 "step": step,
                 "joint_sensitivity": joint,
-                "accounting": "joint Gaussian on Cx (Δ = 2·bound·s, σ = z·bound·s/√P) split evenly over T rounds",
+                "accounting": accounting,
             },
+            self.neighbours.value,
         )
         self.ledger.append(release)
 
+        if self.secure:
+            if sigma == 0:
+                rec.push(torch.zeros(tuple(value.shape), dtype=torch.float64))
+                return value.clone()
+            shift = rec.offset(tuple(value.shape)).to(device=value.device, dtype=torch.float64)
+            base = value.to(torch.float64) + sigma * shift
+            out = self._perturb(release, base.to(value.dtype), lambda: torch.zeros_like(base))
+            rec.push((out.to(torch.float64) - value.to(torch.float64)) / sigma)
+            return out
         # the recurrence advances here, whatever _perturb does with the draw (the stream stays in step)
         z = (
             torch.randn(tuple(value.shape), generator=self.generator, dtype=torch.float64)
@@ -371,6 +432,9 @@ class Privatizer:
         any rounding of a sum of PSD matrices): a statistic that is not a sum of PSD
         contributions must not get the √2 bound. The check is made before anything is recorded.
 
+        Add-remove neighbours: Δ = B for any units, PSD or not (the tightening compares two units;
+        adding or removing one moves the sum by its own norm, up to B).
+
         Only the upper triangle of ``value`` is released (mirrored): were the lower one used,
         any asymmetry of the sum (rounding included) would come out exactly, noise-free.
         """
@@ -381,12 +445,19 @@ class Privatizer:
             raise ValueError(f"release {name!r}: sampling_probability must be in (0, 1], got {sampling_probability}")
         if psd_units:
             check_psd_sum(value, name)
-        tighten = psd_units and sampling_probability >= 1.0
-        sensitivity = (math.sqrt(2.0) if tighten else 2.0) * float(per_unit_bound)
+        add_remove = self.neighbours is Neighbours.ADD_REMOVE
+        tighten = psd_units and sampling_probability >= 1.0 and not add_remove
+        sensitivity = (
+            psd_sensitivity(per_unit_bound, sampling_probability, self.neighbours)
+            if psd_units
+            else self.neighbours.sensitivity_factor * float(per_unit_bound)
+        )
         if psd_units and not tighten:
             params = {
                 **(params or {}),
-                "psd_tightening": "not applied: Poisson-sampled, a unit is a full bound from absent (Δ = 2·bound)",
+                "psd_tightening": "not applicable: add-remove, a unit's distance from absent is its bound (Δ = bound)"
+                if add_remove
+                else "not applied: Poisson-sampled, a unit is a full bound from absent (Δ = 2·bound)",
             }
         release = self._record(
             round,
@@ -420,7 +491,9 @@ class Privatizer:
     ) -> int:
         """Index drawn with P(i) ∝ exp(−ε·score_i/(2Δ)) (low score is good), by Gumbel-max.
 
-        ``sensitivity`` Δ is the replace-one change of any score. ε = ∞ returns the argmin.
+        ``sensitivity`` Δ is the change of any score between neighbours under the Privatizer's relation
+        (the caller's: a score whose per-unit terms lie in [0, B] has Δ = B under either). ε = ∞ returns
+        the argmin.
         """
         if scores.dim() != 1 or scores.numel() == 0:
             raise ValueError(f"release {name!r}: scores must be a non-empty vector, got shape {tuple(scores.shape)}")
@@ -434,12 +507,13 @@ class Privatizer:
             round,
             name,
             "exponential",
-            sensitivity / 2,
+            sensitivity / self.neighbours.sensitivity_factor,
             sensitivity,
             0.0,
             units,
             PureDpEvent(float(epsilon)),
             dict(params or {}),
+            self.neighbours.value,
         )
         self.ledger.append(release)
 
@@ -474,6 +548,11 @@ class Privatizer:
         Σ g gᵀ = S W Sᵀ with W ~ Wishart(k, I_n). For k ≥ n, W is drawn exactly by the
         Bartlett decomposition in O(n²) instead of O(k n²); for k < n the k vectors are drawn.
         """
+        if self.neighbours is not Neighbours.REPLACE_ONE:
+            raise ValueError(
+                f"release {name!r}: neighbours {self.neighbours.value}: DPCovariance's (ε, δ) is stated for the "
+                "paper's relation (one column moved by at most β), not for adding or removing a column"
+            )
         n = params.rows
         if A.dim() != 2 or tuple(A.shape) != (n, n):
             raise ValueError(f"release {name!r}: expected an ({n}, {n}) matrix, got shape {tuple(A.shape)}")
@@ -520,6 +599,7 @@ class Privatizer:
                 "k": params.k,
                 "sensitivity_formula": "2αβ√n/η",
             },
+            self.neighbours.value,
         )
         self.ledger.append(release)
         B = self._sample_covariance(release, A, lambda: self._wishart_draw(A, params))

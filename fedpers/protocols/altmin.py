@@ -18,6 +18,7 @@ import dp_accounting
 import torch
 
 from fedpers import linalg
+from fedpers.config import Neighbours, neighbours_of
 from fedpers.configs.altmin import Cohorts, PsdMethod
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
@@ -118,10 +119,10 @@ class AltMinProtocol(Protocol):
         """√2·|Q2|η²: every A_j is PSD; 2·|Q2|η² when Poisson-sampled (see ``Privatizer.symmetric_gaussian_sum``)."""
         return self.a_sensitivity_of(self.a_bound)
 
-    def a_sensitivity_of(self, bound: float) -> float:
-        """Δ of an A release whose users' A_j are PSD with ‖A_j‖_F ≤ ``bound``."""
+    def a_sensitivity_of(self, bound: float, neighbours: Neighbours | str = Neighbours.REPLACE_ONE) -> float:
+        """Δ of an A release whose users' A_j are PSD with ‖A_j‖_F ≤ ``bound``, under ``neighbours``."""
         sampled = self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0
-        return psd_sensitivity(bound, self.sampling_rate if sampled else 1.0)
+        return psd_sensitivity(bound, self.sampling_rate if sampled else 1.0, neighbours)
 
     @property
     def psd_statistics(self) -> tuple[str, ...]:
@@ -129,11 +130,19 @@ class AltMinProtocol(Protocol):
         (v̂v̂ᵀ) ⊗ Σ m²x̂x̂ᵀ; not under Poisson sampling): distributed DP keeps the tightening after rounding."""
         return () if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0 else ("A",)
 
-    def noise_std(self, bound: float, sensitivity: float | None = None, multiplier: float | None = None) -> float:
-        """σ = z·Δ/2 with Δ = 2·bound unless given (0 without noise); ``multiplier`` in place of z."""
-        delta = 2 * bound if sensitivity is None else sensitivity
+    def noise_std(
+        self,
+        bound: float,
+        sensitivity: float | None = None,
+        multiplier: float | None = None,
+        neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
+    ) -> float:
+        """σ = z·Δ/κ with Δ = κ·bound unless given (κ = 2 replace-one, 1 add-remove; 0 without noise);
+        ``multiplier`` in place of z."""
+        factor = neighbours_of(neighbours).sensitivity_factor
+        delta = factor * bound if sensitivity is None else sensitivity
         z = self.noise_multiplier if multiplier is None else multiplier
-        return z * delta / 2 if self.noise_multiplier > 0 else 0.0
+        return z * delta / factor if self.noise_multiplier > 0 else 0.0
 
     @property
     def adaptive(self) -> bool:
@@ -435,7 +444,10 @@ class AltMinProtocol(Protocol):
                 new[key] = torch.tensor(following, dtype=torch.float64)
                 counts[f"{key}_t"], counts[f"noisy_fraction_below_{key}"] = bound, fraction
         # σ of A's noise after scaling back (the PSD floor is data-independent: public bounds only)
-        noise_std_a = self.noise_std(a_bound, self.a_sensitivity_of(a_bound), z) * (eta**2 if self.adaptive else 1.0)
+        relation = privatizer.neighbours
+        noise_std_a = self.noise_std(a_bound, self.a_sensitivity_of(a_bound, relation), z, relation) * (
+            eta**2 if self.adaptive else 1.0
+        )
         U, info = self.solve_subspace(A, b, noise_std_a=noise_std_a)
         info.update(counts)
         if self.cohorts is Cohorts.POISSON:

@@ -233,11 +233,11 @@ class ExpMechProtocol(Protocol):
 
     @property
     def sensitivity(self) -> float:
-        """Replace-one change of any candidate's score: ζ².
+        """Change of any candidate's score between neighbours: ζ², under replace-one and add-remove alike.
 
         A user's score is min_{||v|| ≤ C} of a mean of (<f, v> − ỹ)², so it lies in
         [0, mean ỹ²] ⊂ [0, ζ²] (v = 0 is feasible); replacing one user moves any candidate's
-        sum by at most ζ². Reached: a user with x = 0 and y = ±ζ (score ζ²) against one with
+        sum by at most ζ², and adding or removing one by its own score, at most ζ² too. Reached: a user with x = 0 and y = ±ζ (score ζ²) against one with
         y = 0 (score 0). The paper's 4ξL_fC does not cover a change of the labels: with those
         two users the change is ζ², above 4ξL_fC whenever ζ > 8.9·L_fC; and where 4ξL_fC is
         valid it is ≥ ζ² (47× at the defaults).

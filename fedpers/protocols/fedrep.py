@@ -54,7 +54,8 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
     noise_multiplier: float
     dtype_name: str = "float64"
     sampling_rate: float = 1.0
-    """q < 1: Poisson user sampling in rounds 1..T (the init uses every user)."""
+    """q < 1: Poisson user sampling in rounds 1..T (the init uses every user); with ``cycle`` K > 1 too,
+    round r samples only its cohort, at q (block-cyclic Poisson: amplified correlated noise)."""
     cycle: int = 1
     """K > 1: K fixed cohorts by id blocks (user i in cohort ⌊iK/n⌋); round r ≥ 1 uses cohort (r − 1) mod K."""
     correlated: CorrelatedNoise | None = None
@@ -189,11 +190,12 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
         x, y, ids = units["x"].to(self.dtype), units["y"].to(self.dtype), units["ids"]
         if round == 0:
             return Message({"W": self.init_statistic(x, y)}, int(ids.shape[0]))
-        if self.poisson:
-            keep = broadcast["sampled"].to(ids.device)[ids] > 0
-            x, y = x[keep], y[keep]
-        if self.cycle > 1:
-            keep = self.cohort_of(ids) == self.round_cohort(round)
+        if self.poisson or self.cycle > 1:
+            keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+            if self.poisson:
+                keep &= broadcast["sampled"].to(ids.device)[ids] > 0
+            if self.cycle > 1:
+                keep &= self.cohort_of(ids) == self.round_cohort(round)
             x, y = x[keep], y[keep]
         U = broadcast["U"].to(self.dtype)
         if self.adaptive:
@@ -253,8 +255,9 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
             params=params,
             sampling_probability=q if z > 0 else 1.0,
         )
-        # divide by the public expected cohort: q·n (Poisson) or the cycle's cohort size, never by a sampled count
-        divisor = q * self.n_users if self.poisson else self.cohort_size(round)
+        # divide by the public expected cohort: q·(cohort size) (Poisson; the cohort is all n users without a
+        # cycle) or the cycle's cohort size, never by a sampled count
+        divisor = q * self.cohort_size(round) if self.poisson else self.cohort_size(round)
         if self.adaptive:
             G = G * clip
         U = state["U"].to(G.dtype) - self.learning_rate * G / divisor

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fedpers import linalg
+from fedpers.config import Neighbours, neighbours_of
 from fedpers.configs.noisygd import Loss, Remedy
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip
@@ -72,6 +73,10 @@ class NoisyGDProtocol(Protocol):
     dtype_name: str = "float32"
     cycle: int = 1
     """K > 1: K fixed cohorts of examples by id blocks (example i in ⌊iK/n⌋); step s (0-based) uses cohort s mod K."""
+    sampling_rate: float = 1.0
+    """q < 1: each step includes every example of its cohort (all examples without a cycle) independently
+    with probability q, drawn on the server from the Privatizer's sampling generator; the noisy sum is
+    scaled by the public n/(q·|cohort|), never by a sampled count. The remedy round uses every example."""
     correlated: CorrelatedNoise | None = None
     """Correlated noise across the T steps (None: independent Gaussian noise per step)."""
     clip_quantile: float = 0.0
@@ -116,6 +121,19 @@ class NoisyGDProtocol(Protocol):
         """Steps an example takes part in: ⌈T/K⌉ (the largest cohort's count)."""
         return -(-self.steps // self.cycle)
 
+    @property
+    def poisson(self) -> bool:
+        return self.sampling_rate < 1.0
+
+    def server_start(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
+        return self._next_sample(state, privatizer)
+
+    def _next_sample(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:
+        """Poisson: the next step's members, drawn on the server (its private sampling generator)."""
+        if self.poisson:
+            state["sampled"] = privatizer.poisson_sample(self.examples, self.sampling_rate).to(torch.float64)
+        return state
+
     def units_in_round(self, round: int, units: Units) -> int:
         if round >= self.remedy_rounds and self.cycle > 1:
             return int((self.cohort_of(units["ids"]) == self.step_cohort(round)).sum())
@@ -126,11 +144,11 @@ class NoisyGDProtocol(Protocol):
             return torch.arange(*self.cohort_range(self.step_cohort(round))), None
         return None, None
 
-    def remedy_noise_std(self) -> float:
-        """σ = z·Δ/2: Δ = 2R for the mean, √2·R² for the PSD second moment."""
-        if self.remedy is Remedy.PCA:
+    def remedy_noise_std(self, neighbours: Neighbours | str = Neighbours.REPLACE_ONE) -> float:
+        """σ = z·Δ/κ: replace-one Δ = 2R for the mean, √2·R² for the PSD second moment; add-remove Δ = R, R²."""
+        if self.remedy is Remedy.PCA and neighbours_of(neighbours) is Neighbours.REPLACE_ONE:
             return self.remedy_noise_multiplier * self.feature_bound**2 / math.sqrt(2.0)
-        return self.remedy_noise_multiplier * self.feature_bound
+        return self.remedy_noise_multiplier * self.feature_bound ** (2 if self.remedy is Remedy.PCA else 1)
 
     # ----- feature transform (public once released) -----------------------------------------
     def transform(self, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
@@ -177,7 +195,8 @@ class NoisyGDProtocol(Protocol):
     def broadcast(self, state: Mapping[str, Tensor], round: int) -> dict[str, Tensor]:
         if round < self.remedy_rounds:
             return {}
-        return {k: v for k, v in state.items() if k in ("W", "mu", "P", "clip")}
+        # "sampled": this step's membership under Poisson sampling (see docs/fedrep.md: who may see it)
+        return {k: v for k, v in state.items() if k in ("W", "mu", "P", "clip", "sampled")}
 
     def stat_specs(self, round: int) -> tuple[StatSpec, ...]:
         if round < self.remedy_rounds:
@@ -199,8 +218,13 @@ class NoisyGDProtocol(Protocol):
             if self.remedy is Remedy.CENTER:
                 return Message({"feature_sum": xc.sum(0)}, n)
             return Message({"second_moment": linalg.sym(xc.transpose(0, 1) @ xc)}, n)  # Σ x xᵀ: PSD per unit
-        if self.cycle > 1:
-            keep = self.cohort_of(units["ids"]).to(x.device) == self.step_cohort(round)
+        if self.cycle > 1 or self.poisson:
+            ids = units["ids"].to(x.device)
+            keep = torch.ones(ids.shape[0], dtype=torch.bool, device=x.device)
+            if self.poisson:
+                keep &= broadcast["sampled"].to(x.device)[ids] > 0
+            if self.cycle > 1:
+                keep &= self.cohort_of(ids) == self.step_cohort(round)
             x, y = x[keep], y[keep]
             n = int(x.shape[0])
         clip = float(broadcast["clip"]) if self.adaptive else self.grad_clip
@@ -226,8 +250,8 @@ class NoisyGDProtocol(Protocol):
                     round=round,
                     params={"statistic": "Σ x", "R": self.feature_bound, "formula": "bound R, Δ = 2·bound"},
                 )
-                new["mu"] = total / self.examples  # n is public under replace-one neighbours
-                return new, {"noise_std_mean": self.remedy_noise_std()}
+                new["mu"] = total / self.examples  # the declared n (public): under add-remove not the data's count
+                return new, {"noise_std_mean": self.remedy_noise_std(privatizer.neighbours)}
             S = privatizer.symmetric_gaussian_sum(
                 summed.stats["second_moment"],
                 per_unit_bound=self.feature_bound**2,
@@ -242,7 +266,7 @@ class NoisyGDProtocol(Protocol):
                 },
             )
             new["P"] = linalg.top_eigenvectors(S.double(), self.classes - 1).to(self.dtype)
-            return new, {"noise_std_second_moment": self.remedy_noise_std()}
+            return new, {"noise_std_second_moment": self.remedy_noise_std(privatizer.neighbours)}
         step = round - self.remedy_rounds + 1
         params: dict[str, Any] = {
             "statistic": "Σ clip(∇ℓ_i; G_c)",
@@ -252,6 +276,8 @@ class NoisyGDProtocol(Protocol):
         cohort = self.step_cohort(round)
         if self.cycle > 1:
             params["cohorts"] = f"cyclic K={self.cycle}, cohort {cohort}: ids ⌈kn/K⌉..⌈(k+1)n/K⌉"
+        if self.poisson:
+            params["sampling"] = f"poisson q={self.sampling_rate}"
         clip = float(state["clip"]) if self.adaptive else self.grad_clip
         bound = 1.0 if self.adaptive else self.grad_clip
         if self.adaptive:
@@ -268,6 +294,7 @@ class NoisyGDProtocol(Protocol):
             round=round,
             units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
             params=params,
+            sampling_probability=self.sampling_rate if self.poisson and self.noise_multiplier > 0 else 1.0,
         )
         start, stop = self.cohort_range(cohort)
         if self.adaptive:
@@ -284,9 +311,12 @@ class NoisyGDProtocol(Protocol):
                 units=f"cohort:{cohort}" if self.cycle > 1 else ALL_UNITS,
             )
             new["clip"] = torch.tensor(next_clip, dtype=torch.float64)
-        if self.cycle > 1:
-            # the cohort's sum scaled to the full data by public sizes: n / |cohort|
-            g = g * (self.examples / (stop - start))
+        if self.cycle > 1 or self.poisson:
+            # the cohort's (sampled) sum scaled to the full data by public sizes: n / (q·|cohort|)
+            g = g * (self.examples / (self.sampling_rate * (stop - start)))
         new["W"] = state["W"].to(g.device) - self.lr * g  # W lives where the sums are (the run's device)
         # Only post-processed (noisy) quantities in the diagnostics: they are written to disk.
-        return new, {"noise_std_grad": self.noise_std(), "noisy_grad_norm": float(torch.linalg.vector_norm(g.double()))}
+        info = {"noise_std_grad": self.noise_std(), "noisy_grad_norm": float(torch.linalg.vector_norm(g.double()))}
+        if self.poisson:
+            info["sampled_examples"] = float(summed.count)
+        return self._next_sample(new, privatizer), info

@@ -250,8 +250,12 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
             raise ValueError(f"sampling_rate must be in (0, 1]; got {self.sampling_rate}")
         if self.sampling_rate < 1 and self.mode is not Mode.ROUNDS:
             raise ValueError("sampling_rate < 1 needs mode rounds (each step samples its units)")
-        if self.cycle > 1 and (self.mode is not Mode.ROUNDS or self.sampling_rate < 1):
-            raise ValueError("cycle > 1 needs mode rounds without Poisson sampling (each step reads its cohort)")
+        if self.cycle > 1 and self.mode is not Mode.ROUNDS:
+            raise ValueError("cycle > 1 needs mode rounds (each step reads its cohort)")
+        if self.cycle > 1 and self.sampling_rate < 1 and (self.correlated is None or not self.correlated.amplified):
+            raise ValueError(
+                "cycle > 1 with Poisson sampling is the amplified correlated noise's block-cyclic schedule only"
+            )
         if self.adaptive and self.mode is not Mode.ROUNDS:
             raise ValueError(
                 "clip_quantile > 0 (adaptive clipping) needs mode rounds (statistics keeps the analytic bounds)"
@@ -271,10 +275,11 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         return -(-self.steps // self.cycle)
 
     def step_divisor(self, t: int) -> float:
-        """Public N of step t: all prompts, their expectation qN, or the cohort's prompts."""
+        """Public N of step t: all prompts, their expectation qN, or the cohort's prompts (times q when a
+        cohort is Poisson-sampled: the amplified block-cyclic schedule)."""
         if self.cycle > 1:
             start, stop = self.cohort_range(t % self.cycle)
-            return float((stop - start) * self.prompts_per_unit)
+            return float((stop - start) * self.prompts_per_unit) * self.sampling_rate
         return self.prompts * self.sampling_rate
 
     def units_in_round(self, round: int, units: Units) -> int:
@@ -291,7 +296,7 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         """Public number of units of step t: all, their expectation qU, or the cohort's (the count's divisor)."""
         if self.cycle > 1:
             start, stop = self.cohort_range(t % self.cycle)
-            return float(stop - start)
+            return float(stop - start) * self.sampling_rate
         return self.units_total * self.sampling_rate
 
     @property

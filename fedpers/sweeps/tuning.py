@@ -36,6 +36,7 @@ from dp_accounting.dp_event import RepeatAndSelectDpEvent
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from fedpers import config as config_lib
+from fedpers.config import Neighbours
 from fedpers.experiments.base import Experiment, derived_seed
 from fedpers.experiments.hooks import PrivateScore
 from fedpers.privacy import (
@@ -226,6 +227,11 @@ def private_select(
             f"select --private: every grid point must share one delta (the search's δ); got {sorted(deltas)}"
         )
     delta = deltas.pop()
+    if any(c.neighbours is not Neighbours.REPLACE_ONE for c in configs):
+        raise ValueError(
+            "select --private: neighbours must be replace-one (the selection's RDP bound converts replace-one "
+            "events; add-remove is not implemented here)"
+        )
     if any(math.isinf(c.epsilon) for c in configs):
         raise ValueError(
             "select --private: every grid point needs a finite epsilon (a noiseless trial has no guarantee)"

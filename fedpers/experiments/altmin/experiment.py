@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from fedpers.config import Neighbours
 from fedpers.configs.altmin import BASELINES, AltMinConfig
 from fedpers.configs.privacy import accountant_name
 from fedpers.data import summary as data_summary
@@ -73,12 +74,21 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": accountant_name(cfg.accountant),
-            "neighbouring": "replace-one user",
+            "neighbouring": f"{cfg.neighbours.value} user",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": releases,
             "calibration": cfg.calibration.value,
-            # Every release's σ = z·Δ/2 (its dp-accounting event is GaussianDpEvent(z)).
-            "paper_epsilon_same_noise": paper_epsilon(protocol.noise_multiplier / 2, protocol.rounds_in, cfg.delta),
+            # Every release's σ = z·Δ/2 (its dp-accounting event is GaussianDpEvent(z)); the paper's rule is replace-one
+            **(
+                {
+                    "paper_epsilon_same_noise": paper_epsilon(
+                        protocol.noise_multiplier / 2, protocol.rounds_in, cfg.delta
+                    )
+                }
+                if cfg.neighbours is Neighbours.REPLACE_ONE
+                else {}
+            ),
             **(
                 {
                     "clip_rule": f"adaptive γ_η={protocol.clip_quantile}, γ_ζ={protocol.label_clip_quantile}, "
@@ -105,7 +115,11 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
             "zeta_formula": "c_ζ √(k + σ_F²)",
             "noise_multiplier": protocol.noise_multiplier,
             "noise_std_init": protocol.noise_std(protocol.init_bound),
-            "noise_std_A": protocol.noise_std(protocol.a_bound, protocol.a_sensitivity),
+            "noise_std_A": protocol.noise_std(
+                protocol.a_bound,
+                protocol.a_sensitivity_of(protocol.a_bound, cfg.neighbours),
+                neighbours=cfg.neighbours,
+            ),
             "noise_std_b": protocol.noise_std(protocol.b_bound),
             "psd_method": protocol.psd.value,
             "chunk_size": resolve_plan(cfg).cfg.chunk_size,

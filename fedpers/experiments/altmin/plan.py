@@ -207,6 +207,7 @@ class AltMinPlan:
                 cfg.delta,
                 cfg.accountant,
                 calibrations,
+                cfg.neighbours,
             )
         return replace(proto, noise_multiplier=z)
 

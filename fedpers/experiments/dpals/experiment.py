@@ -136,11 +136,13 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": "pld",
-            "neighbouring": "replace one user (all of its ratings)",
+            "neighbouring": f"{cfg.neighbours.value} user (all of its ratings)",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": protocol.noise_multiplier,
             "gram_bound": protocol.gram_bound,
             "rhs_bound": protocol.rhs_bound,
-            "sensitivity": "2·Γ per statistic (replace-one; the √2 PSD bound is not claimed)",
+            "sensitivity": f"{cfg.neighbours.sensitivity_factor:g}·Γ per statistic ({cfg.neighbours.value}; "
+            "the √2 PSD bound is not claimed)",
         }
 
     def plan(self, cfg: DpAlsConfig) -> list[str]:

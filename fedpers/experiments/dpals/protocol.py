@@ -45,7 +45,9 @@ def make_protocol(cfg: DpAlsConfig, calibrations: Calibrations | None = None) ->
     if math.isfinite(cfg.epsilon):
         if not (math.isfinite(g) and math.isfinite(b)):
             raise ValueError("clip_embedding and clip_rating must be finite for a finite epsilon")
-        z = calibrate_noise_multiplier(lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta, calibrations=calibrations)
+        z = calibrate_noise_multiplier(
+            lambda m: run_event(m, cfg), cfg.epsilon, cfg.delta, calibrations=calibrations, neighbours=cfg.neighbours
+        )
     return DpAlsProtocol(
         n_items=n_items(cfg),
         rank=cfg.rank,

@@ -116,6 +116,7 @@ class FedRepEvaluator(Evaluator):
             rounds=cfg.rounds,
             accountant=cfg.accountant,
             seed=cfg.seed,
+            neighbours=cfg.neighbours,
             dtype=cfg.dtype,
             device=cfg.device,
             kernels=cfg.kernels,
@@ -123,7 +124,7 @@ class FedRepEvaluator(Evaluator):
             baselines="none",
         )
         ledger = Ledger()
-        privatizer = Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger)
+        privatizer = Privatizer(derived_seed(cfg.seed, "priv_altmin_noise"), ledger, neighbours=cfg.neighbours)
 
         def quarters(units: Units) -> Units:
             return {k: (v[:, :q4] if k in ("x", "y") else v) for k, v in units.items()}

@@ -23,6 +23,7 @@ from fedpers.experiments.hooks import CanaryDesign
 from fedpers.privacy import (
     Calibrations,
     Ledger,
+    correlated,
     ledger_epsilon,
 )
 from fedpers.protocols.fedrep import FedRepProtocol
@@ -75,17 +76,15 @@ class FedRepExperiment(Experiment[FedRepConfig, FedRepProtocol]):
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": accountant_name(cfg.accountant),
-            "neighbouring": "replace-one user",
+            "neighbouring": f"{cfg.neighbours.value} user",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": protocol.noise_multiplier,
             "releases_per_user": protocol.releases_per_user(),
             "clip_rule": f"adaptive γ={protocol.clip_quantile}, η_C={protocol.clip_lr}, count share f={protocol.count_share}"
             if protocol.adaptive
             else "fixed",
-            "sampling": f"poisson q={cfg.sampling_rate} (rounds 1..T; init uses every user)"
-            if cfg.cohorts == "poisson"
-            else f"cyclic: {cfg.cycle} cohorts by id blocks, round r uses cohort (r − 1) mod {cfg.cycle}"
-            if cfg.cohorts == "cyclic"
-            else "all users every round",
+            "sampling": correlated.sampling_text(cfg.cohorts, cfg.sampling_rate, protocol.cycle, protocol.sampling_rate)
+            + (" (rounds 1..T; init uses every user)" if cfg.cohorts == "poisson" else ""),
             **correlated_summary(protocol),
         }
 

@@ -90,7 +90,30 @@ def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -
         sampling_rate=cfg.sampling_rate,
     )
     proto = replace(proto, cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle))
-    if cfg.noise != "independent":
+    share = cfg.clip_budget if private and cfg.clip_rule == "adaptive" else 0.0
+
+    def calibrated(releases: int, rate: float) -> float:
+        return calibrate_noise_multiplier(
+            lambda z: FedRepProtocol.user_event(z, releases, rate, share),
+            cfg.epsilon,
+            cfg.delta,
+            cfg.accountant,
+            calibrations,
+            cfg.neighbours,
+        )
+
+    if cfg.noise != "independent" and cfg.cohorts == "poisson":
+        # b public id blocks taken in turn, each sampled at q·b (b = 1: plain Poisson); amplified accounting
+        noise = correlated.sampled_mechanism(
+            cfg.noise,
+            cfg.rounds,
+            cfg.bands,
+            cfg.sampling_rate,
+            lambda b: calibrated(1 + -(-cfg.rounds // b), min(1.0, cfg.sampling_rate * b)) if private else 1.0,
+            cfg.noise_decay,
+        )
+        proto = replace(proto, cycle=noise.cycle, sampling_rate=noise.sampling_rate, correlated=noise)
+    elif cfg.noise != "independent":
         proto = replace(
             proto, correlated=correlated.run_mechanism(cfg.noise, cfg.rounds, cfg.bands, proto.cycle, cfg.noise_decay)
         )
@@ -98,28 +121,10 @@ def make_protocol(cfg: FedRepConfig, calibrations: Calibrations | None = None) -
         return proto
     if cfg.clip_rule == "adaptive":
         proto = replace(proto, clip_quantile=cfg.clip_quantile, clip_lr=cfg.clip_lr, count_share=cfg.clip_budget)
-    releases, share = proto.releases_per_user(), proto.count_share
-    z = calibrate_noise_multiplier(
-        lambda z: FedRepProtocol.user_event(z, releases, cfg.sampling_rate, share),
-        cfg.epsilon,
-        cfg.delta,
-        cfg.accountant,
-        calibrations,
-    )
-    return replace(proto, noise_multiplier=z)
+    return replace(proto, noise_multiplier=calibrated(proto.releases_per_user(), proto.sampling_rate))
 
 
 def correlated_summary(protocol: FedRepProtocol) -> dict[str, Any]:
     """The correlated mechanism's public description for the run's privacy summary (empty if independent)."""
     c = protocol.correlated
-    if c is None:
-        return {"noise": "independent"}
-    return {
-        "noise": c.strategy.kind,
-        "bands": c.strategy.bands,
-        "buffers": c.strategy.buffers,
-        "workload_decay": c.decay,
-        "unit_sensitivity": c.sensitivity.value,
-        "sensitivity_rule": c.sensitivity.rule,
-        "participations": c.sensitivity.participations,
-    }
+    return {"noise": "independent"} if c is None else correlated.summary(c)

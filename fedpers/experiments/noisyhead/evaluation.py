@@ -118,10 +118,10 @@ class NoisyHeadEvaluator(Evaluator):
         # with the attacked run's noise (shared) or with independent noise.
         proto = replace(self.protocol, mode=Mode.STATISTICS)
         seed = derived_seed(cfg.seed, "robustness-noise")
-        clean, _ = run_local(proto, group_units(x, y, r.P), Privatizer(seed), progress=False)
+        clean, _ = run_local(proto, group_units(x, y, r.P), Privatizer(seed, neighbours=cfg.neighbours), progress=False)
         if cfg.attack_noise is not AttackNoise.SHARED:
             seed = derived_seed(cfg.seed, "robustness-noise-attacked")
-        state, _ = run_local(proto, units, Privatizer(seed), progress=False)
+        state, _ = run_local(proto, units, Privatizer(seed, neighbours=cfg.neighbours), progress=False)
         return {
             "robust_noisyhead": self.excess(clean["gamma"], state["gamma"]),
             "robust_ridge": self.excess(self.gamma_star, ridge_bad),

@@ -17,7 +17,9 @@ from typing import Any, ClassVar
 import torch
 
 from fedpers import memory
+from fedpers.config import Neighbours
 from fedpers.configs.noisyhead import (
+    Mode,
     NoisyHeadConfig,
     RidgeScaling,
 )
@@ -32,6 +34,7 @@ from fedpers.privacy import (
     Calibrations,
     Ledger,
     calibrate_noise_multiplier,
+    correlated,
     ledger_epsilon,
 )
 from fedpers.privacy.accountant import (
@@ -157,24 +160,31 @@ class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
             "target_epsilon": cfg.epsilon,
             "accountant": accountant_name(cfg.accountant),
             "calibration": cfg.calibration.value,
-            "neighbouring": "replace-one prompt"
+            "neighbouring": f"{cfg.neighbours.value} prompt"
             if r.P == 1
-            else f"replace-one user ({r.P} prompts, statistics clipped per user)",
+            else f"{cfg.neighbours.value} user ({r.P} prompts, statistics clipped per user)",
+            "neighbours": cfg.neighbours.value,
             "noise_multiplier": z,
             "releases": len(ledger),
             "per_unit_bound": protocol.grad_bound,
-            "sensitivity": 2 * protocol.grad_bound,
+            "sensitivity": cfg.neighbours.sensitivity_factor * protocol.grad_bound,
             "noise_std_sum": protocol.noise_std_sum,
             "noise_std_step": protocol.noise_std_step,
-            "paper_epsilon_same_noise": nh.paper_epsilon(z, r.T, cfg.delta),
         }
+        if cfg.neighbours is Neighbours.REPLACE_ONE:  # the paper's per-step rule is stated for replace-one
+            out["paper_epsilon_same_noise"] = nh.paper_epsilon(z, r.T, cfg.delta)
         if protocol.adaptive:
             out["clip_rule"] = (
                 f"adaptive γ={protocol.clip_quantile}, η_C={protocol.clip_lr}, count share f={protocol.count_share}"
             )
         if protocol.correlated is not None:
-            out["workload_decay"] = protocol.correlated.decay
-        if not math.isinf(cfg.epsilon):
+            out.update(correlated.summary(protocol.correlated))
+        if cfg.mode is Mode.ROUNDS:
+            cohorts = "poisson" if cfg.sampling_rate < 1 else cfg.cohorts
+            out["sampling"] = correlated.sampling_text(
+                cohorts, cfg.sampling_rate, protocol.cycle, protocol.sampling_rate
+            )
+        if not math.isinf(cfg.epsilon) and cfg.neighbours is Neighbours.REPLACE_ONE:
             paper_z = nh.paper_noise_multiplier(r.T, cfg.epsilon, cfg.delta)
             tight_z = (
                 z

@@ -76,6 +76,9 @@ class Resolved:
     P: int
     rho: float
     formulas: dict[str, str]
+    correlated: correlated.CorrelatedNoise | None = None
+    """Poisson-sampled correlated noise: the mechanism chosen with the noise (its groups and their
+    sampling rate decide the calibration); None otherwise (the protocol builds it)."""
 
     @property
     def units(self) -> int:
@@ -139,6 +142,28 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
     P = cfg.prompts_per_user if cfg.unit is Unit.USER else 1
     rho = cfg.user_clip if cfg.unit is Unit.USER else 1.0
     steps_per_unit = -(-T // correlated.cycle_of(cfg.cohorts, cfg.cycle))
+    rate = cfg.sampling_rate
+    share = cfg.clip_budget if cfg.clip_rule == "adaptive" else 0.0
+    chosen = None
+    if cfg.noise != "independent" and cfg.sampling_rate < 1:
+        # b public id blocks of units taken in turn, each sampled at q·b (b = 1: plain Poisson); amplified
+        def step_z(b: int) -> float:
+            if math.isinf(cfg.epsilon):
+                return 1.0
+            steps, at = -(-T // b), min(1.0, cfg.sampling_rate * b)
+            return calibrate_noise_multiplier(
+                lambda z: step_event(z, steps, at, share),
+                cfg.epsilon,
+                cfg.delta,
+                cfg.accountant,
+                calibrations,
+                cfg.neighbours,
+            )
+
+        chosen = correlated.sampled_mechanism(
+            cfg.noise, T, cfg.bands, cfg.sampling_rate, step_z, _workload_decay(cfg, lam, eta)
+        )
+        steps_per_unit, rate = chosen.sensitivity.participations, chosen.sampling_rate
     if math.isinf(cfg.epsilon):
         z, formulas["noise_multiplier"] = 0.0, "ε = inf: no noise"
     elif cfg.calibration is Calibration.PAPER:
@@ -154,20 +179,20 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
             cfg.accountant,
         )
     else:
-        share = cfg.clip_budget if cfg.clip_rule == "adaptive" else 0.0
         z = calibrate_noise_multiplier(
-            lambda z: step_event(z, steps_per_unit, cfg.sampling_rate, share),
+            lambda z: step_event(z, steps_per_unit, rate, share),
             cfg.epsilon,
             cfg.delta,
             cfg.accountant,
             calibrations,
+            cfg.neighbours,
         )
         sampled = f" Poisson-sampled at q = {cfg.sampling_rate:g}" if cfg.sampling_rate < 1 else ""
         formulas["noise_multiplier"] = (
             f"smallest z with ε({accountant_name(cfg.accountant)}, T-fold Gaussian{sampled}) ≤ target"
         )
     formulas["noise_std_step"] = "std of z_t entries = (η₀/N)·z·ρP·G(C + RG)"
-    return Resolved(N, L, D, lam, eta, T, consts, C, G, R, z, P, rho, formulas)
+    return Resolved(N, L, D, lam, eta, T, consts, C, G, R, z, P, rho, formulas, chosen)
 
 
 def _regime_steps(regime: Regime, n: int, lam: float, eta: float) -> int:
@@ -230,10 +255,12 @@ def make_protocol(
         unit_clip=r.rho,
         gamma0=initial_gamma(cfg, r),
         unit_name=cfg.unit.value,
-        sampling_rate=cfg.sampling_rate if (mode or cfg.mode) is Mode.ROUNDS else 1.0,
-        cycle=correlated.cycle_of(cfg.cohorts, cfg.cycle),
-        correlated=None
-        if cfg.noise == "independent"
+        sampling_rate=(r.correlated.sampling_rate if r.correlated is not None else cfg.sampling_rate)
+        if (mode or cfg.mode) is Mode.ROUNDS
+        else 1.0,
+        cycle=r.correlated.cycle if r.correlated is not None else correlated.cycle_of(cfg.cohorts, cfg.cycle),
+        correlated=r.correlated
+        if r.correlated is not None or cfg.noise == "independent"
         else correlated.run_mechanism(cfg.noise, r.T, cfg.bands, cfg.cycle, workload_decay(cfg, r)),
         **(
             {"clip_quantile": cfg.clip_quantile, "clip_lr": cfg.clip_lr, "count_share": cfg.clip_budget}
@@ -247,9 +274,13 @@ def workload_decay(cfg: NoisyHeadConfig, r: Resolved) -> float:
     """λ_w of the correlated noise's workload: the one given, or (auto) GD's contraction 1 − 2λη₀ (the
     step Γ ← (1 − 2λη₀)Γ − (η₀/N)(g + noise) carries past noise forward by that factor, the projection
     aside); refused before any release when auto gives a value outside (0, 1]."""
+    return _workload_decay(cfg, r.lam, r.eta)
+
+
+def _workload_decay(cfg: NoisyHeadConfig, lam: float, eta: float) -> float:
     if cfg.noise_decay:
         return cfg.noise_decay
-    decay = 1.0 - 2.0 * r.lam * r.eta
+    decay = 1.0 - 2.0 * lam * eta
     if not 0.0 < decay <= 1.0:
         raise ValueError(
             f"noise_decay auto: GD's contraction 1 − 2λη₀ = {decay:.4g} is not in (0, 1]; give --noise-decay in (0, 1]"

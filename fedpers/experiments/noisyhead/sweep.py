@@ -91,7 +91,9 @@ def sweep_point(cfg: NoisyHeadConfig, repetitions: int) -> list[dict[str, float]
     if cfg.attack_c > 0 and cfg.unit is Unit.USER:
         raise ValueError("the robustness attack is implemented at the prompt level (unit=prompt)")
     stats = statistics(cfg, repetitions, engine)
-    privatizer = Privatizer(noise_seed)  # the server's CPU generator; each step's (B, D²) noise is copied over
+    privatizer = Privatizer(
+        noise_seed, neighbours=cfg.neighbours
+    )  # the server's CPU generator; (B, D²) noise copied over
     gamma0 = gamma_zero(cfg, r, (stats.At if engine == "direct" else stats.e).device)
     out: dict[str, Tensor] = {}
     if engine == "direct":
@@ -140,7 +142,7 @@ def _robustness(
     At_bad = st.At - outer(st.zt_att) + outer(ztb)
     bt_bad = st.bt + st.yqt_att.unsqueeze(-1) * (ztb - st.zt_att)
     seed = noise_seed if cfg.attack_noise is AttackNoise.SHARED else derived_seed(noise_seed, "attacked")
-    gamma_bad = noisy_gd_direct(At_bad, bt_bad, gamma0, r, Privatizer(seed))
+    gamma_bad = noisy_gd_direct(At_bad, bt_bad, gamma0, r, Privatizer(seed, neighbours=cfg.neighbours))
     K = r.D * r.D
     eye = torch.eye(K, dtype=torch.float64, device=st.A.device)
     M_i = st.A - outer(st.z_att) + cfg.ridge_scaling.factor * r.lam * r.N * eye
