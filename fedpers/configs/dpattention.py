@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedpers.config import DEFAULT_DELTA, ApproxDpRunConfig, DeviceRunConfig, Neighbours, field, inherited, run_config
+from fedpers.configs.shared import BASELINES_HELP, parse_baselines
 
 
 class AttentionFn(str, enum.Enum):
     EXP = "exp"
     COSH = "cosh"
 
+
+BASELINES = ("uniform_attention",)
+"""DP attention's baseline: the uniform attention matrix, every entry 1/n."""
 
 THEOREM_LIMIT = 0.1
 """Theorem 3.1 proves its (ε, δ) only for ε, δ and r in (0, 0.1)."""
@@ -43,6 +47,7 @@ class DpAttentionConfig(ApproxDpRunConfig):
     )
     data_scale: float = field(0.025, "s: the synthetic columns are uniform on a sphere with E[XXᵀ] = s·I", gt=0.0)
     gamma: float = field(0.1, "γ: the utility bound holds with probability 1 − γ", gt=0.0, lt=1.0)
+    baselines: str = field("all", BASELINES_HELP + "uniform_attention (every row 1/n)")
     seed: int = inherited()
     neighbours: Neighbours = inherited()
     dtype: str = inherited(DeviceRunConfig)
@@ -51,6 +56,7 @@ class DpAttentionConfig(ApproxDpRunConfig):
     def check(self) -> None:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64; got {self.dtype!r}")
+        parse_baselines(self.baselines, BASELINES)
         if self.neighbours is not Neighbours.REPLACE_ONE:
             raise ValueError(
                 f"neighbours must be replace-one for dpattention (DPCovariance's (ε, δ) is stated for one column "

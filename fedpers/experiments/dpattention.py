@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 import torch
 
 from fedpers import linalg, memory
-from fedpers.configs.dpattention import DpAttentionConfig, data_norm, theorem_params
+from fedpers.configs.dpattention import BASELINES, DpAttentionConfig, data_norm, theorem_params
+from fedpers.configs.shared import parse_baselines
 from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
 from fedpers.privacy import Calibrations, Ledger, ledger_epsilon
@@ -61,7 +62,10 @@ class DpAttentionEvaluator(Evaluator):
                         attention_matrix(A, self.protocol.f) - torch.full_like(A, 1.0 / p.rows)
                     )
                 }
-            },
+            }
+            if parse_baselines(self.cfg.baselines, BASELINES)
+            else {},
+            "baselines_skipped": [] if parse_baselines(self.cfg.baselines, BASELINES) else list(BASELINES),
         }
 
 
@@ -69,7 +73,7 @@ class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
     """DP attention: DPCovariance release of XXᵀ and the attention D(B)⁻¹f(B)."""
 
     name = "dpattention"
-    baseline_names = ("uniform_attention",)
+    baseline_names = BASELINES
     result_keys = (
         "attention_error",
         "utility_bound",

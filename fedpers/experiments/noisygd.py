@@ -13,7 +13,7 @@ from fedpers import memory
 from fedpers.config import (
     device_path,
 )
-from fedpers.configs.noisygd import Collapse, NoisyGDConfig, Remedy
+from fedpers.configs.noisygd import BASELINES, Collapse, NoisyGDConfig, Remedy, baseline_names
 from fedpers.configs.privacy import Accountant, accountant_name
 from fedpers.data import neural_collapse as nc
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
@@ -179,11 +179,14 @@ class NoisyGDEvaluator(Evaluator):
         out["baselines"] = {
             "chance": {"accuracy": majority, "balanced_accuracy": 1.0 / self.cfg.classes}
         }  # always the most frequent class
-        if self.cfg.baselines:
+        if "chance" not in baseline_names(self.cfg.baselines):
+            del out["baselines"]["chance"]
+        if "nonprivate_gd" in baseline_names(self.cfg.baselines):
             nonprivate = make_protocol(self.cfg, private=False)
             units = load_units(self.cfg, torch.arange(self.cfg.examples))
             np_state, _ = run_local(nonprivate, units, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
             out["baselines"]["nonprivate_gd"] = accuracy(nonprivate, np_state, self.test, self.cfg.classes)
+        out["baselines_skipped"] = [name for name in BASELINES if name not in out["baselines"]]
         return out
 
 
@@ -247,7 +250,7 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
 
     name = "noisygd"
     result_keys = ("accuracy", "balanced_accuracy")
-    baseline_names = ("nonprivate_gd", "chance")
+    baseline_names = BASELINES
     config_type = NoisyGDConfig
 
     def trivial_baselines(self, cfg: NoisyGDConfig) -> list[Trivial]:

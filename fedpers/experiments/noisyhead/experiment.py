@@ -19,6 +19,7 @@ import torch
 from fedpers import memory
 from fedpers.config import Neighbours
 from fedpers.configs.noisyhead import (
+    BASELINES,
     Mode,
     NoisyHeadConfig,
     RidgeScaling,
@@ -71,7 +72,7 @@ class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
         "step_size",
         "steps",
     )
-    baseline_names = ("ridge", "nonprivate_gd", "zero_head")
+    baseline_names = BASELINES
     quantities: ClassVar[Mapping[str, Quantity]] = {
         "excess_risk": Quantity(
             "excess risk",
