@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedpers.commands import audit as audit_command
 from fedpers.commands.parsers import (
+    ChoiceSuggestingParser,
     RegisteredAccountants,
     add_tracking,
     algorithm_parser,
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedpers import __version__
     from fedpers.experiments import ALGORITHMS
 
-    parser = argparse.ArgumentParser(
+    parser = ChoiceSuggestingParser(
         prog="fedpers", description="Federated simulator for DP personalization (billboard model).", allow_abbrev=False
     )
     parser.add_argument("--version", action="version", version=f"fedpers {__version__}")
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument(
         "args",
         nargs=argparse.REMAINDER,
-        help="--canaries K [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags",
+        help="[--canaries K] [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags",
     )
     rp = sub.add_parser(
         "report",
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-account with this accountant: one of %(choices)s",
     )
     pr.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    pr.add_argument("--quiet", action="store_true", help="print only the (ε, δ) line")
     return parser
 
 
@@ -279,6 +281,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     parsed = algorithm_parser(args.algorithm).parse_args(args.args)
     parsed.algorithm = args.algorithm
     parsed.settings = run_settings(args.algorithm, parsed)
+    if parsed.out is not None:
+        from fedpers.results.rundir import check_out
+
+        check_out(parsed.out)  # an --out holding a run is refused before torch is imported
     if parsed.track:
         from fedpers.commands.tracking import check_uri
 
@@ -521,7 +527,7 @@ def cmd_privacy(args: argparse.Namespace) -> int:
     print(
         dumps(privacy_summary(args.run_dir, args.accountant), indent=None)
         if args.json
-        else privacy_report(args.run_dir, args.accountant)
+        else privacy_report(args.run_dir, args.accountant, quiet=args.quiet)
     )
     return 0
 

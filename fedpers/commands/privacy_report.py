@@ -46,7 +46,8 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
     }
 
 
-def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
+def privacy_report(run_dir: str | Path, accountant: str | None = None, *, quiet: bool = False) -> str:
+    """The run's ledger as a table and its (ε, δ); ``quiet``: the (ε, δ) line alone (for a script)."""
     run = read_run(run_dir)
     cfg = run["config"]
     ledger = Ledger.from_json(run["ledger_text"])
@@ -59,7 +60,10 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     eps = ledger_epsilon(ledger, delta, acc)
     neighbours = run.get("result", {}).get("privacy", {}).get("neighbouring", f"{ledger_neighbours(ledger).value} user")
     level = next((f"{unit}-level" for unit in ("prompt", "example", "column") if unit in neighbours), "user-level")
-    lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc} accountant, {neighbours} neighbours"]
+    spent = f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {acc} accountant, {neighbours} neighbours"
+    if quiet:
+        return spent + ("" if run["complete"] else " (INCOMPLETE run: the releases it made)")
+    lines += ["", spent]
     if any(isinstance(r.event, SkellamDpEvent) for r in ledger):
         lines.append(
             "  (distributed DP: the Skellam releases have an RDP bound only, so the composition is accounted in RDP)"

@@ -126,6 +126,16 @@ def lock_directory(path: Path) -> Any:
     return handle
 
 
+def check_out(path: str | Path) -> None:
+    """Refuse an ``--out`` that already holds a run or a sweep. It reads only the folder's names, so
+    the command line answers it before the run's libraries are imported."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        raise ValueError(f"out: {path} already holds a run; choose another --out (or `fedpers resume {path}`)")
+    if (path / "spec.json").exists():  # a run's files would replace the sweep's (provenance, figures)
+        raise ValueError(f"out: {path} holds a sweep (spec.json), not a run; choose another --out")
+
+
 class RunDirectory:
     """One run's output folder. Refuses a folder that already holds a run, unless resuming it."""
 
@@ -143,12 +153,8 @@ class RunDirectory:
             )  # drop a cut-short line
             for stale in ("ledger.json", "error.json"):
                 self.remove(stale)
-        elif (self.path / "config.json").exists():
-            raise ValueError(
-                f"out: {self.path} already holds a run; choose another --out (or `fedpers resume {self.path}`)"
-            )
-        elif (self.path / "spec.json").exists():  # a run's files would replace the sweep's (provenance, figures)
-            raise ValueError(f"out: {self.path} holds a sweep (spec.json), not a run; choose another --out")
+        else:
+            check_out(self.path)
         self._created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
