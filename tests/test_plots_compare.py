@@ -188,3 +188,34 @@ def test_figures_keep_every_text_inside_the_canvas_and_draw_linear_bars():
     for fig in (flat, one, bars):
         assert _texts_outside_canvas(fig) == []
         plt.close(fig)
+
+
+def test_sweep_figure_layout_labels_and_error_bars(tmp_path: Path) -> None:
+    """A sweep figure a paper can use: axes named in words with the metric's unit (the swept ε is the
+    target), a band only when B ≥ 2 and then said to be ± 2 standard errors, log y where the values span
+    decades; ``[plot]`` and the command line's labels replace the defaults without changing the sweep."""
+    from matplotlib.collections import PolyCollection
+
+    text = 'algorithm = "altmin"\nx = "epsilon"\nseries = "n_users"\nmetrics = ["subspace_error", "seconds"]\n[grid]\nepsilon = [1.0, 4.0]\nn_users = [300]\n'
+    (tmp_path / "s.toml").write_text(text)
+    rows = [{"epsilon": e, "n_users": 300, "subspace_error": 1 / e**3 + 0.01 * r, "seconds": 1.0 + r} for e in (1.0, 4.0) for r in range(3)]
+    one = load_spec(tmp_path / "s.toml", 1)
+    fig, _ = sweep_figure(rows[::3], one, "subspace_error")
+    ax = fig.axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("target ε", "subspace error")
+    assert "B = 1" in ax.get_title() and "no error bars" in ax.get_title()
+    assert not [c for c in ax.collections if isinstance(c, PolyCollection)] and ax.get_yscale() == "log"
+    assert tuple(fig.get_size_inches()) == (6.0, 4.2)
+    three = load_spec(tmp_path / "s.toml", 3)
+    fig, _ = sweep_figure(rows, three, "subspace_error")
+    assert len([c for c in fig.axes[0].collections if isinstance(c, PolyCollection)]) == 1
+    assert "B = 3" in fig.axes[0].get_title() and "± 2 standard errors" in fig.axes[0].get_title()
+    assert sweep_figure(rows, three, "seconds")[0].axes[0].get_ylabel() == "time (s)"
+    (tmp_path / "l.toml").write_text('name = "s"\n' + text + '[plot]\nxlabel = "privacy budget ε"\n')
+    labelled = load_spec(tmp_path / "l.toml", 1, {"ylabel": "distance to U*", "title": None})
+    ax = sweep_figure(rows[::3], labelled, "subspace_error")[0].axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("privacy budget ε", "distance to U*")
+    assert labelled.identity() == one.identity()  # relabelling reuses the sweep's points
+    with pytest.raises(ValueError, match="plot.xlabel must be a non-empty string"):
+        (tmp_path / "b.toml").write_text(text + "[plot]\nxlabel = 3\n")
+        load_spec(tmp_path / "b.toml")

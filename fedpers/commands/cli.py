@@ -77,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray",
     )
-    sw.add_argument("--quiet", action="store_true")
+    sw.add_argument("--quiet", action="store_true", help="no progress bar")
+    for key, what in (("xlabel", "x-axis label"), ("ylabel", "y-axis label"), ("title", "title")):
+        sw.add_argument(
+            f"--{key}",
+            help=f"the figures' {what} (over the file's [plot] {key}; default: from the field's and metric's definitions)",
+        )
     _add_select_flags(sw)
     add_tracking(sw)
     rs = sub.add_parser(
@@ -399,6 +404,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "progress": not args.quiet,
         "workers": args.workers,
         "ray_address": args.ray_address,
+        "labels": {"xlabel": args.xlabel, "ylabel": args.ylabel, "title": args.title},
     }
     if sweep_set(args.file) is not None:  # several sweeps (one algorithm each) run in turn
         if args.select is not None or args.private or args.track:

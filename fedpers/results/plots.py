@@ -311,6 +311,13 @@ PANELS_ACROSS = 3
 """A grid of figure panels is at most this many wide (7 metrics: 3 + 3 + 1, not one row of 7)."""
 
 
+def spread_note(repetitions: int) -> str:
+    """What a sweep figure's bands are: mean ± 2 standard errors over B ≥ 2 seeds, or none (B = 1)."""
+    if repetitions >= 2:
+        return f"mean of B = {repetitions} seeds; band: ± 2 standard errors of the mean"
+    return "one seed per point (B = 1): no error bars; set repetitions >= 2 for the spread"
+
+
 def spans_decades(values: Sequence[float]) -> bool:
     """All positive and the largest over ten times the smallest: a log axis shows every value."""
     finite = [v for v in values if math.isfinite(v)]
