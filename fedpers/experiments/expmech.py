@@ -163,7 +163,11 @@ class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
         why = (
             "the selected U is too far from the truth: either the candidate set is too coarse (compare nearest_candidate; "
             "use a smaller --net-width or more --num-candidates) or there are too few users for this ε to single out "
-            "a good candidate (raise --n-users or --epsilon)"
+            + (
+                "a good candidate (raise --n-users or --epsilon)"
+                if cfg.data is None
+                else "a good candidate (raise --epsilon)"
+            )
         )
         return [Trivial("excess_risk", "local_only", why=why)]
 
