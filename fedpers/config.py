@@ -167,6 +167,9 @@ def build(cls: type[D], values: Mapping[str, Any]) -> D:
     unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    defaults_for = getattr(cls, "defaults_for", None)  # defaults that depend on other fields' values
+    if defaults_for is not None:
+        values = {**defaults_for(values), **values}
     words = {f.name: f.metadata.get("words") or {} for f in dataclasses.fields(cls)}
     values = {k: words[k].get(v, v) if isinstance(v, str) else v for k, v in values.items()}
     cfg = cls(**{k: _coerce(k, types[k], v) for k, v in values.items()})

