@@ -42,6 +42,7 @@ class Sample:
 
 
 SAMPLES = {
+    "readme-altmin": Sample("README.md", stderr=False, gap=True),
     "usage-errors": Sample("docs/usage.md", stderr=True),
     "usage-python": Sample("docs/usage.md", stderr=False, python=True),
     "noisygd-accountants": Sample("docs/mechanisms.md", stderr=False, gap=True),

@@ -45,9 +45,10 @@ def test_the_flower_simulation_sample_is_current():
     assert samples().regenerate("flower-sim8", check=True)
 
 
-@pytest.mark.parametrize("name", ["usage-python", "noisygd-accountants"])
+@pytest.mark.parametrize("name", ["readme-altmin", "usage-python", "noisygd-accountants"])
 def test_the_fast_samples_are_current(name):
-    """usage.md's Python example and mechanisms.md's accountant comparison, digit for digit."""
+    """The README's worked example, usage.md's Python example and mechanisms.md's accountant
+    comparison, digit for digit."""
     assert samples().regenerate(name, check=True)
 
 

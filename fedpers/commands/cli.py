@@ -131,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument(
         "--data-file", default="/data/users.npz", help="each SuperNode's data file (default /data/users.npz)"
     )
+    for flag, default, what in (
+        ("--n-users", 300, "users in each SuperNode's data file"),
+        ("--dim", 10, "the data's dimension d"),
+        ("--samples-per-user", 20, "samples per user m"),
+    ):
+        ce.add_argument(
+            flag,
+            type=int,
+            default=default,
+            help=f"the job's declared shape in the printed run command: {what} (default {default}; every node "
+            "refuses a task its file does not match)",
+        )
     ce.add_argument(
         "--app",
         default="",
@@ -499,6 +511,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         listen=args.listen,
         data_file=args.data_file,
         app_hash=fab,
+        n_users=args.n_users,
+        dim=args.dim,
+        samples_per_user=args.samples_per_user,
         policy=args.policy.read_text() if args.policy is not None else None,
     )
     print(
