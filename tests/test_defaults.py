@@ -91,6 +91,12 @@ def test_summary_prints_the_warning_loudly():
     print_summary({"algorithm": "dpals", "runtime": "local", "status": "completed", "seconds": 1.0, "test_rmse": 5.9,
                    "warnings": [{"text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean (0.98): raise --epsilon"}]}, out)
     assert "!! WARNING: the private test_rmse (5.9) is worse" in out.getvalue()
+    assert "spread over seeds" not in out.getvalue()  # not a comparison with a baseline
+    lost = {"text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean (0.98)", "metric": "test_rmse",
+            "private": 5.9, "baseline": "global_mean", "baseline_value": 0.98}
+    out = io.StringIO()
+    print_summary({"algorithm": "dpals", "runtime": "local", "status": "completed", "seconds": 1.0, "test_rmse": 5.9, "warnings": [lost]}, out)
+    assert "`fedpers sweep` with `repetitions = 5`" in out.getvalue()  # one seed cannot decide a loss
 
 
 def test_dpals_reduced_default_warns_in_result_json(tmp_path, capsys):

@@ -282,9 +282,21 @@ def summary_text(result: RunResult) -> str:
     return "\n".join(lines)
 
 
+SEED_NOTE = (
+    "   (one seed: whether the private run wins can change with it; `fedpers sweep` with `repetitions = 5` "
+    "and these flags in [base] shows the spread over seeds, docs/usage.md)"
+)
+"""Said under a lost comparison: one run cannot tell a loss from a seed's bad luck."""
+
+
 def warning_lines(result: RunResult) -> list[str]:
-    """Each warning, loudly (a private result no better than a trivial baseline)."""
-    return [f"\n!! WARNING: {warning_text(w)}" for w in result.warnings or ()]
+    """Each warning, loudly (a private result no better than a trivial baseline); under a lost
+    comparison, :data:`SEED_NOTE`."""
+    warnings = list(result.warnings or ())
+    lines = [f"\n!! WARNING: {warning_text(w)}" for w in warnings]
+    if any(not isinstance(w, str) and w.baseline for w in warnings):
+        lines.append(SEED_NOTE)
+    return lines
 
 
 def compare_row(result: RunResult, privacy: Privacy, status: str) -> dict[str, Any]:

@@ -78,7 +78,6 @@ class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
                     if is_long_format(cfg.data)
                     else ""
                 )
-                + "; `fedpers sweep` over --seed shows whether another seed decides it"
             )
             alone = "; each user alone does better with the rows the file gives it"
         return [
