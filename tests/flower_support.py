@@ -225,28 +225,40 @@ class Processes:
         stop_processes(self.procs)
 
 
-def start_ray(log: Path, temp: Path, *, head_port: int | None = None, join: str | None = None, cpus: int = 2) -> subprocess.Popen:
-    """``ray start --block`` on 127.0.0.1 with free ports: a head (``head_port``) or a worker joining ``join``."""
-    cmd = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address=127.0.0.1",
-        f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", f"--num-cpus={cpus}",
-        "--disable-usage-stats",
-    ]
-    if join is None:
-        cmd += ["--head", f"--port={head_port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false", f"--temp-dir={temp}"]
-    else:
-        cmd += [f"--address={join}"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while "Ray runtime started" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_processes([proc])
-            raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    return proc
+def start_ray(log: Path, temp: Path, *, head_port: int | None = None, join: str | None = None, cpus: int = 2, attempts: int = 3) -> subprocess.Popen:
+    """``ray start --block`` on 127.0.0.1 with free ports: a head (``head_port``) or a worker joining ``join``.
+
+    Ray gives its raylet a fixed 30 s to register with the GCS; on a loaded 2-core machine that start-up can
+    time out once, so a failed start is stopped whole and tried again on fresh ports (``attempts`` in all),
+    and the error names each attempt's log and the raylet's own error output."""
+    failures: list[str] = []
+    for attempt in range(attempts):
+        cmd = [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address=127.0.0.1",
+            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", f"--num-cpus={cpus}",
+            "--disable-usage-stats",
+        ]
+        if join is None:
+            cmd += ["--head", f"--port={head_port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false", f"--temp-dir={temp}"]
+        else:
+            cmd += [f"--address={join}"]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_processes([proc])
+                raylet = sorted(temp.glob("session_*/logs/raylet.err"), key=lambda f: f.stat().st_mtime)
+                tail = raylet[-1].read_text()[-1500:] if raylet else "(no raylet.err)"
+                failures.append(f"attempt {attempt + 1}:\n{log.read_text()[-2000:]}\nraylet.err:\n{tail}")
+                break
+            time.sleep(0.2)
+        else:
+            return proc
+        time.sleep(5)
+    raise RuntimeError("ray start failed:\n" + "\n".join(failures))
 
 
 def wait_for_ray_nodes(address: str, count: int, timeout: float = 120.0) -> None:
