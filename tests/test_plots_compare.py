@@ -219,3 +219,19 @@ def test_sweep_figure_layout_labels_and_error_bars(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="plot.xlabel must be a non-empty string"):
         (tmp_path / "b.toml").write_text(text + "[plot]\nxlabel = 3\n")
         load_spec(tmp_path / "b.toml")
+
+
+def test_a_sweep_sets_figure_puts_its_members_in_a_grid_each_panel_labelled(tmp_path: Path) -> None:
+    """Four members: two rows of panels (never one long row), each with the sweep figure's labels."""
+    from fedpers.results.plots import PANELS_ACROSS
+    from fedpers.sweeps.sets import members_figure
+
+    members = []
+    for i in range(4):
+        (tmp_path / f"m{i}.toml").write_text(f'name = "m{i}"\nalgorithm = "altmin"\nx = "n_users"\nseries = "epsilon"\nmetrics = ["excess_risk"]\n[grid]\nn_users = [300, 1000]\nepsilon = [1.0]\n')
+        members.append((load_spec(tmp_path / f"m{i}.toml"), [{"epsilon": 1.0, "n_users": n, "excess_risk": 1 / n} for n in (300, 1000)]))
+    fig = members_figure(members, "excess_risk")
+    assert len(fig.axes) == 4 and len({round(ax.get_position().y0, 3) for ax in fig.axes}) == -(-4 // PANELS_ACROSS)
+    width, height = fig.get_size_inches()
+    assert width <= 6.0 * PANELS_ACROSS and height >= 4.2 * 2
+    assert all((ax.get_xlabel(), ax.get_ylabel()) == ("users n", "excess risk") for ax in fig.axes)
