@@ -188,7 +188,7 @@ def _oracle_notes(rows: list[tuple[str, dict[str, Scalar]]], own: Mapping[str, Q
     return [
         "the private run beats the oracle on " + " and ".join(below) + ": evaluation noise, not a gain (the oracle "
         "knows the truth and is best in expectation; each user fits its own model on a few noisy samples, so a "
-        "nearby estimate can score better on one draw; `--repetitions` shows the spread over seeds)"
+        "nearby estimate can score better on one draw; `fedpers sweep` with `repetitions = 5` shows the spread over seeds)"
     ]
 
 
