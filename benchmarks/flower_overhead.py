@@ -1,5 +1,9 @@
 """What Flower costs: one private AltMin round on the local runtime vs Flower's Ray simulation.
 
+Every simulation here runs through Flower's supported path, as ``fedpers run --runtime flower`` does: a
+private simulation SuperLink and ``flwr run`` (``fedpers.app.simulate_objects``), the server loop and
+the nodes handed over as objects; bare Flower runs on the same path, in the same simulation.
+
 Three set-ups in one run (same seed, d = 50, k = 3, m = 40, every user in the round):
 
 1. local runtime, 10,000 users batched on this machine;
@@ -28,6 +32,12 @@ settings, and the flower U against the local runtime's on the same device:
 
 On a machine without a GPU, ``--sim-gpus 1 --device cpu`` runs the same resource arithmetic on
 one logical GPU (the nodes compute on the CPU).
+
+Start-up (``--startup 8,100``): for each node count, one simulation whose server only discovers its
+nodes: seconds from the call to the ServerApp's start (the private SuperLink, ``flwr run``, Flower's
+simulation process and the app's imports), from there to Ray being up, and from Ray up to the first
+round (every node actor started, its ClientApp loaded, every node answering discovery); beside it,
+side by side, what one fresh Python process pays to import torch, and torch with fedpers' node side.
 """
 from __future__ import annotations
 
@@ -66,14 +76,24 @@ def local(users: int, args: argparse.Namespace, rounds: int = 1) -> dict[str, An
 
 
 def flower(users: int, nodes: int, per_node: int, args: argparse.Namespace) -> dict[str, Any]:
+    from fedpers.app import flower_job, make_client_app, simulate_objects
+    from fedpers.runtime.flower.simulation import run_flower as run_on_grid
+
     cfg, noise_seed = make_config(users, args)
     protocol = EXP.protocol(cfg)
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": nodes, "users_per_node": per_node, "round_timeout": 3600.0, **resources(args)})
-    found: dict[str, float] = {}
-    start = time.perf_counter()
-    state, records = run_flower(EXP, cfg, protocol, Privatizer(noise_seed), opts, progress=False, on_discovery=lambda f: found.update(startup=f.discovery_seconds))
-    total = time.perf_counter() - start
-    return {"startup": found["startup"], "first": records[0].seconds, "round": records[1].seconds, "U": state["U"], "users": users, "total": total, "shutdown": total - found["startup"] - sum(r.seconds for r in records)}
+    job = flower_job(EXP, cfg, protocol)
+
+    def server(grid: Any, context: Any) -> dict[str, Any]:
+        found: dict[str, float] = {}
+        start = time.perf_counter()
+        state, records = run_on_grid(job, users, protocol, Privatizer(noise_seed), opts, grid=grid, device=cfg.device, progress=False,
+                                     on_discovery=lambda f: found.update(startup=f.discovery_seconds))
+        total = time.perf_counter() - start
+        return {"startup": found["startup"], "first": records[0].seconds, "round": records[1].seconds, "U": state["U"], "users": users,
+                "total": total, "shutdown": total - found["startup"] - sum(r.seconds for r in records)}
+
+    return simulate_objects(server, make_client_app(), opts)
 
 
 def resources(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,14 +156,14 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
     and a same-bytes round on the same Ray actors: round seconds of each kind, and the final U."""
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
     from flwr.clientapp import ClientApp
-    from flwr.serverapp import ServerApp
 
-    from fedpers.app import make_client_app
+    from fedpers.app import flower_job, make_client_app, simulate_objects
     from fedpers.runtime.flower.server import exchange
-    from fedpers.runtime.flower.simulation import CHECKOUT, backend_config, in_process_simulation
+    from fedpers.runtime.flower.simulation import run_flower as run_on_grid
 
     cfg, noise_seed = make_config(nodes, args, rounds=args.steady_rounds)
     protocol = EXP.protocol(cfg)
+    job = flower_job(EXP, cfg, protocol)
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": nodes, "users_per_node": 1, "round_timeout": 3600.0, **resources(args)})
     # the reply's bytes are made in the actor: a closure holding them would be pickled with the app
     # on every call of every kind (Ray ships the app with each call), inflating bare Flower too
@@ -160,11 +180,8 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
     def _query(message: Message, context: Any) -> Message:
         return fedpers_app(message, context)
 
-    out: dict[str, Any] = {k: [] for k in ("fedpers", "bare", "same", "fedpers cpu", "bare cpu", "same cpu")}
-    server = ServerApp()
-
-    @server.main()
-    def _main(grid: Any, context: Any) -> None:
+    def server(grid: Any, context: Any) -> dict[str, Any]:  # in Flower's simulation process, beside its Ray
+        out: dict[str, Any] = {k: [] for k in ("fedpers", "bare", "same", "fedpers cpu", "bare cpu", "same cpu")}
         ids: list[int] = []
 
         def bare_round(size: int) -> float:
@@ -192,16 +209,63 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
                 timed("same", task_bytes)
             mark[0] = cpu_seconds()
 
-        state, _ = run_flower(EXP, cfg, protocol, Privatizer(noise_seed), opts, grid=grid, progress=False, on_round=on_round,
-                              on_discovery=lambda f: ids.extend(f.nodes.values()))
+        state, _ = run_on_grid(job, nodes, protocol, Privatizer(noise_seed), opts, grid=grid, device=cfg.device, progress=False,
+                               on_round=on_round, on_discovery=lambda f: ids.extend(f.nodes.values()))
         out["U"] = state["U"]
+        return out
 
-    if CHECKOUT not in sys.path:
-        sys.path.insert(0, CHECKOUT)
-    in_process_simulation()(server, client, nodes, backend_config=backend_config(opts))
-    if "U" not in out:
-        raise RuntimeError("the interleaved simulation did not complete")
-    return out
+    return simulate_objects(server, client, opts)
+
+
+def startup(counts: list[int], args: argparse.Namespace) -> None:
+    """Seconds to the first round of a simulation of N nodes, in its phases (see the module docstring)."""
+    import subprocess
+
+    from fedpers.app import flower_job, make_client_app, simulate_objects
+    from fedpers.runtime.flower.server import discover
+
+    cfg, _ = make_config(2, args)
+    job = flower_job(EXP, cfg, EXP.protocol(cfg))
+
+    def server(grid: Any, context: Any) -> dict[str, float]:
+        import threading
+
+        import ray
+
+        marks = {"server": time.time()}
+
+        def watch() -> None:
+            while not ray.is_initialized():
+                time.sleep(0.005)
+            marks["ray"] = time.time()
+
+        threading.Thread(target=watch, daemon=True).start()
+        nodes, _ = discover(grid, job, 3600.0)
+        marks["first round"] = time.time()
+        marks["nodes"] = float(len(nodes))
+        return marks
+
+    def fresh(code: str) -> float:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True)
+        return time.perf_counter() - start
+
+    print(f"\nstart-up to the first round, client_cpus={args.client_cpus} (medians of {args.startup_reps}; load {os.getloadavg()[0]:.1f} at the start)")
+    print(f"{'nodes':>6s}{'to ServerApp':>14s}{'to Ray up':>11s}{'Ray up to first round':>23s}{'fresh: torch':>14s}{'torch+node side':>17s}")
+    for n in counts:
+        opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": n, **resources(args)})
+        rows: dict[str, list[float]] = {"server": [], "ray": [], "first": [], "torch": [], "node": []}
+        for _ in range(args.startup_reps):
+            start = time.time()
+            marks = simulate_objects(server, make_client_app(), opts)
+            assert marks["nodes"] == n
+            rows["server"].append(marks["server"] - start)
+            rows["ray"].append(marks["ray"] - marks["server"])
+            rows["first"].append(marks["first round"] - marks["ray"])
+            rows["torch"].append(fresh("import torch"))
+            rows["node"].append(fresh("import fedpers.app, fedpers.runtime.flower.client"))
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        print(f"{n:6d}{med['server']:13.1f}s{med['ray']:10.1f}s{med['first']:22.1f}s{med['torch']:13.1f}s{med['node']:16.1f}s", flush=True)
 
 
 def message_bytes(args: argparse.Namespace) -> tuple[int, int]:
@@ -236,8 +300,13 @@ def main() -> None:
     p.add_argument("--per-call", default="100,500,1000", help="node counts of the per-call table ('' to skip)")
     p.add_argument("--only-per-call", action="store_true", help="skip the batched set-ups")
     p.add_argument("--steady-rounds", type=int, default=3, help="AltMin rounds of the per-call table (each followed by the bare rounds)")
+    p.add_argument("--startup", default="", help="node counts of the start-up table (e.g. 8,100); alone, only that table")
+    p.add_argument("--startup-reps", type=int, default=3, help="simulations per node count of the start-up table")
     args = p.parse_args()
     counts = [int(c) for c in args.per_call.split(",") if c.strip()]
+    if args.startup:
+        startup([int(c) for c in args.startup.split(",") if c.strip()], args)
+        return
     if args.only_per_call:
         per_call(counts, args)
         return

@@ -17,6 +17,6 @@ _spec = _util.spec_from_file_location(
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_integrity)  # type: ignore[union-attr]
 _integrity.require_fab_code(_Path(__file__).resolve().parents[1])
-from fedpers.app import make_client_app
+from fedpers.app import make_client_app, register_app_entries
 
-app = make_client_app()
+app = make_client_app(register_app_entries(_Path(__file__).resolve().parents[1]))  # and to its Ray actors

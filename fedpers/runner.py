@@ -94,6 +94,8 @@ def execute(
     if resume and not (write and out):
         raise ValueError("resume needs the run directory (out) to continue")
     plan = resolve(experiment, cfg, options, flower_grid=grid is not None)
+    if plan.options.runtime is Runtime.FLOWER and grid is None:
+        return simulated(plan, out, resume=resume, write=write, progress=progress)
     run_dir, checkpointer = open_run_directory(plan, out, resume) if write else (None, None)
     try:
         state = drive(plan, run_dir, checkpointer, grid=grid, progress=progress)
@@ -107,6 +109,61 @@ def execute(
     if run_dir is not None:
         result = run_dir.finish(result, plan.rounds, plan.experiment, plan.cfg)
     return {**result.to_dict(), "_rounds": plan.rounds, "_state": state}
+
+
+def simulated(plan: Plan, out: str | Path | None, *, resume: bool, write: bool, progress: bool) -> dict[str, Any]:
+    """The run of ``plan`` in Flower's simulation, through Flower's supported path (:func:`fedpers.app.simulate`:
+    a private simulation SuperLink and ``flwr run``): the simulation's ServerApp resolves the same plan from
+    its ``config.json`` and writes the run directory; the result is read back from there, as :func:`execute`
+    returns it. Resolved here first, so a bad config or split is refused before any process starts.
+    ``write=False``: the run directory is a scratch one, removed afterwards."""
+    import json
+    import shutil
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from fedpers.app import node_noise_seed, simulate
+    from fedpers.results.rundir import check_free
+
+    scratch = Path(tempfile.mkdtemp(prefix="fedpers-run-")) if not write else None
+    try:
+        if scratch is not None:
+            path = scratch / "run"
+        elif out:
+            path = Path(out)
+            if not resume:
+                check_free(path)
+        else:
+            path = default_run_dir(plan.experiment.name, plan.given.seed)
+        simulate(
+            plan.experiment,
+            json.loads(_dumps_saved(plan.saved)),
+            plan.options,
+            path,
+            resume=resume,
+            rounds=plan.protocol.num_rounds,
+            final_phase=plan.evaluator.final_phase(),
+            progress=progress,
+            noise_seed=node_noise_seed(plan.privatizer),
+        )
+        result = json.loads((path / "result.json").read_text())
+        rounds = [json.loads(line) for line in (path / "rounds.jsonl").read_text().splitlines() if line.strip()]
+        state: Any = None
+        if (path / "final_state.npz").is_file():
+            with np.load(path / "final_state.npz") as kept:
+                state = {k: torch.from_numpy(kept[k]) for k in kept.files}
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return {**result, "_rounds": rounds, "_state": state}
+
+
+def _dumps_saved(saved: dict[str, Any]) -> str:
+    from fedpers.results.rundir import dumps
+
+    return dumps(saved, indent=None)
 
 
 def resolve(

@@ -15,21 +15,30 @@ _spec = _util.spec_from_file_location(
 _integrity = _util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(_integrity)  # type: ignore[union-attr]
 _integrity.require_fab_code(_Path(__file__).resolve().parents[1])
-from logging import INFO
+from logging import ERROR, INFO
 
 from flwr.app import Context
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
-from fedpers.app import from_run_config
+from fedpers.app import error_line, from_run_config, register_app_entries
 from fedpers.results.rundir import dumps
 from fedpers.runner import execute, resume_run
 
+register_app_entries(_Path(__file__).resolve().parents[1])  # algorithms this app's pyproject registers
 app = ServerApp()
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    try:
+        run(grid, context)
+    except BaseException as e:  # one line a caller can read the kind of error from (fedpers.app.simulate raises it)
+        log(ERROR, "%s", error_line(e))
+        raise
+
+
+def run(grid: Grid, context: Context) -> None:
     deployment = type(grid).__name__ == "HttpGrid"  # a deployment, never a simulation
     run_config = dict(context.run_config)
     if deployment:  # a config-file only from the lab's directory on this machine

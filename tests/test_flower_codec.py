@@ -232,25 +232,42 @@ def test_the_pyproject_declares_the_apps_own_keys_only():
     which the ServerApp reads; an algorithm's fields travel in `config` / `config-file`."""
     from flwr.common.config import flatten_dict, get_project_config
 
-    from fedpers.app import KNOWN
+    from fedpers.app import KNOWN, RUN_CONFIG_DEFAULTS
 
     declared = flatten_dict(get_project_config(ROOT)["tool"]["flwr"]["app"]["config"])
     assert set(declared) == set(KNOWN)
+    assert declared == RUN_CONFIG_DEFAULTS  # a staged app's pyproject is written from the defaults
 
 
-def test_ray_backend_starts_its_own_ray_unless_told_to_attach(monkeypatch):
+def test_the_simulation_starts_its_own_ray_unless_told_to_attach(monkeypatch):
+    """Flower's simulation calls ray.init() without an address: RAY_ADDRESS decides, so it is always set
+    (``local``: a new Ray, never the last `ray start` cluster); the resources go in Flower's
+    simulation settings, the GPUs of the simulation's own Ray only when it starts one."""
     from fedpers.runner import RuntimeOptions
-    from fedpers.runtime.flower.simulation import backend_config
+    from fedpers.runtime.flower.simulation import federation_config, ray_address
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "client_cpus": 0.5, "client_gpus": 0.25})
-    cfg = backend_config(opts)
-    assert cfg["init_args"]["address"] == "local"
-    assert cfg["client_resources"] == {"num_cpus": 0.5, "num_gpus": 0.25}
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 5, "client_cpus": 2.0, "client_gpus": 0.25, "sim_gpus": 1})
+    assert ray_address(opts) == "local"
+    assert federation_config(opts) == {
+        "num-supernodes": 5, "client-resources-num-cpus": 2, "client-resources-num-gpus": 0.25,  # exact in 32 bits
+        "init-args-logging-level": "error", "init-args-log-to-driver": True, "init-args-num-gpus": 1,
+    }
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert backend_config(opts)["init_args"]["address"] == "10.0.0.1:6379"
+    assert ray_address(opts) == "10.0.0.1:6379" and "init-args-num-gpus" not in federation_config(opts)
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "ray_address": "127.0.0.1:1234"})
-    assert backend_config(opts)["init_args"]["address"] == "127.0.0.1:1234"
+    assert ray_address(opts) == "127.0.0.1:1234" and "init-args-num-gpus" not in federation_config(opts)
+
+
+def test_a_fractional_cpu_share_is_refused_before_anything_starts():
+    """Flower's simulation settings hold whole CPUs per node actor (an unsigned integer): 0.5 is refused naming the field."""
+    from fedpers.runner import RuntimeOptions
+    from fedpers.runtime.flower.simulation import check_engine
+
+    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "client_cpus": 0.5})
+    with pytest.raises(ValueError, match=r"client_cpus=0.5: .*whole number of CPUs"):
+        check_engine(opts)
+    check_engine(config_lib.build(RuntimeOptions, {"runtime": "flower", "client_cpus": 2.0}))
 
 
 def test_symmetric_statistics_travel_as_their_upper_triangle():
@@ -291,26 +308,6 @@ def test_a_node_reads_the_broadcast_digest_the_server_computes():
     rec[codec.BLOB] = blob[sizes[0] :] + blob[: sizes[0]]
     task = codec.decode_task(content)
     assert task.digest == codec.broadcast_digest(2, task.broadcast) == codec.broadcast_digest(2, {"a": torch.ones(2), "b": torch.zeros(3)})
-
-
-def test_a_flower_without_run_simulation_is_refused_before_ray_starts(monkeypatch):
-    """The in-process simulation is gated on Flower still shipping run_simulation: without it the
-    run is refused with Flower's supported route named, and Ray never starts."""
-    import flwr.simulation
-
-    from fedpers.app import run_flower
-    from fedpers.privacy import Privatizer
-    from fedpers.runner import RuntimeOptions
-
-    monkeypatch.delattr(flwr.simulation, "run_simulation")
-    exp = EXPERIMENTS["altmin"]
-    cfg = config_lib.build(exp.config_type, {"n_users": 20, "dim": 5, "rank": 2, "samples_per_user": 4, "rounds": 1, "seed": 1})
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2})
-    with pytest.raises(RuntimeError, match=r"flwr run \.` against a `flower-superlink --simulation"):
-        run_flower(exp, cfg, exp.protocol(cfg), Privatizer(1), opts, progress=False)
-    import ray
-
-    assert not ray.is_initialized()
 
 
 def test_the_server_skips_only_the_symmetry_check_of_what_it_rebuilt_from_a_triangle():

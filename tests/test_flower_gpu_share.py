@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from fedpers import config as config_lib
-from fedpers.app import run_flower
+from fedpers.app import flower_job, make_client_app, simulate_objects
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Privatizer
 from fedpers.runner import RuntimeOptions, split_seed
 from fedpers.runtime.flower import client as flower_client
 from fedpers.runtime.flower import codec
-from fedpers.runtime.flower.simulation import actor_capacity, backend_config, check_resources
+from fedpers.runtime.flower.simulation import actor_capacity, check_resources, federation_config
+from fedpers.runtime.flower.simulation import run_flower as run_on_grid
 from fedpers.runtime.local import run_local
 
 EXP = EXPERIMENTS["altmin"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def options(**kw) -> RuntimeOptions:
@@ -56,21 +59,29 @@ def test_a_share_that_cannot_fit_is_refused_naming_the_fields(monkeypatch):
 
 
 def test_the_declared_gpus_reach_ray_and_cap_the_actor_pool(monkeypatch):
-    """Flower sizes its pool from Ray's resources: 0.1 GPU per actor on one declared GPU → 10
-    actors although the CPUs (declared 20, 0.1 per actor) would allow 200."""
+    """The simulation settings fedpers hands `flwr run --federation-config` become, as Flower's simulation
+    reads them, Ray's init arguments and each actor's resources; Flower sizes its pool from Ray's
+    resources: 0.1 GPU per actor on one declared GPU → 10 actors although 20 CPUs would allow 20."""
     import ray
+    from flwr.common.config import parse_config_args
+    from flwr.simulation.app import _run_simulation_settings
     from flwr.simulation.ray_transport.ray_actor import pool_size_from_resources
+    from flwr.supercore.utils import simulation_config_from_json
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    opts = options(client_gpus=0.1, client_cpus=0.1, sim_gpus=1)
-    cfg = backend_config(opts)
-    assert cfg["init_args"]["num_gpus"] == 1 and cfg["client_resources"] == {"num_cpus": 0.1, "num_gpus": 0.1}
-    assert "num_gpus" not in backend_config(options(ray_address="127.0.0.1:1"))["init_args"]  # a cluster declares its own
+    opts = options(nodes=12, client_gpus=0.1, client_cpus=1.0, sim_gpus=1)
+    pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in federation_config(opts).items())  # as the flwr CLI gets them
+    parsed = {k.replace("-", "_"): v for k, v in parse_config_args([pairs]).items()}
+    nodes, backend, cfg, _, _ = _run_simulation_settings(simulation_config_from_json(parsed))
+    assert (nodes, backend) == (12, "ray")
+    assert cfg["init_args"]["num_gpus"] == 1 and cfg["client_resources"] == {"num_cpus": 1, "num_gpus": pytest.approx(0.1)}
+    assert cfg["client_resources"]["num_gpus"] <= 0.1  # a 32-bit float just above 0.1 would leave room for 9 actors
+    assert "init-args-num-gpus" not in federation_config(options(ray_address="127.0.0.1:1"))  # a cluster declares its own
     assert not ray.is_initialized()
-    ray.init(**{**cfg["init_args"], "num_cpus": 20, "include_dashboard": False})
+    ray.init(num_gpus=cfg["init_args"]["num_gpus"], num_cpus=20, include_dashboard=False, logging_level="error")
     try:
         assert ray.cluster_resources()["GPU"] == 1.0
-        assert pool_size_from_resources(cfg["client_resources"]) == 10 == actor_capacity(0.1, 0.1, 20, 1)
+        assert pool_size_from_resources(cfg["client_resources"]) == 10 == actor_capacity(1.0, 0.1, 20, 1)
     finally:
         ray.shutdown()
     assert actor_capacity(1.0, 0.1, 2, 1) == 2  # CPUs bind first on a 2-core machine
@@ -103,20 +114,26 @@ def test_fractional_gpu_simulation_equals_the_local_runtime(monkeypatch):
     )
     privatizer = Privatizer(noise_seed)
     expected, _ = run_local(EXP.protocol(cfg), EXP.units(cfg, torch.arange(60)), privatizer, progress=False)
-    seen: list[tuple[float, float, float]] = []
-
-    def on_round(record, state) -> None:  # the ServerApp runs in this process, beside the simulation's Ray
-        total, free = ray.cluster_resources(), ray.available_resources()
-        seen.append((total.get("GPU", 0.0), total.get("GPU", 0.0) - free.get("GPU", 0.0), total.get("CPU", 0.0)))
-
+    protocol = EXP.protocol(cfg)
+    job = flower_job(EXP, cfg, protocol)
     opts = options(nodes=3, client_cpus=1.0, client_gpus=0.1, sim_gpus=1)
     privatizer = Privatizer(noise_seed)
-    state, records = run_flower(EXP, cfg, EXP.protocol(cfg), privatizer, opts, progress=False, on_round=on_round)
+
+    def server(grid, context):  # runs in Flower's simulation process, beside the simulation's Ray
+        seen: list[tuple[float, float, float]] = []
+
+        def on_round(record, state) -> None:
+            total, free = ray.cluster_resources(), ray.available_resources()
+            seen.append((total.get("GPU", 0.0), total.get("GPU", 0.0) - free.get("GPU", 0.0), total.get("CPU", 0.0)))
+
+        state, records = run_on_grid(job, 60, protocol, privatizer, opts, grid=grid, progress=False, on_round=on_round)
+        return state, records, seen
+
+    state, records, seen = simulate_objects(server, make_client_app(), opts, extra={"tests": ROOT / "tests"})
     torch.testing.assert_close(state["U"], expected["U"], rtol=0, atol=1e-6)
     assert [r.accepted for r in records] == [3, 3, 3]
     assert seen, "on_round never ran"
     for gpus, used, cpus in seen:
         actors = actor_capacity(1.0, 0.1, cpus, gpus)
         assert gpus == 1.0 and 1 <= actors <= 10
-        assert used == pytest.approx(0.1 * actors)  # every actor holds its 0.1 share of the one GPU
-    assert not ray.is_initialized()  # Flower shut its Ray down
+        assert used == pytest.approx(0.1 * actors, abs=1e-3)  # each actor holds its 0.1 share (Ray keeps 4 decimals)

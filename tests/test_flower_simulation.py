@@ -108,7 +108,7 @@ def test_faulty_ray_clients_are_dropped_and_the_run_completes(ray_address):
     faults = {1: "raise", 2: "nan", 3: "huge", 4: "overclaim"}
     privatizer = Privatizer(noise_seed)
     app = faulty_client_app(faults)
-    state, records = run_flower(EXP, cfg, EXP.protocol(cfg), privatizer, options(ray_address, nodes=6, min_fraction=0.3), progress=False, client_app=app)
+    state, records = run_flower(EXP, cfg, EXP.protocol(cfg), privatizer, options(ray_address, nodes=6, min_fraction=0.3), progress=False, client_app=app, extra={"tests": ROOT / "tests"})
     reasons = {"partition-1": "client error", "partition-2": "non-finite", "partition-3": "norm", "partition-4": "unit count"}
     for record in records:
         assert record.accepted == 2 and set(record.dropped) == set(reasons)

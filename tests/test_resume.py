@@ -191,16 +191,106 @@ def test_secure_noise_run_resumes_without_writing_generator_state(tmp_path: Path
     assert not np.array_equal(state["U"], reference["altmin"][3]["U"])  # fresh OS-entropy noise
 
 
-@pytest.mark.slow
-def test_flower_runtime_resumes_to_the_local_result(tmp_path: Path, reference: dict) -> None:
-    flower = [*ALTMIN, "--runtime", "flower", "--nodes", "3"]
-    run = _killed(tmp_path, flower, "checkpoint", 2, "flower")
+FLOWER = [*ALTMIN[:ALTMIN.index("--rounds") + 1], "6", *ALTMIN[ALTMIN.index("--rounds") + 2:], "--runtime", "flower", "--nodes", "3"]
+"""AltMin on Flower's simulation (its supported path: a private SuperLink and ``flwr run``), long enough to stop mid-way."""
+
+
+def _tagged(tag: str) -> list[int]:
+    """Processes (other than this one) whose environment carries ``FEDPERS_TEST_TAG=tag``: the CLI and
+    every process started for its run (the SuperLink, its SuperExec, the simulation, its Ray)."""
+    needle = f"FEDPERS_TEST_TAG={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        with open(f"/proc/{entry}/stat") as g:
+                            if g.read().rsplit(")", 1)[1].split()[0] != "Z":
+                                found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _flower_cli(out: Path, tag: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "FEDPERS_TEST_TAG": tag}
+    return subprocess.Popen([sys.executable, "-m", "fedpers", *FLOWER, "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_gone(tag: str, timeout: float = 60.0) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _stop_mid_way(tmp_path: Path, name: str, stop) -> tuple[Path, subprocess.CompletedProcess]:
+    """Start FLOWER, wait for its first round line, ``stop(cli, tag)``; return the run directory and the CLI's outcome."""
+    import time
+    import uuid
+
+    out, tag = tmp_path / name, uuid.uuid4().hex
+    cli = _flower_cli(out, tag)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "rounds.jsonl").is_file() or not (out / "rounds.jsonl").read_text().strip():
+            assert cli.poll() is None, f"the run ended before its first round: {cli.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no round within 600 s"
+            time.sleep(0.05)
+        stop(cli, tag)
+        stdout, stderr = cli.communicate(timeout=300)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    left = _wait_gone(tag)
+    assert not left, f"processes of the run left behind: {left}"
+    assert not (out / "result.json").exists(), "the run completed before it was stopped"
+    return out, subprocess.CompletedProcess(cli.args, cli.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def flower_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """FLOWER uninterrupted; nothing of it is left running once the CLI returns."""
+    import uuid
+
+    out, tag = tmp_path_factory.mktemp("flower") / "run", uuid.uuid4().hex
+    cli = _flower_cli(out, tag)
+    _, stderr = cli.communicate(timeout=900)
+    assert cli.returncode == 0, stderr[-3000:]
+    assert not _tagged(tag), "processes of a completed run left behind"
+    return _records(out)
+
+
+@pytest.mark.slow  # three Flower simulations (~1 min each on a busy machine)
+def test_a_flower_run_stopped_by_ctrl_c_leaves_nothing_and_resumes_bit_for_bit(tmp_path: Path, flower_reference: tuple) -> None:
+    run, cli = _stop_mid_way(tmp_path, "ctrl-c", lambda proc, tag: proc.send_signal(signal.SIGINT))
+    assert cli.returncode == 130 and "interrupted (Ctrl-C)" in cli.stderr, cli.stderr[-3000:]
     resume_run(run, progress=False)
     ledger, rounds, final, state = _records(run)
-    ref_ledger, _, ref_final, ref_state = reference["altmin"]
-    assert ledger == ref_ledger
-    assert all(np.allclose(state[k], ref_state[k], rtol=0, atol=1e-10) for k in ref_state)
-    assert final["subspace_error"] == pytest.approx(ref_final["subspace_error"], abs=1e-9)
+    assert ledger == flower_reference[0] and rounds == flower_reference[1] and final == flower_reference[2]
+    assert state.keys() == flower_reference[3].keys() and all(np.array_equal(state[k], flower_reference[3][k]) for k in state)
+
+
+@pytest.mark.slow
+def test_a_flower_run_whose_serverapp_is_killed_fails_leaves_nothing_and_resumes_bit_for_bit(tmp_path: Path, flower_reference: tuple) -> None:
+    """SIGKILL the simulation's own process (where the ServerApp runs) mid-way: the CLI fails naming it,
+    every process of the run ends, and `fedpers resume` (through the same path) completes the run exactly."""
+
+    def kill_serverapp(proc: subprocess.Popen, tag: str) -> None:
+        sims = [pid for pid in _tagged(tag) if b"flwr-simulation" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert sims, "no flwr-simulation process found"
+        for pid in sims:
+            os.kill(pid, signal.SIGKILL)
+
+    run, cli = _stop_mid_way(tmp_path, "killed", kill_serverapp)
+    assert cli.returncode != 0 and "without a result" in cli.stderr, cli.stderr[-3000:]
+    resume_run(run, progress=False)
+    ledger, rounds, final, state = _records(run)
+    assert ledger == flower_reference[0] and rounds == flower_reference[1] and final == flower_reference[2]
+    assert state.keys() == flower_reference[3].keys() and all(np.array_equal(state[k], flower_reference[3][k]) for k in state)
 
 
 def test_a_run_still_going_cannot_be_resumed_beside_itself(tmp_path: Path) -> None:

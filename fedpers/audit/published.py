@@ -90,7 +90,10 @@ class _RecordingBroadcasts:
         self._protocol, self._into = protocol, into
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._protocol, name)
+        protocol = self.__dict__.get("_protocol")  # absent while unpickling in the simulation: no recursion
+        if protocol is None:
+            raise AttributeError(name)
+        return getattr(protocol, name)
 
     def broadcast(self, state: Any, round: int) -> Mapping[str, Tensor]:
         out = self._protocol.broadcast(state, round)
@@ -162,11 +165,12 @@ def run_published_flower(
     steered: Callable[[int, Mapping[str, Tensor]], Mapping[str, Tensor]] | None = None,
 ) -> tuple[Published, Ledger]:
     """:func:`run_published` through the Flower runtime: the server loop of
-    :func:`fedpers.runtime.flower.simulation.run_flower` (a simulation on Ray, or ``grid`` when
-    given: ``grid(client_app, nodes)`` makes it), the canaries on its nodes (:func:`canary_client_app`). ``nonce`` makes this run's job
+    :func:`fedpers.runtime.flower.simulation.run_flower` (in Flower's simulation through its supported
+    path, :func:`fedpers.app.simulate_objects`, or on ``grid`` when given: ``grid(client_app, nodes)``
+    makes it), the canaries on its nodes (:func:`canary_client_app`). ``nonce`` makes this run's job
     differ from the last one's, so a node process that served an earlier run (it caches its units
     by job) loads this run's canaries."""
-    from fedpers.app import flower_job
+    from fedpers.app import flower_job, simulate_objects
     from fedpers.runtime.flower.simulation import run_flower
 
     broadcasts: list[dict[str, Tensor]] = []
@@ -175,16 +179,17 @@ def run_published_flower(
     run_options = dataclasses.replace(options, nodes=min(int(options.nodes), count), users_per_node=0)
     server: Any = _RecordingBroadcasts(protocol, broadcasts)
     app = canary_client_app(protocol, units, steered)
-    run_flower(
-        job,
-        count,
-        server,
-        privatizer,
-        run_options,
-        progress=False,
-        grid=None if grid is None else grid(app, run_options.nodes),
-        client_app=app,
-    )
+    if grid is not None:
+        run_flower(job, count, server, privatizer, run_options, progress=False, grid=grid(app, run_options.nodes))
+    else:  # Flower's simulation: the server loop runs in its process and sends back what it recorded
+
+        def remote(flower_grid: Any, context: Any) -> tuple[list[dict[str, Tensor]], PublishingPrivatizer]:
+            run_flower(job, count, server, privatizer, run_options, progress=False, grid=flower_grid)
+            return broadcasts, privatizer
+
+        recorded, drawn = simulate_objects(remote, app, run_options)
+        broadcasts[:] = recorded
+        privatizer.__dict__.update(drawn.__dict__)
     return Published(tuple(broadcasts), tuple(privatizer.published)), privatizer.ledger
 
 

@@ -299,9 +299,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     parsed.algorithm = args.algorithm
     parsed.settings = run_settings(args.algorithm, parsed)
     if parsed.out is not None:
-        from fedpers.results.rundir import check_out
+        from fedpers.results.rundir import check_free
 
-        check_out(parsed.out)  # an --out holding a run is refused before torch is imported
+        check_free(parsed.out)  # an --out holding a run is refused before torch is imported
     if parsed.track:
         from fedpers.commands.tracking import check_uri
 

@@ -21,7 +21,9 @@ class RuntimeOptions:
     nodes: int = field(8, "Flower SuperNodes (virtual clients), each holding a partition of the units", ge=1)
     users_per_node: int = field(0, "units per node (0: split all units evenly over --nodes)", ge=0)
     ray_address: str = field("", "attach the Flower simulation to this Ray cluster (default: start a local Ray)")
-    client_cpus: float = field(1.0, "CPUs per Flower client actor", gt=0.0)
+    client_cpus: float = field(
+        1.0, "CPUs per Flower node actor (a whole number: Flower's simulation settings hold one)", gt=0.0
+    )
     client_gpus: float = field(
         0.0,
         "GPU share per Flower client actor: a fraction in [0, 1] packs 1/share node actors on one GPU "

@@ -84,8 +84,13 @@ def confine_config_file(run_config: Mapping[str, Any], config_dir: Path | None) 
     there); a path that leads anywhere else (``..``, a symbolic link out, another directory) or a
     config file without a lab directory is refused before the file is opened, so the ServerApp reads,
     and echoes key names of, no TOML file but the lab's."""
-    from fedpers.app import CONFIG_FILE
+    from fedpers.app import CONFIG_FILE, JOB
 
+    if str(run_config.get(JOB, "")):
+        raise ValueError(
+            f"run config: {JOB}: a deployment reads no job file on the SuperLink machine; give the run in config= "
+            f"or {CONFIG_FILE} (from the lab's directory, {CONFIG_DIR}/ beside $FEDPERS_POLICY)"
+        )
     given = str(run_config.get(CONFIG_FILE, ""))
     if not given:
         return dict(run_config)

@@ -41,13 +41,61 @@ def git_state(path: Path | None = None) -> dict[str, Any] | None:
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
+LAUNCHED_BY = "FEDPERS_LAUNCHED_BY"
+"""Environment variable a process that hands its run to another (``fedpers run --runtime flower`` to the
+simulation's ServerApp) sets to :func:`launch_record`: the run records the command and checkout that
+started it, not the Flower process it ran in (whose copy of fedpers is no git checkout)."""
+SECRET_FLAGS = ("--token",)
+"""Command-line flags whose value is a secret (Flower hands its app processes a task token so)."""
+
+
+def command_line(argv: list[str]) -> list[str]:
+    """``argv`` as recorded: the program's name, and ``<hidden>`` for the value of a secret flag."""
+    if not argv or not argv[0]:
+        return []
+    out, hide = [Path(argv[0]).name], False
+    for arg in argv[1:]:
+        flag, eq, _ = arg.partition("=")
+        if hide:
+            out.append("<hidden>")
+        elif eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}=<hidden>")
+        else:
+            out.append(arg)
+        hide = arg in SECRET_FLAGS
+    return out
+
+
+def launch_record() -> str:
+    """What :data:`LAUNCHED_BY` carries for this process: its command line and git state, as JSON."""
+    import json
+
+    return json.dumps({"command": command_line(sys.argv), "git": _process_code()["git"]})
+
+
+def _launched_by() -> dict[str, Any] | None:
+    import json
+    import os
+
+    text = os.environ.get(LAUNCHED_BY)
+    if not text:
+        return None
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def provenance() -> dict[str, Any]:
     """Recorded at the start of every run and sweep (library versions read without importing them)."""
     code = _process_code()
+    launched = _launched_by()
+    git = launched.get("git") if launched is not None else code["git"]
     return {
         "fedpers": code["fedpers"],
-        "git": dict(code["git"]) if code["git"] is not None else None,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else [],
+        "git": dict(git) if isinstance(git, dict) else None,
+        "command": list(launched.get("command", [])) if launched is not None else command_line(sys.argv),
         "python": code["python"],
         "platform": code["platform"],
         "libraries": dict(code["libraries"]),

@@ -126,9 +126,10 @@ def lock_directory(path: Path) -> Any:
     return handle
 
 
-def check_out(path: str | Path) -> None:
-    """Refuse an ``--out`` that already holds a run or a sweep. It reads only the folder's names, so
-    the command line answers it before the run's libraries are imported."""
+def check_free(path: str | Path) -> None:
+    """Refuse a run directory that already holds a run or a sweep (naming it): a new run never mixes its
+    files with another's. It reads only the folder's names, so the command line answers it before the
+    run's libraries are imported."""
     path = Path(path)
     if (path / "config.json").exists():
         raise ValueError(f"out: {path} already holds a run; choose another --out (or `fedpers resume {path}`)")
@@ -154,7 +155,7 @@ class RunDirectory:
             for stale in ("ledger.json", "error.json"):
                 self.remove(stale)
         else:
-            check_out(self.path)
+            check_free(self.path)
         self._created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -212,12 +213,15 @@ class RunDirectory:
             return {k: torch.from_numpy(kept[k]).to(device) for k in kept.files}
 
     def keep_private_result(self, ledger: Any, state: Any) -> None:
-        """The ledger and the final state, written before any evaluation can fail."""
+        """The ledger and the final state's tensors (final_state.npz), written before any evaluation can fail.
+        A state's other entries (flags, notes such as DPAttention's ``dp_claimed``) are not arrays: the run's
+        result carries what it reports of them. A simulation's caller reads its state back from this file."""
         import torch
 
         self.write_json("ledger.json", [r.to_dict() for r in ledger])
-        if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
-            self.write_arrays("final_state.npz", state)
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if isinstance(state, dict) else {}
+        if tensors:
+            self.write_arrays("final_state.npz", tensors)
 
     def fail(self, ledger: Any, error: BaseException, rounds_completed: int) -> None:
         """A run that failed keeps every release it made and says why (error.json). One that

@@ -115,11 +115,12 @@ def on_ray(spec: Any, tasks: Sequence[Task], workers: int, address: str = "") ->
     """At most ``workers`` points in flight on a new local Ray (``address`` empty) or a cluster."""
     import ray
 
-    from fedpers.runtime.flower.simulation import CHECKOUT
+    import fedpers
 
+    checkout = str(Path(fedpers.__file__).resolve().parents[1])  # Ray workers import this fedpers
     local = not address
     threads = max(1, (os.cpu_count() or 1) // workers) if local else 1
-    path = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         address="local" if local else address,
         num_cpus=workers if local else None,

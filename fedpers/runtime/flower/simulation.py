@@ -1,38 +1,27 @@
-"""``run_flower``: the protocol in Flower's simulation engine on Ray, or on a Grid already given.
+"""The Flower runtime's settings for Flower's simulation engine, and ``run_flower`` on a Grid.
 
-The ServerApp built here runs in this process (its closure holds the protocol, the
-privatizer and the callbacks); the ClientApp (given by the caller: it carries the node
-builder, see :mod:`fedpers.runtime.flower.client`) runs in Ray actors, which import fedpers
-from the same checkout (its root is put on ``sys.path``, which Flower's Ray backend
-passes to every worker as ``PYTHONPATH`` in the job's runtime_env).
+A simulation runs through Flower's supported path (:mod:`fedpers.runtime.flower.managed`: a private
+SuperLink in simulation mode and ``flwr run``): its ServerApp and ClientApp are the app's own
+(``server/``, ``clients/``), loaded by Flower in its ``flwr-simulation`` process, and the ServerApp
+calls :func:`run_flower` on the Grid Flower gives it. This module checks, before any process starts,
+what the simulation's Ray can honour (:func:`check_resources`) and turns the runtime options into
+Flower's simulation settings (:func:`federation_config`) and the Ray cluster to use (:func:`ray_address`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import sys
-import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from flwr.app import Context
-from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
 
-import fedpers
 from fedpers.privacy import Privatizer
 from fedpers.protocols.base import Protocol
 from fedpers.runtime.driver import RoundRecord
 from fedpers.runtime.flower import codec
-from fedpers.runtime.flower.partition import unit_ranges
 from fedpers.runtime.flower.server import Federation, run_on_grid
-from fedpers.runtime.progress import say
-
-CHECKOUT = str(Path(fedpers.__file__).resolve().parents[1])
 
 
 def _attached(options: Any) -> str:
@@ -90,57 +79,54 @@ def check_resources(options: Any, device: str = "cpu") -> None:
             )
 
 
-def backend_config(options: Any) -> dict[str, Any]:
-    """Flower's Ray backend settings: ``--ray-address``, else ``$RAY_ADDRESS``, else a new local Ray
-    told how many GPUs it may schedule node actors on (``--sim-gpus``, else the GPUs torch sees)."""
-    # "local" starts a new Ray: without it ray.init() silently joins the last `ray start` cluster on this machine.
-    address = _attached(options) or "local"
-    init_args: dict[str, Any] = {"logging_level": "error", "log_to_driver": True, "address": address}
+def check_engine(options: Any, device: str = "cpu") -> None:
+    """Refuse, before any process starts, what Flower's simulation cannot run (naming the fields): a
+    GPU share Ray cannot honour (:func:`check_resources`), and a fractional CPU count per node actor
+    (Flower's simulation settings hold whole CPUs: ``client-resources-num-cpus`` is an unsigned integer)."""
+    cpus = float(options.client_cpus)
+    if not cpus.is_integer() or cpus < 1:
+        raise ValueError(
+            f"client_cpus={cpus:g}: Flower's simulation gives each node actor a whole number of CPUs "
+            "(its client-resources-num-cpus is an integer); use 1, 2, ..."
+        )
+    check_resources(options, device)
+
+
+def federation_config(options: Any) -> dict[str, Any]:
+    """The simulation's settings for ``flwr run --federation-config`` (Flower's ``SimulationConfig``):
+    ``--nodes`` SuperNodes, each node actor's CPUs and GPU share and, when the simulation starts its
+    own Ray, the GPUs that Ray may schedule node actors on (``--sim-gpus``, else the GPUs torch sees).
+    Which Ray is the environment's ``RAY_ADDRESS`` (:func:`ray_address`): Flower's simulation calls
+    ``ray.init()`` without an address."""
+    out: dict[str, Any] = {
+        "num-supernodes": int(options.nodes),
+        "client-resources-num-cpus": int(options.client_cpus),
+        "client-resources-num-gpus": float32_at_most(float(options.client_gpus)),
+        "init-args-logging-level": "error",
+        "init-args-log-to-driver": True,
+    }
     gpus = simulation_gpus(options)
     if gpus is not None:  # Ray refuses resource counts when it joins an existing cluster
-        init_args["num_gpus"] = gpus
-    return {
-        "client_resources": {"num_cpus": float(options.client_cpus), "num_gpus": float(options.client_gpus)},
-        "init_args": init_args,
-    }
+        out["init-args-num-gpus"] = gpus
+    return out
 
 
-@contextlib.contextmanager
-def _flower_logs(level: int) -> Iterator[None]:
-    logger = logging.getLogger("flwr")
-    before = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(before)
+def float32_at_most(share: float) -> float:
+    """The largest 32-bit float not above ``share``: Flower's simulation settings hold a node actor's GPU
+    share as a 32-bit float, and the nearest one to 0.1 is 0.10000000149, of which one GPU holds only 9
+    (Flower's pool: int(1 / share); Ray: 10 of them exceed the GPU). Rounded down, 0.1 still packs ten."""
+    import numpy as np
+
+    near = np.float32(share)
+    if float(near) > share:
+        near = np.nextafter(near, np.float32(0))
+    return float(near)
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    while e.__cause__ is not None:
-        e = e.__cause__
-    return e
-
-
-def in_process_simulation() -> Callable[..., None]:
-    """Flower's in-process simulation entry, ``flwr.simulation.run_simulation``: deprecated (flwr
-    1.42 warns on every call; still present in 1.42.0) but the only public one that takes a
-    ServerApp and a ClientApp object. Flower's supported route, ``flwr run`` against ``flower-superlink
-    --simulation``, loads both apps from the app's components in a ``flwr-simulation`` process,
-    so this run's protocol, privatizer and callbacks cannot reach it (docs/flower.md §1, "Why
-    `run_simulation`"); fedpers runs that route as ``flwr run .`` (docs/flower.md §2). A Flower
-    without the function is refused here, before Ray starts."""
-    import flwr
-    import flwr.simulation
-
-    found = getattr(flwr.simulation, "run_simulation", None)
-    if found is None:
-        raise RuntimeError(
-            f"flwr {getattr(flwr, '__version__', '?')} has no flwr.simulation.run_simulation, which "
-            "`--runtime flower` runs in this process; run the simulation through Flower's supported route "
-            "instead: `flwr run .` against a `flower-superlink --simulation` (docs/flower.md section 2)"
-        )
-    return cast(Callable[..., None], found)
+def ray_address(options: Any) -> str:
+    """``RAY_ADDRESS`` of the simulation: ``--ray-address``, else ``$RAY_ADDRESS``, else ``local`` (a new
+    Ray: without it ``ray.init()`` silently joins the last ``ray start`` cluster on this machine)."""
+    return _attached(options) or "local"
 
 
 def run_flower(
@@ -150,82 +136,31 @@ def run_flower(
     privatizer: Privatizer,
     options: Any,
     *,
+    grid: Grid | None,
     device: torch.device | str = "cpu",
     on_round: Callable[[RoundRecord, Any], None] | None = None,
     on_discovery: Callable[[Federation], None] | None = None,
     progress: bool = True,
-    grid: Grid | None = None,
-    client_app: ClientApp | None = None,
     checkpoint: Any = None,
 ) -> tuple[Any, list[RoundRecord]]:
-    """Run ``protocol`` (``job``: what the nodes rebuild it from) over ``num_units`` units through
-    Flower: on ``grid`` if given (inside a ServerApp), else in a new simulation whose nodes run
-    ``client_app`` (:func:`fedpers.app.make_client_app`; tests inject faulty clients).
-    """
-    if grid is not None:
-        return run_on_grid(
-            grid,
-            job,
-            num_units,
-            protocol,
-            privatizer,
-            options,
-            device=device,
-            on_round=on_round,
-            on_discovery=on_discovery,
-            progress=progress,
-            checkpoint=checkpoint,
+    """Run ``protocol`` (``job``: what the nodes rebuild it from) over ``num_units`` units on ``grid``,
+    the Grid Flower hands a ServerApp (a simulation's or a deployment's). A simulation is started by
+    the app layer (:func:`fedpers.app.simulate`), never from here: its ServerApp comes here."""
+    if grid is None:
+        raise ValueError(
+            "grid: run_flower runs on the Grid of a ServerApp; a Flower simulation is started with "
+            "fedpers.app.simulate (what `fedpers run --runtime flower` does)"
         )
-    if client_app is None:
-        raise ValueError("client_app: a simulation needs the ClientApp its nodes run (fedpers.app.make_client_app())")
-    unit_ranges(num_units, options.nodes, options.users_per_node)  # refuse a bad split before Ray starts
-    check_resources(options, str(device))
-    run_simulation = in_process_simulation()
-    outcome: dict[str, Any] = {}
-    stopped = threading.Event()
-    server_app = ServerApp()
-
-    @server_app.main()
-    def _main(grid: Grid, context: Context) -> None:
-        try:
-            outcome["result"] = run_on_grid(
-                grid,
-                job,
-                num_units,
-                protocol,
-                privatizer,
-                options,
-                device=device,
-                expected_nodes=options.nodes,
-                on_round=on_round,
-                on_discovery=on_discovery,
-                progress=progress,
-                stop=stopped.is_set,
-                checkpoint=checkpoint,
-            )
-        except BaseException as e:
-            outcome["error"] = e
-
-    if CHECKOUT not in sys.path:
-        sys.path.insert(0, CHECKOUT)
-    say(f"flower: starting the simulation engine (Ray) for {options.nodes} nodes …", progress)
-    try:
-        with _flower_logs(logging.WARNING):
-            run_simulation(server_app, client_app, options.nodes, backend_config=backend_config(options))
-    except RuntimeError as e:
-        root = _root_cause(e)
-        if "result" in outcome:  # the engine failed after the ServerApp finished: keep the result
-            logging.getLogger("fedpers.flower").warning("Flower simulation error after the run completed: %s", root)
-            return outcome["result"]
-        kind = ValueError if isinstance(root, ValueError) else RuntimeError
-        raise kind(
-            f"the Flower simulation failed ({type(root).__name__}: {root}); client_cpus={options.client_cpus}, "
-            f"client_gpus={options.client_gpus}, sim_gpus={options.sim_gpus}"
-        ) from e
-    finally:
-        stopped.set()  # a ServerApp thread still waiting for replies gives up
-    if "error" in outcome:
-        raise outcome["error"]
-    if "result" not in outcome:
-        raise RuntimeError("the Flower simulation ended without running the ServerApp")
-    return outcome["result"]
+    return run_on_grid(
+        grid,
+        job,
+        num_units,
+        protocol,
+        privatizer,
+        options,
+        device=device,
+        on_round=on_round,
+        on_discovery=on_discovery,
+        progress=progress,
+        checkpoint=checkpoint,
+    )
