@@ -3,7 +3,8 @@
 A sample is a fenced block right after a ``<!-- sample: NAME -->`` line in a docs file; it holds
 ``$ COMMAND`` lines, each followed by what the command printed. This script runs every command
 of the block again (through bash, ``fedpers`` from this checkout, ``/tmp/docs`` swapped for a
-fresh temporary directory) and writes what they print now:
+fresh temporary directory) and writes what they print now. A ``python`` sample is a block of
+Python code followed by what it prints as ``# `` lines; the code runs again the same way:
 
     PYTHONPATH=. python docs/samples.py                 # rewrite every sample
     PYTHONPATH=. python docs/samples.py flower-sim8     # rewrite one
@@ -36,12 +37,20 @@ class Sample:
     """Whether the block shows what the commands print on stderr too (errors), or stdout only."""
     gap: bool = False
     """A blank line between one command's output and the next command."""
+    python: bool = False
+    """The block is Python code; what it prints follows as ``# `` lines."""
 
 
 SAMPLES = {
+    "readme-altmin": Sample("README.md", stderr=False, gap=True),
     "usage-errors": Sample("docs/usage.md", stderr=True),
+    "usage-python": Sample("docs/usage.md", stderr=False, python=True),
+    "noisygd-accountants": Sample("docs/mechanisms.md", stderr=False, gap=True),
+    "noisygd-remedies": Sample("docs/mechanisms.md", stderr=False, gap=True),
     "flower-sim8": Sample("docs/flower.md", stderr=False, gap=True),
 }
+SLOW = ("noisygd-remedies", "flower-sim8")
+"""Samples whose commands take more than a few seconds: checked in the slow suite."""
 MARK = "<!-- sample: {name} -->"
 _TIME = re.compile(r"\b\d+(\.\d+)? s\b|\"seconds\": [0-9.e+-]+")
 
@@ -49,7 +58,7 @@ _TIME = re.compile(r"\b\d+(\.\d+)? s\b|\"seconds\": [0-9.e+-]+")
 def block(text: str, name: str) -> tuple[int, int]:
     """(start, end) of the fenced block's body after ``name``'s mark in ``text``."""
     mark = text.index(MARK.format(name=name))
-    start = text.index("```\n", mark) + len("```\n")
+    start = text.index("\n", text.index("```", mark)) + 1  # after the opening fence (```python too)
     return start, text.index("```\n", start)
 
 
@@ -85,6 +94,17 @@ def run(cmds: list[str], stderr: bool, gap: bool = False) -> str:
     return ("\n" if gap else "").join(o if o.endswith("\n") else o + "\n" for o in out)
 
 
+def run_python(body: str) -> str:
+    """The block body: its code (every line but the ``# `` output lines) and what it prints now."""
+    code = "".join(line + "\n" for line in body.splitlines() if not line.startswith("# "))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FEDPERS_CALIBRATION_CACHE": "0"}
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp, env=env, stdout=subprocess.PIPE, text=True, timeout=900
+        )
+    return code + "".join("# " + line + "\n" for line in done.stdout.replace(tmp, DOCS_TMP).splitlines())
+
+
 def masked(text: str) -> str:
     return _TIME.sub("<time>", text)
 
@@ -95,7 +115,8 @@ def regenerate(name: str, check: bool = False) -> bool:
     path = ROOT / sample.file
     text = path.read_text()
     start, end = block(text, name)
-    new = run(commands(text[start:end]), sample.stderr, sample.gap)
+    body = text[start:end]
+    new = run_python(body) if sample.python else run(commands(body), sample.stderr, sample.gap)
     current = masked(new) == masked(text[start:end])
     if not check and new != text[start:end]:
         path.write_text(text[:start] + new + text[end:])

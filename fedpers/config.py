@@ -33,6 +33,13 @@ Accounting is PLD by default everywhere (``DEFAULT_ACCOUNTANT``); a flag asks fo
 DEFAULT_ACCOUNTANT = "pld"
 """The default accountant of every algorithm that offers a choice (exact for Gaussian mechanisms)."""
 
+
+class PreconditionFailed(RuntimeError):
+    """A precondition of a run's privacy guarantee that only the data decide failed, so the release
+    it guards was not made: the run fails (``fedpers`` exits 3) instead of publishing a result
+    without its DP claim. One the declared values decide is refused before any work (ValueError)."""
+
+
 MAX_EPSILON = 100.0
 """Largest finite ε a run accepts: beyond it no meaningful guarantee remains, and the PLD
 accountant's discretisation of the tiny noise it calibrates takes minutes (ε = 300: 55 s and
@@ -160,6 +167,9 @@ def build(cls: type[D], values: Mapping[str, Any]) -> D:
     unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    defaults_for = getattr(cls, "defaults_for", None)  # defaults that depend on other fields' values
+    if defaults_for is not None:
+        values = {**defaults_for(values), **values}
     words = {f.name: f.metadata.get("words") or {} for f in dataclasses.fields(cls)}
     values = {k: words[k].get(v, v) if isinstance(v, str) else v for k, v in values.items()}
     cfg = cls(**{k: _coerce(k, types[k], v) for k, v in values.items()})

@@ -312,6 +312,9 @@ def result_of(plan: Plan, final: dict[str, Any], seconds: float) -> RunResult:
             privacy["bits"] = node_plan.bits
         else:  # the paper calibrates a central Gaussian sum: no comparison for each unit's own noise
             privacy.pop("paper_epsilon_same_noise", None)
+    per_release = release_multipliers(plan.privatizer.ledger)
+    if per_release:
+        privacy = {**privacy, "noise_multipliers": per_release}
     final = {**final, **wrap_totals(plan.rounds)}
     result = RunResult.completed(plan.experiment.name, plan.options.runtime.value, privacy, final, seconds)
     warnings = plan.experiment.result_warnings(plan.cfg, result.to_dict())
@@ -338,6 +341,20 @@ def trust_model_cause(privacy: dict[str, Any], final: dict[str, Any]) -> str | N
             "use more --bits"
         )
     return None
+
+
+def release_multipliers(ledger: Any) -> dict[str, float]:
+    """Each kind of release's noise multiplier z (its name with round numbers written N), where the run's
+    Gaussian releases do not all share one z: a summary's single z would then misstate every release
+    but the first. Empty where they share it."""
+    import re
+
+    found: dict[str, float] = {}
+    for release in ledger:
+        z = release.noise_multiplier
+        if 0 < z < float("inf"):
+            found.setdefault(re.sub(r"\d+", "N", release.name), z)
+    return found if len(set(found.values())) > 1 else {}
 
 
 WRAP_COUNTS = ("modular_wraps", "suspected_wraps")

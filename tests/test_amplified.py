@@ -129,7 +129,7 @@ def mc_epsilon_lower(C: torch.Tensor, sigma: float, clip: float, q: float, group
 
 
 GD = EXPERIMENTS["noisygd"]
-GD_SMALL = dict(examples=48, classes=3, feature_dim=5, steps=8, epsilon=2.0, test_examples=20, baselines=False,
+GD_SMALL = dict(examples=48, classes=3, feature_dim=5, steps=8, epsilon=2.0, test_examples=20, baselines="none",
                 dtype="float64", collapse="random", beta=0.3, cohorts="poisson", sampling_rate=0.25,
                 noise="banded", bands=2)
 

@@ -130,6 +130,14 @@ def test_canary_count_is_checked_before_any_run():
         audit_lib.audit(ALTMIN, altmin_cfg(epsilon=float("inf")), 5)
 
 
+def test_the_canary_count_defaults_to_ten_or_the_designs_capacity():
+    """``--canaries`` need not be guessed: 10 per run, or fewer where the design has fewer orthogonal
+    directions (altmin at d = 10: 10; paired canaries take two directions each: 5; d = 4: 4)."""
+    assert audit_lib.audit(ALTMIN, altmin_cfg(), runs=1)["canaries_per_run"] == 10
+    assert audit_lib.audit(ALTMIN, altmin_cfg(), placement="paired")["canaries_per_run"] == 5
+    assert audit_lib.audit(ALTMIN, altmin_cfg(dim=4, rank=2))["canaries_per_run"] == 4
+
+
 def test_cli_audit_prints_proven_and_lower_bounds(capsys):
     from fedpers.commands.cli import main
 

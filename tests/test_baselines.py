@@ -166,3 +166,37 @@ def test_the_scores_sums_are_the_plain_float64_formulas_bit_for_bit():
     for name, (excess, test) in plain.items():
         assert scores.sums[name] == {"excess": excess, "test": test}, name
         assert result[name]["excess_risk"] == excess / 1000 and result[name]["test_mse"] == test / (1000 * t)
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_every_algorithm_takes_baselines_as_all_none_or_a_list(name):
+    """One convention: ``--baselines`` is a string (all | none | names), default all, naming each
+    baseline the algorithm can run in its help; an unknown name is refused with the field named."""
+    import dataclasses
+    import sys
+
+    exp = EXPERIMENTS[name]
+    selectable = sys.modules[exp.config_type.__module__].BASELINES
+    f = {f.name: f for f in dataclasses.fields(exp.config_type)}["baselines"]
+    assert f.default == "all" and f.type in (str, "str")
+    assert f.metadata["help"].startswith("baselines") and all(b in f.metadata["help"] for b in selectable)
+    config.build(exp.config_type, {"baselines": "none"})
+    with pytest.raises(ValueError, match="baselines"):
+        config.build(exp.config_type, {"baselines": "no_such_baseline"})
+
+
+@pytest.mark.parametrize(
+    ("name", "values"),
+    [
+        ("noisygd", dict(examples=60, classes=3, feature_dim=5, steps=3, test_examples=20)),
+        ("noisyhead", dict(prompts=240, dim=3, steps=3, chunk_size=50)),
+        ("dpattention", dict()),
+    ],
+)
+def test_baselines_none_runs_none_and_names_each_skipped(name, values):
+    exp = EXPERIMENTS[name]
+    result = execute(exp, config.build(exp.config_type, {**values, "baselines": "none"}), write=False, progress=False)
+    assert result["baselines"] == {} and result["baselines_skipped"] == list(exp.baseline_names)
+    full = execute(exp, config.build(exp.config_type, values), write=False, progress=False)
+    assert set(full["baselines"]) == set(exp.baseline_names) and full["baselines_skipped"] == []
+    assert full["epsilon"] == result["epsilon"]  # the baselines spend nothing

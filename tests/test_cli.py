@@ -35,6 +35,9 @@ def test_json_has_the_promised_fields_and_the_run_directory_is_complete(tmp_path
     assert main(["privacy", str(out)]) == 0
     report = capsys.readouterr().out
     assert f"({r['epsilon']:.4g}, 1e-05)" in report and "paper's calibration" in report
+    assert main(["privacy", str(out), "--quiet"]) == 0  # the (ε, δ) line alone, as in the full report
+    quiet = capsys.readouterr().out.strip()
+    assert "\n" not in quiet and quiet in report and f"({r['epsilon']:.4g}, 1e-05)" in quiet
     assert main(["run", "altmin", *SMALL, "--out", str(out)]) == 2  # an existing run is never overwritten
 
 

@@ -349,7 +349,7 @@ def test_secure_noise_draws_the_correlated_stream_from_os_entropy(noise):
 
 # ----- NoisyGD (example-level units) -------------------------------------------------------------
 GD = EXPERIMENTS["noisygd"]
-GD_SMALL = dict(examples=60, classes=3, feature_dim=5, steps=7, epsilon=2.0, test_examples=20, baselines=False,
+GD_SMALL = dict(examples=60, classes=3, feature_dim=5, steps=7, epsilon=2.0, test_examples=20, baselines="none",
                 dtype="float64", cohorts="cyclic", cycle=3, collapse="random", beta=0.3)
 
 

@@ -76,12 +76,12 @@ def test_every_delta_and_accountant_default_is_the_one_convention():
 
 
 def test_check_trivial_warns_on_worse_and_ties_only():
-    t = [Trivial("rmse", "global_mean_rmse", why="raise --epsilon"), Trivial("acc", "chance", higher_is_better=True)]
-    good = {"rmse": 0.5, "global_mean_rmse": 1.0, "acc": 0.9, "baselines": {"chance": {"acc": 0.1}}}
+    t = [Trivial("rmse", "global_mean", why="raise --epsilon"), Trivial("acc", "chance", higher_is_better=True)]
+    good = {"rmse": 0.5, "acc": 0.9, "baselines": {"chance": {"acc": 0.1}, "global_mean": {"rmse": 1.0}}}
     assert check_trivial(t, good) == []
-    bad = {"rmse": 2.0, "global_mean_rmse": 1.0, "acc": 0.1, "baselines": {"chance": {"acc": 0.1}}}
+    bad = {"rmse": 2.0, "acc": 0.1, "baselines": {"chance": {"acc": 0.1}, "global_mean": {"rmse": 1.0}}}
     w = check_trivial(t, bad)
-    assert [(x["metric"], x["baseline"]) for x in w] == [("rmse", "global_mean_rmse"), ("acc", "chance")]
+    assert [(x["metric"], x["baseline"]) for x in w] == [("rmse", "global_mean"), ("acc", "chance")]
     assert "worse than" in w[0]["text"] and "--epsilon" in w[0]["text"] and "no better than" in w[1]["text"]
     assert check_trivial(t, {"rmse": math.nan}) == []  # a baseline not measured is not a verdict
 
@@ -89,8 +89,14 @@ def test_check_trivial_warns_on_worse_and_ties_only():
 def test_summary_prints_the_warning_loudly():
     out = io.StringIO()
     print_summary({"algorithm": "dpals", "runtime": "local", "status": "completed", "seconds": 1.0, "test_rmse": 5.9,
-                   "warnings": [{"text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean_rmse (0.98): raise --epsilon"}]}, out)
+                   "warnings": [{"text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean (0.98): raise --epsilon"}]}, out)
     assert "!! WARNING: the private test_rmse (5.9) is worse" in out.getvalue()
+    assert "spread over seeds" not in out.getvalue()  # not a comparison with a baseline
+    lost = {"text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean (0.98)", "metric": "test_rmse",
+            "private": 5.9, "baseline": "global_mean", "baseline_value": 0.98}
+    out = io.StringIO()
+    print_summary({"algorithm": "dpals", "runtime": "local", "status": "completed", "seconds": 1.0, "test_rmse": 5.9, "warnings": [lost]}, out)
+    assert "`fedpers sweep` with `repetitions = 5`" in out.getvalue()  # one seed cannot decide a loss
 
 
 def test_dpals_reduced_default_warns_in_result_json(tmp_path, capsys):
@@ -98,8 +104,8 @@ def test_dpals_reduced_default_warns_in_result_json(tmp_path, capsys):
     rc = main(["run", "dpals", "--n-users", "300", "--n-items", "30", "--out", str(tmp_path / "r"), "--quiet"])
     assert rc == 0
     result = json.loads((tmp_path / "r" / "result.json").read_text())
-    if result["test_rmse"] >= result["global_mean_rmse"]:
-        assert result["warnings"][0]["baseline"] == "global_mean_rmse"
+    if result["test_rmse"] >= result["baselines"]["global_mean"]["test_rmse"]:
+        assert result["warnings"][0]["baseline"] == "global_mean"
         assert "!! WARNING" in capsys.readouterr().out
     else:
         assert "warnings" not in result
@@ -110,7 +116,7 @@ def test_dpals_full_defaults_beat_the_global_mean():
     """The default synthetic run (20,000 users, ε = 1) beats the global mean (measured 0.68 against 0.99)."""
     exp = experiment("dpals")
     result = execute(exp, config_lib.build(exp.config_type, {}), write=False, progress=False)
-    assert result["test_rmse"] < 0.9 * result["global_mean_rmse"] and "warnings" not in result
+    assert result["test_rmse"] < 0.9 * result["baselines"]["global_mean"]["test_rmse"] and "warnings" not in result
 
 
 def test_a_long_run_prints_its_estimate_from_the_first_chunk(monkeypatch, capsys):
@@ -131,7 +137,7 @@ def test_a_long_run_prints_its_estimate_from_the_first_chunk(monkeypatch, capsys
 def test_a_nan_metric_warns_naming_its_cause():
     exp = experiment("dpals")
     cfg = config_lib.build(exp.config_type, {})
-    w = exp.result_warnings(cfg, {"test_rmse": math.nan, "global_mean_rmse": 1.0, "test_ratings": 0, "train_ratings": 9})
+    w = exp.result_warnings(cfg, {"test_rmse": math.nan, "baselines": {"global_mean": {"test_rmse": 1.0}}, "test_ratings": 0, "train_ratings": 9})
     assert [x["metric"] for x in w] == ["test_rmse"]  # the NaN is named once, not also as "worse than"
     assert "test_rmse is nan" in w[0]["text"] and "test_ratings = 0" in w[0]["text"] and "--test-fraction" in w[0]["text"]
 
@@ -144,7 +150,7 @@ def test_a_nan_metric_warns_naming_its_cause():
         ("noisyhead", "test_mse", "zero_head", False),
         ("fedrep", "population_mse", "private_init_only", False),
         ("noisygd", "balanced_accuracy", "chance", True),
-        ("dpals", "test_rmse", "global_mean_rmse", False),
+        ("dpals", "test_rmse", "global_mean", False),
         ("dpattention", "attention_error", "uniform_attention", False),
     ],
 )
@@ -152,7 +158,7 @@ def test_every_metric_worse_than_a_trivial_baseline_of_the_same_metric_warns(nam
     exp = experiment(name)
     cfg = config_lib.build(exp.config_type, exp.reduced_config())
     good, bad = (0.9, 0.1) if higher else (0.1, 0.9)
-    row = {"baselines": {baseline: {metric: 0.5}}} if baseline != "global_mean_rmse" else {baseline: 0.5}
+    row = {"baselines": {baseline: {metric: 0.5}}}
     assert exp.result_warnings(cfg, {metric: good, **row}) == []
     w = exp.result_warnings(cfg, {metric: bad, **row})
     assert [(x["metric"], x["baseline"]) for x in w] == [(metric, baseline)] and "worse than" in w[0]["text"]

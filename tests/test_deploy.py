@@ -56,6 +56,14 @@ def test_certs_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["deploy", "certs", str(out), "--host", "h", "--force"]) == 0 and (out / "ca" / "ca.key").read_bytes() != before
 
 
+def test_certs_print_the_jobs_declared_shapes_and_refuse_a_bad_one(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    shape = ["--n-users", "5000", "--dim", "20", "--samples-per-user", "32"]
+    assert main(["deploy", "certs", str(tmp_path / "c"), "--host", "h", *shape]) == 0
+    assert "n_users=5000 dim=20 samples_per_user=32 " in capsys.readouterr().out
+    assert main(["deploy", "certs", str(tmp_path / "d"), "--host", "h", "--dim", "0"]) == 2
+    assert "dim must be an integer >= 1; got 0" in capsys.readouterr().err and not (tmp_path / "d").exists()
+
+
 def test_deploy_run_refuses_a_timeout_that_is_not_seconds(capsys: pytest.CaptureFixture) -> None:
     for bad in ("-1", "nan", "inf", "soon"):
         with pytest.raises(SystemExit) as e:

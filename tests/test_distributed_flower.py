@@ -191,7 +191,7 @@ def test_dpals_and_noisygd_run_distributed_within_their_target_with_skellam_rele
     exp = EXPERIMENTS[name]
     values: dict[str, object] = {"epsilon": 2.0}
     values.update(
-        {"n_users": 300, "steps": 2} if name == "dpals" else {"examples": 400, "steps": 3, "baselines": False}
+        {"n_users": 300, "steps": 2} if name == "dpals" else {"examples": 400, "steps": 3, "baselines": "none"}
     )
     cfg = config.build(exp.config_type, values)
     p = resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 16}))

@@ -191,9 +191,9 @@ def test_nonprivate_als_on_movielens_small_beats_global_mean(tmp_path):
     )
     out = execute(exp, cfg, out=tmp_path / "run", progress=False)
     assert out["users"] == 671 and out["items"] == 9066
-    assert out["global_mean_rmse"] > 1.0
-    assert out["test_rmse"] < out["global_mean_rmse"] - 0.07
-    assert out["als_rmse"] < out["global_mean_rmse"] - 0.07
+    assert out["baselines"]["global_mean"]["test_rmse"] > 1.0
+    assert out["test_rmse"] < out["baselines"]["global_mean"]["test_rmse"] - 0.07
+    assert out["baselines"]["nonprivate_als"]["test_rmse"] < out["baselines"]["global_mean"]["test_rmse"] - 0.07
 
 
 def test_psd_repair_equals_eigenvalue_floor():

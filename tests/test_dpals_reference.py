@@ -2,7 +2,7 @@
 
 A plain biased ALS (μ + b_u + c_i + p_iᵀv_u, per-row ridge solves in numpy, λ tuned on a
 validation split of the training ratings) is written here independently of
-fedpers.experiments.dpals.baselines; the run's ``als_rmse`` must be within 0.02 of it, and
+fedpers.experiments.dpals.baselines; the run's non-private ALS (``baselines.nonprivate_als``) must be within 0.02 of it, and
 both well below the global mean's RMSE. The test ratings are never used to tune either."""
 
 from __future__ import annotations
@@ -121,8 +121,8 @@ def test_the_non_private_reference_is_a_tuned_biased_als(dataset):
     best = min((1.0, 3.0, 10.0, 30.0), key=lambda lam: rmse(plain_biased_als(fit_rows, n_u, n_i, lam), val_rows))
     reference = rmse(plain_biased_als(train, n_u, n_i, best), test)
     result = execute(exp, cfg, write=False, progress=False)
-    assert abs(result["als_rmse"] - reference) <= 0.02, (result["als_rmse"], reference)
-    assert reference < result["global_mean_rmse"] - 0.05 and math.isfinite(result["test_rmse"])
+    assert abs(result["baselines"]["nonprivate_als"]["test_rmse"] - reference) <= 0.02, (result["baselines"]["nonprivate_als"]["test_rmse"], reference)
+    assert reference < result["baselines"]["global_mean"]["test_rmse"] - 0.05 and math.isfinite(result["test_rmse"])
 
 
 @pytest.mark.slow
@@ -133,23 +133,32 @@ def test_the_private_run_at_epsilon_10_beats_the_global_mean_on_movielens_small(
     with the measured figures (ratings per item against the noise on each item's statistic)."""
     exp = experiment("dpals")
     result = execute(exp, config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0}), write=False, progress=False)
-    assert result["test_rmse"] < result["global_mean_rmse"] - 0.03
+    assert result["test_rmse"] < result["baselines"]["global_mean"]["test_rmse"] - 0.03
     warned = {w["baseline"]: w["text"] for w in result.get("warnings", []) if "baseline" in w}
-    assert "global_mean_rmse" not in warned
-    if result["test_rmse"] >= result["user_mean_rmse"]:
-        assert "training ratings per item" in warned["user_mean_rmse"] and "σ_b" in warned["user_mean_rmse"]
+    assert "global_mean" not in warned
+    if result["test_rmse"] >= result["baselines"]["user_mean"]["test_rmse"]:
+        assert "training ratings per item" in warned["user_mean"] and "σ_b" in warned["user_mean"]
     # without the user offsets the same run is the one that lost to the global mean before
     plain = execute(exp, config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0, "user_bias": 0.0}), write=False, progress=False)
     assert plain["test_rmse"] > result["test_rmse"] + 0.03
 
 
+def test_a_bundled_data_set_sets_the_defaults_its_scale_needs_and_a_flag_overrides_them():
+    build = lambda **v: config_lib.build(experiment("dpals").config_type, v)  # noqa: E731
+    synthetic, private, noiseless = build(), build(dataset="movielens-small", epsilon=4.0), build(dataset="movielens-small", epsilon="inf")
+    assert (synthetic.ridge_user, private.ridge_user, noiseless.ridge_user) == (0.1, 10.0, 10.0)
+    assert (private.items_per_user, private.clip_rating, private.ridge_item) == (synthetic.items_per_user, synthetic.clip_rating, 0.0)
+    assert (noiseless.items_per_user, noiseless.clip_rating, noiseless.clip_embedding, noiseless.ridge_item) == (200, 4.0, 4.0, 10.0)
+    assert build(dataset="movielens-small", epsilon=math.inf, ridge_user=3.0, items_per_user=50).items_per_user == 50
+
+
 @pytest.mark.slow
-def test_noiseless_dpals_with_ridges_for_a_rating_scale_is_within_0_02_of_the_reference():
-    """DPALS's own non-private mode on MovieLens-small, with ridges and clips for a 1–5 scale
-    (measured 0.906 against the biased ALS's 0.895)."""
+def test_noiseless_dpals_on_movielens_small_with_its_defaults_is_within_0_02_of_the_reference():
+    """`fedpers run dpals --dataset movielens-small --epsilon inf` with no other flag: the data set's
+    defaults (ridges and clips for a 1–5 scale) give 0.906 against the biased ALS's 0.895."""
     exp = experiment("dpals")
-    values = {"dataset": "movielens-small", "epsilon": "inf", "ridge_user": 10.0, "ridge_item": 10.0,
-              "items_per_user": 200, "clip_rating": 4.0, "clip_embedding": 4.0}
+    values = {"dataset": "movielens-small", "epsilon": "inf"}
     result = execute(exp, config_lib.build(exp.config_type, values), write=False, progress=False)
-    assert result["test_rmse"] - result["als_rmse"] <= 0.02, (result["test_rmse"], result["als_rmse"])
-    assert result["test_rmse"] < result["user_mean_rmse"] - 0.03
+    assert result["test_rmse"] <= 0.92
+    assert result["test_rmse"] - result["baselines"]["nonprivate_als"]["test_rmse"] <= 0.02, (result["test_rmse"], result["baselines"]["nonprivate_als"]["test_rmse"])
+    assert result["test_rmse"] < result["baselines"]["user_mean"]["test_rmse"] - 0.03

@@ -130,6 +130,23 @@ def test_users_below_minimum_contribute_nothing_and_are_counted(tmp_path):
     assert int(rows["test_count"][torch.from_numpy(expected < 6)].sum()) == 0
 
 
+def test_advice_with_a_file_names_only_flags_that_change_it_and_says_what_the_cap_costs(tmp_path):
+    """With a data file n and m are the file's: a lost baseline's advice never names --n-users or
+    --samples-per-user, and a declared cap far above the rows the users hold is said to size the noise
+    for rows nobody has (and by how much); a cap that fits gets no such warning."""
+    rng = np.random.default_rng(5)
+    users, x, y = ragged(rng, 120, 9, 10)  # at most 10 rows: 8 training rows after a 0.2 test split
+    path = write(tmp_path / "d.csv", users, x, y)
+    values = {"data": str(path), "epsilon": 0.2, "rank": K, "baselines": "local_only,private_init_only"}
+    padded = execute(EXP, config.build(EXP.config_type, values), write=False, progress=False)
+    texts = [w["text"] for w in padded["warnings"]]
+    assert texts and not any("--n-users" in t or "--samples-per-user" in t for t in texts)
+    cap = [t for t in texts if t.startswith("--max-samples-per-user 64")]
+    assert len(cap) == 1 and "hold at most 8" in cap[0] and "8× what a cap of 8" in cap[0] and "declared" in cap[0]
+    fits = execute(EXP, config.build(EXP.config_type, {**values, "max_samples_per_user": 8}), write=False, progress=False)
+    assert not [w for w in fits["warnings"] if w.get("metric") == "max_samples_per_user"]
+
+
 def test_a_node_reads_only_its_users_rows(tmp_path):
     rng = np.random.default_rng(4)
     users, x, y = ragged(rng, 200, 5, 20)

@@ -78,7 +78,7 @@ def test_units_of_any_slice_match_the_whole_set():
 
 
 def test_zcdp_calibration_meets_the_target_and_pld_reports_less_for_the_same_noise():
-    cfg = build(examples=200, feature_dim=20, steps=10, baselines=False, accountant="zcdp", delta=1e-4)  # the paper's
+    cfg = build(examples=200, feature_dim=20, steps=10, baselines="none", accountant="zcdp", delta=1e-4)  # the paper's
     result = execute(EXP, cfg, write=False, progress=False)
     priv = result["privacy"]
     rho_target = zcdp_rho_for(1.0, 1e-4)
@@ -89,7 +89,7 @@ def test_zcdp_calibration_meets_the_target_and_pld_reports_less_for_the_same_noi
     z = priv["noise_multiplier"]
     assert 10 * 2 / z**2 == pytest.approx(rho_target, rel=1e-6)
     assert 0.5 < priv["epsilon_pld"] < 0.8  # the tight accountant: same noise, smaller ε
-    pld = execute(EXP, build(examples=200, feature_dim=20, steps=10, baselines=False, accountant="pld", delta=1e-4), write=False, progress=False)
+    pld = execute(EXP, build(examples=200, feature_dim=20, steps=10, baselines="none", accountant="pld", delta=1e-4), write=False, progress=False)
     assert 0.999 <= pld["epsilon"] <= 1.0 and pld["noise_multiplier"] < z
 
 
@@ -104,7 +104,7 @@ def test_zcdp_accounting_of_events():
 
 @pytest.mark.parametrize("remedy,name", [("center", "remedy.mean"), ("pca", "remedy.pca")])
 def test_remedies_are_releases_in_the_ledger_within_the_budget(remedy, name):
-    cfg = build(examples=300, feature_dim=30, steps=5, remedy=remedy, collapse="offset", baselines=False, remedy_budget=0.25, accountant="zcdp", delta=1e-4)
+    cfg = build(examples=300, feature_dim=30, steps=5, remedy=remedy, collapse="offset", baselines="none", remedy_budget=0.25, accountant="zcdp", delta=1e-4)
     result = execute(EXP, cfg, write=False, progress=False)
     proto = make_protocol(cfg)
     assert proto.num_rounds == 6
@@ -118,8 +118,8 @@ def test_remedies_are_releases_in_the_ledger_within_the_budget(remedy, name):
 
 
 def test_without_noise_perfect_collapse_is_learned_and_a_tiny_budget_is_not():
-    assert run(examples=500, feature_dim=50, epsilon=math.inf, steps=5, baselines=False)["accuracy"] == 1.0
-    weak = run(examples=100, feature_dim=50, epsilon=0.01, steps=5, baselines=True)
+    assert run(examples=500, feature_dim=50, epsilon=math.inf, steps=5, baselines="none")["accuracy"] == 1.0
+    weak = run(examples=100, feature_dim=50, epsilon=0.01, steps=5, baselines="all")
     assert weak["accuracy"] < 0.6 and weak["baselines"]["nonprivate_gd"]["accuracy"] == 1.0
 
 
@@ -130,7 +130,7 @@ def test_dimension_dependence_perfect_flat_offset_falls_centring_restores():
     # Measured (seeds 0-3): perfect 1.0 at p = 10, 1000, 3000; offset 1.0 at p = 10, 0.375 at
     # p = 3000; centred 0.975 at p = 3000.
     def mean_accuracy(p: int, **scenario) -> float:
-        accs = [run(examples=3000, feature_dim=p, seed=s, baselines=False, remedy_budget=0.5, **scenario)["accuracy"] for s in range(3)]
+        accs = [run(examples=3000, feature_dim=p, seed=s, baselines="none", remedy_budget=0.5, **scenario)["accuracy"] for s in range(3)]
         return sum(accs) / len(accs)
 
     perfect = {p: mean_accuracy(p) for p in (10, 1000, 3000)}

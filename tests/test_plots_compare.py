@@ -3,6 +3,7 @@ linear accuracies) and `fedpers compare` puts runs side by side."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -72,11 +73,15 @@ def test_compare_table_json_and_figure(runs: dict[str, Path], tmp_path: Path, ca
     assert rows["altmin"]["epsilon"] == pytest.approx(json.loads((runs["altmin"] / "result.json").read_text())["epsilon"])
     assert "accuracy" not in rows["altmin"] and rows["noisygd"]["accuracy"] >= 0.0
     assert rows["altmin"]["status"] == "completed" and (tmp_path / "c.png").stat().st_size > 0
+    assert [r["trust_model"] for r in out["rows"]] == ["central", "central"]
     fig = compare_figure(out["rows"], ["excess_risk", "accuracy"])
-    assert [ax.get_title() for ax in fig.axes] == ["excess risk", "accuracy"] and fig.axes[1].get_yscale() == "linear"
+    assert [ax.get_title() for ax in fig.axes] == ["excess risk (lower is better)", "accuracy (higher is better)"]
+    assert fig.axes[1].get_yscale() == "linear"
     assert main(["compare", str(runs["altmin"])]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:5] == ["run", "algorithm", "runtime", "status", "epsilon"] and len(table) == 2
+    assert table[0].split()[:3] == ["run", "ε", "spent"] and "excess risk" in table[0]
+    details = table[table.index("") + 1]
+    assert details.split()[:5] == ["run", "algorithm", "trust", "model", "runtime"] and len(table) == table.index("") + 3
 
 
 def test_compare_refuses_what_is_not_a_run(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -103,13 +108,15 @@ def test_compare_shows_a_killed_run_as_incomplete_with_its_releases(runs: dict[s
 def test_compare_across_algorithms_is_one_block_each_with_its_own_metrics(runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     assert main(["compare", str(runs["altmin"]), str(runs["noisygd"])]) == 0
     text = capsys.readouterr().out
-    altmin, noisygd = text.split("\n\n")
+    altmin, noisygd = re.split(r"\n\n(?=noisygd \(1 run\):)", text)
     assert altmin.startswith("altmin (1 run):") and noisygd.startswith("noisygd (1 run):")
-    assert "excess_risk" in altmin and "accuracy" not in altmin
-    assert "accuracy" in noisygd and "excess_risk" not in noisygd
-    for block in (altmin, noisygd):  # no column is blank for every run of its block
-        header, row = block.splitlines()[1:3]
-        assert len(header.split()) == len(row.split()) and "-" not in row.split()[4:]
+    assert "excess risk" in altmin and "accuracy" not in altmin
+    assert "accuracy" in noisygd and "excess risk" not in noisygd
+    for block in (altmin, noisygd):  # no column is blank for every run of its block, in either table
+        lines = block.splitlines()
+        details = lines.index("") + 1
+        for header, row in ((lines[1], lines[2]), (lines[details], lines[details + 1])):
+            assert len(re.split(r"\s{2,}", header.strip())) == len(row.split()) and "-" not in row.split()
 
 
 def test_a_flat_or_single_value_figure_has_plain_readable_ticks() -> None:
@@ -176,7 +183,55 @@ def test_figures_keep_every_text_inside_the_canvas_and_draw_linear_bars():
     rows = [{"run": f"a-very-long-run-directory-name-{i}", "epsilon": float(i), "excess_risk": 10.0 ** -i, "accuracy": 0.5}
             for i in range(6)]
     bars = compare_figure(rows, ["excess_risk", "accuracy"])
-    assert all(ax.get_yscale() == "linear" for ax in bars.axes) and not bars._suptitle
+    # excess risk spans five decades: a log axis; accuracy is a score in [0, 1]: linear
+    assert [ax.get_yscale() for ax in bars.axes] == ["log", "linear"] and "spent" in bars._suptitle.get_text()
     for fig in (flat, one, bars):
         assert _texts_outside_canvas(fig) == []
         plt.close(fig)
+
+
+def test_sweep_figure_layout_labels_and_error_bars(tmp_path: Path) -> None:
+    """A sweep figure a paper can use: axes named in words with the metric's unit (the swept ε is the
+    target), a band only when B ≥ 2 and then said to be ± 2 standard errors, log y where the values span
+    decades; ``[plot]`` and the command line's labels replace the defaults without changing the sweep."""
+    from matplotlib.collections import PolyCollection
+
+    text = 'algorithm = "altmin"\nx = "epsilon"\nseries = "n_users"\nmetrics = ["subspace_error", "seconds"]\n[grid]\nepsilon = [1.0, 4.0]\nn_users = [300]\n'
+    (tmp_path / "s.toml").write_text(text)
+    rows = [{"epsilon": e, "n_users": 300, "subspace_error": 1 / e**3 + 0.01 * r, "seconds": 1.0 + r} for e in (1.0, 4.0) for r in range(3)]
+    one = load_spec(tmp_path / "s.toml", 1)
+    fig, _ = sweep_figure(rows[::3], one, "subspace_error")
+    ax = fig.axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("target ε", "subspace error")
+    assert "B = 1" in ax.get_title() and "no error bars" in ax.get_title()
+    assert not [c for c in ax.collections if isinstance(c, PolyCollection)] and ax.get_yscale() == "log"
+    assert tuple(fig.get_size_inches()) == (6.0, 4.2)
+    three = load_spec(tmp_path / "s.toml", 3)
+    fig, _ = sweep_figure(rows, three, "subspace_error")
+    assert len([c for c in fig.axes[0].collections if isinstance(c, PolyCollection)]) == 1
+    assert "B = 3" in fig.axes[0].get_title() and "± 2 standard errors" in fig.axes[0].get_title()
+    assert sweep_figure(rows, three, "seconds")[0].axes[0].get_ylabel() == "time (s)"
+    (tmp_path / "l.toml").write_text('name = "s"\n' + text + '[plot]\nxlabel = "privacy budget ε"\n')
+    labelled = load_spec(tmp_path / "l.toml", 1, {"ylabel": "distance to U*", "title": None})
+    ax = sweep_figure(rows[::3], labelled, "subspace_error")[0].axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("privacy budget ε", "distance to U*")
+    assert labelled.identity() == one.identity()  # relabelling reuses the sweep's points
+    with pytest.raises(ValueError, match="plot.xlabel must be a non-empty string"):
+        (tmp_path / "b.toml").write_text(text + "[plot]\nxlabel = 3\n")
+        load_spec(tmp_path / "b.toml")
+
+
+def test_a_sweep_sets_figure_puts_its_members_in_a_grid_each_panel_labelled(tmp_path: Path) -> None:
+    """Four members: two rows of panels (never one long row), each with the sweep figure's labels."""
+    from fedpers.results.plots import PANELS_ACROSS
+    from fedpers.sweeps.sets import members_figure
+
+    members = []
+    for i in range(4):
+        (tmp_path / f"m{i}.toml").write_text(f'name = "m{i}"\nalgorithm = "altmin"\nx = "n_users"\nseries = "epsilon"\nmetrics = ["excess_risk"]\n[grid]\nn_users = [300, 1000]\nepsilon = [1.0]\n')
+        members.append((load_spec(tmp_path / f"m{i}.toml"), [{"epsilon": 1.0, "n_users": n, "excess_risk": 1 / n} for n in (300, 1000)]))
+    fig = members_figure(members, "excess_risk")
+    assert len(fig.axes) == 4 and len({round(ax.get_position().y0, 3) for ax in fig.axes}) == -(-4 // PANELS_ACROSS)
+    width, height = fig.get_size_inches()
+    assert width <= 6.0 * PANELS_ACROSS and height >= 4.2 * 2
+    assert all((ax.get_xlabel(), ax.get_ylabel()) == ("users n", "excess risk") for ax in fig.axes)

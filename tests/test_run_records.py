@@ -127,7 +127,7 @@ def test_a_run_failing_before_its_first_release_leaves_no_directory(tmp_path, mo
         raise RuntimeError("failed before any release")
 
     out = tmp_path / "run"
-    args = ["run", "dpattention", "--columns", "200", "--out", str(out), "--quiet"]
+    args = ["run", "dpattention", "--columns", "2000", "--out", str(out), "--quiet"]
     monkeypatch.setattr(runner, "drive", broken)
     with pytest.raises(RuntimeError, match="before any release"):
         main(args)

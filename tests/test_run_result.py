@@ -57,14 +57,15 @@ def _html_table(page: str, after: str) -> tuple[list[str], list[list[str]]]:
 
 
 def _text_table(lines: list[str], first: str) -> dict[str, dict[str, str]]:
-    """The CLI's metric table as {row name: {column: cell}} (row names may hold a space)."""
+    """The CLI's metric table as {row name: {column header: cell}} (row names and headers may hold a
+    space; headers are separated by at least two); it ends at the first line not starting with a row."""
     start = next(i for i, line in enumerate(lines) if line.startswith(first))
     header = lines[start - 1]
     width = len(header) - len(header.lstrip())
-    columns = header.split()
+    columns = re.split(r"\s{2,}", header.strip())
     table = {}
     for line in lines[start:]:
-        if not line.strip():
+        if not line.strip() or line.startswith("  ") or ":" in line[:width]:
             break
         table[line[:width].strip()] = dict(zip(columns, line[width:].split()))
     return table
@@ -109,8 +110,11 @@ def check_views(v: dict) -> None:
         assert row[key] == value and js[key] == value and js["privacy"][key] == value
         assert tracked[f"final/{key}"] == value
     compare_lines = v["compare_text"].splitlines()
-    header, cells = compare_lines[0].split(), compare_lines[1].split()
-    assert cells[header.index("noise_multiplier")] == _cell(p.noise_multiplier)
+    details_at = compare_lines.index("") + 1  # the details table follows the metrics and their notes
+    header = re.split(r"\s{2,}", compare_lines[details_at].strip())
+    cells = compare_lines[details_at + 1].split()
+    assert cells[header.index(NOISE_LABEL)] == _cell(p.noise_multiplier)
+    metric_header = re.split(r"\s{2,}", compare_lines[0].strip())
 
     # Every release's z: the report's ledger, `fedpers privacy` and the run's own z agree (a
     # ledger column of σ / Δ, half of z, or any other quotient fails here).
@@ -126,7 +130,8 @@ def check_views(v: dict) -> None:
         assert line.split()[-1] == _cell(release.noise_multiplier), line
     assert "noise_std / sensitivity" not in v["html"]
 
-    # The metrics of the private run and of every baseline.
+    # The metrics of the private run and of every baseline, each column headed by its label in words.
+    labels = summary.metric_table(result).labels
     cli_table = _text_table(cli.splitlines(), summary.PRIVATE_RUN)
     html_header, html_rows = _html_table(v["html"], "<h2>Metrics against every baseline</h2>")
     html_table = {r[0]: dict(zip(html_header[1:], r[1:])) for r in html_rows}
@@ -134,10 +139,10 @@ def check_views(v: dict) -> None:
     assert result.metrics and result.baselines and set(cli_table) == set(html_table) == set(rows_by_name)
     for name, figures in rows_by_name.items():
         for key, value in figures.items():
-            assert cli_table[name][key] == html_table[name][key] == _cell(value), (name, key)
+            assert cli_table[name][labels[key]] == html_table[name][labels[key]] == _cell(value), (name, key)
             if name == summary.PRIVATE_RUN:
                 assert row[key] == js[key] == tracked[f"final/{key}"] == value
-                assert compare_lines[1].split()[header.index(key)] == _cell(value)
+                assert compare_lines[1].split()[metric_header.index(labels[key])] == _cell(value)
             else:
                 assert js["baselines"][name][key] == tracked[f"baseline/{name}/{key}"] == value
 

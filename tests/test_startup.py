@@ -287,3 +287,37 @@ def test_a_run_process_imports_its_libraries_with_the_collector_paused_then_runn
     with pytest.raises(ImportError):  # a sweep process imports alike, before its sweep file is read
         cli.cmd_sweep(argparse.Namespace(entry_point=True))
     assert calls[6:] == ["disable", "freeze", "enable"]
+
+
+def test_refusals_of_the_line_itself_come_before_torch(tmp_path) -> None:
+    """An --out that holds a run or a sweep, a theorem's declared precondition, a cross-field rule, a
+    misspelt algorithm or command (with the closest name), a flag only other algorithms have (named
+    with them): each refused with status 2 and its reason, and torch is never imported."""
+    held, sweep = tmp_path / "held", tmp_path / "sweep"
+    for d, name in ((held, "config.json"), (sweep, "spec.json")):
+        d.mkdir()
+        (d / name).write_text("{}")
+    cases = [
+        (["run", "altmin", "--out", str(held)], "already holds a run"),
+        (["run", "noisygd", "--out", str(sweep)], "holds a sweep"),
+        (["run", "dpattention", "--epsilon", "1"], "epsilon must be in (0, 0.1)"),
+        (["run", "altmin", "--samples-per-user", "7"], "samples_per_user must be a multiple of 4"),
+        (["run", "altmn"], "did you mean 'altmin'?"),
+        (["runn", "altmin"], "did you mean 'run'?"),
+        (["run", "altmin", "--noise", "banded"], "altmin has no --noise (noise across gradient rounds"),
+        (["privacy", str(held), "--quiett"], "unrecognized arguments"),
+    ]
+    code = (
+        "import contextlib, io, json, sys\nfrom fedpers.commands.cli import main\nout = []\n"
+        "for case in json.loads(sys.argv[1]):\n    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n        try:\n            status = main(case)\n"
+        "        except SystemExit as e:\n            status = e.code\n"
+        "    out.append([status, err.getvalue()])\n"
+        "print(json.dumps([out, 'torch' in sys.modules]))"
+    )
+    proc = _run(code, json.dumps([c for c, _ in cases]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers, torch = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (case, reason), (status, err) in zip(cases, answers, strict=True):
+        assert status == 2 and reason in err, (case, status, err)
+    assert torch is False

@@ -129,7 +129,7 @@ def test_an_unusable_tracking_uri_is_refused_before_any_run_directory_exists(tmp
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     out = tmp_path / "run"
-    rc = main(["run", "dpattention", "--columns", "200", "--out", str(out), "--quiet", "--track", "mlflow",
+    rc = main(["run", "dpattention", "--columns", "2000", "--out", str(out), "--quiet", "--track", "mlflow",
                "--track-uri", f"file:{tmp_path / 'mlruns'}"])
     assert rc == 2 and not out.exists()
     assert "track_uri: MLflow cannot use" in capsys.readouterr().err

@@ -68,10 +68,22 @@ from fedpers.protocols.base import Protocol
 Tensor = torch.Tensor
 
 
+DEFAULT_CANARIES = 10
+"""Canaries per run when none are asked for: this many, or the design's orthogonal capacity if that
+is smaller (at least 2)."""
+
+
+def default_canaries(design: CanaryDesign, cfg: Any, placement: str) -> int:
+    """:data:`DEFAULT_CANARIES`, or fewer where the design has fewer orthogonal directions for ``cfg``
+    (a design without random placement cannot go beyond them)."""
+    capacity = design.capacity(design.protocol(cfg, 2)) // (2 if placement == "paired" else 1)
+    return max(2, min(DEFAULT_CANARIES, capacity))
+
+
 def audit(
     exp: Experiment,
     cfg: Any,
-    canaries: int,
+    canaries: int | None = None,
     runs: int = 1,
     confidence: float = 0.95,
     seed: int = 0,
@@ -83,7 +95,8 @@ def audit(
     grid: Any = None,
     node_side: RuntimeOptions | None = None,
 ) -> dict[str, Any]:
-    """``runs`` independent runs of ``exp`` on ``canaries`` canaries each; lower bounds beside the proven ε.
+    """``runs`` independent runs of ``exp`` on ``canaries`` canaries each (None: :func:`default_canaries`);
+    lower bounds beside the proven ε.
 
     ``placement``: ``orthogonal`` (one coordinate each, at most the design's capacity), ``random``
     (random directions, any number, where the design offers them) or ``auto`` (orthogonal up to
@@ -118,6 +131,8 @@ def audit(
         raise ValueError(f"placement: {exp.name}'s canary design has no steered placement")
     if placement == "random" and design.random_canaries is None:
         raise ValueError(f"placement: {exp.name}'s canary design has no random placement; use orthogonal")
+    if canaries is None:
+        canaries = default_canaries(design, cfg, placement)
     if node_side is not None and node_side.dp_model is DpModel.CENTRAL:
         node_side = None
     if node_side is not None and flower is not None:
@@ -351,7 +366,7 @@ def _release_names(protocol: Protocol, releases: tuple[str, ...] | None) -> froz
 
 def audit_configuration(
     run_dir: str | Path,
-    canaries: int,
+    canaries: int | None = None,
     runs: int = 1,
     confidence: float = 0.95,
     seed: int = 0,

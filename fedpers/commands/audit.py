@@ -14,7 +14,7 @@ from typing import Any
 AUDIT_DESCRIPTION = (
     "K canary users (each holding one of two neighbouring data sets, by a fair coin) run through the real\n"
     "server path; each is scored from the broadcasts and noisy releases only; the guesses give lower\n"
-    "bounds on ε at the run's δ (docs/audit.md). `fedpers audit ALGO --canaries K [--runs R]` + ALGO's flags;\n"
+    "bounds on ε at the run's δ (docs/audit.md). `fedpers audit ALGO [--canaries K] [--runs R]` + ALGO's flags;\n"
     "--out DIR saves the result as DIR/audit.json (never over an earlier one), --quiet prints nothing."
 )
 
@@ -22,7 +22,10 @@ AUDIT_DESCRIPTION = (
 def audit_flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedpers audit ALGO", add_help=False, allow_abbrev=False)
     p.add_argument(
-        "--canaries", type=int, required=True, help="canary users per run (orthogonal: at most the design's capacity)"
+        "--canaries",
+        type=int,
+        default=None,
+        help="canary users per run (orthogonal: at most the design's capacity; default 10, or the capacity if smaller)",
     )
     p.add_argument("--runs", type=int, default=1, help="independent runs, K canaries each (default 1)")
     p.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds (default 0.95)")
@@ -232,7 +235,7 @@ AUDIT_FILE = "audit.json"
 
 def audit_run_dir(
     run_dir: str | Path,
-    canaries: int,
+    canaries: int | None,
     runs: int = 1,
     confidence: float = 0.95,
     seed: int = 0,

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from fedpers.commands import audit as audit_command
 from fedpers.commands.parsers import (
+    ChoiceSuggestingParser,
     RegisteredAccountants,
     add_tracking,
     algorithm_parser,
     out_directory,
     run_settings,
 )
+from fedpers.config import PreconditionFailed
 
 if TYPE_CHECKING:
     from fedpers.results.run_result import RunResult
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedpers import __version__
     from fedpers.experiments import ALGORITHMS
 
-    parser = argparse.ArgumentParser(
+    parser = ChoiceSuggestingParser(
         prog="fedpers", description="Federated simulator for DP personalization (billboard model).", allow_abbrev=False
     )
     parser.add_argument("--version", action="version", version=f"fedpers {__version__}")
@@ -75,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray",
     )
-    sw.add_argument("--quiet", action="store_true")
+    sw.add_argument("--quiet", action="store_true", help="no progress bar")
+    for key, what in (("xlabel", "x-axis label"), ("ylabel", "y-axis label"), ("title", "title")):
+        sw.add_argument(
+            f"--{key}",
+            help=f"the figures' {what} (over the file's [plot] {key}; default: from the field's and metric's definitions)",
+        )
     _add_select_flags(sw)
     add_tracking(sw)
     rs = sub.add_parser(
@@ -124,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument(
         "--data-file", default="/data/users.npz", help="each SuperNode's data file (default /data/users.npz)"
     )
+    for flag, default, what in (
+        ("--n-users", 300, "users in each SuperNode's data file"),
+        ("--dim", 10, "the data's dimension d"),
+        ("--samples-per-user", 20, "samples per user m"),
+    ):
+        ce.add_argument(
+            flag,
+            type=int,
+            default=default,
+            help=f"the job's declared shape in the printed run command: {what} (default {default}; every node "
+            "refuses a task its file does not match)",
+        )
     ce.add_argument(
         "--app",
         default="",
@@ -204,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument(
         "args",
         nargs=argparse.REMAINDER,
-        help="--canaries K [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags",
+        help="[--canaries K] [--runs R] [--confidence C] [--audit-seed S] and ALGO's flags",
     )
     rp = sub.add_parser(
         "report",
@@ -223,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-account with this accountant: one of %(choices)s",
     )
     pr.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    pr.add_argument("--quiet", action="store_true", help="print only the (ε, δ) line")
     return parser
 
 
@@ -278,6 +298,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     parsed = algorithm_parser(args.algorithm).parse_args(args.args)
     parsed.algorithm = args.algorithm
     parsed.settings = run_settings(args.algorithm, parsed)
+    if parsed.out is not None:
+        from fedpers.results.rundir import check_free
+
+        check_free(parsed.out)  # an --out holding a run is refused before torch is imported
     if parsed.track:
         from fedpers.commands.tracking import check_uri
 
@@ -392,6 +416,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         "progress": not args.quiet,
         "workers": args.workers,
         "ray_address": args.ray_address,
+        "labels": {"xlabel": args.xlabel, "ylabel": args.ylabel, "title": args.title},
     }
     if sweep_set(args.file) is not None:  # several sweeps (one algorithm each) run in turn
         if args.select is not None or args.private or args.track:
@@ -419,9 +444,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _check_output_file(args.out)
     rows, metrics, primary = compare(args.run_dirs)
     if args.out is not None:
+        from fedpers.commands.summary import quantities_of
         from fedpers.results.plots import _plt, compare_figure, save
 
-        fig = compare_figure(rows, figure_metrics(rows, metrics, primary))
+        own: dict[str, Any] = {}
+        for name in dict.fromkeys(str(r.get("algorithm")) for r in rows):
+            own = {**quantities_of(name), **own}
+        fig = compare_figure(rows, figure_metrics(rows, metrics, primary), own)
         save(fig, args.out)
         _plt().close(fig)
     print(
@@ -482,6 +511,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         listen=args.listen,
         data_file=args.data_file,
         app_hash=fab,
+        n_users=args.n_users,
+        dim=args.dim,
+        samples_per_user=args.samples_per_user,
         policy=args.policy.read_text() if args.policy is not None else None,
     )
     print(
@@ -516,7 +548,7 @@ def cmd_privacy(args: argparse.Namespace) -> int:
     print(
         dumps(privacy_summary(args.run_dir, args.accountant), indent=None)
         if args.json
-        else privacy_report(args.run_dir, args.accountant)
+        else privacy_report(args.run_dir, args.accountant, quiet=args.quiet)
     )
     return 0
 
@@ -729,6 +761,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as e:
         print(f"fedpers: error: {e}", file=sys.stderr)
         return 2
+    except PreconditionFailed as e:  # decided on the data after work began: a failure, never a result
+        print(f"fedpers: failed: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (:func:`_terminate`): the records are written by now
         by = str(e) or "Ctrl-C"
         print(

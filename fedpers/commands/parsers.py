@@ -60,7 +60,7 @@ def add_fields(parser: argparse.ArgumentParser | Any, cls: type) -> None:
             kwargs["choices"] = [e.value for e in tp]
         else:
             kwargs["metavar"] = f.name.upper()
-        parser.add_argument(f.metadata.get("flag") or "--" + f.name.replace("_", "-"), **kwargs)
+        parser.add_argument(flag_name(f), **kwargs)
 
 
 def out_directory(text: str) -> Path:
@@ -79,16 +79,67 @@ def suggestion(flag: str, known: Sequence[str]) -> str:
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
+def choice_suggestion(message: str) -> str:
+    """argparse's ``invalid choice: 'altmn' (choose from ...)`` with ``; did you mean 'altmin'?``
+    added when one choice is close (a command or an algorithm name), else the message as it is."""
+    import difflib
+    import re
+
+    found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if found is None:
+        return message
+    choices = re.findall(r"'?([A-Za-z0-9_.-]+)'?", found.group(2))
+    close = difflib.get_close_matches(found.group(1), choices, n=1, cutoff=0.6)
+    return f"{message}; did you mean '{close[0]}'?" if close else message
+
+
+class ChoiceSuggestingParser(argparse.ArgumentParser):
+    """The top-level parser and its commands' parsers: a misspelt command or algorithm name is
+    answered with the closest one, as a misspelt flag is."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        super().error(choice_suggestion(message))
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    """A config field's flag: ``--name-with-dashes`` unless the field names its own ``flag``."""
+    return str(f.metadata.get("flag") or "--" + f.name.replace("_", "-"))
+
+
+def algorithms_with_flag(flag: str) -> tuple[list[str], str]:
+    """The built-in algorithms whose config has ``flag`` and what the flag is (its help up to the
+    first colon), read from the light config classes."""
+    from fedpers.experiments import ALGORITHMS, config_type
+
+    names, what = [], ""
+    for name in ALGORITHMS:
+        for f in dataclasses.fields(config_type(name)):
+            if flag_name(f) == flag:
+                names.append(name)
+                what = what or str(f.metadata.get("help", "")).split(":")[0].split(";")[0].strip()
+    return names, what
+
+
 class SuggestingParser(argparse.ArgumentParser):
-    """An algorithm's argument parser: a misspelt flag is answered with the closest known one(s), and
-    an error in one line (status 2) instead of the usage of every flag."""
+    """An algorithm's argument parser: a misspelt flag is answered with the closest known one(s); a
+    flag that only other algorithms have is answered with the algorithms that have it (not with a
+    look-alike flag of this one's that means something else); an error in one line (status 2)
+    instead of the usage of every flag."""
+
+    algorithm = ""
 
     def error(self, message: str) -> typing.NoReturn:
         flags = [a.partition("=")[0] for a in message.split(":", 1)[-1].split() if a.startswith("-")]
         if message.startswith("unrecognized arguments:") and flags:
             known = list(self._option_string_actions)
-            message = "; ".join(f"unknown flag {f}{suggestion(f, known)}" for f in flags)
+            message = "; ".join(self._unknown(f, known) for f in flags)
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+    def _unknown(self, flag: str, known: list[str]) -> str:
+        others, what = algorithms_with_flag(flag) if self.algorithm else ([], "")
+        if others:
+            return f"{self.algorithm} has no {flag} ({what}); it is a flag of {', '.join(others)}"
+        return f"unknown flag {flag}{suggestion(flag, known)}"
 
 
 def algorithm_parser(name: str) -> argparse.ArgumentParser:
@@ -99,6 +150,7 @@ def algorithm_parser(name: str) -> argparse.ArgumentParser:
     from fedpers.experiments import ALGORITHMS, config_type
 
     p = SuggestingParser(prog=f"fedpers run {name}", description=ALGORITHMS[name][2], allow_abbrev=False)
+    p.algorithm = name
     p.add_argument("--config", type=Path, help="TOML file with config fields (flags override it)")
     p.add_argument("--out", type=out_directory, help="run directory (default: runs/<algorithm>-<time>-s<seed>)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the result on stdout")

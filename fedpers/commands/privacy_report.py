@@ -51,7 +51,8 @@ def privacy_summary(run_dir: str | Path, accountant: str | None = None) -> dict[
     }
 
 
-def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
+def privacy_report(run_dir: str | Path, accountant: str | None = None, *, quiet: bool = False) -> str:
+    """The run's ledger as a table and its (ε, δ); ``quiet``: the (ε, δ) line alone (for a script)."""
     run = read_run(run_dir)
     cfg = run["config"]
     ledger = Ledger.from_json(run["ledger_text"])
@@ -66,7 +67,10 @@ def privacy_report(run_dir: str | Path, accountant: str | None = None) -> str:
     level = next((f"{unit}-level" for unit in ("prompt", "example", "column") if unit in neighbours), "user-level")
     accounted = how_accounted(ledger, acc)
     by = accounted["accountant"]
-    lines += ["", f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {by} accountant, {neighbours} neighbours"]
+    spent = f"{level} (ε, δ) = ({eps:.4g}, {delta:g}) by the {by} accountant, {neighbours} neighbours"
+    if quiet:
+        return spent + ("" if run["complete"] else " (INCOMPLETE run: the releases it made)")
+    lines += ["", spent]
     bits = f", {accounted['bits']}-bit sums" if accounted["bits"] is not None else ""
     lines.append(f"  trust model: {accounted['dp_model']}{bits}; {accounted['composition']}")
     if any(isinstance(r.event, SkellamDpEvent) for r in ledger) and acc != by:

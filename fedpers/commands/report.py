@@ -26,6 +26,7 @@ h1{font-size:1.5em}h2{font-size:1.15em;border-bottom:1px solid #ccc;padding-bott
 table{border-collapse:collapse;font-size:.85em;margin:.5em 0}td,th{border:1px solid #ddd;padding:.2em .5em;text-align:right}
 th{background:#f4f4f4}td.l,th.l{text-align:left}.warn{background:#fff3cd;border:1px solid #e0b000;padding:.5em;margin:.5em 0}
 .eps{font-size:1.3em;font-weight:bold}img{max-width:100%;border:1px solid #eee;margin:.5em 0}code,pre{font-size:.85em}
+.note{font-size:.8em;color:#555;margin:.1em 0}
 """
 
 
@@ -135,12 +136,19 @@ def run_report(run_dir: str | Path) -> str:
 
     block = ""
     if result is not None:
-        columns, rows = summary.metric_rows(result)
-        block = table(["", *columns], ([name, *(row.get(c) for c in columns)] for name, row in rows))
+        t = summary.metric_table(result)
+        block = table(
+            ["", *(t.labels[c] for c in t.columns)], ([name, *(row.get(c) for c in t.columns)] for name, row in t.rows)
+        )
+        block += "".join(f'<p class="note">{_e(note)}</p>' for note in t.notes)
         for w in result.warnings or ():
             block = f'<div class="warn">WARNING: {_e(warning_text(w))}</div>' + block
         if result.baselines_skipped:
             block += f"<p>baselines skipped: {_e(', '.join(result.baselines_skipped))}</p>"
+        if t.details:
+            block += "<h3>Details</h3>" + table(
+                ["", "value"], ([label, summary.detail_value(v)] for label, v in t.details)
+            )
     elif run["rounds"]:
         block += "<p>Last recorded round:</p>" + table(["metric", "value"], _numbers(run["rounds"][-1]).items())
     sections.append("<h2>Metrics against every baseline</h2>" + block)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fedpers.privacy.ledger import Release
+from fedpers.results.quantities import Kind, Quantity, quantity
 from fedpers.results.run_result import HEADLINE, NOISE_KEYS, Privacy, RunResult, Scalar, scalar, warning_text
 from fedpers.results.rundir import dumps
 
@@ -128,14 +130,98 @@ def privacy_lines(p: Privacy) -> list[str]:
     return lines
 
 
-def metric_rows(result: RunResult) -> tuple[list[str], list[tuple[str, dict[str, Scalar]]]]:
-    """(columns, rows): the private run's metrics and each baseline's, one row each; the private
-    run's metrics come first, then any only a baseline has."""
-    rows: list[tuple[str, dict[str, Scalar]]] = [(PRIVATE_RUN, dict(result.metrics))]
+@dataclass(frozen=True)
+class MetricTable:
+    """A run's figures as every view shows them: ``columns`` the metrics (keys), ``rows`` the private
+    run, each baseline and any theorem's bound (name, figures), ``details`` the counts, settings and
+    checks (label, value) apart from the metrics, and ``notes`` a line per column (its definition) and
+    per thing a reader could misread."""
+
+    columns: list[str]
+    rows: list[tuple[str, dict[str, Scalar]]]
+    details: list[tuple[str, Scalar]]
+    notes: list[str]
+    labels: dict[str, str]
+    """Each column's header in words."""
+
+
+def quantities_of(algorithm: str) -> Mapping[str, Quantity]:
+    """The figures algorithm ``algorithm`` defines (its experiment's ``quantities``; none for an unknown one)."""
+    from fedpers.experiments import ALGORITHMS, experiment
+
+    return experiment(algorithm).quantities if algorithm in ALGORITHMS else {}
+
+
+def _is_metric(q: Quantity) -> bool:
+    return q.kind in (Kind.METRIC, Kind.SCORE)
+
+
+def metric_table(result: RunResult, own: Mapping[str, Quantity] | None = None) -> MetricTable:
+    """:class:`MetricTable` of ``result``, each figure placed by its :class:`Quantity` (``own``: the
+    algorithm's, default its experiment's)."""
+    own = quantities_of(result.algorithm) if own is None else own
+    private: dict[str, Scalar] = {}
+    details: list[tuple[str, Scalar]] = []
+    bounds: list[tuple[str, dict[str, Scalar]]] = []
+    for key, value in result.metrics.items():
+        q = quantity(key, own)
+        if q.kind is Kind.BOUND and q.bounds:
+            bounds.append((q.label, {q.bounds: value}))
+        elif _is_metric(q) and not isinstance(value, bool):
+            private[key] = value
+        else:
+            details.append((q.label, value))
+    rows: list[tuple[str, dict[str, Scalar]]] = [(PRIVATE_RUN, private)]
     for name, row in (result.baselines or {}).items():
-        rows.append((name, _figures(row)))
+        figures = _figures(row)
+        rows.append((name, {k: v for k, v in figures.items() if _is_metric(quantity(k, own))}))
+        details += [
+            (f"{name}: {quantity(k, own).label}", v) for k, v in figures.items() if not _is_metric(quantity(k, own))
+        ]
+    rows += bounds
     columns = list(dict.fromkeys(k for _, r in rows for k in r))
-    return columns, rows
+    labels = {c: quantity(c, own).axis_label for c in columns}
+    notes = [f"{labels[c]}: {quantity(c, own).definition}" for c in columns if quantity(c, own).definition]
+    notes += [
+        f"{name}: {quantity(k, own).definition}"
+        for k in result.metrics
+        for name in [quantity(k, own).label]
+        if quantity(k, own).kind is Kind.BOUND and quantity(k, own).definition
+    ]
+    notes += _oracle_notes(rows, own)
+    return MetricTable(columns, rows, details, notes, labels)
+
+
+def _oracle_notes(rows: list[tuple[str, dict[str, Scalar]]], own: Mapping[str, Quantity]) -> list[str]:
+    """Where the private run scores better than the oracle (the truth known), say that this is the
+    evaluation's noise: the oracle is best in expectation only, each user fitting its own model on
+    finitely many noisy samples."""
+    figures = dict(rows)
+    oracle, private = figures.get("oracle"), figures.get(PRIVATE_RUN, {})
+    if not oracle:
+        return []
+    below = []
+    for key, value in private.items():
+        base = oracle.get(key)
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or isinstance(value, bool):
+            continue
+        q = quantity(key, own)
+        better = value > base if q.higher_is_better else value < base
+        if better and math.isfinite(value) and math.isfinite(base) and base != 0:
+            below.append(f"{q.label} ({fmt(value)} against {fmt(base)}, {abs(value - base) / abs(base):.1%})")
+    if not below:
+        return []
+    return [
+        "the private run beats the oracle on " + " and ".join(below) + ": evaluation noise, not a gain (the oracle "
+        "knows the truth and is best in expectation; each user fits its own model on a few noisy samples, so a "
+        "nearby estimate can score better on one draw; `fedpers sweep` with `repetitions = 5` shows the spread over seeds)"
+    ]
+
+
+def metric_rows(result: RunResult) -> tuple[list[str], list[tuple[str, dict[str, Scalar]]]]:
+    """(columns, rows) of :func:`metric_table`: the metrics, one row per run (private, baselines, bounds)."""
+    t = metric_table(result)
+    return t.columns, t.rows
 
 
 def _figures(row: Mapping[str, Any]) -> dict[str, Scalar]:
@@ -154,8 +240,45 @@ def ledger_rows(releases: Iterable[Release]) -> list[list[Any]]:
     return rows
 
 
+def release_multipliers(p: Privacy) -> dict[str, float]:
+    """Each kind of release's noise multiplier z (its name with round numbers as N), where a run's
+    releases differ in z; empty where one z holds for every release."""
+    found = p.details.get("noise_multipliers")
+    return {str(k): float(v) for k, v in found.items()} if isinstance(found, Mapping) else {}
+
+
+def noise_text(p: Privacy) -> str:
+    """``noise multiplier z = 3.746`` for one z, or each kind of release's where they differ."""
+    per = release_multipliers(p)
+    if per:
+        return "noise multiplier z by release: " + ", ".join(f"{name} {fmt(z)}" for name, z in per.items())
+    return phrase("noise_multiplier", p.noise_multiplier) if p.noise_multiplier is not None else ""
+
+
+def detail_value(v: Scalar) -> str:
+    return ("yes" if v else "no") if isinstance(v, bool) else fmt(v)
+
+
+def table_lines(t: MetricTable) -> list[str]:
+    """The metrics table (a row per run, a column per metric, headers in words), its footnotes and the
+    details block, as text."""
+    if not t.columns and not t.details:
+        return []
+    lines: list[str] = []
+    if t.columns:
+        width = max(len(name) for name, _ in t.rows) + 2
+        size = {c: max(len(t.labels[c]), 10) + 2 for c in t.columns}
+        lines.append("".ljust(width) + "".join(t.labels[c].rjust(size[c]) for c in t.columns))
+        for name, row in t.rows:
+            lines.append(name.ljust(width) + "".join(fmt(row.get(c)).rjust(size[c]) for c in t.columns))
+        lines += [f"  {note}" for note in t.notes]
+    if t.details:
+        lines.append("details: " + "; ".join(f"{label} = {detail_value(v)}" for label, v in t.details))
+    return lines
+
+
 def summary_text(result: RunResult) -> str:
-    """The CLI's summary: privacy, the metrics beside every baseline, the preconditions, warnings."""
+    """The CLI's summary: privacy, the metrics table beside every baseline, details, the preconditions, warnings."""
     seconds = f"{result.seconds:.1f}" if result.seconds is not None else "?"
     lines = [f"\n{result.algorithm} on the {result.runtime} runtime: {result.status} in {seconds} s"]
     p = result.privacy
@@ -163,45 +286,53 @@ def summary_text(result: RunResult) -> str:
         line = f"privacy: {epsilon_delta(p)} by {p.accountant or '?'}"
         if p.target_epsilon is not None:
             line += f" for {phrase('target_epsilon', p.target_epsilon)}"
-        if p.noise_multiplier is not None:
-            line += f"; {phrase('noise_multiplier', p.noise_multiplier)}"
+        if noise_text(p):
+            line += f"; {noise_text(p)}"
         lines.append(line)
         lines += ["         " + text for text in privacy_lines(p)]
-    columns, rows = metric_rows(result)
-    if columns:
-        width = max(len(name) for name, _ in rows) + 2
-        lines.append("\n" + "".ljust(width) + "".join(c.rjust(max(len(c), 10) + 2) for c in columns))
-        for name, row in rows:
-            lines.append(name.ljust(width) + "".join(fmt(row.get(c)).rjust(max(len(c), 10) + 2) for c in columns))
+    table = table_lines(metric_table(result))
+    if table:
+        lines += ["", *table]
     lines += [f"skipped {k}: {why}" for k, why in (result.skipped_metrics or {}).items()]
     if result.conditions:
-        lines.append("\npreconditions of the privacy guarantee:")
+        holds = all(c["holds"] for c in result.conditions.values())
+        lines.append("\npreconditions of the privacy guarantee" + (" (every one holds):" if holds else ":"))
         lines += [
             f"  [{'holds' if c['holds'] else 'FAILS'}] {c['text']}"
             + (f"  ({fmt(c['value'])} vs {fmt(c['bound'])})" if "value" in c else "")
             for c in result.conditions.values()
         ]
-    if "dp_claimed" in result.metrics:
-        claimed = result.metrics["dp_claimed"]
-        lines.append("DP claimed: " + ("yes" if claimed else "NO (" + "; ".join(result.refused_because or ()) + ")"))
     lines += warning_lines(result)
     if result.run_dir is not None:
         lines.append(f"\nrun directory: {result.run_dir}")
     return "\n".join(lines)
 
 
+SEED_NOTE = (
+    "   (one seed: whether the private run wins can change with it; `fedpers sweep` with `repetitions = 5` "
+    "and these flags in [base] shows the spread over seeds, docs/usage.md)"
+)
+"""Said under a lost comparison: one run cannot tell a loss from a seed's bad luck."""
+
+
 def warning_lines(result: RunResult) -> list[str]:
-    """Each warning, loudly (a private result no better than a trivial baseline)."""
-    return [f"\n!! WARNING: {warning_text(w)}" for w in result.warnings or ()]
+    """Each warning, loudly (a private result no better than a trivial baseline); under a lost
+    comparison, :data:`SEED_NOTE`."""
+    warnings = list(result.warnings or ())
+    lines = [f"\n!! WARNING: {warning_text(w)}" for w in warnings]
+    if any(not isinstance(w, str) and w.baseline for w in warnings):
+        lines.append(SEED_NOTE)
+    return lines
 
 
 def compare_row(result: RunResult, privacy: Privacy, status: str) -> dict[str, Any]:
-    """The run as compare shows it: runtime, status, ε, δ, z (from ``privacy``: the run's own,
-    or its ledger's so far, :func:`shown_privacy`), time, then its metrics."""
+    """The run as compare shows it: runtime, status, ε spent, δ, z, target ε (from ``privacy``: the run's
+    own, or its ledger's so far, :func:`shown_privacy`), time, then its figures."""
     return {
         "runtime": result.runtime,
         "status": status,
         **{k: getattr(privacy, k) for k in HEADLINE},
+        "target_epsilon": privacy.target_epsilon,
         "seconds": result.seconds,
         **result.metrics,
     }

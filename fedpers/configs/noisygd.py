@@ -8,6 +8,7 @@ import enum
 from fedpers.config import DEFAULT_DELTA, MAX_EPSILON, DeviceRunConfig, Neighbours, field, inherited, run_config
 from fedpers.configs.gradient_rounds import GradientRoundFields, check_decay, check_settings
 from fedpers.configs.privacy import Accountant, accountant_field, check_accountant, check_poisson_accountant
+from fedpers.configs.shared import BASELINES_HELP, parse_baselines
 
 
 class Remedy(str, enum.Enum):
@@ -25,6 +26,15 @@ class Collapse(str, enum.Enum):
     PERFECT = "perfect"
     OFFSET = "offset"
     RANDOM = "random"
+
+
+BASELINES = ("chance", "nonprivate_gd")
+"""NoisyGD's baselines: the most frequent class, and GD on the same data without clipping or noise."""
+
+
+def baseline_names(text: str) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+    return parse_baselines(text, BASELINES)
 
 
 @run_config
@@ -79,7 +89,7 @@ class NoisyGDConfig(DeviceRunConfig):
         Accountant.PLD, "pld: tight; zcdp: T steps are Tρ-zCDP, ε = ρ + 2√(ρ log 1/δ) (the paper's)"
     )
     test_examples: int = field(2000, "test examples (same class proportions as training)", ge=1)
-    baselines: bool = field(True, "also run non-private GD (no clip, no noise) on the same data")
+    baselines: str = field("all", BASELINES_HELP + ", ".join(BASELINES) + " (non-private GD: no clip, no noise)")
     seed: int = inherited()
     neighbours: Neighbours = inherited()
     device: str = inherited()
@@ -89,6 +99,7 @@ class NoisyGDConfig(DeviceRunConfig):
 
     def check(self) -> None:
         check_accountant(self.accountant, self.neighbours)
+        baseline_names(self.baselines)
         if self.feature_dim < self.classes:
             raise ValueError(
                 f"feature_dim must be >= classes={self.classes} (a K-simplex ETF needs p ≥ K); got {self.feature_dim}"

@@ -27,6 +27,7 @@ from fedpers.configs.privacy import (
     check_accountant,
     sampling_accountants,
 )
+from fedpers.configs.shared import BASELINES_HELP, parse_baselines
 
 
 class Mode(str, enum.Enum):
@@ -104,6 +105,15 @@ class Engine(str, enum.Enum):
     SPECTRAL = "spectral"
 
 
+BASELINES = ("ridge", "nonprivate_gd", "zero_head")
+"""NoisyHead's baselines: the ridge Γ* of the descended objective, GD without clipping or noise, and Γ = 0."""
+
+
+def baseline_names(text: str) -> tuple[str, ...]:
+    """``all`` | ``none`` | a comma list of :data:`BASELINES` → the names (refused otherwise)."""
+    return parse_baselines(text, BASELINES)
+
+
 @run_config
 class NoisyHeadConfig(ApproxDpRunConfig):
     prompts: int = field(10000, "number of training prompts N", ge=1)
@@ -179,6 +189,7 @@ class NoisyHeadConfig(ApproxDpRunConfig):
     )
     init: Init = field(Init.ZERO, "Γ⁰: zero, or 0.1·N(0, I) projected on the R-ball (public randomness)")
     test_prompts: int = field(500, "test prompts for the excess risk and MSE", ge=1)
+    baselines: str = field("all", BASELINES_HELP + ", ".join(BASELINES))
     data: DataSource = field(
         DataSource.SYNTHETIC, "synthetic (docs/algorithms.md §2) or newsgroups (§7; needs the 'text' extra)"
     )
@@ -197,6 +208,7 @@ class NoisyHeadConfig(ApproxDpRunConfig):
 
     def check(self) -> None:
         check_accountant(self.accountant, self.neighbours)
+        baseline_names(self.baselines)
         if self.calibration is Calibration.PAPER and self.neighbours is not Neighbours.REPLACE_ONE:
             raise ValueError(
                 "calibration paper: the per-step (ε/T, δ/T) rule is stated for replace-one neighbours; use "

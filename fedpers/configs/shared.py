@@ -12,12 +12,17 @@ def is_long_format(path: str | Path) -> bool:
     return Path(path).suffix.lower() in LONG_FORMAT_SUFFIXES
 
 
+BASELINES_HELP = "baselines on the same data: all, none, or a comma list of "
+"""How every algorithm's ``--baselines`` flag begins its help (one convention: all | none | a list)."""
+
+
 def parse_baselines(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
-    """``all`` | ``none`` | a comma list of ``allowed`` → the names (refused otherwise)."""
+    """``all`` | ``none`` | a comma list of ``allowed`` → the names (refused otherwise). ``true``/``false``
+    (a config.json of a run written when NoisyGD's flag was a yes/no) read as all/none."""
     text = text.strip()
-    if text == "all":
+    if text.lower() in ("all", "true"):
         return allowed
-    if text in ("none", ""):
+    if text.lower() in ("none", "", "false"):
         return ()
     names = tuple(n.strip() for n in text.split(","))
     unknown = [n for n in names if n not in allowed]

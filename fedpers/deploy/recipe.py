@@ -71,6 +71,9 @@ class Layout:
                 raise ValueError(f"host must be a name or IP address of 1 to 64 characters, no spaces; got {host!r}")
         if self.supernodes < 1:
             raise ValueError(f"supernodes must be an integer >= 1; got {self.supernodes}")
+        for name in ("n_users", "dim", "samples_per_user"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {getattr(self, name)}")
         for name, port in (("port", self.port), ("link_port", self.link_port), ("node_port", self.node_port)):
             if not 1 <= port <= 65535 - (self.supernodes if name == "node_port" else 0):
                 raise ValueError(f"{name} must be in 1..65535 (node_port + supernodes too); got {port}")

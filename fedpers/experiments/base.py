@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -22,6 +22,7 @@ from fedpers.data.units import UnitSource
 from fedpers.experiments.hooks import CanaryDesign, PrivateScore
 from fedpers.privacy import Calibrations, Ledger
 from fedpers.protocols.base import Protocol, State, Units
+from fedpers.results.quantities import Quantity
 from fedpers.seeds import derived_seed  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
@@ -75,8 +76,7 @@ class Evaluator(abc.ABC):
 @dataclass(frozen=True)
 class Trivial:
     """A baseline a private run must beat to be worth reporting: the run's ``metric`` against the
-    same metric of ``baseline`` (a name in ``result["baselines"]``, or a top-level result key
-    holding the baseline's value, such as ``global_mean_rmse``)."""
+    same metric of ``baseline`` (a name in ``result["baselines"]``)."""
 
     metric: str
     baseline: str
@@ -88,7 +88,7 @@ class Trivial:
 def trivial_value(result: Mapping[str, Any], t: Trivial) -> float | None:
     """The baseline's value of ``t.metric`` in ``result`` (None: not measured in this run)."""
     row = result.get("baselines", {}).get(t.baseline)
-    value = row.get(t.metric) if isinstance(row, Mapping) else result.get(t.baseline)
+    value = row.get(t.metric) if isinstance(row, Mapping) else None
     return (
         float(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -203,6 +203,10 @@ class Experiment(abc.ABC, Generic[ConfigT, ProtocolT]):
     """Config fields that change only the private run (ε, δ, the accountant, the neighbouring
     relation, how the noise is calibrated), never a baseline of :meth:`Evaluator.shared_baselines`. Empty: the experiment shares
     no baselines between runs (:meth:`baseline_key`)."""
+    quantities: ClassVar[Mapping[str, Quantity]] = {}
+    """What each of its figures is, in words, where this algorithm's meaning is its own or the figure is
+    not one of :data:`fedpers.results.quantities.SHARED`: every view labels, places and defines a
+    figure by it (a metric column, a bound row, a detail)."""
 
     @abc.abstractmethod
     def protocol(self, cfg: ConfigT, calibrations: Calibrations | None = None) -> ProtocolT:

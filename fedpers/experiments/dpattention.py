@@ -2,47 +2,26 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-import dp_accounting
 import torch
 
 from fedpers import linalg, memory
-from fedpers.configs.dpattention import DpAttentionConfig
+from fedpers.configs.dpattention import BASELINES, DpAttentionConfig, data_norm, theorem_params
+from fedpers.configs.shared import parse_baselines
 from fedpers.data import attention as data
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
-from fedpers.privacy import Calibrations, DpCovarianceParams, Ledger, ledger_epsilon
-from fedpers.privacy.mechanisms import dp_covariance_min_k
+from fedpers.privacy import Calibrations, Ledger, ledger_epsilon
 from fedpers.protocols.base import State
 from fedpers.protocols.dpattention import DpAttentionProtocol, attention_matrix, entrywise_max_norm
+from fedpers.results.quantities import Kind, Quantity
 
 Tensor = torch.Tensor
 
 
-def data_norm(cfg: DpAttentionConfig) -> float:
-    """The synthetic columns' norm: E[XXᵀ] = d·norm²/n·I = s·I."""
-    return math.sqrt(cfg.data_scale * cfg.rows / cfg.columns)
-
-
-def params(cfg: DpAttentionConfig) -> DpCovarianceParams:
-    alpha = cfg.alpha if cfg.alpha > 0 else data_norm(cfg)
-    eta = cfg.eta if cfg.eta > 0 else cfg.data_scale * max(0.0, 1 - math.sqrt(cfg.rows / cfg.columns)) ** 2 / 2
-    if eta <= 0:
-        raise ValueError(f"eta: the default needs columns > rows (got d={cfg.columns}, n={cfg.rows}); set --eta")
-    k = cfg.k if cfg.k > 0 else dp_covariance_min_k(cfg.rows, cfg.epsilon, cfg.gamma)
-    return DpCovarianceParams(
-        rows=cfg.rows,
-        columns=cfg.columns,
-        k=k,
-        epsilon=cfg.epsilon,
-        delta=cfg.delta,
-        alpha=alpha,
-        beta=cfg.beta,
-        eta=eta,
-        r=cfg.r,
-        gamma=cfg.gamma,
-    )
+params = theorem_params
+"""The theorem's parameters of a config (:func:`fedpers.configs.dpattention.theorem_params`)."""
 
 
 def load_units(cfg: DpAttentionConfig, ids: Tensor) -> dict[str, Tensor]:
@@ -75,8 +54,6 @@ class DpAttentionEvaluator(Evaluator):
             "rho": p.rho,
             "within_1_pm_rho": bool(float((eig_rel - 1).abs().max()) <= p.rho),
             "k": p.k,
-            "dp_claimed": bool(state["dp_claimed"]),
-            "refused_because": list(state["refused_because"]),
             "conditions": state["conditions"],
             "columns_clipped": self.columns_clipped,
             "baselines": {
@@ -85,7 +62,10 @@ class DpAttentionEvaluator(Evaluator):
                         attention_matrix(A, self.protocol.f) - torch.full_like(A, 1.0 / p.rows)
                     )
                 }
-            },
+            }
+            if parse_baselines(self.cfg.baselines, BASELINES)
+            else {},
+            "baselines_skipped": [] if parse_baselines(self.cfg.baselines, BASELINES) else list(BASELINES),
         }
 
 
@@ -93,7 +73,7 @@ class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
     """DP attention: DPCovariance release of XXᵀ and the attention D(B)⁻¹f(B)."""
 
     name = "dpattention"
-    baseline_names = ("uniform_attention",)
+    baseline_names = BASELINES
     result_keys = (
         "attention_error",
         "utility_bound",
@@ -102,11 +82,27 @@ class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
         "rho",
         "within_1_pm_rho",
         "k",
-        "dp_claimed",
         "columns_clipped",
     )
     config_type = DpAttentionConfig
     primary_metric = "attention_error"
+    quantities: ClassVar[Mapping[str, Quantity]] = {
+        "attention_error": Quantity(
+            "attention error", "max_ij |D(A)⁻¹f(A) − D(B)⁻¹f(B)|_ij: the released attention's largest entrywise error"
+        ),
+        "relative_error": Quantity("relative error", "‖A^{-1/2} B A^{-1/2} − I‖_F: B's error relative to A"),
+        "utility_bound": Quantity(
+            "Theorem 3.1 bound",
+            "4(1 + ε + 2r)r: the attention error's bound, with probability 1 − γ",
+            Kind.BOUND,
+            bounds="attention_error",
+        ),
+        "bound_holds": Quantity("attention error within the bound", kind=Kind.DETAIL),
+        "within_1_pm_rho": Quantity("(1 − ρ)A ⪯ B ⪯ (1 + ρ)A", kind=Kind.DETAIL),
+        "rho": Quantity("ρ", "sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k", Kind.DETAIL),
+        "k": Quantity("Gaussian samples k", "DPCovariance's samples (the smallest with ρ < 0.1ε)", Kind.DETAIL),
+        "columns_clipped": Quantity("columns clipped to α", kind=Kind.DETAIL),
+    }
 
     def trivial_baselines(self, cfg: DpAttentionConfig) -> list[Trivial]:
         why = (
@@ -136,14 +132,12 @@ class DpAttentionExperiment(Experiment[DpAttentionConfig, DpAttentionProtocol]):
 
     def privacy_summary(self, cfg: DpAttentionConfig, protocol: DpAttentionProtocol, ledger: Ledger) -> dict[str, Any]:
         p = protocol.params
-        claimed = bool(len(ledger)) and not any(isinstance(r.event, dp_accounting.NonPrivateDpEvent) for r in ledger)
         return {
             "epsilon": ledger_epsilon(ledger, cfg.delta),
             "delta": cfg.delta,
             "target_epsilon": cfg.epsilon,
             "accountant": "pld (the (ε, δ) stated by Theorem 3.1)",
             "neighbouring": f"β-close column (one column moved by at most β = {cfg.beta:g})",
-            "dp_claimed": claimed,
             "mechanism": "DPCovariance: B = (1/k) Σ g gᵀ, g ~ N(0, A)",
             "k": p.k,
             "Delta": p.Delta,

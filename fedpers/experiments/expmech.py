@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fedpers import memory, metrics
-from fedpers.configs.expmech import CandidateKind, ExpMechConfig, altmin_config
+from fedpers.configs.expmech import BASELINES, CandidateKind, ExpMechConfig, altmin_config, baseline_names
 from fedpers.data.units import UnitSource
 from fedpers.experiments import altmin
 from fedpers.experiments.base import Experiment, Trivial, derived_seed
@@ -115,7 +115,7 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
     def __init__(self, cfg: ExpMechConfig, protocol: ExpMechProtocol) -> None:
         a = altmin.resolve_plan(altmin_config(cfg))
         super().__init__(a, a.protocol(private=False))
-        self.expmech = protocol
+        self.expmech, self.exp_cfg = protocol, cfg
 
     def round_metrics(self, round: int, state: State) -> dict[str, float]:
         if self.u_star is None:
@@ -142,13 +142,14 @@ class ExpMechEvaluator(altmin.AltMinEvaluator):
     def final(self, state: State) -> dict[str, Any]:
         extra = {}
         device = self.cfg.device  # where the users are scored (the candidates live on the host)
-        if self.u_star is not None:
+        if self.u_star is not None and "nearest_candidate" in baseline_names(self.exp_cfg.baselines):
             cands = state["candidates"].to(device, torch.float64)
             proj = cands - self.u_star.double() @ (self.u_star.double().T @ cands)
             nearest = state["candidates"][int(torch.linalg.matrix_norm(proj).argmin())].to(device)
             extra["nearest_candidate"] = (self.candidate_fit(nearest), nearest)
         U = state["U"].to(device)
         out = self.with_baselines({"private": (self.candidate_fit(U), U)}, extra)
+        out["baselines_skipped"] = [n for n in BASELINES if n not in out["baselines"]]
         out["candidates"] = int(state["candidates"].shape[0])
         return out
 
@@ -166,14 +167,18 @@ class ExpMechExperiment(Experiment[ExpMechConfig, ExpMechProtocol]):
 
     round_axis = altmin.AltMinExperiment.round_axis
     result_keys = (*altmin.AltMinExperiment.result_keys, "candidates")
-    baseline_names = (*altmin.BASELINES, "nearest_candidate")
+    baseline_names = BASELINES
     config_type = ExpMechConfig
 
     def trivial_baselines(self, cfg: ExpMechConfig) -> list[Trivial]:
         why = (
             "the selected U is too far from the truth: either the candidate set is too coarse (compare nearest_candidate; "
             "use a smaller --net-width or more --num-candidates) or there are too few users for this ε to single out "
-            "a good candidate (raise --n-users or --epsilon)"
+            + (
+                "a good candidate (raise --n-users or --epsilon)"
+                if cfg.data is None
+                else "a good candidate (raise --epsilon)"
+            )
         )
         return [Trivial("excess_risk", "local_only", why=why)]
 

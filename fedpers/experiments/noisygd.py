@@ -14,7 +14,7 @@ from fedpers import memory
 from fedpers.config import (
     device_path,
 )
-from fedpers.configs.noisygd import Collapse, NoisyGDConfig, Remedy
+from fedpers.configs.noisygd import BASELINES, Collapse, NoisyGDConfig, Remedy, baseline_names
 from fedpers.configs.privacy import Accountant, accountant_name
 from fedpers.data import neural_collapse as nc
 from fedpers.experiments.base import Evaluator, Experiment, Trivial, derived_seed
@@ -164,7 +164,7 @@ def accuracy(protocol: NoisyGDProtocol, state: Any, test: dict[str, Tensor], cla
 
 def shared_baselines(cfg: NoisyGDConfig) -> tuple[str, ...]:
     """Non-private GD on the same data, when asked for (the chance row costs nothing)."""
-    return ("nonprivate_gd",) if cfg.baselines else ()
+    return ("nonprivate_gd",) if "nonprivate_gd" in baseline_names(cfg.baselines) else ()
 
 
 class NoisyGDEvaluator(Evaluator):
@@ -192,14 +192,18 @@ class NoisyGDEvaluator(Evaluator):
         out["baselines"] = {
             "chance": {"accuracy": majority, "balanced_accuracy": 1.0 / self.cfg.classes}
         }  # always the most frequent class
-        if "nonprivate_gd" in self.reused:  # computed by another run of this data and seed (a sweep's)
+        if "chance" not in baseline_names(self.cfg.baselines):
+            del out["baselines"]["chance"]
+        if "nonprivate_gd" in self.reused and "nonprivate_gd" in baseline_names(self.cfg.baselines):
+            # computed by another run of this data and seed (a sweep's)
             out["baselines"]["nonprivate_gd"] = self.reused["nonprivate_gd"]
             out["baselines_reused"] = ["nonprivate_gd"]
-        elif self.cfg.baselines:
+        elif "nonprivate_gd" in baseline_names(self.cfg.baselines):
             nonprivate = make_protocol(self.cfg, private=False)
             units = load_units(self.cfg, torch.arange(self.cfg.examples))
             np_state, _ = run_local(nonprivate, units, Privatizer(0), chunk_size=self.cfg.chunk_size, progress=False)
             out["baselines"]["nonprivate_gd"] = accuracy(nonprivate, np_state, self.test, self.cfg.classes)
+        out["baselines_skipped"] = [name for name in BASELINES if name not in out["baselines"]]
         return out
 
 
@@ -268,7 +272,7 @@ class NoisyGDExperiment(Experiment[NoisyGDConfig, NoisyGDProtocol]):
         return shared_baselines(cfg)
 
     result_keys = ("accuracy", "balanced_accuracy")
-    baseline_names = ("nonprivate_gd", "chance")
+    baseline_names = BASELINES
     config_type = NoisyGDConfig
 
     def trivial_baselines(self, cfg: NoisyGDConfig) -> list[Trivial]:

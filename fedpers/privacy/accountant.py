@@ -743,6 +743,28 @@ def calibrate_noise_multiplier(
     return _calibrate(make_event, target_epsilon, target_delta, accountant, relation)
 
 
+def check_rule_meets_target(
+    rule: str,
+    event: dp_accounting.DpEvent,
+    target_epsilon: float,
+    target_delta: float,
+    accountant: Accountant | str = Accountant.PLD,
+) -> None:
+    """Refuse, before any work, noise set by a paper's own ``rule`` whose ``event`` spends more than the
+    target ε by ``accountant``: the rule is then outside the range its derivation holds in (the classical
+    Gaussian formula needs ε < 1 per release; Theorem 4.2's bound is linear in Δ/σ where the exact ε
+    grows faster), and a run of it would publish a result that breaks its own stated target."""
+    if math.isinf(target_epsilon):
+        return
+    spent = event_epsilon(event, target_delta, accountant)
+    if spent > target_epsilon * (1 + 1e-9):
+        raise ValueError(
+            f"calibration: {rule} would spend ε = {spent:.4g} by {accountant_name(accountant)} for target ε = "
+            f"{target_epsilon:g} at these values (outside the range the rule holds in); lower --epsilon, or use "
+            "--calibration accountant (the smallest noise that meets the target)"
+        )
+
+
 def _calibrate(
     make_event: Callable[[float], dp_accounting.DpEvent],
     target_epsilon: float,

@@ -37,7 +37,14 @@ import numpy as np
 import torch
 
 from fedpers import linalg
-from fedpers.config import Neighbours, neighbours_of
+from fedpers.config import Neighbours, PreconditionFailed, neighbours_of
+from fedpers.configs.dpattention import (
+    Condition,
+    DpCovarianceParams,
+    dp_covariance_min_k,  # noqa: F401  (re-exported: the mechanism's parameters live in the configs layer)
+    dp_covariance_rho,  # noqa: F401
+    public_conditions,
+)
 from fedpers.privacy import correlated as correlated_module
 from fedpers.privacy import secure as secure_module
 from fedpers.privacy.ledger import ALL_UNITS, EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
@@ -45,81 +52,10 @@ from fedpers.privacy.ledger import ALL_UNITS, EpsilonDeltaDpEvent, Ledger, PureD
 Tensor = torch.Tensor
 
 
-# ----- DPCovariance parameters and preconditions (dp-attention-computation, docs/algorithms.md §4) -----
-@dataclass(frozen=True)
-class Condition:
-    """One precondition of a mechanism's stated guarantee, with the numbers it was decided on."""
-
-    name: str
-    holds: bool
-    value: float
-    bound: float
-    text: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"holds": self.holds, "value": self.value, "bound": self.bound, "text": self.text}
-
-
-@dataclass(frozen=True)
-class DpCovarianceParams:
-    """Public parameters of DPCovariance (Theorem 3.1 of the DP-attention paper).
-
-    ``alpha``, ``eta`` and ``r`` are promises about the data domain (column norms ≤ α,
-    XXᵀ ⪰ ηI, max|A_ij| ≤ r); ``beta`` defines neighbours (one column moves by ≤ β);
-    ``gamma`` is the failure probability of the utility guarantee.
-    """
-
-    rows: int
-    columns: int
-    k: int
-    epsilon: float
-    delta: float
-    alpha: float
-    beta: float
-    eta: float
-    r: float
-    gamma: float
-
-    @property
-    def Delta(self) -> float:
-        """Δ = 0.1·min(ε/sqrt(k log(1/δ)), ε/log(1/δ)) (docs/algorithms.md §4)."""
-        log_term = math.log(1.0 / self.delta)
-        return 0.1 * min(self.epsilon / math.sqrt(self.k * log_term), self.epsilon / log_term)
-
-    @property
-    def rho(self) -> float:
-        """ρ = sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k: B is within (1 ± ρ)A w.p. 1 − γ."""
-        return dp_covariance_rho(self.rows, self.k, self.gamma)
-
-    @property
-    def sensitivity(self) -> float:
-        """2αβ√n/η: bound on ||A^{1/2} Ã^{-1} A^{1/2} − I||_F for β-close neighbours (Lemma 4.11)."""
-        return 2 * self.alpha * self.beta * math.sqrt(self.rows) / self.eta if self.eta > 0 else math.inf
-
-    @property
-    def utility_bound(self) -> float:
-        """4(1 + ε + 2r)r: the paper's bound on ||D(A)⁻¹f(A) − D(B)⁻¹f(B)||_∞."""
-        return 4 * (1 + self.epsilon + 2 * self.r) * self.r
-
-
-def dp_covariance_rho(rows: int, k: int, gamma: float) -> float:
-    q = (rows**2 + math.log(1.0 / gamma)) / k
-    return math.sqrt(q) + q
-
-
-def dp_covariance_min_k(rows: int, epsilon: float, gamma: float) -> int:
-    """The smallest k with ρ < 0.1ε (sqrt(q) + q < 0.1ε ⇔ sqrt(q) < (−1 + sqrt(1 + 0.4ε))/2)."""
-    t = (-1 + math.sqrt(1 + 0.4 * epsilon)) / 2
-    if not t**2 > 0:  # 1 + 0.4ε rounds to 1 (ε below ~1e-15): no k reaches ρ < 0.1ε in floating point
-        raise ValueError(f"epsilon {epsilon:g} is too small for DPCovariance's default k (ρ < 0.1ε); raise --epsilon")
-    k = max(1, math.floor((rows**2 + math.log(1 / gamma)) / t**2) + 1)
-    while dp_covariance_rho(rows, k, gamma) >= 0.1 * epsilon:
-        k += 1
-    return k
-
-
+# ----- DPCovariance preconditions (dp-attention-computation, docs/algorithms.md §4) -----
 def dp_covariance_conditions(params: DpCovarianceParams, A: Tensor) -> tuple[Condition, ...]:
-    """Every precondition of Theorem 3.1, decided on the public parameters and the summed A.
+    """Every precondition of Theorem 3.1: those the public parameters decide
+    (:func:`fedpers.configs.dpattention.public_conditions`), then the two decided on the summed A.
 
     Column norms ≤ α is not re-checked here: clients clip every column to α (the protocol's
     per-unit bound), which makes it hold by construction.
@@ -128,42 +64,18 @@ def dp_covariance_conditions(params: DpCovarianceParams, A: Tensor) -> tuple[Con
     lam_min = float(torch.linalg.eigvalsh(A.double()).min())
     a_inf = float(A.abs().max())
     return (
-        Condition("epsilon_range", 0 < p.epsilon < 0.1, p.epsilon, 0.1, "ε ∈ (0, 0.1)"),
-        Condition("delta_range", 0 < p.delta < 0.1, p.delta, 0.1, "δ ∈ (0, 0.1)"),
-        Condition("r_range", 0 < p.r < 0.1, p.r, 0.1, "r ∈ (0, 0.1)"),
-        Condition("d_ge_n", p.columns >= p.rows, p.columns, p.rows, "d ≥ n"),
-        Condition("eta_lt_r", 0 < p.eta < p.r, p.eta, p.r, "0 < η < r"),
+        *public_conditions(p),
         Condition("eta_good", lam_min >= p.eta, lam_min, p.eta, "XXᵀ ⪰ ηI (λ_min(A) ≥ η)"),
-        Condition(
-            "column_norms", p.alpha > 0, p.alpha, p.alpha, "column norms ≤ α (each column clipped to α by its client)"
-        ),
         Condition("a_inf_le_r", a_inf <= p.r, a_inf, p.r, "||A||_∞ = max|A_ij| ≤ r"),
-        Condition(
-            "beta_bound",
-            p.sensitivity < p.Delta,
-            p.sensitivity,
-            p.Delta,
-            "2αβ√n/η < Δ = 0.1·min(ε/sqrt(k log(1/δ)), ε/log(1/δ))",
-        ),
-        Condition(
-            "rho_bound",
-            p.rho < 0.1 * p.epsilon,
-            p.rho,
-            0.1 * p.epsilon,
-            "ρ = sqrt((n² + log(1/γ))/k) + (n² + log(1/γ))/k < 0.1ε",
-        ),
     )
 
 
 @dataclass(frozen=True)
 class CovarianceRelease:
+    """B and the preconditions it was released under (every one holds: a release is never made otherwise)."""
+
     B: Tensor
     conditions: tuple[Condition, ...]
-    dp_claimed: bool
-
-    @property
-    def failed(self) -> list[str]:
-        return [f"{c.text}: {c.value:.4g} vs {c.bound:.4g}" for c in self.conditions if not c.holds]
 
 
 def psd_sensitivity(
@@ -625,9 +537,12 @@ class Privatizer:
     ) -> CovarianceRelease:
         """DPCovariance(A, k): B = (1/k) Σ_{i≤k} g_i g_iᵀ with g_i ~ N(0, A) i.i.d.
 
-        The draw IS the noise, so it lives here. The ledger records an (ε, δ) event only when
-        every precondition of Theorem 3.1 holds; otherwise it records a non-private event (the
-        accountant then reports ε = ∞) and the release says why.
+        The draw IS the noise, so it lives here. It is made, and recorded as an (ε, δ) event, only
+        when every precondition of Theorem 3.1 holds: one the public parameters decide is refused
+        (ValueError; the config refuses it before any work), one decided on the data (XXᵀ ⪰ ηI,
+        max|A_ij| ≤ r) fails the run (:class:`~fedpers.config.PreconditionFailed`) with nothing drawn
+        or recorded. Which of the two promises failed is then known to whoever sees the failure: the
+        theorem's guarantee covers only data that keep its promises.
 
         Sampling: with A = SSᵀ (S from the eigendecomposition, so a singular A works),
         Σ g gᵀ = S W Sᵀ with W ~ Wishart(k, I_n). For k ≥ n, W is drawn exactly by the
@@ -655,12 +570,18 @@ class Privatizer:
         if not params.gamma < 1:
             raise ValueError(f"release {name!r}: gamma must be < 1, got {params.gamma}")
         conditions = dp_covariance_conditions(params, A)
-        claimed = all(c.holds for c in conditions)
-        event = (
-            EpsilonDeltaDpEvent(float(params.epsilon), float(params.delta))
-            if claimed
-            else dp_accounting.NonPrivateDpEvent()
-        )
+        public = {c.name for c in public_conditions(params)}
+        declared = [c for c in conditions if not c.holds and c.name in public]
+        if declared:  # a protocol built around its config (the config refuses these values)
+            raise ValueError(f"release {name!r}: Theorem 3.1 needs " + "; ".join(c.text for c in declared))
+        failed = [c for c in conditions if not c.holds]
+        if failed:  # decided on the data: nothing is drawn or recorded, and the run fails
+            raise PreconditionFailed(
+                f"release {name!r}: the data break a promise of Theorem 3.1 ({'; '.join(c.text for c in failed)}), "
+                "so its (ε, δ) would not hold and nothing was released; declare promises the data keep "
+                "(--eta, --r, --alpha)"
+            )
+        event = EpsilonDeltaDpEvent(float(params.epsilon), float(params.delta))
         release = Release(
             round,
             name,
@@ -682,7 +603,7 @@ class Privatizer:
         )
         self.ledger.append(release)
         B = self._sample_covariance(release, A, lambda: self._wishart_draw(A, params))
-        return CovarianceRelease(B.to(device=A.device, dtype=A.dtype), conditions, claimed)
+        return CovarianceRelease(B.to(device=A.device, dtype=A.dtype), conditions)
 
     def _sample_covariance(self, release: Release, A: Tensor, draw: Callable[[], Tensor]) -> Tensor:
         """The one place DPCovariance's input meets its randomness."""

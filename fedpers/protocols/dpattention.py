@@ -4,7 +4,7 @@ X ∈ R^{n×d}, d ≫ n; the privacy units are the d columns (neighbours: one co
 ≤ β). One round: each client clips every column it holds to norm α (so "column norms ≤ α"
 holds by construction) and sends its partial ``Σ x xᵀ``; the server sums to A = XXᵀ,
 releases B = DPCovariance(A, k) through the Privatizer (which checks every precondition of
-Theorem 3.1 and claims (ε, δ)-DP only when all hold) and publishes the attention matrix
+Theorem 3.1 and releases nothing unless all hold) and publishes the attention matrix
 D(B)⁻¹f(B), f ∈ {exp, cosh} entrywise, D(B) = diag(f(B)1).
 """
 
@@ -73,14 +73,10 @@ class DpAttentionProtocol(Protocol):
         new = {
             "B": release.B,
             "attention": attention_matrix(release.B, self.f),
-            "dp_claimed": release.dp_claimed,
             # only booleans and the conditions' public wording: the values they were decided on
             # (λ_min(XXᵀ), max|A_ij|) are exact statistics of the data and never leave the server
             "conditions": {c.name: {"holds": c.holds, "text": c.text} for c in release.conditions},
-            "refused_because": [c.text for c in release.conditions if not c.holds],
         }
         # Condition outcomes are decided on the exact A (that is what the theorem requires) but
-        # only as booleans; the values are not kept in the state, the result or the per-round log.
-        diagnostics = {f"holds_{c.name}": float(c.holds) for c in release.conditions}
-        diagnostics["dp_claimed"] = float(release.dp_claimed)
-        return new, diagnostics
+        # only as booleans; the values are not kept in the state or the result.
+        return new, {}

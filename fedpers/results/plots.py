@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedpers.results.quantities import Quantity, quantity
+
 LINEAR_WORDS = ("accuracy", "auc", "precision", "recall", "fraction", "rate")
 
 
@@ -305,21 +307,74 @@ def grid_ticks(ax: Any, xs: Sequence[float], scale: str) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def compare_figure(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> Any:
-    """One panel per metric, one bar per run (labelled by its directory name)."""
+PANELS_ACROSS = 3
+"""A grid of figure panels is at most this many wide (7 metrics: 3 + 3 + 1, not one row of 7)."""
+
+
+def spread_note(repetitions: int) -> str:
+    """What a sweep figure's bands are: mean ± 2 standard errors over B ≥ 2 seeds, or none (B = 1)."""
+    if repetitions >= 2:
+        return f"mean of B = {repetitions} seeds; band: ± 2 standard errors of the mean"
+    return "one seed per point (B = 1): no error bars; set repetitions >= 2 for the spread"
+
+
+def spans_decades(values: Sequence[float]) -> bool:
+    """All positive and the largest over ten times the smallest: a log axis shows every value."""
+    finite = [v for v in values if math.isfinite(v)]
+    return bool(finite) and min(finite) > 0 and max(finite) / min(finite) > 10
+
+
+def panel_grid(count: int, width: float = 4.2, height: float = 3.4) -> tuple[Any, list[Any]]:
+    """A figure of ``count`` panels in rows of at most :data:`PANELS_ACROSS`, the unused cells removed."""
     plt = _plt()
-    metrics = [m for m in metrics if any(isinstance(r.get(m), (int, float)) and math.isfinite(r[m]) for r in rows)]
-    fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(3.2 * max(len(metrics), 1) + 1, 3.8), squeeze=False)
-    names = [f"{str(r['run'])[:24]}\nε = {_fmt(r.get('epsilon'))}" for r in rows]  # ε beside each run, not in a title
-    for ax, metric in zip(axes[0], metrics):
-        values = [r.get(metric) if isinstance(r.get(metric), (int, float)) else float("nan") for r in rows]
+    count = max(count, 1)
+    across = min(PANELS_ACROSS, count)
+    down = -(-count // across)
+    fig, grid = plt.subplots(down, across, figsize=(width * across, height * down + 0.5), squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[count:]:
+        fig.delaxes(ax)
+    return fig, axes[:count]
+
+
+def compare_figure(
+    rows: Sequence[Mapping[str, Any]], metrics: Sequence[str], quantities: Mapping[str, Quantity] | None = None
+) -> Any:
+    """One panel per metric in a grid (:func:`panel_grid`), one bar per run, each bar named by its run,
+    its trust model and the ε it spent beside its target; a panel's axis is labelled with the metric's
+    label and unit and is logarithmic where the values span more than a decade. A metric with no
+    finite non-zero value gets no panel."""
+    metrics = [
+        m
+        for m in metrics
+        if any(isinstance(r.get(m), (int, float)) and math.isfinite(r[m]) and r[m] != 0 for r in rows)
+    ]
+    fig, axes = panel_grid(len(metrics))
+    names = [
+        f"{str(r['run'])[:24]}\n{r.get('trust_model') or 'central'}, ε {_fmt(r.get('epsilon'))}"
+        + (f" (target {_fmt(r['target_epsilon'])})" if r.get("target_epsilon") is not None else "")
+        for r in rows
+    ]
+    for ax, metric in zip(axes, metrics):
+        q = quantity(metric, quantities)
+        values = [float(r[metric]) if isinstance(r.get(metric), (int, float)) else float("nan") for r in rows]
+        log = spans_decades(values)
         bars = ax.bar(range(len(rows)), values, color=[f"C{i % 10}" for i in range(len(rows))])
-        ax.bar_label(bars, labels=[_fmt(v) for v in values], fontsize=6)  # linear bars: a bar's length is its value
+        ax.bar_label(bars, labels=[_fmt(v) for v in values], fontsize=7)
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
-        ax.set_title(metric.replace("_", " "), fontsize=9)
+        ax.set_xticklabels(names, rotation=20, ha="right", fontsize=7)
+        if log:
+            from matplotlib.ticker import NullFormatter
+
+            ax.set_yscale("log")
+            ax.yaxis.set_minor_formatter(NullFormatter())  # labels at the decades only
+        else:
+            plain_numbers(ax.yaxis)
+        ax.set_ylabel(q.axis_label + (" (log scale)" if log else ""), fontsize=8)
+        ax.set_title(q.label + (" (higher is better)" if q.higher_is_better else " (lower is better)"), fontsize=9)
         ax.margins(y=0.15)
         ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("runs compared: ε is what each run spent (its target in brackets)", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -126,9 +126,11 @@ def lock_directory(path: Path) -> Any:
     return handle
 
 
-def check_free(path: Path) -> None:
+def check_free(path: str | Path) -> None:
     """Refuse a run directory that already holds a run or a sweep (naming it): a new run never mixes its
-    files with another's."""
+    files with another's. It reads only the folder's names, so the command line answers it before the
+    run's libraries are imported."""
+    path = Path(path)
     if (path / "config.json").exists():
         raise ValueError(f"out: {path} already holds a run; choose another --out (or `fedpers resume {path}`)")
     if (path / "spec.json").exists():  # a run's files would replace the sweep's (provenance, figures)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -82,20 +82,24 @@ def sweep_figure(rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> tu
 def draw_metric(ax: Any, rows: list[dict[str, Any]], spec: SweepSpec, metric: str) -> dict[Any, float]:
     """:func:`sweep_figure`'s panel on ``ax`` (a sweep set draws its members side by side); returns the
     fitted log–log slopes."""
+    from fedpers.results.quantities import field_label
+
     slopes: dict[Any, float] = {}
+    series_label = field_label(spec.series)
     lines = [r for r in rows if r.get(spec.series) not in spec.references]
     for s, pts in summarise(lines, spec, metric).items():
         xs, ms, ses = (np.array(c) for c in zip(*pts))
         slopes[s] = loglog_slope(xs, ms)
-        label = f"{spec.series}={s}" + (f" (slope {slopes[s]:.2f})" if math.isfinite(slopes[s]) else "")
+        label = f"{series_label} = {s}" + (f" (log–log slope {slopes[s]:.2f})" if math.isfinite(slopes[s]) else "")
         (line,) = ax.plot(xs, ms, marker="o", label=label)
-        ax.fill_between(
-            xs,
-            np.maximum(ms - 2 * ses, ms * 1e-3 if (ms > 0).all() else ms - 2 * ses),
-            ms + 2 * ses,
-            color=line.get_color(),
-            alpha=0.2,
-        )
+        if spec.repetitions >= 2:  # one run per point has no spread to show
+            ax.fill_between(
+                xs,
+                np.maximum(ms - 2 * ses, ms * 1e-3 if (ms > 0).all() else ms - 2 * ses),
+                ms + 2 * ses,
+                color=line.get_color(),
+                alpha=0.2,
+            )
     for b in spec.plot.get("baselines", []):
         key = f"baselines.{b}.{metric}"
         for _, pts in summarise(lines, spec, key).items():
@@ -111,18 +115,35 @@ def draw_metric(ax: Any, rows: list[dict[str, Any]], spec: SweepSpec, metric: st
                 float(np.mean(values)), color="k", linestyle="--", linewidth=1, label=f"{label} (mean of {len(values)})"
             )
     for label in refusals(rows, spec):  # a series refused before any release: said in the legend (why: sweep.json)
-        ax.plot([], [], linestyle="none", label=f"{spec.series}={label}: refused before any release")
-    from fedpers.results.plots import grid_ticks, y_scale
+        ax.plot([], [], linestyle="none", label=f"{series_label} = {label}: refused before any release")
+    from fedpers.results.plots import grid_ticks, spread_note, y_scale
 
     xs_all = [float(r[spec.x]) for r in lines if isinstance(r.get(spec.x), (int, float))]
     grid_ticks(ax, xs_all, spec.plot.get("xscale", "log"))
     ax.set_yscale(spec.plot.get("yscale") or y_scale(metric, [v for line in ax.lines for v in line.get_ydata()]))
-    ax.set_xlabel(spec.x)
-    ax.set_ylabel(metric)
-    ax.set_title(f"{spec.name}: {metric} (±2 s.e., B={spec.repetitions})")
+    x_label, y_label = axis_labels(spec, metric)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(spec.plot.get("title") or f"{spec.name}: {y_label}\n{spread_note(spec.repetitions)}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     return slopes
+
+
+def axis_labels(spec: SweepSpec, metric: str) -> tuple[str, str]:
+    """(x, y) axis labels: ``[plot] xlabel``/``ylabel`` where given, else the swept field's name in
+    words (``epsilon``: the target ε, not the ε spent) and the metric's label and unit as its
+    algorithm defines it (``baselines.NAME.METRIC``: the metric's, naming the baseline)."""
+    from fedpers.experiments import ALGORITHMS, experiment
+    from fedpers.results.quantities import field_label, quantity
+
+    own = experiment(spec.algorithm).quantities if spec.algorithm in ALGORITHMS else None
+    parts = metric.split(".")
+    if len(parts) == 3 and parts[0] == "baselines":
+        y = f"{quantity(parts[2], own).axis_label}, baseline {parts[1].replace('_', ' ')}"
+    else:
+        y = quantity(parts[-1], own).axis_label
+    return str(spec.plot.get("xlabel") or field_label(spec.x)), str(spec.plot.get("ylabel") or y)
 
 
 def refusals(rows: list[dict[str, Any]], spec: SweepSpec) -> dict[Any, str]:
@@ -144,8 +165,10 @@ def run_sweep(
     progress: bool = True,
     workers: int = 1,
     ray_address: str = "",
+    labels: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
-    """Run the whole grid; write table.csv/.parquet, sweep.json (spec + slopes), a PNG per metric.
+    """Run the whole grid; write table.csv/.parquet, sweep.json (spec + slopes), a PNG per metric
+    (``labels``: ``[plot]`` axis labels and title over the file's).
 
     The steps: check everything (:func:`~fedpers.sweeps.spec.load_spec`), open the sweep
     directory (:class:`~fedpers.results.rundir.SweepDirectory`: a point whose record exists is reused,
@@ -157,7 +180,7 @@ def run_sweep(
     from fedpers.sweeps.points import executor, run_points
 
     run = executor(workers, ray_address)  # refuses a bad worker count before any work
-    spec = load_spec(path, repetitions)  # every check, metrics included, before any work
+    spec = load_spec(path, repetitions, labels)  # every check, metrics included, before any work
     out = Path(out) if out is not None else Path("runs") / f"sweep-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     with SweepDirectory(out, spec.identity(), {"workers": workers, "ray_address": ray_address}) as sweep_dir:
         ran, reused = run_points(spec, sweep_dir, run, progress)

@@ -73,16 +73,25 @@ def shared_metrics(specs: list[Any]) -> list[str]:
 
 
 def combined_figure(members: list[tuple[Any, list[dict[str, Any]]]], metric: str, path: Path) -> Path:
-    """One panel per member (its own sweep figure's lines, reference lines and refusals), one figure."""
+    """One panel per member (its own sweep figure's lines, reference lines and refusals), in rows of
+    at most :data:`~fedpers.results.plots.PANELS_ACROSS` (never one long row)."""
     from fedpers.results.plots import _plt
-    from fedpers.sweeps.run import draw_metric
 
-    fig, axes = _plt().subplots(1, len(members), figsize=(6 * len(members), 4.2), squeeze=False)
-    for ax, (spec, rows) in zip(axes[0], members, strict=True):
-        draw_metric(ax, rows, spec, metric)
-    fig.tight_layout()
+    fig = members_figure(members, metric)
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=110)
     _plt().close(fig)
     tmp.replace(path)
     return path
+
+
+def members_figure(members: list[tuple[Any, list[dict[str, Any]]]], metric: str) -> Any:
+    """:func:`combined_figure`'s figure (matplotlib), for a caller that saves it itself."""
+    from fedpers.results.plots import panel_grid
+    from fedpers.sweeps.run import draw_metric
+
+    fig, axes = panel_grid(len(members), width=6.0, height=4.2)
+    for ax, (spec, rows) in zip(axes, members, strict=True):
+        draw_metric(ax, rows, spec, metric)
+    fig.tight_layout()
+    return fig

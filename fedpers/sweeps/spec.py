@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class SweepSpec:
         for key in ("references", "columns"):
             if not fields[key]:
                 del fields[key]
+        fields["plot"] = {k: v for k, v in fields["plot"].items() if k not in LABEL_KEYS}
         return json.loads(dumps(fields))
 
     def table(self, done: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -89,7 +91,10 @@ TOP_KEYS = (
     "references",
     "columns",
 )
-PLOT_KEYS = ("xscale", "yscale", "baselines", "layout")
+LABEL_KEYS = ("xlabel", "ylabel", "title")
+"""``[plot]`` keys that only name things on the figures (also set by ``fedpers sweep``'s flags): not
+part of a sweep's identity, so a relabelled sweep reuses its points."""
+PLOT_KEYS = ("xscale", "yscale", "baselines", "layout", *LABEL_KEYS)
 SCALES = ("log", "linear")
 
 
@@ -162,6 +167,9 @@ def _check_structure(raw: dict[str, Any], fields: set[str], file: str) -> None:
     for key in ("xscale", "yscale"):
         if key in plot and plot[key] not in SCALES:
             raise ValueError(f"sweep: plot.{key} must be one of {list(SCALES)}; got {plot[key]!r}")
+    for key in LABEL_KEYS:
+        if key in plot and not (isinstance(plot[key], str) and plot[key].strip()):
+            raise ValueError(f"sweep: plot.{key} must be a non-empty string; got {plot[key]!r}")
 
 
 def _runtime_options() -> Any:
@@ -182,7 +190,11 @@ def split_options(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     return {k: v for k, v in values.items() if k not in names}, {k: v for k, v in values.items() if k in names}
 
 
-def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
+def load_spec(
+    path: str | Path, repetitions: int | None = None, labels: Mapping[str, str | None] | None = None
+) -> SweepSpec:
+    """The sweep file's spec, every key checked; ``labels``: ``[plot]`` label keys (:data:`LABEL_KEYS`)
+    given on the command line, over the file's."""
     from fedpers.experiments import ALGORITHMS, EXPERIMENTS
 
     path = Path(path)
@@ -190,6 +202,9 @@ def load_spec(path: str | Path, repetitions: int | None = None) -> SweepSpec:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"sweep: cannot read {path}: {e}") from None
+    given = {k: v for k, v in (labels or {}).items() if v is not None}
+    if given and isinstance(raw.get("plot", {}), dict):
+        raw["plot"] = {**raw.get("plot", {}), **given}
     if raw.get("algorithm") not in ALGORITHMS:
         raise ValueError(f"sweep: algorithm must be one of {sorted(ALGORITHMS)}; got {raw.get('algorithm')!r}")
     fields = {f.name for f in dataclasses.fields(EXPERIMENTS[raw["algorithm"]].config_type)}

@@ -3,6 +3,8 @@ together for the runner, the Flower app, the audit and the sweeps."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -10,6 +12,7 @@ import torch
 from fedpers.config import Neighbours
 from fedpers.configs.altmin import BASELINES, AltMinConfig
 from fedpers.configs.privacy import accountant_name
+from fedpers.configs.shared import is_long_format
 from fedpers.data import summary as data_summary
 from fedpers.data.units import UnitSource
 from fedpers.experiments.altmin.audit import CANARY_DESIGN
@@ -25,24 +28,65 @@ from fedpers.protocols.altmin import AltMinProtocol
 Tensor = torch.Tensor
 
 
+def padding_warnings(cfg: AltMinConfig, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the declared per-user cap costs when the file's users hold far fewer rows: every user's
+    statistics are bounded, and the noise sized, for ``--max-samples-per-user`` rows. The cap is the
+    sensitivity, so it stays declared (a public bound the lab chooses), never read off the file; the
+    operator-side data summary only tells the operator what it costs here."""
+    data = result.get("data")
+    if cfg.data is None or not is_long_format(cfg.data) or not isinstance(data, Mapping):
+        return []
+    cap, most = data.get("max_samples_per_user"), data.get("samples_per_user_max")
+    if not isinstance(cap, int) or not isinstance(most, int) or most <= 0:
+        return []
+    train = most - math.floor(cfg.test_fraction * most)  # the most training rows any user keeps
+    fits = max(4, 4 * math.ceil(train / 4))
+    if fits >= cap:
+        return []
+    return [
+        {
+            "metric": "max_samples_per_user",
+            "text": f"--max-samples-per-user {cap} bounds every user's statistics, and sizes the noise, as if each held "
+            f"{cap} training rows, but the file's users hold at most {train} (after the {cfg.test_fraction:g} test "
+            f"split; median {data.get('samples_per_user_median')} rows before it): the noise std is {cap // 4 / (fits // 4):.2g}× "
+            f"what a cap of {fits} would need. The cap is the sensitivity, so it is declared, not read off the data: "
+            f"if {fits} is a public bound on what any user holds, run with --max-samples-per-user {fits}",
+        }
+    ]
+
+
 class AltMinExperiment(Experiment[AltMinConfig, AltMinProtocol]):
     """User-level private alternating minimisation with private initialisation (docs/algorithms.md §1, Algorithms 1–3)."""
 
     round_axis = "round (0 = private initialisation)"
 
     def trivial_baselines(self, cfg: AltMinConfig) -> list[Trivial]:
-        few = (
-            "too few users for this ε: the noise on the round statistics swamps them (the privacy term falls as "
-            "1/(ε²n²); raise --n-users or --epsilon, or try a smaller --clip-model c_η)"
-        )
+        """With a data file, n and m are the file's: the advice names only the flags that change the
+        outcome for it (ε, the clip, the declared per-user cap), never --n-users or --samples-per-user."""
+        if cfg.data is None:
+            few = (
+                "too few users for this ε: the noise on the round statistics swamps them (the privacy term falls as "
+                "1/(ε²n²); raise --n-users or --epsilon, or try a smaller --clip-model c_η)"
+            )
+            alone = "; each user alone does better with --samples-per-user this large"
+        else:
+            few = (
+                "the file's users are too few for this ε: the noise on the round statistics swamps them (the privacy "
+                "term falls as 1/(ε²n²)); raise --epsilon, or try a smaller --clip-model c_η"
+                + (
+                    " or a declared --max-samples-per-user nearer the rows your users hold (it sizes the noise)"
+                    if is_long_format(cfg.data)
+                    else ""
+                )
+            )
+            alone = "; each user alone does better with the rows the file gives it"
         return [
-            Trivial(
-                "excess_risk",
-                "local_only",
-                why=few + "; each user alone does better with --samples-per-user this large",
-            ),
+            Trivial("excess_risk", "local_only", why=few + alone),
             Trivial("excess_risk", "private_init_only", why="the private rounds made the initialisation worse: " + few),
         ]
+
+    def result_warnings(self, cfg: AltMinConfig, result: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return super().result_warnings(cfg, result) + padding_warnings(cfg, result)
 
     name = "altmin"
     result_keys = ("subspace_error", "subspace_error_spectral", "excess_risk", "test_mse", "population_mse")

@@ -22,7 +22,7 @@ from fedpers.data.prefetch import PrefetchSource
 from fedpers.data.units import UnitSource
 from fedpers.experiments.base import derived_seed
 from fedpers.experiments.common.population import fresh_samples
-from fedpers.privacy import Calibrations, calibrate_noise_multiplier
+from fedpers.privacy import Calibrations, calibrate_noise_multiplier, check_rule_meets_target
 from fedpers.protocols.altmin import AltMinProtocol
 
 Tensor = torch.Tensor
@@ -193,6 +193,13 @@ class AltMinPlan:
             z = 0.0
         elif cfg.calibration is Calibration.PAPER:  # σ = r·Δ with r from Theorem 4.2; dp-accounting's z = 2σ/Δ
             z = 2 * math.sqrt(8 * (1 + (releases - 1) // 2) * math.log(1 / cfg.delta)) / cfg.epsilon
+            check_rule_meets_target(
+                "Theorem 4.2's noise",
+                AltMinProtocol.user_event(z, releases, cfg.sampling_rate, shares),
+                cfg.epsilon,
+                cfg.delta,
+                cfg.accountant,
+            )
         else:
             z = calibrate_noise_multiplier(
                 lambda z: AltMinProtocol.user_event(z, releases, cfg.sampling_rate, shares),

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fedpers import linalg
-from fedpers.configs.dpals import DpAlsConfig
+from fedpers.configs.dpals import BASELINES, DpAlsConfig, baseline_names
 from fedpers.data import ratings as data
 from fedpers.experiments.base import Evaluator, derived_seed
 from fedpers.experiments.dpals import baselines as rating_baselines
@@ -55,8 +55,8 @@ def subspace_distance(U: Tensor, U_star: Tensor) -> float:
     return float(torch.linalg.matrix_norm(Q - Qs @ (Qs.T @ Q), ord=2))
 
 
-ALS_KEYS = ("als_rmse", "als_ridge", "als_subspace_distance")
-"""What the tuned non-private ALS reports (at the top of the result): the shared baseline ``als``."""
+ALS_KEYS = ("test_rmse", "ridge", "subspace_distance")
+"""What the tuned non-private ALS reports (its row ``baselines.nonprivate_als``): the shared baseline ``als``."""
 
 
 class DpAlsEvaluator(Evaluator):
@@ -73,9 +73,11 @@ class DpAlsEvaluator(Evaluator):
         self.reused = {name: dict(row) for name, row in rows.items()}
 
     def final_phase(self) -> str:
-        return (
-            "the private result, the global mean and the non-private reference (biased ALS: "
-            f"{len(rating_baselines.RIDGES)} ridges on a validation split, then a refit)"
+        return "the private result and its baselines" + (
+            f" (the non-private reference, biased ALS: {len(rating_baselines.RIDGES)} ridges on a validation "
+            "split, then a refit)"
+            if "nonprivate_als" in baseline_names(self.cfg.baselines)
+            else ""
         )
 
     def final(self, state: State) -> dict[str, Any]:
@@ -87,28 +89,36 @@ class DpAlsEvaluator(Evaluator):
         mu = float(state["mu"]) if "mu" in state else 0.0
         # the competent non-private bar: biased ALS of the same rank on every training rating, its λ
         # chosen on a validation split of the training ratings (never on the test ratings)
-        # (computed by another run of these ratings and seed when a sweep hands it over: "als" reused)
+        wanted = baseline_names(cfg.baselines)
+        # computed by another run of these ratings and seed when a sweep hands it over ("als" reused)
+        reused = self.reused.get("als") if "nonprivate_als" in wanted else None
         als = (
-            None
-            if "als" in self.reused
-            else rating_baselines.tuned(u, n_items(cfg), cfg.rank, seed=derived_seed(cfg.seed, "als"))
+            rating_baselines.tuned(u, n_items(cfg), cfg.rank, seed=derived_seed(cfg.seed, "als"))
+            if "nonprivate_als" in wanted and reused is None
+            else None
         )
         out: dict[str, Any] = {
             "test_rmse": test_rmse(state["U"], u, cfg.ridge_user, mu, cfg.user_bias),
-            "global_mean_rmse": float((test - mean).pow(2).mean().sqrt()),
-            "user_mean_rmse": user_mean_rmse(u, mean, cfg.user_bias or USER_MEAN_PRIOR),
-            "als_rmse": self.reused["als"]["als_rmse"] if als is None else als.test_rmse,
-            "als_ridge": self.reused["als"]["als_ridge"] if als is None else als.ridge,
             "train_ratings": int(u["mask"].sum()),
             "test_ratings": int(u["test"].sum()),
         }
+        baselines: dict[str, dict[str, Any]] = {
+            "global_mean": {"test_rmse": float((test - mean).pow(2).mean().sqrt())},
+            "user_mean": {"test_rmse": user_mean_rmse(u, mean, cfg.user_bias or USER_MEAN_PRIOR)},
+        }
+        if als is not None:
+            baselines["nonprivate_als"] = {"test_rmse": als.test_rmse, "ridge": als.ridge}
+        elif reused is not None:
+            baselines["nonprivate_als"] = dict(reused)
         if "mu" in state:  # round 0's private releases, post-processed
             out["private_mean"] = mu + center(cfg)
-            out["private_mean_rmse"] = float((test - mu).pow(2).mean().sqrt())
             means = self.protocol.item_means(state)
-            out["private_item_means_rmse"] = float(
-                (u["ratings"].double()[u["test"]] - means[u["items"][u["test"]]]).pow(2).mean().sqrt()
-            )
+            baselines["private_mean"] = {"test_rmse": float((test - mu).pow(2).mean().sqrt())}
+            baselines["private_item_means"] = {
+                "test_rmse": float(
+                    (u["ratings"].double()[u["test"]] - means[u["items"][u["test"]]]).pow(2).mean().sqrt()
+                )
+            }
             out["head_items"] = int(state["head"].sum())
         t = table(cfg)
         if t is not None:
@@ -121,13 +131,12 @@ class DpAlsEvaluator(Evaluator):
                 if cfg.rank == cfg.true_rank
                 else math.nan
             )
-            out["als_subspace_distance"] = (
-                self.reused["als"]["als_subspace_distance"]
-                if als is None
-                else subspace_distance(als.P, U_star)
-                if cfg.rank == cfg.true_rank
-                else math.nan
-            )
-        if self.reused:
-            out["baselines_reused"] = sorted(self.reused)
+            if als is not None:
+                baselines["nonprivate_als"]["subspace_distance"] = (
+                    subspace_distance(als.P, U_star) if cfg.rank == cfg.true_rank else math.nan
+                )
+        out["baselines"] = {name: row for name, row in baselines.items() if name in wanted}
+        out["baselines_skipped"] = [name for name in BASELINES if name not in wanted]
+        if reused is not None:
+            out["baselines_reused"] = ["als"]
         return out

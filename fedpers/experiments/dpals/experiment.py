@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from fedpers.configs.dpals import DpAlsConfig
+from fedpers.configs.dpals import BASELINES, DpAlsConfig
 from fedpers.data import summary
 from fedpers.experiments.base import Experiment, Trivial
 from fedpers.experiments.dpals.audit import CANARY_DESIGN
@@ -24,6 +24,7 @@ from fedpers.experiments.dpals.protocol import make_protocol, releases
 from fedpers.experiments.hooks import CanaryDesign
 from fedpers.privacy import Calibrations, Ledger, ledger_epsilon
 from fedpers.protocols.dpals import DpAlsProtocol
+from fedpers.results.quantities import Kind, Quantity
 
 Tensor = torch.Tensor
 
@@ -35,34 +36,46 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
     privacy_fields = ("epsilon", "delta", "neighbours")
 
     def shared_baselines(self, cfg: DpAlsConfig) -> tuple[str, ...]:
-        """The tuned non-private ALS (its figures at the top of the result, :data:`ALS_KEYS`)."""
+        """The tuned non-private ALS (its row ``baselines.nonprivate_als``, :data:`ALS_KEYS`)."""
         return ("als",)
 
     def shared_rows(self, cfg: DpAlsConfig, result: Mapping[str, Any]) -> dict[str, dict[str, Any]] | None:
-        if "als_rmse" not in result:
+        row = result.get("baselines", {}).get("nonprivate_als")
+        if not isinstance(row, Mapping) or "test_rmse" not in row:
             return None
-        return {"als": {k: result[k] for k in ALS_KEYS if k in result}}
+        return {"als": {k: row[k] for k in ALS_KEYS if k in row}}
 
     result_keys = (
         "test_rmse",
-        "global_mean_rmse",
-        "user_mean_rmse",
-        "als_rmse",
-        "als_ridge",
+        "subspace_distance",
         "train_ratings",
         "test_ratings",
         "private_mean",
-        "private_mean_rmse",
-        "private_item_means_rmse",
         "head_items",
         "users",
         "items",
         "users_excluded",
-        "subspace_distance",
-        "als_subspace_distance",
     )
+    baseline_names = BASELINES
     config_type = DpAlsConfig
     primary_metric = "test_rmse"
+    quantities: ClassVar[Mapping[str, Quantity]] = {
+        "test_rmse": Quantity(
+            "test RMSE",
+            "root mean squared error on held-out ratings, each user solving its own embedding locally",
+            unit="rating",
+        ),
+        "subspace_distance": Quantity(
+            "item-subspace distance", "sine of the largest principal angle between learnt and true item factors"
+        ),
+        "train_ratings": Quantity("training ratings", kind=Kind.DETAIL),
+        "test_ratings": Quantity("held-out ratings", kind=Kind.DETAIL),
+        "private_mean": Quantity("private mean rating", "μ̂ released by round 0", Kind.DETAIL),
+        "head_items": Quantity("items learnt", "items with statistics (the head, or all)", Kind.DETAIL),
+        "users": Quantity("users", kind=Kind.DETAIL),
+        "items": Quantity("items", kind=Kind.DETAIL),
+        "users_excluded": Quantity("users excluded", kind=Kind.DETAIL),
+    }
 
     def trivial_baselines(self, cfg: DpAlsConfig) -> list[Trivial]:
         if math.isinf(cfg.epsilon):
@@ -83,7 +96,7 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
             else "the item factors added nothing to each user's own mean rating: run more --steps or tune "
             "--ridge-user / --ridge-item"
         )
-        return [Trivial("test_rmse", "global_mean_rmse", why=why), Trivial("test_rmse", "user_mean_rmse", why=alone)]
+        return [Trivial("test_rmse", "global_mean", why=why), Trivial("test_rmse", "user_mean", why=alone)]
 
     def result_warnings(self, cfg: DpAlsConfig, result: Mapping[str, Any]) -> list[dict[str, Any]]:
         warnings = super().result_warnings(cfg, result)
@@ -92,7 +105,7 @@ class DpAlsExperiment(Experiment[DpAlsConfig, DpAlsProtocol]):
         if isinstance(z, (int, float)) and z > 0 and isinstance(items, int) and isinstance(train, int) and items:
             sigma_b = 2 * bounds(cfg)[1] * z
             for w in warnings:
-                if w.get("baseline") in ("global_mean_rmse", "user_mean_rmse"):  # the measured reason, in figures
+                if w.get("baseline") in ("global_mean", "user_mean"):  # the measured reason, in figures
                     w["text"] += (
                         f" [here: {train / items:.1f} training ratings per item on average ({train:,} over {items:,} "
                         f"items), each contributing at most c_r·c_v = {bounds(cfg)[1] / math.sqrt(cfg.items_per_user):.3g} "

@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 from fedpers.configs.noisyhead import (
+    BASELINES,
     AttackNoise,
     Mode,
     NoisyHeadConfig,
+    baseline_names,
 )
 from fedpers.data import prompts as prompt_data
 from fedpers.experiments.base import Evaluator, derived_seed
@@ -69,8 +71,7 @@ class NoisyHeadEvaluator(Evaluator):
     def final(self, state: State) -> dict[str, Any]:
         gamma = state["gamma"].to(self.z_test)
         r = self.r
-        gamma0 = self.protocol.initial_gamma().to(self.z_test)
-        gamma_gd = nh.gd(self.A, self.b, gamma0, r.N, r.lam, r.eta, r.T)
+        wanted = baseline_names(self.cfg.baselines)
         out: dict[str, Any] = {
             "excess_risk": self.excess(gamma),
             "test_mse": self.mse(gamma),
@@ -78,18 +79,24 @@ class NoisyHeadEvaluator(Evaluator):
             "theorem41_bound": self.theorem_bound(),
             "Gamma": nh.vec_to_gamma(gamma).tolist(),
         }
-        out["baselines"] = {
-            "ridge": {
+        baselines: dict[str, dict[str, float]] = {}
+        if "ridge" in wanted:
+            baselines["ridge"] = {
                 "excess_risk": 0.0,
                 "test_mse": self.mse(self.gamma_star),
                 "gamma_norm": float(torch.linalg.vector_norm(self.gamma_star)),
-            },
-            "nonprivate_gd": {"excess_risk": self.excess(gamma_gd), "test_mse": self.mse(gamma_gd)},
-            "zero_head": {
+            }
+        if "nonprivate_gd" in wanted:
+            gamma0 = self.protocol.initial_gamma().to(self.z_test)
+            gamma_gd = nh.gd(self.A, self.b, gamma0, r.N, r.lam, r.eta, r.T)
+            baselines["nonprivate_gd"] = {"excess_risk": self.excess(gamma_gd), "test_mse": self.mse(gamma_gd)}
+        if "zero_head" in wanted:
+            baselines["zero_head"] = {
                 "excess_risk": self.excess(torch.zeros_like(gamma)),
                 "test_mse": self.mse(torch.zeros_like(gamma)),
-            },
-        }
+            }
+        out["baselines"] = baselines
+        out["baselines_skipped"] = [name for name in BASELINES if name not in wanted]
         if self.cfg.attack_c > 0:
             out.update(self.robustness())
         return out

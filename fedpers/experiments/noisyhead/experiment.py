@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from fedpers import memory
 from fedpers.config import Neighbours
 from fedpers.configs.noisyhead import (
+    BASELINES,
     Mode,
     NoisyHeadConfig,
     RidgeScaling,
@@ -42,6 +43,7 @@ from fedpers.privacy.accountant import (
 )
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.noisyhead import FORMULAS, NoisyHeadProtocol
+from fedpers.results.quantities import Kind, Quantity
 
 Tensor = torch.Tensor
 
@@ -70,7 +72,41 @@ class NoisyHeadExperiment(Experiment[NoisyHeadConfig, NoisyHeadProtocol]):
         "step_size",
         "steps",
     )
-    baseline_names = ("ridge", "nonprivate_gd", "zero_head")
+    baseline_names = BASELINES
+    quantities: ClassVar[Mapping[str, Quantity]] = {
+        "excess_risk": Quantity(
+            "excess risk",
+            "mean over test prompts of ⟨Γ̂ − Γ*, Z⟩²: distance of the head's predictions from the ridge Γ*'s",
+        ),
+        "test_mse": Quantity("test MSE", "mean over test prompts of (⟨Γ̂, Z⟩ − y)²: the query label's squared error"),
+        "gamma_norm": Quantity("‖Γ‖_F", "Frobenius norm of the head", Kind.DETAIL),
+        "theorem41_bound": Quantity(
+            "Theorem 4.1 bound",
+            "the right side of (4.2), G₀²((1 − η₀λ)^T R² + σ²η₀²D T² log(2T/δ)/(N²ε²)): the excess risk's bound "
+            "up to its constant",
+            Kind.BOUND,
+            bounds="excess_risk",
+        ),
+        "robust_noisyhead": Quantity(
+            "NoisyHead's shift", "mean over test prompts of ⟨Γ̂ − Γ̂_bad, Z⟩²: NoisyHead moved by one attacked prompt"
+        ),
+        "robust_ridge": Quantity(
+            "ridge's shift", "mean over test prompts of ⟨Γ* − Γ*_bad, Z⟩²: the ridge moved by one attacked prompt"
+        ),
+        "robust_ridge_naive_solve": Quantity("ridge's shift, naive solve", "as ridge's shift, by a direct solve"),
+        "gd_excess_risk": Quantity("non-private GD's excess risk", "excess risk of GD without clipping or noise"),
+        "ridge_test_mse": Quantity("ridge's test MSE", "test MSE of the ridge Γ*"),
+        "gd_test_mse": Quantity("non-private GD's test MSE", "test MSE of GD without clipping or noise"),
+        "epsilon_spent": Quantity("ε spent", "the ε the accountant gives the run's releases", Kind.DETAIL),
+        "paper_epsilon": Quantity(
+            "the paper's ε", "the ε the paper's calibration claims for the same noise", Kind.DETAIL
+        ),
+        "ridge_lambda": Quantity("ridge λ", "λ of the descended objective", Kind.DETAIL),
+        "step_size": Quantity("step size η₀", "the gradient step", Kind.DETAIL),
+        "steps": Quantity("steps T", "gradient steps", Kind.DETAIL),
+        "attack_alpha": Quantity("attack α", "the attacked prompt's label shift α = c·N^p", Kind.DETAIL),
+        "attacked_prompt": Quantity("attacked prompt", "index of the attacked prompt", Kind.DETAIL),
+    }
     config_type = NoisyHeadConfig
 
     def trivial_baselines(self, cfg: NoisyHeadConfig) -> list[Trivial]:

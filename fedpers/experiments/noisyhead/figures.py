@@ -53,7 +53,13 @@ def sweep_figure(rows: list[dict[str, Any]], spec: Any, out: Path) -> list[str] 
             _style(ax, spec, f"{spec.series} = {gval}", spec.x, "(<Γ − Γ_bad, Z>)²")
     else:
         raise ValueError(f"[plot] layout must be default, descent-privacy or robustness; got {layout!r}")
-    fig.suptitle(f"{spec.name} (mean ± 2 s.e., B={spec.repetitions})")
+    from fedpers.results.plots import spread_note
+
+    if spec.repetitions < 2:  # one seed per point: no spread to draw
+        for ax in fig.axes:
+            for band in list(ax.collections):
+                band.remove()
+    fig.suptitle(f"{spec.name}: {spread_note(spec.repetitions)}", fontsize=10)
     fig.tight_layout()
     name = f"{spec.name}.png"
     tmp = out / f".{name}.tmp.png"

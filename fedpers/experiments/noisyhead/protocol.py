@@ -25,6 +25,7 @@ from fedpers.experiments.noisyhead.data import resolve_shape
 from fedpers.privacy import (
     Calibrations,
     calibrate_noise_multiplier,
+    check_rule_meets_target,
     correlated,
 )
 from fedpers.privacy.accountant import (
@@ -169,6 +170,13 @@ def _resolve(cfg: NoisyHeadConfig, calibrations: Calibrations) -> Resolved:
         z, formulas["noise_multiplier"] = (
             nh.paper_noise_multiplier(steps_per_unit, cfg.epsilon, cfg.delta),
             "z = 2T sqrt(2 log(1.25T/δ))/ε (paper: each step (ε/T, δ/T))",
+        )
+        check_rule_meets_target(
+            "the paper's per-step (ε/T, δ/T) classical Gaussian noise",
+            step_event(z, steps_per_unit, cfg.sampling_rate, 0.0),
+            cfg.epsilon,
+            cfg.delta,
+            cfg.accountant,
         )
     else:
         z = calibrate_noise_multiplier(
