@@ -88,12 +88,20 @@ def floor_ratio(n: int) -> Row:
     """A whole AltMin run (no baselines) against a GEMM of its flops plus a draw of its normals."""
     from benchmarks import altmin_run
 
-    args = argparse.Namespace(dim=100, rank=5, samples=40, rounds=2, dtype="float32", device="cpu", kernels="auto", seed=0)
+    args = argparse.Namespace(
+        dim=100, rank=5, samples=40, rounds=2, dtype="float32", device="cpu", kernels="auto", seed=0
+    )
     run, _ = altmin_run.whole_run(n, args)
     frac = 1.0 / args.rounds
     gemm = altmin_run.gemm_time(altmin_run.run_flops(n, 40, 100, 5, 2, frac), torch.float32, "cpu")
     draw = altmin_run.draw_time(altmin_run.run_normals(n, 40, 100, 5, 2, frac), torch.float32, "cpu")
-    return Row("AltMin run / floor", f"n={n:,} d=100 k=5 m=40 T=2 float32", run, gemm + draw, "GEMM of its flops + randn of its normals")
+    return Row(
+        "AltMin run / floor",
+        f"n={n:,} d=100 k=5 m=40 T=2 float32",
+        run,
+        gemm + draw,
+        "GEMM of its flops + randn of its normals",
+    )
 
 
 def statistics_ratio(n: int, dtype: torch.dtype) -> Row:
@@ -102,7 +110,9 @@ def statistics_ratio(n: int, dtype: torch.dtype) -> Row:
 
     fused, _, gemm = altmin_round.statistics_vs_gemm(n, 100, 5, 40, 4096, dtype, reps=3)
     name = str(dtype).split(".")[-1]
-    return Row(f"client statistics / GEMM ({name})", f"{n:,} users d=100 k=5 m=40", fused, gemm, "GEMM of their flops", "≤ 2")
+    return Row(
+        f"client statistics / GEMM ({name})", f"{n:,} users d=100 k=5 m=40", fused, gemm, "GEMM of their flops", "≤ 2"
+    )
 
 
 def dpals_ratio(full: bool) -> Row:
@@ -121,36 +131,69 @@ def dpals_ratio(full: bool) -> Row:
     text = out.getvalue()
     step = float(_find(r"whole step: ([0-9.]+) s", text))
     gemm = float(_find(r"of equal flops \([0-9.]+ GFLOP\): ([0-9.]+) s", text))
-    size = "MovieLens-20M shape (138,000 users, 20 M ratings)" if full else "a tenth of MovieLens-20M (13,800 users, 2 M ratings)"
+    size = (
+        "MovieLens-20M shape (138,000 users, 20 M ratings)"
+        if full
+        else "a tenth of MovieLens-20M (13,800 users, 2 M ratings)"
+    )
     return Row("DPALS step / GEMM", size, step, max(gemm, 1e-9), "GEMM of its flops", "step < 4 s (full shape)")
 
 
 def startup_ratio() -> Row:
     """A 200-user run's wall time (a fresh process) against the work it reports ("completed in")."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "fedpers", "run", "altmin", "--n-users", "200", "--baselines", "none", "--quiet",
-               "--out", str(Path(tmp) / "r")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fedpers",
+            "run",
+            "altmin",
+            "--n-users",
+            "200",
+            "--baselines",
+            "none",
+            "--quiet",
+            "--out",
+            str(Path(tmp) / "r"),
+        ]
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         t = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=tmp)
         wall = time.perf_counter() - t
         reported = float(json.loads((Path(tmp) / "r" / "result.json").read_text())["seconds"])
-    return Row("start-up: wall / reported work", "fedpers run altmin --n-users 200 --baselines none", wall, reported,
-               "the run's own 'completed in'", "wall within 1 s of the work")
+    return Row(
+        "start-up: wall / reported work",
+        "fedpers run altmin --n-users 200 --baselines none",
+        wall,
+        reported,
+        "the run's own 'completed in'",
+        "wall within 1 s of the work",
+    )
 
 
 def flower_ratio(nodes: int) -> Row:
     """One ClientApp call against an empty ClientApp under bare Flower (benchmarks/flower_overhead.py)."""
     from benchmarks import flower_overhead
 
-    args = argparse.Namespace(dim=50, rank=3, samples=40, client_cpus=1.0, client_gpus=0.0, sim_gpus=-1, device="cpu",
-                              ray_address="", steady_rounds=3)
+    args = argparse.Namespace(
+        dim=50,
+        rank=3,
+        samples=40,
+        client_cpus=1.0,
+        client_gpus=0.0,
+        sim_gpus=-1,
+        device="cpu",
+        ray_address="",
+        steady_rounds=3,
+    )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         flower_overhead.per_call([nodes], args)
     line = [ln for ln in out.getvalue().splitlines() if ln.split()[:2] == [str(nodes), "wall"]][-1]
     fed, bare = (float(v) for v in re.findall(r"([0-9.]+) ms", line)[:2])
-    return Row("Flower: ClientApp call / empty ClientApp", f"{nodes} nodes, one user each", fed, bare, "bare Flower", "≤ 1.25")
+    return Row(
+        "Flower: ClientApp call / empty ClientApp", f"{nodes} nodes, one user each", fed, bare, "bare Flower", "≤ 1.25"
+    )
 
 
 def _find(pattern: str, text: str) -> str:
@@ -173,15 +216,23 @@ def table(rows: list[Row], started: str, loads: list[float], full: bool) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r.name} | {r.size} | {r.measured:.3g} s | {r.reference:.3g} s ({r.what}) | **{r.ratio:.2f}×** | {r.goal} |")
+        lines.append(
+            f"| {r.name} | {r.size} | {r.measured:.3g} s | {r.reference:.3g} s ({r.what}) | **{r.ratio:.2f}×** | {r.goal} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--full", action="store_true", help="the sizes docs/benchmarks.md quotes (tens of minutes on 2 cores)")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--full", action="store_true", help="the sizes docs/benchmarks.md quotes (tens of minutes on 2 cores)"
+    )
     ap.add_argument("--flower", action="store_true", help="also the Flower per-call row (starts Ray)")
-    ap.add_argument("--table", default=str(ROOT / "docs" / "benchmark-table.md"), help="where the dated table goes ('' : nowhere)")
+    ap.add_argument(
+        "--table", default=str(ROOT / "docs" / "benchmark-table.md"), help="where the dated table goes ('' : nowhere)"
+    )
     a = ap.parse_args(argv)
     from fedpers.memory import reuse_freed_memory
 

@@ -10,6 +10,7 @@ statistics, noise, PSD floor, solve, QR). Prints ratios and the process's peak m
 
     python benchmarks/altmin_round.py [--users 100000] [--naive-users 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,18 +65,31 @@ def gemm_seconds(flops: float, dtype: torch.dtype, size: int = 2048, reps: int =
     return best * flops / (2 * size**3)
 
 
-def statistics_vs_gemm(n: int, d: int, k: int, m: int, chunk: int, dtype: torch.dtype, reps: int = 5) -> tuple[float, float, float]:
+def statistics_vs_gemm(
+    n: int, d: int, k: int, m: int, chunk: int, dtype: torch.dtype, reps: int = 5
+) -> tuple[float, float, float]:
     """(fused, previous form, GEMM of the tight flop count) seconds for n users, best of ``reps`` interleaved."""
     u = synthetic.subspace(0, d, k, dtype)
     units = synthetic.altmin_users(0, torch.arange(n), u, m, 0.1, dtype)
-    p = AltMinProtocol(n_users=n, dim=d, rank=k, samples_per_user=m, rounds=1, eta=0.7 * (d * k) ** 0.5, zeta=2.0 * (k + 0.01) ** 0.5,
-                       noise_multiplier=3.0, cohorts=Cohorts.ALL, dtype_name=str(dtype).split(".")[-1])
+    p = AltMinProtocol(
+        n_users=n,
+        dim=d,
+        rank=k,
+        samples_per_user=m,
+        rounds=1,
+        eta=0.7 * (d * k) ** 0.5,
+        zeta=2.0 * (k + 0.01) ** 0.5,
+        noise_multiplier=3.0,
+        cohorts=Cohorts.ALL,
+        dtype_name=str(dtype).split(".")[-1],
+    )
     U = linalg.orthonormal_basis(u + 0.1 * torch.randn(d, k, generator=torch.Generator().manual_seed(1), dtype=dtype))
 
     def over_chunks(fn):
         def go():
             for s in range(0, n, chunk):
                 fn(p, U, units["x"][s : s + chunk], units["y"][s : s + chunk])
+
         return timed(go)[1]
 
     flops = 2.0 * n * (p.quarter * d * d + k * k * d * d)
@@ -107,14 +121,28 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())
     for dtype in (torch.float32, torch.float64):
         fused, previous, gemm = statistics_vs_gemm(args.gemm_users, d, k, m, args.chunk, dtype)
-        print(f"{str(dtype)[6:]}: client statistics {fused:.3f} s (previous form {previous:.3f} s), GEMM of the tight flop count "
-              f"{gemm:.3f} s -> statistics/GEMM {fused / gemm:.2f}x (previous form {previous / gemm:.2f}x; target <= 3x)")
+        print(
+            f"{str(dtype)[6:]}: client statistics {fused:.3f} s (previous form {previous:.3f} s), GEMM of the tight flop count "
+            f"{gemm:.3f} s -> statistics/GEMM {fused / gemm:.2f}x (previous form {previous / gemm:.2f}x; target <= 3x)"
+        )
     u = synthetic.subspace(0, d, k, torch.float32)
     t0 = time.perf_counter()
     units = synthetic.altmin_users(0, torch.arange(n), u, m, 0.1, torch.float32)
-    print(f"data: {n} users × {m} samples × d={d} (float32, {units['x'].numel() * 4 / 2**30:.2f} GiB) generated in {time.perf_counter() - t0:.1f} s")
-    p = AltMinProtocol(n_users=n, dim=d, rank=k, samples_per_user=m, rounds=1, eta=0.7 * (d * k) ** 0.5, zeta=2.0 * (k + 0.01) ** 0.5,
-                       noise_multiplier=3.0, cohorts=Cohorts.ALL, dtype_name="float32")
+    print(
+        f"data: {n} users × {m} samples × d={d} (float32, {units['x'].numel() * 4 / 2**30:.2f} GiB) generated in {time.perf_counter() - t0:.1f} s"
+    )
+    p = AltMinProtocol(
+        n_users=n,
+        dim=d,
+        rank=k,
+        samples_per_user=m,
+        rounds=1,
+        eta=0.7 * (d * k) ** 0.5,
+        zeta=2.0 * (k + 0.01) ** 0.5,
+        noise_multiplier=3.0,
+        cohorts=Cohorts.ALL,
+        dtype_name="float32",
+    )
     U = linalg.orthonormal_basis(u + 0.1 * torch.randn(d, k, generator=torch.Generator().manual_seed(1)))
 
     def kron_all():
@@ -144,11 +172,15 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"client statistics, Kronecker form     : {t_kron:8.2f} s for {n} users")
     print(f"per-sample vectors WᵀW (from {2000:>5} users): {t_vec:8.2f} s projected")
-    print(f"naive per-sample outer products (from {args.naive_users} users): {t_naive:8.1f} s projected (rel. diff to Kronecker {rel:.1e})")
+    print(
+        f"naive per-sample outer products (from {args.naive_users} users): {t_naive:8.1f} s projected (rel. diff to Kronecker {rel:.1e})"
+    )
     print(f"ratio naive / Kronecker               : {t_naive / t_kron:8.1f}x   (target >= 5x)")
     print(f"ratio per-sample GEMM / Kronecker     : {t_vec / t_kron:8.1f}x")
     print(f"whole round (solves + stats + noise + PSD floor + solve + QR): {t_round:.2f} s   (target < 10 s)")
-    print(f"peak resident memory of this process  : {peak:.2f} GiB   (target < 4 GiB; data alone {units['x'].numel() * 4 / 2**30:.2f} GiB)")
+    print(
+        f"peak resident memory of this process  : {peak:.2f} GiB   (target < 4 GiB; data alone {units['x'].numel() * 4 / 2**30:.2f} GiB)"
+    )
     print(f"threads: {torch.get_num_threads()}, eigenvalues raised by the PSD floor: {info['eigenvalues_raised']:.0f}")
 
 

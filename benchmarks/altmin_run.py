@@ -16,6 +16,7 @@ init and again for the evaluation, the cohort's other m/2 per round, and v* once
 at any T; a float64 host run draws more: its users' Mersenne-Twister blocks are drawn whole).
 Uses only public APIs, so it runs on an older tree too (PYTHONPATH=that tree).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,7 +69,9 @@ def draw_time(count: int, dtype: torch.dtype, device: str) -> float:
     _sync(device)
     t = time.perf_counter()
     for start in range(0, count, step):
-        torch.randn(min(step, count - start), generator=g, dtype=dtype, device=device, out=out[: min(step, count - start)])
+        torch.randn(
+            min(step, count - start), generator=g, dtype=dtype, device=device, out=out[: min(step, count - start)]
+        )
     _sync(device)
     return time.perf_counter() - t
 
@@ -81,8 +84,17 @@ def _sync(device: str) -> None:
 def whole_run(n: int, args: argparse.Namespace) -> tuple[float, float | None]:
     """(seconds, passes over the users generated, when the tree counts them)."""
     exp = EXPERIMENTS["altmin"]
-    values = dict(n_users=n, dim=args.dim, rank=args.rank, samples_per_user=args.samples, rounds=args.rounds,
-                  baselines="none", dtype=args.dtype, device=args.device, seed=args.seed)
+    values = dict(
+        n_users=n,
+        dim=args.dim,
+        rank=args.rank,
+        samples_per_user=args.samples,
+        rounds=args.rounds,
+        baselines="none",
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+    )
     if "kernels" in exp.config_type.__dataclass_fields__:  # older trees have no device path
         values["kernels"] = args.kernels
     if "cohort_block" in exp.config_type.__dataclass_fields__:  # n and n/4 cohort alike (auto switches at 65,536)
@@ -110,11 +122,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--device", default="cpu", help="cpu or cuda: the run, the GEMM and the draw all run there")
-    p.add_argument("--kernels", default="auto", choices=["auto", "device", "host"], help="code path (auto: device on cuda)")
+    p.add_argument(
+        "--kernels", default="auto", choices=["auto", "device", "host"], help="code path (auto: device on cuda)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="interleaved repetitions (the minimum of each is kept)")
-    p.add_argument("--malloc", default="reuse", choices=["reuse", "system"],
-                   help="reuse: the fedpers command's malloc policy (fedpers.memory.reuse_freed_memory); system: glibc's")
+    p.add_argument(
+        "--malloc",
+        default="reuse",
+        choices=["reuse", "system"],
+        help="reuse: the fedpers command's malloc policy (fedpers.memory.reuse_freed_memory); system: glibc's",
+    )
     args = p.parse_args()
     try:
         from fedpers.memory import reuse_freed_memory
@@ -124,15 +142,23 @@ def main() -> None:
     if args.malloc == "reuse" and reuse_freed_memory is not None and reuse_freed_memory():
         malloc = "reuse"
     dtype = getattr(torch, args.dtype)
-    shape = (args.samples, args.dim, args.rank, args.rounds, 1.0 / args.rounds)  # disjoint cohorts: a 1/T share each round
+    shape = (
+        args.samples,
+        args.dim,
+        args.rank,
+        args.rounds,
+        1.0 / args.rounds,
+    )  # disjoint cohorts: a 1/T share each round
     best: dict[str, float] = {}
     passes: dict[int, float | None] = {}
     sizes = (args.users, args.users // 4)
     for _ in range(args.repeats):
         for n in sizes:
-            for name, fn in ((f"run{n}", lambda n=n: whole_run(n, args)),
-                             (f"gemm{n}", lambda n=n: gemm_time(run_flops(n, *shape), dtype, args.device)),
-                             (f"draw{n}", lambda n=n: draw_time(run_normals(n, *shape), dtype, args.device))):
+            for name, fn in (
+                (f"run{n}", lambda n=n: whole_run(n, args)),
+                (f"gemm{n}", lambda n=n: gemm_time(run_flops(n, *shape), dtype, args.device)),
+                (f"draw{n}", lambda n=n: draw_time(run_normals(n, *shape), dtype, args.device)),
+            ):
                 out = fn()
                 if isinstance(out, tuple):
                     out, passes[n] = out
@@ -140,14 +166,26 @@ def main() -> None:
     n, small = sizes
     floor = {s: best[f"gemm{s}"] + best[f"draw{s}"] for s in sizes}
     report = {
-        "users": n, "dim": args.dim, "rank": args.rank, "samples": args.samples, "rounds": args.rounds, "dtype": args.dtype, "device": args.device, "kernels": args.kernels,
+        "users": n,
+        "dim": args.dim,
+        "rank": args.rank,
+        "samples": args.samples,
+        "rounds": args.rounds,
+        "dtype": args.dtype,
+        "device": args.device,
+        "kernels": args.kernels,
         "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "threads": torch.get_num_threads(), "run_s": round(best[f"run{n}"], 2), "gemm_s": round(best[f"gemm{n}"], 2), "draw_s": round(best[f"draw{n}"], 2),
+        "threads": torch.get_num_threads(),
+        "run_s": round(best[f"run{n}"], 2),
+        "gemm_s": round(best[f"gemm{n}"], 2),
+        "draw_s": round(best[f"draw{n}"], 2),
         "ratio": round(best[f"run{n}"] / floor[n], 2),
         "marginal_ratio": round((best[f"run{n}"] - best[f"run{small}"]) / (floor[n] - floor[small]), 2),
         "users_per_s": round(n / best[f"run{n}"]),
-        "gflops": round(run_flops(n, *shape) / 1e9, 1), "normals_M": round(run_normals(n, *shape) / 1e6),
-        "passes": passes.get(n), "malloc": malloc,
+        "gflops": round(run_flops(n, *shape) / 1e9, 1),
+        "normals_M": round(run_normals(n, *shape) / 1e6),
+        "passes": passes.get(n),
+        "malloc": malloc,
     }
     print(json.dumps(report))
 

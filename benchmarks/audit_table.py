@@ -24,8 +24,8 @@ from typing import Any
 
 from fedpers import config as config_lib
 from fedpers.audit import audit
-from fedpers.experiments import experiment
 from fedpers.configs.runtime import RuntimeOptions
+from fedpers.experiments import experiment
 
 RUNTIME_FIELDS = {f.name for f in dataclasses.fields(RuntimeOptions)}
 

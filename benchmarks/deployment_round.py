@@ -22,6 +22,7 @@ about 200,000 users on the 2-core machine: docs/benchmarks.md).
 SecAgg+'s cost in a deployment (``--trust-models central,distributed``: a cold deployment per trust model,
 side by side): ``--users 300 --dim 5 --rank 2 --samples 16 --variants cold --trust-models central,distributed``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,15 @@ EXP = EXPERIMENTS["altmin"]
 
 
 def fields(args: argparse.Namespace) -> dict:
-    return {"n_users": args.users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": args.rounds, "cohorts": "all", "seed": 0}
+    return {
+        "n_users": args.users,
+        "dim": args.dim,
+        "rank": args.rank,
+        "samples_per_user": args.samples,
+        "rounds": args.rounds,
+        "cohorts": "all",
+        "seed": 0,
+    }
 
 
 def local(args: argparse.Namespace) -> list[float]:
@@ -70,14 +79,26 @@ def simulation(args: argparse.Namespace) -> list[float]:
     return [r.seconds for r in records]
 
 
-def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached: bool = False, poll: bool = False, trust: str = "central") -> list[float]:
+def deployment(
+    args: argparse.Namespace,
+    work: Path,
+    warm: bool = False,
+    cached: bool = False,
+    poll: bool = False,
+    trust: str = "central",
+) -> list[float]:
     """``warm``: SuperNodes with ``--isolation process`` and ``fedpers deploy superexec`` beside each;
     ``cached``: also ``$FEDPERS_NODE_CACHE``, so a node loads its users once, not per message;
     ``poll``: ``fedpers deploy supernode`` alone (0.2 s polls; it starts ``fedpers deploy superexec``);
     ``trust``: the run-config's dp-model (distributed: 16 bits, SecAgg+ over the Messages; a node-side model
     needs secure noise, so its rounds are not reproducible)."""
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_DISABLE_UPDATE_CHECK": "1", "OMP_NUM_THREADS": str(args.node_threads)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "OMP_NUM_THREADS": str(args.node_threads),
+    }
     if cached:
         env["FEDPERS_NODE_CACHE"] = str(work / "node-cache")
     with Processes(work, env) as procs:
@@ -86,10 +107,27 @@ def deployment(args: argparse.Namespace, work: Path, warm: bool = False, cached:
         out = work / "run"
         pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in fields(args).items())
         model = f"dp-model='{trust}' bits=16 nodes={args.nodes}" if trust != "central" else "secure-noise=false"
-        cmd = [shutil.which("flwr") or "flwr", "run", ".", "deployment", "--stream", "--run-config", f"config='{pairs}' out='{out}' round-timeout=3600.0 {model}"]
-        done = subprocess.run(cmd, cwd=ROOT, env={**env, "FLWR_HOME": str(work / "cli-home")}, capture_output=True, text=True, timeout=3600)
+        cmd = [
+            shutil.which("flwr") or "flwr",
+            "run",
+            ".",
+            "deployment",
+            "--stream",
+            "--run-config",
+            f"config='{pairs}' out='{out}' round-timeout=3600.0 {model}",
+        ]
+        done = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env={**env, "FLWR_HOME": str(work / "cli-home")},
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         if done.returncode != 0 or not (out / "rounds.jsonl").is_file():
-            raise SystemExit(f"deployment run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise SystemExit(
+                f"deployment run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
         return [json.loads(line)["seconds"] for line in (out / "rounds.jsonl").read_text().splitlines() if line.strip()]
 
 
@@ -101,14 +139,29 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--nodes", type=int, default=3, help="SuperNodes (and simulated nodes); the users are split evenly")
-    p.add_argument("--node-threads", type=int, default=0,
-                   help="torch threads per SuperNode's ClientApps (OMP_NUM_THREADS); 0 (default): the cores split between the nodes, at least 1 — "
-                        "co-located nodes with all cores each oversubscribe them (Ray gives each simulated node one CPU)")
+    p.add_argument(
+        "--node-threads",
+        type=int,
+        default=0,
+        help="torch threads per SuperNode's ClientApps (OMP_NUM_THREADS); 0 (default): the cores split between the nodes, at least 1 — "
+        "co-located nodes with all cores each oversubscribe them (Ray gives each simulated node one CPU)",
+    )
     p.add_argument("--poll", type=float, default=0.2, help="seconds between a SuperNode's pulls in the 'poll' variant")
-    p.add_argument("--trust-models", default="central",
-                   help="dp-models run as cold deployments side by side (central,distributed: SecAgg+'s cost)")
-    p.add_argument("--variants", default="cold,warm,cached,poll", help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache), poll (cached + fedpers deploy supernode)")
-    p.add_argument("--no-simulation", action="store_true", help="skip Flower's Ray simulation (deployments and the local runtime only)")
+    p.add_argument(
+        "--trust-models",
+        default="central",
+        help="dp-models run as cold deployments side by side (central,distributed: SecAgg+'s cost)",
+    )
+    p.add_argument(
+        "--variants",
+        default="cold,warm,cached,poll",
+        help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache), poll (cached + fedpers deploy supernode)",
+    )
+    p.add_argument(
+        "--no-simulation",
+        action="store_true",
+        help="skip Flower's Ray simulation (deployments and the local runtime only)",
+    )
     args = p.parse_args()
     args.node_threads = args.node_threads or max(1, (os.cpu_count() or 1) // args.nodes)
     variants = {v.strip() for v in args.variants.split(",")}
@@ -128,16 +181,29 @@ def main() -> None:
         if not args.no_simulation:
             times["simulation"] = simulation(args)
         times["local"] = local(args)
-    print(f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, {args.nodes} nodes ({args.node_threads} torch threads each); seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]")
+    print(
+        f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, {args.nodes} nodes ({args.node_threads} torch threads each); seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]"
+    )
     for name, secs in times.items():
         print(f"{name:12s} " + "  ".join(f"{s:8.2f}" for s in secs))
     last = {k: v[-1] for k, v in times.items()}
-    print("last round / local (target <= 3x): " + ", ".join(f"{k} {v / last['local']:.1f}x" for k, v in last.items() if k != "local"))
+    print(
+        "last round / local (target <= 3x): "
+        + ", ".join(f"{k} {v / last['local']:.1f}x" for k, v in last.items() if k != "local")
+    )
     steady = {k: statistics.median(v[1:] or v) for k, v in times.items()}  # round 0 fills the node cache
-    print("median steady round (rounds >= 1) / local's (target <= 1.5x): " + ", ".join(
-        f"{k} {v:.2f} s / {steady['local']:.2f} s = {v / steady['local']:.2f}x" for k, v in steady.items() if k != "local"))
+    print(
+        "median steady round (rounds >= 1) / local's (target <= 1.5x): "
+        + ", ".join(
+            f"{k} {v:.2f} s / {steady['local']:.2f} s = {v / steady['local']:.2f}x"
+            for k, v in steady.items()
+            if k != "local"
+        )
+    )
     if "deployment" in last:
-        ratios = [f"{k} {v / last['deployment']:.1f}x" for k, v in last.items() if k[7:] in args.trust_models.split(",")]
+        ratios = [
+            f"{k} {v / last['deployment']:.1f}x" for k, v in last.items() if k[7:] in args.trust_models.split(",")
+        ]
         print("last round / cold central deployment: " + ", ".join(ratios))
 
 

@@ -41,26 +41,74 @@ PATHS: dict[str, tuple[str, dict[str, Any]]] = {
     "fedrep": ("fedrep", {"n_users": 4096, **SMALL, "rounds": 2, "dtype": "float32"}),
     "fedrep, poisson cohorts": (
         "fedrep",
-        {"n_users": 4096, **SMALL, "rounds": 2, "dtype": "float32", "cohorts": "poisson", "sampling_rate": 0.5, "epsilon": "inf"},
+        {
+            "n_users": 4096,
+            **SMALL,
+            "rounds": 2,
+            "dtype": "float32",
+            "cohorts": "poisson",
+            "sampling_rate": 0.5,
+            "epsilon": "inf",
+        },
     ),
     "fedrep, poisson cohorts, banded noise (amplified)": (
         "fedrep",
-        {"n_users": 4096, **SMALL, "rounds": 4, "dtype": "float32", "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2, "epsilon": 4.0},
+        {
+            "n_users": 4096,
+            **SMALL,
+            "rounds": 4,
+            "dtype": "float32",
+            "cohorts": "poisson",
+            "sampling_rate": 0.25,
+            "noise": "banded",
+            "bands": 2,
+            "epsilon": 4.0,
+        },
     ),
-    "noisygd, pca remedy": ("noisygd", {"examples": 4096, "feature_dim": 40, "steps": 2, "epsilon": 0.5, "remedy": "pca"}),
+    "noisygd, pca remedy": (
+        "noisygd",
+        {"examples": 4096, "feature_dim": 40, "steps": 2, "epsilon": 0.5, "remedy": "pca"},
+    ),
     "noisygd, cyclic cohorts, adaptive clip": (
         "noisygd",
-        {"examples": 4096, "feature_dim": 40, "steps": 3, "remedy": "center", "cycle": 3, "cohorts": "cyclic", "clip_rule": "adaptive"},
+        {
+            "examples": 4096,
+            "feature_dim": 40,
+            "steps": 3,
+            "remedy": "center",
+            "cycle": 3,
+            "cohorts": "cyclic",
+            "clip_rule": "adaptive",
+        },
     ),
     "noisygd, poisson cohorts": (
         "noisygd",
-        {"examples": 4096, "feature_dim": 40, "steps": 2, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.5},
+        {
+            "examples": 4096,
+            "feature_dim": 40,
+            "steps": 2,
+            "remedy": "center",
+            "cohorts": "poisson",
+            "sampling_rate": 0.5,
+        },
     ),
     "noisygd, poisson cohorts, banded noise (amplified)": (
         "noisygd",
-        {"examples": 4096, "feature_dim": 40, "steps": 4, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2},
+        {
+            "examples": 4096,
+            "feature_dim": 40,
+            "steps": 4,
+            "remedy": "center",
+            "cohorts": "poisson",
+            "sampling_rate": 0.25,
+            "noise": "banded",
+            "bands": 2,
+        },
     ),
-    "dpals": ("dpals", {"n_users": 2048, "n_items": 200, "rank": 4, "true_rank": 4, "steps": 2, "head_items": 150, "dtype": "float32"}),
+    "dpals": (
+        "dpals",
+        {"n_users": 2048, "n_items": 200, "rank": 4, "true_rank": 4, "steps": 2, "head_items": 150, "dtype": "float32"},
+    ),
     "noisyhead, statistics": ("noisyhead", {"prompts": 4096, "dim": 4}),
     "noisyhead, rounds": ("noisyhead", {"prompts": 4096, "dim": 4, "mode": "rounds", "steps": 3}),
     "noisyhead, rounds, poisson cohorts, banded noise (amplified)": (
@@ -141,7 +189,9 @@ def whole_run(chunk: int) -> tuple[int, int]:
 
 
 def measure() -> dict[str, dict[int, list[tuple[int, int, int]]]]:
-    out: dict[str, Any] = {label: {c: per_round(name, values, c) for c in CHUNKS} for label, (name, values) in PATHS.items()}
+    out: dict[str, Any] = {
+        label: {c: per_round(name, values, c) for c in CHUNKS} for label, (name, values) in PATHS.items()
+    }
     out["whole run"] = {c: [list(whole_run(c))] for c in CHUNKS}
     return out
 
@@ -178,7 +228,9 @@ def main() -> None:
         print(json.dumps(now))
         return
     before = _against(args.against) if args.against else None
-    print(f"chunk sizes {CHUNKS[0]} and {CHUNKS[1]}; per round over every round of the run (ranges where rounds differ)")
+    print(
+        f"chunk sizes {CHUNKS[0]} and {CHUNKS[1]}; per round over every round of the run (ranges where rounds differ)"
+    )
     head = "| device path | chunk | chunks a round | host syncs a round | launches a chunk |"
     print(head)
     print("|---|---|---|---|---|")

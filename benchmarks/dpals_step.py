@@ -68,8 +68,12 @@ def main() -> None:
     ap.add_argument("--items-per-user", type=int, default=100)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--kernels", default="auto", help="auto (device kernels on cuda), device or host")
-    ap.add_argument("--malloc", default="reuse", choices=["reuse", "system"],
-                    help="reuse: the fedpers command's malloc policy (fedpers.memory.reuse_freed_memory); system: glibc's")
+    ap.add_argument(
+        "--malloc",
+        default="reuse",
+        choices=["reuse", "system"],
+        help="reuse: the fedpers command's malloc policy (fedpers.memory.reuse_freed_memory); system: glibc's",
+    )
     a = ap.parse_args()
     malloc = "system"
     if a.malloc == "reuse":

@@ -39,6 +39,7 @@ simulation process and the app's imports), from there to Ray being up, and from 
 round (every node actor started, its ClientApp loaded, every node answering discovery); beside it,
 side by side, what one fresh Python process pays to import torch, and torch with fedpers' node side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,6 @@ from typing import Any
 import torch
 
 from fedpers import config as config_lib
-from fedpers.app import run_flower
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Privatizer
 from fedpers.runner import RuntimeOptions, split_seed
@@ -61,7 +61,18 @@ EXP = EXPERIMENTS["altmin"]
 
 
 def make_config(users: int, args: argparse.Namespace, rounds: int = 1) -> Any:
-    fields = {"n_users": users, "dim": args.dim, "rank": args.rank, "samples_per_user": args.samples, "rounds": rounds, "cohorts": "all", "epsilon": 4.0, "seed": 0, "baselines": "none", "device": args.device}
+    fields = {
+        "n_users": users,
+        "dim": args.dim,
+        "rank": args.rank,
+        "samples_per_user": args.samples,
+        "rounds": rounds,
+        "cohorts": "all",
+        "epsilon": 4.0,
+        "seed": 0,
+        "baselines": "none",
+        "device": args.device,
+    }
     return split_seed(config_lib.build(EXP.config_type, fields))
 
 
@@ -72,7 +83,13 @@ def local(users: int, args: argparse.Namespace, rounds: int = 1) -> dict[str, An
     units = EXP.units(cfg, torch.arange(users))
     load = time.perf_counter() - start
     state, records = run_local(protocol, units, Privatizer(noise_seed), progress=False)
-    return {"startup": 0.0, "first": load + records[0].seconds, "round": records[1].seconds, "U": state["U"], "users": users}
+    return {
+        "startup": 0.0,
+        "first": load + records[0].seconds,
+        "round": records[1].seconds,
+        "U": state["U"],
+        "users": users,
+    }
 
 
 def flower(users: int, nodes: int, per_node: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -81,24 +98,48 @@ def flower(users: int, nodes: int, per_node: int, args: argparse.Namespace) -> d
 
     cfg, noise_seed = make_config(users, args)
     protocol = EXP.protocol(cfg)
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": nodes, "users_per_node": per_node, "round_timeout": 3600.0, **resources(args)})
+    opts = config_lib.build(
+        RuntimeOptions,
+        {"runtime": "flower", "nodes": nodes, "users_per_node": per_node, "round_timeout": 3600.0, **resources(args)},
+    )
     job = flower_job(EXP, cfg, protocol)
 
     def server(grid: Any, context: Any) -> dict[str, Any]:
         found: dict[str, float] = {}
         start = time.perf_counter()
-        state, records = run_on_grid(job, users, protocol, Privatizer(noise_seed), opts, grid=grid, device=cfg.device, progress=False,
-                                     on_discovery=lambda f: found.update(startup=f.discovery_seconds))
+        state, records = run_on_grid(
+            job,
+            users,
+            protocol,
+            Privatizer(noise_seed),
+            opts,
+            grid=grid,
+            device=cfg.device,
+            progress=False,
+            on_discovery=lambda f: found.update(startup=f.discovery_seconds),
+        )
         total = time.perf_counter() - start
-        return {"startup": found["startup"], "first": records[0].seconds, "round": records[1].seconds, "U": state["U"], "users": users,
-                "total": total, "shutdown": total - found["startup"] - sum(r.seconds for r in records)}
+        return {
+            "startup": found["startup"],
+            "first": records[0].seconds,
+            "round": records[1].seconds,
+            "U": state["U"],
+            "users": users,
+            "total": total,
+            "shutdown": total - found["startup"] - sum(r.seconds for r in records),
+        }
 
     return simulate_objects(server, make_client_app(), opts)
 
 
 def resources(args: argparse.Namespace) -> dict[str, Any]:
     """The RuntimeOptions fields of Ray's resources (the same for fedpers and bare Flower)."""
-    return {"client_cpus": args.client_cpus, "client_gpus": args.client_gpus, "sim_gpus": args.sim_gpus, "ray_address": args.ray_address}
+    return {
+        "client_cpus": args.client_cpus,
+        "client_gpus": args.client_gpus,
+        "sim_gpus": args.sim_gpus,
+        "ray_address": args.ray_address,
+    }
 
 
 def per_call(counts: list[int], args: argparse.Namespace) -> None:
@@ -107,20 +148,33 @@ def per_call(counts: list[int], args: argparse.Namespace) -> None:
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", **resources(args)})
     gpus = simulation_gpus(opts)
     cpus = float(os.cpu_count() or 1)  # Ray's own count may be lower (cgroups): an upper bound
-    cap = "" if gpus is None else f", at most {actor_capacity(args.client_cpus, args.client_gpus, cpus, gpus)} node actors at once ({gpus} GPU(s))"
-    print(f"\nper ClientApp call, one user per node (steady round / nodes), client_cpus={args.client_cpus}, client_gpus={args.client_gpus}, device={args.device}{cap}:")
+    cap = (
+        ""
+        if gpus is None
+        else f", at most {actor_capacity(args.client_cpus, args.client_gpus, cpus, gpus)} node actors at once ({gpus} GPU(s))"
+    )
+    print(
+        f"\nper ClientApp call, one user per node (steady round / nodes), client_cpus={args.client_cpus}, client_gpus={args.client_gpus}, device={args.device}{cap}:"
+    )
     task_bytes, reply_bytes = message_bytes(args)
-    print(f"interleaved in one simulation: each fedpers round is followed by a round of an empty ClientApp (bare Flower) and one whose task and reply "
-          f"carry fedpers' bytes ({task_bytes} and {reply_bytes}: same bytes); medians of {args.steady_rounds} steady rounds")
+    print(
+        f"interleaved in one simulation: each fedpers round is followed by a round of an empty ClientApp (bare Flower) and one whose task and reply "
+        f"carry fedpers' bytes ({task_bytes} and {reply_bytes}: same bytes); medians of {args.steady_rounds} steady rounds"
+    )
     print("wall: round seconds / nodes; cpu: CPU seconds of this process and its Ray (every node actor) / nodes")
-    print(f"{'nodes':>6s}{'':5s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'same bytes':>13s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}")
+    print(
+        f"{'nodes':>6s}{'':5s}{'fedpers':>12s}{'bare Flower':>14s}{'ratio':>8s}{'same bytes':>13s}{'ratio':>8s}{'max|U_flower-U_local|':>24s}"
+    )
     for n in counts:
         run = interleaved(n, args, task_bytes, reply_bytes)
         diff = float((run["U"].cpu() - local(n, args, rounds=args.steady_rounds)["U"].cpu()).abs().max())
         for what, suffix in (("wall", ""), ("cpu", " cpu")):
             fed, bare, same = (statistics.median(run[k + suffix]) / n for k in ("fedpers", "bare", "same"))
             tail = f"{diff:24.2e}" if what == "wall" else ""
-            print(f"{n:6d} {what:4s}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{same * 1e3:10.2f} ms{fed / same:7.2f}x{tail}", flush=True)
+            print(
+                f"{n:6d} {what:4s}{fed * 1e3:10.2f} ms{bare * 1e3:12.2f} ms{fed / bare:7.2f}x{same * 1e3:10.2f} ms{fed / same:7.2f}x{tail}",
+                flush=True,
+            )
 
 
 def cpu_seconds() -> float:
@@ -164,7 +218,10 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
     cfg, noise_seed = make_config(nodes, args, rounds=args.steady_rounds)
     protocol = EXP.protocol(cfg)
     job = flower_job(EXP, cfg, protocol)
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": nodes, "users_per_node": 1, "round_timeout": 3600.0, **resources(args)})
+    opts = config_lib.build(
+        RuntimeOptions,
+        {"runtime": "flower", "nodes": nodes, "users_per_node": 1, "round_timeout": 3600.0, **resources(args)},
+    )
     # the reply's bytes are made in the actor: a closure holding them would be pickled with the app
     # on every call of every kind (Ray ships the app with each call), inflating bare Flower too
     fedpers_app, client = make_client_app(), ClientApp()
@@ -174,7 +231,9 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
         bare = message.content.config_records.get(BARE)
         if bare is None:
             return fedpers_app(message, context)
-        return Message(RecordDict({"r": ConfigRecord({"b": bytes(reply_bytes)})} if bare["b"] else {}), reply_to=message)
+        return Message(
+            RecordDict({"r": ConfigRecord({"b": bytes(reply_bytes)})} if bare["b"] else {}), reply_to=message
+        )
 
     @client.query()
     def _query(message: Message, context: Any) -> Message:
@@ -209,8 +268,18 @@ def interleaved(nodes: int, args: argparse.Namespace, task_bytes: int, reply_byt
                 timed("same", task_bytes)
             mark[0] = cpu_seconds()
 
-        state, _ = run_on_grid(job, nodes, protocol, Privatizer(noise_seed), opts, grid=grid, device=cfg.device, progress=False,
-                               on_round=on_round, on_discovery=lambda f: ids.extend(f.nodes.values()))
+        state, _ = run_on_grid(
+            job,
+            nodes,
+            protocol,
+            Privatizer(noise_seed),
+            opts,
+            grid=grid,
+            device=cfg.device,
+            progress=False,
+            on_round=on_round,
+            on_discovery=lambda f: ids.extend(f.nodes.values()),
+        )
         out["U"] = state["U"]
         return out
 
@@ -250,8 +319,12 @@ def startup(counts: list[int], args: argparse.Namespace) -> None:
         subprocess.run([sys.executable, "-c", code], check=True)
         return time.perf_counter() - start
 
-    print(f"\nstart-up to the first round, client_cpus={args.client_cpus} (medians of {args.startup_reps}; load {os.getloadavg()[0]:.1f} at the start)")
-    print(f"{'nodes':>6s}{'to ServerApp':>14s}{'to Ray up':>11s}{'Ray up to first round':>23s}{'fresh: torch':>14s}{'torch+node side':>17s}")
+    print(
+        f"\nstart-up to the first round, client_cpus={args.client_cpus} (medians of {args.startup_reps}; load {os.getloadavg()[0]:.1f} at the start)"
+    )
+    print(
+        f"{'nodes':>6s}{'to ServerApp':>14s}{'to Ray up':>11s}{'Ray up to first round':>23s}{'fresh: torch':>14s}{'torch+node side':>17s}"
+    )
     for n in counts:
         opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": n, **resources(args)})
         rows: dict[str, list[float]] = {"server": [], "ray": [], "first": [], "torch": [], "node": []}
@@ -265,7 +338,10 @@ def startup(counts: list[int], args: argparse.Namespace) -> None:
             rows["torch"].append(fresh("import torch"))
             rows["node"].append(fresh("import fedpers.app, fedpers.runtime.flower.client"))
         med = {k: statistics.median(v) for k, v in rows.items()}
-        print(f"{n:6d}{med['server']:13.1f}s{med['ray']:10.1f}s{med['first']:22.1f}s{med['torch']:13.1f}s{med['node']:16.1f}s", flush=True)
+        print(
+            f"{n:6d}{med['server']:13.1f}s{med['ray']:10.1f}s{med['first']:22.1f}s{med['torch']:13.1f}s{med['node']:16.1f}s",
+            flush=True,
+        )
 
 
 def message_bytes(args: argparse.Namespace) -> tuple[int, int]:
@@ -278,7 +354,8 @@ def message_bytes(args: argparse.Namespace) -> tuple[int, int]:
     itemsize = torch.empty((), dtype=protocol.dtype).element_size()
     task = len(job.config_json) + len(job.calibrations_json) + args.dim * args.rank * itemsize
     reply = sum(
-        (s.shape[0] * (s.shape[0] + 1) // 2 if s.symmetric and len(s.shape) == 2 else int(torch.Size(s.shape).numel())) * itemsize
+        (s.shape[0] * (s.shape[0] + 1) // 2 if s.symmetric and len(s.shape) == 2 else int(torch.Size(s.shape).numel()))
+        * itemsize
         for s in protocol.stat_specs(1)
     )
     return task, reply
@@ -299,8 +376,15 @@ def main() -> None:
     p.add_argument("--ray-address", default="", help="attach to this Ray cluster instead of starting one")
     p.add_argument("--per-call", default="100,500,1000", help="node counts of the per-call table ('' to skip)")
     p.add_argument("--only-per-call", action="store_true", help="skip the batched set-ups")
-    p.add_argument("--steady-rounds", type=int, default=3, help="AltMin rounds of the per-call table (each followed by the bare rounds)")
-    p.add_argument("--startup", default="", help="node counts of the start-up table (e.g. 8,100); alone, only that table")
+    p.add_argument(
+        "--steady-rounds",
+        type=int,
+        default=3,
+        help="AltMin rounds of the per-call table (each followed by the bare rounds)",
+    )
+    p.add_argument(
+        "--startup", default="", help="node counts of the start-up table (e.g. 8,100); alone, only that table"
+    )
     p.add_argument("--startup-reps", type=int, default=3, help="simulations per node count of the start-up table")
     args = p.parse_args()
     counts = [int(c) for c in args.per_call.split(",") if c.strip()]
@@ -310,7 +394,10 @@ def main() -> None:
     if args.only_per_call:
         per_call(counts, args)
         return
-    print(f"torch threads {torch.get_num_threads()}, d={args.dim} k={args.rank} m={args.samples}, one private AltMin round (every user)", flush=True)
+    print(
+        f"torch threads {torch.get_num_threads()}, d={args.dim} k={args.rank} m={args.samples}, one private AltMin round (every user)",
+        flush=True,
+    )
     runs = {
         f"local ({args.users} users)": local(args.users, args),
         f"flower {args.nodes} nodes x {args.users // args.nodes}": flower(args.users, args.nodes, 0, args),
@@ -318,15 +405,21 @@ def main() -> None:
     }
     print(f"\n{'set-up':34s}{'Ray start-up':>14s}{'first round':>13s}{'AltMin round':>14s}{'per user':>12s}")
     for name, r in runs.items():
-        print(f"{name:34s}{r['startup']:13.2f}s{r['first']:12.2f}s{r['round']:13.3f}s{r['round'] / r['users'] * 1e6:9.1f} µs")
+        print(
+            f"{name:34s}{r['startup']:13.2f}s{r['first']:12.2f}s{r['round']:13.3f}s{r['round'] / r['users'] * 1e6:9.1f} µs"
+        )
     loc, fl8, fl1 = runs.values()
     diff = float((fl8["U"].cpu() - loc["U"].cpu()).abs().max())
     print(f"\nmax |U_flower - U_local| = {diff:.2e} (same seed, float64)")
     print(f"8-node Flower round / local round             = {fl8['round'] / loc['round']:.2f}x   (target <= 3x)")
-    print(f"8-node incl. first round / local incl. data   = {(fl8['first'] + fl8['round']) / (loc['first'] + loc['round']):.2f}x")
+    print(
+        f"8-node incl. first round / local incl. data   = {(fl8['first'] + fl8['round']) / (loc['first'] + loc['round']):.2f}x"
+    )
     per_user_ratio = (fl1["round"] / fl1["users"]) / (fl8["round"] / fl8["users"])
     print(f"per-user cost, one node per user / 8 nodes     = {per_user_ratio:.0f}x   (target >= 100x)")
-    print(f"Ray start-up: {fl8['startup']:.1f} s ({args.nodes} nodes), {fl1['startup']:.1f} s ({args.per_user_users} nodes); shutdown {fl8['shutdown']:.1f} s / {fl1['shutdown']:.1f} s")
+    print(
+        f"Ray start-up: {fl8['startup']:.1f} s ({args.nodes} nodes), {fl1['startup']:.1f} s ({args.per_user_users} nodes); shutdown {fl8['shutdown']:.1f} s / {fl1['shutdown']:.1f} s"
+    )
     if counts:
         per_call(counts, args)
 

@@ -26,10 +26,10 @@ from typing import Any
 
 from fedpers import config as config_lib
 from fedpers.app import run_flower
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy.accountant import Calibrations
 from fedpers.runner import resolve
-from fedpers.configs.runtime import RuntimeOptions
 
 EXP = EXPERIMENTS["altmin"]
 MODELS = ("central", "local", "distributed")

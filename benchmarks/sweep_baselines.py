@@ -103,18 +103,32 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.against, os.environ.get("PYTHONPATH", "")])}
             out = subprocess.run(
                 [sys.executable, str(Path(__file__).resolve()), "--only-sweep", *flags],
-                env=env, capture_output=True, text=True, check=True, cwd=args.against,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=args.against,
             ).stdout
             parts["sweep_before_s"] = json.loads(out.splitlines()[-1])["sweep_s"]
         for k, v in parts.items():
             best[k] = min(best.get(k, float("inf")), v)
     floor = best["private_runs_s"] + best["baseline_pass_s"]
     report = {
-        "users": args.users, "points": args.points, "dim": args.dim, "rank": args.rank, "samples": args.samples,
+        "users": args.users,
+        "points": args.points,
+        "dim": args.dim,
+        "rank": args.rank,
+        "samples": args.samples,
         **{k: round(v, 2) for k, v in best.items()},
         "ratio": round(best["sweep_s"] / floor, 2),
-        **({"ratio_before": round(best["sweep_before_s"] / floor, 2),
-            "before_over_after": round(best["sweep_before_s"] / best["sweep_s"], 2)} if "sweep_before_s" in best else {}),
+        **(
+            {
+                "ratio_before": round(best["sweep_before_s"] / floor, 2),
+                "before_over_after": round(best["sweep_before_s"] / best["sweep_s"], 2),
+            }
+            if "sweep_before_s" in best
+            else {}
+        ),
         "load": round(os.getloadavg()[0], 1),
     }
     print(json.dumps(report))

@@ -4,6 +4,7 @@ Prints both wall times, the speed-up, and whether the two tables agree (1e-9 rel
 
     PYTHONPATH=$PWD python benchmarks/sweep_parallel.py [--workers 2 --users 20000 --points 6]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,16 @@ def main() -> None:
         t0 = time.perf_counter()
         run_sweep(path, out=Path(tmp) / "parallel", progress=False, workers=a.workers)
         parallel = time.perf_counter() - t0
-        same = all(abs(float(x[k]) - float(y[k])) <= 1e-9 * max(1.0, abs(float(y[k]))) for x, y in zip(table(Path(tmp) / "serial"), table(Path(tmp) / "parallel")) for k in x if k == "subspace_error")
-    print(f"{a.points} points of altmin n={a.users}, d=20, k=3: serial {serial:.1f} s, {a.workers} workers on a local Ray {parallel:.1f} s "
-          f"(Ray start-up included); speed-up {serial / parallel:.2f}x; tables equal: {same}")
+        same = all(
+            abs(float(x[k]) - float(y[k])) <= 1e-9 * max(1.0, abs(float(y[k])))
+            for x, y in zip(table(Path(tmp) / "serial"), table(Path(tmp) / "parallel"))
+            for k in x
+            if k == "subspace_error"
+        )
+    print(
+        f"{a.points} points of altmin n={a.users}, d=20, k=3: serial {serial:.1f} s, {a.workers} workers on a local Ray {parallel:.1f} s "
+        f"(Ray start-up included); speed-up {serial / parallel:.2f}x; tables equal: {same}"
+    )
 
 
 if __name__ == "__main__":

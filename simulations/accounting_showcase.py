@@ -7,6 +7,7 @@ Runs ``accounting_showcase.toml`` (AltMin, Theorem 4.2's calibration) and
 
     PYTHONPATH=$PWD python simulations/accounting_showcase.py OUT_DIR [--quiet]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,10 @@ from fedpers.runner import execute
 from fedpers.sweeps.run import load_spec, run_sweep
 
 HERE = Path(__file__).resolve().parent
-SWEEPS = {"altmin": ("accounting_showcase.toml", "subspace_error"), "noisyhead": ("accounting_showcase_noisyhead.toml", "excess_risk")}
+SWEEPS = {
+    "altmin": ("accounting_showcase.toml", "subspace_error"),
+    "noisyhead": ("accounting_showcase_noisyhead.toml", "excess_risk"),
+}
 
 
 def summary(table: Path, metric: str) -> dict[tuple[float, str], tuple[float, float]]:
@@ -52,7 +56,10 @@ def main() -> None:
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    lines = ["| algorithm | target ε | calibration | noise multiplier | ε spent (PLD) | metric | mean ± s.e. |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| algorithm | target ε | calibration | noise multiplier | ε spent (PLD) | metric | mean ± s.e. |",
+        "|---|---|---|---|---|---|---|",
+    ]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,7 +77,9 @@ def main() -> None:
             for e in xs:
                 p = privacy(name, HERE / file, e, calibration)
                 m, s = stats[(e, calibration)]
-                lines.append(f"| {name} | {e:g} | {calibration} | {p['noise_multiplier']:.4g} | {p['epsilon']:.3g} | {metric} | {m:.3g} ± {s:.2g} |")
+                lines.append(
+                    f"| {name} | {e:g} | {calibration} | {p['noise_multiplier']:.4g} | {p['epsilon']:.3g} | {metric} | {m:.3g} ± {s:.2g} |"
+                )
         grid_ticks(ax, xs, "log")
         ax.set_yscale("log")
         ax.set_xlabel("target ε (δ = 1e-5)")

@@ -8,6 +8,7 @@ probability q; amplified, composed over T rounds with PLD), and every user in ev
 
     PYTHONPATH=$PWD python simulations/amplification.py OUT_DIR [SEEDS]
 """
+
 from __future__ import annotations
 
 import json
@@ -37,13 +38,29 @@ def main() -> None:
     for eps in EPSILONS:
         for name, variant in VARIANTS.items():
             for seed in range(seeds):
-                r = execute(exp, config.build(exp.config_type, {**BASE, **variant, "epsilon": eps, "seed": seed}), write=False, progress=False)
-                rows.append({"epsilon": eps, "variant": name, "seed": seed, "noise_multiplier": r["noise_multiplier"],
-                             "epsilon_spent": r["epsilon"], "subspace_error": r["subspace_error"]})
+                r = execute(
+                    exp,
+                    config.build(exp.config_type, {**BASE, **variant, "epsilon": eps, "seed": seed}),
+                    write=False,
+                    progress=False,
+                )
+                rows.append(
+                    {
+                        "epsilon": eps,
+                        "variant": name,
+                        "seed": seed,
+                        "noise_multiplier": r["noise_multiplier"],
+                        "epsilon_spent": r["epsilon"],
+                        "subspace_error": r["subspace_error"],
+                    }
+                )
                 with open(out / "runs.jsonl", "a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
                 print(json.dumps(rows[-1]), flush=True)
-    lines = ["| ε | cohorts | noise multiplier z | ε spent (PLD) | subspace error (mean ± s.e.) |", "|---|---|---|---|---|"]
+    lines = [
+        "| ε | cohorts | noise multiplier z | ε spent (PLD) | subspace error (mean ± s.e.) |",
+        "|---|---|---|---|---|",
+    ]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,7 +76,9 @@ def main() -> None:
             se = math.sqrt(sum((v - mean) ** 2 for v in vals) / max(len(vals) - 1, 1) / len(vals))
             means.append(mean)
             ses.append(se)
-            lines.append(f"| {eps:g} | {name} | {group[0]['noise_multiplier']:.3f} | {max(r['epsilon_spent'] for r in group):.3f} | {mean:.4f} ± {se:.4f} |")
+            lines.append(
+                f"| {eps:g} | {name} | {group[0]['noise_multiplier']:.3f} | {max(r['epsilon_spent'] for r in group):.3f} | {mean:.4f} ± {se:.4f} |"
+            )
         ax.errorbar(EPSILONS, means, yerr=[2 * s for s in ses], marker="o", capsize=3, label=name)
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -88,7 +88,9 @@ def draw() -> str:
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     users, med, auto_bits = table(rows)
     lines = [
-        "| n | auto bits | " + " | ".join(f"{v} error (×central)" for v in VARIANTS if v != "central") + " | central error |",
+        "| n | auto bits | "
+        + " | ".join(f"{v} error (×central)" for v in VARIANTS if v != "central")
+        + " | central error |",
         "|---|---|" + "---|" * (len(VARIANTS) - 1) + "---|",
     ]
     for n in users:
@@ -105,7 +107,9 @@ def draw() -> str:
             else:
                 cells.append(f"{got[0]:.4g} ({got[0] / central[0]:.3f}×, {got[1]} seeds)")
         c = f"{central[0]:.4g} ({central[1]} seeds)" if isinstance(central, tuple) else "-"
-        lines.append(f"| {n:,} | {'/'.join(map(str, auto_bits.get(n, []))) or '-'} | " + " | ".join(cells) + f" | {c} |")
+        lines.append(
+            f"| {n:,} | {'/'.join(map(str, auto_bits.get(n, []))) or '-'} | " + " | ".join(cells) + f" | {c} |"
+        )
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.plot(users, [max(auto_bits.get(n, [0]) or [0]) for n in users], "o-")
     a.set_xscale("log")

@@ -3,6 +3,7 @@ Markdown table, and the figure (population MSE vs ε, both methods, IQR bands).
 
     python simulations/summarise_private_fedrep.py RUNS.jsonl [FIGURE.png]
 """
+
 import json
 import sys
 

@@ -5,6 +5,7 @@
 Columns: ``user`` (a string id), ``y`` (label), ``f0..f9`` (features); y = ⟨x, U*v_j⟩ + N(0, 0.1²)
 with a rank-2 U* in 10 dimensions. A .csv name writes CSV instead.
 """
+
 import sys
 
 import numpy as np

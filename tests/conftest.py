@@ -40,7 +40,7 @@ def statistical_errors(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     seen: list[float] = []
     original = baselines.statistical_error
 
-    def spy(*args):  # noqa: ANN002, ANN202
+    def spy(*args):
         seen.append(original(*args))
         return seen[-1]
 

@@ -3,6 +3,7 @@
 Nothing here is imported by fedpers: faults are injected by wrapping the production
 ClientApp handlers, never by flags inside them.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import torch
 from flwr.app import Context, Error, RecordDict
@@ -60,7 +61,13 @@ def faulty_client_app(faults: Mapping[int, str], from_round: int = 0) -> ClientA
         tag = honest.config_records[codec.TAG]
         first = sorted(reply.stats)[0]
         if mode == "nan":
-            reply.stats[first] = reply.stats[first].clone().view(-1).index_fill(0, torch.tensor([0]), float("nan")).view_as(reply.stats[first])
+            reply.stats[first] = (
+                reply.stats[first]
+                .clone()
+                .view(-1)
+                .index_fill(0, torch.tensor([0]), float("nan"))
+                .view_as(reply.stats[first])
+            )
         elif mode == "huge":
             reply.stats[first] = torch.full_like(reply.stats[first], 1e30 / reply.stats[first].numel() ** 0.5)
         elif mode == "overclaim":
@@ -76,7 +83,9 @@ def faulty_client_app(faults: Mapping[int, str], from_round: int = 0) -> ClientA
             scale = claimed / max(reply.count, 1)
             reply.stats = {k: v * scale for k, v in reply.stats.items()}
             reply.count = claimed
-        return FlowerMessage(codec.encode_reply(reply, 0.0, tag[codec.ROUND], tag[codec.DIGEST_OF_BROADCAST]), reply_to=message)
+        return FlowerMessage(
+            codec.encode_reply(reply, 0.0, tag[codec.ROUND], tag[codec.DIGEST_OF_BROADCAST]), reply_to=message
+        )
 
     return app
 
@@ -88,7 +97,15 @@ class InProcessGrid:
     added to every node's config.
     """
 
-    def __init__(self, app: ClientApp, partitions: int, *, silent: Iterable[int] = (), duplicate: bool = False, extra: Mapping[str, object] | None = None) -> None:
+    def __init__(
+        self,
+        app: ClientApp,
+        partitions: int,
+        *,
+        silent: Iterable[int] = (),
+        duplicate: bool = False,
+        extra: Mapping[str, object] | None = None,
+    ) -> None:
         from flwr.common.constant import SUPERLINK_NODE_ID
         from flwr.supercore.task_identity import TaskIdentity
 
@@ -99,7 +116,13 @@ class InProcessGrid:
         for p in range(partitions):
             node_id = rng.getrandbits(63)
             pid = 0 if duplicate and p == partitions - 1 else p
-            self.contexts[node_id] = Context(run_id=1, node_id=node_id, node_config={codec.PARTITION_ID: pid, codec.NUM_PARTITIONS: partitions, **(extra or {})}, state=RecordDict(), run_config={})
+            self.contexts[node_id] = Context(
+                run_id=1,
+                node_id=node_id,
+                node_config={codec.PARTITION_ID: pid, codec.NUM_PARTITIONS: partitions, **(extra or {})},
+                state=RecordDict(),
+                run_config={},
+            )
         self._replies: dict[str, FlowerMessage] = {}
         self.sent: list[FlowerMessage] = []
 
@@ -117,7 +140,7 @@ class InProcessGrid:
                 continue
             try:
                 reply = self.app(msg, context)
-            except Exception as e:  # noqa: BLE001 - what Flower does with a raising ClientApp
+            except Exception as e:
                 reply = FlowerMessage(Error(code=0, reason=f"{type(e).__name__}: {e}"), reply_to=msg)
             self._replies[msg.metadata.message_id] = reply
         return ids
@@ -194,14 +217,18 @@ def _alive(pid: int) -> bool:
 def write_connection(flwr_home, name: str, address: str) -> None:
     """A ``$FLWR_HOME/config.toml`` with one insecure SuperLink connection (the 1.41 way)."""
     flwr_home.mkdir(parents=True, exist_ok=True)
-    (flwr_home / "config.toml").write_text(f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "{address}"\ninsecure = true\n')
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "{address}"\ninsecure = true\n'
+    )
 
 
 def wait_for_log(path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while text not in path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{path.name}: {text!r} not seen (exit {proc.poll()}):\n{path.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(
+                f"{path.name}: {text!r} not seen (exit {proc.poll()}):\n{path.read_text(errors='replace')[-3000:]}"
+            )
         time.sleep(0.2)
 
 
@@ -211,21 +238,30 @@ class Processes:
     def __init__(self, workdir, env: Mapping[str, str]) -> None:
         self.workdir, self.env, self.procs = workdir, dict(env), []
 
-    def start(self, name: str, cmd: list[str], **env: str) -> tuple[subprocess.Popen, "os.PathLike[str]"]:
+    def start(self, name: str, cmd: list[str], **env: str) -> tuple[subprocess.Popen, os.PathLike[str]]:
         log = self.workdir / f"{name}.log"
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=self.workdir, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=self.workdir,
+                env={**self.env, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc, log
 
-    def __enter__(self) -> "Processes":
+    def __enter__(self) -> Processes:
         return self
 
     def __exit__(self, *exc: object) -> None:
         stop_processes(self.procs)
 
 
-def start_ray(log: Path, temp: Path, *, head_port: int | None = None, join: str | None = None, cpus: int = 2, attempts: int = 3) -> subprocess.Popen:
+def start_ray(
+    log: Path, temp: Path, *, head_port: int | None = None, join: str | None = None, cpus: int = 2, attempts: int = 3
+) -> subprocess.Popen:
     """``ray start --block`` on 127.0.0.1 with free ports: a head (``head_port``) or a worker joining ``join``.
 
     Ray gives its raylet a fixed 30 s to register with the GCS; on a loaded 2-core machine that start-up can
@@ -234,14 +270,29 @@ def start_ray(log: Path, temp: Path, *, head_port: int | None = None, join: str 
     failures: list[str] = []
     for attempt in range(attempts):
         cmd = [
-            sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address=127.0.0.1",
-            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", f"--num-cpus={cpus}",
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--node-manager-port={free_port()}",
+            f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--num-cpus={cpus}",
             "--disable-usage-stats",
         ]
         if join is None:
-            cmd += ["--head", f"--port={head_port}", f"--ray-client-server-port={free_port()}", "--include-dashboard=false", f"--temp-dir={temp}"]
+            cmd += [
+                "--head",
+                f"--port={head_port}",
+                f"--ray-client-server-port={free_port()}",
+                "--include-dashboard=false",
+                f"--temp-dir={temp}",
+            ]
         else:
             cmd += [f"--address={join}"]
         with open(log, "w") as out:
@@ -266,7 +317,12 @@ def wait_for_ray_nodes(address: str, count: int, timeout: float = 120.0) -> None
     prints that it started; on a loaded machine that moment can be seconds)."""
     deadline = time.monotonic() + timeout
     while True:
-        status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"], capture_output=True, text=True, timeout=120)
+        status = subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         active = status.stdout.split("Pending:")[0]
         if active.count("node_") >= count:
             return
@@ -275,7 +331,9 @@ def wait_for_ray_nodes(address: str, count: int, timeout: float = 120.0) -> None
         time.sleep(1.0)
 
 
-def start_loopback_federation(procs: "Processes", work: Path, nodes: int, *, warm: bool = False, poll: float = 0.0) -> int:
+def start_loopback_federation(
+    procs: Processes, work: Path, nodes: int, *, warm: bool = False, poll: float = 0.0
+) -> int:
     """An insecure (loopback-only) SuperLink and ``nodes`` SuperNodes with partition ids 0..nodes−1;
     ``poll`` > 0: SuperNodes through ``fedpers deploy supernode --poll`` (whose own SuperExec is
     ``fedpers deploy superexec``: warm ClientApps); ``warm`` without ``poll``: ``flower-supernode
@@ -283,18 +341,58 @@ def start_loopback_federation(procs: "Processes", work: Path, nodes: int, *, war
     import sys
 
     port = free_port()
-    link, log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(work / "link-home"))
+    link, log = procs.start(
+        "superlink",
+        [
+            "flower-superlink",
+            "--insecure",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--disable-runtime-dependency-installation",
+        ],
+        FLWR_HOME=str(work / "link-home"),
+    )
     wait_for_log(log, "Starting Flower SuperExec", link)
     for i in range(nodes):
         runtime = free_port()
-        launcher = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--poll", str(poll)] if poll > 0 else ["flower-supernode"]
+        launcher = (
+            [sys.executable, "-m", "fedpers", "deploy", "supernode", "--poll", str(poll)]
+            if poll > 0
+            else ["flower-supernode"]
+        )
         separate = warm and poll <= 0  # fedpers deploy supernode starts fedpers deploy superexec itself
-        procs.start(f"supernode{i}", [*launcher, "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(runtime),
-                                      "--node-config", f"partition-id={i} num-partitions={nodes}", *(["--isolation", "process"] if separate else [])],
-                    FLWR_HOME=str(work / f"node{i}-home"))
+        procs.start(
+            f"supernode{i}",
+            [
+                *launcher,
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{port}",
+                "--port",
+                str(runtime),
+                "--node-config",
+                f"partition-id={i} num-partitions={nodes}",
+                *(["--isolation", "process"] if separate else []),
+            ],
+            FLWR_HOME=str(work / f"node{i}-home"),
+        )
         if separate:
-            procs.start(f"superexec{i}", [sys.executable, "-m", "fedpers", "deploy", "superexec", "--runtime-api-address", f"127.0.0.1:{runtime}", "--insecure"],
-                        FLWR_HOME=str(work / f"node{i}-home"))
+            procs.start(
+                f"superexec{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "fedpers",
+                    "deploy",
+                    "superexec",
+                    "--runtime-api-address",
+                    f"127.0.0.1:{runtime}",
+                    "--insecure",
+                ],
+                FLWR_HOME=str(work / f"node{i}-home"),
+            )
     return port
 
 

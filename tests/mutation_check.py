@@ -14,6 +14,7 @@ class an independent review found the suite missing (the per-user item cap, the 
 at large q, the calibration's full-resolution step-up, the shared Poisson sample, the budget
 ledger's run key, the sampled estimator's divisor, a data value in a result, a seeded draw under secure noise).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ALTMIN = "fedpers/protocols/altmin.py"
-TESTS = ["tests/test_privacy_e2e.py", "tests/test_ledger_params.py", "tests/test_altmin.py", "tests/test_privacy_bookkeeping.py",
-         "tests/test_psd_sampled.py", "tests/test_rating_files.py", "tests/test_long_format.py", "tests/test_npz_rows.py"]
+TESTS = [
+    "tests/test_privacy_e2e.py",
+    "tests/test_ledger_params.py",
+    "tests/test_altmin.py",
+    "tests/test_privacy_bookkeeping.py",
+    "tests/test_psd_sampled.py",
+    "tests/test_rating_files.py",
+    "tests/test_long_format.py",
+    "tests/test_npz_rows.py",
+]
 MECHANISMS = "fedpers/privacy/mechanisms.py"
 RATINGS = "fedpers/data/rating_files.py"
 
@@ -44,8 +53,8 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "init label clip removed on the nodes' batched path": (
         "fedpers/linalg.py",
-        ":func:`sym`).\"\"\"\n    coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)",
-        ":func:`sym`).\"\"\"\n    coef = y[:, 0::2] * y[:, 1::2]",
+        ':func:`sym`)."""\n    coef = clip_scalar(y[:, 0::2], label_clip) * clip_scalar(y[:, 1::2], label_clip)',
+        ':func:`sym`)."""\n    coef = y[:, 0::2] * y[:, 1::2]',
         "tests/test_node_batched.py",
     ),
     "b label clip removed": (
@@ -78,7 +87,7 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "one user's NaN feature refuses a long-format file": (
         "fedpers/data/long_format.py",
-        "            reasons[f\"{kind} {col!r} missing, NaN or infinite\"] = bad",
+        '            reasons[f"{kind} {col!r} missing, NaN or infinite"] = bad',
         "            reasons[f\"{kind} {col!r} missing, NaN or infinite\"] = bad\n            if bad.any():\n                raise ValueError(f'{col}: NaN')",
         "tests/test_long_format.py",
     ),
@@ -114,7 +123,7 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "config refused after round 0 has released": (
         "fedpers/experiments/dpals/protocol.py",
-        "        if not (math.isfinite(g) and math.isfinite(b)):\n            raise ValueError(\"clip_embedding and clip_rating must be finite for a finite epsilon\")",
+        '        if not (math.isfinite(g) and math.isfinite(b)):\n            raise ValueError("clip_embedding and clip_rating must be finite for a finite epsilon")',
         "        pass",
         "tests/test_privacy_bookkeeping.py",
     ),
@@ -132,8 +141,8 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
     ),
     "FedRep divides by the realised cohort size": (
         "fedpers/protocols/fedrep.py",
-        "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / divisor",
-        "        U = state[\"U\"].to(G.dtype) - self.learning_rate * G / max(summed.count, 1)",
+        '        U = state["U"].to(G.dtype) - self.learning_rate * G / divisor',
+        '        U = state["U"].to(G.dtype) - self.learning_rate * G / max(summed.count, 1)',
         "tests/test_privacy_bookkeeping.py",
     ),
     # ----- correlated noise (fedpers/privacy/correlated.py): the participation's sensitivity -----
@@ -179,71 +188,74 @@ MUTATIONS: dict[str, tuple[str, ...]] = {
 # ----- the suite's own gaps found by an independent review: the item cap, the sampled PSD bound at
 # large q, the calibration's full-resolution step-up, the shared Poisson sample, the budget ledger's
 # run key, the sampled estimator's divisor -----
-MUTATIONS.update({
-    "DPALS round 0 ignores the per-user item cap": (
-        "fedpers/protocols/dpals.py",
-        "    sel = selected(mask, items_per_user)\n    r_unit, log_rn = linalg.directions(ratings * sel",
-        "    sel = mask\n    r_unit, log_rn = linalg.directions(ratings * sel",
-        "tests/test_privacy_e2e.py",
-    ),
-    "PSD √2 tightening kept for sampling rates q >= 0.5": (
-        MECHANISMS,
-        "        tighten = psd_units and sampling_probability >= 1.0",
-        "        tighten = psd_units and sampling_probability >= 0.5",
-        "tests/test_psd_sampled.py",
-    ),
-    "coarse-grid calibration accepted without the full-resolution step-up": (
-        "fedpers/privacy/accountant.py",
-        "            while eps > target_epsilon:\n                z *= 1.0 + 1e-4\n                eps = eps_at(z)\n            return z",
-        "            return z",
-        "tests/test_privacy.py",
-    ),
-    "AltMin's b not tagged with the round's shared Poisson sample": (
-        ALTMIN,
-        "params={**b_params, **shared},",
-        'params={**b_params, **{k: v for k, v in shared.items() if k != "poisson_sample"}},',
-        "tests/test_poisson.py",
-    ),
-    "a new run in a reused out directory treated as already charged": (
-        "fedpers/runtime/flower/policy.py",
-        'key = f"{Path(job.out).resolve() if job.out is not None else \'\'}|flwr-run-{run_id}"',
-        'key = f"{Path(job.out).resolve() if job.out is not None else \'\'}"',
-        "tests/test_policy.py",
-    ),
-    "NoisyHead's Poisson estimator divides by N, not q·N": (
-        "fedpers/protocols/noisyhead.py",
-        "        return self.prompts * self.sampling_rate\n",
-        "        return self.prompts\n",
-        "tests/test_poisson.py",
-    ),
-    "dpattention writes the data's condition values into its result": (
-        "fedpers/protocols/dpattention.py",
-        '"conditions": {c.name: {"holds": c.holds, "text": c.text} for c in release.conditions},',
-        '"conditions": {c.name: c.to_dict() for c in release.conditions},',
-        "tests/test_dpattention.py",
-    ),
-    "private tuning draws its repetition count from the seeded generator under --secure-noise": (
-        "fedpers/sweeps/tuning.py",
-        'tuner = Privatizer(derived_seed(seed, "tuning"), secure=secure_noise)',
-        'tuner = Privatizer(derived_seed(seed, "tuning"))',
-        "tests/test_tuning.py",
-    ),
-    # ----- the nodes' noise (distributed and local DP), which the audit of those trust models scores -----
-    "Skellam noise shares sized for all nodes while min_nodes < nodes are required": (
-        "fedpers/runtime/distributed.py",
-        "dist.noise_share(plan.encodings[s.name], plan.honest, generator)",
-        "dist.noise_share(plan.encodings[s.name], plan.nodes, generator)",
-        "tests/test_distributed.py",
-        "tests/test_audit.py",
-    ),
-    "local DP noise at half its scale": (
-        "fedpers/runtime/distributed.py",
-        "rows[s.name], plan.noise_multiplier * enc.bound, draws, privatizer.secure",
-        "rows[s.name], plan.noise_multiplier * enc.bound / 2, draws, privatizer.secure",
-        "tests/test_distributed.py",
-        "tests/test_audit.py",
-    ),
-})
+MUTATIONS.update(
+    {
+        "DPALS round 0 ignores the per-user item cap": (
+            "fedpers/protocols/dpals.py",
+            "    sel = selected(mask, items_per_user)\n    r_unit, log_rn = linalg.directions(ratings * sel",
+            "    sel = mask\n    r_unit, log_rn = linalg.directions(ratings * sel",
+            "tests/test_privacy_e2e.py",
+        ),
+        "PSD √2 tightening kept for sampling rates q >= 0.5": (
+            MECHANISMS,
+            "        tighten = psd_units and sampling_probability >= 1.0",
+            "        tighten = psd_units and sampling_probability >= 0.5",
+            "tests/test_psd_sampled.py",
+        ),
+        "coarse-grid calibration accepted without the full-resolution step-up": (
+            "fedpers/privacy/accountant.py",
+            "            while eps > target_epsilon:\n                z *= 1.0 + 1e-4\n                eps = eps_at(z)\n            return z",
+            "            return z",
+            "tests/test_privacy.py",
+        ),
+        "AltMin's b not tagged with the round's shared Poisson sample": (
+            ALTMIN,
+            "params={**b_params, **shared},",
+            'params={**b_params, **{k: v for k, v in shared.items() if k != "poisson_sample"}},',
+            "tests/test_poisson.py",
+        ),
+        "a new run in a reused out directory treated as already charged": (
+            "fedpers/runtime/flower/policy.py",
+            "key = f\"{Path(job.out).resolve() if job.out is not None else ''}|flwr-run-{run_id}\"",
+            "key = f\"{Path(job.out).resolve() if job.out is not None else ''}\"",
+            "tests/test_policy.py",
+        ),
+        "NoisyHead's Poisson estimator divides by N, not q·N": (
+            "fedpers/protocols/noisyhead.py",
+            "        return self.prompts * self.sampling_rate\n",
+            "        return self.prompts\n",
+            "tests/test_poisson.py",
+        ),
+        "dpattention writes the data's condition values into its result": (
+            "fedpers/protocols/dpattention.py",
+            '"conditions": {c.name: {"holds": c.holds, "text": c.text} for c in release.conditions},',
+            '"conditions": {c.name: c.to_dict() for c in release.conditions},',
+            "tests/test_dpattention.py",
+        ),
+        "private tuning draws its repetition count from the seeded generator under --secure-noise": (
+            "fedpers/sweeps/tuning.py",
+            'tuner = Privatizer(derived_seed(seed, "tuning"), secure=secure_noise)',
+            'tuner = Privatizer(derived_seed(seed, "tuning"))',
+            "tests/test_tuning.py",
+        ),
+        # ----- the nodes' noise (distributed and local DP), which the audit of those trust models scores -----
+        "Skellam noise shares sized for all nodes while min_nodes < nodes are required": (
+            "fedpers/runtime/distributed.py",
+            "dist.noise_share(plan.encodings[s.name], plan.honest, generator)",
+            "dist.noise_share(plan.encodings[s.name], plan.nodes, generator)",
+            "tests/test_distributed.py",
+            "tests/test_audit.py",
+        ),
+        "local DP noise at half its scale": (
+            "fedpers/runtime/distributed.py",
+            "rows[s.name], plan.noise_multiplier * enc.bound, draws, privatizer.secure",
+            "rows[s.name], plan.noise_multiplier * enc.bound / 2, draws, privatizer.secure",
+            "tests/test_distributed.py",
+            "tests/test_audit.py",
+        ),
+    }
+)
+
 
 def failing_tests(tree: Path, first: tuple[str, ...] = ()) -> list[str]:
     """The first failing test of the default-suite files (``first`` before the rest), or []."""
@@ -251,19 +263,30 @@ def failing_tests(tree: Path, first: tuple[str, ...] = ()) -> list[str]:
     files = [*first, *(t for t in TESTS if t not in first)]
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--no-header", "-rf", *files],
-        cwd=tree, env=env, capture_output=True, text=True, check=False,
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     ).stdout
-    return [line[len("FAILED "):].split(" - ")[0] for line in out.splitlines() if line.startswith("FAILED ")]
+    return [line[len("FAILED ") :].split(" - ")[0] for line in out.splitlines() if line.startswith("FAILED ")]
 
 
 def passes_unmutated(test: str) -> bool:
     """Whether ``test`` passes on the real tree: a test that fails without the planted mistake
     catches nothing, so a mutation it "catches" counts as uncaught."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", test],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
-    ).returncode == 0
+    return (
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", test],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).returncode
+        == 0
+    )
 
 
 def main(only: list[str]) -> int:
@@ -284,7 +307,10 @@ def main(only: list[str]) -> int:
             print(f"| {name} | {path} | NOT CAUGHT: {failed[0]} fails without the mistake too | |", flush=True)
             uncaught.append(name)
             continue
-        print(f"| {name} | {path} | {'caught by ' + failed[0] if failed else 'NOT CAUGHT'} | {time.perf_counter() - start:.0f} s |", flush=True)
+        print(
+            f"| {name} | {path} | {'caught by ' + failed[0] if failed else 'NOT CAUGHT'} | {time.perf_counter() - start:.0f} s |",
+            flush=True,
+        )
         if not failed:
             uncaught.append(name)
     if uncaught:

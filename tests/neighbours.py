@@ -6,15 +6,17 @@ run on the neighbouring data keeps every broadcast identical, so each release is
 on the same public state — the adaptive-composition notion of sensitivity — while the
 neighbour's statistics still go through ``client_message`` → ``drive`` → ``server_update``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from fedpers.privacy import Privatizer
-from fedpers.privacy.ledger import ALL_UNITS, Release
+from fedpers.privacy.ledger import Release
 from fedpers.protocols.base import Protocol
 from fedpers.runtime.local import run_local
 
@@ -34,17 +36,21 @@ class TapPrivatizer(Privatizer):
     def _tap(self, release: Release, value: Any, produce: Callable[[], Any]) -> Any:
         self.values.append((release, value.detach().clone() if isinstance(value, Tensor) else value))
         i = len(self.outputs)
-        out = self.replay[i] if self.replay is not None and i < len(self.replay) and self.replay[i] is not None else produce()
+        out = (
+            self.replay[i]
+            if self.replay is not None and i < len(self.replay) and self.replay[i] is not None
+            else produce()
+        )
         self.outputs.append(out)
         return out
 
-    def _perturb(self, release, value, noise):  # noqa: ANN001, ANN202
+    def _perturb(self, release, value, noise):
         return self._tap(release, value, lambda: Privatizer._perturb(self, release, value, noise))
 
-    def _select(self, release, scores, sample):  # noqa: ANN001, ANN202
+    def _select(self, release, scores, sample):
         return self._tap(release, scores, lambda: Privatizer._select(self, release, scores, sample))
 
-    def _sample_covariance(self, release, A, draw):  # noqa: ANN001, ANN202
+    def _sample_covariance(self, release, A, draw):
         return self._tap(release, A, lambda: Privatizer._sample_covariance(self, release, A, draw))
 
 
@@ -76,8 +82,14 @@ class NeighbourOutcome:
 
 
 def check_neighbour(
-    protocol: Protocol, units: dict[str, Tensor], j: int, new: dict[str, Tensor], groups: set[str], seed: int = 3,
-    rel_tol: float = 1e-9, neighbours: str = "replace-one",
+    protocol: Protocol,
+    units: dict[str, Tensor],
+    j: int,
+    new: dict[str, Tensor],
+    groups: set[str],
+    seed: int = 3,
+    rel_tol: float = 1e-9,
+    neighbours: str = "replace-one",
 ) -> NeighbourOutcome:
     """Assert (a) every release moves by ≤ the sensitivity its ledger entry records, (b) only
     releases of ``groups`` (the unit's cohort and ``all``) move, (c) the run completes on the
@@ -104,7 +116,9 @@ def check_neighbour(
     return NeighbourOutcome(len(reference.ledger), changes, sum(r.zeroed for r in records))
 
 
-def adversaries(x: Tensor, y: Tensor | None, dtype: torch.dtype, aligned: Tensor | None = None) -> dict[str, dict[str, Tensor]]:
+def adversaries(
+    x: Tensor, y: Tensor | None, dtype: torch.dtype, aligned: Tensor | None = None
+) -> dict[str, dict[str, Tensor]]:
     """Adversarial replacements for one unit with data (x, y): huge, overflowing, zero, aligned, alternating."""
     huge = 1e30 if dtype == torch.float32 else 1e160
     over = 1e39 if dtype == torch.float32 else 1e300  # 1e39 is not finite in float32

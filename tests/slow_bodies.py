@@ -8,6 +8,7 @@ body at once, default 0) and then 100 bytes a second; a connection the proxy cut
 once. Writes what it managed to REPORT_JSON every second: connections opened, cut, open now and the
 most open at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,16 +19,24 @@ import sys
 import time
 
 BODY = 6 * 1024 * 1024 - 4096  # just under the proxy's body limit: not refused from its Content-Length
-HEAD = b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Type: application/protobuf\r\nContent-Length: %d\r\n\r\n" % BODY
+HEAD = (
+    b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Type: application/protobuf\r\nContent-Length: %d\r\n\r\n"
+    % BODY
+)
 
 
-async def attacker(index: int, port: int, context: ssl.SSLContext, until: float, stats: dict[str, int], first: int) -> None:
+async def attacker(
+    index: int, port: int, context: ssl.SSLContext, until: float, stats: dict[str, int], first: int
+) -> None:
     source = f"127.0.8.{1 + index // 8}"
     while time.monotonic() < until:
         writer = None
         try:
             _, writer = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="127.0.0.1", local_addr=(source, 0)), 10
+                asyncio.open_connection(
+                    "127.0.0.1", port, ssl=context, server_hostname="127.0.0.1", local_addr=(source, 0)
+                ),
+                10,
             )
             stats["opened"] += 1
             stats["open"] += 1
@@ -43,7 +52,7 @@ async def attacker(index: int, port: int, context: ssl.SSLContext, until: float,
                     await writer.drain()
             finally:
                 stats["open"] -= 1
-        except (OSError, asyncio.TimeoutError, ssl.SSLError):
+        except (TimeoutError, OSError, ssl.SSLError):
             pass
         finally:
             if writer is not None:
@@ -71,4 +80,13 @@ async def main(port: int, ca: str, connections: int, seconds: float, report: str
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5], int(sys.argv[6]) if len(sys.argv) > 6 else 0))
+    asyncio.run(
+        main(
+            int(sys.argv[1]),
+            sys.argv[2],
+            int(sys.argv[3]),
+            float(sys.argv[4]),
+            sys.argv[5],
+            int(sys.argv[6]) if len(sys.argv) > 6 else 0,
+        )
+    )

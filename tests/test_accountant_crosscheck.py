@@ -4,6 +4,7 @@ Neighbouring relations differ: fedpers' events are replace-one, and a replace-on
 with noise multiplier z is the add/remove Gaussian with z/2 (the sensitivity doubles); the
 pure-ε part is the same under both.
 """
+
 from __future__ import annotations
 
 import dp_accounting

@@ -2,6 +2,7 @@
 computes the same thing, the one hand-written PLD path (EpsilonDeltaDpEvent) is pinned to the
 library, every accountant supports or refuses each event kind with a message, and ledger
 events serialise by the library's own round trip."""
+
 from __future__ import annotations
 
 import json
@@ -41,13 +42,18 @@ def library_pld(event: dp_accounting.DpEvent, delta: float) -> float:
     return acc.get_epsilon(delta)
 
 
-@pytest.mark.parametrize("event", [
-    G(1.0),
-    dp_accounting.SelfComposedDpEvent(G(3.0), 20),
-    POISSON,
-    dp_accounting.SelfComposedDpEvent(POISSON, 40),
-    dp_accounting.ComposedDpEvent([G(2.0), dp_accounting.SelfComposedDpEvent(POISSON, 10), dp_accounting.NoOpDpEvent()]),
-])
+@pytest.mark.parametrize(
+    "event",
+    [
+        G(1.0),
+        dp_accounting.SelfComposedDpEvent(G(3.0), 20),
+        POISSON,
+        dp_accounting.SelfComposedDpEvent(POISSON, 40),
+        dp_accounting.ComposedDpEvent(
+            [G(2.0), dp_accounting.SelfComposedDpEvent(POISSON, 10), dp_accounting.NoOpDpEvent()]
+        ),
+    ],
+)
 def test_pld_is_the_library_accountant(event):
     assert event_epsilon(event, 1e-5) == library_pld(event, 1e-5)
 
@@ -66,10 +72,14 @@ def test_repeated_pure_draws_count_every_draw():
     """dp-accounting 0.6.0's PLD accountant drops a SelfComposedDpEvent's count around a
     RandomizedResponseDpEvent; fedpers' PureDpEvent must not (k draws cost k·ε, not ε)."""
     drawn = dp_accounting.SelfComposedDpEvent(PureDpEvent(0.3), 3)
-    assert event_epsilon(drawn, 1e-6) == pytest.approx(event_epsilon(dp_accounting.ComposedDpEvent([PureDpEvent(0.3)] * 3), 1e-6), rel=1e-6)
+    assert event_epsilon(drawn, 1e-6) == pytest.approx(
+        event_epsilon(dp_accounting.ComposedDpEvent([PureDpEvent(0.3)] * 3), 1e-6), rel=1e-6
+    )
     assert event_epsilon(drawn, 1e-6) == pytest.approx(0.9, abs=1e-3)
     composed = dp_accounting.ComposedDpEvent([G(4.0), dp_accounting.SelfComposedDpEvent(PureDpEvent(0.3), 3)])
-    stated = dp_accounting.ComposedDpEvent([G(4.0), dp_accounting.SelfComposedDpEvent(EpsilonDeltaDpEvent(0.3, 0.0), 3)])
+    stated = dp_accounting.ComposedDpEvent(
+        [G(4.0), dp_accounting.SelfComposedDpEvent(EpsilonDeltaDpEvent(0.3, 0.0), 3)]
+    )
     assert event_epsilon(stated, 1e-6) == pytest.approx(event_epsilon(composed, 1e-6), rel=1e-3)
 
 
@@ -114,8 +124,13 @@ def test_every_accountant_supports_or_refuses_each_event_kind(acc, kind):
         assert eps >= event_epsilon(G(5.0), 1e-5, acc) - 1e-9
         assert math.isinf(eps) == (kind == "non_private")
     else:
-        named = {"poisson": "Poisson-sampled GaussianDpEvent", "poisson_pure": "Poisson-sampled PureDpEvent"}.get(kind, type(KINDS[kind]).__name__)
-        with pytest.raises(UnsupportedEvent, match=rf"the {acc.value} accountant cannot account a {named}.*(use --accountant pld|no replace-one)") as e:
+        named = {"poisson": "Poisson-sampled GaussianDpEvent", "poisson_pure": "Poisson-sampled PureDpEvent"}.get(
+            kind, type(KINDS[kind]).__name__
+        )
+        with pytest.raises(
+            UnsupportedEvent,
+            match=rf"the {acc.value} accountant cannot account a {named}.*(use --accountant pld|no replace-one)",
+        ) as e:
             event_epsilon(event, 1e-5, acc)
         assert isinstance(e.value, ValueError)
 
@@ -138,11 +153,17 @@ def test_fedpers_privacy_refuses_a_poisson_run_with_rdp_or_zcdp_without_a_traceb
     assert ledger_epsilon(Ledger.from_json((run / "ledger.json").read_text()), 1e-5) == library_pld(POISSON, 1e-5)
 
 
-@pytest.mark.parametrize("event", [*KINDS.values(), dp_accounting.ComposedDpEvent([G(1.0), dp_accounting.SelfComposedDpEvent(POISSON, 3)])])
+@pytest.mark.parametrize(
+    "event", [*KINDS.values(), dp_accounting.ComposedDpEvent([G(1.0), dp_accounting.SelfComposedDpEvent(POISSON, 3)])]
+)
 def test_events_serialise_by_the_library_round_trip(event):
     d = json.loads(json.dumps(event_to_dict(event)))
     named = event.to_named_tuple()
-    assert (d["module_name"], d["class_name"]) == (named.module_name, named.class_name) == (type(event).__module__, type(event).__name__)
+    assert (
+        (d["module_name"], d["class_name"])
+        == (named.module_name, named.class_name)
+        == (type(event).__module__, type(event).__name__)
+    )
     assert event_from_dict(d) == event
 
 
@@ -152,7 +173,11 @@ def test_a_ledger_never_imports_what_it_names():
 
 
 def test_ledgers_written_before_the_library_form_still_read():
-    old = {"type": "poisson_sampled", "sampling_probability": 0.1, "event": {"type": "gaussian", "noise_multiplier": 2.0}}
+    old = {
+        "type": "poisson_sampled",
+        "sampling_probability": 0.1,
+        "event": {"type": "gaussian", "noise_multiplier": 2.0},
+    }
     assert event_from_dict(old) == dp_accounting.PoissonSampledDpEvent(0.1, G(2.0))
     assert event_from_dict({"type": "epsilon_delta", "epsilon": 1.0, "delta": 1e-6}) == EpsilonDeltaDpEvent(1.0, 1e-6)
 

@@ -2,6 +2,7 @@
 counts are releases in the ledger and in the total ε, the ledger recomputed from the config is the
 reported ε, the bounds follow from released counts and public sizes only, worst-case neighbours move
 each release by at most its recorded sensitivity, and bad settings are refused naming the field."""
+
 from __future__ import annotations
 
 import math
@@ -17,9 +18,21 @@ from fedpers.runtime.local import run_local
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour
 
 AM = EXPERIMENTS["altmin"]
-AM_ADAPTIVE = dict(n_users=60, dim=5, rank=2, samples_per_user=8, rounds=3, epsilon=3.0, clip_rule="adaptive",
-                   clip_quantile=0.5, label_clip_quantile=0.8, clip_lr=0.5, clip_budget=0.1, label_clip_budget=0.05,
-                   accountant="rdp")  # RDP composes Gaussians exactly too, and keeps these tests fast
+AM_ADAPTIVE = dict(
+    n_users=60,
+    dim=5,
+    rank=2,
+    samples_per_user=8,
+    rounds=3,
+    epsilon=3.0,
+    clip_rule="adaptive",
+    clip_quantile=0.5,
+    label_clip_quantile=0.8,
+    clip_lr=0.5,
+    clip_budget=0.1,
+    label_clip_budget=0.05,
+    accountant="rdp",
+)  # RDP composes Gaussians exactly too, and keeps these tests fast
 
 
 def setup(exp, values: dict):
@@ -56,11 +69,16 @@ def test_altmin_adaptive_counts_are_in_the_ledger_and_the_total_epsilon_and_move
         assert size == (20 if cohorts == "disjoint" else 60)
         eta *= math.exp(-0.5 * ((float(out[f"round{t}.below_eta"]) + size / 2) / size - 0.5))
         zeta *= math.exp(-0.5 * ((float(out[f"round{t}.below_zeta"]) + size / 2) / size - 0.8))
-    assert float(state["eta"]) == pytest.approx(eta, rel=1e-12) and float(state["zeta"]) == pytest.approx(zeta, rel=1e-12)
+    assert float(state["eta"]) == pytest.approx(eta, rel=1e-12) and float(state["zeta"]) == pytest.approx(
+        zeta, rel=1e-12
+    )
     # the ledger recomputed from the configuration alone gives the reported ε, within the target
     again = AM.protocol(config.build(AM.config_type, {**AM_ADAPTIVE, "cohorts": cohorts}))
-    recomputed = event_epsilon(AltMinProtocol.user_event(again.noise_multiplier, again.releases_per_user(), 1.0,
-                                                         again.count_shares), cfg.delta, "rdp")
+    recomputed = event_epsilon(
+        AltMinProtocol.user_event(again.noise_multiplier, again.releases_per_user(), 1.0, again.count_shares),
+        cfg.delta,
+        "rdp",
+    )
     reported = AM.privacy_summary(cfg, protocol, privatizer.ledger)["epsilon"]
     assert reported == pytest.approx(recomputed, rel=2e-3) and reported <= 3.0 * (1 + 2e-3)
     # the counts are not free: leaving them out at A and b's multiplier would claim less
@@ -74,8 +92,17 @@ def test_altmin_adaptive_statistics_scaled_back_are_the_fixed_bounds_statistics(
     them back: the same U as the fixed-bound run, with clips that act (small c_η, c_ζ)."""
     from fedpers.privacy import Privatizer
 
-    values = dict(n_users=60, dim=5, rank=2, samples_per_user=8, rounds=3, epsilon=math.inf, clip_lr=1e-12,
-                  clip_model=0.3, clip_label=0.5)
+    values = dict(
+        n_users=60,
+        dim=5,
+        rank=2,
+        samples_per_user=8,
+        rounds=3,
+        epsilon=math.inf,
+        clip_lr=1e-12,
+        clip_model=0.3,
+        clip_label=0.5,
+    )
     out = {}
     for rule in ("fixed", "adaptive"):
         _, protocol, units = setup(AM, {**values, "clip_rule": rule})
@@ -117,8 +144,20 @@ def test_altmin_adaptive_bad_settings_are_refused_naming_the_field_and_range():
 
 # ----- NoisyHead: the rounds mode's per-unit gradient bound; statistics keeps the analytic bounds -----
 NH = EXPERIMENTS["noisyhead"]
-NH_ADAPTIVE = dict(prompts=60, dim=3, context=6, steps=5, epsilon=2.0, mode="rounds", unit="user", prompts_per_user=3,
-                   clip_rule="adaptive", clip_lr=0.5, clip_budget=0.2, accountant="rdp")
+NH_ADAPTIVE = dict(
+    prompts=60,
+    dim=3,
+    context=6,
+    steps=5,
+    epsilon=2.0,
+    mode="rounds",
+    unit="user",
+    prompts_per_user=3,
+    clip_rule="adaptive",
+    clip_lr=0.5,
+    clip_budget=0.2,
+    accountant="rdp",
+)
 
 
 def test_noisyhead_rounds_adaptive_counts_are_accounted_and_neighbours_move_each_release_by_at_most_its_sensitivity():
@@ -159,8 +198,9 @@ def test_noisyhead_adaptive_clip_and_noise_decay_refusals_name_the_field():
     with pytest.raises(ValueError, match=r"noise_decay must be in \[|noise_decay must be >= 0.0 and <= 1.0"):
         config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "noise_decay": 1.5})
     with pytest.raises(ValueError, match="noise_decay auto: GD's contraction"):
-        NH.protocol(config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "ridge_lambda": 1.0,
-                                                  "step_size": 0.75}))
+        NH.protocol(
+            config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "ridge_lambda": 1.0, "step_size": 0.75})
+        )
 
 
 def test_noisyhead_correlated_noise_folds_in_gds_own_decay_unless_given():
@@ -175,7 +215,9 @@ def test_noisyhead_correlated_noise_folds_in_gds_own_decay_unless_given():
     assert noise.decay == decay and noise.strategy.coefficients == cc.sqrt_decay_coefficients(3, decay)
     given = NH.protocol(config.build(NH.config_type, {**NH_ADAPTIVE, "noise": "banded", "bands": 3, "noise_decay": 1}))
     assert given.correlated.decay == 1.0 and given.correlated.strategy.coefficients == cc.sqrt_decay_coefficients(3)
-    assert NH.protocol(config.build(NH.config_type, NH_ADAPTIVE)).correlated is None  # auto: nothing with independent noise
+    assert (
+        NH.protocol(config.build(NH.config_type, NH_ADAPTIVE)).correlated is None
+    )  # auto: nothing with independent noise
 
 
 @pytest.mark.slow  # ~25 s: the Flower grid
@@ -187,8 +229,9 @@ def test_adaptive_altmin_on_the_flower_grid_matches_local(tmp_path):
     cfg = config.build(AM.config_type, {**AM_ADAPTIVE, "n_users": 90, "baselines": "none", "seed": 1})
     local = execute(AM, cfg, out=tmp_path / "local", progress=False)
     grid = InProcessGrid(make_client_app(), 3)
-    flower = execute(AM, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False,
-                     grid=grid)
+    flower = execute(
+        AM, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=grid
+    )
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
     torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)
     assert float(flower["_state"]["eta"]) == pytest.approx(float(local["_state"]["eta"]), rel=1e-9)
@@ -198,11 +241,20 @@ def test_adaptive_altmin_on_the_flower_grid_matches_local(tmp_path):
 def test_node_side_dp_refuses_adaptive_clipping_before_any_release(model):
     """The counts are scalar sums the nodes' integer plan is not solved for (unrefused, a distributed
     AltMin run spent ε 2.77 of a target 2): every protocol with an adaptive bound is refused at resolve."""
-    from fedpers.runner import resolve
     from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.runner import resolve
 
-    fedrep = dict(n_users=40, dim=5, rank=2, samples_per_user=8, rounds=2, epsilon=4.0, clip_rule="adaptive",
-                  accountant="rdp", baselines="none")
+    fedrep = dict(
+        n_users=40,
+        dim=5,
+        rank=2,
+        samples_per_user=8,
+        rounds=2,
+        epsilon=4.0,
+        clip_rule="adaptive",
+        accountant="rdp",
+        baselines="none",
+    )
     for exp, values in ((AM, AM_ADAPTIVE), (EXPERIMENTS["fedrep"], fedrep), (NH, NH_ADAPTIVE)):
         cfg = config.build(exp.config_type, values)
         with pytest.raises(ValueError, match=f"dp_model {model} does not support .* with adaptive clipping"):

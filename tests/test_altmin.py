@@ -1,14 +1,15 @@
 """Private AltMin: sensitivity under worst-case neighbours, an empirical audit, recovery, error vs n."""
+
 import math
 
 import pytest
 import torch
 
 from fedpers import config, linalg
+from fedpers.audit.bounds import gdp_lower_bound
 from fedpers.data import synthetic
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment, make_protocol
 from fedpers.privacy import Privatizer
-from fedpers.audit.bounds import gdp_lower_bound
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.runner import execute
 from fedpers.runtime.local import run_local
@@ -17,7 +18,17 @@ D, K, M = 6, 2, 8
 
 
 def protocol(**kw) -> AltMinProtocol:
-    base = dict(n_users=50, dim=D, rank=K, samples_per_user=M, rounds=1, eta=1.5, zeta=2.0, noise_multiplier=1.0, cohorts=Cohorts.ALL)
+    base = dict(
+        n_users=50,
+        dim=D,
+        rank=K,
+        samples_per_user=M,
+        rounds=1,
+        eta=1.5,
+        zeta=2.0,
+        noise_multiplier=1.0,
+        cohorts=Cohorts.ALL,
+    )
     return AltMinProtocol(**{**base, **kw})
 
 
@@ -65,7 +76,9 @@ def test_init_statistic_sensitivity_under_worst_case_neighbours():
 def test_round_statistics_sensitivity_under_worst_case_neighbours():
     p = protocol()
     units, u = honest()
-    U = linalg.orthonormal_basis(u + 0.3 * torch.randn(D, K, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    U = linalg.orthonormal_basis(
+        u + 0.3 * torch.randn(D, K, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    )
     worst_a = worst_b = 0.0
     for a, b in all_neighbour_pairs(units):
         Aa, ba = p.round_statistics(U, a["x"], a["y"])
@@ -75,7 +88,6 @@ def test_round_statistics_sensitivity_under_worst_case_neighbours():
     assert worst_a <= 2 * p.a_bound * (1 + 1e-9)
     assert worst_b <= 2 * p.b_bound * (1 + 1e-9)
     assert worst_b >= 0.5 * 2 * p.b_bound
-
 
 
 def test_kronecker_statistics_equal_the_naive_per_sample_form():
@@ -109,7 +121,9 @@ def _audit(z_claimed: float, z_used: float, clip: bool, trials: int = 1000) -> t
     b_d = stats_p.round_statistics(u, d["x"], d["y"])[1]
     b_dp = stats_p.round_statistics(u, d_prime["x"], d_prime["y"])[1]
     priv = Privatizer(123)
-    release = lambda b: (lambda: priv.gaussian_sum(b, per_unit_bound=p.b_bound, noise_multiplier=z_used, name="b", round=1))  # noqa: E731
+    release = lambda b: (
+        lambda: priv.gaussian_sum(b, per_unit_bound=p.b_bound, noise_multiplier=z_used, name="b", round=1)
+    )
     return gdp_lower_bound(release(b_d), release(b_dp), b_d, b_dp, trials=trials), 2.0 / z_claimed
 
 
@@ -129,7 +143,9 @@ def test_audit_flags_a_skipped_clip():
 
 
 def test_nonprivate_altmin_recovers_u_star_without_label_noise():
-    cfg = config.build(AltMinConfig, dict(n_users=2000, dim=8, rank=2, samples_per_user=16, noise_std=0.0, rounds=4, cohorts="all"))
+    cfg = config.build(
+        AltMinConfig, dict(n_users=2000, dim=8, rank=2, samples_per_user=16, noise_std=0.0, rounds=4, cohorts="all")
+    )
     exp = AltMinExperiment()
     units = exp.units(cfg, torch.arange(cfg.n_users))
     state, _ = run_local(make_protocol(cfg, private=False), units, Privatizer(0), progress=False)
@@ -197,7 +213,9 @@ def test_paper_epsilon_is_theorem_42():
     exp = AltMinExperiment()
     proto = exp.protocol(cfg)
     summary = exp.privacy_summary(cfg, proto, Privatizer(0).ledger)
-    assert summary["paper_epsilon_same_noise"] == pytest.approx(math.sqrt(16 * math.log(1e5)) / (proto.noise_multiplier / 2), rel=1e-12)
+    assert summary["paper_epsilon_same_noise"] == pytest.approx(
+        math.sqrt(16 * math.log(1e5)) / (proto.noise_multiplier / 2), rel=1e-12
+    )
 
 
 def test_paper_calibration_uses_theorem_4_2_noise_and_reports_the_smaller_epsilon_spent():
@@ -211,7 +229,10 @@ def test_paper_calibration_uses_theorem_4_2_noise_and_reports_the_smaller_epsilo
     from fedpers.runner import execute
 
     exp = experiment("altmin")
-    cfg = config_lib.build(exp.config_type, {"n_users": 2000, "dim": 6, "epsilon": 4.0, "delta": 1e-5, "calibration": "paper", "baselines": "none"})
+    cfg = config_lib.build(
+        exp.config_type,
+        {"n_users": 2000, "dim": 6, "epsilon": 4.0, "delta": 1e-5, "calibration": "paper", "baselines": "none"},
+    )
     assert exp.protocol(cfg).noise_multiplier == pytest.approx(2 * math.sqrt(16 * math.log(1e5)) / 4, rel=1e-12)
     assert exp.protocol(cfg).noise_multiplier == pytest.approx(6.78614, abs=1e-5)
     privacy = execute(exp, cfg, write=False, progress=False)["privacy"]

@@ -1,4 +1,5 @@
 """AltMin's device path (``--kernels device``) run on CPU tensors, against the host path."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,9 @@ from fedpers.experiments.altmin import AltMinConfig, load_units, make_protocol
 from fedpers.runner import execute
 from tests.synthetic_support import forbid_host_generation
 
-SHAPE = dict(n_users=5000, dim=12, rank=3, samples_per_user=16, rounds=2, epsilon=8.0, baselines="oracle", chunk_size=1500)
+SHAPE = dict(
+    n_users=5000, dim=12, rank=3, samples_per_user=16, rounds=2, epsilon=8.0, baselines="oracle", chunk_size=1500
+)
 
 
 def _run(**values):
@@ -26,7 +29,9 @@ def test_device_kernels_on_cpu_give_the_host_result_for_float32():
     device = _run(dtype="float32", kernels="device")
     for key in ("subspace_error", "excess_risk"):
         assert device[key] == pytest.approx(host[key], rel=2e-3), key
-    assert device["baselines"]["oracle"]["excess_risk"] == pytest.approx(host["baselines"]["oracle"]["excess_risk"], rel=1e-4)
+    assert device["baselines"]["oracle"]["excess_risk"] == pytest.approx(
+        host["baselines"]["oracle"]["excess_risk"], rel=1e-4
+    )
 
 
 def test_device_statistics_equal_the_host_statistics():
@@ -36,7 +41,9 @@ def test_device_statistics_equal_the_host_statistics():
     host = make_protocol(cfg)
     device = make_protocol(config.build(AltMinConfig, {**SHAPE, "dtype": "float32", "kernels": "device"}))
     assert device.device_kernels and not host.device_kernels
-    for a, b in zip(host.round_statistics(U, units["x"], units["y"]), device.round_statistics(U, units["x"], units["y"])):
+    for a, b in zip(
+        host.round_statistics(U, units["x"], units["y"]), device.round_statistics(U, units["x"], units["y"])
+    ):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(
         device.init_statistic(units["x"], units["y"]), host.init_statistic(units["x"], units["y"]), rtol=1e-4, atol=1e-3

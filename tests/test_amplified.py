@@ -2,6 +2,7 @@
 ledger's ε against jax_privacy's ``amplified_bandmf_event`` and an independent computation, never below a
 Monte Carlo lower estimate of the mechanism's own privacy loss (which catches a wrong noise scale), the
 strategies chosen for the sampled participation, the runs' ledgers, worst-case neighbours and refusals."""
+
 from __future__ import annotations
 
 import itertools
@@ -14,11 +15,11 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy import stats
 
 from fedpers import config
+from fedpers.config import Neighbours
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import ALL_UNITS, Privatizer, ledger_epsilon
 from fedpers.privacy import correlated as cc
 from fedpers.privacy.accountant import RELATIONS
-from fedpers.config import Neighbours
 from fedpers.runtime.local import run_local
 from tests.neighbours import check_neighbour
 
@@ -34,8 +35,16 @@ def amplified_ledger(T: int, b: int, q: float, z: float, neighbours: str = "repl
     noise = cc.amplified_mechanism(kind, T, b, q)
     p = Privatizer(0, neighbours=neighbours)
     for t in range(T):
-        p.correlated_gaussian_sum(torch.zeros(3, dtype=torch.float64), per_unit_bound=1.0, noise_multiplier=z,
-                                  noise=noise, stream="g", step=t, name=f"g{t}", round=t + 1)
+        p.correlated_gaussian_sum(
+            torch.zeros(3, dtype=torch.float64),
+            per_unit_bound=1.0,
+            noise_multiplier=z,
+            noise=noise,
+            stream="g",
+            step=t,
+            name=f"g{t}",
+            round=t + 1,
+        )
     return noise, p.ledger
 
 
@@ -68,15 +77,29 @@ def test_amplified_epsilon_within_prv_accountants_bounds(T, b, q, z):
     prv = pytest.importorskip("prv_accountant")
     _, ledger = amplified_ledger(T, b, q, z, "add-remove")
     eps = ledger_epsilon(ledger, 1e-6)
-    acc = prv.PRVAccountant(prvs=[prv.PoissonSubsampledGaussianMechanism(noise_multiplier=z, sampling_probability=q)],
-                            max_self_compositions=[-(-T // b)], eps_error=1e-4, delta_error=1e-10)
+    acc = prv.PRVAccountant(
+        prvs=[prv.PoissonSubsampledGaussianMechanism(noise_multiplier=z, sampling_probability=q)],
+        max_self_compositions=[-(-T // b)],
+        eps_error=1e-4,
+        delta_error=1e-10,
+    )
     lo, _, hi = acc.compute_epsilon(delta=1e-6, num_self_compositions=[-(-T // b)])
     assert lo - 1e-4 <= eps <= hi + 1e-4
 
 
 # ----- Monte Carlo: the mechanism's own privacy loss, sampled --------------------------------------
-def mc_epsilon_lower(C: torch.Tensor, sigma: float, clip: float, q: float, groups: int, delta: float,
-                     neighbours: str, samples: int = 200_000, confidence: float = 0.999, seed: int = 0) -> float:
+def mc_epsilon_lower(
+    C: torch.Tensor,
+    sigma: float,
+    clip: float,
+    q: float,
+    groups: int,
+    delta: float,
+    neighbours: str,
+    samples: int = 200_000,
+    confidence: float = 0.999,
+    seed: int = 0,
+) -> float:
     """A lower confidence bound on the true ε(δ) of releasing Cx + σz over T rounds, for the worst unit of
     group 0 (aligned contributions at the clip in every round it is sampled in, each sampled with q) against
     its neighbour (absent, or the opposite contribution under replace-one). The 2^P-component mixture is
@@ -129,9 +152,22 @@ def mc_epsilon_lower(C: torch.Tensor, sigma: float, clip: float, q: float, group
 
 
 GD = EXPERIMENTS["noisygd"]
-GD_SMALL = dict(examples=48, classes=3, feature_dim=5, steps=8, epsilon=2.0, test_examples=20, baselines="none",
-                dtype="float64", collapse="random", beta=0.3, cohorts="poisson", sampling_rate=0.25,
-                noise="banded", bands=2)
+GD_SMALL = dict(
+    examples=48,
+    classes=3,
+    feature_dim=5,
+    steps=8,
+    epsilon=2.0,
+    test_examples=20,
+    baselines="none",
+    dtype="float64",
+    collapse="random",
+    beta=0.3,
+    cohorts="poisson",
+    sampling_rate=0.25,
+    noise="banded",
+    bands=2,
+)
 
 
 @pytest.mark.parametrize("neighbours", ["replace-one", "add-remove"])
@@ -147,7 +183,9 @@ def test_the_amplified_stream_is_never_below_the_monte_carlo_lower_estimate_and_
 
 @pytest.mark.slow  # 20-40 s each: a NoisyGD run's calibration and 8 Monte Carlo estimates
 @pytest.mark.parametrize("neighbours", ["replace-one", "add-remove"])
-def test_a_runs_amplified_epsilon_is_never_below_the_monte_carlo_lower_estimate_and_a_halved_scale_is_caught(neighbours):
+def test_a_runs_amplified_epsilon_is_never_below_the_monte_carlo_lower_estimate_and_a_halved_scale_is_caught(
+    neighbours,
+):
     cfg = config.build(GD.config_type, {**GD_SMALL, "neighbours": neighbours})
     protocol = GD.protocol(cfg)
     noise = protocol.correlated
@@ -163,7 +201,10 @@ def test_a_runs_amplified_epsilon_is_never_below_the_monte_carlo_lower_estimate_
         assert lower <= accounted
         assert lower >= 0.75 * accounted  # the estimate is close: it could catch a real gap
         # the same mechanism with half the noise (a sensitivity halved in the noise scale) is caught
-        assert mc_epsilon_lower(C, sigma / 2, cfg.grad_clip, noise.sampling_rate, noise.cycle, delta, neighbours) > accounted
+        assert (
+            mc_epsilon_lower(C, sigma / 2, cfg.grad_clip, noise.sampling_rate, noise.cycle, delta, neighbours)
+            > accounted
+        )
 
 
 # ----- strategies chosen for the sampled participation ----------------------------------------------
@@ -174,10 +215,17 @@ def test_the_chosen_groups_minimise_the_runs_error_and_are_never_worse_than_inde
         return 0.7 * b**0.3
 
     chosen = cc.sampled_mechanism("optimised", T, 0, q, z_of)
-    errors = {b: cc.error(cc.poisson_independent(T, q) if b == 1 else cc.amplified_mechanism("optimised", T, b, min(1.0, q * b)), z_of(b))
-              for b in cc.sampled_groups(q, T)}
+    errors = {
+        b: cc.error(
+            cc.poisson_independent(T, q) if b == 1 else cc.amplified_mechanism("optimised", T, b, min(1.0, q * b)),
+            z_of(b),
+        )
+        for b in cc.sampled_groups(q, T)
+    }
     assert cc.sampled_groups(q, T) == [1, 2, 4, 8, 16]
-    assert chosen.cycle == min(errors, key=errors.get) > 1 and cc.error(chosen, z_of(chosen.cycle)) == pytest.approx(min(errors.values()))
+    assert chosen.cycle == min(errors, key=errors.get) > 1 and cc.error(chosen, z_of(chosen.cycle)) == pytest.approx(
+        min(errors.values())
+    )
     assert min(errors.values()) < errors[1] and "chose" in chosen.note and not chosen.warning
     # the optimised amplified strategy beats the square root on its own (single-participation) loss
     single = cc.single_participation(T)
@@ -203,8 +251,20 @@ def test_banded_worse_than_independent_noise_is_warned_in_the_result():
     from fedpers.runner import execute
 
     fedrep = EXPERIMENTS["fedrep"]
-    values = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=16,
-                  epsilon=2.0, clip=1.0, baselines="none", noise="banded", bands=8)
+    values = dict(
+        n_users=40,
+        dim=6,
+        rank=2,
+        samples_per_user=5,
+        refit_samples=3,
+        test_samples=10,
+        rounds=16,
+        epsilon=2.0,
+        clip=1.0,
+        baselines="none",
+        noise="banded",
+        bands=8,
+    )
     result = execute(fedrep, config.build(fedrep.config_type, values), write=False, progress=False)
     assert any(w["metric"] == "noise" and "1.683×" in w["text"] for w in result["warnings"])
 
@@ -224,8 +284,22 @@ def test_blt_buffers_are_the_fewest_the_optimiser_needs():
 
 # ----- runs ---------------------------------------------------------------------------------------
 FEDREP = EXPERIMENTS["fedrep"]
-SMALL = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=8, epsilon=2.0,
-             clip=1.0, baselines="none", cohorts="poisson", sampling_rate=0.25, noise="banded", bands=2)
+SMALL = dict(
+    n_users=40,
+    dim=6,
+    rank=2,
+    samples_per_user=5,
+    refit_samples=3,
+    test_samples=10,
+    rounds=8,
+    epsilon=2.0,
+    clip=1.0,
+    baselines="none",
+    cohorts="poisson",
+    sampling_rate=0.25,
+    noise="banded",
+    bands=2,
+)
 
 
 def test_a_poisson_banded_fedrep_run_is_accounted_per_group_and_meets_its_target():
@@ -249,14 +323,16 @@ def test_a_user_of_a_sampled_group_moves_only_its_groups_releases_by_at_most_the
     j = 5  # sampled in each of its group's four rounds with this seed
     group = int(protocol.cohort_of(torch.tensor([j])))
     units["y"][j] = units["y"][j] * 1e3
-    outcome = check_neighbour(protocol, units, j, {"x": torch.zeros_like(units["x"][j])}, {ALL_UNITS, f"cohort:{group}"})
+    outcome = check_neighbour(
+        protocol, units, j, {"x": torch.zeros_like(units["x"][j])}, {ALL_UNITS, f"cohort:{group}"}
+    )
     moved = [m / r.sensitivity for r, m in outcome.changes if r.units == f"cohort:{group}"]
     assert len(moved) == 4 and max(moved) > 0.4  # at the clip where sampled: clip of Δ = 2·clip·‖c‖ (‖c‖ = 1.118)
 
 
 def test_secure_noise_runs_correlated_noise_with_the_same_accounting(tmp_path):
-    from fedpers.runner import execute
     from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.runner import execute
 
     values = {**SMALL, "cohorts": "cyclic", "cycle": 2, "sampling_rate": 1.0}
     cfg = config.build(FEDREP.config_type, values)
@@ -268,13 +344,18 @@ def test_secure_noise_runs_correlated_noise_with_the_same_accounting(tmp_path):
 
 def test_a_refused_combination_releases_nothing(tmp_path):
     """Refused before the first release: no ledger entry, no run directory, nothing charged."""
-    from fedpers.runner import execute
     from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.runner import execute
 
     with pytest.raises(ValueError, match="noise: blt with cohorts poisson"):
         config.build(FEDREP.config_type, {**SMALL, "noise": "blt", "bands": 0})
     cfg = config.build(FEDREP.config_type, {**SMALL, "neighbours": "add-remove", "accountant": "pld"})
     with pytest.raises(ValueError, match="neighbours add-remove needs dp_model central"):
-        execute(FEDREP, cfg, config.build(RuntimeOptions, {"nodes": 2, "dp_model": "distributed"}), out=tmp_path / "r",
-                progress=False)
+        execute(
+            FEDREP,
+            cfg,
+            config.build(RuntimeOptions, {"nodes": 2, "dp_model": "distributed"}),
+            out=tmp_path / "r",
+            progress=False,
+        )
     assert not (tmp_path / "r").exists()

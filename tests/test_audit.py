@@ -5,6 +5,7 @@ of the sensitivity (σ halved), a label clip removed, and the disjoint-cohort fi
 user in every round while the ledger charges one). Each must push a lower bound above the proven
 value; the honest code must stay below it at every seed tried.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,15 +14,15 @@ import inspect
 import pytest
 import torch
 
+import fedpers.audit as audit_lib
 from fedpers import config as config_lib
 from fedpers import linalg
-import fedpers.audit as audit_lib
+from fedpers.audit import bounds as audit_math
 from fedpers.audit.scores import released_part
 from fedpers.commands.audit import format_audit, headline
 from fedpers.experiments import experiment
 from fedpers.experiments.fedrep import fedrep_init_fraction
 from fedpers.privacy import Privatizer
-from fedpers.audit import bounds as audit_math
 from fedpers.privacy.ledger import ALL_UNITS
 from fedpers.protocols.altmin import AltMinProtocol, Cohorts
 from fedpers.protocols.base import Message, client_message
@@ -104,7 +105,9 @@ def test_scorer_receives_only_published_outputs():
     assert len(published.releases) == len(ledger) == 1 + 2 * protocol.rounds
     for release, value in published.releases:
         r = release.round
-        unnoised = client_message(protocol, r, published.broadcasts[r], units).stats[{"init.W": "W"}.get(release.name, release.name[-1])]
+        unnoised = client_message(protocol, r, published.broadcasts[r], units).stats[
+            {"init.W": "W"}.get(release.name, release.name[-1])
+        ]
         part = released_part(release, value - unnoised)
         z = part / release.noise_std
         assert 0.5 < float(z.std()) < 1.6 and abs(float(z.mean())) < 4 / part.numel() ** 0.5
@@ -163,7 +166,9 @@ def test_cli_audit_out_saves_the_result_once_and_refuses_a_file_or_a_second_audi
     flags = ["--canaries", "4", "--runs", "1", "--epsilon", "3", "--n-users", "200", "--quiet"]
     assert main(["audit", "altmin", *flags, "--out", str(tmp_path / "a")]) == 0
     saved = json.loads((tmp_path / "a" / "audit.json").read_text())
-    assert saved["proven_epsilon"] == pytest.approx(3, rel=1e-3) and capsys.readouterr().out == ""  # --quiet: written, not printed
+    assert (
+        saved["proven_epsilon"] == pytest.approx(3, rel=1e-3) and capsys.readouterr().out == ""
+    )  # --quiet: written, not printed
     before = (tmp_path / "a" / "audit.json").read_bytes()
     (tmp_path / "f").write_text("x")
     for out in (tmp_path / "a", tmp_path / "f", tmp_path / "f" / "sub"):
@@ -187,7 +192,9 @@ def test_random_canaries_beyond_the_dimension_are_scored_with_their_interference
     for run in range(5):
         cans = design.random_canaries(protocol, torch.Generator().manual_seed(run), 40)
         included = torch.rand(40, generator=coins) < 0.5
-        published, _ = audit_lib.run_published(protocol, cans.units(included), audit_lib.PublishingPrivatizer(100 + run))
+        published, _ = audit_lib.run_published(
+            protocol, cans.units(included), audit_lib.PublishingPrivatizer(100 + run)
+        )
         scored = audit_lib.canary_scores(protocol, published, cans)
         sign = torch.where(included, 0.5, -0.5).double()
         centred.append(scored.standard - sign * scored.separation)
@@ -340,7 +347,11 @@ def test_planted_bug_raises_the_lower_bound_above_proven(bug, request):
     rounds = 8 if bug == "no_cohort_filter" else 2
     cfg = altmin_cfg(epsilon=8.0, rounds=rounds, cohorts=Cohorts.DISJOINT)
     result = audit_lib.audit(ALTMIN, cfg, 10, runs=50, seed=0)
-    assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (bug, _bounds(result), result["proven_epsilon"])
+    assert result["independent_gdp"]["epsilon_lower"] > result["proven_epsilon"], (
+        bug,
+        _bounds(result),
+        result["proven_epsilon"],
+    )
     assert result["gaussian_score"]["mu_lower"] > result["proven_mu"], (bug, result["gaussian_score"])
     print(bug, _bounds(result), result["proven_epsilon"])
 
@@ -365,10 +376,15 @@ def test_canaries_reach_the_separation_their_design_promises():
     result = audit_lib.audit(ALTMIN, altmin_cfg(epsilon=4.0), 4, runs=1)
     assert result["canary_mu"] == pytest.approx(result["proven_mu"] * (2 / 3) ** 0.5, rel=1e-6)
     nh = experiment("noisyhead")
-    cfg = config_lib.build(nh.config_type, {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3, "regime": "low-dim", "dim": 5})
+    cfg = config_lib.build(
+        nh.config_type,
+        {"prompts": 100, "epsilon": 4.0, "calibration": "accountant", "steps": 3, "regime": "low-dim", "dim": 5},
+    )
     result = audit_lib.audit(nh, cfg, 9, runs=1)
     p = experiment("noisyhead").canary_design().protocol(cfg, 9)
-    assert result["canary_mu"] == pytest.approx(result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6)
+    assert result["canary_mu"] == pytest.approx(
+        result["proven_mu"] * p.clip_c / (p.clip_c + p.proj_r * p.proj_g), rel=1e-6
+    )
     assert "prompt" in result["neighbouring"]
     assert max(_bounds(result)) <= result["proven_epsilon"]
 
@@ -555,7 +571,12 @@ def test_audit_of_a_finished_run_directory_prints_its_ledger_and_reaches_the_rep
     from fedpers.commands.report import run_report
 
     run = tmp_path / "run"
-    assert main(["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--out", str(run)]) == 0
+    assert (
+        main(
+            ["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--out", str(run)]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["audit", str(run), "--canaries", "6", "--runs", "2"]) == 0
     out = capsys.readouterr().out
@@ -610,13 +631,17 @@ def test_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
     assert len(grids) == 2 and all(len(g.contexts) == 3 and len(g.sent) >= 3 * 3 for g in grids)
     assert flower["runtime"] == "flower" and local["runtime"] == "local"
     assert "through the Flower runtime" in format_audit(flower)
-    assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(local["canary_mu"])
+    assert flower["proven_epsilon"] == local["proven_epsilon"] and flower["canary_mu"] == pytest.approx(
+        local["canary_mu"]
+    )
     for key in ("gaussian_score", "gaussian_score_null"):
         assert flower[key]["mu"] == pytest.approx(local[key]["mu"], rel=1e-5, abs=1e-6), key
         assert flower[key]["mu_lower"] == pytest.approx(local[key]["mu_lower"], rel=1e-5, abs=1e-6), key
-    assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (local["one_run"]["guesses"], local["one_run"]["correct"])
+    assert (flower["one_run"]["guesses"], flower["one_run"]["correct"]) == (
+        local["one_run"]["guesses"],
+        local["one_run"]["correct"],
+    )
     assert flower["independent_gdp"]["mu_lower"] == pytest.approx(local["independent_gdp"]["mu_lower"], abs=1e-9)
-
 
 
 def test_steered_audit_through_the_flower_runtime_gives_the_local_runtimes_bounds():
@@ -626,10 +651,14 @@ def test_steered_audit_through_the_flower_runtime_gives_the_local_runtimes_bound
     from fedpers.configs.runtime import RuntimeOptions
     from tests.flower_support import InProcessGrid
 
-    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
+    cfg = config_lib.build(
+        FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"}
+    )
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3})
     local = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",))
-    flower = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",), flower=opts, grid=InProcessGrid)
+    flower = audit_lib.audit(
+        FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",), flower=opts, grid=InProcessGrid
+    )
     assert flower["runtime"] == "flower" and "steered" in flower["placement"]
     assert flower["canary_mu"] == pytest.approx(local["canary_mu"]) == pytest.approx(local["proven_mu"], rel=1e-6)
     assert flower["gaussian_score"]["mu"] == pytest.approx(local["gaussian_score"]["mu"], rel=1e-5, abs=1e-6)
@@ -793,7 +822,16 @@ def test_planted_node_side_mistake_raises_the_bound_above_proven(bug, monkeypatc
 
 # ----- correlated noise: a stream scored on its decorrelated releases -----------------------------
 def _correlated_cfg(**values):
-    base = {"epsilon": 4.0, "steps": 4, "cohorts": "cyclic", "cycle": 2, "noise": "banded", "feature_dim": 20, "classes": 4, "accountant": "rdp"}
+    base = {
+        "epsilon": 4.0,
+        "steps": 4,
+        "cohorts": "cyclic",
+        "cycle": 2,
+        "noise": "banded",
+        "feature_dim": 20,
+        "classes": 4,
+        "accountant": "rdp",
+    }
     return config_lib.build(NOISYGD.config_type, {**base, **values})
 
 
@@ -810,9 +848,17 @@ def test_correlated_stream_is_scored_on_its_decorrelated_releases():
     published, ledger = audit_lib.run_published(protocol, units, audit_lib.PublishingPrivatizer(5))
     stream = [(r, v) for r, v in published.releases if r.mechanism == "correlated_gaussian"]
     assert [int(r.params["step"]) for r, _ in stream] == [0, 1, 2, 3]
-    noise = torch.stack(
-        [(v - client_message(protocol, r.round, published.broadcasts[r.round], units).stats["grad"]).double().flatten() for r, v in stream]
-    ) / stream[0][0].noise_std
+    noise = (
+        torch.stack(
+            [
+                (v - client_message(protocol, r.round, published.broadcasts[r.round], units).stats["grad"])
+                .double()
+                .flatten()
+                for r, v in stream
+            ]
+        )
+        / stream[0][0].noise_std
+    )
     C = protocol.correlated.strategy.matrix(4).double()
     white = C @ noise
     assert 0.9 < float(white.std()) < 1.1 and abs(float((white[0] * white[1]).mean())) < 0.2
@@ -828,10 +874,14 @@ def test_honest_correlated_noise_audits_stay_below_proven(name, noise):
     if name == "noisygd":
         cfg, k, runs = _correlated_cfg(noise=noise, steps=12, feature_dim=40), 20, 50
     else:
-        cfg = config_lib.build(FEDREP.config_type, {"epsilon": 4.0, "cohorts": "cyclic", "cycle": 2, "noise": noise, "dim": 120})
+        cfg = config_lib.build(
+            FEDREP.config_type, {"epsilon": 4.0, "cohorts": "cyclic", "cycle": 2, "noise": noise, "dim": 120}
+        )
         k, runs = 10, 100
     result = audit_lib.audit(experiment(name), cfg, k, runs=runs)
-    print(name, noise, _bounds(result), result["gaussian_score"], result["gaussian_score_null"], result["proven_epsilon"])
+    print(
+        name, noise, _bounds(result), result["gaussian_score"], result["gaussian_score_null"], result["proven_epsilon"]
+    )
     assert max(_bounds(result)) <= result["proven_epsilon"]
     for key in ("gaussian_score", "gaussian_score_null"):
         if result[key] is not None:
@@ -876,7 +926,19 @@ def test_audit_of_a_local_dp_run_directory_audits_its_trust_model(tmp_path, caps
     from fedpers.commands.cli import main
 
     run = tmp_path / "run"
-    args = ["run", "altmin", "--n-users", "200", "--epsilon", "3", "--baselines", "none", "--quiet", "--accountant", "rdp"]
+    args = [
+        "run",
+        "altmin",
+        "--n-users",
+        "200",
+        "--epsilon",
+        "3",
+        "--baselines",
+        "none",
+        "--quiet",
+        "--accountant",
+        "rdp",
+    ]
     assert main([*args, "--dp-model", "local", "--nodes", "4", "--out", str(run)]) == 0
     capsys.readouterr()
     assert main(["audit", str(run), "--canaries", "6", "--runs", "2"]) == 0
@@ -891,7 +953,9 @@ def test_steered_audit_through_the_flower_simulation_on_ray_gives_the_local_runt
     object is pickled into them with the ClientApp) give the local runtime's bounds for one seed."""
     from fedpers.configs.runtime import RuntimeOptions
 
-    cfg = config_lib.build(FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"})
+    cfg = config_lib.build(
+        FEDREP.config_type, {"dim": 24, "rounds": 2, "samples_per_user": 5, "epsilon": 4.0, "accountant": "rdp"}
+    )
     local = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",))
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2, "client_cpus": 1.0})
     flower = audit_lib.audit(FEDREP, cfg, 4, runs=2, placement="steered", releases=("G",), flower=opts)

@@ -1,4 +1,5 @@
 """The non-private baseline is a competent non-private AltMin: never worse than the private run."""
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,9 @@ def run(values: dict) -> dict:
 @pytest.mark.parametrize(
     "values",
     [
-        dict(n_users=4000, dim=10, rank=2, samples_per_user=4, epsilon=8.0, seed=1),  # |Q1| = 1: the old baseline's worst case
+        dict(
+            n_users=4000, dim=10, rank=2, samples_per_user=4, epsilon=8.0, seed=1
+        ),  # |Q1| = 1: the old baseline's worst case
         dict(n_users=4000, dim=20, rank=2, samples_per_user=12, epsilon=8.0, delta=1e-6, seed=11),
         dict(n_users=3000, dim=8, rank=3, samples_per_user=8, epsilon=2.0, cohorts="all", seed=2),
     ],
@@ -50,8 +53,20 @@ def test_baselines_none_runs_none_and_says_so():
 @pytest.mark.slow
 def test_the_reported_defect_is_gone():
     """The issue's command: the old baseline's subspace error was 0.221 against the private 0.038."""
-    result = run(dict(n_users=64000, epsilon=8.0, dim=20, rank=2, samples_per_user=12, noise_std=0.1, delta=1e-6, rounds=2, seed=11,
-                      baselines="nonprivate_altmin"))
+    result = run(
+        dict(
+            n_users=64000,
+            epsilon=8.0,
+            dim=20,
+            rank=2,
+            samples_per_user=12,
+            noise_std=0.1,
+            delta=1e-6,
+            rounds=2,
+            seed=11,
+            baselines="nonprivate_altmin",
+        )
+    )
     assert result["baselines"]["nonprivate_altmin"]["subspace_error"] < 0.5 * result["subspace_error"]
 
 
@@ -66,7 +81,10 @@ def _reference(values: dict, float64: bool = False, **kw):
     source = am.unit_source(cfg)
     if float64:
         load = source.load
-        source = UnitSource(source.num_units, lambda a, b: {k: v.double() if v.is_floating_point() else v for k, v in load(a, b).items()})
+        source = UnitSource(
+            source.num_units,
+            lambda a, b: {k: v.double() if v.is_floating_point() else v for k, v in load(a, b).items()},
+        )
     U, rounds = nonprivate_altmin(source, cfg.rank, cfg.chunk_size, **kw)
     return U, rounds, am.truth(cfg).double()
 
@@ -124,8 +142,13 @@ def test_the_local_only_dual_ridge_equals_the_primal():
         ok[4] = False
         torch.testing.assert_close(dual[ok], primal[ok], rtol=1e-7, atol=1e-9)
         assert dual[4].isnan().all() and dual[2].abs().max() == 0
-    x_tall, y_tall = torch.randn(20, 40, 30, generator=g), torch.randn(20, 40, generator=g)  # m ≥ d: the primal, in float64
-    torch.testing.assert_close(local_ridge(x_tall, y_tall, 1e-6), linalg.batched_ridge_solve(x_tall.double(), y_tall.double(), 1e-6))
+    x_tall, y_tall = (
+        torch.randn(20, 40, 30, generator=g),
+        torch.randn(20, 40, generator=g),
+    )  # m ≥ d: the primal, in float64
+    torch.testing.assert_close(
+        local_ridge(x_tall, y_tall, 1e-6), linalg.batched_ridge_solve(x_tall.double(), y_tall.double(), 1e-6)
+    )
 
 
 def test_the_scores_sums_are_the_plain_float64_formulas_bit_for_bit():

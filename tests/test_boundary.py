@@ -1,4 +1,5 @@
 """Nothing spent for nothing: bad input is refused before any work, naming the field."""
+
 from __future__ import annotations
 
 import math
@@ -80,7 +81,10 @@ def test_an_unknown_huge_member_is_refused_from_the_member_list(tmp_path):
     np.savez_compressed(path, **_users())
     header = np.lib.format.header_data_from_array_1_0(np.zeros(0))
     header["shape"] = (2**26,)
-    with zipfile.ZipFile(path, "a", compression=zipfile.ZIP_DEFLATED) as z, z.open("payload.npy", "w", force_zip64=True) as f:
+    with (
+        zipfile.ZipFile(path, "a", compression=zipfile.ZIP_DEFLATED) as z,
+        z.open("payload.npy", "w", force_zip64=True) as f,
+    ):
         np.lib.format.write_array_header_1_0(f, header)
         block = bytes(2**24)
         for _ in range(2**29 // 2**24):
@@ -97,7 +101,11 @@ def test_a_run_that_cannot_fit_is_refused_before_any_work():
     with pytest.raises(ValueError, match=r"altmin needs about .* of memory \(data .*, baselines .*\)"):
         make_protocol(config.build(AltMinConfig, {"n_users": 10**6, "dim": 5000, "rank": 2}))
     assert time.perf_counter() - start < 2.0
-    for name, values in {"noisyhead": {"prompts": 10**8}, "noisygd": {"examples": 10**8, "feature_dim": 1000}, "dpattention": {"columns": 10**10}}.items():
+    for name, values in {
+        "noisyhead": {"prompts": 10**8},
+        "noisygd": {"examples": 10**8, "feature_dim": 1000},
+        "dpattention": {"columns": 10**10},
+    }.items():
         exp = EXPERIMENTS[name]
         with pytest.raises(ValueError, match=f"{name} needs about"):
             exp.protocol(config.build(exp.config_type, values))
@@ -230,7 +238,9 @@ def test_an_epsilon_below_the_accountants_grid_is_refused_not_solved_for_minutes
 
     exp = experiment("dpals")
     cfg = config.build(exp.config_type, {"n_users": 200, "epsilon": 1e-4})
-    with pytest.raises(ValueError, match=r"epsilon 0.0001 is below what the pld accountant resolves .*--accountant rdp"):
+    with pytest.raises(
+        ValueError, match=r"epsilon 0.0001 is below what the pld accountant resolves .*--accountant rdp"
+    ):
         exp.protocol(cfg, Calibrations())
 
 

@@ -1,4 +1,5 @@
 """The command line end to end: JSON keys, run directory, data files, refusals, privacy report."""
+
 import json
 import subprocess
 import sys
@@ -22,13 +23,31 @@ def run_json(capsys, *args):
 def test_json_has_the_promised_fields_and_the_run_directory_is_complete(tmp_path, capsys):
     out = tmp_path / "run"
     r = run_json(capsys, *SMALL, "--out", str(out))
-    for key in ("epsilon", "delta", "noise_multiplier", "subspace_error", "subspace_error_spectral", "excess_risk", "test_mse"):
+    for key in (
+        "epsilon",
+        "delta",
+        "noise_multiplier",
+        "subspace_error",
+        "subspace_error_spectral",
+        "excess_risk",
+        "test_mse",
+    ):
         assert isinstance(r[key], float), key
-    assert set(r["baselines"]) == {"nonprivate_altmin", "clipped_no_noise", "local_only", "oracle", "private_init_only"} and r["baselines_skipped"] == []
+    assert (
+        set(r["baselines"]) == {"nonprivate_altmin", "clipped_no_noise", "local_only", "oracle", "private_init_only"}
+        and r["baselines_skipped"] == []
+    )
     assert r["baselines"]["oracle"]["subspace_error"] < 1e-12
     assert r["test_mse"] == pytest.approx(r["excess_risk"] + 0.1**2)
     files = {p.name for p in out.iterdir()}
-    assert {"config.json", "constants.json", "rounds.jsonl", "ledger.json", "result.json", "subspace_error.png"} <= files
+    assert {
+        "config.json",
+        "constants.json",
+        "rounds.jsonl",
+        "ledger.json",
+        "result.json",
+        "subspace_error.png",
+    } <= files
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
     assert [x["round"] for x in rounds] == [0, 1, 2]
     assert len(json.loads((out / "ledger.json").read_text())) == 5
@@ -55,7 +74,11 @@ def test_json_has_the_promised_fields_and_the_run_directory_is_complete(tmp_path
         (["--cohorts", "disjoint", "--n-users", "1", "--rounds", "2"], "n_users"),
         (["--dtype", "float16"], "dtype"),
         (["--min-fraction", "0"], "min_fraction"),
-        pytest.param(["--device", "cuda"], "device", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
+        pytest.param(
+            ["--device", "cuda"],
+            "device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present"),
+        ),
     ],
 )
 def test_bad_input_is_refused_naming_the_field(flags, field, capsys, tmp_path):
@@ -111,13 +134,15 @@ def test_malformed_data_files_are_refused(arrays, message, tmp_path, capsys):
 
 
 def test_installed_console_script_runs_the_module(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fedpers", "run", "altmin", "--help"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedpers", "run", "altmin", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "--n-users" in proc.stdout and "--runtime" in proc.stdout
 
 
 def test_config_file_is_read_and_flags_override_it(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('n_users = 500\ndim = 6\nrank = 2\nsamples_per_user = 8\nrounds = 1\nepsilon = 1.0\n')
+    cfg.write_text("n_users = 500\ndim = 6\nrank = 2\nsamples_per_user = 8\nrounds = 1\nepsilon = 1.0\n")
     r = run_json(capsys, "--config", str(cfg), "--epsilon", "3", "--out", str(tmp_path / "r"))
     saved = json.loads((tmp_path / "r" / "config.json").read_text())
     assert saved["n_users"] == 500 and saved["epsilon"] == 3.0 and 0.9 * 3 <= r["epsilon"] <= 3

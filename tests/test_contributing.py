@@ -56,6 +56,7 @@ def small(exp, **over):
 def test_the_docs_code_is_the_toy_that_runs():
     """Every code block of docs/contributing.md is a verbatim piece of tests/toy_config.py,
     tests/toy_algorithm.py or this file."""
+
     def solid(text: str) -> str:  # blank lines dropped: a block may leave out the ones around it
         return "\n".join(line for line in text.splitlines() if line.strip())
 
@@ -103,7 +104,10 @@ def test_toy_runs_locally_with_the_expected_ledger(toy, tmp_path):
     result = execute(toy, cfg, out=tmp_path / "run", progress=False)
     ledger = Ledger.from_json((tmp_path / "run" / "ledger.json").read_text())
     z = result["privacy"]["noise_multiplier"]
-    assert [(r.name, r.mechanism, r.units) for r in ledger] == [("round0.sum", "gaussian", "all"), ("round1.sum", "gaussian", "all")]
+    assert [(r.name, r.mechanism, r.units) for r in ledger] == [
+        ("round0.sum", "gaussian", "all"),
+        ("round1.sum", "gaussian", "all"),
+    ]
     assert all(r.event == dp_accounting.GaussianDpEvent(z) and r.per_unit_bound == cfg.clip for r in ledger)
     assert 4.0 * (1 - 1e-3) <= result["epsilon"] <= 4.0
     assert result["mean_error"] < result["baselines"]["zero"]["mean_error"] and "warnings" not in result
@@ -201,7 +205,9 @@ def test_toy_on_the_flower_simulation_equals_local(toy, tmp_path):
         protocol = toy.protocol(cfg)
         local = Privatizer(noise_seed)
         state_local, _ = run_local(protocol, toy.units(cfg, torch.arange(cfg.n_users)), local, progress=False)
-        options = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 2, "ray_address": f"127.0.0.1:{port}", "client_cpus": 1.0})
+        options = config_lib.build(
+            RuntimeOptions, {"runtime": "flower", "nodes": 2, "ray_address": f"127.0.0.1:{port}", "client_cpus": 1.0}
+        )
         from fedpers.app import run_flower
 
         remote = Privatizer(noise_seed)
@@ -221,7 +227,11 @@ def test_toy_through_fedpers_audit(toy, capsys):
     assert result["algorithm"] == "toymean" and result["canaries_per_run"] == 4 and result["runs"] == 5
     assert 2.0 * (1 - 1e-3) <= result["proven_epsilon"] <= 2.0
     assert result["canary_mu"] == pytest.approx(result["proven_mu"], rel=1e-9)  # canaries at the full sensitivity
-    for bound in (result["epsilon_lower"], result["one_run_gdp"]["epsilon_lower"], result["independent_gdp"]["epsilon_lower"]):
+    for bound in (
+        result["epsilon_lower"],
+        result["one_run_gdp"]["epsilon_lower"],
+        result["independent_gdp"]["epsilon_lower"],
+    ):
         assert 0.0 <= bound <= result["proven_epsilon"]
     assert cli.main(["audit", "toymean", "--canaries", "5"]) == 2
     assert "canaries must be in [2, 4]" in capsys.readouterr().err
@@ -236,13 +246,20 @@ def test_toy_through_a_private_sweep(toy, tmp_path):
         "[base]\nn_users = 60\nepsilon = 4.0\n[grid]\nclip = [1.0, 2.0]\n"
     )
     spec = load_spec(spec_file)
-    result = tuning.private_select(spec, "validation_mse", tuning.Goal.MIN, mean=2.0, validation_users=20, seed=1, out=tmp_path / "t")
+    result = tuning.private_select(
+        spec, "validation_mse", tuning.Goal.MIN, mean=2.0, validation_users=20, seed=1, out=tmp_path / "t"
+    )
     z = toy.protocol(small(toy, n_users=60)).noise_multiplier  # the same z for every clip (it depends on ε, δ, rounds)
     gauss = dp_accounting.GaussianDpEvent(z)
     want = tuning.rdp_epsilon(
-        tuning.tuning_event([dp_accounting.ComposedDpEvent([gauss] * 3)], dp_accounting.ComposedDpEvent([gauss] * 2), 2.0, 1.0), 1e-5
+        tuning.tuning_event(
+            [dp_accounting.ComposedDpEvent([gauss] * 3)], dp_accounting.ComposedDpEvent([gauss] * 2), 2.0, 1.0
+        ),
+        1e-5,
     )
-    assert result["epsilon_total"] == pytest.approx(want, rel=1e-9) and result["epsilon_total"] > result["epsilon_naive"]
+    assert (
+        result["epsilon_total"] == pytest.approx(want, rel=1e-9) and result["epsilon_total"] > result["epsilon_naive"]
+    )
     assert result["selected"] in [{"clip": 1.0}, {"clip": 2.0}] and len(result["trials"]) == result["repetitions"]
     final = Ledger.from_json((Path(result["final_run"]) / "ledger.json").read_text())
     assert [r.name for r in final] == ["round0.sum", "round1.sum"]
@@ -273,7 +290,9 @@ def test_a_registered_accountant_is_offered_and_accounts_a_ledger(pld_copy, tmp_
     privacy = cli.build_parser()._subparsers._group_actions[0].choices["privacy"]
     assert _choices(privacy, "--accountant") == ["pld", "rdp", "zcdp", "pld_copy"]
     assert _choices(cli.algorithm_parser("altmin"), "--accountant") == ["pld", "rdp", "zcdp", "pld_copy"]
-    releases = [Release(r, f"round{r}", "gaussian", 1.0, 2.0, 3.0, "all", dp_accounting.GaussianDpEvent(3.0)) for r in range(4)]
+    releases = [
+        Release(r, f"round{r}", "gaussian", 1.0, 2.0, 3.0, "all", dp_accounting.GaussianDpEvent(3.0)) for r in range(4)
+    ]
     ledger = Ledger(releases)
     assert ledger_epsilon(ledger, 1e-5, "pld_copy") == ledger_epsilon(ledger, 1e-5, Accountant.PLD) > 0
     (tmp_path / "config.json").write_text(json.dumps({"algorithm": "altmin", "delta": 1e-5, "accountant": "pld"}))
@@ -309,7 +328,15 @@ def test_an_accountant_without_poisson_sampling_is_refused_for_poisson_cohorts()
 
     try:
         with pytest.raises(ValueError, match="accountant must be pld with cohorts poisson"):
-            config_lib.build(experiment("fedrep").config_type, {"accountant": "rdp_copy", "cohorts": "poisson", "sampling_rate": 0.1})
-        assert math.isfinite(ledger_epsilon(Ledger([Release(0, "s", "gaussian", 1.0, 2.0, 2.0, "all", dp_accounting.GaussianDpEvent(2.0))]), 1e-5, "rdp_copy"))
+            config_lib.build(
+                experiment("fedrep").config_type, {"accountant": "rdp_copy", "cohorts": "poisson", "sampling_rate": 0.1}
+            )
+        assert math.isfinite(
+            ledger_epsilon(
+                Ledger([Release(0, "s", "gaussian", 1.0, 2.0, 2.0, "all", dp_accounting.GaussianDpEvent(2.0))]),
+                1e-5,
+                "rdp_copy",
+            )
+        )
     finally:
         unregister_accountant("rdp_copy")

@@ -1,6 +1,7 @@
 """Cyclic cohorts and correlated (matrix-factorization) noise: the noise recurrence against dense
 C⁻¹z, the sensitivity against brute force, worst-case neighbours on the joint release, the
 ledger against the configuration, one band against independent noise bit for bit, refusals."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,8 +19,20 @@ from fedpers.runtime.local import run_local
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour, replace_unit
 
 EXP = EXPERIMENTS["fedrep"]
-SMALL = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=7, epsilon=2.0,
-             clip=1.0, baselines="none", cohorts="cyclic", cycle=3)
+SMALL = dict(
+    n_users=40,
+    dim=6,
+    rank=2,
+    samples_per_user=5,
+    refit_samples=3,
+    test_samples=10,
+    rounds=7,
+    epsilon=2.0,
+    clip=1.0,
+    baselines="none",
+    cohorts="cyclic",
+    cycle=3,
+)
 
 
 def strategies(horizon: int) -> list[cc.Strategy]:
@@ -51,23 +64,38 @@ def test_privatizer_noise_is_the_recurrence_and_one_band_is_independent_noise_bi
     a, b = Privatizer(9), Privatizer(9)
     for t in range(horizon):
         x = a.gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, name="g", round=t + 1)
-        y = b.correlated_gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, noise=one, stream="G", step=t,
-                                      name="g", round=t + 1)
+        y = b.correlated_gaussian_sum(
+            value, per_unit_bound=0.7, noise_multiplier=2.5, noise=one, stream="G", step=t, name="g", round=t + 1
+        )
         assert torch.equal(x, y)
     # a banded stream: released − value = σ·(C⁻¹z)_t with z the generator's standard normals in order
     m = cc.mechanism("banded", horizon, 3, cycle)
     p = Privatizer(4)
-    noise = torch.stack([p.correlated_gaussian_sum(value.double(), per_unit_bound=0.7, noise_multiplier=2.5, noise=m,
-                                                   stream="G", step=t, name="g", round=t + 1) - value.double()
-                         for t in range(horizon)])
+    noise = torch.stack(
+        [
+            p.correlated_gaussian_sum(
+                value.double(),
+                per_unit_bound=0.7,
+                noise_multiplier=2.5,
+                noise=m,
+                stream="G",
+                step=t,
+                name="g",
+                round=t + 1,
+            )
+            - value.double()
+            for t in range(horizon)
+        ]
+    )
     gen = torch.Generator().manual_seed(4)
     z = torch.stack([torch.randn(5, 3, generator=gen, dtype=torch.float64) for _ in range(horizon)])
     sigma = m.noise_std(2.5, 0.7)
     dense = torch.linalg.solve_triangular(m.strategy.matrix(horizon), z.reshape(horizon, -1), upper=False)
     torch.testing.assert_close(noise, sigma * dense.reshape(z.shape), rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="expects step"):
-        p.correlated_gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, noise=m, stream="G", step=3,
-                                  name="g", round=4)
+        p.correlated_gaussian_sum(
+            value, per_unit_bound=0.7, noise_multiplier=2.5, noise=m, stream="G", step=3, name="g", round=4
+        )
 
 
 def brute_force(C: torch.Tensor, patterns: torch.Tensor) -> float:
@@ -144,8 +172,10 @@ def test_optimised_strategy_beats_the_square_root_and_independent_noise_on_its_l
     horizon, cycle = 64, 4
     patterns = cc.cyclic_participation(horizon, cycle)
     opt = cc.optimised_coefficients(horizon, cycle, cycle)
-    value = {k: float(cc.loss(torch.tensor(c, dtype=torch.float64), horizon, patterns))
-             for k, c in {"opt": opt, "sqrt": cc.sqrt_coefficients(cycle), "ind": (1.0,)}.items()}
+    value = {
+        k: float(cc.loss(torch.tensor(c, dtype=torch.float64), horizon, patterns))
+        for k, c in {"opt": opt, "sqrt": cc.sqrt_coefficients(cycle), "ind": (1.0,)}.items()
+    }
     assert value["opt"] <= value["sqrt"] < value["ind"]
     assert all(c >= 0 for c in opt) and opt[0] == 1.0
 
@@ -184,7 +214,8 @@ def test_optimised_strategies_are_never_worse_than_independent_noise_on_their_wo
         assert value <= ind * (1 + 1e-12)
         assert value == pytest.approx(m.sensitivity.value**2 * float(cc.prefix_error(c, horizon, lam)), rel=1e-9)
     assert float(cc.loss(banded.strategy.toeplitz_coefficients(horizon), horizon, patterns, lam)) <= float(
-        cc.loss(sqrt, horizon, patterns, lam)) * (1 + 1e-12)
+        cc.loss(sqrt, horizon, patterns, lam)
+    ) * (1 + 1e-12)
     if cycle >= 4 and lam == 1.0:
         assert float(cc.loss(banded.strategy.toeplitz_coefficients(horizon), horizon, patterns, lam)) < 0.5 * ind
     assert banded.decay == lam and banded.params()["workload_decay"] == lam
@@ -193,23 +224,40 @@ def test_optimised_strategies_are_never_worse_than_independent_noise_on_their_wo
 def test_privatizer_blt_noise_is_sigma_times_the_dense_slice():
     horizon, cycle = 12, 3
     s = cc.Strategy("blt", (1.0,), (0.95, 0.6, 0.2), (0.25, 0.1, 0.05))
-    m = cc.CorrelatedNoise(s, horizon, cc.sensitivity(s.matrix(horizon), cc.cyclic_participation(horizon, cycle)), cycle)
+    m = cc.CorrelatedNoise(
+        s, horizon, cc.sensitivity(s.matrix(horizon), cc.cyclic_participation(horizon, cycle)), cycle
+    )
     value = torch.randn(4, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     p = Privatizer(8)
-    noise = torch.stack([p.correlated_gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, noise=m,
-                                                   stream="G", step=t, name="g", round=t + 1) - value
-                         for t in range(horizon)])
+    noise = torch.stack(
+        [
+            p.correlated_gaussian_sum(
+                value, per_unit_bound=0.7, noise_multiplier=2.5, noise=m, stream="G", step=t, name="g", round=t + 1
+            )
+            - value
+            for t in range(horizon)
+        ]
+    )
     gen = torch.Generator().manual_seed(8)
     z = torch.stack([torch.randn(4, 2, generator=gen, dtype=torch.float64) for _ in range(horizon)])
     dense = torch.linalg.solve_triangular(s.matrix(horizon), z.reshape(horizon, -1), upper=False)
     torch.testing.assert_close(noise, m.noise_std(2.5, 0.7) * dense.reshape(z.shape), rtol=1e-9, atol=1e-9)
     first = next(iter(p.ledger))
     assert first.params["buffers"] == 3 and first.params["bands"] == 0
-    other = cc.CorrelatedNoise(cc.Strategy("blt", (1.0,), (0.95, 0.6, 0.2), (0.25, 0.1, 0.06)), horizon,
-                               m.sensitivity, cycle)
+    other = cc.CorrelatedNoise(
+        cc.Strategy("blt", (1.0,), (0.95, 0.6, 0.2), (0.25, 0.1, 0.06)), horizon, m.sensitivity, cycle
+    )
     with pytest.raises(ValueError, match="own strategy"):  # a stream cannot switch strategy midway
-        p.correlated_gaussian_sum(value, per_unit_bound=0.7, noise_multiplier=2.5, noise=other, stream="G",
-                                  step=horizon - 1, name="g", round=horizon)
+        p.correlated_gaussian_sum(
+            value,
+            per_unit_bound=0.7,
+            noise_multiplier=2.5,
+            noise=other,
+            stream="G",
+            step=horizon - 1,
+            name="g",
+            round=horizon,
+        )
 
 
 # ----- the protocols ----------------------------------------------------------------------------
@@ -236,7 +284,9 @@ def test_cyclic_cohorts_use_the_public_blocks_divide_by_their_size_and_are_accou
     assert groups == [ALL_UNITS] + [f"cohort:{(r - 1) % 3}" for r in range(1, 8)]
     # the estimator's divisor is the public cohort size: U moves by η·G/|cohort| before orthonormalising
     eps = ledger_epsilon(privatizer.ledger, cfg.delta, cfg.accountant)
-    assert eps == pytest.approx(event_epsilon(FedRepProtocol.user_event(protocol.noise_multiplier, 4), cfg.delta), rel=1e-6)
+    assert eps == pytest.approx(
+        event_epsilon(FedRepProtocol.user_event(protocol.noise_multiplier, 4), cfg.delta), rel=1e-6
+    )
     assert eps <= cfg.epsilon * (1 + 1e-6)
 
 
@@ -266,7 +316,11 @@ def test_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_sensitivi
         run_local(protocol, units, reference, chunk_size=7, progress=False)
         replayed = TapPrivatizer(3, replay=reference.outputs)
         run_local(protocol, replace_unit(units, j, new), replayed, chunk_size=7, progress=False)
-        rounds = [(r, b, a) for (r, b), (_, a) in zip(reference.values, replayed.values) if r.mechanism == "correlated_gaussian"]
+        rounds = [
+            (r, b, a)
+            for (r, b), (_, a) in zip(reference.values, replayed.values)
+            if r.mechanism == "correlated_gaussian"
+        ]
         assert len(rounds) == cfg.rounds
         joint = rounds[0][0].params["joint_sensitivity"]
         assert all(r.sensitivity == pytest.approx(joint / math.sqrt(cfg.rounds)) for r, _, _ in rounds)
@@ -277,7 +331,9 @@ def test_correlated_worst_case_neighbour_moves_Cx_by_at_most_the_joint_sensitivi
     assert largest > 0.3  # the planted user reaches a good part of the joint sensitivity
 
 
-@pytest.mark.parametrize("noise", ["banded", pytest.param("optimised", marks=pytest.mark.slow), pytest.param("blt", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "noise", ["banded", pytest.param("optimised", marks=pytest.mark.slow), pytest.param("blt", marks=pytest.mark.slow)]
+)
 def test_correlated_ledger_recomputed_from_the_config_gives_the_reported_epsilon(noise):
     values = {**SMALL, "noise": noise, "rounds": 9, "epsilon": 3.0, **({"noise_decay": 0.6} if noise == "blt" else {})}
     cfg, protocol, units = setup(values)
@@ -307,8 +363,14 @@ def test_one_band_gives_todays_independent_fedrep_bit_for_bit():
     "values, field_name",
     [
         ({"cohorts": "poisson", "sampling_rate": 0.5, "cycle": 1, "noise": "blt"}, "noise: blt with cohorts poisson"),
-        ({"cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": "banded", "bands": 5}, "bands must be <= 1/sampling_rate"),
-        ({"cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": "banded", "clip_rule": "adaptive"}, "clip_rule adaptive"),
+        (
+            {"cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": "banded", "bands": 5},
+            "bands must be <= 1/sampling_rate",
+        ),
+        (
+            {"cohorts": "poisson", "cycle": 1, "sampling_rate": 0.25, "noise": "banded", "clip_rule": "adaptive"},
+            "clip_rule adaptive",
+        ),
         ({"cohorts": "all", "cycle": 4}, "cycle"),
         ({"cycle": 41}, "cycle"),
         ({"noise": "toeplitz"}, "noise"),
@@ -333,11 +395,25 @@ def test_secure_noise_draws_the_correlated_stream_from_os_entropy(noise):
     p = Privatizer(0, secure=True)
     value = torch.linspace(-3.0, 3.0, dim, dtype=torch.float64)
     sigma = m.noise_std(1.0, 1.0)
-    w = torch.stack([
-        (p.correlated_gaussian_sum(value, per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G", step=t,
-                                   name=f"g{t}", round=t + 1) - value) / sigma
-        for t in range(T)
-    ])
+    w = torch.stack(
+        [
+            (
+                p.correlated_gaussian_sum(
+                    value,
+                    per_unit_bound=1.0,
+                    noise_multiplier=1.0,
+                    noise=m,
+                    stream="G",
+                    step=t,
+                    name=f"g{t}",
+                    round=t + 1,
+                )
+                - value
+            )
+            / sigma
+            for t in range(T)
+        ]
+    )
     assert len(p.ledger) == T and "generator" not in p.state_dict()
     z = m.strategy.matrix(T) @ w  # (T, dim): should be i.i.d. standard normal
     assert abs(float(z.mean())) < 5 / math.sqrt(z.numel())
@@ -349,8 +425,20 @@ def test_secure_noise_draws_the_correlated_stream_from_os_entropy(noise):
 
 # ----- NoisyGD (example-level units) -------------------------------------------------------------
 GD = EXPERIMENTS["noisygd"]
-GD_SMALL = dict(examples=60, classes=3, feature_dim=5, steps=7, epsilon=2.0, test_examples=20, baselines="none",
-                dtype="float64", cohorts="cyclic", cycle=3, collapse="random", beta=0.3)
+GD_SMALL = dict(
+    examples=60,
+    classes=3,
+    feature_dim=5,
+    steps=7,
+    epsilon=2.0,
+    test_examples=20,
+    baselines="none",
+    dtype="float64",
+    cohorts="cyclic",
+    cycle=3,
+    collapse="random",
+    beta=0.3,
+)
 
 
 def gd_setup(values: dict):
@@ -447,8 +535,9 @@ def test_a_checkpointed_privatizer_continues_the_same_correlated_stream(noise):
     value = torch.zeros(3, dtype=torch.float64)
 
     def release(p: Privatizer, t: int) -> torch.Tensor:
-        return p.correlated_gaussian_sum(value, per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G",
-                                         step=t, name=f"r{t}", round=t + 1)
+        return p.correlated_gaussian_sum(
+            value, per_unit_bound=1.0, noise_multiplier=1.0, noise=m, stream="G", step=t, name=f"r{t}", round=t + 1
+        )
 
     whole = Privatizer(6)
     expected = [release(whole, t) for t in range(10)]
@@ -469,8 +558,9 @@ def test_cyclic_banded_adaptive_fedrep_on_the_flower_grid_matches_local(tmp_path
     cfg = config.build(EXP.config_type, {**ADAPTIVE, "noise": "banded", "n_users": 90, "rounds": 5, "seed": 1})
     local = execute(EXP, cfg, out=tmp_path / "local", progress=False)
     grid = InProcessGrid(make_client_app(), 3)
-    flower = execute(EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False,
-                     grid=grid)
+    flower = execute(
+        EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=grid
+    )
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
     torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)
 
@@ -488,8 +578,18 @@ def test_the_canary_audit_refuses_adaptive_clips(name, values):
 
 # ----- NoisyHead (users' prompts, rounds mode for cohorts) -------------------------------------------
 NH = EXPERIMENTS["noisyhead"]
-NH_SMALL = dict(prompts=240, dim=3, steps=12, epsilon=5.0, calibration="accountant", chunk_size=50, unit="user",
-                prompts_per_user=4, user_clip=0.2, test_prompts=50)
+NH_SMALL = dict(
+    prompts=240,
+    dim=3,
+    steps=12,
+    epsilon=5.0,
+    calibration="accountant",
+    chunk_size=50,
+    unit="user",
+    prompts_per_user=4,
+    user_clip=0.2,
+    test_prompts=50,
+)
 
 
 @pytest.mark.slow  # ~9 s: two NoisyHead runs
@@ -521,8 +621,18 @@ def test_noisyhead_correlated_noise_gives_the_same_gamma_in_both_modes_and_cycle
 @pytest.mark.parametrize("name", ["noisyhead", "noisygd"])
 def test_cyclic_worst_case_neighbours_of_noisyhead_users_and_noisygd_examples_move_only_their_cohort(name):
     if name == "noisyhead":
-        values = dict(prompts=60, dim=3, context=6, steps=5, epsilon=2.0, mode="rounds", unit="user", prompts_per_user=3,
-                      cohorts="cyclic", cycle=3)
+        values = dict(
+            prompts=60,
+            dim=3,
+            context=6,
+            steps=5,
+            epsilon=2.0,
+            mode="rounds",
+            unit="user",
+            prompts_per_user=3,
+            cohorts="cyclic",
+            cycle=3,
+        )
     else:
         values = {**GD_SMALL, "steps": 5}
     exp = EXPERIMENTS[name]
@@ -541,7 +651,14 @@ def test_cyclic_worst_case_neighbours_of_noisyhead_users_and_noisygd_examples_mo
 
 @pytest.mark.parametrize("noise", ["independent", pytest.param("banded", marks=pytest.mark.slow)])
 def test_noisygd_adaptive_clip_counts_are_accounted_and_move_by_at_most_their_sensitivity(noise):
-    values = {**GD_SMALL, "noise": noise, "clip_rule": "adaptive", "grad_clip": 5.0, "clip_budget": 0.25, "clip_lr": 0.5}
+    values = {
+        **GD_SMALL,
+        "noise": noise,
+        "clip_rule": "adaptive",
+        "grad_clip": 5.0,
+        "clip_budget": 0.25,
+        "clip_lr": 0.5,
+    }
     cfg, protocol, units = gd_setup(values)
     privatizer = TapPrivatizer(2)
     state, _ = run_local(protocol, units, privatizer, chunk_size=11, progress=False)
@@ -579,10 +696,13 @@ def test_poisson_sampling_with_a_blt_is_refused_naming_noise_on_every_protocol_t
 def test_node_side_dp_refuses_correlated_noise_on_every_protocol_before_any_release(model):
     """Shares drawn per round cannot be correlated across rounds: unrefused, FedRep's correlated rounds
     were noised by the server on sums it saw, under a model that promises it never sees them."""
-    from fedpers.runner import resolve
     from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.runner import resolve
 
-    for exp, values in ((EXP, {**SMALL, "noise": "banded", "accountant": "rdp"}), (GD, {**GD_SMALL, "noise": "banded"})):
+    for exp, values in (
+        (EXP, {**SMALL, "noise": "banded", "accountant": "rdp"}),
+        (GD, {**GD_SMALL, "noise": "banded"}),
+    ):
         cfg = config.build(exp.config_type, values)
         with pytest.raises(ValueError, match=f"dp_model {model} does not support .* with correlated noise"):
             resolve(exp, cfg, config.build(RuntimeOptions, {"nodes": 3, "dp_model": model}))

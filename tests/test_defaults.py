@@ -1,5 +1,6 @@
 """Every algorithm's defaults, at reduced size, beat their trivial baselines or say so loudly
 (result["warnings"], one per baseline not beaten, naming it and the flags to change)."""
+
 from __future__ import annotations
 
 import io
@@ -13,6 +14,7 @@ from fedpers.commands.cli import main, print_summary
 from fedpers.experiments import ALGORITHMS, experiment
 from fedpers.experiments.base import Trivial, check_trivial, trivial_value
 from fedpers.runner import execute
+
 
 def reduced(name: str) -> dict:
     """The experiment's own small config for quick runs (its ``reduced_config`` hook)."""
@@ -35,7 +37,9 @@ def _beats_every_trivial_baseline(name: str, values: dict) -> None:
     cfg = config_lib.build(exp.config_type, values)
     result = execute(exp, cfg, write=False, progress=False)
     trivial = exp.trivial_baselines(cfg)
-    measured = [t for t in trivial if trivial_value(result, t) is not None and isinstance(result.get(t.metric), (int, float))]
+    measured = [
+        t for t in trivial if trivial_value(result, t) is not None and isinstance(result.get(t.metric), (int, float))
+    ]
     assert len(measured) == len(trivial), f"{name}: a declared trivial baseline was not measured"
     for t in measured:
         value, base = float(result[t.metric]), trivial_value(result, t)
@@ -70,7 +74,10 @@ def test_every_delta_and_accountant_default_is_the_one_convention():
             continue
         assert fields["delta"].default == config_lib.DEFAULT_DELTA, name
         if "accountant" in fields:
-            assert str(getattr(fields["accountant"].default, "value", fields["accountant"].default)) == config_lib.DEFAULT_ACCOUNTANT, name
+            assert (
+                str(getattr(fields["accountant"].default, "value", fields["accountant"].default))
+                == config_lib.DEFAULT_ACCOUNTANT
+            ), name
         if "calibration" in fields:
             assert fields["calibration"].default.value == "accountant", name
 
@@ -88,14 +95,42 @@ def test_check_trivial_warns_on_worse_and_ties_only():
 
 def test_summary_prints_the_warning_loudly():
     out = io.StringIO()
-    print_summary({"algorithm": "dpals", "runtime": "local", "status": "completed", "seconds": 1.0, "test_rmse": 5.9,
-                   "warnings": [{"text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean (0.98): raise --epsilon"}]}, out)
+    print_summary(
+        {
+            "algorithm": "dpals",
+            "runtime": "local",
+            "status": "completed",
+            "seconds": 1.0,
+            "test_rmse": 5.9,
+            "warnings": [
+                {
+                    "text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean (0.98): raise --epsilon"
+                }
+            ],
+        },
+        out,
+    )
     assert "!! WARNING: the private test_rmse (5.9) is worse" in out.getvalue()
     assert "spread over seeds" not in out.getvalue()  # not a comparison with a baseline
-    lost = {"text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean (0.98)", "metric": "test_rmse",
-            "private": 5.9, "baseline": "global_mean", "baseline_value": 0.98}
+    lost = {
+        "text": "the private test_rmse (5.9) is worse than the trivial baseline global_mean (0.98)",
+        "metric": "test_rmse",
+        "private": 5.9,
+        "baseline": "global_mean",
+        "baseline_value": 0.98,
+    }
     out = io.StringIO()
-    print_summary({"algorithm": "dpals", "runtime": "local", "status": "completed", "seconds": 1.0, "test_rmse": 5.9, "warnings": [lost]}, out)
+    print_summary(
+        {
+            "algorithm": "dpals",
+            "runtime": "local",
+            "status": "completed",
+            "seconds": 1.0,
+            "test_rmse": 5.9,
+            "warnings": [lost],
+        },
+        out,
+    )
     assert "`fedpers sweep` with `repetitions = 5`" in out.getvalue()  # one seed cannot decide a loss
 
 
@@ -137,9 +172,19 @@ def test_a_long_run_prints_its_estimate_from_the_first_chunk(monkeypatch, capsys
 def test_a_nan_metric_warns_naming_its_cause():
     exp = experiment("dpals")
     cfg = config_lib.build(exp.config_type, {})
-    w = exp.result_warnings(cfg, {"test_rmse": math.nan, "baselines": {"global_mean": {"test_rmse": 1.0}}, "test_ratings": 0, "train_ratings": 9})
+    w = exp.result_warnings(
+        cfg,
+        {
+            "test_rmse": math.nan,
+            "baselines": {"global_mean": {"test_rmse": 1.0}},
+            "test_ratings": 0,
+            "train_ratings": 9,
+        },
+    )
     assert [x["metric"] for x in w] == ["test_rmse"]  # the NaN is named once, not also as "worse than"
-    assert "test_rmse is nan" in w[0]["text"] and "test_ratings = 0" in w[0]["text"] and "--test-fraction" in w[0]["text"]
+    assert (
+        "test_rmse is nan" in w[0]["text"] and "test_ratings = 0" in w[0]["text"] and "--test-fraction" in w[0]["text"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ under the per-unit rule, with every check read as it comes (the per-chunk code: 
 Under the fake CUDA device (tests/fake_cuda.py) a round of every device path costs
 :data:`SYNCS_PER_ROUND` host syncs, whatever the number of chunks, and at most :data:`LAUNCHES_PER_CHUNK`
 kernel launches per chunk of at most one generation block (1,024 users) plus :data:`LAUNCHES_PER_ROUND`."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -52,7 +53,9 @@ def test_deferred_checks_sum_what_the_per_chunk_checks_sum(bad):
     proto = am.make_protocol(am.resolve(config.build(EXP.config_type, VALUES)))
     out = {}
     for defer in (False, True):
-        state, records = run_local(proto, _units(bad), Privatizer(3), chunk_size=128, progress=False, defer_checks=defer)
+        state, records = run_local(
+            proto, _units(bad), Privatizer(3), chunk_size=128, progress=False, defer_checks=defer
+        )
         out[defer] = (state["U"], [(r.units, r.zeroed, r.diagnostics) for r in records])
     assert torch.equal(out[False][0], out[True][0]) and out[False][1] == out[True][1]
     assert [z for _, z, _ in out[True][1]] == ([1, 1, 1] if bad == "non-finite" else [0, 0, 0])
@@ -63,7 +66,9 @@ def test_a_cuda_round_with_a_bad_unit_is_the_per_chunk_round(bad):
     """Under the fake device the deferred round falls back to the per-chunk checks: the same
     releases (to float rounding: the device branches sum in one stream) and the same units zeroed."""
     proto = am.make_protocol(am.resolve(config.build(EXP.config_type, VALUES)))
-    host, host_records = run_local(proto, _units(bad), Privatizer(3), chunk_size=256, progress=False, defer_checks=False)
+    host, host_records = run_local(
+        proto, _units(bad), Privatizer(3), chunk_size=256, progress=False, defer_checks=False
+    )
     with fake_cuda():
         units = {k: v.to("cuda") for k, v in _units(bad).items()}
         dev, dev_records = run_local(proto, units, Privatizer(3), chunk_size=256, progress=False)
@@ -91,26 +96,71 @@ DEVICE_PATHS = {
     "fedrep": ("fedrep", {"n_users": 1100, **SMALL, "rounds": 2, "dtype": "float32"}),
     "fedrep poisson": (
         "fedrep",
-        {"n_users": 1100, **SMALL, "rounds": 2, "dtype": "float32", "cohorts": "poisson", "sampling_rate": 0.5, "epsilon": "inf"},
+        {
+            "n_users": 1100,
+            **SMALL,
+            "rounds": 2,
+            "dtype": "float32",
+            "cohorts": "poisson",
+            "sampling_rate": 0.5,
+            "epsilon": "inf",
+        },
     ),
     "fedrep poisson, banded (amplified: a block of ids a round, sampled)": (
         "fedrep",
-        {"n_users": 1100, **SMALL, "rounds": 4, "dtype": "float32", "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2, "epsilon": 4.0},
+        {
+            "n_users": 1100,
+            **SMALL,
+            "rounds": 4,
+            "dtype": "float32",
+            "cohorts": "poisson",
+            "sampling_rate": 0.25,
+            "noise": "banded",
+            "bands": 2,
+            "epsilon": 4.0,
+        },
     ),
     "noisygd pca": ("noisygd", {"examples": 1100, "feature_dim": 20, "steps": 2, "epsilon": 0.5, "remedy": "pca"}),
     "noisygd cyclic, adaptive": (
         "noisygd",
-        {"examples": 1100, "feature_dim": 20, "steps": 3, "remedy": "center", "cycle": 3, "cohorts": "cyclic", "clip_rule": "adaptive"},
+        {
+            "examples": 1100,
+            "feature_dim": 20,
+            "steps": 3,
+            "remedy": "center",
+            "cycle": 3,
+            "cohorts": "cyclic",
+            "clip_rule": "adaptive",
+        },
     ),
     "noisygd poisson": (
         "noisygd",
-        {"examples": 1100, "feature_dim": 20, "steps": 2, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.5},
+        {
+            "examples": 1100,
+            "feature_dim": 20,
+            "steps": 2,
+            "remedy": "center",
+            "cohorts": "poisson",
+            "sampling_rate": 0.5,
+        },
     ),
     "noisygd poisson, banded (amplified)": (
         "noisygd",
-        {"examples": 1100, "feature_dim": 20, "steps": 4, "remedy": "center", "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2},
+        {
+            "examples": 1100,
+            "feature_dim": 20,
+            "steps": 4,
+            "remedy": "center",
+            "cohorts": "poisson",
+            "sampling_rate": 0.25,
+            "noise": "banded",
+            "bands": 2,
+        },
     ),
-    "dpals": ("dpals", {"n_users": 300, "n_items": 25, "rank": 3, "true_rank": 3, "steps": 2, "head_items": 20, "dtype": "float32"}),
+    "dpals": (
+        "dpals",
+        {"n_users": 300, "n_items": 25, "rank": 3, "true_rank": 3, "steps": 2, "head_items": 20, "dtype": "float32"},
+    ),
     "noisyhead statistics": ("noisyhead", {"prompts": 400, "dim": 3}),
     "noisyhead rounds": ("noisyhead", {"prompts": 400, "dim": 3, "mode": "rounds", "steps": 3}),
     "noisyhead rounds, poisson, banded (amplified)": (

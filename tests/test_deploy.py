@@ -1,4 +1,5 @@
 """`fedpers deploy certs`: a CA, a SuperLink certificate for the hosts, SuperNode keys Flower reads."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -22,16 +23,26 @@ def test_certs_chain_hosts_keys_and_permissions(tmp_path: Path, capsys: pytest.C
     link.verify_directly_issued_by(ca)  # raises if the chain is broken
     san = link.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.DNSName) == ["link.lab.org"]
-    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.5"), ipaddress.ip_address("127.0.0.1")]  # + the loopback SuperLink
+    assert san.get_values_for_type(x509.IPAddress) == [
+        ipaddress.ip_address("10.0.0.5"),
+        ipaddress.ip_address("127.0.0.1"),
+    ]  # + the loopback SuperLink
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     for i in range(2):
-        key = load_ssh_private_key((out / f"supernode-{i}" / f"supernode-{i}.key").read_bytes(), None)  # what flower-supernode reads
-        pub = load_ssh_public_key((out / "superlink" / f"supernode-{i}.pub").read_bytes())  # what `flwr supernode register` reads
+        key = load_ssh_private_key(
+            (out / f"supernode-{i}" / f"supernode-{i}.key").read_bytes(), None
+        )  # what flower-supernode reads
+        pub = load_ssh_public_key(
+            (out / "superlink" / f"supernode-{i}.pub").read_bytes()
+        )  # what `flwr supernode register` reads
         assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
         assert key.public_key().public_numbers() == pub.public_numbers()
         assert stat.S_IMODE((out / f"supernode-{i}" / f"supernode-{i}.key").stat().st_mode) == 0o600
         assert f"--auth-supernode-private-key {out.resolve()}/supernode-{i}/supernode-{i}.key" in printed
-    assert stat.S_IMODE((out / "ca" / "ca.key").stat().st_mode) == 0o600 and stat.S_IMODE((out / "superlink" / "superlink.key").stat().st_mode) == 0o600
+    assert (
+        stat.S_IMODE((out / "ca" / "ca.key").stat().st_mode) == 0o600
+        and stat.S_IMODE((out / "superlink" / "superlink.key").stat().st_mode) == 0o600
+    )
     assert "--enable-supernode-auth" in printed and "--insecure" not in printed
     assert f"flwr supernode register {out.resolve()}/superlink/supernode-1.pub deployment" in printed
 
@@ -53,10 +64,15 @@ def test_certs_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     before = (out / "ca" / "ca.key").read_bytes()
     assert main(["deploy", "certs", str(out), "--host", "h"]) == 2
     assert "pass --force" in capsys.readouterr().err and (out / "ca" / "ca.key").read_bytes() == before
-    assert main(["deploy", "certs", str(out), "--host", "h", "--force"]) == 0 and (out / "ca" / "ca.key").read_bytes() != before
+    assert (
+        main(["deploy", "certs", str(out), "--host", "h", "--force"]) == 0
+        and (out / "ca" / "ca.key").read_bytes() != before
+    )
 
 
-def test_certs_print_the_jobs_declared_shapes_and_refuse_a_bad_one(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_certs_print_the_jobs_declared_shapes_and_refuse_a_bad_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     shape = ["--n-users", "5000", "--dim", "20", "--samples-per-user", "32"]
     assert main(["deploy", "certs", str(tmp_path / "c"), "--host", "h", *shape]) == 0
     assert "n_users=5000 dim=20 samples_per_user=32 " in capsys.readouterr().out
@@ -68,7 +84,9 @@ def test_deploy_run_refuses_a_timeout_that_is_not_seconds(capsys: pytest.Capture
     for bad in ("-1", "nan", "inf", "soon"):
         with pytest.raises(SystemExit) as e:
             main(["deploy", "run", "deployment", "--timeout", bad])
-        assert e.value.code == 2 and f"--timeout: must be a number of seconds >= 0; got '{bad}'" in capsys.readouterr().err
+        assert (
+            e.value.code == 2 and f"--timeout: must be a number of seconds >= 0; got '{bad}'" in capsys.readouterr().err
+        )
 
 
 def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_node(tmp_path: Path) -> None:
@@ -77,10 +95,39 @@ def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_nod
     0600; commands.txt has one SuperNode line per node with its own --port and partition, a
     node-partitions entry per node, the SuperExec secret, the policy and the loopback SuperLink."""
     out = tmp_path / "c"
-    assert main(["deploy", "certs", str(out), "--host", "link.lab.org", "--supernodes", "3", "--port", "7001", "--link-port", "7002", "--node-port", "7010"]) == 0
+    assert (
+        main(
+            [
+                "deploy",
+                "certs",
+                str(out),
+                "--host",
+                "link.lab.org",
+                "--supernodes",
+                "3",
+                "--port",
+                "7001",
+                "--link-port",
+                "7002",
+                "--node-port",
+                "7010",
+            ]
+        )
+        == 0
+    )
     owned = {d.name: sorted(p.name for p in d.rglob("*") if p.is_file()) for d in out.iterdir() if d.is_dir()}
     assert owned["ca"] == ["ca.crt", "ca.key"]
-    assert owned["superlink"] == ["ca.crt", "config.toml", "policy.toml", "superexec.secret", "superlink.crt", "superlink.key", "supernode-0.pub", "supernode-1.pub", "supernode-2.pub"]
+    assert owned["superlink"] == [
+        "ca.crt",
+        "config.toml",
+        "policy.toml",
+        "superexec.secret",
+        "superlink.crt",
+        "superlink.key",
+        "supernode-0.pub",
+        "supernode-1.pub",
+        "supernode-2.pub",
+    ]
     for i in range(3):
         assert owned[f"supernode-{i}"] == ["ca.crt", "policy.toml", f"supernode-{i}.key"]
     for p in out.rglob("*"):
@@ -90,11 +137,23 @@ def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_nod
 
     lines = steps(text)
     link = [c for m, c in lines if c.startswith("fedpers deploy superlink")][0]  # the uid-gated SuperLink
-    assert "--host 127.0.0.1 --port 7002" in link and "--isolation process" in link and "--superexec-auth-secret-file" in link and "0.0.0.0" not in link
+    assert (
+        "--host 127.0.0.1 --port 7002" in link
+        and "--isolation process" in link
+        and "--superexec-auth-secret-file" in link
+        and "0.0.0.0" not in link
+    )
     assert any("fleet-proxy --listen 0.0.0.0:7001 --superlink 127.0.0.1:7002" in c for _, c in lines)
     nodes = [(m, c) for m, c in lines if "deploy supernode" in c]
     assert [m for m, _ in nodes] == ["supernode-0", "supernode-1", "supernode-2"]
     for i, (_, c) in enumerate(nodes):
-        assert f"--port {7010 + i} " in c and f"partition-id={i} num-partitions=3" in c and "--superlink link.lab.org:7001" in c
-        assert f"FEDPERS_POLICY={out.resolve()}/supernode-{i}/policy.toml" in c and str(out.resolve() / "superlink") not in c
+        assert (
+            f"--port {7010 + i} " in c
+            and f"partition-id={i} num-partitions=3" in c
+            and "--superlink link.lab.org:7001" in c
+        )
+        assert (
+            f"FEDPERS_POLICY={out.resolve()}/supernode-{i}/policy.toml" in c
+            and str(out.resolve() / "superlink") not in c
+        )
     assert "node-partitions='ID0=0 ID1=1 ID2=2'" in text and "ca/ca.key" not in text

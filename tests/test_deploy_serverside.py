@@ -1,5 +1,6 @@
 """A deployment's ServerApp side (fedpers/deploy/serverside.py): no user data on the server, every
 check before the charge, no round after a stop or the policy's wall time, private run files."""
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,13 @@ _watch: dict[str, object] = {"path": None, "in_node": False}
 
 
 def _audit(event: str, args: tuple) -> None:
-    if event == "open" and _watch["path"] is not None and not _watch["in_node"] and args and str(args[0]) == _watch["path"]:
+    if (
+        event == "open"
+        and _watch["path"] is not None
+        and not _watch["in_node"]
+        and args
+        and str(args[0]) == _watch["path"]
+    ):
         _opened.append(str(args[0]))
 
 
@@ -63,8 +70,12 @@ def test_the_server_opens_no_data_file_and_gives_the_local_private_result(tmp_pa
     """The deployment's run-config declares the shapes; each node reads its own data-file. Every
     open() of the users' file outside a node's handler is recorded: there is none, and the private
     release equals the local runtime's on the file."""
-    run_config = {"algorithm": "altmin", "config": " ".join(f"{k}={v if k != 'cohorts' else chr(34) + v + chr(34)}" for k, v in SHAPES.items()),
-                  "out": str(tmp_path / "run"), "secure-noise": False}
+    run_config = {
+        "algorithm": "altmin",
+        "config": " ".join(f"{k}={v if k != 'cohorts' else chr(34) + v + chr(34)}" for k, v in SHAPES.items()),
+        "out": str(tmp_path / "run"),
+        "secure-noise": False,
+    }
     job = deployed(from_run_config(run_config))
     refuse_server_data(job)
     app = make_client_app()
@@ -84,7 +95,13 @@ def test_the_server_opens_no_data_file_and_gives_the_local_private_result(tmp_pa
         _watch["path"] = None
     assert _opened == []
     assert "unavailable" in result["evaluation"] and "subspace_error" not in result and not result.get("baselines")
-    local_cfg = config_lib.build(EXP.config_type, {**{k: v for k, v in SHAPES.items() if k not in ("n_users", "dim", "samples_per_user")}, "data": str(users_file)})
+    local_cfg = config_lib.build(
+        EXP.config_type,
+        {
+            **{k: v for k, v in SHAPES.items() if k not in ("n_users", "dim", "samples_per_user")},
+            "data": str(users_file),
+        },
+    )
     local = execute(EXP, local_cfg, out=tmp_path / "local", progress=False)
     U = torch.from_numpy(np.load(tmp_path / "run" / "final_state.npz")["U"])
     torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-10)
@@ -100,13 +117,26 @@ def test_a_deployment_refuses_a_data_path_before_anything(tmp_path: Path) -> Non
 def _job(tmp_path: Path, **config: object) -> object:
     fields = {**SHAPES, **config}
     text = " ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in fields.items())
-    return deployed(from_run_config({"algorithm": "altmin", "config": text, "out": str(tmp_path / "out"), "secure-noise": False, "node-partitions": "11=0 12=1 13=2"}))
+    return deployed(
+        from_run_config(
+            {
+                "algorithm": "altmin",
+                "config": text,
+                "out": str(tmp_path / "out"),
+                "secure-noise": False,
+                "node-partitions": "11=0 12=1 13=2",
+            }
+        )
+    )
 
 
-@pytest.mark.parametrize(("config", "rule"), [
-    ({"rounds": 3}, "max-rounds"),  # 4 rounds > the policy's 3
-    ({"rounds": 2, "cohorts": "disjoint"}, "min-units"),  # round 1: 21..28 users a node a round < 50
-])
+@pytest.mark.parametrize(
+    ("config", "rule"),
+    [
+        ({"rounds": 3}, "max-rounds"),  # 4 rounds > the policy's 3
+        ({"rounds": 2, "cohorts": "disjoint"}, "min-units"),  # round 1: 21..28 users a node a round < 50
+    ],
+)
 def test_every_check_comes_before_the_charge(tmp_path: Path, config: dict, rule: str) -> None:
     (tmp_path / "policy.toml").write_text(POLICY)
     policy = load_policy(tmp_path / "policy.toml")
@@ -131,7 +161,9 @@ def test_an_existing_out_directory_leaves_the_budget_unchanged(tmp_path: Path) -
 
 def test_no_round_is_sent_after_a_stop_or_past_the_wall_time() -> None:
     pushed: list[object] = []
-    inner = SimpleNamespace(push_messages=lambda m: pushed.append(m) or ["id"], pull_messages=lambda ids: [], get_node_ids=lambda: [1])
+    inner = SimpleNamespace(
+        push_messages=lambda m: pushed.append(m) or ["id"], pull_messages=lambda ids: [], get_node_ids=lambda: [1]
+    )
     state = {"alive": True}
     grid = BoundedGrid(inner, deadline=float("inf"), alive=lambda: state["alive"])
     assert grid.push_messages(["task-0"]) == ["id"] and grid.get_node_ids() == [1]
@@ -156,7 +188,9 @@ def test_run_files_are_private(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
     files = [p for p in run.rglob("*") if p.is_file()]
-    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), [(p.name, oct(p.stat().st_mode)) for p in files]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files), [
+        (p.name, oct(p.stat().st_mode)) for p in files
+    ]
 
 
 def test_a_deployment_refuses_node_noise_drawn_from_the_runs_seed() -> None:
@@ -184,7 +218,11 @@ def _polled(grid_type: type, reply_at: float) -> tuple[list[float], float]:
     clock = {"now": 0.0}
     pauses: list[float] = []
     reply = SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="task"))
-    grid = grid_type(SimpleNamespace(push_messages=lambda m: ["task"], pull_messages=lambda ids: [reply] if clock["now"] >= reply_at else []))
+    grid = grid_type(
+        SimpleNamespace(
+            push_messages=lambda m: ["task"], pull_messages=lambda ids: [reply] if clock["now"] >= reply_at else []
+        )
+    )
 
     def sleep(s: float) -> None:
         pauses.append(s)
@@ -243,10 +281,24 @@ def test_a_deployment_reads_a_config_file_only_from_the_labs_directory(tmp_path:
     confined = confine_config_file(run_config, where)
     assert confined["config-file"] == str(where / "job.toml") and run_config["config-file"] == "job.toml"
     assert from_run_config(confined).cfg.rank == 2
-    for given in (str(secret), "../policy.toml", "link.toml", str(where / ".." / "configs" / ".." / "policy.toml"), "."):
-        with pytest.raises(ValueError, match=rf"config-file: .* is outside the lab's config directory {where}; put the TOML file there") as refused:
+    for given in (
+        str(secret),
+        "../policy.toml",
+        "link.toml",
+        str(where / ".." / "configs" / ".." / "policy.toml"),
+        ".",
+    ):
+        with pytest.raises(
+            ValueError, match=rf"config-file: .* is outside the lab's config directory {where}; put the TOML file there"
+        ) as refused:
             confine_config_file({**run_config, "config-file": given}, where)
         assert "private-key-name" not in str(refused.value)
-    with pytest.raises(ValueError, match=r"config-file: a deployment reads config files only from the lab's directory \(configs/ beside \$FEDPERS_POLICY\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"config-file: a deployment reads config files only from the lab's directory \(configs/ beside \$FEDPERS_POLICY\)",
+    ):
         confine_config_file(run_config, None)
-    assert confine_config_file({"algorithm": "altmin", "config-file": ""}, None) == {"algorithm": "altmin", "config-file": ""}
+    assert confine_config_file({"algorithm": "altmin", "config-file": ""}, None) == {
+        "algorithm": "altmin",
+        "config-file": "",
+    }

@@ -1,6 +1,7 @@
 """`fedpers deploy superlink`'s gate: a connection to the SuperLink's port is served only when the uid
 owning its other end (read from the kernel's socket table) is the SuperLink's own or an allowed one.
 Another uid is played by a forked child that switches to `nobody` (skipped where this process cannot)."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,12 @@ def test_kernel_addresses_are_written_as_proc_net_tcp_writes_them() -> None:
     """The byte order of /proc/net/tcp{,6}: each 32-bit word of the address in host order, the port in hex."""
     import sys
 
-    assert superlink._kernel_address("10.0.0.1", 443) == ("0100000A:01BB" if sys.byteorder == "little" else "0A000001:01BB")
-    assert superlink._kernel_address("::1", 1) == ("00000000" * 3 + ("01000000" if sys.byteorder == "little" else "00000001") + ":0001")
+    assert superlink._kernel_address("10.0.0.1", 443) == (
+        "0100000A:01BB" if sys.byteorder == "little" else "0A000001:01BB"
+    )
+    assert superlink._kernel_address("::1", 1) == (
+        "00000000" * 3 + ("01000000" if sys.byteorder == "little" else "00000001") + ":0001"
+    )
 
 
 def test_peer_uid_finds_the_owner_of_the_connecting_socket_and_nothing_else(tmp_path: Path) -> None:
@@ -43,7 +48,9 @@ def test_peer_uid_finds_the_owner_of_the_connecting_socket_and_nothing_else(tmp_
 
 
 def test_allowed_uids_are_this_process_and_the_ones_named() -> None:
-    allowed, rest = superlink.allowed_uids(["--host", "127.0.0.1", "--allow-uid", "1234", "--allow-uid", "nobody", "--port", "9"])
+    allowed, rest = superlink.allowed_uids(
+        ["--host", "127.0.0.1", "--allow-uid", "1234", "--allow-uid", "nobody", "--port", "9"]
+    )
     assert allowed == {os.getuid(), 1234, NOBODY} and rest == ["--host", "127.0.0.1", "--port", "9"]
     with pytest.raises(SystemExit, match="no user named"):
         superlink.allowed_uids(["--allow-uid", "no-such-user-here"])
@@ -74,7 +81,9 @@ def gated_server() -> Iterator[tuple[int, dict[str, frozenset[int]]]]:
         def __contains__(self, uid: object) -> bool:
             return uid in allowed["uids"]
 
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=superlink.uid_gated_protocol(Gate()), lifespan="off", log_level="error")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, http=superlink.uid_gated_protocol(Gate()), lifespan="off", log_level="error"
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -121,7 +130,9 @@ def _get_as(uid: int, port: int) -> bytes:
     return b"" if got == b"-" else got
 
 
-needs_root = pytest.mark.skipif(not can_switch_uid(NOBODY), reason="this process cannot switch to another uid (the tests run as root in CI)")
+needs_root = pytest.mark.skipif(
+    not can_switch_uid(NOBODY), reason="this process cannot switch to another uid (the tests run as root in CI)"
+)
 
 
 @needs_root

@@ -1,10 +1,10 @@
 """The pieces `fedpers deploy superexec` / `supernode` put into Flower 1.41: shorter object-pull
 retries, a FAB installed once, capped SuperNode waits, the SuperNode's SuperExec swapped."""
+
 from __future__ import annotations
 
-import os
-
 import io
+import os
 import sys
 import types
 import zipfile
@@ -17,8 +17,16 @@ from fedpers.deploy import forkserver, pulls, supernode
 
 def _puller(calls: list):
     def pull(object_ids, pull_object_fn, *, max_time=7200, max_tries_per_object=500, initial_backoff=1, backoff_cap=10):
-        calls.append({"initial_backoff": initial_backoff, "backoff_cap": backoff_cap, "max_tries_per_object": max_tries_per_object, "max_time": max_time})
+        calls.append(
+            {
+                "initial_backoff": initial_backoff,
+                "backoff_cap": backoff_cap,
+                "max_tries_per_object": max_tries_per_object,
+                "max_time": max_time,
+            }
+        )
         return {}
+
     return pull
 
 
@@ -30,7 +38,12 @@ def test_quick_object_pulls_shortens_retries_keeps_the_time_limit_and_caller_arg
     pulls.quick_object_pulls(module)  # idempotent: not wrapped twice
     module.pull_objects(["a"], lambda _: b"")
     module.pull_objects(["a"], lambda _: b"", initial_backoff=2.0)
-    assert calls[0] == {"initial_backoff": pulls.FIRST_BACKOFF, "backoff_cap": pulls.BACKOFF_CAP, "max_tries_per_object": None, "max_time": 7200}
+    assert calls[0] == {
+        "initial_backoff": pulls.FIRST_BACKOFF,
+        "backoff_cap": pulls.BACKOFF_CAP,
+        "max_tries_per_object": None,
+        "max_time": 7200,
+    }
     assert calls[1]["initial_backoff"] == 2.0
     assert module.pull_objects.func.__name__ == "pull"  # one partial over Flower's function
 
@@ -65,15 +78,19 @@ def _fab(text: str) -> bytes:
 
 def _recording_install(tmp_path: Path, installs: list):
     """A stand-in for Flower's install_from_fab: records the call, makes a new app directory."""
+
     def install(fab_file, install_dir=None, skip_prompt=False):
         installs.append(fab_file)
         path = tmp_path / "apps" / f"app-{len(installs)}"
         path.mkdir(parents=True)
         return path
+
     return install
 
 
-def test_a_fab_is_installed_once_per_content_and_again_when_its_directory_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fab_is_installed_once_per_content_and_again_when_its_directory_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FLWR_HOME", str(tmp_path))
     installs: list[bytes] = []
     install = _recording_install(tmp_path, installs)
@@ -143,12 +160,26 @@ def test_the_supernode_starts_fedpers_superexec_and_nothing_else_is_rewritten(mo
     launcher = supernode._WarmSuperExecLauncher()
     launcher.Popen(["flower-superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"])
     launcher.Popen(["flwr-clientapp", "--token", "t"])
-    assert started[0] == [sys.executable, "-I", "-m", "fedpers", "deploy", "superexec", "--insecure", "--runtime-api-address", "127.0.0.1:9094", "--parent-pid", "7"]
+    assert started[0] == [
+        sys.executable,
+        "-I",
+        "-m",
+        "fedpers",
+        "deploy",
+        "superexec",
+        "--insecure",
+        "--runtime-api-address",
+        "127.0.0.1:9094",
+        "--parent-pid",
+        "7",
+    ]
     assert started[1] == ["flwr-clientapp", "--token", "t"]
     assert launcher.DEVNULL is supernode.subprocess.DEVNULL
 
 
-def test_an_untrusted_app_is_refused_before_anything_is_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_untrusted_app_is_refused_before_anything_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import hashlib
 
     monkeypatch.setenv("FLWR_HOME", str(tmp_path))
@@ -169,7 +200,9 @@ def test_an_untrusted_app_is_refused_before_anything_is_installed(tmp_path: Path
 
 def test_trust_flags_are_taken_out_and_malformed_digests_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(forkserver.TRUSTED_APPS_ENV, raising=False)
-    rest = forkserver.take_trusted(["--insecure", "--trust-app", "a" * 64, "--superlink", "h:1", "--trust-app", "b" * 64])
+    rest = forkserver.take_trusted(
+        ["--insecure", "--trust-app", "a" * 64, "--superlink", "h:1", "--trust-app", "b" * 64]
+    )
     assert rest == ["--insecure", "--superlink", "h:1"]
     assert forkserver.trusted_apps() == {"a" * 64, "b" * 64}
     for bad in (["--trust-app", "abc"], ["--trust-app", "g" * 64], ["--trust-app"]):
@@ -186,11 +219,15 @@ def test_with_trusted_apps_other_task_types_never_reach_flowers_executor(monkeyp
     fallback = types.SimpleNamespace(launch=lambda spec: launched.append(spec) or LaunchResult.accepted())
     executor = object.__new__(forkserver.ForkServerExecutor)
     executor.fallback, executor.trusted = fallback, frozenset({"a" * 64})
-    other = next(t for t in TaskType if t not in (TaskType.CLIENT_APP, TaskType.SERVER_APP))  # ServerApps: the next test
+    other = next(
+        t for t in TaskType if t not in (TaskType.CLIENT_APP, TaskType.SERVER_APP)
+    )  # ServerApps: the next test
     result = executor.launch(types.SimpleNamespace(task_type=other, task_id=1))
     assert result.status == "failed" and launched == []
     executor.trusted = frozenset()
-    assert executor.launch(types.SimpleNamespace(task_type=other, task_id=2)).status == "accepted" and len(launched) == 1
+    assert (
+        executor.launch(types.SimpleNamespace(task_type=other, task_id=2)).status == "accepted" and len(launched) == 1
+    )
 
 
 def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_guard() -> None:
@@ -210,8 +247,13 @@ def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_g
 
     executor = object.__new__(forkserver.ForkServerExecutor)
     executor.fallback, executor.trusted = types.SimpleNamespace(launch=launch), frozenset({"a" * 64})
-    for i, digest in enumerate(["b" * 64, "a" * 64, None]):  # unlisted, listed, unknown: all through the guard, never Flower's own
-        assert executor.launch(types.SimpleNamespace(task_type=TaskType.SERVER_APP, task_id=i + 1, fab_hash=digest)).status == "accepted"
+    for i, digest in enumerate(
+        ["b" * 64, "a" * 64, None]
+    ):  # unlisted, listed, unknown: all through the guard, never Flower's own
+        assert (
+            executor.launch(types.SimpleNamespace(task_type=TaskType.SERVER_APP, task_id=i + 1, fab_hash=digest)).status
+            == "accepted"
+        )
     from fedpers.deploy.appguard import _GuardedLauncher
 
     assert len(commands) == 3 and all(isinstance(c, _GuardedLauncher) for c in commands)
@@ -238,7 +280,10 @@ def test_a_superlink_side_superexec_starts_only_trusted_serverapps_through_the_g
     from fedpers.deploy.appguard import TOKEN_STDIN
 
     # the ServerApp's token travels on its stdin, never on its command line (/proc/PID/cmdline)
-    assert started == [[sys.executable, "-I", "-m", "fedpers.deploy.appguard", TOKEN_STDIN], ["flwr-clientapp", "--token", "t"]]
+    assert started == [
+        [sys.executable, "-I", "-m", "fedpers.deploy.appguard", TOKEN_STDIN],
+        ["flwr-clientapp", "--token", "t"],
+    ]
     assert piped == [True, False]
 
 
@@ -252,7 +297,16 @@ def test_the_guard_reads_the_token_from_a_pipe_and_no_process_shows_it(monkeypat
     from fedpers.deploy.appguard import TOKEN_STDIN, hide_token, start_with_token, token_from_stdin
 
     secret = "f" * 40
-    command, token = hide_token([sys.executable, "-c", "import sys; print(open('/proc/self/cmdline').read()); print(sys.stdin.readline().strip())", "--token", secret, "--insecure"])
+    command, token = hide_token(
+        [
+            sys.executable,
+            "-c",
+            "import sys; print(open('/proc/self/cmdline').read()); print(sys.stdin.readline().strip())",
+            "--token",
+            secret,
+            "--insecure",
+        ]
+    )
     proc = start_with_token(command, token, stdout=subprocess.PIPE, text=True)
     out, _ = proc.communicate(timeout=60)
     cmdline, received = out.splitlines()
@@ -284,7 +338,18 @@ def test_app_hash_is_the_hash_of_the_fab_flwr_run_sends(tmp_path: Path) -> None:
         forkserver.app_hash(str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize(("version", "ok"), [("1.41.0", True), ("1.42.0", True), ("1.42.3", True), ("1.43.0", False), ("1.40.1", False), ("2.41.0", False), ("", False)])
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("1.41.0", True),
+        ("1.42.0", True),
+        ("1.42.3", True),
+        ("1.43.0", False),
+        ("1.40.1", False),
+        ("2.41.0", False),
+        ("", False),
+    ],
+)
 def test_the_gate_knows_the_checked_series(version: str, ok: bool) -> None:
     from fedpers.deploy import flower
 
@@ -303,10 +368,14 @@ def test_an_unchecked_flower_series_is_refused_with_what_to_do(command: str, mon
     with pytest.raises(SystemExit) as refused:
         main(["deploy", command, "--insecure"])
     text = str(refused.value)
-    assert "flwr 1.43.0" in text and f"flower-{command}" in text and "pip install 'flwr[simulation]>=1.41,<1.43'" in text
+    assert (
+        "flwr 1.43.0" in text and f"flower-{command}" in text and "pip install 'flwr[simulation]>=1.41,<1.43'" in text
+    )
 
 
-def test_a_deployed_serverapp_on_an_unchecked_series_keeps_flowers_pulls(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_deployed_serverapp_on_an_unchecked_series_keeps_flowers_pulls(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import flwr
 
     monkeypatch.setattr(flwr, "__version__", "1.43.0")
@@ -349,13 +418,16 @@ def test_a_warm_fork_imports_no_module_for_a_clientapp_execution(tmp_path: Path)
 
     from fedpers import config as config_lib
     from fedpers.app import make_client_app, run_flower
+    from fedpers.configs.runtime import RuntimeOptions
     from fedpers.experiments import EXPERIMENTS
     from fedpers.privacy import Privatizer
-    from fedpers.configs.runtime import RuntimeOptions
     from tests.flower_support import InProcessGrid
 
     exp = EXPERIMENTS["altmin"]
-    cfg = config_lib.build(exp.config_type, {"n_users": 40, "dim": 4, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 1, "cohorts": "all"})
+    cfg = config_lib.build(
+        exp.config_type,
+        {"n_users": 40, "dim": 4, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 1, "cohorts": "all"},
+    )
     grid = InProcessGrid(make_client_app(), 1)
     options = config_lib.build(RuntimeOptions, {"runtime": "flower", "round_timeout": 5.0})
     run_flower(exp, cfg, exp.protocol(cfg), Privatizer(1), options, grid=grid, progress=False)
@@ -363,12 +435,20 @@ def test_a_warm_fork_imports_no_module_for_a_clientapp_execution(tmp_path: Path)
     node_config = dict(next(iter(grid.contexts.values())).node_config)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "FEDPERS_NODE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _ONE_EXECUTION], input=pickle.dumps((task.content, node_config)), env=env, capture_output=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_EXECUTION],
+        input=pickle.dumps((task.content, node_config)),
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert done.stdout.decode().split() == [], done.stdout.decode()
 
 
-def test_every_process_started_on_a_node_or_for_a_serverapp_is_isolated_and_sends_no_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_process_started_on_a_node_or_for_a_serverapp_is_isolated_and_sends_no_telemetry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The fork server (every ClientApp execution) and the ServerApp guard run as `python -I` in an environment
     without PYTHON* variables and with FLWR_TELEMETRY_ENABLED=0, even where the operator set 1; the rest of
     the environment is the SuperExec's, which itself is left unchanged."""
@@ -390,14 +470,19 @@ def test_every_process_started_on_a_node_or_for_a_serverapp_is_isolated_and_send
     forkserver.ForkServerExecutor._start()
     _GuardedLauncher().Popen(["flwr-serverapp", "--token", "t"])
     (server, server_env), (guard, guard_env) = started
-    assert server == [sys.executable, "-I", "-c", forkserver.BOOT, forkserver.installed_root()] and guard[:2] == [sys.executable, "-I"]
+    assert server == [sys.executable, "-I", "-c", forkserver.BOOT, forkserver.installed_root()] and guard[:2] == [
+        sys.executable,
+        "-I",
+    ]
     for env in (server_env, guard_env):
         assert env[TELEMETRY_ENV] == "0" and env["FEDPERS_NODE_CACHE"] == "/somewhere"
         assert not [k for k in env if k.startswith("PYTHON")]
     assert os.environ[TELEMETRY_ENV] == "1" and os.environ["PYTHONPATH"] == "/planted"  # the SuperExec's own: unchanged
 
 
-def test_reexec_isolated_replaces_the_process_with_python_i_in_a_clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reexec_isolated_replaces_the_process_with_python_i_in_a_clean_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A `fedpers deploy` command started from the operator's shell re-executes itself as `python -I -m fedpers ...`
     with the PYTHON* variables dropped and telemetry off; one already started so returns."""
     from fedpers.deploy import isolation
@@ -406,8 +491,16 @@ def test_reexec_isolated_replaces_the_process_with_python_i_in_a_clean_environme
     monkeypatch.setattr(isolation.os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
     monkeypatch.setenv("PYTHONPATH", "/planted")
     isolation.reexec_isolated(["fedpers", "deploy", "supernode", "--insecure"])
-    (exe, argv, env), = calls
-    assert exe == sys.executable and argv == [sys.executable, "-I", "-m", "fedpers", "deploy", "supernode", "--insecure"]
+    ((exe, argv, env),) = calls
+    assert exe == sys.executable and argv == [
+        sys.executable,
+        "-I",
+        "-m",
+        "fedpers",
+        "deploy",
+        "supernode",
+        "--insecure",
+    ]
     assert "PYTHONPATH" not in env and env[isolation.TELEMETRY_ENV] == "0"
     monkeypatch.setattr(isolation.sys, "flags", types.SimpleNamespace(isolated=1))
     monkeypatch.setattr(isolation.os, "environ", isolation.isolated_env(os.environ))
@@ -426,7 +519,20 @@ def test_an_isolated_process_never_imports_a_fedpers_from_its_working_directory(
     (tmp_path / "fedpers" / "__init__.py").write_text("")
     (tmp_path / "fedpers" / "__main__.py").write_text("print('PLANTED')\n")
     env = isolated_env(os.environ)
-    plain = subprocess.run([sys.executable, "-m", "fedpers", "--version"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    isolated = subprocess.run(python("-m", "fedpers", "--version"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert plain.stdout.strip() == "PLANTED"  # what the fork server's `python -m fedpers.deploy.forkserver` was exposed to
-    assert isolated.returncode == 0 and "PLANTED" not in isolated.stdout and isolated.stdout.strip(), isolated.stdout + isolated.stderr
+    plain = subprocess.run(
+        [sys.executable, "-m", "fedpers", "--version"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    isolated = subprocess.run(
+        python("-m", "fedpers", "--version"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (
+        plain.stdout.strip() == "PLANTED"
+    )  # what the fork server's `python -m fedpers.deploy.forkserver` was exposed to
+    assert isolated.returncode == 0 and "PLANTED" not in isolated.stdout and isolated.stdout.strip(), (
+        isolated.stdout + isolated.stderr
+    )

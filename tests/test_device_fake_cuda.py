@@ -20,7 +20,7 @@ import pytest
 from fedpers import config
 from fedpers.commands.cli import main
 from fedpers.data import synthetic
-from fedpers.experiments import EXPERIMENTS, altmin
+from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import plan as altmin_plan
 from fedpers.experiments.noisyhead import montecarlo as mc
 from fedpers.experiments.noisyhead import sweep
@@ -74,7 +74,9 @@ ALTMIN = {
 @pytest.mark.parametrize(
     "extra",
     [
-        pytest.param({"dtype": "float64", "baselines": "oracle"}, marks=pytest.mark.slow),  # the cases below cover both dtypes
+        pytest.param(
+            {"dtype": "float64", "baselines": "oracle"}, marks=pytest.mark.slow
+        ),  # the cases below cover both dtypes
         {"dtype": "float32", "baselines": "oracle"},
         {"dtype": "float32", "baselines": "oracle", "cohorts": "poisson", "sampling_rate": 0.5, "epsilon": math.inf},
         {"dtype": "float64", "baselines": "oracle", "cohorts": "all", "refit_samples": 4, "test_samples": 8},

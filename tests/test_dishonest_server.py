@@ -25,6 +25,7 @@ from flwr.clientapp import ClientApp
 
 from fedpers import config
 from fedpers.app import build_node, make_client_app, run_flower
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
 from fedpers.privacy.accountant import Calibrations, ledger_epsilon
 from fedpers.protocols.base import Message
@@ -36,7 +37,6 @@ from fedpers.runtime.flower.client import handle_train
 from fedpers.runtime.flower.nodeplan import NODE_STORE_ENV, NodeLedger
 from fedpers.runtime.flower.policy import POLICY_ENV, PolicyRefused
 from fedpers.runtime.local import run_local
-from fedpers.configs.runtime import RuntimeOptions
 from fedpers.seeds import split_seed
 from tests.flower_support import InProcessGrid
 
@@ -243,7 +243,7 @@ class Cheat(secaggplus.SecAggRounds):
                     secaggplus.SIGNERS: signers,
                     secaggplus.SIGNATURES: [sigs[s] for s in signers],
                 }
-            )  # fmt: skip
+            )
             for p, v in self.views.items()
         }
         Cheat.unmasked.append(self._exchange(round, ask))

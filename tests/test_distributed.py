@@ -15,6 +15,7 @@ from scipy import signal, stats
 
 from fedpers import config
 from fedpers.config import DpModel
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
 from fedpers.experiments.fedrep import FedRepConfig, FedRepExperiment
 from fedpers.privacy import distributed as dist
@@ -25,7 +26,6 @@ from fedpers.runner import resolve
 from fedpers.runtime.distributed import run_local_nodes
 from fedpers.runtime.driver import RoundFailed
 from fedpers.runtime.local import run_local
-from fedpers.configs.runtime import RuntimeOptions
 
 
 # ----- transforms ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from fedpers import config
 from fedpers.app import make_client_app, run_flower
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
 from fedpers.privacy.accountant import Calibrations
 from fedpers.runner import resolve
@@ -18,7 +19,6 @@ from fedpers.runtime.driver import RoundFailed
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.nodeside import NODE_SIDE, plan_json, read_plan
 from fedpers.runtime.local import run_local
-from fedpers.configs.runtime import RuntimeOptions
 from tests.flower_support import InProcessGrid
 
 SMALL = dict(n_users=120, dim=5, rank=2, samples_per_user=16, rounds=2, baselines="none", epsilon=2.0)
@@ -160,8 +160,13 @@ def test_the_trust_model_sweep_set_runs_every_member_through_fedpers_sweep(tmp_p
         with (out / f"trust_models_{algorithm}" / "table.csv").open() as f:
             rows = {r["trust_model"]: r for r in csv.DictReader(f)}
         assert set(rows) == {"central", "distributed b=6", "distributed b=16", "non-private"}
-        assert "bits=6 cannot hold" in rows["distributed b=6"]["refused"] and rows["distributed b=6"]["subspace_error"] == ""
-        assert float(rows["distributed b=16"]["modular_wraps"]) == 0 == float(rows["distributed b=16"]["suspected_wraps"])
+        assert (
+            "bits=6 cannot hold" in rows["distributed b=6"]["refused"]
+            and rows["distributed b=6"]["subspace_error"] == ""
+        )
+        assert (
+            float(rows["distributed b=16"]["modular_wraps"]) == 0 == float(rows["distributed b=16"]["suspected_wraps"])
+        )
         assert rows["central"]["modular_wraps"] == "" and rows["central"]["suspected_wraps"] == ""
         assert rows["non-private"]["epsilon"] == "inf"
         assert float(rows["non-private"]["subspace_error"]) < 0.5 * float(rows["central"]["subspace_error"])

@@ -32,7 +32,7 @@ def test_every_sample_mark_has_its_block():
     for name, sample in s.SAMPLES.items():
         text = (ROOT / sample.file).read_text()
         start, end = s.block(text, name)
-        assert (text[start:end].strip() if sample.python else s.commands(text[start:end])), name
+        assert text[start:end].strip() if sample.python else s.commands(text[start:end]), name
 
 
 def test_the_argument_errors_sample_is_current():

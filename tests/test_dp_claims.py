@@ -1,6 +1,7 @@
 """No run publishes a result whose DP claim fails: a paper's noise rule used outside its range (its noise
 spends more than the target ε by the run's accountant) is refused before any work, naming the rule and the
 way out; inside it the run spends at most its target."""
+
 from __future__ import annotations
 
 import pytest

@@ -454,12 +454,26 @@ def test_the_step_with_small_ops_on_one_thread_is_the_threaded_one():
     g = torch.Generator().manual_seed(5)
     n_items, k, n, width = 300, 8, 700, 40
     U = torch.randn(n_items, k, generator=g) / 3
-    proto = DpAlsProtocol(n_items=n_items, rank=k, steps=1, items_per_user=20, ridge_user=0.1, ridge_item=1.0,
-                          gram_bound=4.5, rhs_bound=20.0, noise_multiplier=3.0, initial_U=U, dtype_name="float32")
+    proto = DpAlsProtocol(
+        n_items=n_items,
+        rank=k,
+        steps=1,
+        items_per_user=20,
+        ridge_user=0.1,
+        ridge_item=1.0,
+        gram_bound=4.5,
+        rhs_bound=20.0,
+        noise_multiplier=3.0,
+        initial_U=U,
+        dtype_name="float32",
+    )
     counts = torch.randint(1, width + 1, (n,), generator=g)
-    units = {"ids": torch.arange(n), "items": torch.randint(0, n_items, (n, width), generator=g),
-             "ratings": torch.randint(1, 6, (n, width), generator=g).float(),
-             "mask": torch.arange(width).unsqueeze(0) < counts.unsqueeze(1)}
+    units = {
+        "ids": torch.arange(n),
+        "items": torch.randint(0, n_items, (n, width), generator=g),
+        "ratings": torch.randint(1, 6, (n, width), generator=g).float(),
+        "mask": torch.arange(width).unsqueeze(0) < counts.unsqueeze(1),
+    }
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

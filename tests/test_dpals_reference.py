@@ -19,7 +19,9 @@ from fedpers.experiments.dpals import load_units, n_items, n_users
 from fedpers.runner import execute
 
 
-def plain_biased_als(train: list[tuple[int, int, float]], n_u: int, n_i: int, lam: float, rank: int = 4, steps: int = 10):
+def plain_biased_als(
+    train: list[tuple[int, int, float]], n_u: int, n_i: int, lam: float, rank: int = 4, steps: int = 10
+):
     rng = np.random.default_rng(1)
     mu = float(np.mean([r for _, _, r in train]))
     P, c = 0.1 * rng.standard_normal((n_i, rank)), np.zeros(n_i)
@@ -99,7 +101,11 @@ def test_the_reference_fit_sums_each_rows_pairs_as_per_row_solves_do():
         torch.set_num_threads(threads)
     assert all(torch.equal(x, y) for x, y in zip((P, c, V, b), again[1:]))
     errors = [mu + b[u] + c[items[u, j]] + P[items[u, j]] @ V[u] - ratings[u, j] for u, j in zip(user, slot)]
-    assert math.isclose(rating_baselines.rmse((mu, P, c, V, b), items, ratings, mask), float(torch.stack(errors).pow(2).mean().sqrt()), rel_tol=1e-12)
+    assert math.isclose(
+        rating_baselines.rmse((mu, P, c, V, b), items, ratings, mask),
+        float(torch.stack(errors).pow(2).mean().sqrt()),
+        rel_tol=1e-12,
+    )
 
 
 @pytest.mark.slow
@@ -108,7 +114,7 @@ def test_the_non_private_reference_is_a_tuned_biased_als(dataset):
     exp = experiment("dpals")
     cfg = config_lib.build(exp.config_type, {"dataset": dataset, "epsilon": "inf", "steps": 1})
     units = load_units(cfg, torch.arange(n_users(cfg)), "cpu")
-    triples = lambda where: [  # noqa: E731
+    triples = lambda where: [
         (u, int(units["items"][u, j]), float(units["ratings"][u, j]))
         for u, j in zip(*(t.tolist() for t in where.nonzero(as_tuple=True)))
     ]
@@ -121,7 +127,10 @@ def test_the_non_private_reference_is_a_tuned_biased_als(dataset):
     best = min((1.0, 3.0, 10.0, 30.0), key=lambda lam: rmse(plain_biased_als(fit_rows, n_u, n_i, lam), val_rows))
     reference = rmse(plain_biased_als(train, n_u, n_i, best), test)
     result = execute(exp, cfg, write=False, progress=False)
-    assert abs(result["baselines"]["nonprivate_als"]["test_rmse"] - reference) <= 0.02, (result["baselines"]["nonprivate_als"]["test_rmse"], reference)
+    assert abs(result["baselines"]["nonprivate_als"]["test_rmse"] - reference) <= 0.02, (
+        result["baselines"]["nonprivate_als"]["test_rmse"],
+        reference,
+    )
     assert reference < result["baselines"]["global_mean"]["test_rmse"] - 0.05 and math.isfinite(result["test_rmse"])
 
 
@@ -132,23 +141,46 @@ def test_the_private_run_at_epsilon_10_beats_the_global_mean_on_movielens_small(
     nothing, and the run says so: it warns that it does not beat the user-mean baseline (0.962),
     with the measured figures (ratings per item against the noise on each item's statistic)."""
     exp = experiment("dpals")
-    result = execute(exp, config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0}), write=False, progress=False)
+    result = execute(
+        exp,
+        config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0}),
+        write=False,
+        progress=False,
+    )
     assert result["test_rmse"] < result["baselines"]["global_mean"]["test_rmse"] - 0.03
     warned = {w["baseline"]: w["text"] for w in result.get("warnings", []) if "baseline" in w}
     assert "global_mean" not in warned
     if result["test_rmse"] >= result["baselines"]["user_mean"]["test_rmse"]:
         assert "training ratings per item" in warned["user_mean"] and "σ_b" in warned["user_mean"]
     # without the user offsets the same run is the one that lost to the global mean before
-    plain = execute(exp, config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0, "user_bias": 0.0}), write=False, progress=False)
+    plain = execute(
+        exp,
+        config_lib.build(exp.config_type, {"dataset": "movielens-small", "epsilon": 10.0, "user_bias": 0.0}),
+        write=False,
+        progress=False,
+    )
     assert plain["test_rmse"] > result["test_rmse"] + 0.03
 
 
 def test_a_bundled_data_set_sets_the_defaults_its_scale_needs_and_a_flag_overrides_them():
-    build = lambda **v: config_lib.build(experiment("dpals").config_type, v)  # noqa: E731
-    synthetic, private, noiseless = build(), build(dataset="movielens-small", epsilon=4.0), build(dataset="movielens-small", epsilon="inf")
+    build = lambda **v: config_lib.build(experiment("dpals").config_type, v)
+    synthetic, private, noiseless = (
+        build(),
+        build(dataset="movielens-small", epsilon=4.0),
+        build(dataset="movielens-small", epsilon="inf"),
+    )
     assert (synthetic.ridge_user, private.ridge_user, noiseless.ridge_user) == (0.1, 10.0, 10.0)
-    assert (private.items_per_user, private.clip_rating, private.ridge_item) == (synthetic.items_per_user, synthetic.clip_rating, 0.0)
-    assert (noiseless.items_per_user, noiseless.clip_rating, noiseless.clip_embedding, noiseless.ridge_item) == (200, 4.0, 4.0, 10.0)
+    assert (private.items_per_user, private.clip_rating, private.ridge_item) == (
+        synthetic.items_per_user,
+        synthetic.clip_rating,
+        0.0,
+    )
+    assert (noiseless.items_per_user, noiseless.clip_rating, noiseless.clip_embedding, noiseless.ridge_item) == (
+        200,
+        4.0,
+        4.0,
+        10.0,
+    )
     assert build(dataset="movielens-small", epsilon=math.inf, ridge_user=3.0, items_per_user=50).items_per_user == 50
 
 
@@ -160,5 +192,8 @@ def test_noiseless_dpals_on_movielens_small_with_its_defaults_is_within_0_02_of_
     values = {"dataset": "movielens-small", "epsilon": "inf"}
     result = execute(exp, config_lib.build(exp.config_type, values), write=False, progress=False)
     assert result["test_rmse"] <= 0.92
-    assert result["test_rmse"] - result["baselines"]["nonprivate_als"]["test_rmse"] <= 0.02, (result["test_rmse"], result["baselines"]["nonprivate_als"]["test_rmse"])
+    assert result["test_rmse"] - result["baselines"]["nonprivate_als"]["test_rmse"] <= 0.02, (
+        result["test_rmse"],
+        result["baselines"]["nonprivate_als"]["test_rmse"],
+    )
     assert result["test_rmse"] < result["baselines"]["user_mean"]["test_rmse"] - 0.03

@@ -1,5 +1,6 @@
 """DP attention (docs/algorithms.md §4): DPCovariance's law, the preconditions (refused before any work
 when the declared values decide them, a failed run with nothing released when the data do), the utility bound."""
+
 import dataclasses
 import json
 import math
@@ -38,7 +39,9 @@ def run(**values) -> dict:
 
 
 def covariance_params(n: int, k: int) -> DpCovarianceParams:
-    return DpCovarianceParams(rows=n, columns=1000, k=k, epsilon=0.09, delta=1e-5, alpha=0.003, beta=1e-6, eta=0.01, r=0.05, gamma=0.1)
+    return DpCovarianceParams(
+        rows=n, columns=1000, k=k, epsilon=0.09, delta=1e-5, alpha=0.003, beta=1e-6, eta=0.01, r=0.05, gamma=0.1
+    )
 
 
 @pytest.mark.parametrize("k", [2, 50])  # k < n draws the vectors; k ≥ n uses the Bartlett decomposition
@@ -54,7 +57,9 @@ def test_dp_covariance_is_unbiased_with_wishart_variance(k):
     z = (Bs.mean(0) - A) / (var / draws).sqrt()
     assert float(z.abs().max()) < 4.5  # 10 distinct entries: a correct sampler exceeds this w.p. < 1e-4
     ratio = Bs.var(0) / var
-    assert float((ratio - 1).abs().max()) < 0.15  # sd of a variance estimate at 4000 draws ≈ sqrt(2/4000)·(kurtosis) < 0.05
+    assert (
+        float((ratio - 1).abs().max()) < 0.15
+    )  # sd of a variance estimate at 4000 draws ≈ sqrt(2/4000)·(kurtosis) < 0.05
     assert torch.allclose(Bs, Bs.transpose(1, 2))
     assert float(torch.linalg.eigvalsh(Bs).min()) > -1e-12
 
@@ -62,17 +67,29 @@ def test_dp_covariance_is_unbiased_with_wishart_variance(k):
 def test_dp_covariance_records_epsilon_delta_and_releases_nothing_when_a_precondition_fails():
     A = torch.eye(4, dtype=torch.float64) * 0.03
     privatizer = Privatizer(0)
-    good = privatizer.dp_covariance(A, params=covariance_params(4, dp_covariance_min_k(4, 0.09, 0.1)), name="B", round=0)
+    good = privatizer.dp_covariance(
+        A, params=covariance_params(4, dp_covariance_min_k(4, 0.09, 0.1)), name="B", round=0
+    )
     assert all(c.holds for c in good.conditions)
     assert privatizer.ledger.releases[-1].event == EpsilonDeltaDpEvent(0.09, 1e-5)
     with pytest.raises(ValueError, match="ρ"):  # a public parameter: refused as a bad value
         privatizer.dp_covariance(A, params=covariance_params(4, 50), name="B2", round=0)
     with pytest.raises(PreconditionFailed, match="XXᵀ ⪰ ηI"):  # λ_min(A) = 0.03 < η = 0.04: decided on the data
-        privatizer.dp_covariance(A, params=dataclasses.replace(covariance_params(4, dp_covariance_min_k(4, 0.09, 0.1)), eta=0.04), name="B3", round=0)
+        privatizer.dp_covariance(
+            A,
+            params=dataclasses.replace(covariance_params(4, dp_covariance_min_k(4, 0.09, 0.1)), eta=0.04),
+            name="B3",
+            round=0,
+        )
     assert len(privatizer.ledger) == 1  # neither refusal drew or recorded anything
     assert ledger_epsilon(privatizer.ledger, 1e-5) == pytest.approx(0.09, abs=1e-3)
     with pytest.raises(ValueError, match="symmetric"):
-        privatizer.dp_covariance(torch.tensor([[1.0, 0.5], [0.0, 1.0]], dtype=torch.float64), params=covariance_params(2, 10), name="x", round=0)
+        privatizer.dp_covariance(
+            torch.tensor([[1.0, 0.5], [0.0, 1.0]], dtype=torch.float64),
+            params=covariance_params(2, 10),
+            name="x",
+            round=0,
+        )
 
 
 def test_epsilon_delta_events_compose_in_every_accountant_and_serialise():

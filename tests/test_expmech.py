@@ -1,4 +1,5 @@
 """Exponential mechanism (docs/algorithms.md §1, Algorithm 4): sampling law, score sensitivity, net, memory refusal, baselines."""
+
 import math
 
 import pytest
@@ -27,7 +28,9 @@ def build(**values) -> ExpMechConfig:
 
 
 def tiny_protocol(users: int = 40, candidates: int = 6, **extra):
-    cfg = build(n_users=users, dim=3, rank=1, samples_per_user=8, candidates="random", num_candidates=candidates, **extra)
+    cfg = build(
+        n_users=users, dim=3, rank=1, samples_per_user=8, candidates="random", num_candidates=candidates, **extra
+    )
     proto = make_protocol(cfg)
     return cfg, proto, EXP.units(cfg, torch.arange(users))
 
@@ -41,7 +44,9 @@ def test_sampling_frequencies_follow_the_exponential_mechanism():
     spread = float(scores.max() - scores.min())
     assert spread > 0
     epsilon = 3.0 * 2 * proto.sensitivity / spread  # exponent range ≈ 3
-    proto = make_protocol(build(n_users=40, dim=3, rank=1, samples_per_user=8, candidates="random", num_candidates=6, epsilon=epsilon))
+    proto = make_protocol(
+        build(n_users=40, dim=3, rank=1, samples_per_user=8, candidates="random", num_candidates=6, epsilon=epsilon)
+    )
     expected = torch.softmax(-epsilon * scores / (2 * proto.sensitivity), 0)
     assert float(expected.max()) < 0.9 and float(expected.min()) > 0.005
     privatizer = Privatizer(123)
@@ -66,7 +71,12 @@ def test_score_change_of_a_worst_case_neighbour_is_within_4_xi_Lf_C():
         (torch.zeros(8, 3), torch.zeros(8)),
         (1e6 * torch.ones(8, 3), 1e6 * torch.ones(8)),
         (1e6 * torch.ones(8, 3), -1e6 * torch.ones(8)),
-    ] + [(torch.randn(8, 3, generator=g) * s, torch.randn(8, generator=g) * t) for s in (0.1, 1, 10, 100) for t in (0, 1, 10, 1e4) for _ in range(5)]
+    ] + [
+        (torch.randn(8, 3, generator=g) * s, torch.randn(8, generator=g) * t)
+        for s in (0.1, 1, 10, 100)
+        for t in (0, 1, 10, 1e4)
+        for _ in range(5)
+    ]
     for x_new, y_new in replacements:
         for j in (0, 17):
             neighbour = {k: v.clone() for k, v in units.items()}
@@ -91,7 +101,11 @@ def test_constrained_least_squares_matches_brute_force():
         at_v = ((F @ v.unsqueeze(-1)).squeeze(-1) - y).pow(2).mean(1)
         assert torch.allclose(at_v, loss, atol=1e-10)
         V = torch.randn(100000, k, generator=g, dtype=torch.float64)
-        V = V / torch.linalg.vector_norm(V, dim=1, keepdim=True) * torch.rand(100000, 1, generator=g, dtype=torch.float64) ** (1 / k)
+        V = (
+            V
+            / torch.linalg.vector_norm(V, dim=1, keepdim=True)
+            * torch.rand(100000, 1, generator=g, dtype=torch.float64) ** (1 / k)
+        )
         sampled = ((F @ V.T - y.unsqueeze(-1)) ** 2).mean(1).min(-1).values
         assert bool((loss <= sampled + 1e-9).all())
         assert float((sampled - loss).max()) < 0.05 * float(sampled.mean())
@@ -99,7 +113,10 @@ def test_constrained_least_squares_matches_brute_force():
 
 def test_k1_closed_form_equals_the_general_solver():
     g = torch.Generator().manual_seed(1)
-    x, y = 2 * torch.randn(30, 8, 3, generator=g, dtype=torch.float64), 3 * torch.randn(30, 8, generator=g, dtype=torch.float64)
+    x, y = (
+        2 * torch.randn(30, 8, 3, generator=g, dtype=torch.float64),
+        3 * torch.randn(30, 8, generator=g, dtype=torch.float64),
+    )
     cands = random_candidates(3, 1, 20, 0)
     fast = user_scores(cands, x, y, 2.0, 2.0, 2.0)
     f = torch.einsum("uhd,qdk->uqhk", x, cands)
@@ -113,7 +130,9 @@ def test_k1_closed_form_equals_the_general_solver():
 @pytest.mark.parametrize("dim,rank,width", [(3, 1, 0.2), (3, 2, 0.8)])
 def test_net_covers_the_orthonormal_matrices(dim, rank, width):
     net = stiefel_net(dim, rank, width)
-    assert torch.allclose(net.transpose(1, 2) @ net, torch.eye(rank, dtype=net.dtype).expand(len(net), rank, rank), atol=1e-10)
+    assert torch.allclose(
+        net.transpose(1, 2) @ net, torch.eye(rank, dtype=net.dtype).expand(len(net), rank, rank), atol=1e-10
+    )
     probes = random_candidates(dim, rank, 3000, 7)
     dist = torch.cdist(probes.reshape(len(probes), -1), net.reshape(len(net), -1)).min(1).values
     assert float(dist.max()) <= width
@@ -126,12 +145,31 @@ def test_runs_that_would_not_fit_are_refused_with_the_memory_they_need(capsys):
         make_protocol(build(dim=8, rank=2, candidates="net", net_width=0.1))
     with pytest.raises(ValueError, match=r"needs about .* but 1\.0 MiB is available"):
         make_protocol(build(n_users=100, memory_limit_gb=2**-10))
-    assert main(["run", "expmech", "--n-users", "100", "--candidates", "random", "--num-candidates", "1000000000", "--quiet", "--out", "/tmp/never"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "expmech",
+                "--n-users",
+                "100",
+                "--candidates",
+                "random",
+                "--num-candidates",
+                "1000000000",
+                "--quiet",
+                "--out",
+                "/tmp/never",
+            ]
+        )
+        == 2
+    )
     assert "needs about" in capsys.readouterr().err
 
 
 def test_cli_prints_candidates_and_memory_before_the_run(tmp_path, capsys):
-    assert main(["run", "expmech", "--n-users", "200", "--net-width", "0.5", "--quiet", "--out", str(tmp_path / "r")]) == 0
+    assert (
+        main(["run", "expmech", "--n-users", "200", "--net-width", "0.5", "--quiet", "--out", str(tmp_path / "r")]) == 0
+    )
     err = capsys.readouterr().err
     assert "candidates (φ-net of width 0.5" in err and "memory needed about" in err
 
@@ -139,7 +177,9 @@ def test_cli_prints_candidates_and_memory_before_the_run(tmp_path, capsys):
 def test_expmech_and_altmin_compare_on_one_problem():
     shared = dict(n_users=2000, dim=3, rank=1, samples_per_user=16, noise_std=0.1, seed=3)
     em = execute(EXP, build(epsilon=math.inf, net_width=0.3, **shared), write=False, progress=False)
-    am = execute(EXPERIMENTS["altmin"], config.build(EXPERIMENTS["altmin"].config_type, shared), write=False, progress=False)
+    am = execute(
+        EXPERIMENTS["altmin"], config.build(EXPERIMENTS["altmin"].config_type, shared), write=False, progress=False
+    )
     for name in ("nonprivate_altmin", "local_only", "oracle"):
         assert em["baselines"][name] == am["baselines"][name]
     assert set(em) >= {"subspace_error", "excess_risk", "test_mse", "epsilon", "delta"}

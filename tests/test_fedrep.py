@@ -1,5 +1,6 @@
 """Private FedRep: sensitivity under worst-case neighbours, scale-safe clipping, accounting,
 non-private recovery of U*, and local = Flower for one seed."""
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,18 @@ from tests.flower_support import InProcessGrid
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour
 
 EXP = EXPERIMENTS["fedrep"]
-SMALL = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=2, epsilon=2.0, clip=1.0, baselines="none")
+SMALL = dict(
+    n_users=40,
+    dim=6,
+    rank=2,
+    samples_per_user=5,
+    refit_samples=3,
+    test_samples=10,
+    rounds=2,
+    epsilon=2.0,
+    clip=1.0,
+    baselines="none",
+)
 
 
 def setup(values: dict):
@@ -30,7 +42,9 @@ def setup(values: dict):
 
 def first_round_U(protocol, units) -> torch.Tensor:
     states = []
-    run_local(protocol, units, TapPrivatizer(3), chunk_size=7, progress=False, on_round=lambda rec, st: states.append(st))
+    run_local(
+        protocol, units, TapPrivatizer(3), chunk_size=7, progress=False, on_round=lambda rec, st: states.append(st)
+    )
     return states[0]["U"][:, 0]
 
 
@@ -52,7 +66,17 @@ def test_fedrep_worst_case_neighbours(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_clipped_gradient_is_bounded_and_exact_below_the_clip(dtype):
-    proto = FedRepProtocol(n_users=4, dim=5, rank=2, samples_per_user=4, rounds=1, clip=3.0, zeta=2.0, learning_rate=1.0, noise_multiplier=0.0)
+    proto = FedRepProtocol(
+        n_users=4,
+        dim=5,
+        rank=2,
+        samples_per_user=4,
+        rounds=1,
+        clip=3.0,
+        zeta=2.0,
+        learning_rate=1.0,
+        noise_multiplier=0.0,
+    )
     g = torch.Generator().manual_seed(0)
     U = torch.linalg.qr(torch.randn(5, 2, generator=g, dtype=torch.float64))[0].to(dtype)
     x = torch.randn(4, 4, 5, generator=g, dtype=torch.float64).to(dtype)
@@ -72,7 +96,9 @@ def test_clipped_gradient_is_bounded_and_exact_below_the_clip(dtype):
     # an ordinary user well inside the clip gets its exact gradient
     small = FedRepProtocol(**{**proto.__dict__, "clip": 1e6})
     exact = small.gradients(U.double(), x[:1].double(), y[:1].double())
-    torch.testing.assert_close(small.clipped_gradients(U.double(), x[:1].double(), y[:1].double()), exact, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        small.clipped_gradients(U.double(), x[:1].double(), y[:1].double()), exact, rtol=1e-9, atol=1e-12
+    )
 
 
 def test_fedrep_is_accounted_over_init_and_every_round():
@@ -85,8 +111,22 @@ def test_fedrep_is_accounted_over_init_and_every_round():
 
 
 def test_nonprivate_fedrep_recovers_u_star():
-    cfg = config.build(EXP.config_type, dict(n_users=3000, dim=10, rank=2, samples_per_user=6, refit_samples=5, test_samples=20,
-                                            noise_std=0.01, epsilon=math.inf, rounds=30, learning_rate=1.0, seed=4))
+    cfg = config.build(
+        EXP.config_type,
+        dict(
+            n_users=3000,
+            dim=10,
+            rank=2,
+            samples_per_user=6,
+            refit_samples=5,
+            test_samples=20,
+            noise_std=0.01,
+            epsilon=math.inf,
+            rounds=30,
+            learning_rate=1.0,
+            seed=4,
+        ),
+    )
     result = execute(EXP, cfg, write=False, progress=False)
     assert result["subspace_error"] < 1e-2
     assert result["population_mse"] < 2 * result["baselines"]["oracle"]["population_mse"]
@@ -95,8 +135,20 @@ def test_nonprivate_fedrep_recovers_u_star():
 
 @pytest.mark.slow  # > 10 s; in CI's slow run
 def test_private_fedrep_improves_on_its_initialisation():
-    cfg = config.build(EXP.config_type, dict(n_users=5000, dim=20, rank=2, samples_per_user=5, test_samples=50, epsilon=8.0, rounds=20,
-                                            learning_rate=1.0, seed=1))
+    cfg = config.build(
+        EXP.config_type,
+        dict(
+            n_users=5000,
+            dim=20,
+            rank=2,
+            samples_per_user=5,
+            test_samples=50,
+            epsilon=8.0,
+            rounds=20,
+            learning_rate=1.0,
+            seed=1,
+        ),
+    )
     result = execute(EXP, cfg, write=False, progress=False)
     assert result["subspace_error"] < 0.5 * result["baselines"]["private_init_only"]["subspace_error"]
 
@@ -105,7 +157,9 @@ def test_fedrep_flower_grid_matches_local(tmp_path):
     cfg = config.build(EXP.config_type, {**SMALL, "n_users": 300, "seed": 1})
     local = execute(EXP, cfg, out=tmp_path / "local", progress=False)
     grid = InProcessGrid(make_client_app(), 3)
-    flower = execute(EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=grid)
+    flower = execute(
+        EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=grid
+    )
     assert flower["runtime"] == "flower"
     for key in ("subspace_error", "population_mse"):
         assert flower[key] == pytest.approx(local[key], rel=1e-6, abs=1e-9), key
@@ -123,7 +177,10 @@ def _run(**values) -> dict:
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, pytest.param({"cohorts": "poisson", "sampling_rate": 0.5, "v_star": "normal"}, marks=pytest.mark.slow)],  # 40 s
+    [
+        {},
+        pytest.param({"cohorts": "poisson", "sampling_rate": 0.5, "v_star": "normal"}, marks=pytest.mark.slow),
+    ],  # 40 s
 )
 def test_device_kernels_in_float64_on_cpu_give_the_host_run(extra):
     """float64 on the CPU: the device path draws the host's users (docs/fedrep.md), so the run is the host's."""

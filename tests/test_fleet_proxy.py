@@ -4,6 +4,7 @@ holds few connections, a full proxy lets a new connection in in place of the lon
 bytes it buffers stay under its bound. The proxy runs as `fedpers deploy fleet-proxy` (TLS) with an
 unreachable SuperLink behind it (its honest answer is then 502). Attackers connect from other loopback
 addresses (127.0.x.y: all of 127/8 is loopback on Linux), the honest client from 127.0.0.1."""
+
 from __future__ import annotations
 
 import socket
@@ -85,16 +86,40 @@ def test_buffered_bytes_never_pass_the_limit() -> None:
 
 
 def _rss_kib(pid: int) -> int:
-    return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS")))
+    return int(
+        next(
+            line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS")
+        )
+    )
 
 
 def _start_proxy(work: Path, *flags: str):
     make_certs(work / "certs", ["127.0.0.1"], 1)
     link = work / "certs" / "superlink"
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fedpers", "deploy", "fleet-proxy", "--listen", f"127.0.0.1:{port}", "--superlink", f"127.0.0.1:{free_port()}",
-                             "--ssl-certfile", str(link / "superlink.crt"), "--ssl-keyfile", str(link / "superlink.key"), "--ssl-ca-certfile", str(link / "ca.crt"),
-                             *flags], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedpers",
+            "deploy",
+            "fleet-proxy",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--superlink",
+            f"127.0.0.1:{free_port()}",
+            "--ssl-certfile",
+            str(link / "superlink.crt"),
+            "--ssl-keyfile",
+            str(link / "superlink.key"),
+            "--ssl-ca-certfile",
+            str(link / "ca.crt"),
+            *flags,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     context = ssl.create_default_context(cafile=str(link / "ca.crt"))
     deadline = time.monotonic() + 60
     while True:
@@ -108,7 +133,9 @@ def _start_proxy(work: Path, *flags: str):
 
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory):
-    proc, port, context = _start_proxy(tmp_path_factory.mktemp("proxy"), "--header-timeout", "2", "--body-grace", "2", "--min-body-rate-kib", "64")
+    proc, port, context = _start_proxy(
+        tmp_path_factory.mktemp("proxy"), "--header-timeout", "2", "--body-grace", "2", "--min-body-rate-kib", "64"
+    )
     yield proc, port, context
     proc.terminate()
     proc.wait(timeout=30)
@@ -117,8 +144,17 @@ def proxy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small_proxy(tmp_path_factory):
     """A proxy with small caps: 16 connections, 4 per address, 6 MiB of bodies and responses held at once."""
-    proc, port, context = _start_proxy(tmp_path_factory.mktemp("small"), "--max-connections", "16", "--max-per-address", "4", "--max-buffered-mib", "6",
-                                       "--body-grace", "30")
+    proc, port, context = _start_proxy(
+        tmp_path_factory.mktemp("small"),
+        "--max-connections",
+        "16",
+        "--max-per-address",
+        "4",
+        "--max-buffered-mib",
+        "6",
+        "--body-grace",
+        "30",
+    )
     yield proc, port, context
     proc.terminate()
     proc.wait(timeout=30)
@@ -228,7 +264,10 @@ def test_a_body_below_the_minimum_rate_is_cut_and_a_fast_one_forwarded(proxy) ->
     slow.close()
     assert status == 408 and time.monotonic() - started < 5, (status, time.monotonic() - started)
     with _connect(port, context) as s:
-        s.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 20) + b"x" * (1 << 20))
+        s.sendall(
+            b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 20)
+            + b"x" * (1 << 20)
+        )
         assert _status(s) == 502
 
 
@@ -256,7 +295,9 @@ def test_bodies_past_the_buffered_bytes_are_answered_busy_and_memory_stays_bound
     proc, port, context = small_proxy
     before = _rss_kib(proc.pid)
     first = _connect(port, context, source="127.0.7.1")
-    first.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (5 << 20) + b"a" * (4 << 20))
+    first.sendall(
+        b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (5 << 20) + b"a" * (4 << 20)
+    )
     time.sleep(1.0)
     second = _connect(port, context, source="127.0.7.2")
     second.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (5 << 20))

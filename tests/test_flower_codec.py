@@ -1,4 +1,5 @@
 """Flower message encoding, partitions and run-config parsing (no Flower run needed)."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,9 @@ def test_a_reply_to_another_round_or_broadcast_is_refused():
     with pytest.raises(codec.MalformedReply, match="replayed or stale"):
         codec.decode_reply(content, expect=(3, codec.broadcast_digest(3, broadcast)))
     with pytest.raises(codec.MalformedReply, match="replayed or stale"):
-        codec.decode_reply(content, expect=(2, codec.broadcast_digest(2, {"U": torch.zeros(3, 2, dtype=torch.float64)})))
+        codec.decode_reply(
+            content, expect=(2, codec.broadcast_digest(2, {"U": torch.zeros(3, 2, dtype=torch.float64)}))
+        )
 
 
 def test_messages_are_three_flower_objects_and_large_tensors_one_chunked_array(monkeypatch):
@@ -56,14 +59,18 @@ def test_messages_are_three_flower_objects_and_large_tensors_one_chunked_array(m
     content = codec.encode_reply(reply, 0.1, 1, "d", symmetric=["A"])
     assert objects(content) == 6  # + ArrayRecord, Array, its one chunk
     back = codec.decode_reply(content, expect=(1, "d"))
-    assert torch.equal(back.stats["A"], reply.stats["A"].triu() + reply.stats["A"].triu(1).T) and torch.equal(back.stats["b"], reply.stats["b"])
+    assert torch.equal(back.stats["A"], reply.stats["A"].triu() + reply.stats["A"].triu(1).T) and torch.equal(
+        back.stats["b"], reply.stats["b"]
+    )
     task = codec.decode_task(codec.encode_task(job, 1, range(0, 5), codec.broadcast_record(broadcast)))
     assert all(torch.equal(task.broadcast[k], v) for k, v in broadcast.items())
 
 
 def test_task_round_trip():
     job = codec.Job("altmin", '{"seed": 1}', "abc")
-    content = codec.encode_task(job, 3, range(10, 20), codec.broadcast_record({"U": torch.eye(3, 2, dtype=torch.float64)}))
+    content = codec.encode_task(
+        job, 3, range(10, 20), codec.broadcast_record({"U": torch.eye(3, 2, dtype=torch.float64)})
+    )
     task = codec.decode_task(content)
     assert (task.job, task.round, task.start, task.stop) == (job, 3, 10, 20)
     torch.testing.assert_close(task.broadcast["U"], torch.eye(3, 2, dtype=torch.float64))
@@ -91,10 +98,12 @@ def test_a_rounds_tasks_copied_from_one_checked_record_equal_tasks_built_alone(i
 
 
 def _tag(**extra) -> ConfigRecord:
-    return ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: "[]", codec.BLOB: b"", **extra})
+    return ConfigRecord(
+        {codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: "[]", codec.BLOB: b"", **extra}
+    )
 
 
-F8 = lambda *shape: json.dumps([["A", "<f8", list(shape)]])  # noqa: E731
+F8 = lambda *shape: json.dumps([["A", "<f8", list(shape)]])
 
 
 @pytest.mark.parametrize(
@@ -104,20 +113,64 @@ F8 = lambda *shape: json.dumps([["A", "<f8", list(shape)]])  # noqa: E731
         (RecordDict({codec.TAG: _tag(**{codec.UNITS: 2.0})}), "integer"),
         (RecordDict({codec.TAG: _tag(**{codec.UNITS: [1, 2]})}), "integer"),
         (RecordDict({codec.TAG: _tag(**{codec.ZEROED: True})}), "integer"),
-        (RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.LAYOUT: "[]", codec.BLOB: b""})}), "lacks"),
-        (RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1})}), "lacks its tensors"),
+        (
+            RecordDict(
+                {
+                    codec.TAG: ConfigRecord(
+                        {codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.LAYOUT: "[]", codec.BLOB: b""}
+                    )
+                }
+            ),
+            "lacks",
+        ),
+        (
+            RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1})}),
+            "lacks its tensors",
+        ),
         (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: "not json"})}), "lacks its tensors"),
         (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: F8(2), codec.BLOB: b"12"})}), "needs 16 bytes"),
         (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: F8(1), codec.BLOB: bytes(9)})}), "1 bytes beyond"),
         (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: F8(-1)})}), "bad tensor layout"),
-        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: json.dumps([["A", "|O", [1]]]), codec.BLOB: bytes(8)})}), "bad tensor layout"),
-        (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: json.dumps([["A", "<f8", [1]], ["A", "<f8", [1]]]), codec.BLOB: bytes(16)})}), "bad tensor layout"),
+        (
+            RecordDict({codec.TAG: _tag(**{codec.LAYOUT: json.dumps([["A", "|O", [1]]]), codec.BLOB: bytes(8)})}),
+            "bad tensor layout",
+        ),
+        (
+            RecordDict(
+                {
+                    codec.TAG: _tag(
+                        **{codec.LAYOUT: json.dumps([["A", "<f8", [1]], ["A", "<f8", [1]]]), codec.BLOB: bytes(16)}
+                    )
+                }
+            ),
+            "bad tensor layout",
+        ),
         (RecordDict({codec.TAG: _tag(**{codec.LAYOUT: json.dumps({"A": 1})})}), "must be a list"),
         (RecordDict({codec.TAG: _tag(**{codec.BLOB: "text"})}), "must be bytes"),
-        (RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: F8(2)}),
-                     codec.TENSORS: ArrayRecord({codec.BLOB: Array(torch.zeros(2, dtype=torch.float64).numpy())})}), "1-D uint8"),
-        (RecordDict({codec.TAG: ConfigRecord({codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: F8(2)}),
-                     codec.TENSORS: ArrayRecord({codec.BLOB: Array(dtype="uint8", shape=(16,), stype="numpy.ndarray", data=b"12")})}), "cannot decode"),
+        (
+            RecordDict(
+                {
+                    codec.TAG: ConfigRecord(
+                        {codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: F8(2)}
+                    ),
+                    codec.TENSORS: ArrayRecord({codec.BLOB: Array(torch.zeros(2, dtype=torch.float64).numpy())}),
+                }
+            ),
+            "1-D uint8",
+        ),
+        (
+            RecordDict(
+                {
+                    codec.TAG: ConfigRecord(
+                        {codec.ROUND: 0, codec.DIGEST_OF_BROADCAST: "x", codec.UNITS: 1, codec.LAYOUT: F8(2)}
+                    ),
+                    codec.TENSORS: ArrayRecord(
+                        {codec.BLOB: Array(dtype="uint8", shape=(16,), stype="numpy.ndarray", data=b"12")}
+                    ),
+                }
+            ),
+            "cannot decode",
+        ),
     ],
 )
 def test_malformed_replies_are_refused(content, match):
@@ -150,7 +203,12 @@ def test_unit_ranges_cover_every_unit_once():
 
 @pytest.mark.parametrize(
     "args, match",
-    [((5, 6), "nodes=6 exceeds the 5 units"), ((10, 3, 3), "needs nodes=4"), ((10, 0), "nodes must be >= 1"), ((0, 1), "num_units")],
+    [
+        ((5, 6), "nodes=6 exceeds the 5 units"),
+        ((10, 3, 3), "needs nodes=4"),
+        ((10, 0), "nodes must be >= 1"),
+        ((0, 1), "num_units"),
+    ],
 )
 def test_unit_ranges_refuse_bad_splits(args, match):
     with pytest.raises(ValueError, match=match):
@@ -158,8 +216,12 @@ def test_unit_ranges_refuse_bad_splits(args, match):
 
 
 def test_run_config_pairs():
-    assert parse_pairs('n_users=2000 epsilon=8.0 cohorts=all psd="ridge" data-file=\'/x y.npz\'') == {
-        "n_users": 2000, "epsilon": 8.0, "cohorts": "all", "psd": "ridge", "data_file": "/x y.npz"
+    assert parse_pairs("n_users=2000 epsilon=8.0 cohorts=all psd=\"ridge\" data-file='/x y.npz'") == {
+        "n_users": 2000,
+        "epsilon": 8.0,
+        "cohorts": "all",
+        "psd": "ridge",
+        "data_file": "/x y.npz",
     }
     with pytest.raises(ValueError, match="key=value"):
         parse_pairs("n_users 2000")
@@ -168,7 +230,17 @@ def test_run_config_pairs():
 def test_run_config_builds_the_job(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text("n_users = 300\nrank = 3\n")
-    job = from_run_config({"algorithm": "altmin", "config": "rank=2 epsilon=inf", "config-file": str(toml), "out": "", "min-fraction": 0.5, "round-timeout": 30.0, "users-per-node": 0})
+    job = from_run_config(
+        {
+            "algorithm": "altmin",
+            "config": "rank=2 epsilon=inf",
+            "config-file": str(toml),
+            "out": "",
+            "min-fraction": 0.5,
+            "round-timeout": 30.0,
+            "users-per-node": 0,
+        }
+    )
     assert (job.cfg.n_users, job.cfg.rank, job.cfg.epsilon) == (300, 2, math.inf)
     assert job.options.runtime.value == "flower" and job.options.min_fraction == 0.5 and job.out is None
     assert job.options.secure_noise  # flwr run (a deployment) draws secure noise unless told otherwise
@@ -201,10 +273,12 @@ def flwr_run_config(override: str) -> dict:
 def test_flat_keys_give_the_config_the_config_string_gives():
     """A run config that carries fields as flat keys (an in-process run, or an app whose pyproject
     declares them) builds the config that `flwr run . --run-config "config='...'"` builds."""
-    flat = from_run_config({"algorithm": "dpals", "n-users": 300, "epsilon": 4, "steps": 2, "center": 3.5, "private-center": False})
-    string = from_run_config(flwr_run_config(
-        "algorithm='dpals' config='n_users=300 epsilon=4 steps=2 center=3.5 private_center=false'"
-    ))
+    flat = from_run_config(
+        {"algorithm": "dpals", "n-users": 300, "epsilon": 4, "steps": 2, "center": 3.5, "private-center": False}
+    )
+    string = from_run_config(
+        flwr_run_config("algorithm='dpals' config='n_users=300 epsilon=4 steps=2 center=3.5 private_center=false'")
+    )
     assert flat.cfg == string.cfg and (flat.cfg.n_users, flat.cfg.steps, flat.cfg.private_center) == (300, 2, False)
     defaults = from_run_config(flwr_run_config("algorithm='dpals'")).cfg
     assert defaults == config_lib.build(EXPERIMENTS["dpals"].config_type, {})  # nothing given: every default
@@ -247,11 +321,17 @@ def test_the_simulation_starts_its_own_ray_unless_told_to_attach(monkeypatch):
     from fedpers.runtime.flower.simulation import federation_config, ray_address
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 5, "client_cpus": 2.0, "client_gpus": 0.25, "sim_gpus": 1})
+    opts = config_lib.build(
+        RuntimeOptions, {"runtime": "flower", "nodes": 5, "client_cpus": 2.0, "client_gpus": 0.25, "sim_gpus": 1}
+    )
     assert ray_address(opts) == "local"
     assert federation_config(opts) == {
-        "num-supernodes": 5, "client-resources-num-cpus": 2, "client-resources-num-gpus": 0.25,  # exact in 32 bits
-        "init-args-logging-level": "error", "init-args-log-to-driver": True, "init-args-num-gpus": 1,
+        "num-supernodes": 5,
+        "client-resources-num-cpus": 2,
+        "client-resources-num-gpus": 0.25,  # exact in 32 bits
+        "init-args-logging-level": "error",
+        "init-args-log-to-driver": True,
+        "init-args-num-gpus": 1,
     }
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert ray_address(opts) == "10.0.0.1:6379" and "init-args-num-gpus" not in federation_config(opts)
@@ -277,7 +357,11 @@ def test_symmetric_statistics_travel_as_their_upper_triangle():
     A = A + A.T
     msg = Message({"A": A, "b": torch.ones(5, dtype=torch.float64)}, 3)
     content = codec.encode_reply(msg, 0.1, 1, "d", symmetric=["A"])
-    assert json.loads(content.config_records[codec.TAG][codec.LAYOUT])[0] == ["A", "<f8", [21]]  # 6·7/2 numbers instead of 36
+    assert json.loads(content.config_records[codec.TAG][codec.LAYOUT])[0] == [
+        "A",
+        "<f8",
+        [21],
+    ]  # 6·7/2 numbers instead of 36
     back = codec.decode_reply(content, expect=(1, "d"))
     assert torch.equal(back.stats["A"], A) and torch.equal(back.stats["b"], msg.stats["b"])
     content.config_records[codec.TAG][codec.PACKED] = "A,b"  # b (5 numbers) is no triangle
@@ -307,7 +391,11 @@ def test_a_node_reads_the_broadcast_digest_the_server_computes():
     blob = bytes(rec[codec.BLOB])
     rec[codec.BLOB] = blob[sizes[0] :] + blob[: sizes[0]]
     task = codec.decode_task(content)
-    assert task.digest == codec.broadcast_digest(2, task.broadcast) == codec.broadcast_digest(2, {"a": torch.ones(2), "b": torch.zeros(3)})
+    assert (
+        task.digest
+        == codec.broadcast_digest(2, task.broadcast)
+        == codec.broadcast_digest(2, {"a": torch.ones(2), "b": torch.zeros(3)})
+    )
 
 
 def test_the_server_skips_only_the_symmetry_check_of_what_it_rebuilt_from_a_triangle():
@@ -335,7 +423,9 @@ def test_the_server_skips_only_the_symmetry_check_of_what_it_rebuilt_from_a_tria
     bad.stats["A"][0, 0] = float("nan")
     assert "A: non-finite" in verify_message(bad, specs, 2, torch.float64, rebuilt).reason
     huge = Message({"A": torch.full((5, 5), 1e200, dtype=torch.float64), "b": torch.ones(3, dtype=torch.float64)}, 2)
-    assert "norm" in verify_message(huge, specs, 2, torch.float64).reason  # finite entries, norm overflows: a norm refusal
+    assert (
+        "norm" in verify_message(huge, specs, 2, torch.float64).reason
+    )  # finite entries, norm overflows: a norm refusal
     unbounded = tuple(StatSpec(s.name, s.shape, math.inf, s.symmetric) for s in specs)
     assert verify_message(huge, unbounded, 2, torch.float64).accepted  # as before: finite entries pass
 

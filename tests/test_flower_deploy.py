@@ -5,6 +5,7 @@ given its partition and a data file through ``--node-config``. Simulation: a
 ``flower-superlink --simulation``. Both must give the local runtime's result; every
 process is stopped even when the test fails.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,13 @@ EXP = EXPERIMENTS["altmin"]
 FIELDS = {"n_users": 150, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 11}
 
 
-def flwr_run(procs: Processes, home: Path, connection: str, run_config: str, *extra: str) -> subprocess.CompletedProcess:
+def flwr_run(
+    procs: Processes, home: Path, connection: str, run_config: str, *extra: str
+) -> subprocess.CompletedProcess:
     cmd = [shutil.which("flwr") or "flwr", "run", ".", connection, "--stream", "--run-config", run_config, *extra]
-    return subprocess.run(cmd, cwd=ROOT, env={**procs.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=480)
+    return subprocess.run(
+        cmd, cwd=ROOT, env={**procs.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=480
+    )
 
 
 def check_against_local(out: Path, cfg, done: subprocess.CompletedProcess, deployed: bool = True) -> None:
@@ -63,18 +68,48 @@ def test_deployment_superlink_three_supernodes_with_data_files(tmp_path, env):
     cfg = config_lib.build(EXP.config_type, {"data": str(data), "rank": 2, "rounds": 1, "seed": 11})
     port = free_port()
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        link, link_log = procs.start(
+            "superlink",
+            [
+                "flower-superlink",
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--disable-runtime-dependency-installation",
+            ],
+            FLWR_HOME=str(tmp_path / "link-home"),
+        )
         wait_for_log(link_log, "Starting Flower SuperExec", link)
         for i in range(3):
             node_data = tmp_path / f"node{i}.npz"
             shutil.copy(data, node_data)
             node_config = f"partition-id={i} num-partitions=3 data-file='{node_data}'"
-            procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--node-config", node_config], FLWR_HOME=str(tmp_path / f"node{i}-home"))
+            procs.start(
+                f"supernode{i}",
+                [
+                    "flower-supernode",
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    node_config,
+                ],
+                FLWR_HOME=str(tmp_path / f"node{i}-home"),
+            )
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         out = tmp_path / "runs" / "flower"
         # the SuperLink side declares the shapes and opens no data file; each node reads its own copy
-        done = flwr_run(procs, home, "deployment", f"config='n_users=150 dim=5 samples_per_user=8 rank=2 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false")  # reproducible: compared with the local run
+        done = flwr_run(
+            procs,
+            home,
+            "deployment",
+            f"config='n_users=150 dim=5 samples_per_user=8 rank=2 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false",
+        )  # reproducible: compared with the local run
         check_against_local(out, cfg, done)
 
 
@@ -82,13 +117,33 @@ def test_simulation_superlink(tmp_path, env):
     cfg = config_lib.build(EXP.config_type, FIELDS)
     port = free_port()
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        link, link_log = procs.start(
+            "superlink",
+            [
+                "flower-superlink",
+                "--insecure",
+                "--simulation",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--disable-runtime-dependency-installation",
+            ],
+            FLWR_HOME=str(tmp_path / "link-home"),
+        )
         wait_for_log(link_log, "Starting Flower SuperExec", link)
         home = tmp_path / "cli-home"
         write_connection(home, "simulation", f"127.0.0.1:{port}")
         out = tmp_path / "runs" / "flower"
         pairs = " ".join(f"{k}={v}" for k, v in FIELDS.items())
-        done = flwr_run(procs, home, "simulation", f"config='{pairs}' out='{out}' secure-noise=false", "--federation-config", "num-supernodes=3 client-resources-num-cpus=1")
+        done = flwr_run(
+            procs,
+            home,
+            "simulation",
+            f"config='{pairs}' out='{out}' secure-noise=false",
+            "--federation-config",
+            "num-supernodes=3 client-resources-num-cpus=1",
+        )
         check_against_local(out, cfg, done, deployed=False)
 
 
@@ -106,17 +161,40 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
     cfg = config_lib.build(EXP.config_type, FIELDS)
     port = free_port()
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start("superlink", [
-            "flower-superlink", "--host", "127.0.0.1", "--port", str(port), "--ssl-ca-certfile", str(certs / "superlink" / "ca.crt"),
-            "--ssl-certfile", str(certs / "superlink" / "superlink.crt"), "--ssl-keyfile", str(certs / "superlink" / "superlink.key"),
-            "--enable-supernode-auth", "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        link, link_log = procs.start(
+            "superlink",
+            [
+                "flower-superlink",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--ssl-ca-certfile",
+                str(certs / "superlink" / "ca.crt"),
+                "--ssl-certfile",
+                str(certs / "superlink" / "superlink.crt"),
+                "--ssl-keyfile",
+                str(certs / "superlink" / "superlink.key"),
+                "--enable-supernode-auth",
+                "--disable-runtime-dependency-installation",
+            ],
+            FLWR_HOME=str(tmp_path / "link-home"),
+        )
         wait_for_log(link_log, "Starting Flower SuperExec", link)
         home = tmp_path / "cli-home"
         home.mkdir()
-        (home / "config.toml").write_text(f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{certs / "superlink" / "ca.crt"}"\n')
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\naddress = "127.0.0.1:{port}"\nroot-certificates = "{certs / "superlink" / "ca.crt"}"\n'
+        )
         flwr = shutil.which("flwr") or "flwr"
         for i in range(2):  # supernode-2's key is never registered
-            reg = subprocess.run([flwr, "supernode", "register", str(certs / "superlink" / f"supernode-{i}.pub"), "deployment"], env={**env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=120)
+            reg = subprocess.run(
+                [flwr, "supernode", "register", str(certs / "superlink" / f"supernode-{i}.pub"), "deployment"],
+                env={**env, "FLWR_HOME": str(home)},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert reg.returncode == 0 and "registered successfully" in reg.stdout, reg.stdout + reg.stderr
 
         from fedpers.deploy.forkserver import app_hash
@@ -124,16 +202,40 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
         ours = app_hash(str(ROOT))
 
         def supernode(name: str, key: str, partition: int, ca: bool = True):
-            cmd = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--trust-app", ours, "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()), "--auth-supernode-private-key", str(certs / key.removesuffix(".key") / key),
-                   "--node-config", f"partition-id={partition} num-partitions=2"]
-            return procs.start(name, cmd + (["--root-certificates", str(certs / "supernode-0" / "ca.crt")] if ca else []), FLWR_HOME=str(tmp_path / f"{name}-home"))
+            cmd = [
+                sys.executable,
+                "-m",
+                "fedpers",
+                "deploy",
+                "supernode",
+                "--trust-app",
+                ours,
+                "--superlink",
+                f"127.0.0.1:{port}",
+                "--port",
+                str(free_port()),
+                "--auth-supernode-private-key",
+                str(certs / key.removesuffix(".key") / key),
+                "--node-config",
+                f"partition-id={partition} num-partitions=2",
+            ]
+            return procs.start(
+                name,
+                cmd + (["--root-certificates", str(certs / "supernode-0" / "ca.crt")] if ca else []),
+                FLWR_HOME=str(tmp_path / f"{name}-home"),
+            )
 
         supernode("node0", "supernode-0.key", 0)
         supernode("node1", "supernode-1.key", 1)
         intruder, intruder_log = supernode("unregistered", "supernode-2.key", 1)
         stranger, stranger_log = supernode("no-ca", "supernode-0.key", 0, ca=False)
         out = tmp_path / "runs" / "flower"
-        done = flwr_run(procs, home, "deployment", f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false")
+        done = flwr_run(
+            procs,
+            home,
+            "deployment",
+            f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false",
+        )
         check_against_local(out, cfg, done)
         assert "forked a warm ClientApp" in (tmp_path / "node0.log").read_text()  # the recipe's fast path ran
         deadline = time.monotonic() + 60
@@ -141,7 +243,9 @@ def test_tls_and_supernode_authentication_with_fedpers_deploy_certs(tmp_path, en
             time.sleep(0.5)
         assert intruder.poll() not in (None, 0), intruder_log.read_text()[-2000:]
         assert "Failed to activate SuperNode" in intruder_log.read_text()
-        assert stranger.poll() not in (None, 0) or "SuperNode ID" not in stranger_log.read_text(), stranger_log.read_text()[-2000:]
+        assert stranger.poll() not in (None, 0) or "SuperNode ID" not in stranger_log.read_text(), (
+            stranger_log.read_text()[-2000:]
+        )
 
 
 def test_a_supernode_killed_mid_run(tmp_path, env):
@@ -156,10 +260,37 @@ def test_a_supernode_killed_mid_run(tmp_path, env):
     port = free_port()
     out = tmp_path / "runs" / "flower"
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        link, link_log = procs.start(
+            "superlink",
+            [
+                "flower-superlink",
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--disable-runtime-dependency-installation",
+            ],
+            FLWR_HOME=str(tmp_path / "link-home"),
+        )
         wait_for_log(link_log, "Starting Flower SuperExec", link)
-        nodes = [procs.start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(free_port()),
-                                                "--node-config", f"partition-id={i} num-partitions=3"], FLWR_HOME=str(tmp_path / f"node{i}-home"))[0] for i in range(3)]
+        nodes = [
+            procs.start(
+                f"supernode{i}",
+                [
+                    "flower-supernode",
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    f"partition-id={i} num-partitions=3",
+                ],
+                FLWR_HOME=str(tmp_path / f"node{i}-home"),
+            )[0]
+            for i in range(3)
+        ]
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         killed = threading.Event()
@@ -180,7 +311,12 @@ def test_a_supernode_killed_mid_run(tmp_path, env):
 
         watcher = threading.Thread(target=kill_after_round_0, daemon=True)
         watcher.start()
-        done = flwr_run(procs, home, "deployment", f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=2 cohorts=\"all\" seed=11' out='{out}' round-timeout=30.0 min-fraction=0.6 secure-noise=false")
+        done = flwr_run(
+            procs,
+            home,
+            "deployment",
+            f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=2 cohorts=\"all\" seed=11' out='{out}' round-timeout=30.0 min-fraction=0.6 secure-noise=false",
+        )
         assert killed.is_set() and done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
         assert [r["clients_accepted"] for r in rounds] == [3, 2, 2]
@@ -196,8 +332,14 @@ def test_an_aborted_deployment_run_exits_non_zero_through_fedpers_deploy_run(tmp
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         bad = f"config='n_users=150 dim=5 rank=9 samples_per_user=8 rounds=1' out='{tmp_path / 'runs' / 'bad'}' round-timeout=60.0 secure-noise=false"
-        done = subprocess.run([sys.executable, "-m", "fedpers", "deploy", "run", "deployment", "--run-config", bad, "--timeout", "300"],
-                              cwd=ROOT, env={**procs.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=480)
+        done = subprocess.run(
+            [sys.executable, "-m", "fedpers", "deploy", "run", "deployment", "--run-config", bad, "--timeout", "300"],
+            cwd=ROOT,
+            env={**procs.env, "FLWR_HOME": str(home)},
+            capture_output=True,
+            text=True,
+            timeout=480,
+        )
         assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
         assert "finished:failed" in done.stdout
 
@@ -212,9 +354,25 @@ def test_fedpers_superexec_with_process_isolation_gives_the_local_result(tmp_pat
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         out = tmp_path / "runs" / "flower"
-        done = subprocess.run([sys.executable, "-m", "fedpers", "deploy", "run", "deployment", "--timeout", "400", "--run-config",
-                               f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false"],
-                              cwd=ROOT, env={**procs.env, "FLWR_HOME": str(home)}, capture_output=True, text=True, timeout=480)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fedpers",
+                "deploy",
+                "run",
+                "deployment",
+                "--timeout",
+                "400",
+                "--run-config",
+                f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 seed=11' out='{out}' round-timeout=300.0 secure-noise=false",
+            ],
+            cwd=ROOT,
+            env={**procs.env, "FLWR_HOME": str(home)},
+            capture_output=True,
+            text=True,
+            timeout=480,
+        )
         assert "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
         check_against_local(out, cfg, done)
         for i in range(2):  # discovery + 2 rounds: every ClientApp ran in a fork, none through flwr-clientapp
@@ -231,14 +389,49 @@ def test_a_supernode_runs_only_trusted_apps(tmp_path, env):
     port = free_port()
     out = tmp_path / "runs" / "flower"
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"], FLWR_HOME=str(tmp_path / "link-home"))
+        link, link_log = procs.start(
+            "superlink",
+            [
+                "flower-superlink",
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--disable-runtime-dependency-installation",
+            ],
+            FLWR_HOME=str(tmp_path / "link-home"),
+        )
         wait_for_log(link_log, "Starting Flower SuperExec", link)
         for i, trusted in enumerate([ours, "0" * 64]):
-            procs.start(f"supernode{i}", [sys.executable, "-m", "fedpers", "deploy", "supernode", "--trust-app", trusted, "--insecure", "--superlink", f"127.0.0.1:{port}",
-                                          "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions=2"], FLWR_HOME=str(tmp_path / f"node{i}-home"))
+            procs.start(
+                f"supernode{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "fedpers",
+                    "deploy",
+                    "supernode",
+                    "--trust-app",
+                    trusted,
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    f"partition-id={i} num-partitions=2",
+                ],
+                FLWR_HOME=str(tmp_path / f"node{i}-home"),
+            )
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
-        done = flwr_run(procs, home, "deployment", f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 cohorts=\"all\" seed=11' out='{out}' round-timeout=60.0 min-fraction=0.5 secure-noise=false")
+        done = flwr_run(
+            procs,
+            home,
+            "deployment",
+            f"config='n_users=150 dim=5 rank=2 samples_per_user=8 rounds=1 cohorts=\"all\" seed=11' out='{out}' round-timeout=60.0 min-fraction=0.5 secure-noise=false",
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
         assert [r["clients_accepted"] for r in rounds] == [1, 1] and all("partition-1" in r["dropped"] for r in rounds)

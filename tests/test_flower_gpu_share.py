@@ -4,6 +4,7 @@ CI has no GPU, so the simulation's own Ray declares one logical GPU (``sim_gpus=
 does the same resource arithmetic as on a real one (node actors hold 0.1 of it each, at
 most 10 at once), while the nodes compute on the CPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -74,9 +75,14 @@ def test_the_declared_gpus_reach_ray_and_cap_the_actor_pool(monkeypatch):
     parsed = {k.replace("-", "_"): v for k, v in parse_config_args([pairs]).items()}
     nodes, backend, cfg, _, _ = _run_simulation_settings(simulation_config_from_json(parsed))
     assert (nodes, backend) == (12, "ray")
-    assert cfg["init_args"]["num_gpus"] == 1 and cfg["client_resources"] == {"num_cpus": 1, "num_gpus": pytest.approx(0.1)}
+    assert cfg["init_args"]["num_gpus"] == 1 and cfg["client_resources"] == {
+        "num_cpus": 1,
+        "num_gpus": pytest.approx(0.1),
+    }
     assert cfg["client_resources"]["num_gpus"] <= 0.1  # a 32-bit float just above 0.1 would leave room for 9 actors
-    assert "init-args-num-gpus" not in federation_config(options(ray_address="127.0.0.1:1"))  # a cluster declares its own
+    assert "init-args-num-gpus" not in federation_config(
+        options(ray_address="127.0.0.1:1")
+    )  # a cluster declares its own
     assert not ray.is_initialized()
     ray.init(num_gpus=cfg["init_args"]["num_gpus"], num_cpus=20, include_dashboard=False, logging_level="error")
     try:
@@ -110,7 +116,9 @@ def test_fractional_gpu_simulation_equals_the_local_runtime(monkeypatch):
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg, noise_seed = split_seed(
-        config_lib.build(EXP.config_type, {"n_users": 60, "dim": 4, "rank": 2, "samples_per_user": 8, "rounds": 2, "seed": 3})
+        config_lib.build(
+            EXP.config_type, {"n_users": 60, "dim": 4, "rank": 2, "samples_per_user": 8, "rounds": 2, "seed": 3}
+        )
     )
     privatizer = Privatizer(noise_seed)
     expected, _ = run_local(EXP.protocol(cfg), EXP.units(cfg, torch.arange(60)), privatizer, progress=False)

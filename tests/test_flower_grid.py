@@ -1,4 +1,5 @@
 """The Flower runtime on an in-process Grid: discovery, gather, verification, faults (no Ray)."""
+
 from __future__ import annotations
 
 import functools
@@ -30,7 +31,7 @@ def setup(**overrides):
     return _setup(tuple(sorted(overrides.items())))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(overrides):
     cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, {**SMALL, **dict(overrides)}))
     return cfg, EXP.protocol(cfg), noise_seed
@@ -69,7 +70,13 @@ def test_faulty_clients_are_dropped_reported_and_spend_no_extra_privacy():
     faults = {1: "raise", 2: "nan", 3: "huge", 4: "overclaim"}
     grid = InProcessGrid(faulty_client_app(faults), 8, silent={5})
     state, records, ledger = flower_run(grid, cfg, protocol, seed, min_fraction=0.3, round_timeout=0.5)
-    expected = {"partition-1": "client error", "partition-2": "non-finite", "partition-3": "norm", "partition-4": "unit count", "partition-5": "no reply within"}
+    expected = {
+        "partition-1": "client error",
+        "partition-2": "non-finite",
+        "partition-3": "norm",
+        "partition-4": "unit count",
+        "partition-5": "no reply within",
+    }
     for record in records:
         assert set(record.dropped) == set(expected)
         for client, why in expected.items():
@@ -94,7 +101,6 @@ def test_too_few_replies_stop_the_run_and_keep_the_rounds_so_far(tmp_path):
     assert [r["name"] for r in json.loads(run["ledger_text"])] == ["init.W"]
 
 
-
 def test_a_run_stopped_by_lost_nodes_resumes_when_they_are_back(tmp_path):
     """min_fraction = 1 and two nodes failing in round 1: the run stops with its checkpoint;
     resumed on a healthy grid it ends exactly where an uninterrupted run ends, same ledger."""
@@ -102,12 +108,22 @@ def test_a_run_stopped_by_lost_nodes_resumes_when_they_are_back(tmp_path):
 
     cfg = config_lib.build(EXP.config_type, SMALL)
     with pytest.raises(RoundFailed):
-        execute(EXP, cfg, options(), out=tmp_path / "run", progress=False, grid=InProcessGrid(faulty_client_app({0: "raise", 1: "nan"}, from_round=1), 4))
+        execute(
+            EXP,
+            cfg,
+            options(),
+            out=tmp_path / "run",
+            progress=False,
+            grid=InProcessGrid(faulty_client_app({0: "raise", 1: "nan"}, from_round=1), 4),
+        )
     resumed = resume_run(tmp_path / "run", progress=False, grid=InProcessGrid(make_client_app(), 4))
-    clean = execute(EXP, cfg, options(), out=tmp_path / "clean", progress=False, grid=InProcessGrid(make_client_app(), 4))
+    clean = execute(
+        EXP, cfg, options(), out=tmp_path / "clean", progress=False, grid=InProcessGrid(make_client_app(), 4)
+    )
     torch.testing.assert_close(resumed["_state"]["U"], clean["_state"]["U"], rtol=0, atol=0)
     assert (tmp_path / "run" / "ledger.jsonl").read_text() == (tmp_path / "clean" / "ledger.jsonl").read_text()
     assert [r["round"] for r in read_run(tmp_path / "run")["rounds"]] == list(range(cfg.rounds + 1))
+
 
 def test_clients_never_see_the_noise_seed():
     user_cfg = config_lib.build(EXP.config_type, SMALL)
@@ -117,7 +133,7 @@ def test_clients_never_see_the_noise_seed():
     sent = [json.loads(m.content[codec.JOB][codec.CONFIG]) for m in grid.sent]
     assert sent and all(c["seed"] == cfg.seed != user_cfg.seed for c in sent)
     text = " ".join(str(m.content) for m in grid.sent)
-    assert str(noise_seed) not in text and f"\"seed\": {user_cfg.seed}," not in text
+    assert str(noise_seed) not in text and f'"seed": {user_cfg.seed},' not in text
 
 
 def test_missing_partition_is_dropped_each_round():
@@ -166,7 +182,13 @@ def test_flower_runtime_refuses_a_bad_split_before_starting():
     with pytest.raises(ValueError, match="users_per_node=30 with 80 units needs nodes=3"):
         run_flower(EXP, cfg, protocol, Privatizer(seed), options(nodes=4, users_per_node=30), progress=False)
     with pytest.raises(ValueError, match="runtime must be flower"):
-        execute(EXP, config_lib.build(EXP.config_type, SMALL), RuntimeOptions(runtime=Runtime.LOCAL), write=False, grid=object())
+        execute(
+            EXP,
+            config_lib.build(EXP.config_type, SMALL),
+            RuntimeOptions(runtime=Runtime.LOCAL),
+            write=False,
+            grid=object(),
+        )
 
 
 def test_a_user_overflowing_float32_costs_its_node_nothing(tmp_path):
@@ -181,7 +203,9 @@ def test_a_user_overflowing_float32_costs_its_node_nothing(tmp_path):
     save_altmin_npz(path, x=full["x"], y=y, u_star=truth(setup()[0]))
     cfg, protocol, seed = setup(data=str(path), dtype="float32", cohorts="all")
     u_local, local_records, ledger_local = local_run(cfg, protocol, seed)
-    state, records, ledger = flower_run(InProcessGrid(make_client_app(), 3, extra={codec.DATA_FILE: str(path)}), cfg, protocol, seed)
+    state, records, ledger = flower_run(
+        InProcessGrid(make_client_app(), 3, extra={codec.DATA_FILE: str(path)}), cfg, protocol, seed
+    )
     torch.testing.assert_close(state["U"], u_local["U"], rtol=0, atol=1e-5)
     assert ledger == ledger_local
     for record in list(records) + list(local_records):
@@ -195,7 +219,10 @@ def test_replayed_asymmetric_and_partition_sized_replies_are_dropped():
     cfg, protocol, seed = setup()
     grid = InProcessGrid(faulty_client_app({1: "replay", 2: "asymmetric", 3: "partition-count"}), 6)
     state, records, ledger = flower_run(grid, cfg, protocol, seed, min_fraction=0.3)
-    assert "replayed or stale" in records[1].dropped["partition-1"] and "replayed or stale" in records[2].dropped["partition-1"]
+    assert (
+        "replayed or stale" in records[1].dropped["partition-1"]
+        and "replayed or stale" in records[2].dropped["partition-1"]
+    )
     assert "partition-1" not in records[0].dropped  # nothing to replay yet: its first reply is honest
     for record in records:
         assert "not symmetric" in record.dropped["partition-2"]
@@ -228,7 +255,15 @@ def test_partitions_come_from_the_operator_map_not_from_what_nodes_claim():
     assert ids[3] not in sent_to
 
 
-@pytest.mark.parametrize("text, match", [("5=0 6=0", "each held by one node"), ("5=1", "partitions must be 0..0"), ("x=0", "NODE_ID=PARTITION"), ("5=0 5=1", "listed twice")])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("5=0 6=0", "each held by one node"),
+        ("5=1", "partitions must be 0..0"),
+        ("x=0", "NODE_ID=PARTITION"),
+        ("5=0 5=1", "listed twice"),
+    ],
+)
 def test_bad_node_partitions_are_refused(text, match):
     from fedpers.runtime.flower.server import parse_node_partitions
 
@@ -252,14 +287,20 @@ def test_nodes_rebuild_the_protocol_without_running_the_accountant(monkeypatch):
     monkeypatch.setattr(accountant, "_calibrate", lambda *a, **k: calls.append("node or server") or real(*a, **k))
     sent = []
     real_node_job = client.node_job
-    monkeypatch.setattr(client, "node_job", lambda job, data_file, build: sent.append(job) or real_node_job(job, data_file, build))
+    monkeypatch.setattr(
+        client, "node_job", lambda job, data_file, build: sent.append(job) or real_node_job(job, data_file, build)
+    )
     state, _, _ = flower_run(grid, cfg, protocol, seed)
     u_local, _, _ = local_run(cfg, protocol, seed)
     torch.testing.assert_close(state["U"], u_local["U"], rtol=0, atol=1e-10)
     assert len(calls) == 1  # the server's one recording pass; the nodes used the job's values
-    assert json.loads(sent[0].calibrations_json) and all(v == protocol.noise_multiplier for v in json.loads(sent[0].calibrations_json).values())
+    assert json.loads(sent[0].calibrations_json) and all(
+        v == protocol.noise_multiplier for v in json.loads(sent[0].calibrations_json).values()
+    )
     client._jobs.clear()
-    wrong = dataclasses.replace(sent[0], calibrations_json=json.dumps({k: v * 1.01 for k, v in json.loads(sent[0].calibrations_json).items()}))
+    wrong = dataclasses.replace(
+        sent[0], calibrations_json=json.dumps({k: v * 1.01 for k, v in json.loads(sent[0].calibrations_json).items()})
+    )
     with pytest.raises(ValueError, match="protocol mismatch"):
         real_node_job(wrong, "", build_node)
     client._jobs.clear()

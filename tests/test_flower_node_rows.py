@@ -1,4 +1,5 @@
 """A Flower node with a data file reads only its own rows (from the s13 helper branch)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,7 +33,9 @@ def test_a_node_asked_for_10_of_many_users_reads_only_their_rows(tmp_path: Path,
     asked: list[tuple[int, int]] = []
     read = files._StoredRows.read
     monkeypatch.setattr(files._StoredRows, "read", lambda self, a, b: (asked.append((a, b)), read(self, a, b))[1])
-    cfg = config_lib.build(EXP.config_type, {"rank": k, "rounds": 2, "cohorts": "all", "seed": 3, "epsilon": 2.0, "data": str(path)})
+    cfg = config_lib.build(
+        EXP.config_type, {"rank": k, "rounds": 2, "cohorts": "all", "seed": 3, "epsilon": 2.0, "data": str(path)}
+    )
     job = codec.Job.of("altmin", cfg, EXP.protocol(cfg))
     node = client.node_job(job, str(path), build_node)
     units = client.node_units(job, str(path), node, 1000, 1010)
@@ -52,7 +55,12 @@ def test_node_cache_loads_units_once_across_processes_and_notices_a_changed_file
     n, m, d, k = 200, 8, 5, 2
     rng = np.random.default_rng(1)
     path = tmp_path / "users.npz"
-    np.savez(path, x=rng.standard_normal((n, m, d)), y=rng.standard_normal((n, m)), u_star=np.linalg.qr(rng.standard_normal((d, k)))[0])
+    np.savez(
+        path,
+        x=rng.standard_normal((n, m, d)),
+        y=rng.standard_normal((n, m)),
+        u_star=np.linalg.qr(rng.standard_normal((d, k)))[0],
+    )
     monkeypatch.setenv(client.NODE_CACHE_ENV, str(tmp_path / "cache"))
     calls = []
     original = type(EXP).units
@@ -66,7 +74,12 @@ def test_node_cache_loads_units_once_across_processes_and_notices_a_changed_file
         for key in first:
             assert torch.equal(first[key], again[key])
     assert len(calls) == 1
-    np.savez(path, x=rng.standard_normal((n, m, d)), y=rng.standard_normal((n, m)), u_star=np.linalg.qr(rng.standard_normal((d, k)))[0])
+    np.savez(
+        path,
+        x=rng.standard_normal((n, m, d)),
+        y=rng.standard_normal((n, m)),
+        u_star=np.linalg.qr(rng.standard_normal((d, k)))[0],
+    )
     os.utime(path, ns=(1, 1))
     client._units.clear()
     changed = client.node_units(job, str(path), client.node_job(job, str(path), build_node), 50, 120)
@@ -79,7 +92,9 @@ def test_a_node_cache_that_cannot_be_written_costs_speed_not_the_round(tmp_path:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setenv(client.NODE_CACHE_ENV, str(blocker / "cache"))
-    cfg = config_lib.build(EXP.config_type, {"n_users": 40, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 3})
+    cfg = config_lib.build(
+        EXP.config_type, {"n_users": 40, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 3}
+    )
     job = codec.Job.of("altmin", cfg, EXP.protocol(cfg))
     client._units.clear()
     with caplog.at_level("WARNING", logger="fedpers.flower"):

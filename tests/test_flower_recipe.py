@@ -6,6 +6,7 @@ The only change to commands.txt's lines: `fedpers` runs as `python -m fedpers` o
 and step 8's example run-config is replaced by each test's. Loopback only: the proxy listens on
 127.0.0.1 (`--listen`), standing in for the network address.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,10 +72,40 @@ class Recipe:
         save_altmin_npz(self.data, x=users["x"], y=users["y"], u_star=truth(cfg))
         (work / "policy.toml").write_text(POLICY)
         self.certs = work / "certs"
-        made = subprocess.run([sys.executable, "-m", "fedpers", "deploy", "certs", str(self.certs), "--host", "127.0.0.1", "--supernodes", "3",
-                               "--port", str(self.port), "--link-port", str(self.link_port), "--node-port", str(self.node_port), "--listen", "127.0.0.1",
-                               "--data-file", str(self.data), "--app", str(ROOT), "--policy", str(work / "policy.toml")],
-                              cwd=ROOT, env=procs.env, check=False, capture_output=True, text=True, timeout=300)
+        made = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fedpers",
+                "deploy",
+                "certs",
+                str(self.certs),
+                "--host",
+                "127.0.0.1",
+                "--supernodes",
+                "3",
+                "--port",
+                str(self.port),
+                "--link-port",
+                str(self.link_port),
+                "--node-port",
+                str(self.node_port),
+                "--listen",
+                "127.0.0.1",
+                "--data-file",
+                str(self.data),
+                "--app",
+                str(ROOT),
+                "--policy",
+                str(work / "policy.toml"),
+            ],
+            cwd=ROOT,
+            env=procs.env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert made.returncode == 0, made.stdout + made.stderr
         self.steps = steps((self.certs / "commands.txt").read_text())
         self.link = self.certs / "superlink"
@@ -90,7 +121,9 @@ class Recipe:
                 _wait_port(self.link_port if name == "superlink" else self.port, proc, log)
         for command in superlink[3:-1]:  # flwr supernode register, one per node
             env, argv = _argv(command)
-            done = subprocess.run(argv, cwd=ROOT, env={**self.procs.env, **env}, check=False, capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                argv, cwd=ROOT, env={**self.procs.env, **env}, check=False, capture_output=True, text=True, timeout=120
+            )
             assert done.returncode == 0 and "registered successfully" in done.stdout, done.stdout + done.stderr
             self.node_ids.append(int(re.search(r"(\d{6,})", done.stdout).group(1)))
         started = []
@@ -110,14 +143,24 @@ class Recipe:
         i = argv.index("--run-config")
         parts = " ".join(f"{node}={p}" for p, node in enumerate(self.node_ids))
         argv[i + 1] = f"{run_config} node-partitions='{parts}'"
-        return subprocess.run([*argv, "--timeout", str(timeout)], cwd=ROOT, env={**self.procs.env, **self.job_env}, check=False, capture_output=True, text=True, timeout=timeout + 120)
+        return subprocess.run(
+            [*argv, "--timeout", str(timeout)],
+            cwd=ROOT,
+            env={**self.procs.env, **self.job_env},
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout + 120,
+        )
 
     def attacker_home(self) -> Path:
         """What an intruder holds: the public ca.crt and the network address."""
         home = self.work / "intruder"
         home.mkdir(exist_ok=True)
         shutil.copy(self.certs / "superlink" / "ca.crt", home / "ca.crt")
-        (home / "config.toml").write_text(f'[superlink]\ndefault = "lab"\n\n[superlink.lab]\naddress = "127.0.0.1:{self.port}"\nroot-certificates = "{home / "ca.crt"}"\n')
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "lab"\n\n[superlink.lab]\naddress = "127.0.0.1:{self.port}"\nroot-certificates = "{home / "ca.crt"}"\n'
+        )
         return home
 
     def set_policy(self, where: str, text: str) -> None:
@@ -161,8 +204,12 @@ def test_honest_run_completes_with_the_local_result(recipe):
     assert str(recipe.data) not in honest(recipe, out) and not any(p.suffix == ".npz" for p in recipe.link.rglob("*"))
     result = json.loads((out / "result.json").read_text())
     assert "unavailable" in result["evaluation"] and "subspace_error" not in result
-    assert stat.S_IMODE(out.stat().st_mode) == 0o700 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in out.iterdir() if p.is_file())
-    cfg = config_lib.build(EXP.config_type, {"data": str(recipe.data), "rank": 2, "rounds": 1, "seed": 11, "cohorts": "all"})
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700 and all(
+        stat.S_IMODE(p.stat().st_mode) == 0o600 for p in out.iterdir() if p.is_file()
+    )
+    cfg = config_lib.build(
+        EXP.config_type, {"data": str(recipe.data), "rank": 2, "rounds": 1, "seed": 11, "cohorts": "all"}
+    )
     local = execute(EXP, cfg, out=out.parent / "local", progress=False)
     U = torch.from_numpy(np.load(out / "final_state.npz")["U"])
     torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-5)
@@ -226,10 +273,15 @@ def test_no_process_on_the_superlink_side_shows_a_task_token(recipe):
     assert "finished:completed" in done.stdout, done.stdout[-3000:]
     assert any(TOKEN_STDIN in c for c in seen), sorted(set(seen))[:10]
     assert not any("--token " in c for c in seen), [c for c in seen if "--token " in c][:3]
-    assert any("fedpers.deploy.appguard" in c for c in environments) and any("-I -c" in c for c in environments), list(environments)
+    assert any("fedpers.deploy.appguard" in c for c in environments) and any("-I -c" in c for c in environments), list(
+        environments
+    )
     for cmdline, environ in environments.items():  # the ServerApp, the fork server and its forks among them
         assert "python" not in cmdline.split()[0] or cmdline.split()[1] == "-I", cmdline
-        assert "FLWR_TELEMETRY_ENABLED=0" in environ and not [v for v in environ if v.startswith("PYTHON")], (cmdline, environ)
+        assert "FLWR_TELEMETRY_ENABLED=0" in environ and not [v for v in environ if v.startswith("PYTHON")], (
+            cmdline,
+            environ,
+        )
 
 
 def test_control_api_is_not_on_the_network_address(recipe):
@@ -241,8 +293,11 @@ def test_control_api_is_not_on_the_network_address(recipe):
     key = recipe.work / "intruder" / "own.pub"
     shutil.copy(recipe.link / "supernode-0.pub", key)
     attempts = {
-        "ls": [flwr, "ls", "lab"], "log": [flwr, "log", "1", "lab"], "run": [flwr, "run", str(ROOT), "lab"],
-        "register": [flwr, "supernode", "register", str(key), "lab"], "unregister": [flwr, "supernode", "unregister", str(recipe.node_ids[2]), "lab"],
+        "ls": [flwr, "ls", "lab"],
+        "log": [flwr, "log", "1", "lab"],
+        "run": [flwr, "run", str(ROOT), "lab"],
+        "register": [flwr, "supernode", "register", str(key), "lab"],
+        "unregister": [flwr, "supernode", "unregister", str(recipe.node_ids[2]), "lab"],
         "supernode ls": [flwr, "supernode", "ls", "lab"],
     }
     for name, argv in attempts.items():
@@ -250,24 +305,43 @@ def test_control_api_is_not_on_the_network_address(recipe):
         text = done.stdout + done.stderr
         assert done.returncode != 0 or "404" in text or "rror" in text, f"{name}: {text[-2000:]}"
         assert "registered successfully" not in text and "unregistered successfully" not in text.lower()
-    listening = {line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:] if line.split()[3] == "0A"}
+    listening = {
+        line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:] if line.split()[3] == "0A"
+    }
     assert f"0100007F:{recipe.link_port:04X}" in listening and f"00000000:{recipe.link_port:04X}" not in listening
-    lab = subprocess.run([flwr, "supernode", "ls", "deployment", "--format", "json"], env={**recipe.procs.env, **recipe.job_env}, check=False, capture_output=True, text=True, timeout=120)
+    lab = subprocess.run(
+        [flwr, "supernode", "ls", "deployment", "--format", "json"],
+        env={**recipe.procs.env, **recipe.job_env},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     for node in recipe.node_ids:  # the lab's nodes are all still registered
         assert str(node) in lab.stdout, lab.stdout + lab.stderr
 
 
 NOBODY = 65534
-needs_root = pytest.mark.skipif(not can_switch_uid(NOBODY), reason="this process cannot switch to another uid (the tests run as root in CI)")
+needs_root = pytest.mark.skipif(
+    not can_switch_uid(NOBODY), reason="this process cannot switch to another uid (the tests run as root in CI)"
+)
 
 
 def _control_calls(port: int, ca: bytes, run_id: int, node_id: int, key: bytes) -> dict[str, str]:
     """Each Control API call `flwr ls`, `flwr stop`, `flwr supernode ls/unregister/register` makes, through
     Flower's own client with the public CA certificate: what came back ("answered ..." or "refused: ERROR")."""
-    from flwr.proto.control_pb2 import ListNodesRequest, ListRunsRequest, RegisterNodeRequest, StopRunRequest, UnregisterNodeRequest
+    from flwr.proto.control_pb2 import (
+        ListNodesRequest,
+        ListRunsRequest,
+        RegisterNodeRequest,
+        StopRunRequest,
+        UnregisterNodeRequest,
+    )
     from flwr.supercore.control.control_http_client import ControlHttpClient
 
-    client = ControlHttpClient.from_server_address(f"127.0.0.1:{port}", insecure=False, root_certificates=ca, interceptors=[])
+    client = ControlHttpClient.from_server_address(
+        f"127.0.0.1:{port}", insecure=False, root_certificates=ca, interceptors=[]
+    )
     calls = {
         "ls": lambda: client.ListRuns(ListRunsRequest()),
         "stop": lambda: client.StopRun(StopRunRequest(run_id=run_id)),
@@ -279,7 +353,7 @@ def _control_calls(port: int, ca: bytes, run_id: int, node_id: int, key: bytes) 
     for name, call in calls.items():
         try:
             out[name] = f"answered {str(call())[:120]!r}"
-        except Exception as e:  # noqa: BLE001 - any failure is a refusal here
+        except Exception as e:
             out[name] = f"refused: {type(e).__name__}: {str(e)[:120]}"
     return out
 
@@ -295,7 +369,7 @@ def _as_uid(uid: int, work: object) -> dict[str, str]:
             os.setgid(uid)
             os.setuid(uid)
             os.write(write, json.dumps(work()).encode())  # type: ignore[operator]
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             os.write(write, json.dumps({"child": f"{type(e).__name__}: {e}"}).encode())
         finally:
             os._exit(0)
@@ -319,7 +393,9 @@ def test_the_control_api_answers_only_the_labs_uid(recipe):
     from flwr.proto.control_pb2 import ListRunsRequest
     from flwr.supercore.control.control_http_client import ControlHttpClient
 
-    client = ControlHttpClient.from_server_address(f"127.0.0.1:{recipe.link_port}", insecure=False, root_certificates=ca, interceptors=[])
+    client = ControlHttpClient.from_server_address(
+        f"127.0.0.1:{recipe.link_port}", insecure=False, root_certificates=ca, interceptors=[]
+    )
     runs = client.ListRuns(ListRunsRequest()).run_dict
     latest = max(runs, key=lambda r: runs[r].pending_at)
     before = {r: runs[r].status.status + runs[r].status.sub_status for r in runs}
@@ -330,8 +406,14 @@ def test_the_control_api_answers_only_the_labs_uid(recipe):
     assert all(v.startswith("refused") and any(e in v for e in cut) for v in other.values()), other
     after = client.ListRuns(ListRunsRequest()).run_dict
     assert {r: after[r].status.status + after[r].status.sub_status for r in before} == before  # nothing stopped
-    listed = subprocess.run([shutil.which("flwr") or "flwr", "supernode", "ls", "deployment", "--format", "json"], env={**recipe.procs.env, **recipe.job_env},
-                            check=False, capture_output=True, text=True, timeout=120)
+    listed = subprocess.run(
+        [shutil.which("flwr") or "flwr", "supernode", "ls", "deployment", "--format", "json"],
+        env={**recipe.procs.env, **recipe.job_env},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     for node in recipe.node_ids:  # none unregistered
         assert str(node) in listed.stdout, listed.stdout + listed.stderr
     assert "refused a connection from uid 65534" in (recipe.work / "superlink.log").read_text()
@@ -343,44 +425,69 @@ def test_foreign_app_serverapp_never_executes(recipe):
     app = recipe.work / "foreign"
     (app / "foreign").mkdir(parents=True)
     marker = recipe.work / "foreign-ran"
-    (app / "pyproject.toml").write_text('[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n[project]\nname = "foreign"\nversion = "1.0.0"\n'
-                                        'dependencies = []\n\n[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n[tool.flwr.app]\npublisher = "intruder"\n\n'
-                                        '[tool.flwr.app.components]\nserverapp = "foreign.app:server"\nclientapp = "foreign.app:client"\n\n[tool.flwr.app.config]\n')
+    (app / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n[project]\nname = "foreign"\nversion = "1.0.0"\n'
+        'dependencies = []\n\n[tool.hatch.build.targets.wheel]\npackages = ["."]\n\n[tool.flwr.app]\npublisher = "intruder"\n\n'
+        '[tool.flwr.app.components]\nserverapp = "foreign.app:server"\nclientapp = "foreign.app:client"\n\n[tool.flwr.app.config]\n'
+    )
     (app / "foreign" / "__init__.py").write_text("")
     (app / "foreign" / "app.py").write_text(
         "from pathlib import Path\nfrom flwr.clientapp import ClientApp\nfrom flwr.serverapp import ServerApp\n"
-        f"server = ServerApp()\nclient = ClientApp()\n\n@server.main()\ndef main(grid, context):\n    Path({str(marker)!r}).write_text(open({str(recipe.link / 'superlink.key')!r}).read())\n")
+        f"server = ServerApp()\nclient = ClientApp()\n\n@server.main()\ndef main(grid, context):\n    Path({str(marker)!r}).write_text(open({str(recipe.link / 'superlink.key')!r}).read())\n"
+    )
     argv = list(recipe.job_argv)
-    argv[argv.index("--run-config"):argv.index("--run-config") + 2] = []
-    done = subprocess.run([*argv, "--app", str(app), "--timeout", "120"], cwd=ROOT, env={**recipe.procs.env, **recipe.job_env}, check=False, capture_output=True, text=True, timeout=300)
+    argv[argv.index("--run-config") : argv.index("--run-config") + 2] = []
+    done = subprocess.run(
+        [*argv, "--app", str(app), "--timeout", "120"],
+        cwd=ROOT,
+        env={**recipe.procs.env, **recipe.job_env},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0 and "finished:completed" not in done.stdout, done.stdout[-3000:]
     time.sleep(3)
     assert not marker.exists()
     print("FOREIGN", done.stdout[-3000:], (recipe.work / "superexec.log").read_text()[-3000:])
-    assert "refused ServerApp" in (recipe.work / "superexec.log").read_text() + done.stdout and "finished:failed" in done.stdout
+    assert (
+        "refused ServerApp" in (recipe.work / "superexec.log").read_text() + done.stdout
+        and "finished:failed" in done.stdout
+    )
 
 
 def test_rogue_superexec_without_the_secret_gets_no_run(recipe):
     """A flower-superexec without the shared secret, polling the loopback Runtime API (and one
     polling the network address): the lab's next run is executed by the lab's SuperExec only."""
     ca = str(recipe.link / "ca.crt")
-    rogue, rogue_log = recipe.procs.start("rogue-superexec", ["flower-superexec", "--runtime-api-address", f"127.0.0.1:{recipe.link_port}", "--root-certificates", ca])
-    remote, remote_log = recipe.procs.start("rogue-remote", ["flower-superexec", "--runtime-api-address", f"127.0.0.1:{recipe.port}", "--root-certificates", ca])
+    rogue, rogue_log = recipe.procs.start(
+        "rogue-superexec",
+        ["flower-superexec", "--runtime-api-address", f"127.0.0.1:{recipe.link_port}", "--root-certificates", ca],
+    )
+    remote, remote_log = recipe.procs.start(
+        "rogue-remote",
+        ["flower-superexec", "--runtime-api-address", f"127.0.0.1:{recipe.port}", "--root-certificates", ca],
+    )
     time.sleep(3)
     before = (recipe.work / "superexec.log").read_text().count("started through fedpers.deploy.appguard")
     done = recipe.run(honest(recipe, recipe.work / "runs" / "second", epsilon="2.0"))
     assert done.returncode == 0 and "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (recipe.work / "superexec.log").read_text().count("started through fedpers.deploy.appguard") == before + 1  # the lab's SuperExec ran it
+    assert (recipe.work / "superexec.log").read_text().count(
+        "started through fedpers.deploy.appguard"
+    ) == before + 1  # the lab's SuperExec ran it
     for proc, log in ((rogue, rogue_log), (remote, remote_log)):
         text = log.read_text()
         assert "flwr-serverapp" not in text and "Launch" not in text, text[-2000:]
         proc.terminate()
 
 
-@pytest.mark.parametrize(("extra", "rule"), [
-    ({"epsilon": "inf"}, "max-epsilon"),
-    ({"__run": "secure-noise=false"}, "require-secure-noise"),
-])
+@pytest.mark.parametrize(
+    ("extra", "rule"),
+    [
+        ({"epsilon": "inf"}, "max-epsilon"),
+        ({"__run": "secure-noise=false"}, "require-secure-noise"),
+    ],
+)
 def test_run_configs_outside_the_policy_are_refused_by_the_serverapp(recipe, extra, rule):
     before = (recipe.link / "lab-budget.json").read_text()
     extra = dict(extra)
@@ -405,7 +512,9 @@ def test_a_run_beyond_the_federations_budget_is_refused_before_any_release(recip
     out = recipe.work / "runs" / "over-budget"
     done = recipe.run(honest(recipe, out, epsilon="4.0"), timeout=200)
     spent = ledger.spent((0, 150))[0]
-    assert done.returncode != 0 and "rule 'max-epsilon'" in done.stdout and f"have spent epsilon={spent:g}" in done.stdout, done.stdout[-3000:]
+    assert (
+        done.returncode != 0 and "rule 'max-epsilon'" in done.stdout and f"have spent epsilon={spent:g}" in done.stdout
+    ), done.stdout[-3000:]
     assert (recipe.link / "lab-budget.json").read_text() == before  # nothing charged
     assert not (out / "rounds.jsonl").exists()  # no round, no release
 
@@ -422,7 +531,9 @@ def test_nodes_refuse_a_task_below_min_units_even_if_the_serverapp_allows_it(rec
     cover about 25: every node refuses before computing, naming the rule; the run does not complete."""
     recipe.set_policy("superlink", POLICY.replace("min-units = 50", "min-units = 1"))
     try:
-        done = recipe.run(honest(recipe, recipe.work / "runs" / "small", epsilon="0.5", cohorts='"disjoint"', rounds="2"), timeout=200)
+        done = recipe.run(
+            honest(recipe, recipe.work / "runs" / "small", epsilon="0.5", cohorts='"disjoint"', rounds="2"), timeout=200
+        )
     finally:
         recipe.set_policy("superlink", POLICY)
     assert done.returncode != 0 and "finished:completed" not in done.stdout, done.stdout[-3000:]
@@ -430,7 +541,9 @@ def test_nodes_refuse_a_task_below_min_units_even_if_the_serverapp_allows_it(rec
         assert "rule 'min-units'" in (recipe.work / f"supernode-{i}.log").read_text()
 
 
-def _restart_node(recipe: Recipe, i: int, name: str, argv: list[str] | None = None, **env: str) -> tuple[subprocess.Popen, Path]:
+def _restart_node(
+    recipe: Recipe, i: int, name: str, argv: list[str] | None = None, **env: str
+) -> tuple[subprocess.Popen, Path]:
     """SuperNode ``i`` stopped (with its SuperExec and forks) and started again as ``name``: its commands.txt
     line, ``argv`` in place of its interpreter and module if given, ``env`` added."""
     from tests.flower_support import stop_processes
@@ -447,7 +560,11 @@ def _accepted(out: Path) -> list[int]:
 
 def _rss_mib(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of ``pid`` in MiB: its resident memory now and at its peak."""
-    fields = {line.split(":")[0]: line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith(("VmRSS", "VmHWM"))}
+    fields = {
+        line.split(":")[0]: line.split()[1]
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith(("VmRSS", "VmHWM"))
+    }
     return int(fields["VmRSS"]) / 1024, int(fields["VmHWM"]) / 1024
 
 
@@ -464,7 +581,19 @@ def test_an_honest_run_completes_beside_520_slow_body_connections(recipe):
 
     proxy = next(p for p in recipe.procs.procs if "fleet-proxy" in p.args)
     report = recipe.work / "slow-bodies.json"
-    attack, _ = recipe.procs.start("slow-bodies", [sys.executable, str(ROOT / "tests" / "slow_bodies.py"), str(recipe.port), str(recipe.link / "ca.crt"), "520", "900", str(report), str(5 << 20)])
+    attack, _ = recipe.procs.start(
+        "slow-bodies",
+        [
+            sys.executable,
+            str(ROOT / "tests" / "slow_bodies.py"),
+            str(recipe.port),
+            str(recipe.link / "ca.crt"),
+            "520",
+            "900",
+            str(report),
+            str(5 << 20),
+        ],
+    )
     samples: list[float] = []
     done_flag = threading.Event()
 
@@ -477,11 +606,17 @@ def test_an_honest_run_completes_beside_520_slow_body_connections(recipe):
     sampler.start()
     try:
         deadline = time.monotonic() + 300  # a loaded 2-core machine opens 520 TLS connections twice in well under this
-        while not (report.is_file() and json.loads(report.read_text() or "{}").get("opened", 0) >= 1040):  # each came twice
-            assert attack.poll() is None and time.monotonic() < deadline, report.read_text() if report.is_file() else "no report"
+        while not (
+            report.is_file() and json.loads(report.read_text() or "{}").get("opened", 0) >= 1040
+        ):  # each came twice
+            assert attack.poll() is None and time.monotonic() < deadline, (
+                report.read_text() if report.is_file() else "no report"
+            )
             time.sleep(0.5)
         _, restarted = _restart_node(recipe, 1, "supernode-1-restarted")
-        wait_for_log(restarted, "fork server ready", recipe.procs.procs[-1], timeout=300)  # the run starts once node 1 is back
+        wait_for_log(
+            restarted, "fork server ready", recipe.procs.procs[-1], timeout=300
+        )  # the run starts once node 1 is back
         out = recipe.work / "runs" / "slow-bodies"
         done = recipe.run(honest(recipe, out, epsilon="0.05"))
         stats = json.loads(report.read_text())
@@ -492,7 +627,9 @@ def test_an_honest_run_completes_beside_520_slow_body_connections(recipe):
 
         stop_processes([attack])
     peak = _rss_mib(proxy.pid)[1]
-    print(f"SLOW-BODIES attack {stats}; proxy RSS max {max(samples):.1f} MiB, peak (VmHWM) {peak:.1f} MiB over {len(samples)} samples")
+    print(
+        f"SLOW-BODIES attack {stats}; proxy RSS max {max(samples):.1f} MiB, peak (VmHWM) {peak:.1f} MiB over {len(samples)} samples"
+    )
     assert done.returncode == 0 and "finished:completed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert _accepted(out) == [3, 3], _accepted(out)
     assert stats["most_open"] >= 400 and stats["cut"] >= 1000, stats  # the attack held the slots, was cut and came back
@@ -528,10 +665,14 @@ def test_a_node_started_with_a_planted_environment_runs_only_the_installed_code(
     assert done.returncode == 0 and "finished:completed" in done.stdout, done.stdout[-3000:]
     assert _accepted(out) == [3, 3], _accepted(out)
     ran = marker.read_text().splitlines()
-    assert len(ran) == 1 and "isolated=0" in ran[0] and "deploy supernode" in ran[0], ran  # the shell's interpreter only
+    assert len(ran) == 1 and "isolated=0" in ran[0] and "deploy supernode" in ran[0], (
+        ran
+    )  # the shell's interpreter only
     text = log.read_text()
     isolated = next(line for line in text.splitlines() if "running isolated (python -I); ignoring" in line)
-    assert "PYTHONPATH" in isolated and "planted fedpers was imported" not in text and "Error in sitecustomize" not in text
+    assert (
+        "PYTHONPATH" in isolated and "planted fedpers was imported" not in text and "Error in sitecustomize" not in text
+    )
 
 
 def _node_installation(recipe: Recipe, name: str) -> tuple[Path, Path]:
@@ -543,7 +684,12 @@ def _node_installation(recipe: Recipe, name: str) -> tuple[Path, Path]:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")], check=True, timeout=300)
     shutil.copytree(ROOT / "fedpers", base / "installed" / "fedpers", ignore=shutil.ignore_patterns("__pycache__"))
     python = base / "venv" / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     Path(site, "fedpers-node.pth").write_text(f"{base / 'installed'}\n{sysconfig.get_paths()['purelib']}\n")
     return python, base / "installed" / "fedpers"
 
@@ -564,9 +710,13 @@ def test_a_node_on_code_swapped_around_its_fork_servers_start_refuses(recipe):
     out = recipe.work / "runs" / "swapped"
     done = recipe.run(honest(recipe, out, epsilon="0.05") + " min-fraction=0.6")
     assert "finished:completed" in done.stdout, done.stdout[-3000:]
-    assert _accepted(out) == [2, 2] and all("partition-2" in json.loads(line)["dropped"] for line in (out / "rounds.jsonl").read_text().splitlines())
+    assert _accepted(out) == [2, 2] and all(
+        "partition-2" in json.loads(line)["dropped"] for line in (out / "rounds.jsonl").read_text().splitlines()
+    )
     text = log.read_text()
-    assert "ModifiedCode" in text and "runtime/flower/client.py" in text and "as read when it started" in text, text[-3000:]
+    assert "ModifiedCode" in text and "runtime/flower/client.py" in text and "as read when it started" in text, text[
+        -3000:
+    ]
 
 
 def test_a_stopped_run_sends_no_further_round_and_its_serverapp_exits(recipe):
@@ -583,7 +733,9 @@ def test_a_stopped_run_sends_no_further_round_and_its_serverapp_exits(recipe):
     parts = " ".join(f"{node}={p}" for p, node in enumerate(recipe.node_ids))
     argv[i + 1] = honest(recipe, out, epsilon="0.2", rounds="8") + f" min-fraction=0.6 node-partitions='{parts}'"
     env = {**recipe.procs.env, **recipe.job_env}
-    job = subprocess.Popen([*argv, "--timeout", "400"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        [*argv, "--timeout", "400"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         run_id = ""
         for line in job.stdout:  # type: ignore[union-attr]
@@ -596,7 +748,9 @@ def test_a_stopped_run_sends_no_further_round_and_its_serverapp_exits(recipe):
             assert time.monotonic() < deadline and job.poll() is None
             time.sleep(0.1)
         flwr = shutil.which("flwr") or "flwr"
-        stopped = subprocess.run([flwr, "stop", run_id, "deployment"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        stopped = subprocess.run(
+            [flwr, "stop", run_id, "deployment"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
         at_stop = len((out / "rounds.jsonl").read_text().splitlines())
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         job.wait(timeout=300)

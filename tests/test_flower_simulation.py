@@ -3,6 +3,7 @@
 One Ray head serves the module (``--ray-address``), so each simulation pays only for its
 client actors, not for a new Ray cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +80,25 @@ def test_cli_json_on_the_flower_runtime(ray_address, tmp_path):
     """`fedpers run altmin --runtime flower ... --json`: one JSON object on stdout, the run directory on disk."""
     args = [f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "fedpers", "run", "altmin", *args, "--runtime", "flower", "--nodes", "3", "--ray-address", ray_address, "--client-cpus", "1", "--json", "--out", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedpers",
+        "run",
+        "altmin",
+        *args,
+        "--runtime",
+        "flower",
+        "--nodes",
+        "3",
+        "--ray-address",
+        ray_address,
+        "--client-cpus",
+        "1",
+        "--json",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout)
@@ -92,10 +110,16 @@ def test_cli_json_on_the_flower_runtime(ray_address, tmp_path):
 
 @pytest.mark.slow  # > 10 s; in CI's slow run
 def test_one_user_per_node_equals_local(ray_address):
-    cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, {"n_users": 10, "dim": 4, "rank": 2, "samples_per_user": 8, "rounds": 2, "seed": 2}))
+    cfg, noise_seed = split_seed(
+        config_lib.build(
+            EXP.config_type, {"n_users": 10, "dim": 4, "rank": 2, "samples_per_user": 8, "rounds": 2, "seed": 2}
+        )
+    )
     expected, ledger = local_state(cfg, noise_seed)
     privatizer = Privatizer(noise_seed)
-    state, records = run_flower(EXP, cfg, EXP.protocol(cfg), privatizer, options(ray_address, nodes=10, users_per_node=1), progress=False)
+    state, records = run_flower(
+        EXP, cfg, EXP.protocol(cfg), privatizer, options(ray_address, nodes=10, users_per_node=1), progress=False
+    )
     torch.testing.assert_close(state["U"], expected["U"], rtol=0, atol=1e-5)
     assert privatizer.ledger == ledger
     assert [r.accepted for r in records] == [10, 10, 10] and [r.units for r in records] == [10, 5, 5]
@@ -104,12 +128,30 @@ def test_one_user_per_node_equals_local(ray_address):
 @pytest.mark.slow
 def test_faulty_ray_clients_are_dropped_and_the_run_completes(ray_address):
     """The in-process Grid test covers every fault in the default suite; this one goes through Ray's error path."""
-    cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, {"n_users": 120, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 4}))
+    cfg, noise_seed = split_seed(
+        config_lib.build(
+            EXP.config_type, {"n_users": 120, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 4}
+        )
+    )
     faults = {1: "raise", 2: "nan", 3: "huge", 4: "overclaim"}
     privatizer = Privatizer(noise_seed)
     app = faulty_client_app(faults)
-    state, records = run_flower(EXP, cfg, EXP.protocol(cfg), privatizer, options(ray_address, nodes=6, min_fraction=0.3), progress=False, client_app=app, extra={"tests": ROOT / "tests"})
-    reasons = {"partition-1": "client error", "partition-2": "non-finite", "partition-3": "norm", "partition-4": "unit count"}
+    state, records = run_flower(
+        EXP,
+        cfg,
+        EXP.protocol(cfg),
+        privatizer,
+        options(ray_address, nodes=6, min_fraction=0.3),
+        progress=False,
+        client_app=app,
+        extra={"tests": ROOT / "tests"},
+    )
+    reasons = {
+        "partition-1": "client error",
+        "partition-2": "non-finite",
+        "partition-3": "norm",
+        "partition-4": "unit count",
+    }
     for record in records:
         assert record.accepted == 2 and set(record.dropped) == set(reasons)
         assert all(why in record.dropped[c] for c, why in reasons.items()), record.dropped
@@ -132,10 +174,14 @@ def test_a_two_process_ray_cluster_gives_the_local_result(tmp_path):
     try:
         procs.append(start_ray(tmp_path / "worker.log", temp, join=f"127.0.0.1:{port}", cpus=1))
         wait_for_ray_nodes(f"127.0.0.1:{port}", 2)
-        cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, dict(n_users=400, dim=5, rank=2, samples_per_user=8, rounds=2, seed=4)))
+        cfg, noise_seed = split_seed(
+            config_lib.build(EXP.config_type, dict(n_users=400, dim=5, rank=2, samples_per_user=8, rounds=2, seed=4))
+        )
         protocol = EXP.protocol(cfg)
         privatizer = Privatizer(noise_seed)
-        state, records = run_flower(EXP, cfg, protocol, privatizer, options(f"127.0.0.1:{port}", nodes=2), progress=False)
+        state, records = run_flower(
+            EXP, cfg, protocol, privatizer, options(f"127.0.0.1:{port}", nodes=2), progress=False
+        )
         local, ledger = local_state(cfg, noise_seed)
         torch.testing.assert_close(state["U"], local["U"], rtol=0, atol=1e-10)
         assert privatizer.ledger == ledger and all(r.accepted == 2 for r in records)

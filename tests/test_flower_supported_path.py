@@ -6,6 +6,7 @@ directory) and run the very ServerApp Flower loads on an in-process Grid; the sl
 `flwr run .` from a fresh clone, and (tests/test_flower_simulation.py, tests/test_resume.py)
 `fedpers run --runtime flower` through the private SuperLink.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,9 @@ def test_nothing_calls_flowers_deprecated_simulation_entry_points():
     for folder in ("fedpers", "clients", "server", "benchmarks"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             text = path.read_text()
-            found += [f"{path.relative_to(ROOT)}: {name}" for name in ("run_simulation", "start_simulation") if name in text]
+            found += [
+                f"{path.relative_to(ROOT)}: {name}" for name in ("run_simulation", "start_simulation") if name in text
+            ]
     assert not found, found
 
 
@@ -52,7 +55,9 @@ def _saved(options: RuntimeOptions) -> dict:
 
 
 def test_a_job_file_carries_the_whole_run_and_nothing_else_beside_out(tmp_path):
-    opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3, "client_cpus": 2.0, "ray_address": "127.0.0.1:1"})
+    opts = config_lib.build(
+        RuntimeOptions, {"runtime": "flower", "nodes": 3, "client_cpus": 2.0, "ray_address": "127.0.0.1:1"}
+    )
     job = tmp_path / "job.json"
     job.write_text(json.dumps(_saved(opts)))
     fused = {**RUN_CONFIG_DEFAULTS, JOB: str(job), OUT: str(tmp_path / "run")}  # what Flower hands the ServerApp
@@ -87,7 +92,13 @@ def test_the_serverapp_flower_loads_runs_a_job_to_the_local_runtimes_run(tmp_pat
     opts = config_lib.build(RuntimeOptions, {"runtime": "flower", "nodes": 3})
     job = tmp_path / "job.json"
     job.write_text(json.dumps(_saved(opts)))
-    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={**RUN_CONFIG_DEFAULTS, JOB: str(job), OUT: str(tmp_path / "flower")})
+    context = Context(
+        run_id=1,
+        node_id=0,
+        node_config={},
+        state=RecordDict(),
+        run_config={**RUN_CONFIG_DEFAULTS, JOB: str(job), OUT: str(tmp_path / "flower")},
+    )
     server_app.main(InProcessGrid(make_client_app(), 3), context)
     local = execute(EXP, config_lib.build(EXP.config_type, SMALL), out=tmp_path / "local", progress=False)
     U = np.load(tmp_path / "flower" / "final_state.npz")["U"]
@@ -95,14 +106,20 @@ def test_the_serverapp_flower_loads_runs_a_job_to_the_local_runtimes_run(tmp_pat
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
     written = json.loads((tmp_path / "flower" / "config.json").read_text())
     assert written == _saved(opts)
-    assert {k: v for k, v in written.items() if k != "runtime"} == {k: v for k, v in json.loads((tmp_path / "local" / "config.json").read_text()).items() if k != "runtime"}
+    assert {k: v for k, v in written.items() if k != "runtime"} == {
+        k: v for k, v in json.loads((tmp_path / "local" / "config.json").read_text()).items() if k != "runtime"
+    }
 
 
 def test_the_servers_error_reaches_the_caller_as_its_own_kind():
     from fedpers.app import error_line, raise_logged_error
     from fedpers.runtime.driver import RoundFailed
 
-    log = "INFO: starting\n\x1b[91mERROR \x1b[0m:     " + error_line(ValueError("rounds must be in [1, 1000]; got 0")) + "\nmore\n"
+    log = (
+        "INFO: starting\n\x1b[91mERROR \x1b[0m:     "
+        + error_line(ValueError("rounds must be in [1, 1000]; got 0"))
+        + "\nmore\n"
+    )
     with pytest.raises(ValueError, match=r"^rounds must be in \[1, 1000\]; got 0$"):
         raise_logged_error(log)
     with pytest.raises(RoundFailed, match="below min_fraction"):
@@ -115,13 +132,37 @@ def test_the_servers_error_reaches_the_caller_as_its_own_kind():
 def test_provenance_hides_a_task_token_and_names_the_command_that_launched_the_run(monkeypatch):
     from fedpers.results import provenance as prov
 
-    argv = ["/venv/bin/flwr-simulation", "--runtime-api-address", "127.0.0.1:1", "--token", "s3cr3t", "--insecure", "--token=again"]
-    assert prov.command_line(argv) == ["flwr-simulation", "--runtime-api-address", "127.0.0.1:1", "--token", "<hidden>", "--insecure", "--token=<hidden>"]
+    argv = [
+        "/venv/bin/flwr-simulation",
+        "--runtime-api-address",
+        "127.0.0.1:1",
+        "--token",
+        "s3cr3t",
+        "--insecure",
+        "--token=again",
+    ]
+    assert prov.command_line(argv) == [
+        "flwr-simulation",
+        "--runtime-api-address",
+        "127.0.0.1:1",
+        "--token",
+        "<hidden>",
+        "--insecure",
+        "--token=<hidden>",
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     assert "s3cr3t" not in json.dumps(prov.provenance())
-    monkeypatch.setenv(prov.LAUNCHED_BY, json.dumps({"command": ["fedpers", "run", "altmin", "--runtime", "flower"], "git": {"commit": "abc", "dirty": False}}))
+    monkeypatch.setenv(
+        prov.LAUNCHED_BY,
+        json.dumps(
+            {"command": ["fedpers", "run", "altmin", "--runtime", "flower"], "git": {"commit": "abc", "dirty": False}}
+        ),
+    )
     record = prov.provenance()
-    assert record["command"] == ["fedpers", "run", "altmin", "--runtime", "flower"] and record["git"] == {"commit": "abc", "dirty": False}
+    assert record["command"] == ["fedpers", "run", "altmin", "--runtime", "flower"] and record["git"] == {
+        "commit": "abc",
+        "dirty": False,
+    }
 
 
 def test_every_process_of_a_run_is_stopped_and_no_other(tmp_path):
@@ -175,7 +216,9 @@ def test_progress_is_read_from_the_run_directory_as_the_simulation_writes_it(tmp
 
     run = tmp_path / "run"
     run.mkdir()
-    follow = RoundFollower(run, rounds=3, desc="altmin", nodes=4, final="altmin: evaluating the private result", enabled=True)
+    follow = RoundFollower(
+        run, rounds=3, desc="altmin", nodes=4, final="altmin: evaluating the private result", enabled=True
+    )
     follow()
     (run / "config.json").write_text("{}")
     follow()
@@ -188,7 +231,11 @@ def test_progress_is_read_from_the_run_directory_as_the_simulation_writes_it(tmp
     assert (follow.seen, follow.stage, follow.bar.n) == (3, "done", 3)  # the round bar reached the last round
     follow.close()
     err = capfd.readouterr().err
-    order = ["flower: starting the simulation", "flower: waiting for 4 nodes to join", "altmin: evaluating the private result …"]
+    order = [
+        "flower: starting the simulation",
+        "flower: waiting for 4 nodes to join",
+        "altmin: evaluating the private result …",
+    ]
     at = [err.find(line) for line in order]
     assert -1 not in at and at == sorted(at), err
 
@@ -215,8 +262,17 @@ def test_flwr_run_from_a_fresh_clone_equals_fedpers_run(tmp_path):
     }
     fields = " ".join(f"{k}={v}" for k, v in SMALL.items())
     out = tmp_path / "run"
-    cmd = [str(Path(sys.executable).parent / "flwr"), "run", ".", "local", "--stream",
-           "--run-config", f"config='{fields}' out='{out}' secure-noise=false", "--federation-config", "num-supernodes=3 client-resources-num-cpus=1"]
+    cmd = [
+        str(Path(sys.executable).parent / "flwr"),
+        "run",
+        ".",
+        "local",
+        "--stream",
+        "--run-config",
+        f"config='{fields}' out='{out}' secure-noise=false",
+        "--federation-config",
+        "num-supernodes=3 client-resources-num-cpus=1",
+    ]
     try:
         done = subprocess.run(cmd, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -229,7 +285,9 @@ def test_flwr_run_from_a_fresh_clone_equals_fedpers_run(tmp_path):
     U = torch.from_numpy(np.load(out / "final_state.npz")["U"])
     torch.testing.assert_close(U, local["_state"]["U"], rtol=0, atol=1e-10)
     assert (out / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
-    report = subprocess.run([sys.executable, "-m", "fedpers", "report", str(out)], capture_output=True, text=True, timeout=300)
+    report = subprocess.run(
+        [sys.executable, "-m", "fedpers", "report", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert report.returncode == 0, report.stderr[-2000:]
     page = Path(report.stdout.strip().splitlines()[-1])
     assert page.is_file() and "altmin" in page.read_text()

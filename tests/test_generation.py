@@ -1,4 +1,5 @@
 """Synthetic users generated only where needed, on a pool, in the working dtype (docs/benchmarks.md)."""
+
 from __future__ import annotations
 
 import time
@@ -21,7 +22,10 @@ from tests.synthetic_support import forbid_host_generation
 
 def _full_source(cfg: AltMinConfig) -> UnitSource:
     """Every user and both halves in every pass: what a run did before cohort-only generation."""
-    return UnitSource(cfg.n_users, lambda a, b: {k: v for k, v in load_units(cfg, torch.arange(a, b)).items() if k in ("ids", "x", "y")})
+    return UnitSource(
+        cfg.n_users,
+        lambda a, b: {k: v for k, v in load_units(cfg, torch.arange(a, b)).items() if k in ("ids", "x", "y")},
+    )
 
 
 def _stats(proto, source: UnitSource, chunk: int) -> tuple[dict, list]:
@@ -38,11 +42,15 @@ def _stats(proto, source: UnitSource, chunk: int) -> tuple[dict, list]:
 
 
 @pytest.mark.parametrize(  # poisson and all: 20-50 s on a busy machine; disjoint keeps the default suite covered
-    "cohorts", ["disjoint", pytest.param("poisson", marks=pytest.mark.slow), pytest.param("all", marks=pytest.mark.slow)]
+    "cohorts",
+    ["disjoint", pytest.param("poisson", marks=pytest.mark.slow), pytest.param("all", marks=pytest.mark.slow)],
 )
 def test_cohort_only_generation_gives_the_statistics_and_result_of_full_generation(cohorts):
     extra = {"sampling_rate": 0.4} if cohorts == "poisson" else {}
-    cfg = config.build(AltMinConfig, dict(n_users=2600, dim=6, rank=2, samples_per_user=8, rounds=3, cohorts=cohorts, epsilon=8.0, **extra))
+    cfg = config.build(
+        AltMinConfig,
+        dict(n_users=2600, dim=6, rank=2, samples_per_user=8, rounds=3, cohorts=cohorts, epsilon=8.0, **extra),
+    )
     synthetic._BLOCKS.clear()
     synthetic.reset_counts()
     full_state, full = _stats(make_protocol(cfg), _full_source(cfg), 1000)
@@ -63,7 +71,10 @@ def test_cohort_only_generation_gives_the_statistics_and_result_of_full_generati
 
 
 def test_a_round_makes_only_the_half_it_reads():
-    cfg = config.build(AltMinConfig, dict(n_users=3000, dim=6, rank=2, samples_per_user=8, rounds=2, dtype="float32", cohort_block=1024))
+    cfg = config.build(
+        AltMinConfig,
+        dict(n_users=3000, dim=6, rank=2, samples_per_user=8, rounds=2, dtype="float32", cohort_block=1024),
+    )
     proto = make_protocol(cfg)
     source = unit_source(cfg, ("ids", "x", "y"))
     ids, samples = proto.units_needed(1, {})
@@ -92,7 +103,10 @@ def test_one_half_drawn_compact_equals_that_half_of_the_whole_users(dtype):
     whole = synthetic.altmin_users(9, ids, u, 12, 0.1, dtype)
     for half in (0, 1):
         a, b = synthetic.half_range(12, half)
-        for order in (torch.arange(ids.numel()), torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(half))):
+        for order in (
+            torch.arange(ids.numel()),
+            torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(half)),
+        ):
             part = synthetic.altmin_users(9, ids[order], u, 12, 0.1, dtype, halves=(half,), compact=True)
             assert part["x"].shape == (ids.numel(), 6, 7)
             for key in ("x", "y"):
@@ -153,7 +167,19 @@ def test_a_run_counts_its_passes_over_the_users():
     from fedpers.runner import execute
 
     exp = EXPERIMENTS["altmin"]
-    cfg = config.build(exp.config_type, dict(n_users=8192, dim=6, rank=2, samples_per_user=8, rounds=4, baselines="none", dtype="float32", cohort_block=1024))
+    cfg = config.build(
+        exp.config_type,
+        dict(
+            n_users=8192,
+            dim=6,
+            rank=2,
+            samples_per_user=8,
+            rounds=4,
+            baselines="none",
+            dtype="float32",
+            cohort_block=1024,
+        ),
+    )
     synthetic.reset_counts()
     execute(exp, cfg, write=False, progress=False)
     # float32 draws halves: init ½ + 4 rounds of their own cohort's blocks' first half (⅛ each:
@@ -177,14 +203,20 @@ def test_block_cohorts_are_a_public_partition_of_whole_generation_blocks():
     from fedpers.protocols.altmin import cohort_permutation
 
     n, rounds = 10_000, 3
-    cfg = config.build(AltMinConfig, dict(n_users=n, dim=6, rank=2, samples_per_user=8, rounds=rounds, cohort_block=1024))
+    cfg = config.build(
+        AltMinConfig, dict(n_users=n, dim=6, rank=2, samples_per_user=8, rounds=rounds, cohort_block=1024)
+    )
     proto = make_protocol(cfg)
     perm = proto.permutation()
     assert proto.cohort_block == synthetic.BLOCK and torch.equal(perm.sort().values, torch.arange(n))
     assert torch.equal(perm, cohort_permutation(proto.cohort_seed, n, synthetic.BLOCK))
     cohort = proto.cohort_of(torch.arange(n))
     assert torch.bincount(cohort)[1:].tolist() == [n // rounds + (1 if r < n % rounds else 0) for r in range(rounds)]
-    split = [b for b in range(-(-n // synthetic.BLOCK)) if cohort[b * synthetic.BLOCK : (b + 1) * synthetic.BLOCK].unique().numel() > 1]
+    split = [
+        b
+        for b in range(-(-n // synthetic.BLOCK))
+        if cohort[b * synthetic.BLOCK : (b + 1) * synthetic.BLOCK].unique().numel() > 1
+    ]
     assert len(split) <= rounds - 1  # only the blocks a cut falls in are shared
     assert not torch.equal(perm, cohort_permutation(proto.cohort_seed + 1, n, synthetic.BLOCK))
     assert torch.equal(cohort_permutation(5, 300, 1), torch.randperm(300, generator=torch.Generator().manual_seed(5)))

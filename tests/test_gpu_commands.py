@@ -1,5 +1,6 @@
 """The README's GPU commands run on the fake CUDA device (tests/fake_cuda.py) at small sizes: the same code
 a GPU runs, failing where a GPU would, and reading the device no more often than it should."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,9 @@ def test_dpals_step_benchmark_on_cuda(monkeypatch, capsys):
 def test_device_syncs_benchmark_counts_one_sync_a_round(monkeypatch):
     """benchmarks/device_syncs.py measures what tests/test_deferred_checks.py asserts (its own fake device)."""
     monkeypatch.setitem(
-        device_syncs.PATHS, "tiny", ("altmin", {"n_users": 2100, "dim": 4, "rank": 2, "samples_per_user": 8, "dtype": "float32"})
+        device_syncs.PATHS,
+        "tiny",
+        ("altmin", {"n_users": 2100, "dim": 4, "rank": 2, "samples_per_user": 8, "dtype": "float32"}),
     )
     rounds = device_syncs.per_round("altmin", device_syncs.PATHS["tiny"][1], 300)
     assert [r[0] for r in rounds] == [1, 1, 1] and all(r[2] >= 2 for r in rounds)

@@ -3,6 +3,7 @@
 The layer order is written once, in ``LAYERS``; every import (module level, inside functions, or
 under ``TYPE_CHECKING``) counts. Same-layer imports are allowed; a circle between any modules is not.
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,7 +20,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fedpers.deploy",),  # optional: every piece of a deployment; the only code touching Flower's private internals
     ("fedpers.runner", "fedpers.app"),  # a config becomes a plan, the plan a run on a runtime (app: Flower run-config)
     ("fedpers.experiments",),  # one module per algorithm
-    ("fedpers.runtime",),  # drive a protocol (local, flower) and enforce the lab's policy on it: never look up experiments
+    (
+        "fedpers.runtime",
+    ),  # drive a protocol (local, flower) and enforce the lab's policy on it: never look up experiments
     ("fedpers.protocols",),
     ("fedpers.privacy",),  # the one place noise is added
     ("fedpers.linalg",),
@@ -174,16 +177,26 @@ def faces_crossed(edges: dict[str, set[str]], root: Path = ROOT) -> list[str]:
 
 def test_algorithms_share_through_faces_and_common_never_internals() -> None:
     bad = faces_crossed(graph())
-    assert not bad, "imports of another algorithm package's internals (use its face or experiments/common):\n  " + "\n  ".join(bad)
+    assert not bad, (
+        "imports of another algorithm package's internals (use its face or experiments/common):\n  " + "\n  ".join(bad)
+    )
 
 
 def test_the_face_check_catches_a_sibling_reaching_inside(tmp_path: Path) -> None:
     pkg = tmp_path / "fedpers"
-    for rel in ("__init__.py", "experiments/__init__.py", "experiments/a/__init__.py", "experiments/a/plan.py", "experiments/b.py"):
+    for rel in (
+        "__init__.py",
+        "experiments/__init__.py",
+        "experiments/a/__init__.py",
+        "experiments/a/plan.py",
+        "experiments/b.py",
+    ):
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text("")
     (pkg / "experiments/a/__init__.py").write_text("from fedpers.experiments.a.plan import x\n")
-    (pkg / "experiments/b.py").write_text("from fedpers.experiments.a.plan import x\nfrom fedpers.experiments.a import y\n")
+    (pkg / "experiments/b.py").write_text(
+        "from fedpers.experiments.a.plan import x\nfrom fedpers.experiments.a import y\n"
+    )
     assert faces_crossed(graph(pkg), pkg) == ["fedpers.experiments.b -> fedpers.experiments.a.plan"]
 
 
@@ -365,5 +378,7 @@ def test_the_architecture_check_catches_a_stale_name(tmp_path: Path) -> None:
     (tmp_path / "fedpers" / "__init__.py").write_text("")
     (tmp_path / "fedpers" / "a" / "__init__.py").write_text("")
     (tmp_path / "fedpers" / "a" / "b.py").write_text("class C:\n    def m(self): ...\n\ndef f(): ...\n")
-    text = "`fedpers.a.b.f`, `fedpers.a.b.C.m`, `fedpers/a/b.py`; gone: `fedpers.a.c`, `fedpers.a.b.g`, `fedpers.a.b.C.n`"
+    text = (
+        "`fedpers.a.b.f`, `fedpers.a.b.C.m`, `fedpers/a/b.py`; gone: `fedpers.a.c`, `fedpers.a.b.g`, `fedpers.a.b.C.n`"
+    )
     assert missing_names(named_in_backticks(text), tmp_path) == ["fedpers.a.b.C.n", "fedpers.a.b.g", "fedpers.a.c"]

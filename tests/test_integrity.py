@@ -1,6 +1,7 @@
 """The node's integrity check (fedpers/deploy/integrity.py) in a real interpreter started as a node would
 be: a compiled module beside an identical trusted .py, a sitecustomize on PYTHONPATH and a PYTHONPATH
 entry holding another fedpers are refused; an identical copy passes."""
+
 from __future__ import annotations
 
 import shutil
@@ -24,7 +25,9 @@ def trees(tmp_path_factory) -> tuple[Path, Path]:
     """(the FAB's directory, a node's identical copy of fedpers), sources only."""
     base = tmp_path_factory.mktemp("integrity")
     for name in ("fab", "node"):
-        shutil.copytree(ROOT / "fedpers", base / name / "fedpers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+        shutil.copytree(
+            ROOT / "fedpers", base / name / "fedpers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
+        )
     return base / "fab", base / "node"
 
 
@@ -43,9 +46,17 @@ def test_a_compiled_module_beside_an_identical_trusted_py_is_refused(trees: tupl
     fab, node = trees
     shadow = tmp_path / "node"
     shutil.copytree(node, shadow)
-    (shadow / "fedpers" / "runtime" / "flower" / f"codec{__import__('importlib.machinery').machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"\x7fELF")
+    (
+        shadow
+        / "fedpers"
+        / "runtime"
+        / "flower"
+        / f"codec{__import__('importlib.machinery').machinery.EXTENSION_SUFFIXES[0]}"
+    ).write_bytes(b"\x7fELF")
     done = _check(fab, shadow)
-    assert done.returncode != 0 and "ModifiedCode" in done.stderr and "runtime/flower/codec" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and "ModifiedCode" in done.stderr and "runtime/flower/codec" in done.stderr, (
+        done.stderr[-2000:]
+    )
 
 
 def test_a_sitecustomize_on_pythonpath_is_refused(trees: tuple[Path, Path], tmp_path: Path) -> None:
@@ -56,14 +67,18 @@ def test_a_sitecustomize_on_pythonpath_is_refused(trees: tuple[Path, Path], tmp_
     assert done.returncode != 0 and "sitecustomize runs from" in done.stderr, done.stderr[-2000:]
 
 
-def test_a_pythonpath_entry_with_another_fedpers_is_refused_even_behind_the_trusted_one(trees: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_pythonpath_entry_with_another_fedpers_is_refused_even_behind_the_trusted_one(
+    trees: tuple[Path, Path], tmp_path: Path
+) -> None:
     fab, node = trees
     other = tmp_path / "other"
     shutil.copytree(node, other)
     client = other / "fedpers" / "runtime" / "flower" / "client.py"
     client.write_text(client.read_text() + "\nLEAKED = True\n")
     done = _check(fab, node, other)
-    assert done.returncode != 0 and f"PYTHONPATH entry {other}" in done.stderr and "client.py" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and f"PYTHONPATH entry {other}" in done.stderr and "client.py" in done.stderr, (
+        done.stderr[-2000:]
+    )
 
 
 def test_the_package_listing_is_every_importable_file_outside_pycache_as_rglob_finds_them(tmp_path: Path) -> None:
@@ -80,14 +95,25 @@ def test_the_package_listing_is_every_importable_file_outside_pycache_as_rglob_f
     (pkg / "sub" / "__pycache__").mkdir(parents=True)
     outside = tmp_path / "outside"
     outside.mkdir()
-    for rel, text in {"__init__.py": "a", "sub/m.py": "b", "sub/old.pyc": "c", "sub/fast.abi3.so": "d", "sub/__pycache__/m.cpython-311.pyc": "e", "notes.txt": "f"}.items():
+    for rel, text in {
+        "__init__.py": "a",
+        "sub/m.py": "b",
+        "sub/old.pyc": "c",
+        "sub/fast.abi3.so": "d",
+        "sub/__pycache__/m.cpython-311.pyc": "e",
+        "notes.txt": "f",
+    }.items():
         (pkg / rel).write_text(text)
     (outside / "x.py").write_text("g")
     (pkg / "linked.py").symlink_to(outside / "x.py")
     (pkg / "linkdir").symlink_to(outside)
     listed = m.package_files(pkg)
     suffixes = tuple(importlib.machinery.all_suffixes())
-    by_rglob = {p.relative_to(pkg).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(pkg.rglob("*")) if "__pycache__" not in p.parts and p.is_file() and p.name.endswith(suffixes)}
+    by_rglob = {
+        p.relative_to(pkg).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(pkg.rglob("*"))
+        if "__pycache__" not in p.parts and p.is_file() and p.name.endswith(suffixes)
+    }
     assert listed == by_rglob
     assert set(listed) == {"__init__.py", "sub/m.py", "sub/old.pyc", "sub/fast.abi3.so", "linked.py"}
 
@@ -113,8 +139,14 @@ def _pinned(installed: Path, fab: Path, between: object = None, after: object = 
     from fedpers.deploy.forkserver import PIN
     from fedpers.deploy.isolation import isolated_env, python
 
-    proc = subprocess.Popen(python("-c", PIN + PINNED, str(installed / "fedpers"), str(fab)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=isolated_env({"PATH": "/usr/bin:/bin"}))
+    proc = subprocess.Popen(
+        python("-c", PIN + PINNED, str(installed / "fedpers"), str(fab)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=isolated_env({"PATH": "/usr/bin:/bin"}),
+    )
     try:
         assert proc.stdout.readline().strip() == "loaded", proc.stderr.read()[-2000:]
         if between is not None:
@@ -147,11 +179,15 @@ def test_code_swapped_in_for_the_start_and_restored_is_refused(trees: tuple[Path
     honest = trust.read_text()
     trust.write_text(honest + "\nLEAKED = True  # swapped in for the start\n")
     done = _pinned(installed, fab, between=lambda: trust.write_text(honest))
-    assert done.returncode != 0 and "ModifiedCode" in done.stderr and "deploy/trust.py" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and "ModifiedCode" in done.stderr and "deploy/trust.py" in done.stderr, done.stderr[
+        -2000:
+    ]
     assert "accepted" not in done.stdout
 
 
-def test_a_module_that_differs_on_disk_is_refused_whether_loaded_at_the_start_or_later(trees: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_module_that_differs_on_disk_is_refused_whether_loaded_at_the_start_or_later(
+    trees: tuple[Path, Path], tmp_path: Path
+) -> None:
     """A file the process has not loaded yet, modified before it starts: refused by the hash of the installed
     package taken at the start; modified after the check passed: refused when it is imported."""
     fab, node = trees
@@ -161,9 +197,13 @@ def test_a_module_that_differs_on_disk_is_refused_whether_loaded_at_the_start_or
     honest = client.read_text()
     client.write_text(honest + "\nLEAKED = True\n")
     done = _pinned(installed, fab)
-    assert done.returncode != 0 and "installed at" in done.stderr and "runtime/flower/client.py" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and "installed at" in done.stderr and "runtime/flower/client.py" in done.stderr, (
+        done.stderr[-2000:]
+    )
     client.write_text(honest)
     guard = installed / "fedpers" / "deploy" / "appguard.py"
     done = _pinned(installed, fab, after=lambda: guard.write_text(guard.read_text() + "\nLEAKED = True\n"))
-    assert done.returncode != 0 and "deploy/appguard.py differs from the trusted app's" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0 and "deploy/appguard.py differs from the trusted app's" in done.stderr, done.stderr[
+        -2000:
+    ]
     assert "imported later" not in done.stdout

@@ -5,6 +5,7 @@ not taken from the protocol objects, so a wiring mistake — a statistic noised 
 one's bound, a release attributed to the wrong group, a cohort permutation that is not the
 public one — disagrees with them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,7 +45,17 @@ def check(ledger: Ledger, expected: dict[str, tuple[float, float, str]]) -> None
 
 @pytest.mark.parametrize("cohorts", ["disjoint", "all", "poisson"])
 def test_altmin_ledger_from_config(cohorts, tmp_path):
-    values = dict(n_users=300, dim=6, rank=2, samples_per_user=12, rounds=3, noise_std=0.2, clip_model=0.9, clip_label=1.5, cohorts=cohorts)
+    values = dict(
+        n_users=300,
+        dim=6,
+        rank=2,
+        samples_per_user=12,
+        rounds=3,
+        noise_std=0.2,
+        clip_model=0.9,
+        clip_label=1.5,
+        cohorts=cohorts,
+    )
     if cohorts == "poisson":
         values["sampling_rate"] = 0.3
     cfg, ledger, public_seed = run_ledger("altmin", values, tmp_path)
@@ -83,7 +94,9 @@ def test_noisyhead_ledger_from_config(unit, tmp_path):
 
 @pytest.mark.parametrize("remedy", ["none", "center", "pca"])
 def test_noisygd_ledger_from_config(remedy, tmp_path):
-    values = dict(examples=200, feature_dim=12, classes=3, steps=3, collapse="random", beta=0.1, remedy=remedy, test_examples=50)
+    values = dict(
+        examples=200, feature_dim=12, classes=3, steps=3, collapse="random", beta=0.1, remedy=remedy, test_examples=50
+    )
     cfg, ledger, _ = run_ledger("noisygd", values, tmp_path)
     R = 1 + math.sqrt(cfg.feature_dim) * cfg.beta
     expected = {}
@@ -103,29 +116,65 @@ def test_expmech_ledger_from_config(tmp_path):
     assert release.event.epsilon == cfg.epsilon
 
 
-@pytest.mark.parametrize("round0", [{"private_center": False}, {"private_center": True}, {"head_items": 8}], ids=["plain", "private-centre", "head-items"])
+@pytest.mark.parametrize(
+    "round0",
+    [{"private_center": False}, {"private_center": True}, {"head_items": 8}],
+    ids=["plain", "private-centre", "head-items"],
+)
 def test_dpals_ledger_from_config(round0, tmp_path):
-    values = dict(n_users=60, n_items=20, rank=2, true_rank=2, max_count=10, steps=2, epsilon=2.0, items_per_user=6,
-                  clip_embedding=1.5, clip_rating=2.5, **round0)
+    values = dict(
+        n_users=60,
+        n_items=20,
+        rank=2,
+        true_rank=2,
+        max_count=10,
+        steps=2,
+        epsilon=2.0,
+        items_per_user=6,
+        clip_embedding=1.5,
+        clip_rating=2.5,
+        **round0,
+    )
     cfg, ledger, _ = run_ledger("dpals", values, tmp_path)
     B, cv, cr = cfg.items_per_user, cfg.clip_embedding, cfg.clip_rating
     expected = {}
-    if round0.get("private_center", True):  # rating vector (√B·c_r) plus its total entry; B indicators plus the count entry
+    if round0.get(
+        "private_center", True
+    ):  # rating vector (√B·c_r) plus its total entry; B indicators plus the count entry
         expected["dpals.item_sums"] = (math.sqrt(2) * math.sqrt(B) * cr, 2 * math.sqrt(2) * math.sqrt(B) * cr, "all")
         expected["dpals.item_counts"] = (math.sqrt(2 * B), 2 * math.sqrt(2 * B), "all")
     gram, rhs = math.sqrt(B) * cv**2, math.sqrt(B) * cr * cv
     names = [r.name for r in ledger]
     assert names == list(expected) + ["dpals.G", "dpals.b"] * cfg.steps
     for r in ledger:
-        bound, sensitivity, units = expected.get(r.name) or ((gram, 2 * gram, "all") if r.name == "dpals.G" else (rhs, 2 * rhs, "all"))
-        assert (r.per_unit_bound, r.sensitivity, r.units) == (pytest.approx(bound, rel=1e-12), pytest.approx(sensitivity, rel=1e-12), units), r.name
+        bound, sensitivity, units = expected.get(r.name) or (
+            (gram, 2 * gram, "all") if r.name == "dpals.G" else (rhs, 2 * rhs, "all")
+        )
+        assert (r.per_unit_bound, r.sensitivity, r.units) == (
+            pytest.approx(bound, rel=1e-12),
+            pytest.approx(sensitivity, rel=1e-12),
+            units,
+        ), r.name
     assert len({round(r.noise_multiplier, 9) for r in ledger}) == 1
 
 
 @pytest.mark.parametrize("cohorts", ["all", "poisson"])
 def test_fedrep_ledger_from_config(cohorts, tmp_path):
-    values = dict(n_users=400, dim=6, rank=2, samples_per_user=5, refit_samples=2, test_samples=4, rounds=3, epsilon=2.0,
-                  clip=4.0, clip_label=1.5, noise_std=0.1, baselines="none", cohorts=cohorts)
+    values = dict(
+        n_users=400,
+        dim=6,
+        rank=2,
+        samples_per_user=5,
+        refit_samples=2,
+        test_samples=4,
+        rounds=3,
+        epsilon=2.0,
+        clip=4.0,
+        clip_label=1.5,
+        noise_std=0.1,
+        baselines="none",
+        cohorts=cohorts,
+    )
     if cohorts == "poisson":
         values["sampling_rate"] = 0.3
     cfg, ledger, _ = run_ledger("fedrep", values, tmp_path)

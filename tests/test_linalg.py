@@ -1,4 +1,5 @@
 """The fast paths of the scale-safe linear algebra agree with the exact ones and know their limits."""
+
 from __future__ import annotations
 
 import pytest
@@ -63,8 +64,14 @@ def test_float32_sums_with_float64_solves_track_the_float64_run() -> None:
     users = load_units(config_lib.build(AltMinConfig, {"n_users": 4000, "dim": 10, "rank": 2}), torch.arange(4000))
     U, errors = {}, {}
     for dtype in ("float32", "float64"):
-        cfg = config_lib.build(AltMinConfig, {"n_users": 4000, "dim": 10, "rank": 2, "epsilon": 4.0, "baselines": "none", "dtype": dtype})
-        units = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v) for k, v in users.items() if k in ("ids", "x", "y")}
+        cfg = config_lib.build(
+            AltMinConfig, {"n_users": 4000, "dim": 10, "rank": 2, "epsilon": 4.0, "baselines": "none", "dtype": dtype}
+        )
+        units = {
+            k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v)
+            for k, v in users.items()
+            if k in ("ids", "x", "y")
+        }
         state, _ = run_local(make_protocol(cfg), units, Privatizer(3), progress=False)
         U[dtype], errors[dtype] = state["U"], metrics.subspace_error(state["U"], truth(cfg))
     assert U["float32"].dtype == torch.float32 and U["float64"].dtype == torch.float64
@@ -111,8 +118,18 @@ def test_the_round_statistics_with_small_ops_on_one_thread_are_the_same_bits_at_
     g = torch.Generator().manual_seed(1)
     n, d, k, m = 600, 30, 3, 8
     x, y = torch.randn(n, m, d, generator=g, dtype=dtype), torch.randn(n, m, generator=g, dtype=dtype)
-    p = AltMinProtocol(n_users=n, dim=d, rank=k, samples_per_user=m, rounds=1, eta=4.0, zeta=2.0, noise_multiplier=1.0,
-                       cohorts=Cohorts.ALL, dtype_name=str(dtype).removeprefix("torch."))
+    p = AltMinProtocol(
+        n_users=n,
+        dim=d,
+        rank=k,
+        samples_per_user=m,
+        rounds=1,
+        eta=4.0,
+        zeta=2.0,
+        noise_multiplier=1.0,
+        cohorts=Cohorts.ALL,
+        dtype_name=str(dtype).removeprefix("torch."),
+    )
     U = linalg.orthonormal_basis(torch.randn(d, k, generator=g, dtype=dtype))
     threads = torch.get_num_threads()
     serial: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -223,7 +240,11 @@ def test_one_unit_statistics_equal_the_blocked_path_and_the_per_sample_sums(
     bad[0, 2, 1] = float("nan")
     nan_one = linalg.kron_statistics(v_hat, bad, log_v, eta, label=y)
     nan_pair = linalg.kron_statistics(
-        torch.cat([v_hat, v_hat * 0]), torch.cat([bad, bad * 0]), torch.cat([log_v, log_v]), eta, label=torch.cat([y, y])
+        torch.cat([v_hat, v_hat * 0]),
+        torch.cat([bad, bad * 0]),
+        torch.cat([log_v, log_v]),
+        eta,
+        label=torch.cat([y, y]),
     )
     for a, b in zip(nan_one, nan_pair):
         assert torch.equal(a.isnan(), b.isnan())
@@ -238,7 +259,9 @@ def test_ridge_solve_equals_the_normal_equations_and_a_non_finite_problem_spoils
     ridge = 1e-3
     gram = f.transpose(1, 2) @ f
     scale = gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1.0)
-    want = torch.linalg.solve(gram + (ridge * scale)[:, None, None] * torch.eye(3), (f.transpose(1, 2) @ y[..., None])[..., 0])
+    want = torch.linalg.solve(
+        gram + (ridge * scale)[:, None, None] * torch.eye(3), (f.transpose(1, 2) @ y[..., None])[..., 0]
+    )
     torch.testing.assert_close(linalg.batched_ridge_solve(f, y, ridge), want, rtol=1e-12, atol=1e-12)
     alone = [linalg.batched_ridge_solve(f[i : i + 1], y[i : i + 1], ridge) for i in range(4)]
     bad_f, bad_y = f.clone(), y.clone()
@@ -253,12 +276,20 @@ def test_ridge_solve_equals_the_normal_equations_and_a_non_finite_problem_spoils
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-def test_block_norms_and_safe_norms_make_the_same_decision_on_zero_tiny_huge_and_non_finite_vectors(dtype: torch.dtype) -> None:
+def test_block_norms_and_safe_norms_make_the_same_decision_on_zero_tiny_huge_and_non_finite_vectors(
+    dtype: torch.dtype,
+) -> None:
     """Both read the norms' minimum and maximum once and look closer only below 2⁻⁴⁰: a zero vector
     is trusted (its norm is exactly 0), a vector whose squares underflow, a huge one, NaN and inf
     are not, in every dtype (float16 cannot hold 2⁻⁴⁰: its comparison is the dtype's own)."""
     base = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(2)).to(dtype)
-    cases = {"plain": base.clone(), "zero": base.clone(), "nan": base.clone(), "inf": base.clone(), "huge": base.clone()}
+    cases = {
+        "plain": base.clone(),
+        "zero": base.clone(),
+        "nan": base.clone(),
+        "inf": base.clone(),
+        "huge": base.clone(),
+    }
     cases["zero"][1, 2] = 0
     cases["nan"][0, 1, 1] = float("nan")
     cases["inf"][2, 0, 4] = float("inf")
@@ -280,7 +311,10 @@ def test_lstsq_gives_the_same_bits_on_every_call_and_the_minimum_norm_solution_o
     in about 2 % of calls, the zero vector for a rank-one system, as the process's memory changed
     between calls (the rank-one case of the ridge test above failed two fresh-clone suites)."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(50, 40, 5, generator=g, dtype=torch.float64), torch.randn(50, 40, 1, generator=g, dtype=torch.float64)
+    a, b = (
+        torch.randn(50, 40, 5, generator=g, dtype=torch.float64),
+        torch.randn(50, 40, 1, generator=g, dtype=torch.float64),
+    )
     rank_one = torch.zeros(1, 3, 3, dtype=torch.float64)
     rank_one[0, 0, 0] = 20.0
     rhs = torch.zeros(1, 3, 1, dtype=torch.float64)

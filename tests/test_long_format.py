@@ -1,6 +1,7 @@
 """Ragged long-format AltMin data (.parquet/.csv): the same run as the fixed-shape npz when every
 user has the same count, the per-user cap bounding a huge user's contribution, nodes reading only
 their rows, and bad files refused before any work."""
+
 import math
 
 import numpy as np
@@ -53,8 +54,16 @@ def test_ragged_equals_fixed_shape_when_every_user_has_the_same_count(tmp_path):
     xt, yt = rng.normal(size=(n, t, D)), rng.normal(size=(n, t))
     np.savez(tmp_path / "fixed.npz", x=x, y=y, x_test=xt, y_test=yt)
     seed, f = 5, t / (m + t)
-    probe = LongFormatFile(write(tmp_path / "probe.parquet", np.zeros(m + t), np.zeros((m + t, D)), np.zeros(m + t)), "user", "y", (),
-                           cap=m, min_samples=4, test_fraction=f, seed=derived_seed(derived_seed(seed, "public"), "split"))
+    probe = LongFormatFile(
+        write(tmp_path / "probe.parquet", np.zeros(m + t), np.zeros((m + t, D)), np.zeros(m + t)),
+        "user",
+        "y",
+        (),
+        cap=m,
+        min_samples=4,
+        test_fraction=f,
+        seed=derived_seed(derived_seed(seed, "public"), "split"),
+    )
     users, rows_x, rows_y = [], [], []
     for j in range(n):
         train, test = probe.split(j, m + t)
@@ -66,9 +75,20 @@ def test_ragged_equals_fixed_shape_when_every_user_has_the_same_count(tmp_path):
         rows_y.append(by)
     long_path = write(tmp_path / "long.parquet", np.array(users), np.concatenate(rows_x), np.concatenate(rows_y))
     common = {"rank": K, "epsilon": 3.0, "rounds": 2, "seed": seed, "baselines": "none", "chunk_size": 128}
-    fixed = execute(EXP, config.build(EXP.config_type, {**common, "data": str(tmp_path / "fixed.npz")}), out=tmp_path / "a", progress=False)
-    long = execute(EXP, config.build(EXP.config_type, {**common, "data": str(long_path), "max_samples_per_user": m, "test_fraction": f}),
-                   out=tmp_path / "b", progress=False)
+    fixed = execute(
+        EXP,
+        config.build(EXP.config_type, {**common, "data": str(tmp_path / "fixed.npz")}),
+        out=tmp_path / "a",
+        progress=False,
+    )
+    long = execute(
+        EXP,
+        config.build(
+            EXP.config_type, {**common, "data": str(long_path), "max_samples_per_user": m, "test_fraction": f}
+        ),
+        out=tmp_path / "b",
+        progress=False,
+    )
     assert torch.equal(fixed["_state"]["U"], long["_state"]["U"])
     assert long["test_mse"] == pytest.approx(fixed["test_mse"], rel=1e-12)
     assert (tmp_path / "a" / "ledger.json").read_text() == (tmp_path / "b" / "ledger.json").read_text()
@@ -92,18 +112,30 @@ def test_cap_bounds_a_user_with_ten_thousand_samples(tmp_path, dtype):
     heavy_x[:, 0] = 1e6
     heavy_y = np.full(big, 1e8)
     neighbours = []
-    for name, (ux, uy) in {"heavy": (heavy_x, heavy_y), "light": (rng.normal(size=(4, D)) * 1e-3, rng.normal(size=4))}.items():
+    for name, (ux, uy) in {
+        "heavy": (heavy_x, heavy_y),
+        "light": (rng.normal(size=(4, D)) * 1e-3, rng.normal(size=4)),
+    }.items():
         keep = users != users[0]
-        path = write(tmp_path / f"{name}.parquet", np.concatenate([np.full(len(uy), users[0]), users[keep]]),
-                     np.concatenate([ux, x[keep]]), np.concatenate([uy, y[keep]]))
+        path = write(
+            tmp_path / f"{name}.parquet",
+            np.concatenate([np.full(len(uy), users[0]), users[keep]]),
+            np.concatenate([ux, x[keep]]),
+            np.concatenate([uy, y[keep]]),
+        )
         neighbours.append(str(path))
-    cfg = config.build(EXP.config_type, {"data": neighbours[0], "rank": K, "epsilon": 2.0, "dtype": dtype, "max_samples_per_user": 16})
+    cfg = config.build(
+        EXP.config_type, {"data": neighbours[0], "rank": K, "epsilon": 2.0, "dtype": dtype, "max_samples_per_user": 16}
+    )
     proto = make_protocol(cfg)
     U = torch.linalg.qr(torch.randn(D, K, dtype=torch.float64))[0].to(getattr(torch, dtype))
     sums = []
     for path in neighbours:
         f = LongFormatFile(path, "user", "y", (), cap=16, min_samples=4, test_fraction=0.2, seed=0)
-        units = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v) for k, v in f.rows(torch.arange(f.n)).items()}
+        units = {
+            k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v)
+            for k, v in f.rows(torch.arange(f.n)).items()
+        }
         init = proto.client_update(0, {}, units).stats["W"]
         A, b = proto.round_statistics(U, units["x"], units["y"])
         sums.append((init.double(), A.double(), b.double()))
@@ -143,7 +175,9 @@ def test_advice_with_a_file_names_only_flags_that_change_it_and_says_what_the_ca
     assert texts and not any("--n-users" in t or "--samples-per-user" in t for t in texts)
     cap = [t for t in texts if t.startswith("--max-samples-per-user 64")]
     assert len(cap) == 1 and "hold at most 8" in cap[0] and "8× what a cap of 8" in cap[0] and "declared" in cap[0]
-    fits = execute(EXP, config.build(EXP.config_type, {**values, "max_samples_per_user": 8}), write=False, progress=False)
+    fits = execute(
+        EXP, config.build(EXP.config_type, {**values, "max_samples_per_user": 8}), write=False, progress=False
+    )
     assert not [w for w in fits["warnings"] if w.get("metric") == "max_samples_per_user"]
 
 
@@ -167,10 +201,30 @@ def test_flower_grid_matches_local_on_ragged_parquet(tmp_path):
     rng = np.random.default_rng(5)
     users, x, y = ragged(rng, 240, 4, 60)
     path = write(tmp_path / "d.parquet", users, x, y)
-    cfg = config.build(EXP.config_type, {"data": str(path), "rank": K, "epsilon": 4.0, "rounds": 2, "seed": 2, "baselines": "none", "max_samples_per_user": 24})
+    cfg = config.build(
+        EXP.config_type,
+        {
+            "data": str(path),
+            "rank": K,
+            "epsilon": 4.0,
+            "rounds": 2,
+            "seed": 2,
+            "baselines": "none",
+            "max_samples_per_user": 24,
+        },
+    )
     local = execute(EXP, cfg, out=tmp_path / "local", progress=False)
-    flower = execute(EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=InProcessGrid(make_client_app(), 3))
-    torch.testing.assert_close(flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9)  # sums split over nodes
+    flower = execute(
+        EXP,
+        cfg,
+        RuntimeOptions(runtime=Runtime.FLOWER, nodes=3),
+        out=tmp_path / "flower",
+        progress=False,
+        grid=InProcessGrid(make_client_app(), 3),
+    )
+    torch.testing.assert_close(
+        flower["_state"]["U"], local["_state"]["U"], rtol=1e-6, atol=1e-9
+    )  # sums split over nodes
     assert flower["test_mse"] == pytest.approx(local["test_mse"], rel=1e-6)
     assert (tmp_path / "flower" / "ledger.json").read_text() == (tmp_path / "local" / "ledger.json").read_text()
 
@@ -202,13 +256,20 @@ def test_a_users_non_finite_rows_are_dropped_and_counted_not_refused(tmp_path):
     """One user's NaN/inf row used to refuse the whole file (its neighbour ran)."""
     rng = np.random.default_rng(7)
     users, x, y = ragged(rng, 10, 8, 8)
-    clean = LongFormatFile(write(tmp_path / "c.csv", users, x, y), "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
+    clean = LongFormatFile(
+        write(tmp_path / "c.csv", users, x, y), "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0
+    )
     x[[3, 17, 40], 2] = [np.nan, np.inf, -np.inf]
     y[5] = math.nan
     for name in ("d.csv", "d.parquet"):
-        f = LongFormatFile(write(tmp_path / name, users, x, y), "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
+        f = LongFormatFile(
+            write(tmp_path / name, users, x, y), "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0
+        )
         s = f.summary()
-        assert s["rows_dropped"] == {"feature 'f2' missing, NaN or infinite": 3, "label 'y' missing, NaN or infinite": 1}
+        assert s["rows_dropped"] == {
+            "feature 'f2' missing, NaN or infinite": 3,
+            "label 'y' missing, NaN or infinite": 1,
+        }
         assert (s["rows"], s["rows_kept"], s["users"]) == (80, 76, 10)
         assert "not a differentially private release" in s["note"]
         rows = f.rows(torch.arange(f.n))
@@ -222,8 +283,13 @@ def test_a_users_non_finite_rows_are_dropped_and_counted_not_refused(tmp_path):
 def test_rows_without_a_user_id_are_dropped_and_counted(tmp_path):
     rng = np.random.default_rng(9)
     users, x, y = ragged(rng, 6, 8, 8)
-    table = pa.table({"user": pa.array([None if i == 4 else int(u) for i, u in enumerate(users)]), "y": y,
-                      **{f"f{i}": x[:, i] for i in range(D)}})
+    table = pa.table(
+        {
+            "user": pa.array([None if i == 4 else int(u) for i, u in enumerate(users)]),
+            "y": y,
+            **{f"f{i}": x[:, i] for i in range(D)},
+        }
+    )
     pq.write_table(table, tmp_path / "d.parquet")
     f = LongFormatFile(tmp_path / "d.parquet", "user", "y", (), cap=8, min_samples=4, test_fraction=0.2, seed=0)
     assert f.summary()["rows_dropped"] == {"missing user id": 1} and f.n == 6
@@ -246,7 +312,9 @@ def test_a_text_cell_in_a_csv_drops_its_row_the_neighbour_runs_alike(tmp_path, f
     path = tmp_path / "d.csv"
     path.write_text("\n".join(lines) + "\n")
     kind = "label" if column == "y" else "feature"
-    a, b = (LongFormatFile(p, "user", "y", features, cap=8, min_samples=4, test_fraction=0.2, seed=0) for p in (clean, path))
+    a, b = (
+        LongFormatFile(p, "user", "y", features, cap=8, min_samples=4, test_fraction=0.2, seed=0) for p in (clean, path)
+    )
     assert b.summary()["rows_dropped"] == {f"{kind} '{column}' not a number": 1}
     assert (b.summary()["rows"], b.summary()["rows_kept"], b.n, b.dim) == (48, 47, 6, a.dim)
     ra, rb = a.rows(torch.arange(6)), b.rows(torch.arange(6))
@@ -303,7 +371,14 @@ def test_fewer_users_than_nodes_is_refused(tmp_path):
     path = write(tmp_path / "d.parquet", users, x, y)
     cfg = config.build(EXP.config_type, {"data": str(path), "rank": K, "rounds": 1, "baselines": "none"})
     with pytest.raises(ValueError, match=r"nodes=8 exceeds the 5 units"):
-        execute(EXP, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=8), write=False, progress=False, grid=InProcessGrid(make_client_app(), 8))
+        execute(
+            EXP,
+            cfg,
+            RuntimeOptions(runtime=Runtime.FLOWER, nodes=8),
+            write=False,
+            progress=False,
+            grid=InProcessGrid(make_client_app(), 8),
+        )
 
 
 def test_a_label_of_1e9_is_counted_and_warned_about_not_silent(tmp_path):
@@ -312,7 +387,9 @@ def test_a_label_of_1e9_is_counted_and_warned_about_not_silent(tmp_path):
     (it made local_only's test MSE about 1e14 without a word)."""
     rng = np.random.default_rng(11)
     users, x, y = ragged(rng, 60, 12, 12)
-    clean = LongFormatFile(write(tmp_path / "c.csv", users, x, y), "user", "y", (), cap=16, min_samples=4, test_fraction=0.2, seed=0)
+    clean = LongFormatFile(
+        write(tmp_path / "c.csv", users, x, y), "user", "y", (), cap=16, min_samples=4, test_fraction=0.2, seed=0
+    )
     assert clean.summary()["labels_beyond_robust_range"] == 0
     y[7] = 1e9
     path = write(tmp_path / "o.csv", users, x, y)

@@ -4,6 +4,7 @@ Default: Flower's ClientApp/ServerApp logic on an in-process Grid of 3 nodes, ea
 only its own units (no Ray). Slow: ``--runtime flower`` proper, Flower's simulation engine
 on a Ray head.
 """
+
 import pytest
 import torch
 
@@ -16,12 +17,48 @@ from tests.test_flower_simulation import options, ray_address  # noqa: F401 - th
 
 CASES = {
     "expmech": ({"n_users": 600, "net_width": 0.4, "epsilon": 50.0, "seed": 1}, ["subspace_error", "excess_risk"]),
-    "noisygd": ({"examples": 600, "feature_dim": 30, "steps": 3, "collapse": "offset", "remedy": "center", "dtype": "float64", "seed": 1}, ["accuracy"]),
-    "noisygd-pca": ({"examples": 600, "feature_dim": 30, "steps": 3, "collapse": "random", "remedy": "pca", "dtype": "float64", "seed": 1}, ["accuracy"]),
+    "noisygd": (
+        {
+            "examples": 600,
+            "feature_dim": 30,
+            "steps": 3,
+            "collapse": "offset",
+            "remedy": "center",
+            "dtype": "float64",
+            "seed": 1,
+        },
+        ["accuracy"],
+    ),
+    "noisygd-pca": (
+        {
+            "examples": 600,
+            "feature_dim": 30,
+            "steps": 3,
+            "collapse": "random",
+            "remedy": "pca",
+            "dtype": "float64",
+            "seed": 1,
+        },
+        ["accuracy"],
+    ),
     "dpattention": ({"columns": 3000, "seed": 1}, ["attention_error", "relative_error"]),
-    "dpals": ({"n_users": 300, "n_items": 40, "min_count": 2, "max_count": 30, "steps": 2, "epsilon": 5.0, "seed": 1}, ["test_rmse"]),
-    "dpals-head": ({"n_users": 300, "n_items": 40, "min_count": 2, "max_count": 30, "steps": 2, "epsilon": 5.0, "seed": 1, "head_items": 25},
-                   ["test_rmse", "private_mean"]),
+    "dpals": (
+        {"n_users": 300, "n_items": 40, "min_count": 2, "max_count": 30, "steps": 2, "epsilon": 5.0, "seed": 1},
+        ["test_rmse"],
+    ),
+    "dpals-head": (
+        {
+            "n_users": 300,
+            "n_items": 40,
+            "min_count": 2,
+            "max_count": 30,
+            "steps": 2,
+            "epsilon": 5.0,
+            "seed": 1,
+            "head_items": 25,
+        },
+        ["test_rmse", "private_mean"],
+    ),
 }
 
 
@@ -42,7 +79,9 @@ def test_flower_grid_matches_local(case, tmp_path):
     cfg = config.build(exp.config_type, values)
     local = execute(exp, cfg, out=tmp_path / "local", progress=False)
     grid = InProcessGrid(make_client_app(), 3)
-    flower = execute(exp, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=grid)
+    flower = execute(
+        exp, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=grid
+    )
     assert_same(local, flower, keys, tmp_path)
 
 

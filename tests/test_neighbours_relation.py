@@ -2,6 +2,7 @@
 reproduced, every bound-to-sensitivity rule following the relation (measured noise against the ledger's
 claim, worst-case neighbours), the relation named in the ledger and in every view of a run, and the
 combinations that cannot be accounted refused before any release."""
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,12 @@ import torch
 
 from fedpers import config
 from fedpers.config import Neighbours
+from fedpers.configs.privacy import check_poisson_accountant
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Ledger, Privatizer, Release, calibrate_noise_multiplier, event_epsilon, ledger_epsilon
 from fedpers.privacy import correlated as cc
-from fedpers.configs.privacy import check_poisson_accountant
 from fedpers.runner import execute, resolve
-from fedpers.configs.runtime import RuntimeOptions
 from tests.neighbours import check_neighbour
 
 PEERS = [
@@ -26,7 +27,9 @@ PEERS = [
     ("one Gaussian, z = 1", dp_accounting.GaussianDpEvent(1.0), 1e-5, 4.3771781),
     (
         "Poisson q = 0.01, T = 1000, z = 1",
-        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), 1000),
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0)), 1000
+        ),
         1e-5,
         1.82824365,
     ),
@@ -80,18 +83,42 @@ def test_each_release_moves_by_its_recorded_sensitivity_and_adds_the_noise_its_e
     p = Privatizer(7, neighbours=neighbours)
     factor = 2.0 if neighbours == "replace-one" else 1.0
     if kind == "gaussian":
-        draws = torch.stack([p.gaussian_sum(torch.zeros(400), per_unit_bound=bound, noise_multiplier=z, name="g", round=r)
-                             for r in range(100)])
+        draws = torch.stack(
+            [
+                p.gaussian_sum(torch.zeros(400), per_unit_bound=bound, noise_multiplier=z, name="g", round=r)
+                for r in range(100)
+            ]
+        )
         true_delta = factor * bound  # antipodal units at the bound / one unit from absent
     elif kind == "psd":
-        draws = torch.stack([torch.triu(p.symmetric_gaussian_sum(torch.zeros(28, 28), per_unit_bound=bound, noise_multiplier=z,
-                                                                  name="A", round=r, psd_units=True))[torch.triu(torch.ones(28, 28)) > 0]
-                             for r in range(100)])
+        draws = torch.stack(
+            [
+                torch.triu(
+                    p.symmetric_gaussian_sum(
+                        torch.zeros(28, 28), per_unit_bound=bound, noise_multiplier=z, name="A", round=r, psd_units=True
+                    )
+                )[torch.triu(torch.ones(28, 28)) > 0]
+                for r in range(100)
+            ]
+        )
         true_delta = math.sqrt(2.0) * bound if neighbours == "replace-one" else bound  # B·e1e1ᵀ vs B·e2e2ᵀ / vs absent
     else:
         m = cc.mechanism("banded", 100, 4, 4)
-        draws = torch.stack([p.correlated_gaussian_sum(torch.zeros(400, dtype=torch.float64), per_unit_bound=bound, noise_multiplier=z, noise=m,
-                                                       stream="G", step=r, name="c", round=r + 1) for r in range(100)])
+        draws = torch.stack(
+            [
+                p.correlated_gaussian_sum(
+                    torch.zeros(400, dtype=torch.float64),
+                    per_unit_bound=bound,
+                    noise_multiplier=z,
+                    noise=m,
+                    stream="G",
+                    step=r,
+                    name="c",
+                    round=r + 1,
+                )
+                for r in range(100)
+            ]
+        )
         draws = m.strategy.matrix(100) @ draws  # Cx + z: the joint release the sensitivity is stated for
         true_delta = factor * bound * m.sensitivity.value  # the cycle's worst participation, aligned
     release = p.ledger.releases[-1]
@@ -119,8 +146,18 @@ def test_a_ledger_names_one_relation_and_is_accounted_under_it():
 
 # ----- runs: calibration, worst-case neighbours, views, refusals ---------------------------------------
 FEDREP = EXPERIMENTS["fedrep"]
-SMALL = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=3, epsilon=2.0,
-             clip=1.0, baselines="none")
+SMALL = dict(
+    n_users=40,
+    dim=6,
+    rank=2,
+    samples_per_user=5,
+    refit_samples=3,
+    test_samples=10,
+    rounds=3,
+    epsilon=2.0,
+    clip=1.0,
+    baselines="none",
+)
 
 
 def test_an_add_remove_run_is_calibrated_accounted_and_named_in_every_view(tmp_path):
@@ -145,7 +182,9 @@ def test_a_user_removed_moves_each_release_by_at_most_its_add_remove_sensitivity
     units = {k: v.clone() for k, v in FEDREP.units(cfg, torch.arange(cfg.n_users)).items()}
     j = 5
     units["y"][j] = units["y"][j] * 1e3  # at every bound
-    outcome = check_neighbour(protocol, units, j, {"x": torch.zeros_like(units["x"][j])}, {"all"}, neighbours="add-remove")
+    outcome = check_neighbour(
+        protocol, units, j, {"x": torch.zeros_like(units["x"][j])}, {"all"}, neighbours="add-remove"
+    )
     reach = {r.name: moved / r.sensitivity for r, moved in outcome.changes}
     assert min(v for k, v in reach.items() if k != "init.W") > 0.99  # at the clip in every round
     assert reach["init.W"] > 0.3  # its random x pairs reach part of the init's bound
@@ -158,8 +197,11 @@ def test_a_user_removed_moves_each_release_by_at_most_its_add_remove_sensitivity
         ("altmin", {"neighbours": "add-remove", "calibration": "paper"}, "calibration paper: Theorem 4.2"),
         ("noisyhead", {"neighbours": "add-remove", "calibration": "paper"}, "calibration paper: the per-step"),
         ("fedrep", {"neighbours": "both"}, "neighbours must be one of replace-one, add-remove"),
-        ("fedrep", {"cohorts": "poisson", "sampling_rate": 0.1, "accountant": "zcdp", "neighbours": "add-remove"},
-         "accountant must be pld or rdp with cohorts poisson"),
+        (
+            "fedrep",
+            {"cohorts": "poisson", "sampling_rate": 0.1, "accountant": "zcdp", "neighbours": "add-remove"},
+            "accountant must be pld or rdp with cohorts poisson",
+        ),
     ],
 )
 def test_combinations_that_cannot_be_accounted_are_refused_naming_the_field(name, values, match):
@@ -170,7 +212,7 @@ def test_combinations_that_cannot_be_accounted_are_refused_naming_the_field(name
 @pytest.mark.parametrize("model", ["distributed", "local"])
 def test_node_side_models_refuse_add_remove_before_any_release(model):
     cfg = config.build(FEDREP.config_type, {**SMALL, "neighbours": "add-remove", "accountant": "rdp"})
-    with pytest.raises(ValueError, match=f"neighbours add-remove needs dp_model central"):
+    with pytest.raises(ValueError, match="neighbours add-remove needs dp_model central"):
         resolve(FEDREP, cfg, config.build(RuntimeOptions, {"nodes": 3, "dp_model": model}))
 
 

@@ -4,6 +4,7 @@ A stolen ServerApp session is simulated by pushing hand-made tasks through the n
 (same Flower run id, same node config): the differencing pair [0, 100) and [1, 100) is refused,
 no round is computed twice, and a round outside the plan is refused, each logged.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,18 +17,27 @@ from flwr.app import Context, RecordDict
 
 from fedpers import config as config_lib
 from fedpers.app import build_node, flower_job, make_client_app, run_flower
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import Privatizer
 from fedpers.runtime.flower import codec
 from fedpers.runtime.flower.client import handle_train
 from fedpers.runtime.flower.nodeplan import NODE_STORE_ENV, NodeLedger, planned_range
 from fedpers.runtime.flower.policy import POLICY_ENV, PolicyRefused
-from fedpers.configs.runtime import RuntimeOptions
 from tests.flower_support import InProcessGrid
 
 EXP = EXPERIMENTS["altmin"]
 POLICY = 'federation = "lab"\nmax-epsilon = 8.0\nmax-delta = 1e-4\nrequire-secure-noise = false\nmin-units = 50\nalgorithms = ["altmin"]\n'
-FIELDS = {"n_users": 200, "dim": 5, "rank": 2, "samples_per_user": 8, "rounds": 1, "seed": 3, "cohorts": "all", "epsilon": 4.0}
+FIELDS = {
+    "n_users": 200,
+    "dim": 5,
+    "rank": 2,
+    "samples_per_user": 8,
+    "rounds": 1,
+    "seed": 3,
+    "cohorts": "all",
+    "epsilon": 4.0,
+}
 
 
 @pytest.fixture
@@ -84,7 +94,10 @@ def test_a_stolen_session_cannot_difference_a_user_or_release_a_round_twice(node
     _honest_run(grid, cfg, protocol)  # the planned run: 2 rounds (init + 1), each node once a round
     node_store = node_policy
     ledger = NodeLedger(node_store, "lab")
-    assert ledger.rounds("1/partition-0") == ledger.rounds("1/partition-1") == [0, 1] and ledger.spent((0, 200)) == (4.0, cfg.delta)
+    assert ledger.rounds("1/partition-0") == ledger.rounds("1/partition-1") == [0, 1] and ledger.spent((0, 200)) == (
+        4.0,
+        cfg.delta,
+    )
     # the same session (run 1), every planned round already released: nothing more comes out
     assert _send(grid, 0, _task(grid, 0, range(0, 100))) == "plan-once"  # an older round: no reply kept
     assert _send(grid, 0, _task(grid, 1, range(1, 100))) == "plan-units"
@@ -93,7 +106,8 @@ def test_a_stolen_session_cannot_difference_a_user_or_release_a_round_twice(node
     assert _send(grid, 0, _task(grid, 1, range(0, 100))) == "released"  # an identical repeat: the stored reply
     sent = {m.metadata.message_id: m for m in grid.sent if m.metadata.message_type == "train"}
     honest = [  # the honest run's round-1 reply of partition 0
-        r for r in grid.received
+        r
+        for r in grid.received
         if r.metadata.reply_to_message_id in sent
         and codec.decode_task(sent[r.metadata.reply_to_message_id].content).round == 1
         and codec.decode_task(sent[r.metadata.reply_to_message_id].content).start == 0
@@ -111,7 +125,15 @@ def test_a_stolen_session_cannot_difference_a_user_or_release_a_round_twice(node
         assert len(run["rounds"]) == len(set(run["rounds"]))
     assert raw["runs"]["2/partition-0"]["units"] == [0, 100] and raw["runs"]["2/partition-0"]["rounds"] == [0]
     refused = [json.loads(line) for line in (node_store / "refused.log").read_text().splitlines()]
-    assert [r["rule"] for r in refused] == ["plan-once", "plan-units", "plan-round", "plan-broadcast", "plan-units", "plan-units", "plan-units"]
+    assert [r["rule"] for r in refused] == [
+        "plan-once",
+        "plan-units",
+        "plan-round",
+        "plan-broadcast",
+        "plan-units",
+        "plan-units",
+        "plan-units",
+    ]
     assert stat.S_IMODE(node_store.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in node_store.iterdir())
     # runs 1 and 2 of ε=4 spent the lab's 8 for users 0..99: a third run is refused by the node's own
@@ -150,11 +172,14 @@ def _initial_task(cfg, protocol, round: int = 0) -> RecordDict:
     return codec.encode_task(job, round, range(0, 100), codec.broadcast_record(protocol.broadcast(state, 0)))
 
 
-@pytest.mark.parametrize(("n", "parts", "q", "want"), [
-    (200, 2, 0, [(0, 100), (100, 200)]),
-    (10, 3, 0, [(0, 3), (3, 6), (6, 10)]),
-    (10, 3, 4, [(0, 4), (4, 8), (8, 10)]),  # the node config's users-per-node
-])
+@pytest.mark.parametrize(
+    ("n", "parts", "q", "want"),
+    [
+        (200, 2, 0, [(0, 100), (100, 200)]),
+        (10, 3, 0, [(0, 3), (3, 6), (6, 10)]),
+        (10, 3, 4, [(0, 4), (4, 8), (8, 10)]),  # the node config's users-per-node
+    ],
+)
 def test_the_plan_gives_each_partition_one_range(n: int, parts: int, q: int, want: list[tuple[int, int]]) -> None:
     assert [(r.start, r.stop) for r in (planned_range(n, p, parts, q) for p in range(parts))] == want
     with pytest.raises(PolicyRefused, match="plan-units"):
@@ -182,7 +207,9 @@ def test_the_unit_range_rule_at_its_boundary(node_policy: Path, asked: tuple[int
     gate = node_gate(policy, run="9", round=0, asked=range(*asked), partition=0)
     fields = dict(run="9", round=0, asked=range(*asked), num_units=200, partition=0, partitions=2, num_rounds=2)
     if ok:
-        assert plan_units(gate, **fields, job="j", config={"epsilon": 1.0, "delta": 1e-6}, digest="d").units == range(0, 100)
+        assert plan_units(gate, **fields, job="j", config={"epsilon": 1.0, "delta": 1e-6}, digest="d").units == range(
+            0, 100
+        )
     else:
         with pytest.raises(PolicyRefused, match="rule 'plan-units'"):
             plan_units(gate, **fields, job="j", config={"epsilon": 1.0, "delta": 1e-6}, digest="d")

@@ -1,4 +1,5 @@
 """NoisyGD under neural collapse (docs/algorithms.md §3): gradients, zCDP calibration, remedies as releases, the dimension claims."""
+
 import math
 
 import dp_accounting
@@ -89,7 +90,12 @@ def test_zcdp_calibration_meets_the_target_and_pld_reports_less_for_the_same_noi
     z = priv["noise_multiplier"]
     assert 10 * 2 / z**2 == pytest.approx(rho_target, rel=1e-6)
     assert 0.5 < priv["epsilon_pld"] < 0.8  # the tight accountant: same noise, smaller ε
-    pld = execute(EXP, build(examples=200, feature_dim=20, steps=10, baselines="none", accountant="pld", delta=1e-4), write=False, progress=False)
+    pld = execute(
+        EXP,
+        build(examples=200, feature_dim=20, steps=10, baselines="none", accountant="pld", delta=1e-4),
+        write=False,
+        progress=False,
+    )
     assert 0.999 <= pld["epsilon"] <= 1.0 and pld["noise_multiplier"] < z
 
 
@@ -104,7 +110,17 @@ def test_zcdp_accounting_of_events():
 
 @pytest.mark.parametrize("remedy,name", [("center", "remedy.mean"), ("pca", "remedy.pca")])
 def test_remedies_are_releases_in_the_ledger_within_the_budget(remedy, name):
-    cfg = build(examples=300, feature_dim=30, steps=5, remedy=remedy, collapse="offset", baselines="none", remedy_budget=0.25, accountant="zcdp", delta=1e-4)
+    cfg = build(
+        examples=300,
+        feature_dim=30,
+        steps=5,
+        remedy=remedy,
+        collapse="offset",
+        baselines="none",
+        remedy_budget=0.25,
+        accountant="zcdp",
+        delta=1e-4,
+    )
     result = execute(EXP, cfg, write=False, progress=False)
     proto = make_protocol(cfg)
     assert proto.num_rounds == 6
@@ -112,8 +128,13 @@ def test_remedies_are_releases_in_the_ledger_within_the_budget(remedy, name):
     share = (2 / z_r**2) / (2 / z_r**2 + 5 * 2 / z_gd**2)
     assert share == pytest.approx(0.25, rel=1e-9)
     assert result["privacy"]["epsilon"] == pytest.approx(1.0, rel=1e-6)
-    ledger = Ledger([Release(0, name, "gaussian", 1.0, 2.0, 1.0, "all", dp_accounting.GaussianDpEvent(z_r))]
-                    + [Release(s, f"step{s}.grad", "gaussian", 1.0, 2.0, 1.0, "all", dp_accounting.GaussianDpEvent(z_gd)) for s in range(1, 6)])
+    ledger = Ledger(
+        [Release(0, name, "gaussian", 1.0, 2.0, 1.0, "all", dp_accounting.GaussianDpEvent(z_r))]
+        + [
+            Release(s, f"step{s}.grad", "gaussian", 1.0, 2.0, 1.0, "all", dp_accounting.GaussianDpEvent(z_gd))
+            for s in range(1, 6)
+        ]
+    )
     assert ledger_epsilon(ledger, 1e-4, Accountant.ZCDP) == pytest.approx(1.0, rel=1e-6)
 
 
@@ -130,7 +151,10 @@ def test_dimension_dependence_perfect_flat_offset_falls_centring_restores():
     # Measured (seeds 0-3): perfect 1.0 at p = 10, 1000, 3000; offset 1.0 at p = 10, 0.375 at
     # p = 3000; centred 0.975 at p = 3000.
     def mean_accuracy(p: int, **scenario) -> float:
-        accs = [run(examples=3000, feature_dim=p, seed=s, baselines="none", remedy_budget=0.5, **scenario)["accuracy"] for s in range(3)]
+        accs = [
+            run(examples=3000, feature_dim=p, seed=s, baselines="none", remedy_budget=0.5, **scenario)["accuracy"]
+            for s in range(3)
+        ]
         return sum(accs) / len(accs)
 
     perfect = {p: mean_accuracy(p) for p in (10, 1000, 3000)}
@@ -182,7 +206,15 @@ def test_device_path_draws_no_host_data(monkeypatch):
         return real(seed, *key, device=device)
 
     monkeypatch.setattr(nc, "_generator", device_only)
-    result = run(kernels="device", examples=1200, feature_dim=30, steps=3, collapse="random", remedy="center", test_perturbation=0.1)
+    result = run(
+        kernels="device",
+        examples=1200,
+        feature_dim=30,
+        steps=3,
+        collapse="random",
+        remedy="center",
+        test_perturbation=0.1,
+    )
     assert 0.0 <= result["accuracy"] <= 1.0
     with pytest.raises(AssertionError, match="host-side"):
         run(kernels="host", examples=1200, feature_dim=30, steps=3, collapse="random")

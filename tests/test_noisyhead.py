@@ -1,4 +1,5 @@
 """NoisyHead (docs/algorithms.md §2): math, sensitivity, privacy calibration, protocol modes, user level, sweeps, CLI."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,9 @@ import torch
 from fedpers import config as config_lib
 from fedpers.commands.cli import main
 from fedpers.experiments import EXPERIMENTS
+from fedpers.experiments.noisyhead import NoisyHeadConfig, make_protocol, resolve, sherman_morrison_replace, sweep
 from fedpers.experiments.noisyhead import montecarlo as mc
-from fedpers.experiments.noisyhead import sweep
-from fedpers.experiments.noisyhead import NoisyHeadConfig, make_protocol, resolve, sherman_morrison_replace
-from fedpers.privacy import Privatizer, ledger_epsilon
+from fedpers.privacy import Privatizer
 from fedpers.protocols import noisyhead as nh
 from fedpers.protocols.base import Message, verify_message
 from fedpers.runner import execute
@@ -32,7 +32,18 @@ def build(**values) -> NoisyHeadConfig:
 
 
 def small_protocol(**over) -> nh.NoisyHeadProtocol:
-    base = dict(prompts=50, dim=3, context=8, steps=4, step_size=0.05, ridge_lambda=0.5, clip_c=2.0, proj_g=0.6, proj_r=3.0, noise_multiplier=0.0)
+    base = dict(
+        prompts=50,
+        dim=3,
+        context=8,
+        steps=4,
+        step_size=0.05,
+        ridge_lambda=0.5,
+        clip_c=2.0,
+        proj_g=0.6,
+        proj_r=3.0,
+        noise_multiplier=0.0,
+    )
     return nh.NoisyHeadProtocol(**{**base, **over})
 
 
@@ -40,7 +51,9 @@ def prompt_units(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"ids": torch.arange(x.shape[0]), "x": x.unsqueeze(1), "y": y.unsqueeze(1)}
 
 
-def random_prompts(n: int, L: int, D: int, seed: int = 0, label_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def random_prompts(
+    n: int, L: int, D: int, seed: int = 0, label_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, L + 1, D, generator=g, dtype=torch.float64)
     x = x / x.norm(dim=-1, keepdim=True)
@@ -122,7 +135,9 @@ def test_worst_case_neighbour_one_step_changes_the_update_by_at_most_the_sensiti
             for xs, ys in ((xa, ya), (xb, yb)):
                 msg = p.client_update(0, {"gamma": gamma}, prompt_units(xs, ys))
                 assert verify_message(msg, p.stat_specs(0), N, torch.float64).accepted
-                grads.append(msg.stats["A"] @ gamma - msg.stats["b"] if mode is nh.Mode.STATISTICS else msg.stats["grad"])
+                grads.append(
+                    msg.stats["A"] @ gamma - msg.stats["b"] if mode is nh.Mode.STATISTICS else msg.stats["grad"]
+                )
             change = float((p.step_size / N) * (grads[0] - grads[1]).norm())
             assert change <= bound * (1 + 1e-12)
             worst = max(worst, change)
@@ -162,7 +177,11 @@ def test_sherman_morrison_replace_matches_a_direct_solve():
     g = torch.Generator().manual_seed(0)
     B = torch.randn(4, 6, 6, generator=g, dtype=torch.float64)
     M = B @ B.transpose(1, 2) + 3 * torch.eye(6, dtype=torch.float64)
-    rhs, zn, yn = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    rhs, zn, yn = (
+        torch.randn(4, 6, generator=g, dtype=torch.float64),
+        torch.randn(4, 6, generator=g, dtype=torch.float64),
+        torch.randn(4, generator=g, dtype=torch.float64),
+    )
     direct = torch.linalg.solve(M + zn.unsqueeze(-1) * zn.unsqueeze(-2), rhs + yn.unsqueeze(-1) * zn)
     assert torch.allclose(sherman_morrison_replace(M, rhs, zn, yn), direct, atol=1e-12)
 
@@ -173,7 +192,9 @@ def test_sherman_morrison_replace_matches_a_direct_solve():
 def test_rounds_and_statistics_modes_give_the_same_gamma(extra, epsilon):
     results = {}
     for mode in ("statistics", "rounds"):
-        cfg = build(prompts=240, dim=3, steps=12, epsilon=epsilon, calibration="accountant", mode=mode, chunk_size=50, **extra)
+        cfg = build(
+            prompts=240, dim=3, steps=12, epsilon=epsilon, calibration="accountant", mode=mode, chunk_size=50, **extra
+        )
         results[mode] = execute(EXP, cfg, write=False, progress=False)
     a, b = (torch.tensor(results[m]["Gamma"]) for m in ("statistics", "rounds"))
     assert float((a - b).abs().max()) <= 1e-6 * max(1.0, float(a.abs().max()))
@@ -217,7 +238,9 @@ def test_server_drops_a_client_that_exceeds_its_declared_bound():
 
 def test_calibrations_paper_and_accountant():
     paper = execute(EXP, build(prompts=300, dim=3, steps=20, epsilon=1.0), write=False, progress=False)["privacy"]
-    tight = execute(EXP, build(prompts=300, dim=3, steps=20, epsilon=1.0, calibration="accountant"), write=False, progress=False)["privacy"]
+    tight = execute(
+        EXP, build(prompts=300, dim=3, steps=20, epsilon=1.0, calibration="accountant"), write=False, progress=False
+    )["privacy"]
     assert paper["noise_multiplier"] == pytest.approx(nh.paper_noise_multiplier(20, 1.0, 1e-5))
     assert paper["paper_epsilon_same_noise"] == pytest.approx(1.0)
     assert paper["epsilon"] < 0.2  # the per-step composition is very loose: the PLD ε of the same noise
@@ -228,8 +251,33 @@ def test_calibrations_paper_and_accountant():
 
 def test_cli_run_writes_constants_with_formulas(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["run", "noisyhead", "--regime", "low-dim", "--prompts", "300", "--dim", "3", "--context", "9", "--steps", "6", "--epsilon", "2",
-               "--mode", "rounds", "--init", "gaussian", "--seed", "3", "--out", str(out), "--json"])
+    rc = main(
+        [
+            "run",
+            "noisyhead",
+            "--regime",
+            "low-dim",
+            "--prompts",
+            "300",
+            "--dim",
+            "3",
+            "--context",
+            "9",
+            "--steps",
+            "6",
+            "--epsilon",
+            "2",
+            "--mode",
+            "rounds",
+            "--init",
+            "gaussian",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["status"] == "completed" and result["excess_risk"] >= 0
@@ -239,8 +287,31 @@ def test_cli_run_writes_constants_with_formulas(tmp_path, capsys):
     assert constants["C"] == pytest.approx(math.sqrt(2 * math.log(300 * 9)))
     assert len((out / "rounds.jsonl").read_text().splitlines()) == 6
     assert len(json.loads((out / "ledger.json").read_text())) == 6
-    rc = main(["run", "noisyhead", "--prompts", "300", "--clip-c", "1.5", "--proj-g", "0.3", "--proj-r", "2", "--step-size", "0.1",
-               "--ridge-lambda", "0.5", "--label-noise", "0.2", "--steps", "3", "--out", str(tmp_path / "r2"), "--json"])
+    rc = main(
+        [
+            "run",
+            "noisyhead",
+            "--prompts",
+            "300",
+            "--clip-c",
+            "1.5",
+            "--proj-g",
+            "0.3",
+            "--proj-r",
+            "2",
+            "--step-size",
+            "0.1",
+            "--ridge-lambda",
+            "0.5",
+            "--label-noise",
+            "0.2",
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path / "r2"),
+            "--json",
+        ]
+    )
     assert rc == 0
     c2 = json.loads((tmp_path / "r2" / "constants.json").read_text())
     assert (c2["C"], c2["G"], c2["R"], c2["eta"], c2["lambda"]) == (1.5, 0.3, 2.0, 0.1, 0.5)
@@ -256,7 +327,9 @@ def test_batched_engine_is_the_protocol_arithmetic():
     gamma0 = make_protocol(cfg).initial_gamma()
     batched = sweep.noisy_gd_direct(st.At, st.bt, gamma0, r, Privatizer(11))[0]
     proto = make_protocol(cfg)
-    state, _ = proto.server_update(0, proto.initial_state(), Message({"A": st.At[0], "b": st.bt[0]}, 300), Privatizer(11))
+    state, _ = proto.server_update(
+        0, proto.initial_state(), Message({"A": st.At[0], "b": st.bt[0]}, 300), Privatizer(11)
+    )
     assert torch.allclose(batched, state["gamma"], rtol=0, atol=1e-10)
 
 
@@ -268,7 +341,15 @@ def test_direct_and_spectral_engines_agree():
         for key in ("excess_risk", "gd_excess_risk", "test_mse", "ridge_test_mse", "gd_test_mse"):
             assert a[key] == pytest.approx(b[key], rel=1e-7, abs=1e-14), key
     # With noise the two engines draw it in different bases: equal in distribution only.
-    noisy = {e: np.mean([row["excess_risk"] for row in sweep.sweep_point(build(prompts=400, dim=3, epsilon=1.0, steps=15, engine=e), 200)]) for e in ("direct", "spectral")}
+    noisy = {
+        e: np.mean(
+            [
+                row["excess_risk"]
+                for row in sweep.sweep_point(build(prompts=400, dim=3, epsilon=1.0, steps=15, engine=e), 200)
+            ]
+        )
+        for e in ("direct", "spectral")
+    }
     assert noisy["direct"] == pytest.approx(noisy["spectral"], rel=0.15)
 
 
@@ -289,7 +370,9 @@ def test_sweep_point_rows_and_privacy():
 
 
 def test_robustness_point_small():
-    cfg = build(prompts=400, context=40, dim=3, regime="robustness", epsilon=0.5, delta=1e-2, attack_c=2.0, attack_p=2.0)
+    cfg = build(
+        prompts=400, context=40, dim=3, regime="robustness", epsilon=0.5, delta=1e-2, attack_c=2.0, attack_p=2.0
+    )
     rows = sweep.sweep_point(cfg, 5)
     for row in rows:
         assert row["robust_ridge"] > 10 * row["robust_noisyhead"]
@@ -309,7 +392,9 @@ def test_newsgroups_prompts_are_real_posts():
     tokens = newsgroups.text_tokens(30, 0)
     assert set(tokens.train.tolist()).isdisjoint(tokens.test.tolist())
     assert torch.allclose(tokens.x[tokens.train].norm(dim=-1), torch.ones(len(tokens.train), dtype=torch.float64))
-    assert abs(float(tokens.y[tokens.train].mean())) < 1e-9 and float(tokens.y[tokens.train].std(unbiased=False)) == pytest.approx(1.0)
+    assert abs(float(tokens.y[tokens.train].mean())) < 1e-9 and float(
+        tokens.y[tokens.train].std(unbiased=False)
+    ) == pytest.approx(1.0)
     x, y = newsgroups.text_prompts_by_id(0, 1, torch.tensor([3, 700, 4]), 30, 30)
     x2, _ = newsgroups.text_prompts_by_id(0, 1, torch.tensor([4]), 30, 30)
     assert x.shape == (3, 31, 30) and torch.equal(x[2], x2[0])
@@ -318,7 +403,12 @@ def test_newsgroups_prompts_are_real_posts():
     xt, _ = newsgroups.text_prompts_by_id(0, 2, torch.arange(3), 30, 30, test=True)
     test_rows = {tuple(v.tolist()) for v in tokens.x[tokens.test]}
     assert all(tuple(v.tolist()) in test_rows for v in xt.reshape(-1, 30))
-    result = execute(EXP, build(data="newsgroups", prompts=200, dim=30, context=30, regime="early-stopping", steps=10, test_prompts=50), write=False, progress=False)
+    result = execute(
+        EXP,
+        build(data="newsgroups", prompts=200, dim=30, context=30, regime="early-stopping", steps=10, test_prompts=50),
+        write=False,
+        progress=False,
+    )
     assert result["status"] == "completed" and math.isfinite(result["excess_risk"])
 
 

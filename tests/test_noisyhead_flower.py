@@ -1,4 +1,5 @@
 """NoisyHead under the Flower runtime (in-process Grid, no Ray): same Γ̂ and ledger as the local runtime."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,8 @@ from fedpers.runner import RuntimeOptions, split_seed
 from fedpers.runtime.local import run_local
 
 pytest.importorskip("flwr")
-from fedpers import app as flower  # noqa: E402  (run_flower, make_client_app)
-from tests.flower_support import InProcessGrid, faulty_client_app  # noqa: E402
+from fedpers import app as flower
+from tests.flower_support import InProcessGrid, faulty_client_app
 
 EXP = EXPERIMENTS["noisyhead"]
 
@@ -44,6 +45,8 @@ def test_a_client_sending_an_oversized_gradient_is_dropped():
     grid = InProcessGrid(faulty_client_app({1: "huge"}), 4)
     cfg, noise_seed = split_seed(config_lib.build(EXP.config_type, values))
     options = config_lib.build(RuntimeOptions, {"runtime": "flower", "min_fraction": 0.5})
-    _, records = flower.run_flower(EXP, cfg, EXP.protocol(cfg), Privatizer(noise_seed), options, grid=grid, progress=False)
+    _, records = flower.run_flower(
+        EXP, cfg, EXP.protocol(cfg), Privatizer(noise_seed), options, grid=grid, progress=False
+    )
     assert all(r.accepted == 3 and len(r.dropped) == 1 for r in records)
     assert any("norm" in why for r in records for why in r.dropped.values())

@@ -1,4 +1,5 @@
 """Quick versions (small B) of the paper's NoisyHead experiments, through `fedpers sweep`'s code path."""
+
 from __future__ import annotations
 
 import csv
@@ -26,7 +27,9 @@ def _toml_value(v) -> str:
     return repr(v)
 
 
-def quick_sweep(tmp_path: Path, name: str, repetitions: int, grid: dict, base: dict | None = None) -> tuple[list[dict], dict]:
+def quick_sweep(
+    tmp_path: Path, name: str, repetitions: int, grid: dict, base: dict | None = None
+) -> tuple[list[dict], dict]:
     """Run simulations/<name>.toml with a smaller grid and B; returns (table rows, sweep.json)."""
     spec = tomllib.loads((SIMULATIONS / f"{name}.toml").read_text())
     spec["grid"] = {**spec["grid"], **grid}
@@ -87,7 +90,9 @@ def test_section_6_3_ridge_is_damaged_noisyhead_is_not(tmp_path):
     assert ridge[(2.1,)] >= 10 * head[(2.1,)], (ridge, head)
     assert ridge[(2.1,)] >= ridge[(2.0,)] * (1 - 1e-9)
     assert ridge[(2.1,)] <= ridge[(2.0,)] * (1 + 1e-6)  # saturated: ||z'||² ≫ the ridge matrix's eigenvalues
-    rows, _ = quick_sweep(tmp_path / "theorem", "noisyhead_robustness_theorem", 10, {"attack_c": [2.0], "attack_p": [0.0, 0.25, 0.5]})
+    rows, _ = quick_sweep(
+        tmp_path / "theorem", "noisyhead_robustness_theorem", 10, {"attack_c": [2.0], "attack_p": [0.0, 0.25, 0.5]}
+    )
     ridge = [means(rows, ("attack_p",), "robust_ridge")[(p,)] for p in (0.0, 0.25, 0.5)]
     head = [means(rows, ("attack_p",), "robust_noisyhead")[(p,)] for p in (0.0, 0.25, 0.5)]
     assert ridge[0] < ridge[1] < ridge[2], ridge

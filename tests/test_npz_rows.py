@@ -1,4 +1,5 @@
 """A node reads only its rows of an .npz: same values as a full load, far less memory."""
+
 from __future__ import annotations
 
 import subprocess
@@ -54,7 +55,14 @@ def test_ten_rows_cost_far_less_memory_than_the_file(tmp_path):
     np.savez(path, x=np.ones((20000, 40, 50)))  # 320 MB member
     peak = {}
     for mode in ("rows", "full"):
-        done = subprocess.run([sys.executable, "-c", PEAK, str(path), mode], capture_output=True, text=True, cwd=ROOT, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+        done = subprocess.run(
+            [sys.executable, "-c", PEAK, str(path), mode],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+            env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        )
         assert done.returncode == 0, done.stderr
         peak[mode] = int(done.stdout.split()[-1]) * 1024
     assert peak["full"] - peak["rows"] > 250e6, peak
@@ -99,4 +107,7 @@ def test_an_npz_label_of_1e9_is_counted_beyond_the_robust_range(tmp_path):
     y[3, 1], yt[7, 0], y[9, 2] = 1e9, -1e9, np.nan
     np.savez(tmp_path / "o.npz", x=x, y=y, x_test=xt, y_test=yt)
     s = AltMinFile(tmp_path / "o.npz", 2).summary()
-    assert s["labels_beyond_robust_range"] == 2 and -20 < s["label_robust_range"][0] < -3 < 3 < s["label_robust_range"][1] < 20
+    assert (
+        s["labels_beyond_robust_range"] == 2
+        and -20 < s["label_robust_range"][0] < -3 < 3 < s["label_robust_range"][1] < 20
+    )

@@ -1,5 +1,6 @@
 """Figures say what they show (ε spent, the algorithm's own round axis, baselines, grid ticks,
 linear accuracies) and `fedpers compare` puts runs side by side."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,19 @@ from fedpers.commands.cli import main
 from fedpers.results.plots import compare_figure, privacy_title, run_figure
 from fedpers.sweeps.run import load_spec, plot_metric, sweep_figure
 
-ALTMIN = ["run", "altmin", "--n-users", "600", "--dim", "6", "--rank", "2", "--quiet", "--baselines", "nonprivate_altmin,oracle"]
+ALTMIN = [
+    "run",
+    "altmin",
+    "--n-users",
+    "600",
+    "--dim",
+    "6",
+    "--rank",
+    "2",
+    "--quiet",
+    "--baselines",
+    "nonprivate_altmin,oracle",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +45,20 @@ def test_title_carries_the_epsilon_spent_not_the_target() -> None:
 
 def test_run_figure_axes_baselines_and_scales() -> None:
     rounds = [{"round": r, "subspace_error": e} for r, e in enumerate([0.5, 0.3, 0.2])]
-    fig = run_figure(rounds, "subspace_error", title="t", round_axis="round (0 = private initialisation)",
-                     baselines={"clipped_no_noise": {"subspace_error": 0.1}, "oracle": {"subspace_error": 1e-16}})
+    fig = run_figure(
+        rounds,
+        "subspace_error",
+        title="t",
+        round_axis="round (0 = private initialisation)",
+        baselines={"clipped_no_noise": {"subspace_error": 0.1}, "oracle": {"subspace_error": 1e-16}},
+    )
     ax = fig.axes[0]
     labels = [line.get_label() for line in ax.lines]
     assert labels == ["private run", "clipped no noise (0.1)", "oracle (1e-16, off scale)"]
     assert ax.get_yscale() == "log" and ax.get_ylim()[0] > 1e-3  # the oracle's 1e-16 does not squash the view
-    acc = run_figure([{"round": 0, "accuracy": 0.8}, {"round": 1, "accuracy": 0.9}], "accuracy", title="t", round_axis="step")
+    acc = run_figure(
+        [{"round": 0, "accuracy": 0.8}, {"round": 1, "accuracy": 0.9}], "accuracy", title="t", round_axis="step"
+    )
     assert acc.axes[0].get_yscale() == "linear" and acc.axes[0].get_xlabel() == "step"
 
 
@@ -47,13 +67,18 @@ def test_per_run_plots_fit_the_algorithm(runs: dict[str, Path]) -> None:
     assert result["plots"] == ["accuracy.png"]
     from fedpers.experiments import experiment
 
-    assert "initialisation" not in experiment("noisygd").round_axis and "initialisation" not in experiment("noisyhead").round_axis
+    assert (
+        "initialisation" not in experiment("noisygd").round_axis
+        and "initialisation" not in experiment("noisyhead").round_axis
+    )
     assert "initialisation" in experiment("altmin").round_axis
 
 
 def test_sweep_ticks_sit_at_the_grid_values(tmp_path: Path) -> None:
     spec_file = tmp_path / "s.toml"
-    spec_file.write_text('algorithm = "altmin"\nx = "n_users"\nseries = "epsilon"\nmetrics = ["subspace_error"]\n[grid]\nn_users = [300, 1000, 3000]\nepsilon = [1.0]\n')
+    spec_file.write_text(
+        'algorithm = "altmin"\nx = "n_users"\nseries = "epsilon"\nmetrics = ["subspace_error"]\n[grid]\nn_users = [300, 1000, 3000]\nepsilon = [1.0]\n'
+    )
     spec = load_spec(spec_file)
     rows = [{"epsilon": 1.0, "n_users": n, "subspace_error": 1 / n} for n in (300, 1000, 3000)]
     plot_metric(rows, spec, "subspace_error", tmp_path / "f.png")
@@ -70,7 +95,9 @@ def test_compare_table_json_and_figure(runs: dict[str, Path], tmp_path: Path, ca
     out = json.loads(capsys.readouterr().out)
     rows = {r["algorithm"]: r for r in out["rows"]}
     assert out["metrics"][:2] == ["excess_risk", "accuracy"]  # each algorithm's primary metric first
-    assert rows["altmin"]["epsilon"] == pytest.approx(json.loads((runs["altmin"] / "result.json").read_text())["epsilon"])
+    assert rows["altmin"]["epsilon"] == pytest.approx(
+        json.loads((runs["altmin"] / "result.json").read_text())["epsilon"]
+    )
     assert "accuracy" not in rows["altmin"] and rows["noisygd"]["accuracy"] >= 0.0
     assert rows["altmin"]["status"] == "completed" and (tmp_path / "c.png").stat().st_size > 0
     assert [r["trust_model"] for r in out["rows"]] == ["central", "central"]
@@ -81,17 +108,23 @@ def test_compare_table_json_and_figure(runs: dict[str, Path], tmp_path: Path, ca
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["run", "ε", "spent"] and "excess risk" in table[0]
     details = table[table.index("") + 1]
-    assert details.split()[:5] == ["run", "algorithm", "trust", "model", "runtime"] and len(table) == table.index("") + 3
+    assert (
+        details.split()[:5] == ["run", "algorithm", "trust", "model", "runtime"] and len(table) == table.index("") + 3
+    )
 
 
-def test_compare_refuses_what_is_not_a_run(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_compare_refuses_what_is_not_a_run(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert main(["compare", str(tmp_path)]) == 2
     assert "not a fedpers run directory" in capsys.readouterr().err
     assert main(["compare", str(runs["altmin"]), "--out", str(tmp_path / "c.pdf")]) == 2
     assert "--out must name a .png file" in capsys.readouterr().err
 
 
-def test_compare_shows_a_killed_run_as_incomplete_with_its_releases(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_compare_shows_a_killed_run_as_incomplete_with_its_releases(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     import shutil
 
     killed = tmp_path / "killed"
@@ -105,7 +138,9 @@ def test_compare_shows_a_killed_run_as_incomplete_with_its_releases(runs: dict[s
     assert row["status"] == "incomplete (1 rounds)" and row["epsilon"] > 0 and "subspace_error" in row
 
 
-def test_compare_across_algorithms_is_one_block_each_with_its_own_metrics(runs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+def test_compare_across_algorithms_is_one_block_each_with_its_own_metrics(
+    runs: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
     assert main(["compare", str(runs["altmin"]), str(runs["noisygd"])]) == 0
     text = capsys.readouterr().out
     altmin, noisygd = re.split(r"\n\n(?=noisygd \(1 run\):)", text)
@@ -125,15 +160,23 @@ def test_a_flat_or_single_value_figure_has_plain_readable_ticks() -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    fig = run_figure([{"round": 0, "excess_risk": 0.41487232356745884}], "excess_risk", title="t",
-                     baselines={"ridge": {"excess_risk": 0.0}, "zero_head": {"excess_risk": 8.9e-7}})
+    fig = run_figure(
+        [{"round": 0, "excess_risk": 0.41487232356745884}],
+        "excess_risk",
+        title="t",
+        baselines={"ridge": {"excess_risk": 0.0}, "zero_head": {"excess_risk": 8.9e-7}},
+    )
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["private run", "ridge", "zero head"]
     assert [round(p.get_width(), 6) for p in ax.patches] == [0.414872, 0.0, 0.000001]
     fig.canvas.draw()
     assert ax.xaxis.get_major_formatter().get_offset() == ""
-    flat = run_figure([{"round": r, "excess_risk": 0.4148723236} for r in range(3)], "excess_risk", title="t",
-                      baselines={"ridge": {"excess_risk": 0.0}})
+    flat = run_figure(
+        [{"round": r, "excess_risk": 0.4148723236} for r in range(3)],
+        "excess_risk",
+        title="t",
+        baselines={"ridge": {"excess_risk": 0.0}},
+    )
     flat.canvas.draw()
     lo, hi = flat.axes[0].get_ylim()
     assert hi - lo > 1e-3 and flat.axes[0].yaxis.get_major_formatter().get_offset() == ""
@@ -174,14 +217,25 @@ def test_figures_keep_every_text_inside_the_canvas_and_draw_linear_bars():
 
     plt = _plt()
     rounds = [{"round": i, "accuracy": 1.0} for i in range(1, 31)]
-    flat = run_figure(rounds, "accuracy", title="noisygd: ε = 1 (target 1), δ = 1e-05, pld", round_axis="NoisyGD step",
-                      baselines={"chance": {"accuracy": 0.1}, "nonprivate_gd": {"accuracy": 1.0}})
+    flat = run_figure(
+        rounds,
+        "accuracy",
+        title="noisygd: ε = 1 (target 1), δ = 1e-05, pld",
+        round_axis="NoisyGD step",
+        baselines={"chance": {"accuracy": 0.1}, "nonprivate_gd": {"accuracy": 1.0}},
+    )
     lo, hi = flat.axes[0].get_ylim()
     assert hi - lo >= 0.05  # a flat line drawn in a readable window, not 0.998-1.002
-    one = value_figure("excess_risk", 0.0054, {"zero_head": {"excess_risk": 0.96}, "ridge": {"excess_risk": 0.0}},
-                       title="noisyhead: ε = 0.9999 (target 1), δ = 1e-05, pld")
-    rows = [{"run": f"a-very-long-run-directory-name-{i}", "epsilon": float(i), "excess_risk": 10.0 ** -i, "accuracy": 0.5}
-            for i in range(6)]
+    one = value_figure(
+        "excess_risk",
+        0.0054,
+        {"zero_head": {"excess_risk": 0.96}, "ridge": {"excess_risk": 0.0}},
+        title="noisyhead: ε = 0.9999 (target 1), δ = 1e-05, pld",
+    )
+    rows = [
+        {"run": f"a-very-long-run-directory-name-{i}", "epsilon": float(i), "excess_risk": 10.0**-i, "accuracy": 0.5}
+        for i in range(6)
+    ]
     bars = compare_figure(rows, ["excess_risk", "accuracy"])
     # excess risk spans five decades: a log axis; accuracy is a score in [0, 1]: linear
     assert [ax.get_yscale() for ax in bars.axes] == ["log", "linear"] and "spent" in bars._suptitle.get_text()
@@ -198,7 +252,11 @@ def test_sweep_figure_layout_labels_and_error_bars(tmp_path: Path) -> None:
 
     text = 'algorithm = "altmin"\nx = "epsilon"\nseries = "n_users"\nmetrics = ["subspace_error", "seconds"]\n[grid]\nepsilon = [1.0, 4.0]\nn_users = [300]\n'
     (tmp_path / "s.toml").write_text(text)
-    rows = [{"epsilon": e, "n_users": 300, "subspace_error": 1 / e**3 + 0.01 * r, "seconds": 1.0 + r} for e in (1.0, 4.0) for r in range(3)]
+    rows = [
+        {"epsilon": e, "n_users": 300, "subspace_error": 1 / e**3 + 0.01 * r, "seconds": 1.0 + r}
+        for e in (1.0, 4.0)
+        for r in range(3)
+    ]
     one = load_spec(tmp_path / "s.toml", 1)
     fig, _ = sweep_figure(rows[::3], one, "subspace_error")
     ax = fig.axes[0]
@@ -228,8 +286,15 @@ def test_a_sweep_sets_figure_puts_its_members_in_a_grid_each_panel_labelled(tmp_
 
     members = []
     for i in range(4):
-        (tmp_path / f"m{i}.toml").write_text(f'name = "m{i}"\nalgorithm = "altmin"\nx = "n_users"\nseries = "epsilon"\nmetrics = ["excess_risk"]\n[grid]\nn_users = [300, 1000]\nepsilon = [1.0]\n')
-        members.append((load_spec(tmp_path / f"m{i}.toml"), [{"epsilon": 1.0, "n_users": n, "excess_risk": 1 / n} for n in (300, 1000)]))
+        (tmp_path / f"m{i}.toml").write_text(
+            f'name = "m{i}"\nalgorithm = "altmin"\nx = "n_users"\nseries = "epsilon"\nmetrics = ["excess_risk"]\n[grid]\nn_users = [300, 1000]\nepsilon = [1.0]\n'
+        )
+        members.append(
+            (
+                load_spec(tmp_path / f"m{i}.toml"),
+                [{"epsilon": 1.0, "n_users": n, "excess_risk": 1 / n} for n in (300, 1000)],
+            )
+        )
     fig = members_figure(members, "excess_risk")
     assert len(fig.axes) == 4 and len({round(ax.get_position().y0, 3) for ax in fig.axes}) == -(-4 // PANELS_ACROSS)
     width, height = fig.get_size_inches()

@@ -1,5 +1,6 @@
 """Poisson user sampling: the inclusion rate is q, the amplified ε matches a hand computation,
 the ledger records and round-trips the sampled events, and sampled-out users never move a release."""
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,9 @@ def hand_epsilon(z: float, q: float, delta: float) -> float:
     dt = t[1] - t[0]
     p = (1 - q) * stats.norm.pdf(t, 0, z) + q * stats.norm.pdf(t, 1, z)
     r = (1 - q) * stats.norm.pdf(t, 0, z) + q * stats.norm.pdf(t, -1, z)
-    return optimize.brentq(lambda e: float(np.maximum(0.0, p - math.exp(e) * r).sum() * dt) - delta, 1e-4, 10, xtol=1e-9)
+    return optimize.brentq(
+        lambda e: float(np.maximum(0.0, p - math.exp(e) * r).sum() * dt) - delta, 1e-4, 10, xtol=1e-9
+    )
 
 
 @pytest.mark.parametrize("z,q", [(2.0, 0.1), (1.0, 0.01)])
@@ -55,14 +58,31 @@ def test_poisson_sample_inclusion_rate():
 
 @pytest.mark.slow
 def test_fedrep_poisson_run_is_accounted_with_sampled_events():
-    cfg = config.build(EXP.config_type, dict(n_users=2000, dim=8, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=4,
-                                            epsilon=2.0, cohorts="poisson", sampling_rate=0.1, baselines="none", seed=2))
+    cfg = config.build(
+        EXP.config_type,
+        dict(
+            n_users=2000,
+            dim=8,
+            rank=2,
+            samples_per_user=5,
+            refit_samples=3,
+            test_samples=10,
+            rounds=4,
+            epsilon=2.0,
+            cohorts="poisson",
+            sampling_rate=0.1,
+            baselines="none",
+            seed=2,
+        ),
+    )
     protocol = EXP.protocol(cfg)
     result = execute(EXP, cfg, write=False, progress=False)
     assert result["epsilon"] <= 2.0 and result["epsilon"] == pytest.approx(2.0, rel=1e-2)
     event = protocol.user_event(protocol.noise_multiplier, protocol.releases_per_user(), 0.1)
     unsampled = protocol.user_event(protocol.noise_multiplier, protocol.releases_per_user())
-    assert event_epsilon(unsampled, cfg.delta) > 1.1 * event_epsilon(event, cfg.delta)  # the unsampled init dominates at q = 0.1
+    assert event_epsilon(unsampled, cfg.delta) > 1.1 * event_epsilon(
+        event, cfg.delta
+    )  # the unsampled init dominates at q = 0.1
     # the sampled counts of the rounds are near q·n
     counts = [r["units"] for r in result["_rounds"][1:]]
     assert len(counts) == 4 and result["_rounds"][0]["units"] == 2000 and len(set(counts)) > 1
@@ -79,8 +99,23 @@ def test_sampled_release_round_trips_through_the_ledger():
 
 @pytest.mark.slow  # > 10 s; in CI's slow run
 def test_fedrep_poisson_worst_case_neighbours():
-    cfg = config.build(EXP.config_type, dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=2,
-                                            epsilon=2.0, clip=1.0, cohorts="poisson", sampling_rate=0.5, baselines="none"))
+    cfg = config.build(
+        EXP.config_type,
+        dict(
+            n_users=40,
+            dim=6,
+            rank=2,
+            samples_per_user=5,
+            refit_samples=3,
+            test_samples=10,
+            rounds=2,
+            epsilon=2.0,
+            clip=1.0,
+            cohorts="poisson",
+            sampling_rate=0.5,
+            baselines="none",
+        ),
+    )
     protocol = EXP.protocol(cfg)
     units = EXP.units(cfg, torch.arange(cfg.n_users))
     for j in (0, 23):
@@ -110,8 +145,12 @@ def test_altmin_round_on_one_sample_is_one_sampled_gaussian_by_hand():
     event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
 
     def ledger(samples):
-        return Ledger([Release(1, f"round1.{s}", "gaussian", 1.0, 2.0, z, ALL_UNITS, event, {"poisson_sample": sample})
-                       for s, sample in zip("Ab", samples)])
+        return Ledger(
+            [
+                Release(1, f"round1.{s}", "gaussian", 1.0, 2.0, z, ALL_UNITS, event, {"poisson_sample": sample})
+                for s, sample in zip("Ab", samples)
+            ]
+        )
 
     shared = ledger_epsilon(ledger(["round1", "round1"]), 1e-6)
     assert shared == pytest.approx(hand_epsilon(2.0, q, 1e-6), rel=2e-3)
@@ -122,14 +161,27 @@ def test_altmin_poisson_run_accounts_each_round_as_one_sampled_mechanism():
     """A real (small) Poisson AltMin run: each round's A and b carry the round's one sample tag, so
     the ledger's ε is the init's Gaussian composed with T sampled (A, b) pairs, by hand; tagging b
     apart would account it as independently sampled (a smaller, wrong ε)."""
+    from dataclasses import replace
+
     from fedpers.privacy import Privatizer as P
     from fedpers.privacy import ledger_epsilon
     from fedpers.runtime.local import run_local
 
-    from dataclasses import replace
-
-    cfg = config.build(ALTMIN.config_type, dict(n_users=60, dim=4, rank=2, samples_per_user=8, rounds=2, epsilon=math.inf, cohorts="poisson",
-                                                sampling_rate=0.5, baselines="none", delta=1e-5))
+    cfg = config.build(
+        ALTMIN.config_type,
+        dict(
+            n_users=60,
+            dim=4,
+            rank=2,
+            samples_per_user=8,
+            rounds=2,
+            epsilon=math.inf,
+            cohorts="poisson",
+            sampling_rate=0.5,
+            baselines="none",
+            delta=1e-5,
+        ),
+    )
     protocol = replace(ALTMIN.protocol(cfg), noise_multiplier=3.0)  # the calibration is tested elsewhere
     privatizer = P(1)
     run_local(protocol, ALTMIN.units(cfg, torch.arange(cfg.n_users)), privatizer, progress=False)
@@ -139,8 +191,12 @@ def test_altmin_poisson_run_accounts_each_round_as_one_sampled_mechanism():
     parts = [r.event for r in releases if r.round == 0]
     for t in rounds:
         mine = [r for r in releases if r.round == t]
-        assert len(mine) == 2 and len({r.params.get("poisson_sample") for r in mine}) == 1 and mine[0].params.get("poisson_sample")
-        z = sum(r.event.event.noise_multiplier ** -2 for r in mine) ** -0.5  # two Gaussians on one sample: one Gaussian
+        assert (
+            len(mine) == 2
+            and len({r.params.get("poisson_sample") for r in mine}) == 1
+            and mine[0].params.get("poisson_sample")
+        )
+        z = sum(r.event.event.noise_multiplier**-2 for r in mine) ** -0.5  # two Gaussians on one sample: one Gaussian
         parts.append(dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(z)))
     by_hand = event_epsilon(dp_accounting.ComposedDpEvent(parts), cfg.delta)
     assert ledger_epsilon(privatizer.ledger, cfg.delta) == pytest.approx(by_hand, rel=1e-9)
@@ -148,20 +204,40 @@ def test_altmin_poisson_run_accounts_each_round_as_one_sampled_mechanism():
 
 @pytest.mark.slow
 def test_altmin_poisson_run_meets_its_target_and_samples_about_q_n():
-    cfg = config.build(ALTMIN.config_type, dict(n_users=20000, dim=6, rank=2, rounds=3, epsilon=2.0, cohorts="poisson", sampling_rate=0.2, baselines="none", seed=4))
+    cfg = config.build(
+        ALTMIN.config_type,
+        dict(
+            n_users=20000,
+            dim=6,
+            rank=2,
+            rounds=3,
+            epsilon=2.0,
+            cohorts="poisson",
+            sampling_rate=0.2,
+            baselines="none",
+            seed=4,
+        ),
+    )
     result = execute(ALTMIN, cfg, write=False, progress=False)
     assert result["epsilon"] <= 2.0 and result["epsilon"] == pytest.approx(2.0, rel=1e-2)
     counts = [r["units"] for r in result["_rounds"][1:]]
     assert result["_rounds"][0]["units"] == 20000 and len(set(counts)) == 3
     for c in counts:
         assert abs(c - 4000) < 5 * math.sqrt(20000 * 0.2 * 0.8)
-    disjoint = ALTMIN.protocol(config.build(ALTMIN.config_type, dict(n_users=20000, dim=6, rank=2, rounds=3, epsilon=2.0, baselines="none")))
+    disjoint = ALTMIN.protocol(
+        config.build(ALTMIN.config_type, dict(n_users=20000, dim=6, rank=2, rounds=3, epsilon=2.0, baselines="none"))
+    )
     assert ALTMIN.protocol(cfg).noise_multiplier < disjoint.noise_multiplier  # amplification buys less noise per round
 
 
 @pytest.mark.slow
 def test_altmin_poisson_worst_case_neighbours():
-    cfg = config.build(ALTMIN.config_type, dict(n_users=40, dim=6, rank=2, samples_per_user=8, rounds=2, epsilon=2.0, cohorts="poisson", sampling_rate=0.5))
+    cfg = config.build(
+        ALTMIN.config_type,
+        dict(
+            n_users=40, dim=6, rank=2, samples_per_user=8, rounds=2, epsilon=2.0, cohorts="poisson", sampling_rate=0.5
+        ),
+    )
     protocol = ALTMIN.protocol(cfg)
     units = ALTMIN.units(cfg, torch.arange(cfg.n_users))
     for j in (0, 23):
@@ -180,7 +256,18 @@ def test_altmin_poisson_config_is_checked():
 
 
 NOISYHEAD = EXPERIMENTS["noisyhead"]
-NH_USER = dict(prompts=4000, dim=3, context=3, unit="user", prompts_per_user=4, mode="rounds", steps=4, calibration="accountant", test_prompts=50, seed=2)
+NH_USER = dict(
+    prompts=4000,
+    dim=3,
+    context=3,
+    unit="user",
+    prompts_per_user=4,
+    mode="rounds",
+    steps=4,
+    calibration="accountant",
+    test_prompts=50,
+    seed=2,
+)
 
 
 @pytest.mark.slow
@@ -199,8 +286,17 @@ def test_noisyhead_user_level_poisson_meets_its_target_samples_about_q_and_divid
     # the step divides the noisy sum by the public q·N: a unit gradient moves Γ by η₀/(qN)
     g = torch.zeros(protocol.dim**2, dtype=torch.float64)
     g[0] = 1.0
-    moved = nh_descend(torch.zeros_like(g), g, protocol.prompts * protocol.sampling_rate, protocol.ridge_lambda, protocol.step_size, protocol.proj_r)
-    assert float(moved[0]) == pytest.approx(-protocol.step_size / (0.25 * 4000), rel=1e-9) or float(moved.norm()) == pytest.approx(protocol.proj_r)
+    moved = nh_descend(
+        torch.zeros_like(g),
+        g,
+        protocol.prompts * protocol.sampling_rate,
+        protocol.ridge_lambda,
+        protocol.step_size,
+        protocol.proj_r,
+    )
+    assert float(moved[0]) == pytest.approx(-protocol.step_size / (0.25 * 4000), rel=1e-9) or float(
+        moved.norm()
+    ) == pytest.approx(protocol.proj_r)
 
 
 def test_noisyhead_one_sampled_step_is_the_hand_computed_amplified_gaussian():
@@ -214,7 +310,10 @@ def test_noisyhead_one_sampled_step_is_the_hand_computed_amplified_gaussian():
 
     hand = hand_epsilon(2.0, 0.1, 1e-6)
     assert event_epsilon(step_event(2.0, 1, 0.1), 1e-6) == pytest.approx(hand, rel=2e-3)
-    cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "prompts": 800, "steps": 1, "epsilon": math.inf, "delta": 1e-6, "sampling_rate": 0.1})
+    cfg = config.build(
+        NOISYHEAD.config_type,
+        {**NH_USER, "prompts": 800, "steps": 1, "epsilon": math.inf, "delta": 1e-6, "sampling_rate": 0.1},
+    )
     protocol = replace(NOISYHEAD.protocol(cfg), noise_multiplier=2.0)
     units = NOISYHEAD.units(cfg, torch.arange(200))
     privatizer = Privatizer(5)
@@ -243,7 +342,14 @@ def test_noisyhead_poisson_local_equals_flower_grid(tmp_path):
 
     cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "prompts": 400, "epsilon": 3.0, "sampling_rate": 0.3})
     local = execute(NOISYHEAD, cfg, out=tmp_path / "local", progress=False)
-    flower = execute(NOISYHEAD, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=3), out=tmp_path / "flower", progress=False, grid=InProcessGrid(make_client_app(), 3))
+    flower = execute(
+        NOISYHEAD,
+        cfg,
+        RuntimeOptions(runtime=Runtime.FLOWER, nodes=3),
+        out=tmp_path / "flower",
+        progress=False,
+        grid=InProcessGrid(make_client_app(), 3),
+    )
     torch.testing.assert_close(flower["_state"]["gamma"], local["_state"]["gamma"], rtol=1e-6, atol=1e-9)
     assert [r["units"] for r in flower["_rounds"]] == [r["units"] for r in local["_rounds"]]
 
@@ -254,7 +360,9 @@ def test_noisyhead_poisson_step_divides_the_sum_by_q_n():
     from 0 by exactly −η₀·g/(qN) (inside the ball)."""
     from dataclasses import replace
 
-    cfg = config.build(NOISYHEAD.config_type, {**NH_USER, "prompts": 800, "steps": 1, "epsilon": math.inf, "sampling_rate": 0.25})
+    cfg = config.build(
+        NOISYHEAD.config_type, {**NH_USER, "prompts": 800, "steps": 1, "epsilon": math.inf, "sampling_rate": 0.25}
+    )
     protocol = replace(NOISYHEAD.protocol(cfg), noise_multiplier=0.0)
     g = torch.zeros(protocol.dim**2, dtype=torch.float64)
     g[0] = 1e-3 * protocol.prompts

@@ -1,5 +1,6 @@
 """The lab's privacy policy (issue 23): file format, the ServerApp's and the nodes' checks, the
 federation's cumulative budget ledger, and private files at rest."""
+
 from __future__ import annotations
 
 import json
@@ -34,24 +35,35 @@ def test_policy_file_is_read_and_malformed_files_name_the_key(tmp_path: Path, po
     assert policy.max_epsilon == 8.0 and policy.min_units == 50 and policy.algorithms == ("altmin",)
     assert (policy.max_rounds, policy.max_seconds) == (1000, 86400.0)  # the defaults
     assert policy.ledger == (tmp_path / "lab-budget.json").resolve()
-    for bad, word in ((POLICY.replace("8.0", "inf"), "max-epsilon"), (POLICY.replace("1e-4", "2.0"), "max-delta"),
-                      (POLICY.replace("min-units = 50", "min-units = 0"), "min-units"), (POLICY + "epsilon = 1\n", r"unknown keys \['epsilon'\]"),
-                      (POLICY.replace('["altmin"]', '"altmin"'), "algorithms"), (POLICY + "max-rounds = 0\n", "max-rounds"),
-                      (POLICY + "max-seconds = -1.0\n", "max-seconds"), (POLICY + 'max-rounds = "9"\n', "max-rounds")):
+    for bad, word in (
+        (POLICY.replace("8.0", "inf"), "max-epsilon"),
+        (POLICY.replace("1e-4", "2.0"), "max-delta"),
+        (POLICY.replace("min-units = 50", "min-units = 0"), "min-units"),
+        (POLICY + "epsilon = 1\n", r"unknown keys \['epsilon'\]"),
+        (POLICY.replace('["altmin"]', '"altmin"'), "algorithms"),
+        (POLICY + "max-rounds = 0\n", "max-rounds"),
+        (POLICY + "max-seconds = -1.0\n", "max-seconds"),
+        (POLICY + 'max-rounds = "9"\n', "max-rounds"),
+    ):
         (tmp_path / "bad.toml").write_text(bad)
         with pytest.raises(ValueError, match=word):
             load_policy(tmp_path / "bad.toml")
 
 
-@pytest.mark.parametrize(("algorithm", "config", "secure", "rule"), [
-    ("dpals", {"epsilon": 1.0, "delta": 1e-5}, True, "algorithms"),
-    ("altmin", {"epsilon": math.inf, "delta": 1e-5}, True, "max-epsilon"),
-    ("altmin", {"epsilon": 9.0, "delta": 1e-5}, True, "max-epsilon"),
-    ("altmin", {"delta": 1e-5}, True, "max-epsilon"),  # no epsilon at all: non-private
-    ("altmin", {"epsilon": 1.0, "delta": 1e-3}, True, "max-delta"),
-    ("altmin", {"epsilon": 1.0, "delta": 1e-5}, False, "require-secure-noise"),
-])
-def test_server_refuses_a_run_outside_the_policy_naming_the_rule(policy: Policy, algorithm, config, secure, rule) -> None:
+@pytest.mark.parametrize(
+    ("algorithm", "config", "secure", "rule"),
+    [
+        ("dpals", {"epsilon": 1.0, "delta": 1e-5}, True, "algorithms"),
+        ("altmin", {"epsilon": math.inf, "delta": 1e-5}, True, "max-epsilon"),
+        ("altmin", {"epsilon": 9.0, "delta": 1e-5}, True, "max-epsilon"),
+        ("altmin", {"delta": 1e-5}, True, "max-epsilon"),  # no epsilon at all: non-private
+        ("altmin", {"epsilon": 1.0, "delta": 1e-3}, True, "max-delta"),
+        ("altmin", {"epsilon": 1.0, "delta": 1e-5}, False, "require-secure-noise"),
+    ],
+)
+def test_server_refuses_a_run_outside_the_policy_naming_the_rule(
+    policy: Policy, algorithm, config, secure, rule
+) -> None:
     with pytest.raises(PolicyRefused, match=f"rule '{rule}'") as e:
         check_run(policy, algorithm, config, secure_noise=secure)
     assert e.value.rule == rule
@@ -175,7 +187,15 @@ def test_fleet_proxy_forwards_only_the_fleet_api() -> None:
         await task
         return next(m["status"] for m in sent if m["type"] == "http.response.start")
 
-    for path in ("/v1/control/list-runs", "/v1/control/start-run", "/v1/control/register-supernode", "/v1/control/stream-logs", "/v1/runtime/acquire-task", "/docs", "/v1/fleet/../control/list-runs"):
+    for path in (
+        "/v1/control/list-runs",
+        "/v1/control/start-run",
+        "/v1/control/register-supernode",
+        "/v1/control/stream-logs",
+        "/v1/runtime/acquire-task",
+        "/docs",
+        "/v1/fleet/../control/list-runs",
+    ):
         assert asyncio.run(call("POST", path)) == 404, path
     assert asyncio.run(call("GET", "/v1/fleet/pull-messages")) == 404
     assert asyncio.run(call("POST", "/v1/fleet/pull-messages")) == 502
@@ -188,8 +208,13 @@ def test_admitting_a_new_run_into_a_reused_out_directory_charges_it_again(policy
 
     from fedpers.runtime.flower.policy import admit_run
 
-    job = SimpleNamespace(resume=None, experiment=SimpleNamespace(name="altmin", num_units=lambda cfg: 100),
-                          cfg={"epsilon": 3.0, "delta": 1e-5}, options=SimpleNamespace(secure_noise=True), out=tmp_path / "run")
+    job = SimpleNamespace(
+        resume=None,
+        experiment=SimpleNamespace(name="altmin", num_units=lambda cfg: 100),
+        cfg={"epsilon": 3.0, "delta": 1e-5},
+        options=SimpleNamespace(secure_noise=True),
+        out=tmp_path / "run",
+    )
     admit_run(policy, job, "1")
     admit_run(policy, job, "2")
     assert BudgetLedger(policy.ledger, policy.federation).spent((0, 100)) == (6.0, 2e-5)

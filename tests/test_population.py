@@ -1,4 +1,5 @@
 """population_mse (refit v_j on fresh samples with the released U, test on more) for run altmin."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,17 @@ from fedpers.experiments import experiment
 from fedpers.runner import execute
 
 EXP = experiment("altmin")
-BASE = {"n_users": 8000, "dim": 20, "rank": 2, "samples_per_user": 8, "noise_std": 0.1, "refit_samples": 6, "test_samples": 50, "rounds": 2, "baselines": "oracle"}
+BASE = {
+    "n_users": 8000,
+    "dim": 20,
+    "rank": 2,
+    "samples_per_user": 8,
+    "noise_std": 0.1,
+    "refit_samples": 6,
+    "test_samples": 50,
+    "rounds": 2,
+    "baselines": "oracle",
+}
 
 
 def run(**kw):

@@ -1,4 +1,5 @@
 """Accountant pins, calibration bounds, composition, and mechanism noise scales."""
+
 import math
 
 import dp_accounting
@@ -42,7 +43,7 @@ def test_single_gaussian_matches_analytic_gaussian(z):
 @pytest.mark.parametrize("target", [0.5, 1.0, 4.0, 8.0])
 @pytest.mark.parametrize("releases", [1, 3, 9])
 def test_calibration_meets_target_without_waste(target, releases):
-    make = lambda z: dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z)] * releases)  # noqa: E731
+    make = lambda z: dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z)] * releases)
     z = calibrate_noise_multiplier(make, target, 1e-5)
     eps = event_epsilon(make(z), 1e-5)
     assert 0.99 * target <= eps <= target
@@ -50,7 +51,7 @@ def test_calibration_meets_target_without_waste(target, releases):
 
 
 def test_calibration_with_a_pure_dp_part_uses_the_accountant():
-    make = lambda z: dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z), PureDpEvent(0.5)])  # noqa: E731
+    make = lambda z: dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z), PureDpEvent(0.5)])
     z = calibrate_noise_multiplier(make, 2.0, 1e-5)
     assert 0.99 * 2.0 <= event_epsilon(make(z), 1e-5) <= 2.0
     assert event_epsilon(PureDpEvent(0.5), 1e-5) == pytest.approx(0.5, abs=1e-3)
@@ -58,7 +59,9 @@ def test_calibration_with_a_pure_dp_part_uses_the_accountant():
 
 def _poisson_round(z: float) -> dp_accounting.DpEvent:
     sampled = dp_accounting.PoissonSampledDpEvent(0.3, dp_accounting.GaussianDpEvent(z))
-    return dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z), dp_accounting.SelfComposedDpEvent(sampled, 3)])
+    return dp_accounting.ComposedDpEvent(
+        [dp_accounting.GaussianDpEvent(z), dp_accounting.SelfComposedDpEvent(sampled, 3)]
+    )
 
 
 @pytest.mark.parametrize("target", [0.7, 2.0, 6.0])
@@ -76,19 +79,25 @@ def test_poisson_calibration_falls_back_to_the_full_grid_when_the_coarse_one_is_
 
     real = accountant.event_epsilon
 
-    def off(event, delta, acc=accountant.Accountant.PLD, *, pld_discretisation=accountant.PLD_DISCRETISATION,
-            neighbours="replace-one"):
+    def off(
+        event,
+        delta,
+        acc=accountant.Accountant.PLD,
+        *,
+        pld_discretisation=accountant.PLD_DISCRETISATION,
+        neighbours="replace-one",
+    ):
         eps = real(event, delta, acc, pld_discretisation=pld_discretisation, neighbours=neighbours)
         return eps * 1.05 if pld_discretisation == accountant.COARSE_DISCRETISATION else eps
 
     monkeypatch.setattr(accountant, "event_epsilon", off)
-    make = lambda z: dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z), PureDpEvent(0.5)])  # noqa: E731
+    make = lambda z: dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(z), PureDpEvent(0.5)])
     z = calibrate_noise_multiplier(make, 2.0, 1e-5)
     assert 2.0 * (1 - 1e-3) <= real(make(z), 1e-5) <= 2.0
 
 
 def test_bad_privacy_targets_refused():
-    make = lambda z: dp_accounting.GaussianDpEvent(z)  # noqa: E731
+    make = lambda z: dp_accounting.GaussianDpEvent(z)
     with pytest.raises(ValueError, match="epsilon"):
         calibrate_noise_multiplier(make, 0.0, 1e-5)
     with pytest.raises(ValueError, match="delta"):
@@ -120,7 +129,12 @@ def test_ledger_round_trips_through_json():
 
 def test_gaussian_noise_has_the_declared_std():
     p = Privatizer(7)
-    draws = torch.stack([p.gaussian_sum(torch.zeros(500), per_unit_bound=2.0, noise_multiplier=1.5, name="x", round=0) for _ in range(20)])
+    draws = torch.stack(
+        [
+            p.gaussian_sum(torch.zeros(500), per_unit_bound=2.0, noise_multiplier=1.5, name="x", round=0)
+            for _ in range(20)
+        ]
+    )
     # 10,000 draws: the sample std is within ±3% of σ = 3.0 with overwhelming probability (s.e. ≈ 0.7%).
     assert draws.std().item() == pytest.approx(3.0, rel=0.03)
     assert all(r.noise_std == 3.0 and r.sensitivity == 4.0 for r in p.ledger)
@@ -163,8 +177,14 @@ def test_coarse_grid_calibration_is_stepped_up_to_the_target_at_full_resolution(
 
     real = acc_lib.event_epsilon
 
-    def skewed(event, delta, accountant=acc_lib.Accountant.PLD, *, pld_discretisation=acc_lib.PLD_DISCRETISATION,  # noqa: ANN001, ANN202
-               neighbours="replace-one"):
+    def skewed(
+        event,
+        delta,
+        accountant=acc_lib.Accountant.PLD,
+        *,
+        pld_discretisation=acc_lib.PLD_DISCRETISATION,
+        neighbours="replace-one",
+    ):
         eps = real(event, delta, accountant, pld_discretisation=pld_discretisation, neighbours=neighbours)
         return eps * (1 - 5e-4) if pld_discretisation == acc_lib.COARSE_DISCRETISATION else eps
 
@@ -172,7 +192,9 @@ def test_coarse_grid_calibration_is_stepped_up_to_the_target_at_full_resolution(
     monkeypatch.setattr(acc_lib.calibration_cache, "lookup", lambda key: None)
 
     def event(z: float) -> dp_accounting.DpEvent:
-        return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(z)), 2)
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(0.25, dp_accounting.GaussianDpEvent(z)), 2
+        )
 
     z = acc_lib.calibrate_noise_multiplier(event, target, 1e-5)
     eps = real(event(z), 1e-5, acc_lib.Accountant.PLD)

@@ -6,6 +6,7 @@
 - resume: the ledger's matching of re-drawn against recorded releases, both branches;
 - sampling: the rate the ledger records is the rate the server sampled at (realised cohorts).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,10 +24,22 @@ from fedpers.runner import execute
 torch.set_num_threads(1)
 
 ALTMIN = dict(n_users=300, dim=6, rank=2, samples_per_user=8, rounds=2, epsilon=2.0, baselines="none")
-FEDREP = dict(n_users=400, dim=6, rank=2, samples_per_user=4, refit_samples=2, test_samples=4, rounds=3, epsilon=2.0, baselines="none")
+FEDREP = dict(
+    n_users=400,
+    dim=6,
+    rank=2,
+    samples_per_user=4,
+    refit_samples=2,
+    test_samples=4,
+    rounds=3,
+    epsilon=2.0,
+    baselines="none",
+)
 DPALS = dict(n_users=60, n_items=20, rank=2, true_rank=2, max_count=10, steps=2, epsilon=2.0)
 NOISYGD = dict(examples=200, feature_dim=8, classes=3, steps=3, test_examples=40, epsilon=2.0)
-NOISYHEAD = dict(prompts=120, dim=3, context=8, steps=4, epsilon=2.0, test_prompts=20, calibration="accountant")  # paper: more noise by design
+NOISYHEAD = dict(
+    prompts=120, dim=3, context=8, steps=4, epsilon=2.0, test_prompts=20, calibration="accountant"
+)  # paper: more noise by design
 
 PLANS = {
     "altmin disjoint": ("altmin", {**ALTMIN, "cohorts": "disjoint"}),
@@ -54,7 +67,9 @@ def test_calibrated_plan_counts_every_release_the_run_makes(plan, tmp_path):
     execute(exp, cfg, out=tmp_path / "run", progress=False)
     ledger = Ledger.from_json((tmp_path / "run" / "ledger.json").read_text())
     assert len(ledger) > 0
-    spent = ledger_epsilon(ledger, cfg.delta, getattr(cfg, "accountant", Accountant.PLD))  # the accountant it calibrated with
+    spent = ledger_epsilon(
+        ledger, cfg.delta, getattr(cfg, "accountant", Accountant.PLD)
+    )  # the accountant it calibrated with
     assert spent == pytest.approx(cfg.epsilon, rel=2e-3), (plan, spent, [r.name for r in ledger])
 
 
@@ -63,7 +78,12 @@ def _violations(f: dataclasses.Field) -> list:
     """Values just outside a field's declared range (from its metadata)."""
     meta = f.metadata or {}
     out = []
-    for key, bad in (("ge", lambda b: b - 1 if isinstance(b, int) else b - 1e-3), ("gt", lambda b: b), ("le", lambda b: b + 1), ("lt", lambda b: b)):
+    for key, bad in (
+        ("ge", lambda b: b - 1 if isinstance(b, int) else b - 1e-3),
+        ("gt", lambda b: b),
+        ("le", lambda b: b + 1),
+        ("lt", lambda b: b),
+    ):
         if meta.get(key) is not None:
             out.append(bad(meta[key]))
     return out
@@ -73,7 +93,7 @@ def _counting_appends(monkeypatch) -> list:
     appended: list = []
     original = Ledger.append
 
-    def append(self, release):  # noqa: ANN001, ANN202
+    def append(self, release):
         appended.append(release.name)
         return original(self, release)
 
@@ -108,10 +128,22 @@ def test_data_refusals_happen_before_the_first_release(monkeypatch, tmp_path):
     pd.DataFrame({"user": [u for u in range(6) for _ in range(8)], "y": 1.0, "f0": 0.5, "f1": "x"}).to_parquet(long)
     cases = [
         ("dpals", {"ratings": str(ratings)}, "declared public item universe"),
-        ("dpals", {"ratings": str(text_ratings), "item_ids": "1:9", "rating_min": 1, "rating_max": 5}, "declared .*not numeric"),
+        (
+            "dpals",
+            {"ratings": str(text_ratings), "item_ids": "1:9", "rating_min": 1, "rating_max": 5},
+            "declared .*not numeric",
+        ),
         ("dpals", {"item_ids": "1:9"}, "applies only to --ratings or --dataset"),
-        ("dpals", {"clip_embedding": 0.0, "private_center": True}, "must be finite"),  # round 0 would release, round 1 refuse
-        ("dpals", {"clip_rating": 0.0, "private_center": True}, "must be finite"),  # the sums' clip too: refused before round 0
+        (
+            "dpals",
+            {"clip_embedding": 0.0, "private_center": True},
+            "must be finite",
+        ),  # round 0 would release, round 1 refuse
+        (
+            "dpals",
+            {"clip_rating": 0.0, "private_center": True},
+            "must be finite",
+        ),  # the sums' clip too: refused before round 0
         ("fedrep", {"cohorts": "poisson", "sampling_rate": 1.0}, "sampling_rate"),
         ("altmin", {"data": str(long), "rank": 1}, "'f1' is (string|large_string), not numeric: row 1 holds 'x'"),
         ("altmin", {"data": str(long), "rank": 1, "feature_columns": "f0,f7"}, "no column 'f7'"),
@@ -164,11 +196,17 @@ def test_resume_recorded_release_not_redrawn_is_accounted_by_settle():
 
 
 # ----- sampling: recorded rate = sampled rate ------------------------------------------------------
-@pytest.mark.parametrize("name, values", [
-    ("fedrep", {**FEDREP, "n_users": 3000, "rounds": 6, "cohorts": "poisson", "sampling_rate": 0.1}),
-    pytest.param("altmin", {**ALTMIN, "n_users": 3000, "rounds": 4, "cohorts": "poisson", "sampling_rate": 0.15},
-                 marks=pytest.mark.slow),  # fedrep covers the same server-side sampling path in the default suite
-])
+@pytest.mark.parametrize(
+    "name, values",
+    [
+        ("fedrep", {**FEDREP, "n_users": 3000, "rounds": 6, "cohorts": "poisson", "sampling_rate": 0.1}),
+        pytest.param(
+            "altmin",
+            {**ALTMIN, "n_users": 3000, "rounds": 4, "cohorts": "poisson", "sampling_rate": 0.15},
+            marks=pytest.mark.slow,
+        ),  # fedrep covers the same server-side sampling path in the default suite
+    ],
+)
 def test_ledger_sampling_rate_is_the_rate_the_server_sampled_at(name, values, tmp_path):
     """Pooled realised cohort sizes against Binomial(rounds·n, q_ledger): |z| < 5."""
     exp = EXPERIMENTS[name]

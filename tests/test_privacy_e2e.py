@@ -7,6 +7,7 @@ the server actually sent). Each release's pre-noise change must stay within the
 sensitivity its ledger entry records, only the unit's own releases may move, and the run
 must complete with the same releases (see ``tests/neighbours.py``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -41,7 +42,9 @@ def cohort_of_user(cfg, n: int, rounds: int, j: int) -> int:
 def first_round_U(protocol, units) -> torch.Tensor:
     """The first column of the U the server broadcasts in round 1."""
     states = []
-    run_local(protocol, units, TapPrivatizer(3), chunk_size=7, progress=False, on_round=lambda rec, st: states.append(st))
+    run_local(
+        protocol, units, TapPrivatizer(3), chunk_size=7, progress=False, on_round=lambda rec, st: states.append(st)
+    )
     return states[0]["U"][:, 0]
 
 
@@ -145,7 +148,7 @@ def test_expmech_score_sensitivity_is_reached():
     units["y"][4] = 0.0
     new = {"x": torch.zeros_like(units["x"][4]), "y": torch.full_like(units["y"][4], 10 * zeta)}
     outcome = check_neighbour(protocol, units, 4, new, {ALL_UNITS})
-    (release, moved), = outcome.changes
+    ((release, moved),) = outcome.changes
     assert moved == pytest.approx(zeta**2, rel=1e-9) and release.sensitivity == pytest.approx(zeta**2)
     assert moved > protocol.paper_sensitivity  # ζ > 8.9·L_fC: the paper's 4ξL_fC would be broken
 
@@ -158,7 +161,7 @@ def test_dpattention_neighbours_within_the_theorem_and_never_failing():
     cfg, protocol, units = setup("dpattention", dict(columns=3000, seed=1))
     reference = TapPrivatizer(0)
     run(protocol, units, reference, chunk_size=512)
-    (release, A), = reference.values
+    ((release, A),) = reference.values
     vals, vecs = torch.linalg.eigh(A.double())
     assert float(vals.min()) >= protocol.params.eta  # the precondition the bound needs
     root = (vecs * vals.sqrt()) @ vecs.T
@@ -170,7 +173,7 @@ def test_dpattention_neighbours_within_the_theorem_and_never_failing():
         neighbour = {k: v.clone() for k, v in units.items()}
         neighbour["x"][j] = (col + cfg.beta * u).to(neighbour["x"].dtype)
         run(protocol, neighbour, replayed, chunk_size=512)
-        (_, A2), = replayed.values
+        ((_, A2),) = replayed.values
         gap = root @ torch.linalg.inv(A2.double()) @ root - torch.eye(A.shape[0], dtype=torch.float64)
         assert float(torch.linalg.matrix_norm(gap)) <= release.sensitivity
     for label, new in adversaries(units["x"][j], None, torch.float64).items():
@@ -179,12 +182,16 @@ def test_dpattention_neighbours_within_the_theorem_and_never_failing():
         neighbour["x"][j] = new["x"].to(neighbour["x"].dtype)
         run(protocol, neighbour, fresh, chunk_size=512)
         assert len(fresh.ledger) == 1, label
-        (_, A3), = fresh.values
-        assert float(torch.linalg.matrix_norm(A3.double() - A.double())) <= 2 * protocol.params.alpha**2 * (1 + 1e-9), label
+        ((_, A3),) = fresh.values
+        assert float(torch.linalg.matrix_norm(A3.double() - A.double())) <= 2 * protocol.params.alpha**2 * (1 + 1e-9), (
+            label
+        )
 
 
 # ----- bounds that are reached (so they cannot be tightened further) -------------------------------
-def reach_units(protocol, units, U: torch.Tensor, j: int, q2_direction: int, y_sign_q2: float = 1.0, y_sign_init: float = 1.0):
+def reach_units(
+    protocol, units, U: torch.Tensor, j: int, q2_direction: int, y_sign_q2: float = 1.0, y_sign_init: float = 1.0
+):
     """User j's data that drives every clip: Q1 aligned with U's first column (v̂ = ±e₁), Q2 along a
     coordinate axis with huge norm, labels far above ζ."""
     m, d = units["x"].shape[1], units["x"].shape[2]
@@ -261,6 +268,7 @@ def test_audit_of_the_A_release_through_the_server_path():
             tap = TapPrivatizer(next(seeds), replay=[init.outputs[0]])
             run(protocol, data, tap, chunk_size=64)
             return tap.outputs[1]
+
         return draw
 
     lower = gdp_lower_bound(release(d), release(d_prime), centres["d"], centres["d_prime"], trials=1000)
@@ -270,12 +278,30 @@ def test_audit_of_the_A_release_through_the_server_path():
 
 
 # ----- DPALS (private matrix completion) -----------------------------------------------------------
-@pytest.mark.parametrize("round0", [{"private_center": False}, {"private_center": True, "head_items": 12}], ids=["no-round0", "private-center"])
+@pytest.mark.parametrize(
+    "round0",
+    [{"private_center": False}, {"private_center": True, "head_items": 12}],
+    ids=["no-round0", "private-center"],
+)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_dpals_worst_case_neighbours(dtype, round0):
     """One user's ratings replaced by huge, overflowing, alternating or absent ratings on other items;
     with round 0 (private centre, head items) its item sums and counts are releases too."""
-    cfg, protocol, units = setup("dpals", dict(n_users=30, n_items=20, rank=3, true_rank=3, items_per_user=5, max_count=12, steps=2, epsilon=1.0, dtype=dtype, **round0))
+    cfg, protocol, units = setup(
+        "dpals",
+        dict(
+            n_users=30,
+            n_items=20,
+            rank=3,
+            true_rank=3,
+            items_per_user=5,
+            max_count=12,
+            steps=2,
+            epsilon=1.0,
+            dtype=dtype,
+            **round0,
+        ),
+    )
     huge = 1e30 if dtype == "float32" else 1e160
     tol = 1e-5 if dtype == "float32" else 1e-9
     for j in (0, 17):
@@ -284,14 +310,18 @@ def test_dpals_worst_case_neighbours(dtype, round0):
         sign[1::2] = -1
         cases = {
             "huge ratings": {"ratings": ratings * 0 + huge},
-            "overflowing ratings": {"ratings": ratings.double() * 0 + 1e39 if dtype == "float32" else ratings * 0 + 1e300},
+            "overflowing ratings": {
+                "ratings": ratings.double() * 0 + 1e39 if dtype == "float32" else ratings * 0 + 1e300
+            },
             "alternating ratings": {"ratings": huge * sign},
             "other items": {"items": (items + 7) % cfg.n_items, "ratings": huge * sign},
             "no ratings": {"mask": torch.zeros_like(mask)},
         }
         for label, new in cases.items():
             outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS}, rel_tol=tol)
-            assert outcome.releases >= (4 if round0["private_center"] else 2), label  # (c) equal counts on both neighbours is checked inside
+            assert outcome.releases >= (4 if round0["private_center"] else 2), (
+                label
+            )  # (c) equal counts on both neighbours is checked inside
 
 
 def test_dpals_one_sign_ratings_push_the_total_entries_to_their_bound():
@@ -300,8 +330,20 @@ def test_dpals_one_sign_ratings_push_the_total_entries_to_their_bound():
     alternating signs, which cancel in the total). Counts: B items vs B other items reach
     Γ_c = half of 2Γ_c (replace-one moves indicators, the count entry stays)."""
     B = 5
-    cfg, protocol, units = setup("dpals", dict(n_users=30, n_items=20, rank=3, true_rank=3, items_per_user=B, max_count=12, steps=1,
-                                               epsilon=1.0, private_center=True))
+    cfg, protocol, units = setup(
+        "dpals",
+        dict(
+            n_users=30,
+            n_items=20,
+            rank=3,
+            true_rank=3,
+            items_per_user=B,
+            max_count=12,
+            steps=1,
+            epsilon=1.0,
+            private_center=True,
+        ),
+    )
     j = 4
     units["items"][j] = 0
     units["items"][j, :B] = torch.arange(B)
@@ -311,8 +353,10 @@ def test_dpals_one_sign_ratings_push_the_total_entries_to_their_bound():
     units["ratings"][j] = 0.0
     units["ratings"][j, :B] = 1e6
     reach = {}
-    for label, new in {"opposite sign, same items": {"ratings": -units["ratings"][j]},
-                       "same sign, other items": {"items": units["items"][j] + B * (units["mask"][j]).long()}}.items():
+    for label, new in {
+        "opposite sign, same items": {"ratings": -units["ratings"][j]},
+        "same sign, other items": {"items": units["items"][j] + B * (units["mask"][j]).long()},
+    }.items():
         outcome = check_neighbour(protocol, units, j, new, {ALL_UNITS})
         for release, moved in outcome.changes:
             reach[(label, release.name)] = moved / release.sensitivity
@@ -325,8 +369,19 @@ def test_dpals_one_sign_ratings_push_the_total_entries_to_their_bound():
 def test_fedrep_worst_case_neighbours(cohorts):
     """FedRep's init and gradient releases under every adversary, all users or Poisson-sampled
     (FedRep has no disjoint cohorts; AltMin's are covered above)."""
-    values = dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=2, epsilon=2.0, clip=1.0,
-                  baselines="none", cohorts=cohorts)
+    values = dict(
+        n_users=40,
+        dim=6,
+        rank=2,
+        samples_per_user=5,
+        refit_samples=3,
+        test_samples=10,
+        rounds=2,
+        epsilon=2.0,
+        clip=1.0,
+        baselines="none",
+        cohorts=cohorts,
+    )
     if cohorts == "poisson":
         values["sampling_rate"] = 0.6
     cfg, protocol, units = setup("fedrep", values)
@@ -347,8 +402,21 @@ def test_dpals_round0_from_the_empty_user_moves_each_release_by_one_bound(dtype)
     entries are both reached: one-sign ratings push the sums to exactly Γ_s (alternating ones
     cancel in the total entry)."""
     L, B = 12, 5
-    cfg, protocol, units = setup("dpals", dict(n_users=30, n_items=20, rank=3, true_rank=3, items_per_user=B, max_count=L, steps=1,
-                                               epsilon=1.0, private_center=True, dtype=dtype))
+    cfg, protocol, units = setup(
+        "dpals",
+        dict(
+            n_users=30,
+            n_items=20,
+            rank=3,
+            true_rank=3,
+            items_per_user=B,
+            max_count=L,
+            steps=1,
+            epsilon=1.0,
+            private_center=True,
+            dtype=dtype,
+        ),
+    )
     tol = 1e-5 if dtype == "float32" else 1e-9
     j = 4
     units["mask"][j] = False  # the empty user

@@ -41,7 +41,13 @@ def test_a_quiet_run_prints_no_phase(capfd):
 def test_the_wait_for_flower_nodes_is_announced(capfd):
     exp = EXPERIMENTS["altmin"]
     cfg = config.build(exp.config_type, {"n_users": 300, "dim": 10, "rank": 2, "rounds": 1, "baselines": "none"})
-    execute(exp, cfg, RuntimeOptions(runtime=Runtime.FLOWER, nodes=2), write=False, progress=True,
-            grid=InProcessGrid(make_client_app(), 2))
+    execute(
+        exp,
+        cfg,
+        RuntimeOptions(runtime=Runtime.FLOWER, nodes=2),
+        write=False,
+        progress=True,
+        grid=InProcessGrid(make_client_app(), 2),
+    )
     err = capfd.readouterr().err
     assert 0 <= err.find("flower: waiting for 2 nodes to join") < err.find("altmin: evaluating"), err

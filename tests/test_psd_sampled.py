@@ -6,6 +6,7 @@ models each unit as Δ/2 from absent; with Δ = √2·B that under-counts by √
 A_j ⟂ A'_j at full norm (reached by x̂ ⟂ x̂′ at the clip) spends more than recorded. Sampled PSD
 releases are therefore not tightened; unsampled ones keep the (tight) √2 bound.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,9 @@ H = 0.02  # grid step in σ: ε agrees with h = 0.01 to 1e-6 on these pairs
 def release(z: float, q: float, bound: float = 3.0):
     p = Privatizer(0)
     value = torch.diag(torch.tensor([bound, 0.0], dtype=torch.float64))  # a PSD sum (one unit)
-    p.symmetric_gaussian_sum(value, per_unit_bound=bound, noise_multiplier=z, name="A", round=1, psd_units=True, sampling_probability=q)
+    p.symmetric_gaussian_sum(
+        value, per_unit_bound=bound, noise_multiplier=z, name="A", round=1, psd_units=True, sampling_probability=q
+    )
     return p.ledger.releases[-1]
 
 
@@ -50,7 +53,9 @@ def test_sampled_psd_release_is_sound_on_every_pair(z, q):
         true = epsilon_of(DELTA, q, a, a2, h=H)
         assert true <= reported * 1.001 + 1e-4, (label, true, reported)
     # the event's own (antipodal) pair is tight: the accountant is not loose by construction
-    assert epsilon_of(DELTA, q, *pairs(distance)["antipodal (the event's own model)"], h=H) == pytest.approx(reported, rel=2e-3)
+    assert epsilon_of(DELTA, q, *pairs(distance)["antipodal (the event's own model)"], h=H) == pytest.approx(
+        reported, rel=2e-3
+    )
 
 
 @pytest.mark.parametrize("q", [0.5, 0.75, 0.999])
@@ -81,13 +86,17 @@ def test_unsampled_psd_tightening_is_sound_and_tight():
     assert true == pytest.approx(reported, rel=2e-3)
 
 
-@pytest.mark.parametrize("value", [torch.diag(torch.tensor([1.0, -1.0])), torch.tensor([[0.0, 1.0], [1.0, 0.0]]), -torch.eye(3)])
+@pytest.mark.parametrize(
+    "value", [torch.diag(torch.tensor([1.0, -1.0])), torch.tensor([[0.0, 1.0], [1.0, 0.0]]), -torch.eye(3)]
+)
 def test_psd_tightening_refused_for_a_statistic_that_is_not_psd(value):
     p = Privatizer(0)
     with pytest.raises(ValueError, match="not positive semi-definite"):
         p.symmetric_gaussian_sum(value, per_unit_bound=1.0, noise_multiplier=1.0, name="A", round=1, psd_units=True)
     assert len(p.ledger) == 0
-    p.symmetric_gaussian_sum(value, per_unit_bound=1.0, noise_multiplier=1.0, name="A", round=1)  # without the claim: 2·B
+    p.symmetric_gaussian_sum(
+        value, per_unit_bound=1.0, noise_multiplier=1.0, name="A", round=1
+    )  # without the claim: 2·B
     assert p.ledger.releases[-1].sensitivity == 2.0
 
 

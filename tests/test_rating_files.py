@@ -13,8 +13,18 @@ ROWS = [(10, 5, 4.0), (10, 7, 3.5), (3, 5, 1.0), (3, 9, 5.0), (3, 7, 2.0), (42, 
 
 def load(path, **kw):
     rating_files.load_table.cache_clear()
-    args = dict(fmt="auto", user_column="user", item_column="item", rating_column="rating", rating_min=0.0, rating_max=5.0,
-                seed=1, test_fraction=0.0, cap=0, universe=(5, 7, 9))
+    args = dict(
+        fmt="auto",
+        user_column="user",
+        item_column="item",
+        rating_column="rating",
+        rating_min=0.0,
+        rating_max=5.0,
+        seed=1,
+        test_fraction=0.0,
+        cap=0,
+        universe=(5, 7, 9),
+    )
     args.update(kw)
     return rating_files.load_table(str(path), **args)
 
@@ -39,7 +49,9 @@ def as_set(t):
 def test_movielens_csv_and_dat(tmp_path):
     d = tmp_path / "a"
     d.mkdir()
-    (d / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},123\n" for u, i, r in ROWS))
+    (d / "ratings.csv").write_text(
+        "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},123\n" for u, i, r in ROWS)
+    )
     e = tmp_path / "b"
     e.mkdir()
     (e / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::123\n" for u, i, r in ROWS))
@@ -67,13 +79,16 @@ def test_parquet(tmp_path):
     assert as_set(load(p)) == set(ROWS)
 
 
-@pytest.mark.parametrize("extra, reason", [
-    ([(10, 5, 2.0)], "repeat of a (user, item) pair (first kept)"),
-    ([(10, 9, float("nan"))], "rating missing, NaN or infinite"),
-    ([(10, 9, 9.0)], "rating outside [rating_min, rating_max] = [0, 5]"),
-    ([(10, 9, -1.0)], "rating outside [rating_min, rating_max] = [0, 5]"),
-    ([(10, 11, 3.0)], "item outside the public item universe"),
-])
+@pytest.mark.parametrize(
+    "extra, reason",
+    [
+        ([(10, 5, 2.0)], "repeat of a (user, item) pair (first kept)"),
+        ([(10, 9, float("nan"))], "rating missing, NaN or infinite"),
+        ([(10, 9, 9.0)], "rating outside [rating_min, rating_max] = [0, 5]"),
+        ([(10, 9, -1.0)], "rating outside [rating_min, rating_max] = [0, 5]"),
+        ([(10, 11, 3.0)], "item outside the public item universe"),
+    ],
+)
 def test_one_users_bad_row_is_dropped_and_counted(tmp_path, extra, reason):
     """The issue's break 2: a bad row in one user's ratings used to refuse the file (rc 2) while
     its neighbour ran. Now the row is dropped, counted, and the table keeps its shape."""
@@ -95,10 +110,13 @@ def test_a_user_whose_every_row_is_bad_stays_a_unit(tmp_path):
     assert t.n_users == 3 and int(whole(t)["mask"][2].sum()) == 0 and t.summary["users_without_ratings"] == 1
 
 
-@pytest.mark.parametrize("text, match", [
-    ("user,item,rating\n", "has no rows"),
-    ("who,item,rating\n1,5,4.0\n", "user_column: no column 'user'"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("user,item,rating\n", "has no rows"),
+        ("who,item,rating\n1,5,4.0\n", "user_column: no column 'user'"),
+    ],
+)
 def test_malformed_file_refused(tmp_path, text, match):
     p = tmp_path / "r.csv"
     p.write_text(text)
@@ -143,10 +161,14 @@ def test_item_universe_is_declared_never_read_off_the_data(tmp_path):
     d = tmp_path / "D.csv"
     d.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows))
     d2 = tmp_path / "D2.csv"
-    d2.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows if u != 0) + "0,500,3.0\n0,101,4.0\n")
+    d2.write_text(
+        "user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows if u != 0) + "0,500,3.0\n0,101,4.0\n"
+    )
     items = tmp_path / "items.txt"
     items.write_text("".join(f"{i}\n" for i in range(100, 120)))
-    assert rating_files.item_universe(items, "") == rating_files.item_universe(None, "100:119") == tuple(range(100, 120))
+    assert (
+        rating_files.item_universe(items, "") == rating_files.item_universe(None, "100:119") == tuple(range(100, 120))
+    )
     tables = [load(p, universe=tuple(range(100, 120))) for p in (d, d2)]
     assert [t.n_items for t in tables] == [20, 20]
     assert tables[1].summary["rows_dropped"] == {"item outside the public item universe": 1}
@@ -170,10 +192,15 @@ def test_dpals_release_shapes_identical_on_neighbours(tmp_path):
         p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in mine))
         rating_files.load_table.cache_clear()
         exp = EXPERIMENTS["dpals"]
-        cfg = config.build(DpAlsConfig, {"ratings": str(p), "item_ids": "100:119", "steps": 2, "epsilon": 1.0, "rating_min": 0, "rating_max": 5})
+        cfg = config.build(
+            DpAlsConfig,
+            {"ratings": str(p), "item_ids": "100:119", "steps": 2, "epsilon": 1.0, "rating_min": 0, "rating_max": 5},
+        )
         protocol = exp.protocol(cfg)
         tap = TapPrivatizer(0)
-        state = run_local(protocol, exp.units(cfg, torch.arange(exp.num_units(cfg))), tap, chunk_size=7, progress=False)[0]
+        state = run_local(
+            protocol, exp.units(cfg, torch.arange(exp.num_units(cfg))), tap, chunk_size=7, progress=False
+        )[0]
         shapes.append((tuple(state["U"].shape), [(r.name, tuple(v.shape)) for r, v in tap.values]))
     assert shapes[0] == shapes[1]
     assert shapes[0][0] == (20, 4)
@@ -196,7 +223,9 @@ def test_dpals_config_reads_file(tmp_path):
     rating_files.load_table.cache_clear()
     with pytest.raises(ValueError, match="items: a ratings file needs a declared public item universe"):
         config.build(DpAlsConfig, {"ratings": str(p), "center": 3.0, "rating_max": 5.0, "rating_min": 0.0})
-    cfg = config.build(DpAlsConfig, {"ratings": str(p), "item_ids": "5:9", "center": 3.0, "rating_max": 5.0, "rating_min": 0.0})
+    cfg = config.build(
+        DpAlsConfig, {"ratings": str(p), "item_ids": "5:9", "center": 3.0, "rating_max": 5.0, "rating_min": 0.0}
+    )
     assert (n_users(cfg), n_items(cfg)) == (3, 5)
     u = load_units(cfg, torch.arange(3))
     assert set(u) >= {"ids", "items", "ratings", "mask", "test"}
@@ -234,12 +263,31 @@ def test_a_ratings_file_needs_its_declared_scale_and_out_of_scale_and_repeats_ar
 
     rows = [(u, 100 + (u * 7 + k) % 15, 1.0 + (u + k) % 5) for u in range(60) for k in range(8)]
     p = tmp_path / "r.csv"
-    p.write_text("user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows) + "0,101,9.0\n1,102,3.0\n1,102,4.0\n")
+    p.write_text(
+        "user,item,rating\n" + "".join(f"{u},{i},{r}\n" for u, i, r in rows) + "0,101,9.0\n1,102,3.0\n1,102,4.0\n"
+    )
     with pytest.raises(ValueError, match="rating_min / rating_max: a ratings file needs its declared rating scale"):
         config.build(DpAlsConfig, {"ratings": str(p), "item_ids": "100:114"})
     out = tmp_path / "run"
-    args = ["run", "dpals", "--ratings", str(p), "--item-ids", "100:114", "--rating-min", "1", "--rating-max", "5",
-            "--epsilon", "inf", "--steps", "1", "--out", str(out), "--quiet"]
+    args = [
+        "run",
+        "dpals",
+        "--ratings",
+        str(p),
+        "--item-ids",
+        "100:114",
+        "--rating-min",
+        "1",
+        "--rating-max",
+        "5",
+        "--epsilon",
+        "inf",
+        "--steps",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().err
     result = json.loads((out / "result.json").read_text())

@@ -1,4 +1,5 @@
 """`fedpers report`: one self-contained HTML page of a run or a sweep, checked for its content."""
+
 from __future__ import annotations
 
 import base64
@@ -60,14 +61,18 @@ def test_report_shows_warning_and_data_block(run_dir, tmp_path):
 
 def test_sweep_report(tmp_path):
     spec = tmp_path / "s.toml"
-    spec.write_text('name = "tiny"\nalgorithm = "altmin"\nx = "epsilon"\nseries = "dim"\nmetrics = ["excess_risk"]\n'
-                    '[base]\nn_users = 400\nbaselines = "none"\n[grid]\ndim = [5]\nepsilon = [1.0, 8.0]\n')
+    spec.write_text(
+        'name = "tiny"\nalgorithm = "altmin"\nx = "epsilon"\nseries = "dim"\nmetrics = ["excess_risk"]\n'
+        '[base]\nn_users = 400\nbaselines = "none"\n[grid]\ndim = [5]\nepsilon = [1.0, 8.0]\n'
+    )
     assert main(["sweep", str(spec), "--out", str(tmp_path / "sw"), "--quiet"]) == 0
     assert main(["report", str(tmp_path / "sw"), "--out", str(tmp_path / "page.html")]) == 0
     page = (tmp_path / "page.html").read_text()
     text = _text(page)
     assert "fedpers sweep tiny" in text and "excess_risk" in text
-    assert page.count("data:image/png;base64,") == len(json.loads((tmp_path / "sw" / "sweep.json").read_text())["figures"])
+    assert page.count("data:image/png;base64,") == len(
+        json.loads((tmp_path / "sw" / "sweep.json").read_text())["figures"]
+    )
     assert len(re.findall(r"<tr>", page.split("<h2>Table</h2>")[1].split("</table>")[0])) == 3  # header + 2 points
 
 
@@ -84,8 +89,13 @@ def test_report_renders_in_a_headless_browser(run_dir, tmp_path):
     from fedpers.commands.report import write_report
 
     page = write_report(run_dir, tmp_path / "r.html")
-    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
-                         capture_output=True, text=True, timeout=120, check=False).stdout
+    dom = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    ).stdout
     result = json.loads((run_dir / "result.json").read_text())
     assert f"{result['epsilon']:.4g}" in _text(dom)
     assert len(re.findall(r"<img ", dom)) == len(result["plots"])

@@ -4,6 +4,7 @@ The run is killed from inside its own process at a chosen event (after the n-th 
 written, after the n-th checkpoint, after the n-th round line, after the final state is
 written, i.e. during evaluation), so each kill point is exact and the test is deterministic.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,23 +56,72 @@ KILLER = textwrap.dedent(
     """
 )
 
-ALTMIN = ["run", "altmin", "--n-users", "1200", "--dim", "8", "--rank", "2", "--rounds", "3", "--epsilon", "2", "--baselines", "none", "--quiet", "--seed", "5"]
-NOISYHEAD = ["run", "noisyhead", "--prompts", "120", "--mode", "rounds", "--steps", "6", "--unit", "user", "--prompts-per-user", "2", "--quiet", "--seed", "3"]
+ALTMIN = [
+    "run",
+    "altmin",
+    "--n-users",
+    "1200",
+    "--dim",
+    "8",
+    "--rank",
+    "2",
+    "--rounds",
+    "3",
+    "--epsilon",
+    "2",
+    "--baselines",
+    "none",
+    "--quiet",
+    "--seed",
+    "5",
+]
+NOISYHEAD = [
+    "run",
+    "noisyhead",
+    "--prompts",
+    "120",
+    "--mode",
+    "rounds",
+    "--steps",
+    "6",
+    "--unit",
+    "user",
+    "--prompts-per-user",
+    "2",
+    "--quiet",
+    "--seed",
+    "3",
+]
 
 
 def _killed(tmp_path: Path, args: list[str], point: str, at: int, name: str) -> Path:
     out = tmp_path / name
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", KILLER, point, str(at), *args, "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, f"the run was not killed at {point}:{at} (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, point, str(at), *args, "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the run was not killed at {point}:{at} (rc {proc.returncode}): {proc.stderr[-2000:]}"
+    )
     assert not (out / "result.json").exists()
     return out
 
 
 def _records(run: Path) -> tuple[list[str], list[dict], dict, dict]:
     ledger = (run / "ledger.jsonl").read_text().splitlines()
-    rounds = [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (run / "rounds.jsonl").read_text().splitlines()]
-    result = {k: v for k, v in json.loads((run / "result.json").read_text()).items() if k not in ("seconds", "run_dir", "plots")}
+    rounds = [
+        {k: v for k, v in json.loads(line).items() if k != "seconds"}
+        for line in (run / "rounds.jsonl").read_text().splitlines()
+    ]
+    result = {
+        k: v
+        for k, v in json.loads((run / "result.json").read_text()).items()
+        if k not in ("seconds", "run_dir", "plots")
+    }
     state = dict(np.load(run / "final_state.npz")) if (run / "final_state.npz").exists() else {}
     return ledger, rounds, result, state
 
@@ -89,7 +139,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
 @pytest.mark.parametrize(
     "name, point, at",
     [
-        pytest.param("altmin", "release", 1, marks=pytest.mark.slow),  # inside the private initialisation, before any checkpoint
+        pytest.param(
+            "altmin", "release", 1, marks=pytest.mark.slow
+        ),  # inside the private initialisation, before any checkpoint
         ("altmin", "release", 4),  # mid-round: a release drawn, its round not checkpointed
         pytest.param("altmin", "checkpoint", 2, marks=pytest.mark.slow),  # checkpoint written, its round line not yet
         pytest.param("altmin", "round", 3, marks=pytest.mark.slow),  # every round done
@@ -111,16 +163,42 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path: Path, reference: dict, n
     assert ledger[: len(before)] == before  # append-only across the crash
     assert rounds == ref_rounds
     assert final == ref_final
-    assert state.keys() == ref_state.keys() and all(np.array_equal(state[k], ref_state[k]) for k in state)  # bit for bit
+    assert state.keys() == ref_state.keys() and all(
+        np.array_equal(state[k], ref_state[k]) for k in state
+    )  # bit for bit
     provenance = json.loads((run / "provenance.json").read_text())
     assert len(provenance["resumed"]) == 1 and "finished" in provenance
     assert not (run / "error.json").exists()
 
 
-@pytest.mark.parametrize("name, args", [
-    ("altmin", [a if a != "none" else "private_init_only,oracle,local_only" for a in ALTMIN]),
-    ("fedrep", ["run", "fedrep", "--n-users", "600", "--dim", "6", "--rank", "2", "--rounds", "3", "--epsilon", "2", "--baselines", "none", "--quiet", "--seed", "4"]),
-])
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("altmin", [a if a != "none" else "private_init_only,oracle,local_only" for a in ALTMIN]),
+        (
+            "fedrep",
+            [
+                "run",
+                "fedrep",
+                "--n-users",
+                "600",
+                "--dim",
+                "6",
+                "--rank",
+                "2",
+                "--rounds",
+                "3",
+                "--epsilon",
+                "2",
+                "--baselines",
+                "none",
+                "--quiet",
+                "--seed",
+                "4",
+            ],
+        ),
+    ],
+)
 def test_resume_gives_the_uninterrupted_result_baselines_included(tmp_path: Path, name: str, args: list[str]) -> None:
     """Round 0's private U (the private_init_only baseline) is kept in the run directory, so a
     run killed after round 0 and resumed reports every baseline the uninterrupted one does."""
@@ -129,7 +207,9 @@ def test_resume_gives_the_uninterrupted_result_baselines_included(tmp_path: Path
     resume_run(run, progress=False)
     _, _, whole, _ = _records(tmp_path / "whole")
     _, _, resumed, _ = _records(run)
-    assert "private_init_only" in whole["baselines"] and not whole.get("baselines_skipped", []).count("private_init_only")
+    assert "private_init_only" in whole["baselines"] and not whole.get("baselines_skipped", []).count(
+        "private_init_only"
+    )
     assert resumed == whole  # identical apart from timing fields (seconds, run_dir, plots)
 
 
@@ -137,8 +217,23 @@ def test_resume_gives_the_uninterrupted_result_baselines_included(tmp_path: Path
 def test_resume_twice_after_two_kills(tmp_path: Path, reference: dict) -> None:
     run = _killed(tmp_path, ALTMIN, "release", 2, "altmin")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", KILLER.replace("sys.exit(main(sys.argv[3:]))", "from fedpers.runner import resume_run; resume_run(sys.argv[3], progress=False)"), "checkpoint", "2", str(run)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            KILLER.replace(
+                "sys.exit(main(sys.argv[3:]))",
+                "from fedpers.runner import resume_run; resume_run(sys.argv[3], progress=False)",
+            ),
+            "checkpoint",
+            "2",
+            str(run),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     resume_run(run, progress=False)
     ledger, rounds, final, state = _records(run)
@@ -191,7 +286,15 @@ def test_secure_noise_run_resumes_without_writing_generator_state(tmp_path: Path
     assert not np.array_equal(state["U"], reference["altmin"][3]["U"])  # fresh OS-entropy noise
 
 
-FLOWER = [*ALTMIN[:ALTMIN.index("--rounds") + 1], "6", *ALTMIN[ALTMIN.index("--rounds") + 2:], "--runtime", "flower", "--nodes", "3"]
+FLOWER = [
+    *ALTMIN[: ALTMIN.index("--rounds") + 1],
+    "6",
+    *ALTMIN[ALTMIN.index("--rounds") + 2 :],
+    "--runtime",
+    "flower",
+    "--nodes",
+    "3",
+]
 """AltMin on Flower's simulation (its supported path: a private SuperLink and ``flwr run``), long enough to stop mid-way."""
 
 
@@ -214,8 +317,18 @@ def _tagged(tag: str) -> list[int]:
 
 
 def _flower_cli(out: Path, tag: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "FEDPERS_TEST_TAG": tag}
-    return subprocess.Popen([sys.executable, "-m", "fedpers", *FLOWER, "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "FEDPERS_TEST_TAG": tag,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedpers", *FLOWER, "--out", str(out)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_gone(tag: str, timeout: float = 60.0) -> list[int]:
@@ -265,17 +378,23 @@ def flower_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple:
 
 
 @pytest.mark.slow  # three Flower simulations (~1 min each on a busy machine)
-def test_a_flower_run_stopped_by_ctrl_c_leaves_nothing_and_resumes_bit_for_bit(tmp_path: Path, flower_reference: tuple) -> None:
+def test_a_flower_run_stopped_by_ctrl_c_leaves_nothing_and_resumes_bit_for_bit(
+    tmp_path: Path, flower_reference: tuple
+) -> None:
     run, cli = _stop_mid_way(tmp_path, "ctrl-c", lambda proc, tag: proc.send_signal(signal.SIGINT))
     assert cli.returncode == 130 and "interrupted (Ctrl-C)" in cli.stderr, cli.stderr[-3000:]
     resume_run(run, progress=False)
     ledger, rounds, final, state = _records(run)
     assert ledger == flower_reference[0] and rounds == flower_reference[1] and final == flower_reference[2]
-    assert state.keys() == flower_reference[3].keys() and all(np.array_equal(state[k], flower_reference[3][k]) for k in state)
+    assert state.keys() == flower_reference[3].keys() and all(
+        np.array_equal(state[k], flower_reference[3][k]) for k in state
+    )
 
 
 @pytest.mark.slow
-def test_a_flower_run_whose_serverapp_is_killed_fails_leaves_nothing_and_resumes_bit_for_bit(tmp_path: Path, flower_reference: tuple) -> None:
+def test_a_flower_run_whose_serverapp_is_killed_fails_leaves_nothing_and_resumes_bit_for_bit(
+    tmp_path: Path, flower_reference: tuple
+) -> None:
     """SIGKILL the simulation's own process (where the ServerApp runs) mid-way: the CLI fails naming it,
     every process of the run ends, and `fedpers resume` (through the same path) completes the run exactly."""
 
@@ -290,7 +409,9 @@ def test_a_flower_run_whose_serverapp_is_killed_fails_leaves_nothing_and_resumes
     resume_run(run, progress=False)
     ledger, rounds, final, state = _records(run)
     assert ledger == flower_reference[0] and rounds == flower_reference[1] and final == flower_reference[2]
-    assert state.keys() == flower_reference[3].keys() and all(np.array_equal(state[k], flower_reference[3][k]) for k in state)
+    assert state.keys() == flower_reference[3].keys() and all(
+        np.array_equal(state[k], flower_reference[3][k]) for k in state
+    )
 
 
 def test_a_run_still_going_cannot_be_resumed_beside_itself(tmp_path: Path) -> None:

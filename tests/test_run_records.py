@@ -1,7 +1,7 @@
 """Run records a researcher can trust: a killed run's releases are on disk, SIGTERM keeps records."""
+
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +14,20 @@ import pytest
 from fedpers.commands.privacy_report import privacy_report, privacy_summary
 from fedpers.results.rundir import LEDGER_LOG, default_run_dir
 
-CMD = [sys.executable, "-m", "fedpers", "run", "altmin", "--n-users", "40000", "--dim", "20", "--rounds", "3", "--quiet"]
+CMD = [
+    sys.executable,
+    "-m",
+    "fedpers",
+    "run",
+    "altmin",
+    "--n-users",
+    "40000",
+    "--dim",
+    "20",
+    "--rounds",
+    "3",
+    "--quiet",
+]
 
 
 def start(out: Path) -> subprocess.Popen:
@@ -88,11 +101,34 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, mon
 
 
 def test_no_abbreviated_flags_and_no_broken_pipe(tmp_path):
-    bad = subprocess.run([sys.executable, "-m", "fedpers", "run", "altmin", "--n-user", "5"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown flag --n-user; did you mean --n-users?" in bad.stderr  # no abbreviation: refused, with a suggestion
+    bad = subprocess.run(
+        [sys.executable, "-m", "fedpers", "run", "altmin", "--n-user", "5"], capture_output=True, text=True
+    )
+    assert (
+        bad.returncode == 2 and "unknown flag --n-user; did you mean --n-users?" in bad.stderr
+    )  # no abbreviation: refused, with a suggestion
     out = tmp_path / "long"  # 1,500 releases: a report far longer than a pipe's buffer
-    subprocess.run([sys.executable, "-m", "fedpers", "run", "noisyhead", "--prompts", "200", "--steps", "1500", "--quiet", "--out", str(out)], check=True, capture_output=True)
-    piped = subprocess.run(f"{sys.executable} -m fedpers privacy {out} | head -1", shell=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedpers",
+            "run",
+            "noisyhead",
+            "--prompts",
+            "200",
+            "--steps",
+            "1500",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    piped = subprocess.run(
+        f"{sys.executable} -m fedpers privacy {out} | head -1", shell=True, capture_output=True, text=True
+    )
     assert piped.stdout.startswith("run:") and "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
 
 
@@ -101,7 +137,11 @@ def test_help_starts_without_importing_any_algorithm(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
     run = "import sys; from fedpers.commands.cli import main; main(['run', 'altmin', '--n-users', '300', '--quiet', '--out', sys.argv[1]]); print('flwr' in sys.modules or 'ray' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", run, str(tmp_path / "run")], capture_output=True, text=True, check=True).stdout.strip().endswith("False")  # noqa: E501
+    assert (
+        subprocess.run([sys.executable, "-c", run, str(tmp_path / "run")], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .endswith("False")
+    )
 
 
 def test_runs_record_what_produced_them(tmp_path):

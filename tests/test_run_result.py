@@ -2,6 +2,7 @@
 trackers and the JSON show each figure under the same name with the same value, and the noise
 multiplier z is the same number in all of them (the ledger's z included). result.json reads back
 into a RunResult and is written again byte for byte."""
+
 from __future__ import annotations
 
 import html
@@ -22,8 +23,8 @@ from fedpers.commands.report import run_report
 from fedpers.commands.tracking import final_metrics
 from fedpers.experiments import experiment
 from fedpers.privacy.ledger import Release
-from fedpers.results.rundir import dumps
 from fedpers.results.run_result import Privacy, ResultWarning, RunResult
+from fedpers.results.rundir import dumps
 from fedpers.runner import execute
 
 NOISE_LABEL = "noise multiplier z"
@@ -162,8 +163,19 @@ def test_a_view_that_computes_its_own_noise_figure_is_caught(
     """The report's old ledger column, σ / Δ (half of z), planted back: the check fails."""
 
     def sigma_over_sensitivity(releases):
-        return [[r.round, r.name, r.mechanism, r.units, r.per_unit_bound, r.sensitivity, r.noise_std,
-                 r.noise_std / r.sensitivity] for r in releases]
+        return [
+            [
+                r.round,
+                r.name,
+                r.mechanism,
+                r.units,
+                r.per_unit_bound,
+                r.sensitivity,
+                r.noise_std,
+                r.noise_std / r.sensitivity,
+            ]
+            for r in releases
+        ]
 
     monkeypatch.setattr(summary, "ledger_rows", sigma_over_sensitivity)
     with pytest.raises(AssertionError):
@@ -176,8 +188,11 @@ def test_result_json_reads_back_and_is_written_byte_for_byte(run: tuple[Path, di
     result = RunResult.from_dict(json.loads(text))
     assert dumps(result.to_dict()) + "\n" == text
     assert result.to_dict() == {k: v for k, v in returned.items() if not k.startswith("_")}  # what execute returned
-    assert result.privacy is not None and result.privacy.accountant == "pld" and result.headline == (
-        "epsilon", "delta", "noise_multiplier")
+    assert (
+        result.privacy is not None
+        and result.privacy.accountant == "pld"
+        and result.headline == ("epsilon", "delta", "noise_multiplier")
+    )
     assert set(result.baselines or {}) and result.plots and result.run_dir == str(run_dir)
 
 
@@ -198,11 +213,19 @@ def test_any_result_json_round_trips_with_its_odd_entries() -> None:
         "conditions": {"c": {"holds": False, "value": "inf", "bound": 1, "text": "c < 1"}},
         "dp_claimed": False,
         "refused_because": ["c < 1: inf vs 1"],
-        "privacy": {"epsilon": "inf", "delta": 1e-05, "sensitivity": "2·bound", "noise_multiplier": 3,
-                    "epsilon_by_accountant": {"pld": 1.0, "rdp": "inf"}, "extra": None},
+        "privacy": {
+            "epsilon": "inf",
+            "delta": 1e-05,
+            "sensitivity": "2·bound",
+            "noise_multiplier": 3,
+            "epsilon_by_accountant": {"pld": 1.0, "rdp": "inf"},
+            "extra": None,
+        },
         "seconds": 1.5,
-        "warnings": ["plain text", {"metric": "loss", "private": "nan", "baseline": "b", "baseline_value": 1.0,
-                                     "text": "t"}],
+        "warnings": [
+            "plain text",
+            {"metric": "loss", "private": "nan", "baseline": "b", "baseline_value": 1.0, "text": "t"},
+        ],
         "plots": [],
         "run_dir": "/x",
         "something_new": {"k": 1},
@@ -213,8 +236,14 @@ def test_any_result_json_round_trips_with_its_odd_entries() -> None:
     assert math.isinf(result.privacy.epsilon) and result.privacy.noise_multiplier == 3
     assert result.privacy.details == {"sensitivity": "2·bound", "extra": None}
     assert math.isnan(result.metrics["loss"]) and result.metrics["bound_holds"] is False
-    assert result.details == {"Gamma": [[1.0, 2.0]], "something_new": {"k": 1}} and result.headline == ("epsilon", "delta")
+    assert result.details == {"Gamma": [[1.0, 2.0]], "something_new": {"k": 1}} and result.headline == (
+        "epsilon",
+        "delta",
+    )
     assert result.warnings and result.warnings[0] == "plain text" and isinstance(result.warnings[1], ResultWarning)
-    assert RunResult.from_dict({"algorithm": "a"}).to_dict() == {"algorithm": "a", "status": "completed",
-                                                                  "runtime": "local"}
+    assert RunResult.from_dict({"algorithm": "a"}).to_dict() == {
+        "algorithm": "a",
+        "status": "completed",
+        "runtime": "local",
+    }
     assert Privacy.from_dict({}).to_dict() == {}

@@ -88,10 +88,10 @@ def test_a_forged_share_fails_authentication():
 
 def test_distributed_run_with_real_secagg_equals_the_simulated_modular_sum():
     from fedpers import config
+    from fedpers.configs.runtime import RuntimeOptions
     from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
     from fedpers.runner import resolve
     from fedpers.runtime.distributed import run_local_nodes, secagg_aggregate
-    from fedpers.configs.runtime import RuntimeOptions
 
     cfg = config.build(AltMinConfig, dict(n_users=60, dim=4, rank=2, samples_per_user=8, rounds=1, epsilon=2.0))
     opts = config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 16})

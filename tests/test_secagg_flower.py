@@ -15,6 +15,7 @@ from flwr.app import Message as FlowerMessage
 
 from fedpers import config
 from fedpers.app import make_client_app, run_flower
+from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
 from fedpers.privacy.accountant import Calibrations
 from fedpers.runner import resolve
@@ -22,7 +23,6 @@ from fedpers.runtime import distributed as local_nodes
 from fedpers.runtime.driver import RoundFailed
 from fedpers.runtime.flower import codec, secaggplus
 from fedpers.runtime.local import run_local
-from fedpers.configs.runtime import RuntimeOptions
 from tests.flower_support import InProcessGrid
 
 SMALL = dict(n_users=120, dim=5, rank=2, samples_per_user=16, rounds=1, baselines="none", epsilon=2.0)
@@ -146,7 +146,11 @@ def test_the_server_receives_only_masked_vectors_uniform_mod_2b(monkeypatch):
     bits = p.privatizer.plan.bits
     got = {}
     for part, reply in grid.received:
-        if reply.metadata.message_type == "train" and codec.decode_reply(reply.content).stats.keys() and part not in got:
+        if (
+            reply.metadata.message_type == "train"
+            and codec.decode_reply(reply.content).stats.keys()
+            and part not in got
+        ):
             stats = codec.decode_reply(reply.content).stats
             got[part] = secaggplus.concat(stats, sorted(stats))
     assert sorted(got) == sorted(plain) == [0, 1, 2, 3]
@@ -196,7 +200,10 @@ def test_the_run_config_carries_the_trust_model_and_a_distributed_deployment_nee
 
     job = from_run_config({"algorithm": "altmin", "dp-model": "distributed", "bits": 16, "min-nodes": 2, "nodes": 3})
     assert (job.options.dp_model.value, job.options.bits, job.options.min_nodes, job.options.nodes) == (
-        "distributed", 16, 2, 3
+        "distributed",
+        16,
+        2,
+        3,
     )
     listed = from_run_config({"algorithm": "altmin", "dp-model": "local", "node-partitions": "11=0 12=1"})
     assert listed.options.nodes == 2
@@ -331,7 +338,9 @@ def test_the_server_flags_a_planted_wrap_from_the_sum_alone(monkeypatch):
     _, flower_records = on_flower(plan("flower"), DroppingGrid(4))
     planted.clear()
     local = plan("local")
-    _, local_records = run_local(local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False)
+    _, local_records = run_local(
+        local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False
+    )
     D = enc.padded
     assert [r.diagnostics["suspected_wraps"] for r in flower_records] == [0, D]
     assert [r.diagnostics["suspected_wraps"] for r in local_records] == [0, D]

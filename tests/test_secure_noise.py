@@ -1,4 +1,5 @@
 """Secure noise (deployment): OS entropy, floating-point-safe samplers, nothing that recomputes it."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,12 @@ from fedpers.runner import RuntimeOptions, execute
 
 
 def test_secure_gaussian_has_the_declared_std_and_no_seed():
-    a = Privatizer(5, secure=True).gaussian_sum(torch.zeros(4000), per_unit_bound=2.0, noise_multiplier=1.5, name="x", round=0)
-    b = Privatizer(5, secure=True).gaussian_sum(torch.zeros(4000), per_unit_bound=2.0, noise_multiplier=1.5, name="x", round=0)
+    a = Privatizer(5, secure=True).gaussian_sum(
+        torch.zeros(4000), per_unit_bound=2.0, noise_multiplier=1.5, name="x", round=0
+    )
+    b = Privatizer(5, secure=True).gaussian_sum(
+        torch.zeros(4000), per_unit_bound=2.0, noise_multiplier=1.5, name="x", round=0
+    )
     # 4,000 draws: the sample std is within ±5% of σ = 3 with overwhelming probability (s.e. ≈ 1.1%), mean within ±0.2.
     assert a.std().item() == pytest.approx(3.0, rel=0.05) and abs(a.mean().item()) < 0.2
     assert not torch.equal(a, b)  # same seed, different noise: the seed is not used
@@ -23,7 +28,9 @@ def test_secure_gaussian_has_the_declared_std_and_no_seed():
 
 def test_secure_symmetric_noise_is_symmetric_with_the_declared_std():
     p = Privatizer(0, secure=True)
-    m = p.symmetric_gaussian_sum(torch.eye(60), per_unit_bound=1.0, noise_multiplier=2.0, name="A", round=0, psd_units=True)
+    m = p.symmetric_gaussian_sum(
+        torch.eye(60), per_unit_bound=1.0, noise_multiplier=2.0, name="A", round=0, psd_units=True
+    )
     assert torch.equal(m, m.T)
     rows, cols = torch.triu_indices(60, 60)
     noise = (m - torch.eye(60))[rows, cols]
@@ -33,7 +40,10 @@ def test_secure_symmetric_noise_is_symmetric_with_the_declared_std():
 def test_secure_exponential_mechanism_follows_its_law():
     p = Privatizer(0, secure=True)
     scores = torch.tensor([0.0, 1.0, 2.0])
-    draws = torch.bincount(torch.tensor([p.exponential(scores, sensitivity=1.0, epsilon=2.0, name="s", round=0) for _ in range(3000)]), minlength=3)
+    draws = torch.bincount(
+        torch.tensor([p.exponential(scores, sensitivity=1.0, epsilon=2.0, name="s", round=0) for _ in range(3000)]),
+        minlength=3,
+    )
     expected = torch.softmax(-2.0 * scores / 2.0, 0) * 3000
     assert ((draws - expected).abs() < 5 * expected.sqrt()).all(), (draws, expected)
 

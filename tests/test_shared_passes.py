@@ -1,4 +1,5 @@
 """Baselines in the private run's own passes: the same values as computed on their own, fewer passes."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,9 +8,9 @@ import torch
 from fedpers import config
 from fedpers.data import synthetic
 from fedpers.experiments import EXPERIMENTS
-from fedpers.experiments.common import lowrank_baselines as altmin_baselines
 from fedpers.experiments import altmin as am
 from fedpers.experiments.altmin import evaluation as altmin_evaluation
+from fedpers.experiments.common import lowrank_baselines as altmin_baselines
 from fedpers.privacy import Privatizer
 from fedpers.runner import execute
 from fedpers.runtime.local import run_local
@@ -44,7 +45,9 @@ def test_the_shadow_run_is_the_clipped_run_and_a_resumed_one_is_refused():
     did not see round 0 is not complete, so the evaluator computes the baseline on its own."""
     from fedpers.experiments.common.shared_passes import ShadowRun
 
-    cfg = am.resolve(config.build(EXP.config_type, dict(n_users=2000, dim=6, rank=2, samples_per_user=8, chunk_size=300)))
+    cfg = am.resolve(
+        config.build(EXP.config_type, dict(n_users=2000, dim=6, rank=2, samples_per_user=8, chunk_size=300))
+    )
     plan = am.resolve_plan(cfg)
     ev = am.AltMinEvaluator(plan, plan.protocol())
     shadow = ev.companions()[0]
@@ -54,8 +57,14 @@ def test_the_shadow_run_is_the_clipped_run_and_a_resumed_one_is_refused():
     assert shadow.complete and torch.equal(shadow.state["U"], alone["U"])
     late = ShadowRun(ev.clipped_protocol(), Privatizer(0))
     late_rounds: list = []
-    run_local(ev.protocol, EXP.unit_source(cfg), Privatizer(1), chunk_size=300, progress=False,
-              companions=[_From(1, late, late_rounds)])
+    run_local(
+        ev.protocol,
+        EXP.unit_source(cfg),
+        Privatizer(1),
+        chunk_size=300,
+        progress=False,
+        companions=[_From(1, late, late_rounds)],
+    )
     assert "round 1 began before round 0" in late.error and not late.complete
 
 
@@ -173,7 +182,9 @@ def test_fedrep_baselines_in_shared_passes_equal_the_baselines_computed_on_their
     chunked otherwise (a cohort's users out of every chunk) to float rounding, same ε."""
     from fedpers.experiments import fedrep
 
-    values = dict(n_users=900, dim=6, rank=2, samples_per_user=5, rounds=2, chunk_size=450, dtype=dtype, seed=2, accountant="rdp")
+    values = dict(
+        n_users=900, dim=6, rank=2, samples_per_user=5, rounds=2, chunk_size=450, dtype=dtype, seed=2, accountant="rdp"
+    )
     shared = run_fedrep(values)
     monkeypatch.setattr(fedrep.FedRepEvaluator, "companions", lambda self: [])
     alone = run_fedrep(values)
@@ -181,7 +192,9 @@ def test_fedrep_baselines_in_shared_passes_equal_the_baselines_computed_on_their
     assert shared["baselines"]["nonprivate_altmin"] == alone["baselines"]["nonprivate_altmin"]
     tol = 1e-9 if dtype == "float64" else 1e-4
     for key, value in alone["baselines"]["priv_altmin"].items():
-        assert shared["baselines"]["priv_altmin"][key] == (pytest.approx(value, rel=tol) if isinstance(value, float) else value)
+        assert shared["baselines"]["priv_altmin"][key] == (
+            pytest.approx(value, rel=tol) if isinstance(value, float) else value
+        )
     assert shared["subspace_error"] == alone["subspace_error"]  # the private run is untouched
 
 
@@ -204,7 +217,9 @@ def test_a_default_fedrep_run_reads_the_training_users_once_a_round_plus_the_ref
     monkeypatch.setattr(fedrep_plan, "load_all", counted)  # the source's chunks
     monkeypatch.setattr(fedrep_experiment, "load_all", counted)  # a node's units
     n, T = 1000, 2
-    result = run_fedrep(dict(n_users=n, dim=8, rank=2, samples_per_user=5, rounds=T, chunk_size=500, seed=1, accountant="rdp"))
+    result = run_fedrep(
+        dict(n_users=n, dim=8, rank=2, samples_per_user=5, rounds=T, chunk_size=500, seed=1, accountant="rdp")
+    )
     R = result["baselines"]["nonprivate_altmin"]["rounds"]
     assert R >= 2 and "epsilon" in result["baselines"]["priv_altmin"]
     assert sum(loads) == n * ((T + 1) + max(0, R - T))

@@ -1,4 +1,5 @@
 """A million users: synthetic users are generated per chunk from (seed, id), never all at once."""
+
 from __future__ import annotations
 
 import json

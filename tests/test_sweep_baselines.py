@@ -1,5 +1,6 @@
 """A sweep computes each non-private baseline once per data set and seed, keeps it in the sweep
 directory and hands it to every point that shares them (fedpers/sweeps/baselines.py)."""
+
 from __future__ import annotations
 
 import json
@@ -85,7 +86,12 @@ def test_reused_baselines_are_what_the_point_computes_alone():
     values = {"n_users": 300, "dim": 4, "rank": 2, "samples_per_user": 8, "seed": 5}
     relation = {1.0: "add-remove", 8.0: "replace-one"}
     alone = {
-        eps: execute(exp, config.build(exp.config_type, {**values, "epsilon": eps, "neighbours": relation[eps]}), write=False, progress=False)
+        eps: execute(
+            exp,
+            config.build(exp.config_type, {**values, "epsilon": eps, "neighbours": relation[eps]}),
+            write=False,
+            progress=False,
+        )
         for eps in (1.0, 8.0)
     }
     rows = {k: alone[1.0]["baselines"][k] for k in am.SHARED_BASELINES}
@@ -114,7 +120,9 @@ def test_the_key_is_every_field_but_the_privacy_ones():
         {"calibration": "paper"},
     ]
     for change in same:
-        assert exp.baseline_key(replace(base, **{k: type(getattr(base, k))(v) for k, v in change.items()})) == key, change
+        assert exp.baseline_key(replace(base, **{k: type(getattr(base, k))(v) for k, v in change.items()})) == key, (
+            change
+        )
     other = [
         {"n_users": 301},
         {"noise_std": 0.2},
@@ -172,7 +180,9 @@ def test_every_sharing_experiment_reports_what_it_would_compute(name):
     (the private ones) are unchanged."""
     exp = EXPERIMENTS[name]
     runs = {
-        eps: execute(exp, config.build(exp.config_type, {**SMALL[name], "epsilon": eps, "seed": 2}), write=False, progress=False)
+        eps: execute(
+            exp, config.build(exp.config_type, {**SMALL[name], "epsilon": eps, "seed": 2}), write=False, progress=False
+        )
         for eps in (1.0, 4.0)
     }
     cfg = config.build(exp.config_type, {**SMALL[name], "epsilon": 4.0, "seed": 2})
@@ -181,6 +191,8 @@ def test_every_sharing_experiment_reports_what_it_would_compute(name):
     given = execute(exp, cfg, write=False, progress=False, reuse=rows)
     assert given["baselines_reused"] == sorted(rows)
     alone = {k: v for k, v in runs[4.0].items() if not k.startswith("_") and k not in ("seconds", "run_dir")}
-    got = {k: v for k, v in given.items() if not k.startswith("_") and k not in ("seconds", "run_dir", "baselines_reused")}
+    got = {
+        k: v for k, v in given.items() if not k.startswith("_") and k not in ("seconds", "run_dir", "baselines_reused")
+    }
     _close(alone, got)
     assert exp.baseline_key(cfg) == exp.baseline_key(replace(cfg, epsilon=1.0))

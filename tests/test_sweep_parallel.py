@@ -1,4 +1,5 @@
 """Sweeps on Ray: the same table as one point at a time; every point a run directory; Parquet beside CSV."""
+
 from __future__ import annotations
 
 import csv
@@ -64,7 +65,9 @@ def test_points_are_run_directories_and_the_table_is_parquet_too(serial: Path) -
     assert runs == [f"{i:05d}-r{r}" for i in range(4) for r in range(2)]
     for name in runs:
         run = serial / "points" / name
-        assert {"config.json", "ledger.jsonl", "ledger.json", "result.json", "provenance.json", "final_state.npz"} <= {p.name for p in run.iterdir()}
+        assert {"config.json", "ledger.jsonl", "ledger.json", "result.json", "provenance.json", "final_state.npz"} <= {
+            p.name for p in run.iterdir()
+        }
     first = json.loads((serial / "points" / "00000-r1" / "config.json").read_text())
     assert first["n_users"] == 300 and first["epsilon"] == 1.0 and first["seed"] == 1  # repetition r has seed + r
     table = pq.read_table(serial / "table.parquet").to_pylist()
@@ -110,7 +113,9 @@ def test_a_sweep_on_a_two_process_ray_cluster_gives_the_serial_table(serial: Pat
         procs.append(start_ray(tmp_path / "worker.log", temp, join=f"127.0.0.1:{port}", cpus=1))
         wait_for_ray_nodes(f"127.0.0.1:{port}", 2)
         (tmp_path / "s.toml").write_text(SPEC)
-        summary = run_sweep(tmp_path / "s.toml", out=tmp_path / "cluster", progress=False, workers=2, ray_address=f"127.0.0.1:{port}")
+        summary = run_sweep(
+            tmp_path / "s.toml", out=tmp_path / "cluster", progress=False, workers=2, ray_address=f"127.0.0.1:{port}"
+        )
         assert summary["points_run"] == 4 and _close(_table(tmp_path / "cluster"), _table(serial))
         assert json.loads((tmp_path / "cluster" / "provenance.json").read_text())["ray_address"] == f"127.0.0.1:{port}"
     finally:

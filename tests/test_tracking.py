@@ -1,4 +1,5 @@
 """--track tensorboard|mlflow: the logs read back with each library's own reader."""
+
 from __future__ import annotations
 
 import itertools
@@ -46,7 +47,9 @@ def test_tensorboard_logs_read_back(run_dir, tmp_path):
     assert [r.step for r in rounds] == [r["round"] for r in run["rounds"]]
     assert rounds[-1].value == pytest.approx(run["rounds"][-1]["subspace_error"], rel=1e-6)
     assert acc.Scalars("final/excess_risk")[0].value == pytest.approx(result["excess_risk"], rel=1e-6)
-    assert acc.Scalars("baseline/local_only/excess_risk")[0].value == pytest.approx(result["baselines"]["local_only"]["excess_risk"], rel=1e-6)
+    assert acc.Scalars("baseline/local_only/excess_risk")[0].value == pytest.approx(
+        result["baselines"]["local_only"]["excess_risk"], rel=1e-6
+    )
     assert {f"figure/{p.removesuffix('.png')}" for p in result["plots"]} <= set(tags["images"])
     assert "config/text_summary" in tags["tensors"]
 
@@ -64,7 +67,9 @@ def test_mlflow_logs_read_back(run_dir, tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.params["n_users"] == "400" and run.data.params["runtime.runtime"] == "local"
     assert run.data.metrics["final/excess_risk"] == pytest.approx(result["excess_risk"], rel=1e-6)
-    assert run.data.metrics["baseline/oracle/excess_risk"] == pytest.approx(result["baselines"]["oracle"]["excess_risk"], rel=1e-6)
+    assert run.data.metrics["baseline/oracle/excess_risk"] == pytest.approx(
+        result["baselines"]["oracle"]["excess_risk"], rel=1e-6
+    )
     history = client.get_metric_history(where["run_id"], "privacy/epsilon_spent")
     assert sorted(m.step for m in history) == list(range(1, len(history) + 1))
     assert max(m.value for m in history) == pytest.approx(result["epsilon"], rel=1e-3)
@@ -76,7 +81,9 @@ def test_cli_track_mlflow_and_missing_extra(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     uri = (tmp_path / "ml").as_uri()
     assert main(ARGS + ["--out", str(tmp_path / "r"), "--track", "mlflow", "--track-uri", uri]) == 0
-    runs = mlflow.MlflowClient(tracking_uri=uri).search_runs([mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name("fedpers-altmin").experiment_id])
+    runs = mlflow.MlflowClient(tracking_uri=uri).search_runs(
+        [mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name("fedpers-altmin").experiment_id]
+    )
     assert [r.info.run_name for r in runs] == ["r"]
 
     import builtins
@@ -100,10 +107,15 @@ def test_sweep_points_grouped(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     spec = tmp_path / "s.toml"
-    spec.write_text('name = "tiny"\nalgorithm = "altmin"\nx = "epsilon"\nseries = "dim"\nmetrics = ["excess_risk"]\nrepetitions = 2\n'
-                    '[base]\nn_users = 400\nbaselines = "none"\n[grid]\ndim = [5]\nepsilon = [1.0, 8.0]\n')
+    spec.write_text(
+        'name = "tiny"\nalgorithm = "altmin"\nx = "epsilon"\nseries = "dim"\nmetrics = ["excess_risk"]\nrepetitions = 2\n'
+        '[base]\nn_users = 400\nbaselines = "none"\n[grid]\ndim = [5]\nepsilon = [1.0, 8.0]\n'
+    )
     uri = (tmp_path / "ml").as_uri()
-    assert main(["sweep", str(spec), "--out", str(tmp_path / "sw"), "--quiet", "--track", "mlflow", "--track-uri", uri]) == 0
+    assert (
+        main(["sweep", str(spec), "--out", str(tmp_path / "sw"), "--quiet", "--track", "mlflow", "--track-uri", uri])
+        == 0
+    )
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("fedpers-sweep-tiny")
     runs = client.search_runs([exp.experiment_id])
@@ -129,7 +141,20 @@ def test_an_unusable_tracking_uri_is_refused_before_any_run_directory_exists(tmp
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     out = tmp_path / "run"
-    rc = main(["run", "dpattention", "--columns", "2000", "--out", str(out), "--quiet", "--track", "mlflow",
-               "--track-uri", f"file:{tmp_path / 'mlruns'}"])
+    rc = main(
+        [
+            "run",
+            "dpattention",
+            "--columns",
+            "2000",
+            "--out",
+            str(out),
+            "--quiet",
+            "--track",
+            "mlflow",
+            "--track-uri",
+            f"file:{tmp_path / 'mlruns'}",
+        ]
+    )
     assert rc == 2 and not out.exists()
     assert "track_uri: MLflow cannot use" in capsys.readouterr().err

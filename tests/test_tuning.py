@@ -1,5 +1,6 @@
 """Private selection: its ε is the RepeatAndSelect composition computed independently, and the
 chosen candidate follows the mechanism's law."""
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,9 @@ def test_private_select_reports_the_composition_of_its_own_ledgers(tmp_path: Pat
         '[base]\nn_users = 300\nepsilon = 4.0\nbaselines = "none"\n[grid]\nclip_model = [0.5, 1.0]\n'
     )
     spec = load_spec(spec_file)
-    result = tuning.private_select(spec, "validation_mse", tuning.Goal.MIN, mean=3.0, validation_users=50, seed=2, out=tmp_path / "t")
+    result = tuning.private_select(
+        spec, "validation_mse", tuning.Goal.MIN, mean=3.0, validation_users=50, seed=2, out=tmp_path / "t"
+    )
     from fedpers import config as config_lib
     from fedpers.experiments import experiment
 
@@ -82,11 +85,19 @@ def test_selected_candidate_follows_the_mechanisms_law(shape):
     gen = torch.Generator().manual_seed(11)
     picks, ks = np.zeros(m, dtype=int), []
     for _ in range(n):
-        trials, best = tuning.repeat_and_select(gen, m, mean, shape, tuning.Goal.MIN, lambda t, j: {"score": scores[j], "point": j})
+        trials, best = tuning.repeat_and_select(
+            gen, m, mean, shape, tuning.Goal.MIN, lambda t, j: {"score": scores[j], "point": j}
+        )
         picks[best["point"]] += 1
         ks.append(len(trials))
     rank_of = {j: r for r, j in enumerate(np.argsort(scores), start=1)}
-    law = np.array([selection.tnb_pgf((m - rank_of[j] + 1) / m, mean, shape) - selection.tnb_pgf((m - rank_of[j]) / m, mean, shape) for j in range(m)])
+    law = np.array(
+        [
+            selection.tnb_pgf((m - rank_of[j] + 1) / m, mean, shape)
+            - selection.tnb_pgf((m - rank_of[j]) / m, mean, shape)
+            for j in range(m)
+        ]
+    )
     assert law.sum() == pytest.approx(1.0)
     assert stats.chisquare(picks, law * n).pvalue > 1e-3
     assert abs(np.mean(ks) - mean) < 5 * np.std(ks) / math.sqrt(n)
@@ -104,16 +115,22 @@ def test_nonprivate_select_says_it_is_not_accounted(tmp_path: Path):
 
     (tmp_path / "points").mkdir()
     for i, (v, c) in enumerate([(0.3, 0.5), (0.1, 1.0)]):
-        (tmp_path / "points" / f"{i:05d}.json").write_text(json.dumps({"overrides": {"clip_model": c}, "rows": [{"excess_risk": v}]}))
+        (tmp_path / "points" / f"{i:05d}.json").write_text(
+            json.dumps({"overrides": {"clip_model": c}, "rows": [{"excess_risk": v}]})
+        )
     out = tuning.select_nonprivate(tmp_path, "excess_risk", tuning.Goal.MIN)
     assert out["selected"] == {"clip_model": 1.0} and not out["private"] and "NOT accounted" in out["note"]
     assert tuning.select_nonprivate(tmp_path, "excess_risk", tuning.Goal.MAX)["selected"] == {"clip_model": 0.5}
     # a reference line (e.g. the non-private run) is never a candidate, however good its metric
-    (tmp_path / "points" / "00002.json").write_text(json.dumps({"label": "np", "overrides": {"epsilon": "inf"}, "rows": [{"excess_risk": 0.0}]}))
+    (tmp_path / "points" / "00002.json").write_text(
+        json.dumps({"label": "np", "overrides": {"epsilon": "inf"}, "rows": [{"excess_risk": 0.0}]})
+    )
     (tmp_path / "spec.json").write_text(json.dumps({"references": {"np": {"epsilon": "inf"}}}))
     assert tuning.select_nonprivate(tmp_path, "excess_risk", tuning.Goal.MIN)["selected"] == {"clip_model": 1.0}
     spec = tmp_path / "s.toml"
-    spec.write_text('algorithm = "altmin"\nx = "epsilon"\nseries = "dim"\nmetrics = ["subspace_error"]\n[grid]\nepsilon = [1.0, 2.0]\n[references]\nnp = { epsilon = inf }\n')
+    spec.write_text(
+        'algorithm = "altmin"\nx = "epsilon"\nseries = "dim"\nmetrics = ["subspace_error"]\n[grid]\nepsilon = [1.0, 2.0]\n[references]\nnp = { epsilon = inf }\n'
+    )
     loaded = load_spec(spec)
     assert [o for _, o in loaded.grid_points()] == [{"epsilon": 1.0}, {"epsilon": 2.0}]
     assert loaded.points()[-1] == ("np", {"epsilon": math.inf})
@@ -123,7 +140,9 @@ def test_cli_private_needs_a_metric(tmp_path: Path, capsys):
     from fedpers.commands.cli import main
 
     spec_file = tmp_path / "grid.toml"
-    spec_file.write_text('algorithm = "altmin"\nx = "clip_model"\nseries = "rank"\nmetrics = ["excess_risk"]\n[grid]\nclip_model = [0.5]\n')
+    spec_file.write_text(
+        'algorithm = "altmin"\nx = "clip_model"\nseries = "rank"\nmetrics = ["excess_risk"]\n[grid]\nclip_model = [0.5]\n'
+    )
     assert main(["sweep", str(spec_file), "--private", "--out", str(tmp_path / "o")]) == 2
     assert "--private needs --select METRIC" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before anything ran or was written
@@ -138,21 +157,31 @@ def test_private_select_with_secure_noise_draws_everything_from_os_entropy(tmp_p
     made: list[bool] = []
 
     class Recording(Privatizer):
-        def __init__(self, seed, ledger=None, *, secure=False):  # noqa: ANN001
+        def __init__(self, seed, ledger=None, *, secure=False):
             made.append(secure)
             super().__init__(seed, ledger, secure=secure)
 
     monkeypatch.setattr(tuning, "Privatizer", Recording)
     # the trials' accounting is tested above; here only where the draws come from
-    monkeypatch.setattr(tuning, "worst_event", lambda ledger, delta: dp_accounting.ComposedDpEvent([r.event for r in ledger]))
+    monkeypatch.setattr(
+        tuning, "worst_event", lambda ledger, delta: dp_accounting.ComposedDpEvent([r.event for r in ledger])
+    )
     spec_file = tmp_path / "grid.toml"
     spec_file.write_text(
         'algorithm = "altmin"\nx = "clip_model"\nseries = "rank"\nmetrics = ["excess_risk"]\n'
         '[base]\nn_users = 100\nepsilon = 4.0\nbaselines = "none"\n[grid]\nclip_model = [1.0]\n'
     )
     spec = load_spec(spec_file)
-    result = tuning.private_select(spec, "validation_mse", tuning.Goal.MIN, mean=1.5, validation_users=20, seed=2, out=tmp_path / "s",
-                                   secure_noise=True)
+    result = tuning.private_select(
+        spec,
+        "validation_mse",
+        tuning.Goal.MIN,
+        mean=1.5,
+        validation_users=20,
+        seed=2,
+        out=tmp_path / "s",
+        secure_noise=True,
+    )
     assert made == [True] * (1 + result["repetitions"]) and "OS entropy" in result["noise_source"]
     final = json.loads((tmp_path / "s" / "final" / "config.json").read_text())
     assert final["runtime"]["secure_noise"] is True

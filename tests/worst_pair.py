@@ -9,6 +9,7 @@ orthogonal directions carry the same noise on both sides and cancel), is the 2-D
 δ(ε) = max over the two orders of ∫ (p − e^ε q)₊ is computed by quadrature on a grid (step h,
 ±``span`` σ around the points: the tails beyond carry < 1e-14), independent of dp-accounting.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,7 +42,9 @@ def log_densities(q: float, a, a2, h: float = 0.01, span: float = 9.0):
 def delta_of(eps: float, lp: np.ndarray, lq: np.ndarray, area: float) -> float:
     """max over both orders of ∫ (p − e^ε q)₊."""
     p, q = np.exp(lp), np.exp(lq)
-    return float(max(np.clip(p - math.exp(eps) * q, 0, None).sum(), np.clip(q - math.exp(eps) * p, 0, None).sum()) * area)
+    return float(
+        max(np.clip(p - math.exp(eps) * q, 0, None).sum(), np.clip(q - math.exp(eps) * p, 0, None).sum()) * area
+    )
 
 
 def epsilon_of(delta: float, q: float, a, a2, h: float = 0.01) -> float:
@@ -67,4 +70,6 @@ def pair_pld(q: float, a, a2, h: float = 0.01, interval: float = 1e-4):
     keys, inverse = np.unique(index, return_inverse=True)
     table = np.bincount(inverse, weights=mass)
     pmf = {int(k): float(v) for k, v in zip(keys, table, strict=True) if v > 0}
-    return pld_lib.PrivacyLossDistribution.create_from_rounded_probability(pmf, max(0.0, 1.0 - float(table.sum())), interval)
+    return pld_lib.PrivacyLossDistribution.create_from_rounded_probability(
+        pmf, max(0.0, 1.0 - float(table.sum())), interval
+    )
