@@ -1,6 +1,6 @@
-"""Runtimes move messages; they never compute statistics or add noise."""
+"""Runtimes move messages; they never compute statistics or add noise.
 
-from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
-from fedpers.runtime.local import run_local
-
-__all__ = ["ClientReply", "RoundFailed", "RoundRecord", "drive", "run_local"]
+Import the runtime's own modules (:mod:`fedpers.runtime.local`, :mod:`fedpers.runtime.driver`, ...): this
+package imports none of them, so two threads importing it and one of its modules at once cannot deadlock
+on CPython's per-module import locks (Flower's simulation loads its apps in different threads).
+"""

@@ -8,7 +8,6 @@
 - :mod:`managed`: Flower's supported simulation path for one run (a private SuperLink, ``flwr run``).
 """
 
-from fedpers.runtime.flower.client import make_client_app
-from fedpers.runtime.flower.simulation import run_flower
-
-__all__ = ["make_client_app", "run_flower"]
+# Nothing is imported here: a package whose __init__ imports its own modules can deadlock CPython's
+# per-module import locks when two threads import it and one of its modules at once (Flower's
+# simulation loads the ServerApp and the ClientApp in different threads of one process).
