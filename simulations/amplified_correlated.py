@@ -278,6 +278,98 @@ def model(algorithms: list[str], epsilons: tuple[float, ...]) -> str:
     return "\n".join(lines)
 
 
+MMCC_BANDS = (2, 4, 8)
+MMCC_GRID = 1e-3
+"""The PLD grid the MMCC model solves on (its ε then checked at that grid only: a model, not a run)."""
+
+
+def mmcc_multiplier(
+    coefficients: tuple[float, ...], horizon: int, q: float, epsilon: float, delta: float, start: float
+) -> float:
+    """The smallest noise multiplier (to 1 %) at which MMCC's ε for the banded stream meets (ε, δ), add/remove,
+    bracketed from ``start`` (independent Poisson noise's z: small z, where MMCC's PLDs are widest, is skipped)."""
+    from fedpers.privacy import mmcc
+    from fedpers.privacy.accountant import event_epsilon
+
+    def eps(z: float) -> float:
+        stream = mmcc.MatrixMechanismDpEvent(coefficients, horizon, q, z)
+        return event_epsilon(stream, delta, "mmcc", pld_discretisation=MMCC_GRID, neighbours="add-remove")
+
+    lo, hi = start, start * 1.25
+    while eps(hi) > epsilon:
+        lo, hi = hi, 1.5 * hi
+    while lo > 0.05 and eps(lo) <= epsilon:
+        lo, hi = lo / 1.5, lo
+    while hi / lo > 1.01:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if eps(mid) > epsilon else (lo, mid)
+    return hi
+
+
+def mmcc_model(algorithms: list[str], epsilons: tuple[float, ...]) -> str:
+    """Per (algorithm, K, ε), add/remove neighbours, Poisson sampling at q = 1/K every round: independent
+    noise's z (PLD, exact), and for the banded square root and the strategy optimised for one participation
+    at b ∈ :data:`MMCC_BANDS` the z MMCC needs and the modelled error of the gradient stream (σ² times the
+    A error, σ = z per unit clip) against independent noise's; beside it, the 2023 analysis's best b and
+    ratio (block-cyclic, b groups at q·b) as the run's chooser finds it under add/remove."""
+    import dp_accounting
+    import torch
+
+    from fedpers import config
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.privacy import correlated
+    from fedpers.privacy.accountant import calibrate_noise_multiplier
+
+    lines = [
+        "| algorithm | K | ε | independent Poisson z | MMCC, b: z (sqrt) ratio / z (optimised) ratio | best MMCC ratio | "
+        "2023 analysis: b, ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in algorithms:
+        exp = EXPERIMENTS[name]
+        horizon = int(BASES[name].get("rounds", BASES[name].get("steps")))
+        delta = float(BASES[name]["delta"])
+        plain = float(correlated.prefix_error(torch.ones(1, dtype=torch.float64), horizon))
+        for K in CYCLES:
+            q = 1.0 / K
+            for eps in epsilons:
+                z1 = calibrate_noise_multiplier(
+                    lambda z, q=q, horizon=horizon: dp_accounting.SelfComposedDpEvent(
+                        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), horizon
+                    ),
+                    eps,
+                    delta,
+                    "pld",
+                    neighbours="add-remove",
+                )
+                cells, best = [], math.inf
+                for b in MMCC_BANDS:
+                    row = []
+                    for coefficients in (
+                        correlated.sqrt_coefficients(b),
+                        correlated.optimised_coefficients(
+                            horizon, b, b, patterns=correlated.single_participation(horizon)
+                        ),
+                    ):
+                        c = tuple(float(v) for v in coefficients)
+                        zb = mmcc_multiplier(c, horizon, q, eps, delta, z1)
+                        err = float(correlated.prefix_error(torch.tensor(c, dtype=torch.float64), horizon))
+                        r = zb**2 * err / (z1**2 * plain)
+                        best = min(best, r)
+                        row.append(f"{zb:.3g} {r:.3g}×")
+                    cells.append(f"{b}: " + " / ".join(row))
+                values = {**BASES[name], **series(K)["Poisson, amplified optimised"], "epsilon": eps}
+                protocol = exp.protocol(config.build(exp.config_type, {**values, "neighbours": "add-remove"}))
+                assert protocol.correlated is not None
+                chosen = protocol.correlated.cycle if protocol.correlated.strategy.kind != "independent" else 1
+                lines.append(
+                    f"| {name} | {K} | {eps:g} | {z1:.3g} | " + "; ".join(cells) + f" | {best:.3g}× | "
+                    f"{chosen}, {ratio(protocol.correlated.note)} |"
+                )
+                print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
@@ -286,7 +378,15 @@ def main() -> None:
     parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS))
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument("--model", action="store_true", help="print each candidate b's z and modelled error, then stop")
+    parser.add_argument(
+        "--mmcc-model",
+        action="store_true",
+        help="MMCC's z and modelled error per b beside the 2023 analysis's, then stop",
+    )
     args = parser.parse_args()
+    if args.mmcc_model:
+        print(mmcc_model(args.algorithms.split(","), tuple(float(e) for e in args.epsilons.split(","))))
+        return
     if args.model:
         print(model(args.algorithms.split(","), tuple(float(e) for e in args.epsilons.split(","))))
         return

@@ -5,14 +5,12 @@ strategies chosen for the sampled participation, the runs' ledgers, worst-case n
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import dp_accounting
 import pytest
 import torch
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from scipy import stats
 
 from fedpers import config
 from fedpers.config import Neighbours
@@ -21,7 +19,9 @@ from fedpers.privacy import ALL_UNITS, Privatizer, ledger_epsilon
 from fedpers.privacy import correlated as cc
 from fedpers.privacy.accountant import RELATIONS
 from fedpers.runtime.local import run_local
+from tests.monte_carlo import mc_epsilon_lower
 from tests.neighbours import check_neighbour
+from tests.small_runs import FEDREP_SMALL, NOISYGD_SMALL
 
 CONFIGS = [  # (T, b groups = bands, q within a group, z); the first two take ~5-10 s each on a busy machine
     pytest.param(16, 4, 0.5, 1.0, marks=pytest.mark.slow),
@@ -87,87 +87,16 @@ def test_amplified_epsilon_within_prv_accountants_bounds(T, b, q, z):
     assert lo - 1e-4 <= eps <= hi + 1e-4
 
 
-# ----- Monte Carlo: the mechanism's own privacy loss, sampled --------------------------------------
-def mc_epsilon_lower(
-    C: torch.Tensor,
-    sigma: float,
-    clip: float,
-    q: float,
-    groups: int,
-    delta: float,
-    neighbours: str,
-    samples: int = 200_000,
-    confidence: float = 0.999,
-    seed: int = 0,
-) -> float:
-    """A lower confidence bound on the true ε(δ) of releasing Cx + σz over T rounds, for the worst unit of
-    group 0 (aligned contributions at the clip in every round it is sampled in, each sampled with q) against
-    its neighbour (absent, or the opposite contribution under replace-one). The 2^P-component mixture is
-    evaluated in the full T dimensions (no use of the banded structure); both directions of the hockey stick,
-    δ̂(ε) = E_P[(1 − e^(ε − L))₊] with L = log p/q, minus its standard error times the quantile."""
-    g = torch.Generator().manual_seed(seed)
-    T = C.shape[0]
-    rounds = list(range(0, T, groups))
-    P = len(rounds)
-    cols = C[:, rounds].double() * clip  # (T, P)
-    subsets = torch.tensor(list(itertools.product((0.0, 1.0), repeat=P)), dtype=torch.float64)  # (2^P, P)
-    means = subsets @ cols.T  # (2^P, T)
-    logw = subsets.sum(1) * math.log(q) + (P - subsets.sum(1)) * math.log1p(-q)
-
-    def log_density(y: torch.Tensor, sign: float | None) -> torch.Tensor:
-        if sign is None:  # absent: N(0, σ²I), up to the constant shared by every density here
-            return -(y**2).sum(1) / (2 * sigma**2)
-        d = y[:, None, :] - sign * means[None]
-        return torch.logsumexp(logw[None] - (d**2).sum(2) / (2 * sigma**2), dim=1)
-
-    def draw(sign: float | None, n: int) -> torch.Tensor:
-        y = sigma * torch.randn(n, T, generator=g, dtype=torch.float64)
-        if sign is None:
-            return y
-        pick = (torch.rand(n, P, generator=g, dtype=torch.float64) < q).double()
-        return y + sign * pick @ cols.T
-
-    pairs = [(1.0, None), (None, 1.0)] if neighbours == "add-remove" else [(1.0, -1.0)]
-    zq = stats.norm.ppf(confidence)
-    best = 0.0
-    for first, second in pairs:
-        losses = []
-        for _ in range(samples // 20_000):
-            y = draw(first, 20_000)
-            losses.append(log_density(y, first) - log_density(y, second))
-        L = torch.cat(losses)
-
-        def delta_lower(eps: float) -> float:
-            terms = (1 - torch.exp(eps - L)).clamp_min(0)
-            return float(terms.mean()) - zq * float(terms.std()) / math.sqrt(L.numel())
-
-        lo, hi = 0.0, 50.0
-        if delta_lower(lo) <= delta:
-            continue
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if delta_lower(mid) > delta else (lo, mid)
-        best = max(best, lo)
-    return best
-
-
 GD = EXPERIMENTS["noisygd"]
-GD_SMALL = dict(
-    examples=48,
-    classes=3,
-    feature_dim=5,
-    steps=8,
-    epsilon=2.0,
-    test_examples=20,
-    baselines="none",
-    dtype="float64",
-    collapse="random",
-    beta=0.3,
-    cohorts="poisson",
-    sampling_rate=0.25,
-    noise="banded",
-    bands=2,
-)
+GD_SMALL = {
+    **NOISYGD_SMALL,
+    "examples": 48,
+    "steps": 8,
+    "cohorts": "poisson",
+    "sampling_rate": 0.25,
+    "noise": "banded",
+    "bands": 2,
+}
 
 
 @pytest.mark.parametrize("neighbours", ["replace-one", "add-remove"])
@@ -251,20 +180,7 @@ def test_banded_worse_than_independent_noise_is_warned_in_the_result():
     from fedpers.runner import execute
 
     fedrep = EXPERIMENTS["fedrep"]
-    values = dict(
-        n_users=40,
-        dim=6,
-        rank=2,
-        samples_per_user=5,
-        refit_samples=3,
-        test_samples=10,
-        rounds=16,
-        epsilon=2.0,
-        clip=1.0,
-        baselines="none",
-        noise="banded",
-        bands=8,
-    )
+    values = {**FEDREP_SMALL, "rounds": 16, "noise": "banded", "bands": 8}
     result = execute(fedrep, config.build(fedrep.config_type, values), write=False, progress=False)
     assert any(w["metric"] == "noise" and "1.683×" in w["text"] for w in result["warnings"])
 
@@ -284,22 +200,7 @@ def test_blt_buffers_are_the_fewest_the_optimiser_needs():
 
 # ----- runs ---------------------------------------------------------------------------------------
 FEDREP = EXPERIMENTS["fedrep"]
-SMALL = dict(
-    n_users=40,
-    dim=6,
-    rank=2,
-    samples_per_user=5,
-    refit_samples=3,
-    test_samples=10,
-    rounds=8,
-    epsilon=2.0,
-    clip=1.0,
-    baselines="none",
-    cohorts="poisson",
-    sampling_rate=0.25,
-    noise="banded",
-    bands=2,
-)
+SMALL = {**FEDREP_SMALL, "rounds": 8, "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2}
 
 
 def test_a_poisson_banded_fedrep_run_is_accounted_per_group_and_meets_its_target():

@@ -288,8 +288,8 @@ def _choices(parser, flag: str) -> list[str]:
 
 def test_a_registered_accountant_is_offered_and_accounts_a_ledger(pld_copy, tmp_path, capsys):
     privacy = cli.build_parser()._subparsers._group_actions[0].choices["privacy"]
-    assert _choices(privacy, "--accountant") == ["pld", "rdp", "zcdp", "pld_copy"]
-    assert _choices(cli.algorithm_parser("altmin"), "--accountant") == ["pld", "rdp", "zcdp", "pld_copy"]
+    assert _choices(privacy, "--accountant") == ["pld", "rdp", "zcdp", "mmcc", "pld_copy"]
+    assert _choices(cli.algorithm_parser("altmin"), "--accountant") == ["pld", "rdp", "zcdp", "mmcc", "pld_copy"]
     releases = [
         Release(r, f"round{r}", "gaussian", 1.0, 2.0, 3.0, "all", dp_accounting.GaussianDpEvent(3.0)) for r in range(4)
     ]
@@ -317,7 +317,7 @@ def test_the_top_level_parser_lists_accountants_lazily():
 
 def test_config_validation_names_the_registered_accountants(pld_copy):
     altmin = experiment("altmin").config_type
-    with pytest.raises(ValueError, match=r"accountant must be one of pld, rdp, zcdp, pld_copy; got 'nope'"):
+    with pytest.raises(ValueError, match=r"accountant must be one of pld, rdp, zcdp, mmcc, pld_copy; got 'nope'"):
         config_lib.build(altmin, {"accountant": "nope"})
 
 

@@ -17,22 +17,10 @@ from fedpers.privacy import correlated as cc
 from fedpers.protocols.fedrep import FedRepProtocol
 from fedpers.runtime.local import run_local
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour, replace_unit
+from tests.small_runs import FEDREP_SMALL, NOISYGD_SMALL, built
 
 EXP = EXPERIMENTS["fedrep"]
-SMALL = dict(
-    n_users=40,
-    dim=6,
-    rank=2,
-    samples_per_user=5,
-    refit_samples=3,
-    test_samples=10,
-    rounds=7,
-    epsilon=2.0,
-    clip=1.0,
-    baselines="none",
-    cohorts="cyclic",
-    cycle=3,
-)
+SMALL = {**FEDREP_SMALL, "rounds": 7, "cohorts": "cyclic", "cycle": 3}
 
 
 def strategies(horizon: int) -> list[cc.Strategy]:
@@ -262,10 +250,7 @@ def test_privatizer_blt_noise_is_sigma_times_the_dense_slice():
 
 # ----- the protocols ----------------------------------------------------------------------------
 def setup(values: dict):
-    cfg = config.build(EXP.config_type, values)
-    protocol = EXP.protocol(cfg)
-    units = EXP.units(cfg, torch.arange(cfg.n_users))
-    return cfg, protocol, {k: v.clone() for k, v in units.items()}
+    return built(EXP, values)
 
 
 def test_cyclic_cohorts_use_the_public_blocks_divide_by_their_size_and_are_accounted_per_cohort():
@@ -425,26 +410,11 @@ def test_secure_noise_draws_the_correlated_stream_from_os_entropy(noise):
 
 # ----- NoisyGD (example-level units) -------------------------------------------------------------
 GD = EXPERIMENTS["noisygd"]
-GD_SMALL = dict(
-    examples=60,
-    classes=3,
-    feature_dim=5,
-    steps=7,
-    epsilon=2.0,
-    test_examples=20,
-    baselines="none",
-    dtype="float64",
-    cohorts="cyclic",
-    cycle=3,
-    collapse="random",
-    beta=0.3,
-)
+GD_SMALL = {**NOISYGD_SMALL, "examples": 60, "steps": 7, "cohorts": "cyclic", "cycle": 3}
 
 
 def gd_setup(values: dict):
-    cfg = config.build(GD.config_type, values)
-    protocol = GD.protocol(cfg)
-    return cfg, protocol, {k: v.clone() for k, v in GD.units(cfg, torch.arange(cfg.examples)).items()}
+    return built(GD, values)
 
 
 def test_noisygd_cyclic_cohorts_one_band_and_the_ledger():

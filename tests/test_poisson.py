@@ -18,6 +18,7 @@ from fedpers.privacy.ledger import Release
 from fedpers.protocols.noisyhead import descend as nh_descend
 from fedpers.runner import execute
 from tests.neighbours import adversaries, check_neighbour
+from tests.small_runs import FEDREP_SMALL
 
 EXP = EXPERIMENTS["fedrep"]
 
@@ -101,20 +102,7 @@ def test_sampled_release_round_trips_through_the_ledger():
 def test_fedrep_poisson_worst_case_neighbours():
     cfg = config.build(
         EXP.config_type,
-        dict(
-            n_users=40,
-            dim=6,
-            rank=2,
-            samples_per_user=5,
-            refit_samples=3,
-            test_samples=10,
-            rounds=2,
-            epsilon=2.0,
-            clip=1.0,
-            cohorts="poisson",
-            sampling_rate=0.5,
-            baselines="none",
-        ),
+        {**FEDREP_SMALL, "rounds": 2, "cohorts": "poisson", "sampling_rate": 0.5},
     )
     protocol = EXP.protocol(cfg)
     units = EXP.units(cfg, torch.arange(cfg.n_users))

@@ -41,9 +41,12 @@ CAPABILITIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     Accountant.PLD.value: (BOTH, BOTH),
     Accountant.RDP.value: (BOTH, (Neighbours.ADD_REMOVE.value,)),
     Accountant.ZCDP.value: (BOTH, ()),
+    "mmcc": ((Neighbours.ADD_REMOVE.value,), (Neighbours.ADD_REMOVE.value,)),
 }
 """Registered accountant name → (the neighbouring relations it accounts, those under which it
-accounts Poisson-sampled releases with amplification): the built-in ones, then each one
+accounts Poisson-sampled releases with amplification): the built-in ones and ``mmcc`` (MMCC for
+Poisson-sampled correlated noise, fedpers.privacy.mmcc: declared here so a config naming it is checked
+without importing dp-accounting), then each one
 :func:`declare_accountant` adds (the registry's ``relations`` and ``poisson_relations``)."""
 
 

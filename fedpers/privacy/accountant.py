@@ -64,7 +64,7 @@ from fedpers.configs.privacy import (
     declare_accountant,
     forget_accountant,
 )
-from fedpers.privacy import calibration_cache, skellam
+from fedpers.privacy import calibration_cache, mmcc, skellam
 from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -133,6 +133,10 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
         self.discretisation = discretisation
         self.relation = RELATIONS[neighbours]
 
+    def compose_pld(self, pld: pld_lib.PrivacyLossDistribution) -> None:
+        """Compose a PLD built elsewhere (MMCC's rounds, :mod:`fedpers.privacy.mmcc`) into the state."""
+        self._pld: pld_lib.PrivacyLossDistribution = self._pld.compose(pld)
+
     def _maybe_compose(self, event: dp_accounting.DpEvent, count: int, do_compose: bool) -> Any:
         if not isinstance(event, (PureDpEvent, EpsilonDeltaDpEvent)):
             return super()._maybe_compose(event, count, do_compose)
@@ -154,7 +158,7 @@ class _PLDAccountant(pld_privacy_accountant.PLDAccountant):
             one = pld_lib.from_privacy_parameters(
                 DifferentialPrivacyParameters(event.epsilon, delta), value_discretization_interval=self.discretisation
             )
-        self._pld: pld_lib.PrivacyLossDistribution = self._pld.compose(one.self_compose(count) if count > 1 else one)
+        self._pld = self._pld.compose(one.self_compose(count) if count > 1 else one)
         return None
 
 
@@ -440,6 +444,78 @@ class ZcdpAccountant(PrivacyAccountant):
         """Σ κ²/(2(z·u)²) = ρ_target in closed form (calibration's loop only guards the floating point)."""
         factor = neighbours_of(neighbours).sensitivity_factor
         return math.sqrt(sum(factor**2 / (2.0 * u**2) for u in unit) / zcdp_rho_for(target_epsilon, target_delta))
+
+
+@register_accountant
+class MmccAccountant(PrivacyAccountant):
+    """MMCC (Choquette-Choo, Ganesh, Steinke, Thakurta, ICLR 2024): a Poisson-sampled matrix mechanism
+    (:class:`~fedpers.privacy.mmcc.MatrixMechanismDpEvent`) by conditional composition of mixtures of
+    Gaussians, composed in PLD with every other event as :class:`PldAccountant` does. Add/remove only (the
+    paper's relation; under replace-one a neighbour's two users are both sampled, which its analysis does
+    not cover). The tail bounds' failure probability is charged to δ: ε is the smallest over
+    :data:`~fedpers.privacy.mmcc.TAIL_SHARES` of ε_PLD(δ − share·δ), each a valid guarantee."""
+
+    name = "mmcc"
+    description = "MMCC: Poisson-sampled correlated noise (any C >= 0), add-remove; otherwise as pld"
+    relations = (Neighbours.ADD_REMOVE.value,)
+    poisson_relations = relations
+    stated_events = True
+    calibration_step = 1e-4
+    coarse_discretisation = COARSE_DISCRETISATION
+    min_delta = 1e-15
+
+    def epsilon(
+        self,
+        event: dp_accounting.DpEvent,
+        delta: float,
+        *,
+        pld_discretisation: float,
+        neighbours: Neighbours = Neighbours.ADD_REMOVE,
+    ) -> float:
+        if neighbours_of(neighbours) is not Neighbours.ADD_REMOVE:
+            raise UnsupportedEvent(self.name, event, "MMCC is implemented for add-remove neighbours only")
+        probe = _PLDAccountant(pld_discretisation, Neighbours.ADD_REMOVE)
+
+        def leaf(e: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+            if isinstance(e, mmcc.MatrixMechanismDpEvent):
+                mmcc.check_event(e)
+                return dp_accounting.NoOpDpEvent()
+            if not probe.supports(e):
+                raise UnsupportedEvent(self.name, e, "dp-accounting has no add-remove PLD for it")
+            return e
+
+        rest = _map_leaves(event, leaf)
+        counted = _stream_counts(event)
+        best = math.inf
+        for share in mmcc.TAIL_SHARES if counted else (0.0,):
+            acc = _PLDAccountant(pld_discretisation, Neighbours.ADD_REMOVE)
+            acc.compose(rest)
+            charged = 0.0
+            for stream, times in counted:
+                pld, tail = mmcc.stream_pld(stream, share * delta / len(counted), pld_discretisation)
+                if pld is None:
+                    return math.inf
+                acc.compose_pld(pld.self_compose(times) if times > 1 else pld)
+                charged += tail * times
+            if charged >= delta:
+                continue
+            best = min(best, float(acc.get_epsilon(delta - charged)))
+        return best
+
+
+def _stream_counts(event: dp_accounting.DpEvent) -> list[tuple[mmcc.MatrixMechanismDpEvent, int]]:
+    """The matrix-mechanism streams inside ``event`` with how often each is composed."""
+    out: dict[mmcc.MatrixMechanismDpEvent, int] = {}
+    stack: list[tuple[dp_accounting.DpEvent, int]] = [(event, 1)]
+    while stack:
+        e, times = stack.pop()
+        if isinstance(e, dp_accounting.ComposedDpEvent):
+            stack.extend((inner, times) for inner in e.events)
+        elif isinstance(e, dp_accounting.SelfComposedDpEvent):
+            stack.append((e.event, times * e.count))
+        elif isinstance(e, mmcc.MatrixMechanismDpEvent):
+            out[e] = out.get(e, 0) + times
+    return list(out.items())
 
 
 def event_epsilon(
