@@ -12,6 +12,7 @@ run to OUT/runs.jsonl (a run already there is skipped, so the grid can be resume
     PYTHONPATH=$PWD python simulations/amplified_correlated.py OUT [--seeds 10] [--algorithms fedrep,noisygd]
     PYTHONPATH=$PWD python simulations/amplified_correlated.py OUT --plot-only     # table and figure from OUT/runs.jsonl
     PYTHONPATH=$PWD python simulations/amplified_correlated.py OUT --model         # each b's z and modelled error
+    PYTHONPATH=$PWD python simulations/amplified_correlated.py OUT --mmcc-model    # MMCC's z and error per b (add/remove)
 
 The protocol of a configuration (its calibration and strategy) does not depend on the seed: it is built
 once per point and reused for the point's seeds (the runs are otherwise the runner's own).
