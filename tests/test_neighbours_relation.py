@@ -200,7 +200,7 @@ def test_a_user_removed_moves_each_release_by_at_most_its_add_remove_sensitivity
         (
             "fedrep",
             {"cohorts": "poisson", "sampling_rate": 0.1, "accountant": "zcdp", "neighbours": "add-remove"},
-            "accountant must be pld or rdp with cohorts poisson",
+            "accountant must be pld or rdp or mmcc with cohorts poisson",
         ),
     ],
 )
