@@ -5,8 +5,10 @@ central, at each n, the median subspace error over seeds and its ratio to centra
     PYTHONPATH=$PWD python simulations/bits_vs_n.py run [--users 1000 10000 100000] [--seeds 3]
     PYTHONPATH=$PWD python simulations/bits_vs_n.py draw     # docs/figures/bits_vs_n.png and the table
 
-``run`` appends one JSON line per run to docs/data/bits_vs_n_runs.jsonl (a refused run records its reason:
-too few bits for n is refused before any release); ``draw`` reads that file only.
+``run`` appends one JSON line per run to docs/data/bits_vs_n_runs.jsonl as it finishes (a refused run records its
+reason: too few bits for n is refused before any release) and skips every (n, seed, variant) already there, so
+an interrupted run resumes; at each n it runs central and the automatic choice for every seed before the fixed
+bits. ``draw`` reads that file only.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ def run(users: list[int], seeds: int) -> None:
 
     exp = EXPERIMENTS["altmin"]
     DATA.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["n_users"], r["seed"], r["variant"]) for r in _rows()}
     for n in users:
-        for seed in range(seeds):
-            for name, options in VARIANTS.items():
+        for name, options in VARIANTS.items():
+            for seed in range(seeds):
+                if (n, seed, name) in done:
+                    continue
                 cfg = config.build(exp.config_type, {**BASE, "n_users": n, "seed": seed})
                 row: dict[str, Any] = {"n_users": n, "seed": seed, "variant": name, **BASE}
                 try:
@@ -59,6 +64,12 @@ def run(users: list[int], seeds: int) -> None:
                 with DATA.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(json.dumps(row), flush=True)
+
+
+def _rows() -> list[dict[str, Any]]:
+    if not DATA.exists():
+        return []
+    return [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
 
 
 def table(rows: list[dict[str, Any]]) -> tuple[list[int], dict[str, dict[int, Any]], dict[int, list[int]]]:
@@ -85,7 +96,7 @@ def draw() -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = _rows()
     users, med, auto_bits = table(rows)
     lines = [
         "| n | auto bits | "
