@@ -369,6 +369,19 @@ def unit_randomness(
     return unit_keys(seed, round, statistic, ids, purpose)
 
 
+def node_membership(seed: int, round: int, ids: Tensor, q: float, secure: bool) -> Tensor:
+    """(U,) bool: whether each unit of ``ids`` is in round ``round``'s Poisson sample (probability ``q``,
+    independently), drawn on the unit's node — from each unit's own key (a simulation: the same draw
+    whatever node or chunk holds it), or OS entropy with ``secure`` — so the sample the amplification
+    rests on is never known to the server."""
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sampling rate q must be in (0, 1], got {q}")
+    if secure:
+        generator = torch.Generator().manual_seed(secure_module.os_seed())
+        return torch.rand(int(ids.numel()), generator=generator, dtype=torch.float64) < q
+    return keyed_uniforms(unit_keys(seed, round, "sampled", ids, purpose="membership"), 0, 1)[:, 0] < q
+
+
 # ----- one statistic's public encoding ------------------------------------------------------------
 @dataclass(frozen=True)
 class StatEncoding:
@@ -608,7 +621,9 @@ def skellam_event(
     make_event: Callable[[float], dp_accounting.DpEvent], encodings: Sequence[StatEncoding]
 ) -> Callable[[float], dp_accounting.DpEvent]:
     """``make_event`` (what one unit is touched by, Gaussian releases of multiplier z) with every
-    Gaussian replaced by the dominating Skellam event at the same multiplier."""
+    Gaussian replaced by the dominating Skellam event at the same multiplier; a Poisson-sampled Gaussian
+    becomes the Poisson-sampled Skellam (the subsampled bounds grow with the inner curve, so domination is
+    kept), refused when a statistic is PSD-tightened (a sampled unit is c̃, not Δ₂/2, from absent)."""
     leaf = _worst_leaf(encodings)
 
     def mapped(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
@@ -618,9 +633,17 @@ def skellam_event(
             return dp_accounting.ComposedDpEvent([mapped(e) for e in event.events])
         if isinstance(event, dp_accounting.SelfComposedDpEvent):
             return dp_accounting.SelfComposedDpEvent(mapped(event.event), event.count)
+        if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+            tightened = [e.name for e in encodings if e.psd]
+            if tightened:
+                raise ValueError(
+                    f"dp_model distributed: statistic(s) {tightened} are PSD-tightened, which a Poisson-sampled "
+                    "release cannot be (a sampled unit is its full bound from absent)"
+                )
+            return dp_accounting.PoissonSampledDpEvent(event.sampling_probability, mapped(event.event))
         raise ValueError(
             f"dp_model distributed: cannot map a {type(event).__name__} to the Skellam mechanism "
-            "(Poisson sampling and non-Gaussian releases are not supported)"
+            "(only Gaussian sums, plain or Poisson-sampled, are)"
         )
 
     return lambda z: mapped(make_event(z))
@@ -772,9 +795,12 @@ class NodeSidePrivatizer(Privatizer):
                 "nodes, each the tensor the runtime handed server_update (summed.stats[name], untransformed)"
             )
         entry = self._arrived.pop(found)
-        if sampling_probability < 1.0:
-            raise ValueError(f"release {release!r}: dp_model {self.model.value} does not support Poisson sampling")
         _, name, survivors, units = entry
+        if sampling_probability < 1.0 and (self.model is not DpModel.DISTRIBUTED or self.plan.encodings[name].psd):
+            raise ValueError(
+                f"release {release!r}: dp_model {self.model.value} does not support Poisson sampling"
+                + (" of a PSD-tightened statistic" if self.model is DpModel.DISTRIBUTED else "")
+            )
         if not math.isclose(per_unit_bound, self._bound(name), rel_tol=1e-12):
             raise ValueError(
                 f"release {release!r}: per-unit bound {per_unit_bound} differs from statistic {name!r}'s "
@@ -854,6 +880,9 @@ class DistributedPrivatizer(NodeSidePrivatizer):
         enc = self.plan.encodings[stat]
         event = enc.event(survivors, self.plan.min_nodes, self.plan.collusion)
         variance = event.variance if isinstance(event, SkellamDpEvent) else 0.0
+        if sampling_probability < 1.0 and isinstance(event, SkellamDpEvent):
+            # the nodes drew each unit's membership themselves (node_membership): the server never learns it
+            event = dp_accounting.PoissonSampledDpEvent(float(sampling_probability), event)
         release = Release(
             round,
             name,
