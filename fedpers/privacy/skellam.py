@@ -82,7 +82,13 @@ def event_rdp(
     relation = neighbours_of(neighbours)
     orders_arr = np.asarray(orders, dtype=np.float64)
     if isinstance(event, SkellamDpEvent):
-        return np.array([skellam_rdp(a, event.variance, event.l2_sensitivity, event.l1_sensitivity) for a in orders])
+        V, l2, l1 = event.variance, event.l2_sensitivity, event.l1_sensitivity
+        if V <= 0:
+            return np.full(len(orders), math.inf if l2 > 0 else 0.0)
+        # skellam_rdp at every order at once
+        return orders_arr * l2**2 / (2 * V) + np.minimum(
+            ((2 * orders_arr - 1) * l2**2 + 6 * l1) / (4 * V**2), 3 * l1 / (2 * V)
+        )
     if isinstance(event, dp_accounting.GaussianDpEvent):
         z = event.noise_multiplier
         factor = relation.sensitivity_factor
@@ -122,38 +128,42 @@ def poisson_sampled_rdp(
     if q == 1.0:
         return plain
     top = int(max(orders))
-    grid = np.arange(2, top + 1)
-    curve = event_rdp(inner, [int(a) for a in grid], relation)  # curve[l - 2] = ε(l)
+    curve = event_rdp(inner, range(2, top + 1), relation)  # curve[l − 2] = ε(l)
+    log_factorial = special.gammaln(np.arange(top + 1, dtype=np.float64) + 1)
     out = np.empty(len(orders))
     for i, order in enumerate(orders):
         a = int(order)
         if a != order or a < 2:
             raise ValueError(f"the subsampled RDP bounds hold at integer orders ≥ 2; got {order}")
-        out[i] = min(_sampled_bound(a, q, curve, relation), plain[i])
+        out[i] = min(_sampled_bound(a, q, curve, log_factorial, relation), plain[i])
     return out
 
 
-def _sampled_bound(a: int, q: float, curve: np.ndarray, relation: Neighbours) -> float:
-    """The bound at order ``a`` in log space (``curve[l − 2]`` = ε(l)); ∞ where ε(l) is."""
-    ls = np.arange(3, a + 1, dtype=np.float64)
-    eps_l = curve[1 : a - 1]  # ε(3..a)
+def _sampled_bound(a: int, q: float, curve: np.ndarray, log_factorial: np.ndarray, relation: Neighbours) -> float:
+    """The bound at order ``a`` in log space (``curve[l − 2]`` = ε(l), ``log_factorial[n]`` = log n!); ∞
+    where ε(l) is for some l ≤ a."""
     if not np.isfinite(curve[: a - 1]).all():
         return math.inf
-    log_comb = special.gammaln(a + 1) - special.gammaln(ls + 1) - special.gammaln(a - ls + 1)
+    ls = np.arange(3, a + 1)
+    eps_l = curve[1 : a - 1]  # ε(3..a)
+    log_comb = log_factorial[a] - log_factorial[ls] - log_factorial[a - ls]
     e2 = float(curve[0])
+    log_q = math.log(q)
     if relation is Neighbours.ADD_REMOVE:
         log1q = math.log1p(-q)
-        terms = [
+        head = [
             (a - 1) * log1q + math.log(a * q - q + 1),
-            math.log(a * (a - 1) / 2) + 2 * math.log(q) + (a - 2) * log1q + e2,
+            math.log(a * (a - 1) / 2) + 2 * log_q + (a - 2) * log1q + e2,
         ]
-        rest = math.log(3.0) + log_comb + (a - ls) * log1q + ls * math.log(q) + (ls - 1) * eps_l
+        rest = math.log(3.0) + log_comb + (a - ls) * log1q + ls * log_q + (ls - 1) * eps_l
     else:
         # min(4(e^ε(2) − 1), 2e^ε(2)) in logs
         second = min(math.log(4.0) + e2 + math.log(-math.expm1(-e2)) if e2 > 0 else -math.inf, math.log(2.0) + e2)
-        terms = [0.0, math.log(a * (a - 1) / 2) + 2 * math.log(q) + second]
-        rest = math.log(2.0) + log_comb + ls * math.log(q) + (ls - 1) * eps_l
-    total = float(special.logsumexp(np.concatenate([np.asarray(terms), rest])))
+        head = [0.0, math.log(a * (a - 1) / 2) + 2 * log_q + second]
+        rest = math.log(2.0) + log_comb + ls * log_q + (ls - 1) * eps_l
+    terms = np.concatenate([np.asarray(head), rest])
+    peak = float(terms.max())
+    total = peak + math.log(float(np.exp(terms - peak).sum()))
     return max(total, 0.0) / (a - 1)
 
 
