@@ -21,7 +21,7 @@ from fedpers.configs.runtime import RuntimeOptions
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
 from fedpers.privacy import distributed as dist
 from fedpers.privacy import skellam
-from fedpers.privacy.accountant import event_epsilon, ledger_epsilon
+from fedpers.privacy.accountant import event_epsilon, how_accounted, ledger_epsilon
 from fedpers.privacy.ledger import SkellamDpEvent
 from fedpers.runner import resolve
 from fedpers.runtime.local import run_local
@@ -43,7 +43,9 @@ def _skellam_rdp(a: int, variance: float, l2: float, l1: float) -> Any:
 def _zhu_wang(a: int, q: float, eps: Any) -> Any:
     """Zhu & Wang 2019, the general Poisson-subsampled bound (add/remove)."""
     q_ = mpmath.mpf(q)
-    total = (1 - q_) ** (a - 1) * (a * q_ - q_ + 1) + mpmath.binomial(a, 2) * q_**2 * (1 - q_) ** (a - 2) * mpmath.e ** eps(2)
+    total = (1 - q_) ** (a - 1) * (a * q_ - q_ + 1) + mpmath.binomial(a, 2) * q_**2 * (1 - q_) ** (
+        a - 2
+    ) * mpmath.e ** eps(2)
     for ell in range(3, a + 1):
         total += 3 * mpmath.binomial(a, ell) * (1 - q_) ** (a - ell) * q_**ell * mpmath.e ** ((ell - 1) * eps(ell))
     return min(mpmath.log(total) / (a - 1), eps(a))
@@ -59,7 +61,9 @@ def _wang_balle_kasiviswanathan(a: int, q: float, eps: Any) -> Any:
     return min(mpmath.log(total) / (a - 1), eps(a))
 
 
-@pytest.mark.parametrize(("variance", "l2", "l1", "q"), [(100.0, 6.0, 18.0, 0.05), (16.0, 4.0, 4.0, 0.1), (2500.0, 40.0, 160.0, 0.01)])
+@pytest.mark.parametrize(
+    ("variance", "l2", "l1", "q"), [(100.0, 6.0, 18.0, 0.05), (16.0, 4.0, 4.0, 0.1), (2500.0, 40.0, 160.0, 0.01)]
+)
 def test_sampled_skellam_rdp_equals_an_independent_implementation(variance, l2, l1, q):
     """Both relations' curves equal the theorems computed term by term at 60 digits (orders 2..64), and the
     ε of 30 sampled rounds equals dp-accounting's conversion of the independent curve."""
@@ -151,6 +155,8 @@ def test_distributed_poisson_altmin_records_sampled_skellam_within_its_target():
     assert all(r.event.sampling_probability == 0.25 and isinstance(r.event.event, SkellamDpEvent) for r in sampled)
     assert all(r.params["poisson_sample"] == f"round{r.round}" for r in sampled)
     assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, DELTA) <= 2.0
+    named = how_accounted(p.privatizer.ledger, "pld")  # what every view prints
+    assert named["accountant"] == "rdp" and "Wang, Balle & Kasiviswanathan 2019" in named["composition"]
 
 
 def test_the_nodes_draw_the_sample_whatever_the_server_sends():

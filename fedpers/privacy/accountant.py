@@ -575,6 +575,21 @@ SKELLAM_COMPOSITION = (
     "RDP composition (the Skellam releases have an RDP bound only, so every release is accounted in RDP)"
 )
 """How a ledger holding a Skellam (distributed DP) release is composed, whatever the run's accountant."""
+SAMPLED_SKELLAM = {
+    Neighbours.REPLACE_ONE: "Poisson-sampled rounds by Wang, Balle & Kasiviswanathan 2019, Theorem 9 (replace-one)",
+    Neighbours.ADD_REMOVE: "Poisson-sampled rounds by Zhu & Wang 2019, the general subsampled bound (add-remove)",
+}
+"""What a view adds to :data:`SKELLAM_COMPOSITION` when some Skellam release is Poisson-sampled."""
+
+
+def _sampled_skellam(event: dp_accounting.DpEvent) -> bool:
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        return skellam.contains_skellam(event.event)
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return any(_sampled_skellam(e) for e in event.events)
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return _sampled_skellam(event.event)
+    return False
 
 
 def how_accounted(ledger: Ledger, accountant: Accountant | str) -> dict[str, Any]:
@@ -586,11 +601,14 @@ def how_accounted(ledger: Ledger, accountant: Accountant | str) -> dict[str, Any
     bits = sorted({int(r.params["bits"]) for r in ledger if "bits" in r.params and "dp_model" in r.params})
     name = accountant.value if isinstance(accountant, Accountant) else str(accountant)
     skellam_ledger = any(skellam.contains_skellam(r.event) for r in ledger)
+    composition = SKELLAM_COMPOSITION
+    if any(_sampled_skellam(r.event) for r in ledger):
+        composition = f"{SKELLAM_COMPOSITION[:-1]}; {SAMPLED_SKELLAM[ledger_neighbours(ledger)]})"
     return {
         "dp_model": "+".join(models),
         "bits": bits[0] if len(bits) == 1 else (bits or None),
         "accountant": "rdp" if skellam_ledger else name,
-        "composition": SKELLAM_COMPOSITION
+        "composition": composition
         if skellam_ledger
         else (f"{name} composition of the releases" if name in CAPABILITIES else name),
     }
