@@ -22,7 +22,7 @@ from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
 from fedpers.privacy import distributed as dist
 from fedpers.privacy import skellam
 from fedpers.privacy.accountant import event_epsilon, how_accounted, ledger_epsilon
-from fedpers.privacy.ledger import SkellamDpEvent
+from fedpers.privacy.ledger import Ledger, SkellamDpEvent
 from fedpers.runner import resolve
 from fedpers.runtime.local import run_local
 
@@ -155,6 +155,9 @@ def test_distributed_poisson_altmin_records_sampled_skellam_within_its_target():
     assert all(r.event.sampling_probability == 0.25 and isinstance(r.event.event, SkellamDpEvent) for r in sampled)
     assert all(r.params["poisson_sample"] == f"round{r.round}" for r in sampled)
     assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, DELTA) <= 2.0
+    again = Ledger.from_json(p.privatizer.ledger.to_json())  # ledger.json keeps the sampled events
+    assert again == p.privatizer.ledger and ledger_epsilon(again, DELTA) == ledger_epsilon(p.privatizer.ledger, DELTA)
+    assert all(math.isfinite(r.noise_multiplier) for r in sampled)  # `fedpers privacy` prints each one's z
     named = how_accounted(p.privatizer.ledger, "pld")  # what every view prints
     assert named["accountant"] == "rdp" and "Wang, Balle & Kasiviswanathan 2019" in named["composition"]
 
