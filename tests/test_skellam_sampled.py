@@ -214,6 +214,33 @@ def test_sampled_release_noise_is_the_recorded_variance():
     assert 0.8 < ratio < 1.25, ratio
 
 
+@pytest.mark.parametrize("cohorts", [{}, {"cohorts": "poisson", "sampling_rate": 0.25}])
+def test_distributed_add_remove_records_one_units_rounded_vector_as_its_sensitivity(cohorts):
+    """--neighbours add-remove under distributed DP: every release names the relation and records Δ₂ = c̃,
+    Δ₁ = c̃·min(√D, c̃) (one unit's rounded vector, never PSD-tightened), V = (z·c̃)² (σ = z·c̃, as central's
+    σ = z·B), and the ledger's ε by the relation's accountant meets the target (sampled: Zhu & Wang)."""
+    cfg = config.build(AltMinConfig, {**POISSON, "neighbours": "add-remove", **cohorts})
+    p = resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed"}))
+    plan = p.privatizer.plan
+    run_local(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, progress=False)
+    for r in p.privatizer.ledger:
+        enc = plan.encodings[r.params["statistic"]]
+        inner = r.event.event if isinstance(r.event, dp_accounting.PoissonSampledDpEvent) else r.event
+        assert r.neighbours == "add-remove" and not enc.psd
+        assert inner.l2_sensitivity == pytest.approx(enc.rounded_bound)
+        assert inner.l1_sensitivity == pytest.approx(enc.rounded_bound * min(math.sqrt(enc.padded), enc.rounded_bound))
+        assert inner.variance == pytest.approx((plan.noise_multiplier * enc.rounded_bound) ** 2)
+    assert 0.97 * 2.0 <= ledger_epsilon(p.privatizer.ledger, DELTA) <= 2.0
+    if cohorts:
+        assert "Zhu & Wang 2019" in how_accounted(p.privatizer.ledger, "pld")["composition"]
+    with pytest.raises(ValueError, match="runs on the local runtime only"):
+        resolve(
+            AltMinExperiment(),
+            cfg,
+            config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "runtime": "flower"}),
+        )
+
+
 def test_poisson_cohorts_are_refused_where_the_nodes_cannot_draw_them():
     with pytest.raises(ValueError, match="dp_model local does not support Poisson sampling"):
         _resolved(dp_model="local")

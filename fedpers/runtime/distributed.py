@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from fedpers import linalg, pools
-from fedpers.config import DpModel
+from fedpers.config import DpModel, Neighbours
 from fedpers.configs.runtime import Runtime, RuntimeOptions
 from fedpers.data.units import UnitSource
 from fedpers.privacy import distributed as dist
@@ -529,6 +529,15 @@ def node_side_privatizer(
         )
         local.dropout, local.dropout_seed = options.node_dropout, rotation_seed
         return local
+    relations = set(calibrations.relations)
+    if len(relations) > 1:
+        raise ValueError(f"dp_model {model.value}: {protocol.name} was calibrated under two neighbouring relations")
+    relation = relations.pop() if relations else Neighbours.REPLACE_ONE
+    if relation is not Neighbours.REPLACE_ONE and options.runtime is not Runtime.LOCAL:
+        raise ValueError(
+            f"dp_model distributed with neighbours {relation.value} runs on the local runtime only (the Flower "
+            "nodes derive a replace-one plan)"
+        )
     plan = dist.plan_distributed(
         stats,
         units=num_units,
@@ -541,6 +550,7 @@ def node_side_privatizer(
         users_per_node=options.users_per_node,
         collusion=options.collusion,
         release_ratio=z / next(iter(calibrations.table.values())) if len(calibrations.table) == 1 and z > 0 else 1.0,
+        neighbours=relation,
     )
     privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
     privatizer.dropout, privatizer.dropout_seed = options.node_dropout, rotation_seed
@@ -561,10 +571,14 @@ def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num
     plan = privatizer.plan
     psd = set(side.psd_statistics)
     # each statistic's noise std over the protocol's z·Δ/2 (Δ = 2B, or √2B for a PSD one centrally)
-    central = {e.name: z * (math.sqrt(2.0) if e.name in psd else 2.0) * e.bound / 2 for e in plan.encodings.values()}
+    # (add-remove: σ = z·B, never tightened)
+    central = {
+        e.name: z * (math.sqrt(2.0) if e.name in psd and not e.add_remove else 2.0) * e.bound / 2
+        for e in plan.encodings.values()
+    }
     if plan.model is DpModel.LOCAL:
         actual = {e.name: math.sqrt(num_units) * z * e.bound for e in plan.encodings.values()}
     else:
-        actual = {e.name: plan.noise_multiplier * e.l2_sensitivity / 2 / e.scale for e in plan.encodings.values()}
+        actual = {e.name: plan.noise_multiplier * e.noise_scale / e.scale for e in plan.encodings.values()}
     factor = max(actual[k] / central[k] for k in actual)
     return protocol.with_noise_multiplier(z * factor)
