@@ -927,9 +927,13 @@ class DistributedPrivatizer(NodeSidePrivatizer):
                 **(params or {}),
                 **enc.to_dict(),
                 "dp_model": self.model.value,
-                "sensitivity_formula_integer": "Δ₂ = 2c̃, for PSD units min(2c̃, √2·(1 + 1e-9)·sB + 2√D); "
-                "Δ₁ = min(2c̃·min(√D, c̃), Δ₂·min(√D, Δ₂)); "
-                "c̃ = min(sB + √D, sqrt((sB)² + D/4 + sqrt(2 log(1/β))(sB + √D/2))), β = exp(−1/2)",
+                "sensitivity_formula_integer": (
+                    "add-remove: Δ₂ = c̃, Δ₁ = c̃·min(√D, c̃); "
+                    if enc.add_remove
+                    else "Δ₂ = 2c̃, for PSD units min(2c̃, √2·(1 + 1e-9)·sB + 2√D); "
+                    "Δ₁ = min(2c̃·min(√D, c̃), Δ₂·min(√D, Δ₂)); "
+                )
+                + "c̃ = min(sB + √D, sqrt((sB)² + D/4 + sqrt(2 log(1/β))(sB + √D/2))), β = exp(−1/2)",
                 "variance_integer": variance,
                 "nodes_survived": survivors,
                 "min_nodes": self.plan.min_nodes,
