@@ -153,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="the lab's privacy policy TOML to copy to every machine (default: a template with max-epsilon 8, min-units 50)",
     )
+    dc = dsub.add_parser(
+        "connection",
+        help="on the SuperLink machine: DIR/flwr/config.toml, flwr's loopback connection naming DIR/ca.crt by its "
+        "absolute path here (the recipe's step 4)",
+        allow_abbrev=False,
+    )
+    dc.add_argument("dir", type=Path, help="the SuperLink's directory written by fedpers deploy certs (superlink)")
+    dc.add_argument("--link-port", type=int, default=9093, help="the SuperLink's own port, on 127.0.0.1 (default 9093)")
     dr = dsub.add_parser(
         "run",
         help="flwr run, stream the logs, wait; exit 0 only if the run completed (flwr run --stream exits 0 either way)",
@@ -487,6 +495,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         from fedpers.deploy.fleetproxy import main as proxy
 
         return proxy(list(args.proxy_args))
+    if args.deploy_command == "connection":
+        from fedpers.deploy.recipe import write_connection
+
+        print(f"wrote {write_connection(args.dir, args.link_port)}")
+        return 0
     if args.deploy_command in FLOWER_WRAPPERS:  # reached only without flags (main() passes flags through)
         return _flower_wrapper(args.deploy_command)(list(args.flower_args))
 
