@@ -161,10 +161,10 @@ def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_nod
 def test_the_recipe_names_no_path_of_the_machine_that_wrote_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A recipe copied to another machine or user works there: no file `fedpers deploy certs` writes holds
     its directory's absolute path (nor the working directory's), every path a command names is relative
-    (the data file is the lab's declared one), and the policy names its trust model instead of a silent default."""
+    (the data file is the lab's declared one, the checkout a placeholder for each machine's), and the policy names its trust model instead of a silent default."""
     import shlex
 
-    from fedpers.deploy.recipe import steps
+    from fedpers.deploy.recipe import CHECKOUT, steps
     from fedpers.runtime.flower.policy import load_policy
 
     work = tmp_path / "operator-home"
@@ -178,7 +178,7 @@ def test_the_recipe_names_no_path_of_the_machine_that_wrote_it(tmp_path: Path, m
     for machine, command in steps((work / "lab" / "commands.txt").read_text()):
         for token in shlex.split(command):
             value = token.split("=", 1)[1] if re.match(r"^[A-Z_]+=", token) else token
-            assert not value.startswith("/") or value == "/data/users.npz", (machine, token)
+            assert not value.startswith("/") or value in ("/data/users.npz", CHECKOUT), (machine, token)
     assert 'trust-model = "central"' in (work / "lab" / "superlink" / "policy.toml").read_text()
     assert load_policy(work / "lab" / "superlink" / "policy.toml").trust_model == "central"
 

@@ -2,8 +2,9 @@
 on 127.0.0.1, then attacked. Each attack is its own test on one federation (module fixture, tests
 run in file order: the federation's budget ledger carries over, as on a real deployment).
 
-The only change to commands.txt's lines: `fedpers` runs as `python -m fedpers` of this checkout,
-and the job step's example run-config is replaced by each test's. Every machine's commands run, as the
+The only changes to commands.txt's lines: `fedpers` runs as `python -m fedpers` of this checkout,
+the job step's placeholder for the lab's checkout is this checkout and its example run-config is
+replaced by each test's. Every machine's commands run, as the
 recipe says, from the directory holding its directory (here the certs directory itself: its paths
 are all relative). Loopback only: the proxy listens on
 127.0.0.1 (`--listen`), standing in for the network address.
@@ -29,7 +30,7 @@ import torch
 
 from fedpers import config as config_lib
 from fedpers.data.files import save_altmin_npz
-from fedpers.deploy.recipe import steps
+from fedpers.deploy.recipe import CHECKOUT, steps
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import truth
 from tests.flower_support import Processes, can_switch_uid, free_port, wait_for_log
@@ -147,6 +148,7 @@ class Recipe:
         for proc, log in started:  # each node re-executed isolated, its SuperExec and fork server up
             wait_for_log(log, "fork server ready", proc, timeout=300)
         self.job_env, self.job_argv = _argv(superlink[-1])
+        self.job_argv[self.job_argv.index(CHECKOUT)] = str(ROOT)  # the lab's checkout on this machine
 
     def run(self, run_config: str, timeout: float = 400) -> subprocess.CompletedProcess:
         """Step 8 as written, with this run-config (node-partitions from the registrations)."""

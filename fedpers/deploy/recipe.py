@@ -43,6 +43,8 @@ LINK_PORT = 9093
 """The SuperLink's own port, on 127.0.0.1 (Fleet, Control and Runtime APIs)."""
 NODE_PORT = 9094
 """SuperNode I's local Runtime API port is NODE_PORT + I (distinct, so nodes may share a host)."""
+CHECKOUT = "/path/to/the/lab/checkout"
+"""Where the recipe names the lab's checkout (the Flower app the job sends): each machine's own path."""
 CONNECTION = "deployment"
 """The ``flwr`` connection name in ``superlink/flwr/config.toml``."""
 
@@ -277,7 +279,7 @@ def commands(layout: Layout) -> str:
     """The recipe: every command with this layout's hosts and ports, and paths relative to the directory
     each machine runs it from (see the module docstring)."""
     L, n = layout.link, layout.supernodes
-    trust = layout.app_hash or '"$(fedpers deploy app-hash /path/to/the/lab/checkout)"'
+    trust = layout.app_hash or f'"$(fedpers deploy app-hash {CHECKOUT})"'
     flwr_home = f"FLWR_HOME={L}/flwr"
     lines = [
         "# fedpers deployment recipe, written by `fedpers deploy certs` (the README's recipe; docs/flower.md: what each layer stops).",
@@ -322,7 +324,8 @@ def commands(layout: Layout) -> str:
         f"{STEP}{5 + n}. superlink: the job; node-partitions maps every registered node id (step 4) to its partition",
         "#    The SuperLink machine holds no user data: the config declares the public shapes of the nodes' files",
         "#    (n_users, dim, samples_per_user: every node refuses a task its file does not match) and no data= path.",
-        f"{flwr_home} fedpers deploy run {CONNECTION} --run-config \"config='n_users={layout.n_users} dim={layout.dim} "
+        "#    --app: the lab's checkout on this machine (the app whose hash the machines trust); out: where the ServerApp writes.",
+        f"{flwr_home} fedpers deploy run {CONNECTION} --app {CHECKOUT} --run-config \"config='n_users={layout.n_users} dim={layout.dim} "
         f"samples_per_user={layout.samples_per_user} rank=2 epsilon=4.0 cohorts=\\\"all\\\"' out='/abs/path/run' node-partitions='{ids}'\"",
     ]
     return "\n".join(lines) + "\n"
