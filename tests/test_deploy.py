@@ -63,6 +63,9 @@ def test_certs_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "give at least one --host" in capsys.readouterr().err
     assert main(["deploy", "certs", str(out), "--host", "h", "--supernodes", "0"]) == 2
     assert "supernodes must be an integer >= 1" in capsys.readouterr().err
+    missing = tmp_path / "lab-policy.toml"
+    assert main(["deploy", "certs", str(tmp_path / "p"), "--host", "h", "--policy", str(missing)]) == 2
+    assert f"--policy: {missing} is not a file" in capsys.readouterr().err and not (tmp_path / "p").exists()
     assert main(["deploy", "certs", str(out), "--host", "h"]) == 0
     before = (out / "ca" / "ca.key").read_bytes()
     assert main(["deploy", "certs", str(out), "--host", "h"]) == 2

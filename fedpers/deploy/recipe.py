@@ -325,6 +325,8 @@ def commands(layout: Layout) -> str:
         "#    The SuperLink machine holds no user data: the config declares the public shapes of the nodes' files",
         "#    (n_users, dim, samples_per_user: every node refuses a task its file does not match) and no data= path.",
         "#    --app: the lab's checkout on this machine (the app whose hash the machines trust); out: where the ServerApp writes.",
+        "#    It runs the central trust model (dp-model, default central: the server adds the noise to the nodes' exact sums);",
+        "#    dp-model='distributed' or 'local' in --run-config moves the noise to the nodes (docs/flower.md).",
         f"{flwr_home} fedpers deploy run {CONNECTION} --app {CHECKOUT} --run-config \"config='n_users={layout.n_users} dim={layout.dim} "
         f"samples_per_user={layout.samples_per_user} rank=2 epsilon=4.0 cohorts=\\\"all\\\"' out='/abs/path/run' node-partitions='{ids}'\"",
     ]
