@@ -120,52 +120,26 @@ PATHS: dict[str, tuple[str, dict[str, Any]]] = {
 CHUNKS = (1024, 256)
 
 
-def _fake_cuda() -> Any:
-    """This checkout's tests/fake_cuda.py (whatever fedpers is on the path)."""
+def _fake_cuda_module() -> Any:
+    """This checkout's tests/fake_cuda.py (whatever fedpers is on the path), loaded once."""
+    if "fedpers_fake_cuda" in sys.modules:
+        return sys.modules["fedpers_fake_cuda"]
     spec = importlib.util.spec_from_file_location("fedpers_fake_cuda", ROOT / "tests" / "fake_cuda.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.fake_cuda
+    return module
 
 
 def per_round(name: str, values: dict[str, Any], chunk: int) -> list[tuple[int, int, int]]:
-    """(syncs, launches, chunks) of every round of a ``--device cuda`` run of ``name`` on the local runtime."""
-    from fedpers import config
+    """(syncs, launches, chunks) of every round of a ``--device cuda`` run of ``name`` on the local runtime
+    (tests/fake_cuda.py's count; the fields the measured tree's algorithm lacks are left out)."""
     from fedpers.experiments import EXPERIMENTS
-    from fedpers.privacy import Privatizer
-    from fedpers.runtime.local import run_local
 
-    fake_cuda = _fake_cuda()
-    with fake_cuda() as fc:
-        exp = EXPERIMENTS[name]
-        known = exp.config_type.__dataclass_fields__
-        cfg = config.build(exp.config_type, {k: v for k, v in {**values, "device": "cuda"}.items() if k in known})
-        source = exp.unit_source(cfg)
-        made = [0]
-        needed = source.needed_chunks
-
-        def counted(*args: Any) -> Any:
-            for part in needed(*args):
-                made[0] += 1
-                yield part
-
-        source.needed_chunks = counted
-        marks: list[tuple[int, int, int]] = []
-        traffic = fc.traffic
-        traffic.reset()
-
-        def on_round(record: Any, state: Any) -> None:
-            launches = getattr(traffic, "launches", 0)
-            marks.append((traffic.syncs, launches, made[0]))
-
-        run_local(exp.protocol(cfg), source, Privatizer(3), chunk_size=chunk, progress=False, on_round=on_round)
-    out, last = [], (0, 0, 0)
-    for mark in marks:
-        out.append((mark[0] - last[0], mark[1] - last[1], mark[2] - last[2]))
-        last = mark
-    return out
+    known = EXPERIMENTS[name].config_type.__dataclass_fields__
+    count: Any = _fake_cuda_module().per_round
+    return [tuple(r) for r in count(name, {k: v for k, v in values.items() if k in known}, chunk)]
 
 
 WHOLE_RUN = {"n_users": 8192, **SMALL, "dtype": "float32", "baselines": "none"}
@@ -179,9 +153,8 @@ def whole_run(chunk: int) -> tuple[int, int]:
     from fedpers.experiments import EXPERIMENTS
     from fedpers.runner import execute
 
-    fake_cuda = _fake_cuda()
     exp = EXPERIMENTS["altmin"]
-    with fake_cuda() as fc:
+    with _fake_cuda_module().fake_cuda() as fc:
         cfg = config.build(exp.config_type, {**WHOLE_RUN, "chunk_size": chunk, "device": "cuda"})
         fc.traffic.reset()
         execute(exp, cfg, write=False, progress=False)

@@ -61,7 +61,7 @@ import sys
 import threading
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -656,3 +656,41 @@ def fake_cuda() -> Iterator[FakeCuda]:
         stack.enter_context(mock.patch.object(ThreadPoolExecutor, "submit", submit))
         stack.enter_context(_modes(traffic))
         yield FakeCuda(traffic)
+
+
+def per_round(name: str, values: Mapping[str, Any], chunk: int) -> list[tuple[int, int, int]]:
+    """(host syncs, kernel launches, chunks made) of every round of a ``--device cuda`` run of algorithm
+    ``name`` (``values``: its config fields) on the local runtime under the fake device: gather,
+    verification, release, server step. What tests/test_deferred_checks.py bounds and
+    benchmarks/device_syncs.py prints (which loads this file beside another tree's fedpers)."""
+    from fedpers import config
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.privacy import Privatizer
+    from fedpers.runtime.local import run_local
+
+    with fake_cuda() as fc:
+        exp = EXPERIMENTS[name]
+        cfg = config.build(exp.config_type, {**values, "device": "cuda"})
+        source = exp.unit_source(cfg)
+        made = [0]
+        needed = source.needed_chunks
+
+        def counted(*args: Any) -> Any:
+            for part in needed(*args):
+                made[0] += 1
+                yield part
+
+        source.needed_chunks = counted  # type: ignore[method-assign]
+        marks: list[tuple[int, int, int]] = []
+        fc.traffic.reset()
+
+        def on_round(record: Any, state: Any) -> None:
+            syncs, launches, _, _ = fc.traffic.counts()
+            marks.append((syncs, launches, made[0]))
+
+        run_local(exp.protocol(cfg), source, Privatizer(3), chunk_size=chunk, progress=False, on_round=on_round)
+    out, last = [], (0, 0, 0)
+    for mark in marks:
+        out.append((mark[0] - last[0], mark[1] - last[1], mark[2] - last[2]))
+        last = mark
+    return out

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -238,12 +238,15 @@ class Processes:
     def __init__(self, workdir, env: Mapping[str, str]) -> None:
         self.workdir, self.env, self.procs = workdir, dict(env), []
 
-    def start(self, name: str, cmd: list[str], **env: str) -> tuple[subprocess.Popen, os.PathLike[str]]:
+    def start(
+        self, name: str, cmd: list[str], *, cwd: os.PathLike[str] | None = None, **env: str
+    ) -> tuple[subprocess.Popen, os.PathLike[str]]:
+        """``cmd`` started in ``cwd`` (default: the work directory), logging to ``NAME.log`` there."""
         log = self.workdir / f"{name}.log"
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 cmd,
-                cwd=self.workdir,
+                cwd=self.workdir if cwd is None else cwd,
                 env={**self.env, **env},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -331,21 +334,16 @@ def wait_for_ray_nodes(address: str, count: int, timeout: float = 120.0) -> None
         time.sleep(1.0)
 
 
-def start_loopback_federation(
-    procs: Processes, work: Path, nodes: int, *, warm: bool = False, poll: float = 0.0
-) -> int:
-    """An insecure (loopback-only) SuperLink and ``nodes`` SuperNodes with partition ids 0..nodes−1;
-    ``poll`` > 0: SuperNodes through ``fedpers deploy supernode --poll`` (whose own SuperExec is
-    ``fedpers deploy superexec``: warm ClientApps); ``warm`` without ``poll``: ``flower-supernode
-    --isolation process`` with ``fedpers deploy superexec`` beside each. Returns the SuperLink port."""
-    import sys
-
+def start_superlink(procs: Processes, work: Path, *flags: str) -> int:
+    """An insecure (loopback-only) SuperLink, Flower's ``flags`` added (e.g. ``--simulation``), ready for
+    connections. Returns its port."""
     port = free_port()
     link, log = procs.start(
         "superlink",
         [
             "flower-superlink",
             "--insecure",
+            *flags,
             "--host",
             "127.0.0.1",
             "--port",
@@ -355,6 +353,51 @@ def start_loopback_federation(
         FLWR_HOME=str(work / "link-home"),
     )
     wait_for_log(log, "Starting Flower SuperExec", link)
+    return port
+
+
+def start_supernode(
+    procs: Processes,
+    work: Path,
+    port: int,
+    i: int,
+    nodes: int,
+    launcher: Sequence[str] = ("flower-supernode",),
+    *,
+    node_config: str = "",
+    runtime_port: int = 0,
+    flags: Sequence[str] = (),
+) -> subprocess.Popen:
+    """Insecure SuperNode ``i`` (partition ``i`` of ``nodes``, ``node_config`` added) of the SuperLink at
+    ``port``, started by ``launcher`` with Flower's ``flags`` added; its runtime port ``runtime_port`` (0: a free one)."""
+    config = f"partition-id={i} num-partitions={nodes}" + (f" {node_config}" if node_config else "")
+    return procs.start(
+        f"supernode{i}",
+        [
+            *launcher,
+            "--insecure",
+            "--superlink",
+            f"127.0.0.1:{port}",
+            "--port",
+            str(runtime_port or free_port()),
+            "--node-config",
+            config,
+            *flags,
+        ],
+        FLWR_HOME=str(work / f"node{i}-home"),
+    )[0]
+
+
+def start_loopback_federation(
+    procs: Processes, work: Path, nodes: int, *, warm: bool = False, poll: float = 0.0
+) -> int:
+    """An insecure (loopback-only) SuperLink and ``nodes`` SuperNodes with partition ids 0..nodes−1;
+    ``poll`` > 0: SuperNodes through ``fedpers deploy supernode --poll`` (whose own SuperExec is
+    ``fedpers deploy superexec``: warm ClientApps); ``warm`` without ``poll``: ``flower-supernode
+    --isolation process`` with ``fedpers deploy superexec`` beside each. Returns the SuperLink port."""
+    import sys
+
+    port = start_superlink(procs, work)
     for i in range(nodes):
         runtime = free_port()
         launcher = (
@@ -363,20 +406,15 @@ def start_loopback_federation(
             else ["flower-supernode"]
         )
         separate = warm and poll <= 0  # fedpers deploy supernode starts fedpers deploy superexec itself
-        procs.start(
-            f"supernode{i}",
-            [
-                *launcher,
-                "--insecure",
-                "--superlink",
-                f"127.0.0.1:{port}",
-                "--port",
-                str(runtime),
-                "--node-config",
-                f"partition-id={i} num-partitions={nodes}",
-                *(["--isolation", "process"] if separate else []),
-            ],
-            FLWR_HOME=str(work / f"node{i}-home"),
+        start_supernode(
+            procs,
+            work,
+            port,
+            i,
+            nodes,
+            launcher,
+            runtime_port=runtime,
+            flags=["--isolation", "process"] if separate else [],
         )
         if separate:
             procs.start(

@@ -20,6 +20,29 @@ def run_json(capsys, *args):
     return json.loads(capsys.readouterr().out)
 
 
+def test_sweep_json_is_one_object_on_stdout_like_run_compare_and_privacy(tmp_path, capsys):
+    """`fedpers sweep --json`, as `run --json`: stdout is one JSON object (the summary sweep.json holds, with
+    the sweep's directory and its table's rows), the lines a reader follows go to stderr; `--select` prints
+    its selection the same way."""
+    spec = tmp_path / "s.toml"
+    spec.write_text(
+        'name = "tiny"\nalgorithm = "altmin"\nx = "epsilon"\nseries = "dim"\nmetrics = ["excess_risk"]\n'
+        '[base]\nn_users = 400\nbaselines = "none"\n[grid]\ndim = [5]\nepsilon = [1.0, 8.0]\n'
+    )
+    out = tmp_path / "sw"
+    assert main(["sweep", str(spec), "--out", str(out), "--json"]) == 0
+    printed = capsys.readouterr()
+    r = json.loads(printed.out)
+    on_disk = json.loads((out / "sweep.json").read_text())
+    assert {k: r[k] for k in on_disk} == on_disk and r["points_run"] == 2 and r["out"] == str(out)
+    assert [row["epsilon"] for row in r["table_rows"]] == [1.0, 8.0]
+    assert all(isinstance(row["excess_risk"], float) for row in r["table_rows"])
+    assert "sweep tiny: 2 rows (2 points run, 0 reused)" in printed.err
+    assert main(["sweep", str(spec), "--out", str(out), "--json", "--select", "excess_risk"]) == 0
+    chosen = json.loads(capsys.readouterr().out)
+    assert chosen == json.loads((out / "selection.json").read_text()) and chosen["selected"]["epsilon"] in (1.0, 8.0)
+
+
 def test_json_has_the_promised_fields_and_the_run_directory_is_complete(tmp_path, capsys):
     out = tmp_path / "run"
     r = run_json(capsys, *SMALL, "--out", str(out))

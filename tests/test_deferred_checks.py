@@ -18,7 +18,7 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments import altmin as am
 from fedpers.privacy import Privatizer
 from fedpers.runtime.local import run_local
-from tests.fake_cuda import fake_cuda
+from tests.fake_cuda import fake_cuda, per_round
 
 EXP = EXPERIMENTS["altmin"]
 VALUES = dict(n_users=500, dim=4, rank=2, samples_per_user=8, cohorts="all", dtype="float32", calibration="paper")
@@ -169,36 +169,6 @@ DEVICE_PATHS = {
     ),
     "expmech": ("expmech", {"n_users": 1100, "dim": 3, "rank": 1}),
 }
-
-
-def per_round(name: str, values: dict[str, Any], chunk: int) -> list[tuple[int, int, int]]:
-    """(syncs, launches, chunks) of every round of a run on the fake device (the protocol's rounds on the
-    local runtime: gather, verification, release, server step)."""
-    with fake_cuda() as fc:
-        exp, cfg = _config(name, values)
-        source = exp.unit_source(cfg)
-        made = [0]
-        needed = source.needed_chunks
-
-        def counted(*args: Any) -> Any:
-            for part in needed(*args):
-                made[0] += 1
-                yield part
-
-        source.needed_chunks = counted  # type: ignore[method-assign]
-        marks: list[tuple[int, int, int]] = []
-        fc.traffic.reset()
-
-        def on_round(record: Any, state: Any) -> None:
-            syncs, launches, _, _ = fc.traffic.counts()
-            marks.append((syncs, launches, made[0]))
-
-        run_local(exp.protocol(cfg), source, Privatizer(3), chunk_size=chunk, progress=False, on_round=on_round)
-    out, last = [], (0, 0, 0)
-    for mark in marks:
-        out.append(tuple(b - a for a, b in zip(last, mark)))
-        last = mark
-    return out  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("path", sorted(DEVICE_PATHS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import stat
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
 
 from fedpers.commands.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_certs_chain_hosts_keys_and_permissions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -38,13 +41,13 @@ def test_certs_chain_hosts_keys_and_permissions(tmp_path: Path, capsys: pytest.C
         assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp384r1"
         assert key.public_key().public_numbers() == pub.public_numbers()
         assert stat.S_IMODE((out / f"supernode-{i}" / f"supernode-{i}.key").stat().st_mode) == 0o600
-        assert f"--auth-supernode-private-key {out.resolve()}/supernode-{i}/supernode-{i}.key" in printed
+        assert f"--auth-supernode-private-key supernode-{i}/supernode-{i}.key" in printed
     assert (
         stat.S_IMODE((out / "ca" / "ca.key").stat().st_mode) == 0o600
         and stat.S_IMODE((out / "superlink" / "superlink.key").stat().st_mode) == 0o600
     )
     assert "--enable-supernode-auth" in printed and "--insecure" not in printed
-    assert f"flwr supernode register {out.resolve()}/superlink/supernode-1.pub deployment" in printed
+    assert "flwr supernode register superlink/supernode-1.pub deployment" in printed
 
 
 def test_flower_accepts_the_supernode_public_key(tmp_path: Path) -> None:
@@ -60,6 +63,9 @@ def test_certs_refusals(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "give at least one --host" in capsys.readouterr().err
     assert main(["deploy", "certs", str(out), "--host", "h", "--supernodes", "0"]) == 2
     assert "supernodes must be an integer >= 1" in capsys.readouterr().err
+    missing = tmp_path / "lab-policy.toml"
+    assert main(["deploy", "certs", str(tmp_path / "p"), "--host", "h", "--policy", str(missing)]) == 2
+    assert f"--policy: {missing} is not a file" in capsys.readouterr().err and not (tmp_path / "p").exists()
     assert main(["deploy", "certs", str(out), "--host", "h"]) == 0
     before = (out / "ca" / "ca.key").read_bytes()
     assert main(["deploy", "certs", str(out), "--host", "h"]) == 2
@@ -119,7 +125,6 @@ def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_nod
     assert owned["ca"] == ["ca.crt", "ca.key"]
     assert owned["superlink"] == [
         "ca.crt",
-        "config.toml",
         "policy.toml",
         "superexec.secret",
         "superlink.crt",
@@ -152,8 +157,68 @@ def test_each_machine_gets_only_its_own_keys_and_the_recipe_names_a_port_per_nod
             and f"partition-id={i} num-partitions=3" in c
             and "--superlink link.lab.org:7001" in c
         )
-        assert (
-            f"FEDPERS_POLICY={out.resolve()}/supernode-{i}/policy.toml" in c
-            and str(out.resolve() / "superlink") not in c
-        )
+        assert f"FEDPERS_POLICY=supernode-{i}/policy.toml " in c and "superlink/" not in c
     assert "node-partitions='ID0=0 ID1=1 ID2=2'" in text and "ca/ca.key" not in text
+
+
+def test_the_recipe_names_no_path_of_the_machine_that_wrote_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recipe copied to another machine or user works there: no file `fedpers deploy certs` writes holds
+    its directory's absolute path (nor the working directory's), every path a command names is relative
+    (the data file is the lab's declared one, the checkout a placeholder for each machine's), and the policy names its trust model instead of a silent default."""
+    import shlex
+
+    from fedpers.deploy.recipe import CHECKOUT, steps
+    from fedpers.runtime.flower.policy import load_policy
+
+    work = tmp_path / "operator-home"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["deploy", "certs", "lab", "--host", "link.lab.org", "--supernodes", "2", "--app", str(ROOT)]) == 0
+    for f in (work / "lab").rglob("*"):
+        if f.is_file():
+            text = f.read_bytes()
+            assert str(tmp_path).encode() not in text and str(ROOT).encode() not in text, f
+    for machine, command in steps((work / "lab" / "commands.txt").read_text()):
+        for token in shlex.split(command):
+            value = token.split("=", 1)[1] if re.match(r"^[A-Z_]+=", token) else token
+            assert not value.startswith("/") or value in ("/data/users.npz", CHECKOUT), (machine, token)
+    assert 'trust-model = "central"' in (work / "lab" / "superlink" / "policy.toml").read_text()
+    assert load_policy(work / "lab" / "superlink" / "policy.toml").trust_model == "central"
+
+
+def test_the_connection_is_written_on_the_superlink_machine_with_its_absolute_ca(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Step 4's `fedpers deploy connection superlink`, run from where the SuperLink's copy lies: flwr's
+    config.toml names that copy's ca.crt absolutely (Flower refuses a relative one), private like every key."""
+    import tomllib
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["deploy", "certs", "lab", "--host", "h"]) == 0
+    moved = tmp_path / "elsewhere"
+    (tmp_path / "lab").rename(moved)
+    monkeypatch.chdir(moved)
+    assert main(["deploy", "connection", "superlink", "--link-port", "7002"]) == 0
+    written = moved / "superlink" / "flwr" / "config.toml"
+    conn = tomllib.loads(written.read_text())["superlink"]["deployment"]
+    assert conn == {"address": "127.0.0.1:7002", "root-certificates": str(moved / "superlink" / "ca.crt")}
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600 and stat.S_IMODE(written.parent.stat().st_mode) == 0o700
+    capsys.readouterr()
+    assert main(["deploy", "connection", "nowhere"]) == 2
+    assert "nowhere/ca.crt is missing" in capsys.readouterr().err
+
+
+def test_deployment_processes_get_the_recipes_relative_paths_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy (and configs/ beside it), node cache and Flower home a deploy process starts with stay the
+    same files in every process it starts, whatever directory those run in."""
+    from fedpers.deploy.isolation import isolated_env
+
+    monkeypatch.chdir(tmp_path)
+    env = isolated_env(
+        {"FEDPERS_POLICY": "superlink/policy.toml", "FLWR_HOME": "superlink/flwr", "FEDPERS_NODE_CACHE": ""}
+    )
+    assert env["FEDPERS_POLICY"] == str(tmp_path / "superlink" / "policy.toml")
+    assert env["FLWR_HOME"] == str(tmp_path / "superlink" / "flwr") and env["FEDPERS_NODE_CACHE"] == ""
+    assert isolated_env(env) == env  # already isolated: a re-executed process is not re-executed again

@@ -24,7 +24,15 @@ from fedpers.data.files import save_altmin_npz
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import truth
 from fedpers.runner import execute
-from tests.flower_support import Processes, free_port, start_loopback_federation, wait_for_log, write_connection
+from tests.flower_support import (
+    Processes,
+    free_port,
+    start_loopback_federation,
+    start_superlink,
+    start_supernode,
+    wait_for_log,
+    write_connection,
+)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,40 +74,12 @@ def test_deployment_superlink_three_supernodes_with_data_files(tmp_path, env):
     data = tmp_path / "users.npz"
     save_altmin_npz(data, x=users["x"], y=users["y"], u_star=truth(config_lib.build(EXP.config_type, FIELDS)))
     cfg = config_lib.build(EXP.config_type, {"data": str(data), "rank": 2, "rounds": 1, "seed": 11})
-    port = free_port()
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start(
-            "superlink",
-            [
-                "flower-superlink",
-                "--insecure",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--disable-runtime-dependency-installation",
-            ],
-            FLWR_HOME=str(tmp_path / "link-home"),
-        )
-        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        port = start_superlink(procs, tmp_path)
         for i in range(3):
             node_data = tmp_path / f"node{i}.npz"
             shutil.copy(data, node_data)
-            node_config = f"partition-id={i} num-partitions=3 data-file='{node_data}'"
-            procs.start(
-                f"supernode{i}",
-                [
-                    "flower-supernode",
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{port}",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    node_config,
-                ],
-                FLWR_HOME=str(tmp_path / f"node{i}-home"),
-            )
+            start_supernode(procs, tmp_path, port, i, 3, node_config=f"data-file='{node_data}'")
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         out = tmp_path / "runs" / "flower"
@@ -115,23 +95,8 @@ def test_deployment_superlink_three_supernodes_with_data_files(tmp_path, env):
 
 def test_simulation_superlink(tmp_path, env):
     cfg = config_lib.build(EXP.config_type, FIELDS)
-    port = free_port()
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start(
-            "superlink",
-            [
-                "flower-superlink",
-                "--insecure",
-                "--simulation",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--disable-runtime-dependency-installation",
-            ],
-            FLWR_HOME=str(tmp_path / "link-home"),
-        )
-        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        port = start_superlink(procs, tmp_path, "--simulation")
         home = tmp_path / "cli-home"
         write_connection(home, "simulation", f"127.0.0.1:{port}")
         out = tmp_path / "runs" / "flower"
@@ -257,40 +222,10 @@ def test_a_supernode_killed_mid_run(tmp_path, env):
 
     from tests.flower_support import descendants
 
-    port = free_port()
     out = tmp_path / "runs" / "flower"
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start(
-            "superlink",
-            [
-                "flower-superlink",
-                "--insecure",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--disable-runtime-dependency-installation",
-            ],
-            FLWR_HOME=str(tmp_path / "link-home"),
-        )
-        wait_for_log(link_log, "Starting Flower SuperExec", link)
-        nodes = [
-            procs.start(
-                f"supernode{i}",
-                [
-                    "flower-supernode",
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{port}",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    f"partition-id={i} num-partitions=3",
-                ],
-                FLWR_HOME=str(tmp_path / f"node{i}-home"),
-            )[0]
-            for i in range(3)
-        ]
+        port = start_superlink(procs, tmp_path)
+        nodes = [start_supernode(procs, tmp_path, port, i, 3) for i in range(3)]
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         killed = threading.Event()
@@ -386,44 +321,12 @@ def test_a_supernode_runs_only_trusted_apps(tmp_path, env):
     from fedpers.deploy.forkserver import app_hash
 
     ours = app_hash(str(ROOT))
-    port = free_port()
     out = tmp_path / "runs" / "flower"
     with Processes(tmp_path, env) as procs:
-        link, link_log = procs.start(
-            "superlink",
-            [
-                "flower-superlink",
-                "--insecure",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--disable-runtime-dependency-installation",
-            ],
-            FLWR_HOME=str(tmp_path / "link-home"),
-        )
-        wait_for_log(link_log, "Starting Flower SuperExec", link)
+        port = start_superlink(procs, tmp_path)
         for i, trusted in enumerate([ours, "0" * 64]):
-            procs.start(
-                f"supernode{i}",
-                [
-                    sys.executable,
-                    "-m",
-                    "fedpers",
-                    "deploy",
-                    "supernode",
-                    "--trust-app",
-                    trusted,
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{port}",
-                    "--port",
-                    str(free_port()),
-                    "--node-config",
-                    f"partition-id={i} num-partitions=2",
-                ],
-                FLWR_HOME=str(tmp_path / f"node{i}-home"),
-            )
+            launcher = [sys.executable, "-m", "fedpers", "deploy", "supernode", "--trust-app", trusted]
+            start_supernode(procs, tmp_path, port, i, 2, launcher)
         home = tmp_path / "cli-home"
         write_connection(home, "deployment", f"127.0.0.1:{port}")
         done = flwr_run(

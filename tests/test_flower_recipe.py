@@ -2,8 +2,11 @@
 on 127.0.0.1, then attacked. Each attack is its own test on one federation (module fixture, tests
 run in file order: the federation's budget ledger carries over, as on a real deployment).
 
-The only change to commands.txt's lines: `fedpers` runs as `python -m fedpers` of this checkout,
-and step 8's example run-config is replaced by each test's. Loopback only: the proxy listens on
+The only changes to commands.txt's lines: `fedpers` runs as `python -m fedpers` of this checkout,
+the job step's placeholder for the lab's checkout is this checkout and its example run-config is
+replaced by each test's. Every machine's commands run, as the
+recipe says, from the directory holding its directory (here the certs directory itself: its paths
+are all relative). Loopback only: the proxy listens on
 127.0.0.1 (`--listen`), standing in for the network address.
 """
 
@@ -27,7 +30,7 @@ import torch
 
 from fedpers import config as config_lib
 from fedpers.data.files import save_altmin_npz
-from fedpers.deploy.recipe import steps
+from fedpers.deploy.recipe import CHECKOUT, steps
 from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import truth
 from tests.flower_support import Processes, can_switch_uid, free_port, wait_for_log
@@ -116,14 +119,23 @@ class Recipe:
         superlink = [c for m, c in self.steps if m == "superlink"]
         for name, command in zip(("superlink", "superexec", "fleet-proxy"), superlink[:3]):
             env, argv = _argv(command)
-            proc, log = self.procs.start(name, argv, **env)
+            proc, log = self.procs.start(name, argv, cwd=self.certs, **env)
             if name != "superexec":
                 _wait_port(self.link_port if name == "superlink" else self.port, proc, log)
-        for command in superlink[3:-1]:  # flwr supernode register, one per node
+        for command in superlink[3:-1]:  # flwr's connection, then flwr supernode register, one per node
             env, argv = _argv(command)
             done = subprocess.run(
-                argv, cwd=ROOT, env={**self.procs.env, **env}, check=False, capture_output=True, text=True, timeout=120
+                argv,
+                cwd=self.certs,
+                env={**self.procs.env, **env},
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=120,
             )
+            if "connection" in argv:
+                assert done.returncode == 0 and "flwr/config.toml" in done.stdout, done.stdout + done.stderr
+                continue
             assert done.returncode == 0 and "registered successfully" in done.stdout, done.stdout + done.stderr
             self.node_ids.append(int(re.search(r"(\d{6,})", done.stdout).group(1)))
         started = []
@@ -132,10 +144,11 @@ class Recipe:
                 env, argv = _argv(command)
                 i = int(machine.split("-")[1])
                 self.node_procs[i] = (argv, env)
-                started.append(self.procs.start(machine, argv, **env))
+                started.append(self.procs.start(machine, argv, cwd=self.certs, **env))
         for proc, log in started:  # each node re-executed isolated, its SuperExec and fork server up
             wait_for_log(log, "fork server ready", proc, timeout=300)
         self.job_env, self.job_argv = _argv(superlink[-1])
+        self.job_argv[self.job_argv.index(CHECKOUT)] = str(ROOT)  # the lab's checkout on this machine
 
     def run(self, run_config: str, timeout: float = 400) -> subprocess.CompletedProcess:
         """Step 8 as written, with this run-config (node-partitions from the registrations)."""
@@ -145,7 +158,7 @@ class Recipe:
         argv[i + 1] = f"{run_config} node-partitions='{parts}'"
         return subprocess.run(
             [*argv, "--timeout", str(timeout)],
-            cwd=ROOT,
+            cwd=self.certs,
             env={**self.procs.env, **self.job_env},
             check=False,
             capture_output=True,
@@ -311,6 +324,7 @@ def test_control_api_is_not_on_the_network_address(recipe):
     assert f"0100007F:{recipe.link_port:04X}" in listening and f"00000000:{recipe.link_port:04X}" not in listening
     lab = subprocess.run(
         [flwr, "supernode", "ls", "deployment", "--format", "json"],
+        cwd=recipe.certs,
         env={**recipe.procs.env, **recipe.job_env},
         check=False,
         capture_output=True,
@@ -408,6 +422,7 @@ def test_the_control_api_answers_only_the_labs_uid(recipe):
     assert {r: after[r].status.status + after[r].status.sub_status for r in before} == before  # nothing stopped
     listed = subprocess.run(
         [shutil.which("flwr") or "flwr", "supernode", "ls", "deployment", "--format", "json"],
+        cwd=recipe.certs,
         env={**recipe.procs.env, **recipe.job_env},
         check=False,
         capture_output=True,
@@ -439,7 +454,7 @@ def test_foreign_app_serverapp_never_executes(recipe):
     argv[argv.index("--run-config") : argv.index("--run-config") + 2] = []
     done = subprocess.run(
         [*argv, "--app", str(app), "--timeout", "120"],
-        cwd=ROOT,
+        cwd=recipe.certs,
         env={**recipe.procs.env, **recipe.job_env},
         check=False,
         capture_output=True,
@@ -551,7 +566,7 @@ def _restart_node(
     line, line_env = recipe.node_procs[i]
     running = [p for p in recipe.procs.procs if p.args[3:] == line[3:] and p.poll() is None]
     stop_processes(running)
-    return recipe.procs.start(name, [*(argv or line[:3]), *line[3:]], **{**line_env, **env})
+    return recipe.procs.start(name, [*(argv or line[:3]), *line[3:]], cwd=recipe.certs, **{**line_env, **env})
 
 
 def _accepted(out: Path) -> list[int]:
@@ -734,7 +749,12 @@ def test_a_stopped_run_sends_no_further_round_and_its_serverapp_exits(recipe):
     argv[i + 1] = honest(recipe, out, epsilon="0.2", rounds="8") + f" min-fraction=0.6 node-partitions='{parts}'"
     env = {**recipe.procs.env, **recipe.job_env}
     job = subprocess.Popen(
-        [*argv, "--timeout", "400"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*argv, "--timeout", "400"],
+        cwd=recipe.certs,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         run_id = ""
@@ -749,7 +769,7 @@ def test_a_stopped_run_sends_no_further_round_and_its_serverapp_exits(recipe):
             time.sleep(0.1)
         flwr = shutil.which("flwr") or "flwr"
         stopped = subprocess.run(
-            [flwr, "stop", run_id, "deployment"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+            [flwr, "stop", run_id, "deployment"], cwd=recipe.certs, env=env, capture_output=True, text=True, timeout=120
         )
         at_stop = len((out / "rounds.jsonl").read_text().splitlines())
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -210,6 +211,17 @@ def _texts_outside_canvas(fig) -> list[str]:
     return out
 
 
+def _overlapping_tick_labels(fig: Any) -> list[tuple[str, str]]:
+    """Pairs of neighbouring x tick labels of one panel whose drawn boxes overlap."""
+    renderer = fig.canvas.get_renderer()
+    out = []
+    for ax in fig.axes:
+        shown = [t for t in ax.get_xticklabels() if t.get_text() and t.get_visible()]
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in shown]
+        out += [(a, b) for (a, ea), (b, eb) in zip(boxes, boxes[1:]) if ea.overlaps(eb)]
+    return out
+
+
 def test_figures_keep_every_text_inside_the_canvas_and_draw_linear_bars():
     """Layout: a per-round curve, a flat curve, a one-value figure and compare's bars, with long
     names, each rendered and every text's bounding box checked against the canvas."""
@@ -300,3 +312,55 @@ def test_a_sweep_sets_figure_puts_its_members_in_a_grid_each_panel_labelled(tmp_
     width, height = fig.get_size_inches()
     assert width <= 6.0 * PANELS_ACROSS and height >= 4.2 * 2
     assert all((ax.get_xlabel(), ax.get_ylabel()) == ("users n", "excess risk") for ax in fig.axes)
+
+
+@pytest.mark.parametrize(
+    ("name", "panels"), [("noisyhead_early_stopping", 2), ("noisyhead_robustness", 2), ("noisyhead_robustness", 4)]
+)
+def test_noisyheads_own_sweep_layouts_label_bands_and_grid(name: str, panels: int, tmp_path: Path) -> None:
+    """NoisyHead's ``[plot] layout`` figures (descent-privacy, robustness), as its sweep files configure them:
+    axes named in words from the swept field (the ``[plot]`` labels over them), a band only when B ≥ 2 and then
+    said to be ± 2 standard errors, panels in rows of at most three (four attack sizes: two rows), every
+    text inside the canvas."""
+    from matplotlib.collections import PolyCollection
+
+    from fedpers.experiments.noisyhead.figures import layout_figure
+    from fedpers.results.plots import PANELS_ACROSS, _plt
+
+    root = Path(__file__).resolve().parents[1] / "simulations"
+    text = (root / f"{name}.toml").read_text()
+    if name == "noisyhead_robustness" and panels == 4:
+        text = text.replace("attack_c = [2.0, 4.0]", "attack_c = [1.0, 2.0, 3.0, 4.0]")
+    (tmp_path / "s.toml").write_text(text)
+    metrics = ("excess_risk", "gd_excess_risk", "robust_ridge", "robust_noisyhead", "robust_ridge_naive_solve")
+
+    def rows(spec: Any, seeds: int) -> list[dict[str, Any]]:
+        return [
+            {spec.x: x, spec.series: s, **{m: (1 + j + r) / (10 + i) for m in metrics}}
+            for i, x in enumerate(spec.grid[spec.x])
+            for j, s in enumerate(spec.grid[spec.series])
+            for r in range(seeds)
+        ]
+
+    plt = _plt()
+    one = load_spec(tmp_path / "s.toml", 1)
+    fig = layout_figure(rows(one, 1), one)
+    x_words = {"steps": "steps T", "attack_p": "attack p"}[one.x]
+    assert len(fig.axes) == panels and all(ax.get_xlabel() == x_words for ax in fig.axes)
+    assert all(ax.get_ylabel() in ("excess risk", "shift (<Γ − Γ_bad, Z>)²") for ax in fig.axes)
+    assert len({round(ax.get_position().y0, 3) for ax in fig.axes}) == -(-panels // PANELS_ACROSS)
+    assert not [c for ax in fig.axes for c in ax.collections if isinstance(c, PolyCollection)]
+    assert "B = 1" in fig._suptitle.get_text() and "no error bars" in fig._suptitle.get_text()
+    assert _texts_outside_canvas(fig) == [] and _overlapping_tick_labels(fig) == []
+    plt.close(fig)
+    three = load_spec(tmp_path / "s.toml", 3, {"xlabel": "x in words", "ylabel": "y in words", "title": "the title"})
+    fig = layout_figure(rows(three, 3), three)
+    assert all(any(isinstance(c, PolyCollection) for c in ax.collections) for ax in fig.axes)
+    assert all((ax.get_xlabel(), ax.get_ylabel()) == ("x in words", "y in words") for ax in fig.axes)
+    assert fig._suptitle.get_text() == "the title"
+    plt.close(fig)
+    unlabelled = load_spec(tmp_path / "s.toml", 3)
+    fig = layout_figure(rows(unlabelled, 3), unlabelled)
+    assert "B = 3" in fig._suptitle.get_text() and "± 2 standard errors" in fig._suptitle.get_text()
+    assert _texts_outside_canvas(fig) == []
+    plt.close(fig)

@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the points on this running Ray cluster (e.g. 10.0.0.5:6379) instead of a new local Ray",
     )
     sw.add_argument("--quiet", action="store_true", help="no progress bar")
+    sw.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout (the summary sweep.json holds, its directory and its table's rows; "
+        "with --select the selection); no progress bar, the other lines on stderr",
+    )
     for key, what in (("xlabel", "x-axis label"), ("ylabel", "y-axis label"), ("title", "title")):
         sw.add_argument(
             f"--{key}",
@@ -153,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="the lab's privacy policy TOML to copy to every machine (default: a template with max-epsilon 8, min-units 50)",
     )
+    dc = dsub.add_parser(
+        "connection",
+        help="on the SuperLink machine: DIR/flwr/config.toml, flwr's loopback connection naming DIR/ca.crt by its "
+        "absolute path here (the recipe's step 4)",
+        allow_abbrev=False,
+    )
+    dc.add_argument("dir", type=Path, help="the SuperLink's directory written by fedpers deploy certs (superlink)")
+    dc.add_argument("--link-port", type=int, default=9093, help="the SuperLink's own port, on 127.0.0.1 (default 9093)")
     dr = dsub.add_parser(
         "run",
         help="flwr run, stream the logs, wait; exit 0 only if the run completed (flwr run --stream exits 0 either way)",
@@ -405,8 +419,26 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    """``fedpers sweep``; with ``--json`` stdout is one JSON object (as ``run``, ``compare`` and ``privacy``
+    print theirs) and every line meant for a reader goes to stderr."""
     if getattr(args, "entry_point", False):
         _import_run_libraries()
+    if not args.json:
+        _sweep(args)
+        return 0
+    import contextlib
+
+    from fedpers.results.rundir import dumps
+
+    args.quiet = True  # as run --json: no progress bar
+    with contextlib.redirect_stdout(sys.stderr):
+        result = _sweep(args)
+    print(dumps(result, indent=None))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """The sweep, sweep set or selection ``args`` ask for; returns what ``--json`` prints."""
     from fedpers.sweeps.run import run_sweep
     from fedpers.sweeps.sets import run_sweep_set, sweep_set
 
@@ -421,8 +453,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if sweep_set(args.file) is not None:  # several sweeps (one algorithm each) run in turn
         if args.select is not None or args.private or args.track:
             raise ValueError("sweep: --select, --private and --track take one sweep file, not a sweep set")
-        run_sweep_set(args.file, **how)
-        return 0
+        return run_sweep_set(args.file, **how)
     if args.select is not None or args.private:
         return cmd_select(args)
     if args.track:
@@ -431,7 +462,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         check_uri(args.track, args.track_uri)  # a missing extra or an unusable URI is refused before any work
     summary = run_sweep(args.file, **how)
     _track(args.track, args.track_uri, sweep_dir=summary.get("out"))
-    return 0
+    return summary
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -487,12 +518,19 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         from fedpers.deploy.fleetproxy import main as proxy
 
         return proxy(list(args.proxy_args))
+    if args.deploy_command == "connection":
+        from fedpers.deploy.recipe import write_connection
+
+        print(f"wrote {write_connection(args.dir, args.link_port)}")
+        return 0
     if args.deploy_command in FLOWER_WRAPPERS:  # reached only without flags (main() passes flags through)
         return _flower_wrapper(args.deploy_command)(list(args.flower_args))
 
     from fedpers.runtime.flower.policy import load_policy
 
     if args.policy is not None:
+        if not args.policy.is_file():
+            raise ValueError(f"--policy: {args.policy} is not a file; name the lab's policy TOML (docs/flower.md)")
         load_policy(args.policy)  # a malformed policy is refused before anything is written
     fab = ""  # the FAB hash SuperNodes trust (none: a placeholder in the printed commands)
     if args.app:
@@ -583,7 +621,7 @@ def _add_select_flags(sw: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_select(args: argparse.Namespace) -> int:
+def cmd_select(args: argparse.Namespace) -> dict[str, Any]:
     """``sweep --select``: the sweep then a non-private choice, or (``--private``) a private search in place of the sweep."""
     import time
 
@@ -625,7 +663,7 @@ def cmd_select(args: argparse.Namespace) -> int:
     Path(out).mkdir(parents=True, exist_ok=True)
     write_atomic(Path(out) / "selection.json", dumps(result) + "\n")
     print(format_selection(result, args.select))
-    return 0
+    return result
 
 
 class _DropNotices:

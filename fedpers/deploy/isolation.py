@@ -25,11 +25,21 @@ from collections.abc import Mapping, Sequence
 
 TELEMETRY_ENV = "FLWR_TELEMETRY_ENABLED"
 """Flower's public switch for its telemetry: ``0`` in every process fedpers starts."""
+PATH_ENV = ("FEDPERS_POLICY", "FEDPERS_NODE_CACHE", "FLWR_HOME")
+"""Variables naming a file or directory (the lab's policy, a node's data cache, Flower's home): the
+recipe gives them relative to the directory it is run from; every process gets them absolute."""
 
 
 def isolated_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` without any ``PYTHON*`` variable, with Flower's telemetry off (``FLWR_TELEMETRY_ENABLED=0``)."""
-    return {**{k: v for k, v in environ.items() if not k.startswith("PYTHON")}, TELEMETRY_ENV: "0"}
+    """``environ`` without any ``PYTHON*`` variable, with Flower's telemetry off (``FLWR_TELEMETRY_ENABLED=0``),
+    and each :data:`PATH_ENV` variable made absolute against this process's working directory, so the
+    policy (and ``configs/`` beside it), cache and Flower home a deployment process starts with are the
+    ones every process it starts uses, whatever directory those run in."""
+    kept = {k: v for k, v in environ.items() if not k.startswith("PYTHON")}
+    for name in PATH_ENV:
+        if kept.get(name):
+            kept[name] = os.path.abspath(kept[name])
+    return {**kept, TELEMETRY_ENV: "0"}
 
 
 def python(*args: str) -> list[str]:

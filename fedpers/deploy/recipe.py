@@ -1,14 +1,17 @@
 """`fedpers deploy certs DIR`: the keys, secrets, policy and commands of a lab's Flower deployment.
 
 One directory per machine, each holding only what that machine needs (copy each to its machine,
-at the same path, and nowhere else; every directory is 0700, every private file 0600):
+into a directory of that machine's choosing, and nowhere else; every directory is 0700, every
+private file 0600). Every path in the recipe is relative: each machine runs its commands from the
+directory that holds its copy, so the recipe names no path of the machine that wrote it:
 
 - ``ca/``: ``ca.key``, ``ca.crt`` — the lab's certificate authority (EC P-384). Needed only to
   issue certificates: keep it offline. No machine of the deployment reads it.
 - ``superlink/``: ``superlink.crt``/``.key`` (TLS, for the hosts given), ``ca.crt``,
   ``superexec.secret`` (the SuperExec shared secret), ``policy.toml`` (the lab's privacy policy),
-  ``supernode-I.pub`` (to register), ``flwr/config.toml`` (the ``flwr`` connection, loopback),
-  ``configs/`` (empty: the only place a run's ``config-file`` is read from).
+  ``supernode-I.pub`` (to register), ``configs/`` (empty: the only place a run's ``config-file`` is
+  read from). ``flwr/config.toml`` (the ``flwr`` connection, loopback) is written on the SuperLink
+  machine by the recipe's ``fedpers deploy connection superlink``: Flower requires its CA path absolute.
 - ``supernode-I/``: ``supernode-I.key`` (its OpenSSH EC P-384 key, Flower's SuperNode
   authentication), ``ca.crt``, ``policy.toml``.
 - ``commands.txt``: the recipe, one command per line group, in order; the README's recipe.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +43,8 @@ LINK_PORT = 9093
 """The SuperLink's own port, on 127.0.0.1 (Fleet, Control and Runtime APIs)."""
 NODE_PORT = 9094
 """SuperNode I's local Runtime API port is NODE_PORT + I (distinct, so nodes may share a host)."""
+CHECKOUT = "/path/to/the/lab/checkout"
+"""Where the recipe names the lab's checkout (the Flower app the job sends): each machine's own path."""
 CONNECTION = "deployment"
 """The ``flwr`` connection name in ``superlink/flwr/config.toml``."""
 
@@ -83,20 +89,19 @@ class Layout:
                 f"port={self.port}, link_port={self.link_port} and node ports {self.node_port}..{self.node_port + self.supernodes - 1} must all differ"
             )
 
-    @property
-    def root(self) -> Path:
-        return self.out.resolve()
-
-    def node(self, i: int) -> Path:
-        return self.root / f"supernode-{i}"
+    def node(self, i: int) -> str:
+        """SuperNode I's directory, as the recipe names it (relative to where its machine runs it)."""
+        return f"supernode-{i}"
 
     @property
-    def link(self) -> Path:
-        return self.root / "superlink"
+    def link(self) -> str:
+        """The SuperLink machine's directory, as the recipe names it."""
+        return "superlink"
 
 
 DEFAULT_POLICY = """# The lab's privacy policy (fedpers/runtime/flower/policy.py): the same file on the SuperLink and every SuperNode.
 federation = "{federation}"         # names the budget ledger ({federation}-budget.json beside this file)
+trust-model = "{trust_model}"     # the weakest trust model the nodes' users accept (central < distributed < local)
 max-epsilon = {max_epsilon}               # per user, summed over every run of this federation
 max-delta = {max_delta}                 # per user, summed over every run of this federation
 require-secure-noise = {secure}     # the ServerApp refuses secure-noise=false (noise reproducible from a seed)
@@ -114,6 +119,7 @@ def policy_text(
     min_units: int = 50,
     algorithms: Sequence[str] = ("altmin",),
     secure_noise: bool = True,
+    trust_model: str = "central",
 ) -> str:
     """A policy TOML (validated by loading it back)."""
     import tempfile
@@ -127,6 +133,7 @@ def policy_text(
         min_units=int(min_units),
         algorithms=", ".join(f'"{a}"' for a in algorithms),
         secure="true" if secure_noise else "false",
+        trust_model=trust_model,
     )
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "policy.toml").write_text(text)
@@ -208,30 +215,31 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
         write_private(directory / name, data)
         files[key or f"{directory.name}/{name}"] = directory / name
 
-    root = layout.root
+    root = out  # the recipe's paths are relative to it (and to each machine's copy)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    link_dir = root / layout.link
     put(root / "ca", "ca.crt", ca.public_bytes(pem))
     put(root / "ca", "ca.key", private_pem(ca_key))
-    put(layout.link, "ca.crt", ca.public_bytes(pem))
-    put(layout.link, "superlink.crt", link.public_bytes(pem))
-    put(layout.link, "superlink.key", private_pem(link_key))
-    put(layout.link, "superexec.secret", secrets.token_hex(32).encode())
-    put(layout.link, "policy.toml", policy.encode())
-    put(layout.link / "flwr", "config.toml", connection_toml(layout).encode(), "superlink/flwr/config.toml")
+    put(link_dir, "ca.crt", ca.public_bytes(pem))
+    put(link_dir, "superlink.crt", link.public_bytes(pem))
+    put(link_dir, "superlink.key", private_pem(link_key))
+    put(link_dir, "superexec.secret", secrets.token_hex(32).encode())
+    put(link_dir, "policy.toml", policy.encode())
     from fedpers.deploy.serverside import CONFIG_DIR
 
-    private_dir(layout.link / CONFIG_DIR)  # the only place a run's config-file is read from
+    private_dir(link_dir / CONFIG_DIR)  # the only place a run's config-file is read from
     for i in range(layout.supernodes):
         key = ec.generate_private_key(ec.SECP384R1())
+        node_dir = root / layout.node(i)
         put(
-            layout.node(i),
+            node_dir,
             f"supernode-{i}.key",
             key.private_bytes(pem, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()),
         )
-        put(layout.node(i), "ca.crt", ca.public_bytes(pem))
-        put(layout.node(i), "policy.toml", policy.encode())
+        put(node_dir, "ca.crt", ca.public_bytes(pem))
+        put(node_dir, "policy.toml", policy.encode())
         pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n"
-        put(layout.link, f"supernode-{i}.pub", pub)
+        put(link_dir, f"supernode-{i}.pub", pub)
     write_private(
         root / "commands.txt", commands(layout).encode()
     )  # the root holds only the per-machine directories and this
@@ -239,12 +247,28 @@ def make_certs(layout: Layout, *, days: int = 365, force: bool = False, policy: 
     return files
 
 
-def connection_toml(layout: Layout) -> str:
-    """``flwr``'s connection on the SuperLink machine: the loopback address, the lab's CA."""
+def connection_toml(ca: Path, link_port: int) -> str:
+    """``flwr``'s connection on the SuperLink machine: the loopback address, the lab's CA (an absolute
+    path: Flower refuses a relative one)."""
     return (
-        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{layout.link_port}"\n'
-        f'root-certificates = "{layout.link}/ca.crt"\n'
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{link_port}"\n'
+        f"root-certificates = {json.dumps(str(ca))}\n"
     )
+
+
+def write_connection(directory: Path, link_port: int = LINK_PORT) -> Path:
+    """``DIRECTORY/flwr/config.toml``: ``flwr``'s connection to the loopback SuperLink, naming this
+    machine's copy ``DIRECTORY/ca.crt`` by its absolute path (written where the recipe runs, so the
+    recipe itself names no path of the machine that wrote it). Returns the file written."""
+    if not 1 <= link_port <= 65535:
+        raise ValueError(f"link_port must be in 1..65535; got {link_port}")
+    ca = Path(directory).resolve() / "ca.crt"
+    if not ca.is_file():
+        raise ValueError(f"dir: {ca} is missing; give the SuperLink's directory written by `fedpers deploy certs`")
+    home = ca.parent / "flwr"
+    private_dir(home)
+    write_private(home / "config.toml", connection_toml(ca, link_port).encode())
+    return home / "config.toml"
 
 
 STEP = "## "
@@ -252,15 +276,18 @@ STEP = "## "
 
 
 def commands(layout: Layout) -> str:
-    """The recipe: every command with this layout's paths, hosts and ports (see the module docstring)."""
+    """The recipe: every command with this layout's hosts and ports, and paths relative to the directory
+    each machine runs it from (see the module docstring)."""
     L, n = layout.link, layout.supernodes
-    trust = layout.app_hash or '"$(fedpers deploy app-hash /path/to/the/lab/checkout)"'
+    trust = layout.app_hash or f'"$(fedpers deploy app-hash {CHECKOUT})"'
     flwr_home = f"FLWR_HOME={L}/flwr"
     lines = [
         "# fedpers deployment recipe, written by `fedpers deploy certs` (the README's recipe; docs/flower.md: what each layer stops).",
-        f"# Copy {layout.root}/superlink to the SuperLink machine and {layout.root}/supernode-I to SuperNode I's machine, at these paths;",
-        f"# keep {layout.root}/ca offline. --trust-app: the FAB hash of the lab's checkout (`fedpers deploy app-hash DIR`; recompute after",
-        "# every code change, on every machine). Edit superlink/policy.toml before the first run and copy it to every SuperNode.",
+        f"# Copy {L}/ to the SuperLink machine and supernode-I/ to SuperNode I's machine, each into a directory of your choice,",
+        "# and run that machine's commands from there (every path below is relative to it). Keep ca/ offline.",
+        "# --trust-app: the FAB hash of the lab's checkout (`fedpers deploy app-hash DIR`; recompute after every code change,",
+        f"# on every machine). Edit {L}/policy.toml before the first run (its trust-model: the weakest the nodes' users accept)",
+        "# and copy it to every SuperNode.",
         "",
         f"{STEP}1. superlink: the SuperLink, on loopback only, answering only this uid (Flower serves its Control and Runtime APIs on",
         "#    the same port as the Fleet API; --allow-uid UID lets a lab member's own uid in, e.g. through ssh -L)",
@@ -276,8 +303,10 @@ def commands(layout: Layout) -> str:
         f"fedpers deploy fleet-proxy --listen {layout.listen}:{layout.port} --superlink 127.0.0.1:{layout.link_port} --ssl-certfile {L}/superlink.crt \\",
         f"    --ssl-keyfile {L}/superlink.key --ssl-ca-certfile {L}/ca.crt",
         "",
-        f"{STEP}4. superlink: register every SuperNode's key (flwr reaches the loopback SuperLink as the lab's uid: run it there, or through",
+        f"{STEP}4. superlink: flwr's connection ({L}/flwr/config.toml, naming this machine's {L}/ca.crt), then register every",
+        "#    SuperNode's key (flwr reaches the loopback SuperLink as the lab's uid: run it there, or through",
         f"#    `ssh -N -L {layout.link_port}:127.0.0.1:{layout.link_port} SUPERLINK-MACHINE` as an --allow-uid user); note the node ids printed",
+        f"fedpers deploy connection {L} --link-port {layout.link_port}",
         *[f"{flwr_home} flwr supernode register {L}/supernode-{i}.pub {CONNECTION}" for i in range(n)],
         "",
     ]
@@ -295,7 +324,10 @@ def commands(layout: Layout) -> str:
         f"{STEP}{5 + n}. superlink: the job; node-partitions maps every registered node id (step 4) to its partition",
         "#    The SuperLink machine holds no user data: the config declares the public shapes of the nodes' files",
         "#    (n_users, dim, samples_per_user: every node refuses a task its file does not match) and no data= path.",
-        f"{flwr_home} fedpers deploy run {CONNECTION} --run-config \"config='n_users={layout.n_users} dim={layout.dim} "
+        "#    --app: the lab's checkout on this machine (the app whose hash the machines trust); out: where the ServerApp writes.",
+        "#    It runs the central trust model (dp-model, default central: the server adds the noise to the nodes' exact sums);",
+        "#    dp-model='distributed' or 'local' in --run-config moves the noise to the nodes (docs/flower.md).",
+        f"{flwr_home} fedpers deploy run {CONNECTION} --app {CHECKOUT} --run-config \"config='n_users={layout.n_users} dim={layout.dim} "
         f"samples_per_user={layout.samples_per_user} rank=2 epsilon=4.0 cohorts=\\\"all\\\"' out='/abs/path/run' node-partitions='{ids}'\"",
     ]
     return "\n".join(lines) + "\n"

@@ -291,15 +291,24 @@ def plot_run(
     return written
 
 
+TICK_LABELS = 12
+"""A grid of more x values than this labels every k-th tick only (ticks stay at every value), so labels never overlap."""
+
+
 def grid_ticks(ax: Any, xs: Sequence[float], scale: str) -> None:
-    """Major ticks exactly at the grid's x values, labelled with them; no minor labels."""
+    """Major ticks exactly at the grid's x values, labelled with them (every k-th of a long grid, the first
+    included); no minor labels."""
     from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
     xs = sorted({float(x) for x in xs})
+    every = -(-len(xs) // TICK_LABELS)
     ax.set_xscale(scale)
     ax.xaxis.set_major_locator(FixedLocator(xs))
     ax.set_xticklabels(
-        [_fmt(int(x) if float(x).is_integer() and abs(x) < 1e15 else x) for x in xs],
+        [
+            _fmt(int(x) if float(x).is_integer() and abs(x) < 1e15 else x) if i % every == 0 else ""
+            for i, x in enumerate(xs)
+        ],
         rotation=30 if len(xs) > 6 else 0,
         fontsize=8,
     )
