@@ -14,7 +14,8 @@ setting added), each a Message exchange:
    vector (uniform mod 2^b to anyone without the masks);
 4. ``query.secagg`` *consistency* — given the survivors, the node signs that set (one per round) if it may
    reveal on it (:meth:`~fedpers.privacy.secagg.SecAggNode.check_view`);
-5. ``query.secagg`` *unmask* — given the survivors and their signatures, the node answers, for each
+5. ``query.secagg`` *unmask* — given the survivors and its surviving neighbours' signatures on them (the
+   ones it checks), the node answers, for each
    neighbour, the share of b (survived) or of s^sk (dropped), only on the set it signed and that every
    surviving neighbour signed, and forgets the round.
 
@@ -72,7 +73,7 @@ def round_tag(round: int) -> bytes:
     return hashlib.sha256(f"fedpers-secagg-round:{int(round)}".encode()).digest()[:16]
 
 
-def graph(nodes: int, round: int) -> dict[int, list[int]]:
+def graph(nodes: int, round: int) -> Mapping[int, Sequence[int]]:
     """The round's public neighbour graph over partitions 0..nodes−1 (both ends derive it)."""
     return secagg.plus_graph(nodes, round)
 
@@ -365,18 +366,21 @@ class SecAggRounds:
                     f"round {round}: survivors {sorted(set(survivors) - set(signatures))} did not sign the survivor "
                     "set (SecAgg+ consistency); the round is discarded before any release"
                 )
-            signers = sorted(signatures)
-            ask = ConfigRecord(
-                {
-                    STAGE: "unmask",
-                    ROUND: int(round),
-                    IDS: survivors,
-                    SIGNERS: signers,
-                    SIGNATURES: [signatures[p] for p in signers],
-                }
-            )
+            # each node is sent the signatures it checks (its surviving neighbours'): O(degree) a node, not O(n)
+            asks = {}
+            for p in survivors:
+                signers = [j for j in server.graph[p] if j in signatures]
+                asks[p] = ConfigRecord(
+                    {
+                        STAGE: "unmask",
+                        ROUND: int(round),
+                        IDS: survivors,
+                        SIGNERS: signers,
+                        SIGNATURES: [signatures[j] for j in signers],
+                    }
+                )
             revealed: dict[int, dict[int, tuple[str, bytes]]] = {}
-            for p, r in self._exchange(round, dict.fromkeys(survivors, ask)).items():
+            for p, r in self._exchange(round, asks).items():
                 try:
                     ids, kinds, shares = _ints(r, IDS), str(r[KINDS]), _blobs(r, SHARES)
                     revealed[p] = dict(zip(ids, zip(kinds, shares, strict=True), strict=True))
