@@ -378,13 +378,15 @@ class SecAggNode:
         alive = set(view)
         return {i: ("b", b) if i in alive else ("s", s) for i, (s, b) in self._held.items()}
 
-    def export(self) -> dict[str, int | bytes | list[int] | list[bytes]]:
-        """The node's whole state as flat values a message or node store can hold (ints, bytes and lists
-        of them; the secrets included: it stays on the node, in its own state, between stages)."""
+    def export(self) -> dict[str, int | bytes]:
+        """The node's whole state as flat values a message or node store can hold (ints and bytes: id lists
+        packed as little-endian int64, keys and shares as their fixed-size concatenation, so a store checks a
+        few values a stage, not one per neighbour or survivor; the secrets included: it stays on the node, in
+        its own state, between stages)."""
         keys, held = sorted(self._keys), sorted(self._held)
         return {
             "node": self.node,
-            "neighbours": list(self.neighbours),
+            "neighbours": _pack_ids(self.neighbours),
             "threshold": self.threshold,
             "bits": self.bits,
             "round-tag": self.round_tag,
@@ -392,29 +394,29 @@ class SecAggNode:
             "s-seed": self._s_seed,
             "g-sk": _raw_private(self._g_key),
             "b": self._b,
-            "key-ids": keys,
-            "c-pk": [self._keys[j][0] for j in keys],
-            "s-pk": [self._keys[j][1] for j in keys],
-            "g-pk": [self._keys[j][2] for j in keys],
-            "held-ids": held,
-            "held-s": [self._held[j][0] for j in held],
-            "held-b": [self._held[j][1] for j in held],
-            "masked-with": [] if self._masked_with is None else list(self._masked_with),
+            "key-ids": _pack_ids(keys),
+            "c-pk": b"".join(self._keys[j][0] for j in keys),
+            "s-pk": b"".join(self._keys[j][1] for j in keys),
+            "g-pk": b"".join(self._keys[j][2] for j in keys),
+            "held-ids": _pack_ids(held),
+            "held-s": b"".join(self._held[j][0] for j in held),
+            "held-b": b"".join(self._held[j][1] for j in held),
+            "masked-with": _pack_ids([] if self._masked_with is None else self._masked_with),
             "masked": int(self._masked_with is not None),
-            "signed": [] if self._signed is None else list(self._signed),
+            "signed": _pack_ids([] if self._signed is None else self._signed),
             "has-signed": int(self._signed is not None),
             "revealed": int(self._revealed),
         }
 
     @classmethod
     def restore(cls, state: Mapping[str, Any]) -> SecAggNode:
-        """:meth:`export`'s inverse (a KeyError or TypeError for a state that is not one)."""
+        """:meth:`export`'s inverse (a KeyError, TypeError or ValueError for a state that is not one)."""
 
         def ints(key: str) -> list[int]:
-            return [int(v) for v in state[key]]
+            return _unpack_ids(bytes(state[key]))
 
-        def blobs(key: str) -> list[bytes]:
-            return [bytes(v) for v in state[key]]
+        def blobs(key: str, size: int) -> list[bytes]:
+            return _chunks(bytes(state[key]), size)
 
         node = cls(
             int(state["node"]),
@@ -427,13 +429,34 @@ class SecAggNode:
             bytes(state["b"]),
             Ed25519PrivateKey.from_private_bytes(bytes(state["g-sk"])),
         )
-        keys = zip(blobs("c-pk"), blobs("s-pk"), blobs("g-pk"), strict=True)
+        keys = zip(blobs("c-pk", KEY_BYTES), blobs("s-pk", KEY_BYTES), blobs("g-pk", KEY_BYTES), strict=True)
         node._keys = dict(zip(ints("key-ids"), keys, strict=True))
-        node._held = dict(zip(ints("held-ids"), zip(blobs("held-s"), blobs("held-b"), strict=True), strict=True))
+        shares = zip(blobs("held-s", SHARE_BYTES), blobs("held-b", SHARE_BYTES), strict=True)
+        node._held = dict(zip(ints("held-ids"), shares, strict=True))
         node._masked_with = ints("masked-with") if int(state["masked"]) else None
         node._signed = ints("signed") if int(state["has-signed"]) else None
         node._revealed = bool(int(state["revealed"]))
         return node
+
+
+KEY_BYTES = 32
+"""Raw length of an X25519 or Ed25519 public key."""
+
+
+def _pack_ids(ids: Sequence[int]) -> bytes:
+    return np.asarray(list(ids), dtype="<i8").tobytes()
+
+
+def _unpack_ids(blob: bytes) -> list[int]:
+    if len(blob) % 8:
+        raise ValueError(f"a packed id list is a multiple of 8 bytes; got {len(blob)}")
+    return [int(v) for v in np.frombuffer(blob, dtype="<i8")]
+
+
+def _chunks(blob: bytes, size: int) -> list[bytes]:
+    if len(blob) % size:
+        raise ValueError(f"packed values of {size} bytes each; got {len(blob)} bytes")
+    return [blob[k : k + size] for k in range(0, len(blob), size)]
 
 
 def plus_degree(nodes: int) -> int:
@@ -471,8 +494,13 @@ class SecAggServer:
         total = np.zeros(length, dtype=np.int64)
         for y in masked.values():
             total = np.remainder(total + y, m)
+        # each node's revealed shares by kind, in the holders' answering order: one pass, not one per node
+        by_kind: dict[tuple[str, int], list[bytes]] = {}
+        for rev in revealed.values():
+            for i, (kind, share) in rev.items():
+                by_kind.setdefault((kind, i), []).append(share)
         for i in survivors:
-            shares = [rev[i][1] for rev in revealed.values() if i in rev and rev[i][0] == "b"]
+            shares = by_kind.get(("b", i), [])
             if len(shares) < self.threshold:
                 raise AggregationAborted(f"node {i}: {len(shares)} shares of its self mask, below threshold")
             total = np.remainder(
@@ -480,7 +508,7 @@ class SecAggServer:
             )
         dropped = sorted(self.sharers - set(survivors))
         for i in dropped:
-            shares = [rev[i][1] for rev in revealed.values() if i in rev and rev[i][0] == "s"]
+            shares = by_kind.get(("s", i), [])
             if len(shares) < self.threshold:
                 raise AggregationAborted(f"dropped node {i}: {len(shares)} shares of its mask key, below threshold")
             key = mask_key(combine_secret(shares[: self.threshold]), self.round_tag)
