@@ -87,7 +87,10 @@ def _raw_private(key: X25519PrivateKey | Ed25519PrivateKey) -> bytes:
 
 def survivors_message(round_tag: bytes, survivors: Sequence[int]) -> bytes:
     """What a node signs in the consistency stage: the round's tag and the sorted survivor set."""
-    ids = np.unique(np.asarray([int(i) for i in survivors], dtype=np.int64))  # sorted, each once
+    given = np.asarray(survivors)
+    if given.size and given.dtype.kind not in "iu":
+        raise ValueError(f"survivor ids are integers; got {given.dtype}")
+    ids = np.unique(given.astype(np.int64))  # sorted, each once
     if ids.size and int(ids[0]) < 0:
         raise ValueError(f"survivor ids are non-negative; got {int(ids[0])}")
     return b"fedpers-secagg-survivors" + round_tag + ids.astype("<u8").tobytes()
@@ -304,7 +307,7 @@ class SecAggNode:
         :class:`ProtocolViolation`: it must hold this node, have at least ``min_nodes`` nodes, name among
         this node's neighbours only ones it masked with, hold ``threshold`` of its closed neighbourhood, and
         leave its component of the public ``graph`` at least ``min_nodes`` nodes."""
-        alive = {int(i) for i in survivors}
+        alive = set(map(int, survivors))
         if self._masked_with is None:
             raise ProtocolViolation("secagg-order", f"node {self.node}: no masked input this round")
         if self.node not in alive:
