@@ -188,10 +188,10 @@ def resolve(
         raise ValueError("runtime must be flower when a Flower grid is given")
     run_cfg, noise_seed = split_seed(cfg)
     central = options.dp_model is DpModel.CENTRAL
-    if not central and run_cfg.neighbours is not Neighbours.REPLACE_ONE:
+    if options.dp_model is DpModel.LOCAL and run_cfg.neighbours is not Neighbours.REPLACE_ONE:
         raise ValueError(
-            f"neighbours {run_cfg.neighbours.value} needs dp_model central: the nodes' integer (Skellam) mechanism "
-            "and local DP are accounted for replace-one neighbours only"
+            f"neighbours {run_cfg.neighbours.value} needs dp_model central or distributed: local DP's per-unit "
+            "releases are accounted for replace-one neighbours only"
         )
     calibrations = Calibrations() if central else RecordingCalibrations()
     protocol = experiment.protocol(run_cfg, calibrations)

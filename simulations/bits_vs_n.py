@@ -4,9 +4,12 @@ central, at each n, the median subspace error over seeds and its ratio to centra
 
     PYTHONPATH=$PWD python simulations/bits_vs_n.py run [--users 1000 10000 100000] [--seeds 3]
     PYTHONPATH=$PWD python simulations/bits_vs_n.py draw     # docs/figures/bits_vs_n.png and the table
+    PYTHONPATH=$PWD python simulations/bits_vs_n.py headroom [--users 100000]  # round sums against n·B
 
-``run`` appends one JSON line per run to docs/data/bits_vs_n_runs.jsonl (a refused run records its reason:
-too few bits for n is refused before any release); ``draw`` reads that file only.
+``run`` appends one JSON line per run to docs/data/bits_vs_n_runs.jsonl as it finishes (a refused run records its
+reason: too few bits for n is refused before any release) and skips every (n, seed, variant) already there, so
+an interrupted run resumes; at each n it runs central and the automatic choice for every seed before the fixed
+bits. ``draw`` reads that file only.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data" / "bits_vs_n_runs.jsonl"
 FIGURE = ROOT / "docs" / "figures" / "bits_vs_n.png"
-BASE = {"dim": 10, "rank": 2, "samples_per_user": 16, "rounds": 2, "epsilon": 2.0, "baselines": "none"}
+BASE: dict[str, Any] = {"dim": 10, "rank": 2, "samples_per_user": 16, "rounds": 2, "epsilon": 2.0, "baselines": "none"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "central": {"dp_model": "central"},
     "auto": {"dp_model": "distributed", "nodes": 8, "bits": 0},
@@ -38,9 +41,12 @@ def run(users: list[int], seeds: int) -> None:
 
     exp = EXPERIMENTS["altmin"]
     DATA.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["n_users"], r["seed"], r["variant"]) for r in _rows()}
     for n in users:
-        for seed in range(seeds):
-            for name, options in VARIANTS.items():
+        for name, options in VARIANTS.items():
+            for seed in range(seeds):
+                if (n, seed, name) in done:
+                    continue
                 cfg = config.build(exp.config_type, {**BASE, "n_users": n, "seed": seed})
                 row: dict[str, Any] = {"n_users": n, "seed": seed, "variant": name, **BASE}
                 try:
@@ -59,6 +65,49 @@ def run(users: list[int], seeds: int) -> None:
                 with DATA.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(json.dumps(row), flush=True)
+
+
+def headroom(n: int, seed: int = 0) -> None:
+    """How far below the wrap bound's n·B a round's sums lie: ‖Σ_j x_j‖/(n·B) for AltMin round 1's A and b
+    (the figure's setting, U a fixed random orthonormal d × k), and the mean ‖x_j‖/B. A scale sized from a
+    previous round's released norm could take log₂ of the inverse in bits (not done: docs/privacy.md)."""
+    import torch
+
+    from fedpers import config
+    from fedpers.configs.runtime import RuntimeOptions
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runner import resolve
+
+    exp = EXPERIMENTS["altmin"]
+    cfg = config.build(exp.config_type, {**BASE, "n_users": n, "seed": seed})
+    p = resolve(exp, cfg, config.build(RuntimeOptions, VARIANTS["auto"]))
+    generator = torch.Generator().manual_seed(0)
+    d, k = int(BASE["dim"]), int(BASE["rank"])
+    U = torch.linalg.qr(torch.randn(d, k, dtype=torch.float64, generator=generator))[0]
+    sums: dict[str, Any] = {}
+    norms: dict[str, float] = {}
+    taking = 0
+    for start in range(0, n, 20_000):
+        units = p.experiment.units(p.cfg, torch.arange(start, min(n, start + 20_000)))
+        got = p.protocol.unit_statistics(1, {"U": U}, units)
+        assert got is not None
+        for name, rows in got.stats.items():
+            sums[name] = sums.get(name, 0) + rows.sum(0)
+            norms[name] = norms.get(name, 0.0) + float(torch.linalg.vector_norm(rows.flatten(1), dim=1).sum())
+        taking += int(got.ids.numel())
+    for spec in p.protocol.stat_specs(1):
+        bound = float(spec.per_unit_bound)
+        total = float(torch.linalg.vector_norm(sums[spec.name]))
+        print(
+            f"{spec.name}: {taking} of {n} units in round 1; ‖Σ‖/(n·B) = {total / (n * bound):.4f}, "
+            f"‖Σ‖/(units·B) = {total / (taking * bound):.4f}, mean ‖x_j‖/B = {norms[spec.name] / (taking * bound):.4f}"
+        )
+
+
+def _rows() -> list[dict[str, Any]]:
+    if not DATA.exists():
+        return []
+    return [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
 
 
 def table(rows: list[dict[str, Any]]) -> tuple[list[int], dict[str, dict[int, Any]], dict[int, list[int]]]:
@@ -85,7 +134,7 @@ def draw() -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = _rows()
     users, med, auto_bits = table(rows)
     lines = [
         "| n | auto bits | "
@@ -141,9 +190,13 @@ def main() -> None:
     r.add_argument("--users", type=int, nargs="+", default=[1000, 10000, 100000])
     r.add_argument("--seeds", type=int, default=3)
     sub.add_parser("draw")
+    h = sub.add_parser("headroom")
+    h.add_argument("--users", type=int, default=100_000)
     a = ap.parse_args()
     if a.cmd == "run":
         run(a.users, a.seeds)
+    elif a.cmd == "headroom":
+        headroom(a.users)
     else:
         print(draw())
 

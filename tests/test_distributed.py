@@ -338,9 +338,8 @@ def test_fedrep_runs_distributed():
 
 def test_node_side_models_refuse_what_they_cannot_privatise_before_any_release():
     cfg = config.build(AltMinConfig, {**SMALL, "epsilon": math.inf, "cohorts": "poisson", "sampling_rate": 0.5})
-    for model in ("distributed", "local"):
-        with pytest.raises(ValueError, match="Poisson"):
-            resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, {"dp_model": model}))
+    with pytest.raises(ValueError, match="Poisson"):  # distributed runs it (tests/test_skellam_sampled.py)
+        resolve(AltMinExperiment(), cfg, config.build(RuntimeOptions, {"dp_model": "local"}))
     with pytest.raises(ValueError, match="min_nodes"):
         config.build(RuntimeOptions, {"nodes": 3, "min_nodes": 4})
     with pytest.raises(ValueError, match="bits"):

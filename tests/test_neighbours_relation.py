@@ -209,11 +209,12 @@ def test_combinations_that_cannot_be_accounted_are_refused_naming_the_field(name
         config.build(EXPERIMENTS[name].config_type, values)
 
 
-@pytest.mark.parametrize("model", ["distributed", "local"])
-def test_node_side_models_refuse_add_remove_before_any_release(model):
+def test_local_dp_refuses_add_remove_before_any_release():
+    """Local DP's per-unit releases are replace-one; distributed DP records add-remove sensitivities
+    (tests/test_skellam_sampled.py)."""
     cfg = config.build(FEDREP.config_type, {**SMALL, "neighbours": "add-remove", "accountant": "rdp"})
-    with pytest.raises(ValueError, match="neighbours add-remove needs dp_model central"):
-        resolve(FEDREP, cfg, config.build(RuntimeOptions, {"nodes": 3, "dp_model": model}))
+    with pytest.raises(ValueError, match="neighbours add-remove needs dp_model central or distributed"):
+        resolve(FEDREP, cfg, config.build(RuntimeOptions, {"nodes": 3, "dp_model": "local"}))
 
 
 def test_the_canary_audit_refuses_add_remove():

@@ -65,7 +65,7 @@ from fedpers.configs.privacy import (
     forget_accountant,
 )
 from fedpers.privacy import calibration_cache, skellam
-from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release
+from fedpers.privacy.ledger import EpsilonDeltaDpEvent, Ledger, PureDpEvent, Release, SkellamDpEvent
 
 REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 ADD_OR_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -460,9 +460,8 @@ def event_epsilon(
     relation = neighbours_of(neighbours)
     if skellam.contains_skellam(event):
         # distributed DP: the Skellam mechanism has an RDP bound only, so the whole composition is accounted in RDP
-        if relation is not Neighbours.REPLACE_ONE:
-            raise ValueError("neighbours: the Skellam (distributed DP) bound is implemented for replace-one only")
-        return skellam.rdp_epsilon(event, delta)
+        # (its recorded sensitivities are the relation's; a Poisson-sampled part by the relation's subsampled bound)
+        return skellam.rdp_epsilon(event, delta, neighbours=relation)
     check_relation(accountant, relation)
     acc = get_accountant(accountant)
     if not acc.stated_events:
@@ -576,6 +575,21 @@ SKELLAM_COMPOSITION = (
     "RDP composition (the Skellam releases have an RDP bound only, so every release is accounted in RDP)"
 )
 """How a ledger holding a Skellam (distributed DP) release is composed, whatever the run's accountant."""
+SAMPLED_SKELLAM = {
+    Neighbours.REPLACE_ONE: "Poisson-sampled rounds by Wang, Balle & Kasiviswanathan 2019, Theorem 9 (replace-one)",
+    Neighbours.ADD_REMOVE: "Poisson-sampled rounds by Zhu & Wang 2019, the general subsampled bound (add-remove)",
+}
+"""What a view adds to :data:`SKELLAM_COMPOSITION` when some Skellam release is Poisson-sampled."""
+
+
+def _sampled_skellam(event: dp_accounting.DpEvent) -> bool:
+    if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+        return skellam.contains_skellam(event.event)
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return any(_sampled_skellam(e) for e in event.events)
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return _sampled_skellam(event.event)
+    return False
 
 
 def how_accounted(ledger: Ledger, accountant: Accountant | str) -> dict[str, Any]:
@@ -587,11 +601,14 @@ def how_accounted(ledger: Ledger, accountant: Accountant | str) -> dict[str, Any
     bits = sorted({int(r.params["bits"]) for r in ledger if "bits" in r.params and "dp_model" in r.params})
     name = accountant.value if isinstance(accountant, Accountant) else str(accountant)
     skellam_ledger = any(skellam.contains_skellam(r.event) for r in ledger)
+    composition = SKELLAM_COMPOSITION
+    if any(_sampled_skellam(r.event) for r in ledger):
+        composition = f"{SKELLAM_COMPOSITION[:-1]}; {SAMPLED_SKELLAM[ledger_neighbours(ledger)]})"
     return {
         "dp_model": "+".join(models),
         "bits": bits[0] if len(bits) == 1 else (bits or None),
         "accountant": "rdp" if skellam_ledger else name,
-        "composition": SKELLAM_COMPOSITION
+        "composition": composition
         if skellam_ledger
         else (f"{name} composition of the releases" if name in CAPABILITIES else name),
     }
@@ -651,10 +668,18 @@ def shared_sample_events(releases: Sequence[Release]) -> list[dp_accounting.DpEv
     for sample, events in shared.items():
         rates = {e.sampling_probability for e in events}
         inner = [e.event for e in events]
-        if len(rates) != 1 or not all(isinstance(e, dp_accounting.GaussianDpEvent) for e in inner):
-            raise ValueError(f"releases on Poisson sample {sample!r} must share one rate and be Gaussian; got {events}")
-        z = sum(e.noise_multiplier**-2 for e in inner) ** -0.5
-        out.append(dp_accounting.PoissonSampledDpEvent(rates.pop(), dp_accounting.GaussianDpEvent(z)))
+        if len(rates) == 1 and all(isinstance(e, dp_accounting.GaussianDpEvent) for e in inner):
+            z = sum(e.noise_multiplier**-2 for e in inner) ** -0.5
+            out.append(dp_accounting.PoissonSampledDpEvent(rates.pop(), dp_accounting.GaussianDpEvent(z)))
+        elif len(rates) == 1 and all(isinstance(e, SkellamDpEvent) for e in inner):
+            # distributed DP: the Skellams of one sample are one sampled mechanism, accounted in RDP (their
+            # curves add inside the subsampled bound)
+            out.append(dp_accounting.PoissonSampledDpEvent(rates.pop(), dp_accounting.ComposedDpEvent(inner)))
+        else:
+            raise ValueError(
+                f"releases on Poisson sample {sample!r} must share one rate and be all Gaussian or all Skellam; "
+                f"got {events}"
+            )
     return out
 
 

@@ -47,7 +47,7 @@ from typing import Any
 import dp_accounting
 import torch
 
-from fedpers.config import DpModel
+from fedpers.config import DpModel, Neighbours, neighbours_of
 from fedpers.privacy import secure as secure_module
 from fedpers.privacy.accountant import Calibrations, calibrate_noise_multiplier
 from fedpers.privacy.ledger import ALL_UNITS, Ledger, Release, SkellamDpEvent
@@ -369,6 +369,19 @@ def unit_randomness(
     return unit_keys(seed, round, statistic, ids, purpose)
 
 
+def node_membership(seed: int, round: int, ids: Tensor, q: float, secure: bool) -> Tensor:
+    """(U,) bool: whether each unit of ``ids`` is in round ``round``'s Poisson sample (probability ``q``,
+    independently), drawn on the unit's node — from each unit's own key (a simulation: the same draw
+    whatever node or chunk holds it), or OS entropy with ``secure`` — so the sample the amplification
+    rests on is never known to the server."""
+    if not 0.0 < q <= 1.0:
+        raise ValueError(f"sampling rate q must be in (0, 1], got {q}")
+    if secure:
+        generator = torch.Generator().manual_seed(secure_module.os_seed())
+        return torch.rand(int(ids.numel()), generator=generator, dtype=torch.float64) < q
+    return keyed_uniforms(unit_keys(seed, round, "sampled", ids, purpose="membership"), 0, 1)[:, 0] < q
+
+
 # ----- one statistic's public encoding ------------------------------------------------------------
 @dataclass(frozen=True)
 class StatEncoding:
@@ -389,6 +402,8 @@ class StatEncoding:
     psd: bool = False
     """Every unit's contribution is a PSD matrix (the node projects it onto the PSD cone): the triangles of two
     such units have a non-negative inner product, which the rounding moves by < 2√D in norm."""
+    add_remove: bool = False
+    """Sensitivities of add-remove neighbours (one unit's rounded vector: Δ₂ = c̃), else replace-one."""
 
     @property
     def dim(self) -> int:
@@ -402,7 +417,9 @@ class StatEncoding:
     def l2_sensitivity(self) -> float:
         """Δ₂ of the integer sum (replace-one): 2c̃; for PSD units also ≤ √2·sB + 2√D (the rotated
         triangles t, t' have ⟨t, t'⟩ = (tr(AA') + Σ A_ii A'_ii)/2 ≥ 0, so ‖t − t'‖ ≤ √2·sB, and each
-        rounding error has |e_i| < 1)."""
+        rounding error has |e_i| < 1). Add-remove: c̃ (one unit's whole rounded vector, PSD or not)."""
+        if self.add_remove:
+            return self.rounded_bound
         plain = 2 * self.rounded_bound
         if not self.psd:
             return plain
@@ -412,10 +429,18 @@ class StatEncoding:
     @property
     def l1_sensitivity(self) -> float:
         """Δ₁ of the integer sum (replace-one): 2c̃·min(√D, c̃), and ≤ Δ₂·min(√D, Δ₂) (an integer
-        vector v has ‖v‖₁ ≤ min(√D‖v‖₂, ‖v‖₂²))."""
+        vector v has ‖v‖₁ ≤ min(√D‖v‖₂, ‖v‖₂²)). Add-remove: c̃·min(√D, c̃)."""
+        if self.add_remove:
+            return self.rounded_bound * min(math.sqrt(self.padded), self.rounded_bound)
         plain = 2 * self.rounded_bound * min(math.sqrt(self.padded), self.rounded_bound)
         l2 = self.l2_sensitivity
         return min(plain, l2 * min(math.sqrt(self.padded), l2))
+
+    @property
+    def noise_scale(self) -> float:
+        """σ/z in integer units: Δ₂/2 replace-one, Δ₂ add-remove (z = σ over a unit's distance from absent in
+        both relations, as central's Gaussian), so V = (z·noise_scale)²."""
+        return self.l2_sensitivity if self.add_remove else self.l2_sensitivity / 2
 
     def event(self, survivors: int, min_nodes: int, collusion: int = 0) -> dp_accounting.DpEvent:
         """The release's event when ``survivors`` nodes' noise shares reached the sum, against a server that
@@ -435,6 +460,7 @@ class StatEncoding:
             "l1_sensitivity_integer": self.l1_sensitivity,
             "rotation_seed": self.rotation_seed,
             "psd_tightened": self.psd,
+            "neighbours": "add-remove" if self.add_remove else "replace-one",
         }
 
 
@@ -597,9 +623,10 @@ def _worst_leaf(encodings: Sequence[StatEncoding]) -> Callable[[float], SkellamD
     smallest Δ₂ with the largest ρ dominates each statistic's."""
     l2 = min(e.l2_sensitivity for e in encodings)
     ratio = max(e.l1_sensitivity / e.l2_sensitivity**2 for e in encodings)
+    per_sigma = 1.0 if encodings and encodings[0].add_remove else 0.5  # σ = z·Δ₂ add-remove, z·Δ₂/2 replace-one
 
     def leaf(z: float) -> SkellamDpEvent:
-        return SkellamDpEvent((z * l2 / 2) ** 2, l2, ratio * l2 * l2)
+        return SkellamDpEvent((z * l2 * per_sigma) ** 2, l2, ratio * l2 * l2)
 
     return leaf
 
@@ -608,7 +635,9 @@ def skellam_event(
     make_event: Callable[[float], dp_accounting.DpEvent], encodings: Sequence[StatEncoding]
 ) -> Callable[[float], dp_accounting.DpEvent]:
     """``make_event`` (what one unit is touched by, Gaussian releases of multiplier z) with every
-    Gaussian replaced by the dominating Skellam event at the same multiplier."""
+    Gaussian replaced by the dominating Skellam event at the same multiplier; a Poisson-sampled Gaussian
+    becomes the Poisson-sampled Skellam (the subsampled bounds grow with the inner curve, so domination is
+    kept), refused when a statistic is PSD-tightened (a sampled unit is c̃, not Δ₂/2, from absent)."""
     leaf = _worst_leaf(encodings)
 
     def mapped(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
@@ -618,24 +647,40 @@ def skellam_event(
             return dp_accounting.ComposedDpEvent([mapped(e) for e in event.events])
         if isinstance(event, dp_accounting.SelfComposedDpEvent):
             return dp_accounting.SelfComposedDpEvent(mapped(event.event), event.count)
+        if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+            tightened = [e.name for e in encodings if e.psd]
+            if tightened:
+                raise ValueError(
+                    f"dp_model distributed: statistic(s) {tightened} are PSD-tightened, which a Poisson-sampled "
+                    "release cannot be (a sampled unit is its full bound from absent)"
+                )
+            return dp_accounting.PoissonSampledDpEvent(event.sampling_probability, mapped(event.event))
         raise ValueError(
             f"dp_model distributed: cannot map a {type(event).__name__} to the Skellam mechanism "
-            "(Poisson sampling and non-Gaussian releases are not supported)"
+            "(only Gaussian sums, plain or Poisson-sampled, are)"
         )
 
     return lambda z: mapped(make_event(z))
 
 
 def _encodings(
-    stats: Sequence[StatShape], units: int, z: float, nodes: int, min_nodes: int, bits: int, seed: int
+    stats: Sequence[StatShape],
+    units: int,
+    z: float,
+    nodes: int,
+    min_nodes: int,
+    bits: int,
+    seed: int,
+    add_remove: bool = False,
 ) -> list[StatEncoding]:
     out = []
     for i, st in enumerate(stats):
         D = padded_dim(flat_dim(st.shape, st.symmetric))
         s = max_scale(st.bound, D, units, z, nodes, min_nodes, bits)
         c = rounded_bound(s * st.bound, D)
-        enc = StatEncoding(st.name, st.shape, st.symmetric, st.bound, s, c, 0.0, bits, seed + i, st.psd)
-        out.append(dataclasses.replace(enc, variance=(z * enc.l2_sensitivity / 2) ** 2))
+        psd = st.psd and not add_remove  # add-remove: a unit is its whole norm from absent, PSD or not
+        enc = StatEncoding(st.name, st.shape, st.symmetric, st.bound, s, c, 0.0, bits, seed + i, psd, add_remove)
+        out.append(dataclasses.replace(enc, variance=(z * enc.noise_scale) ** 2))
     return out
 
 
@@ -664,13 +709,16 @@ def plan_distributed(
     users_per_node: int = 0,
     release_ratio: float = 1.0,
     collusion: int = 0,
+    neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
 ) -> DistributedPlan:
     """Scales, bits and the noise multiplier of a distributed run. ``calibration`` is the
     protocol's own (make_event, ε, δ, accountant), or None without noise (ε = ∞); ``release_ratio``: each
     release's noise multiplier over make_event's argument (the protocol's z over its calibrated one). z is solved so
     that the dominating Skellam composition meets the target; scales are chosen for a z at least as
     large, so the wrap bound holds at the final one. ``collusion`` c: shares sized for min_nodes − c honest
-    survivors (each Sk(V/(m − c))), so the wrap bound counts nodes/(m − c) of V."""
+    survivors (each Sk(V/(m − c))), so the wrap bound counts nodes/(m − c) of V. ``neighbours``: the
+    relation the encodings' sensitivities and the calibration are for (add-remove: Δ₂ = c̃, no PSD tightening)."""
+    add_remove = neighbours_of(neighbours) is Neighbours.ADD_REMOVE
     if not 1 <= min_nodes <= nodes:
         raise ValueError(f"min_nodes must be in [1, nodes={nodes}]; got {min_nodes}")
     if not 0 <= collusion < min_nodes:
@@ -689,19 +737,22 @@ def plan_distributed(
     if not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"bits must be 0 (auto) or in [{MIN_BITS}, {MAX_BITS}]; got {bits}")
     if calibration is None or central_z == 0:
-        encs = _encodings(shapes, units, 0.0, nodes, honest, bits, seed)
+        encs = _encodings(shapes, units, 0.0, nodes, honest, bits, seed, add_remove)
         return DistributedPlan(
             DpModel.DISTRIBUTED, bits, nodes, min_nodes, 0.0, {e.name: e for e in encs}, users_per_node, collusion
         )
     make_event, epsilon, delta, _ = calibration
     for _ in range(20):
-        encs = _encodings(shapes, units, z_guess, nodes, honest, bits, seed)
+        encs = _encodings(shapes, units, z_guess, nodes, honest, bits, seed, add_remove)
         # a composition holding a Skellam release is accounted in RDP (event_epsilon) whatever the run's accountant;
         # "pld" only routes calibration through event_epsilon (zcdp would ask Skellam for a ρ it has not)
         # release_ratio: each release's multiplier over make_event's argument (its Gaussians are z·ratio)
-        z = calibrate_noise_multiplier(skellam_event(make_event, encs), epsilon, delta, "pld") * release_ratio
+        z = (
+            calibrate_noise_multiplier(skellam_event(make_event, encs), epsilon, delta, "pld", neighbours=neighbours)
+            * release_ratio
+        )
         if z <= z_guess:
-            encs = [dataclasses.replace(e, variance=(z * e.l2_sensitivity / 2) ** 2) for e in encs]
+            encs = [dataclasses.replace(e, variance=(z * e.noise_scale) ** 2) for e in encs]
             return DistributedPlan(
                 DpModel.DISTRIBUTED, bits, nodes, min_nodes, z, {e.name: e for e in encs}, users_per_node, collusion
             )
@@ -716,6 +767,8 @@ class RecordingCalibrations(Calibrations):
     def __init__(self, known: Mapping[str, float] | None = None) -> None:
         super().__init__(known)
         self.asked: list[tuple[Callable[[float], dp_accounting.DpEvent], float, float, str]] = []
+        self.relations: list[Neighbours] = []
+        """The neighbouring relation of each calibration asked (parallel to :attr:`asked`)."""
 
     def __call__(
         self,
@@ -727,6 +780,7 @@ class RecordingCalibrations(Calibrations):
     ) -> float:
         name = accountant.value if hasattr(accountant, "value") else str(accountant)
         self.asked.append((make_event, float(target_epsilon), float(target_delta), name))
+        self.relations.append(neighbours_of(neighbours))
         return super().__call__(make_event, target_epsilon, target_delta, accountant, neighbours)
 
 
@@ -772,9 +826,12 @@ class NodeSidePrivatizer(Privatizer):
                 "nodes, each the tensor the runtime handed server_update (summed.stats[name], untransformed)"
             )
         entry = self._arrived.pop(found)
-        if sampling_probability < 1.0:
-            raise ValueError(f"release {release!r}: dp_model {self.model.value} does not support Poisson sampling")
         _, name, survivors, units = entry
+        if sampling_probability < 1.0 and (self.model is not DpModel.DISTRIBUTED or self.plan.encodings[name].psd):
+            raise ValueError(
+                f"release {release!r}: dp_model {self.model.value} does not support Poisson sampling"
+                + (" of a PSD-tightened statistic" if self.model is DpModel.DISTRIBUTED else "")
+            )
         if not math.isclose(per_unit_bound, self._bound(name), rel_tol=1e-12):
             raise ValueError(
                 f"release {release!r}: per-unit bound {per_unit_bound} differs from statistic {name!r}'s "
@@ -854,6 +911,9 @@ class DistributedPrivatizer(NodeSidePrivatizer):
         enc = self.plan.encodings[stat]
         event = enc.event(survivors, self.plan.min_nodes, self.plan.collusion)
         variance = event.variance if isinstance(event, SkellamDpEvent) else 0.0
+        if sampling_probability < 1.0 and isinstance(event, SkellamDpEvent):
+            # the nodes drew each unit's membership themselves (node_membership): the server never learns it
+            event = dp_accounting.PoissonSampledDpEvent(float(sampling_probability), event)
         release = Release(
             round,
             name,
@@ -867,14 +927,19 @@ class DistributedPrivatizer(NodeSidePrivatizer):
                 **(params or {}),
                 **enc.to_dict(),
                 "dp_model": self.model.value,
-                "sensitivity_formula_integer": "Δ₂ = 2c̃, for PSD units min(2c̃, √2·(1 + 1e-9)·sB + 2√D); "
-                "Δ₁ = min(2c̃·min(√D, c̃), Δ₂·min(√D, Δ₂)); "
-                "c̃ = min(sB + √D, sqrt((sB)² + D/4 + sqrt(2 log(1/β))(sB + √D/2))), β = exp(−1/2)",
+                "sensitivity_formula_integer": (
+                    "add-remove: Δ₂ = c̃, Δ₁ = c̃·min(√D, c̃); "
+                    if enc.add_remove
+                    else "Δ₂ = 2c̃, for PSD units min(2c̃, √2·(1 + 1e-9)·sB + 2√D); "
+                    "Δ₁ = min(2c̃·min(√D, c̃), Δ₂·min(√D, Δ₂)); "
+                )
+                + "c̃ = min(sB + √D, sqrt((sB)² + D/4 + sqrt(2 log(1/β))(sB + √D/2))), β = exp(−1/2)",
                 "variance_integer": variance,
                 "nodes_survived": survivors,
                 "min_nodes": self.plan.min_nodes,
                 "collusion": self.plan.collusion,
             },
+            neighbours="add-remove" if enc.add_remove else "replace-one",
         )
         self.ledger.append(release)
         return value

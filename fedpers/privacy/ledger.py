@@ -71,14 +71,13 @@ class Release:
     def noise_multiplier(self) -> float:
         """2σ / sensitivity (dp-accounting's convention; σ / per-unit bound unless the bound is
         tightened, e.g. for PSD units); ∞ for a pure-ε mechanism."""
-        if isinstance(self.event, dp_accounting.GaussianDpEvent):
-            return self.event.noise_multiplier
-        if isinstance(self.event, dp_accounting.PoissonSampledDpEvent) and isinstance(
-            self.event.event, dp_accounting.GaussianDpEvent
-        ):
-            return self.event.event.noise_multiplier
-        if isinstance(self.event, SkellamDpEvent) and self.event.l2_sensitivity > 0:
-            return 2 * math.sqrt(self.event.variance) / self.event.l2_sensitivity  # σ over Δ/2, in integer units
+        event = self.event
+        if isinstance(event, dp_accounting.PoissonSampledDpEvent):  # the mechanism run on the sample
+            event = event.event
+        if isinstance(event, dp_accounting.GaussianDpEvent):
+            return event.noise_multiplier
+        if isinstance(event, SkellamDpEvent) and event.l2_sensitivity > 0:
+            return 2 * math.sqrt(event.variance) / event.l2_sensitivity  # σ over Δ/2, in integer units
         return math.inf
 
     def to_dict(self) -> dict[str, Any]:

@@ -270,11 +270,12 @@ class AltMinProtocol(Protocol):
 
     # ----- protocol ------------------------------------------------------------------
     def node_side(self) -> NodeSide | str:
-        """Every release is a Gaussian sum (W, A, b) at z; adaptive bounds' counts and Poisson cohorts are not."""
+        """Every release is a Gaussian sum (W, A, b) at z; adaptive bounds' counts are not. Poisson cohorts
+        declare their rate (A is then not PSD-tightened: :attr:`psd_statistics`)."""
         if self.adaptive:
             return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
-        if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0:
-            return f"{self.name} with Poisson cohorts (sampling_rate < 1)"
+        if self.cohorts is Cohorts.POISSON and self.sampling_rate < 1.0:  # the nodes draw the memberships
+            return NodeSide(self.noise_multiplier, self.psd_statistics, sampling_rate=self.sampling_rate)
         return NodeSide(self.noise_multiplier, self.psd_statistics)
 
     def unit_keys(self) -> tuple[str, ...]:

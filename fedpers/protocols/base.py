@@ -324,6 +324,10 @@ class NodeSide:
     """z of every sum release (0: no noise)."""
     psd_statistics: tuple[str, ...] = ()
     """Statistics whose every unit's contribution is a PSD matrix (its √2 replace-one bound survives rounding)."""
+    sampling_rate: float = 1.0
+    """q < 1: each round's units are a Poisson sample (the broadcast's ``sampled``), every release of the round
+    made with ``sampling_probability`` q. Under distributed DP each node draws its own units' membership
+    (the server's draw is replaced, so the server never learns who took part); local DP refuses it."""
 
 
 def round_release(

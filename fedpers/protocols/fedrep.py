@@ -169,8 +169,8 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
             return f"{self.name} with adaptive clipping (its count releases; use --clip-rule fixed)"
         if self.correlated is not None:
             return f"{self.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
-        if self.poisson:
-            return f"{self.name} with Poisson cohorts (sampling_rate < 1)"
+        if self.poisson:  # the nodes draw the memberships
+            return NodeSide(self.noise_multiplier, sampling_rate=self.sampling_rate)
         return NodeSide(self.noise_multiplier)
 
     def unit_keys(self) -> tuple[str, ...]:

@@ -192,7 +192,7 @@ class NoisyGDProtocol(Protocol):
             return f"{self.name} with correlated noise (its noise is correlated across steps; use --noise independent)"
         if self.remedy_noise_multiplier > 0:
             return f"{self.name} with a remedy (its feature releases take a second noise multiplier; use --remedy none)"
-        return NodeSide(self.noise_multiplier)
+        return NodeSide(self.noise_multiplier, sampling_rate=self.sampling_rate if self.poisson else 1.0)
 
     def unit_keys(self) -> tuple[str, ...]:
         return ("x", "y")

@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import torch
 
 from fedpers import linalg, pools
-from fedpers.config import DpModel
-from fedpers.configs.runtime import RuntimeOptions
+from fedpers.config import DpModel, Neighbours
+from fedpers.configs.runtime import Runtime, RuntimeOptions
 from fedpers.data.units import UnitSource
 from fedpers.privacy import distributed as dist
 from fedpers.privacy import secagg
@@ -278,6 +278,37 @@ def encode_node(
     return encoder.message()
 
 
+def nodes_draw_membership(
+    protocol: Protocol,
+    round: int,
+    broadcast: Mapping[str, Tensor],
+    privatizer: dist.NodeSidePrivatizer,
+    ranges: Sequence[range],
+) -> Mapping[str, Tensor]:
+    """The broadcast the nodes work from: under Poisson sampling (the protocol's declared rate q < 1) the
+    server's membership ``sampled`` is replaced by each node's own draw for its units
+    (:func:`~fedpers.privacy.distributed.node_membership`), so the sample the ledger's amplification rests
+    on is never the server's choice nor known to it. Refused for local DP (its noise is per unit; the
+    sample would amplify nothing against the node) and for a membership the protocol did not declare."""
+    rate = declared(protocol, privatizer.plan.model).sampling_rate
+    if "sampled" not in broadcast:
+        return broadcast
+    if rate >= 1.0:
+        raise ValueError(f"{protocol.name} broadcasts a Poisson membership but declares no sampling rate")
+    if privatizer.plan.model is not DpModel.DISTRIBUTED:
+        raise ValueError(f"dp_model {privatizer.plan.model.value} does not support Poisson sampling")
+    server = broadcast["sampled"]
+    if server.shape != (sum(len(r) for r in ranges),):
+        raise ValueError(f"{protocol.name}'s membership covers {tuple(server.shape)}, not the nodes' units")
+    mine = torch.zeros(server.shape, dtype=server.dtype)
+    for span in ranges:
+        ids = torch.arange(span.start, span.stop)
+        mine[span.start : span.stop] = dist.node_membership(
+            privatizer.noise_seed, round, ids, rate, privatizer.secure
+        ).to(server.dtype)
+    return {**broadcast, "sampled": mine.to(server.device)}
+
+
 @dataclass
 class RoundSums:
     """What the server holds after one round's aggregation: each statistic decoded (``stats``), the
@@ -310,11 +341,13 @@ def node_round(
     handed each statistic's node vectors under local DP (what the server sees of them); ``batched``
     False: each unit's contribution by ``client_update`` on it alone (the reference path)."""
     plan = privatizer.plan
+    ranges = list(unit_ranges(source.num_units, plan.nodes, plan.users_per_node))
+    broadcast = nodes_draw_membership(protocol, round, broadcast, privatizer, ranges)
     ids, samples = protocol.units_needed(round, broadcast)
     specs = protocol.stat_specs(round)
     encoders: list[NodeEncoder] = []
     spans = []
-    for node, span in enumerate(unit_ranges(source.num_units, plan.nodes, plan.users_per_node)):
+    for node, span in enumerate(ranges):
         if survive is not None and not survive(round, node):
             continue
         members = torch.arange(span.start, span.stop)
@@ -478,6 +511,16 @@ def node_side_privatizer(
         )
     stats = stat_shapes(protocol)
     nodes = options.nodes
+    if side.sampling_rate < 1.0 and model is DpModel.LOCAL:
+        raise ValueError(
+            f"dp_model local does not support Poisson sampling ({protocol.name} samples at "
+            f"{side.sampling_rate:g}): each unit's noise is its own, and its node knows whether it took part"
+        )
+    if side.sampling_rate < 1.0 and options.runtime is not Runtime.LOCAL:
+        raise ValueError(
+            f"dp_model distributed with Poisson sampling runs on the local runtime only: its nodes draw their "
+            f"units' memberships (on {options.runtime.value} the nodes would take the server's draw)"
+        )
     if model is DpModel.LOCAL:
         local = dist.LocalPrivatizer(
             noise_seed,
@@ -486,6 +529,15 @@ def node_side_privatizer(
         )
         local.dropout, local.dropout_seed = options.node_dropout, rotation_seed
         return local
+    relations = set(calibrations.relations)
+    if len(relations) > 1:
+        raise ValueError(f"dp_model {model.value}: {protocol.name} was calibrated under two neighbouring relations")
+    relation = relations.pop() if relations else Neighbours.REPLACE_ONE
+    if relation is not Neighbours.REPLACE_ONE and options.runtime is not Runtime.LOCAL:
+        raise ValueError(
+            f"dp_model distributed with neighbours {relation.value} runs on the local runtime only (the Flower "
+            "nodes derive a replace-one plan)"
+        )
     plan = dist.plan_distributed(
         stats,
         units=num_units,
@@ -498,6 +550,7 @@ def node_side_privatizer(
         users_per_node=options.users_per_node,
         collusion=options.collusion,
         release_ratio=z / next(iter(calibrations.table.values())) if len(calibrations.table) == 1 and z > 0 else 1.0,
+        neighbours=relation,
     )
     privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
     privatizer.dropout, privatizer.dropout_seed = options.node_dropout, rotation_seed
@@ -518,10 +571,14 @@ def with_node_noise(protocol: Protocol, privatizer: dist.NodeSidePrivatizer, num
     plan = privatizer.plan
     psd = set(side.psd_statistics)
     # each statistic's noise std over the protocol's z·Δ/2 (Δ = 2B, or √2B for a PSD one centrally)
-    central = {e.name: z * (math.sqrt(2.0) if e.name in psd else 2.0) * e.bound / 2 for e in plan.encodings.values()}
+    # (add-remove: σ = z·B, never tightened)
+    central = {
+        e.name: z * (math.sqrt(2.0) if e.name in psd and not e.add_remove else 2.0) * e.bound / 2
+        for e in plan.encodings.values()
+    }
     if plan.model is DpModel.LOCAL:
         actual = {e.name: math.sqrt(num_units) * z * e.bound for e in plan.encodings.values()}
     else:
-        actual = {e.name: plan.noise_multiplier * e.l2_sensitivity / 2 / e.scale for e in plan.encodings.values()}
+        actual = {e.name: plan.noise_multiplier * e.noise_scale / e.scale for e in plan.encodings.values()}
     factor = max(actual[k] / central[k] for k in actual)
     return protocol.with_noise_multiplier(z * factor)
