@@ -10,7 +10,8 @@ Rows: AltMin with every baseline against ``--baselines none``; a whole AltMin ru
 its flops plus a draw of its normals; the client statistics against a GEMM of their flops (float32,
 float64); one DPALS step against a GEMM of its flops; a 200-user run's wall time against the work it
 reports (start-up); with ``--flower``, one ClientApp call against an empty ClientApp under bare
-Flower (starts Ray: flwr and ray must be installed).
+Flower and a SecAgg+ round against a central round at 100 nodes (1,000 too with ``--full``) on Flower's
+simulation (starts Ray: flwr and ray must be installed).
 
     PYTHONPATH=$PWD python -m benchmarks            # quick
     PYTHONPATH=$PWD python -m benchmarks --full     # 10^5 and 10^6 users, MovieLens-20M's DPALS shape
@@ -196,6 +197,24 @@ def flower_ratio(nodes: int) -> Row:
     )
 
 
+def secagg_ratio(nodes: int) -> Row:
+    """A steady SecAgg+ round (``--dp-model distributed``, 16 bits) against a steady central round: the same
+    tiny AltMin on Flower's simulation, one run after the other (benchmarks/secagg_flower.py)."""
+    from benchmarks import secagg_flower
+
+    args = argparse.Namespace(rounds=2, client_cpus=1.0)
+    central = secagg_flower.one_run(nodes, "central", args)[0]
+    secure = secagg_flower.one_run(nodes, "distributed", args)[0]
+    return Row(
+        "Flower: SecAgg+ round / central round",
+        f"{nodes:,} nodes, AltMin 2 users each (d=5, k=2)",
+        secure,
+        central,
+        "the same round, --dp-model central",
+        "≤ 3 (1,000 nodes)",
+    )
+
+
 def _find(pattern: str, text: str) -> str:
     found = re.search(pattern, text)
     if found is None:
@@ -229,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--full", action="store_true", help="the sizes docs/benchmarks.md quotes (tens of minutes on 2 cores)"
     )
-    ap.add_argument("--flower", action="store_true", help="also the Flower per-call row (starts Ray)")
+    ap.add_argument(
+        "--flower", action="store_true", help="also the Flower rows: per-call cost, SecAgg+/central (starts Ray)"
+    )
     ap.add_argument(
         "--table", default=str(ROOT / "docs" / "benchmark-table.md"), help="where the dated table goes ('' : nowhere)"
     )
@@ -250,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs.append(startup_ratio)
     if a.flower:
         jobs += [lambda: flower_ratio(100)] + ([lambda: flower_ratio(500)] if a.full else [])
+        jobs += [lambda: secagg_ratio(100)] + ([lambda: secagg_ratio(1000)] if a.full else [])
     rows: list[Row] = []
     loads = [_load()]
     for job in jobs:

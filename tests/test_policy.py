@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedpers.results.securefs import UnsafeDirectory, private_dir, write_private
 from fedpers.runtime.flower.policy import (
@@ -220,3 +221,40 @@ def test_admitting_a_new_run_into_a_reused_out_directory_charges_it_again(policy
     assert BudgetLedger(policy.ledger, policy.federation).spent((0, 100)) == (6.0, 2e-5)
     with pytest.raises(PolicyRefused, match="rule 'max-epsilon'"):
         admit_run(policy, job, "3")  # 9 > 8
+
+
+@pytest.mark.parametrize("algorithm", ["fedrep", "noisygd"])
+def test_a_node_counts_the_sampled_units_of_a_cyclic_poisson_round_not_its_whole_block(
+    policy: Policy, algorithm: str
+) -> None:
+    """Cycle + Poisson cohorts (2 blocks, each sampled at 0.5 in its rounds): the min-units check counts the
+    node's units in the round's block *and* in the server's sample (what the message holds), not the block;
+    a minimum between the two counts is refused (with the block's count it passed)."""
+    from fedpers import config as config_lib
+    from fedpers.experiments import EXPERIMENTS
+    from fedpers.runtime.flower.client import units_contributed
+
+    exp = EXPERIMENTS[algorithm]
+    small = {
+        "fedrep": dict(n_users=40, dim=6, rank=2, samples_per_user=5, refit_samples=3, test_samples=10, rounds=8),
+        "noisygd": dict(examples=48, classes=3, feature_dim=5, steps=8, test_examples=20, collapse="random"),
+    }[algorithm]
+    cfg = config_lib.build(exp.config_type, {**small, "epsilon": 2.0, "baselines": "none", "dtype": "float64",
+                                             "cohorts": "poisson", "sampling_rate": 0.25, "noise": "banded", "bands": 2})  # fmt: skip
+    protocol = exp.protocol(cfg)
+    assert protocol.cycle == 2 and protocol.sampling_rate == 0.5
+    total = 40 if algorithm == "fedrep" else 48
+    units = exp.units(cfg, torch.arange(total))
+    sampled = (torch.arange(total) % 3 == 0).to(torch.float64)  # the server's sample: every third unit
+    round = 3 if algorithm == "fedrep" else protocol.remedy_rounds + 1
+    cohort = protocol.round_cohort(round) if algorithm == "fedrep" else protocol.step_cohort(round)
+    lo, hi = protocol.cohort_range(cohort)
+    expected = sum(1 for i in range(lo, hi) if sampled[i] > 0)  # in the block and sampled, counted one by one
+    block = protocol.units_in_round(round, units)
+    assert block == hi - lo > expected > 0
+    count = units_contributed(protocol, round, {"sampled": sampled}, units)
+    assert count == expected
+    strict = Policy(**{**policy.__dict__, "min_units": expected + 1, "algorithms": (algorithm,)})
+    check_task(strict, algorithm, {"epsilon": 2.0, "delta": 1e-5}, block)  # the old count let it through
+    with pytest.raises(PolicyRefused, match=f"rule 'min-units'.*over {expected} users"):
+        check_task(strict, algorithm, {"epsilon": 2.0, "delta": 1e-5}, count)

@@ -103,3 +103,28 @@ def test_distributed_run_with_real_secagg_equals_the_simulated_modular_sum():
         )
         states.append(state["U"])
     assert torch.equal(states[0], states[1])
+
+
+def test_any_threshold_shares_rebuild_a_seed_and_fewer_or_malformed_ones_do_not():
+    """The shared secrets are 16-byte seeds split by PyCryptodome's Shamir once each: every t-subset of the
+    d + 1 shares rebuilds the seed, t − 1 shares give another value, a short or repeated share is refused."""
+    import itertools
+    import os
+
+    seed = os.urandom(secagg.SEED_BYTES)
+    t, holders = 3, 5
+    shares = secagg.split_secret(seed, t, holders)
+    assert len(shares) == holders and all(len(s) == secagg.SHARE_BYTES for s in shares)
+    for subset in itertools.combinations(shares, t):
+        assert secagg.combine_secret(list(subset)) == seed
+    assert all(secagg.combine_secret(list(s)) != seed for s in itertools.combinations(shares, t - 1))
+    with pytest.raises(AggregationAborted, match="20 bytes"):
+        secagg.combine_secret([shares[0][:-1], shares[1], shares[2]])
+    with pytest.raises(AggregationAborted, match="do not combine"):
+        secagg.combine_secret([shares[0], shares[0], shares[1]])
+    with pytest.raises(ValueError, match="16 bytes"):
+        secagg.split_secret(seed + b"x", t, holders)
+    # the mask key a dropped node's seed rebuilds is the one it masked with
+    tag = b"round-tag-0123456"
+    assert secagg.mask_key(seed, tag).private_bytes_raw() == secagg.mask_key(seed, tag).private_bytes_raw()
+    assert secagg.mask_key(seed, tag).private_bytes_raw() != secagg.mask_key(seed, tag + b"!").private_bytes_raw()

@@ -19,7 +19,7 @@ TAG = b"adversary-round!"
 
 def honest_round(
     n: int, round: int = 0, threshold: int | None = None
-) -> tuple[dict[int, SecAggNode], dict[int, list[int]]]:
+) -> tuple[dict[int, SecAggNode], Mapping[int, Sequence[int]]]:
     """n nodes of the planner's graph for ``round`` that advertised, shared and masked honestly."""
     graph = secagg.plus_graph(n, round)
     t = secagg.plus_threshold(n) if threshold is None else threshold

@@ -5,17 +5,21 @@ unaltered (it is trusted to deliver keys, not to follow the rest of the protocol
 
 Every primitive is a library's: X25519 key agreement, Ed25519 signatures, HKDF-SHA256 and AES-GCM from
 ``cryptography``; the mask stream is AES-256-CTR (``cryptography``) keyed by an HKDF-derived seed; Shamir
-secret sharing is Flower's (``flwr.common.secure_aggregation.crypto.shamir``, on PyCryptodome). Flower's
-own ``pseudo_rand_gen`` is not used: it folds the seed to 32 bits and draws from ``[0, range − 1)``, so its
-masks are neither secret enough nor uniform.
+secret sharing is PyCryptodome's (``Crypto.Protocol.SecretSharing.Shamir``, over GF(2^128), the scheme
+Flower's ``secure_aggregation.crypto.shamir`` wraps), called once per secret: both shared secrets are
+16-byte seeds (one field element), the self-mask seed b_i and the seed the mask key s_i^sk is derived
+from by HKDF, so a node splits two field elements a round and the server combines one per survivor or
+dropped node (Flower's wrapper pads a 32-byte key to three elements and starts a thread pool on every
+call). Flower's own ``pseudo_rand_gen`` is not used: it folds the seed to 32 bits and draws from
+``[0, range − 1)``, so its masks are neither secret enough nor uniform.
 
 The protocol, one instance per round (public: the node ids, the neighbour graph, the threshold
 t = ⌊(d + 1)/2⌋ + 1 of a degree-d neighbourhood, so that 2t > d + 1):
 
 1. **advertise keys** — node i publishes three public keys: X25519 c_i (to encrypt), X25519 s_i (to mask)
    and Ed25519 g_i (to sign);
-2. **share keys** — node i draws a self-mask seed b_i and Shamir-shares b_i and its mask secret key
-   s_i^sk among its neighbours and itself (degree + 1 shares, threshold t), each neighbour's share encrypted
+2. **share keys** — node i draws a self-mask seed b_i and Shamir-shares b_i and the seed of its mask
+   secret key s_i^sk among its neighbours and itself (degree + 1 shares, threshold t), each neighbour's share encrypted
    for its recipient with AES-GCM under HKDF(X25519(c_i^sk, c_j)), the pair (i, j) bound as associated
    data; the server relays ciphertexts;
 3. **masked input** — node i masks only if it holds the shares of at least t − 1 neighbours (H_i, the
@@ -36,15 +40,18 @@ Nodes and the server are objects that exchange only bytes and integer vectors (w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -52,7 +59,6 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 
 STAGES = ("advertise", "share", "masked", "consistency", "unmask")
 
@@ -81,23 +87,68 @@ def _raw_private(key: X25519PrivateKey | Ed25519PrivateKey) -> bytes:
 
 def survivors_message(round_tag: bytes, survivors: Sequence[int]) -> bytes:
     """What a node signs in the consistency stage: the round's tag and the sorted survivor set."""
-    ids = sorted({int(i) for i in survivors})
-    return b"fedpers-secagg-survivors" + round_tag + b"".join(i.to_bytes(8, "little") for i in ids)
+    given = np.asarray(survivors)
+    if given.size and given.dtype.kind not in "iu":
+        raise ValueError(f"survivor ids are integers; got {given.dtype}")
+    ids = np.unique(given.astype(np.int64))  # sorted, each once
+    if ids.size and int(ids[0]) < 0:
+        raise ValueError(f"survivor ids are non-negative; got {int(ids[0])}")
+    return b"fedpers-secagg-survivors" + round_tag + ids.astype("<u8").tobytes()
 
 
-def component(graph: Mapping[int, Sequence[int]], inside: set[int], start: int) -> set[int]:
-    """``start``'s connected component in ``graph`` restricted to the nodes ``inside``."""
+def component(graph: Mapping[int, Sequence[int]], inside: set[int], start: int, enough: int | None = None) -> set[int]:
+    """``start``'s connected component in ``graph`` restricted to the nodes ``inside``; with ``enough``, the
+    search stops once it holds that many nodes (what a size check needs: O(enough · degree), not O(n))."""
     seen, todo = {start}, [start]
     while todo:
         for j in graph.get(todo.pop(), ()):
             if j in inside and j not in seen:
                 seen.add(j)
+                if enough is not None and len(seen) >= enough:
+                    return seen
                 todo.append(j)
     return seen
 
 
 def _kdf(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+SEED_BYTES = 16
+"""Length of each Shamir-shared secret (b_i and the seed of s_i^sk): one element of PyCryptodome's GF(2^128)."""
+SHARE_BYTES = 4 + SEED_BYTES
+"""A share as sent: the holder's 1-based index (4 bytes, little-endian), then its field element."""
+
+
+def split_secret(secret: bytes, threshold: int, holders: int) -> list[bytes]:
+    """``holders`` Shamir shares of a 16-byte ``secret``, any ``threshold`` of which rebuild it (one call to
+    PyCryptodome's ``Shamir.split``; share k is for holder k, 1-based)."""
+    if len(secret) != SEED_BYTES:
+        raise ValueError(f"a shared secret must be {SEED_BYTES} bytes; got {len(secret)}")
+    return [
+        index.to_bytes(4, "little") + share for index, share in Shamir.split(threshold, holders, secret, ssss=False)
+    ]
+
+
+def combine_secret(shares: Sequence[bytes]) -> bytes:
+    """The secret ``threshold`` shares of :func:`split_secret` rebuild (pass exactly that many: PyCryptodome
+    interpolates through every share it is given). A share of the wrong length, or two with one index, is
+    refused (:class:`AggregationAborted`); a wrong share of the right form rebuilds a wrong secret."""
+    points = []
+    for share in shares:
+        if len(share) != SHARE_BYTES:
+            raise AggregationAborted(f"a Shamir share must be {SHARE_BYTES} bytes; got {len(share)}")
+        points.append((int.from_bytes(share[:4], "little"), bytes(share[4:])))
+    try:
+        return bytes(Shamir.combine(points, ssss=False))
+    except ValueError as e:  # a repeated index
+        raise AggregationAborted(f"Shamir shares do not combine: {e}") from None
+
+
+def mask_key(seed: bytes, round_tag: bytes) -> X25519PrivateKey:
+    """The mask secret key s^sk a node derives from its 16-byte seed (HKDF-SHA256, bound to the round): the
+    seed is what it Shamir-shares, so the server rebuilds a dropped node's key from one field element."""
+    return X25519PrivateKey.from_private_bytes(_kdf(seed, b"fedpers-secagg-mask-key" + round_tag))
 
 
 def agree(private: X25519PrivateKey, public: bytes, info: bytes) -> bytes:
@@ -141,13 +192,14 @@ class SecAggNode:
     here, before anything is revealed (:class:`ProtocolViolation`)."""
 
     node: int
-    neighbours: list[int]
+    neighbours: Sequence[int]
     threshold: int
     bits: int
     round_tag: bytes
     _c_key: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
-    _s_key: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
-    _b: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
+    _s_seed: bytes = field(default_factory=lambda: os.urandom(SEED_BYTES), repr=False)
+    """The seed of the mask secret key s^sk (:func:`mask_key`): what the node Shamir-shares for it."""
+    _b: bytes = field(default_factory=lambda: os.urandom(SEED_BYTES), repr=False)
     _g_key: Ed25519PrivateKey = field(default_factory=Ed25519PrivateKey.generate, repr=False)
     _keys: dict[int, tuple[bytes, ...]] = field(default_factory=dict, repr=False)
     _held: dict[int, tuple[bytes, bytes]] = field(default_factory=dict, repr=False)
@@ -156,6 +208,12 @@ class SecAggNode:
     _signed: list[int] | None = field(default=None, repr=False)
     """The survivor set this node signed (None: none yet)."""
     _revealed: bool = field(default=False, repr=False)
+    _s_key: X25519PrivateKey = field(init=False, repr=False)
+    _channels: dict[int, AESGCM] = field(default_factory=dict, init=False, repr=False)
+    """The AES-GCM channel to each neighbour, agreed once (sending and receiving shares use one key)."""
+
+    def __post_init__(self) -> None:
+        self._s_key = mask_key(self._s_seed, self.round_tag)
 
     def advertise(self) -> tuple[bytes, bytes, bytes]:
         """Stage 1: (encryption public key, mask public key, signing public key)."""
@@ -166,9 +224,12 @@ class SecAggNode:
         )
 
     def _channel(self, other: int) -> AESGCM:
-        lo, hi = sorted((self.node, other))
-        info = b"fedpers-secagg-channel" + self.round_tag + lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
-        return AESGCM(agree(self._c_key, self._keys[other][0], info))
+        channel = self._channels.get(other)
+        if channel is None:
+            lo, hi = sorted((self.node, other))
+            info = b"fedpers-secagg-channel" + self.round_tag + lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
+            channel = self._channels[other] = AESGCM(agree(self._c_key, self._keys[other][0], info))
+        return channel
 
     def share(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, bytes]:
         """Stage 2: given the neighbours' public keys, the encrypted shares of (s^sk, b) for each."""
@@ -180,13 +241,13 @@ class SecAggNode:
         holders = sorted(self._keys)
         # degree + 1 shares: one per neighbour and one the node keeps (as Flower's secaggplus_mod does), so a
         # survivor's own share counts towards rebuilding its self mask
-        s_shares = create_shares(_raw_private(self._s_key), self.threshold, len(holders) + 1)
-        b_shares = create_shares(self._b, self.threshold, len(holders) + 1)
+        s_shares = split_secret(self._s_seed, self.threshold, len(holders) + 1)
+        b_shares = split_secret(self._b, self.threshold, len(holders) + 1)
         self._held[self.node] = (s_shares[-1], b_shares[-1])
         out = {}
         for j, s_share, b_share in zip(holders, s_shares[:-1], b_shares[:-1], strict=True):
             nonce = os.urandom(12)
-            plain = len(s_share).to_bytes(4, "little") + s_share + b_share
+            plain = s_share + b_share
             aad = self.node.to_bytes(8, "little") + j.to_bytes(8, "little") + self.round_tag
             out[j] = nonce + self._channel(j).encrypt(nonce, plain, aad)
         return out
@@ -200,8 +261,11 @@ class SecAggNode:
                 continue
             aad = i.to_bytes(8, "little") + self.node.to_bytes(8, "little") + self.round_tag
             plain = self._channel(i).decrypt(blob[:12], blob[12:], aad)
-            n = int.from_bytes(plain[:4], "little")
-            self._held[i] = (plain[4 : 4 + n], plain[4 + n :])
+            if len(plain) != 2 * SHARE_BYTES:
+                raise ValueError(
+                    f"node {self.node}: the shares from node {i} are {len(plain)} bytes, not {2 * SHARE_BYTES}"
+                )
+            self._held[i] = (plain[:SHARE_BYTES], plain[SHARE_BYTES:])
 
     @property
     def relayed(self) -> list[int]:
@@ -243,7 +307,7 @@ class SecAggNode:
         :class:`ProtocolViolation`: it must hold this node, have at least ``min_nodes`` nodes, name among
         this node's neighbours only ones it masked with, hold ``threshold`` of its closed neighbourhood, and
         leave its component of the public ``graph`` at least ``min_nodes`` nodes."""
-        alive = {int(i) for i in survivors}
+        alive = set(map(int, survivors))
         if self._masked_with is None:
             raise ProtocolViolation("secagg-order", f"node {self.node}: no masked input this round")
         if self.node not in alive:
@@ -265,7 +329,7 @@ class SecAggNode:
                 "secagg-survivors",
                 f"node {self.node}: {closed} survivors in its neighbourhood, below threshold {self.threshold}",
             )
-        reach = component(graph, alive, self.node)
+        reach = component(graph, alive, self.node, enough=min_nodes)
         if len(reach) < min_nodes:
             raise ProtocolViolation(
                 "secagg-survivors",
@@ -317,43 +381,45 @@ class SecAggNode:
         alive = set(view)
         return {i: ("b", b) if i in alive else ("s", s) for i, (s, b) in self._held.items()}
 
-    def export(self) -> dict[str, int | bytes | list[int] | list[bytes]]:
-        """The node's whole state as flat values a message or node store can hold (ints, bytes and lists
-        of them; the secrets included: it stays on the node, in its own state, between stages)."""
+    def export(self) -> dict[str, int | bytes]:
+        """The node's whole state as flat values a message or node store can hold (ints and bytes: id lists
+        packed as little-endian int64, keys and shares as their fixed-size concatenation, so a store checks a
+        few values a stage, not one per neighbour or survivor; the secrets included: it stays on the node, in
+        its own state, between stages)."""
         keys, held = sorted(self._keys), sorted(self._held)
         return {
             "node": self.node,
-            "neighbours": list(self.neighbours),
+            "neighbours": _pack_ids(self.neighbours),
             "threshold": self.threshold,
             "bits": self.bits,
             "round-tag": self.round_tag,
             "c-sk": _raw_private(self._c_key),
-            "s-sk": _raw_private(self._s_key),
+            "s-seed": self._s_seed,
             "g-sk": _raw_private(self._g_key),
             "b": self._b,
-            "key-ids": keys,
-            "c-pk": [self._keys[j][0] for j in keys],
-            "s-pk": [self._keys[j][1] for j in keys],
-            "g-pk": [self._keys[j][2] for j in keys],
-            "held-ids": held,
-            "held-s": [self._held[j][0] for j in held],
-            "held-b": [self._held[j][1] for j in held],
-            "masked-with": [] if self._masked_with is None else list(self._masked_with),
+            "key-ids": _pack_ids(keys),
+            "c-pk": b"".join(self._keys[j][0] for j in keys),
+            "s-pk": b"".join(self._keys[j][1] for j in keys),
+            "g-pk": b"".join(self._keys[j][2] for j in keys),
+            "held-ids": _pack_ids(held),
+            "held-s": b"".join(self._held[j][0] for j in held),
+            "held-b": b"".join(self._held[j][1] for j in held),
+            "masked-with": _pack_ids([] if self._masked_with is None else self._masked_with),
             "masked": int(self._masked_with is not None),
-            "signed": [] if self._signed is None else list(self._signed),
+            "signed": _pack_ids([] if self._signed is None else self._signed),
             "has-signed": int(self._signed is not None),
             "revealed": int(self._revealed),
         }
 
     @classmethod
     def restore(cls, state: Mapping[str, Any]) -> SecAggNode:
-        """:meth:`export`'s inverse (a KeyError or TypeError for a state that is not one)."""
+        """:meth:`export`'s inverse (a KeyError, TypeError or ValueError for a state that is not one)."""
 
         def ints(key: str) -> list[int]:
-            return [int(v) for v in state[key]]
+            return _unpack_ids(bytes(state[key]))
 
-        def blobs(key: str) -> list[bytes]:
-            return [bytes(v) for v in state[key]]
+        def blobs(key: str, size: int) -> list[bytes]:
+            return _chunks(bytes(state[key]), size)
 
         node = cls(
             int(state["node"]),
@@ -362,17 +428,38 @@ class SecAggNode:
             int(state["bits"]),
             bytes(state["round-tag"]),
             X25519PrivateKey.from_private_bytes(bytes(state["c-sk"])),
-            X25519PrivateKey.from_private_bytes(bytes(state["s-sk"])),
+            bytes(state["s-seed"]),
             bytes(state["b"]),
             Ed25519PrivateKey.from_private_bytes(bytes(state["g-sk"])),
         )
-        keys = zip(blobs("c-pk"), blobs("s-pk"), blobs("g-pk"), strict=True)
+        keys = zip(blobs("c-pk", KEY_BYTES), blobs("s-pk", KEY_BYTES), blobs("g-pk", KEY_BYTES), strict=True)
         node._keys = dict(zip(ints("key-ids"), keys, strict=True))
-        node._held = dict(zip(ints("held-ids"), zip(blobs("held-s"), blobs("held-b"), strict=True), strict=True))
+        shares = zip(blobs("held-s", SHARE_BYTES), blobs("held-b", SHARE_BYTES), strict=True)
+        node._held = dict(zip(ints("held-ids"), shares, strict=True))
         node._masked_with = ints("masked-with") if int(state["masked"]) else None
         node._signed = ints("signed") if int(state["has-signed"]) else None
         node._revealed = bool(int(state["revealed"]))
         return node
+
+
+KEY_BYTES = 32
+"""Raw length of an X25519 or Ed25519 public key."""
+
+
+def _pack_ids(ids: Sequence[int]) -> bytes:
+    return np.asarray(list(ids), dtype="<i8").tobytes()
+
+
+def _unpack_ids(blob: bytes) -> list[int]:
+    if len(blob) % 8:
+        raise ValueError(f"a packed id list is a multiple of 8 bytes; got {len(blob)}")
+    return [int(v) for v in np.frombuffer(blob, dtype="<i8")]
+
+
+def _chunks(blob: bytes, size: int) -> list[bytes]:
+    if len(blob) % size:
+        raise ValueError(f"packed values of {size} bytes each; got {len(blob)} bytes")
+    return [blob[k : k + size] for k in range(0, len(blob), size)]
 
 
 def plus_degree(nodes: int) -> int:
@@ -390,7 +477,7 @@ class SecAggServer:
     """The server's side: relays keys and ciphertexts, sums masked vectors, rebuilds the masks it may."""
 
     nodes: list[int]
-    graph: dict[int, list[int]]
+    graph: Mapping[int, Sequence[int]]
     threshold: int
     bits: int
     round_tag: bytes
@@ -410,19 +497,24 @@ class SecAggServer:
         total = np.zeros(length, dtype=np.int64)
         for y in masked.values():
             total = np.remainder(total + y, m)
+        # each node's revealed shares by kind, in the holders' answering order: one pass, not one per node
+        by_kind: dict[tuple[str, int], list[bytes]] = {}
+        for rev in revealed.values():
+            for i, (kind, share) in rev.items():
+                by_kind.setdefault((kind, i), []).append(share)
         for i in survivors:
-            shares = [rev[i][1] for rev in revealed.values() if i in rev and rev[i][0] == "b"]
+            shares = by_kind.get(("b", i), [])
             if len(shares) < self.threshold:
                 raise AggregationAborted(f"node {i}: {len(shares)} shares of its self mask, below threshold")
             total = np.remainder(
-                total - _self_mask(combine_shares(shares[: self.threshold]), self.round_tag, length, self.bits), m
+                total - _self_mask(combine_secret(shares[: self.threshold]), self.round_tag, length, self.bits), m
             )
         dropped = sorted(self.sharers - set(survivors))
         for i in dropped:
-            shares = [rev[i][1] for rev in revealed.values() if i in rev and rev[i][0] == "s"]
+            shares = by_kind.get(("s", i), [])
             if len(shares) < self.threshold:
                 raise AggregationAborted(f"dropped node {i}: {len(shares)} shares of its mask key, below threshold")
-            key = X25519PrivateKey.from_private_bytes(combine_shares(shares[: self.threshold]))
+            key = mask_key(combine_secret(shares[: self.threshold]), self.round_tag)
             for j in self.graph[i]:
                 if j not in masked or j not in self.keys:
                     continue
@@ -434,9 +526,16 @@ class SecAggServer:
         return total
 
 
-def plus_graph(nodes: int, round: int) -> dict[int, list[int]]:
-    """The public SecAgg+ neighbour graph of a round over nodes 0..nodes−1 (every party derives it)."""
-    return neighbour_graph(list(range(nodes)), plus_degree(nodes), seed=int(round))
+def plus_graph(nodes: int, round: int) -> Mapping[int, Sequence[int]]:
+    """The public SecAgg+ neighbour graph of a round over nodes 0..nodes−1 (every party derives it). Read
+    only, and built once per (nodes, round) in a process: every stage of every node of a simulation asks."""
+    return _plus_graph(int(nodes), int(round))
+
+
+@functools.lru_cache(maxsize=4)
+def _plus_graph(nodes: int, round: int) -> Mapping[int, Sequence[int]]:
+    graph = neighbour_graph(list(range(nodes)), plus_degree(nodes), seed=round)
+    return MappingProxyType({i: tuple(v) for i, v in graph.items()})
 
 
 def plus_threshold(nodes: int) -> int:
@@ -458,7 +557,7 @@ def unmaskable(
         closed = len(alive.intersection([*graph[i], i]))
         if closed < threshold:
             return f"node {i} has {closed} survivors in its neighbourhood, below the SecAgg+ threshold {threshold}"
-        if len(component(graph, alive, i)) < min_nodes:
+        if len(component(graph, alive, i, enough=min_nodes)) < min_nodes:
             return f"node {i}'s survivors connected to it are fewer than min_nodes={min_nodes}"
     return None
 

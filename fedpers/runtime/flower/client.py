@@ -210,6 +210,18 @@ def _nbytes(units: Units) -> int:
     return sum(t.numel() * t.element_size() for t in units.values())
 
 
+def units_contributed(protocol: Protocol, round: int, broadcast: Mapping[str, torch.Tensor], units: Units) -> int:
+    """How many of ``units`` this node's message for ``round`` is computed over: the round's cohort
+    (``units_in_round``: a cycle's block) narrowed to the ids ``client_update`` reads (``units_needed``: a
+    Poisson cohort's sampled members), so a min-units check counts the users the message really holds."""
+    count = protocol.units_in_round(round, units)
+    needed, _ = protocol.units_needed(round, broadcast)
+    if needed is None:
+        return count
+    ids = units["ids"]
+    return min(count, int(torch.isin(ids, needed.to(ids.device)).sum()))
+
+
 def _node_config(context: Context, key: str) -> Any:
     if key not in context.node_config:
         raise ValueError(
@@ -357,7 +369,7 @@ def _train(
         check_broadcast(broadcast, task.broadcast, task.round)
     units = node_units(job, data_file, node, task.start, task.stop)
     if policy is not None:  # the users this round's message would be computed over (a cohort may be fewer)
-        check_task(policy, job.algorithm, config, node.protocol.units_in_round(task.round, units))
+        check_task(policy, job.algorithm, config, units_contributed(node.protocol, task.round, broadcast, units))
     secagg_node: Any = None
     if side is not None and side.plan.model.value == "distributed":
         from fedpers.runtime.flower.secaggplus import RELAY_IDS, receive_relays

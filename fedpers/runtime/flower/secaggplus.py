@@ -14,7 +14,8 @@ setting added), each a Message exchange:
    vector (uniform mod 2^b to anyone without the masks);
 4. ``query.secagg`` *consistency* — given the survivors, the node signs that set (one per round) if it may
    reveal on it (:meth:`~fedpers.privacy.secagg.SecAggNode.check_view`);
-5. ``query.secagg`` *unmask* — given the survivors and their signatures, the node answers, for each
+5. ``query.secagg`` *unmask* — given the survivors and its surviving neighbours' signatures on them (the
+   ones it checks), the node answers, for each
    neighbour, the share of b (survived) or of s^sk (dropped), only on the set it signed and that every
    surviving neighbour signed, and forgets the round.
 
@@ -72,7 +73,7 @@ def round_tag(round: int) -> bytes:
     return hashlib.sha256(f"fedpers-secagg-round:{int(round)}".encode()).digest()[:16]
 
 
-def graph(nodes: int, round: int) -> dict[int, list[int]]:
+def graph(nodes: int, round: int) -> Mapping[int, Sequence[int]]:
     """The round's public neighbour graph over partitions 0..nodes−1 (both ends derive it)."""
     return secagg.plus_graph(nodes, round)
 
@@ -111,8 +112,16 @@ def _blobs(rec: Mapping[str, Any], key: str) -> list[bytes]:
 
 
 # ----- node side -----------------------------------------------------------------------------------
+def config_record(records: RecordDict, key: str) -> ConfigRecord | None:
+    """``records[key]`` when it is a ConfigRecord, else None: read directly (``RecordDict.config_records``
+    builds and type-checks a view of every record on each access, a cost per stage that grows with the
+    node's state)."""
+    value = records.get(key)
+    return value if isinstance(value, ConfigRecord) else None
+
+
 def _load(context: Context, stage: str, round: int) -> tuple[secagg.SecAggNode, ConfigRecord]:
-    state = context.state.config_records.get(SECAGG)
+    state = config_record(context.state, SECAGG)
     want = ORDER[stage]
     if state is None or str(state.get(STAGE, "")) != want or state.get(ROUND, -1) != int(round):
         at = "none" if state is None else f"{state.get(STAGE)!r} of round {state.get(ROUND)!r}"
@@ -124,7 +133,7 @@ def _load(context: Context, stage: str, round: int) -> tuple[secagg.SecAggNode, 
 
 
 def _save(context: Context, node: secagg.SecAggNode, stage: str, round: int, nodes: int, min_nodes: int) -> None:
-    context.state.config_records[SECAGG] = ConfigRecord(
+    context.state[SECAGG] = ConfigRecord(
         {**node.export(), STAGE: stage, ROUND: int(round), NODES: int(nodes), MIN_NODES: int(min_nodes)}
     )
 
@@ -132,11 +141,11 @@ def _save(context: Context, node: secagg.SecAggNode, stage: str, round: int, nod
 def _keyed_once(context: Context, round: int) -> None:
     """Record that this node keys ``round`` in this run; refused if it already did (a second set of keys for
     one round would let a server reveal the b-share of one key set and the s-share of another)."""
-    keyed = context.state.config_records.get(KEYED)
+    keyed = config_record(context.state, KEYED)
     rounds = [] if keyed is None else _ints(keyed, ROUND)
     if int(round) in rounds:
         raise PolicyRefused("secagg-once", f"{SECAGG}: round {round} was already keyed in this run; keyed once a round")
-    context.state.config_records[KEYED] = ConfigRecord({ROUND: [*rounds, int(round)]})
+    context.state[KEYED] = ConfigRecord({ROUND: [*rounds, int(round)]})
 
 
 def _refusal(error: BaseException) -> PolicyRefused:
@@ -168,7 +177,9 @@ def record_refusal(context: Context, round: int, error: PolicyRefused, stage: st
 
 def handle_stage(message: FlowerMessage, context: Context) -> FlowerMessage:
     """``query.secagg``: the advertise, share, consistency and unmask stages (no user data is read in any)."""
-    rec = message.content.config_records[SECAGG]
+    rec = config_record(message.content, SECAGG)
+    if rec is None:
+        raise PolicyRefused("secagg-malformed", f"{SECAGG}: the message holds no {SECAGG} ConfigRecord")
     stage, round = str(rec[STAGE]), _int(rec, ROUND)
     try:
         out = _stage(stage, round, rec, context)
@@ -213,7 +224,7 @@ def _stage(stage: str, round: int, rec: ConfigRecord, context: Context) -> Confi
         node, state = _load(context, stage, round)
         nodes, min_nodes = _int(state, NODES), _int(state, MIN_NODES)
         signatures = dict(zip(_ints(rec, SIGNERS), _blobs(rec, SIGNATURES), strict=True))
-        del context.state.config_records[SECAGG]  # one unmasking per round: the secrets are forgotten, refused or not
+        del context.state[SECAGG]  # one unmasking per round: the secrets are forgotten, refused or not
         revealed = node.unmask(_ints(rec, IDS), signatures, min_nodes, graph(nodes, round))
         ids = sorted(revealed)
         return ConfigRecord(
@@ -245,7 +256,8 @@ def receive_relays(rec: ConfigRecord, context: Context, round: int, plan: dist.D
 
 def mask(node: secagg.SecAggNode, mine: Message, context: Context, round: int) -> Message:
     """``mine`` (this node's integer vectors mod 2^b) masked by ``node`` (from :func:`receive_relays`)."""
-    state = context.state.config_records[SECAGG]
+    state = config_record(context.state, SECAGG)
+    assert state is not None  # receive_relays loaded it
     names = sorted(mine.stats)
     y = torch.from_numpy(node.masked(concat(mine.stats, names)))
     _save(context, node, "masked", round, _int(state, NODES), _int(state, MIN_NODES))
@@ -281,9 +293,10 @@ class SecAggRounds:
         out: dict[int, ConfigRecord] = {}
         for reply in self.exchange(g.grid, messages, g.timeout, g.stop):
             p = sent.get(reply.metadata.src_node_id)
-            if p is None or reply.has_error() or SECAGG not in reply.content.config_records:
+            rec = None if p is None or reply.has_error() else config_record(reply.content, SECAGG)
+            if p is None or rec is None:
                 continue
-            out[p] = reply.content.config_records[SECAGG]
+            out[p] = rec
         return out
 
     def setup(self, round: int) -> None:
@@ -365,18 +378,21 @@ class SecAggRounds:
                     f"round {round}: survivors {sorted(set(survivors) - set(signatures))} did not sign the survivor "
                     "set (SecAgg+ consistency); the round is discarded before any release"
                 )
-            signers = sorted(signatures)
-            ask = ConfigRecord(
-                {
-                    STAGE: "unmask",
-                    ROUND: int(round),
-                    IDS: survivors,
-                    SIGNERS: signers,
-                    SIGNATURES: [signatures[p] for p in signers],
-                }
-            )
+            # each node is sent the signatures it checks (its surviving neighbours'): O(degree) a node, not O(n)
+            asks = {}
+            for p in survivors:
+                signers = [j for j in server.graph[p] if j in signatures]
+                asks[p] = ConfigRecord(
+                    {
+                        STAGE: "unmask",
+                        ROUND: int(round),
+                        IDS: survivors,
+                        SIGNERS: signers,
+                        SIGNATURES: [signatures[j] for j in signers],
+                    }
+                )
             revealed: dict[int, dict[int, tuple[str, bytes]]] = {}
-            for p, r in self._exchange(round, dict.fromkeys(survivors, ask)).items():
+            for p, r in self._exchange(round, asks).items():
                 try:
                     ids, kinds, shares = _ints(r, IDS), str(r[KINDS]), _blobs(r, SHARES)
                     revealed[p] = dict(zip(ids, zip(kinds, shares, strict=True), strict=True))
