@@ -362,8 +362,8 @@ class PldAccountant(PrivacyAccountant):
 
     name = Accountant.PLD.value
     description = "privacy loss distributions: exact for Gaussian composition, Poisson sampling included"
-    relations = (Neighbours.REPLACE_ONE.value, Neighbours.ADD_REMOVE.value)
-    poisson_relations = relations
+    relations: ClassVar[tuple[str, ...]] = (Neighbours.REPLACE_ONE.value, Neighbours.ADD_REMOVE.value)
+    poisson_relations: ClassVar[tuple[str, ...]] = relations
     stated_events = True
     calibration_step = 1e-4
     coarse_discretisation = COARSE_DISCRETISATION
@@ -447,7 +447,7 @@ class ZcdpAccountant(PrivacyAccountant):
 
 
 @register_accountant
-class MmccAccountant(PrivacyAccountant):
+class MmccAccountant(PldAccountant):
     """MMCC (Choquette-Choo, Ganesh, Steinke, Thakurta, ICLR 2024): a Poisson-sampled matrix mechanism
     (:class:`~fedpers.privacy.mmcc.MatrixMechanismDpEvent`) by conditional composition of mixtures of
     Gaussians, composed in PLD with every other event as :class:`PldAccountant` does. Add/remove only (the
@@ -459,10 +459,6 @@ class MmccAccountant(PrivacyAccountant):
     description = "MMCC: Poisson-sampled correlated noise (any C >= 0), add-remove; otherwise as pld"
     relations = (Neighbours.ADD_REMOVE.value,)
     poisson_relations = relations
-    stated_events = True
-    calibration_step = 1e-4
-    coarse_discretisation = COARSE_DISCRETISATION
-    min_delta = 1e-15
 
     def epsilon(
         self,
