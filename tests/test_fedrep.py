@@ -17,20 +17,10 @@ from fedpers.runner import Runtime, RuntimeOptions, execute
 from fedpers.runtime.local import run_local
 from tests.flower_support import InProcessGrid
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour
+from tests.small_runs import FEDREP_SMALL
 
 EXP = EXPERIMENTS["fedrep"]
-SMALL = dict(
-    n_users=40,
-    dim=6,
-    rank=2,
-    samples_per_user=5,
-    refit_samples=3,
-    test_samples=10,
-    rounds=2,
-    epsilon=2.0,
-    clip=1.0,
-    baselines="none",
-)
+SMALL = {**FEDREP_SMALL, "rounds": 2}
 
 
 def setup(values: dict):

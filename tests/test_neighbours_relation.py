@@ -21,6 +21,7 @@ from fedpers.privacy import Ledger, Privatizer, Release, calibrate_noise_multipl
 from fedpers.privacy import correlated as cc
 from fedpers.runner import execute, resolve
 from tests.neighbours import check_neighbour
+from tests.small_runs import FEDREP_SMALL
 
 PEERS = [
     # (what, event, δ, ε) — pfl's and jax_privacy's add/remove PLD ε for the same noise
@@ -146,18 +147,7 @@ def test_a_ledger_names_one_relation_and_is_accounted_under_it():
 
 # ----- runs: calibration, worst-case neighbours, views, refusals ---------------------------------------
 FEDREP = EXPERIMENTS["fedrep"]
-SMALL = dict(
-    n_users=40,
-    dim=6,
-    rank=2,
-    samples_per_user=5,
-    refit_samples=3,
-    test_samples=10,
-    rounds=3,
-    epsilon=2.0,
-    clip=1.0,
-    baselines="none",
-)
+SMALL = {**FEDREP_SMALL, "rounds": 3}
 
 
 def test_an_add_remove_run_is_calibrated_accounted_and_named_in_every_view(tmp_path):

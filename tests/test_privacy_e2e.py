@@ -19,6 +19,7 @@ from fedpers.experiments.base import derived_seed
 from fedpers.privacy import ALL_UNITS
 from fedpers.runtime.local import run_local
 from tests.neighbours import TapPrivatizer, adversaries, check_neighbour, run
+from tests.small_runs import FEDREP_SMALL
 from tests.synthetic_support import cohort_permutation_from_config
 
 torch.set_num_threads(1)
@@ -369,19 +370,7 @@ def test_dpals_one_sign_ratings_push_the_total_entries_to_their_bound():
 def test_fedrep_worst_case_neighbours(cohorts):
     """FedRep's init and gradient releases under every adversary, all users or Poisson-sampled
     (FedRep has no disjoint cohorts; AltMin's are covered above)."""
-    values = dict(
-        n_users=40,
-        dim=6,
-        rank=2,
-        samples_per_user=5,
-        refit_samples=3,
-        test_samples=10,
-        rounds=2,
-        epsilon=2.0,
-        clip=1.0,
-        baselines="none",
-        cohorts=cohorts,
-    )
+    values = {**FEDREP_SMALL, "rounds": 2, "cohorts": cohorts}
     if cohorts == "poisson":
         values["sampling_rate"] = 0.6
     cfg, protocol, units = setup("fedrep", values)
