@@ -56,7 +56,7 @@ from fedpers import linalg
 from fedpers.devices import pending
 from fedpers.pools import pool
 from fedpers.privacy import Privatizer
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units
+from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, UnitStatistics
 
 Tensor = torch.Tensor
 
@@ -64,17 +64,27 @@ Tensor = torch.Tensor
 def user_embeddings(
     U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float, device_kernels: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """(v̂, log||v||) with v_j = (U_Iᵀ U_I + λI)⁻¹ U_Iᵀ r_I over each user's masked ratings.
+    """(v̂, log||v||) with v_j = (U_Iᵀ U_I + λI)⁻¹ U_Iᵀ r_I over each user's masked ratings
+    (:func:`user_solves`, then each solution's direction and log-norm)."""
+    w, log_rn = user_solves(U, items, ratings, mask, ridge, device_kernels)
+    v_unit, log_wn = linalg.directions(w)
+    return v_unit, log_wn + log_rn
 
-    Solved on r̂ = r/||r|| (v is linear in r) so a huge rating cannot overflow; users with no
-    ratings or all-zero ratings get v = 0 (log-norm −inf). U_I is one gather from U with a zero
-    row appended (padding reads it), the k×k systems one batched Cholesky (λ > 0 makes them
-    positive definite; a failed factorisation falls back to LU for that user only). On the host
-    path (``device_kernels`` False) the users go as :func:`fedpers.linalg.small_batched`
+
+def user_solves(
+    U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float, device_kernels: bool = False
+) -> tuple[Tensor, Tensor]:
+    """(w, log||r||): w_j = (U_Iᵀ U_I + λI)⁻¹ U_Iᵀ r̂_I, each user's solve on its unit rating direction
+    r̂ = r/||r|| over its masked ratings (v = ||r||·w: v is linear in r), so a huge rating cannot overflow;
+    users with no ratings or all-zero ratings get w = 0 (log-norm −inf).
+
+    U_I is one gather from U with a zero row appended (padding reads it), the k×k systems one batched
+    Cholesky (λ > 0 makes them positive definite; a failed factorisation falls back to LU for that user
+    only). On the host path (``device_kernels`` False) the users go as :func:`fedpers.linalg.small_batched`
     single-threaded shares, each gathering, multiplying and solving its users in blocks of at most
-    :data:`GATHER_BUDGET` gathered entries per share; on the device path each is one batched
-    kernel. Every user's Gram matrix, right-hand side and solve are its own batch entry, so the
-    result is the same bits whatever the blocks and shares."""
+    :data:`GATHER_BUDGET` gathered entries per share; on the device path each is one batched kernel. Every
+    user's Gram matrix, right-hand side and solve are its own batch entry, so the result is the same bits
+    whatever the blocks and shares."""
     n_items, k = U.shape
     r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * mask.to(U.dtype))
     padded = torch.cat([U, U.new_zeros(1, k)])
@@ -96,8 +106,7 @@ def user_embeddings(
         return spd_solve(A, rhs)
 
     w = solved(index, r_unit) if device_kernels else linalg.small_batched(solved, index, r_unit)
-    v_unit, log_wn = linalg.directions(w)
-    return v_unit, log_wn + log_rn
+    return w, log_rn
 
 
 GATHER_BUDGET = 1 << 20
@@ -105,6 +114,63 @@ GATHER_BUDGET = 1 << 20
 (4 MiB in float32, an eighth of the earlier 32 MiB blocks): a block that stays in cache while its
 Gram products read it (six chunks at MovieLens-20M's shape, one thread, the command's malloc
 policy: 0.46–0.49 CPU s against 0.52 in 32 MiB blocks)."""
+
+
+def unit_solves(U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
+    """:func:`user_solves` of each user as it is computed alone (host path), the same bits, for a batch.
+
+    MKL's products and factorisations round by the alignment of their operands: a user alone has its
+    gathered U_I, rating direction, Gram matrix and right-hand side each at the start of a fresh (64-byte
+    aligned) allocation, while in a batch they sit at offsets of L·k, L and k·k entries. Here every user's
+    operands start on a 64-byte boundary (:func:`_aligned`), in blocks of at most :data:`GATHER_BUDGET`
+    gathered entries; the k×k solves run batched where the factorisation's rounding does not depend on
+    the offset (:func:`_offset_free_solves`), else one user at a time as alone."""
+    n_items, k = U.shape
+    r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * mask.to(U.dtype))
+    padded = torch.cat([U, U.new_zeros(1, k)])
+    index = items.masked_fill(~mask, n_items)
+    n, width = index.shape
+    r_al = _aligned(n, (1, width), U.dtype, U.device)
+    r_al.copy_(r_unit.unsqueeze(1))
+    A = _aligned(n, (k, k), U.dtype, U.device)
+    rhs = _aligned(n, (1, k), U.dtype, U.device)
+    step = max(1, GATHER_BUDGET // max(1, width * k))
+    F = _aligned(min(n, step), (width, k), U.dtype, U.device)
+    for lo in range(0, n, step):
+        block = index[lo : lo + step]
+        f = F[: block.shape[0]]
+        f.copy_(torch.index_select(padded, 0, block.reshape(-1)).view(*block.shape, k))
+        torch.bmm(f.transpose(1, 2), f, out=A[lo : lo + step])
+        torch.bmm(r_al[lo : lo + step], f, out=rhs[lo : lo + step])
+    A.diagonal(dim1=-2, dim2=-1).add_(ridge)
+    if _offset_free_solves(k, U.dtype):
+        return spd_solve(A, rhs.squeeze(1)), log_rn
+    w = torch.empty(n, k, dtype=U.dtype, device=U.device)
+    for j in range(n):
+        w[j] = spd_solve(A[j : j + 1].clone(), rhs[j, :1].clone())[0]
+    return w, log_rn
+
+
+def _aligned(n: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised (n, *shape) tensor whose every entry [j] is contiguous and starts on a 64-byte
+    boundary, as a fresh allocation of one would (torch's CPU allocator aligns to 64 bytes)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per = math.prod(shape)
+    stride = -(-per * size // 64) * 64 // size
+    base = torch.empty(n * stride + 64 // size, dtype=dtype, device=device)
+    offset = (-base.data_ptr() % 64) // size
+    inner = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    return base.as_strided((n, *shape), (stride, *inner), offset)
+
+
+def _offset_free_solves(k: int, dtype: torch.dtype) -> bool:
+    """Whether a batched Cholesky solve of k×k systems gives each system the bits it gets alone: when every
+    matrix of the batch starts on a 64-byte boundary (k²·entry size a multiple of 64), or k ≤ 8, where
+    MKL's small-matrix factorisation rounds the same at every offset (measured for k = 1…40, float64
+    and float32: a batch at offsets of k² entries differs from the systems alone only at odd k ≥ 9
+    and, in float32, at k = 34, 38; tests/test_node_batched.py holds the batched path to the one-unit
+    path on the machine it runs on)."""
+    return k <= 8 or (k * k * torch.empty((), dtype=dtype).element_size()) % 64 == 0
 
 
 def spd_solve(A: Tensor, rhs: Tensor) -> Tensor:
@@ -154,9 +220,7 @@ def item_counts(
     Entry ``n_items`` of a user's s is Σ_i r_i/√B (|·| ≤ its vector's norm, Cauchy–Schwarz) and of
     its c is count/√B (≤ √count): the user's s has norm ≤ √2·bound, its c ≤ √(2B). The totals give
     the global mean with noise √B·σ instead of √items·σ from summing the per-item entries."""
-    sel = selected(mask, items_per_user)
-    r_unit, log_rn = linalg.directions(ratings * sel.to(ratings.dtype))
-    r = r_unit * linalg.clipped_magnitude(log_rn, rating_bound).to(ratings.dtype).unsqueeze(-1)
+    sel, r = clipped_selection(ratings, mask, items_per_user, rating_bound)
     root_b = math.sqrt(items_per_user)
     s = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device)
     c = torch.zeros(n_items + 1, dtype=ratings.dtype, device=ratings.device)
@@ -171,6 +235,65 @@ def item_counts(
     s[n_items] = (r.sum(1) / root_b).sum()  # (overwrites what the unselected entries added there)
     c[n_items] = (sel.sum(1).to(ratings.dtype) / root_b).sum()
     return s, c
+
+
+def clipped_selection(ratings: Tensor, mask: Tensor, items_per_user: int, rating_bound: float) -> tuple[Tensor, Tensor]:
+    """(the first B of each user's rated items, its ratings there as a vector clipped to ``rating_bound``,
+    scale-safe: zero elsewhere): what one user adds to round 0's sums."""
+    sel = selected(mask, items_per_user)
+    r_unit, log_rn = linalg.directions(ratings * sel.to(ratings.dtype))
+    return sel, r_unit * linalg.clipped_magnitude(log_rn, rating_bound).to(ratings.dtype).unsqueeze(-1)
+
+
+def unit_item_counts(
+    items: Tensor, ratings: Tensor, mask: Tensor, items_per_user: int, n_items: int, rating_bound: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`item_counts` of each user alone, (n, items + 1) each: row j's selected ratings and indicators
+    added into zeros at its items (in its own order, as the one-user sum adds them), its totals entry set."""
+    sel, r = clipped_selection(ratings, mask, items_per_user, rating_bound)
+    n, width = sel.shape
+    root_b = math.sqrt(items_per_user)
+    where = sel.reshape(-1).nonzero().squeeze(1)
+    users = torch.div(where, width, rounding_mode="floor")
+    dest = users * (n_items + 1) + items.reshape(-1).index_select(0, where)
+    s = torch.zeros(n, n_items + 1, dtype=ratings.dtype, device=ratings.device)
+    c = torch.zeros(n, n_items + 1, dtype=ratings.dtype, device=ratings.device)
+    s.view(-1).index_add_(0, dest, r.reshape(-1).index_select(0, where))
+    c.view(-1).index_add_(0, dest, torch.ones(dest.shape, dtype=ratings.dtype, device=ratings.device))
+    s[:, n_items] = r.sum(1) / root_b
+    c[:, n_items] = sel.sum(1).to(ratings.dtype) / root_b
+    return s, c
+
+
+def unit_item_rows(
+    items: Tensor,
+    sel: Tensor,
+    n_items: int,
+    factors: tuple[Tensor, Tensor, Tensor, Tensor],
+    v_unit: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """:func:`item_statistics` (packed) of each user alone, (n, items, k(k+1)/2) and (n, items, k): the user's
+    products (:func:`user_factors`) added into zeros at its selected items, each the one product the CSR
+    sum forms for it — so the same bits as the user's own sum when no item is selected twice."""
+    outer, g_mag, r_unit, b_mag = factors
+    n, width = sel.shape
+    where = sel.reshape(-1).nonzero().squeeze(1)
+    users = torch.div(where, width, rounding_mode="floor")
+    dest = users * n_items + items.reshape(-1).index_select(0, where)
+    G = torch.zeros(n * n_items, outer.shape[1], dtype=outer.dtype, device=outer.device)
+    b = torch.zeros(n * n_items, v_unit.shape[1], dtype=v_unit.dtype, device=v_unit.device)
+    G.index_add_(0, dest, g_mag.index_select(0, users).unsqueeze(1) * outer.index_select(0, users))
+    b_vals = r_unit.reshape(-1).index_select(0, where) * b_mag.index_select(0, users)
+    b.index_add_(0, dest, b_vals.unsqueeze(1) * v_unit.index_select(0, users))
+    return G.view(n, n_items, -1), b.view(n, n_items, -1)
+
+
+def repeated_items(items: Tensor, sel: Tensor) -> Tensor:
+    """(n,) bool: users with an item selected twice (the loaders drop such repeats; a unit may still carry one)."""
+    if sel.shape[1] < 2:
+        return torch.zeros(sel.shape[0], dtype=torch.bool, device=sel.device)
+    marked = items.masked_fill(~sel, -1).sort(1).values
+    return ((marked[:, 1:] == marked[:, :-1]) & (marked[:, 1:] >= 0)).any(1)
 
 
 def item_statistics(
@@ -197,18 +320,8 @@ def item_statistics(
     n_items, k = U.shape
     v_unit, log_vn = user_embeddings(U, items, ratings, mask, ridge, device_kernels)
     sel = selected(mask, items_per_user)
-    s = sel.to(U.dtype)
     per_user = sel.sum(1)
-    count = per_user.double()
-    log_g = 2 * log_vn
-    g_mag = linalg.clipped_magnitude(log_g + 0.5 * count.clamp_min(1).log(), gram_bound) / count.clamp_min(1).sqrt()
-    r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * s)
-    b_mag = linalg.clipped_magnitude(log_rn + log_vn, rhs_bound)
-    g_mag = torch.where(count > 0, g_mag, torch.zeros_like(g_mag)).to(U.dtype)
-    b_mag = b_mag.to(U.dtype)
-    # gathers by index_select (several times faster on the CPU than advanced indexing)
-    rows, cols = torch.triu_indices(k, k, device=U.device)
-    outer = v_unit.index_select(1, rows) * v_unit.index_select(1, cols)  # (n, k(k+1)/2): triu of v̂ v̂ᵀ
+    outer, g_mag, r_unit, b_mag = user_factors(v_unit, log_vn, ratings, sel, gram_bound, rhs_bound)
     width = sel.shape[1]
     if items.device.type != "cpu":
         # every entry kept (how many are selected is not read): the unselected ones go to an extra item
@@ -227,6 +340,27 @@ def item_statistics(
     b_vals = r_unit.reshape(-1).index_select(0, where.index_select(0, order)) * b_mag.index_select(0, users)
     G = [t[:n_items] for t in _csr_products(crow, users, (g_vals, b_vals), (outer, v_unit), device_kernels)]
     return (G[0] if packed else triu_unpack(G[0], k)), G[1]
+
+
+def user_factors(
+    v_unit: Tensor, log_vn: Tensor, ratings: Tensor, sel: Tensor, gram_bound: float, rhs_bound: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each user's clipped contribution in factors, (v̂ v̂ᵀ's upper triangle (n, k(k+1)/2), g, r̂ (n, L), β):
+    its G_i = g·v̂ v̂ᵀ on each selected item i, its b_i = (r̂_i·β)·v̂. g = min(√n_j·||v||², Γ_G)/√n_j (0 for a
+    user with no selected item) and β = min(||r||·||v||, Γ_b) are formed from log-norms, so no finite
+    rating or embedding overflows them; r̂ is the direction of the selected ratings."""
+    count = sel.sum(1).double()
+    g_mag = (
+        linalg.clipped_magnitude(2 * log_vn + 0.5 * count.clamp_min(1).log(), gram_bound) / count.clamp_min(1).sqrt()
+    )
+    r_unit, log_rn = linalg.directions(ratings.to(v_unit.dtype) * sel.to(v_unit.dtype))
+    b_mag = linalg.clipped_magnitude(log_rn + log_vn, rhs_bound).to(v_unit.dtype)
+    g_mag = torch.where(count > 0, g_mag, torch.zeros_like(g_mag)).to(v_unit.dtype)
+    # gathers by index_select (several times faster on the CPU than advanced indexing)
+    k = v_unit.shape[1]
+    rows, cols = torch.triu_indices(k, k, device=v_unit.device)
+    outer = v_unit.index_select(1, rows) * v_unit.index_select(1, cols)  # (n, k(k+1)/2): triu of v̂ v̂ᵀ
+    return outer, g_mag, r_unit, b_mag
 
 
 def _item_major(
@@ -455,14 +589,7 @@ class DpAlsProtocol(Protocol):
         if self.is_prelude(round):
             s, c = item_counts(units["items"], ratings, mask, self.items_per_user, self.n_items, self.rating_bound)
             return Message({"s": s, "c": c}, int(units["ids"].shape[0]))
-        if self.prelude:  # μ̂: a public scalar (a 0-dim host tensor enters a device kernel as a number)
-            mu = broadcast["mu"]
-            mu = mu.to(self.dtype) if mu.dim() == 0 else mu.to(ratings.device, self.dtype)
-            ratings = (ratings - mu) * (mask | units["test"]).to(self.dtype)
-        if self.user_bias > 0:  # over all of the user's training ratings, before the head restriction
-            ratings = residuals(ratings, user_offsets(ratings, mask, self.user_bias))
-        if self.prelude:
-            mask = mask & (broadcast["head"].to(mask.device)[units["items"]] > 0)
+        ratings, mask = self.round_inputs(broadcast, units)
         U = broadcast["U"].to(units["items"].device, self.dtype)
         G, b = item_statistics(
             U,
@@ -477,6 +604,53 @@ class DpAlsProtocol(Protocol):
             packed=True,
         )
         return Message({"G": G, "b": b}, int(units["ids"].shape[0]))
+
+    def round_inputs(self, broadcast: Mapping[str, Tensor], units: Units) -> tuple[Tensor, Tensor]:
+        """(ratings, mask) an ALS round's users work on: centred by μ̂, less each user's own offset, the mask
+        restricted to the head items (as configured)."""
+        ratings, mask = units["ratings"].to(self.dtype), units["mask"]
+        if self.prelude:  # μ̂: a public scalar (a 0-dim host tensor enters a device kernel as a number)
+            mu = broadcast["mu"]
+            mu = mu.to(self.dtype) if mu.dim() == 0 else mu.to(ratings.device, self.dtype)
+            ratings = (ratings - mu) * (mask | units["test"]).to(self.dtype)
+        if self.user_bias > 0:  # over all of the user's training ratings, before the head restriction
+            ratings = residuals(ratings, user_offsets(ratings, mask, self.user_bias))
+        if self.prelude:
+            mask = mask & (broadcast["head"].to(mask.device)[units["items"]] > 0)
+        return ratings, mask
+
+    def unit_statistics(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> UnitStatistics | None:
+        """Each user's own (s, c) (round 0) or (G, b), batched: the ops :meth:`client_update` runs on one user,
+        on every user of the batch at once, each user's products scattered into its own (items, ·) rows
+        (:func:`unit_item_counts`, :func:`unit_item_rows`). Left to be computed alone: a user whose norms
+        that path would not trust as computed (:func:`~fedpers.linalg.trusted_rows`), and in an ALS round a
+        user with an item selected twice (its CSR sum adds the two products in the product's own way). Host
+        path only (the device path's one-user statistics are its sorted kernels)."""
+        if self.device_kernels:
+            return None
+        with linalg.serial_small_ops(units["items"].device):
+            return self._unit_statistics(round, broadcast, units)
+
+    def _unit_statistics(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> UnitStatistics:
+        ids, items, B = units["ids"], units["items"], self.items_per_user
+        everyone = torch.arange(int(ids.shape[0]), device=ids.device)
+        if self.is_prelude(round):
+            ratings, mask = units["ratings"].to(self.dtype), units["mask"]
+            ok = linalg.trusted_rows(ratings * selected(mask, B).to(self.dtype))
+            s, c = unit_item_counts(items[ok], ratings[ok], mask[ok], B, self.n_items, self.rating_bound)
+            return UnitStatistics(ids[ok], {"s": s, "c": c}, everyone[~ok])
+        ratings, mask = self.round_inputs(broadcast, units)
+        sel = selected(mask, B)
+        ok = linalg.trusted_rows(ratings * mask.to(self.dtype)) & linalg.trusted_rows(ratings * sel.to(self.dtype))
+        ok &= ~repeated_items(items, sel)
+        U = broadcast["U"].to(items.device, self.dtype)
+        w, log_rn = unit_solves(U, items[ok], ratings[ok], mask[ok], self.ridge_user)
+        fine = linalg.trusted_rows(w)  # its direction: the plain branch, as alone
+        ok[ok.clone()] = fine
+        v_unit, log_wn = linalg.directions(w[fine])
+        factors = user_factors(v_unit, log_wn + log_rn[fine], ratings[ok], sel[ok], self.gram_bound, self.rhs_bound)
+        G, b = unit_item_rows(items[ok], sel[ok], self.n_items, factors, v_unit)
+        return UnitStatistics(ids[ok], {"G": G, "b": b}, everyone[~ok])
 
     def node_side(self) -> NodeSide | str:
         """Every release (the prelude's s and c, each round's G and b) is a Gaussian sum at z."""
