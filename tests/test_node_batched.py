@@ -20,7 +20,7 @@ from fedpers.protocols.base import unit_contributions
 from fedpers.runner import resolve
 from fedpers.runtime.distributed import run_local_nodes
 
-NODE_SIDE = {
+NODE_SIDE: dict[str, dict[str, Any]] = {
     "altmin": {"n_users": 300, "dim": 5, "rank": 2, "samples_per_user": 16, "rounds": 2},
     "noisygd": {"examples": 300, "feature_dim": 12, "classes": 4, "steps": 3, "cohorts": "cyclic", "cycle": 2},
     "noisyhead": {
@@ -43,6 +43,8 @@ NODE_SIDE = {
         "cohorts": "cyclic",
         "cycle": 2,
     },
+    # round 0 (private centre, head items) and two ALS rounds with user offsets: every branch of its inputs
+    "dpals": {"n_users": 300, "n_items": 30, "rank": 3, "true_rank": 3, "steps": 2, "head_items": 20},
 }
 
 
@@ -78,17 +80,32 @@ def test_batched_runs_equal_the_per_unit_path_bit_for_bit(name, model):
     assert out[True][2] == out[False][2]
 
 
+def _broadcasts(p: Any) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """(round, broadcast) of the protocol's first and a later round, the later one from a public U."""
+    if p.experiment.name == "dpals":
+        head = torch.ones(p.cfg.n_items, dtype=torch.float64)
+        head[::3] = 0.0
+        U = p.protocol.initial_U.to(torch.float64)
+        return [(0, {}), (1, {"U": U, "mu": torch.tensor(0.25, dtype=torch.float64), "head": head})]
+    if hasattr(p.cfg, "rank"):
+        U = torch.linalg.qr(torch.randn(p.cfg.dim, p.cfg.rank, dtype=torch.float64))[0]
+        return [(0, {}), (1, {"U": U})]
+    state = p.protocol.server_start(p.protocol.initial_state(), p.privatizer)
+    return [(r, p.protocol.broadcast(state, r)) for r in (0, 1)]
+
+
 @pytest.mark.parametrize("name", sorted(NODE_SIDE))
 def test_every_node_side_algorithm_provides_the_batched_path(name):
     """The bit-for-bit test above is only worth something if the batched path is taken: each algorithm's
-    ``unit_statistics`` answers (not None) for its first and a later round."""
+    ``unit_statistics`` answers for its first and a later round, and leaves none of these (ordinary) units
+    to be computed alone."""
     p = _plan(name, "distributed")
     units = p.experiment.units(p.cfg, torch.arange(64))
-    U = torch.linalg.qr(torch.randn(p.cfg.dim, p.cfg.rank, dtype=torch.float64))[0] if hasattr(p.cfg, "rank") else None
-    state = p.protocol.server_start(p.protocol.initial_state(), p.privatizer) if U is None else {"U": U}
-    for round in (0, 1):
-        broadcast = p.protocol.broadcast(state, round) if U is None else ({} if round == 0 else {"U": U})
-        assert p.protocol.unit_statistics(round, broadcast, units) is not None, (name, round)
+    for round, broadcast in _broadcasts(p):
+        got = p.protocol.unit_statistics(round, broadcast, units)
+        assert got is not None, (name, round)
+        assert got.alone is None or got.alone.numel() == 0, (name, round)
+        assert got.ids.numel() > 0 or round > 0, name  # (a later round's cohort may hold none of these units)
 
 
 def _adversarial_altmin(p: Any) -> dict[str, torch.Tensor]:
@@ -149,3 +166,104 @@ def test_worst_case_neighbours_reach_the_recorded_integer_sensitivity_through_th
         assert l2 <= enc.l2_sensitivity and l1 <= enc.l1_sensitivity, (label, l2, enc.l2_sensitivity)
         reach[label] = l2 / enc.l2_sensitivity
     assert min(reach.values()) >= 0.99, reach
+
+
+def _adversarial_dpals(p: Any) -> dict[str, torch.Tensor]:
+    units = {k: v.clone() for k, v in p.experiment.units(p.cfg, torch.arange(48)).items()}
+    units["ratings"][3] *= 1e200  # norms not trusted as computed: the exact branch, alone
+    units["ratings"][5] *= 1e-300
+    units["ratings"][7] = 0.0
+    units["mask"][9] = False  # no ratings: a zero contribution
+    units["ratings"][11, 1] = math.nan  # not finite: zeroed and counted (where it is selected)
+    units["ratings"][13, 0] = math.inf
+    units["items"][17, 1] = units["items"][17, 0]  # an item twice: its CSR sum's own order, alone
+    return units
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"rank": 3, "user_bias": 0.0, "private_center": False},
+        {"rank": 4, "head_items": 20},
+        {"rank": 9, "private_center": False},
+        {"rank": 10},
+    ],
+    ids=["k3-plain", "k4-head", "k9-solved-alone", "k10-solved-alone"],
+)
+def test_dpals_users_equal_their_own_client_update_bit_for_bit(values, dtype):
+    """Every user's batched (s, c) and (G, b) rows equal ``client_update`` on that user alone, at ranks whose
+    k×k solves run batched (k ≤ 8, or every block on a 64-byte boundary) and one at a time (k = 9, 10), with
+    users that take another branch alone, are not finite, or select an item twice."""
+    p = _plan("dpals", "distributed", {**values, "true_rank": 3, "dtype": dtype})
+    units = _adversarial_dpals(p)
+    dt = getattr(torch, dtype)
+    U = torch.randn(p.cfg.n_items, p.cfg.rank, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    head = torch.ones(p.cfg.n_items, dtype=torch.float64)
+    head[::4] = 0.0
+    later = {"U": U.to(dt)}
+    if p.protocol.prelude:
+        later.update(mu=torch.tensor(0.25, dtype=dt), head=head)
+    for round in range(p.protocol.num_rounds):
+        broadcast = {} if p.protocol.is_prelude(round) else later
+        taken = p.protocol.unit_statistics(round, broadcast, units)
+        assert taken is not None and taken.ids.numel() >= 42  # the others (the ones above) alone
+        batched, zb = unit_contributions(p.protocol, round, broadcast, units, batched=True)
+        alone, za = unit_contributions(p.protocol, round, broadcast, units, batched=False)
+        assert torch.equal(batched.ids, alone.ids) and batched.ids.numel() == 48
+        assert zb == za >= 1
+        for name, value in alone.stats.items():
+            assert torch.equal(batched.stats[name], value), (round, name)
+            assert bool(torch.isfinite(value).all())
+
+
+def test_dpals_worst_case_neighbours_reach_the_recorded_integer_sensitivity_through_the_batched_path():
+    """DPALS's pairs through the nodes' batched encoding and the modular sum: each release's integer sum moves
+    by ≤ its recorded Δ₂ and Δ₁, and by what the central sum reaches of it. User j's first B ratings (the
+    selected ones) sit on items whose rows of U are 0 and its next B on items along e₁, so v̂ = e₁ is set by the
+    unselected ratings alone. Negating the selected ratings flips round 0's item sums s and a round's b (≥ 0.99
+    of Δ₂ = 2c̃); the counts c and G cannot be negated (indicators; v̂v̂ᵀ triangles have non-negative inner
+    products): moving the selected items elsewhere (c) or the unselected ones onto e₂'s items (v̂ = e₂, G)
+    reaches ≥ 0.99 of the 1/2 and 1/√2 of Δ₂ they can."""
+    from fedpers.data.units import UnitSource
+    from fedpers.runtime.distributed import node_round
+
+    B = 5
+    values = {"n_users": 24, "n_items": 4 * B, "rank": 2, "true_rank": 2, "items_per_user": B, "max_count": 12}
+    p = _plan("dpals", "distributed", {**values, "steps": 1, "user_bias": 0.0}, bits=24)
+    units = {k: v.clone() for k, v in p.experiment.units(p.cfg, torch.arange(24)).items()}
+    j = 9
+    units["items"][j] = torch.arange(12)
+    units["mask"][j] = False
+    units["mask"][j, : 2 * B] = True
+    units["test"][j] = False
+    units["ratings"][j] = 0.0
+    units["ratings"][j, : 2 * B] = 1e6
+    U = torch.zeros(4 * B, 2, dtype=torch.float64)
+    U[B : 2 * B, 0] = 1.0
+    U[2 * B : 3 * B, 1] = 1.0
+    later = {"U": U, "mu": torch.tensor(0.0, dtype=torch.float64), "head": torch.ones(4 * B, dtype=torch.float64)}
+    slots = torch.arange(12)
+    flipped = {"ratings": torch.where(slots < B, -1.0, 1.0).double() * units["ratings"][j]}
+    pairs = {
+        0: {"flipped": flipped, "moved": {"items": torch.where(slots < B, slots + 3 * B, slots)}},
+        1: {"flipped": flipped, "turned": {"items": torch.where((slots >= B) & (slots < 2 * B), slots + B, slots)}},
+    }
+    reach: dict[tuple[int, str, str], float] = {}
+    for round, broadcast in ((0, {}), (1, later)):
+        taken = p.protocol.unit_statistics(round, broadcast, {k: v[j : j + 1] for k, v in units.items()})
+        assert taken is not None and taken.ids.tolist() == [j]  # the batched path, not alone
+        base = node_round(p.protocol, round, broadcast, UnitSource.of(units), p.privatizer).modular
+        for label, new in pairs[round].items():
+            data = {k: v.clone() for k, v in units.items()}
+            for k, v in new.items():
+                data[k][j] = v
+            after = node_round(p.protocol, round, broadcast, UnitSource.of(data), p.privatizer).modular
+            for name, before in base.items():
+                enc = p.privatizer.plan.encodings[name]
+                diff = dist.centered(after[name] - before, enc.bits).double()
+                l2, l1 = float(torch.linalg.vector_norm(diff)), float(diff.abs().sum())
+                assert l2 <= enc.l2_sensitivity and l1 <= enc.l1_sensitivity, (round, label, name, l2)
+                reach[(round, label, name)] = l2 / enc.l2_sensitivity
+    assert reach[(0, "flipped", "s")] >= 0.99 and reach[(1, "flipped", "b")] >= 0.99, reach
+    assert reach[(0, "moved", "c")] >= 0.99 / 2 and reach[(1, "turned", "G")] >= 0.99 / math.sqrt(2), reach
