@@ -267,3 +267,31 @@ def test_dpals_worst_case_neighbours_reach_the_recorded_integer_sensitivity_thro
                 reach[(round, label, name)] = l2 / enc.l2_sensitivity
     assert reach[(0, "flipped", "s")] >= 0.99 and reach[(1, "flipped", "b")] >= 0.99, reach
     assert reach[(0, "moved", "c")] >= 0.99 / 2 and reach[(1, "turned", "G")] >= 0.99 / math.sqrt(2), reach
+
+
+def test_a_node_holds_at_most_its_byte_budget_of_dense_rows_and_the_sum_is_unchanged(monkeypatch):
+    """A DPALS user's encoded vector is items × (k(k+1)/2 + k) coordinates: a node encodes at most
+    NODE_CHUNK_BYTES of such rows at once (here 10 users' rows of an ALS round) and, its integer sums being
+    exact, ends the run with the same state as in chunks of 64."""
+    from fedpers.runtime import distributed
+
+    p = _plan("dpals", "distributed")
+    reference, _ = run_local_nodes(
+        p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, chunk_size=64, progress=False
+    )
+    encodings = p.privatizer.plan.encodings
+    budget = 8 * sum(encodings[s.name].padded for s in p.protocol.stat_specs(1)) * 10
+    monkeypatch.setattr(distributed, "NODE_CHUNK_BYTES", budget)
+    held: list[tuple[int, int]] = []  # (units, bytes of their rows) per batch
+    rows = distributed.unit_rows
+
+    def recorded(*a: Any, **k: Any) -> Any:
+        units = int(a[3]["ids"].shape[0])
+        held.append((units, 8 * units * sum(encodings[s.name].padded for s in a[5])))
+        return rows(*a, **k)
+
+    monkeypatch.setattr(distributed, "unit_rows", recorded)
+    p = _plan("dpals", "distributed")
+    state, _ = run_local_nodes(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, chunk_size=64, progress=False)
+    assert max(b for _, b in held) == budget  # reached (10 users of an ALS round), never passed
+    assert _equal(state, reference)

@@ -204,11 +204,29 @@ def in_shares(work: Callable[[Units], _T], units: Units) -> list[_T]:
     return list(pools.pool(parts).map(one, range(parts)))
 
 
+NODE_CHUNK_BYTES = 64 << 20
+"""Bytes of the dense per-unit rows a node encodes at once: a chunk holds at most this many bytes of its
+units' encoded vectors (units × Σ D coordinates, float64; :func:`node_chunk`), the encoding's temporaries
+(rotation, rounding draws) a few such arrays. Binds only where a unit's vector is long (DPALS: items ×
+(k(k+1)/2 + k) coordinates a user), never at AltMin's, FedRep's, NoisyGD's or NoisyHead's sizes."""
+
+
+def node_chunk(chunk_size: int, specs: Sequence[StatSpec], plan: dist.DistributedPlan) -> int:
+    """Units a node encodes at once: ``chunk_size``, or fewer where their dense rows would pass
+    :data:`NODE_CHUNK_BYTES` (at least one). Public: a function of the plan's shapes alone."""
+    distributed = plan.model == dist.DpModel.DISTRIBUTED
+    per_unit = 8 * sum(
+        plan.encodings[s.name].padded if distributed else dist.flat_dim(s.shape, s.symmetric) for s in specs
+    )
+    return max(1, min(chunk_size, NODE_CHUNK_BYTES // max(1, per_unit)))
+
+
 class NodeEncoder:
     """One node's round, its units added a part at a time (:meth:`add`), then its message (:meth:`message`):
     each unit's own contribution (:func:`unit_rows`) encoded (:func:`encode_rows`) at most ``chunk_size``
-    units at a time in :func:`in_shares`, no more than a chunk of units' rows ever held, summed; the
-    node's noise share added last (:func:`node_vectors`). Every runtime's node goes through here."""
+    units at a time (fewer where their dense rows would pass :data:`NODE_CHUNK_BYTES`) in :func:`in_shares`,
+    no more than a chunk of units' rows ever held, summed; the node's noise share added last
+    (:func:`node_vectors`). Every runtime's node goes through here."""
 
     def __init__(
         self,
@@ -223,8 +241,9 @@ class NodeEncoder:
         chunk_size: int = 4096,
     ) -> None:
         self.protocol, self.round, self.broadcast, self.privatizer = protocol, round, broadcast, privatizer
-        self.node, self.members, self.batched, self.chunk_size = node, members, batched, chunk_size
+        self.node, self.members, self.batched = node, members, batched
         self.specs = protocol.stat_specs(round)
+        self.chunk_size = node_chunk(chunk_size, self.specs, privatizer.plan)
         distributed = privatizer.plan.model == dist.DpModel.DISTRIBUTED
         self.total: dict[str, Tensor] = {
             s.name: torch.zeros(
