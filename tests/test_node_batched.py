@@ -295,3 +295,23 @@ def test_a_node_holds_at_most_its_byte_budget_of_dense_rows_and_the_sum_is_uncha
     state, _ = run_local_nodes(p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, chunk_size=64, progress=False)
     assert max(b for _, b in held) == budget  # reached (10 users of an ALS round), never passed
     assert _equal(state, reference)
+
+
+@pytest.mark.parametrize("model", ["distributed", "local"])
+def test_a_node_encodes_in_blocks_without_changing_a_bit(model, monkeypatch):
+    """A node rotates and rounds (distributed) or noises (local) its units a block at a time; each unit draws
+    from its own key, so a chunk's encoded sum is the same bits in blocks of 7 as in one block."""
+    from fedpers.runtime import distributed
+
+    p = _plan("dpals", model)
+    specs = p.protocol.stat_specs(1)
+    ids = torch.arange(50, 150)
+    g = torch.Generator().manual_seed(2)
+    rows = {
+        s.name: torch.randn(100, dist.flat_dim(s.shape, s.symmetric), dtype=torch.float64, generator=g) for s in specs
+    }
+    whole = distributed.encode_rows(rows, ids, specs, p.privatizer, 1)
+    monkeypatch.setattr(distributed, "ENCODE_BLOCK", 7)
+    monkeypatch.setattr(dist, "NOISE_BLOCK", 7)
+    blocked = distributed.encode_rows(rows, ids, specs, p.privatizer, 1)
+    assert _equal(blocked, whole) and len(whole) == 2

@@ -503,8 +503,17 @@ def local_gaussian(x: Tensor, std: float, generator: Randomness, secure: bool) -
     if secure:
         return secure_module.gaussian(x, std).sum(dim=0)
     if isinstance(generator, Tensor):
-        return (x + std * keyed_normals(generator, x.shape[1])).sum(dim=0)
+        noisy = torch.empty_like(x)
+        for lo in range(0, x.shape[0], NOISE_BLOCK):  # each row's noise from its key: the blocks change no bit
+            noisy[lo : lo + NOISE_BLOCK] = x[lo : lo + NOISE_BLOCK] + std * keyed_normals(
+                generator[lo : lo + NOISE_BLOCK], x.shape[1]
+            )
+        return noisy.sum(dim=0)
     return (x + std * torch.randn(x.shape, generator=generator, dtype=torch.float64)).sum(dim=0)
+
+
+NOISE_BLOCK = 256
+"""Units whose local Gaussians :func:`local_gaussian` draws at once: the draws' temporaries stay in cache."""
 
 
 # ----- choosing the scale, the bits and the noise --------------------------------------------------
