@@ -72,7 +72,13 @@ def user_embeddings(
 
 
 def user_solves(
-    U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float, device_kernels: bool = False
+    U: Tensor,
+    items: Tensor,
+    ratings: Tensor,
+    mask: Tensor,
+    ridge: float,
+    device_kernels: bool = False,
+    as_alone: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(w, log||r||): w_j = (U_Iᵀ U_I + λI)⁻¹ U_Iᵀ r̂_I, each user's solve on its unit rating direction
     r̂ = r/||r|| over its masked ratings (v = ||r||·w: v is linear in r), so a huge rating cannot overflow;
@@ -84,12 +90,15 @@ def user_solves(
     single-threaded shares, each gathering, multiplying and solving its users in blocks of at most
     :data:`GATHER_BUDGET` gathered entries per share; on the device path each is one batched kernel. Every
     user's Gram matrix, right-hand side and solve are its own batch entry, so the result is the same bits
-    whatever the blocks and shares."""
+    whatever the blocks and shares. ``as_alone`` (host path): each user's bits as it gets them alone
+    (:func:`_solves_as_alone`)."""
     n_items, k = U.shape
     r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * mask.to(U.dtype))
     padded = torch.cat([U, U.new_zeros(1, k)])
     index = items.masked_fill(~mask, n_items)
     n, width = index.shape
+    if as_alone:
+        return _solves_as_alone(padded, index, r_unit, ridge), log_rn
     shares = 1 if device_kernels else max(1, linalg.thread_budget())
     step = max(1, n) if device_kernels else max(1, GATHER_BUDGET // max(1, width * k * shares))
 
@@ -116,8 +125,8 @@ Gram products read it (six chunks at MovieLens-20M's shape, one thread, the comm
 policy: 0.46–0.49 CPU s against 0.52 in 32 MiB blocks)."""
 
 
-def unit_solves(U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
-    """:func:`user_solves` of each user as it is computed alone (host path), the same bits, for a batch.
+def _solves_as_alone(padded: Tensor, index: Tensor, r_unit: Tensor, ridge: float) -> Tensor:
+    """:func:`user_solves`' w for a batch, each user's the bits it gets alone.
 
     MKL's products and factorisations round by the alignment of their operands: a user alone has its
     gathered U_I, rating direction, Gram matrix and right-hand side each at the start of a fresh (64-byte
@@ -125,17 +134,15 @@ def unit_solves(U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: 
     operands start on a 64-byte boundary (:func:`_aligned`), in blocks of at most :data:`GATHER_BUDGET`
     gathered entries; the k×k solves run batched where the factorisation's rounding does not depend on
     the offset (:func:`_offset_free_solves`), else one user at a time as alone."""
-    n_items, k = U.shape
-    r_unit, log_rn = linalg.directions(ratings.to(U.dtype) * mask.to(U.dtype))
-    padded = torch.cat([U, U.new_zeros(1, k)])
-    index = items.masked_fill(~mask, n_items)
+    k = padded.shape[1]
     n, width = index.shape
-    r_al = _aligned(n, (1, width), U.dtype, U.device)
+    dtype, device = padded.dtype, padded.device
+    r_al = _aligned(n, (1, width), dtype, device)
     r_al.copy_(r_unit.unsqueeze(1))
-    A = _aligned(n, (k, k), U.dtype, U.device)
-    rhs = _aligned(n, (1, k), U.dtype, U.device)
+    A = _aligned(n, (k, k), dtype, device)
+    rhs = _aligned(n, (1, k), dtype, device)
     step = max(1, GATHER_BUDGET // max(1, width * k))
-    F = None if _naturally_aligned((width, k), U.dtype) else _aligned(min(n, step), (width, k), U.dtype, U.device)
+    F = None if _naturally_aligned((width, k), dtype) else _aligned(min(n, step), (width, k), dtype, device)
     for lo in range(0, n, step):
         block = index[lo : lo + step]
         f = torch.index_select(padded, 0, block.reshape(-1)).view(*block.shape, k)
@@ -144,12 +151,12 @@ def unit_solves(U: Tensor, items: Tensor, ratings: Tensor, mask: Tensor, ridge: 
         torch.bmm(f.transpose(1, 2), f, out=A[lo : lo + step])
         torch.bmm(r_al[lo : lo + step], f, out=rhs[lo : lo + step])
     A.diagonal(dim1=-2, dim2=-1).add_(ridge)
-    if _offset_free_solves(k, U.dtype):
-        return spd_solve(A, rhs.squeeze(1)), log_rn
-    w = torch.empty(n, k, dtype=U.dtype, device=U.device)
+    if _offset_free_solves(k, dtype):
+        return spd_solve(A, rhs.squeeze(1))
+    w = torch.empty(n, k, dtype=dtype, device=device)
     for j in range(n):
         w[j] = spd_solve(A[j : j + 1].clone(), rhs[j, :1].clone())[0]
-    return w, log_rn
+    return w
 
 
 def _aligned(n: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -653,7 +660,7 @@ class DpAlsProtocol(Protocol):
         ok = linalg.trusted_rows(ratings * mask.to(self.dtype)) & linalg.trusted_rows(ratings * sel.to(self.dtype))
         ok &= ~repeated_items(items, sel)
         U = broadcast["U"].to(items.device, self.dtype)
-        w, log_rn = unit_solves(U, items[ok], ratings[ok], mask[ok], self.ridge_user)
+        w, log_rn = user_solves(U, items[ok], ratings[ok], mask[ok], self.ridge_user, as_alone=True)
         fine = linalg.trusted_rows(w)  # its direction: the plain branch, as alone
         ok[ok.clone()] = fine
         v_unit, log_wn = linalg.directions(w[fine])
