@@ -212,9 +212,13 @@ def _nbytes(units: Units) -> int:
 
 def units_contributed(protocol: Protocol, round: int, broadcast: Mapping[str, torch.Tensor], units: Units) -> int:
     """How many of ``units`` this node's message for ``round`` is computed over: the round's cohort
-    (``units_in_round``: a cycle's block) narrowed to the ids ``client_update`` reads (``units_needed``: a
-    Poisson cohort's sampled members), so a min-units check counts the users the message really holds."""
+    (``units_in_round``: a cycle's block) narrowed to the ids ``client_update`` reads (``units_needed``), so
+    a min-units check counts the users the message really holds. Under a Poisson membership (``sampled``,
+    which a node-side run draws on the node itself) the cohort before the draw: a refusal on the sampled
+    count would tell the server how many of this node's users were sampled."""
     count = protocol.units_in_round(round, units)
+    if "sampled" in broadcast:
+        return count
     needed, _ = protocol.units_needed(round, broadcast)
     if needed is None:
         return count
@@ -387,7 +391,16 @@ def _train(
 
         partition = int(_node_config(context, codec.PARTITION_ID))
         mine = node_message(
-            node.protocol, task.round, on_device, units, task.start, task.stop, side.plan, partition, settings
+            node.protocol,
+            task.round,
+            on_device,
+            units,
+            task.start,
+            task.stop,
+            side.plan,
+            partition,
+            settings,
+            node.node.num_units,
         )
         if secagg_node is not None:
             from fedpers.runtime.flower.secaggplus import mask
