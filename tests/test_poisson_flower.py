@@ -11,12 +11,15 @@ import torch
 
 from fedpers import config
 from fedpers.configs.runtime import RuntimeOptions
+from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
 from fedpers.privacy import distributed as dist
 from fedpers.runner import resolve
 from fedpers.runtime import distributed as local_nodes
 from fedpers.runtime.flower import codec, nodeside
 from fedpers.runtime.local import run_local
+from tests.flower_support import InProcessGrid
+from tests.small_runs import FEDREP_SMALL, NOISYGD_SMALL
 from tests.test_dishonest_server import RecordingGrid
 from tests.test_distributed_flower import lab_app, on_flower
 
@@ -48,6 +51,33 @@ def test_poisson_cohorts_on_flower_equal_the_local_runtime_bit_for_bit() -> None
     assert all(0 < r.units < 160 for r in records_flower[1:])  # sampled rounds hold ≈ q·n of the users
     replies = [codec.decode_reply(m.content) for m in grid.received if m.metadata.message_type == "train"]
     assert replies and all(r.count == 0 and nodeside.UNIT_COUNTS in r.stats for r in replies)
+
+
+@pytest.mark.parametrize(
+    ("name", "values"),
+    [
+        ("fedrep", {**FEDREP_SMALL, "n_users": 80, "rounds": 3, "cohorts": "poisson", "sampling_rate": 0.3}),
+        ("noisygd", {**NOISYGD_SMALL, "examples": 200, "steps": 3, "cohorts": "poisson", "sampling_rate": 0.3}),
+    ],
+)
+def test_fedrep_and_noisygd_poisson_cohorts_on_flower_equal_the_local_runtime(
+    name: str, values: dict[str, Any]
+) -> None:
+    """The other protocols whose nodes draw Poisson memberships: state, ledger and round counts as on the local runtime."""
+    exp = EXPERIMENTS[name]
+    cfg = config.build(exp.config_type, values)
+    opts = {"nodes": 4, "dp_model": "distributed", "bits": 16}
+    local = resolve(exp, cfg, config.build(RuntimeOptions, opts))
+    state_local, records_local = run_local(
+        local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False
+    )
+    flower = resolve(exp, cfg, config.build(RuntimeOptions, {**opts, "runtime": "flower"}))
+    state_flower, records_flower = on_flower(flower, InProcessGrid(lab_app(values, name), 4))
+    assert flower.privatizer.ledger == local.privatizer.ledger
+    assert [r.units for r in records_flower] == [r.units for r in records_local]
+    for key, value in state_local.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(state_flower[key], value), key
 
 
 @pytest.mark.parametrize("server", ["everyone", "no one"])
