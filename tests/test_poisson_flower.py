@@ -105,6 +105,18 @@ def test_a_node_ignores_the_membership_the_server_sends(server: str) -> None:
     assert count == int(mine.sum()) and zeroed == 0 and got[0].count == 0
 
 
+def test_min_units_counts_the_cohort_before_the_draw_under_poisson_cohorts() -> None:
+    """A node's policy check of min-units under Poisson cohorts counts its units in the round's cohort, whatever
+    membership the broadcast holds: a refusal on the sampled count would tell the server how many were sampled."""
+    from fedpers.runtime.flower.client import units_contributed
+
+    p = _plan("flower")
+    units = p.experiment.units(p.cfg, torch.arange(40, 80))
+    U = torch.eye(5, 2, dtype=torch.float64)
+    for sampled in (torch.zeros(160, dtype=torch.float64), torch.ones(160, dtype=torch.float64)):
+        assert units_contributed(p.protocol, 1, {"U": U, "sampled": sampled}, units) == 40
+
+
 @pytest.mark.parametrize(("bits", "nodes", "units"), [(16, 4, 160), (4, 15, 10**6), (12, 1000, 10**6), (20, 3, 0)])
 def test_count_digits_sum_without_wrapping_and_decode(bits: int, nodes: int, units: int) -> None:
     """Every node at its largest count: the digit sums stay below 2^bits and decode to the total (clamped to the
@@ -118,3 +130,28 @@ def test_count_digits_sum_without_wrapping_and_decode(bits: int, nodes: int, uni
     assert local_nodes.counts_of(total, base, digits) == [units, sum(c // 2 for c in each)]
     with pytest.raises(ValueError, match="more --bits"):
         local_nodes.count_digits(bits, 2**bits, units)
+
+
+@pytest.mark.slow  # starts Ray (~1 min on a busy machine)
+def test_ray_simulation_with_poisson_cohorts_equals_the_local_runtime(tmp_path: Any) -> None:
+    """Poisson cohorts through Flower's simulation engine (each node a Ray actor drawing its own membership):
+    the same U, ledger and per-round unit counts as the local runtime."""
+    import json
+
+    import numpy as np
+
+    from fedpers.runner import execute
+
+    cfg = config.build(AltMinConfig, POISSON)
+    opts = {"nodes": 4, "dp_model": "distributed", "bits": 16, "client_cpus": 1.0}
+    execute(AltMinExperiment(), cfg, config.build(RuntimeOptions, opts), out=tmp_path / "l", progress=False)
+    flower = config.build(RuntimeOptions, {**opts, "runtime": "flower"})
+    execute(AltMinExperiment(), cfg, flower, out=tmp_path / "f", progress=False)
+    U = [np.load(tmp_path / run / "final_state.npz")["U"] for run in ("l", "f")]
+    assert np.array_equal(U[0], U[1])
+    assert (tmp_path / "f" / "ledger.json").read_text() == (tmp_path / "l" / "ledger.json").read_text()
+    units = [
+        [json.loads(line)["units"] for line in (tmp_path / run / "rounds.jsonl").read_text().splitlines()]
+        for run in ("l", "f")
+    ]
+    assert units[0] == units[1] and all(0 < u < 160 for u in units[0][1:])
