@@ -188,9 +188,9 @@ def node_message(
         if plan.model is DpModel.DISTRIBUTED
         else dist.LocalPrivatizer(seed, plan, secure=secure)
     )
-    if "sampled" in broadcast:
-        total = int(broadcast["sampled"].numel())
-        broadcast = nodes_draw_membership(protocol, round, broadcast, privatizer, [range(start, stop)], total)
+    if "sampled" in broadcast:  # the membership of the broadcast this node derived: the run's units
+        num_units = int(broadcast["sampled"].numel())
+        broadcast = nodes_draw_membership(protocol, round, broadcast, privatizer, [range(start, stop)], num_units)
     ids, _ = protocol.units_needed(round, broadcast)
     members = torch.arange(start, stop)
     if ids is not None:
@@ -341,6 +341,7 @@ def derive_broadcast(
 
 def check_broadcast(derived: Mapping[str, Tensor], sent: Mapping[str, Tensor], round: int) -> None:
     """Refuse a task whose broadcast is not the one the node derives: names, shapes and dtypes equal, values
+    equal up to the rounding of another machine's floating point (each tensor within 10³ machine epsilons
     of its largest entry). A Poisson membership ``sampled`` is not compared: the node draws its own units'
     (:func:`node_message` replaces it, or refuses a protocol that declares no sampling rate), so whatever
     the server sent there moves nothing the node releases."""
