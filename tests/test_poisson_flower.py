@@ -106,15 +106,18 @@ def test_a_node_ignores_the_membership_the_server_sends(server: str) -> None:
 
 
 def test_min_units_counts_the_cohort_before_the_draw_under_poisson_cohorts() -> None:
-    """A node's policy check of min-units under Poisson cohorts counts its units in the round's cohort, whatever
-    membership the broadcast holds: a refusal on the sampled count would tell the server how many were sampled."""
+    """Under distributed DP a node's policy check of min-units under Poisson cohorts counts its units in the round's
+    cohort, whatever membership the broadcast holds: a refusal on its own sampled count would tell the server how
+    many were sampled."""
     from fedpers.runtime.flower.client import units_contributed
 
     p = _plan("flower")
     units = p.experiment.units(p.cfg, torch.arange(40, 80))
     U = torch.eye(5, 2, dtype=torch.float64)
     for sampled in (torch.zeros(160, dtype=torch.float64), torch.ones(160, dtype=torch.float64)):
-        assert units_contributed(p.protocol, 1, {"U": U, "sampled": sampled}, units) == 40
+        assert units_contributed(p.protocol, 1, {"U": U, "sampled": sampled}, units, own_draw=True) == 40
+    # central DP: the server drew the sample and knows it, so the check counts the sampled users it names
+    assert units_contributed(p.protocol, 1, {"U": U, "sampled": torch.zeros(160, dtype=torch.float64)}, units) == 0
 
 
 @pytest.mark.parametrize(("bits", "nodes", "units"), [(16, 4, 160), (4, 15, 10**6), (12, 1000, 10**6), (20, 3, 0)])
