@@ -19,8 +19,12 @@ The deployment/local ratio as a curve (the issue's goal: a steady deployment rou
 round): ``--variants poll --no-simulation --rounds 3 --users N`` for N = 30000, 100000, 200000 (it meets 1.5x from
 about 200,000 users on the 2-core machine: docs/benchmarks.md).
 
-SecAgg+'s cost in a deployment (``--trust-models central,distributed``: a cold deployment per trust model,
-side by side): ``--users 300 --dim 5 --rank 2 --samples 16 --variants cold --trust-models central,distributed``.
+SecAgg+'s cost in a deployment (``--trust-models central,distributed``: each variant under each trust
+model, back to back, and each model's median steady round / central's in the same variant):
+``--users 300 --dim 5 --rank 2 --samples 16 --variants poll,cold --trust-models central,distributed --rounds 3``
+(the work is nil: the rounds are the exchanges' cost), and ``--users 30000 --dim 10 --rank 2`` where the round is
+work. ``--keep DIR --flower-debug`` keeps every process's timestamped log: ``benchmarks/deployment_trace.py``
+reads where an exchange's time goes (docs/benchmarks.md, "Deployment round").
 """
 
 from __future__ import annotations
@@ -51,6 +55,14 @@ from fedpers.runner import RuntimeOptions, split_seed  # noqa: E402
 from fedpers.runtime.local import run_local  # noqa: E402
 
 EXP = EXPERIMENTS["altmin"]
+
+VARIANTS: dict[str, tuple[str, dict[str, bool]]] = {
+    "cold": ("deployment", {}),
+    "warm": ("deploy-warm", {"warm": True}),
+    "cached": ("deploy-cached", {"warm": True, "cached": True}),
+    "poll": ("deploy-poll", {"warm": True, "cached": True, "poll": True}),
+}
+"""Each ``--variants`` name → its row's name and :func:`deployment`'s switches."""
 
 
 def fields(args: argparse.Namespace) -> dict:
@@ -101,6 +113,8 @@ def deployment(
     }
     if cached:
         env["FEDPERS_NODE_CACHE"] = str(work / "node-cache")
+    if args.flower_debug:
+        env["FLWR_LOG_LEVEL"] = "DEBUG"  # Flower's public switch: every process logs with timestamps
     with Processes(work, env) as procs:
         port = start_loopback_federation(procs, work, args.nodes, warm=warm, poll=args.poll if poll else 0.0)
         write_connection(work / "cli-home", "deployment", f"127.0.0.1:{port}")
@@ -150,12 +164,24 @@ def main() -> None:
     p.add_argument(
         "--trust-models",
         default="central",
-        help="dp-models run as cold deployments side by side (central,distributed: SecAgg+'s cost)",
+        help="dp-models each variant runs under, side by side (central,distributed: SecAgg+'s cost; central first "
+        "prints each other model's steady round / central's)",
     )
     p.add_argument(
         "--variants",
         default="cold,warm,cached,poll",
         help="deployments to run: cold (Flower's default), warm (fedpers deploy superexec), cached (warm + node cache), poll (cached + fedpers deploy supernode)",
+    )
+    p.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="keep each deployment's directory (every process's log, rounds.jsonl) under this directory",
+    )
+    p.add_argument(
+        "--flower-debug",
+        action="store_true",
+        help="FLWR_LOG_LEVEL=DEBUG in every deployment process: timestamped logs to trace a round (with --keep)",
     )
     p.add_argument(
         "--no-simulation",
@@ -164,20 +190,19 @@ def main() -> None:
     )
     args = p.parse_args()
     args.node_threads = args.node_threads or max(1, (os.cpu_count() or 1) // args.nodes)
-    variants = {v.strip() for v in args.variants.split(",")}
-    with tempfile.TemporaryDirectory(prefix="fedpers-deploy-bench-") as tmp:
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    trusts = [t.strip() for t in args.trust_models.split(",") if t.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: unknown {v!r}; allowed: {', '.join(VARIANTS)}")
+    with tempfile.TemporaryDirectory(prefix="fedpers-deploy-bench-") as scratch:
+        tmp = args.keep or scratch
         start = time.perf_counter()
-        times = {}
-        if "cold" in variants:
-            times["deployment"] = deployment(args, Path(tmp) / "cold")
-        for trust in (t.strip() for t in args.trust_models.split(",") if t.strip() != "central"):
-            times[f"deploy-{trust}"] = deployment(args, Path(tmp) / trust, trust=trust)
-        if "warm" in variants:
-            times["deploy-warm"] = deployment(args, Path(tmp) / "warm", warm=True)
-        if "cached" in variants:
-            times["deploy-cached"] = deployment(args, Path(tmp) / "cached", warm=True, cached=True)
-        if "poll" in variants:
-            times["deploy-poll"] = deployment(args, Path(tmp) / "poll", warm=True, cached=True, poll=True)
+        times: dict[str, list[float]] = {}
+        for v in variants:  # each variant's trust models back to back, so a ratio compares runs close in time
+            for trust in trusts:
+                name = VARIANTS[v][0] + ("" if trust == "central" else f"/{trust}")
+                times[name] = deployment(args, Path(tmp) / f"{v}-{trust}", **VARIANTS[v][1], trust=trust)
         if not args.no_simulation:
             times["simulation"] = simulation(args)
         times["local"] = local(args)
@@ -185,7 +210,7 @@ def main() -> None:
         f"{args.users} users, d={args.dim} k={args.rank} m={args.samples}, {args.nodes} nodes ({args.node_threads} torch threads each); seconds per round (all rounds)  [{time.perf_counter() - start:.0f} s total]"
     )
     for name, secs in times.items():
-        print(f"{name:12s} " + "  ".join(f"{s:8.2f}" for s in secs))
+        print(f"{name:24s} " + "  ".join(f"{s:8.2f}" for s in secs))
     last = {k: v[-1] for k, v in times.items()}
     print(
         "last round / local (target <= 3x): "
@@ -200,11 +225,15 @@ def main() -> None:
             if k != "local"
         )
     )
-    if "deployment" in last:
-        ratios = [
-            f"{k} {v / last['deployment']:.1f}x" for k, v in last.items() if k[7:] in args.trust_models.split(",")
-        ]
-        print("last round / cold central deployment: " + ", ".join(ratios))
+    for trust in trusts[1:] if trusts[:1] == ["central"] else []:
+        print(
+            f"median steady round, {trust} / central (target <= 2x): "
+            + ", ".join(
+                f"{VARIANTS[v][0]} {steady[VARIANTS[v][0] + '/' + trust]:.2f} s / {steady[VARIANTS[v][0]]:.2f} s"
+                f" = {steady[VARIANTS[v][0] + '/' + trust] / steady[VARIANTS[v][0]]:.2f}x"
+                for v in variants
+            )
+        )
 
 
 if __name__ == "__main__":
