@@ -48,7 +48,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from Crypto.Protocol.SecretSharing import Shamir
@@ -177,7 +177,7 @@ def _combine_map(indices: tuple[int, ...]) -> np.ndarray:
         term = _Element(Shamir.combine(unit, ssss=False))  # λ_j
         for _ in range(128):  # row k of block j: λ_j · x^k
             rows += term.encode()
-            term = term * x
+            term = cast(Any, term) * x  # its stub types the factor as int; the code multiplies two elements
     return _bits(bytes(rows), 128 * len(indices)).astype(np.float32)
 
 
