@@ -161,3 +161,41 @@ def test_batched_combine_equals_one_combine_per_secret_on_every_index_set():
         secagg.combine_secrets([[groups[0][0][:-1], *groups[0][1:]]], t)
     with pytest.raises(AggregationAborted, match="do not combine"):
         secagg.combine_secrets([[groups[0][0], groups[0][0], *groups[0][1:]]], t)
+
+
+def test_a_node_agrees_each_channel_once_a_round_across_its_stored_state(monkeypatch):
+    """The channel keys a node agreed at *share* travel in its own state to the masked stage: restored from
+    that state it decrypts its neighbours' relayed shares with no second X25519 agreement, and a forged
+    ciphertext still fails AES-GCM (the same key, the same check)."""
+    tag = b"round-tag-channel"
+    graph = secagg.plus_graph(6, 0)
+    t = secagg.plus_threshold(6)
+    nodes = {i: secagg.SecAggNode(i, graph[i], t, 16, tag) for i in range(6)}
+    keys = {i: node.advertise() for i, node in nodes.items()}
+    relayed: dict[int, dict[int, bytes]] = {i: {} for i in nodes}
+    for i, node in nodes.items():
+        for j, blob in node.share(keys).items():
+            relayed[j][i] = blob
+    stored = {i: node.export() for i, node in nodes.items()}
+    assert all(len(stored[i]["channel-keys"]) == secagg.KEY_BYTES * len(graph[i]) for i in nodes)
+    agreed_again = {}
+    for j in nodes:  # what each node decrypts when it agrees its channels anew
+        fresh = secagg.SecAggNode.restore(stored[j])
+        fresh._channel_keys = {}
+        fresh.receive(relayed[j])
+        agreed_again[j] = fresh._held
+
+    def no_agreement(*args: object) -> bytes:
+        raise AssertionError("a channel was agreed a second time this round")
+
+    monkeypatch.setattr(secagg, "agree", no_agreement)
+    for j in nodes:
+        restored = secagg.SecAggNode.restore(stored[j])
+        restored.receive(relayed[j])
+        assert restored.relayed == sorted(relayed[j])
+        assert restored._held == agreed_again[j] and len(restored._held) == len(relayed[j]) + 1
+    forged = dict(relayed[0])
+    i = next(iter(forged))
+    forged[i] = forged[i][:-1] + bytes([forged[i][-1] ^ 1])
+    with pytest.raises(InvalidTag):
+        secagg.SecAggNode.restore(stored[0]).receive(forged)

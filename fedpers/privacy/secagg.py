@@ -279,8 +279,10 @@ class SecAggNode:
     """The survivor set this node signed (None: none yet)."""
     _revealed: bool = field(default=False, repr=False)
     _s_key: X25519PrivateKey = field(init=False, repr=False)
+    _channel_keys: dict[int, bytes] = field(default_factory=dict, repr=False)
+    """The AES-GCM key of the channel to each neighbour, agreed once a round (sending the shares at *share*
+    and receiving the relayed ones at the masked stage use one key; kept in the node's state between them)."""
     _channels: dict[int, AESGCM] = field(default_factory=dict, init=False, repr=False)
-    """The AES-GCM channel to each neighbour, agreed once (sending and receiving shares use one key)."""
 
     def __post_init__(self) -> None:
         self._s_key = mask_key(self._s_seed, self.round_tag)
@@ -296,9 +298,12 @@ class SecAggNode:
     def _channel(self, other: int) -> AESGCM:
         channel = self._channels.get(other)
         if channel is None:
-            lo, hi = sorted((self.node, other))
-            info = b"fedpers-secagg-channel" + self.round_tag + lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
-            channel = self._channels[other] = AESGCM(agree(self._c_key, self._keys[other][0], info))
+            key = self._channel_keys.get(other)
+            if key is None:
+                lo, hi = sorted((self.node, other))
+                info = b"fedpers-secagg-channel" + self.round_tag + lo.to_bytes(8, "little") + hi.to_bytes(8, "little")
+                key = self._channel_keys[other] = agree(self._c_key, self._keys[other][0], info)
+            channel = self._channels[other] = AESGCM(key)
         return channel
 
     def share(self, keys: Mapping[int, Sequence[bytes]]) -> dict[int, bytes]:
@@ -456,7 +461,7 @@ class SecAggNode:
         packed as little-endian int64, keys and shares as their fixed-size concatenation, so a store checks a
         few values a stage, not one per neighbour or survivor; the secrets included: it stays on the node, in
         its own state, between stages)."""
-        keys, held = sorted(self._keys), sorted(self._held)
+        keys, held, channels = sorted(self._keys), sorted(self._held), sorted(self._channel_keys)
         return {
             "node": self.node,
             "neighbours": _pack_ids(self.neighbours),
@@ -474,6 +479,8 @@ class SecAggNode:
             "held-ids": _pack_ids(held),
             "held-s": b"".join(self._held[j][0] for j in held),
             "held-b": b"".join(self._held[j][1] for j in held),
+            "channel-ids": _pack_ids(channels),
+            "channel-keys": b"".join(self._channel_keys[j] for j in channels),
             "masked-with": _pack_ids([] if self._masked_with is None else self._masked_with),
             "masked": int(self._masked_with is not None),
             "signed": _pack_ids([] if self._signed is None else self._signed),
@@ -506,6 +513,10 @@ class SecAggNode:
         node._keys = dict(zip(ints("key-ids"), keys, strict=True))
         shares = zip(blobs("held-s", SHARE_BYTES), blobs("held-b", SHARE_BYTES), strict=True)
         node._held = dict(zip(ints("held-ids"), shares, strict=True))
+        channels = dict(zip(ints("channel-ids"), blobs("channel-keys", KEY_BYTES), strict=True))
+        if set(channels) - set(node._keys):
+            raise ValueError("a channel key for a node whose public keys this node does not hold")
+        node._channel_keys = channels
         node._masked_with = ints("masked-with") if int(state["masked"]) else None
         node._signed = ints("signed") if int(state["has-signed"]) else None
         node._revealed = bool(int(state["revealed"]))
