@@ -244,11 +244,72 @@ def test_distributed_add_remove_records_one_units_rounded_vector_as_its_sensitiv
 def test_poisson_cohorts_are_refused_where_the_nodes_cannot_draw_them():
     with pytest.raises(ValueError, match="dp_model local does not support Poisson sampling"):
         _resolved(dp_model="local")
-    with pytest.raises(ValueError, match="runs on the local runtime only"):
-        _resolved(dp_model="distributed", runtime="flower")
+    with pytest.raises(ValueError, match="dp_model local does not support Poisson sampling"):
+        _resolved(dp_model="local", runtime="flower")
+    # Flower's nodes draw their own memberships (tests/test_poisson_flower.py); their counts must fit the sum's bits
+    assert _resolved(dp_model="distributed", runtime="flower").privatizer.plan.bits >= 4
+    with pytest.raises(ValueError, match="unit counts cannot be summed in 10 bits"):
+        _resolved(dp_model="distributed", runtime="flower", bits=10, nodes=1024)
     enc = dist.StatEncoding("A", (4, 4), True, 1.0, 10.0, 11.0, 1.0, 16, 0, psd=True)
     mapped = dist.skellam_event(
         lambda z: dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(z)), [enc]
     )
     with pytest.raises(ValueError, match="PSD-tightened"):
         mapped(1.0)
+
+
+def test_huge_and_non_finite_float32_units_move_a_sampled_release_by_at_most_one_sensitivity_each():
+    """float32 units at 1e38, inf or nan in a sampled distributed round (each a sampled unit): an inf or nan unit
+    is zeroed and counted (the round's ``zeroed``), its row exactly the one a unit of zeros gives, so nothing else
+    of the sum changes; a 1e38 unit is clipped to its bound. Either way the modular sum moves from the clean
+    data's by at most the recorded Δ₂ per bad unit (a scale or a clip that let 1e38 through would not)."""
+    from fedpers.data.units import UnitSource
+    from fedpers.runtime.distributed import node_round
+
+    cfg = config.build(AltMinConfig, {**POISSON, "cohorts": "poisson", "sampling_rate": 0.25, "dtype": "float32"})
+    opts = config.build(RuntimeOptions, {"nodes": 4, "dp_model": "distributed", "bits": 16})
+    p = resolve(AltMinExperiment(), cfg, opts)
+    plan = p.privatizer.plan
+    clean = p.experiment.units(p.cfg, torch.arange(400))
+    assert clean["x"].dtype == torch.float32
+    taking = dist.node_membership(p.privatizer.noise_seed, 1, torch.arange(400), 0.25, secure=False)
+    huge, infinite, missing = taking.nonzero().squeeze(1)[:3].tolist()
+    U = torch.linalg.qr(torch.randn(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+
+    def round_on(changes: dict[tuple[str, int], float]) -> Any:
+        units = {k: v.clone() for k, v in clean.items()}
+        for (key, unit), value in changes.items():
+            units[key][unit] = value
+        server = torch.zeros(400, dtype=torch.float64)  # the nodes draw their own sample whatever this says
+        return node_round(p.protocol, 1, {"U": U, "sampled": server}, UnitSource.of(units), p.privatizer)
+
+    base = round_on({})
+    bad = {("x", huge): 1e38, ("x", infinite): math.inf, ("y", missing): math.nan}
+    for change, zeroed in zip(bad.items(), (0, 1, 1), strict=True):
+        got = round_on(dict([change]))
+        assert (got.count, got.zeroed) == (base.count, zeroed)
+        moved = {
+            name: float(dist.centered(got.modular[name] - base.modular[name], enc.bits).double().norm())
+            for name, enc in plan.encodings.items()
+            if name in got.modular
+        }
+        assert moved and all(moved[name] <= plan.encodings[name].l2_sensitivity for name in moved), (change, moved)
+        assert max(moved.values()) > 0, change  # the unit was in the sample: the sum moved
+    together = round_on(bad)
+    blanked = round_on(
+        {("x", huge): 1e38, ("x", infinite): 0.0, ("y", infinite): 0.0, ("x", missing): 0.0, ("y", missing): 0.0}
+    )
+    assert (together.count, together.zeroed) == (base.count, 2)
+    for name in together.modular:
+        assert torch.equal(together.modular[name], blanked.modular[name])
+
+
+def test_rdp_with_poisson_cohorts_is_refused_naming_what_the_flag_does_under_each_trust_model():
+    """The refusal is true under distributed DP too: the flag does not account the Skellam releases (subsampled
+    RDP does, whatever it names), but it calibrates the central multiplier the nodes' plan starts from."""
+    with pytest.raises(ValueError, match="accountant must be pld with cohorts poisson") as refused:
+        config.build(AltMinConfig, {**POISSON, "cohorts": "poisson", "sampling_rate": 0.25, "accountant": "rdp"})
+    assert "--dp-model distributed the nodes' sampled Skellam releases are accounted by subsampled RDP" in str(
+        refused.value
+    )
+    assert "calibrates only the central noise multiplier" in str(refused.value)

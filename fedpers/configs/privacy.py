@@ -116,11 +116,17 @@ def check_poisson_accountant(
     accountant: Accountant | str, where: str, neighbours: Neighbours | str = Neighbours.REPLACE_ONE
 ) -> None:
     """Refuse an accountant without Poisson sampling under ``neighbours`` for a run that samples
-    (``where``: its setting)."""
+    (``where``: its setting). The config does not know the trust model, so the message says what the flag
+    does under each: central DP accounts the sampled releases with it; distributed DP accounts its sampled
+    Skellam releases by subsampled RDP whatever it names, and calibrates with it only the central noise
+    multiplier the nodes' plan starts from (a sampled calibration like any other)."""
     check_accountant(accountant)
     relation = neighbours_of(neighbours).value
     if not accounts_sampling(accountant, relation):
         raise ValueError(
             f"accountant must be {' or '.join(sampling_accountants(relation))} with {where} (the sampled {relation} "
-            f"accountant); got {accountant_name(accountant)}"
+            f"accountant); got {accountant_name(accountant)}. Under --dp-model central it accounts the sampled "
+            "releases; under --dp-model distributed the nodes' sampled Skellam releases are accounted by subsampled "
+            "RDP whatever it names (docs/accounting.md), and it calibrates only the central noise multiplier the "
+            "nodes' plan starts from (its first guess, and what --bits 0 chooses), a sampled calibration too"
         )

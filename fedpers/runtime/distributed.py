@@ -284,12 +284,14 @@ def nodes_draw_membership(
     broadcast: Mapping[str, Tensor],
     privatizer: dist.NodeSidePrivatizer,
     ranges: Sequence[range],
+    num_units: int,
 ) -> Mapping[str, Tensor]:
-    """The broadcast the nodes work from: under Poisson sampling (the protocol's declared rate q < 1) the
-    server's membership ``sampled`` is replaced by each node's own draw for its units
-    (:func:`~fedpers.privacy.distributed.node_membership`), so the sample the ledger's amplification rests
-    on is never the server's choice nor known to it. Refused for local DP (its noise is per unit; the
-    sample would amplify nothing against the node) and for a membership the protocol did not declare."""
+    """The broadcast the nodes of ``ranges`` work from: under Poisson sampling (the protocol's declared rate
+    q < 1) the server's membership ``sampled`` (of all ``num_units`` units) is replaced by each node's own
+    draw for its units (:func:`~fedpers.privacy.distributed.node_membership`; units outside ``ranges``: not
+    sampled), so the sample the ledger's amplification rests on is never the server's choice nor known to it.
+    Refused for local DP (its noise is per unit; the sample would amplify nothing against the node) and for a
+    membership the protocol did not declare."""
     rate = declared(protocol, privatizer.plan.model).sampling_rate
     if "sampled" not in broadcast:
         return broadcast
@@ -298,8 +300,8 @@ def nodes_draw_membership(
     if privatizer.plan.model is not DpModel.DISTRIBUTED:
         raise ValueError(f"dp_model {privatizer.plan.model.value} does not support Poisson sampling")
     server = broadcast["sampled"]
-    if server.shape != (sum(len(r) for r in ranges),):
-        raise ValueError(f"{protocol.name}'s membership covers {tuple(server.shape)}, not the nodes' units")
+    if server.shape != (num_units,) or any(not 0 <= r.start <= r.stop <= num_units for r in ranges):
+        raise ValueError(f"{protocol.name}'s membership covers {tuple(server.shape)}, not the nodes' {num_units} units")
     mine = torch.zeros(server.shape, dtype=server.dtype)
     for span in ranges:
         ids = torch.arange(span.start, span.stop)
@@ -307,6 +309,43 @@ def nodes_draw_membership(
             privatizer.noise_seed, round, ids, rate, privatizer.secure
         ).to(server.dtype)
     return {**broadcast, "sampled": mine.to(server.device)}
+
+
+def count_digits(bits: int, nodes: int, num_units: int) -> tuple[int, int]:
+    """(base r, digits L) in which each of ``nodes`` nodes writes a count of at most ``num_units`` so that
+    the nodes' digits summed mod 2^``bits`` never wrap (nodes·(r − 1) < 2^bits) and L digits hold any total
+    up to ``num_units`` (r^L > num_units): a count that reaches the server only inside the modular sum.
+    ValueError when no base ≥ 2 fits (nodes ≥ 2^bits)."""
+    base = (2**bits - 1) // nodes + 1
+    if base < 2:
+        raise ValueError(
+            f"{nodes} nodes' unit counts cannot be summed in {bits} bits without wrapping; use more --bits"
+        )
+    digits, reach = 1, base
+    while reach <= num_units:
+        digits, reach = digits + 1, reach * base
+    return base, digits
+
+
+def count_vector(counts: Sequence[int], base: int, digits: int) -> Tensor:
+    """Non-negative ``counts`` as ``digits`` base-``base`` digits each, least significant first (int64)."""
+    out = []
+    for value in counts:
+        if not 0 <= value < base**digits:
+            raise ValueError(f"count {value} does not fit {digits} base-{base} digits")
+        for _ in range(digits):
+            value, digit = divmod(value, base)
+            out.append(digit)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def counts_of(vector: Tensor, base: int, digits: int) -> list[int]:
+    """:func:`count_vector`'s inverse on a sum of such vectors (each position below 2^bits: no wrap)."""
+    values = [int(v) for v in vector.tolist()]
+    return [
+        sum(values[i + k] * base**k for k in range(digits))
+        for i in range(0, len(values) - len(values) % digits, digits)
+    ]
 
 
 @dataclass
@@ -342,7 +381,7 @@ def node_round(
     False: each unit's contribution by ``client_update`` on it alone (the reference path)."""
     plan = privatizer.plan
     ranges = list(unit_ranges(source.num_units, plan.nodes, plan.users_per_node))
-    broadcast = nodes_draw_membership(protocol, round, broadcast, privatizer, ranges)
+    broadcast = nodes_draw_membership(protocol, round, broadcast, privatizer, ranges, source.num_units)
     ids, samples = protocol.units_needed(round, broadcast)
     specs = protocol.stat_specs(round)
     encoders: list[NodeEncoder] = []
@@ -516,11 +555,6 @@ def node_side_privatizer(
             f"dp_model local does not support Poisson sampling ({protocol.name} samples at "
             f"{side.sampling_rate:g}): each unit's noise is its own, and its node knows whether it took part"
         )
-    if side.sampling_rate < 1.0 and options.runtime is not Runtime.LOCAL:
-        raise ValueError(
-            f"dp_model distributed with Poisson sampling runs on the local runtime only: its nodes draw their "
-            f"units' memberships (on {options.runtime.value} the nodes would take the server's draw)"
-        )
     if model is DpModel.LOCAL:
         local = dist.LocalPrivatizer(
             noise_seed,
@@ -552,6 +586,11 @@ def node_side_privatizer(
         release_ratio=z / next(iter(calibrations.table.values())) if len(calibrations.table) == 1 and z > 0 else 1.0,
         neighbours=relation,
     )
+    if side.sampling_rate < 1.0 and options.runtime is not Runtime.LOCAL:
+        try:  # each node's counts travel inside the secure sum: a count in the clear would name its sample
+            count_digits(plan.bits, nodes, num_units)
+        except ValueError as e:
+            raise ValueError(f"dp_model distributed with Poisson sampling on {options.runtime.value}: {e}") from None
     privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
     privatizer.dropout, privatizer.dropout_seed = options.node_dropout, rotation_seed
     return privatizer

@@ -210,11 +210,17 @@ def _nbytes(units: Units) -> int:
     return sum(t.numel() * t.element_size() for t in units.values())
 
 
-def units_contributed(protocol: Protocol, round: int, broadcast: Mapping[str, torch.Tensor], units: Units) -> int:
+def units_contributed(
+    protocol: Protocol, round: int, broadcast: Mapping[str, torch.Tensor], units: Units, own_draw: bool = False
+) -> int:
     """How many of ``units`` this node's message for ``round`` is computed over: the round's cohort
     (``units_in_round``: a cycle's block) narrowed to the ids ``client_update`` reads (``units_needed``: a
-    Poisson cohort's sampled members), so a min-units check counts the users the message really holds."""
+    Poisson cohort's sampled members), so a min-units check counts the users the message really holds.
+    ``own_draw`` (distributed DP: the node draws its units' Poisson membership itself): the cohort before the
+    draw, as a refusal on the sampled count would tell the server how many of this node's users were sampled."""
     count = protocol.units_in_round(round, units)
+    if own_draw and "sampled" in broadcast:
+        return count
     needed, _ = protocol.units_needed(round, broadcast)
     if needed is None:
         return count
@@ -369,7 +375,8 @@ def _train(
         check_broadcast(broadcast, task.broadcast, task.round)
     units = node_units(job, data_file, node, task.start, task.stop)
     if policy is not None:  # the users this round's message would be computed over (a cohort may be fewer)
-        check_task(policy, job.algorithm, config, units_contributed(node.protocol, task.round, broadcast, units))
+        contributed = units_contributed(node.protocol, task.round, broadcast, units, own_draw=node_side)
+        check_task(policy, job.algorithm, config, contributed)
     secagg_node: Any = None
     if side is not None and side.plan.model.value == "distributed":
         from fedpers.runtime.flower.secaggplus import RELAY_IDS, receive_relays
@@ -387,7 +394,16 @@ def _train(
 
         partition = int(_node_config(context, codec.PARTITION_ID))
         mine = node_message(
-            node.protocol, task.round, on_device, units, task.start, task.stop, side.plan, partition, settings
+            node.protocol,
+            task.round,
+            on_device,
+            units,
+            task.start,
+            task.stop,
+            side.plan,
+            partition,
+            settings,
+            node.node.num_units,
         )
         if secagg_node is not None:
             from fedpers.runtime.flower.secaggplus import mask

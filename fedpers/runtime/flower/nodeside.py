@@ -32,7 +32,7 @@ import hashlib
 import io
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,11 @@ RELEASE_ROUND, RELEASE_COUNT, RELEASE_ZEROED, RELEASE_NODES = (
 SEED, SECURE, NODE = "noise-seed", "secure", "node"
 """Fields a node never takes from a message (its noise and its identity are its own): a task carrying one
 is refused (rule ``node-noise``)."""
+UNIT_COUNTS = "fedpers.unit-counts"
+"""Reply entry under distributed DP with Poisson cohorts: the node's unit count and zeroed count as digits
+(:func:`~fedpers.runtime.distributed.count_vector`), masked and summed by SecAgg+ with its statistics, so the
+server learns only the survivors' totals (as the local runtime's server does); the reply's clear counts are 0.
+A node's own count would tell the server how many of its users were sampled (with one user per node: who)."""
 CHAIN = "fedpers.chain"
 """``context.state`` record: the server state this node derived for the run's latest round it reached."""
 
@@ -148,6 +153,14 @@ def check_plan(text: str, plan: dist.DistributedPlan, derived: dist.DistributedP
         )
 
 
+def hides_counts(protocol: Protocol, plan: dist.DistributedPlan) -> bool:
+    """Whether the nodes' unit counts travel inside the secure sum (:data:`UNIT_COUNTS`): distributed DP with
+    the nodes drawing Poisson memberships."""
+    from fedpers.runtime.distributed import declared
+
+    return plan.model is DpModel.DISTRIBUTED and declared(protocol, plan.model).sampling_rate < 1.0
+
+
 def node_message(
     protocol: Protocol,
     round: int,
@@ -158,12 +171,15 @@ def node_message(
     plan: dist.DistributedPlan,
     partition: int,
     settings: NodeSettings,
+    num_units: int = 0,
 ) -> Message:
     """Node side: this node's vector per statistic (distributed: int64 mod 2^b, still to be masked; local:
     its units' noisy sum), each unit's contribution encoded on its own as the local runtime's nodes do
     (:func:`fedpers.runtime.distributed.encode_node`), from the plan the node derived and with noise from
-    its own settings (OS entropy unless its own config seeds it)."""
-    from fedpers.runtime.distributed import encode_node
+    its own settings (OS entropy unless its own config seeds it). Under Poisson cohorts the node draws its
+    own units' membership as the local runtime's nodes do (any ``sampled`` in ``broadcast`` is replaced) and
+    its counts go into :data:`UNIT_COUNTS` (``num_units``: the run's units, which the digits must hold)."""
+    from fedpers.runtime.distributed import count_digits, count_vector, encode_node, nodes_draw_membership
 
     secure = settings.noise_seed is None
     seed = 0 if settings.noise_seed is None else int(settings.noise_seed)
@@ -172,6 +188,9 @@ def node_message(
         if plan.model is DpModel.DISTRIBUTED
         else dist.LocalPrivatizer(seed, plan, secure=secure)
     )
+    if "sampled" in broadcast:  # the membership of the broadcast this node derived: the run's units
+        num_units = int(broadcast["sampled"].numel())
+        broadcast = nodes_draw_membership(protocol, round, broadcast, privatizer, [range(start, stop)], num_units)
     ids, _ = protocol.units_needed(round, broadcast)
     members = torch.arange(start, stop)
     if ids is not None:
@@ -179,6 +198,10 @@ def node_message(
     message = encode_node(protocol, round, broadcast, [units], members, privatizer, partition)
     if plan.model is DpModel.DISTRIBUTED:
         reduced = {k: dist.modular(v, plan.encodings[k].bits) for k, v in message.stats.items()}
+        if hides_counts(protocol, plan):
+            base, digits = count_digits(plan.bits, plan.nodes, num_units)
+            reduced[UNIT_COUNTS] = count_vector([message.count, message.zeroed], base, digits)
+            return Message(reduced, 0, 0)
         return Message(reduced, message.count, message.zeroed)
     return message
 
@@ -319,12 +342,16 @@ def derive_broadcast(
 def check_broadcast(derived: Mapping[str, Tensor], sent: Mapping[str, Tensor], round: int) -> None:
     """Refuse a task whose broadcast is not the one the node derives: names, shapes and dtypes equal, values
     equal up to the rounding of another machine's floating point (each tensor within 10³ machine epsilons
-    of its largest entry)."""
+    of its largest entry). A Poisson membership ``sampled`` is not compared: the node draws its own units'
+    (:func:`node_message` replaces it, or refuses a protocol that declares no sampling rate), so whatever
+    the server sent there moves nothing the node releases."""
     if set(derived) != set(sent):
         raise _refuse(
             "plan-broadcast", f"round {round}'s broadcast names {sorted(sent)}, the protocol derives {sorted(derived)}"
         )
     for name, mine in derived.items():
+        if name == "sampled":
+            continue
         theirs = sent[name]
         if tuple(theirs.shape) != tuple(mine.shape) or theirs.dtype != mine.dtype:
             raise _refuse("plan-broadcast", f"round {round}'s broadcast {name!r} is not the one this node derives")
@@ -366,18 +393,30 @@ class NodeSideGather:
         self.num_units, self.device = num_units, device
         self.released: Released | None = None
         """The latest round's release, which the next round's tasks carry."""
+        self.digits: tuple[int, int] | None = None
+        """(base, digits) of :data:`UNIT_COUNTS` when the nodes' counts arrive inside the sum, else None."""
+        if hides_counts(protocol, privatizer.plan):
+            from fedpers.runtime.distributed import count_digits
+
+            self.digits = count_digits(privatizer.plan.bits, privatizer.plan.nodes, num_units)
         self.survive: Callable[[int, int], bool] | None = None
         if privatizer.dropout > 0:
             from fedpers.runtime.distributed import dropouts
 
             self.survive = dropouts(privatizer.dropout, privatizer.dropout_seed)
 
+    def _size(self, name: str) -> int:
+        """Length of entry ``name`` of a node's (masked) vector."""
+        if name == UNIT_COUNTS and self.digits is not None:
+            return 2 * self.digits[1]
+        return self.privatizer.plan.encodings[name].padded
+
     def _vector(self, name: str, value: Tensor) -> Tensor | None:
         plan = self.privatizer.plan
-        enc = plan.encodings[name]
         if plan.model is DpModel.DISTRIBUTED:
-            ok = value.dtype == torch.int64 and tuple(value.shape) == (enc.padded,)
-            return value if ok and bool(((value >= 0) & (value < 2**enc.bits)).all()) else None
+            ok = value.dtype == torch.int64 and tuple(value.shape) == (self._size(name),)
+            return value if ok and bool(((value >= 0) & (value < 2**plan.bits)).all()) else None
+        enc = plan.encodings[name]
         ok = value.dtype == torch.float64 and tuple(value.shape) == (enc.dim,)
         return value if ok and bool(torch.isfinite(value).all()) else None
 
@@ -389,13 +428,14 @@ class NodeSideGather:
             self.secure.setup(round)
         sent: dict[int, dict[str, Tensor]] = {}
         counts: dict[int, tuple[int, int]] = {}
+        names = [s.name for s in specs] + ([UNIT_COUNTS] if self.digits is not None else [])
         for node, reply in enumerate(self.inner(round, broadcast)):
             if reply.message is None or (self.survive is not None and not self.survive(round, node)):
                 continue
             stats = reply.message.stats
-            if set(stats) != {s.name for s in specs}:
+            if set(stats) != set(names):
                 continue
-            vectors = {s.name: self._vector(s.name, stats[s.name]) for s in specs}
+            vectors = {name: self._vector(name, stats[name]) for name in names}
             if any(v is None for v in vectors.values()) or not 0 <= reply.message.count <= reply.max_units:
                 continue
             sent[node] = {k: v for k, v in vectors.items() if v is not None}
@@ -405,14 +445,19 @@ class NodeSideGather:
                 f"round {round}: {len(sent)} of {plan.nodes} nodes answered, below min_nodes={plan.min_nodes}; "
                 "the round is discarded before any release"
             )
-        sums, summed = self._sums(round, sent, specs)
+        sums, summed = self._sums(round, sent, names)
         if len(summed) < plan.min_nodes:  # the nodes whose input and noise the sum holds, not those that answered
             raise RoundFailed(
                 f"round {round}: the sum holds {len(summed)} of {plan.nodes} nodes, below min_nodes={plan.min_nodes}; "
                 "the round is discarded before any release"
             )
-        count = sum(counts[p][0] for p in summed)
-        zeroed = sum(counts[p][1] for p in summed)
+        if self.digits is not None:  # the survivors' totals, the only counts the server learns
+            from fedpers.runtime.distributed import counts_of
+
+            count, zeroed = (min(max(c, 0), self.num_units) for c in counts_of(sums.pop(UNIT_COUNTS), *self.digits))
+        else:
+            count = sum(counts[p][0] for p in summed)
+            zeroed = sum(counts[p][1] for p in summed)
         out: dict[str, Tensor] = {}
         suspected = 0
         for s in specs:
@@ -432,16 +477,16 @@ class NodeSideGather:
         return [ClientReply("nodes", self.num_units, Message(out, count, zeroed), aggregate=True)]
 
     def _sums(
-        self, round: int, sent: Mapping[int, Mapping[str, Tensor]], specs: Any
+        self, round: int, sent: Mapping[int, Mapping[str, Tensor]], entries: Sequence[str]
     ) -> tuple[dict[str, Tensor], list[int]]:
-        """The statistics' sums, and the nodes they hold: unmasked by SecAgg+ over the survivors that signed
+        """The ``entries``' sums, and the nodes they hold: unmasked by SecAgg+ over the survivors that signed
         (the server never adds or sees an unmasked node vector), or plainly added (local DP)."""
         if self.secure is None:
-            return {s.name: torch.stack([v[s.name] for v in sent.values()]).sum(dim=0) for s in specs}, sorted(sent)
+            return {k: torch.stack([v[k] for v in sent.values()]).sum(dim=0) for k in entries}, sorted(sent)
         from fedpers.runtime.flower.secaggplus import concat
 
-        names = sorted(s.name for s in specs)
-        sizes = [self.privatizer.plan.encodings[k].padded for k in names]
+        names = sorted(entries)
+        sizes = [self._size(k) for k in names]
         masked = {p: concat(v, names) for p, v in sent.items()}
         total, summed = self.secure.unmask(round, masked, sum(sizes))
         return dict(zip(names, torch.split(torch.from_numpy(total), sizes), strict=True)), summed
