@@ -8,10 +8,9 @@ Every primitive is a library's: X25519 key agreement, Ed25519 signatures, HKDF-S
 secret sharing is PyCryptodome's (``Crypto.Protocol.SecretSharing.Shamir``, over GF(2^128), the scheme
 Flower's ``secure_aggregation.crypto.shamir`` wraps), called once per secret: both shared secrets are
 16-byte seeds (one field element), the self-mask seed b_i and the seed the mask key s_i^sk is derived
-from by HKDF, so a node splits two field elements a round and the server rebuilds one per survivor or
-dropped node, all of them in one batch (:func:`combine_secrets`, equal to one ``Shamir.combine`` each;
-Flower's wrapper pads a 32-byte key to three elements and starts a thread pool on every call).
-Flower's own ``pseudo_rand_gen`` is not used: it folds the seed to 32 bits and draws from
+from by HKDF, so a node splits two field elements a round and the server combines one per survivor or
+dropped node (Flower's wrapper pads a 32-byte key to three elements and starts a thread pool on every
+call). Flower's own ``pseudo_rand_gen`` is not used: it folds the seed to 32 bits and draws from
 ``[0, range − 1)``, so its masks are neither secret enough nor uniform.
 
 The protocol, one instance per round (public: the node ids, the neighbour graph, the threshold
