@@ -130,39 +130,6 @@ def test_any_threshold_shares_rebuild_a_seed_and_fewer_or_malformed_ones_do_not(
     assert secagg.mask_key(seed, tag).private_bytes_raw() != secagg.mask_key(seed, tag + b"!").private_bytes_raw()
 
 
-def test_batched_combine_equals_one_combine_per_secret_on_every_index_set():
-    """The server's batched combine gives, for each secret, what ``Shamir.combine`` of its t lowest-indexed
-    shares gives: the seeds themselves for honest shares (batched index sets of ≥ BATCH_MIN secrets and
-    lone ones mixed), and the same wrong value for a tampered share (one linear map, not a different
-    function); too few shares, a short share or a repeated index is refused as before."""
-    import os
-    import random
-
-    rng = random.Random(5)
-    t, holders = 4, 7
-    seeds = [os.urandom(secagg.SEED_BYTES) for _ in range(3 * secagg.BATCH_MIN + 5)]
-    groups = []
-    for k, seed in enumerate(seeds):
-        shares = secagg.split_secret(seed, t, holders)
-        if k % 3 == 2:  # a lone index set: a random t-or-more subset, in a random order
-            shares = rng.sample(shares, rng.randint(t, holders))
-        groups.append(shares)
-    assert secagg.combine_secrets(groups, t) == seeds
-    tampered = [list(g) for g in groups]
-    for g in tampered[:: secagg.BATCH_MIN // 2]:
-        low = min(range(len(g)), key=lambda i: int.from_bytes(g[i][:4], "little"))
-        g[low] = g[low][:4] + bytes(b ^ 0x5A for b in g[low][4:])
-    one_by_one = [secagg.combine_secret(sorted(g, key=lambda s: int.from_bytes(s[:4], "little"))[:t]) for g in tampered]
-    assert secagg.combine_secrets(tampered, t) == one_by_one
-    assert sum(a != b for a, b in zip(one_by_one, seeds, strict=True)) == len(tampered[:: secagg.BATCH_MIN // 2])
-    with pytest.raises(AggregationAborted, match="below threshold"):
-        secagg.combine_secrets([groups[0][: t - 1]], t)
-    with pytest.raises(AggregationAborted, match="20 bytes"):
-        secagg.combine_secrets([[groups[0][0][:-1], *groups[0][1:]]], t)
-    with pytest.raises(AggregationAborted, match="do not combine"):
-        secagg.combine_secrets([[groups[0][0], groups[0][0], *groups[0][1:]]], t)
-
-
 def test_a_node_agrees_each_channel_once_a_round_across_its_stored_state(monkeypatch):
     """The channel keys a node agreed at *share* travel in its own state to the masked stage: restored from
     that state it decrypts its neighbours' relayed shares with no second X25519 agreement, and a forged

@@ -48,7 +48,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from Crypto.Protocol.SecretSharing import Shamir
@@ -143,75 +143,6 @@ def combine_secret(shares: Sequence[bytes]) -> bytes:
         return bytes(Shamir.combine(points, ssss=False))
     except ValueError as e:  # a repeated index
         raise AggregationAborted(f"Shamir shares do not combine: {e}") from None
-
-
-BATCH_MIN = 8
-"""Secrets sharing one set of holder indices from which :func:`combine_secrets` combines them as a batch
-(fewer: one ``Shamir.combine`` each; a batch's map costs about ten combines to build)."""
-
-
-def _share_point(share: bytes) -> tuple[int, bytes]:
-    if len(share) != SHARE_BYTES:
-        raise AggregationAborted(f"a Shamir share must be {SHARE_BYTES} bytes; got {len(share)}")
-    return int.from_bytes(share[:4], "little"), bytes(share[4:])
-
-
-def _bits(elements: bytes, count: int) -> np.ndarray:
-    """``count`` GF(2^128) elements as PyCryptodome encodes them (16 bytes, big-endian) → (count, 128) bits,
-    bit k the coefficient of x^k."""
-    raw = np.frombuffer(elements, dtype=np.uint8).reshape(count, 16)[:, ::-1]
-    return np.unpackbits(raw, axis=1, bitorder="little")
-
-
-@functools.lru_cache(maxsize=64)
-def _combine_map(indices: tuple[int, ...]) -> np.ndarray:
-    """The GF(2)-linear map (128·t × 128 bits) that ``Shamir.combine`` applies to the share values at these
-    holder indices: Σ_j λ_j y_j with λ_j PyCryptodome's own Lagrange coefficient (``Shamir.combine`` of
-    the unit vector e_j) and each product λ_j·x^k by its own field element type (one ×x a step)."""
-    from Crypto.Protocol.SecretSharing import _Element
-
-    rows = bytearray()
-    x = _Element(2)
-    for j in range(len(indices)):
-        unit = [(i, (1 if k == j else 0).to_bytes(SEED_BYTES, "big")) for k, i in enumerate(indices)]
-        term = _Element(Shamir.combine(unit, ssss=False))  # λ_j
-        for _ in range(128):  # row k of block j: λ_j · x^k
-            rows += term.encode()
-            term = cast(Any, term) * x  # its stub types the factor as int; the code multiplies two elements
-    return _bits(bytes(rows), 128 * len(indices)).astype(np.float32)
-
-
-def combine_secrets(groups: Sequence[Sequence[bytes]], threshold: int) -> list[bytes]:
-    """Each group's secret from its ``threshold`` shares of lowest holder index (the same as
-    :func:`combine_secret` of those: a group of fewer shares, a share of the wrong length, or two of one
-    index among them is refused, :class:`AggregationAborted`). Groups with one index set are combined as
-    a batch (at least :data:`BATCH_MIN` of them): ``Shamir.combine`` is linear in the share values, so
-    the batch is one product of their bits with the map :func:`_combine_map` builds from PyCryptodome's
-    own Lagrange coefficients and field multiplication (no field arithmetic of this module's)."""
-    chosen: list[list[tuple[int, bytes]]] = []
-    for g, shares in enumerate(groups):
-        points = sorted((_share_point(s) for s in shares), key=lambda p: p[0])[:threshold]
-        if len(points) < threshold:
-            raise AggregationAborted(f"secret {g}: {len(points)} shares, below threshold {threshold}")
-        if len({i for i, _ in points}) < threshold:
-            raise AggregationAborted(f"secret {g}: Shamir shares do not combine: two shares of one index")
-        chosen.append(points)
-    by_indices: dict[tuple[int, ...], list[int]] = {}
-    for g, points in enumerate(chosen):
-        by_indices.setdefault(tuple(i for i, _ in points), []).append(g)
-    out: list[bytes] = [b""] * len(chosen)
-    for indices, members in by_indices.items():
-        if len(members) < BATCH_MIN:
-            for g in members:
-                out[g] = bytes(Shamir.combine(chosen[g], ssss=False))
-            continue
-        values = b"".join(v for g in members for _, v in chosen[g])
-        y = _bits(values, len(members) * threshold).reshape(len(members), 128 * threshold)
-        bits = (y.astype(np.float32) @ _combine_map(indices)).astype(np.int64) & 1  # sums ≤ 128·t: exact
-        secrets = np.packbits(bits.astype(np.uint8), axis=1, bitorder="little")[:, ::-1]
-        for g, secret in zip(members, secrets, strict=True):
-            out[g] = secret.tobytes()
-    return out
 
 
 def mask_key(seed: bytes, round_tag: bytes) -> X25519PrivateKey:
@@ -582,24 +513,19 @@ class SecAggServer:
         for rev in revealed.values():
             for i, (kind, share) in rev.items():
                 by_kind.setdefault((kind, i), []).append(share)
+        for i in survivors:
+            shares = by_kind.get(("b", i), [])
+            if len(shares) < self.threshold:
+                raise AggregationAborted(f"node {i}: {len(shares)} shares of its self mask, below threshold")
+            total = np.remainder(
+                total - _self_mask(combine_secret(shares[: self.threshold]), self.round_tag, length, self.bits), m
+            )
         dropped = sorted(self.sharers - set(survivors))
-        for i in survivors:
-            if len(by_kind.get(("b", i), [])) < self.threshold:
-                raise AggregationAborted(
-                    f"node {i}: {len(by_kind.get(('b', i), []))} shares of its self mask, below threshold"
-                )
         for i in dropped:
-            if len(by_kind.get(("s", i), [])) < self.threshold:
-                raise AggregationAborted(
-                    f"dropped node {i}: {len(by_kind.get(('s', i), []))} shares of its mask key, below threshold"
-                )
-        # every secret the server needs, combined in one batch (the same secrets as one combine each)
-        wanted = [("b", i) for i in survivors] + [("s", i) for i in dropped]
-        secrets = dict(zip(wanted, combine_secrets([by_kind[w] for w in wanted], self.threshold), strict=True))
-        for i in survivors:
-            total = np.remainder(total - _self_mask(secrets["b", i], self.round_tag, length, self.bits), m)
-        for i in dropped:
-            key = mask_key(secrets["s", i], self.round_tag)
+            shares = by_kind.get(("s", i), [])
+            if len(shares) < self.threshold:
+                raise AggregationAborted(f"dropped node {i}: {len(shares)} shares of its mask key, below threshold")
+            key = mask_key(combine_secret(shares[: self.threshold]), self.round_tag)
             for j in self.graph[i]:
                 if j not in masked or j not in self.keys:
                     continue
