@@ -311,7 +311,6 @@ def test_a_node_encodes_in_blocks_without_changing_a_bit(model, monkeypatch):
         s.name: torch.randn(100, dist.flat_dim(s.shape, s.symmetric), dtype=torch.float64, generator=g) for s in specs
     }
     whole = distributed.encode_rows(rows, ids, specs, p.privatizer, 1)
-    monkeypatch.setattr(distributed, "ENCODE_BLOCK", 7)
-    monkeypatch.setattr(dist, "NOISE_BLOCK", 7)
+    monkeypatch.setattr(dist, "UNIT_BLOCK", 7)
     blocked = distributed.encode_rows(rows, ids, specs, p.privatizer, 1)
     assert _equal(blocked, whole) and len(whole) == 2

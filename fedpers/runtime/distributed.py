@@ -140,12 +140,6 @@ def unit_rows(
     return rows, got.ids.cpu(), zeroed
 
 
-ENCODE_BLOCK = 256
-"""Units a node scales, rotates and rounds at once (distributed DP): their temporaries stay in cache, where a
-share of 2,048 units' each streamed from memory (DPALS's D = 1,024 on one thread: 31–33 ns a coordinate
-in blocks of 128–512 units against 51 ns in one block of 2,048)."""
-
-
 def encode_rows(
     rows: Mapping[str, Tensor], ids: Tensor, specs: Sequence[StatSpec], privatizer: dist.NodeSidePrivatizer, round: int
 ) -> dict[str, Tensor]:
@@ -160,14 +154,7 @@ def encode_rows(
         enc = plan.encodings[s.name]
         if plan.model == dist.DpModel.DISTRIBUTED:
             draws = dist.unit_randomness(privatizer.noise_seed, round, s.name, ids, privatizer.secure)
-            x, n = rows[s.name], int(ids.shape[0])
-            if not isinstance(draws, Tensor) or n <= ENCODE_BLOCK:
-                out[s.name] = dist.encode_units(x, enc, draws)
-                continue
-            # each unit rounds from its own key and the sums are integers: the blocks change no bit
-            out[s.name] = dist.encode_units(x[:ENCODE_BLOCK], enc, draws[:ENCODE_BLOCK])
-            for lo in range(ENCODE_BLOCK, n, ENCODE_BLOCK):
-                out[s.name] += dist.encode_units(x[lo : lo + ENCODE_BLOCK], enc, draws[lo : lo + ENCODE_BLOCK])
+            out[s.name] = dist.encode_units(rows[s.name], enc, draws)
         else:
             draws = dist.unit_randomness(privatizer.noise_seed, round, s.name, ids, privatizer.secure, "noise")
             out[s.name] = dist.local_gaussian(rows[s.name], plan.noise_multiplier * enc.bound, draws, privatizer.secure)
