@@ -164,7 +164,7 @@ def _aligned(n: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     boundary, as a fresh allocation of one would (torch's CPU allocator aligns to 64 bytes)."""
     if _naturally_aligned(shape, dtype):  # every entry of a contiguous batch starts on one already
         return torch.empty(n, *shape, dtype=dtype, device=device)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     per = math.prod(shape)
     stride = -(-per * size // 64) * 64 // size
     base = torch.empty(n * stride + 64 // size, dtype=dtype, device=device)
@@ -174,7 +174,7 @@ def _aligned(n: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
 
 
 def _naturally_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-    return (math.prod(shape) * torch.empty((), dtype=dtype).element_size()) % 64 == 0
+    return (math.prod(shape) * dtype.itemsize) % 64 == 0
 
 
 def _offset_free_solves(k: int, dtype: torch.dtype) -> bool:
@@ -265,11 +265,9 @@ def unit_item_counts(
     """:func:`item_counts` of each user alone, (n, items + 1) each: row j's selected ratings and indicators
     added into zeros at its items (in its own order, as the one-user sum adds them), its totals entry set."""
     sel, r = clipped_selection(ratings, mask, items_per_user, rating_bound)
-    n, width = sel.shape
+    n = sel.shape[0]
     root_b = math.sqrt(items_per_user)
-    where = sel.reshape(-1).nonzero().squeeze(1)
-    users = torch.div(where, width, rounding_mode="floor")
-    dest = users * (n_items + 1) + items.reshape(-1).index_select(0, where)
+    where, _, dest = _selected_rows(items, sel, n_items + 1)
     s = torch.zeros(n, n_items + 1, dtype=ratings.dtype, device=ratings.device)
     c = torch.zeros(n, n_items + 1, dtype=ratings.dtype, device=ratings.device)
     s.view(-1).index_add_(0, dest, r.reshape(-1).index_select(0, where))
@@ -291,10 +289,8 @@ def unit_item_rows(
     CSR sum forms for it — so the same values as the user's own sum when no item is selected twice (a zero
     may differ in sign, which neither the encoding nor the local noise can see)."""
     outer, g_mag, r_unit, b_mag = factors
-    n, width = sel.shape
-    where = sel.reshape(-1).nonzero().squeeze(1)
-    users = torch.div(where, width, rounding_mode="floor")
-    dest = users * n_items + items.reshape(-1).index_select(0, where)
+    n = sel.shape[0]
+    where, users, dest = _selected_rows(items, sel, n_items)
     G = torch.zeros(n * n_items, outer.shape[1], dtype=outer.dtype, device=outer.device)
     b = torch.zeros(n * n_items, v_unit.shape[1], dtype=v_unit.dtype, device=v_unit.device)
     # each destination row once (a user's items are distinct here): copied, not added (6× faster)
@@ -302,6 +298,14 @@ def unit_item_rows(
     b_vals = r_unit.reshape(-1).index_select(0, where) * b_mag.index_select(0, users)
     b.index_copy_(0, dest, b_vals.unsqueeze(1) * v_unit.index_select(0, users))
     return G.view(n, n_items, -1), b.view(n, n_items, -1)
+
+
+def _selected_rows(items: Tensor, sel: Tensor, rows_per_user: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(flat positions of the selected entries, their users, their rows in an (n·rows_per_user, ·) array of
+    per-user item rows): where each selected (user, item) pair is written."""
+    where = sel.reshape(-1).nonzero().squeeze(1)
+    users = torch.div(where, sel.shape[1], rounding_mode="floor")
+    return where, users, users * rows_per_user + items.reshape(-1).index_select(0, where)
 
 
 def repeated_items(items: Tensor, sel: Tensor) -> Tensor:
