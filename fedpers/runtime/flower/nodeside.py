@@ -188,8 +188,7 @@ def node_message(
         if plan.model is DpModel.DISTRIBUTED
         else dist.LocalPrivatizer(seed, plan, secure=secure)
     )
-    if "sampled" in broadcast:  # the membership of the broadcast this node derived: the run's units
-        num_units = int(broadcast["sampled"].numel())
+    if "sampled" in broadcast:  # the node's own draw over the run's units (its job's count)
         broadcast = nodes_draw_membership(protocol, round, broadcast, privatizer, [range(start, stop)], num_units)
     ids, _ = protocol.units_needed(round, broadcast)
     members = torch.arange(start, stop)
