@@ -66,7 +66,9 @@ def test_one_masked_vector_is_uniform_chi_square():
     assert isinstance(masked, dict)
     y = masked[0]
     counts = np.bincount(y >> (bits - 6), minlength=64)  # 64 equal bins of [0, 2^12)
-    assert stats.chisquare(counts).pvalue > 1e-3
+    # OS entropy: no seed makes this repeatable, so the test fails falsely with probability 1e-7 (p is
+    # uniform under uniform masks); unmasked inputs all land in bin 0 (p ≈ 0)
+    assert stats.chisquare(counts).pvalue > 1e-7
     assert not np.array_equal(masked[0], masked[1])
 
 
