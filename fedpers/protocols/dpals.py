@@ -297,7 +297,7 @@ def unit_item_rows(
     G.index_copy_(0, dest, g_mag.index_select(0, users).unsqueeze(1) * outer.index_select(0, users))
     b_vals = r_unit.reshape(-1).index_select(0, where) * b_mag.index_select(0, users)
     b.index_copy_(0, dest, b_vals.unsqueeze(1) * v_unit.index_select(0, users))
-    return G.view(n, n_items, -1), b.view(n, n_items, -1)
+    return G.view(n, n_items, outer.shape[1]), b.view(n, n_items, v_unit.shape[1])  # n may be 0
 
 
 def _selected_rows(items: Tensor, sel: Tensor, rows_per_user: int) -> tuple[Tensor, Tensor, Tensor]:
