@@ -471,6 +471,16 @@ units' each streamed from memory (DPALS's D = 1,024 on one thread: 31–33 ns a 
 128–512 units against 51 ns in one block of 2,048)."""
 
 
+def clip_rows(x: Tensor, bound: float) -> Tensor:
+    """(U, d) → (U, d) float64 on the host, each row scaled to norm ≤ ``bound`` (a row within it is multiplied by
+    exactly 1.0: unchanged to the bit; one whose norm overflows becomes 0). Both node-side encodings apply it to
+    every unit's row, so the declared bound holds whatever the protocol's own clip computed from the broadcast
+    and the unit's data (float32 rounding, a numeric path no clip covers)."""
+    x = x.to(device="cpu", dtype=torch.float64)
+    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+    return x * torch.clamp(bound / torch.clamp(norms, min=1e-300), max=1.0)
+
+
 def encode_units(x: Tensor, enc: StatEncoding, generator: Randomness) -> Tensor:
     """Node side: (U, d) float contributions → (D,) int64 sum of their scaled, rotated,
     conditionally rounded vectors (each re-clipped to B first, so c̃ holds for every input).
@@ -489,9 +499,7 @@ def _encoded_sum(x: Tensor, enc: StatEncoding, generator: Randomness) -> Tensor:
     """:func:`encode_units` of one block of rows."""
     if x.shape[0] == 0:
         return torch.zeros(enc.padded, dtype=torch.int64)
-    x = x.to(device="cpu", dtype=torch.float64)
-    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-    x = x * torch.clamp(enc.bound / torch.clamp(norms, min=1e-300), max=1.0)
+    x = clip_rows(x, enc.bound)
     y = rotate(x * enc.scale, enc.rotation_seed, enc.padded)
     rounded = _rounded(y, enc.rounded_bound, generator)
     if (enc.rounded_bound + math.sqrt(enc.padded)) * rounded.shape[0] < 2.0**52:  # the float sum is exact

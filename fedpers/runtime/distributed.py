@@ -144,7 +144,8 @@ def encode_rows(
     rows: Mapping[str, Tensor], ids: Tensor, specs: Sequence[StatSpec], privatizer: dist.NodeSidePrivatizer, round: int
 ) -> dict[str, Tensor]:
     """What a batch of one node's units adds to its vectors: distributed, the sum of their scaled, rotated,
-    conditionally rounded rows (int64); local, the sum of their rows each with its own Gaussian. Each unit
+    conditionally rounded rows (int64); local, the sum of their rows each with its own Gaussian. Both re-clip
+    every row to its statistic's bound B first (:func:`~fedpers.privacy.distributed.clip_rows`). Each unit
     draws from its own key (:func:`~fedpers.privacy.distributed.unit_keys`, OS entropy with ``secure``),
     so replacing one unit moves only that unit's encoded row, and a unit's draws do not depend on the
     chunk or node it is computed in."""
@@ -157,7 +158,8 @@ def encode_rows(
             out[s.name] = dist.encode_units(rows[s.name], enc, draws)
         else:
             draws = dist.unit_randomness(privatizer.noise_seed, round, s.name, ids, privatizer.secure, "noise")
-            out[s.name] = dist.local_gaussian(rows[s.name], plan.noise_multiplier * enc.bound, draws, privatizer.secure)
+            clipped = dist.clip_rows(rows[s.name], enc.bound)  # B holds for every unit, as the rounding's re-clip
+            out[s.name] = dist.local_gaussian(clipped, plan.noise_multiplier * enc.bound, draws, privatizer.secure)
     return out
 
 
