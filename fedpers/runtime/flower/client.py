@@ -294,8 +294,10 @@ def _train(
         SECURE,
         SEED,
         check_broadcast,
+        check_once,
         check_plan,
         derive_broadcast,
+        mark_computed,
         read_plan,
     )
     from fedpers.runtime.flower.policy import PolicyRefused, check_bits, check_task, check_trust
@@ -373,6 +375,7 @@ def _train(
             check_bits(policy, side.plan.bits)
         broadcast = derive_broadcast(context, job, side, task.round, rec, message.content)
         check_broadcast(broadcast, task.broadcast, task.round)
+        check_once(context, task.round)
     units = node_units(job, data_file, node, task.start, task.stop)
     if policy is not None:  # the users this round's message would be computed over (a cohort may be fewer)
         contributed = units_contributed(node.protocol, task.round, broadcast, units, own_draw=node_side)
@@ -409,6 +412,7 @@ def _train(
             from fedpers.runtime.flower.secaggplus import mask
 
             mine = mask(secagg_node, mine, context, task.round)
+        mark_computed(context, task.round)
         symmetric: list[str] = []
     else:
         mine = client_message(node.protocol, task.round, on_device, units)

@@ -69,6 +69,10 @@ server learns only the survivors' totals (as the local runtime's server does); t
 A node's own count would tell the server how many of its users were sampled (with one user per node: who)."""
 CHAIN = "fedpers.chain"
 """``context.state`` record: the server state this node derived for the run's latest round it reached."""
+COMPUTED = "fedpers.computed"
+"""``context.state`` record: the rounds this node computed in this run. Each is computed once: a second
+computation of a round would add fresh noise to the same statistic, a release the plan never charges (with a
+lab policy the node's store answers an identical repeat with the stored reply before this is reached)."""
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,23 @@ def check_broadcast(derived: Mapping[str, Tensor], sent: Mapping[str, Tensor], r
                 "plan-broadcast",
                 f"round {round}'s broadcast {name!r} differs from the one the protocol derives from the run's releases",
             )
+
+
+def _computed(context: Context) -> list[int]:
+    held = context.state.config_records.get(COMPUTED)
+    rounds = [] if held is None else held.get("rounds", [])
+    return [int(r) for r in rounds] if isinstance(rounds, list) else []
+
+
+def check_once(context: Context, round: int) -> None:
+    """Refuse (rule ``plan-once``) a round this node already computed in this run."""
+    if int(round) in _computed(context):
+        raise _refuse("plan-once", f"round {round} was already computed in this run; each round is released once")
+
+
+def mark_computed(context: Context, round: int) -> None:
+    """Record that this node computed ``round`` (:func:`check_once`)."""
+    context.state.config_records[COMPUTED] = ConfigRecord({"rounds": [*_computed(context), int(round)]})
 
 
 # ----- server side ---------------------------------------------------------------------------------
