@@ -862,6 +862,27 @@ def check_rule_meets_target(
         )
 
 
+def meets_target(
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    z: float,
+    target_epsilon: float,
+    target_delta: float,
+    accountant: Accountant | str,
+    neighbours: Neighbours | str = Neighbours.REPLACE_ONE,
+) -> bool:
+    """Whether noise multiplier ``z`` meets the target (ε at ``target_delta`` ≤ ``target_epsilon``), at full
+    resolution: what a cached multiplier must pass, and what a node checks of a multiplier it is sent."""
+    relation = neighbours_of(neighbours)
+    if math.isinf(target_epsilon):
+        return True
+    # first on the event as the ledger composes the plan's releases: the ε a run of the plan
+    # reports is this one, computed once (the two forms' ε differ by ~1e-11 from rounding)
+    return (
+        event_epsilon(ledger_form(make_event(z)), target_delta, accountant, neighbours=relation) <= target_epsilon
+        or event_epsilon(make_event(z), target_delta, accountant, neighbours=relation) <= target_epsilon
+    )
+
+
 def _calibrate(
     make_event: Callable[[float], dp_accounting.DpEvent],
     target_epsilon: float,
@@ -886,16 +907,9 @@ def _calibrate(
     def eps_at(z: float) -> float:
         return event_epsilon(make_event(z), target_delta, accountant, neighbours=relation)
 
-    def checked(z: float) -> bool:
-        # first on the event as the ledger composes the plan's releases: the ε a run of the plan
-        # reports is this one, computed once (the two forms' ε differ by ~1e-11 from rounding)
-        return event_epsilon(
-            ledger_form(make_event(z)), target_delta, accountant, neighbours=relation
-        ) <= target_epsilon or (eps_at(z) <= target_epsilon)
-
     key = _cache_key(make_event, target_epsilon, target_delta, acc, relation)
     cached = calibration_cache.lookup(key) if key is not None else None
-    if cached is not None and checked(cached):
+    if cached is not None and meets_target(make_event, cached, target_epsilon, target_delta, accountant, relation):
         return cached  # what the solve below returned for this key; its ε still checked at full resolution
     z = _solve_calibration(make_event, target_epsilon, target_delta, acc, eps_at, relation)
     if key is not None:

@@ -30,6 +30,8 @@ from fedpers.configs.runtime import Runtime, RuntimeOptions
 from fedpers.data.units import UnitSource
 from fedpers.privacy import distributed as dist
 from fedpers.privacy import secagg
+from fedpers.privacy.accountant import Calibrations, meets_target
+from fedpers.privacy.refusal import RefusedBeforeRelease
 from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, unit_contributions
 from fedpers.runtime.checkpoint import Checkpointer
 from fedpers.runtime.driver import ClientReply, RoundFailed, RoundRecord, drive
@@ -545,6 +547,29 @@ def run_local_nodes(
     )
 
 
+def check_calibration(calibrations: dist.RecordingCalibrations) -> None:
+    """Refuse (:class:`~fedpers.privacy.refusal.RefusedBeforeRelease`) a table whose noise multiplier for the
+    protocol's calibration is below what the accountant solves for that calibration's own target: the table
+    travels in the job, the server's word, and under local DP the nodes add exactly its z. A z at least the
+    node's own solve (its calibration cache's, bit for bit, on the server's code) passes as it is; one a little
+    below (another machine's solve) passes if it meets the target at full resolution; one below 0.9 of it
+    cannot (the solve's steps are at most 1 %) and is refused without an accounting at that noise (minutes
+    at 1/100 of the noise)."""
+    table = Calibrations(calibrations.table)  # answers from the table; solves only a key it lacks
+    for (make_event, epsilon, delta, accountant), relation in zip(
+        calibrations.asked, calibrations.relations, strict=True
+    ):
+        z = table(make_event, epsilon, delta, accountant, relation)
+        own = Calibrations()(make_event, epsilon, delta, accountant, relation)
+        if z >= own:
+            continue
+        if z < 0.9 * own or not meets_target(make_event, z, epsilon, delta, accountant, relation):
+            raise RefusedBeforeRelease(
+                f"the job's noise multiplier {z:.6g} does not meet its own target (epsilon={epsilon:g}, delta={delta:g} "
+                f"by {accountant}: at least {own:.6g}); the nodes' noise is not lowered on the server's word"
+            )
+
+
 def node_side_privatizer(
     protocol: Protocol,
     num_units: int,
@@ -577,6 +602,8 @@ def node_side_privatizer(
             f"{side.sampling_rate:g}): each unit's noise is its own, and its node knows whether it took part"
         )
     if model is DpModel.LOCAL:
+        if calibrations.asked:  # the nodes' noise is the table's z itself: it must meet the run's own target
+            check_calibration(calibrations)
         local = dist.LocalPrivatizer(
             noise_seed,
             dist.plan_local(stats, nodes=nodes, z=z, users_per_node=options.users_per_node),

@@ -74,7 +74,13 @@ class NodeJob:
             )
         key = trust.to_json()
         if key not in self.sides:
-            self.sides[key] = self.node.node_side(trust)
+            from fedpers.privacy.refusal import RefusedBeforeRelease
+            from fedpers.runtime.flower.policy import PolicyRefused
+
+            try:
+                self.sides[key] = self.node.node_side(trust)
+            except RefusedBeforeRelease as e:  # the job's own values cannot be noised as it claims
+                raise PolicyRefused("plan-noise", str(e)) from None
         return self.sides[key]
 
 
