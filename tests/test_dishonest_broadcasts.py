@@ -13,6 +13,7 @@ schedule (a round asked again, before and after others) and the job's own noise 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -29,7 +30,7 @@ from fedpers.runtime.distributed import encode_node
 from fedpers.runtime.flower import codec, nodeside
 from fedpers.runtime.flower.nodeplan import NODE_STORE_ENV, NodeLedger
 from tests.neighbours import adversaries
-from tests.test_dishonest_server import POLICY_ENV, RecordingGrid, first_task, on_flower, plan, policy_text, send
+from tests.test_dishonest_server import POLICY_ENV, SMALL, RecordingGrid, first_task, on_flower, plan, policy_text, send
 from tests.test_node_batched import NODE_SIDE, _broadcasts, _plan
 
 NODE_UNITS = 24
@@ -183,6 +184,39 @@ def test_without_a_store_a_node_computes_each_round_once(model: str) -> None:
     context = grid.context(0)  # the run's own Context of node 0
     for round in (0, 1):
         assert send(grid, 0, first_task(grid, 0, round).content, context) == "plan-once"
+
+
+def test_without_a_store_a_node_computes_no_round_past_the_plan() -> None:
+    """No lab policy, local DP, every user in every round (rounds 0..1): after the honest run the server asks
+    node 0 round 2, carrying a release of round 1 of its choosing (the node derives round 2's U from it).
+    Before, the node answered it: its 40 users' statistics once more, a release past the plan that no ledger
+    charges; now it is refused (rule ``plan-round``) before anything is derived or computed."""
+    p = plan(3, cfg={**SMALL, "cohorts": "all"}, dp_model="local", bits=0)
+    grid = RecordingGrid(make_client_app(), 3)
+    on_flower(p, grid)
+    context = grid.context(0)
+    task = codec.decode_task(first_task(grid, 0, 1).content)
+    side = build_node(task.job).node_side(task.job.trust)
+    stats = {
+        s.name: torch.eye(s.shape[0], dtype=torch.float64) if s.symmetric else torch.ones(s.shape, dtype=torch.float64)
+        for s in side.server_protocol.stat_specs(1)
+    }
+    extra = dict(nodeside.task_record(p.privatizer, 0, None, nodeside.Released(1, stats, 120, 0, 3)))
+    content = codec.encode_task(task.job, 2, range(task.start, task.stop), codec.broadcast_record({}))
+    for key, value in extra.items():
+        content[key] = value
+    trial = Context(
+        run_id=context.run_id,
+        node_id=context.node_id,
+        node_config=context.node_config,
+        state=copy.deepcopy(context.state),
+        run_config={},
+    )
+    derived = nodeside.derive_broadcast(trial, task.job, side, 2, content.config_records[nodeside.NODE_SIDE], content)
+    content = codec.encode_task(task.job, 2, range(task.start, task.stop), codec.broadcast_record(derived))
+    for key, value in extra.items():
+        content[key] = value
+    assert send(grid, 0, content, context) == "plan-round"
 
 
 # ----- the job: its noise calibration is the server's word ----------------------------------------

@@ -348,6 +348,10 @@ def _train(
         )  # the range asked for, before any user is loaded
     data_file = str(context.node_config.get(codec.DATA_FILE, "") or "")
     node = node_job(job, data_file, build)
+    if not 0 <= task.round < node.protocol.num_rounds:  # with or without a store: no release past the plan
+        raise PolicyRefused(
+            "plan-round", f"round {task.round} is outside the run's plan (rounds 0..{node.protocol.num_rounds - 1})"
+        )
     if gate is not None:  # the node's own units under the run's plan, never the server's word
         from fedpers.runtime.flower.nodeplan import plan_units
 
