@@ -248,10 +248,29 @@ MUTATIONS.update(
         ),
         "local DP noise at half its scale": (
             "fedpers/runtime/distributed.py",
-            "rows[s.name], plan.noise_multiplier * enc.bound, draws, privatizer.secure",
-            "rows[s.name], plan.noise_multiplier * enc.bound / 2, draws, privatizer.secure",
+            "clipped, plan.noise_multiplier * enc.bound, draws, privatizer.secure",
+            "clipped, plan.noise_multiplier * enc.bound / 2, draws, privatizer.secure",
             "tests/test_distributed.py",
             "tests/test_audit.py",
+        ),
+        # ----- what a dishonest server controls: the state the releases give, the job's calibration, the schedule -----
+        "local DP's units not re-clipped on their node": (
+            "fedpers/runtime/distributed.py",
+            "clipped = dist.clip_rows(rows[s.name], enc.bound)",
+            "clipped = rows[s.name]",
+            "tests/test_dishonest_broadcasts.py",
+        ),
+        "a local-DP node adds the job's calibrated z unchecked": (
+            "fedpers/runtime/distributed.py",
+            "        if calibrations.asked:  # the nodes' noise is the table's z itself",
+            "        if False:  # the nodes' noise is the table's z itself",
+            "tests/test_dishonest_broadcasts.py",
+        ),
+        "a node without a store computes a round twice": (
+            "fedpers/runtime/flower/client.py",
+            "        check_once(context, task.round)\n",
+            "        pass\n",
+            "tests/test_dishonest_broadcasts.py",
         ),
     }
 )
