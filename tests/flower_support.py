@@ -84,7 +84,7 @@ def faulty_client_app(faults: Mapping[int, str], from_round: int = 0) -> ClientA
             reply.stats = {k: v * scale for k, v in reply.stats.items()}
             reply.count = claimed
         return FlowerMessage(
-            codec.encode_reply(reply, 0.0, tag[codec.ROUND], tag[codec.DIGEST_OF_BROADCAST]), reply_to=message
+            codec.encode_reply(reply, tag[codec.ROUND], tag[codec.DIGEST_OF_BROADCAST]), reply_to=message
         )
 
     return app
