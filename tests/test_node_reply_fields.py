@@ -182,3 +182,38 @@ def test_a_poisson_run_directory_holds_no_cohort_size(tmp_path: Path) -> None:
         assert size not in (0, 1, 2, 3, 4, 16, 40, 160)  # numbers the plan writes (a false alarm otherwise)
         for path in sorted((tmp_path / "run").rglob("*.json*")):
             assert not _holds(path.read_text(), size), (path.name, size)
+
+
+def test_a_node_with_a_lab_policy_keeps_its_own_counts_in_its_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deployment's node (lab policy, OS-entropy noise) keeps each round's own counts in its run's entry of its
+    node store, labelled as not released: node 1, holding the overflowing user, records it zeroed in round 0,
+    while its replies carry counts 0."""
+    from fedpers.app import make_client_app
+    from fedpers.runtime.flower.nodeplan import NODE_STORE_ENV
+    from fedpers.runtime.flower.policy import POLICY_ENV
+    from tests.test_dishonest_server import on_flower as on_lab_flower
+    from tests.test_dishonest_server import plan, policy_text
+
+    (tmp_path / "policy.toml").write_text(policy_text())
+    monkeypatch.setenv(POLICY_ENV, str(tmp_path / "policy.toml"))
+    monkeypatch.setenv(NODE_STORE_ENV, str(tmp_path / "store"))
+    loaded = client.node_units
+
+    def node_units(job: Any, data_file: str, node: Any, start: int, stop: int) -> dict[str, torch.Tensor]:
+        units = loaded(job, data_file, node, start, stop)
+        return _overflowing(units, start) if start <= USER < stop else units
+
+    monkeypatch.setattr(client, "node_units", node_units)
+    p = plan(4, cfg={**VALUES, "rounds": 1})
+    grid = RecordingGrid(make_client_app(), 4)
+    _, records = on_lab_flower(p, grid)
+    assert len(records) == 2 and all(r.zeroed is None for r in records)
+    replies = [codec.decode_reply(m.content) for m in grid.received if m.metadata.message_type == "train"]
+    assert replies and all((r.count, r.zeroed) == (0, 0) for r in replies)
+    runs = json.loads((tmp_path / "store" / "lab-node-ledger.json").read_text())["runs"]
+    data = [entry["data"] for entry in runs.values()]
+    assert data and all("not released" in d["note"] for d in data)
+    zeroed = sorted(d["0"]["units_zeroed"] for d in data)
+    assert zeroed[-1] == 1 and sum(zeroed) == 1  # the overflowing user's node, round 0 (every user)
