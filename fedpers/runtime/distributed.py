@@ -508,7 +508,7 @@ def run_local_nodes(
 
     What the server side receives (round records, the release's count) holds only the plan's unit counts;
     the nodes' own (units taking part, units zeroed) go into ``summary`` (:class:`NodeSummary`, the operator
-    side), logged at the end of the run."""
+    side); a run that zeroed any is told so at its end (a warning of the ``fedpers.nodes`` logger)."""
     source = UnitSource.of(units)
     nodes_summary = summary if summary is not None else NodeSummary()
     n = source.num_units
@@ -551,11 +551,12 @@ def run_local_nodes(
         device=source.device,
         checkpoint=checkpoint,
     )
-    if nodes_summary.zeroed:
-        log.info(
-            "simulated nodes (%s): units zeroed %d over %d rounds",
+    zeroed = sum(nodes_summary.zeroed.values())
+    if zeroed:  # the operator's own line (stderr by default), as the data summary's counts are shown
+        log.warning(
+            "simulated nodes (%s): %d unit contributions zeroed (not finite) over %d rounds",
             NODE_SUMMARY_NOTE,
-            sum(nodes_summary.zeroed.values()),
+            zeroed,
             len(nodes_summary.zeroed),
         )
     return out

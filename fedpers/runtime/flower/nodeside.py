@@ -204,7 +204,8 @@ def node_summary(counts: NodeCounts, gate: Any = None) -> None:
     run's entry in its node store (:meth:`~fedpers.runtime.flower.nodeplan.NodeGate.summary`)."""
     import logging
 
-    logging.getLogger("fedpers.flower").info(
+    logging.getLogger("fedpers.flower").log(
+        logging.WARNING if counts.zeroed else logging.INFO,  # a zeroed unit is shown to its operator by default
         "round %d (%s): units taking part %d, units zeroed %d",
         counts.round,
         NODE_SUMMARY_NOTE,
