@@ -22,8 +22,8 @@ def test_secure_gaussian_has_the_declared_std_and_no_seed():
         torch.zeros(4000), per_unit_bound=2.0, noise_multiplier=1.5, name="x", round=0
     )
     # OS entropy, so no seed: 4,000 draws put the sample std at s.e. 1.1 % of σ = 3 and the mean at s.e. 0.047;
-    # ±7 % and ±0.3 are 6.3 sd each (false failure 4e-10 + 3e-10 a run), while σ off by a √2 factor (41 %) or
-    # by the bound (50 %) stays over 30 sd out, and a one-sided sampler's mean (2.4) 50 sd out
+    # ±7 % and ±0.3 are 6.3 sd each (false failure 4e-10 + 3e-10 a run), while σ off by √2 either way (−29 %,
+    # +41 %) or by the bound (−50 %) stays over 25 sd out, and a one-sided sampler's mean (2.4) 50 sd out
     assert a.std().item() == pytest.approx(3.0, rel=0.07) and abs(a.mean().item()) < 0.3
     assert not torch.equal(a, b)  # same seed, different noise: the seed is not used
 
