@@ -201,7 +201,7 @@ def test_without_a_store_a_node_computes_no_round_past_the_plan() -> None:
         s.name: torch.eye(s.shape[0], dtype=torch.float64) if s.symmetric else torch.ones(s.shape, dtype=torch.float64)
         for s in side.server_protocol.stat_specs(1)
     }
-    extra = dict(nodeside.task_record(p.privatizer, 0, None, nodeside.Released(1, stats, 120, 0, 3)))
+    extra = dict(nodeside.task_record(p.privatizer, 0, None, nodeside.Released(1, stats, 120, 3)))
     content = codec.encode_task(task.job, 2, range(task.start, task.stop), codec.broadcast_record({}))
     for key, value in extra.items():
         content[key] = value

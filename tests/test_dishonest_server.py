@@ -203,7 +203,7 @@ def test_a_node_side_run_never_gets_a_plain_answer_or_a_seed_from_a_message(stor
     side = nodeside.NodeSidePlan(p.privatizer.plan, node.protocol)
     units = node.units(torch.arange(0, 40))
     vectors = [
-        nodeside.node_message(node.protocol, 0, {}, units, 0, 40, side.plan, 0, nodeside.NodeSettings()).stats["W"]
+        nodeside.node_message(node.protocol, 0, {}, units, 0, 40, side.plan, 0, nodeside.NodeSettings())[0].stats["W"]
         for _ in range(2)
     ]
     assert not torch.equal(vectors[0], vectors[1])
@@ -398,7 +398,7 @@ class ShareLost(InProcessGrid):
                 names = [spec.name for spec in build_node(task.job).protocol.stat_specs(task.round)]
                 encs = {k: plan_.encodings[k] for k in names}
                 stats = {k: torch.randint(0, 2**e.bits, (e.padded,), dtype=torch.int64) for k, e in encs.items()}
-                reply = codec.encode_reply(Message(stats, task.stop - task.start), 0.0, task.round, task.digest)
+                reply = codec.encode_reply(Message(stats, 0), task.round, task.digest)  # an honest node's shape
                 self._replies[m.metadata.message_id] = FlowerMessage(reply, reply_to=m)
         return ids
 

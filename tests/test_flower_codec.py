@@ -20,7 +20,7 @@ from fedpers.runtime.flower.partition import unit_ranges
 
 def test_reply_round_trip_keeps_values_and_dtypes():
     msg = Message({"A": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float32)}, 7, 2)
-    back = codec.decode_reply(codec.encode_reply(msg, 0.5, 3, "d"), expect=(3, "d"))
+    back = codec.decode_reply(codec.encode_reply(msg, 3, "d"), expect=(3, "d"))
     assert back.count == 7 and back.zeroed == 2 and set(back.stats) == {"A", "b"}
     for k in msg.stats:
         assert back.stats[k].dtype == msg.stats[k].dtype
@@ -32,7 +32,7 @@ def test_a_reply_to_another_round_or_broadcast_is_refused():
     digest = codec.broadcast_digest(2, broadcast)
     assert digest != codec.broadcast_digest(1, broadcast)
     assert digest != codec.broadcast_digest(2, {"U": torch.eye(3, 2, dtype=torch.float64) * 2})
-    content = codec.encode_reply(Message({"b": torch.zeros(2)}, 1), 0.0, 2, digest)
+    content = codec.encode_reply(Message({"b": torch.zeros(2)}, 1), 2, digest)
     assert codec.decode_reply(content, expect=(2, digest)).count == 1
     with pytest.raises(codec.MalformedReply, match="replayed or stale"):
         codec.decode_reply(content, expect=(3, codec.broadcast_digest(3, broadcast)))
@@ -54,9 +54,9 @@ def test_messages_are_three_flower_objects_and_large_tensors_one_chunked_array(m
     broadcast = {"U": torch.randn(50, 3, dtype=torch.float64), "round": torch.tensor(2)}
     reply = Message({"A": torch.randn(150, 150, dtype=torch.float64), "b": torch.randn(150, dtype=torch.float64)}, 4)
     assert objects(codec.encode_task(job, 1, range(0, 5), codec.broadcast_record(broadcast))) == 3
-    assert objects(codec.encode_reply(reply, 0.1, 1, "d", symmetric=["A"])) == 3
+    assert objects(codec.encode_reply(reply, 1, "d", symmetric=["A"])) == 3
     monkeypatch.setattr(codec, "INLINE_BYTES", 1000)
-    content = codec.encode_reply(reply, 0.1, 1, "d", symmetric=["A"])
+    content = codec.encode_reply(reply, 1, "d", symmetric=["A"])
     assert objects(content) == 6  # + ArrayRecord, Array, its one chunk
     back = codec.decode_reply(content, expect=(1, "d"))
     assert torch.equal(back.stats["A"], reply.stats["A"].triu() + reply.stats["A"].triu(1).T) and torch.equal(
@@ -356,7 +356,7 @@ def test_symmetric_statistics_travel_as_their_upper_triangle():
     A = torch.randn(6, 6, dtype=torch.float64)
     A = A + A.T
     msg = Message({"A": A, "b": torch.ones(5, dtype=torch.float64)}, 3)
-    content = codec.encode_reply(msg, 0.1, 1, "d", symmetric=["A"])
+    content = codec.encode_reply(msg, 1, "d", symmetric=["A"])
     assert json.loads(content.config_records[codec.TAG][codec.LAYOUT])[0] == [
         "A",
         "<f8",
@@ -406,11 +406,11 @@ def test_the_server_skips_only_the_symmetry_check_of_what_it_rebuilt_from_a_tria
 
     S = torch.randn(5, 5, dtype=torch.float64)  # any numbers: the node is not trusted
     msg = Message({"A": S, "b": torch.ones(3, dtype=torch.float64)}, 2)
-    content = codec.encode_reply(msg, 0.1, 1, "d", symmetric=["A"])
+    content = codec.encode_reply(msg, 1, "d", symmetric=["A"])
     back, rebuilt = codec.decode_reply_symmetric(content, expect=(1, "d"))
     assert rebuilt == {"A"} and torch.equal(back.stats["A"], back.stats["A"].T)
     assert torch.equal(back.stats["A"].triu(), S.triu())
-    full, none = codec.decode_reply_symmetric(codec.encode_reply(msg, 0.1, 1, "d"), expect=(1, "d"))
+    full, none = codec.decode_reply_symmetric(codec.encode_reply(msg, 1, "d"), expect=(1, "d"))
     assert none == frozenset() and torch.equal(full.stats["A"], S)
 
     specs = (StatSpec("A", (5, 5), 100.0, symmetric=True), StatSpec("b", (3,), 100.0))
@@ -437,7 +437,7 @@ def test_a_layout_is_parsed_once_a_refused_one_every_time_and_a_long_one_never_c
     codec._cached_layout.cache_clear()
     msg = Message({"A": torch.randn(3, 3, dtype=torch.float64), "b": torch.arange(4, dtype=torch.int32)}, 1)
     for _ in range(3):
-        back = codec.decode_reply(codec.encode_reply(msg, 0.1, 1, "d", symmetric=[]), expect=(1, "d"))
+        back = codec.decode_reply(codec.encode_reply(msg, 1, "d", symmetric=[]), expect=(1, "d"))
         assert all(torch.equal(back.stats[k], v) for k, v in msg.stats.items())
     assert codec._cached_layout.cache_info().misses == 1 and codec._cached_layout.cache_info().hits == 2
     for _ in range(2):
@@ -445,7 +445,7 @@ def test_a_layout_is_parsed_once_a_refused_one_every_time_and_a_long_one_never_c
             codec.decode_reply(RecordDict({codec.TAG: _tag(**{codec.LAYOUT: F8(-1)})}))
     assert codec._cached_layout.cache_info().currsize == 1  # only the good layout is held
     many = {f"t{i:04d}": torch.tensor([float(i)]) for i in range(200)}  # a layout of ~4.6k characters
-    content = codec.encode_reply(Message(many, 1), 0.1, 1, "d")
+    content = codec.encode_reply(Message(many, 1), 1, "d")
     assert len(str(content.config_records[codec.TAG][codec.LAYOUT])) > codec.LAYOUT_CACHE_CHARS
     back = codec.decode_reply(content, expect=(1, "d"))
     assert all(torch.equal(back.stats[k], v) for k, v in many.items())

@@ -18,7 +18,7 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.privacy import distributed as dist
 from fedpers.protocols.base import unit_contributions
 from fedpers.runner import resolve
-from fedpers.runtime.distributed import run_local_nodes
+from fedpers.runtime.distributed import NodeSummary, run_local_nodes
 
 NODE_SIDE: dict[str, dict[str, Any]] = {
     "altmin": {"n_users": 300, "dim": 5, "rank": 2, "samples_per_user": 16, "rounds": 2},
@@ -67,17 +67,25 @@ def _equal(a: Any, b: Any) -> bool:
 def test_batched_runs_equal_the_per_unit_path_bit_for_bit(name, model):
     """Fixed seeds, float64: the whole run through the batched path (chunks of 64 units, so a node spans
     several) and through ``client_update`` on each unit alone give the same state, ledger and round
-    records, bit for bit."""
+    records, bit for bit, and the same node-side counts (units taking part and zeroed, the operators' own)."""
     out = {}
     for batched in (True, False):
         p = _plan(name, model)
+        summary = NodeSummary()
         state, records = run_local_nodes(
-            p.protocol, p.experiment.unit_source(p.cfg), p.privatizer, chunk_size=64, progress=False, batched=batched
+            p.protocol,
+            p.experiment.unit_source(p.cfg),
+            p.privatizer,
+            chunk_size=64,
+            progress=False,
+            batched=batched,
+            summary=summary,
         )
-        out[batched] = (state, p.privatizer.ledger, [(r.units, r.zeroed, r.diagnostics) for r in records])
+        kept = [(r.units, r.zeroed, r.diagnostics) for r in records]
+        out[batched] = (state, p.privatizer.ledger, kept, summary.to_dict())
     assert out[True][1] == out[False][1] and len(out[True][1]) > 0
     assert _equal(out[True][0], out[False][0])
-    assert out[True][2] == out[False][2]
+    assert out[True][2] == out[False][2] and out[True][3] == out[False][3]
 
 
 def _broadcasts(p: Any) -> list[tuple[int, dict[str, torch.Tensor]]]:

@@ -1,6 +1,7 @@
 """Poisson cohorts on the Flower runtime under distributed DP: each node draws its own units' membership (the
-local runtime's draw, from the same keys), ignores the server's, and its counts reach the server only inside
-the SecAgg+ sum; the run equals the local runtime's bit for bit, ledger and round records included."""
+local runtime's draw, from the same keys), ignores the server's, and its counts never reach the server (the
+records hold the plan's units, never |S|); the run equals the local runtime's bit for bit, ledger and round
+records included."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.experiments.altmin import AltMinConfig, AltMinExperiment
 from fedpers.privacy import distributed as dist
 from fedpers.runner import resolve
-from fedpers.runtime import distributed as local_nodes
 from fedpers.runtime.flower import codec, nodeside
 from fedpers.runtime.local import run_local
 from tests.flower_support import InProcessGrid
@@ -36,8 +36,9 @@ def _plan(runtime: str, **options: object) -> Any:
 
 
 def test_poisson_cohorts_on_flower_equal_the_local_runtime_bit_for_bit() -> None:
-    """Same seeds: U, the ledger (sampled Skellam events) and every round's units and zeroed counts equal the local
-    runtime's; no node's reply carries its count in the clear (0), its counts ride in the masked sum."""
+    """Same seeds: U, the ledger (sampled Skellam events) and every round's records equal the local runtime's; the
+    records hold the units the plan made eligible (all 160 each round: never |S|) and no zeroed count, and no
+    node's reply carries a count (0) or anything beside its masked statistics."""
     local = _plan("local")
     state_local, records_local = run_local(
         local.protocol, local.experiment.unit_source(local.cfg), local.privatizer, progress=False
@@ -48,9 +49,12 @@ def test_poisson_cohorts_on_flower_equal_the_local_runtime_bit_for_bit() -> None
     torch.testing.assert_close(state_flower["U"], state_local["U"], rtol=0, atol=0)
     assert flower.privatizer.ledger == local.privatizer.ledger
     assert [(r.units, r.zeroed) for r in records_flower] == [(r.units, r.zeroed) for r in records_local]
-    assert all(0 < r.units < 160 for r in records_flower[1:])  # sampled rounds hold ≈ q·n of the users
+    assert {(r.units, r.zeroed) for r in records_flower} == {(160, None)}  # the plan's, not the sample's
+    assert all(r.diagnostics["expected_sampled_users"] == 0.25 * 160 for r in records_flower[1:])
+    assert all("sampled_users" not in r.diagnostics for r in records_flower)
     replies = [codec.decode_reply(m.content) for m in grid.received if m.metadata.message_type == "train"]
-    assert replies and all(r.count == 0 and nodeside.UNIT_COUNTS in r.stats for r in replies)
+    specs = {s.name for s in flower.protocol.stat_specs(1)}
+    assert replies and all(r.count == r.zeroed == 0 and set(r.stats) <= specs | {"W"} for r in replies)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +87,8 @@ def test_fedrep_and_noisygd_poisson_cohorts_on_flower_equal_the_local_runtime(
 @pytest.mark.parametrize("server", ["everyone", "no one"])
 def test_a_node_ignores_the_membership_the_server_sends(server: str) -> None:
     """A node's vector for a sampled round is the same whatever ``sampled`` the server broadcasts (everyone or no
-    one sampled), equal to the one it computes from its own draw, and its counts are those of its own draw."""
+    one sampled), equal to the one it computes from its own draw; its own counts (kept for its operator) are
+    those of its own draw, and the message carries none."""
     p = _plan("flower")
     job_units = p.experiment.units(p.cfg, torch.arange(40, 80))
     protocol = p.protocol
@@ -96,13 +101,12 @@ def test_a_node_ignores_the_membership_the_server_sends(server: str) -> None:
         nodeside.node_message(protocol, 1, {"U": U, "sampled": s}, job_units, 40, 80, plan, 1, settings, 160)
         for s in (sent, honest)
     ]
-    assert set(got[0].stats) == set(got[1].stats)
-    for name in got[0].stats:
-        assert torch.equal(got[0].stats[name], got[1].stats[name])
+    assert set(got[0][0].stats) == set(got[1][0].stats) == {s.name for s in protocol.stat_specs(1)}
+    for name in got[0][0].stats:
+        assert torch.equal(got[0][0].stats[name], got[1][0].stats[name])
     mine = dist.node_membership(11, 1, torch.arange(40, 80), 0.25, secure=False)
-    base, digits = local_nodes.count_digits(plan.bits, plan.nodes, 160)
-    count, zeroed = local_nodes.counts_of(got[0].stats[nodeside.UNIT_COUNTS], base, digits)
-    assert count == int(mine.sum()) and zeroed == 0 and got[0].count == 0
+    assert got[0][1] == got[1][1] == nodeside.NodeCounts(1, int(mine.sum()), 0)
+    assert (got[0][0].count, got[0][0].zeroed) == (0, 0)
 
 
 def test_min_units_counts_the_cohort_before_the_draw_under_poisson_cohorts() -> None:
@@ -120,25 +124,10 @@ def test_min_units_counts_the_cohort_before_the_draw_under_poisson_cohorts() -> 
     assert units_contributed(p.protocol, 1, {"U": U, "sampled": torch.zeros(160, dtype=torch.float64)}, units) == 0
 
 
-@pytest.mark.parametrize(("bits", "nodes", "units"), [(16, 4, 160), (4, 15, 10**6), (12, 1000, 10**6), (20, 3, 0)])
-def test_count_digits_sum_without_wrapping_and_decode(bits: int, nodes: int, units: int) -> None:
-    """Every node at its largest count: the digit sums stay below 2^bits and decode to the total (clamped to the
-    run's units by the server); a node count at or past 2^bits is refused with the reason."""
-    base, digits = local_nodes.count_digits(bits, nodes, units)
-    each = [units // nodes + (1 if i < units % nodes else 0) for i in range(nodes)]
-    vectors = torch.stack([local_nodes.count_vector([c, c // 2], base, digits) for c in each])
-    total = vectors.sum(dim=0)
-    assert int(total.max()) < 2**bits
-    assert torch.equal(dist.modular(total, bits), total)
-    assert local_nodes.counts_of(total, base, digits) == [units, sum(c // 2 for c in each)]
-    with pytest.raises(ValueError, match="more --bits"):
-        local_nodes.count_digits(bits, 2**bits, units)
-
-
 @pytest.mark.slow  # starts Ray (~1 min on a busy machine)
 def test_ray_simulation_with_poisson_cohorts_equals_the_local_runtime(tmp_path: Any) -> None:
     """Poisson cohorts through Flower's simulation engine (each node a Ray actor drawing its own membership):
-    the same U, ledger and per-round unit counts as the local runtime."""
+    the same U, ledger and per-round unit counts (the plan's) as the local runtime."""
     import json
 
     import numpy as np
@@ -157,4 +146,4 @@ def test_ray_simulation_with_poisson_cohorts_equals_the_local_runtime(tmp_path: 
         [json.loads(line)["units"] for line in (tmp_path / run / "rounds.jsonl").read_text().splitlines()]
         for run in ("l", "f")
     ]
-    assert units[0] == units[1] and all(0 < u < 160 for u in units[0][1:])
+    assert units[0] == units[1] == [160] * len(units[0])  # the plan's eligible units: the sample's size is not released

@@ -825,6 +825,7 @@ class NodeSidePrivatizer(Privatizer):
     as is every other kind of release: nothing leaves without its noise."""
 
     model = DpModel.CENTRAL
+    knows_cohort = False  # the nodes draw each unit's Poisson membership; the server learns no |S|
 
     def __init__(self, seed: int, plan: DistributedPlan, ledger: Ledger | None = None, *, secure: bool = False) -> None:
         super().__init__(seed, ledger, secure=secure)

@@ -107,6 +107,10 @@ def check_psd_sum(value: Tensor, name: str) -> None:
 class Privatizer:
     """Server-side mechanisms with a private generator and the ledger they append to."""
 
+    knows_cohort: bool = True
+    """The server drew each round's Poisson cohort itself and holds its size |S| (central DP: the trusted
+    curator's own records may show it); False where the nodes drew it and |S| is not released."""
+
     def __init__(
         self,
         seed: int,

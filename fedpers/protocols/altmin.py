@@ -24,7 +24,16 @@ from fedpers.devices import to_device
 from fedpers.privacy import ALL_UNITS, Privatizer
 from fedpers.privacy.adaptive_clip import COUNT_BOUND, AdaptiveClip, below_statistic, share_multiplier
 from fedpers.privacy.mechanisms import psd_sensitivity
-from fedpers.protocols.base import Message, NodeSide, Protocol, StatSpec, Units, UnitStatistics, all_take_part
+from fedpers.protocols.base import (
+    Message,
+    NodeSide,
+    Protocol,
+    StatSpec,
+    Units,
+    UnitStatistics,
+    all_take_part,
+    cohort_size,
+)
 
 Tensor = torch.Tensor
 LOCAL_RIDGE = 1e-8
@@ -491,7 +500,7 @@ class AltMinProtocol(Protocol):
         U, info = self.solve_subspace(A, b, noise_std_a=noise_std_a)
         info.update(counts)
         if self.cohorts is Cohorts.POISSON:
-            info["sampled_users"] = float(summed.count)
+            info.update(cohort_size("sampled_users", summed, privatizer, self.sampling_rate))
         return self._next_sample({"U": U, **new}, privatizer), info
 
     def _next_sample(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:

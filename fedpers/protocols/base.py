@@ -183,6 +183,16 @@ def all_take_part(keep: Tensor) -> bool:
     return True
 
 
+def cohort_size(name: str, summed: Message, privatizer: Privatizer, sampling_rate: float) -> dict[str, float]:
+    """A Poisson round's cohort size for its diagnostics: ``name`` = |S| exactly where the server drew the
+    cohort itself (central DP: the trusted curator's own record, never a release); where the nodes drew it
+    (distributed DP) |S| is not released, and only ``expected_`` + ``name`` = q × the units the public plan
+    made eligible (``summed.count`` there: a function of the plan) is recorded."""
+    if privatizer.knows_cohort:
+        return {name: float(summed.count)}
+    return {f"expected_{name}": sampling_rate * summed.count}
+
+
 def zero_message(specs: tuple[StatSpec, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> Message:
     return Message({s.name: torch.zeros(s.shape, dtype=dtype, device=device) for s in specs}, 0)
 

@@ -40,6 +40,7 @@ from fedpers.protocols.base import (
     Units,
     UnitStatistics,
     all_take_part,
+    cohort_size,
     round_release,
 )
 
@@ -322,7 +323,7 @@ class FedRepProtocol(SplitRoundBudget, Protocol):
             new["clip"] = torch.tensor(next_clip, dtype=torch.float64)
             info["clip"], info["noisy_fraction_below"] = clip, fraction
         if self.poisson:
-            info["sampled_users"] = float(summed.count)
+            info.update(cohort_size("sampled_users", summed, privatizer, self.sampling_rate))
         return self.with_sample(new, privatizer), info
 
     def with_sample(self, state: dict[str, Tensor], privatizer: Privatizer) -> dict[str, Tensor]:

@@ -35,6 +35,7 @@ from fedpers.protocols.base import (
     Units,
     UnitStatistics,
     all_take_part,
+    cohort_size,
     round_release,
 )
 
@@ -377,5 +378,5 @@ class NoisyGDProtocol(Protocol):
         # Only post-processed (noisy) quantities in the diagnostics: they are written to disk.
         info = {"noise_std_grad": self.noise_std(), "noisy_grad_norm": float(torch.linalg.vector_norm(g.double()))}
         if self.poisson:
-            info["sampled_examples"] = float(summed.count)
+            info.update(cohort_size("sampled_examples", summed, privatizer, self.sampling_rate))
         return self._next_sample(new, privatizer), info

@@ -53,6 +53,7 @@ from fedpers.protocols.base import (
     Units,
     UnitStatistics,
     all_take_part,
+    cohort_size,
     round_release,
 )
 
@@ -602,5 +603,5 @@ class NoisyHeadProtocol(SplitRoundBudget, Protocol):
         }
         diagnostics.update(adaptive)
         if self.poisson:
-            diagnostics["sampled_units"] = float(summed.count)
+            diagnostics.update(cohort_size("sampled_units", summed, privatizer, self.sampling_rate))
         return self._next_sample(new, privatizer), diagnostics

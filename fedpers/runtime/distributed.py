@@ -17,9 +17,10 @@ from the sum it decodes, as the Flower runtime records it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -39,6 +40,7 @@ from fedpers.runtime.flower.partition import unit_ranges
 
 Tensor = torch.Tensor
 _T = TypeVar("_T")
+log = logging.getLogger("fedpers.nodes")
 
 
 def dropouts(rate: float, seed: int) -> Callable[[int, int], bool]:
@@ -334,56 +336,55 @@ def nodes_draw_membership(
     return {**broadcast, "sampled": mine.to(server.device)}
 
 
-def count_digits(bits: int, nodes: int, num_units: int) -> tuple[int, int]:
-    """(base r, digits L) in which each of ``nodes`` nodes writes a count of at most ``num_units`` so that
-    the nodes' digits summed mod 2^``bits`` never wrap (nodes·(r − 1) < 2^bits) and L digits hold any total
-    up to ``num_units`` (r^L > num_units): a count that reaches the server only inside the modular sum.
-    ValueError when no base ≥ 2 fits (nodes ≥ 2^bits)."""
-    base = (2**bits - 1) // nodes + 1
-    if base < 2:
-        raise ValueError(
-            f"{nodes} nodes' unit counts cannot be summed in {bits} bits without wrapping; use more --bits"
-        )
-    digits, reach = 1, base
-    while reach <= num_units:
-        digits, reach = digits + 1, reach * base
-    return base, digits
-
-
-def count_vector(counts: Sequence[int], base: int, digits: int) -> Tensor:
-    """Non-negative ``counts`` as ``digits`` base-``base`` digits each, least significant first (int64)."""
-    out = []
-    for value in counts:
-        if not 0 <= value < base**digits:
-            raise ValueError(f"count {value} does not fit {digits} base-{base} digits")
-        for _ in range(digits):
-            value, digit = divmod(value, base)
-            out.append(digit)
-    return torch.tensor(out, dtype=torch.int64)
-
-
-def counts_of(vector: Tensor, base: int, digits: int) -> list[int]:
-    """:func:`count_vector`'s inverse on a sum of such vectors (each position below 2^bits: no wrap)."""
-    values = [int(v) for v in vector.tolist()]
-    return [
-        sum(values[i + k] * base**k for k in range(digits))
-        for i in range(0, len(values) - len(values) % digits, digits)
-    ]
-
-
 @dataclass
 class RoundSums:
     """What the server holds after one round's aggregation: each statistic decoded (``stats``), the
-    modular sums it decoded them from, and the round's counts."""
+    modular sums it decoded them from, and the round's public unit count; beside them, the simulated nodes'
+    own counts (``taking_part``, ``zeroed``), which no reply carries (:class:`NodeSummary`)."""
 
     stats: dict[str, Tensor]
     modular: dict[str, Tensor]
     count: int
+    """The units the public plan gives the summed nodes this round (:func:`planned_units`): under Poisson
+    cohorts those eligible before the nodes' draw, never |S|."""
     zeroed: int
     wraps: int
     survivors: int
     suspected: int = 0
     """Coordinates the server alone would flag as wrapped (:func:`~fedpers.privacy.distributed.suspected_wraps`)."""
+    taking_part: int = 0
+    """Operator side: the units the summed nodes' messages hold (under Poisson cohorts the sampled |S|)."""
+
+
+NODE_SUMMARY_NOTE = "operator-side counts of the simulated nodes' own units, not released to the server"
+
+
+@dataclass
+class NodeSummary:
+    """What the nodes' operators see of their own units, round by round, summed over the simulated nodes: the
+    units taking part (under Poisson cohorts the sampled |S|) and those zeroed (a non-finite contribution
+    entered as 0). Data-dependent, so no node reply carries them: they stay beside the run, labelled
+    :data:`NODE_SUMMARY_NOTE`, as a deployment's node keeps its own in its log and node store."""
+
+    taking_part: dict[int, int] = field(default_factory=dict)
+    zeroed: dict[int, int] = field(default_factory=dict)
+
+    def add(self, round: int, taking_part: int, zeroed: int) -> None:
+        self.taking_part[round], self.zeroed[round] = taking_part, zeroed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "note": NODE_SUMMARY_NOTE,
+            "units_taking_part": {str(r): n for r, n in sorted(self.taking_part.items())},
+            "units_zeroed": {str(r): n for r, n in sorted(self.zeroed.items())},
+        }
+
+
+def planned_units(protocol: Protocol, round: int, spans: Iterable[range]) -> int:
+    """The units the public plan gives the nodes of ``spans`` in ``round`` (``units_in_round`` of their
+    ranges): a function of the plan alone, what a node-side round records and its releases name as its
+    units (under Poisson cohorts, those eligible before each node's own draw)."""
+    return sum(protocol.units_in_round(round, {"ids": torch.arange(span.start, span.stop)}) for span in spans)
 
 
 def node_round(
@@ -434,7 +435,9 @@ def node_round(
     messages = [e.message() for e in encoders]
     sent = [m.stats for m in messages]
     nodes = [e.node for e in encoders]
-    count, zeroed = sum(m.count for m in messages), sum(m.zeroed for m in messages)
+    # the nodes' own counts stay with their operators; the server's count is the plan's
+    taking_part, zeroed = sum(m.count for m in messages), sum(m.zeroed for m in messages)
+    count = planned_units(protocol, round, spans)
     if len(sent) < plan.min_nodes:
         raise RoundFailed(
             f"round {round}: {len(sent)} of {plan.nodes} nodes survived, below min_nodes={plan.min_nodes}; "
@@ -469,7 +472,7 @@ def node_round(
                 observe(round, s.name, vectors.detach().clone(), tuple(nodes))
             value = dist.unflatten(vectors.sum(dim=0), s.shape, s.symmetric)
         stats[s.name] = value.to(dtype=protocol.dtype, device=source.device)
-    return RoundSums(stats, sums, count, zeroed, wraps, len(sent), suspected)
+    return RoundSums(stats, sums, count, zeroed, wraps, len(sent), suspected, taking_part)
 
 
 def secagg_aggregate(degree: int | None = None, threshold: int | None = None, seed: int = 0) -> Aggregate:
@@ -498,14 +501,20 @@ def run_local_nodes(
     aggregate: Aggregate | None = None,
     observe: Observe | None = None,
     batched: bool = True,
+    summary: NodeSummary | None = None,
 ) -> tuple[Any, list[RoundRecord]]:
     """Run ``protocol`` with ``privatizer.plan``'s nodes simulated. ``survive(round, node)``: whether
     a node's reply reaches the server (default: all do); a round with fewer than ``min_nodes``
     survivors is discarded before any release (:class:`RoundFailed`). ``aggregate``: how the nodes'
     reduced vectors are summed mod 2^b (default: in the clear, the simulation; :func:`secagg_aggregate`
     runs real SecAgg+ over them and must give the same sum); ``observe``: see :data:`Observe`; ``batched``
-    False: each unit's contribution by ``client_update`` on it alone (the reference path, for tests)."""
+    False: each unit's contribution by ``client_update`` on it alone (the reference path, for tests).
+
+    What the server side receives (round records, the release's count) holds only the plan's unit counts;
+    the nodes' own (units taking part, units zeroed) go into ``summary`` (:class:`NodeSummary`, the operator
+    side); a run that zeroed any is told so at its end (a warning of the ``fedpers.nodes`` logger)."""
     source = UnitSource.of(units)
+    nodes_summary = summary if summary is not None else NodeSummary()
     n = source.num_units
     if survive is None and privatizer.dropout > 0:
         survive = dropouts(privatizer.dropout, privatizer.dropout_seed)
@@ -524,19 +533,20 @@ def run_local_nodes(
             observe=observe,
             batched=batched,
         )
+        nodes_summary.add(round, got.taking_part, got.zeroed)
         for name, value in got.stats.items():
             privatizer.arrived(value, name, got.survivors, got.count)
         privatizer.round_diagnostics = {"nodes_survived": float(got.survivors)}
         if privatizer.plan.model is DpModel.DISTRIBUTED:  # only a modular sum can wrap
             privatizer.round_diagnostics.update(modular_wraps=float(got.wraps), suspected_wraps=float(got.suspected))
-        return [ClientReply("nodes", n, Message(got.stats, got.count, got.zeroed), aggregate=True)]
+        return [ClientReply("nodes", n, Message(got.stats, got.count), aggregate=True)]
 
     def record_round(record: RoundRecord, state: Any) -> None:
         record.diagnostics.update(privatizer.round_diagnostics)
         if on_round is not None:
             on_round(record, state)
 
-    return drive(
+    out = drive(
         protocol,
         gather,
         privatizer,
@@ -545,6 +555,15 @@ def run_local_nodes(
         device=source.device,
         checkpoint=checkpoint,
     )
+    zeroed = sum(nodes_summary.zeroed.values())
+    if zeroed:  # the operator's own line (stderr by default), as the data summary's counts are shown
+        log.warning(
+            "simulated nodes (%s): %d unit contributions zeroed (not finite) over %d rounds",
+            NODE_SUMMARY_NOTE,
+            zeroed,
+            len(nodes_summary.zeroed),
+        )
+    return out
 
 
 def check_calibration(calibrations: dist.RecordingCalibrations) -> None:
@@ -634,11 +653,6 @@ def node_side_privatizer(
         release_ratio=z / next(iter(calibrations.table.values())) if len(calibrations.table) == 1 and z > 0 else 1.0,
         neighbours=relation,
     )
-    if side.sampling_rate < 1.0 and options.runtime is not Runtime.LOCAL:
-        try:  # each node's counts travel inside the secure sum: a count in the clear would name its sample
-            count_digits(plan.bits, nodes, num_units)
-        except ValueError as e:
-            raise ValueError(f"dp_model distributed with Poisson sampling on {options.runtime.value}: {e}") from None
     privatizer = dist.DistributedPrivatizer(noise_seed, plan, secure=options.secure_noise)
     privatizer.dropout, privatizer.dropout_seed = options.node_dropout, rotation_seed
     return privatizer

@@ -35,7 +35,9 @@ class ClientReply:
     error: str = ""
     aggregate: bool = False
     """The message is already the noisy sum of every node (distributed or local DP): the server
-    cannot check a unit bound on it, so only names, shapes, dtype, finiteness and count are checked."""
+    cannot check a unit bound on it, so only names, shapes, dtype, finiteness and count are checked. Its
+    count is the units the public plan gives the summed nodes, and it carries no zeroed count (the round
+    records ``units_zeroed`` as None: not released)."""
     symmetric_by_construction: frozenset[str] = frozenset()
     """Statistics the runtime rebuilt from one triangle of what the client sent: symmetric whatever
     it sent, so verification skips only their symmetry check (see :func:`verify_message`)."""
@@ -51,7 +53,9 @@ class RoundRecord:
     accepted: int
     units: int
     dropped: dict[str, str] = field(default_factory=dict)
-    zeroed: int = 0
+    zeroed: int | None = 0
+    """Units whose non-finite contribution entered as 0. None under distributed and local DP: the nodes keep
+    that count with their operators (it depends on the data) and no reply carries it."""
     diagnostics: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
@@ -78,7 +82,7 @@ class RoundRecord:
             int(d["clients_accepted"]),
             int(d["units"]),
             dict(d.get("dropped", {})),
-            int(d.get("units_zeroed", 0)),
+            None if d.get("units_zeroed", 0) is None else int(d.get("units_zeroed", 0)),
             {k: v for k, v in d.items() if k not in known},
             {},
             float(d.get("seconds", 0.0)),
@@ -169,7 +173,8 @@ def drive(
                 f"below min_fraction={min_fraction}; dropped: {dropped}"
             )
         state, diagnostics = protocol.server_update(r, state, total, privatizer)
-        record = RoundRecord(r, len(replies), accepted, total.count, dropped, total.zeroed, dict(diagnostics))
+        zeroed = None if any(reply.aggregate for reply in replies) else total.zeroed  # node-side: not released
+        record = RoundRecord(r, len(replies), accepted, total.count, dropped, zeroed, dict(diagnostics))
         record.seconds = time.perf_counter() - start
         records.append(record)
         if checkpoint is not None:

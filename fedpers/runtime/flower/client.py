@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from flwr.clientapp import ClientApp
 from fedpers.protocols.base import Message, Protocol, Units, client_message
 from fedpers.runtime.flower import codec
 
+log = logging.getLogger("fedpers.flower")
 UNIT_CACHE_BYTES = 1 << 30
 """Most bytes of unit data one process keeps between rounds (least recently used go first)."""
 USERS_PER_NODE = "users-per-node"
@@ -403,10 +405,10 @@ def _train(
     device = units["ids"].device
     on_device = {k: v.to(device) for k, v in broadcast.items()}
     if side is not None:
-        from fedpers.runtime.flower.nodeside import node_message
+        from fedpers.runtime.flower.nodeside import node_message, node_summary
 
         partition = int(_node_config(context, codec.PARTITION_ID))
-        mine = node_message(
+        mine, own = node_message(
             node.protocol,
             task.round,
             on_device,
@@ -418,6 +420,7 @@ def _train(
             settings,
             node.node.num_units,
         )
+        node_summary(own, gate)  # its own counts reach its operator, never the reply
         if secagg_node is not None:
             from fedpers.runtime.flower.secaggplus import mask
 
@@ -427,21 +430,18 @@ def _train(
     else:
         mine = client_message(node.protocol, task.round, on_device, units)
         symmetric = [spec.name for spec in node.protocol.stat_specs(task.round) if spec.symmetric]
-    seconds = time.perf_counter() - start
+    log.debug("round %d computed in %.3f s (this node's own timing, not sent)", task.round, time.perf_counter() - start)
     if gate is not None:
-        gate.store(_dump_reply(mine, seconds, symmetric))
-    return FlowerMessage(codec.encode_reply(mine, seconds, task.round, task.digest, symmetric), reply_to=message)
+        gate.store(_dump_reply(mine, symmetric))
+    return FlowerMessage(codec.encode_reply(mine, task.round, task.digest, symmetric), reply_to=message)
 
 
-def _dump_reply(message: Message, seconds: float, symmetric: list[str]) -> bytes:
+def _dump_reply(message: Message, symmetric: list[str]) -> bytes:
     import io
 
     buffer = io.BytesIO()
     stats = {k: v.detach().cpu() for k, v in message.stats.items()}
-    torch.save(
-        {"stats": stats, "count": message.count, "zeroed": message.zeroed, "seconds": seconds, "symmetric": symmetric},
-        buffer,
-    )
+    torch.save({"stats": stats, "count": message.count, "zeroed": message.zeroed, "symmetric": symmetric}, buffer)
     return buffer.getvalue()
 
 
@@ -460,7 +460,7 @@ def _stored(gate: Any, message: FlowerMessage, task: codec.Task) -> FlowerMessag
         )
     kept = torch.load(io.BytesIO(body), weights_only=True)
     reply = Message(kept["stats"], int(kept["count"]), int(kept["zeroed"]))
-    content = codec.encode_reply(reply, float(kept["seconds"]), task.round, task.digest, list(kept["symmetric"]))
+    content = codec.encode_reply(reply, task.round, task.digest, list(kept["symmetric"]))
     return FlowerMessage(content, reply_to=message)
 
 

@@ -58,7 +58,6 @@ DTYPES = frozenset({"<f8", "<f4", "<f2", "<i8", "<i4", "<i2", "|i1", "|u1", "|b1
 # Keys inside the reply's tag ConfigRecord.
 DIGEST_OF_BROADCAST = "broadcast-digest"
 UNITS = "units"
-SECONDS = "seconds"
 ZEROED = "zeroed"
 
 # Node-config keys (Flower's own partition keys, plus an optional data file per node).
@@ -418,10 +417,9 @@ PACKED = "packed"
 """Tag key: the comma-separated names of symmetric statistics sent as their upper triangle."""
 
 
-def encode_reply(
-    message: Message, seconds: float, round: int, digest: str, symmetric: Iterable[str] = ()
-) -> RecordDict:
-    """A client's reply, tagged with the round and the digest of the broadcast it answers.
+def encode_reply(message: Message, round: int, digest: str, symmetric: Iterable[str] = ()) -> RecordDict:
+    """A client's reply, tagged with the round and the digest of the broadcast it answers: its statistics
+    and the message's counts, nothing else (no timing: a node's compute time follows its users' data).
 
     ``symmetric`` statistics travel as their packed upper triangle (half the bytes); the
     server rebuilds them symmetric, so such a reply cannot be asymmetric at all.
@@ -434,7 +432,6 @@ def encode_reply(
             PACKED: ",".join(packed),
             UNITS: int(message.count),
             ZEROED: int(message.zeroed),
-            SECONDS: float(seconds),
         }
     )
     content: dict[str, Any] = {TAG: tag}

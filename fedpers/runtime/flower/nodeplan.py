@@ -28,7 +28,9 @@ The store is one JSON file in a 0700 directory of the node (``$FEDPERS_NODE_STOR
 may run in its own process). Every refused task is logged and appended to ``refused.log`` there; a
 round the node discarded after its charge (a SecAgg+ stage refused because the server cheated) is also
 recorded in the run's entry (``discarded``), its charge kept: the node's masked vector had left it.
-A resumed run is a new Flower run to a node: it is charged again (over-counting, never under).
+A resumed run is a new Flower run to a node: it is charged again (over-counting, never under). Under
+distributed and local DP the run's entry also keeps the node's own counts of each round (``data``: units
+taking part, units zeroed), which its replies never carry.
 """
 
 from __future__ import annotations
@@ -220,6 +222,15 @@ class NodeLedger:
                     {"round": int(round), "rule": error.rule, "reason": str(error), "time": time.time()}
                 )
 
+    def summary(self, run: str, round: int, counts: Mapping[str, int]) -> None:
+        """Keep this node's own counts of ``run``'s ``round`` (units taking part, units zeroed) in the run's
+        entry (``data``), for the node's operator: they depend on its users' data, so no reply carries them."""
+        with contextlib.suppress(ValueError), self.store.transaction() as raw:
+            entry = self._runs(raw).get(run)
+            if entry is not None:
+                data = entry.setdefault("data", {"note": "this node's own counts, for its operator: not released"})
+                data[str(int(round))] = {k: int(v) for k, v in counts.items()}
+
     def refused(self, task: Mapping[str, Any], error: PolicyRefused) -> None:
         """Append a refused task to ``refused.log`` (0600) and the log."""
         log.warning("refused task %s: %s", json.dumps(dict(task)), error)
@@ -276,6 +287,11 @@ class NodeGate:
     def store(self, body: bytes) -> None:
         assert self.task is not None
         self.ledger.store_reply(self.task.run, self.task.round, self.digest, body)
+
+    def summary(self, round: int, counts: Mapping[str, int]) -> None:
+        """:meth:`NodeLedger.summary` for this task's run."""
+        assert self.task is not None
+        self.ledger.summary(self.task.run, round, counts)
 
 
 def node_gate(policy: Policy, *, run: str, round: int, asked: range, partition: int) -> NodeGate:

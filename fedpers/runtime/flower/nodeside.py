@@ -22,7 +22,9 @@ round 150 of 300.
 What the server receives under distributed DP: each node's vector *masked* by SecAgg+
 (:mod:`fedpers.runtime.flower.secaggplus`, five Message stages per round), from which it recovers
 only the sum mod 2^b of the survivors that signed one survivor set; under local DP, each node's noisy
-float sum in the clear.
+float sum in the clear. Nothing else the data decides: the reply's unit and zeroed counts are 0 (the
+server counts the units the public plan gives the summed nodes), and the node's own counts (units taking
+part, under Poisson its sampled users; units zeroed) stay with its operator (:func:`node_summary`).
 """
 
 from __future__ import annotations
@@ -53,20 +55,10 @@ under central DP)."""
 RELEASED = "fedpers.released"
 """Task ArrayRecord key of the previous round's released sums when they exceed :data:`codec.INLINE_BYTES`."""
 PLAN = "plan"
-RELEASE_ROUND, RELEASE_COUNT, RELEASE_ZEROED, RELEASE_NODES = (
-    "release-round",
-    "release-count",
-    "release-zeroed",
-    "release-nodes",
-)
+RELEASE_ROUND, RELEASE_COUNT, RELEASE_NODES = "release-round", "release-count", "release-nodes"
 SEED, SECURE, NODE = "noise-seed", "secure", "node"
 """Fields a node never takes from a message (its noise and its identity are its own): a task carrying one
 is refused (rule ``node-noise``)."""
-UNIT_COUNTS = "fedpers.unit-counts"
-"""Reply entry under distributed DP with Poisson cohorts: the node's unit count and zeroed count as digits
-(:func:`~fedpers.runtime.distributed.count_vector`), masked and summed by SecAgg+ with its statistics, so the
-server learns only the survivors' totals (as the local runtime's server does); the reply's clear counts are 0.
-A node's own count would tell the server how many of its users were sampled (with one user per node: who)."""
 CHAIN = "fedpers.chain"
 """``context.state`` record: the server state this node derived for the run's latest round it reached."""
 COMPUTED = "fedpers.computed"
@@ -100,7 +92,7 @@ class Released:
     round: int
     stats: dict[str, Tensor]
     count: int
-    zeroed: int
+    """The units the public plan gave the summed nodes (never |S|)."""
     nodes: int
 
 
@@ -140,7 +132,7 @@ def task_record(
     content: dict[str, Any] = {NODE_SIDE: rec}
     if released is not None:
         rec[RELEASE_ROUND], rec[RELEASE_COUNT] = int(released.round), int(released.count)
-        rec[RELEASE_ZEROED], rec[RELEASE_NODES] = int(released.zeroed), int(released.nodes)
+        rec[RELEASE_NODES] = int(released.nodes)
         codec.pack(released.stats).into(rec, content, RELEASED)
     if secure is not None:
         for key, value in secure.task_fields(node).items():
@@ -157,12 +149,14 @@ def check_plan(text: str, plan: dist.DistributedPlan, derived: dist.DistributedP
         )
 
 
-def hides_counts(protocol: Protocol, plan: dist.DistributedPlan) -> bool:
-    """Whether the nodes' unit counts travel inside the secure sum (:data:`UNIT_COUNTS`): distributed DP with
-    the nodes drawing Poisson memberships."""
-    from fedpers.runtime.distributed import declared
+@dataclass(frozen=True)
+class NodeCounts:
+    """A node's own counts of a round, for its operator only (they depend on the data: no reply carries them):
+    its units taking part (under Poisson cohorts, the users its own draw sampled) and those zeroed."""
 
-    return plan.model is DpModel.DISTRIBUTED and declared(protocol, plan.model).sampling_rate < 1.0
+    round: int
+    taking_part: int
+    zeroed: int
 
 
 def node_message(
@@ -176,14 +170,15 @@ def node_message(
     partition: int,
     settings: NodeSettings,
     num_units: int = 0,
-) -> Message:
+) -> tuple[Message, NodeCounts]:
     """Node side: this node's vector per statistic (distributed: int64 mod 2^b, still to be masked; local:
     its units' noisy sum), each unit's contribution encoded on its own as the local runtime's nodes do
     (:func:`fedpers.runtime.distributed.encode_node`), from the plan the node derived and with noise from
     its own settings (OS entropy unless its own config seeds it). Under Poisson cohorts the node draws its
-    own units' membership as the local runtime's nodes do (any ``sampled`` in ``broadcast`` is replaced) and
-    its counts go into :data:`UNIT_COUNTS` (``num_units``: the run's units, which the digits must hold)."""
-    from fedpers.runtime.distributed import count_digits, count_vector, encode_node, nodes_draw_membership
+    own units' membership as the local runtime's nodes do (any ``sampled`` in ``broadcast`` is replaced;
+    ``num_units``: the run's units). The message carries the vectors only (counts 0); the node's own counts
+    come beside it, for its operator (:func:`node_summary`)."""
+    from fedpers.runtime.distributed import encode_node, nodes_draw_membership
 
     secure = settings.noise_seed is None
     seed = 0 if settings.noise_seed is None else int(settings.noise_seed)
@@ -199,14 +194,30 @@ def node_message(
     if ids is not None:
         members = members[torch.isin(members, ids.cpu())]
     message = encode_node(protocol, round, broadcast, [units], members, privatizer, partition)
+    counts = NodeCounts(round, message.count, message.zeroed)
     if plan.model is DpModel.DISTRIBUTED:
-        reduced = {k: dist.modular(v, plan.encodings[k].bits) for k, v in message.stats.items()}
-        if hides_counts(protocol, plan):
-            base, digits = count_digits(plan.bits, plan.nodes, num_units)
-            reduced[UNIT_COUNTS] = count_vector([message.count, message.zeroed], base, digits)
-            return Message(reduced, 0, 0)
-        return Message(reduced, message.count, message.zeroed)
-    return message
+        return Message({k: dist.modular(v, plan.encodings[k].bits) for k, v in message.stats.items()}, 0), counts
+    return Message(message.stats, 0), counts
+
+
+NODE_SUMMARY_NOTE = "this node's own counts, for its operator: not released"
+
+
+def node_summary(counts: NodeCounts, gate: Any = None) -> None:
+    """Show a node's operator its own counts of a round: a line in the node's log and, with a lab policy, the
+    run's entry in its node store (:meth:`~fedpers.runtime.flower.nodeplan.NodeGate.summary`)."""
+    import logging
+
+    logging.getLogger("fedpers.flower").log(
+        logging.WARNING if counts.zeroed else logging.INFO,  # a zeroed unit is shown to its operator by default
+        "round %d (%s): units taking part %d, units zeroed %d",
+        counts.round,
+        NODE_SUMMARY_NOTE,
+        counts.taking_part,
+        counts.zeroed,
+    )
+    if gate is not None:
+        gate.summary(counts.round, {"units_taking_part": counts.taking_part, "units_zeroed": counts.zeroed})
 
 
 # ----- broadcasts follow from releases -------------------------------------------------------------
@@ -243,26 +254,24 @@ def _blob(rec: ConfigRecord, key: str) -> bytes:
     return value
 
 
-def _release(rec: ConfigRecord, content: RecordDict) -> tuple[int, dict[str, Tensor], int, int, int, str]:
-    """(round, sums, count, zeroed, nodes, digest) of the release a task carries (round −1: none)."""
+def _release(rec: ConfigRecord, content: RecordDict) -> tuple[int, dict[str, Tensor], int, int, str]:
+    """(round, sums, count, nodes, digest) of the release a task carries (round −1: none)."""
     try:
         round = _int(rec, RELEASE_ROUND, -1)
         if round < 0:
-            return -1, {}, 0, 0, 0, ""
+            return -1, {}, 0, 0, ""
         stats = codec.unpack(rec, content, "release", RELEASED)
-        count, zeroed, nodes = _int(rec, RELEASE_COUNT), _int(rec, RELEASE_ZEROED), _int(rec, RELEASE_NODES)
+        count, nodes = _int(rec, RELEASE_COUNT), _int(rec, RELEASE_NODES)
     except (codec.MalformedReply, KeyError, TypeError, ValueError) as e:
         raise _refuse("plan-broadcast", f"malformed release ({type(e).__name__}: {e})") from None
-    h = hashlib.sha256(f"release:{round}:{count}:{zeroed}:{nodes}".encode())
+    h = hashlib.sha256(f"release:{round}:{count}:{nodes}".encode())
     for name in sorted(stats):
         h.update(f";{name}:{stats[name].dtype}:{tuple(stats[name].shape)}:".encode())
         h.update(stats[name].contiguous().numpy().tobytes())
-    return round, stats, count, zeroed, nodes, h.hexdigest()
+    return round, stats, count, nodes, h.hexdigest()
 
 
-def _replay(
-    side: NodeSidePlan, round: int, state: Any, stats: dict[str, Tensor], count: int, zeroed: int, nodes: int
-) -> Any:
+def _replay(side: NodeSidePlan, round: int, state: Any, stats: dict[str, Tensor], count: int, nodes: int) -> Any:
     """The server's update of ``round`` from the released sums alone (its privatizer adds nothing)."""
     protocol, plan = side.server_protocol, side.plan
     specs = {s.name: s for s in protocol.stat_specs(round)}
@@ -278,7 +287,7 @@ def _replay(
     for name, value in summed.items():
         privatizer.arrived(value, name, nodes, count)
     try:
-        new, _ = protocol.server_update(round, state, Message(summed, count, zeroed), privatizer)
+        new, _ = protocol.server_update(round, state, Message(summed, count), privatizer)
     except Exception as e:  # a release the protocol cannot update from is no release of this run
         raise _refuse("plan-broadcast", f"the release of round {round} does not update the state ({e})") from None
     return new
@@ -293,7 +302,7 @@ def derive_broadcast(
     a round not reachable from it, or a round already derived from another release)."""
     key = hashlib.sha256(job.key.encode()).hexdigest()[:32]
     held = context.state.config_records.get(CHAIN)
-    release_round, stats, count, zeroed, nodes, digest = _release(rec, content)
+    release_round, stats, count, nodes, digest = _release(rec, content)
     protocol = side.server_protocol
     if round == 0:
         if release_round != -1:
@@ -324,7 +333,7 @@ def derive_broadcast(
             chain = hashlib.sha256(f"{held['chain']!s}:{digest}".encode()).hexdigest()
             found = _derived.get((key, round, chain))
             if found is None:
-                state = _replay(side, round - 1, _load_state(_blob(held, "state")), stats, count, zeroed, nodes)
+                state = _replay(side, round - 1, _load_state(_blob(held, "state")), stats, count, nodes)
             else:
                 state = _load_state(found)
         else:
@@ -413,12 +422,6 @@ class NodeSideGather:
         self.num_units, self.device = num_units, device
         self.released: Released | None = None
         """The latest round's release, which the next round's tasks carry."""
-        self.digits: tuple[int, int] | None = None
-        """(base, digits) of :data:`UNIT_COUNTS` when the nodes' counts arrive inside the sum, else None."""
-        if hides_counts(protocol, privatizer.plan):
-            from fedpers.runtime.distributed import count_digits
-
-            self.digits = count_digits(privatizer.plan.bits, privatizer.plan.nodes, num_units)
         self.survive: Callable[[int, int], bool] | None = None
         if privatizer.dropout > 0:
             from fedpers.runtime.distributed import dropouts
@@ -427,8 +430,6 @@ class NodeSideGather:
 
     def _size(self, name: str) -> int:
         """Length of entry ``name`` of a node's (masked) vector."""
-        if name == UNIT_COUNTS and self.digits is not None:
-            return 2 * self.digits[1]
         return self.privatizer.plan.encodings[name].padded
 
     def _vector(self, name: str, value: Tensor) -> Tensor | None:
@@ -447,8 +448,8 @@ class NodeSideGather:
         if self.secure is not None:  # SecAgg+ advertise and share, before the task
             self.secure.setup(round)
         sent: dict[int, dict[str, Tensor]] = {}
-        counts: dict[int, tuple[int, int]] = {}
-        names = [s.name for s in specs] + ([UNIT_COUNTS] if self.digits is not None else [])
+        planned: dict[int, int] = {}
+        names = [s.name for s in specs]
         for node, reply in enumerate(self.inner(round, broadcast)):
             if reply.message is None or (self.survive is not None and not self.survive(round, node)):
                 continue
@@ -456,10 +457,10 @@ class NodeSideGather:
             if set(stats) != set(names):
                 continue
             vectors = {name: self._vector(name, stats[name]) for name in names}
-            if any(v is None for v in vectors.values()) or not 0 <= reply.message.count <= reply.max_units:
-                continue
+            if any(v is None for v in vectors.values()) or (reply.message.count, reply.message.zeroed) != (0, 0):
+                continue  # a node's reply carries its vectors only: a count in it is not this run's node
             sent[node] = {k: v for k, v in vectors.items() if v is not None}
-            counts[node] = (reply.message.count, reply.message.zeroed)
+            planned[node] = reply.max_units  # the partition's units in the round's cohort: the public plan's
         if len(sent) < plan.min_nodes:
             raise RoundFailed(
                 f"round {round}: {len(sent)} of {plan.nodes} nodes answered, below min_nodes={plan.min_nodes}; "
@@ -471,13 +472,7 @@ class NodeSideGather:
                 f"round {round}: the sum holds {len(summed)} of {plan.nodes} nodes, below min_nodes={plan.min_nodes}; "
                 "the round is discarded before any release"
             )
-        if self.digits is not None:  # the survivors' totals, the only counts the server learns
-            from fedpers.runtime.distributed import counts_of
-
-            count, zeroed = (min(max(c, 0), self.num_units) for c in counts_of(sums.pop(UNIT_COUNTS), *self.digits))
-        else:
-            count = sum(counts[p][0] for p in summed)
-            zeroed = sum(counts[p][1] for p in summed)
+        count = sum(planned[p] for p in summed)  # under Poisson: the units eligible before the nodes' draws
         out: dict[str, Tensor] = {}
         suspected = 0
         for s in specs:
@@ -490,11 +485,11 @@ class NodeSideGather:
                 value = dist.unflatten(total, s.shape, s.symmetric)
             out[s.name] = value.to(dtype=self.protocol.dtype, device=self.device)
             privatizer.arrived(out[s.name], s.name, len(summed), count)
-        self.released = Released(round, {k: v.detach().cpu() for k, v in out.items()}, count, zeroed, len(summed))
+        self.released = Released(round, {k: v.detach().cpu() for k, v in out.items()}, count, len(summed))
         privatizer.round_diagnostics = {"nodes_survived": float(len(summed))}
         if plan.model is DpModel.DISTRIBUTED:  # the exact wrap count needs the unreduced sum, which no one holds
             privatizer.round_diagnostics["suspected_wraps"] = float(suspected)
-        return [ClientReply("nodes", self.num_units, Message(out, count, zeroed), aggregate=True)]
+        return [ClientReply("nodes", self.num_units, Message(out, count), aggregate=True)]
 
     def _sums(
         self, round: int, sent: Mapping[int, Mapping[str, Tensor]], entries: Sequence[str]
