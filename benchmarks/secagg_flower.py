@@ -220,9 +220,10 @@ def masked_length() -> int:
 _FLOORS: dict[tuple[int, int], Floor] = {}
 
 
-def _floor_calls(nodes: int) -> Floor:
-    """This process's ``Floor`` for ``nodes`` nodes (its keys and shares made once)."""
-    key = (nodes, masked_length())
+def _floor_calls(nodes: int, length: int) -> Floor:
+    """This process's ``Floor`` for ``nodes`` nodes and a masked vector of ``length`` (its keys and shares made
+    once a process: a handler makes only the calls of its stage)."""
+    key = (nodes, length)
     if key not in _FLOORS:
         _FLOORS[key] = Floor(*key)
     return _FLOORS[key]
@@ -250,7 +251,8 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
         RuntimeOptions, {"runtime": "flower", "nodes": nodes, "round_timeout": 3600.0, "client_cpus": args.client_cpus}
     )
     central_reply = 8 * sum(flat_dim(s.shape, s.symmetric) for s in protocol.stat_specs(1))
-    masked_reply = 8 * masked_length()
+    length = masked_length()
+    masked_reply = 8 * length
     task = len(job.config_json) + len(job.calibrations_json) + 8 * cfg.dim * cfg.rank
     z = null_sizes(nodes)
     d, key, cipher = z["degree"], z["key"], z["cipher"]
@@ -271,7 +273,7 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
                 }
             )
         if bool(rec.get("crypto", False)):
-            calls = _floor_calls(n)
+            calls = _floor_calls(n, int(str(rec["length"])))
             for name in STAGE_CALLS[stage]:
                 getattr(calls, name)()
         shares = {"ids": list(range(d + 1)), "kinds": "b" * (d + 1), "shares": [bytes(20)] * (d + 1)}
@@ -324,12 +326,12 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
 
         def null_round(variant: str) -> float:
             exchanges, _, crypto = variant.partition("+")
-            extra = {"states": 2 if exchanges == "3" else 1, "crypto": bool(crypto)}
+            extra = {"states": 2 if exchanges == "3" else 1, "crypto": bool(crypto), "length": length}
             start = time.perf_counter()
             for stage in NULL_STAGES[exchanges]:
                 one(stage, *messages[stage], extra)
             if crypto:  # the server rebuilds every survivor's self mask before the sum is released
-                calls = _floor_calls(n)
+                calls = _floor_calls(n, length)
                 for _ in range(n):
                     calls.server_combine()
                     calls.server_self_mask()
