@@ -40,6 +40,7 @@ import argparse
 import os
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -272,10 +273,13 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
                     "signed": bytes(8 * n),
                 }
             )
-        if bool(rec.get("crypto", False)):
+        spent: dict[str, float] = {}
+        if bool(rec.get("crypto", False)):  # the calls' CPU time (this thread's) and wall time come back
             calls = _floor_calls(n, int(str(rec["length"])))
+            cpu, wall = time.thread_time(), time.perf_counter()
             for name in STAGE_CALLS[stage]:
                 getattr(calls, name)()
+            spent = {"cpu": time.thread_time() - cpu, "wall": time.perf_counter() - wall}
         shares = {"ids": list(range(d + 1)), "kinds": "b" * (d + 1), "shares": [bytes(20)] * (d + 1)}
         blobs = {"ids": list(range(d)), "blobs": [bytes(cipher)] * d}
         keys = {"c-pk": bytes(key), "s-pk": bytes(key), "g-pk": bytes(key)}
@@ -289,7 +293,7 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
             "consistency+advertise": {"signature": bytes(64), **keys},
             "unmask+share": {**shares, "next-ids": blobs["ids"], "next-blobs": blobs["blobs"]},
         }
-        return FlowerMessage(RecordDict({NULL: ConfigRecord(replies[stage])}), reply_to=message)
+        return FlowerMessage(RecordDict({NULL: ConfigRecord({**replies[stage], **spent})}), reply_to=message)
 
     @client.train()
     def _train(message: FlowerMessage, context: Any) -> FlowerMessage:
@@ -300,14 +304,17 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
         return _answer(message, context) or fedpers_app(message, context)
 
     def server(grid: Any, context: Any) -> dict[str, list[float]]:  # in Flower's simulation process
-        out: dict[str, list[float]] = {"fedpers central": [], "bare central": [], **{v: [] for v in variants}}
+        out: dict[str, list[float]] = defaultdict(list)
         ids: list[int] = []
         n = len(range(nodes))
 
-        def one(stage: str, kind: str, body: dict[str, Any], extra: dict[str, Any]) -> None:
+        def one(stage: str, kind: str, body: dict[str, Any], extra: dict[str, Any]) -> tuple[float, float]:
+            """One exchange; the summed CPU and wall seconds of the nodes' library calls (+crypto)."""
             rec = ConfigRecord({"stage": stage, "nodes": n, **extra, **body})
             replies = exchange(grid, [FlowerMessage(RecordDict({NULL: rec}), i, kind) for i in ids], 3600.0)
             assert len(replies) == len(ids) and not any(r.has_error() for r in replies)
+            got = [r.content[NULL] for r in replies]
+            return tuple(sum(float(str(g.get(k, 0.0))) for g in got) for k in ("cpu", "wall"))  # type: ignore[return-value]
 
         signed = {"ids": list(range(n)), "signers": list(range(d)), "signatures": [bytes(64)] * d}
         neighbour_keys = {"c-pk": [bytes(key)] * d, "s-pk": [bytes(key)] * d, "g-pk": [bytes(key)] * d}
@@ -328,13 +335,18 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
             exchanges, _, crypto = variant.partition("+")
             extra = {"states": 2 if exchanges == "3" else 1, "crypto": bool(crypto), "length": length}
             start = time.perf_counter()
-            for stage in NULL_STAGES[exchanges]:
-                one(stage, *messages[stage], extra)
+            spent = [one(stage, *messages[stage], extra) for stage in NULL_STAGES[exchanges]]
             if crypto:  # the server rebuilds every survivor's self mask before the sum is released
                 calls = _floor_calls(n, length)
+                cpu, wall = time.thread_time(), time.perf_counter()
                 for _ in range(n):
                     calls.server_combine()
                     calls.server_self_mask()
+                spent.append((time.thread_time() - cpu, time.perf_counter() - wall))
+                out[f"{variant}: server's calls, CPU"].append(spent[-1][0])
+                out[f"{variant}: server's calls, wall"].append(spent[-1][1])
+                out[f"{variant}: nodes' calls, CPU"].append(sum(c for c, _ in spent[:-1]))
+                out[f"{variant}: nodes' calls, wall"].append(sum(w for _, w in spent[:-1]))
             return time.perf_counter() - start
 
         def central_round() -> float:
@@ -347,6 +359,7 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
                 central_round()
                 for v in variants:
                     null_round(v)
+                out.clear()
                 return
             out["fedpers central"].append(record.seconds)
             out["bare central"].append(central_round())
@@ -355,7 +368,7 @@ def floor(nodes: int, args: argparse.Namespace) -> dict[str, list[float]]:
 
         run_on_grid(job, 2 * nodes, protocol, Privatizer(noise_seed), opts, grid=grid, device=cfg.device,
                     progress=False, on_round=on_round, on_discovery=lambda f: ids.extend(f.nodes.values()))  # fmt: skip
-        return out
+        return dict(out)
 
     found: dict[str, list[float]] = simulate_objects(server, client, opts)
     return found
@@ -384,7 +397,12 @@ def main() -> None:
             c, b = med.pop("fedpers central"), med.pop("bare central")
             print(f"{n} nodes: fedpers central {c:.2f} s, bare central {b:.2f} s ({b / c:.2f} x central)", flush=True)
             for v, z in med.items():
-                print(f"  null SecAgg+ {v:<9} {z:>8.2f} s  {z / c:>6.2f} x central  {z / b:>6.2f} x bare", flush=True)
+                if ":" in v:  # the library calls' seconds summed over the nodes, or the server's
+                    print(f"    {v:<36} {z:>8.2f} s", flush=True)
+                else:
+                    print(
+                        f"  null SecAgg+ {v:<9} {z:>8.2f} s  {z / c:>6.2f} x central  {z / b:>6.2f} x bare", flush=True
+                    )
         return
     models = [m for m in MODELS if m in a.models.split(",")]
     if "central" not in models or len(models) < 2:
