@@ -6,8 +6,9 @@ DP, and one SecAgg+ round against a central round, each pair timed interleaved i
     PYTHONPATH=$PWD python -m benchmarks.trust_models --algorithm dpals --users 20000 --floor
     PYTHONPATH=$PWD python -m benchmarks.trust_models --secagg 100 1000     # SecAgg+ rounds (no runs)
 
-Runs: the algorithm's default config at ``--users`` (AltMin: d = 10, k = 2, m = 16, T = 2; DPALS: 100 items,
-k = 4, T = 5 and round 0), 8 nodes, ``--baselines none``, in this process (``execute(write=False)``: the run's
+Runs: the algorithm's default config at ``--users`` units (AltMin: d = 10, k = 2, m = 16, T = 2; DPALS: 100 items,
+k = 4, T = 5 and round 0; NoisyGD: ``--examples``; NoisyHead: ``--prompts``, ``--mode rounds``), 8 nodes,
+``--baselines none`` where the algorithm has baselines, in this process (``execute(write=False)``: the run's
 own work, start-up excluded), the three models in turn ``--repeats`` times; medians and their ratios to
 central's median.
 
@@ -33,6 +34,15 @@ from fedpers.experiments import EXPERIMENTS
 from fedpers.runner import execute, resolve
 
 MODELS = ("central", "distributed", "local")
+SIZES: dict[str, tuple[str, dict[str, object]]] = {
+    "altmin": ("n_users", {"baselines": "none"}),
+    "fedrep": ("n_users", {"baselines": "none"}),
+    "dpals": ("n_users", {"baselines": "none"}),
+    "noisygd": ("examples", {"baselines": "none"}),
+    "noisyhead": ("prompts", {"mode": "rounds"}),
+}
+"""Per algorithm: the config key ``--users`` sets (its privacy units) and the values every run takes (NoisyHead
+runs node-side only in its rounds mode)."""
 
 
 def run_times(
@@ -41,8 +51,9 @@ def run_times(
     """Seconds of a whole run (no baselines) under each trust model, interleaved ``repeats`` times; with
     ``floor``, also ``floor_distributed`` and ``floor_local`` (:func:`encoding_floor`) in the same turns."""
     exp = EXPERIMENTS[algorithm]
-    cfg = config.build(exp.config_type, {"n_users": users, "baselines": "none", **values})
-    small = config.build(exp.config_type, {"n_users": min(users, 2000), "baselines": "none", **values})
+    key, fixed = SIZES[algorithm]
+    cfg = config.build(exp.config_type, {key: users, **fixed, **values})
+    small = config.build(exp.config_type, {key: min(users, 2000), **fixed, **values})
     times: dict[str, list[float]] = {m: [] for m in MODELS}
     floors = MODELS[1:] if floor else ()
     times.update({f"floor_{m}": [] for m in floors})
@@ -135,7 +146,7 @@ def secagg_rounds(nodes: list[int], dim: int = 1024, bits: int = 16) -> list[tup
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.trust_models", description=__doc__)
-    ap.add_argument("--algorithm", choices=("altmin", "fedrep", "dpals"), default="altmin")
+    ap.add_argument("--algorithm", choices=tuple(SIZES), default="altmin")
     ap.add_argument("--users", type=int, default=100_000)
     ap.add_argument("--floor", action="store_true", help="also time the nodes' encoding alone (encoding_floor)")
     ap.add_argument("--repeats", type=int, default=3)

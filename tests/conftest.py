@@ -30,6 +30,18 @@ def _environment_restored():
         os.environ.update({**_SUITE_ENVIRONMENT, **current})
 
 
+@pytest.fixture(autouse=True)
+def _torch_global_generator_seeded():
+    """Each test starts from one state of torch's global generator, so a test that draws its inputs without a
+    generator of its own (``torch.randn(6, 5)``) sees the same numbers alone, in any subset of the suite, or
+    after any other test: its outcome is a function of the code only. Nothing is imported for it: a test that
+    never loaded torch is left as it is."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(0)
+    yield
+
+
 @pytest.fixture
 def statistical_errors(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Every standard error the non-private reference's stopping rule computes, in order (the

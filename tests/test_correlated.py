@@ -401,13 +401,15 @@ def test_secure_noise_draws_the_correlated_stream_from_os_entropy(noise):
     )
     assert len(p.ledger) == T and "generator" not in p.state_dict()
     z = m.strategy.matrix(T) @ w  # (T, dim): should be i.i.d. standard normal
-    assert abs(float(z.mean())) < 5 / math.sqrt(z.numel())
+    # mean and lag-1 product at 6 sd: false failure 2e-9 each a run (at 5 sd the two were 1.1e-6 together);
+    # the dropped offset's lag-1 product (Σ c_k·c_{k+1} = 0.80 banded, 1.29 BLT) stays over 39 sd out
+    assert abs(float(z.mean())) < 6 / math.sqrt(z.numel())
     # the sample variance of 2,400 standard normals has sd 0.029 (measured over 200 draws: 0.030), so
     # abs=0.25 is 8 sd: a false failure about once in 10¹⁵ runs (OS entropy: no seed makes it repeatable),
     # while the dropped offset's 1.49 stays 16 sd outside
     assert float(z.var()) == pytest.approx(1.0, abs=0.25)
     lag = float((z[1:] * z[:-1]).mean())
-    assert abs(lag) < 5 / math.sqrt(z[1:].numel())
+    assert abs(lag) < 6 / math.sqrt(z[1:].numel())
     assert sum(c**2 for c in m.strategy.toeplitz_coefficients(T)) > 1.3  # the mistake the variance check catches
 
 

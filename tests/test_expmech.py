@@ -138,7 +138,11 @@ def test_net_covers_the_orthonormal_matrices(dim, rank, width):
     assert float(dist.max()) <= width
 
 
-def test_runs_that_would_not_fit_are_refused_with_the_memory_they_need(capsys):
+def test_runs_that_would_not_fit_are_refused_with_the_memory_they_need(capsys, monkeypatch):
+    from fedpers import memory
+
+    # 16 GiB free, declared: 10⁹ random candidates (160 GB) would fit a larger host, and run there
+    monkeypatch.setattr(memory, "available_bytes", lambda: 16 * 2**30)
     with pytest.raises(ValueError, match=r"needs about .*GiB.*candidates"):
         make_protocol(build(dim=10, rank=2, candidates="random", num_candidates=10**9))
     with pytest.raises(ValueError, match="grid points to enumerate"):

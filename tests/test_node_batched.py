@@ -134,6 +134,38 @@ def test_units_that_take_another_branch_alone_are_computed_as_alone(round):
         assert bool(torch.isfinite(value).all())
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_noisygd_examples_on_every_numeric_branch_are_computed_batched_as_alone(dtype):
+    """A saturated softmax leaves residuals below 2⁻⁴⁰ (most examples late in training): each example
+    takes directions()' exact branch alone, so a batch of them must too. The examples are computed in
+    groups by branch, none left to be computed one at a time, each bit for bit as alone — huge, zero,
+    tiny and non-finite features included."""
+    p = _plan("noisygd", "distributed", {"dtype": dtype})
+    units = {k: v.clone() for k, v in p.experiment.units(p.cfg, torch.arange(48)).items()}
+    units["x"][3] *= 1e30  # features not trusted as computed
+    units["x"][5] *= 1e-30
+    units["x"][7] = 0.0
+    units["x"][11, 1] = math.nan  # not finite: zeroed and counted
+    units["x"][13, 2] = math.inf
+    state = p.protocol.server_start(p.protocol.initial_state(), p.privatizer)
+    broadcast = dict(p.protocol.broadcast(state, 0))
+    W = torch.eye(*broadcast["W"].shape, dtype=broadcast["W"].dtype)  # logit c is feature c
+    broadcast["W"] = W
+    margins = torch.linspace(1.0, 60.0, 32, dtype=units["x"].dtype)  # the true class ahead by up to 60
+    units["x"][16:] = 0.0
+    units["x"][torch.arange(16, 48), units["y"][16:]] = margins  # residuals from O(1) down to e⁻⁶⁰
+    got = p.protocol.unit_statistics(0, broadcast, units)
+    assert got is not None and (got.alone is None or got.alone.numel() == 0)
+    batched, zb = unit_contributions(p.protocol, 0, broadcast, units, batched=True)
+    alone, za = unit_contributions(p.protocol, 0, broadcast, units, batched=False)
+    assert torch.equal(batched.ids, alone.ids) and zb == za >= 2
+    assert torch.equal(batched.stats["grad"], alone.stats["grad"])
+    x = units["x"].to(W.dtype)
+    r = torch.softmax(x @ W.T, -1) - torch.nn.functional.one_hot(units["y"], W.shape[0]).to(W.dtype)
+    tiny = torch.linalg.vector_norm(r, dim=-1)
+    assert bool(((tiny > 0) & (tiny < 2.0**-40)).any())  # the exact branch is really exercised
+
+
 def test_worst_case_neighbours_reach_the_recorded_integer_sensitivity_through_the_batched_path():
     """The pairs that reach central's bounds (tests/test_privacy_e2e.py: A's orthogonal rank-one units, b's
     sign flip, W's label flip) through the nodes' batched encoding and the modular sum: each release's

@@ -260,8 +260,9 @@ class NoisyGDProtocol(Protocol):
 
     def unit_statistics(self, round: int, broadcast: Mapping[str, Tensor], units: Units) -> UnitStatistics | None:
         """Each example's own clipped gradient, batched: the ops :meth:`client_update` runs on one example,
-        on every example of the batch at once (its residual and features' norms not trusted as computed:
-        computed alone). Fixed clip, no remedy (a remedy is not node-side)."""
+        on every example of the batch at once, grouped by which of its residual's and features' norms are trusted
+        as computed (each group takes the branches its examples take alone). Fixed clip, no remedy (a remedy
+        is not node-side)."""
         if self.adaptive or self.remedy is not Remedy.NONE:
             return None  # a remedy's transform is a matrix product whose bits depend on the batch
         x, y, ids = units["x"].to(self.dtype), units["y"].to(torch.int64), units["ids"].to(units["x"].device)
@@ -281,10 +282,18 @@ class NoisyGDProtocol(Protocol):
             r = torch.softmax((t - t.amax(-1, keepdim=True)) * scale.unsqueeze(-1), dim=-1) - onehot
         else:
             r = t - onehot / scale.unsqueeze(-1)
-        ok = linalg.trusted_rows(r) & linalg.trusted_rows(xt)  # directions: the plain branch, as alone
-        r_scaled, x_hat, _ = _gradient_factors(W, xt[ok], y[ok], self.grad_clip, self.loss)
-        grad = r_scaled.unsqueeze(-1) * x_hat.unsqueeze(-2)  # a one-example sum: the outer product exactly
-        return UnitStatistics(ids[ok], {"grad": grad}, taking[~ok])
+        # directions() takes its plain branch for a batch only if every row's norm is trusted, and each
+        # example alone takes the branch its own rows decide: so the examples are computed in the four
+        # groups of (residual trusted, features trusted), each group's batch taking the branches each of its
+        # examples takes alone (a saturated softmax's residual below 2⁻⁴⁰ is common late in training)
+        r_ok, x_ok = linalg.trusted_rows(r), linalg.trusted_rows(xt)
+        grad = xt.new_empty(xt.shape[0], W.shape[0], xt.shape[1])
+        for group in (r_ok & x_ok, ~r_ok & x_ok, r_ok & ~x_ok, ~r_ok & ~x_ok):
+            rows = group.nonzero().squeeze(1)
+            if rows.numel():
+                r_scaled, x_hat, _ = _gradient_factors(W, xt[rows], y[rows], self.grad_clip, self.loss)
+                grad[rows] = r_scaled.unsqueeze(-1) * x_hat.unsqueeze(-2)  # a one-example sum: the outer product
+        return UnitStatistics(ids, {"grad": grad}, taking[:0])
 
     def server_update(
         self, round: int, state: Mapping[str, Tensor], summed: Message, privatizer: Privatizer
