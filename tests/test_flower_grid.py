@@ -304,3 +304,31 @@ def test_nodes_rebuild_the_protocol_without_running_the_accountant(monkeypatch):
     with pytest.raises(ValueError, match="protocol mismatch"):
         real_node_job(wrong, "", build_node)
     client._jobs.clear()
+
+
+def test_a_node_error_reaches_the_server_as_its_type_alone(caplog):
+    """Flower sends a ClientApp's exception text to the server, and an error's text may quote the node's data
+    (a malformed row): the server's records name the type only, the node's own log keeps the text."""
+    from fedpers.runtime.flower.client import make_client_app as runtime_client_app
+
+    secret = "row 3 of users.csv: alice,9.75"
+
+    def build(*args):
+        raise ValueError(secret)
+
+    cfg, protocol, seed = setup()
+    grid = InProcessGrid(runtime_client_app(build), 3)
+    reasons: list[str] = []
+    pull = grid.pull_messages
+
+    def spy(ids):
+        got = pull(ids)
+        reasons.extend(m.error.reason for m in got if m.has_error())
+        return got
+
+    grid.pull_messages = spy
+    with caplog.at_level("ERROR", logger="fedpers.flower"), pytest.raises(RoundFailed) as failed:
+        flower_run(grid, cfg, protocol, seed)
+    assert len(reasons) == 3 and all("ValueError" in r and secret not in r for r in reasons), reasons
+    assert secret not in str(failed.value)
+    assert secret in caplog.text  # the node's operator still sees it

@@ -98,9 +98,13 @@ def node_job(job: codec.Job, data_file: str, build: NodeBuilder) -> NodeJob:
         _jobs[key] = NodeJob(node, codec.protocol_digest(node.protocol))
     found = _jobs[key]
     if found.digest != job.digest:
-        raise ValueError(
-            f"protocol mismatch: this node built protocol {found.digest} from the job, the server sent {job.digest} "
-            "(different fedpers version, or a data file that differs from the server's)"
+        from fedpers.runtime.flower.policy import PolicyRefused
+
+        logging.getLogger("fedpers.flower").warning("this node built protocol %s from the job", found.digest)
+        raise PolicyRefused(  # the node's own digest stays in its log: its protocol is built from its data file
+            "plan-job",
+            f"protocol mismatch: this node built another protocol from the job than the server's {job.digest} "
+            "(different fedpers version, or a data file that differs from the server's)",
         )
     return found
 
@@ -464,17 +468,47 @@ def _stored(gate: Any, message: FlowerMessage, task: codec.Task) -> FlowerMessag
     return FlowerMessage(content, reply_to=message)
 
 
+class NodeError(RuntimeError):
+    """What the server learns of a node's unexpected error: its type only. Flower sends a ClientApp's
+    exception text to the server, and an error's text may quote the node's data (a malformed row, a value);
+    the text and traceback stay in the node's own log."""
+
+
+def errors_stay_on_the_node(handler: Callable[[FlowerMessage, Context], FlowerMessage]) -> Callable[..., FlowerMessage]:
+    """``handler`` whose unexpected exceptions reach Flower as a :class:`NodeError` naming the type alone, after
+    the node's own log got the whole text; a :class:`~fedpers.runtime.flower.policy.PolicyRefused` (its text
+    written by fedpers from the plan and the policy) passes as it is."""
+
+    @functools.wraps(handler)
+    def wrapped(message: FlowerMessage, context: Context) -> FlowerMessage:
+        from fedpers.runtime.flower.policy import PolicyRefused
+
+        try:
+            return handler(message, context)
+        except PolicyRefused:
+            raise
+        except Exception as e:
+            logging.getLogger("fedpers.flower").exception("this node's error (kept here, not released)")
+            raise NodeError(
+                f"{type(e).__name__} on the node (its text is in the node's own log: an error's text may quote its data)"
+            ) from None
+
+    return wrapped
+
+
 def make_client_app(build: NodeBuilder, settings: Any = None) -> ClientApp:
     """The fedpers ClientApp: ``query`` for discovery, ``train`` for protocol rounds of the nodes ``build``
     makes, ``query.secagg`` for SecAgg+ stages. ``settings``: the nodes' own
-    :class:`~fedpers.runtime.flower.nodeside.NodeSettings` (None: noise from OS entropy)."""
+    :class:`~fedpers.runtime.flower.nodeside.NodeSettings` (None: noise from OS entropy). Every handler's
+    unexpected error reaches the server as its type alone (:func:`errors_stay_on_the_node`)."""
     app = ClientApp()
-    app.query()(handle_query)
+    app.query()(errors_stay_on_the_node(handle_query))
     from fedpers.runtime.flower.secaggplus import ACTION, handle_stage
 
-    app.query(ACTION)(handle_stage)  # SecAgg+ stages under distributed DP (no user data read)
+    app.query(ACTION)(errors_stay_on_the_node(handle_stage))  # SecAgg+ stages under distributed DP
 
     @app.train()
+    @errors_stay_on_the_node
     def train(message: FlowerMessage, context: Context) -> FlowerMessage:
         return handle_train(message, context, build, settings)
 
