@@ -57,14 +57,23 @@ def clipped_gradient_sum(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Los
 
 def _gradient_factors(W: Tensor, x: Tensor, y: Tensor, clip: float, loss: Loss) -> tuple[Tensor, Tensor, Tensor]:
     """(m_i r̂_i, x̂_i, log‖r_i x_iᵀ‖): example i's clipped gradient is the outer product of the first two."""
+    return _factors(*_residuals(W, x, y, loss), x, clip)
+
+
+def _residuals(W: Tensor, x: Tensor, y: Tensor, loss: Loss) -> tuple[Tensor, Tensor]:
+    """(r_i, log s_i): example i's residual is s_i·r_i (x is scaled per example by an exact power of two before
+    W x); each row's bits are the same alone or in a batch."""
     scale = linalg.pow2_scale(x)
-    t = linalg.row_products(x / scale.unsqueeze(-1), W)  # one example's bits alone or in a batch
+    t = linalg.row_products(x / scale.unsqueeze(-1), W)
     onehot = torch.nn.functional.one_hot(y, W.shape[0]).to(t.dtype)
     if loss is Loss.CE:
         shifted = (t - t.amax(-1, keepdim=True)) * scale.unsqueeze(-1)
-        r, log_scale = torch.softmax(shifted, dim=-1) - onehot, torch.zeros_like(scale, dtype=torch.float64)
-    else:
-        r, log_scale = t - onehot / scale.unsqueeze(-1), scale.double().log()
+        return torch.softmax(shifted, dim=-1) - onehot, torch.zeros_like(scale, dtype=torch.float64)
+    return t - onehot / scale.unsqueeze(-1), scale.double().log()
+
+
+def _factors(r: Tensor, log_scale: Tensor, x: Tensor, clip: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_gradient_factors` from the residuals :func:`_residuals` gave."""
     r_hat, log_r = linalg.directions(r)
     x_hat, log_x = linalg.directions(x)
     log_norm = log_r + log_scale + log_x
@@ -276,13 +285,7 @@ class NoisyGDProtocol(Protocol):
         x, y, ids = x[taking], y[taking], ids[taking]
         W = broadcast["W"].to(x.device, self.dtype)
         xt = self.transform(broadcast, x)
-        scale = linalg.pow2_scale(xt)
-        t = linalg.row_products(xt / scale.unsqueeze(-1), W)
-        onehot = torch.nn.functional.one_hot(y, W.shape[0]).to(t.dtype)
-        if self.loss is Loss.CE:
-            r = torch.softmax((t - t.amax(-1, keepdim=True)) * scale.unsqueeze(-1), dim=-1) - onehot
-        else:
-            r = t - onehot / scale.unsqueeze(-1)
+        r, log_scale = _residuals(W, xt, y, self.loss)
         # directions() takes its plain branch for a batch only if every row's norm is trusted, and each
         # example alone takes the branch its own rows decide: so the examples are computed in the four
         # groups of (residual trusted, features trusted), each group's batch taking the branches each of its
@@ -292,7 +295,7 @@ class NoisyGDProtocol(Protocol):
         for group in (r_ok & x_ok, ~r_ok & x_ok, r_ok & ~x_ok, ~r_ok & ~x_ok):
             rows = group.nonzero().squeeze(1)
             if rows.numel():
-                r_scaled, x_hat, _ = _gradient_factors(W, xt[rows], y[rows], self.grad_clip, self.loss)
+                r_scaled, x_hat, _ = _factors(r[rows], log_scale[rows], xt[rows], self.grad_clip)
                 grad[rows] = r_scaled.unsqueeze(-1) * x_hat.unsqueeze(-2)  # a one-example sum: the outer product
         return UnitStatistics(ids, {"grad": grad}, taking[:0])
 
