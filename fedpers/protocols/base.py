@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -453,6 +453,12 @@ class Protocol(abc.ABC):
     def units_in_round(self, round: int, units: Units) -> int:
         """How many of ``units`` take part in ``round`` (the ``count`` their message carries)."""
         return int(units["ids"].shape[0])
+
+    def planned_units(self, round: int, spans: Iterable[range]) -> int:
+        """The units the public plan gives the unit-id ranges ``spans`` in ``round``
+        (:meth:`units_in_round` of each range's ids): a function of the plan alone (under Poisson cohorts,
+        those eligible before any draw, never |S|)."""
+        return sum(self.units_in_round(round, {"ids": torch.arange(span.start, span.stop)}) for span in spans)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -345,7 +345,7 @@ class RoundSums:
     stats: dict[str, Tensor]
     modular: dict[str, Tensor]
     count: int
-    """The units the public plan gives the summed nodes this round (:func:`planned_units`): under Poisson
+    """The units the public plan gives the summed nodes this round (:meth:`~fedpers.protocols.base.Protocol.planned_units`): under Poisson
     cohorts those eligible before the nodes' draw, never |S|."""
     zeroed: int
     wraps: int
@@ -378,13 +378,6 @@ class NodeSummary:
             "units_taking_part": {str(r): n for r, n in sorted(self.taking_part.items())},
             "units_zeroed": {str(r): n for r, n in sorted(self.zeroed.items())},
         }
-
-
-def planned_units(protocol: Protocol, round: int, spans: Iterable[range]) -> int:
-    """The units the public plan gives the nodes of ``spans`` in ``round`` (``units_in_round`` of their
-    ranges): a function of the plan alone, what a node-side round records and its releases name as its
-    units (under Poisson cohorts, those eligible before each node's own draw)."""
-    return sum(protocol.units_in_round(round, {"ids": torch.arange(span.start, span.stop)}) for span in spans)
 
 
 def node_round(
@@ -437,7 +430,7 @@ def node_round(
     nodes = [e.node for e in encoders]
     # the nodes' own counts stay with their operators; the server's count is the plan's
     taking_part, zeroed = sum(m.count for m in messages), sum(m.zeroed for m in messages)
-    count = planned_units(protocol, round, spans)
+    count = protocol.planned_units(round, spans)
     if len(sent) < plan.min_nodes:
         raise RoundFailed(
             f"round {round}: {len(sent)} of {plan.nodes} nodes survived, below min_nodes={plan.min_nodes}; "

@@ -215,7 +215,7 @@ class GridGather:
         ids = self.federation.ranges[p]
         if self.protocol is None:
             return len(ids)
-        return self.protocol.units_in_round(round, {"ids": torch.arange(ids.start, ids.stop)})
+        return self.protocol.planned_units(round, [ids])
 
     def _reply(self, p: int, by_node: Mapping[int, FlowerMessage], round: int, expect: tuple[int, str]) -> ClientReply:
         label, max_units = f"partition-{p}", self.max_units(p, round)
